@@ -1,0 +1,168 @@
+"""The cache: one page store, one page pool, the radix tree, the live contexts, one lock.
+
+The cache lock guards refcounts, the tree, the arena and the counters (see
+``impl/context.py`` for what runs outside it).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError
+from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens, check_tokens
+from kvstate.spec.observation import EntryView, Observation, PageView
+from kvstate.spec.precision import check_precision
+
+from .context import Context
+from .pages import PagePool
+from .radix import RadixTree
+
+
+def make_store(store: str, layout: Layout, page_tokens: int, precision: str, arena_pages: int, device: str):
+    if store == "numpy":
+        if device != "cpu":
+            raise ConfigError(f"the numpy store runs on the cpu, not {device!r}")
+        from .numpy import NumpyStore
+
+        return NumpyStore(layout, page_tokens, precision, arena_pages)
+    if store == "torch":
+        from .torch import TorchStore
+
+        return TorchStore(layout, page_tokens, precision, arena_pages, device)
+    if not isinstance(store, str) and hasattr(store, "allocate"):
+        return store    # a third-party page store instance
+    raise ConfigError(f"store must be 'numpy', 'torch' or a page store object, got {store!r}")
+
+
+class Cache:
+    def __init__(
+        self,
+        layout: Layout,
+        page_tokens: int = DEFAULT_PAGE_TOKENS,
+        precision: str = "f32",
+        store="numpy",
+        device: str = "cpu",
+        arena_pages: int = 0,
+        max_entries: int = 64,
+    ):
+        if not isinstance(layout, Layout):
+            raise ConfigError(f"layout must be a kvstate Layout, got {type(layout).__name__}")
+        for name, value, low in (("arena_pages", arena_pages, 0), ("max_entries", max_entries, 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        self.layout = layout
+        self.page_tokens = check_page_tokens(page_tokens)
+        self.precision = check_precision(precision)
+        self.max_entries = max_entries
+        self.store = make_store(store, layout, self.page_tokens, precision, arena_pages, device)
+        self.pool = PagePool(self.store)
+        self.tree = RadixTree()
+        self.lock = threading.RLock()
+        self._contexts: dict[int, Context] = {}
+        self._next_context_id = 0
+
+    # -- contexts ------------------------------------------------------------------
+
+    def _new_context(self, pages, length: int, register: bool = True) -> Context:
+        self._next_context_id += 1
+        ctx = Context(self, self._next_context_id, pages, length)
+        if register:
+            self._contexts[ctx.context_id] = ctx
+        return ctx
+
+    def allocate(self) -> Context:
+        """A new empty context."""
+        with self.lock:
+            return self._new_context([], 0)
+
+    def _fork(self, ctx: Context, register: bool = True) -> Context:
+        with self.lock:
+            pages = list(ctx._pages)
+            self.pool.share(pages)
+            return self._new_context(pages, ctx._length, register)
+
+    def _release(self, ctx: Context) -> None:
+        """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
+        for page in ctx._pages:
+            self.pool.release(page)
+        ctx._pages = []
+        ctx._closed = True
+
+    def _close(self, ctx: Context) -> None:
+        with self.lock:
+            self._release(ctx)
+            del self._contexts[ctx.context_id]
+
+    # -- the prefix tree -------------------------------------------------------------
+
+    def retain(self, ctx: Context) -> None:
+        """Keep a fork of ``ctx`` under the key ``ctx.tokens``; evict the LRU entry past ``max_entries``."""
+        if not isinstance(ctx, Context) or ctx._cache is not self:
+            raise ForeignContextError(f"retain needs a context of this cache, got {ctx!r}")
+        with ctx._owned():
+            if len(ctx) == 0:
+                raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
+            key = tuple(ctx._tokens().tolist())
+            with self.lock:
+                entry = self._fork(ctx, register=False)
+                replaced = self.tree.insert(key, entry)
+                if replaced is not None:
+                    self._release(replaced)
+                while len(self.tree) > self.max_entries:
+                    self._release(self.tree.pop_oldest(spare=entry))
+
+    def match(self, tokens) -> tuple[Context, int]:
+        """A fork of the entry with the longest key that prefixes ``tokens``, and that key's length."""
+        query = tuple(check_tokens(tokens).tolist())
+        with self.lock:
+            entry, matched = self.tree.lookup(query)
+            if entry is None:
+                return self._new_context([], 0), 0
+            return self._fork(entry), matched
+
+    def clear(self) -> None:
+        """Drop every entry of the tree."""
+        with self.lock:
+            for entry in self.tree.clear():
+                self._release(entry)
+
+    # -- observation -------------------------------------------------------------------
+
+    def observe(self) -> Observation:
+        """Pages, holders, arena books, counters and the tree, for the invariants."""
+        with self.lock:
+            holders, lengths = {}, {}
+            for ctx in self._contexts.values():
+                holders[f"ctx:{ctx.context_id}"] = tuple(p.page_id for p in ctx._pages)
+                lengths[f"ctx:{ctx.context_id}"] = ctx._length
+            entries = []
+            for node in self.tree.entries():
+                name = f"entry:{node.value.context_id}"
+                holders[name] = tuple(p.page_id for p in node.value._pages)
+                lengths[name] = node.value._length
+                entries.append(EntryView(node.key(), node.tick, name))
+            pages = {
+                pid: PageView(pid, page.refcount, page.buffer.slot, freed=False,
+                              dirty_tail=not self.store.is_zero_from(page.buffer, page.filled))
+                for pid, page in self.pool.live.items()
+            }
+            size, out, free = self.store.arena_books()
+            counters = self.store.counters.as_dict()
+            counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
+                            live_contexts=len(self._contexts), entries=len(self.tree))
+            return Observation(
+                pages=pages, holders=holders, lengths=lengths,
+                pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
+                arena_size=size, arena_out=out, arena_free=free,
+                tree=self.tree.view(lambda entry: tuple(entry._tokens().tolist())),
+                entries=tuple(entries), counters=counters,
+            )
+
+    def stats(self) -> dict[str, int]:
+        """Counters only: cheap enough to call in a serving loop."""
+        with self.lock:
+            counters = self.store.counters.as_dict()
+            counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
+                            live_pages=len(self.pool.live), live_contexts=len(self._contexts),
+                            entries=len(self.tree))
+            return counters

@@ -1,0 +1,114 @@
+"""The NumPy page store, and the built-in backend factory ``kvstate.impl.numpy``.
+
+A page is a tuple of arrays in layer-major order: ``(values,)`` of shape
+``(layers, 2, page_tokens, kv_heads, head_dim)`` for f32/f16, plus
+``scales`` of shape ``(layers, 2, page_tokens, kv_heads)`` for q8.
+With an arena, those arrays are views into one preallocated block per component.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstate.spec import precision as precisions
+from kvstate.spec.layout import Layout, require_finite
+from kvstate.spec.protocol import Config
+
+from .arena import SlotArena
+from .store import StoreCounters
+
+
+class NumpyBuffer:
+    __slots__ = ("arrays", "slot")
+
+    def __init__(self, arrays: tuple[np.ndarray, ...], slot: int | None):
+        self.arrays = arrays
+        self.slot = slot
+
+
+class NumpyStore:
+    def __init__(self, layout: Layout, page_tokens: int, precision: str, arena_pages: int = 0):
+        self.layout = layout
+        self.page_tokens = page_tokens
+        self.precision = precision
+        self.arena_pages = arena_pages
+        self.counters = StoreCounters()
+        self._shapes = [layout.page_shape(page_tokens)]
+        self._dtypes = [precisions.VALUE_DTYPES[precision]]
+        if precision == "q8":
+            self._shapes.append(layout.page_shape(page_tokens)[:-1])
+            self._dtypes.append(np.float32)
+        self.page_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
+        self._arena = SlotArena(arena_pages)
+        self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
+
+    # -- encoding (validation happens here, before anything is written) -----------
+
+    def encode(self, kv: np.ndarray) -> tuple[np.ndarray, ...]:
+        require_finite(kv)
+        encoded = precisions.encode(self.precision, kv)
+        # position-major batch -> layer-major rows, the page's own order
+        return tuple(np.moveaxis(part, 0, 2) for part in encoded)
+
+    # -- memory ----------------------------------------------------------------------
+
+    def _take(self, page_id: int, zero: bool) -> NumpyBuffer:
+        slot = self._arena.issue(page_id)
+        if slot is None:
+            self.counters.heap_pages += 1
+            self.counters.heap_fallbacks += self.arena_pages > 0
+            return NumpyBuffer(tuple(np.zeros(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
+        self.counters.arena_issued += 1
+        arrays = tuple(block[slot] for block in self._blocks)
+        if zero:
+            # A recycled slot still holds the last page's bytes: zero it on issue.
+            for array in arrays:
+                array.fill(0)
+        return NumpyBuffer(arrays, slot)
+
+    def allocate(self, page_id: int) -> NumpyBuffer:
+        return self._take(page_id, zero=True)
+
+    def free(self, buffer: NumpyBuffer) -> None:
+        if buffer.slot is not None:
+            self._arena.give_back(buffer.slot)
+            self.counters.arena_returned += 1
+        buffer.arrays = ()
+
+    def copy(self, source: NumpyBuffer, page_id: int) -> NumpyBuffer:
+        target = self._take(page_id, zero=False)   # every byte is overwritten below
+        for dst, src in zip(target.arrays, source.arrays):
+            np.copyto(dst, src)
+        self.counters.pages_copied += 1
+        self.counters.bytes_copied += self.page_bytes
+        return target
+
+    # -- values ----------------------------------------------------------------------
+
+    def write(self, buffer: NumpyBuffer, offset: int, encoded: tuple[np.ndarray, ...], lo: int, hi: int) -> None:
+        for dst, src in zip(buffer.arrays, encoded):
+            dst[:, :, offset:offset + hi - lo] = src[:, :, lo:hi]
+
+    def read(self, buffer: NumpyBuffer, start: int, stop: int) -> np.ndarray:
+        parts = tuple(array[:, :, start:stop] for array in buffer.arrays)
+        return np.ascontiguousarray(np.moveaxis(precisions.decode(self.precision, parts), 2, 0))
+
+    def read_empty(self) -> np.ndarray:
+        return np.zeros(self.layout.batch_shape(0), np.float32)
+
+    def concat(self, parts: list[np.ndarray]) -> np.ndarray:
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def is_zero_from(self, buffer: NumpyBuffer, offset: int) -> bool:
+        return all(not array[:, :, offset:].any() for array in buffer.arrays)
+
+    def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
+        return self.arena_pages, dict(self._arena.out), tuple(self._arena.free)
+
+
+def factory(config: Config):
+    """The built-in NumPy backend: ``kvstate conform kvstate.impl.numpy``."""
+    from .cache import Cache
+
+    return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
+                 store="numpy", arena_pages=config.arena_pages, max_entries=config.max_entries)

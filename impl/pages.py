@@ -1,0 +1,60 @@
+"""Pages, their refcounts, and the one path that frees them.
+
+A page is shared by every holder (context or tree entry) in its refcount;
+``release`` is the single way a holder lets go, whoever the holder is, so the
+arena, the counters and the live set can never disagree about a page.
+The pool is used under the cache lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .store import PageStore
+
+
+class Page:
+    __slots__ = ("page_id", "refcount", "buffer", "tokens", "filled")
+
+    def __init__(self, page_id: int, buffer, tokens: np.ndarray, filled: int):
+        self.page_id = page_id
+        self.refcount = 1
+        self.buffer = buffer
+        self.tokens = tokens      # int64 token id per position slot
+        self.filled = filled      # high-water mark: offsets >= filled were never written
+
+
+class PagePool:
+    def __init__(self, store: PageStore):
+        self.store = store
+        self.live: dict[int, Page] = {}
+        self.allocated = 0
+        self.freed = 0
+
+    def _register(self, page_id: int, buffer, tokens: np.ndarray, filled: int) -> Page:
+        page = Page(page_id, buffer, tokens, filled)
+        self.live[page_id] = page
+        self.allocated += 1
+        return page
+
+    def new_page(self) -> Page:
+        page_id = self.allocated + 1
+        return self._register(page_id, self.store.allocate(page_id),
+                              np.zeros(self.store.page_tokens, np.int64), 0)
+
+    def clone(self, page: Page) -> Page:
+        """A private copy of ``page``. Only ``Context.writable`` calls this."""
+        page_id = self.allocated + 1
+        return self._register(page_id, self.store.copy(page.buffer, page_id), page.tokens.copy(), page.filled)
+
+    def share(self, pages: list[Page]) -> None:
+        for page in pages:
+            page.refcount += 1
+
+    def release(self, page: Page) -> None:
+        """Drop one holder's reference; the last one frees the page and its memory."""
+        page.refcount -= 1
+        if page.refcount == 0:
+            del self.live[page.page_id]
+            self.store.free(page.buffer)
+            self.freed += 1

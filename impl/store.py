@@ -1,0 +1,64 @@
+"""What a page store provides to the engine.
+
+A store owns the memory of pages at one precision: it allocates zeroed pages
+(from its arena while slots last, ordinary storage after), writes encoded
+positions into a page, reads them back as float32, and copies a whole page.
+``copy`` is the copy primitive; the engine calls it from ``Context.writable``
+and nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kvstate.spec.layout import Layout
+
+
+@dataclass
+class StoreCounters:
+    arena_issued: int = 0      # pages placed in an arena slot
+    arena_returned: int = 0
+    heap_pages: int = 0        # pages placed in ordinary storage
+    heap_fallbacks: int = 0    # ... of which because the arena was full
+    pages_copied: int = 0
+    bytes_copied: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class Buffer(Protocol):
+    slot: int | None
+
+
+class PageStore(Protocol):
+    layout: Layout
+    page_tokens: int
+    precision: str
+    arena_pages: int
+    counters: StoreCounters
+
+    def encode(self, kv: Any) -> Any:
+        """Validate (finite, representable) and encode a position-major batch; writes nothing."""
+
+    def allocate(self, page_id: int) -> Buffer:
+        """A zeroed page for ``page_id``: an arena slot if one is free, else ordinary storage."""
+
+    def free(self, buffer: Buffer) -> None:
+        """Return the page's memory (its arena slot, if it has one)."""
+
+    def copy(self, source: Buffer, page_id: int) -> Buffer:
+        """A new page for ``page_id`` holding the same bytes as ``source``."""
+
+    def write(self, buffer: Buffer, offset: int, encoded: Any, lo: int, hi: int) -> None:
+        """Store rows ``[lo, hi)`` of ``encoded`` at page offsets ``[offset, offset + hi - lo)``."""
+
+    def read(self, buffer: Buffer, start: int, stop: int) -> Any:
+        """Positions ``[start, stop)`` of the page, position-major float32."""
+
+    def is_zero_from(self, buffer: Buffer, offset: int) -> bool:
+        """Whether every stored byte at page offsets ``>= offset`` is zero."""
+
+    def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
+        """(arena size, slot -> page id for issued slots, free slots)."""

@@ -1,0 +1,5 @@
+import sys
+
+from kvstate.cli import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""Every error kvstate raises, in one small hierarchy.
+
+Each error says what was wrong with which value. Callers catch ``KVStateError``
+for "kvstate refused this" and a subclass when they care why.
+"""
+
+from __future__ import annotations
+
+
+class KVStateError(Exception):
+    """Base of every error kvstate raises on purpose."""
+
+
+# -- bad input: refused before anything changes ---------------------------------
+
+class InvalidInputError(KVStateError, ValueError):
+    """An argument was refused; nothing was written or allocated."""
+
+
+class ShapeError(InvalidInputError):
+    """An array has the wrong shape for the cache's layout."""
+
+
+class DTypeError(InvalidInputError):
+    """An array or token sequence has the wrong element type."""
+
+
+class NonFiniteError(InvalidInputError):
+    """K/V values contain NaN or infinity."""
+
+
+class PrecisionRangeError(InvalidInputError):
+    """A finite value does not fit the cache's precision (f16 overflows past 65504)."""
+
+
+class TokenError(InvalidInputError):
+    """A token id is outside ``[0, 2**31)`` or the token count is wrong."""
+
+
+class PositionError(InvalidInputError, IndexError):
+    """A position or range lies outside the context."""
+
+
+class ConfigError(InvalidInputError):
+    """A cache was configured with impossible settings."""
+
+
+class EmptyContextError(InvalidInputError):
+    """The operation needs at least one position (``retain`` of an empty context)."""
+
+
+# -- lifecycle and ownership -----------------------------------------------------
+
+class ContextClosedError(KVStateError):
+    """The context was closed; it cannot be used again."""
+
+
+class ContextBusyError(KVStateError):
+    """Another thread is using this context right now (a context has one owner)."""
+
+
+class ForeignContextError(InvalidInputError):
+    """The context belongs to another cache."""
+
+
+# -- snapshots -------------------------------------------------------------------
+
+class SnapshotError(KVStateError):
+    """A snapshot could not be written or was refused on restore."""
+
+
+# -- verification ----------------------------------------------------------------
+
+class InvariantViolation(AssertionError):
+    """An invariant of ARCHITECTURE.md does not hold.
+
+    ``invariant`` is its number (1-6, or a name for checks beyond the six) and
+    the message names the offending page, context, position or node.
+    """
+
+    def __init__(self, invariant: int | str, message: str):
+        self.invariant = invariant
+        super().__init__(f"invariant {invariant}: {message}")

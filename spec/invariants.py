@@ -1,0 +1,155 @@
+"""The six invariants of ARCHITECTURE.md as predicates.
+
+Each ``check_*`` raises ``InvariantViolation`` naming the invariant and the
+offending page, holder, position or node, and returns None when it holds.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Iterable, Mapping
+
+import numpy as np
+
+from .errors import InvariantViolation
+from .observation import NodeView, Observation
+
+
+def check_refcounts(obs: Observation) -> None:
+    """1. A page's refcount equals the number of holders that point at it."""
+    held = Counter(pid for pages in obs.holders.values() for pid in pages)
+    for pid, page in obs.pages.items():
+        if page.refcount != held.get(pid, 0):
+            holders = sorted(h for h, pages in obs.holders.items() if pid in pages)
+            raise InvariantViolation(
+                1, f"page {pid} has refcount {page.refcount} but {held.get(pid, 0)} holders {holders}")
+
+
+def check_liveness(obs: Observation) -> None:
+    """2. No holder points at a freed page; no live page has refcount <= 0; allocated - freed = live."""
+    for holder, pages in obs.holders.items():
+        for index, pid in enumerate(pages):
+            if pid not in obs.pages or obs.pages[pid].freed:
+                raise InvariantViolation(2, f"{holder} page list[{index}] points at freed page {pid}")
+    for pid, page in obs.pages.items():
+        if page.refcount <= 0:
+            raise InvariantViolation(2, f"live page {pid} has refcount {page.refcount}")
+    if obs.pages_allocated - obs.pages_freed != len(obs.pages):
+        raise InvariantViolation(
+            2, f"pages allocated {obs.pages_allocated} - freed {obs.pages_freed} "
+               f"!= {len(obs.pages)} live pages")
+
+
+def check_arena(obs: Observation) -> None:
+    """3. Out slots back live pages, no slot is claimed twice, out + free = size; issued slots are clean."""
+    claimed: dict[int, int] = {}
+    for pid, page in obs.pages.items():
+        if page.slot is None:
+            continue
+        if page.slot in claimed:
+            raise InvariantViolation(3, f"pages {claimed[page.slot]} and {pid} both claim arena slot {page.slot}")
+        claimed[page.slot] = pid
+    for slot, pid in obs.arena_out.items():
+        if pid not in obs.pages:
+            raise InvariantViolation(3, f"arena slot {slot} is out for page {pid}, which is not live")
+        if obs.pages[pid].slot != slot:
+            raise InvariantViolation(3, f"arena slot {slot} is out for page {pid}, which uses slot {obs.pages[pid].slot}")
+    if set(claimed) != set(obs.arena_out):
+        missing = sorted(set(claimed) ^ set(obs.arena_out))
+        raise InvariantViolation(3, f"arena slots {missing} disagree between pages and the arena's books")
+    free = set(obs.arena_free)
+    if len(free) != len(obs.arena_free) or free & set(obs.arena_out):
+        raise InvariantViolation(3, f"arena free list {sorted(obs.arena_free)} repeats or overlaps out slots")
+    if len(obs.arena_out) + len(free) != obs.arena_size:
+        raise InvariantViolation(
+            3, f"arena out {len(obs.arena_out)} + free {len(free)} != size {obs.arena_size}")
+    for pid, page in obs.pages.items():
+        if page.dirty_tail:
+            raise InvariantViolation(3, f"page {pid} (slot {page.slot}) reads non-zero where nothing was written")
+
+
+def check_values(
+    engine: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    reference: Mapping[str, tuple[np.ndarray, np.ndarray]],
+) -> None:
+    """4. Every position of every live context reads exactly what its reference twin reads.
+
+    Both mappings are context name -> (values, tokens) of the whole context.
+    Equality is bitwise (``array_equal``), never approximate.
+    """
+    if set(engine) != set(reference):
+        raise InvariantViolation(4, f"live contexts differ: engine {sorted(engine)} vs reference {sorted(reference)}")
+    for name in sorted(reference):
+        values, tokens = engine[name]
+        want_values, want_tokens = reference[name]
+        if len(tokens) != len(want_tokens):
+            raise InvariantViolation(4, f"{name} has {len(tokens)} positions, reference has {len(want_tokens)}")
+        if not np.array_equal(tokens, want_tokens):
+            pos = int(np.flatnonzero(np.asarray(tokens) != np.asarray(want_tokens))[0])
+            raise InvariantViolation(4, f"{name} position {pos}: token {tokens[pos]} != reference {want_tokens[pos]}")
+        if values.shape != want_values.shape or values.dtype != want_values.dtype:
+            raise InvariantViolation(
+                4, f"{name} values {values.dtype}{values.shape} != reference {want_values.dtype}{want_values.shape}")
+        differs = values.view(np.uint32) != want_values.view(np.uint32)
+        if differs.any():
+            index = tuple(int(i) for i in np.argwhere(differs)[0])
+            raise InvariantViolation(
+                4, f"{name} position {index[0]} (index {index}): {values[index]!r} != reference {want_values[index]!r}")
+
+
+def check_tree(obs: Observation, expected: Iterable[tuple[tuple[int, ...], int]]) -> None:
+    """5. Entry set and eviction order equal the reference's; the tree is a well-formed radix tree."""
+    expected = [(tuple(key), tick) for key, tick in expected]
+    actual = [(entry.key, entry.tick) for entry in obs.entries]
+    if actual != expected:
+        raise InvariantViolation(5, f"entries (key, tick) in eviction order {actual} != reference {expected}")
+    for entry in obs.entries:
+        if obs.lengths.get(entry.holder) != len(entry.key):
+            raise InvariantViolation(
+                5, f"entry {entry.key} holds {obs.lengths.get(entry.holder)} positions, key has {len(entry.key)}")
+    if obs.tree is None:
+        return
+    keys: list[tuple[int, ...]] = []
+    _check_node(obs.tree, (), keys, is_root=True)
+    if sorted(keys) != sorted(key for key, _ in expected):
+        raise InvariantViolation(5, f"keys spelled by the tree {sorted(keys)} != entries {sorted(k for k, _ in expected)}")
+
+
+def _check_node(node: NodeView, path: tuple[int, ...], keys: list, is_root: bool) -> None:
+    spelled = path + tuple(node.edge)
+    if not is_root:
+        if not node.edge:
+            raise InvariantViolation(5, f"node under {path} has an empty edge")
+        if node.key is None and len(node.children) == 1:
+            raise InvariantViolation(5, f"node {spelled} has no entry and one child: it should have collapsed")
+        if node.key is None and not node.children:
+            raise InvariantViolation(5, f"node {spelled} has no entry and no children: it should have been pruned")
+    if node.key is not None:
+        if tuple(node.key) != spelled:
+            raise InvariantViolation(5, f"entry {node.key} sits at path {spelled}")
+        keys.append(tuple(node.key))
+    firsts = [child.edge[0] for child in node.children if child.edge]
+    if len(firsts) != len(set(firsts)):
+        raise InvariantViolation(5, f"children of {spelled} share a first token: {sorted(firsts)}")
+    for child in node.children:
+        _check_node(child, spelled, keys, is_root=False)
+
+
+def check_empty(obs: Observation) -> None:
+    """6. After closing every context and clearing the tree, cache and arena are empty."""
+    if obs.pages or obs.holders or obs.entries:
+        raise InvariantViolation(
+            6, f"not empty: {len(obs.pages)} live pages, holders {sorted(obs.holders)}, {len(obs.entries)} entries")
+    if obs.pages_allocated != obs.pages_freed:
+        raise InvariantViolation(6, f"allocated {obs.pages_allocated} != freed {obs.pages_freed}")
+    if obs.arena_out or len(obs.arena_free) != obs.arena_size:
+        raise InvariantViolation(6, f"arena slots still out: {sorted(obs.arena_out)}")
+    if obs.tree is not None and (obs.tree.children or obs.tree.key is not None):
+        raise InvariantViolation(6, "the tree still has nodes after clear")
+
+
+def check_structure(obs: Observation) -> None:
+    """Invariants 1-3: everything about pages and the arena that needs no reference."""
+    check_refcounts(obs)
+    check_liveness(obs)
+    check_arena(obs)

@@ -1,0 +1,104 @@
+"""The shape of one position's K/V, and validation of what callers write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ConfigError, DTypeError, NonFiniteError, ShapeError, TokenError
+
+TOKEN_LIMIT = 2**31
+"""Token ids are non-negative and below this."""
+
+DEFAULT_PAGE_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Layout:
+    """K and V for every layer: one position is ``(layers, 2, kv_heads, head_dim)``.
+
+    A batch of n positions is ``(n, layers, 2, kv_heads, head_dim)``: position-major,
+    the order of the snapshot body. A page stores its positions layer-major,
+    ``(layers, 2, page_tokens, kv_heads, head_dim)``: the order the forward pass reads.
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ConfigError(f"Layout.{name} must be a positive int, got {value!r}")
+
+    @property
+    def position_shape(self) -> tuple[int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.head_dim)
+
+    def batch_shape(self, n: int) -> tuple[int, ...]:
+        return (n, *self.position_shape)
+
+    def page_shape(self, page_tokens: int) -> tuple[int, ...]:
+        return (self.layers, 2, page_tokens, self.kv_heads, self.head_dim)
+
+    @property
+    def values_per_position(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim
+
+
+def check_page_tokens(page_tokens: int) -> int:
+    if isinstance(page_tokens, bool) or not isinstance(page_tokens, (int, np.integer)) or page_tokens < 1:
+        raise ConfigError(f"page_tokens must be a positive int, got {page_tokens!r}")
+    return int(page_tokens)
+
+
+def check_tokens(tokens) -> np.ndarray:
+    """Token ids as an int64 array, or ``TokenError``/``DTypeError`` naming the bad one."""
+    if isinstance(tokens, np.ndarray):
+        array = tokens
+        if array.dtype.kind not in "iu":
+            raise DTypeError(f"token ids must be integers, got an array of {array.dtype}")
+    else:
+        try:
+            items = list(tokens)
+        except TypeError:
+            raise DTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
+        for i, t in enumerate(items):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise DTypeError(f"token id at index {i} must be an int, got {t!r}")
+        array = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
+    if array.ndim != 1:
+        raise ShapeError(f"token ids must be one-dimensional, got shape {array.shape}")
+    if array.size:
+        low, high = int(array.min()), int(array.max())
+        if low < 0:
+            raise TokenError(f"token id {low} at index {int(np.argmin(array))} is negative")
+        if high >= TOKEN_LIMIT:
+            raise TokenError(f"token id {high} at index {int(np.argmax(array))} is not below 2**31")
+    return array.astype(np.int64, copy=False)
+
+
+def check_values(layout: Layout, kv, n: int):
+    """Check that ``kv`` is float32 ``(n, layers, 2, kv_heads, head_dim)``; a named error if not.
+
+    Works on anything with ``dtype`` and ``shape`` (NumPy arrays, torch tensors):
+    finiteness is checked by the page store, on the array's own device.
+    """
+    dtype = getattr(kv, "dtype", None)
+    if dtype is None or str(dtype) not in ("float32", "torch.float32"):
+        found = dtype if dtype is not None else type(kv).__name__
+        raise DTypeError(f"K/V values must be float32, got {found}")
+    shape = tuple(kv.shape)
+    expected = layout.batch_shape(n)
+    if shape != expected:
+        raise ShapeError(f"K/V values must have shape {expected} for {n} positions, got {shape}")
+    return kv
+
+
+def require_finite(array: np.ndarray) -> None:
+    """``NonFiniteError`` naming the first NaN or infinity in a NumPy array."""
+    if not np.isfinite(array).all():
+        bad = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+        raise NonFiniteError(f"K/V value at index {bad} is {array[bad]}")

@@ -1,0 +1,137 @@
+"""Run one engine and the reference side by side, one operation at a time.
+
+``Lockstep.apply(op)`` performs ``op`` on both and insists they agree: on the
+result, and on the error when the operation is refused. ``check()`` asserts the
+invariants; ``finish()`` closes everything and asserts the cache is empty.
+The Hypothesis machine, sweeps, replay and the exhaustive checker all drive
+this one class, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from kvstate.reference import RefCache
+from kvstate.spec import invariants
+from kvstate.spec.errors import InvariantViolation, KVStateError
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+
+
+def to_numpy(values: Any) -> np.ndarray:
+    """Engine reads may be torch tensors; compare them as NumPy."""
+    if isinstance(values, np.ndarray):
+        return values
+    return values.detach().cpu().numpy()
+
+
+class Lockstep:
+    # Operation kinds beyond the core ones (snapshot, restore) add a handler here:
+    # handler(lockstep, op, side, cache, ctx) -> result
+    extra_ops: ClassVar[dict[str, Callable]] = {}
+
+    def __init__(self, factory: Factory, config: Config):
+        self.config = config
+        self.engine = factory(config)
+        self.reference = RefCache(config)
+        self.live: dict[str, tuple[Any, Any]] = {}    # handle -> (engine context, reference context)
+        self.created = 0
+        self.steps = 0
+        self.checks = 0
+
+    # -- operations ----------------------------------------------------------------
+
+    def apply(self, op: O.Op) -> str | None:
+        """Perform ``op`` on both sides. Returns the new handle for operations that create one.
+
+        Both sides must agree on whether the operation is refused, and with which error class.
+        """
+        self.steps += 1
+        engine_result, engine_error = _attempt(self._perform, op, 0, self.engine)
+        ref_result, ref_error = _attempt(self._perform, op, 1, self.reference)
+        if type(engine_error) is not type(ref_error):
+            raise InvariantViolation("errors", f"{op}: engine {engine_error!r}, reference {ref_error!r}")
+        if engine_error is not None:
+            return None
+        if op.kind == "match" and engine_result[1] != ref_result[1]:
+            raise InvariantViolation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
+        if op.kind == "close":
+            del self.live[op.ctx]
+        if op.creates:
+            self.created += 1
+            handle = f"c{self.created}"
+            self.live[handle] = (_context_of(engine_result), _context_of(ref_result))
+            return handle
+        return None
+
+    def _perform(self, op: O.Op, side: int, cache: Any):
+        """Run ``op`` on one side: ``side`` 0 is the engine, 1 the reference."""
+        ctx = self.live[op.ctx][side] if hasattr(op, "ctx") else None
+        kind = op.kind
+        if kind == "allocate":
+            return cache.allocate()
+        if kind == "extend":
+            return ctx.extend(list(op.tokens), O.values_for(self.config.layout, len(op.tokens), op.seed))
+        if kind == "overwrite":
+            return ctx.overwrite(op.start, list(op.tokens), O.values_for(self.config.layout, len(op.tokens), op.seed))
+        if kind == "fork":
+            return ctx.fork()
+        if kind == "truncate":
+            return ctx.truncate(op.n)
+        if kind == "close":
+            return ctx.close()
+        if kind == "retain":
+            return cache.retain(ctx)
+        if kind == "match":
+            return cache.match(list(op.tokens))
+        if kind == "clear":
+            return cache.clear()
+        extra = self.extra_ops.get(kind)
+        if extra is None:
+            raise InvariantViolation("ops", f"no lockstep handler for operation {kind!r}")
+        return extra(self, op, side, cache, ctx)
+
+    # -- invariants ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Invariants 1-5 against the current state."""
+        obs = self.engine.observe()
+        invariants.check_structure(obs)
+        engine_reads, reference_reads = {}, {}
+        for handle, (engine, ref) in self.live.items():
+            values, tokens = engine.read()
+            engine_reads[handle] = (to_numpy(values), np.asarray(tokens))
+            reference_reads[handle] = ref.read()
+        invariants.check_values(engine_reads, reference_reads)
+        invariants.check_tree(obs, self.reference.eviction_order())
+        self.checks += 1
+
+    def finish(self) -> None:
+        """6. Close every context, clear the tree: cache and arena must be empty."""
+        for handle in list(self.live):
+            self.apply(O.Close(handle))
+        self.engine.clear()
+        self.reference.clear()
+        invariants.check_empty(self.engine.observe())
+        self.checks += 1
+
+    def run(self, sequence, check_every_step: bool = True) -> None:
+        for op in sequence:
+            self.apply(op)
+            if check_every_step:
+                self.check()
+
+
+def _attempt(perform, op, side, cache):
+    try:
+        return perform(op, side, cache), None
+    except KVStateError as error:
+        return None, error
+
+
+def _context_of(result):
+    """``match`` returns (context, matched); everything else that creates returns the context."""
+    return result[0] if isinstance(result, tuple) else result

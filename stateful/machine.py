@@ -1,0 +1,125 @@
+"""The lockstep ``RuleBasedStateMachine``: engine and reference, every operation, every invariant.
+
+The machine is parameterised by the backend: ``machine_for(factory, config)``
+builds a machine class for any factory that speaks the spec's protocol.
+Each rule builds an ``Op`` and hands it to ``Lockstep``; invariants are checked
+after every step by ``check_invariants``, and the teardown checks invariant 6.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .configs import PAGE_TOKENS_RANGE
+from .lockstep import Lockstep
+
+TOKENS = st.integers(0, 2)                                   # a tiny alphabet: prefixes repeat
+TOKEN_RUNS = st.lists(TOKENS, min_size=1, max_size=9)        # up to a page or two at page size 1-8
+SEEDS = st.integers(0, 2**16)
+
+
+class RunStats:
+    """Steps and invariant checks across every run of one machine class."""
+
+    def __init__(self):
+        self.runs = 0
+        self.steps = 0
+        self.checks = 0
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    factory: Factory
+    config: Config
+    stats: RunStats
+
+    contexts = Bundle("contexts")
+
+    def __init__(self):
+        super().__init__()
+        self.lockstep: Lockstep | None = None
+
+    @initialize(target=contexts, page_tokens=st.integers(*PAGE_TOKENS_RANGE),
+                tokens=st.lists(TOKENS, max_size=12), seed=SEEDS)
+    def build_cache(self, page_tokens, tokens, seed):
+        """Every run starts from a cache holding one context, so short runs still share pages."""
+        self.lockstep = Lockstep(type(self).factory, type(self).config.with_(page_tokens=page_tokens))
+        type(self).stats.runs += 1
+        first = self._do(O.Allocate())
+        if tokens:
+            self._do(O.Extend(first, tuple(tokens), seed))
+        return first
+
+    def _do(self, op: O.Op):
+        return self.lockstep.apply(op)
+
+    def _length(self, handle: str) -> int:
+        return len(self.lockstep.live[handle][1])
+
+    # -- rules: one per operation ---------------------------------------------------
+
+    @rule(target=contexts)
+    def allocate(self):
+        return self._do(O.Allocate())
+
+    @rule(ctx=contexts, tokens=TOKEN_RUNS, seed=SEEDS)
+    def extend(self, ctx, tokens, seed):
+        self._do(O.Extend(ctx, tuple(tokens), seed))
+
+    @rule(ctx=contexts, data=st.data(), seed=SEEDS)
+    def overwrite(self, ctx, data, seed):
+        length = self._length(ctx)
+        start = data.draw(st.integers(0, length), label="start")
+        tokens = data.draw(st.lists(TOKENS, min_size=0, max_size=min(9, length - start)), label="tokens")
+        self._do(O.Overwrite(ctx, start, tuple(tokens), seed))
+
+    @rule(target=contexts, ctx=contexts)
+    def fork(self, ctx):
+        return self._do(O.Fork(ctx))
+
+    @rule(ctx=contexts, data=st.data())
+    def truncate(self, ctx, data):
+        self._do(O.Truncate(ctx, data.draw(st.integers(0, self._length(ctx)), label="n")))
+
+    @rule(ctx=consumes(contexts))
+    def close(self, ctx):
+        self._do(O.Close(ctx))
+
+    @rule(ctx=contexts)
+    def retain(self, ctx):
+        self._do(O.Retain(ctx))
+
+    @rule(target=contexts, ctx=contexts, data=st.data(), extra=st.lists(TOKENS, max_size=4))
+    def match(self, ctx, data, extra):
+        # Queries built from a live context's tokens hit the tree far more often than random ones.
+        tokens = self.lockstep.live[ctx][1].tokens
+        cut = data.draw(st.integers(0, len(tokens)), label="cut")
+        return self._do(O.Match(tuple(tokens[:cut]) + tuple(extra)))
+
+    @precondition(lambda self: self.lockstep is not None and self.lockstep.reference.entries)
+    @rule()
+    def clear(self):
+        self._do(O.Clear())
+
+    # -- invariants -------------------------------------------------------------------
+
+    @invariant()
+    def every_invariant_holds(self):
+        if self.lockstep is not None:
+            self.lockstep.check()
+            type(self).stats.steps += 1
+            type(self).stats.checks += 1
+
+    def teardown(self):
+        if self.lockstep is not None:
+            self.lockstep.finish()
+            type(self).stats.checks += 1
+
+
+def machine_for(factory: Factory, config: Config) -> type[LockstepMachine]:
+    """A machine class bound to one backend factory and one configuration."""
+    return type(f"Lockstep_{config.name.replace('-', '_')}", (LockstepMachine,),
+                {"factory": staticmethod(factory), "config": config, "stats": RunStats()})

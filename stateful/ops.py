@@ -1,0 +1,123 @@
+"""Operations as plain data: what the lockstep machine, sweeps, replay files and the
+exhaustive checker all speak.
+
+An operation names contexts by the handle the run gave them (``c1``, ``c2``, ...
+in order of creation) and carries K/V values as a seed, so a whole sequence is a
+short, readable, version-independent JSON document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from kvstate.spec.layout import Layout
+
+
+@dataclass(frozen=True)
+class Op:
+    kind = "op"
+    creates = False        # whether the operation yields a new context handle
+
+    def to_json(self) -> dict:
+        return {"op": self.kind, **asdict(self)}
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        return f"{self.kind}({args})"
+
+
+@dataclass(frozen=True)
+class Allocate(Op):
+    kind = "allocate"
+    creates = True
+
+
+@dataclass(frozen=True)
+class Extend(Op):
+    ctx: str
+    tokens: tuple[int, ...]
+    seed: int = 0
+    kind = "extend"
+
+
+@dataclass(frozen=True)
+class Overwrite(Op):
+    ctx: str
+    start: int
+    tokens: tuple[int, ...]
+    seed: int = 0
+    kind = "overwrite"
+
+
+@dataclass(frozen=True)
+class Fork(Op):
+    ctx: str
+    kind = "fork"
+    creates = True
+
+
+@dataclass(frozen=True)
+class Truncate(Op):
+    ctx: str
+    n: int
+    kind = "truncate"
+
+
+@dataclass(frozen=True)
+class Close(Op):
+    ctx: str
+    kind = "close"
+
+
+@dataclass(frozen=True)
+class Retain(Op):
+    ctx: str
+    kind = "retain"
+
+
+@dataclass(frozen=True)
+class Match(Op):
+    tokens: tuple[int, ...]
+    kind = "match"
+    creates = True
+
+
+@dataclass(frozen=True)
+class Clear(Op):
+    kind = "clear"
+
+
+OPS: dict[str, type[Op]] = {cls.kind: cls for cls in (
+    Allocate, Extend, Overwrite, Fork, Truncate, Close, Retain, Match, Clear)}
+
+
+def register(cls: type[Op]) -> type[Op]:
+    """Add an operation kind (snapshot and restore register themselves this way)."""
+    OPS[cls.kind] = cls
+    return cls
+
+
+def op_from_json(data: dict) -> Op:
+    data = dict(data)
+    cls = OPS[data.pop("op")]
+    kwargs = {}
+    for f in fields(cls):
+        value = data[f.name]
+        kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    return cls(**kwargs)
+
+
+def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
+    """Deterministic K/V values for ``n`` positions: the same seed gives the same bytes everywhere.
+
+    Mixes magnitudes, and zeroes some head vectors so q8's zero-scale path is exercised.
+    """
+    rng = np.random.default_rng(seed)
+    scale = np.float32([1e-3, 1.0, 30.0][seed % 3])
+    values = (rng.standard_normal(layout.batch_shape(n)) * scale).astype(np.float32)
+    zero = rng.random(layout.batch_shape(n)[:-1]) < 0.1
+    values[zero] = 0.0
+    return values
+

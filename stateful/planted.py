@@ -1,0 +1,123 @@
+"""Bugs planted on purpose, to prove the checkers catch them.
+
+Each is a context manager that monkeypatches the engine for its duration. The
+suite asserts that the lockstep machine (and the exhaustive checker) fail
+while a bug is planted: a checker that cannot catch these is not done.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, ContextManager
+
+from kvstate.impl import cache as cache_module
+from kvstate.impl import context as context_module
+from kvstate.impl import numpy as numpy_module
+from kvstate.impl import pages as pages_module
+from kvstate.impl import radix as radix_module
+from kvstate.spec import arithmetic
+
+
+@contextmanager
+def _patched(owner, name: str, replacement):
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield original
+    finally:
+        setattr(owner, name, original)
+
+
+def missing_copy_on_write() -> ContextManager:
+    """``writable`` writes into a shared page instead of copying it."""
+    return _patched(context_module.Context, "writable", lambda self, index: self._pages[index])
+
+
+def refcount_kept_on_close() -> ContextManager:
+    """``close`` forgets its pages without decrementing their refcounts."""
+    def close_without_release(cache, ctx):
+        with cache.lock:
+            ctx._pages = []
+            ctx._closed = True
+            del cache._contexts[ctx.context_id]
+    return _patched(cache_module.Cache, "_close", close_without_release)
+
+
+def truncate_off_by_one() -> ContextManager:
+    """``truncate`` keeps one page too few when ``n`` ends exactly on a page boundary... or inside one."""
+    def keep_floor(length, keep, page_tokens):
+        kept = keep // page_tokens            # should round up
+        return kept, arithmetic.pages_needed(length, page_tokens) - kept
+    def pages_needed_floor(positions, page_tokens):
+        return positions // page_tokens
+    return _patched(context_module, "pages_needed", pages_needed_floor)
+
+
+def split_node_evicted() -> ContextManager:
+    """Eviction picks the oldest *node*, split nodes without an entry included."""
+    def pop_oldest(tree, spare=None):
+        stack = [tree.root]
+        while stack:
+            node = stack.pop()
+            if node is not tree.root and node.value is None:
+                # A split node: "evicting" it drops the whole subtree below it.
+                doomed = []
+                pending = [node]
+                while pending:
+                    n = pending.pop()
+                    if n.value is not None and n.value is not spare:
+                        doomed.append(n)
+                    pending.extend(n.children.values())
+                if doomed:
+                    victim = doomed[0]
+                    value = victim.value
+                    tree.remove(victim)
+                    return value
+            stack.extend(node.children.values())
+        original_pop = radix_module.RadixTree.__dict__["_planted_original_pop"]
+        return original_pop(tree, spare)
+    @contextmanager
+    def planted():
+        radix_module.RadixTree._planted_original_pop = radix_module.RadixTree.pop_oldest
+        try:
+            with _patched(radix_module.RadixTree, "pop_oldest", pop_oldest):
+                yield
+        finally:
+            del radix_module.RadixTree._planted_original_pop
+    return planted()
+
+
+def arena_slot_kept_on_eviction() -> ContextManager:
+    """Pages freed by tree eviction keep their arena slot."""
+    def pop_oldest(tree, spare=None):
+        value = original(tree, spare)
+        for page in value._pages:
+            if page.refcount == 1 and page.buffer.slot is not None:
+                page.buffer.slot = None      # the page forgets its slot; the arena never gets it back
+        return value
+    original = radix_module.RadixTree.pop_oldest
+    return _patched(radix_module.RadixTree, "pop_oldest", pop_oldest)
+
+
+def dirty_recycled_slot() -> ContextManager:
+    """Arena slots are handed out without being zeroed."""
+    original = numpy_module.NumpyStore._take
+    return _patched(numpy_module.NumpyStore, "allocate", lambda store, page_id: original(store, page_id, zero=False))
+
+
+def release_skips_last_page() -> ContextManager:
+    """The release path decrements refcounts but never frees a page."""
+    def release(pool, page):
+        page.refcount -= 1
+    return _patched(pages_module.PagePool, "release", release)
+
+
+PLANTED: dict[str, Callable[[], ContextManager]] = {
+    "missing_copy_on_write": missing_copy_on_write,
+    "refcount_kept_on_close": refcount_kept_on_close,
+    "truncate_off_by_one": truncate_off_by_one,
+    "split_node_evicted": split_node_evicted,
+    "arena_slot_kept_on_eviction": arena_slot_kept_on_eviction,
+    "dirty_recycled_slot": dirty_recycled_slot,
+    "release_skips_last_page": release_skips_last_page,
+}

@@ -1,0 +1,25 @@
+"""The suite is tested too: each planted bug must be caught by the lockstep machine's ci profile."""
+
+import pytest
+
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.stateful.configs import PROFILES, machine_configs
+from kvstate.stateful.conform import conform
+from kvstate.stateful.planted import PLANTED
+
+ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED))
+def test_planted_bug_is_caught(bug):
+    configs = [c for c in machine_configs() if c.arena_pages or bug not in ARENA_BUGS]
+    with PLANTED[bug]():
+        results = conform(numpy_factory, profile="hunt", configs=configs)
+    failures = [r for r in results if not r.passed]
+    assert failures, f"{bug} was not caught in any of {[c.name for c in configs]}"
+
+
+def test_unplanted_engine_passes_the_hunt_profile():
+    """The control: without a planted bug the same runs pass, so the catches above are real."""
+    results = conform(numpy_factory, profile="hunt")
+    assert all(r.passed for r in results), [r.failure for r in results if not r.passed]
