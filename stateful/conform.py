@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from hypothesis import settings as Settings
+from hypothesis import Phase, settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.spec.errors import KVStateError
@@ -31,6 +31,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import CacheProtocol, Config, ContextProtocol, Factory, declared_configs
 
 from .configs import PROFILES, machine_configs
+from . import directed
 from .directed import DIRECTED
 from .machine import machine_for
 
@@ -141,7 +142,7 @@ def lockstep_check(factory: Factory, config: Config, settings: Settings) -> Outc
         history = None
         if last is not None:
             history = last.history[:last.failed_at] if last.failed_at is not None else last.history
-        detail = describe(error, history)
+        detail = describe(error, history, minimised=Phase.shrink in settings.phases)
     stats = machine.stats
     return Outcome("pass" if detail is None else "FAIL", time.perf_counter() - started, detail,
                    stats.runs, stats.steps, stats.checks)
@@ -150,10 +151,13 @@ def lockstep_check(factory: Factory, config: Config, settings: Settings) -> Outc
 def _directed(check) -> Check:
     def run(factory: Factory, config: Config, settings: Settings) -> Outcome:
         started = time.perf_counter()
+        directed.current.run = None
         try:
             check(factory, config)
         except Exception as error:
-            return Outcome("FAIL", time.perf_counter() - started, describe(error, None))
+            run = directed.current.run
+            history = None if run is None else run.history[:run.failed_at]
+            return Outcome("FAIL", time.perf_counter() - started, describe(error, history, minimised=False))
         return Outcome("pass", time.perf_counter() - started)
     run.__doc__ = check.__doc__
     return run
@@ -168,7 +172,7 @@ def register_check(name: str, check: Check) -> None:
     CHECKS[name] = check
 
 
-def describe(error: BaseException, history: list[str] | None) -> str:
+def describe(error: BaseException, history: list[str] | None, minimised: bool = True) -> str:
     """The failure by name, then the operations that lead to it, one per line."""
     if isinstance(error, AssertionError):
         head = f"{type(error).__name__}: {error}"
@@ -178,8 +182,8 @@ def describe(error: BaseException, history: list[str] | None) -> str:
         head = f"the backend raised {type(error).__name__}: {error}{place}"
     if history:
         steps = "\n".join(f"  {line}" for line in history)
-        return (f"{head}\nminimised failing sequence ({len(history)} operations; the failure shows "
-                f"right after the last):\n{steps}")
+        what = "minimised failing sequence" if minimised else "failing sequence (not shrunk)"
+        return f"{head}\n{what} ({len(history)} operations; the failure shows right after the last):\n{steps}"
     notes = getattr(error, "__notes__", None)
     if notes:
         return head + "\n" + "\n".join(f"  {note}" for note in notes)
@@ -234,10 +238,14 @@ class ConfigResult:
 
 def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None,
             checks: list[str] | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
-            progress: Callable[[str], None] | None = None) -> list[ConfigResult]:
-    """Every check (or those named in ``checks``) in every configuration the factory declares."""
+            progress: Callable[[str], None] | None = None, settings: Settings | None = None,
+            ) -> list[ConfigResult]:
+    """Every check (or those named in ``checks``) in every configuration the factory declares.
+
+    ``settings`` (Hypothesis settings for the lockstep machine) overrides ``profile``.
+    """
     configs = configs or declared_configs(factory, machine_configs())
-    settings = PROFILES[profile]
+    settings = settings or PROFILES[profile]
     names = checks or list(CHECKS)
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
