@@ -21,8 +21,16 @@ def _conform(args: argparse.Namespace) -> int:
                 raise FactoryError(f"no declared configuration named {args.config}")
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
         progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+        settings = None
+        if args.examples or args.steps:
+            from hypothesis import settings as Settings
+            from kvstate.stateful.configs import PROFILES
+
+            base = PROFILES[args.profile]
+            settings = Settings(base, max_examples=args.examples or base.max_examples,
+                                stateful_step_count=args.steps or base.stateful_step_count)
         results = conform(factory, profile=args.profile, configs=configs, checks=args.check,
-                          time_limit=args.time_limit, progress=progress)
+                          time_limit=args.time_limit, progress=progress, settings=settings)
     except FactoryError as error:
         print(f"kvstate conform: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
@@ -44,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="only this check (lockstep, 'fork isolation', ...); repeatable")
     conform.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
                          help="per configuration and check; past it the check is reported as TIMEOUT")
+    conform.add_argument("--examples", type=int, metavar="N", help="lockstep runs per configuration (overrides the profile)")
+    conform.add_argument("--steps", type=int, metavar="N", help="operations per lockstep run (overrides the profile)")
     conform.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes")
     conform.set_defaults(run=_conform)
     return parser
