@@ -160,3 +160,23 @@ def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):
     assert "6 failed" in bad.stdout and "f32-heap / fork isolation: FAIL" in bad.stdout
     wrong = pytest_run("no_such_backend_module")
     assert wrong.returncode != 0 and "FactoryError" in wrong.stderr
+
+
+def test_kvstate_imports_and_conforms_without_torch():
+    """Torch is an optional extra: with it unimportable, kvstate, the plugin and the NumPy backend work."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None     # as if torch were not installed
+        import kvstate
+        from kvstate.stateful import pytest_plugin
+        from kvstate.cli import main
+        try:
+            kvstate.Cache(kvstate.Layout(1, 1, 2), store="torch")
+        except kvstate.ConfigError as error:
+            print("refused:", error)
+        sys.exit(main(["conform", "kvstate.impl.numpy", "--config", "f32-heap", "--examples", "5", "--steps", "5"]))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "refused: store='torch' needs torch" in run.stdout
+    assert "f32-heap" in run.stdout
