@@ -26,7 +26,7 @@ def test_example_backend_passes_every_check():
 
 def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
     rc = main(["conform", str(EXAMPLES / "broken_sharing.py"), "--config", "f32-heap",
-               "--examples", "40", "--steps", "12"])
+               "--examples", "100", "--steps", "8"])
     out = capsys.readouterr().out
     assert rc == 1
     table_row = next(line for line in out.splitlines() if line.startswith("f32-heap"))
@@ -98,7 +98,7 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
             return Cache(config)
         factory.configs = working.configs[:1]
     """)
-    assert main(["conform", path, "--examples", "20", "--steps", "10"]) == 1
+    assert main(["conform", path, "--examples", "20", "--steps", "6"]) == 1
     out = capsys.readouterr().out
     assert "the backend raised RuntimeError: fork is not implemented" in out
     assert "fork(ctx='c1')" in out
