@@ -14,7 +14,7 @@ def _conform(args: argparse.Namespace) -> int:
     try:
         factory = load_factory(args.backend)
         configs = declared_configs(factory, machine_configs())
-        check_backend(factory, configs)
+        check_backend(factory, configs, time_limit=args.time_limit)
         if args.config:
             configs = [c for c in configs if c.name in args.config] or []
             if not configs:

@@ -78,8 +78,30 @@ def _load_file(path: Path):
     return module
 
 
-def check_backend(factory: Factory, configs: list[Config]) -> None:
-    """``FactoryError`` naming what is missing when the factory's caches do not speak the protocol."""
+def check_backend(factory: Factory, configs: list[Config], time_limit: float = 60.0) -> None:
+    """``FactoryError`` naming what is missing when the factory's caches do not speak the protocol.
+
+    Runs in a daemon thread: a factory that never returns is a ``FactoryError`` after ``time_limit``.
+    """
+    box: dict[str, BaseException | None] = {}
+
+    def target():
+        try:
+            _check_backend(factory, configs)
+            box["error"] = None
+        except BaseException as error:
+            box["error"] = error
+
+    worker = threading.Thread(target=target, name="kvstate-conform-protocol", daemon=True)
+    worker.start()
+    worker.join(time_limit)
+    if worker.is_alive():
+        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:.0f} s")
+    if box["error"] is not None:
+        raise box["error"]
+
+
+def _check_backend(factory: Factory, configs: list[Config]) -> None:
     if not configs or not all(isinstance(c, Config) for c in configs):
         raise FactoryError(f"the factory declares configs {configs!r}: expected a non-empty list of Config")
     config = configs[0]

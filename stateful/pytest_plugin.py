@@ -64,7 +64,7 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         try:
             factory = load_factory(backend)
             configs = declared_configs(factory, machine_configs())
-            check_backend(factory, configs)
+            check_backend(factory, configs, time_limit=config.getoption("kvstate_time_limit"))
         except FactoryError as error:
             raise pytest.UsageError(f"--kvstate-backend {backend}: {type(error).__name__}: {error}") from None
         for cfg in configs:

@@ -78,6 +78,17 @@ def test_factory_that_raises_is_refused(tmp_path, capsys):
     assert "RuntimeError('no GPU here')" in capsys.readouterr().err
 
 
+def test_factory_that_never_returns_is_refused(tmp_path, capsys):
+    path = _backend(tmp_path, "stuck_factory", """
+        import threading
+
+        def factory(config):
+            threading.Event().wait()
+    """)
+    assert main(["conform", path, "--time-limit", "1"]) == 2
+    assert "did not answer within 1 s" in capsys.readouterr().err
+
+
 def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsys):
     path = _backend(tmp_path, "fork_raises", f"""
         import sys
