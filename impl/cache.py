@@ -26,7 +26,10 @@ def make_store(store: str, layout: Layout, page_tokens: int, precision: str, are
 
         return NumpyStore(layout, page_tokens, precision, arena_pages)
     if store == "torch":
-        from .torch import TorchStore
+        try:
+            from .torch import TorchStore
+        except ImportError as error:
+            raise ConfigError(f"store='torch' needs torch (pip install 'kvstate[torch]'): {error}") from None
 
         return TorchStore(layout, page_tokens, precision, arena_pages, device)
     if not isinstance(store, str) and hasattr(store, "allocate"):

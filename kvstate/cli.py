@@ -7,16 +7,34 @@ import sys
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from kvstate.stateful.conform import FactoryError, conform, format_table, load_factory
+    from kvstate.stateful.conform import FactoryError, check_backend, conform, format_table, load_factory
+    from kvstate.stateful.configs import machine_configs
+    from kvstate.spec.protocol import declared_configs
 
     try:
         factory = load_factory(args.backend)
+        configs = declared_configs(factory, machine_configs())
+        check_backend(factory, configs, time_limit=args.time_limit)
+        if args.config:
+            configs = [c for c in configs if c.name in args.config] or []
+            if not configs:
+                raise FactoryError(f"no declared configuration named {args.config}")
+        print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
+        progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
+        settings = None
+        if args.examples or args.steps:
+            from hypothesis import settings as Settings
+            from kvstate.stateful.configs import PROFILES
+
+            base = PROFILES[args.profile]
+            settings = Settings(base, max_examples=args.examples or base.max_examples,
+                                stateful_step_count=args.steps or base.stateful_step_count)
+        results = conform(factory, profile=args.profile, configs=configs, checks=args.check,
+                          time_limit=args.time_limit, progress=progress, settings=settings)
     except FactoryError as error:
-        print(f"kvstate conform: {error}", file=sys.stderr)
+        print(f"kvstate conform: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    print(f"lockstep machine against {args.backend}, profile {args.profile}")
-    results = conform(factory, profile=args.profile)
-    print(format_table(results))
+    print(format_table(results), flush=True)
     return 0 if all(r.passed for r in results) else 1
 
 
@@ -26,8 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     conform = commands.add_parser("conform", help="run the conformance suite against a backend factory")
     conform.add_argument("backend", nargs="?", default="kvstate.impl.numpy",
-                         help="package.module[:factory] (default: the built-in NumPy backend)")
-    conform.add_argument("--profile", default="ci", choices=["ci", "nightly"])
+                         help="package.module[:factory] or path/to/file.py[:factory] (default: the built-in NumPy backend)")
+    conform.add_argument("--profile", default="ci", choices=["ci", "nightly", "hunt"])
+    conform.add_argument("--config", action="append", metavar="NAME",
+                         help="only this configuration (e.g. q8-arena6); repeatable")
+    conform.add_argument("--check", action="append", metavar="NAME",
+                         help="only this check (lockstep, 'fork isolation', ...); repeatable")
+    conform.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
+                         help="per configuration and check; past it the check is reported as TIMEOUT")
+    conform.add_argument("--examples", type=int, metavar="N", help="lockstep runs per configuration (overrides the profile)")
+    conform.add_argument("--steps", type=int, metavar="N", help="operations per lockstep run (overrides the profile)")
+    conform.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes")
     conform.set_defaults(run=_conform)
     return parser
 

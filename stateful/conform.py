@@ -1,31 +1,61 @@
-"""Run the lockstep machine against a backend factory in each configuration it declares."""
+"""Conformance: run the suite against a backend factory in each configuration it declares.
+
+``conform(factory)`` runs every check in ``CHECKS`` (the lockstep machine first,
+then the directed scenarios of ``directed.py``) for every declared configuration
+and returns one ``ConfigResult`` per configuration; ``format_table`` prints them
+as configuration x check, followed by each failure with its minimised sequence.
+
+Every check runs in a worker thread under a time limit: a backend that hangs is
+reported as ``TIMEOUT`` and the run moves on (the stuck daemon thread is
+abandoned), so conformance never hangs. Other suites (snapshot fuzzing, races)
+plug in with ``register_check``.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import sys
+import threading
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
-from hypothesis import settings as Settings
+from hypothesis import Phase, settings as Settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.spec.errors import KVStateError
-from kvstate.spec.protocol import Config, Factory, declared_configs
+from kvstate.spec.observation import Observation
+from kvstate.spec.protocol import CacheProtocol, Config, ContextProtocol, Factory, declared_configs
 
 from .configs import PROFILES, machine_configs
+from . import directed
+from .directed import DIRECTED
 from .machine import machine_for
+
+DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
 
 
 class FactoryError(KVStateError):
     """A backend factory could not be loaded or does not speak the protocol."""
 
 
+# -- loading --------------------------------------------------------------------------
+
 def load_factory(path: str) -> Factory:
-    """``package.module:callable``, or ``package.module`` for that module's ``factory``."""
+    """``package.module:callable``, or ``package.module`` for that module's ``factory``.
+
+    ``some/file.py[:callable]`` loads a module from a file (its folder goes on ``sys.path``,
+    so a backend split over sibling files imports).
+    """
     module_name, _, attribute = path.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        if module_name.endswith(".py"):
+            module = _load_file(Path(module_name))
+        else:
+            module = importlib.import_module(module_name)
     except Exception as error:   # any import failure is the user's to read, by name
         raise FactoryError(f"cannot import backend module {module_name!r}: {error!r}") from error
     attribute = attribute or "factory"
@@ -35,46 +65,238 @@ def load_factory(path: str) -> Factory:
     return factory
 
 
+def _load_file(path: Path):
+    if not path.is_file():
+        raise FileNotFoundError(f"no file {str(path)!r}")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_backend(factory: Factory, configs: list[Config], time_limit: float = 60.0) -> None:
+    """``FactoryError`` naming what is missing when the factory's caches do not speak the protocol.
+
+    Runs in a daemon thread: a factory that never returns is a ``FactoryError`` after ``time_limit``.
+    """
+    box: dict[str, BaseException | None] = {}
+
+    def target():
+        try:
+            _check_backend(factory, configs)
+            box["error"] = None
+        except BaseException as error:
+            box["error"] = error
+
+    worker = threading.Thread(target=target, name="kvstate-conform-protocol", daemon=True)
+    worker.start()
+    worker.join(time_limit)
+    if worker.is_alive():
+        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:.0f} s")
+    if box["error"] is not None:
+        raise box["error"]
+
+
+def _check_backend(factory: Factory, configs: list[Config]) -> None:
+    if not configs or not all(isinstance(c, Config) for c in configs):
+        raise FactoryError(f"the factory declares configs {configs!r}: expected a non-empty list of Config")
+    config = configs[0]
+    try:
+        cache = factory(config)
+    except Exception as error:
+        raise FactoryError(f"the factory raised {error!r} building {config.name}") from error
+    _require(cache, CacheProtocol, "the factory's cache")
+    try:
+        ctx = cache.allocate()
+        _require(ctx, ContextProtocol, "cache.allocate()'s context")
+        observation = cache.observe()
+        ctx.close()
+    except FactoryError:
+        raise
+    except Exception as error:
+        raise FactoryError(f"the backend raised {error!r} on allocate/observe/close") from error
+    if not isinstance(observation, Observation):
+        raise FactoryError(f"cache.observe() returned {type(observation).__name__}, not kvstate.spec.Observation")
+
+
+def _require(obj, protocol, what: str) -> None:
+    if not isinstance(obj, protocol):
+        names = [n for n in dir(protocol) if not n.startswith("_") or n == "__len__"]
+        missing = [n for n in names if not hasattr(obj, n)]
+        raise FactoryError(f"{what} ({type(obj).__name__}) lacks {missing}: it does not speak {protocol.__name__}")
+
+
+# -- checks ----------------------------------------------------------------------------
+
 @dataclass
-class ConfigResult:
-    config: Config
-    runs: int
-    steps: int
-    checks: int
+class Outcome:
+    status: str                  # pass, FAIL, TIMEOUT
     seconds: float
-    failure: str | None = None
+    detail: str | None = None    # what failed, and the minimised sequence where there is one
+    runs: int = 0
+    steps: int = 0
+    checks: int = 0
 
     @property
     def passed(self) -> bool:
-        return self.failure is None
+        return self.status == "pass"
 
 
-def run_lockstep(factory: Factory, config: Config, settings: Settings) -> ConfigResult:
+Check = Callable[[Factory, Config, Settings], Outcome]
+
+
+def lockstep_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
+    """The lockstep machine: random operation sequences, every invariant after every step."""
     machine = machine_for(factory, config)
     started = time.perf_counter()
-    failure = None
+    detail = None
     try:
-        run_state_machine_as_test(machine, settings=settings)
-    except Exception as error:   # a failing backend may raise anything; report it, never hang
-        failure = "".join(traceback.format_exception_only(type(error), error)).strip()
+        # One bug at a time, shrunk: the last run Hypothesis makes replays the minimal failure.
+        run_state_machine_as_test(machine, settings=Settings(settings, report_multiple_bugs=False))
+    except BaseException as error:   # a failing backend may raise anything; report it, never hang
+        if isinstance(error, (KeyboardInterrupt, SystemExit)):
+            raise
+        last = machine.stats.last
+        history = None
+        if last is not None:
+            history = last.history[:last.failed_at] if last.failed_at is not None else last.history
+        detail = describe(error, history, minimised=Phase.shrink in settings.phases)
     stats = machine.stats
-    return ConfigResult(config, stats.runs, stats.steps, stats.checks, time.perf_counter() - started, failure)
+    return Outcome("pass" if detail is None else "FAIL", time.perf_counter() - started, detail,
+                   stats.runs, stats.steps, stats.checks)
 
 
-def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None) -> list[ConfigResult]:
+def _directed(check) -> Check:
+    def run(factory: Factory, config: Config, settings: Settings) -> Outcome:
+        started = time.perf_counter()
+        directed.current.run = None
+        try:
+            check(factory, config)
+        except Exception as error:
+            run = directed.current.run
+            history = None if run is None else run.history[:run.failed_at]
+            return Outcome("FAIL", time.perf_counter() - started, describe(error, history, minimised=False))
+        return Outcome("pass", time.perf_counter() - started)
+    run.__doc__ = check.__doc__
+    return run
+
+
+CHECKS: dict[str, Check] = {"lockstep": lockstep_check}
+CHECKS.update({name: _directed(check) for name, check in DIRECTED.items()})
+
+
+def register_check(name: str, check: Check) -> None:
+    """Add a check to every conformance run (it returns an ``Outcome``)."""
+    CHECKS[name] = check
+
+
+def describe(error: BaseException, history: list[str] | None, minimised: bool = True) -> str:
+    """The failure by name, then the operations that lead to it, one per line."""
+    if isinstance(error, AssertionError):
+        head = f"{type(error).__name__}: {error}"
+    else:
+        where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        place = f" at {Path(where.filename).name}:{where.lineno} in {where.name}" if where else ""
+        head = f"the backend raised {type(error).__name__}: {error}{place}"
+    if history:
+        steps = "\n".join(f"  {line}" for line in history)
+        what = "minimised failing sequence" if minimised else "failing sequence (not shrunk)"
+        return f"{head}\n{what} ({len(history)} operations; the failure shows right after the last):\n{steps}"
+    notes = getattr(error, "__notes__", None)
+    if notes:
+        return head + "\n" + "\n".join(f"  {note}" for note in notes)
+    return head
+
+
+def run_with_limit(check: Check, factory: Factory, config: Config, settings: Settings,
+                   time_limit: float) -> Outcome:
+    """``check`` in a daemon thread; past ``time_limit`` it is abandoned and reported as TIMEOUT."""
+    box: dict[str, object] = {}
+
+    def target():
+        try:
+            box["outcome"] = check(factory, config, settings)
+        except BaseException as error:   # a check that itself crashes is a failure, by name
+            box["outcome"] = Outcome("FAIL", 0.0, describe(error, None))
+
+    started = time.perf_counter()
+    worker = threading.Thread(target=target, name=f"kvstate-conform-{config.name}", daemon=True)
+    worker.start()
+    worker.join(time_limit)
+    if worker.is_alive():
+        return Outcome("TIMEOUT", time.perf_counter() - started,
+                       f"no result after {time_limit:.0f} s: the backend hangs or is far too slow")
+    return box["outcome"]
+
+
+# -- the suite --------------------------------------------------------------------------
+
+@dataclass
+class ConfigResult:
+    config: Config
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outcomes.values())
+
+    @property
+    def failure(self) -> str | None:
+        failed = [f"{name}: {o.detail}" for name, o in self.outcomes.items() if not o.passed]
+        return "\n".join(failed) if failed else None
+
+    @property
+    def runs(self) -> int:
+        return sum(o.runs for o in self.outcomes.values())
+
+    @property
+    def steps(self) -> int:
+        return sum(o.steps for o in self.outcomes.values())
+
+
+def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None,
+            checks: list[str] | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
+            progress: Callable[[str], None] | None = None, settings: Settings | None = None,
+            ) -> list[ConfigResult]:
+    """Every check (or those named in ``checks``) in every configuration the factory declares.
+
+    ``settings`` (Hypothesis settings for the lockstep machine) overrides ``profile``.
+    """
     configs = configs or declared_configs(factory, machine_configs())
-    return [run_lockstep(factory, config, PROFILES[profile]) for config in configs]
+    settings = settings or PROFILES[profile]
+    names = checks or list(CHECKS)
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise FactoryError(f"no conformance checks {unknown}; known: {list(CHECKS)}")
+    results = []
+    for config in configs:
+        result = ConfigResult(config)
+        for name in names:
+            result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
+            if progress:
+                progress(f"{config.name:<12} {name:<18} {result.outcomes[name].status}")
+        results.append(result)
+    return results
 
 
 def format_table(results: list[ConfigResult]) -> str:
-    rows = [("configuration", "runs", "steps", "invariant checks", "seconds", "result")]
+    """Configuration x check, pass/FAIL/TIMEOUT; then every failure with its sequence."""
+    if not results:
+        return "no configurations"
+    names = list(results[0].outcomes)
+    rows = [("configuration", *names, "steps", "seconds")]
     for r in results:
-        rows.append((r.config.name, str(r.runs), str(r.steps), str(r.checks), f"{r.seconds:.1f}",
-                     "pass" if r.passed else "FAIL"))
+        rows.append((r.config.name, *(r.outcomes[n].status for n in names), str(r.steps),
+                     f"{sum(o.seconds for o in r.outcomes.values()):.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for r in results:
-        if not r.passed:
-            lines.append(f"\n{r.config.name} failed:\n{r.failure}")
+        for name, outcome in r.outcomes.items():
+            if not outcome.passed:
+                lines.append(f"\n{r.config.name} / {name}: {outcome.status}\n{outcome.detail}")
     return "\n".join(lines)

@@ -41,6 +41,8 @@ class Lockstep:
         self.created = 0
         self.steps = 0
         self.checks = 0
+        self.history: list[str] = []    # the operations of this run, readable: a counterexample
+        self.failed_at: int | None = None    # len(history) when a check first failed
 
     # -- operations ----------------------------------------------------------------
 
@@ -50,19 +52,24 @@ class Lockstep:
         Both sides must agree on whether the operation is refused, and with which error class.
         """
         self.steps += 1
+        self.history.append(str(op))
         engine_result, engine_error = _attempt(self._perform, op, 0, self.engine)
         ref_result, ref_error = _attempt(self._perform, op, 1, self.reference)
         if type(engine_error) is not type(ref_error):
+            self._failed()
             raise InvariantViolation("errors", f"{op}: engine {engine_error!r}, reference {ref_error!r}")
         if engine_error is not None:
+            self.history[-1] += f"    # refused: {type(engine_error).__name__}"
             return None
         if op.kind == "match" and engine_result[1] != ref_result[1]:
+            self._failed()
             raise InvariantViolation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
         if op.kind == "close":
             del self.live[op.ctx]
         if op.creates:
             self.created += 1
             handle = f"c{self.created}"
+            self.history[-1] = f"{handle} = {self.history[-1]}"
             self.live[handle] = (_context_of(engine_result), _context_of(ref_result))
             return handle
         return None
@@ -96,8 +103,19 @@ class Lockstep:
 
     # -- invariants ------------------------------------------------------------------
 
+    def _failed(self) -> None:
+        if self.failed_at is None:
+            self.failed_at = len(self.history)
+
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
+        try:
+            self._check()
+        except BaseException:
+            self._failed()
+            raise
+
+    def _check(self) -> None:
         obs = self.engine.observe()
         invariants.check_structure(obs)
         engine_reads, reference_reads = {}, {}
@@ -115,7 +133,12 @@ class Lockstep:
             self.apply(O.Close(handle))
         self.engine.clear()
         self.reference.clear()
-        invariants.check_empty(self.engine.observe())
+        self.history.append("clear()    # teardown, then invariant 6")
+        try:
+            invariants.check_empty(self.engine.observe())
+        except BaseException:
+            self._failed()
+            raise
         self.checks += 1
 
     def run(self, sequence, check_every_step: bool = True) -> None:

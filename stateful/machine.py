@@ -29,6 +29,7 @@ class RunStats:
         self.runs = 0
         self.steps = 0
         self.checks = 0
+        self.last: Lockstep | None = None    # the latest run: after a failure, the minimised one
 
 
 class LockstepMachine(RuleBasedStateMachine):
@@ -48,6 +49,7 @@ class LockstepMachine(RuleBasedStateMachine):
         """Every run starts from a cache holding one context, so short runs still share pages."""
         self.lockstep = Lockstep(type(self).factory, type(self).config.with_(page_tokens=page_tokens))
         type(self).stats.runs += 1
+        type(self).stats.last = self.lockstep
         first = self._do(O.Allocate())
         if tokens:
             self._do(O.Extend(first, tuple(tokens), seed))

@@ -1,0 +1,162 @@
+"""Directed conformance checks: short fixed scenarios with exact expectations.
+
+Each check takes a backend factory and a configuration, builds its own cache,
+and raises ``AssertionError`` (``InvariantViolation`` is one) saying what it
+saw when the backend is wrong. Values are compared with the reference through
+``Lockstep``; page counts come from ``observe()``, so any backend that speaks
+the protocol can be held to them.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+
+from kvstate.spec import errors
+from kvstate.spec.observation import Observation
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .lockstep import Lockstep, to_numpy
+
+Check = Callable[[Factory, Config], None]
+
+current = threading.local()   # current.run: the Lockstep of the check running in this thread
+
+
+def _filled(factory: Factory, config: Config, pages: float = 2.5) -> tuple[Lockstep, int]:
+    """A lockstep run holding context ``c1`` with ``pages`` pages' worth of positions."""
+    run = current.run = Lockstep(factory, config)
+    run.apply(O.Allocate())
+    n = int(config.page_tokens * pages)
+    run.apply(O.Extend("c1", tuple(i % 3 for i in range(n)), seed=1))
+    run.check()
+    return run, n
+
+
+def _context_pages(obs: Observation) -> list[tuple[int, ...]]:
+    """Page lists of the live contexts (tree entries left out), in the observation's order."""
+    return [pages for name, pages in obs.holders.items() if name.startswith("ctx:")]
+
+
+def fork_isolation(factory: Factory, config: Config) -> None:
+    """Writes through a fork never show in the parent, nor the parent's in the fork, on any page."""
+    run, n = _filled(factory, config)
+    run.apply(O.Fork("c1"))
+    run.apply(O.Overwrite("c2", 0, (2,), seed=7))                          # first page
+    run.apply(O.Overwrite("c1", n - 1, (1,), seed=8))                      # last, partly filled page
+    run.apply(O.Extend("c2", (0, 1), seed=9))                              # into the shared tail
+    run.apply(O.Extend("c1", (2,), seed=10))
+    run.check()
+    run.apply(O.Fork("c2"))
+    run.apply(O.Truncate("c2", 1))
+    run.apply(O.Extend("c2", (2, 2, 2), seed=11))                          # regrow over a page c3 shares
+    run.check()
+    run.finish()
+
+
+def fork_allocates_nothing(factory: Factory, config: Config) -> None:
+    """``fork`` is a page-list copy: no page is allocated or copied, and the fork lists the same pages."""
+    run, _ = _filled(factory, config)
+    before = run.engine.observe()
+    run.apply(O.Fork("c1"))
+    after = run.engine.observe()
+    if after.pages_allocated != before.pages_allocated or len(after.pages) != len(before.pages):
+        raise AssertionError(
+            f"fork allocated {after.pages_allocated - before.pages_allocated} pages "
+            f"({len(before.pages)} live before, {len(after.pages)} after); it must allocate 0")
+    (parent,), lists = _context_pages(before), _context_pages(after)
+    if lists != [parent, parent]:
+        raise AssertionError(f"after fork the contexts hold pages {lists}; both must hold the parent's {parent}")
+    run.check()
+    run.finish()
+
+
+def one_write_copies_one_page(factory: Factory, config: Config) -> None:
+    """After a fork, writing one position copies exactly the one page it lands in, nothing else."""
+    run, _ = _filled(factory, config)
+    (parent,) = _context_pages(run.engine.observe())
+    run.apply(O.Fork("c1"))
+    before = run.engine.observe()
+    run.apply(O.Overwrite("c2", config.page_tokens, (0,), seed=3))         # first position of page 1
+    after = run.engine.observe()
+    allocated = after.pages_allocated - before.pages_allocated
+    if allocated != 1:
+        raise AssertionError(f"overwriting one position of a shared page allocated {allocated} pages, not 1")
+    lists = _context_pages(after)
+    others = [pages for pages in lists if pages != parent]
+    changed = [i for i, (a, b) in enumerate(zip(parent, others[0])) if a != b] if len(others) == 1 else None
+    if len(lists) != 2 or changed != [1]:
+        raise AssertionError(f"after one write into page 1 of a fork, the contexts hold {lists}: one must "
+                             f"still hold the parent's {parent}, the other differ from it at page 1 only")
+    run.apply(O.Overwrite("c2", config.page_tokens + 1 if config.page_tokens > 1 else 0, (1,), seed=4))
+    again = run.engine.observe()
+    if config.page_tokens > 1 and again.pages_allocated != after.pages_allocated:
+        raise AssertionError("a second write into a page the fork already owns copied it again")
+    run.check()
+    run.finish()
+
+
+def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
+    """NaN, wrong shapes, bad tokens and out-of-range positions raise the named error and change nothing."""
+    run, n = _filled(factory, config)
+    ctx = run.live["c1"][0]
+    layout = config.layout
+    good = O.values_for(layout, 1, 5)
+    nan = good.copy()
+    nan[0, 0, 0, 0, 0] = np.nan
+    cases = [
+        ("extend with NaN", errors.NonFiniteError, lambda: ctx.extend([1], nan)),
+        ("overwrite with NaN", errors.NonFiniteError, lambda: ctx.overwrite(0, [1], nan)),
+        ("extend with a wrong shape", errors.ShapeError, lambda: ctx.extend([1, 2], good)),
+        ("extend with float64", errors.DTypeError, lambda: ctx.extend([1], good.astype(np.float64))),
+        ("extend with a negative token", errors.TokenError, lambda: ctx.extend([-1], good)),
+        ("overwrite past the end", errors.PositionError, lambda: ctx.overwrite(n, [1], good)),
+        ("read past the end", errors.PositionError, lambda: ctx.read(0, n + 1)),
+        ("truncate past the end", errors.PositionError, lambda: ctx.truncate(n + 1)),
+    ]
+    if config.precision == "f16":
+        big = good.copy()
+        big[0, 0, 0, 0, 0] = 1e6
+        cases.append(("extend past f16 range", errors.PrecisionRangeError, lambda: ctx.extend([1], big)))
+    before = run.engine.observe()
+    values, tokens = ctx.read()
+    values = to_numpy(values).copy()
+    for what, error, call in cases:
+        try:
+            with np.errstate(over="ignore"):   # the f16 case overflows on purpose
+                call()
+        except error:
+            pass
+        except Exception as other:
+            raise AssertionError(f"{what}: raised {type(other).__name__}, expected {error.__name__}") from other
+        else:
+            raise AssertionError(f"{what}: accepted, expected {error.__name__}")
+        after = run.engine.observe()
+        if (after.pages_allocated, after.holders, after.lengths) != (
+                before.pages_allocated, before.holders, before.lengths):
+            raise AssertionError(f"{what}: refused, but the cache changed (pages, holders or lengths)")
+    now_values, now_tokens = ctx.read()
+    if not (np.array_equal(to_numpy(now_values), values) and np.array_equal(np.asarray(now_tokens), tokens)):
+        raise AssertionError("refused writes changed the context's values or tokens")
+    closed = run.live["c1"][0]
+    run.apply(O.Close("c1"))
+    try:
+        closed.extend([1], good)
+    except errors.ContextClosedError:
+        pass
+    except Exception as other:
+        raise AssertionError(f"extend after close: raised {type(other).__name__}, expected ContextClosedError")
+    else:
+        raise AssertionError("extend after close: accepted, expected ContextClosedError")
+    run.finish()
+
+
+DIRECTED: dict[str, Check] = {
+    "fork isolation": fork_isolation,
+    "fork allocates 0": fork_allocates_nothing,
+    "1 write copies 1": one_write_copies_one_page,
+    "bad input": bad_input_changes_nothing,
+}

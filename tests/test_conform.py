@@ -1,0 +1,193 @@
+"""Conformance as a product: the example backend passes, broken ones are rejected by name, nothing hangs."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from kvstate.cli import main
+from kvstate.stateful.conform import FactoryError, check_backend, conform, load_factory
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+SMALL = settings(max_examples=25, stateful_step_count=15, derandomize=True, deadline=None, database=None)
+
+
+def test_example_backend_passes_every_check():
+    factory = load_factory(str(EXAMPLES / "listcache.py"))
+    results = conform(factory, settings=SMALL)
+    assert [r.config.name for r in results] == ["f32-heap", "f16-heap", "q8-heap"]   # as it declares
+    assert all(r.passed for r in results), [r.failure for r in results]
+    assert all(r.outcomes["lockstep"].steps > 100 for r in results)
+
+
+def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
+    rc = main(["conform", str(EXAMPLES / "broken_sharing.py"), "--config", "f32-heap",
+               "--examples", "100", "--steps", "8"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    table_row = next(line for line in out.splitlines() if line.startswith("f32-heap"))
+    assert table_row.split()[1:6] == ["FAIL", "FAIL", "pass", "FAIL", "pass"]
+    lockstep = out[out.index("f32-heap / lockstep: FAIL"):]
+    assert "invariant 4" in lockstep and "minimised failing sequence" in lockstep
+    sequence = lockstep.split("minimised failing sequence", 1)[1].split("\n\n", 1)[0]
+    operations = [line.strip() for line in sequence.splitlines()[1:]]
+    # shrunk to a handful of steps, and the leak needs a fork and a write through one side
+    assert len(operations) <= 8, operations
+    assert any(" = fork(" in op for op in operations)
+    assert any(op.startswith(("overwrite(", "extend(")) for op in operations[-1:])
+
+
+@pytest.mark.parametrize("path,message", [
+    ("no_such_backend_module", "cannot import backend module"),
+    ("kvstate.spec.precision:PRECISIONS", "has no callable 'PRECISIONS'"),
+    ("kvstate.spec.precision:no_such_factory", "has no callable"),
+    ("examples/no_such_file.py", "cannot import"),
+])
+def test_bad_factory_paths_exit_2_with_a_named_error(path, message, capsys):
+    assert main(["conform", path]) == 2
+    err = capsys.readouterr().err
+    assert "FactoryError" in err and message in err
+
+
+def _backend(tmp_path, name, body):
+    path = tmp_path / f"{name}.py"
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_factory_returning_a_non_protocol_object_is_refused(tmp_path, capsys):
+    path = _backend(tmp_path, "not_a_cache", """
+        def factory(config):
+            return object()
+    """)
+    assert main(["conform", path]) == 2
+    err = capsys.readouterr().err
+    assert "lacks" in err and "'observe'" in err and "CacheProtocol" in err
+
+
+def test_factory_that_raises_is_refused(tmp_path, capsys):
+    path = _backend(tmp_path, "raising_factory", """
+        def factory(config):
+            raise RuntimeError("no GPU here")
+    """)
+    assert main(["conform", path]) == 2
+    assert "RuntimeError('no GPU here')" in capsys.readouterr().err
+
+
+def test_factory_that_never_returns_is_refused(tmp_path, capsys):
+    path = _backend(tmp_path, "stuck_factory", """
+        import threading
+
+        def factory(config):
+            threading.Event().wait()
+    """)
+    assert main(["conform", path, "--time-limit", "1"]) == 2
+    assert "did not answer within 1 s" in capsys.readouterr().err
+
+
+def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsys):
+    path = _backend(tmp_path, "fork_raises", f"""
+        import sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as working
+
+        class Context(ListContext):
+            def fork(self):
+                raise RuntimeError("fork is not implemented")
+
+        class Cache(ListCache):
+            def adopt(self, pages, length, register=True):
+                ctx = super().adopt(pages, length, register)
+                ctx.__class__ = Context
+                return ctx
+
+        def factory(config):
+            return Cache(config)
+        factory.configs = working.configs[:1]
+    """)
+    assert main(["conform", path, "--examples", "20", "--steps", "6"]) == 1
+    out = capsys.readouterr().out
+    assert "the backend raised RuntimeError: fork is not implemented" in out
+    assert "fork(ctx='c1')" in out
+
+
+def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
+    path = _backend(tmp_path, "hangs", f"""
+        import sys, threading
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, factory as working
+
+        class Cache(ListCache):
+            def clear(self):
+                threading.Event().wait()    # never returns
+
+        def factory(config):
+            return Cache(config)
+        factory.configs = working.configs[:1]
+    """)
+    rc = main(["conform", path, "--check", "fork isolation", "--time-limit", "2"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "TIMEOUT" in out and "no result after 2 s" in out
+
+
+def test_check_backend_wants_config_objects():
+    with pytest.raises(FactoryError, match="expected a non-empty list of Config"):
+        check_backend(load_factory("kvstate.impl.numpy"), ["f32"])
+
+
+def test_torch_backend_conforms_on_cpu():
+    pytest.importorskip("torch")
+    from kvstate.impl.torch import cpu_factory
+    from kvstate.stateful.configs import config_named
+
+    results = conform(cpu_factory, settings=SMALL, configs=[config_named("q8-arena6"), config_named("f16-heap")])
+    assert all(r.passed for r in results), [r.failure for r in results]
+
+
+@pytest.mark.cuda
+def test_torch_backend_conforms_on_cuda():
+    from kvstate.impl.torch import cuda_factory
+
+    results = conform(cuda_factory, settings=SMALL)
+    assert all(r.passed for r in results), [r.failure for r in results]
+
+
+def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):
+    """A third party's CI: ``pytest --kvstate-backend ...`` with no test files of their own."""
+    def pytest_run(backend):
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--kvstate-backend", backend,
+             "--kvstate-profile", "hunt", "-k", "isolation or copies", str(tmp_path)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    good = pytest_run(str(EXAMPLES / "listcache.py"))
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "6 passed" in good.stdout
+    bad = pytest_run(str(EXAMPLES / "broken_sharing.py"))
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "6 failed" in bad.stdout and "f32-heap / fork isolation: FAIL" in bad.stdout
+    wrong = pytest_run("no_such_backend_module")
+    assert wrong.returncode != 0 and "FactoryError" in wrong.stderr
+
+
+def test_kvstate_imports_and_conforms_without_torch():
+    """Torch is an optional extra: with it unimportable, kvstate, the plugin and the NumPy backend work."""
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None     # as if torch were not installed
+        import kvstate
+        from kvstate.stateful import pytest_plugin
+        from kvstate.cli import main
+        try:
+            kvstate.Cache(kvstate.Layout(1, 1, 2), store="torch")
+        except kvstate.ConfigError as error:
+            print("refused:", error)
+        sys.exit(main(["conform", "kvstate.impl.numpy", "--config", "f32-heap", "--examples", "5", "--steps", "5"]))
+    """)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "refused: store='torch' needs torch" in run.stdout
+    assert "f32-heap" in run.stdout
