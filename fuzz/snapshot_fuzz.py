@@ -107,7 +107,8 @@ def garbage_files(count: int, seed: int = 0) -> Iterator[Case]:
 
 def signed_header(precision: str, layout: Layout, positions: int, body_crc: int = 0) -> bytes:
     """A header with correct checksums declaring ``positions``: hostile files are well-formed on the outside."""
-    return fmt.pack_header(precision, layout, positions, body_crc)
+    declared = min(fmt.body_size(layout, precision, positions), 2**64 - 1)   # past the limit it may not fit u64
+    return fmt.pack_header(precision, layout, positions, body_crc, declared)
 
 
 def resign(data: bytes) -> bytes:

@@ -116,11 +116,15 @@ def body_size(layout: Layout, precision: str, positions: int) -> int:
                for _, dtype, shape in body_sections(layout, precision, positions))
 
 
-def pack_header(precision: str, layout: Layout, positions: int, body_crc: int) -> bytes:
-    """The 48 header bytes of a current-version snapshot, ``header_crc`` included."""
+def pack_header(precision: str, layout: Layout, positions: int, body_crc: int,
+                body_bytes: int | None = None) -> bytes:
+    """The 48 header bytes of a current-version snapshot, ``header_crc`` included.
+
+    ``body_bytes`` defaults to what the other fields imply (fuzzers pass their own).
+    """
+    declared = body_size(layout, precision, positions) if body_bytes is None else body_bytes
     fields = HEADER.pack(MAGIC, FORMAT_VERSION, PRECISION_CODES[precision], 0,
-                         layout.layers, layout.kv_heads, layout.head_dim, positions,
-                         body_size(layout, precision, positions), body_crc, 0)
+                         layout.layers, layout.kv_heads, layout.head_dim, positions, declared, body_crc, 0)
     return fields[:HEADER_CRC_OFFSET] + struct.pack("<I", crc32(fields[:HEADER_CRC_OFFSET]))
 
 
