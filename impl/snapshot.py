@@ -13,7 +13,7 @@ from __future__ import annotations
 import io
 import os
 import tempfile
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -27,50 +27,64 @@ if TYPE_CHECKING:
     from .cache import Cache
     from .context import Context
 
-_CHUNK = 1 << 20    # reads from streams of unknown size grow by at most this much at a time
+_CHUNK = 1 << 20         # reads from streams of unknown size grow by at most this much at a time
+_READ_CHUNK = 4 << 20    # reads of known size: checksummed piece by piece while cache-hot
 
 
 # -- writing ---------------------------------------------------------------------------
 
-def encode_context(ctx: "Context") -> list:
-    """The header and body sections of ``ctx``'s snapshot, in file order (buffers, no joins).
+def body_chunks(ctx: "Context") -> Iterator[np.ndarray]:
+    """The body in file order, one page's rows of one section at a time, each contiguous.
 
-    Called while the caller owns ``ctx``.
+    Page-sized pieces keep the checksum and the write on cache-hot bytes and the
+    writer's extra memory at one page. Called while the caller owns ``ctx``.
     """
-    cache = ctx._cache
-    store, n = cache.store, ctx._length
-    sections = fmt.body_sections(cache.layout, cache.precision, n)
-    tokens = ctx._tokens().astype(fmt.TOKEN_DTYPE)
-    pieces: list[list] = [[] for _ in sections[1:]]
-    if n:
-        for index in range(*pages_touched(0, n, ctx.page_tokens)):
+    cache, n = ctx._cache, ctx._length
+    yield ctx._tokens().astype(fmt.TOKEN_DTYPE)
+    for part, (_, dtype, _) in enumerate(fmt.body_sections(cache.layout, cache.precision, n)[1:]):
+        for index in range(*pages_touched(0, n, ctx.page_tokens)) if n else ():
             lo, hi = span_in_page(index, 0, n, ctx.page_tokens)
-            for piece, part in zip(pieces, store.read_encoded(ctx._pages[index].buffer, lo, hi)):
-                piece.append(np.asarray(part))
-    body = [tokens]
-    for (_, dtype, shape), piece in zip(sections[1:], pieces):
-        array = np.concatenate(piece) if piece else np.zeros(shape, dtype)
-        body.append(np.ascontiguousarray(array, dtype=dtype))
+            yield np.ascontiguousarray(cache.store.read_encoded(ctx._pages[index].buffer, lo, hi)[part], dtype=dtype)
+
+
+def _header(ctx: "Context", body_crc: int) -> bytes:
+    return fmt.pack_header(ctx._cache.precision, ctx._cache.layout, ctx._length, body_crc)
+
+
+def _write_to(file, ctx: "Context") -> None:
+    """Header and body into ``file``. A seekable file gets one pass (header patched last), others two."""
+    if _seekable(file):
+        start = file.tell()
+        file.write(bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
+        crc = 0
+        for chunk in body_chunks(ctx):
+            crc = fmt.crc32(chunk, crc)
+            file.write(chunk)
+        end = file.tell()
+        file.seek(start)
+        file.write(_header(ctx, crc))
+        file.seek(end)
+        return
     crc = 0
-    for section in body:
-        crc = fmt.crc32(section, crc)
-    return [fmt.pack_header(cache.precision, cache.layout, n, crc), *body]
+    for chunk in body_chunks(ctx):
+        crc = fmt.crc32(chunk, crc)
+    file.write(_header(ctx, crc))
+    for chunk in body_chunks(ctx):
+        file.write(chunk)
 
 
 def write_snapshot(ctx: "Context", target) -> None:
-    """Write ``ctx`` to a path (atomically) or to an open binary stream (as is)."""
-    chunks = encode_context(ctx)
+    """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed)."""
     if hasattr(target, "write"):
-        for chunk in chunks:
-            target.write(chunk)
+        _write_to(target, ctx)
         if hasattr(target, "flush"):
             target.flush()
         return
-    write_atomic(os.fspath(target), chunks)
+    write_atomic(os.fspath(target), lambda file: _write_to(file, ctx))
 
 
-def write_atomic(path: str, chunks: Iterable) -> None:
-    """Replace ``path`` with ``chunks``: temp file, fsync, rename, fsync of the folder.
+def write_atomic(path: str, fill: Callable) -> None:
+    """Replace ``path`` with what ``fill(file)`` writes: temp file, fsync, rename, fsync of the folder.
 
     On any failure the temporary file is removed, whatever was at ``path`` is
     untouched, and ``SnapshotWriteError`` says what failed.
@@ -83,8 +97,7 @@ def write_atomic(path: str, chunks: Iterable) -> None:
         raise SnapshotWriteError(f"cannot create a temporary file in {folder!r} for {path!r}: {error}") from error
     try:
         with open(fd, "wb") as file:
-            for chunk in chunks:
-                file.write(chunk)
+            fill(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, path)
@@ -116,11 +129,11 @@ def _fsync_folder(folder: str) -> None:
 def restore_snapshot(cache: "Cache", source) -> "Context":
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream)."""
     if hasattr(source, "read"):
-        header, body = read_snapshot(source, cache.layout, _remaining(source))
+        header, body, crc = read_snapshot(source, cache.layout, _remaining(source))
     else:
         with open(os.fspath(source), "rb") as file:
-            header, body = read_snapshot(file, cache.layout, os.fstat(file.fileno()).st_size)
-    arrays = fmt.check_body(header, body)
+            header, body, crc = read_snapshot(file, cache.layout, os.fstat(file.fileno()).st_size)
+    arrays = fmt.check_body(header, body, crc)
     parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
     if header.precision == cache.precision:
         encoded = cache.store.from_encoded(parts)
@@ -130,8 +143,8 @@ def restore_snapshot(cache: "Cache", source) -> "Context":
     return _adopt(cache, arrays["tokens"], encoded, header.positions)
 
 
-def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryview]:
-    """Header and body bytes, with every length checked before the body is allocated.
+def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryview, int]:
+    """Header, body bytes and the body's CRC-32, with every length checked before the body is allocated.
 
     ``size`` is the number of bytes left in ``file`` when known (files, seekable
     streams); otherwise the body is read in bounded chunks so a lying header
@@ -141,20 +154,22 @@ def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryvie
     if header.layout != layout:
         raise SnapshotLayoutError(f"snapshot layout {header.layout} (offset 12) differs from the cache's {layout}")
     total = fmt.HEADER_SIZE + header.body_bytes
+    crc = 0
     if size is not None:
         if size < total:
             raise SnapshotTruncatedError(
                 f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
         if size > total:
             raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
-        body = bytearray(header.body_bytes)
+        body = np.empty(header.body_bytes, np.uint8)     # sized from a checked header and the real file size
         view = memoryview(body)
         filled = 0
         while filled < len(body):
-            got = file.readinto(view[filled:])
+            got = file.readinto(view[filled:filled + _READ_CHUNK])
             if not got:
                 raise SnapshotTruncatedError(
                     f"file ended at offset {fmt.HEADER_SIZE + filled} while reading the body; expected {total} bytes")
+            crc = fmt.crc32(view[filled:filled + got], crc)    # while the bytes are still in cache
             filled += got
     else:
         body = bytearray()
@@ -164,10 +179,11 @@ def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryvie
                 raise SnapshotTruncatedError(
                     f"stream ended at offset {fmt.HEADER_SIZE + len(body)} while reading the body; "
                     f"expected {total} bytes")
+            crc = fmt.crc32(chunk, crc)
             body += chunk
     if file.read(1):
         raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
-    return header, memoryview(body)
+    return header, memoryview(body), crc
 
 
 def _read_exactly_or_less(file, n: int) -> bytes:
@@ -180,9 +196,16 @@ def _read_exactly_or_less(file, n: int) -> bytes:
     return data
 
 
+def _seekable(stream) -> bool:
+    try:
+        return bool(stream.seekable())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def _remaining(stream) -> int | None:
     try:
-        if not stream.seekable():
+        if not _seekable(stream):
             return None
         here = stream.tell()
         end = stream.seek(0, io.SEEK_END)

@@ -186,9 +186,12 @@ def split_body(header: Header, body) -> dict[str, np.ndarray]:
     return arrays
 
 
-def check_body(header: Header, body) -> dict[str, np.ndarray]:
-    """Checksum, then every token and value of the body; the section views on success."""
-    actual = crc32(body)
+def check_body(header: Header, body, body_crc: int | None = None) -> dict[str, np.ndarray]:
+    """Checksum, then every token and value of the body; the section views on success.
+
+    ``body_crc`` is the body's CRC-32 when the reader computed it while reading.
+    """
+    actual = crc32(body) if body_crc is None else body_crc
     if actual != header.body_crc:
         raise SnapshotCorruptError(
             f"body checksum mismatch (body starts at offset {HEADER_SIZE}, {header.body_bytes} bytes): "
@@ -208,7 +211,7 @@ def check_body(header: Header, body) -> dict[str, np.ndarray]:
         if not ok.all():
             index = tuple(int(i) for i in np.argwhere(~ok)[0])
             raise SnapshotCorruptError(f"q8 scale {scales[index]} at {index} is not a finite value in [0, max/127]")
-    elif not np.isfinite(values).all():
+    elif values.size and not (np.isfinite(values.min()) and np.isfinite(values.max())):   # NaN propagates
         index = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
         raise SnapshotCorruptError(f"value {values[index]} at {index} (position, layer, k/v, head, dim) is not finite")
     return arrays
