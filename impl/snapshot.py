@@ -53,7 +53,7 @@ def _header(ctx: "Context", body_crc: int) -> bytes:
 
 def _write_to(file, ctx: "Context") -> None:
     """Header and body into ``file``. A seekable file gets one pass (header patched last), others two."""
-    if _seekable(file):
+    if _seekable(file) and "a" not in getattr(file, "mode", ""):     # appends ignore seeks
         start = file.tell()
         file.write(bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
         crc = 0

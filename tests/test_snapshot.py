@@ -265,3 +265,15 @@ def test_every_snapshot_error_is_a_snapshot_error():
     for error in (SnapshotCorruptError, SnapshotTruncatedError, SnapshotTooLargeError, SnapshotVersionError,
                   SnapshotLayoutError):
         assert issubclass(error, SnapshotError)
+
+
+def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
+    cache, ctx, ref_ctx = filled("f16")
+    path = tmp_path / "log.bin"
+    path.write_bytes(b"prefix")
+    with open(path, "ab") as file:
+        ctx.snapshot(file)
+    with open(path, "rb") as file:
+        assert file.read(6) == b"prefix"
+        restored = Cache(LAYOUT, precision="f16").restore(file)
+    assert_reads_equal(restored, ref_ctx)

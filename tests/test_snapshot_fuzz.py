@@ -69,3 +69,11 @@ def test_atheris_harness_one_input_per_mode():
         harness.test_one_input(bytes([mode]) + data)
         harness.test_one_input(bytes([mode]) + data[:-3])
     assert harness.STATS["loaded"] >= 1 and harness.STATS["refused"] >= 3
+
+
+def test_kvstate_fuzz_command(capsys):
+    from kvstate.cli import main
+
+    assert main(["fuzz", "--precision", "q8", "--random", "20", "--garbage", "20", "--files", "10"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("q8: ") and "0 escaped, 0 changed the cache" in out
