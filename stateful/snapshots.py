@@ -8,6 +8,7 @@ position by position like any other context.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,10 +33,15 @@ class Restore(O.Op):
     creates = True
 
 
+# RAM-backed where there is one: thousands of snapshots per run, each fsynced twice,
+# would otherwise spend the run waiting on the disk.
+_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
 def _folder(lockstep: Lockstep) -> Path:
     # The TemporaryDirectory removes itself when the run's Lockstep is collected.
     if not hasattr(lockstep, "_snapshot_folder"):
-        lockstep._snapshot_folder = tempfile.TemporaryDirectory(prefix="kvstate-lockstep-")
+        lockstep._snapshot_folder = tempfile.TemporaryDirectory(prefix="kvstate-lockstep-", dir=_SCRATCH)
         lockstep._reference_snapshots = {}
     return Path(lockstep._snapshot_folder.name)
 
