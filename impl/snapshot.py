@@ -161,6 +161,7 @@ def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryvie
                 f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
         if size > total:
             raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
+    if size is not None and hasattr(file, "readinto"):
         body = np.empty(header.body_bytes, np.uint8)     # sized from a checked header and the real file size
         view = memoryview(body)
         filled = 0
