@@ -16,6 +16,7 @@ from kvstate.spec.precision import check_precision
 from .context import Context
 from .pages import PagePool
 from .radix import RadixTree
+from .snapshot import restore_snapshot
 
 
 def make_store(store: str, layout: Layout, page_tokens: int, precision: str, arena_pages: int, device: str):
@@ -128,6 +129,16 @@ class Cache:
         with self.lock:
             for entry in self.tree.clear():
                 self._release(entry)
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    def restore(self, source) -> Context:
+        """A new context holding the snapshot at ``source`` (a path or binary stream).
+
+        Validated in full first: a refused file raises a ``SnapshotError`` subclass
+        and changes nothing. See ``impl/snapshot.py``.
+        """
+        return restore_snapshot(self, source)
 
     # -- observation -------------------------------------------------------------------
 

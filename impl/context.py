@@ -23,6 +23,7 @@ from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionEr
 from kvstate.spec.layout import check_tokens, check_values
 
 from .pages import Page
+from .snapshot import write_snapshot
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -170,6 +171,14 @@ class Context:
                     self._cache.pool.release(page)
                 del self._pages[keep:]
                 self._length = n
+
+    def snapshot(self, target) -> None:
+        """Write tokens and values, in the cache's own precision, to a path (atomically) or binary stream.
+
+        Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot.py``.
+        """
+        with self._owned():
+            write_snapshot(self, target)
 
     def close(self) -> None:
         """Release every page. Any later use raises ``ContextClosedError``."""

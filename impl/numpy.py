@@ -93,6 +93,12 @@ class NumpyStore:
         parts = tuple(array[:, :, start:stop] for array in buffer.arrays)
         return np.ascontiguousarray(np.moveaxis(precisions.decode(self.precision, parts), 2, 0))
 
+    def read_encoded(self, buffer: NumpyBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        return tuple(np.moveaxis(array[:, :, start:stop], 2, 0) for array in buffer.arrays)
+
+    def from_encoded(self, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        return tuple(np.moveaxis(part, 0, 2) for part in parts)
+
     def read_empty(self) -> np.ndarray:
         return np.zeros(self.layout.batch_shape(0), np.float32)
 

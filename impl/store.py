@@ -2,7 +2,8 @@
 
 A store owns the memory of pages at one precision: it allocates zeroed pages
 (from its arena while slots last, ordinary storage after), writes encoded
-positions into a page, reads them back as float32, and copies a whole page.
+positions into a page, reads them back as float32 (or in their stored form, for
+snapshots), and copies a whole page.
 ``copy`` is the copy primitive; the engine calls it from ``Context.writable``
 and nowhere else.
 """
@@ -56,6 +57,20 @@ class PageStore(Protocol):
 
     def read(self, buffer: Buffer, start: int, stop: int) -> Any:
         """Positions ``[start, stop)`` of the page, position-major float32."""
+
+    def read_encoded(self, buffer: Buffer, start: int, stop: int) -> tuple[Any, ...]:
+        """Positions ``[start, stop)`` in the stored form, position-major, as NumPy arrays.
+
+        ``(values,)`` for f32/f16, ``(codes, scales)`` for q8: ``spec.precision``'s encoded
+        form, what a snapshot body holds. May be views: copy before the page is written again.
+        """
+
+    def from_encoded(self, parts: tuple[Any, ...]) -> Any:
+        """Position-major NumPy parts in this store's precision -> the rows ``write`` takes.
+
+        The inverse of ``read_encoded`` without re-quantising, so a same-precision restore is
+        bit-exact. The caller has already validated the parts (snapshot checks); nothing is written.
+        """
 
     def is_zero_from(self, buffer: Buffer, offset: int) -> bool:
         """Whether every stored byte at page offsets ``>= offset`` is zero."""

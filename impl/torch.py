@@ -142,6 +142,13 @@ class TorchStore:
             values = parts[0].to(torch.float32)
         return values.movedim(2, 0).contiguous()
 
+    def read_encoded(self, buffer: TorchBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        # Snapshots are host files: this is the one deliberate device-to-host copy.
+        return tuple(t[:, :, start:stop].movedim(2, 0).cpu().numpy() for t in buffer.tensors)
+
+    def from_encoded(self, parts: tuple[np.ndarray, ...]) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.from_numpy(np.ascontiguousarray(p)).to(self.device).movedim(0, 2) for p in parts)
+
     def read_empty(self) -> torch.Tensor:
         return torch.zeros(self.layout.batch_shape(0), dtype=torch.float32, device=self.device)
 

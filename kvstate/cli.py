@@ -38,6 +38,22 @@ def _conform(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _fuzz(args: argparse.Namespace) -> int:
+    if args.atheris:
+        from kvstate.fuzz.atheris_harness import main as atheris_main
+
+        return atheris_main(["kvstate-fuzz", *args.flags])
+    from kvstate.fuzz.snapshot_fuzz import run
+
+    reports = run(args.precision or ("f32", "f16", "q8"), random_count=args.random, garbage_count=args.garbage,
+                  seed=args.seed, path_share=args.files)
+    for precision, report in reports.items():
+        print(f"{precision}: {report.summary()}")
+        for finding in report.escaped[:10] + report.changed[:10]:
+            print(f"  {finding}")
+    return 0 if all(report.ok for report in reports.values()) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -56,6 +72,16 @@ def build_parser() -> argparse.ArgumentParser:
     conform.add_argument("--steps", type=int, metavar="N", help="operations per lockstep run (overrides the profile)")
     conform.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes")
     conform.set_defaults(run=_conform)
+
+    fuzz = commands.add_parser("fuzz", help="refuse damaged and hostile snapshot files (deterministic, or atheris)")
+    fuzz.add_argument("--precision", action="append", choices=["f32", "f16", "q8"], help="repeatable; default all")
+    fuzz.add_argument("--random", type=int, default=2000, help="random multi-byte corruptions per precision")
+    fuzz.add_argument("--garbage", type=int, default=2000, help="random garbage files per precision")
+    fuzz.add_argument("--files", type=int, default=500, help="also restore this many cases through real files")
+    fuzz.add_argument("--seed", type=int, default=0)
+    fuzz.add_argument("--atheris", action="store_true", help="coverage-guided; pass libFuzzer flags after --")
+    fuzz.add_argument("flags", nargs="*", help="with --atheris: corpus dirs and flags such as -max_total_time=600")
+    fuzz.set_defaults(run=_fuzz)
     return parser
 
 

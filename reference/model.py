@@ -67,6 +67,12 @@ class RefContext:
         self.values = self.values[:n].copy()
         self.token_list = self.token_list[:n]
 
+    def snapshot(self) -> tuple[str, np.ndarray, list[int]]:
+        """What a snapshot holds: the precision and a copy of what a read returns."""
+        if self.closed:
+            raise ContextClosedError("reference context is closed")
+        return self.cache.config.precision, self.values.copy(), list(self.token_list)
+
     def close(self) -> None:
         if self.closed:
             raise ContextClosedError("reference context is already closed")
@@ -88,6 +94,13 @@ class RefCache:
 
     def allocate(self) -> RefContext:
         return self._adopt(np.zeros(self.config.layout.batch_shape(0), np.float32), [])
+
+    def restore(self, saved: tuple[str, np.ndarray, list[int]]) -> RefContext:
+        """A new context from ``RefContext.snapshot()``'s result, converted by spec rules if the precision differs."""
+        precision, values, tokens = saved
+        if precision != self.config.precision:
+            values = precisions.roundtrip(self.config.precision, values)
+        return self._adopt(values.copy(), list(tokens))
 
     def _tick(self) -> int:
         self.clock += 1

@@ -66,7 +66,34 @@ class ForeignContextError(InvalidInputError):
 # -- snapshots -------------------------------------------------------------------
 
 class SnapshotError(KVStateError):
-    """A snapshot could not be written or was refused on restore."""
+    """A snapshot could not be written or was refused on restore.
+
+    A refused restore changed nothing: no page, slot, context or counter.
+    """
+
+
+class SnapshotCorruptError(SnapshotError):
+    """Bad magic, a checksum mismatch, or a field or value the format does not allow."""
+
+
+class SnapshotTruncatedError(SnapshotError):
+    """The file ends before the length its header declares (or before the header ends)."""
+
+
+class SnapshotTooLargeError(SnapshotError):
+    """The header declares more positions (or a larger layout) than the format allows."""
+
+
+class SnapshotVersionError(SnapshotError):
+    """The file was written in a format version this build has no loader for."""
+
+
+class SnapshotLayoutError(SnapshotError):
+    """The snapshot's layout differs from the cache's; no conversion exists."""
+
+
+class SnapshotWriteError(SnapshotError):
+    """Writing failed (disk full, I/O error); the previous file at the target is intact."""
 
 
 # -- verification ----------------------------------------------------------------

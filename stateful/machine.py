@@ -16,6 +16,7 @@ from kvstate.spec.protocol import Config, Factory
 from . import ops as O
 from .configs import PAGE_TOKENS_RANGE
 from .lockstep import Lockstep
+from .snapshots import Restore, Snapshot, supports_snapshots
 
 TOKENS = st.integers(0, 2)                                   # a tiny alphabet: prefixes repeat
 TOKEN_RUNS = st.lists(TOKENS, min_size=1, max_size=9)        # up to a page or two at page size 1-8
@@ -30,6 +31,8 @@ class RunStats:
         self.steps = 0
         self.checks = 0
         self.last: Lockstep | None = None    # the latest run: after a failure, the minimised one
+        self.snapshots = 0
+        self.restores = 0
 
 
 class LockstepMachine(RuleBasedStateMachine):
@@ -38,10 +41,12 @@ class LockstepMachine(RuleBasedStateMachine):
     stats: RunStats
 
     contexts = Bundle("contexts")
+    snapshots = Bundle("snapshots")
 
     def __init__(self):
         super().__init__()
         self.lockstep: Lockstep | None = None
+        self.snapshots_taken = 0
 
     @initialize(target=contexts, page_tokens=st.integers(*PAGE_TOKENS_RANGE),
                 tokens=st.lists(TOKENS, max_size=12), seed=SEEDS)
@@ -105,6 +110,21 @@ class LockstepMachine(RuleBasedStateMachine):
     @rule()
     def clear(self):
         self._do(O.Clear())
+
+    @precondition(lambda self: self.lockstep is not None and supports_snapshots(self.lockstep.engine))
+    @rule(target=snapshots, ctx=contexts)
+    def snapshot(self, ctx):
+        self.snapshots_taken += 1
+        name = f"s{self.snapshots_taken}"
+        self._do(Snapshot(ctx, name))
+        type(self).stats.snapshots += 1
+        return name
+
+    @precondition(lambda self: self.lockstep is not None and supports_snapshots(self.lockstep.engine))
+    @rule(target=contexts, name=snapshots)
+    def restore(self, name):
+        type(self).stats.restores += 1
+        return self._do(Restore(name))
 
     # -- invariants -------------------------------------------------------------------
 

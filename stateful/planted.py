@@ -112,6 +112,21 @@ def release_skips_last_page() -> ContextManager:
     return _patched(pages_module.PagePool, "release", release)
 
 
+def restore_drops_partial_page() -> ContextManager:
+    """``restore`` writes whole pages only: positions in a partly filled last page read back as zeros."""
+    from kvstate.impl import snapshot as snapshot_module
+
+    def adopt(cache, tokens, encoded, n):
+        with cache.lock:
+            pages = [cache.pool.new_page() for _ in range(arithmetic.pages_needed(n, cache.page_tokens))]
+            ctx = cache._new_context(pages, n)
+        full = n - n % cache.page_tokens
+        if full:
+            ctx._write(0, full, tokens, encoded)
+        return ctx
+    return _patched(snapshot_module, "_adopt", adopt)
+
+
 PLANTED: dict[str, Callable[[], ContextManager]] = {
     "missing_copy_on_write": missing_copy_on_write,
     "refcount_kept_on_close": refcount_kept_on_close,
@@ -120,4 +135,5 @@ PLANTED: dict[str, Callable[[], ContextManager]] = {
     "arena_slot_kept_on_eviction": arena_slot_kept_on_eviction,
     "dirty_recycled_slot": dirty_recycled_slot,
     "release_skips_last_page": release_skips_last_page,
+    "restore_drops_partial_page": restore_drops_partial_page,
 }

@@ -13,3 +13,4 @@ def test_lockstep_machine(machine_config):
     # The run really exercised the engine: many runs, many checked steps.
     assert machine.stats.runs >= 50
     assert machine.stats.steps >= 1000
+    assert machine.stats.snapshots >= 20 and machine.stats.restores >= 20

@@ -1,0 +1,168 @@
+"""Snapshot write and restore throughput, side by side with raw NumPy file I/O of the same bytes.
+
+    python -m kvstate.bench.snapshot_bench [--positions 512 2048 8192] [--repeat 3] [--out FILE]
+
+A GPT-2-small-shaped layout (12 layers, 12 heads, 64 dims). For every precision
+and size it measures, in the same run and the same folder:
+
+- write, durable: ``ctx.snapshot(path)`` (temp file, fsync, rename, folder fsync)
+  against ``ndarray.tofile`` of the same byte count followed by fsync;
+- write, buffered: ``ctx.snapshot(open_file)`` against ``ndarray.tofile``, no fsync;
+- restore: ``cache.restore(path)`` (checks, checksums, page allocation and copy)
+  against ``np.fromfile`` of the file, and the validation alone (read, checksums,
+  field and value checks, no pages) against the same;
+
+best of ``--repeat`` each, as bytes/s and as the ratio snapshot/raw time (the
+target is within 2x). It also reports file size against the memory the context
+held. Timings are printed and saved as JSON, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvstate.impl.cache import Cache
+from kvstate.impl.snapshot import read_snapshot
+from kvstate.spec.snapshot_format import check_body
+from kvstate.spec.layout import Layout
+
+LAYOUT = Layout(layers=12, kv_heads=12, head_dim=64)
+PAGE_TOKENS = 64
+
+
+def best_of(repeat: int, action) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def filled_context(precision: str, n: int):
+    cache = Cache(LAYOUT, page_tokens=PAGE_TOKENS, precision=precision)
+    ctx = cache.allocate()
+    rng = np.random.default_rng(n)
+    step = 512
+    for start in range(0, n, step):
+        count = min(step, n - start)
+        ctx.extend(rng.integers(0, 50_000, count).tolist(),
+                   rng.standard_normal(LAYOUT.batch_shape(count), dtype=np.float32))
+    return cache, ctx
+
+
+def measure(folder: Path, precision: str, n: int, repeat: int) -> dict:
+    cache, ctx = filled_context(precision, n)
+    path = folder / f"{precision}-{n}.kvs"
+    raw_path = folder / f"{precision}-{n}.raw"
+
+    def durable_snapshot():
+        ctx.snapshot(path)
+
+    def buffered_snapshot():
+        with open(folder / "buffered.kvs", "wb") as file:
+            ctx.snapshot(file)
+
+    durable_snapshot()
+    size = path.stat().st_size
+    raw = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+
+    def durable_raw():
+        with open(raw_path, "wb") as file:
+            raw.tofile(file)
+            file.flush()
+            os.fsync(file.fileno())
+
+    def buffered_raw():
+        with open(raw_path, "wb") as file:
+            raw.tofile(file)
+
+    restored = []
+
+    def restore():
+        target = Cache(LAYOUT, page_tokens=PAGE_TOKENS, precision=precision)
+        restored.append(len(target.restore(path)))
+
+    def validate():
+        # Everything restore does before it touches the cache: read, checksum, check every field and value.
+        with open(path, "rb") as file:
+            header, body, crc = read_snapshot(file, LAYOUT, os.fstat(file.fileno()).st_size)
+        check_body(header, body, crc)
+
+    def raw_read():
+        np.fromfile(raw_path, dtype=np.uint8)
+
+    durable_raw()
+    times = {
+        "write_durable": best_of(repeat, durable_snapshot), "raw_write_durable": best_of(repeat, durable_raw),
+        "write_buffered": best_of(repeat, buffered_snapshot), "raw_write_buffered": best_of(repeat, buffered_raw),
+        "restore": best_of(repeat, restore), "validate": best_of(repeat, validate),
+        "raw_read": best_of(repeat, raw_read),
+    }
+    assert restored and all(count == n for count in restored)
+    memory = len(ctx._pages) * (cache.store.page_bytes + PAGE_TOKENS * 8)   # values + int64 token slots
+    for leftover in (path, raw_path, folder / "buffered.kvs"):
+        leftover.unlink(missing_ok=True)
+    row = {"precision": precision, "positions": n, "file_bytes": size, "memory_bytes": memory,
+           "file_over_memory": size / memory}
+    for name, seconds in times.items():
+        row[f"{name}_s"] = seconds
+        row[f"{name}_bytes_per_s"] = size / seconds
+    row["write_durable_ratio"] = times["write_durable"] / times["raw_write_durable"]
+    row["write_buffered_ratio"] = times["write_buffered"] / times["raw_write_buffered"]
+    row["restore_ratio"] = times["restore"] / times["raw_read"]
+    row["validate_ratio"] = times["validate"] / times["raw_read"]
+    return row
+
+
+def format_rows(rows: list[dict]) -> str:
+    lines = [f"{'prec':5} {'pos':>5} {'file MB':>8} {'file/mem':>8} | {'write MB/s':>10} {'raw':>7} {'x':>5} | "
+             f"{'buffered':>8} {'raw':>7} {'x':>5} | {'restore':>8} {'raw':>7} {'x':>5} | {'validate x':>10}"]
+    for r in rows:
+        mb = 1e6
+        lines.append(
+            f"{r['precision']:5} {r['positions']:>5} {r['file_bytes'] / mb:>8.1f} {r['file_over_memory']:>8.3f} | "
+            f"{r['write_durable_bytes_per_s'] / mb:>10.0f} {r['raw_write_durable_bytes_per_s'] / mb:>7.0f} "
+            f"{r['write_durable_ratio']:>5.2f} | "
+            f"{r['write_buffered_bytes_per_s'] / mb:>8.0f} {r['raw_write_buffered_bytes_per_s'] / mb:>7.0f} "
+            f"{r['write_buffered_ratio']:>5.2f} | "
+            f"{r['restore_bytes_per_s'] / mb:>8.0f} {r['raw_read_bytes_per_s'] / mb:>7.0f} {r['restore_ratio']:>5.2f} | "
+            f"{r['validate_ratio']:>10.2f}")
+    lines.append("x = snapshot time / raw NumPy time for the same byte count (target: <= 2); validate x = "
+                 "restore's read + checksums + checks, without building pages, over raw read")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.snapshot_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--precision", nargs="+", default=["f32", "f16", "q8"], choices=["f32", "f16", "q8"])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="folder for the files (default: a temporary one)")
+    parser.add_argument("--out", default="bench/results/snapshot.json")
+    args = parser.parse_args(argv)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvstate-bench-", dir=args.dir) as folder:
+        for precision in args.precision:
+            for n in args.positions:
+                rows.append(measure(Path(folder), precision, n, args.repeat))
+                print(format_rows(rows[-1:]).splitlines()[1], flush=True)
+    print(format_rows(rows))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"layout": str(LAYOUT), "page_tokens": PAGE_TOKENS, "rows": rows},
+                                             indent=2))
+        print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

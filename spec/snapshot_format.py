@@ -1,0 +1,238 @@
+"""The snapshot file format, version 1: what a context looks like on disk.
+
+A snapshot is one header followed by one body, little-endian throughout::
+
+    offset  size  field
+    0       8     magic            b"\\x89KVS\\r\\n\\x1a\\n" (catches text-mode and 7-bit mangling)
+    8       2     version          u16, FORMAT_VERSION
+    10      1     precision        u8, PRECISION_CODES: 0 f32, 1 f16, 2 q8
+    11      1     reserved         u8, must be 0
+    12      4     layers           u32, 1..MAX_LAYERS
+    16      4     kv_heads         u32, 1..MAX_KV_HEADS
+    20      4     head_dim         u32, 1..MAX_HEAD_DIM
+    24      8     positions        u64, 0..MAX_POSITIONS
+    32      8     body_bytes       u64, must equal body_size(layout, precision, positions)
+    40      4     body_crc         u32, CRC-32 of the whole body
+    44      4     header_crc       u32, CRC-32 of header bytes [0, 44)
+    48            body
+
+The body is position-major, so it does not depend on the page size that wrote it.
+Its sections follow one another with no padding (``body_sections``):
+
+    tokens   positions x int32                                      (each in [0, 2**31))
+    values   positions x (layers, 2, kv_heads, head_dim)            f32 / f16 / int8 codes
+    scales   positions x (layers, 2, kv_heads)   float32            (q8 only)
+
+Values are the cache's own stored form (``spec.precision``'s encoded form), so a
+restore into the same precision is bit-exact and a q8 file is no larger than
+the memory it came from. A restore into another precision decodes to float32 and
+encodes by the target's rule.
+
+Rules a reader follows, in this order, before it allocates anything:
+1. magic, then version (a later version may size its header differently), then
+   the header's length, then ``header_crc``: nothing is sized from an unchecked header;
+2. every header field against its limit: more than MAX_POSITIONS positions is
+   ``SnapshotTooLargeError``; ``body_bytes`` must match what the fields imply;
+3. the layout against the cache's (``SnapshotLayoutError``);
+4. the file's real size against ``HEADER_SIZE + body_bytes``: shorter is
+   ``SnapshotTruncatedError``, longer is ``SnapshotCorruptError``;
+5. ``body_crc``, then every token id and every value (finite floats; q8 codes in
+   [-127, 127] and scales finite, non-negative and small enough that
+   ``127 * scale`` is finite).
+
+CRC-32 detects every error confined to 32 consecutive bits, so every single-byte
+corruption is caught by a checksum even where the field itself would look valid.
+Writers replace the target atomically (temporary file in the same folder,
+flush, fsync, rename, fsync of the folder); temporary names follow TEMP_PREFIX /
+TEMP_SUFFIX so they are never mistaken for snapshots.
+
+Compatibility: the version is bumped only together with a loader for every
+older version; golden files under ``tests/golden`` guard that.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import (SnapshotCorruptError, SnapshotTooLargeError, SnapshotTruncatedError,
+                     SnapshotVersionError)
+from .layout import Layout
+
+MAGIC = b"\x89KVS\r\n\x1a\n"
+FORMAT_VERSION = 1
+LOADABLE_VERSIONS = (1,)
+
+HEADER = struct.Struct("<8sHBBIIIQQII")
+HEADER_SIZE = HEADER.size                 # 48
+HEADER_CRC_OFFSET = HEADER_SIZE - 4
+
+PRECISION_CODES = {"f32": 0, "f16": 1, "q8": 2}
+PRECISION_NAMES = {code: name for name, code in PRECISION_CODES.items()}
+
+MAX_POSITIONS = 16_777_216
+MAX_LAYERS = 1024
+MAX_KV_HEADS = 1024
+MAX_HEAD_DIM = 4096
+
+TOKEN_DTYPE = np.dtype("<i4")
+VALUE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "q8": np.dtype("i1")}
+SCALE_DTYPE = np.dtype("<f4")
+Q8_CODE_LIMIT = 127
+Q8_SCALE_LIMIT = np.float32(np.finfo(np.float32).max / 127)   # beyond it code * scale overflows
+
+TEMP_PREFIX = "."
+TEMP_SUFFIX = ".kvs-partial"
+
+
+@dataclass(frozen=True)
+class Header:
+    version: int
+    precision: str
+    layout: Layout
+    positions: int
+    body_bytes: int
+    body_crc: int
+
+
+def crc32(data, value: int = 0) -> int:
+    return zlib.crc32(data, value) & 0xFFFFFFFF
+
+
+def body_sections(layout: Layout, precision: str, positions: int) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each body section, in file order."""
+    sections = [("tokens", TOKEN_DTYPE, (positions,)),
+                ("values", VALUE_DTYPES[precision], layout.batch_shape(positions))]
+    if precision == "q8":
+        sections.append(("scales", SCALE_DTYPE, layout.batch_shape(positions)[:-1]))
+    return sections
+
+
+def body_size(layout: Layout, precision: str, positions: int) -> int:
+    return sum(dtype.itemsize * int(np.prod(shape, dtype=object))
+               for _, dtype, shape in body_sections(layout, precision, positions))
+
+
+def pack_header(precision: str, layout: Layout, positions: int, body_crc: int,
+                body_bytes: int | None = None) -> bytes:
+    """The 48 header bytes of a current-version snapshot, ``header_crc`` included.
+
+    ``body_bytes`` defaults to what the other fields imply (fuzzers pass their own).
+    """
+    declared = body_size(layout, precision, positions) if body_bytes is None else body_bytes
+    fields = HEADER.pack(MAGIC, FORMAT_VERSION, PRECISION_CODES[precision], 0,
+                         layout.layers, layout.kv_heads, layout.head_dim, positions, declared, body_crc, 0)
+    return fields[:HEADER_CRC_OFFSET] + struct.pack("<I", crc32(fields[:HEADER_CRC_OFFSET]))
+
+
+def parse_header(data: bytes) -> Header:
+    """Validate the first bytes of a file (at least HEADER_SIZE when available) as a header.
+
+    Raises the ``SnapshotError`` subclass that names the first thing wrong, and
+    its offset; sizes nothing from a field before the header checksum holds.
+    """
+    n = len(data)
+    if data[:len(MAGIC)] != MAGIC[:n]:
+        raise SnapshotCorruptError(f"bad magic at offset 0: {bytes(data[:len(MAGIC)])!r} is not a kvstate snapshot")
+    if n < 10:
+        raise SnapshotTruncatedError(f"file ends at byte {n}, inside the {HEADER_SIZE}-byte header")
+    version = struct.unpack_from("<H", data, 8)[0]
+    if version not in LOADABLE_VERSIONS:
+        raise SnapshotVersionError(
+            f"format version {version} at offset 8 is not loadable by this build (loads {LOADABLE_VERSIONS}); "
+            f"the file is newer than this build, or damaged")
+    if n < HEADER_SIZE:
+        raise SnapshotTruncatedError(f"file ends at byte {n}, inside the {HEADER_SIZE}-byte header")
+    (_, _, code, reserved, layers, kv_heads, head_dim, positions, declared, body_crc,
+     header_crc) = HEADER.unpack_from(data, 0)
+    actual = crc32(bytes(data[:HEADER_CRC_OFFSET]))
+    if actual != header_crc:
+        raise SnapshotCorruptError(
+            f"header checksum mismatch at offset {HEADER_CRC_OFFSET}: stored {header_crc:#010x}, "
+            f"header bytes give {actual:#010x}")
+    if code not in PRECISION_NAMES:
+        raise SnapshotCorruptError(f"precision code {code} at offset 10 is not one of {PRECISION_NAMES}")
+    if reserved != 0:
+        raise SnapshotCorruptError(f"reserved byte at offset 11 is {reserved}, must be 0")
+    for name, value, limit, offset in (("layers", layers, MAX_LAYERS, 12), ("kv_heads", kv_heads, MAX_KV_HEADS, 16),
+                                       ("head_dim", head_dim, MAX_HEAD_DIM, 20)):
+        if value < 1:
+            raise SnapshotCorruptError(f"{name} at offset {offset} is {value}, must be at least 1")
+        if value > limit:
+            raise SnapshotTooLargeError(f"{name} at offset {offset} is {value}, above the format's limit {limit}")
+    if positions > MAX_POSITIONS:
+        raise SnapshotTooLargeError(
+            f"positions at offset 24 is {positions}, above the format's limit {MAX_POSITIONS}")
+    precision = PRECISION_NAMES[code]
+    layout = Layout(layers, kv_heads, head_dim)
+    expected = body_size(layout, precision, positions)
+    if declared != expected:
+        raise SnapshotCorruptError(
+            f"body_bytes at offset 32 is {declared}, but {positions} positions of {layout} at {precision} "
+            f"take {expected}")
+    return Header(version, precision, layout, positions, declared, body_crc)
+
+
+_FLOAT_BITS = {2: (np.uint16, 0x7FFF, 0x7C00), 4: (np.uint32, 0x7FFFFFFF, 0x7F800000)}   # (view, |x| mask, inf)
+_FINITE_CHUNK = 1 << 20
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether a contiguous f16/f32 array holds no NaN or infinity.
+
+    Compares magnitude bits as integers, a chunk at a time: exact, SIMD-fast even
+    for f16 (whose float reductions are slow), and no full-size temporary.
+    """
+    uint, mask, infinity = _FLOAT_BITS[values.dtype.itemsize]
+    flat = np.ascontiguousarray(values).reshape(-1).view(uint)
+    scratch = np.empty(min(flat.size, _FINITE_CHUNK), uint)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        chunk = flat[start:start + _FINITE_CHUNK]
+        magnitude = np.bitwise_and(chunk, uint(mask), out=scratch[:chunk.size])
+        if magnitude.max() >= infinity:
+            return False
+    return True
+
+
+def split_body(header: Header, body) -> dict[str, np.ndarray]:
+    """Views of each section of a checksummed body buffer (no copy)."""
+    arrays, offset = {}, 0
+    for name, dtype, shape in body_sections(header.layout, header.precision, header.positions):
+        count = int(np.prod(shape, dtype=np.int64))
+        arrays[name] = np.frombuffer(body, dtype=dtype, count=count, offset=offset).reshape(shape)
+        offset += count * dtype.itemsize
+    return arrays
+
+
+def check_body(header: Header, body, body_crc: int | None = None) -> dict[str, np.ndarray]:
+    """Checksum, then every token and value of the body; the section views on success.
+
+    ``body_crc`` is the body's CRC-32 when the reader computed it while reading.
+    """
+    actual = crc32(body) if body_crc is None else body_crc
+    if actual != header.body_crc:
+        raise SnapshotCorruptError(
+            f"body checksum mismatch (body starts at offset {HEADER_SIZE}, {header.body_bytes} bytes): "
+            f"stored {header.body_crc:#010x}, body gives {actual:#010x}")
+    arrays = split_body(header, body)
+    tokens = arrays["tokens"]
+    if tokens.size and tokens.min() < 0:     # int32 cannot reach TOKEN_LIMIT; only the sign can be wrong
+        bad = int(np.argmax(tokens < 0))
+        raise SnapshotCorruptError(f"token id {int(tokens[bad])} at position {bad} is negative")
+    values = arrays["values"]
+    if header.precision == "q8":
+        if values.size and (values.min() < -Q8_CODE_LIMIT):
+            index = tuple(int(i) for i in np.argwhere(values < -Q8_CODE_LIMIT)[0])
+            raise SnapshotCorruptError(f"q8 code -128 at {index} is outside [-127, 127]")
+        scales = arrays["scales"]
+        ok = np.isfinite(scales) & (scales >= 0) & (scales <= Q8_SCALE_LIMIT)
+        if not ok.all():
+            index = tuple(int(i) for i in np.argwhere(~ok)[0])
+            raise SnapshotCorruptError(f"q8 scale {scales[index]} at {index} is not a finite value in [0, max/127]")
+    elif not all_finite(values):
+        index = tuple(int(i) for i in np.argwhere(~np.isfinite(values))[0])
+        raise SnapshotCorruptError(f"value {values[index]} at {index} (position, layer, k/v, head, dim) is not finite")
+    return arrays

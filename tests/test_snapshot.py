@@ -1,0 +1,279 @@
+"""Snapshots: round trips across page sizes, arenas and precisions, refusals that change nothing."""
+
+import io
+import os
+
+import numpy as np
+import pytest
+
+from kvstate.impl.cache import Cache
+from kvstate.reference import RefCache
+from kvstate.spec import precision as precisions
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.errors import (PrecisionRangeError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
+                                 SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError)
+from kvstate.spec.layout import Layout
+from kvstate.spec.protocol import Config
+from kvstate.stateful.ops import values_for
+
+LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
+PRECISIONS = ("f32", "f16", "q8")
+
+
+def bits(values: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+
+
+def filled(precision, page_tokens=4, arena_pages=0, n=11, seed=3, layout=LAYOUT):
+    """An engine context and its reference twin, written in two pieces plus an overwrite of a shared page."""
+    cache = Cache(layout, page_tokens=page_tokens, precision=precision, arena_pages=arena_pages)
+    ref = RefCache(Config(layout, page_tokens, precision, arena_pages))
+    tokens = [(7 * i) % 50 for i in range(n)]
+    engine_ctx, ref_ctx = cache.allocate(), ref.allocate()
+    for ctx in (engine_ctx, ref_ctx):
+        ctx.extend(tokens[:n // 2], values_for(layout, n // 2, seed))
+        ctx.extend(tokens[n // 2:], values_for(layout, n - n // 2, seed + 1))
+    sibling = engine_ctx.fork()   # shares pages: the snapshot must see only engine_ctx's own values
+    sibling.overwrite(0, [1], values_for(layout, 1, seed + 2))
+    return cache, engine_ctx, ref_ctx
+
+
+def assert_reads_equal(engine_ctx, ref_ctx):
+    values, tokens = engine_ctx.read()
+    ref_values, ref_tokens = ref_ctx.read()
+    np.testing.assert_array_equal(bits(values), bits(ref_values))
+    np.testing.assert_array_equal(tokens, ref_tokens)
+
+
+@pytest.mark.parametrize("pages", [(64, 128), (128, 64), (3, 7), (7, 3), (1, 5)], ids=lambda p: f"{p[0]}to{p[1]}")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_restore_across_page_sizes_is_bit_exact(tmp_path, precision, pages):
+    written_at, restored_at = pages
+    cache, ctx, ref_ctx = filled(precision, page_tokens=written_at, n=150)
+    path = tmp_path / "ctx.kvs"
+    ctx.snapshot(path)
+    target = Cache(LAYOUT, page_tokens=restored_at, precision=precision)
+    restored = target.restore(path)
+    assert len(restored) == 150
+    assert len(target.observe().pages) == -(-150 // restored_at)
+    assert_reads_equal(restored, ref_ctx)
+
+
+@pytest.mark.parametrize("arenas", [(0, 3), (3, 0), (2, 50)], ids=lambda a: f"arena{a[0]}to{a[1]}")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_restore_across_arena_and_heap(precision, arenas):
+    cache, ctx, ref_ctx = filled(precision, page_tokens=3, arena_pages=arenas[0])
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    target = Cache(LAYOUT, page_tokens=5, precision=precision, arena_pages=arenas[1])
+    stream.seek(0)
+    restored = target.restore(stream)
+    assert_reads_equal(restored, ref_ctx)
+    obs = target.observe()
+    assert len(obs.arena_out) == min(arenas[1], 3)     # 11 positions at 5 per page: 3 pages
+    restored.close()
+    assert not target.observe().pages
+
+
+@pytest.mark.parametrize("source", PRECISIONS)
+@pytest.mark.parametrize("target_precision", PRECISIONS)
+def test_restore_into_another_precision_converts_by_spec_rules(source, target_precision):
+    cache, ctx, ref_ctx = filled(source, page_tokens=4)
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    stream.seek(0)
+    target = Cache(LAYOUT, page_tokens=6, precision=target_precision)
+    restored = target.restore(stream)
+    # The reference converts the same way: what the source read, encoded by the target's rule.
+    ref_target = RefCache(Config(LAYOUT, 6, target_precision))
+    twin = ref_target.restore(ref_ctx.snapshot())
+    assert_reads_equal(restored, twin)
+    expected = precisions.roundtrip(target_precision, ref_ctx.read()[0])
+    np.testing.assert_array_equal(bits(restored.read()[0]), bits(expected))
+
+
+def test_empty_context_round_trips():
+    cache = Cache(LAYOUT)
+    stream = io.BytesIO()
+    cache.allocate().snapshot(stream)
+    assert len(stream.getvalue()) == fmt.HEADER_SIZE
+    stream.seek(0)
+    restored = Cache(LAYOUT, page_tokens=2).restore(stream)
+    assert len(restored) == 0 and restored.tokens == []
+
+
+def test_non_seekable_stream_round_trips():
+    class Pipe:
+        def __init__(self, data):
+            self.inner = io.BytesIO(data)
+
+        def read(self, n=-1):
+            return self.inner.read(n)
+
+    cache, ctx, ref_ctx = filled("q8")
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    restored = Cache(LAYOUT, precision="q8").restore(Pipe(stream.getvalue()))
+    assert_reads_equal(restored, ref_ctx)
+    with pytest.raises(SnapshotTruncatedError):
+        Cache(LAYOUT, precision="q8").restore(Pipe(stream.getvalue()[:-1]))
+    with pytest.raises(SnapshotCorruptError, match="after the body"):
+        Cache(LAYOUT, precision="q8").restore(Pipe(stream.getvalue() + b"\x00"))
+
+
+def test_file_size_is_the_stored_form():
+    """q8 and f16 files hold the stored form, so they are no larger than the memory they came from."""
+    sizes = {}
+    for precision in PRECISIONS:
+        cache, ctx, _ = filled(precision, page_tokens=4, n=64)
+        stream = io.BytesIO()
+        ctx.snapshot(stream)
+        sizes[precision] = len(stream.getvalue())
+        pages = len(ctx._pages)
+        in_memory = pages * (cache.store.page_bytes + cache.page_tokens * 8)   # values + int64 token slots
+        assert sizes[precision] <= in_memory
+        assert sizes[precision] == fmt.HEADER_SIZE + fmt.body_size(LAYOUT, precision, 64)
+    values = 64 * LAYOUT.values_per_position
+    assert sizes["f32"] - sizes["f16"] == 2 * values
+    assert sizes["f16"] - sizes["q8"] == values - 4 * values // LAYOUT.head_dim
+
+
+def state_of(cache):
+    return cache.observe(), cache.stats(), cache._next_context_id
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_refused_restores_change_nothing(tmp_path, precision):
+    cache, ctx, _ = filled(precision, arena_pages=2)
+    cache.retain(ctx)
+    good = tmp_path / "good.kvs"
+    ctx.snapshot(good)
+    data = good.read_bytes()
+    before = state_of(cache)
+    bad = tmp_path / "bad.kvs"
+    cases = [
+        (data[:-1], SnapshotTruncatedError, "header declares"),
+        (data[:20], SnapshotTruncatedError, "inside the 48-byte header"),
+        (data + b"x", SnapshotCorruptError, "unexpected bytes"),
+        (data[:-1] + bytes([data[-1] ^ 1]), SnapshotCorruptError, "body checksum"),
+        (data[:30] + bytes([data[30] ^ 1]) + data[31:], SnapshotCorruptError, "header checksum"),
+        (b"PK\x03\x04" + data[4:], SnapshotCorruptError, "bad magic"),
+        (data[:8] + b"\x09\x00" + data[10:], SnapshotVersionError, "version 9"),
+    ]
+    for content, error, message in cases:
+        bad.write_bytes(content)
+        with pytest.raises(error, match=message):
+            cache.restore(bad)
+        assert state_of(cache) == before
+    with pytest.raises(SnapshotLayoutError, match="differs from the cache"):
+        Cache(Layout(2, 2, 8), precision=precision).restore(good)
+
+
+def test_huge_declarations_are_refused_without_allocating():
+    import tracemalloc
+
+    from kvstate.fuzz.snapshot_fuzz import signed_header
+
+    class Pipe:
+        def __init__(self, data):
+            self.inner = io.BytesIO(data)
+
+        def read(self, n=-1):
+            return self.inner.read(n)
+
+    big = Layout(fmt.MAX_LAYERS, fmt.MAX_KV_HEADS, fmt.MAX_HEAD_DIM)
+    cache = Cache(big)    # allocates nothing until a context is written
+    tracemalloc.start()
+    try:
+        with pytest.raises(SnapshotTooLargeError, match="3000000000"):
+            cache.restore(io.BytesIO(signed_header("f32", big, 3_000_000_000)))
+        # At the limit, the header is legal and declares ~10^18 bytes: the real size refuses it.
+        with pytest.raises(SnapshotTruncatedError, match="declares"):
+            cache.restore(io.BytesIO(signed_header("f32", big, fmt.MAX_POSITIONS)))
+        with pytest.raises(SnapshotTruncatedError, match="stream ended"):
+            cache.restore(Pipe(signed_header("f32", big, fmt.MAX_POSITIONS) + b"\x00" * 1000))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20
+    assert cache.stats()["pages_allocated"] == 0
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_hostile_files_with_valid_checksums_are_refused_by_name(precision):
+    from kvstate.fuzz.snapshot_fuzz import host_cache, hostile_files
+
+    expected = {
+        "negative token id": (SnapshotCorruptError, "token id -1 at position 0"),
+        "NaN value": (SnapshotCorruptError, "not finite"),
+        "infinite value": (SnapshotCorruptError, "not finite"),
+        "f16 infinity": (SnapshotCorruptError, "not finite"),
+        "q8 code -128": (SnapshotCorruptError, "q8 code -128"),
+        "q8 negative scale": (SnapshotCorruptError, "q8 scale"),
+        "q8 NaN scale": (SnapshotCorruptError, "q8 scale"),
+        "q8 huge scale": (SnapshotCorruptError, "q8 scale"),
+        "reserved byte set": (SnapshotCorruptError, "reserved byte at offset 11"),
+        "unknown precision code": (SnapshotCorruptError, "precision code 7 at offset 10"),
+        "zero layers": (SnapshotCorruptError, "layers at offset 12 is 0"),
+        "body_bytes off by one": (SnapshotCorruptError, "body_bytes at offset 32"),
+        "version 2": (SnapshotVersionError, "version 2 at offset 8"),
+        "another layout": (SnapshotLayoutError, "differs"),
+        "billions of positions": (SnapshotTooLargeError, "positions at offset 24"),
+        "one past the position limit": (SnapshotTooLargeError, "16777217"),
+        "the position limit, no body": (SnapshotTruncatedError, "declares"),
+    }
+    cache = host_cache(precision)
+    before = state_of(cache)
+    seen = 0
+    for description, data in hostile_files(precision):
+        error, message = expected[description]
+        with pytest.raises(error, match=message):
+            cache.restore(io.BytesIO(data))
+        assert state_of(cache) == before, description
+        seen += 1
+    assert seen == {"f32": 12, "f16": 11, "q8": 14}[precision]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_conversion_that_overflows_f16_is_refused_and_changes_nothing():
+    cache = Cache(LAYOUT, precision="f32")
+    ctx = cache.allocate()
+    big = np.full(LAYOUT.batch_shape(1), 1e6, np.float32)
+    ctx.extend([1], big)
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    target = Cache(LAYOUT, precision="f16")
+    before = state_of(target)
+    stream.seek(0)
+    with pytest.raises(PrecisionRangeError):
+        target.restore(stream)
+    assert state_of(target) == before
+
+
+def test_snapshot_of_closed_context_is_refused(tmp_path):
+    from kvstate.spec.errors import ContextClosedError
+
+    cache = Cache(LAYOUT)
+    ctx = cache.allocate()
+    ctx.close()
+    with pytest.raises(ContextClosedError):
+        ctx.snapshot(tmp_path / "x.kvs")
+    assert not os.listdir(tmp_path)
+
+
+def test_every_snapshot_error_is_a_snapshot_error():
+    for error in (SnapshotCorruptError, SnapshotTruncatedError, SnapshotTooLargeError, SnapshotVersionError,
+                  SnapshotLayoutError):
+        assert issubclass(error, SnapshotError)
+
+
+def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
+    cache, ctx, ref_ctx = filled("f16")
+    path = tmp_path / "log.bin"
+    path.write_bytes(b"prefix")
+    with open(path, "ab") as file:
+        ctx.snapshot(file)
+    with open(path, "rb") as file:
+        assert file.read(6) == b"prefix"
+        restored = Cache(LAYOUT, precision="f16").restore(file)
+    assert_reads_equal(restored, ref_ctx)

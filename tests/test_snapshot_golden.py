@@ -1,0 +1,48 @@
+"""Golden snapshot files: every build restores what released versions wrote, bit-exactly."""
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstate.impl.cache import Cache
+from kvstate.spec import precision as precisions
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.layout import Layout
+
+GOLDEN = Path(__file__).parent / "golden"
+LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
+FILES = sorted(GOLDEN.glob("v*/*.kvs"))
+
+
+def test_golden_files_exist_for_each_precision_and_version():
+    versions = {path.parent.name for path in FILES}
+    assert {f"v{v}" for v in fmt.LOADABLE_VERSIONS} <= versions
+    for version in versions:
+        assert {p.stem for p in FILES if p.parent.name == version} == {"f32", "f16", "q8"}
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}-{p.stem}")
+@pytest.mark.parametrize("page_tokens", [1, 3, 64])
+def test_golden_file_restores_bit_exactly(path, page_tokens):
+    precision = path.stem
+    expected = np.load(path.with_suffix(".expected.npz"))
+    ctx = Cache(LAYOUT, page_tokens=page_tokens, precision=precision).restore(path)
+    values, tokens = ctx.read()
+    np.testing.assert_array_equal(values.view(np.uint32), expected["values"].view(np.uint32))
+    np.testing.assert_array_equal(tokens, expected["tokens"])
+    if path.parent.name == f"v{fmt.FORMAT_VERSION}":
+        # The current writer still writes these very bytes.
+        stream = io.BytesIO()
+        ctx.snapshot(stream)
+        assert stream.getvalue() == path.read_bytes()
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}-{p.stem}")
+@pytest.mark.parametrize("target", ["f32", "f16", "q8"])
+def test_golden_file_restores_into_every_precision(path, target):
+    expected = np.load(path.with_suffix(".expected.npz"))["values"]
+    ctx = Cache(LAYOUT, page_tokens=2, precision=target).restore(path)
+    want = expected if target == path.stem else precisions.roundtrip(target, expected)
+    np.testing.assert_array_equal(ctx.read()[0].view(np.uint32), want.view(np.uint32))
