@@ -698,3 +698,31 @@ CI_ITERATIONS = {
     "close_races": 12,
     "snapshot_vs_decode": 3,
 }
+
+
+def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scenarios: list[str] | None = None,
+           scale: int = 10, out=print) -> dict[str, dict[str, int]]:
+    """Run every scenario on every store, ``scale`` times the CI iterations, round after round with
+    seeds ``seed, seed + 1, ...``, until ``minutes`` have passed. Stops at the first ``RaceFailure``
+    (which propagates, naming store, seed and iteration). Returns totals per scenario."""
+    stores = stores or available_stores()
+    names = scenarios or list(SCENARIOS)
+    totals: dict[str, dict[str, int]] = {}
+    deadline = time.monotonic() + minutes * 60
+    round_seed = seed
+    while True:
+        for name in names:
+            for store in stores:
+                try:
+                    report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale)
+                except SnapshotsUnavailable:
+                    continue
+                total = totals.setdefault(f"{name}[{store}]", {"rounds": 0, "iterations": 0})
+                total["rounds"] += 1
+                total["iterations"] += report.iterations
+                for key, value in report.counts.items():
+                    total[key] = total.get(key, 0) + value
+                out(str(report))
+        round_seed += 1
+        if time.monotonic() >= deadline:
+            return totals
