@@ -14,7 +14,6 @@ it, and a context has one owner at a time (enforced by ``_owned``).
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,17 +39,9 @@ class Context:
 
     # -- ownership ---------------------------------------------------------------
 
-    @contextmanager
-    def _owned(self):
+    def _owned(self) -> "_Ownership":
         """Hold this context for one operation; refuse a second concurrent user by name."""
-        if not self._busy.acquire(blocking=False):
-            raise ContextBusyError(f"context {self.context_id} is in use by another thread")
-        try:
-            if self._closed:
-                raise ContextClosedError(f"context {self.context_id} is closed")
-            yield
-        finally:
-            self._busy.release()
+        return _Ownership(self)
 
     def __enter__(self) -> "Context":
         return self
@@ -198,6 +189,26 @@ class Context:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._length} positions in {len(self._pages)} pages"
         return f"<Context {self.context_id}: {state}>"
+
+
+class _Ownership:
+    """``with ctx._owned():`` -- a plain class rather than a generator, since fork is a hot path."""
+
+    __slots__ = ("ctx",)
+
+    def __init__(self, ctx: Context):
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        ctx = self.ctx
+        if not ctx._busy.acquire(blocking=False):
+            raise ContextBusyError(f"context {ctx.context_id} is in use by another thread")
+        if ctx._closed:
+            ctx._busy.release()
+            raise ContextClosedError(f"context {ctx.context_id} is closed")
+
+    def __exit__(self, *exc) -> None:
+        self.ctx._busy.release()
 
 
 def _check_range(what: str, start, stop, length: int) -> None:

@@ -41,7 +41,8 @@ def encode(precision: str, x: np.ndarray) -> tuple[np.ndarray, ...]:
     if precision == "f32":
         return (np.array(x, dtype=np.float32),)
     if precision == "f16":
-        half = x.astype(np.float16)
+        with np.errstate(over="ignore"):    # overflow is reported below, by name
+            half = x.astype(np.float16)
         if not np.isfinite(half).all():
             bad = tuple(int(i) for i in np.argwhere(~np.isfinite(half))[0])
             raise PrecisionRangeError(f"K/V value {x[bad]} at index {bad} overflows f16 (|x| > {F16_MAX})")

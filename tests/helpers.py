@@ -1,0 +1,40 @@
+"""Small shared builders for the directed tests."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstate import Cache, Layout
+from kvstate.reference import RefCache
+from kvstate.spec import invariants
+from kvstate.spec.protocol import Config
+from kvstate.stateful.ops import values_for
+
+LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
+
+
+def make_cache(page_tokens=4, precision="f32", arena_pages=0, max_entries=4, **kw) -> Cache:
+    return Cache(LAYOUT, page_tokens=page_tokens, precision=precision, arena_pages=arena_pages,
+                 max_entries=max_entries, **kw)
+
+
+def make_reference(page_tokens=4, precision="f32", arena_pages=0, max_entries=4) -> RefCache:
+    return RefCache(Config(LAYOUT, page_tokens, precision, arena_pages, max_entries))
+
+
+def kv(n: int, seed: int = 0) -> np.ndarray:
+    return values_for(LAYOUT, n, seed)
+
+
+def filled(cache, n: int, seed: int = 0, first_token: int = 0):
+    ctx = cache.allocate()
+    ctx.extend([(first_token + i) % 1000 for i in range(n)], kv(n, seed))
+    return ctx
+
+
+def assert_empty_after_closing(cache, contexts) -> None:
+    for ctx in contexts:
+        if not ctx.closed:
+            ctx.close()
+    cache.clear()
+    invariants.check_empty(cache.observe())

@@ -1,0 +1,131 @@
+"""Bad input gets a named error and changes nothing."""
+
+import numpy as np
+import pytest
+
+from helpers import LAYOUT, filled, kv, make_cache
+
+from kvstate import Cache, Layout
+from kvstate.spec import errors
+
+
+@pytest.fixture
+def cache():
+    return make_cache(page_tokens=4, precision="f16", arena_pages=3, max_entries=2)
+
+
+def snapshot_state(cache, ctx):
+    obs = cache.observe()
+    return (obs.pages, obs.holders, obs.lengths, obs.arena_out, obs.arena_free, obs.entries,
+            cache.stats(), ctx.read()[0].tobytes(), ctx.read()[1].tobytes())
+
+
+def refused(cache, ctx, error, action):
+    before = snapshot_state(cache, ctx)
+    with pytest.raises(error) as caught:
+        action()
+    assert str(caught.value), "a refusal must say what was wrong"
+    assert snapshot_state(cache, ctx) == before
+    return caught.value
+
+
+BAD_WRITES = [
+    ("shape", errors.ShapeError, lambda: ([1, 2], np.zeros((2, 2, 2, 4), np.float32))),
+    ("count", errors.ShapeError, lambda: ([1, 2, 3], kv(2))),
+    ("dtype f64", errors.DTypeError, lambda: ([1, 2], kv(2).astype(np.float64))),
+    ("dtype int", errors.DTypeError, lambda: ([1, 2], np.zeros(LAYOUT.batch_shape(2), np.int32))),
+    ("list kv", errors.DTypeError, lambda: ([1, 2], kv(2).tolist())),
+    ("nan", errors.NonFiniteError, lambda: ([1, 2], np.where(np.arange(64).reshape(kv(2).shape) == 40,
+                                                                np.float32("nan"), kv(2)).astype(np.float32))),
+    ("inf", errors.NonFiniteError, lambda: ([1], np.full(LAYOUT.batch_shape(1), np.inf, np.float32))),
+    ("f16 overflow", errors.PrecisionRangeError, lambda: ([1], np.full(LAYOUT.batch_shape(1), 1e6, np.float32))),
+    ("negative token", errors.TokenError, lambda: ([1, -1], kv(2))),
+    ("huge token", errors.TokenError, lambda: ([1, 2**31], kv(2))),
+    ("float token", errors.DTypeError, lambda: ([1, 2.0], kv(2))),
+    ("bool token", errors.DTypeError, lambda: ([True, 2], kv(2))),
+    ("float token array", errors.DTypeError, lambda: (np.array([1.0, 2.0]), kv(2))),
+    ("2-d tokens", errors.ShapeError, lambda: (np.array([[1, 2]]), kv(2))),
+]
+
+
+@pytest.mark.parametrize("name,error,make", BAD_WRITES, ids=[b[0] for b in BAD_WRITES])
+def test_bad_extend_and_overwrite_are_refused_and_change_nothing(cache, name, error, make):
+    ctx = filled(cache, 5)
+    shared = ctx.fork()           # a refused write must not even copy the shared page
+    tokens, values = make()
+    refused(cache, ctx, error, lambda: ctx.extend(tokens, values))
+    refused(cache, ctx, error, lambda: ctx.overwrite(0, tokens, values))
+    shared.close()
+
+
+@pytest.mark.parametrize("start,n", [(-1, 1), (4, 2), (6, 0), (5, 1)])
+def test_overwrite_outside_the_context_is_refused(cache, start, n):
+    ctx = filled(cache, 5)
+    refused(cache, ctx, errors.PositionError, lambda: ctx.overwrite(start, [1] * n, kv(n)))
+
+
+@pytest.mark.parametrize("start,stop", [(-1, 2), (2, 1), (0, 6), (6, 6)])
+def test_read_outside_the_context_is_refused(cache, start, stop):
+    ctx = filled(cache, 5)
+    refused(cache, ctx, errors.PositionError, lambda: ctx.read(start, stop))
+
+
+@pytest.mark.parametrize("n", [-1, 6, 2.0, None])
+def test_truncate_beyond_length_is_refused(cache, n):
+    ctx = filled(cache, 5)
+    refused(cache, ctx, errors.PositionError, lambda: ctx.truncate(n))
+
+
+def test_retain_of_an_empty_context_is_refused(cache):
+    ctx = cache.allocate()
+    refused(cache, ctx, errors.EmptyContextError, lambda: cache.retain(ctx))
+
+
+def test_retain_of_another_caches_context_is_refused(cache):
+    other = make_cache()
+    foreign = filled(other, 3)
+    ctx = filled(cache, 2)
+    refused(cache, ctx, errors.ForeignContextError, lambda: cache.retain(foreign))
+
+
+def test_match_with_bad_tokens_is_refused(cache):
+    ctx = filled(cache, 3)
+    cache.retain(ctx)
+    refused(cache, ctx, errors.TokenError, lambda: cache.match([0, -5]))
+
+
+def test_use_after_close_is_refused_by_name(cache):
+    ctx = filled(cache, 5)
+    ctx.close()
+    for action in (lambda: ctx.read(), lambda: ctx.fork(), lambda: ctx.extend([1], kv(1)),
+                   lambda: ctx.overwrite(0, [1], kv(1)), lambda: ctx.truncate(0), lambda: ctx.tokens,
+                   lambda: ctx.close(), lambda: cache.retain(ctx)):
+        with pytest.raises(errors.ContextClosedError):
+            action()
+
+
+def test_context_manager_closes_once():
+    cache = make_cache()
+    with filled(cache, 3) as ctx:
+        assert len(ctx) == 3
+    assert ctx.closed and cache.stats()["live_pages"] == 0
+
+
+@pytest.mark.parametrize("kwargs,error", [
+    (dict(page_tokens=0), errors.ConfigError),
+    (dict(page_tokens=2.5), errors.ConfigError),
+    (dict(precision="bf16"), errors.ConfigError),
+    (dict(arena_pages=-1), errors.ConfigError),
+    (dict(max_entries=0), errors.ConfigError),
+    (dict(store="gpu"), errors.ConfigError),
+    (dict(device="cuda"), errors.ConfigError),
+])
+def test_impossible_configurations_are_refused(kwargs, error):
+    with pytest.raises(error):
+        Cache(LAYOUT, **kwargs)
+
+
+@pytest.mark.parametrize("dims", [(0, 1, 1), (1, -2, 1), (1, 1, True), (1.5, 1, 1)])
+def test_impossible_layouts_are_refused(dims):
+    with pytest.raises(errors.ConfigError):
+        Layout(*dims)
