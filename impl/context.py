@@ -122,12 +122,7 @@ class Context:
                     self.writable(first)           # the partly filled last page
                 while len(self._pages) < end:
                     self._pages.append(self._cache.pool.new_page())
-                # Raise the high-water marks before the bytes land outside the lock: an
-                # observe() in between must never find written bytes past ``filled``
-                # (it would report a dirty tail that is not there).
-                for index in range(first, end):
-                    page = self._pages[index]
-                    page.filled = max(page.filled, span_in_page(index, start, stop, self.page_tokens)[1])
+                self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
                 self._length = stop
@@ -149,11 +144,26 @@ class Context:
                     self.writable(index)
             self._write(start, stop, tokens, encoded)
 
+    def _raise_filled(self, start: int, stop: int) -> None:
+        """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,
+        before the bytes land outside it: an ``observe()`` in between must never find written
+        bytes past ``filled`` (it would report a dirty tail that is not there)."""
+        for index in range(*pages_touched(start, stop, self.page_tokens)):
+            page = self._pages[index]
+            page.filled = max(page.filled, span_in_page(index, start, stop, self.page_tokens)[1])
+
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
 
-        Runs outside the cache lock; ``filled`` was already raised under it.
+        Runs outside the cache lock. ``extend`` raised the ``filled`` marks in its own
+        critical section; any other caller (a restore filling fresh pages) gets them raised
+        here, under the lock, before a byte is written. Reading the marks unlocked is safe:
+        only this context's owner changes the marks of its private pages.
         """
+        if any(self._pages[index].filled < span_in_page(index, start, stop, self.page_tokens)[1]
+               for index in range(*pages_touched(start, stop, self.page_tokens))):
+            with self._cache.lock:
+                self._raise_filled(start, stop)
         store = self._cache.store
         for index in range(*pages_touched(start, stop, self.page_tokens)):
             lo, hi = span_in_page(index, start, stop, self.page_tokens)
