@@ -33,6 +33,11 @@ Under the cache lock although it is a copy: zeroing a recycled arena slot and
 under the lock keeps "a live page holds consistent bytes" true for ``observe``
 and the slot books.
 
+Page stores: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books``
+and the counters are used under the cache lock; ``encode``, ``write``, ``read``,
+``read_empty`` and ``concat`` are called outside it, from several threads at
+once, on different pages, so a store must keep no shared scratch state there.
+
 Tree entries are forks the tree owns; no user holds them, so they are touched
 only under the cache lock (``retain``, ``match``, eviction, ``clear``). A
 ``match`` that forks an entry and a ``clear`` or eviction that releases it are
