@@ -680,6 +680,51 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
     return report
 
 
+# -- observe() while other threads write -----------------------------------------------------------
+
+def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 2,
+                          observations: int = 1000) -> RaceReport:
+    """Writers extend, overwrite and restart contexts (fresh pages, recycled arena slots, partly filled
+    pages) while the main thread observes: every observation must satisfy invariants 1-3, in particular
+    no page may show bytes past its ``filled`` mark while a write is in flight."""
+    report = RaceReport("observe_during_writes", store, seed, threads=threads + 1)
+    configs = race_configs()
+    with switch_interval():
+        for iteration in range(iterations):
+            config = configs[iteration % len(configs)]
+            where = f"observe_during_writes[{store}, {config.name}] seed={seed} iteration={iteration}"
+            cache, done = make_cache(store, config), threading.Event()
+
+            def writer(t: int) -> Callable[[], None]:
+                def run() -> None:
+                    rng, fresh = _rng(seed, iteration, t + 1), 100_000 * (t + 1)
+                    while not done.is_set():
+                        ctx = cache.allocate()
+                        for _ in range(4 * config.page_tokens):
+                            extend(ctx, config, [fresh])
+                            fresh += 1
+                            if rng.random() < 0.3:
+                                overwrite(ctx, config, int(rng.integers(len(ctx))), [fresh])
+                                fresh += 1
+                        verify(ctx, config, f"writer {t}")
+                        ctx.close()
+                        report.add("contexts_written")
+                return run
+
+            def observer() -> None:
+                try:
+                    for _ in range(observations):
+                        invariants.check_structure(cache.observe())
+                        report.add("observations")
+                finally:
+                    done.set()
+
+            run_threads([writer(t) for t in range(threads)] + [observer], where)
+            check_emptied(cache, where)
+            report.iterations += 1
+    return report
+
+
 # -- the catalogue ----------------------------------------------------------------------------------
 
 SCENARIOS: dict[str, Callable[..., RaceReport]] = {
@@ -688,6 +733,7 @@ SCENARIOS: dict[str, Callable[..., RaceReport]] = {
     "match_close_vs_clear": match_close_vs_clear,
     "close_races": close_races,
     "snapshot_vs_decode": snapshot_vs_decode,
+    "observe_during_writes": observe_during_writes,
 }
 
 # Iterations per scenario: CI keeps the suite's share to seconds; stress multiplies them.
@@ -697,6 +743,7 @@ CI_ITERATIONS = {
     "match_close_vs_clear": 6,
     "close_races": 12,
     "snapshot_vs_decode": 3,
+    "observe_during_writes": 4,
 }
 
 

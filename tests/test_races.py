@@ -73,6 +73,13 @@ def test_snapshot_and_restore_race_a_decode_rewriting_the_shared_prefix(store):
     assert report.counts["snapshots"] > 0 and report.counts["decode_steps"] > 0
 
 
+@pytest.mark.parametrize("store", STORES)
+def test_observe_while_other_threads_write_sees_consistent_structure(store):
+    report = _run("observe_during_writes", store)
+    assert report.counts["observations"] == 1000 * report.iterations
+    assert report.counts["contexts_written"] > 0
+
+
 # -- deterministic: one thread holds a context, another is refused by name -----------------
 
 def _holding(ctx):
