@@ -210,14 +210,15 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
     done.set()
     if watcher is not None:
         watcher.join(max(1.0, deadline - time.monotonic()))
-    hung = [t.name for t in threads + ([watcher] if watcher else []) if t.is_alive()]
-    if hung:
-        raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
+    # A thread's own failure first: it may be why another one never finished.
     real = [(i, e) for i, e in failures if not isinstance(e, threading.BrokenBarrierError)] or failures
     if real:
         index, error = real[0]
         name = "observer" if index == len(bodies) else f"thread {index}"
         raise RaceFailure(f"{where}, {name}: {type(error).__name__}: {error}") from error
+    hung = [t.name for t in threads + ([watcher] if watcher else []) if t.is_alive()]
+    if hung:
+        raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
 
 
 def check_after(cache: Cache, where: str, expected_tree=None, live: dict | None = None,
