@@ -72,9 +72,11 @@ class RaceReport:
     iterations: int = 0
     threads: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, n: int = 1) -> None:
-        self.counts[name] = self.counts.get(name, 0) + n
+        with self._lock:        # threads count at once; a bare read-modify-write would lose counts
+            self.counts[name] = self.counts.get(name, 0) + n
 
     def __str__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
