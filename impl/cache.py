@@ -23,10 +23,11 @@ encoding the caller's values, writing value bytes and token ids into pages
 into a page that ``writable`` or allocation made private (refcount 1) under the
 lock, and no second holder can appear until this context's owner forks or
 retains it, which it cannot do mid-write. A page that is shared is never written,
-so readers of other holders need no lock. ``extend`` raises each page's
-``filled`` mark under the lock before its bytes land, so ``observe`` (which
-checks that nothing past ``filled`` was written) never sees a half-finished
-write as a dirty tail.
+so readers of other holders need no lock. Each page's ``filled`` mark is raised
+under the lock before its bytes land (in ``extend``'s critical section, or by
+``Context._write`` for any other caller such as a restore), so ``observe``
+(which checks that nothing past ``filled`` was written) never sees a
+half-finished write as a dirty tail.
 
 Under the cache lock although it is a copy: zeroing a recycled arena slot and
 ``writable``'s copy of one shared page. Each is one page, bounded, and doing it
