@@ -19,18 +19,15 @@ schedule itself cannot be replayed, so a failure names all three and the store,
 and rerunning that seed retries the same work under new schedules.
 
 ``tests/test_races.py`` runs these at CI size; ``kvstate stress`` runs them for
-minutes. ``SCENARIOS`` maps names to the functions.
+minutes. ``SCENARIOS`` maps names to the functions; the shared harness is
+``stateful/race_harness.py``.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -39,218 +36,15 @@ import numpy as np
 from kvstate.impl import Cache, Context
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
-from kvstate.spec import precision as precisions
 from kvstate.spec.arithmetic import pages_needed, pages_touched
-from kvstate.spec.errors import ContextBusyError, ContextClosedError, InvariantViolation
-from kvstate.spec.layout import Layout
-from kvstate.spec.protocol import Config, standard_configs
+from kvstate.spec.errors import ContextBusyError, ContextClosedError
+from kvstate.spec.protocol import Config
 
-from .lockstep import to_numpy
-
-RACE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
-RACE_PAGE_TOKENS = 3          # odd, so writes straddle page boundaries
-RACE_ARENA_PAGES = 8          # small: runs out (heap fallback) and recycles slots constantly
-RACE_MAX_ENTRIES = 3          # small: eviction on most retains
-SWITCH_INTERVAL = 1e-6        # seconds; CPython's default is 5e-3
-THREAD_TIMEOUT = 120.0        # a thread still running after this is reported as a hang
-BUSY_RETRIES = 1_000_000      # a ContextBusyError retried this often is a livelock
-
-
-class RaceFailure(AssertionError):
-    """A race scenario found a wrong outcome; the message names store, seed, iteration and thread."""
-
-
-class SnapshotsUnavailable(Exception):
-    """This build has no ``Context.snapshot`` / ``Cache.restore`` yet."""
-
-
-@dataclass
-class RaceReport:
-    scenario: str
-    store: str
-    seed: int
-    iterations: int = 0
-    threads: int = 0
-    counts: dict[str, int] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:        # threads count at once; a bare read-modify-write would lose counts
-            self.counts[name] = self.counts.get(name, 0) + n
-
-    def __str__(self) -> str:
-        counts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-        return f"{self.scenario}[{self.store}] seed={self.seed} iterations={self.iterations} threads={self.threads}: {counts}"
-
-
-# -- stores and configurations -------------------------------------------------------
-
-def available_stores() -> list[str]:
-    """The page stores this build has: ``numpy`` always, ``torch`` once ``impl/torch.py`` exists."""
-    stores = ["numpy"]
-    if importlib.util.find_spec("kvstate.impl.torch") is not None and importlib.util.find_spec("torch") is not None:
-        stores.append("torch")
-    return stores
-
-
-def race_configs(max_entries: int = RACE_MAX_ENTRIES) -> list[Config]:
-    """The six configurations (three precisions, heap and a small arena); iterations cycle through them."""
-    return standard_configs(RACE_LAYOUT, page_tokens=RACE_PAGE_TOKENS, max_entries=max_entries,
-                            arena_pages=RACE_ARENA_PAGES)
-
-
-def make_cache(store: str, config: Config) -> Cache:
-    return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                 store=store, arena_pages=config.arena_pages, max_entries=config.max_entries)
-
-
-# -- self-verifying values -------------------------------------------------------------
-
-def kv_for(layout: Layout, tokens, start: int) -> np.ndarray:
-    """The K/V every test writes for ``tokens`` at positions ``start, start + 1, ...``: a function of (token, position)."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    positions = np.arange(start, start + len(tokens), dtype=np.int64)
-    base = ((tokens * 7919 + positions * 104729) % 1_000_003).astype(np.float64)
-    lanes = np.arange(layout.values_per_position, dtype=np.float64).reshape(layout.position_shape)
-    scale = (1 + tokens % 5).astype(np.float64)
-    phase = base.reshape(-1, 1, 1, 1, 1) * 1e-3 + lanes * 0.37
-    return (np.sin(phase) * scale.reshape(-1, 1, 1, 1, 1)).astype(np.float32)
-
-
-def expected_read(config: Config, tokens) -> tuple[np.ndarray, np.ndarray]:
-    """What a whole-context read must return for a context whose token ids are ``tokens``."""
-    tokens = np.asarray(tokens, dtype=np.int64)
-    if len(tokens) == 0:
-        return np.zeros(config.layout.batch_shape(0), np.float32), tokens
-    return precisions.roundtrip(config.precision, kv_for(config.layout, tokens, 0)), tokens
-
-
-def read_numpy(ctx) -> tuple[np.ndarray, np.ndarray]:
-    values, tokens = ctx.read()
-    return to_numpy(values), np.asarray(to_numpy(tokens) if not isinstance(tokens, np.ndarray) else tokens)
-
-
-def verify(ctx, config: Config, name: str, want_tokens=None) -> np.ndarray:
-    """Read ``ctx`` and check its values against its token ids (and the ids against ``want_tokens``)."""
-    values, tokens = read_numpy(ctx)
-    want = expected_read(config, tokens if want_tokens is None else want_tokens)
-    invariants.check_values({name: (values, tokens)}, {name: want})
-    return tokens
-
-
-def extend(ctx, config: Config, tokens) -> None:
-    ctx.extend(list(tokens), kv_for(config.layout, tokens, len(ctx)))
-
-
-def overwrite(ctx, config: Config, start: int, tokens) -> None:
-    ctx.overwrite(start, list(tokens), kv_for(config.layout, tokens, start))
-
-
-# -- threads ------------------------------------------------------------------------------
-
-@contextmanager
-def switch_interval(seconds: float = SWITCH_INTERVAL):
-    """Make the interpreter switch threads as often as it can; restore the old interval after."""
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(old)
-
-
-def retry_busy(operation: Callable, report: RaceReport):
-    """Run ``operation``, retrying while another thread holds the context (``ContextBusyError``)."""
-    for _ in range(BUSY_RETRIES):
-        try:
-            return operation()
-        except ContextBusyError:
-            report.add("busy_refusals")
-            time.sleep(0)
-    raise RaceFailure(f"{operation} refused as busy {BUSY_RETRIES} times in a row: livelock")
-
-
-def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cache | None = None,
-                report: RaceReport | None = None) -> None:
-    """Start ``bodies`` together at a barrier, join them, and re-raise the first failure, naming its thread.
-
-    With ``observe_cache``, one more thread checks invariants 1-3 on ``observe()`` until the others finish.
-    """
-    barrier = threading.Barrier(len(bodies) + (observe_cache is not None))
-    failures: list[tuple[int, BaseException]] = []
-    done = threading.Event()
-
-    def wrap(index: int, body: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                barrier.wait()
-                body()
-            except BaseException as error:      # noqa: BLE001 - reported to the joining thread
-                failures.append((index, error))
-                barrier.abort()
-        return run
-
-    def observer() -> None:     # started through ``wrap``, which waits at the barrier
-        checks = 0
-        while not done.is_set():
-            invariants.check_structure(observe_cache.observe())
-            checks += 1
-        if report is not None:
-            report.add("observations", checks)
-
-    threads = [threading.Thread(target=wrap(i, body), name=f"{where}/t{i}", daemon=True)
-               for i, body in enumerate(bodies)]
-    watcher = None
-    if observe_cache is not None:
-        watcher = threading.Thread(target=wrap(len(bodies), observer), name=f"{where}/observer", daemon=True)
-        watcher.start()
-    for thread in threads:
-        thread.start()
-    deadline = time.monotonic() + THREAD_TIMEOUT
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    done.set()
-    if watcher is not None:
-        watcher.join(max(1.0, deadline - time.monotonic()))
-    # A thread's own failure first: it may be why another one never finished.
-    real = [(i, e) for i, e in failures if not isinstance(e, threading.BrokenBarrierError)] or failures
-    if real:
-        index, error = real[0]
-        name = "observer" if index == len(bodies) else f"thread {index}"
-        raise RaceFailure(f"{where}, {name}: {type(error).__name__}: {error}") from error
-    hung = [t.name for t in threads + ([watcher] if watcher else []) if t.is_alive()]
-    if hung:
-        raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
-
-
-def check_after(cache: Cache, where: str, expected_tree=None, live: dict | None = None,
-                reference: dict | None = None) -> None:
-    """Invariants 1-3, the tree (5) against ``expected_tree`` (default: what is observed, structure only),
-    and values (4) of ``live`` engine contexts against ``reference`` twins."""
-    try:
-        obs = cache.observe()
-        invariants.check_structure(obs)
-        if expected_tree is None:
-            expected_tree = [(entry.key, entry.tick) for entry in obs.entries]
-        invariants.check_tree(obs, expected_tree)
-        if live is not None:
-            invariants.check_values({n: read_numpy(c) for n, c in live.items()},
-                                    {n: r.read() for n, r in reference.items()})
-    except InvariantViolation as error:
-        raise RaceFailure(f"{where}: {error}") from error
-
-
-def check_emptied(cache: Cache, where: str) -> None:
-    """Invariant 6 once every context is closed and the tree cleared."""
-    cache.clear()
-    try:
-        invariants.check_empty(cache.observe())
-    except InvariantViolation as error:
-        raise RaceFailure(f"{where}: {error}") from error
-
-
-def _rng(seed: int, iteration: int, thread: int = 0) -> np.random.Generator:
-    return np.random.default_rng([seed, iteration, thread])
+from .race_harness import (  # noqa: F401 - RACE_LAYOUT re-exported for the tests
+    RACE_LAYOUT, RaceFailure, RaceReport, SnapshotsUnavailable, available_stores, check_after, check_emptied,
+    extend, kv_for, make_cache, overwrite, race_configs, read_numpy, retry_busy, run_threads, seeded_rng,
+    switch_interval, verify,
+)
 
 
 # -- 1. sixteen threads fork one parent, then each writes its own branch -------------------
@@ -312,13 +106,13 @@ def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, thread
         for iteration in range(iterations):
             config = configs[iteration % len(configs)]
             where = f"fork_storm[{store}, {config.name}] seed={seed} iteration={iteration}"
-            pt, rng = config.page_tokens, _rng(seed, iteration)
+            pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache, ref = make_cache(store, config), RefCache(config)
             parent_tokens = [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 4 * pt + 1)))]
             parent, ref_parent = cache.allocate(), ref.allocate()
             extend(parent, config, parent_tokens)
             ref_parent.extend(parent_tokens, kv_for(config.layout, parent_tokens, 0))
-            plans = [_branch_plan(_rng(seed, iteration, t + 1), t, len(parent_tokens), pt) for t in range(threads)]
+            plans = [_branch_plan(seeded_rng(seed, iteration, t + 1), t, len(parent_tokens), pt) for t in range(threads)]
             branches: list = [None] * threads
             before = cache.stats()
 
@@ -363,7 +157,7 @@ BASE_COUNT = 4
 
 def _bases(seed: int, iteration: int, length: int) -> list[list[int]]:
     """A few token sequences that share prefixes pairwise, so keys split and share tree nodes."""
-    rng = _rng(seed, iteration, 999)
+    rng = seeded_rng(seed, iteration, 999)
     root = [int(t) for t in rng.integers(0, 500, length)]
     bases = []
     for b in range(BASE_COUNT):
@@ -477,7 +271,7 @@ def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int 
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = []
             for t in range(threads):
-                rng = _rng(seed, iteration, t + 1)
+                rng = seeded_rng(seed, iteration, t + 1)
                 if t % 2 == 0:
                     bodies.append(_tree_worker(cache, config, bases, rng, steps, report, where, retained))
                 else:
@@ -500,7 +294,7 @@ def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 
             where = f"match_close_vs_clear[{store}, {config.name}] seed={seed} iteration={iteration}"
             cache, retained = make_cache(store, config), set()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
-            bodies = [_tree_worker(cache, config, bases, _rng(seed, iteration, t + 1), steps, report, where, retained,
+            bodies = [_tree_worker(cache, config, bases, seeded_rng(seed, iteration, t + 1), steps, report, where, retained,
                                    hold=3)
                       for t in range(threads)]
 
@@ -540,7 +334,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
             config = configs[iteration % len(configs)]
             where = f"close_races[{store}, {config.name}] seed={seed} iteration={iteration}"
             cache = make_cache(store, config)
-            ctx, sibling, tokens = _shared_pair(cache, config, _rng(seed, iteration))
+            ctx, sibling, tokens = _shared_pair(cache, config, seeded_rng(seed, iteration))
             closes, forks, outcomes = [], [], []
             lock = threading.Lock()
 
@@ -561,7 +355,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
 
             def user(t: int) -> Callable[[], None]:
                 def run() -> None:
-                    rng = _rng(seed, iteration, t + 1)
+                    rng = seeded_rng(seed, iteration, t + 1)
                     while True:           # until this thread sees the context closed
                         action = ["read", "fork", "tokens", "retain", "write"][int(rng.integers(5))]
                         try:
@@ -635,7 +429,7 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
         for iteration in range(iterations):
             config = configs[iteration % len(configs)]
             where = f"snapshot_vs_decode[{store}, {config.name}] seed={seed} iteration={iteration}"
-            pt, rng = config.page_tokens, _rng(seed, iteration)
+            pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache = make_cache(store, config)
             tokens = [int(t) for t in rng.integers(0, 1000, 3 * pt + 1)]
             shared = cache.allocate()
@@ -647,7 +441,7 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
 
             def snapshotter() -> None:
                 state = list(tokens)
-                srng = _rng(seed, iteration, 1)
+                srng = seeded_rng(seed, iteration, 1)
                 for step in range(steps):
                     position = int(srng.integers(len(state)))
                     new = 2_000_000 + step
@@ -661,7 +455,7 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
                     report.add("snapshots")
 
             def decode() -> None:
-                drng = _rng(seed, iteration, 2)
+                drng = seeded_rng(seed, iteration, 2)
                 for step in range(steps * 4):
                     n = int(drng.integers(1, len(tokens) + 1))
                     rewrite = [3_000_000 + step * 100 + k for k in range(n)]
@@ -700,7 +494,7 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
 
             def writer(t: int) -> Callable[[], None]:
                 def run() -> None:
-                    rng, fresh = _rng(seed, iteration, t + 1), 100_000 * (t + 1)
+                    rng, fresh = seeded_rng(seed, iteration, t + 1), 100_000 * (t + 1)
                     while not done.is_set():
                         ctx = cache.allocate()
                         for _ in range(4 * config.page_tokens):
