@@ -1,7 +1,49 @@
 """The cache: one page store, one page pool, the radix tree, the live contexts, one lock.
 
-The cache lock guards refcounts, the tree, the arena and the counters (see
-``impl/context.py`` for what runs outside it).
+Concurrency: two locks, always taken in this order.
+
+1. ``Context._busy`` (``Context._owned``), one per context, taken without
+   waiting: a second thread using the same context at the same time gets
+   ``ContextBusyError``, a closed one ``ContextClosedError``. Every public
+   operation on a context takes it, readers too (``tokens``, ``read``,
+   ``fork``, ``Cache.retain``, and ``snapshot``): they read the page list and the
+   page bytes outside the cache lock, which is safe only while nobody else can
+   write this context.
+2. ``Cache.lock`` (an RLock), taken by ``allocate``, ``match``, ``clear``,
+   ``observe``, ``stats`` and inside every context operation that changes a page
+   list, a length or a refcount. It guards refcounts, page lists and lengths, the
+   live-context table, the radix tree and its clock, the arena's slot books, the
+   page pool and the store counters. It is never held while waiting for a
+   ``_busy`` lock (``_owned`` does not wait), so the order cannot deadlock.
+
+Outside the cache lock, under the context's ``_busy`` only: validating and
+encoding the caller's values, writing value bytes and token ids into pages
+(``Context._write``), reading them back (``read``, ``tokens``, the key of
+``retain``), and a snapshot's file I/O. This is safe because a write goes only
+into a page that ``writable`` or allocation made private (refcount 1) under the
+lock, and no second holder can appear until this context's owner forks or
+retains it, which it cannot do mid-write. A page that is shared is never written,
+so readers of other holders need no lock. Each page's ``filled`` mark is raised
+under the lock before its bytes land (in ``extend``'s critical section, or by
+``Context._write`` for any other caller such as a restore), so ``observe``
+(which checks that nothing past ``filled`` was written) never sees a
+half-finished write as a dirty tail.
+
+Under the cache lock although it is a copy: zeroing a recycled arena slot and
+``writable``'s copy of one shared page. Each is one page, bounded, and doing it
+under the lock keeps "a live page holds consistent bytes" true for ``observe``
+and the slot books.
+
+Page stores: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books``
+and the counters are used under the cache lock; ``encode``, ``write``, ``read``,
+``read_empty`` and ``concat`` are called outside it, from several threads at
+once, on different pages, so a store must keep no shared scratch state there.
+
+Tree entries are forks the tree owns; no user holds them, so they are touched
+only under the cache lock (``retain``, ``match``, eviction, ``clear``). A
+``match`` that forks an entry and a ``clear`` or eviction that releases it are
+therefore ordered by the lock: the fork either takes its references first or
+finds no entry.
 """
 
 from __future__ import annotations

@@ -4,11 +4,11 @@
 only place in kvstate where a page is copied, and it copies only a page that
 another holder shares. Every write path goes through it.
 
-Locking: page lists, lengths and refcounts change under the cache lock. Value
-bytes are written outside it, into pages that ``writable`` or allocation just
-made private to this context: no other holder can reach such a page until this
-context's owner forks or retains it, and a context has one owner at a time
-(enforced by ``_owned``).
+Locking (the full discipline is in ``impl/cache.py``): page lists, lengths and
+refcounts change under the cache lock. Value bytes are written outside it, into
+pages that ``writable`` or allocation just made private to this context: no
+other holder can reach such a page until this context's owner forks or retains
+it, and a context has one owner at a time (enforced by ``_owned``).
 """
 
 from __future__ import annotations
@@ -96,15 +96,17 @@ class Context:
     def writable(self, index: int) -> Page:
         """Page ``index``, made private to this context first if another holder shares it.
 
-        The only place a page is copied. Called under the cache lock.
+        The only place a page is copied. Runs under the cache lock (re-entered here,
+        cheaply, so a direct call cannot swap pages and refcounts unlocked).
         """
-        page = self._pages[index]
-        if page.refcount == 1:
-            return page
-        private = self._cache.pool.clone(page)
-        self._cache.pool.release(page)
-        self._pages[index] = private
-        return private
+        with self._cache.lock:
+            page = self._pages[index]
+            if page.refcount == 1:
+                return page
+            private = self._cache.pool.clone(page)
+            self._cache.pool.release(page)
+            self._pages[index] = private
+            return private
 
     def extend(self, tokens, kv) -> None:
         """Append positions. Validated in full before anything is allocated or written."""
@@ -121,6 +123,7 @@ class Context:
                     self.writable(first)           # the partly filled last page
                 while len(self._pages) < end:
                     self._pages.append(self._cache.pool.new_page())
+                self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
                 self._length = stop
@@ -142,8 +145,26 @@ class Context:
                     self.writable(index)
             self._write(start, stop, tokens, encoded)
 
+    def _raise_filled(self, start: int, stop: int) -> None:
+        """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,
+        before the bytes land outside it: an ``observe()`` in between must never find written
+        bytes past ``filled`` (it would report a dirty tail that is not there)."""
+        for index in range(*pages_touched(start, stop, self.page_tokens)):
+            page = self._pages[index]
+            page.filled = max(page.filled, span_in_page(index, start, stop, self.page_tokens)[1])
+
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
-        """Store positions ``[start, stop)`` into pages that are already private."""
+        """Store positions ``[start, stop)`` into pages that are already private.
+
+        Runs outside the cache lock. ``extend`` raised the ``filled`` marks in its own
+        critical section; any other caller (a restore filling fresh pages) gets them raised
+        here, under the lock, before a byte is written. Reading the marks unlocked is safe:
+        only this context's owner changes the marks of its private pages.
+        """
+        if any(self._pages[index].filled < span_in_page(index, start, stop, self.page_tokens)[1]
+               for index in range(*pages_touched(start, stop, self.page_tokens))):
+            with self._cache.lock:
+                self._raise_filled(start, stop)
         store = self._cache.store
         for index in range(*pages_touched(start, stop, self.page_tokens)):
             lo, hi = span_in_page(index, start, stop, self.page_tokens)
@@ -151,7 +172,6 @@ class Context:
             page = self._pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
             page.tokens[lo:hi] = tokens[row:row + hi - lo]
-            page.filled = max(page.filled, hi)
 
     # -- structure -------------------------------------------------------------------
 

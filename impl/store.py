@@ -6,6 +6,11 @@ positions into a page, reads them back as float32 (or in their stored form, for
 snapshots), and copies a whole page.
 ``copy`` is the copy primitive; the engine calls it from ``Context.writable``
 and nowhere else.
+
+Threads: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books`` and
+the counters run under the cache lock; ``encode``, ``write``, ``read``,
+``read_empty`` and ``concat`` run outside it, concurrently on different pages,
+so they must not share scratch buffers or other mutable state.
 """
 
 from __future__ import annotations

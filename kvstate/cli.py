@@ -53,6 +53,20 @@ def _fuzz(args: argparse.Namespace) -> int:
             print(f"  {finding}")
     return 0 if all(report.ok for report in reports.values()) else 1
 
+def _stress(args: argparse.Namespace) -> int:
+    from kvstate.stateful.races import RaceFailure, stress
+
+    print(f"race scenarios for {args.minutes} min, seed {args.seed}, {args.scale}x the CI iterations")
+    try:
+        totals = stress(args.minutes, seed=args.seed, stores=args.store, scenarios=args.scenario, scale=args.scale)
+    except RaceFailure as failure:
+        print(f"FAILED: {failure}")
+        return 1
+    for name, counts in totals.items():
+        print(f"total {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    print("no race found")
+    return 0
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
@@ -82,6 +96,14 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--atheris", action="store_true", help="coverage-guided; pass libFuzzer flags after --")
     fuzz.add_argument("flags", nargs="*", help="with --atheris: corpus dirs and flags such as -max_total_time=600")
     fuzz.set_defaults(run=_fuzz)
+
+    stress = commands.add_parser("stress", help="run the thread-race scenarios for minutes (nightly)")
+    stress.add_argument("--minutes", type=float, default=5.0, help="keep starting rounds until this has passed")
+    stress.add_argument("--seed", type=int, default=0, help="seed of the first round; round k uses seed + k")
+    stress.add_argument("--scale", type=int, default=10, help="iterations per round, as a multiple of CI's")
+    stress.add_argument("--store", action="append", help="page store (repeatable; default: every available one)")
+    stress.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
+    stress.set_defaults(run=_stress)
     return parser
 
 
