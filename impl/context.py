@@ -99,6 +99,40 @@ class Context:
                 tokens.append(page.tokens[lo:hi])
             return store.concat(values), np.concatenate(tokens)
 
+    def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
+        """K and V of one layer for positions ``[start, stop)``: two fresh float32 arrays ``(n, kv_heads, head_dim)``.
+
+        The forward pass's read: it needs one layer at a time, and the page stores
+        hold positions layer-major, so this gathers one contiguous slice per page
+        instead of decoding every layer of every position. Values are exactly what
+        ``read`` returns for the same positions and layer; the result does not
+        depend on the page size.
+        """
+        with self._owned():
+            stop = self._length if stop is None else stop
+            _check_range("read_layer", start, stop, self._length)
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+                    or not 0 <= layer < self._cache.layout.layers:
+                raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
+            store = self._cache.store
+            keys, values = [], []
+            for index in range(*pages_touched(start, stop, self.page_tokens)):
+                lo, hi = span_in_page(index, start, stop, self.page_tokens)
+                k, v = store.read_layer(self._pages[index].buffer, layer, lo, hi)
+                keys.append(k)
+                values.append(v)
+            empty = (0, *self._cache.layout.position_shape[2:])
+            return store.gather(keys, empty), store.gather(values, empty)
+
+    @property
+    def layout(self):
+        return self._cache.layout
+
+    @property
+    def precision(self) -> str:
+        """The cache's precision: what a value written here reads back as."""
+        return self._cache.precision
+
     # -- writing -------------------------------------------------------------------
 
     def writable(self, index: int) -> Page:

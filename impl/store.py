@@ -57,6 +57,16 @@ class PageStore(Protocol):
     def read(self, buffer: Buffer, start: int, stop: int) -> Any:
         """Positions ``[start, stop)`` of the page, position-major float32."""
 
+    def read_layer(self, buffer: Buffer, layer: int, start: int, stop: int) -> tuple[Any, Any]:
+        """K and V of one layer at page offsets ``[start, stop)``, each ``(n, kv_heads, head_dim)`` float32.
+
+        May return views into the page: the caller (``Context.read_layer``) passes
+        them straight to ``gather``, which copies.
+        """
+
+    def gather(self, parts: list[Any], layer_shape: tuple[int, ...]) -> Any:
+        """One fresh contiguous array of ``parts`` joined along the first axis (``layer_shape`` when empty)."""
+
     def is_zero_from(self, buffer: Buffer, offset: int) -> bool:
         """Whether every stored byte at page offsets ``>= offset`` is zero."""
 

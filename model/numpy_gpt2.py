@@ -1,0 +1,134 @@
+"""The GPT-2 forward pass in NumPy, reading and writing its K/V through a context.
+
+Each call appends every new position's K/V (all layers) with one ``ctx.extend``,
+after the pass. Attention reads the past positions back from the context with
+``ctx.read_layer``, so it sees exactly what the cache stores at its precision.
+The new positions' K/V are not in the context yet while later layers run; they
+are passed through ``spec.precision.roundtrip``, which is by definition what a
+read of them will return. So a context's logits depend only on what it stores,
+never on how it got there (a fork, a match, a restore, another page size):
+that is what the exact-logit tests assert.
+
+A context is anything with ``len``, ``layout``, ``precision``,
+``read_layer(layer)`` and ``extend(tokens, kv)``: a kvstate ``Context`` or the
+``ContiguousKV`` baseline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstate.spec.errors import ConfigError, PositionError, TokenError
+from kvstate.spec.layout import check_tokens
+from kvstate.spec.precision import roundtrip
+
+from .config import GPT2Config
+from .weights import check_weights, random_weights
+
+QUERY_CHUNK = 256    # bounds the (heads, queries, keys) score array in long prefills
+
+
+class GPT2:
+    def __init__(self, config: GPT2Config, weights: dict[str, np.ndarray]):
+        check_weights(config, weights)
+        self.config = config
+        self.layout = config.layout
+        self.wte = weights["wte.weight"]
+        self.wpe = weights["wpe.weight"]
+        self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
+        self.blocks = [
+            tuple(weights[f"h.{i}.{part}"] for part in (
+                "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"))
+            for i in range(config.n_layer)
+        ]
+        self.head = np.ascontiguousarray(self.wte.T)     # tied output head, laid out for x @ head
+
+    @classmethod
+    def random(cls, config: GPT2Config, seed: int = 0) -> "GPT2":
+        return cls(config, random_weights(config, seed))
+
+    # -- the two calls ---------------------------------------------------------------
+
+    def prefill(self, ctx, tokens) -> np.ndarray:
+        """Append ``tokens`` to ``ctx``; logits ``(n, vocab)`` for every new position."""
+        return self._forward(ctx, tokens)
+
+    def decode(self, ctx, token: int) -> np.ndarray:
+        """Append one token to ``ctx``; next-token logits ``(vocab,)``."""
+        return self._forward(ctx, [token])[0]
+
+    # -- the pass ----------------------------------------------------------------------
+
+    def _forward(self, ctx, tokens) -> np.ndarray:
+        tokens = check_tokens(tokens)
+        cfg = self.config
+        if ctx.layout != self.layout:
+            raise ConfigError(f"the context's layout {ctx.layout} is not the model's {self.layout}")
+        start, n = len(ctx), len(tokens)
+        if n == 0:
+            raise TokenError("prefill needs at least one token")
+        if start + n > cfg.n_positions:
+            raise PositionError(f"positions up to {start + n} exceed the model's {cfg.n_positions}")
+        if tokens.max() >= cfg.vocab_size:
+            raise TokenError(f"token id {int(tokens.max())} is outside the vocabulary of {cfg.vocab_size}")
+
+        H, D = cfg.n_head, cfg.head_dim
+        x = self.wte[tokens] + self.wpe[start:start + n]
+        kv = np.empty(self.layout.batch_shape(n), np.float32)
+        for layer, (g1, b1, w_qkv, b_qkv, w_o, b_o, g2, b2, w_fc, b_fc, w_out, b_out) in enumerate(self.blocks):
+            qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon) @ w_qkv + b_qkv
+            q, k, v = (part.reshape(n, H, D) for part in np.split(qkv, 3, axis=1))
+            kv[:, layer, 0], kv[:, layer, 1] = k, v
+            keys, values = self._keys_values(ctx, layer, start, k, v)
+            x = x + attend(q, keys, values, start) @ w_o + b_o
+            h = layer_norm(x, g2, b2, cfg.layer_norm_epsilon)
+            x = x + gelu(h @ w_fc + b_fc) @ w_out + b_out
+        ctx.extend(tokens, kv)
+        return layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
+
+    def _keys_values(self, ctx, layer: int, start: int, k: np.ndarray, v: np.ndarray):
+        """Past K/V read from the context, then the new ones as the context will store them."""
+        new_k, new_v = roundtrip(ctx.precision, k), roundtrip(ctx.precision, v)
+        if start == 0:
+            return new_k, new_v
+        past_k, past_v = ctx.read_layer(layer)
+        return np.concatenate([past_k, new_k]), np.concatenate([past_v, new_v])
+
+
+def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    centred = x - mean
+    var = (centred * centred).mean(-1, keepdims=True)
+    return centred / np.sqrt(var + np.float32(eps)) * gain + bias
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GPT-2's tanh approximation ("gelu_new")."""
+    return np.float32(0.5) * x * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * x ** 3)))
+
+
+def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
+    """Causal attention of queries at positions ``start..start+n-1`` over ``keys``/``values`` ``(T, H, D)``.
+
+    Returns ``(n, H * D)``. Queries are processed in chunks so a long prefill
+    never builds an ``(H, n, T)`` score array larger than ``QUERY_CHUNK`` rows.
+    """
+    n, H, D = q.shape
+    scale = np.float32(1 / np.sqrt(D))
+    kh = keys.transpose(1, 2, 0)          # (H, D, T)
+    vh = values.transpose(1, 0, 2)        # (H, T, D)
+    out = np.empty((H, n, D), np.float32)
+    for lo in range(0, n, QUERY_CHUNK):
+        hi = min(n, lo + QUERY_CHUNK)
+        visible = start + hi                      # keys past this are masked for every row of the chunk
+        scores = (q[lo:hi].transpose(1, 0, 2) @ kh[:, :, :visible]) * scale
+        if hi - lo > 1 or visible < keys.shape[0]:
+            rows = np.arange(start + lo, start + hi)[:, None]
+            scores = np.where(np.arange(visible)[None, :] <= rows, scores, np.float32(-np.inf))
+        scores -= scores.max(-1, keepdims=True)
+        weights = np.exp(scores)
+        weights /= weights.sum(-1, keepdims=True)
+        out[:, lo:hi] = weights @ vh[:, :visible]
+    return out.transpose(1, 0, 2).reshape(n, H * D)
