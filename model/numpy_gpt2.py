@@ -93,7 +93,7 @@ class GPT2:
         new_k, new_v = roundtrip(ctx.precision, k), roundtrip(ctx.precision, v)
         if start == 0:
             return new_k, new_v
-        past_k, past_v = ctx.read_layer(layer)
+        past_k, past_v = (np.asarray(part) for part in ctx.read_layer(layer))   # a torch store's CPU tensors too
         return np.concatenate([past_k, new_k]), np.concatenate([past_v, new_v])
 
 
