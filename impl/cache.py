@@ -15,7 +15,7 @@ from kvstate.spec.precision import check_precision
 
 from .context import Context
 from .pages import PagePool
-from .radix import RadixTree
+from .radix import RadixTree, pack
 
 
 def make_store(store: str, layout: Layout, page_tokens: int, precision: str, arena_pages: int, device: str):
@@ -102,7 +102,7 @@ class Cache:
         with ctx._owned():
             if len(ctx) == 0:
                 raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
-            key = tuple(ctx._tokens().tolist())
+            key = pack(ctx._tokens())
             with self.lock:
                 entry = self._fork(ctx, register=False)
                 replaced = self.tree.insert(key, entry)
@@ -113,7 +113,7 @@ class Cache:
 
     def match(self, tokens) -> tuple[Context, int]:
         """A fork of the entry with the longest key that prefixes ``tokens``, and that key's length."""
-        query = tuple(check_tokens(tokens).tolist())
+        query = pack(check_tokens(tokens))
         with self.lock:
             entry, matched = self.tree.lookup(query)
             if entry is None:

@@ -20,6 +20,18 @@ def _conform(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvstate.bench.cli import run
+
+    return run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvstate.demo import main as demo
+
+    return demo()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
                          help="package.module[:factory] (default: the built-in NumPy backend)")
     conform.add_argument("--profile", default="ci", choices=["ci", "nightly"])
     conform.set_defaults(run=_conform)
+
+    from kvstate.bench.cli import add_arguments as bench_arguments
+
+    bench = commands.add_parser("bench", help="run the benchmarks: table, results.json, PNG plots")
+    bench_arguments(bench)
+    bench.set_defaults(run=_bench)
+
+    demo = commands.add_parser("demo", help="ten seconds of what agents get: forks, backtracking, restore, prefix hits")
+    demo.set_defaults(run=_demo)
     return parser
 
 

@@ -105,8 +105,8 @@ def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) ->
 
 
 def gelu(x: np.ndarray) -> np.ndarray:
-    """GPT-2's tanh approximation ("gelu_new")."""
-    return np.float32(0.5) * x * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * x ** 3)))
+    """GPT-2's tanh approximation ("gelu_new"). ``x * x * x``: NumPy's float32 ``x ** 3`` is ~80x slower."""
+    return np.float32(0.5) * x * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * (x * x * x))))
 
 
 def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> np.ndarray:
@@ -123,12 +123,14 @@ def attend(q: np.ndarray, keys: np.ndarray, values: np.ndarray, start: int) -> n
     for lo in range(0, n, QUERY_CHUNK):
         hi = min(n, lo + QUERY_CHUNK)
         visible = start + hi                      # keys past this are masked for every row of the chunk
-        scores = (q[lo:hi].transpose(1, 0, 2) @ kh[:, :, :visible]) * scale
-        if hi - lo > 1 or visible < keys.shape[0]:
-            rows = np.arange(start + lo, start + hi)[:, None]
-            scores = np.where(np.arange(visible)[None, :] <= rows, scores, np.float32(-np.inf))
+        scores = q[lo:hi].transpose(1, 0, 2) @ kh[:, :, :visible]
+        scores *= scale
+        if hi - lo > 1:
+            # keys before the chunk's first query are visible to all its rows: mask only the diagonal block
+            block = scores[:, :, start + lo:]
+            block[:, np.triu(np.ones((hi - lo, hi - lo), bool), 1)] = -np.inf
         scores -= scores.max(-1, keepdims=True)
-        weights = np.exp(scores)
+        weights = np.exp(scores, out=scores)
         weights /= weights.sum(-1, keepdims=True)
         out[:, lo:hi] = weights @ vh[:, :visible]
     return out.transpose(1, 0, 2).reshape(n, H * D)
