@@ -77,7 +77,7 @@ class RadixTree:
 
     def insert(self, key: bytes, value: Any) -> Any:
         """Store ``value`` under non-empty packed ``key``; returns the value it replaced, or None."""
-        node, depth = self._descend(key)
+        node, depth, _, _ = self._walk(key)
         if depth < len(key):
             node = self._add_below(node, key[depth:])
         replaced, node.value = node.value, value
@@ -89,15 +89,7 @@ class RadixTree:
 
         Stamps the entry it finds. ``(None, 0)`` when no key is a prefix of the query.
         """
-        best, best_depth = None, 0
-        node, depth = self.root, 0
-        while depth < len(query):
-            child = node.children.get(query[depth:depth + TOKEN_BYTES])
-            if child is None or not query.startswith(child.edge, depth):
-                break
-            node, depth = child, depth + len(child.edge)
-            if node.value is not None:
-                best, best_depth = node, depth
+        _, _, best, best_depth = self._walk(query)
         if best is None:
             return None, 0
         self._stamp(best)
@@ -146,15 +138,19 @@ class RadixTree:
         self.recency[node] = None
         self.recency.move_to_end(node)
 
-    def _descend(self, key: bytes) -> tuple[Node, int]:
-        """The deepest node whose full path is a prefix of ``key``, and that path's length in bytes."""
+    def _walk(self, key: bytes) -> tuple[Node, int, Node | None, int]:
+        """Follow packed ``key`` down the tree: the deepest node whose full path prefixes it and that
+        path's length in bytes, then the deepest entry node on the way and its depth (None, 0 if none)."""
         node, depth = self.root, 0
+        best, best_depth = None, 0
         while depth < len(key):
             child = node.children.get(key[depth:depth + TOKEN_BYTES])
             if child is None or not key.startswith(child.edge, depth):
                 break
             node, depth = child, depth + len(child.edge)
-        return node, depth
+            if node.value is not None:
+                best, best_depth = node, depth
+        return node, depth, best, best_depth
 
     def _add_below(self, node: Node, rest: bytes) -> Node:
         """A node for packed ``rest`` under ``node``, splitting the edge that shares its start."""

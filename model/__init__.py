@@ -3,6 +3,7 @@
 - ``config.py``      shapes (``GPT2Config``) and the K/V layout they imply
 - ``weights.py``     seeded random weights and the local safetensors loader
 - ``numpy_gpt2.py``  the forward pass in NumPy: ``prefill`` and ``decode``
+- ``torch_gpt2.py``  the same pass in torch (``TorchGPT2``; imported only when asked for)
 - ``contiguous.py``  a plain contiguous K/V cache with the same read/extend calls (benchmark baseline)
 """
 

@@ -62,18 +62,9 @@ class GPT2:
     # -- the pass ----------------------------------------------------------------------
 
     def _forward(self, ctx, tokens) -> np.ndarray:
-        tokens = check_tokens(tokens)
         cfg = self.config
-        if ctx.layout != self.layout:
-            raise ConfigError(f"the context's layout {ctx.layout} is not the model's {self.layout}")
+        tokens = check_call(cfg, ctx, tokens)
         start, n = len(ctx), len(tokens)
-        if n == 0:
-            raise TokenError("prefill needs at least one token")
-        if start + n > cfg.n_positions:
-            raise PositionError(f"positions up to {start + n} exceed the model's {cfg.n_positions}")
-        if tokens.max() >= cfg.vocab_size:
-            raise TokenError(f"token id {int(tokens.max())} is outside the vocabulary of {cfg.vocab_size}")
-
         H, D = cfg.n_head, cfg.head_dim
         x = self.wte[tokens] + self.wpe[start:start + n]
         kv = np.empty(self.layout.batch_shape(n), np.float32)
@@ -95,6 +86,21 @@ class GPT2:
             return new_k, new_v
         past_k, past_v = (np.asarray(part) for part in ctx.read_layer(layer))   # a torch store's CPU tensors too
         return np.concatenate([past_k, new_k]), np.concatenate([past_v, new_v])
+
+
+def check_call(config: GPT2Config, ctx, tokens) -> np.ndarray:
+    """Validated tokens for a forward pass on ``ctx``, or a named error before anything is computed."""
+    tokens = check_tokens(tokens)
+    if ctx.layout != config.layout:
+        raise ConfigError(f"the context's layout {ctx.layout} is not the model's {config.layout}")
+    start, n = len(ctx), len(tokens)
+    if n == 0:
+        raise TokenError("prefill needs at least one token")
+    if start + n > config.n_positions:
+        raise PositionError(f"positions up to {start + n} exceed the model's {config.n_positions}")
+    if tokens.max() >= config.vocab_size:
+        raise TokenError(f"token id {int(tokens.max())} is outside the vocabulary of {config.vocab_size}")
+    return tokens
 
 
 def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:

@@ -16,7 +16,11 @@ from kvstate.spec.precision import PRECISIONS
 
 PAGE = 4
 CONFIG = GPT2Config.tiny()
-MODEL = GPT2.random(CONFIG, seed=3)
+MODELS = {"numpy": GPT2.random(CONFIG, seed=3)}
+if importlib.util.find_spec("torch"):
+    from kvstate.model.torch_gpt2 import TorchGPT2
+
+    MODELS["torch"] = TorchGPT2.random(CONFIG, seed=3)
 PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, CONFIG.vocab_size, 3 * PAGE + 1)]
 CONTINUATION = [11, 42, 7, 93, 5, 60]
 BRANCH = [1, 2, 3, 4, 5]
@@ -29,14 +33,19 @@ def cache(request):
     return Cache(CONFIG.layout, page_tokens=PAGE, precision=precision, store=store, max_entries=4)
 
 
-def prefilled(cache, n):
+@pytest.fixture(params=list(MODELS), ids=lambda name: f"model-{name}")
+def model(request):
+    return MODELS[request.param]
+
+
+def prefilled(model, cache, n):
     ctx = cache.allocate()
-    MODEL.prefill(ctx, PROMPT[:n])
+    model.prefill(ctx, PROMPT[:n])
     return ctx
 
 
-def continue_with(ctx, tokens):
-    return [MODEL.decode(ctx, t) for t in tokens]
+def continue_with(model, ctx, tokens):
+    return [model.decode(ctx, t) for t in tokens]
 
 
 def assert_same(a, b):
@@ -49,61 +58,62 @@ AT_BOUNDARY = [2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1]
 
 
 @pytest.mark.parametrize("n", AT_BOUNDARY)
-def test_fork_continues_exactly_as_its_parent(cache, n):
-    parent = prefilled(cache, n)
+def test_fork_continues_exactly_as_its_parent(model, cache, n):
+    parent = prefilled(model, cache, n)
     child = parent.fork()
-    assert_same(continue_with(child, CONTINUATION), continue_with(parent, CONTINUATION))
+    assert_same(continue_with(model, child, CONTINUATION), continue_with(model, parent, CONTINUATION))
 
 
 @pytest.mark.parametrize("n", AT_BOUNDARY)
-def test_parent_is_isolated_from_its_branch(cache, n):
-    parent = prefilled(cache, n)
+def test_parent_is_isolated_from_its_branch(model, cache, n):
+    parent = prefilled(model, cache, n)
     branch = parent.fork()
-    branch_logits = continue_with(branch, BRANCH[:3])
-    never_forked = prefilled(cache, n)
-    assert_same(continue_with(parent, CONTINUATION), continue_with(never_forked, CONTINUATION))
+    branch_logits = continue_with(model, branch, BRANCH[:3])
+    never_forked = prefilled(model, cache, n)
+    assert_same(continue_with(model, parent, CONTINUATION), continue_with(model, never_forked, CONTINUATION))
     # the branch, resumed after the parent wrote into the page they shared, still sees its own history
-    branch_logits += continue_with(branch, BRANCH[3:])
-    assert_same(branch_logits, continue_with(prefilled(cache, n), BRANCH))
+    branch_logits += continue_with(model, branch, BRANCH[3:])
+    assert_same(branch_logits, continue_with(model, prefilled(model, cache, n), BRANCH))
 
 
 @pytest.mark.parametrize("n", AT_BOUNDARY)
-def test_matched_context_continues_exactly_as_the_retained_one(cache, n):
-    retained = prefilled(cache, n)
+def test_matched_context_continues_exactly_as_the_retained_one(model, cache, n):
+    retained = prefilled(model, cache, n)
     cache.retain(retained)
     matched, length = cache.match(PROMPT[:n] + CONTINUATION)
     assert length == n
-    assert_same(continue_with(matched, CONTINUATION), continue_with(retained, CONTINUATION))
+    assert_same(continue_with(model, matched, CONTINUATION), continue_with(model, retained, CONTINUATION))
 
 
-def test_a_single_changed_value_changes_the_logits(cache):
+def test_a_single_changed_value_changes_the_logits(model, cache):
     """The equality above is sensitive: one stored value different is seen at the logits."""
-    ctx = prefilled(cache, 2 * PAGE)
+    ctx = prefilled(model, cache, 2 * PAGE)
     other = ctx.fork()
     kv, tokens = other.read(PAGE, PAGE + 1)
     kv[0, 0, 0] += 0.5
     other.overwrite(PAGE, tokens, kv)
-    assert not np.array_equal(MODEL.decode(other, 9), MODEL.decode(ctx, 9))
+    assert not np.array_equal(model.decode(other, 9), model.decode(ctx, 9))
 
 
 @pytest.mark.parametrize("restore_page", [PAGE, 2 * PAGE, 3])
-def test_restored_snapshot_continues_exactly(cache, tmp_path, restore_page):
+def test_restored_snapshot_continues_exactly(model, cache, tmp_path, restore_page):
     if not hasattr(Context, "snapshot") or not hasattr(Cache, "restore"):
         pytest.skip("ctx.snapshot / cache.restore are not in this build yet")
-    ctx = prefilled(cache, 2 * PAGE + 1)
+    ctx = prefilled(model, cache, 2 * PAGE + 1)
     path = tmp_path / "ctx.kvs"
     ctx.snapshot(path)
     other = Cache(CONFIG.layout, page_tokens=restore_page, precision=cache.precision,
                   store=type(cache.store).__module__.rsplit(".", 1)[-1])
     restored = other.restore(path)
-    assert_same(continue_with(restored, CONTINUATION), continue_with(ctx, CONTINUATION))
+    assert_same(continue_with(model, restored, CONTINUATION), continue_with(model, ctx, CONTINUATION))
 
 
 # -- the layer-major read the model uses -------------------------------------------------
 
 @pytest.mark.parametrize("start,stop", [(0, 13), (3, 9), (4, 8), (5, 5), (12, 13)])
 def test_read_layer_equals_read(cache, start, stop):
-    ctx = prefilled(cache, 13)
+    model = MODELS["numpy"]
+    ctx = prefilled(model, cache, 13)
     values, _ = ctx.read(start, stop)
     for layer in range(CONFIG.n_layer):
         k, v = ctx.read_layer(layer, start, stop)
@@ -112,7 +122,8 @@ def test_read_layer_equals_read(cache, start, stop):
 
 
 def test_read_layer_refuses_bad_layers_and_ranges(cache):
-    ctx = prefilled(cache, 5)
+    model = MODELS["numpy"]
+    ctx = prefilled(model, cache, 5)
     for bad in (-1, CONFIG.n_layer, True):
         with pytest.raises(PositionError):
             ctx.read_layer(bad)
@@ -120,13 +131,13 @@ def test_read_layer_refuses_bad_layers_and_ranges(cache):
         ctx.read_layer(0, 2, 9)
 
 
-def test_model_refuses_bad_input_and_writes_nothing(cache):
-    ctx = prefilled(cache, 5)
+def test_model_refuses_bad_input_and_writes_nothing(model, cache):
+    ctx = prefilled(model, cache, 5)
     with pytest.raises(TokenError):
-        MODEL.decode(ctx, CONFIG.vocab_size)
+        model.decode(ctx, CONFIG.vocab_size)
     with pytest.raises(PositionError):
-        MODEL.prefill(ctx, [0] * CONFIG.n_positions)
+        model.prefill(ctx, [0] * CONFIG.n_positions)
     wrong = Cache(GPT2Config.tiny(n_layer=3).layout).allocate()
     with pytest.raises(ConfigError):
-        MODEL.decode(wrong, 1)
+        model.decode(wrong, 1)
     assert len(ctx) == 5 and len(wrong) == 0

@@ -25,7 +25,17 @@ def hf_pair(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt2")
     hf.save_pretrained(folder, safe_serialization=True)
     ours_config, weights = load_safetensors(folder / "model.safetensors")
-    return hf, GPT2(ours_config, weights)
+    return hf, ours_config, weights
+
+
+@pytest.fixture(params=["numpy", "torch"])
+def ours(request, hf_pair):
+    _, config, weights = hf_pair
+    if request.param == "numpy":
+        return GPT2(config, weights)
+    from kvstate.model.torch_gpt2 import TorchGPT2
+
+    return TorchGPT2(config, weights)
 
 
 def hf_logits(hf, tokens):
@@ -33,21 +43,20 @@ def hf_logits(hf, tokens):
         return hf(torch.tensor([tokens])).logits[0].numpy()
 
 
-def test_loader_reads_the_shape(hf_pair):
-    _, ours = hf_pair
+def test_loader_reads_the_shape(ours):
     assert (ours.config.n_layer, ours.config.n_head, ours.config.n_embd, ours.config.vocab_size) == (3, 4, 48, 101)
 
 
 @pytest.mark.parametrize("page_tokens", [4, 64])
-def test_prefill_logits_match_hf(hf_pair, page_tokens):
-    hf, ours = hf_pair
+def test_prefill_logits_match_hf(hf_pair, ours, page_tokens):
+    hf = hf_pair[0]
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 101, 30)]
     ctx = Cache(ours.layout, page_tokens=page_tokens).allocate()
     np.testing.assert_allclose(ours.prefill(ctx, tokens), hf_logits(hf, tokens), rtol=1e-4, atol=1e-4)
 
 
-def test_decode_steps_match_hf(hf_pair):
-    hf, ours = hf_pair
+def test_decode_steps_match_hf(hf_pair, ours):
+    hf = hf_pair[0]
     tokens = [int(t) for t in np.random.default_rng(2).integers(0, 101, 20)]
     ctx = Cache(ours.layout, page_tokens=4).allocate()
     ours.prefill(ctx, tokens[:11])
