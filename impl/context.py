@@ -102,11 +102,20 @@ class Context:
     def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for positions ``[start, stop)``: two fresh float32 arrays ``(n, kv_heads, head_dim)``.
 
-        The forward pass's read: it needs one layer at a time, and the page stores
-        hold positions layer-major, so this gathers one contiguous slice per page
-        instead of decoding every layer of every position. Values are exactly what
-        ``read`` returns for the same positions and layer; the result does not
-        depend on the page size.
+        Values are exactly what ``read`` returns for the same positions and layer,
+        gathered into one array each; the result does not depend on the page size.
+        """
+        empty = (0, *self._cache.layout.position_shape[2:])
+        parts = self.read_layer_pages(layer, start, stop)
+        store = self._cache.store
+        return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
+
+    def read_layer_pages(self, layer: int, start: int = 0, stop: int | None = None):
+        """K and V of one layer for ``[start, stop)`` as one ``(k, v)`` pair per page touched, in order.
+
+        The forward pass's read: pages hold positions layer-major, so each pair is
+        a slice of one page, decoded to float32 (at f32, a view: no copy). Views
+        are valid until the next write to this context; do not write into them.
         """
         with self._owned():
             stop = self._length if stop is None else stop
@@ -114,15 +123,11 @@ class Context:
             if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
                     or not 0 <= layer < self._cache.layout.layers:
                 raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
-            store = self._cache.store
-            keys, values = [], []
+            store, parts = self._cache.store, []
             for index in range(*pages_touched(start, stop, self.page_tokens)):
                 lo, hi = span_in_page(index, start, stop, self.page_tokens)
-                k, v = store.read_layer(self._pages[index].buffer, layer, lo, hi)
-                keys.append(k)
-                values.append(v)
-            empty = (0, *self._cache.layout.position_shape[2:])
-            return store.gather(keys, empty), store.gather(values, empty)
+                parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
+            return parts
 
     @property
     def layout(self):

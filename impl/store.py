@@ -60,8 +60,8 @@ class PageStore(Protocol):
     def read_layer(self, buffer: Buffer, layer: int, start: int, stop: int) -> tuple[Any, Any]:
         """K and V of one layer at page offsets ``[start, stop)``, each ``(n, kv_heads, head_dim)`` float32.
 
-        May return views into the page: the caller (``Context.read_layer``) passes
-        them straight to ``gather``, which copies.
+        May return views into the page (``Context.read_layer_pages`` hands them to
+        the forward pass, which only reads them; ``Context.read_layer`` gathers).
         """
 
     def gather(self, parts: list[Any], layer_shape: tuple[int, ...]) -> Any:

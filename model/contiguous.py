@@ -2,7 +2,7 @@
 
 What an HF-style cache is: one preallocated array per layer, grown in place,
 read as a view. Same calls the model uses on a ``Context`` (``len``, ``layout``,
-``precision``, ``read_layer``, ``extend``); f32 only; no sharing.
+``precision``, ``read_layer_pages``, ``extend``); f32 only; no sharing.
 """
 
 from __future__ import annotations
@@ -36,6 +36,6 @@ class ContiguousKV:
         self.token_ids[self.length:stop] = tokens
         self.length = stop
 
-    def read_layer(self, layer: int):
-        """Views of K and V ``(n, kv_heads, head_dim)``: no copy, which is the point of the baseline."""
-        return self.kv[layer, 0, :self.length], self.kv[layer, 1, :self.length]
+    def read_layer_pages(self, layer: int):
+        """One part: views of K and V ``(n, kv_heads, head_dim)``, no copy, which is the point of the baseline."""
+        return [(self.kv[layer, 0, :self.length], self.kv[layer, 1, :self.length])]
