@@ -72,6 +72,7 @@ _DRAWERS = {
     "best_of_n": _best_of_n,
     "agent_traffic": _agent,
     "paged_vs_contiguous_decode": _by_tokens(["paged_ms", "contiguous_ms", "contiguous_one_matmul_ms"], "ms per decode step"),
-    "restore_vs_prefill": _by_tokens(["ours_prefill_s", "hf_prefill_s", "restore_warm_s", "restore_cold_s"],
+    "restore_vs_prefill": _by_tokens(["ours_prefill_s", "hf_prefill_s", "restore_warm_s", "restore_cold_s",
+                                      "read_bytes_s"],
                                      "seconds (log)", log=True),
 }
