@@ -57,7 +57,7 @@ from kvstate.spec.precision import check_precision
 
 from .context import Context
 from .pages import PagePool
-from .radix import RadixTree
+from .radix import RadixTree, pack
 from .snapshot import restore_snapshot
 
 
@@ -148,7 +148,7 @@ class Cache:
         with ctx._owned():
             if len(ctx) == 0:
                 raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
-            key = tuple(ctx._tokens().tolist())
+            key = pack(ctx._tokens())
             with self.lock:
                 entry = self._fork(ctx, register=False)
                 replaced = self.tree.insert(key, entry)
@@ -159,7 +159,7 @@ class Cache:
 
     def match(self, tokens) -> tuple[Context, int]:
         """A fork of the entry with the longest key that prefixes ``tokens``, and that key's length."""
-        query = tuple(check_tokens(tokens).tolist())
+        query = pack(check_tokens(tokens))
         with self.lock:
             entry, matched = self.tree.lookup(query)
             if entry is None:

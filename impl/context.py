@@ -91,6 +91,45 @@ class Context:
                 tokens.append(page.tokens[lo:hi])
             return store.concat(values), np.concatenate(tokens)
 
+    def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
+        """K and V of one layer for positions ``[start, stop)``: two fresh float32 arrays ``(n, kv_heads, head_dim)``.
+
+        Values are exactly what ``read`` returns for the same positions and layer,
+        gathered into one array each; the result does not depend on the page size.
+        """
+        empty = (0, *self._cache.layout.position_shape[2:])
+        parts = self.read_layer_pages(layer, start, stop)
+        store = self._cache.store
+        return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
+
+    def read_layer_pages(self, layer: int, start: int = 0, stop: int | None = None):
+        """K and V of one layer for ``[start, stop)`` as one ``(k, v)`` pair per page touched, in order.
+
+        The forward pass's read: pages hold positions layer-major, so each pair is
+        a slice of one page, decoded to float32 (at f32, a view: no copy). Views
+        are valid until the next write to this context; do not write into them.
+        """
+        with self._owned():
+            stop = self._length if stop is None else stop
+            _check_range("read_layer", start, stop, self._length)
+            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
+                    or not 0 <= layer < self._cache.layout.layers:
+                raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
+            store, parts = self._cache.store, []
+            for index in range(*pages_touched(start, stop, self.page_tokens)):
+                lo, hi = span_in_page(index, start, stop, self.page_tokens)
+                parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
+            return parts
+
+    @property
+    def layout(self):
+        return self._cache.layout
+
+    @property
+    def precision(self) -> str:
+        """The cache's precision: what a value written here reads back as."""
+        return self._cache.precision
+
     # -- writing -------------------------------------------------------------------
 
     def writable(self, index: int) -> Page:

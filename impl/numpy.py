@@ -99,6 +99,19 @@ class NumpyStore:
     def from_encoded(self, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
         return tuple(np.moveaxis(part, 0, 2) for part in parts)
 
+    def read_layer(self, buffer: NumpyBuffer, layer: int, start: int, stop: int):
+        if self.precision == "f32":
+            (values,) = buffer.arrays
+            return values[layer, 0, start:stop], values[layer, 1, start:stop]   # views: gather copies
+        parts = tuple(array[layer, :, start:stop] for array in buffer.arrays)
+        decoded = precisions.decode(self.precision, parts)
+        return decoded[0], decoded[1]
+
+    def gather(self, parts: list[np.ndarray], layer_shape: tuple[int, ...]) -> np.ndarray:
+        if not parts:
+            return np.zeros(layer_shape, np.float32)
+        return np.concatenate(parts)
+
     def read_empty(self) -> np.ndarray:
         return np.zeros(self.layout.batch_shape(0), np.float32)
 

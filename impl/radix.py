@@ -8,6 +8,13 @@ A node without an entry is never a victim: only entries are in the recency order
 
 ``remove`` prunes upward from the victim and collapses a node that has no entry
 and one child into that child, so the tree never keeps splits that split nothing.
+
+Keys and edges are *packed*: token ids as little-endian int32 bytes (``pack``).
+Why: a serving loop matches a few-thousand-token history per request, and
+building a tuple of Python ints for it costs more than the whole walk.
+Packed, a query is one ``tobytes`` and each edge test is one ``startswith``
+(a memcmp, no slice copied); children are found by their first token's bytes.
+``key()`` and ``view`` unpack back to tuples of ints for the invariants.
 """
 
 from __future__ import annotations
@@ -15,16 +22,36 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
-from kvstate.spec.arithmetic import common_prefix_length
+import numpy as np
+
 from kvstate.spec.observation import NodeView
+
+TOKEN_BYTES = 4
+_PACKED = np.dtype("<i4")     # token ids are below 2**31 (spec.layout.TOKEN_LIMIT)
+
+
+def pack(tokens: np.ndarray) -> bytes:
+    """Validated token ids (``spec.layout.check_tokens``) as a packed key."""
+    return np.asarray(tokens).astype(_PACKED, copy=False).tobytes()
+
+
+def unpack(packed: bytes) -> tuple[int, ...]:
+    return tuple(np.frombuffer(packed, _PACKED).tolist())
+
+
+def shared_tokens(a: bytes, b: bytes) -> int:
+    """How many leading tokens packed ``a`` and ``b`` share (where a radix edge splits)."""
+    n = min(len(a), len(b)) // TOKEN_BYTES
+    differ = np.flatnonzero(np.frombuffer(a, _PACKED, n) != np.frombuffer(b, _PACKED, n))
+    return int(differ[0]) if differ.size else n
 
 
 class Node:
     __slots__ = ("edge", "children", "parent", "value", "tick")
 
-    def __init__(self, edge: tuple[int, ...], parent: "Node | None"):
-        self.edge = edge
-        self.children: dict[int, Node] = {}
+    def __init__(self, edge: bytes, parent: "Node | None"):
+        self.edge = edge            # packed tokens
+        self.children: dict[bytes, Node] = {}    # keyed by the packed first token of the child's edge
         self.parent = parent
         self.value: Any = None      # None: no entry at this node
         self.tick = 0
@@ -34,12 +61,12 @@ class Node:
         while node is not None:
             parts.append(node.edge)
             node = node.parent
-        return tuple(token for edge in reversed(parts) for token in edge)
+        return unpack(b"".join(reversed(parts)))
 
 
 class RadixTree:
     def __init__(self):
-        self.root = Node((), None)
+        self.root = Node(b"", None)
         self.recency: OrderedDict[Node, None] = OrderedDict()   # entries, least recent first
         self.clock = 0
 
@@ -48,33 +75,25 @@ class RadixTree:
 
     # -- public operations ---------------------------------------------------------
 
-    def insert(self, key: tuple[int, ...], value: Any) -> Any:
-        """Store ``value`` under non-empty ``key``; returns the value it replaced, or None."""
-        node, depth = self._descend(key)
+    def insert(self, key: bytes, value: Any) -> Any:
+        """Store ``value`` under non-empty packed ``key``; returns the value it replaced, or None."""
+        node, depth, _, _ = self._walk(key)
         if depth < len(key):
             node = self._add_below(node, key[depth:])
         replaced, node.value = node.value, value
         self._stamp(node)
         return replaced
 
-    def lookup(self, query: tuple[int, ...]) -> tuple[Any, int]:
-        """The entry with the longest key that is a prefix of ``query``: ``(value, len(key))``.
+    def lookup(self, query: bytes) -> tuple[Any, int]:
+        """The entry with the longest key that is a prefix of packed ``query``: ``(value, len(key) in tokens)``.
 
         Stamps the entry it finds. ``(None, 0)`` when no key is a prefix of the query.
         """
-        best, best_depth = None, 0
-        node, depth = self.root, 0
-        while depth < len(query):
-            child = node.children.get(query[depth])
-            if child is None or query[depth:depth + len(child.edge)] != child.edge:
-                break
-            node, depth = child, depth + len(child.edge)
-            if node.value is not None:
-                best, best_depth = node, depth
+        _, _, best, best_depth = self._walk(query)
         if best is None:
             return None, 0
         self._stamp(best)
-        return best.value, best_depth
+        return best.value, best_depth // TOKEN_BYTES
 
     def pop_oldest(self, spare: Any = None) -> Any:
         """Remove the least recently used entry (never the one holding ``spare``); return its value."""
@@ -91,7 +110,7 @@ class RadixTree:
         node.value = None
         while node is not self.root and node.value is None and not node.children:
             parent = node.parent
-            del parent.children[node.edge[0]]
+            del parent.children[node.edge[:TOKEN_BYTES]]
             node = parent
         if node is not self.root and node.value is None and len(node.children) == 1:
             self._collapse(node)
@@ -99,7 +118,7 @@ class RadixTree:
     def clear(self) -> list[Any]:
         """Drop every entry; returns their values."""
         values = [node.value for node in self.recency]
-        self.root = Node((), None)
+        self.root = Node(b"", None)
         self.recency.clear()
         return values
 
@@ -119,38 +138,42 @@ class RadixTree:
         self.recency[node] = None
         self.recency.move_to_end(node)
 
-    def _descend(self, key: tuple[int, ...]) -> tuple[Node, int]:
-        """The deepest node whose full path is a prefix of ``key``, and that path's length."""
+    def _walk(self, key: bytes) -> tuple[Node, int, Node | None, int]:
+        """Follow packed ``key`` down the tree: the deepest node whose full path prefixes it and that
+        path's length in bytes, then the deepest entry node on the way and its depth (None, 0 if none)."""
         node, depth = self.root, 0
+        best, best_depth = None, 0
         while depth < len(key):
-            child = node.children.get(key[depth])
-            if child is None or key[depth:depth + len(child.edge)] != child.edge:
+            child = node.children.get(key[depth:depth + TOKEN_BYTES])
+            if child is None or not key.startswith(child.edge, depth):
                 break
             node, depth = child, depth + len(child.edge)
-        return node, depth
+            if node.value is not None:
+                best, best_depth = node, depth
+        return node, depth, best, best_depth
 
-    def _add_below(self, node: Node, rest: tuple[int, ...]) -> Node:
-        """A node for ``rest`` under ``node``, splitting the edge that shares its start."""
-        child = node.children.get(rest[0])
+    def _add_below(self, node: Node, rest: bytes) -> Node:
+        """A node for packed ``rest`` under ``node``, splitting the edge that shares its start."""
+        child = node.children.get(rest[:TOKEN_BYTES])
         if child is None:
             leaf = Node(rest, node)
-            node.children[rest[0]] = leaf
+            node.children[rest[:TOKEN_BYTES]] = leaf
             return leaf
-        middle = self._split(child, common_prefix_length(child.edge, rest))
+        middle = self._split(child, shared_tokens(child.edge, rest) * TOKEN_BYTES)
         if len(middle.edge) == len(rest):
             return middle
         leaf = Node(rest[len(middle.edge):], middle)
-        middle.children[leaf.edge[0]] = leaf
+        middle.children[leaf.edge[:TOKEN_BYTES]] = leaf
         return leaf
 
     def _split(self, child: Node, at: int) -> Node:
-        """Cut ``child``'s edge after ``at`` tokens; the new node above it is returned."""
+        """Cut ``child``'s edge after ``at`` bytes (a whole number of tokens); the new node above it is returned."""
         parent = child.parent
         middle = Node(child.edge[:at], parent)
-        parent.children[middle.edge[0]] = middle
+        parent.children[middle.edge[:TOKEN_BYTES]] = middle
         child.edge = child.edge[at:]
         child.parent = middle
-        middle.children[child.edge[0]] = child
+        middle.children[child.edge[:TOKEN_BYTES]] = child
         return middle
 
     def _collapse(self, node: Node) -> None:
@@ -158,12 +181,13 @@ class RadixTree:
         (child,) = node.children.values()
         child.edge = node.edge + child.edge
         child.parent = node.parent
-        node.parent.children[child.edge[0]] = child
+        node.parent.children[child.edge[:TOKEN_BYTES]] = child
 
 
 def _view(node: Node, key_of) -> NodeView:
     return NodeView(
-        edge=node.edge,
+        edge=unpack(node.edge),
         key=key_of(node.value) if node.value is not None else None,
-        children=tuple(_view(child, key_of) for _, child in sorted(node.children.items())),
+        children=tuple(sorted((_view(child, key_of) for child in node.children.values()),
+                              key=lambda view: view.edge[0])),
     )

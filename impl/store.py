@@ -77,6 +77,16 @@ class PageStore(Protocol):
         bit-exact. The caller has already validated the parts (snapshot checks); nothing is written.
         """
 
+    def read_layer(self, buffer: Buffer, layer: int, start: int, stop: int) -> tuple[Any, Any]:
+        """K and V of one layer at page offsets ``[start, stop)``, each ``(n, kv_heads, head_dim)`` float32.
+
+        May return views into the page (``Context.read_layer_pages`` hands them to
+        the forward pass, which only reads them; ``Context.read_layer`` gathers).
+        """
+
+    def gather(self, parts: list[Any], layer_shape: tuple[int, ...]) -> Any:
+        """One fresh contiguous array of ``parts`` joined along the first axis (``layer_shape`` when empty)."""
+
     def is_zero_from(self, buffer: Buffer, offset: int) -> bool:
         """Whether every stored byte at page offsets ``>= offset`` is zero."""
 

@@ -149,6 +149,20 @@ class TorchStore:
     def from_encoded(self, parts: tuple[np.ndarray, ...]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(np.ascontiguousarray(p)).to(self.device).movedim(0, 2) for p in parts)
 
+    def read_layer(self, buffer: TorchBuffer, layer: int, start: int, stop: int):
+        parts = tuple(t[layer, :, start:stop] for t in buffer.tensors)
+        if self.precision == "q8":
+            codes, scales = parts
+            decoded = codes.to(torch.float32) * scales.unsqueeze(-1)
+        else:
+            decoded = parts[0].to(torch.float32)      # a view for f32: gather copies
+        return decoded[0], decoded[1]
+
+    def gather(self, parts: list[torch.Tensor], layer_shape: tuple[int, ...]) -> torch.Tensor:
+        if not parts:
+            return torch.zeros(layer_shape, dtype=torch.float32, device=self.device)
+        return torch.cat(parts)
+
     def read_empty(self) -> torch.Tensor:
         return torch.zeros(self.layout.batch_shape(0), dtype=torch.float32, device=self.device)
 

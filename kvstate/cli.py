@@ -67,6 +67,17 @@ def _stress(args: argparse.Namespace) -> int:
     print("no race found")
     return 0
 
+def _bench(args: argparse.Namespace) -> int:
+    from kvstate.bench.cli import run
+
+    return run(args)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvstate.demo import main as demo
+
+    return demo()
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
@@ -104,6 +115,15 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--store", action="append", help="page store (repeatable; default: every available one)")
     stress.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
     stress.set_defaults(run=_stress)
+
+    from kvstate.bench.cli import add_arguments as bench_arguments
+
+    bench = commands.add_parser("bench", help="run the benchmarks: table, results.json, PNG plots")
+    bench_arguments(bench)
+    bench.set_defaults(run=_bench)
+
+    demo = commands.add_parser("demo", help="ten seconds of what agents get: forks, backtracking, restore, prefix hits")
+    demo.set_defaults(run=_demo)
     return parser
 
 

@@ -1,0 +1,64 @@
+"""Command line of the benchmarks, shared by ``python -m kvstate.bench`` and ``kvstate bench``.
+
+Every contender in a run (our NumPy model, HF's torch model) uses the same
+thread count. OpenBLAS reads its thread count when NumPy is first imported,
+which importing kvstate already did, so the run re-executes itself once with
+the thread variables set when they differ from ``--threads``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .run import BENCHMARKS  # no NumPy import
+
+    parser.add_argument("names", nargs="*", metavar="NAME",
+                        help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run of under a minute)")
+    parser.add_argument("--full", action="store_true", help="add the 8,192-token restore/prefill size")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS/torch threads (default: all cores)")
+    parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for results.json and PNGs")
+
+
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def pin_threads(args: argparse.Namespace) -> None:
+    """Re-execute ``python -m kvstate.bench`` with BLAS threads set to ``--threads``, unless they already are."""
+    wanted = str(args.threads)
+    if all(os.environ.get(var) == wanted for var in THREAD_VARS):
+        return
+    env = dict(os.environ, **{var: wanted for var in THREAD_VARS})
+    argv = [sys.executable, "-m", "kvstate.bench", *args.names, "--threads", wanted, "--out", str(args.out)]
+    argv += ["--quick"] * args.quick + ["--full"] * args.full
+    sys.stdout.flush()
+    os.execve(sys.executable, argv, env)
+
+
+def run(args: argparse.Namespace) -> int:
+    from .run import BENCHMARKS as known
+
+    unknown = [name for name in args.names if name not in known]
+    if unknown:
+        print(f"kvstate bench: unknown benchmark {', '.join(unknown)}; choose from {', '.join(known)}", file=sys.stderr)
+        return 2
+    pin_threads(args)
+    from .plots import draw
+    from .run import BENCHMARKS, run_all, save
+
+    results = run_all(args.names or BENCHMARKS, quick=args.quick, full=args.full, threads=args.threads)
+    path = save(results, args.out, args.threads)
+    pngs = draw(results, args.out)
+    print(f"\nwrote {path}" + (f" and {len(pngs)} plots" if pngs else " (no plots: pip install kvstate[plot])"))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,61 @@
+"""Fork vs copy: an 8-way fork of a 32-page context versus ``copy.deepcopy`` of the same contiguous cache.
+
+The contiguous cache is what HF users hold and deep-copy to reuse a prompt:
+per layer a (K, V) pair of ``(1, heads, tokens, head_dim)`` arrays.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from kvstate.impl import Cache
+from kvstate.model import GPT2Config
+
+from .timing import best_of
+
+WAYS = 8
+PAGES = 32
+
+
+def run(quick: bool = False) -> dict:
+    layout = GPT2Config.small().layout
+    page_tokens = 16            # 32 pages = 512 tokens of GPT-2-small K/V: 37.7 MB
+    tokens = PAGES * page_tokens
+    cache = Cache(layout, page_tokens=page_tokens)
+    ctx = cache.allocate()
+    kv = np.random.default_rng(0).standard_normal(layout.batch_shape(tokens), dtype=np.float32)
+    ctx.extend(np.arange(tokens), kv)
+    contiguous = [(np.ascontiguousarray(kv[None, :, layer, 0].transpose(0, 2, 1, 3)),
+                   np.ascontiguousarray(kv[None, :, layer, 1].transpose(0, 2, 1, 3))) for layer in range(layout.layers)]
+    cache_bytes = sum(k.nbytes + v.nbytes for k, v in contiguous)
+
+    before = cache.stats()
+    forks = [ctx.fork() for _ in range(WAYS)]
+    after = cache.stats()
+    for f in forks:
+        f.close()
+
+    def fork_only():
+        return [ctx.fork() for _ in range(WAYS)]
+
+    held = []
+    fork_s = best_of(lambda: held.append(fork_only()), repeat=20)
+    for group in held:
+        for f in group:
+            f.close()
+    copy_s = best_of(lambda: [copy.deepcopy(contiguous) for _ in range(WAYS)], repeat=3)
+    return {
+        "name": "fork_vs_copy",
+        "params": {"ways": WAYS, "pages": PAGES, "page_tokens": page_tokens, "layout": "GPT-2 small (12, 12, 64) f32"},
+        "rows": [
+            {"method": "fork", "pages_allocated": after["pages_allocated"] - before["pages_allocated"],
+             "bytes_copied": after["bytes_copied"] - before["bytes_copied"], "seconds": fork_s,
+             "us_per_fork": 1e6 * fork_s / WAYS},
+            {"method": "copy.deepcopy", "pages_allocated": None, "bytes_copied": WAYS * cache_bytes,
+             "seconds": copy_s, "us_per_fork": 1e6 * copy_s / WAYS},
+        ],
+        "ratio": {"deepcopy_over_fork_time": copy_s / fork_s},
+        "targets": {"deepcopy_over_fork_time": 100},
+    }

@@ -1,0 +1,78 @@
+"""PNG plots of the benchmark results (matplotlib: ``pip install kvstate[plot]``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def draw(results: list[dict], out: Path) -> list[Path]:
+    """One PNG per benchmark that has something to plot; [] without matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    drawn = []
+    for result in results:
+        drawer = _DRAWERS.get(result["name"])
+        if drawer is None:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        drawer(ax, result)
+        ax.set_title(result["name"].replace("_", " "))
+        fig.tight_layout()
+        path = out / f"{result['name']}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        drawn.append(path)
+    return drawn
+
+
+def _bars(ax, labels, values, ylabel, log=False):
+    ax.bar(labels, values, color=["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(values)])
+    ax.set_ylabel(ylabel)
+    if log:
+        ax.set_yscale("log")
+
+
+def _fork_copy(ax, r):
+    _bars(ax, [row["method"] for row in r["rows"]], [row["us_per_fork"] for row in r["rows"]],
+          "microseconds per fork / copy (log)", log=True)
+
+
+def _best_of_n(ax, r):
+    _bars(ax, [row["method"] for row in r["rows"]], [row["kv_bytes"] / 2**20 for row in r["rows"]], "K/V MiB held")
+
+
+def _agent(ax, r):
+    row = r["rows"][0]
+    _bars(ax, ["match/s", "retain/s"], [row["match_per_s"], row["retain_per_s"]], "operations per second")
+    for x, target in enumerate((r["targets"]["match_per_s"], r["targets"]["retain_per_s"])):
+        ax.hlines(target, x - 0.4, x + 0.4, colors="k", linestyles="dashed")
+
+
+def _by_tokens(keys, ylabel, log=False):
+    def draw(ax, r):
+        for key in keys:
+            points = [(row["tokens"], row[key]) for row in r["rows"] if row.get(key)]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=key)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.legend()
+    return draw
+
+
+_DRAWERS = {
+    "fork_vs_copy": _fork_copy,
+    "best_of_n": _best_of_n,
+    "agent_traffic": _agent,
+    "paged_vs_contiguous_decode": _by_tokens(["paged_ms", "contiguous_ms", "contiguous_one_matmul_ms"], "ms per decode step"),
+    "restore_vs_prefill": _by_tokens(["ours_prefill_s", "hf_prefill_s", "restore_warm_s", "restore_cold_s",
+                                      "read_bytes_s"],
+                                     "seconds (log)", log=True),
+}

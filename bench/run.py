@@ -1,0 +1,61 @@
+"""Run the benchmarks, print one table each, write ``results.json`` and PNG plots.
+
+Each benchmark module has ``run(quick) -> dict`` with ``name``, ``params``,
+``rows`` (a list of flat dicts: the table) and optionally ``ratio``/``targets``.
+Figures are measured side by side in one run; compare ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+BENCHMARKS = ("fork_copy", "agent_traffic", "paged_decode", "best_of_n", "restore")
+
+
+def run_all(names, quick: bool, full: bool, threads: int) -> list[dict]:
+    import importlib
+
+    results = []
+    for name in names:
+        module = importlib.import_module(f"kvstate.bench.{name}")
+        start = time.perf_counter()
+        kwargs = {"full": full, "threads": threads} if name == "restore" else {}
+        result = module.run(quick=quick, **kwargs)
+        result["wall_s"] = time.perf_counter() - start
+        print(format_result(result), flush=True)
+        results.append(result)
+    return results
+
+
+def format_result(result: dict) -> str:
+    rows = result["rows"]
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = [f"\n== {result['name']}  ({result.get('wall_s', 0):.1f} s)  {result.get('params', '')}",
+             "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    for key in ("ratio", "targets", "same_continuations"):
+        if key in result:
+            lines.append(f"{key}: {_cell(result[key])}")
+    return "\n".join(lines)
+
+
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    return "-" if value is None else str(value)
+
+
+def save(results: list[dict], out: Path, threads: int) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    meta = {"python": platform.python_version(), "machine": platform.machine(), "threads": threads,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    return path

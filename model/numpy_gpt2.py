@@ -1,0 +1,179 @@
+"""The GPT-2 forward pass in NumPy, reading and writing its K/V through a context.
+
+Each call appends every new position's K/V (all layers) with one ``ctx.extend``,
+after the pass. Attention reads the past positions back from the context with
+``ctx.read_layer_pages``, so it sees exactly what the cache stores at its precision.
+The new positions' K/V are not in the context yet while later layers run; they
+are passed through ``spec.precision.roundtrip``, which is by definition what a
+read of them will return. So a context's logits depend only on what it stores,
+never on how it got there (a fork, a match, a restore, another page size):
+that is what the exact-logit tests assert.
+
+Attention runs over fixed blocks of ``ATTENTION_BLOCK`` positions aligned to
+position 0, whatever the page size: with 64-token pages a block is a page, read
+in place (no gather copy); with other sizes blocks are assembled from slices.
+Same blocks, same arithmetic, so the logits do not depend on the page size.
+
+A context is anything with ``len``, ``layout``, ``precision``,
+``read_layer_pages(layer)`` and ``extend(tokens, kv)``: a kvstate ``Context``
+or the ``ContiguousKV`` baseline.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstate.spec.errors import ConfigError, PositionError, TokenError
+from kvstate.spec.layout import check_tokens
+from kvstate.spec.precision import roundtrip
+
+from .config import GPT2Config
+from .weights import check_weights, random_weights
+
+QUERY_CHUNK = 256        # bounds the (heads, queries, keys) score array in long prefills
+ATTENTION_BLOCK = 64     # keys per block; None in ``GPT2.block`` attends over the parts as the context gives them
+
+
+class GPT2:
+    def __init__(self, config: GPT2Config, weights: dict[str, np.ndarray]):
+        check_weights(config, weights)
+        self.config = config
+        self.layout = config.layout
+        self.wte = weights["wte.weight"]
+        self.wpe = weights["wpe.weight"]
+        self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
+        self.blocks = [
+            tuple(weights[f"h.{i}.{part}"] for part in (
+                "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"))
+            for i in range(config.n_layer)
+        ]
+        self.head = np.ascontiguousarray(self.wte.T)     # tied output head, laid out for x @ head
+        self.block = ATTENTION_BLOCK
+
+    @classmethod
+    def random(cls, config: GPT2Config, seed: int = 0) -> "GPT2":
+        return cls(config, random_weights(config, seed))
+
+    # -- the two calls ---------------------------------------------------------------
+
+    def prefill(self, ctx, tokens) -> np.ndarray:
+        """Append ``tokens`` to ``ctx``; logits ``(n, vocab)`` for every new position."""
+        return self._forward(ctx, tokens)
+
+    def decode(self, ctx, token: int) -> np.ndarray:
+        """Append one token to ``ctx``; next-token logits ``(vocab,)``."""
+        return self._forward(ctx, [token])[0]
+
+    # -- the pass ----------------------------------------------------------------------
+
+    def _forward(self, ctx, tokens) -> np.ndarray:
+        cfg = self.config
+        tokens = check_call(cfg, ctx, tokens)
+        start, n = len(ctx), len(tokens)
+        H, D = cfg.n_head, cfg.head_dim
+        x = self.wte[tokens] + self.wpe[start:start + n]
+        kv = np.empty(self.layout.batch_shape(n), np.float32)
+        for layer, (g1, b1, w_qkv, b_qkv, w_o, b_o, g2, b2, w_fc, b_fc, w_out, b_out) in enumerate(self.blocks):
+            qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon) @ w_qkv + b_qkv
+            q, k, v = (part.reshape(n, H, D) for part in np.split(qkv, 3, axis=1))
+            kv[:, layer, 0], kv[:, layer, 1] = k, v
+            x = x + attend(q, self._key_value_blocks(ctx, layer, start, k, v), start) @ w_o + b_o
+            h = layer_norm(x, g2, b2, cfg.layer_norm_epsilon)
+            x = x + gelu(h @ w_fc + b_fc) @ w_out + b_out
+        ctx.extend(tokens, kv)
+        return layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
+
+    def _key_value_blocks(self, ctx, layer: int, start: int, k: np.ndarray, v: np.ndarray):
+        """Past K/V read from the context, then the new ones as the context will store them, in blocks."""
+        parts = [(np.asarray(pk), np.asarray(pv)) for pk, pv in ctx.read_layer_pages(layer)] if start else []
+        parts.append((roundtrip(ctx.precision, k), roundtrip(ctx.precision, v)))
+        return parts if self.block is None else list(rechunk(parts, self.block))
+
+
+def rechunk(parts, size: int):
+    """``(k, v)`` parts regrouped into blocks of ``size`` positions (the last may be shorter).
+
+    A part that already is a whole aligned block passes through as it is (a view).
+    """
+    pending, held = [], 0
+    for k, v in parts:
+        at = 0
+        while at < len(k):
+            take = min(size - held, len(k) - at)
+            pending.append((k[at:at + take], v[at:at + take]))
+            held, at = held + take, at + take
+            if held == size:
+                yield _join(pending)
+                pending, held = [], 0
+    if pending:
+        yield _join(pending)
+
+
+def _join(pieces):
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate([k for k, _ in pieces]), np.concatenate([v for _, v in pieces])
+
+
+def check_call(config: GPT2Config, ctx, tokens) -> np.ndarray:
+    """Validated tokens for a forward pass on ``ctx``, or a named error before anything is computed."""
+    tokens = check_tokens(tokens)
+    if ctx.layout != config.layout:
+        raise ConfigError(f"the context's layout {ctx.layout} is not the model's {config.layout}")
+    start, n = len(ctx), len(tokens)
+    if n == 0:
+        raise TokenError("prefill needs at least one token")
+    if start + n > config.n_positions:
+        raise PositionError(f"positions up to {start + n} exceed the model's {config.n_positions}")
+    if tokens.max() >= config.vocab_size:
+        raise TokenError(f"token id {int(tokens.max())} is outside the vocabulary of {config.vocab_size}")
+    return tokens
+
+
+def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+    mean = x.mean(-1, keepdims=True)
+    centred = x - mean
+    var = (centred * centred).mean(-1, keepdims=True)
+    return centred / np.sqrt(var + np.float32(eps)) * gain + bias
+
+
+def gelu(x: np.ndarray) -> np.ndarray:
+    """GPT-2's tanh approximation ("gelu_new"). ``x * x * x``: NumPy's float32 ``x ** 3`` is ~80x slower."""
+    return np.float32(0.5) * x * (1 + np.tanh(np.float32(np.sqrt(2 / np.pi)) * (x + np.float32(0.044715) * (x * x * x))))
+
+
+def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: int) -> np.ndarray:
+    """Causal attention of queries at positions ``start..start+n-1`` over key/value ``blocks`` ``(t, H, D)``.
+
+    The blocks cover positions ``0..start+n-1`` in order. Returns ``(n, H * D)``.
+    Queries are processed in chunks so a long prefill never builds an
+    ``(H, n, T)`` score array larger than ``QUERY_CHUNK`` rows.
+    """
+    n, H, D = q.shape
+    scale = np.float32(1 / np.sqrt(D))
+    qh = q.transpose(1, 0, 2)                          # (H, n, D)
+    offsets = np.cumsum([0] + [len(k) for k, _ in blocks])
+    out = np.empty((H, n, D), np.float32)
+    for lo in range(0, n, QUERY_CHUNK):
+        hi = min(n, lo + QUERY_CHUNK)
+        visible = start + hi                           # keys past this are masked for every row of the chunk
+        used = [(b, k, v) for b, (k, v) in enumerate(blocks) if offsets[b] < visible]
+        scores = [qh[:, lo:hi] @ k[:visible - offsets[b]].transpose(1, 2, 0) for b, k, _ in used]
+        scores = scores[0] if len(scores) == 1 else np.concatenate(scores, axis=-1)
+        scores *= scale
+        if hi - lo > 1:
+            # keys before the chunk's first query are visible to all its rows: mask only the diagonal block
+            diagonal = scores[:, :, start + lo:]
+            diagonal[:, np.triu(np.ones((hi - lo, hi - lo), bool), 1)] = -np.inf
+        scores -= scores.max(-1, keepdims=True)
+        weights = np.exp(scores, out=scores)
+        weights /= weights.sum(-1, keepdims=True)
+        total = None
+        for b, _, v in used:
+            width = min(len(v), visible - offsets[b])
+            part = weights[:, :, offsets[b]:offsets[b] + width] @ v[:width].transpose(1, 0, 2)
+            total = part if total is None else total + part
+        out[:, lo:hi] = total
+    return out.transpose(1, 0, 2).reshape(n, H * D)

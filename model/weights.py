@@ -1,0 +1,87 @@
+"""GPT-2 weights as a flat dict named the way Hugging Face's ``GPT2Model`` names them.
+
+``random_weights`` draws seeded weights for any shape; ``load_safetensors`` reads a
+local file (no download). Linear weights are ``(in, out)`` (GPT-2's ``Conv1D``),
+so a layer is ``x @ W + b``. The output head is tied to ``wte``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from kvstate.spec.errors import ConfigError
+
+from .config import GPT2Config
+
+
+def weight_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
+    d = config.n_embd
+    shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d),
+              "ln_f.weight": (d,), "ln_f.bias": (d,)}
+    for i in range(config.n_layer):
+        shapes.update({
+            f"h.{i}.ln_1.weight": (d,), f"h.{i}.ln_1.bias": (d,),
+            f"h.{i}.attn.c_attn.weight": (d, 3 * d), f"h.{i}.attn.c_attn.bias": (3 * d,),
+            f"h.{i}.attn.c_proj.weight": (d, d), f"h.{i}.attn.c_proj.bias": (d,),
+            f"h.{i}.ln_2.weight": (d,), f"h.{i}.ln_2.bias": (d,),
+            f"h.{i}.mlp.c_fc.weight": (d, 4 * d), f"h.{i}.mlp.c_fc.bias": (4 * d,),
+            f"h.{i}.mlp.c_proj.weight": (4 * d, d), f"h.{i}.mlp.c_proj.bias": (d,),
+        })
+    return shapes
+
+
+def random_weights(config: GPT2Config, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded float32 weights: N(0, 0.02) matrices, small random biases, LayerNorm gains near 1."""
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        values = rng.standard_normal(shape, dtype=np.float32)
+        if name.endswith(".weight") and len(shape) == 1:      # LayerNorm gain
+            values = 1 + np.float32(0.1) * values
+        else:
+            values *= np.float32(0.02)
+        weights[name] = values
+    return weights
+
+
+def load_safetensors(path, n_head: int | None = None) -> tuple[GPT2Config, dict[str, np.ndarray]]:
+    """Config and weights from a local GPT-2 safetensors file (HF ``save_pretrained`` naming).
+
+    ``n_head`` is not recorded in the weights: it is taken from the argument, else
+    from a ``config.json`` beside the file, else ``n_embd // 64`` (every GPT-2 size
+    uses 64-wide heads).
+    """
+    from safetensors.numpy import load_file
+
+    path = Path(path)
+    raw = load_file(str(path))
+    weights = {}
+    for name, array in raw.items():
+        name = name.removeprefix("transformer.")
+        if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
+            continue    # causal-mask buffers; the head is tied to wte
+        weights[name] = np.ascontiguousarray(array, dtype=np.float32)
+    if "wte.weight" not in weights or "wpe.weight" not in weights:
+        raise ConfigError(f"{path} holds no GPT-2 embeddings (wte.weight, wpe.weight)")
+    vocab, d = weights["wte.weight"].shape
+    layers = 1 + max((int(m.group(1)) for m in map(re.compile(r"h\.(\d+)\.").match, weights) if m), default=-1)
+    if n_head is None:
+        beside = path.with_name("config.json")
+        n_head = json.loads(beside.read_text()).get("n_head") if beside.exists() else None
+    config = GPT2Config(vocab_size=vocab, n_positions=weights["wpe.weight"].shape[0], n_embd=d,
+                        n_layer=layers, n_head=n_head or d // 64)
+    check_weights(config, weights)
+    return config, weights
+
+
+def check_weights(config: GPT2Config, weights: dict[str, np.ndarray]) -> None:
+    """``ConfigError`` naming the first missing or misshapen weight."""
+    for name, shape in weight_shapes(config).items():
+        if name not in weights:
+            raise ConfigError(f"weight {name} is missing")
+        if weights[name].shape != shape:
+            raise ConfigError(f"weight {name} has shape {weights[name].shape}, expected {shape}")

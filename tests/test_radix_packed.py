@@ -1,0 +1,26 @@
+"""Packed keys of the radix tree: what the lockstep machine does not look at directly."""
+
+import numpy as np
+
+from kvstate.impl.radix import RadixTree, pack, shared_tokens, unpack
+
+
+def test_pack_round_trips_the_largest_token_ids():
+    tokens = np.array([0, 1, 2**31 - 1, 65536], np.int64)
+    assert unpack(pack(tokens)) == (0, 1, 2**31 - 1, 65536)
+
+
+def test_shared_tokens_counts_whole_tokens():
+    # 256 and 512 share their low byte: a byte-wise prefix would say more than 0 tokens
+    assert shared_tokens(pack(np.array([256, 7])), pack(np.array([512, 7]))) == 0
+    assert shared_tokens(pack(np.array([5, 6, 7])), pack(np.array([5, 6, 8, 9]))) == 2
+    assert shared_tokens(pack(np.array([5, 6])), pack(np.array([5, 6, 8]))) == 2
+
+
+def test_lookup_never_matches_inside_a_token():
+    tree = RadixTree()
+    tree.insert(pack(np.array([1, 256])), "a")
+    tree.insert(pack(np.array([1, 512])), "b")
+    assert tree.lookup(pack(np.array([1, 256, 3]))) == ("a", 2)
+    assert tree.lookup(pack(np.array([1, 768]))) == (None, 0)
+    assert [unpack(node.edge) for node in tree.root.children.values()] == [(1,)]
