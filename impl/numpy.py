@@ -44,7 +44,9 @@ class NumpyStore:
 
     # -- encoding (validation happens here, before anything is written) -----------
 
-    def encode(self, kv: np.ndarray) -> tuple[np.ndarray, ...]:
+    def encode(self, kv) -> tuple[np.ndarray, ...]:
+        if not isinstance(kv, np.ndarray):
+            kv = kv.detach().cpu().numpy()     # a torch tensor (check_values let only those through)
         require_finite(kv)
         encoded = precisions.encode(self.precision, kv)
         # position-major batch -> layer-major rows, the page's own order
