@@ -26,7 +26,7 @@ def test_example_backend_passes_every_check():
 
 def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
     rc = main(["conform", str(EXAMPLES / "broken_sharing.py"), "--config", "f32-heap",
-               "--examples", "100", "--steps", "8"])
+               "--examples", "300", "--steps", "12"])
     out = capsys.readouterr().out
     assert rc == 1
     table_row = next(line for line in out.splitlines() if line.startswith("f32-heap"))
