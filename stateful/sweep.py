@@ -30,7 +30,7 @@ from . import ops as O
 from .conform import load_factory
 from .generate import Generator
 from .lockstep import Lockstep
-from .replay import Failure, Replay, as_pytest, execute, save
+from .replay import Failure, Replay, as_pytest, execute, load, save
 from .shrink import shrink
 
 DEFAULT_BACKEND = "kvstate.impl.numpy"
@@ -335,7 +335,6 @@ def write_reports(report: SweepReport, out_dir: Path) -> tuple[Path, Path]:
 
 def failure_notes(report: SweepReport) -> str:
     """Each failure: where it is saved, how to replay it, and (for shrunk ones) a pytest test."""
-    from .replay import load
     notes = []
     for r in report.failures:
         notes.append(f"FAIL {r.config} seed {r.seed}: {r.failure}\n  replay: kvstate replay {r.replay_file}")
