@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     conform.set_defaults(run=_conform)
 
     sweep = commands.add_parser("sweep", help="run many seeds x configurations in lockstep; shrink and save failures")
-    which = sweep.add_mutually_exclusive_group()
-    which.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1 (default 20)")
+    which = sweep.add_mutually_exclusive_group(required=True)
+    which.add_argument("--seeds", type=int, help="seeds 0..N-1")
     which.add_argument("--seed-range", help="seeds A..B-1, as A:B")
     sweep.add_argument("--steps", type=int, default=400, help="operations per run (default 400)")
     sweep.add_argument("--configs", help="comma-separated configuration names (default: all six)")
