@@ -40,7 +40,7 @@ def _sweep(args: argparse.Namespace) -> int:
         report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
                          args.shrink_limit, args.shrink_budget, shard_label=label)
     except (ValueError, KeyError, FactoryError) as error:
-        print(f"kvstate sweep: {error}", file=sys.stderr)
+        print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 2
     json_path, junit_path = S.write_reports(report, Path(args.out))
     print(S.format_summary(report))

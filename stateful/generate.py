@@ -11,7 +11,8 @@ the same op mix, the same tiny token alphabet, a page size drawn per run.
 Every operation is valid by construction (it names a live context, stays
 inside its length), so a sequence is exactly ``steps`` operations long. Ops
 are chosen from the *reference* side of a ``Lockstep``, so the sequence for a
-seed does not depend on the backend under test.
+seed does not depend on the backend under test (as long as it supports the
+same operation kinds: snapshot and restore only join where it has them).
 
 New operation kinds (snapshot, restore) join with ``register_generator``.
 """
@@ -22,8 +23,8 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-from kvstate.reference import RefCache
-from kvstate.spec.protocol import Config
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 from .configs import PAGE_TOKENS_RANGE, machine_configs
@@ -149,6 +150,34 @@ for _kind, _make in [("allocate", _allocate), ("extend", _extend), ("overwrite",
     register_generator(_kind, _make)
 
 
+def _register_snapshots() -> None:
+    """snapshot and restore join the mix where their operations exist (stateful/snapshots.py)
+    and the engine under test supports them, as the Hypothesis machine's rules do."""
+    try:
+        from . import snapshots
+    except ImportError:
+        return
+
+    def taken(state: RunState) -> list[str]:
+        # The names the reference side holds: a refused snapshot never gets one.
+        return list(getattr(state.lockstep, "_reference_snapshots", {}))
+
+    def snapshot(rng, state):
+        if not state.handles or not snapshots.supports_snapshots(state.lockstep.engine):
+            return None
+        return snapshots.Snapshot(rng.choice(state.handles), f"s{len(taken(state)) + 1}")
+
+    def restore(rng, state):
+        names = taken(state)
+        return snapshots.Restore(rng.choice(names)) if names and _room(state) else None
+
+    register_generator("snapshot", snapshot)
+    register_generator("restore", restore)
+
+
+_register_snapshots()
+
+
 class Generator:
     """The operation stream of one seed. ``page_tokens`` is drawn first, then each ``next_op``
     looks at the run's state, so feed it the same ``Lockstep`` the operations are applied to."""
@@ -177,12 +206,16 @@ class Generator:
         raise RuntimeError("no operation applies; allocate always should")   # pragma: no cover
 
 
-def generate(seed: int, steps: int, config: Config | None = None) -> tuple[int, list[O.Op]]:
-    """The page size and exactly ``steps`` operations seed ``seed`` gives, computed against the
-    reference alone (the sequence does not depend on the backend)."""
+def generate(seed: int, steps: int, config: Config | None = None,
+             factory: Factory | None = None) -> tuple[int, list[O.Op]]:
+    """The page size and exactly ``steps`` operations seed ``seed`` gives (no invariant checks).
+
+    Operations are chosen from the reference side, so any backend that supports the same
+    operation kinds gets the same sequence; ``factory`` defaults to the NumPy engine.
+    """
     config = config or machine_configs()[0]
     generator = Generator(seed)
-    lockstep = Lockstep(RefCache, config.with_(page_tokens=generator.page_tokens))
+    lockstep = Lockstep(factory or numpy_factory, config.with_(page_tokens=generator.page_tokens))
     sequence = []
     for _ in range(steps):
         op = generator.next_op(lockstep)
