@@ -21,6 +21,7 @@ from kvstate.spec.errors import InvariantViolation, ReplayFileError
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config, Factory
 
+from . import generate as _generate  # noqa: F401  (imports optional op kinds, so their files load)
 from . import ops as O
 from .lockstep import Lockstep, to_numpy
 

@@ -11,7 +11,8 @@ yields the same kind of result: fewer steps, smaller arguments.
 "Same way" means the same exception class and invariant number. Removing an
 operation that creates a context removes every later operation on that
 context, and the handles left are renumbered ``c1, c2, ...`` in creation
-order, as ``Lockstep`` names them, so a shrunk file stays readable.
+order, as ``Lockstep`` names them, so a shrunk file stays readable. A
+``restore`` goes with the ``snapshot`` it names.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def renumber(ops: Sequence[O.Op], handles: Sequence[str | None]) -> list[O.Op]:
     ``handles[i]`` is the handle ``ops[i]`` created in the sequence they came from (None if none).
     """
     names: dict[str, str] = {}
+    snapshots: set[str] = set()
     kept = []
     for op, made in zip(ops, handles):
         ctx = getattr(op, "ctx", None)
@@ -40,6 +42,10 @@ def renumber(ops: Sequence[O.Op], handles: Sequence[str | None]) -> list[O.Op]:
             if ctx not in names:
                 continue            # its context's creator was removed
             op = replace(op, ctx=names[ctx])
+        if op.kind == "snapshot":
+            snapshots.add(op.name)
+        elif op.kind == "restore" and op.name not in snapshots:
+            continue                # its snapshot was removed
         if made is not None:
             names[made] = f"c{len(names) + 1}"
         kept.append(op)
