@@ -274,7 +274,7 @@ def summary_rows(report: SweepReport) -> list[dict]:
 
 
 def format_summary(report: SweepReport) -> str:
-    header = ("configuration", "runs", "steps", "failures", "run seconds", "steps/s")
+    header = ("configuration", "runs", "steps", "failures", "run seconds", "steps/s per worker")
     rows = [header] + [(r["config"], str(r["runs"]), str(r["steps"]), str(r["failures"]),
                         f"{r['run_seconds']:.1f}", f"{r['steps_per_second'] or 0:,.0f}")
                        for r in summary_rows(report)]
