@@ -69,6 +69,7 @@ class RunResult:
     page_tokens: int
     steps: int
     seconds: float
+    cpu_seconds: float
     failure: Failure | None = None
     ops: list | None = None            # the operations that ran (JSON), kept only for failures
     replay_file: str | None = None
@@ -104,10 +105,10 @@ def run_seed(backend: str, config: Config, seed: int, steps: int) -> RunResult:
             ran.append(op)
             yield op
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     failure, _ = execute(factory, config, generated(), lockstep=lockstep)
-    seconds = time.perf_counter() - started
-    return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, failure,
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure,
                      [op.to_json() for op in ran] if failure else None)
 
 
@@ -261,22 +262,26 @@ def _map(pool, function, argument_tuples):
 # -- reports ---------------------------------------------------------------------------
 
 def summary_rows(report: SweepReport) -> list[dict]:
-    """Per configuration: runs, steps, failures, summed run seconds, steps per second."""
+    """Per configuration: runs, steps, failures, summed run seconds, steps per second of one
+    worker, and steps per CPU second (the figure that holds on a machine shared with others)."""
     rows = []
     for name in report.configs:
         mine = [r for r in report.results if r.config == name]
         seconds = sum(r.seconds for r in mine)
+        cpu = sum(r.cpu_seconds for r in mine)
         steps = sum(r.steps for r in mine)
         rows.append({"config": name, "runs": len(mine), "steps": steps,
                      "failures": sum(not r.passed for r in mine), "run_seconds": round(seconds, 3),
-                     "steps_per_second": round(steps / seconds, 1) if seconds else None})
+                     "steps_per_second": round(steps / seconds, 1) if seconds else None,
+                     "cpu_seconds": round(cpu, 3), "steps_per_cpu_second": round(steps / cpu, 1) if cpu else None})
     return rows
 
 
 def format_summary(report: SweepReport) -> str:
-    header = ("configuration", "runs", "steps", "failures", "run seconds", "steps/s per worker")
+    header = ("configuration", "runs", "steps", "failures", "run seconds", "steps/s per worker", "steps/CPU-s")
     rows = [header] + [(r["config"], str(r["runs"]), str(r["steps"]), str(r["failures"]),
-                        f"{r['run_seconds']:.1f}", f"{r['steps_per_second'] or 0:,.0f}")
+                        f"{r['run_seconds']:.1f}", f"{r['steps_per_second'] or 0:,.0f}",
+                        f"{r['steps_per_cpu_second'] or 0:,.0f}")
                        for r in summary_rows(report)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
