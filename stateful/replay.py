@@ -176,7 +176,11 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print)
         return None
     out("")
     out(f"FAILED {failure}")
+    out("contexts, engine vs reference:")
     for line in describe(lockstep):
+        out(line)
+    out("pages, as the engine reports them:")
+    for line in describe_pages(lockstep):
         out(line)
     return failure
 
@@ -202,6 +206,27 @@ def describe(lockstep: Lockstep) -> list[str]:
             verdict = (f"position {index[0]} (index {index}): engine {values[index]!r} "
                        f"vs reference {want_values[index]!r}")
         lines.append(f"  {handle}: {len(want_tokens)} positions, tokens {[int(t) for t in want_tokens]}: {verdict}")
+    return lines
+
+
+def describe_pages(lockstep: Lockstep) -> list[str]:
+    """Each page the engine reports: refcount, the holders that point at it, arena slot."""
+    try:
+        obs = lockstep.engine.observe()
+    except Exception as error:
+        return [f"  observe() raised {error!r}"]
+    held: dict[int, list[str]] = {}
+    for holder, pages in obs.holders.items():
+        for pid in pages:
+            held.setdefault(pid, []).append(holder)
+    lines = []
+    for pid in sorted(set(obs.pages) | set(held)):
+        page = obs.pages.get(pid)
+        state = "NOT LIVE" if page is None else f"refcount {page.refcount}"
+        slot = "" if page is None or page.slot is None else f", arena slot {page.slot}"
+        lines.append(f"  page {pid}: {state}{slot}, held by {held.get(pid, [])}")
+    lines.append(f"  allocated {obs.pages_allocated}, freed {obs.pages_freed}; "
+                 f"arena out {sorted(obs.arena_out)}, free {sorted(obs.arena_free)}")
     return lines
 
 
