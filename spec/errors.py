@@ -98,6 +98,10 @@ class SnapshotWriteError(SnapshotError):
 
 # -- verification ----------------------------------------------------------------
 
+class ReplayFileError(InvalidInputError):
+    """A replay file is malformed, or one of its operations names a context that is not live."""
+
+
 class InvariantViolation(AssertionError):
     """An invariant of ARCHITECTURE.md does not hold.
 

@@ -1,0 +1,224 @@
+"""Deterministic operation sequences from an integer seed, for sweeps.
+
+Why not Hypothesis here: with ``seed(n)`` and ``max_examples=1`` Hypothesis
+tries its simplest example first, so every n gives the *same* run, and a rule
+that draws large lists can exhaust its choice budget and end a run early. A
+sweep needs the opposite: seed n is one fixed, full-length run, different for
+every n, identical on every machine. So a ``random.Random(seed)`` picks each
+operation from the live state, the way the Hypothesis machine's rules would:
+the same op mix, the same tiny token alphabet, a page size drawn per run.
+
+Every operation is valid by construction (it names a live context, stays
+inside its length), so a sequence is exactly ``steps`` operations long. Ops
+are chosen from the *reference* side of a ``Lockstep``, so the sequence for a
+seed does not depend on the backend under test (as long as it supports the
+same operation kinds: snapshot and restore only join where it has them).
+
+New operation kinds (snapshot, restore) join with ``register_generator``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .configs import PAGE_TOKENS_RANGE, machine_configs
+from .lockstep import Lockstep
+
+TOKENS = (0, 1, 2)          # a tiny alphabet: prefixes repeat, so match and retain hit
+MAX_RUN = 9                 # up to a page or two at page size 1-8, as the machine's TOKEN_RUNS
+MAX_FIRST = 12              # the first context's tokens, as the machine's initialize rule
+MAX_EXTRA = 4               # tokens a match query adds past a live context's prefix
+SEED_LIMIT = 2**16          # K/V value seeds, as the machine's SEEDS
+MAX_LIVE = 8                # caps the live contexts: every step's check reads each of them,
+                            # and a few contexts touched often share more pages than many touched once
+
+
+class RunState:
+    """What the generators may look at: the reference side of a lockstep run."""
+
+    def __init__(self, lockstep: Lockstep):
+        self.lockstep = lockstep
+
+    @property
+    def handles(self) -> list[str]:
+        return list(self.lockstep.live)
+
+    def length(self, handle: str) -> int:
+        return len(self.lockstep.live[handle][1])
+
+    def tokens(self, handle: str) -> list[int]:
+        return self.lockstep.live[handle][1].tokens
+
+    @property
+    def has_entries(self) -> bool:
+        return bool(self.lockstep.reference.entries)
+
+
+# A generator returns an operation valid in ``state``, or None when its kind does not apply now.
+OpGenerator = Callable[[random.Random, RunState], "O.Op | None"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    make: OpGenerator
+    weight: float
+
+
+GENERATORS: dict[str, Entry] = {}
+
+
+def register_generator(kind: str, make: OpGenerator, weight: float = 1.0) -> None:
+    """Add (or replace) the generator for an operation kind. Order of registration is part of
+    the sequence a seed gives, so register new kinds after the core ones, never in between."""
+    GENERATORS[kind] = Entry(make, weight)
+
+
+def _tokens(rng: random.Random, low: int, high: int) -> tuple[int, ...]:
+    return tuple(rng.choice(TOKENS) for _ in range(rng.randint(low, high)))
+
+
+def _room(state: RunState) -> bool:
+    return len(state.handles) < MAX_LIVE
+
+
+def _allocate(rng, state):
+    return O.Allocate() if _room(state) else None
+
+
+def _extend(rng, state):
+    if not state.handles:
+        return None
+    return O.Extend(rng.choice(state.handles), _tokens(rng, 1, MAX_RUN), rng.randint(0, SEED_LIMIT))
+
+
+def _overwrite(rng, state):
+    if not state.handles:
+        return None
+    ctx = rng.choice(state.handles)
+    length = state.length(ctx)
+    start = rng.randint(0, length)
+    return O.Overwrite(ctx, start, _tokens(rng, 0, min(MAX_RUN, length - start)), rng.randint(0, SEED_LIMIT))
+
+
+def _fork(rng, state):
+    if not state.handles or not _room(state):
+        return None
+    return O.Fork(rng.choice(state.handles))
+
+
+def _truncate(rng, state):
+    if not state.handles:
+        return None
+    ctx = rng.choice(state.handles)
+    return O.Truncate(ctx, rng.randint(0, state.length(ctx)))
+
+
+def _close(rng, state):
+    return O.Close(rng.choice(state.handles)) if state.handles else None
+
+
+def _retain(rng, state):
+    # Empty contexts are refused (EmptyContextError) by both sides; skipping them keeps the step useful.
+    candidates = [h for h in state.handles if state.length(h)]
+    return O.Retain(rng.choice(candidates)) if candidates else None
+
+
+def _match(rng, state):
+    # Queries built from a live context's tokens hit the tree far more often than random ones.
+    if not _room(state):
+        return None
+    prefix: list[int] = []
+    if state.handles:
+        tokens = state.tokens(rng.choice(state.handles))
+        prefix = tokens[:rng.randint(0, len(tokens))]
+    return O.Match(tuple(prefix) + _tokens(rng, 0, MAX_EXTRA))
+
+
+def _clear(rng, state):
+    return O.Clear() if state.has_entries else None
+
+
+for _kind, _make in [("allocate", _allocate), ("extend", _extend), ("overwrite", _overwrite),
+                     ("fork", _fork), ("truncate", _truncate), ("close", _close),
+                     ("retain", _retain), ("match", _match), ("clear", _clear)]:
+    register_generator(_kind, _make)
+
+
+def _register_snapshots() -> None:
+    """snapshot and restore join the mix where their operations exist (stateful/snapshots.py)
+    and the engine under test supports them, as the Hypothesis machine's rules do."""
+    try:
+        from . import snapshots
+    except ImportError:
+        return
+
+    def taken(state: RunState) -> list[str]:
+        # The names the reference side holds: a refused snapshot never gets one.
+        return list(getattr(state.lockstep, "_reference_snapshots", {}))
+
+    def snapshot(rng, state):
+        if not state.handles or not snapshots.supports_snapshots(state.lockstep.engine):
+            return None
+        return snapshots.Snapshot(rng.choice(state.handles), f"s{len(taken(state)) + 1}")
+
+    def restore(rng, state):
+        names = taken(state)
+        return snapshots.Restore(rng.choice(names)) if names and _room(state) else None
+
+    register_generator("snapshot", snapshot)
+    register_generator("restore", restore)
+
+
+_register_snapshots()
+
+
+class Generator:
+    """The operation stream of one seed. ``page_tokens`` is drawn first, then each ``next_op``
+    looks at the run's state, so feed it the same ``Lockstep`` the operations are applied to."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.page_tokens = self.rng.randint(*PAGE_TOKENS_RANGE)
+        self._opening = [O.Allocate()]
+        first = _tokens(self.rng, 0, MAX_FIRST)
+        if first:       # as the machine's initialize: one context to share pages with from step 1
+            self._opening.append(O.Extend("c1", first, self.rng.randint(0, SEED_LIMIT)))
+
+    def next_op(self, lockstep: Lockstep) -> O.Op:
+        if self._opening:
+            return self._opening.pop(0)
+        state = RunState(lockstep)
+        kinds = list(GENERATORS)
+        while kinds:
+            weights = [GENERATORS[k].weight for k in kinds]
+            kind = self.rng.choices(kinds, weights)[0]
+            op = GENERATORS[kind].make(self.rng, state)
+            if op is not None:
+                return op
+            kinds.remove(kind)
+        raise RuntimeError("no operation applies; allocate always should")   # pragma: no cover
+
+
+def generate(seed: int, steps: int, config: Config | None = None,
+             factory: Factory | None = None) -> tuple[int, list[O.Op]]:
+    """The page size and exactly ``steps`` operations seed ``seed`` gives (no invariant checks).
+
+    Operations are chosen from the reference side, so any backend that supports the same
+    operation kinds gets the same sequence; ``factory`` defaults to the NumPy engine.
+    """
+    config = config or machine_configs()[0]
+    generator = Generator(seed)
+    lockstep = Lockstep(factory or numpy_factory, config.with_(page_tokens=generator.page_tokens))
+    sequence = []
+    for _ in range(steps):
+        op = generator.next_op(lockstep)
+        lockstep.apply(op)
+        sequence.append(op)
+    return generator.page_tokens, sequence

@@ -1,0 +1,254 @@
+"""Replay files: a failing operation sequence as self-contained JSON, and re-running one.
+
+A replay file names the backend factory, the full configuration (page size
+included), the sweep seed that found it, the failure it showed, and the
+operations. It depends on nothing else: not on Hypothesis, its example
+database or its version. ``execute`` re-runs any sequence through ``Lockstep``
+with every invariant checked after every step; ``replay`` does the same for a
+file and prints each step, ``kvstate replay FILE`` is its command line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+
+from kvstate.spec.errors import InvariantViolation, ReplayFileError
+from kvstate.spec.layout import Layout
+from kvstate.spec.protocol import Config, Factory
+
+from . import generate as _generate  # noqa: F401  (imports optional op kinds, so their files load)
+from . import ops as O
+from .lockstep import Lockstep, to_numpy
+
+FORMAT = "kvstate-replay/1"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Where and how a run broke. ``step`` is the 1-based operation during (``phase`` "apply")
+    or after (``phase`` "check") which it broke; ``phase`` "finish" is the final close-all check."""
+
+    step: int
+    phase: str
+    op: str | None
+    error: str                      # the exception's class name
+    invariant: int | str | None     # set for InvariantViolation
+    message: str
+
+    @property
+    def signature(self) -> tuple[str, int | str | None]:
+        """What a shrunk sequence must still show to count as the same failure."""
+        return (self.error, self.invariant)
+
+    def __str__(self) -> str:
+        where = "at finish" if self.phase == "finish" else f"at step {self.step} ({self.phase} {self.op})"
+        return f"{self.error} {where}: {self.message}"
+
+
+@dataclass
+class Replay:
+    backend: str
+    config: Config
+    seed: int | None
+    ops: list[O.Op]
+    failure: Failure | None = None
+    minimised: bool = False
+    original_steps: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# -- running a sequence ------------------------------------------------------------------
+
+StepHook = Callable[[int, O.Op, "str | None", Lockstep], None]
+
+
+def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
+            on_step: StepHook | None = None, lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
+    """Apply ``ops`` in lockstep, checking invariants 1-5 after every step and 6 at the end.
+
+    Returns the first failure (None when every check holds) and the lockstep, left as it was
+    when the run stopped. An operation naming a context that is not live is the sequence's
+    fault, not the backend's: ``ReplayFileError``. ``ops`` may be a generator that reads
+    ``lockstep`` (passed in, already built) to choose each next operation.
+    """
+    lockstep = lockstep or Lockstep(factory, config)
+    step = 0
+    for step, op in enumerate(ops, start=1):
+        ctx = getattr(op, "ctx", None)
+        if ctx is not None and ctx not in lockstep.live:
+            raise ReplayFileError(f"step {step} {op} names {ctx!r}, which is not live (live: {sorted(lockstep.live)})")
+        phase = "apply"
+        try:
+            handle = lockstep.apply(op)
+            if on_step is not None:
+                on_step(step, op, handle, lockstep)
+            phase = "check"
+            lockstep.check()
+        except Exception as error:      # a broken backend may raise anything; that is a finding
+            return _failure(step, phase, op, error), lockstep
+    try:
+        lockstep.finish()
+    except Exception as error:
+        return _failure(step + 1, "finish", None, error), lockstep
+    return None, lockstep
+
+
+def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failure:
+    invariant = error.invariant if isinstance(error, InvariantViolation) else None
+    return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error))
+
+
+# -- the file format ---------------------------------------------------------------------
+
+def config_to_json(config: Config) -> dict:
+    return asdict(config)
+
+
+def config_from_json(data: dict) -> Config:
+    data = dict(data)
+    return Config(layout=Layout(**data.pop("layout")), **data)
+
+
+def to_json(replay: Replay) -> dict:
+    return {
+        "format": FORMAT,
+        "backend": replay.backend,
+        "config_name": replay.config.name,
+        "config": config_to_json(replay.config),
+        "seed": replay.seed,
+        "minimised": replay.minimised,
+        "original_steps": replay.original_steps,
+        "failure": None if replay.failure is None else asdict(replay.failure),
+        **replay.extra,
+        "ops": [op.to_json() for op in replay.ops],
+    }
+
+
+def from_json(data: dict) -> Replay:
+    if data.get("format") != FORMAT:
+        raise ReplayFileError(f"not a {FORMAT} file (format {data.get('format')!r})")
+    try:
+        ops = [O.op_from_json(op) for op in data["ops"]]
+        failure = Failure(**data["failure"]) if data.get("failure") else None
+        return Replay(data["backend"], config_from_json(data["config"]), data.get("seed"), ops, failure,
+                      data.get("minimised", False), data.get("original_steps"))
+    except (KeyError, TypeError) as error:
+        raise ReplayFileError(f"malformed replay file: {error!r}") from error
+
+
+def save(replay: Replay, path: Path) -> Path:
+    """One operation per line, so a diff of two replay files reads like a diff of two scripts."""
+    data = to_json(replay)
+    ops = data.pop("ops")
+    head = json.dumps(data, indent=2)[:-2]
+    body = ",\n".join("    " + json.dumps(op) for op in ops)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f'{head},\n  "ops": [\n{body}\n  ]\n}}\n')
+    return path
+
+
+def load(path: Path) -> Replay:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ReplayFileError(f"cannot read replay file {str(path)!r}: {error}") from error
+    return from_json(data)
+
+
+# -- replay, step by step ----------------------------------------------------------------
+
+def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print) -> Failure | None:
+    """Re-run a replay's sequence, printing each step and, on failure, the broken invariant
+    with the live contexts' engine and reference contents side by side."""
+    def show(step, op, handle, lockstep):
+        made = f"  -> {handle}" if handle else ""
+        out(f"  {step:>4}  {op}{made}")
+    out(f"replaying {len(replay.ops)} operations, {replay.config.name}, page_tokens {replay.config.page_tokens}")
+    failure, lockstep = execute(factory, replay.config, replay.ops, show)
+    if failure is None:
+        out("every invariant holds")
+        return None
+    out("")
+    out(f"FAILED {failure}")
+    out("contexts, engine vs reference:")
+    for line in describe(lockstep):
+        out(line)
+    out("pages, as the engine reports them:")
+    for line in describe_pages(lockstep):
+        out(line)
+    return failure
+
+
+def describe(lockstep: Lockstep) -> list[str]:
+    """The live contexts as engine vs reference: length, tokens, and the first differing value."""
+    lines = []
+    for handle, (engine, ref) in lockstep.live.items():
+        try:
+            values, tokens = engine.read()
+            values, tokens = to_numpy(values), list(np.asarray(tokens))
+        except Exception as error:       # the engine may be too broken to read
+            lines.append(f"  {handle}: engine read raised {error!r}")
+            continue
+        want_values, want_tokens = ref.read()
+        verdict = "same"
+        if [int(t) for t in tokens] != [int(t) for t in want_tokens]:
+            verdict = f"tokens differ: engine {[int(t) for t in tokens]} vs reference {[int(t) for t in want_tokens]}"
+        elif values.shape != want_values.shape:
+            verdict = f"shape differs: engine {values.shape} vs reference {want_values.shape}"
+        elif not np.array_equal(values.view(np.uint32), want_values.view(np.uint32)):
+            index = tuple(int(i) for i in np.argwhere(values.view(np.uint32) != want_values.view(np.uint32))[0])
+            verdict = (f"position {index[0]} (index {index}): engine {values[index]!r} "
+                       f"vs reference {want_values[index]!r}")
+        lines.append(f"  {handle}: {len(want_tokens)} positions, tokens {[int(t) for t in want_tokens]}: {verdict}")
+    return lines
+
+
+def describe_pages(lockstep: Lockstep) -> list[str]:
+    """Each page the engine reports: refcount, the holders that point at it, arena slot."""
+    try:
+        obs = lockstep.engine.observe()
+    except Exception as error:
+        return [f"  observe() raised {error!r}"]
+    held: dict[int, list[str]] = {}
+    for holder, pages in obs.holders.items():
+        for pid in pages:
+            held.setdefault(pid, []).append(holder)
+    lines = []
+    for pid in sorted(set(obs.pages) | set(held)):
+        page = obs.pages.get(pid)
+        state = "NOT LIVE" if page is None else f"refcount {page.refcount}"
+        slot = "" if page is None or page.slot is None else f", arena slot {page.slot}"
+        lines.append(f"  page {pid}: {state}{slot}, held by {held.get(pid, [])}")
+    lines.append(f"  allocated {obs.pages_allocated}, freed {obs.pages_freed}; "
+                 f"arena out {sorted(obs.arena_out)}, free {sorted(obs.arena_free)}")
+    return lines
+
+
+# -- a replay as a regression test -------------------------------------------------------
+
+def as_pytest(replay: Replay) -> str:
+    """A ready-to-paste pytest test that fails while the bug is present."""
+    name = f"test_sweep_{replay.config.name}_seed_{replay.seed}".replace("-", "_")
+    module, _, attribute = replay.backend.partition(":")
+    ops = ",\n".join(f"    {json.dumps(op.to_json())}" for op in replay.ops)
+    return f'''from {module} import {attribute or "factory"} as factory
+from kvstate.stateful.replay import config_from_json, execute
+from kvstate.stateful.ops import op_from_json
+
+OPS = [
+{ops},
+]
+
+
+def {name}():
+    """Found by kvstate sweep: {replay.failure.error if replay.failure else "passing"} (invariant {replay.failure.invariant if replay.failure else "-"})."""
+    config = config_from_json({json.dumps(config_to_json(replay.config))})
+    failure, _ = execute(factory, config, [op_from_json(op) for op in OPS])
+    assert failure is None, str(failure)
+'''

@@ -1,0 +1,164 @@
+"""Shrink a failing operation sequence to a handful of steps that still fail the same way.
+
+Delta debugging over operations, then argument simplification, against the
+same ``execute`` that replay uses, so what is saved is exactly what replays.
+Why not Hypothesis's shrinker: it shrinks choice sequences Hypothesis itself
+drew, and a sweep's runs are drawn from ``random.Random(seed)`` (see
+generate.py for why). Seeding its engine with an outside sequence takes its
+internal, version-specific API; shrinking operations directly needs none and
+yields the same kind of result: fewer steps, smaller arguments.
+
+"Same way" means the same exception class and invariant number. Removing an
+operation that creates a context removes every later operation on that
+context, and the handles left are renumbered ``c1, c2, ...`` in creation
+order, as ``Lockstep`` names them, so a shrunk file stays readable. A
+``restore`` goes with the ``snapshot`` it names.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Iterator, Sequence
+
+from kvstate.spec.errors import ReplayFileError
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .replay import Failure, execute
+
+
+def renumber(ops: Sequence[O.Op], handles: Sequence[str | None]) -> list[O.Op]:
+    """Keep ``ops`` whose contexts still exist, renaming handles in creation order.
+
+    ``handles[i]`` is the handle ``ops[i]`` created in the sequence they came from (None if none).
+    """
+    names: dict[str, str] = {}
+    snapshots: set[str] = set()
+    kept = []
+    for op, made in zip(ops, handles):
+        ctx = getattr(op, "ctx", None)
+        if ctx is not None:
+            if ctx not in names:
+                continue            # its context's creator was removed
+            op = replace(op, ctx=names[ctx])
+        if op.kind == "snapshot":
+            snapshots.add(op.name)
+        elif op.kind == "restore" and op.name not in snapshots:
+            continue                # its snapshot was removed
+        if made is not None:
+            names[made] = f"c{len(names) + 1}"
+        kept.append(op)
+    return kept
+
+
+def created_handles(ops: Sequence[O.Op]) -> list[str | None]:
+    """The handle each creating operation gets, as Lockstep numbers them (creators always succeed
+    in generated and renumbered sequences)."""
+    handles, count = [], 0
+    for op in ops:
+        if op.creates:
+            count += 1
+            handles.append(f"c{count}")
+        else:
+            handles.append(None)
+    return handles
+
+
+class Shrinker:
+    def __init__(self, factory: Factory, config: Config, failure: Failure, budget_s: float = 60.0):
+        self.factory = factory
+        self.config = config
+        self.signature = failure.signature
+        self.failure = failure
+        self.deadline = time.monotonic() + budget_s
+        self.tries = 0
+
+    def fails(self, ops: list[O.Op]) -> bool:
+        """Whether ``ops`` still fails the same way; remembers the failure it shows."""
+        self.tries += 1
+        try:
+            failure, _ = execute(self.factory, self.config, ops)
+        except ReplayFileError:
+            return False
+        if failure is not None and failure.signature == self.signature:
+            self.failure = failure
+            return True
+        return False
+
+    @property
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def shrink(self, ops: list[O.Op]) -> list[O.Op]:
+        # Operations after the one that broke never ran: drop them before anything else.
+        if self.failure.phase != "finish":
+            cut = ops[:self.failure.step]
+            if self.fails(cut):
+                ops = cut
+        while not self.out_of_time:
+            before = list(ops)
+            ops = self.remove_chunks(ops)
+            ops = self.simplify_arguments(ops)
+            if ops == before:
+                break
+        return ops
+
+    def remove_chunks(self, ops: list[O.Op]) -> list[O.Op]:
+        """ddmin: remove chunks of halving size until no single operation can go."""
+        chunks = 2
+        while len(ops) > 1 and not self.out_of_time:
+            size = -(-len(ops) // chunks)
+            for start in range(0, len(ops), size):
+                handles = created_handles(ops)
+                candidate = renumber(ops[:start] + ops[start + size:], handles[:start] + handles[start + size:])
+                if candidate != ops and self.fails(candidate):
+                    ops = candidate
+                    chunks = max(chunks - 1, 2)
+                    break
+            else:
+                if size == 1:
+                    break
+                chunks = min(chunks * 2, len(ops))
+        return ops
+
+    def simplify_arguments(self, ops: list[O.Op]) -> list[O.Op]:
+        """Try smaller arguments for each operation, keeping each change that still fails."""
+        index = 0
+        while index < len(ops):
+            for simpler in _simpler(ops[index]):
+                if self.out_of_time:
+                    return ops
+                candidate = ops[:index] + [simpler] + ops[index + 1:]
+                if self.fails(candidate):
+                    ops = candidate
+                    break           # simplify the simpler op further
+            else:
+                index += 1
+        return ops
+
+
+def _simpler(op: O.Op) -> Iterator[O.Op]:
+    """Simpler variants of one operation, simplest first."""
+    if hasattr(op, "tokens"):
+        tokens = op.tokens
+        for n in range(len(tokens)):             # shortest prefix first
+            yield replace(op, tokens=tokens[:n])
+        if any(tokens):
+            yield replace(op, tokens=tuple(0 for _ in tokens))
+    if isinstance(op, O.Overwrite) and op.start:
+        yield replace(op, start=0)
+    if isinstance(op, O.Truncate) and op.n:
+        yield replace(op, n=0)
+        yield replace(op, n=op.n - 1)
+    if hasattr(op, "seed") and op.seed != 0:
+        yield replace(op, seed=0)
+
+
+def shrink(factory: Factory, config: Config, ops: Sequence[O.Op], failure: Failure,
+           budget_s: float = 60.0) -> tuple[list[O.Op], Failure]:
+    """The smallest sequence found within ``budget_s`` that fails with ``failure``'s signature,
+    and the failure it shows."""
+    shrinker = Shrinker(factory, config, failure, budget_s)
+    shrunk = shrinker.shrink(list(ops))
+    return shrunk, shrinker.failure

@@ -1,0 +1,167 @@
+"""Sweeps, shrinking and replay files: distinct full-length runs, shards, and the planted-bug round trip."""
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from kvstate.cli import main
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.spec.errors import ReplayFileError
+from kvstate.stateful import ops as O
+from kvstate.stateful import replay as R
+from kvstate.stateful import sweep as S
+from kvstate.stateful.configs import config_named
+from kvstate.stateful.generate import generate
+from kvstate.stateful.planted import PLANTED
+from kvstate.stateful.shrink import created_handles, renumber
+
+BUG = "missing_copy_on_write"
+
+
+# -- the sequences --------------------------------------------------------------------
+
+def test_500_seeds_give_500_distinct_full_length_sequences():
+    sequences = [tuple(generate(seed, 40)[1]) for seed in range(500)]
+    assert all(len(s) == 40 for s in sequences)
+    assert len(set(sequences)) == 500
+
+
+def test_full_length_runs_are_400_steps_and_distinct():
+    runs = [generate(seed, 400) for seed in (0, 1, 2)]
+    assert [len(ops) for _, ops in runs] == [400, 400, 400]
+    assert len({tuple(ops) for _, ops in runs}) == 3
+    kinds = {op.kind for _, ops in runs for op in ops}
+    assert kinds == {"allocate", "extend", "overwrite", "fork", "truncate", "close", "retain", "match", "clear"}
+
+
+def test_same_seed_same_sequence_and_it_survives_json():
+    page_tokens, ops = generate(7, 200)
+    assert generate(7, 200) == (page_tokens, ops)
+    assert [O.op_from_json(json.loads(json.dumps(op.to_json()))) for op in ops] == ops
+
+
+def test_a_sweep_run_executes_exactly_the_generated_sequence():
+    config = config_named("q8-arena6")
+    with PLANTED["refcount_kept_on_close"]():        # fails at finish at the latest, so ops are kept
+        result = S.run_seed("kvstate.impl.numpy", config, 3, 60)
+    _, ops = generate(3, 60)
+    assert result.ops == [op.to_json() for op in ops[:len(result.ops)]]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_shards_partition_the_seeds(n):
+    seeds = list(range(1000, 1500))
+    shards = [S.shard(seeds, k, n) for k in range(1, n + 1)]
+    assert sorted(s for part in shards for s in part) == seeds
+    assert max(map(len, shards)) - min(map(len, shards)) <= 1
+
+
+def test_bad_seed_range_and_shard_are_refused():
+    assert S.parse_seed_range("1000:1500") == range(1000, 1500)
+    assert S.parse_shard("2/4") == (2, 4)
+    for text in ["5", "5:5", "a:b", "9:3"]:
+        with pytest.raises(ValueError):
+            S.parse_seed_range(text)
+    for text in ["0/4", "5/4", "1", "x/y"]:
+        with pytest.raises(ValueError):
+            S.parse_shard(text)
+
+
+# -- shrinking ------------------------------------------------------------------------
+
+def test_removing_a_creator_removes_its_context_and_renumbers_the_rest():
+    ops = [O.Allocate(), O.Extend("c1", (1,), 0), O.Allocate(), O.Fork("c2"), O.Close("c1"), O.Truncate("c3", 0)]
+    handles = created_handles(ops)
+    assert handles == ["c1", None, "c2", "c3", None, None]
+    kept = renumber(ops[2:], handles[2:])     # drop c1's allocate: its extend and close go too
+    assert kept == [O.Allocate(), O.Fork("c1"), O.Truncate("c2", 0)]
+
+
+# -- the round trip: plant, sweep, shrink, save, replay, fix ---------------------------
+
+@pytest.fixture(scope="module")
+def planted_sweep(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep")
+    with PLANTED[BUG]():
+        report = S.sweep(range(5), 60, [config_named("f32-heap")], workers=1, out_dir=out, progress=None)
+    S.write_reports(report, out)
+    return report, out
+
+
+def test_planted_bug_is_found_shrunk_and_saved(planted_sweep):
+    report, out = planted_sweep
+    assert report.failures
+    shrunk = [r for r in report.failures if r.minimised]
+    assert len(shrunk) == 1                                  # one per configuration and failure kind
+    replay = R.load(shrunk[0].replay_file)
+    assert replay.failure.invariant == 4
+    assert 3 <= len(replay.ops) <= 6                          # allocate, extend, fork, overwrite (+ a little)
+    assert {op.kind for op in replay.ops} >= {"fork", "overwrite"}
+    assert replay.backend == "kvstate.impl.numpy" and replay.config.name == "f32-heap"
+    report_json = json.loads((out / "report.json").read_text())
+    assert report_json["summary"][0]["failures"] == len(report.failures)
+    junit = ET.parse(out / "junit.xml").getroot()
+    assert int(junit.get("tests")) == 5 and int(junit.get("failures")) == len(report.failures)
+
+
+def test_replay_reproduces_the_failure_and_passes_once_the_bug_is_gone(planted_sweep, capsys):
+    report, _ = planted_sweep
+    path = next(r.replay_file for r in report.failures if r.minimised)
+    with PLANTED[BUG]():
+        assert main(["replay", path]) == 1
+    shown = capsys.readouterr().out
+    assert "FAILED InvariantViolation" in shown and "invariant 4" in shown and "reference" in shown
+    assert main(["replay", path, "--backend", "kvstate.impl.numpy:factory"]) == 0
+    assert "every invariant holds" in capsys.readouterr().out
+
+
+def test_unshrunk_failures_are_saved_and_replay_too(planted_sweep):
+    report, _ = planted_sweep
+    for r in report.failures:
+        replay = R.load(r.replay_file)
+        with PLANTED[BUG]():
+            failure, _ = R.execute(numpy_factory, replay.config, replay.ops)
+        assert failure is not None and failure.signature == r.failure.signature
+
+
+def test_the_printed_pytest_test_fails_with_the_bug_and_passes_without(planted_sweep):
+    report, _ = planted_sweep
+    replay = R.load(next(r.replay_file for r in report.failures if r.minimised))
+    source = R.as_pytest(replay)
+    namespace = {}
+    exec(compile(source, "<regression>", "exec"), namespace)
+    test = next(value for name, value in namespace.items() if name.startswith("test_"))
+    with PLANTED[BUG]():
+        with pytest.raises(AssertionError, match="invariant 4"):
+            test()
+    test()
+
+
+def test_a_bad_replay_file_is_refused(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"format": "something-else"}')
+    with pytest.raises(ReplayFileError):
+        R.load(path)
+    assert main(["replay", str(path)]) == 2
+    ops = [O.Allocate(), O.Extend("c9", (1,), 0)]
+    with pytest.raises(ReplayFileError, match="c9"):
+        R.execute(numpy_factory, config_named("f32-heap"), ops)
+
+
+# -- the CI share: a 20-seed sweep of every configuration -------------------------------
+
+def test_20_seed_sweep_of_all_six_configurations_passes(tmp_path, capsys):
+    assert main(["sweep", "--seeds", "20", "--steps", "100", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["summary"]) == 6
+    for row in report["summary"]:
+        assert (row["runs"], row["steps"], row["failures"]) == (20, 2000, 0)    # every run full length
+    assert "f32-heap" in capsys.readouterr().out
+
+
+def test_a_sharded_sweep_in_a_process_pool(tmp_path):
+    configs = [config_named("f16-arena6")]
+    report = S.sweep(S.shard(range(6), 2, 2), 30, configs, workers=2, out_dir=tmp_path, progress=None)
+    assert sorted(r.seed for r in report.results) == [1, 3, 5]
+    assert all(r.passed and r.steps == 30 for r in report.results)
