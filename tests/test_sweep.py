@@ -32,7 +32,8 @@ def test_full_length_runs_are_400_steps_and_distinct():
     assert [len(ops) for _, ops in runs] == [400, 400, 400]
     assert len({tuple(ops) for _, ops in runs}) == 3
     kinds = {op.kind for _, ops in runs for op in ops}
-    assert kinds == {"allocate", "extend", "overwrite", "fork", "truncate", "close", "retain", "match", "clear"}
+    assert kinds == {"allocate", "extend", "overwrite", "fork", "truncate", "close", "retain", "match", "clear",
+                     "snapshot", "restore"}
 
 
 def test_same_seed_same_sequence_and_it_survives_json():
@@ -89,13 +90,19 @@ def planted_sweep(tmp_path_factory):
     return report, out
 
 
+def isolation_replay_file(report) -> str:
+    """The shrunk failure the missing copy shows as: a read that differs (invariant 4)."""
+    return next(r.replay_file for r in report.failures
+                if r.minimised and R.load(r.replay_file).failure.invariant == 4)
+
+
 def test_planted_bug_is_found_shrunk_and_saved(planted_sweep):
     report, out = planted_sweep
     assert report.failures
-    shrunk = [r for r in report.failures if r.minimised]
-    assert len(shrunk) == 1                                  # one per configuration and failure kind
-    replay = R.load(shrunk[0].replay_file)
-    assert replay.failure.invariant == 4
+    shrunk = [R.load(r.replay_file) for r in report.failures if r.minimised]
+    kinds = [(s.failure.error, s.failure.invariant) for s in shrunk]
+    assert shrunk and len(kinds) == len(set(kinds))          # one per configuration and failure kind
+    replay = next(s for s in shrunk if s.failure.invariant == 4)
     assert 3 <= len(replay.ops) <= 6                          # allocate, extend, fork, overwrite (+ a little)
     assert {op.kind for op in replay.ops} >= {"fork", "overwrite"}
     assert replay.backend == "kvstate.impl.numpy" and replay.config.name == "f32-heap"
@@ -107,7 +114,7 @@ def test_planted_bug_is_found_shrunk_and_saved(planted_sweep):
 
 def test_replay_reproduces_the_failure_and_passes_once_the_bug_is_gone(planted_sweep, capsys):
     report, _ = planted_sweep
-    path = next(r.replay_file for r in report.failures if r.minimised)
+    path = isolation_replay_file(report)
     with PLANTED[BUG]():
         assert main(["replay", path]) == 1
     shown = capsys.readouterr().out
@@ -127,7 +134,7 @@ def test_unshrunk_failures_are_saved_and_replay_too(planted_sweep):
 
 def test_the_printed_pytest_test_fails_with_the_bug_and_passes_without(planted_sweep):
     report, _ = planted_sweep
-    replay = R.load(next(r.replay_file for r in report.failures if r.minimised))
+    replay = R.load(isolation_replay_file(report))
     source = R.as_pytest(replay)
     namespace = {}
     exec(compile(source, "<regression>", "exec"), namespace)
