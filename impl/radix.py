@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
-from kvstate.spec.arithmetic import common_prefix_length
+from kvstate.spec.arithmetic import common_prefix_length, match_stop, split_edge, walk_step
 from kvstate.spec.observation import NodeView
 
 
@@ -62,19 +62,13 @@ class RadixTree:
 
         Stamps the entry it finds. ``(None, 0)`` when no key is a prefix of the query.
         """
-        best, best_depth = None, 0
-        node, depth = self.root, 0
-        while depth < len(query):
-            child = node.children.get(query[depth])
-            if child is None or query[depth:depth + len(child.edge)] != child.edge:
-                break
-            node, depth = child, depth + len(child.edge)
-            if node.value is not None:
-                best, best_depth = node, depth
-        if best is None:
+        path = self._walk(query)
+        stop = match_stop(tuple(node.value is not None for node, _ in path))
+        if stop < 0:
             return None, 0
+        best, depth = path[stop]
         self._stamp(best)
-        return best.value, best_depth
+        return best.value, depth
 
     def pop_oldest(self, spare: Any = None) -> Any:
         """Remove the least recently used entry (never the one holding ``spare``); return its value."""
@@ -119,15 +113,24 @@ class RadixTree:
         self.recency[node] = None
         self.recency.move_to_end(node)
 
-    def _descend(self, key: tuple[int, ...]) -> tuple[Node, int]:
-        """The deepest node whose full path is a prefix of ``key``, and that path's length."""
-        node, depth = self.root, 0
+    def _walk(self, key: tuple[int, ...]) -> list[tuple[Node, int]]:
+        """The nodes whose whole edge ``key`` spells, root excluded, each with its depth."""
+        path, node, depth = [], self.root, 0
         while depth < len(key):
             child = node.children.get(key[depth])
-            if child is None or key[depth:depth + len(child.edge)] != child.edge:
+            if child is None:
                 break
-            node, depth = child, depth + len(child.edge)
-        return node, depth
+            depth = walk_step(depth, len(child.edge), common_prefix_length(child.edge, key[depth:]))
+            if depth < 0:
+                break
+            node = child
+            path.append((node, depth))
+        return path
+
+    def _descend(self, key: tuple[int, ...]) -> tuple[Node, int]:
+        """The deepest node whose full path is a prefix of ``key``, and that path's length."""
+        path = self._walk(key)
+        return path[-1] if path else (self.root, 0)
 
     def _add_below(self, node: Node, rest: tuple[int, ...]) -> Node:
         """A node for ``rest`` under ``node``, splitting the edge that shares its start."""
@@ -136,10 +139,11 @@ class RadixTree:
             leaf = Node(rest, node)
             node.children[rest[0]] = leaf
             return leaf
-        middle = self._split(child, common_prefix_length(child.edge, rest))
-        if len(middle.edge) == len(rest):
+        upper, _lower, leaf_len = split_edge(len(child.edge), len(rest), common_prefix_length(child.edge, rest))
+        middle = self._split(child, upper)
+        if leaf_len == 0:
             return middle
-        leaf = Node(rest[len(middle.edge):], middle)
+        leaf = Node(rest[upper:], middle)
         middle.children[leaf.edge[0]] = leaf
         return leaf
 
