@@ -20,6 +20,12 @@ def _conform(args: argparse.Namespace) -> int:
     return 0 if all(r.passed for r in results) else 1
 
 
+def _spec_check(args: argparse.Namespace) -> int:
+    from kvstate.stateful.spec_check import run_spec_check
+
+    return run_spec_check(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -29,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                          help="package.module[:factory] (default: the built-in NumPy backend)")
     conform.add_argument("--profile", default="ci", choices=["ci", "nightly"])
     conform.set_defaults(run=_conform)
+
+    spec_check = commands.add_parser(
+        "spec-check", help="CrossHair over the spec's arithmetic, then an exhaustive search at a small scope")
+    from kvstate.stateful.spec_check import add_arguments as add_spec_check_arguments
+
+    add_spec_check_arguments(spec_check)
+    spec_check.set_defaults(run=_spec_check)
     return parser
 
 

@@ -205,10 +205,12 @@ def _engine_holders(engine) -> list[tuple[str, Any]]:
 def _engine_memory(engine, renamed: dict[int, int], intern: _Interner) -> Hashable:
     """Bytes the observation does not show but a buggy engine could read back.
 
-    Stale bytes past a page's length and recycled arena slots matter (a slot
-    handed out without zeroing is a bug only if it held something), so for
-    kvstate's own engine the canonical form includes every live page's full
-    content and every arena slot's bytes. Foreign engines contribute nothing.
+    For kvstate's own engine: every live page's full content (stale positions past
+    a context's length included), and for each free arena slot which of its
+    positions hold a non-zero byte. A slot handed out without zeroing is a bug only
+    where it held something the next write does not cover; which stale bytes it
+    holds matters less, and keeping only those bits keeps the state space small.
+    Foreign engines contribute nothing.
     """
     pool, store = getattr(engine, "pool", None), getattr(engine, "store", None)
     if pool is None or store is None:
@@ -218,9 +220,11 @@ def _engine_memory(engine, renamed: dict[int, int], intern: _Interner) -> Hashab
          intern(b"".join(np.ascontiguousarray(a).tobytes() for a in page.buffer.arrays)))
         for pid, page in pool.live.items()))
     blocks = getattr(store, "_blocks", ())
-    slots = tuple(intern(b"".join(block[slot].tobytes() for block in blocks))
-                  for slot in range(getattr(store, "arena_pages", 0)))
-    return pages, slots
+    _size, out, free = store.arena_books()
+    dirty = tuple(
+        tuple(any(block[slot][:, :, offset].any() for block in blocks) for offset in range(store.page_tokens))
+        for slot in free)
+    return pages, dirty
 
 
 # -- cloning -------------------------------------------------------------------------------

@@ -53,12 +53,14 @@ def truncate_off_by_one() -> ContextManager:
 
 
 def truncate_shared_boundary() -> ContextManager:
-    """``truncate`` to an exact page boundary, from a length that is not one, of a context
-    whose next page a fork shares, releases the last *kept* page once more as well.
+    """A fast path for "drop the lone position on a shared second page": ``truncate`` to
+    exactly one full page, from one position more, while a fork shares the second page,
+    releases the kept first page instead of (and as well as) the second.
 
-    Three things must line up: a fork still sharing the page past ``n``, ``n`` a positive
-    multiple of the page size, and a partly filled last page (so never at page size 1).
-    An exhaustive search reaches it in five operations at page size 2.
+    Everything must line up: page size >= 2, length exactly ``page_tokens + 1``,
+    ``n == page_tokens``, and a fork still holding the second page. Random runs,
+    whose contexts quickly grow long, rarely get there; an exhaustive search at page
+    size 2 reaches it in five operations.
     """
     def truncate(self, n):
         with self._owned():
@@ -67,9 +69,8 @@ def truncate_shared_boundary() -> ContextManager:
             with self._cache.lock:
                 keep, _released = arithmetic.truncate_keep(self._length, n, self.page_tokens)
                 first = keep
-                if (n > 0 and arithmetic.offset_in_page(n, self.page_tokens) == 0
-                        and arithmetic.offset_in_page(self._length, self.page_tokens) != 0
-                        and keep < len(self._pages) and self._pages[keep].refcount > 1):
+                if (self.page_tokens >= 2 and n == self.page_tokens and self._length == n + 1
+                        and self._pages[keep].refcount > 1):
                     first = keep - 1
                 for page in self._pages[first:]:
                     self._cache.pool.release(page)
