@@ -57,7 +57,7 @@ class Scope:
     max_entries: int = 2
     arena_pages: int = 3
     precision: str = "f32"
-    max_depth: int | None = None     # None: run until no new state appears
+    max_depth: int | None = 5        # longest sequence; None: run until no new state appears
 
     def config(self) -> Config:
         return Config(SCOPE_LAYOUT, page_tokens=self.page_tokens, precision=self.precision,
@@ -354,7 +354,7 @@ def replay_document(scope: Scope, ops: list[O.Op], error: str | None = None) -> 
             "max_entries": config.max_entries,
         },
         "page_tokens": config.page_tokens,
-        "ops": [op.to_json() for op in ops],
+        "ops": json.loads(json.dumps([op.to_json() for op in ops])),    # tuples as JSON lists
     }
     if error is not None:
         document["error"] = error

@@ -19,7 +19,7 @@ from kvstate.stateful.exhaustive import (Scope, _Interner, _States, canonical, e
 from kvstate.stateful.lockstep import Lockstep
 from kvstate.stateful.planted import PLANTED
 
-TINY = Scope(max_contexts=1, max_positions=2, max_write=1, max_entries=1, arena_pages=1)
+TINY = Scope(max_contexts=1, max_positions=2, max_write=1, max_entries=1, arena_pages=1, max_depth=None)
 ONE_ENTRY = Scope(max_contexts=1, max_positions=2, max_entries=1)
 
 # bug -> (scope, minimal number of operations, why that is the minimum)
@@ -40,7 +40,7 @@ MINIMAL = {
     "arena_slot_kept_on_eviction": (ONE_ENTRY, 5),
     # allocate, extend (0,0), retain, overwrite position 1, retain: entries (0,0) and (0,1)
     # under a split node; overwrite position 0, retain a third key: the wrong entry is evicted
-    "split_node_evicted": (Scope(max_contexts=1, max_positions=2), 7),
+    "split_node_evicted": (Scope(max_contexts=1, max_positions=2, max_depth=None), 7),
 }
 
 
@@ -56,10 +56,12 @@ def test_engine_passes_a_complete_tiny_scope():
     assert sum(result.per_depth) == result.states
 
 
-def test_engine_passes_the_default_scope_to_depth_4():
-    result = explore(numpy_factory, Scope(max_depth=4))
+def test_engine_passes_the_default_scope():
+    """The default scope (what ``kvstate spec-check`` runs): every sequence of up to 5 operations."""
+    result = explore(numpy_factory, Scope())
     assert result.passed, str(result.violation)
-    assert result.depth == 4 and result.states > 200
+    assert result.depth == Scope().max_depth and result.states > 1000
+    assert len(result.per_depth) == result.depth + 1
 
 
 @pytest.mark.parametrize("bug", sorted(MINIMAL))
@@ -152,3 +154,17 @@ def test_replay_document_is_plain_json():
     assert json.loads(json.dumps(document)) == document
     assert document["page_tokens"] == 2 and len(document["ops"]) == 3
     run_document(numpy_factory, document)
+
+
+def test_spec_check_command(tmp_path, capsys):
+    """``kvstate spec-check`` passes the engine and, with a bug planted, writes the shortest trace."""
+    from kvstate.cli import main
+
+    assert main(["spec-check", "--no-crosshair", "--depth", "3"]) == 0
+    assert "states" in capsys.readouterr().out
+    out = tmp_path / "violation.json"
+    with PLANTED["missing_copy_on_write"]():
+        assert main(["spec-check", "--no-crosshair", "--depth", "5", "--replay-out", str(out)]) == 1
+    document = json.loads(out.read_text())
+    assert len(document["ops"]) == MINIMAL["missing_copy_on_write"][1]
+    assert document["config"]["max_entries"] == Scope().max_entries
