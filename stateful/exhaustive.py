@@ -16,6 +16,12 @@ shallow states first, the first violation found comes with a shortest
 operation sequence that reaches it, which ``replay_document`` turns into a
 plain replay file.
 
+Deduplication is exact for kvstate's own engine with one deliberate
+abstraction: a free arena slot is remembered by which of its positions are
+non-zero, not by its bytes (see ``_engine_memory``). For a foreign engine the
+form is built from its ``Observation`` alone, which cannot tell which context
+holds which page, so two states that differ only in that are merged.
+
 States are cloned (a pickle round trip of the whole ``Lockstep``); an engine
 that cannot be pickled is handled by re-running the path from the start.
 """
@@ -46,7 +52,11 @@ SCOPE_LAYOUT = Layout(layers=1, kv_heads=1, head_dim=2)
 
 @dataclass(frozen=True)
 class Scope:
-    """The bounds of one exhaustive search. The defaults are the CI scope."""
+    """The bounds of one exhaustive search.
+
+    The defaults are the CI scope: every sequence of up to 5 operations at page size 2,
+    2 live contexts of up to 3 positions, tokens {0, 1}, one tiny-set value seed.
+    """
 
     page_tokens: int = 2
     max_contexts: int = 2
