@@ -22,8 +22,8 @@ non-zero, not by its bytes (see ``_engine_memory``). For a foreign engine the
 form is built from its ``Observation`` alone, which cannot tell which context
 holds which page, so two states that differ only in that are merged.
 
-States are cloned (a pickle round trip of the whole ``Lockstep``); an engine
-that cannot be pickled is handled by re-running the path from the start.
+Reached states are kept as pickles of the whole ``Lockstep`` and thawed once per
+operation tried; an engine that cannot be pickled is re-run along its path instead.
 """
 
 from __future__ import annotations
@@ -259,30 +259,37 @@ def _copyable_locks():
 
 
 class _States:
-    """Makes a fresh ``Lockstep`` for a path: by cloning its parent, or by re-running it."""
+    """Keeps reached states compactly and makes fresh ``Lockstep``s from them.
+
+    A state is kept as its pickle, so expanding it costs one ``loads`` per operation;
+    an engine that cannot be pickled is kept as its path and re-run from the start.
+    """
 
     def __init__(self, factory: Factory, config: Config):
         self.factory, self.config = factory, config
-        self.can_clone = True
+        self.can_pickle = True
 
     def start(self) -> Lockstep:
         return Lockstep(self.factory, self.config)
 
-    def clone(self, lockstep: Lockstep, path: list[O.Op]) -> Lockstep:
-        if self.can_clone:
+    def freeze(self, lockstep: Lockstep) -> bytes | None:
+        if self.can_pickle:
             try:
-                return pickle.loads(pickle.dumps(lockstep, pickle.HIGHEST_PROTOCOL))
-            except Exception:          # an engine that cannot be pickled: re-run the path instead
-                self.can_clone = False
+                return pickle.dumps(lockstep, pickle.HIGHEST_PROTOCOL)
+            except Exception:          # an engine that cannot be pickled: re-run paths instead
+                self.can_pickle = False
+        return None
+
+    def thaw(self, frozen: bytes | None, path: list[O.Op]) -> Lockstep:
+        if frozen is not None:
+            return pickle.loads(frozen)
         fresh = self.start()
         for op in path:
             fresh.apply(op)
         return fresh
 
-
-def _finish_holds(states: _States, lockstep: Lockstep, path: list[O.Op]) -> None:
-    """Invariant 6 at this state, on a clone so the state itself lives on."""
-    states.clone(lockstep, path).finish()
+    def clone(self, lockstep: Lockstep, path: list[O.Op]) -> Lockstep:
+        return self.thaw(self.freeze(lockstep), path)
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -301,38 +308,40 @@ def explore(factory: Factory, scope: Scope = Scope(), time_limit: float | None =
         root = states.start()
         try:
             root.check()
-            _finish_holds(states, root, [])
+            frozen = states.freeze(root)
+            states.thaw(frozen, []).finish()                  # invariant 6, on a copy
         except Exception as error:     # noqa: BLE001 - any failure of the engine is a finding
             result.violation = Violation([], _describe(error))
             return _done(result, started)
         seen = {canonical(root, intern)}
-        frontier: deque[tuple[Lockstep, list[O.Op]]] = deque([(root, [])])
+        frontier: deque[tuple[bytes | None, list[O.Op]]] = deque([(frozen, [])])
         result.states, result.per_depth = 1, [1]
         depth = 0
         while frontier:
             if scope.max_depth is not None and depth >= scope.max_depth:
                 return _done(result, started)
             next_frontier: deque = deque()
-            for lockstep, path in frontier:
-                for op in operations(lockstep, scope):
+            for frozen, path in frontier:
+                for op in operations(states.thaw(frozen, path), scope):
                     if time_limit is not None and time.perf_counter() - started > time_limit:
                         return _done(result, started)
                     result.transitions += 1
                     child_path = path + [op]
-                    child = states.clone(lockstep, path)
+                    child = states.thaw(frozen, path)
                     try:
                         child.apply(op)
                         form = canonical(child, intern)
                         if form in seen:     # an isomorphic state was checked already
                             continue
                         child.check()
-                        _finish_holds(states, child, child_path)
+                        frozen_child = states.freeze(child)
+                        child.finish()                        # invariant 6; the frozen copy lives on
                     except Exception as error:     # noqa: BLE001 - any failure is a finding
                         result.violation = Violation(child_path, _describe(error))
                         result.depth = depth + 1
                         return _done(result, started)
                     seen.add(form)
-                    next_frontier.append((child, child_path))
+                    next_frontier.append((frozen_child, child_path))
             depth += 1
             result.depth = depth
             result.states = len(seen)

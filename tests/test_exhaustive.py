@@ -131,7 +131,7 @@ def test_clone_is_independent_of_its_parent():
     from kvstate.stateful.exhaustive import _copyable_locks
     with _copyable_locks():
         child = states.clone(parent, [])
-    assert states.can_clone
+    assert states.can_pickle
     child.apply(O.Overwrite(c, 0, (1,), -1))
     child.check()
     parent.check()
