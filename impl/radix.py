@@ -120,7 +120,8 @@ class RadixTree:
             child = node.children.get(key[depth])
             if child is None:
                 break
-            depth = walk_step(depth, len(child.edge), common_prefix_length(child.edge, key[depth:]))
+            shared = common_prefix_length(child.edge, key[depth:depth + len(child.edge)])
+            depth = walk_step(depth, len(child.edge), shared)
             if depth < 0:
                 break
             node = child
