@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
+from kvstate.spec.arithmetic import pages_touched, span_in_page, truncate_keep
 from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionError
 from kvstate.spec.layout import check_tokens, check_values
 
@@ -225,7 +225,7 @@ class Context:
             if not (isinstance(n, (int, np.integer)) and 0 <= n <= self._length):
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             with self._cache.lock:
-                keep = pages_needed(n, self.page_tokens)
+                keep, _released = truncate_keep(self._length, n, self.page_tokens)
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
                 del self._pages[keep:]

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from kvstate.spec.arithmetic import match_stop, split_edge, walk_step
 from kvstate.spec.observation import NodeView
 
 TOKEN_BYTES = 4
@@ -40,7 +41,11 @@ def unpack(packed: bytes) -> tuple[int, ...]:
 
 
 def shared_tokens(a: bytes, b: bytes) -> int:
-    """How many leading tokens packed ``a`` and ``b`` share (where a radix edge splits)."""
+    """How many leading tokens packed ``a`` and ``b`` share (where a radix edge splits).
+
+    ``spec.arithmetic.common_prefix_length`` over packed keys, vectorised;
+    ``tests/test_radix_packed.py`` checks that the two agree.
+    """
     n = min(len(a), len(b)) // TOKEN_BYTES
     differ = np.flatnonzero(np.frombuffer(a, _PACKED, n) != np.frombuffer(b, _PACKED, n))
     return int(differ[0]) if differ.size else n
@@ -77,7 +82,7 @@ class RadixTree:
 
     def insert(self, key: bytes, value: Any) -> Any:
         """Store ``value`` under non-empty packed ``key``; returns the value it replaced, or None."""
-        node, depth, _, _ = self._walk(key)
+        node, depth = self._descend(key)
         if depth < len(key):
             node = self._add_below(node, key[depth:])
         replaced, node.value = node.value, value
@@ -89,11 +94,13 @@ class RadixTree:
 
         Stamps the entry it finds. ``(None, 0)`` when no key is a prefix of the query.
         """
-        _, _, best, best_depth = self._walk(query)
-        if best is None:
+        path = self._walk(query)
+        stop = match_stop(tuple(node.value is not None for node, _ in path))
+        if stop < 0:
             return None, 0
+        best, depth = path[stop]
         self._stamp(best)
-        return best.value, best_depth // TOKEN_BYTES
+        return best.value, depth // TOKEN_BYTES
 
     def pop_oldest(self, spare: Any = None) -> Any:
         """Remove the least recently used entry (never the one holding ``spare``); return its value."""
@@ -138,19 +145,26 @@ class RadixTree:
         self.recency[node] = None
         self.recency.move_to_end(node)
 
-    def _walk(self, key: bytes) -> tuple[Node, int, Node | None, int]:
-        """Follow packed ``key`` down the tree: the deepest node whose full path prefixes it and that
-        path's length in bytes, then the deepest entry node on the way and its depth (None, 0 if none)."""
-        node, depth = self.root, 0
-        best, best_depth = None, 0
+    def _walk(self, key: bytes) -> list[tuple[Node, int]]:
+        """The nodes whose whole edge packed ``key`` spells, root excluded, each with its depth in bytes."""
+        path, node, depth = [], self.root, 0
         while depth < len(key):
             child = node.children.get(key[depth:depth + TOKEN_BYTES])
-            if child is None or not key.startswith(child.edge, depth):
+            if child is None:
                 break
-            node, depth = child, depth + len(child.edge)
-            if node.value is not None:
-                best, best_depth = node, depth
-        return node, depth, best, best_depth
+            # One C-level compare decides "whole edge or not", all walk_step distinguishes.
+            whole = key.startswith(child.edge, depth)
+            depth = walk_step(depth, len(child.edge), len(child.edge) if whole else 0)
+            if depth < 0:
+                break
+            node = child
+            path.append((node, depth))
+        return path
+
+    def _descend(self, key: bytes) -> tuple[Node, int]:
+        """The deepest node whose full path is a prefix of ``key``, and that path's length in bytes."""
+        path = self._walk(key)
+        return path[-1] if path else (self.root, 0)
 
     def _add_below(self, node: Node, rest: bytes) -> Node:
         """A node for packed ``rest`` under ``node``, splitting the edge that shares its start."""
@@ -159,12 +173,14 @@ class RadixTree:
             leaf = Node(rest, node)
             node.children[rest[:TOKEN_BYTES]] = leaf
             return leaf
-        middle = self._split(child, shared_tokens(child.edge, rest) * TOKEN_BYTES)
-        if len(middle.edge) == len(rest):
+        upper, _lower, leaf = split_edge(len(child.edge) // TOKEN_BYTES, len(rest) // TOKEN_BYTES,
+                                         shared_tokens(child.edge, rest))
+        middle = self._split(child, upper * TOKEN_BYTES)
+        if leaf == 0:
             return middle
-        leaf = Node(rest[len(middle.edge):], middle)
-        middle.children[leaf.edge[:TOKEN_BYTES]] = leaf
-        return leaf
+        leaf_node = Node(rest[upper * TOKEN_BYTES:], middle)
+        middle.children[leaf_node.edge[:TOKEN_BYTES]] = leaf_node
+        return leaf_node
 
     def _split(self, child: Node, at: int) -> Node:
         """Cut ``child``'s edge after ``at`` bytes (a whole number of tokens); the new node above it is returned."""

@@ -128,6 +128,11 @@ def _replay(args: argparse.Namespace) -> int:
         return 2
     return 1 if failure else 0
 
+def _spec_check(args: argparse.Namespace) -> int:
+    from kvstate.stateful.spec_check import run_spec_check
+
+    return run_spec_check(args)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
@@ -193,6 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("file", help="a replay file written by kvstate sweep")
     replay.add_argument("--backend", help="replay against this factory instead of the recorded one")
     replay.set_defaults(run=_replay)
+
+    spec_check = commands.add_parser(
+        "spec-check", help="CrossHair over the spec's arithmetic, then an exhaustive search at a small scope")
+    from kvstate.stateful.spec_check import add_arguments as add_spec_check_arguments
+
+    add_spec_check_arguments(spec_check)
+    spec_check.set_defaults(run=_spec_check)
     return parser
 
 

@@ -79,7 +79,7 @@ def truncate_keep(length: int, keep: int, page_tokens: int) -> tuple[int, int]:
     return kept, pages_needed(length, page_tokens) - kept
 
 
-def common_prefix_length(a: tuple, b: tuple) -> int:
+def common_prefix_length(a: tuple[int, ...], b: tuple[int, ...]) -> int:
     """How many leading items ``a`` and ``b`` share (where a radix edge splits).
 
     post: 0 <= __return__ <= min(len(a), len(b))
@@ -87,14 +87,72 @@ def common_prefix_length(a: tuple, b: tuple) -> int:
     post: __return__ == min(len(a), len(b)) or a[__return__] != b[__return__]
     """
     limit = min(len(a), len(b))
+    if a[:limit] == b[:limit]:      # the common case in a radix walk, compared at C speed
+        return limit
     i = 0
     while i < limit and a[i] == b[i]:
         i += 1
     return i
 
 
+def split_edge(edge_len: int, rest_len: int, shared: int) -> tuple[int, int, int]:
+    """Inserting a key whose remaining ``rest_len`` tokens share ``shared`` with a child's edge.
+
+    The walk stopped at this child, so the edge is not fully matched (``shared < edge_len``),
+    and the child was found by its first token (``shared >= 1``). The edge splits into an
+    upper part of ``upper`` tokens (a new node) over the old child's ``lower`` tokens; the
+    new key hangs ``leaf`` tokens below the upper node, or sits on it when ``leaf == 0``.
+    Returns ``(upper, lower, leaf)``.
+
+    pre: 1 <= shared < edge_len
+    pre: shared <= rest_len
+    post: __return__[0] == shared
+    post: __return__[0] >= 1 and __return__[1] >= 1 and __return__[2] >= 0
+    post: __return__[0] + __return__[1] == edge_len
+    post: __return__[0] + __return__[2] == rest_len
+    """
+    return shared, edge_len - shared, rest_len - shared
+
+
+def walk_step(depth: int, edge_len: int, shared: int) -> int:
+    """One step of a radix walk at ``depth``: the depth after a child whose edge has
+    ``edge_len`` tokens of which ``shared`` match the query, or -1 where the walk stops.
+
+    A walk enters a node only when the node's whole edge matches; a partly matched
+    edge ends the walk above it (that is where ``insert`` splits and ``match`` stops).
+
+    pre: depth >= 0
+    pre: 1 <= edge_len
+    pre: 0 <= shared <= edge_len
+    post: (__return__ == depth + edge_len) == (shared == edge_len)
+    post: __return__ == -1 or __return__ > depth
+    """
+    return depth + edge_len if shared == edge_len else -1
+
+
+def match_stop(has_entry: tuple[bool, ...]) -> int:
+    """Which node of a walked path ``match`` answers with: the deepest one holding an entry.
+
+    ``has_entry[i]`` says whether the i-th node entered by the walk (root excluded) has
+    an entry; each is deeper than the one before, so the deepest entry is the longest
+    key that is a prefix of the query. -1: no node on the path has one (a miss).
+
+    post: -1 <= __return__ < len(has_entry)
+    post: __return__ == -1 or has_entry[__return__]
+    post: not any(has_entry[__return__ + 1:])
+    """
+    for i in range(len(has_entry) - 1, -1, -1):
+        if has_entry[i]:
+            return i
+    return -1
+
+
 def q8_code(ratio_rounded: int) -> int:
     """Clip a rounded ``x / scale`` into the symmetric int8 range.
+
+    The scalar rule behind ``spec.precision.q8_encode``, which applies it to whole
+    arrays at once (``np.clip(np.rint(ratio), -127, 127)``); the two agree element by
+    element (``tests/test_spec_check.py`` checks that).
 
     post: -127 <= __return__ <= 127
     post: __return__ == ratio_rounded or abs(ratio_rounded) > 127

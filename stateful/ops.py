@@ -113,7 +113,16 @@ def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     """Deterministic K/V values for ``n`` positions: the same seed gives the same bytes everywhere.
 
     Mixes magnitudes, and zeroes some head vectors so q8's zero-scale path is exercised.
+
+    A negative seed picks from a tiny value set instead (the exhaustive checker's):
+    position i of the write gets a vector fixed by ``(seed, i)`` whatever the write's
+    length, so a small scope holds only a few distinct values.
     """
+    if seed < 0:
+        values = np.zeros(layout.batch_shape(n), np.float32)
+        for i in range(n):
+            values[i] = np.random.default_rng([-seed, i]).standard_normal(layout.position_shape)
+        return values
     rng = np.random.default_rng(seed)
     scale = np.float32([1e-3, 1.0, 30.0][seed % 3])
     values = (rng.standard_normal(layout.batch_shape(n)) * scale).astype(np.float32)

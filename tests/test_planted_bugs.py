@@ -8,9 +8,12 @@ from kvstate.stateful.conform import conform
 from kvstate.stateful.planted import PLANTED
 
 ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
+# Planted to show what random runs miss: the hunt profile does not reach it in any of the
+# six configurations; tests/test_exhaustive.py finds it with a minimal trace.
+EXHAUSTIVE_ONLY = {"truncate_shared_boundary"}
 
 
-@pytest.mark.parametrize("bug", sorted(PLANTED))
+@pytest.mark.parametrize("bug", sorted(set(PLANTED) - EXHAUSTIVE_ONLY))
 def test_planted_bug_is_caught(bug):
     configs = [c for c in machine_configs() if c.arena_pages or bug not in ARENA_BUGS]
     with PLANTED[bug]():

@@ -1,6 +1,8 @@
 """Packed keys of the radix tree: what the lockstep machine does not look at directly."""
 
 import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
 
 from kvstate.impl.radix import RadixTree, pack, shared_tokens, unpack
 
@@ -24,3 +26,11 @@ def test_lookup_never_matches_inside_a_token():
     assert tree.lookup(pack(np.array([1, 256, 3]))) == ("a", 2)
     assert tree.lookup(pack(np.array([1, 768]))) == (None, 0)
     assert [unpack(node.edge) for node in tree.root.children.values()] == [(1,)]
+
+
+@given(st.lists(st.integers(0, 3), max_size=12), st.lists(st.integers(0, 3), max_size=12))
+def test_shared_tokens_is_the_specs_common_prefix_length(a, b):
+    from kvstate.spec.arithmetic import common_prefix_length
+
+    packed_a, packed_b = pack(np.array(a, np.int64)), pack(np.array(b, np.int64))
+    assert shared_tokens(packed_a, packed_b) == common_prefix_length(tuple(a), tuple(b))

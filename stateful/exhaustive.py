@@ -1,0 +1,397 @@
+"""Small-scope exhaustive checking: every operation sequence of a bounded scope.
+
+A breadth-first search over the states that ``Lockstep`` (engine and reference
+side by side) can reach from an empty cache, where every operation is drawn
+from a finite alphabet fixed by a ``Scope``: at most ``max_contexts`` live
+contexts, at most ``max_positions`` positions each, tokens from ``alphabet``,
+writes of at most ``max_write`` positions with values from ``seeds``, match
+queries built from the retained keys. Every reachable state is checked against
+invariants 1-5 and, on a clone, invariant 6 (close everything, clear: empty).
+
+States are deduplicated by a canonical form (page ids renamed in first-use
+order, contexts sorted, ticks replaced by their order, values by a small
+interned id), so with ``max_depth=None`` the search stops when no new state
+appears: the reachable space is then explored completely. Because BFS expands
+shallow states first, the first violation found comes with a shortest
+operation sequence that reaches it, which ``replay_document`` turns into a
+plain replay file.
+
+Deduplication is exact for kvstate's own engine with one deliberate
+abstraction: a free arena slot is remembered by which of its positions are
+non-zero, not by its bytes (see ``_engine_memory``). For a foreign engine the
+form is built from its ``Observation`` alone, which cannot tell which context
+holds which page, so two states that differ only in that are merged.
+
+Reached states are kept as pickles of the whole ``Lockstep`` and thawed once per
+operation tried; an engine that cannot be pickled is re-run along its path instead.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import itertools
+import json
+import pickle
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Hashable
+
+import numpy as np
+
+from kvstate.spec.layout import Layout
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .lockstep import Lockstep
+
+SCOPE_LAYOUT = Layout(layers=1, kv_heads=1, head_dim=2)
+
+
+@dataclass(frozen=True)
+class Scope:
+    """The bounds of one exhaustive search.
+
+    The defaults are the CI scope: every sequence of up to 5 operations at page size 2,
+    2 live contexts of up to 3 positions, tokens {0, 1}, one tiny-set value seed.
+    """
+
+    page_tokens: int = 2
+    max_contexts: int = 2
+    max_positions: int = 3
+    alphabet: tuple[int, ...] = (0, 1)
+    max_write: int = 2
+    seeds: tuple[int, ...] = (-1,)    # negative: ops.values_for's tiny value set
+    max_entries: int = 2
+    arena_pages: int = 3
+    precision: str = "f32"
+    max_depth: int | None = 5        # longest sequence; None: run until no new state appears
+
+    def config(self) -> Config:
+        return Config(SCOPE_LAYOUT, page_tokens=self.page_tokens, precision=self.precision,
+                      arena_pages=self.arena_pages, max_entries=self.max_entries)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Violation:
+    ops: list[O.Op]           # a shortest sequence from an empty cache that reaches it
+    error: str
+
+    def __str__(self) -> str:
+        steps = "\n".join(f"  {i + 1}. {op}" for i, op in enumerate(self.ops))
+        return f"{self.error}\nafter {len(self.ops)} operations:\n{steps}"
+
+
+@dataclass
+class Result:
+    scope: Scope
+    states: int = 0           # distinct canonical states reached (the empty cache included)
+    transitions: int = 0      # operations applied to a reached state
+    depth: int = 0            # the deepest BFS level expanded
+    complete: bool = False    # True: no new state remained (not cut by depth or time)
+    seconds: float = 0.0
+    violation: Violation | None = None
+    per_depth: list[int] = field(default_factory=list)   # new states found at each depth
+
+    @property
+    def passed(self) -> bool:
+        return self.violation is None
+
+    def summary(self) -> str:
+        how = "complete" if self.complete else "cut at depth/time bound"
+        text = (f"{self.states} states, {self.transitions} transitions, depth {self.depth} "
+                f"({how}), {self.seconds:.1f} s")
+        if self.violation is not None:
+            text += f"\nVIOLATION: {self.violation}"
+        return text
+
+
+# -- the operation alphabet ------------------------------------------------------------
+
+def operations(lockstep: Lockstep, scope: Scope) -> list[O.Op]:
+    """Every operation the scope allows in the current state, in a fixed order."""
+    live = list(lockstep.live)
+    room = len(live) < scope.max_contexts
+    result: list[O.Op] = [O.Allocate()] if room else []
+    for handle in live:
+        length = len(lockstep.live[handle][1])
+        for k in range(1, scope.max_write + 1):
+            words = list(itertools.product(scope.alphabet, repeat=k))
+            if length + k <= scope.max_positions:
+                result += [O.Extend(handle, word, seed) for word in words for seed in scope.seeds]
+            result += [O.Overwrite(handle, start, word, seed)
+                       for start in range(length - k + 1) for word in words for seed in scope.seeds]
+        if room:
+            result.append(O.Fork(handle))
+        result += [O.Truncate(handle, n) for n in range(length + 1)]
+        result += [O.Retain(handle), O.Close(handle)]
+    if room:
+        result += [O.Match(query) for query in _queries(lockstep, scope)]
+    if lockstep.reference.entries:
+        result.append(O.Clear())
+    return result
+
+
+def _queries(lockstep: Lockstep, scope: Scope) -> list[tuple[int, ...]]:
+    """Queries that reach every match outcome: misses, hits on each key, stops inside an edge."""
+    queries = {()} | {(t,) for t in scope.alphabet}
+    for key, _tick in lockstep.reference.eviction_order():
+        queries |= {key, key[:-1]} | {key + (t,) for t in scope.alphabet}
+    return sorted(queries, key=lambda q: (len(q), q))
+
+
+# -- canonical form ----------------------------------------------------------------------
+
+class _Interner:
+    """Small ids for byte strings, in first-seen order, shared by every state of a search."""
+
+    def __init__(self):
+        self.ids: dict[bytes, int] = {}
+
+    def __call__(self, data: bytes) -> int:
+        return self.ids.setdefault(data, len(self.ids))
+
+    def rows(self, values: np.ndarray) -> tuple[int, ...]:
+        return tuple(self(np.ascontiguousarray(row).tobytes()) for row in values)
+
+
+def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
+    """A form equal for two states exactly when they differ only by naming.
+
+    Names that do not matter: context handles, page ids (renamed in first-use
+    order), clock ticks (only their order matters), values (interned bytes).
+    """
+    obs = lockstep.engine.observe()
+    contexts = []
+    for engine_ctx, ref_ctx in lockstep.live.values():
+        values, tokens = ref_ctx.read()
+        contexts.append((tuple(int(t) for t in tokens), intern.rows(values), engine_ctx))
+    holder_of = {id(ctx): name for name, ctx in _engine_holders(lockstep.engine)}
+    named = []
+    for tokens, values, engine_ctx in contexts:
+        name = holder_of.get(id(engine_ctx))
+        pages = obs.holders.get(name, ()) if name else ()
+        named.append(((tokens, values, obs.lengths.get(name), _local_pattern(pages)), pages))
+    named.sort(key=lambda item: item[0])
+    renamed: dict[int, int] = {}
+
+    def rename(pages):
+        return tuple(renamed.setdefault(pid, len(renamed)) for pid in pages)
+
+    context_form = tuple((key, rename(pages)) for key, pages in named)
+    entry_form = tuple((e.key, obs.lengths.get(e.holder), rename(obs.holders.get(e.holder, ())))
+                       for e in obs.entries)
+    reference_entries = tuple(
+        (entry[0], intern.rows(entry[1].values))
+        for entry in sorted(lockstep.reference.entries, key=lambda entry: entry[2]))
+    for pid in sorted(obs.pages):                      # pages no holder points at (a leak)
+        rename((pid,))
+    page_form = tuple(
+        sorted((renamed[pid], p.refcount, p.slot, p.dirty_tail) for pid, p in obs.pages.items()))
+    arena_form = (obs.arena_free, tuple(sorted((s, renamed.get(pid, -1)) for s, pid in obs.arena_out.items())))
+    return (context_form, entry_form, reference_entries, page_form, arena_form,
+            obs.pages_allocated - obs.pages_freed, obs.tree,
+            _engine_memory(lockstep.engine, renamed, intern))
+
+
+def _local_pattern(pages: tuple[int, ...]) -> tuple[int, ...]:
+    seen: dict[int, int] = {}
+    return tuple(seen.setdefault(pid, len(seen)) for pid in pages)
+
+
+def _engine_holders(engine) -> list[tuple[str, Any]]:
+    """Holder names of live engine contexts (``ctx:N``), for kvstate's own engine."""
+    contexts = getattr(engine, "_contexts", None)
+    if contexts is None:
+        return []
+    return [(f"ctx:{cid}", ctx) for cid, ctx in contexts.items()]
+
+
+def _engine_memory(engine, renamed: dict[int, int], intern: _Interner) -> Hashable:
+    """Bytes the observation does not show but a buggy engine could read back.
+
+    For kvstate's own engine: every live page's full content (stale positions past
+    a context's length included), and for each free arena slot which of its
+    positions hold a non-zero byte. A slot handed out without zeroing is a bug only
+    where it held something the next write does not cover; which stale bytes it
+    holds matters less, and keeping only those bits keeps the state space small.
+    Foreign engines contribute nothing.
+    """
+    pool, store = getattr(engine, "pool", None), getattr(engine, "store", None)
+    if pool is None or store is None:
+        return ()
+    pages = tuple(sorted(
+        (renamed.get(pid, -1), tuple(int(t) for t in page.tokens), page.filled,
+         intern(b"".join(np.ascontiguousarray(a).tobytes() for a in page.buffer.arrays)))
+        for pid, page in pool.live.items()))
+    blocks = getattr(store, "_blocks", ())
+    _size, out, free = store.arena_books()
+    dirty = tuple(
+        tuple(any(block[slot][:, :, offset].any() for block in blocks) for offset in range(store.page_tokens))
+        for slot in free)
+    return pages, dirty
+
+
+# -- cloning -------------------------------------------------------------------------------
+
+_LOCK_TYPES = (type(threading.Lock()), type(threading.RLock()))
+
+
+@contextmanager
+def _copyable_locks():
+    """Let a clone (pickled and unpickled) get fresh locks; a clone is used by this thread only."""
+    saved = {t: copyreg.dispatch_table.get(t) for t in _LOCK_TYPES}
+    copyreg.pickle(_LOCK_TYPES[0], lambda lock: (threading.Lock, ()))
+    copyreg.pickle(_LOCK_TYPES[1], lambda lock: (threading.RLock, ()))
+    try:
+        yield
+    finally:
+        for t, reducer in saved.items():
+            if reducer is None:
+                copyreg.dispatch_table.pop(t, None)
+            else:
+                copyreg.dispatch_table[t] = reducer
+
+
+class _States:
+    """Keeps reached states compactly and makes fresh ``Lockstep``s from them.
+
+    A state is kept as its pickle, so expanding it costs one ``loads`` per operation;
+    an engine that cannot be pickled is kept as its path and re-run from the start.
+    """
+
+    def __init__(self, factory: Factory, config: Config):
+        self.factory, self.config = factory, config
+        self.can_pickle = True
+
+    def start(self) -> Lockstep:
+        return Lockstep(self.factory, self.config)
+
+    def freeze(self, lockstep: Lockstep) -> bytes | None:
+        if self.can_pickle:
+            try:
+                return pickle.dumps(lockstep, pickle.HIGHEST_PROTOCOL)
+            except Exception:          # an engine that cannot be pickled: re-run paths instead
+                self.can_pickle = False
+        return None
+
+    def thaw(self, frozen: bytes | None, path: list[O.Op]) -> Lockstep:
+        if frozen is not None:
+            return pickle.loads(frozen)
+        fresh = self.start()
+        for op in path:
+            fresh.apply(op)
+        return fresh
+
+    def clone(self, lockstep: Lockstep, path: list[O.Op]) -> Lockstep:
+        return self.thaw(self.freeze(lockstep), path)
+
+
+# -- the search ------------------------------------------------------------------------------
+
+def explore(factory: Factory, scope: Scope = Scope(), time_limit: float | None = None) -> Result:
+    """Breadth-first search of the scope's reachable states, checking every invariant at each.
+
+    Stops at the first violation (its ``ops`` are a shortest trace), at ``scope.max_depth``,
+    at ``time_limit`` seconds, or when no new state appears (``complete``).
+    """
+    started = time.perf_counter()
+    result = Result(scope)
+    intern = _Interner()
+    states = _States(factory, scope.config())
+    with _copyable_locks():
+        root = states.start()
+        try:
+            root.check()
+            frozen = states.freeze(root)
+            states.thaw(frozen, []).finish()                  # invariant 6, on a copy
+        except Exception as error:     # noqa: BLE001 - any failure of the engine is a finding
+            result.violation = Violation([], _describe(error))
+            return _done(result, started)
+        seen = {canonical(root, intern)}
+        frontier: deque[tuple[bytes | None, list[O.Op]]] = deque([(frozen, [])])
+        result.states, result.per_depth = 1, [1]
+        depth = 0
+        while frontier:
+            if scope.max_depth is not None and depth >= scope.max_depth:
+                return _done(result, started)
+            next_frontier: deque = deque()
+            for frozen, path in frontier:
+                for op in operations(states.thaw(frozen, path), scope):
+                    if time_limit is not None and time.perf_counter() - started > time_limit:
+                        return _done(result, started)
+                    result.transitions += 1
+                    child_path = path + [op]
+                    child = states.thaw(frozen, path)
+                    try:
+                        child.apply(op)
+                        form = canonical(child, intern)
+                        if form in seen:     # an isomorphic state was checked already
+                            continue
+                        child.check()
+                        frozen_child = states.freeze(child)
+                        child.finish()                        # invariant 6; the frozen copy lives on
+                    except Exception as error:     # noqa: BLE001 - any failure is a finding
+                        result.violation = Violation(child_path, _describe(error))
+                        result.depth = depth + 1
+                        return _done(result, started)
+                    seen.add(form)
+                    next_frontier.append((frozen_child, child_path))
+            depth += 1
+            result.depth = depth
+            result.states = len(seen)
+            result.per_depth.append(len(next_frontier))
+            frontier = next_frontier
+    result.complete = True
+    return _done(result, started)
+
+
+def _done(result: Result, started: float) -> Result:
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+# -- traces -----------------------------------------------------------------------------------
+
+def replay_document(scope: Scope, ops: list[O.Op], error: str | None = None) -> dict:
+    """A plain replay document: the configuration, the page size and the operations."""
+    config = scope.config()
+    document = {
+        "config": {
+            "layout": asdict(config.layout),
+            "precision": config.precision,
+            "arena_pages": config.arena_pages,
+            "max_entries": config.max_entries,
+        },
+        "page_tokens": config.page_tokens,
+        "ops": json.loads(json.dumps([op.to_json() for op in ops])),    # tuples as JSON lists
+    }
+    if error is not None:
+        document["error"] = error
+    return document
+
+
+def write_replay(path: str, scope: Scope, violation: Violation) -> None:
+    with open(path, "w") as handle:
+        json.dump(replay_document(scope, violation.ops, violation.error), handle, indent=1)
+        handle.write("\n")
+
+
+def run_document(factory: Factory, document: dict) -> None:
+    """Re-run a replay document, checking every invariant after every step; raises on a violation."""
+    fields = document["config"]
+    config = Config(Layout(**fields["layout"]), page_tokens=document["page_tokens"],
+                    precision=fields["precision"], arena_pages=fields["arena_pages"],
+                    max_entries=fields["max_entries"])
+    lockstep = Lockstep(factory, config)
+    lockstep.run([O.op_from_json(op) for op in document["ops"]])
+    lockstep.finish()

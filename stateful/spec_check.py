@@ -1,0 +1,94 @@
+"""``kvstate spec-check``: CrossHair over ``spec/arithmetic.py``, then the exhaustive search.
+
+The default scope is the CI one; raise it overnight, e.g.
+``kvstate spec-check --depth 0 --contexts 3 --positions 4 --time-limit 36000``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .exhaustive import Scope, explore, write_replay
+
+DEFAULT = Scope()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", default="kvstate.impl.numpy",
+                        help="package.module[:factory] to search (default: the built-in NumPy backend)")
+    parser.add_argument("--page-tokens", type=int, default=DEFAULT.page_tokens)
+    parser.add_argument("--contexts", type=int, default=DEFAULT.max_contexts, help="most live contexts")
+    parser.add_argument("--positions", type=int, default=DEFAULT.max_positions, help="most positions per context")
+    parser.add_argument("--alphabet", type=int, default=len(DEFAULT.alphabet), help="tokens are 0 .. N-1")
+    parser.add_argument("--write", type=int, default=DEFAULT.max_write, help="most positions per extend/overwrite")
+    parser.add_argument("--values", type=int, default=len(DEFAULT.seeds), help="distinct value seeds per write")
+    parser.add_argument("--entries", type=int, default=DEFAULT.max_entries, help="max_entries of the tree")
+    parser.add_argument("--arena", type=int, default=DEFAULT.arena_pages, help="arena slots (0: none)")
+    parser.add_argument("--precision", default=DEFAULT.precision, choices=["f32", "f16", "q8"])
+    parser.add_argument("--depth", type=int, default=DEFAULT.max_depth or 0,
+                        help="longest operation sequence (0: search until no new state appears)")
+    parser.add_argument("--time-limit", type=float, default=None, help="stop the search after this many seconds")
+    parser.add_argument("--crosshair-timeout", type=float, default=2.0,
+                        help="CrossHair's per-condition timeout, CPU seconds")
+    parser.add_argument("--no-crosshair", action="store_true", help="skip the CrossHair check")
+    parser.add_argument("--replay-out", default="spec-check-violation.json",
+                        help="where a violation's shortest trace is written")
+
+
+def scope_from(args: argparse.Namespace) -> Scope:
+    return Scope(page_tokens=args.page_tokens, max_contexts=args.contexts, max_positions=args.positions,
+                 alphabet=tuple(range(args.alphabet)), max_write=args.write,
+                 seeds=tuple(-(i + 1) for i in range(args.values)), max_entries=args.entries,
+                 arena_pages=args.arena, precision=args.precision, max_depth=args.depth or None)
+
+
+def crosshair(timeout: float) -> int:
+    """Run ``crosshair check`` over the spec's arithmetic; print its findings; 0 when none refute."""
+    from kvstate.spec import arithmetic
+
+    tool = shutil.which("crosshair") or str(Path(sys.executable).with_name("crosshair"))
+    if not Path(tool).exists() and shutil.which(tool) is None:
+        print("crosshair: not installed (pip install crosshair-tool); skipped")
+        return 0
+    started = time.perf_counter()
+    run = subprocess.run([tool, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={timeout}",
+                          "--report_all", arithmetic.__file__], capture_output=True, text=True)
+    lines = run.stdout.splitlines()
+    confirmed = sum("Confirmed over all paths" in line for line in lines)
+    refuted = [line for line in lines if ": error:" in line]
+    print(f"crosshair: {len(lines)} conditions, {confirmed} confirmed over all paths, "
+          f"{len(lines) - confirmed - len(refuted)} not refuted within {timeout} s, {len(refuted)} refuted "
+          f"({time.perf_counter() - started:.1f} s)")
+    for line in refuted:
+        print("  " + line)
+    if run.returncode not in (0, 1):
+        print(run.stderr, file=sys.stderr)
+    return run.returncode
+
+
+def run_spec_check(args: argparse.Namespace) -> int:
+    from .conform import FactoryError, load_factory
+
+    status = 0
+    if not args.no_crosshair:
+        status = crosshair(args.crosshair_timeout)
+    try:
+        factory = load_factory(args.backend)
+    except FactoryError as error:
+        print(f"kvstate spec-check: {error}", file=sys.stderr)
+        return 2
+    scope = scope_from(args)
+    print(f"exhaustive: {scope}")
+    result = explore(factory, scope, time_limit=args.time_limit)
+    print(f"exhaustive: {result.summary()}")
+    print(f"exhaustive: new states per depth {result.per_depth}")
+    if result.violation is not None:
+        write_replay(args.replay_out, scope, result.violation)
+        print(f"exhaustive: shortest trace written to {args.replay_out}")
+        status = status or 1
+    return status
