@@ -13,7 +13,7 @@ order, contexts sorted, ticks replaced by their order, values by a small
 interned id), so with ``max_depth=None`` the search stops when no new state
 appears: the reachable space is then explored completely. Because BFS expands
 shallow states first, the first violation found comes with a shortest
-operation sequence that reaches it, which ``replay_document`` turns into a
+operation sequence that reaches it, which ``write_replay`` saves as a
 plain replay file.
 
 Deduplication is exact for kvstate's own engine with one deliberate
@@ -46,6 +46,7 @@ from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 from .lockstep import Lockstep
+from .replay import Replay, execute, save
 
 SCOPE_LAYOUT = Layout(layers=1, kv_heads=1, head_dim=2)
 
@@ -362,36 +363,14 @@ def _describe(error: BaseException) -> str:
 
 # -- traces -----------------------------------------------------------------------------------
 
-def replay_document(scope: Scope, ops: list[O.Op], error: str | None = None) -> dict:
-    """A plain replay document: the configuration, the page size and the operations."""
+def as_replay(scope: Scope, ops: list[O.Op], factory: Factory, backend: str = "kvstate.impl.numpy") -> Replay:
+    """A shortest trace as a sweep replay file (``kvstate replay`` runs it), with the failure it shows."""
     config = scope.config()
-    document = {
-        "config": {
-            "layout": asdict(config.layout),
-            "precision": config.precision,
-            "arena_pages": config.arena_pages,
-            "max_entries": config.max_entries,
-        },
-        "page_tokens": config.page_tokens,
-        "ops": json.loads(json.dumps([op.to_json() for op in ops])),    # tuples as JSON lists
-    }
-    if error is not None:
-        document["error"] = error
-    return document
+    failure, _ = execute(factory, config, ops)
+    return Replay(backend, config, seed=None, ops=list(ops), failure=failure, minimised=True,
+                  extra={"found_by": "exhaustive search (BFS: no shorter sequence reaches it)"})
 
 
-def write_replay(path: str, scope: Scope, violation: Violation) -> None:
-    with open(path, "w") as handle:
-        json.dump(replay_document(scope, violation.ops, violation.error), handle, indent=1)
-        handle.write("\n")
-
-
-def run_document(factory: Factory, document: dict) -> None:
-    """Re-run a replay document, checking every invariant after every step; raises on a violation."""
-    fields = document["config"]
-    config = Config(Layout(**fields["layout"]), page_tokens=document["page_tokens"],
-                    precision=fields["precision"], arena_pages=fields["arena_pages"],
-                    max_entries=fields["max_entries"])
-    lockstep = Lockstep(factory, config)
-    lockstep.run([O.op_from_json(op) for op in document["ops"]])
-    lockstep.finish()
+def write_replay(path: str, scope: Scope, violation: Violation, factory: Factory,
+                 backend: str = "kvstate.impl.numpy") -> None:
+    save(as_replay(scope, violation.ops, factory, backend), path)

@@ -88,7 +88,7 @@ def run_spec_check(args: argparse.Namespace) -> int:
     print(f"exhaustive: {result.summary()}")
     print(f"exhaustive: new states per depth {result.per_depth}")
     if result.violation is not None:
-        write_replay(args.replay_out, scope, result.violation)
+        write_replay(args.replay_out, scope, result.violation, factory, args.backend)
         print(f"exhaustive: shortest trace written to {args.replay_out}")
         status = status or 1
     return status

@@ -14,8 +14,8 @@ import pytest
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import InvariantViolation
 from kvstate.stateful import ops as O
-from kvstate.stateful.exhaustive import (Scope, _Interner, _States, canonical, explore, replay_document,
-                                         run_document, write_replay)
+from kvstate.stateful import replay as R
+from kvstate.stateful.exhaustive import Scope, _Interner, _States, as_replay, canonical, explore, write_replay
 from kvstate.stateful.lockstep import Lockstep
 from kvstate.stateful.planted import PLANTED
 
@@ -76,14 +76,16 @@ def test_planted_bug_is_found_with_a_minimal_trace(bug, tmp_path):
         result = explore(numpy_factory, scope, time_limit=120)
     assert result.violation is not None, f"{bug} not found: {result.summary()}"
     assert len(result.violation.ops) == minimum, str(result.violation)
-    # the trace is a replay document that fails again with the bug and passes without it
+    # the trace is a sweep replay file that fails again with the bug and passes without it
     path = tmp_path / "trace.json"
-    write_replay(str(path), scope, result.violation)
-    document = json.loads(path.read_text())
-    assert [op["op"] for op in document["ops"]] == [op.kind for op in result.violation.ops]
-    with PLANTED[bug](), pytest.raises(Exception):
-        run_document(numpy_factory, document)
-    run_document(numpy_factory, document)
+    with PLANTED[bug]():
+        write_replay(str(path), scope, result.violation, numpy_factory)
+    replay = R.load(path)
+    assert [op.kind for op in replay.ops] == [op.kind for op in result.violation.ops]
+    assert replay.failure is not None and replay.minimised
+    with PLANTED[bug]():
+        assert R.execute(numpy_factory, replay.config, replay.ops)[0] is not None
+    assert R.execute(numpy_factory, replay.config, replay.ops)[0] is None
 
 
 def test_canonical_form_ignores_names_only():
@@ -153,12 +155,11 @@ def test_a_violation_at_the_empty_cache_is_reported():
     assert result.violation is not None and [op.kind for op in result.violation.ops] == ["allocate"]
 
 
-def test_replay_document_is_plain_json():
+def test_traces_use_the_sweep_replay_format():
     ops = [O.Allocate(), O.Extend("c1", (0, 1), -1), O.Truncate("c1", 1)]
-    document = replay_document(Scope(), ops)
-    assert json.loads(json.dumps(document)) == document
-    assert document["page_tokens"] == 2 and len(document["ops"]) == 3
-    run_document(numpy_factory, document)
+    document = json.loads(json.dumps(R.to_json(as_replay(Scope(), ops, numpy_factory))))
+    assert document["format"] == R.FORMAT and document["config"]["page_tokens"] == 2
+    assert R.from_json(document).ops == ops and document["failure"] is None
 
 
 def test_spec_check_command(tmp_path, capsys):
