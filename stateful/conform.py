@@ -257,6 +257,11 @@ class ConfigResult:
     def steps(self) -> int:
         return sum(o.steps for o in self.outcomes.values())
 
+    @property
+    def checks(self) -> int:
+        """Invariant-set checks made (after every step, and at each run's end)."""
+        return sum(o.checks for o in self.outcomes.values())
+
 
 def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None,
             checks: list[str] | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
@@ -288,9 +293,9 @@ def format_table(results: list[ConfigResult]) -> str:
     if not results:
         return "no configurations"
     names = list(results[0].outcomes)
-    rows = [("configuration", *names, "steps", "seconds")]
+    rows = [("configuration", *names, "steps", "invariant checks", "seconds")]
     for r in results:
-        rows.append((r.config.name, *(r.outcomes[n].status for n in names), str(r.steps),
+        rows.append((r.config.name, *(r.outcomes[n].status for n in names), str(r.steps), str(r.checks),
                      f"{sum(o.seconds for o in r.outcomes.values()):.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

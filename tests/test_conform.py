@@ -22,6 +22,7 @@ def test_example_backend_passes_every_check():
     assert [r.config.name for r in results] == ["f32-heap", "f16-heap", "q8-heap"]   # as it declares
     assert all(r.passed for r in results), [r.failure for r in results]
     assert all(r.outcomes["lockstep"].steps > 100 for r in results)
+    assert all(r.checks > r.steps for r in results)      # after every step, plus each run's end
 
 
 def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
