@@ -160,8 +160,15 @@ class Context:
                 first, end = pages_touched(start, stop, self.page_tokens)
                 if first < len(self._pages):
                     self.writable(first)           # the partly filled last page
-                while len(self._pages) < end:
-                    self._pages.append(self._cache.pool.new_page())
+                fresh = []
+                try:
+                    while len(self._pages) + len(fresh) < end:
+                        fresh.append(self._cache.pool.new_page())
+                except BaseException:
+                    for page in fresh:             # e.g. the device is out of memory: keep nothing
+                        self._cache.pool.release(page)
+                    raise
+                self._pages.extend(fresh)
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
@@ -172,8 +179,8 @@ class Context:
         tokens = check_tokens(tokens)
         kv = check_values(self._cache.layout, kv, len(tokens))
         with self._owned():
-            stop = start + len(tokens)
-            if not (isinstance(start, (int, np.integer)) and 0 <= start <= stop <= self._length):
+            stop = start + len(tokens) if _is_position(start) else None
+            if stop is None or not 0 <= start <= stop <= self._length:
                 raise PositionError(
                     f"overwrite of [{start}, {stop}) is outside context {self.context_id} of length {self._length}")
             if start == stop:
@@ -222,7 +229,7 @@ class Context:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
         with self._owned():
-            if not (isinstance(n, (int, np.integer)) and 0 <= n <= self._length):
+            if not (_is_position(n) and 0 <= n <= self._length):
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             with self._cache.lock:
                 keep, _released = truncate_keep(self._length, n, self.page_tokens)
@@ -269,7 +276,12 @@ class _Ownership:
         self.ctx._busy.release()
 
 
+def _is_position(value) -> bool:
+    """An int (Python or NumPy) but not a bool: ``True`` is not a position."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _check_range(what: str, start, stop, length: int) -> None:
-    if not all(isinstance(v, (int, np.integer)) for v in (start, stop)) or not 0 <= start <= stop <= length:
+    if not (_is_position(start) and _is_position(stop)) or not 0 <= start <= stop <= length:
         raise PositionError(f"{what} of [{start}, {stop}) is outside length {length}")
 
