@@ -43,10 +43,6 @@ class RaceFailure(AssertionError):
     """A race scenario found a wrong outcome; the message names store, seed, iteration and thread."""
 
 
-class SnapshotsUnavailable(Exception):
-    """This build has no ``Context.snapshot`` / ``Cache.restore`` yet."""
-
-
 @dataclass
 class RaceReport:
     scenario: str

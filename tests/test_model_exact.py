@@ -9,7 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from kvstate.impl import Cache, Context
+from kvstate.impl import Cache
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec.errors import ConfigError, PositionError, TokenError
 from kvstate.spec.precision import PRECISIONS
@@ -114,8 +114,6 @@ def test_same_values_in_another_page_size_continue_exactly(model, cache, other_p
 
 @pytest.mark.parametrize("restore_page", [PAGE, 2 * PAGE, 3])
 def test_restored_snapshot_continues_exactly(model, cache, tmp_path, restore_page):
-    if not hasattr(Context, "snapshot") or not hasattr(Cache, "restore"):
-        pytest.skip("ctx.snapshot / cache.restore are not in this build yet")
     ctx = prefilled(model, cache, 2 * PAGE + 1)
     path = tmp_path / "ctx.kvs"
     ctx.snapshot(path)
