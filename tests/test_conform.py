@@ -100,10 +100,7 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
                 raise RuntimeError("fork is not implemented")
 
         class Cache(ListCache):
-            def adopt(self, pages, length, register=True):
-                ctx = super().adopt(pages, length, register)
-                ctx.__class__ = Context
-                return ctx
+            context_class = Context
 
         def factory(config):
             return Cache(config)
