@@ -160,15 +160,7 @@ class Context:
                 first, end = pages_touched(start, stop, self.page_tokens)
                 if first < len(self._pages):
                     self.writable(first)           # the partly filled last page
-                fresh = []
-                try:
-                    while len(self._pages) + len(fresh) < end:
-                        fresh.append(self._cache.pool.new_page())
-                except BaseException:
-                    for page in fresh:             # e.g. the device is out of memory: keep nothing
-                        self._cache.pool.release(page)
-                    raise
-                self._pages.extend(fresh)
+                self._pages.extend(self._cache.pool.new_pages(end - len(self._pages)))
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:

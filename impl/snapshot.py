@@ -217,9 +217,10 @@ def _remaining(stream) -> int | None:
 
 
 def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
-    """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here."""
+    """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here
+    (running out of memory while allocating leaves no page behind: ``PagePool.new_pages``)."""
     with cache.lock:
-        pages = [cache.pool.new_page() for _ in range(pages_needed(n, cache.page_tokens))]
+        pages = cache.pool.new_pages(pages_needed(n, cache.page_tokens))
         ctx = cache._new_context(pages, 0)
     if n:
         ctx._write(0, n, tokens, encoded)

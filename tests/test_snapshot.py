@@ -250,6 +250,28 @@ def test_conversion_that_overflows_f16_is_refused_and_changes_nothing():
     assert state_of(target) == before
 
 
+def test_restore_that_runs_out_of_memory_leaves_no_page(monkeypatch):
+    cache, ctx, _ = filled("f32", page_tokens=4, n=11)     # 3 pages
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    allocate, calls = cache.store.allocate, []
+
+    def failing_allocate(page_id):
+        calls.append(page_id)
+        if len(calls) == 3:
+            raise MemoryError("out of device memory")
+        return allocate(page_id)
+
+    monkeypatch.setattr(cache.store, "allocate", failing_allocate)
+    live_before = cache.stats()["live_pages"]
+    stream.seek(0)
+    with pytest.raises(MemoryError):
+        cache.restore(stream)
+    assert len(calls) == 3
+    assert cache.stats()["live_pages"] == live_before
+    assert cache.stats()["live_contexts"] == 2     # ctx and its sibling: no half-made context
+
+
 def test_snapshot_of_closed_context_is_refused(tmp_path):
     from kvstate.spec.errors import ContextClosedError
 
