@@ -98,9 +98,10 @@ class Context:
         gathered into one array each; the result does not depend on the page size.
         """
         empty = (0, *self._cache.layout.position_shape[2:])
-        parts = self.read_layer_pages(layer, start, stop)
         store = self._cache.store
-        return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
+        with self._owned():     # gather while owned: the parts may be views of pages a next owner rewrites
+            parts = self._layer_parts(layer, start, stop)
+            return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
 
     def read_layer_pages(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for ``[start, stop)`` as one ``(k, v)`` pair per page touched, in order.
@@ -110,16 +111,18 @@ class Context:
         are valid until the next write to this context; do not write into them.
         """
         with self._owned():
-            stop = self._length if stop is None else stop
-            _check_range("read_layer", start, stop, self._length)
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
-                    or not 0 <= layer < self._cache.layout.layers:
-                raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
-            store, parts = self._cache.store, []
-            for index in range(*pages_touched(start, stop, self.page_tokens)):
-                lo, hi = span_in_page(index, start, stop, self.page_tokens)
-                parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
-            return parts
+            return self._layer_parts(layer, start, stop)
+
+    def _layer_parts(self, layer: int, start: int, stop: int | None):
+        stop = self._length if stop is None else stop
+        _check_range("read_layer", start, stop, self._length)
+        if not _is_position(layer) or not 0 <= layer < self._cache.layout.layers:
+            raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
+        store, parts = self._cache.store, []
+        for index in range(*pages_touched(start, stop, self.page_tokens)):
+            lo, hi = span_in_page(index, start, stop, self.page_tokens)
+            parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
+        return parts
 
     @property
     def layout(self):

@@ -136,6 +136,21 @@ def test_read_layer_equals_read(cache, start, stop):
         assert np.array_equal(np.asarray(v), values[:, layer, 1])
 
 
+def test_read_layer_gathers_while_it_owns_the_context(cache, monkeypatch):
+    """The parts are views of the pages: copying them after letting go of the context would let
+    its next owner rewrite (or free and recycle) those pages mid-copy."""
+    ctx = prefilled(MODELS["numpy"], cache, 9)
+    gather, owned = cache.store.gather, []
+
+    def watching_gather(parts, shape):
+        owned.append(ctx._busy.locked())
+        return gather(parts, shape)
+
+    monkeypatch.setattr(cache.store, "gather", watching_gather)
+    ctx.read_layer(0, 0, 9)
+    assert owned == [True, True]
+
+
 def test_read_layer_refuses_bad_layers_and_ranges(cache):
     model = MODELS["numpy"]
     ctx = prefilled(model, cache, 5)
