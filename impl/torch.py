@@ -138,6 +138,10 @@ class TorchStore:
         if self.precision == "q8":
             codes, scales = parts
             values = codes.to(torch.float32) * scales.unsqueeze(-1)
+        elif self.precision == "f32":
+            # A copy always, like the NumPy store's: ``contiguous()`` alone hands back the page
+            # itself when the slice already is contiguous (one layer, one position per page).
+            return parts[0].movedim(2, 0).clone(memory_format=torch.contiguous_format)
         else:
             values = parts[0].to(torch.float32)
         return values.movedim(2, 0).contiguous()
