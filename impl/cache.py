@@ -109,6 +109,12 @@ class Cache:
         self._contexts: dict[int, Context] = {}
         self._next_context_id = 0
 
+    @classmethod
+    def from_config(cls, config, store="numpy", device: str = "cpu") -> "Cache":
+        """A cache with a ``kvstate.spec.Config``'s layout, page size, precision, arena and entry limit."""
+        return cls(config.layout, page_tokens=config.page_tokens, precision=config.precision,
+                   store=store, device=device, arena_pages=config.arena_pages, max_entries=config.max_entries)
+
     # -- contexts ------------------------------------------------------------------
 
     def _new_context(self, pages, length: int, register: bool = True) -> Context:

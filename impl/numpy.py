@@ -131,5 +131,4 @@ def factory(config: Config):
     """The built-in NumPy backend: ``kvstate conform kvstate.impl.numpy``."""
     from .cache import Cache
 
-    return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                 store="numpy", arena_pages=config.arena_pages, max_entries=config.max_entries)
+    return Cache.from_config(config, store="numpy")

@@ -204,9 +204,7 @@ def make_factory(device: str | None):
     def factory(config: Config):
         from .cache import Cache
 
-        return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                     store="torch", device=device or default_device(),
-                     arena_pages=config.arena_pages, max_entries=config.max_entries)
+        return Cache.from_config(config, store="torch", device=device or default_device())
     factory.__doc__ = f"The built-in torch backend on {device or 'CUDA when available, else CPU'}."
     return factory
 

@@ -79,8 +79,7 @@ def race_configs(max_entries: int = RACE_MAX_ENTRIES) -> list[Config]:
 
 
 def make_cache(store: str, config: Config) -> Cache:
-    return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                 store=store, arena_pages=config.arena_pages, max_entries=config.max_entries)
+    return Cache.from_config(config, store=store)
 
 
 # -- self-verifying values -------------------------------------------------------------
