@@ -19,11 +19,22 @@ def machine_configs() -> list[Config]:
                             arena_pages=MACHINE_ARENA_PAGES)
 
 
+def configs_named(names, available=None) -> list[Config]:
+    """The configurations called ``names``, in that order, from ``available`` (default: the six).
+
+    ``KeyError`` naming every unknown name and the known ones: a typo is never silently skipped.
+    """
+    available = machine_configs() if available is None else list(available)
+    by_name = {config.name: config for config in available}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise KeyError(f"no configuration {', '.join(map(repr, unknown))}; known: {list(by_name)}")
+    return [by_name[name] for name in names]
+
+
 def config_named(name: str) -> Config:
-    for config in machine_configs():
-        if config.name == name:
-            return config
-    raise KeyError(f"no configuration {name!r}; known: {[c.name for c in machine_configs()]}")
+    (config,) = configs_named([name])
+    return config
 
 
 _common = dict(

@@ -53,6 +53,16 @@ def test_bad_factory_paths_exit_2_with_a_named_error(path, message, capsys):
     assert "FactoryError" in err and message in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["conform", "kvstate.impl.numpy", "--config", "f32-heap", "--config", "f32-typo"],
+    ["sweep", "--seeds", "1", "--steps", "1", "--configs", "f32-heap,f32-typo"],
+])
+def test_an_unknown_configuration_name_is_refused_not_skipped(argv, capsys, tmp_path):
+    assert main(argv + (["--out", str(tmp_path)] if argv[0] == "sweep" else [])) == 2
+    err = capsys.readouterr().err
+    assert "'f32-typo'" in err and "f32-heap" in err
+
+
 def _backend(tmp_path, name, body):
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(body))
