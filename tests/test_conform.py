@@ -152,7 +152,7 @@ def test_torch_backend_conforms_on_cpu():
     from kvstate.stateful.configs import config_named
 
     results = conform(cpu_factory, settings=SMALL, configs=[config_named("q8-arena6"), config_named("f16-heap")])
-    assert all(r.passed for r in results), [r.failure for r in results]
+    assert len(results) == 2 and all(r.passed for r in results), [r.failure for r in results]
 
 
 @pytest.mark.cuda
@@ -160,7 +160,7 @@ def test_torch_backend_conforms_on_cuda():
     from kvstate.impl.torch import cuda_factory
 
     results = conform(cuda_factory, settings=SMALL)
-    assert all(r.passed for r in results), [r.failure for r in results]
+    assert len(results) == 6 and all(r.passed for r in results), [r.failure for r in results]
 
 
 def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):

@@ -11,7 +11,8 @@ from kvstate.reference import RefCache
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import (PrecisionRangeError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
-                                 SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError)
+                                 SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError,
+                                 SnapshotWriteError)
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config
 from kvstate.stateful.ops import values_for
@@ -285,7 +286,7 @@ def test_snapshot_of_closed_context_is_refused(tmp_path):
 
 def test_every_snapshot_error_is_a_snapshot_error():
     for error in (SnapshotCorruptError, SnapshotTruncatedError, SnapshotTooLargeError, SnapshotVersionError,
-                  SnapshotLayoutError):
+                  SnapshotLayoutError, SnapshotWriteError):
         assert issubclass(error, SnapshotError)
 
 
