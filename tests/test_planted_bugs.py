@@ -3,7 +3,7 @@
 import pytest
 
 from kvstate.impl.numpy import factory as numpy_factory
-from kvstate.stateful.configs import PROFILES, machine_configs
+from kvstate.stateful.configs import machine_configs
 from kvstate.stateful.conform import conform
 from kvstate.stateful.planted import PLANTED
 
