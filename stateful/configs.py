@@ -22,19 +22,21 @@ def machine_configs() -> list[Config]:
 def configs_named(names, available=None) -> list[Config]:
     """The configurations called ``names``, in that order, from ``available`` (default: the six).
 
-    ``KeyError`` naming every unknown name and the known ones: a typo is never silently skipped.
+    A name is ``Config.name`` (precision and arena), so a backend declaring one under two page
+    sizes gets both. ``KeyError`` naming every unknown name and the known ones: a typo is never
+    silently skipped.
     """
     available = machine_configs() if available is None else list(available)
-    by_name = {config.name: config for config in available}
-    unknown = [name for name in names if name not in by_name]
+    known = list(dict.fromkeys(config.name for config in available))
+    unknown = [name for name in names if name not in known]
     if unknown:
-        raise KeyError(f"no configuration {', '.join(map(repr, unknown))}; known: {list(by_name)}")
-    return [by_name[name] for name in names]
+        raise KeyError(f"no configuration {', '.join(map(repr, unknown))}; known: {known}")
+    return [config for name in names for config in available if config.name == name]
 
 
 def config_named(name: str) -> Config:
-    (config,) = configs_named([name])
-    return config
+    """One of the six, by name."""
+    return configs_named([name])[0]
 
 
 _common = dict(
