@@ -186,7 +186,8 @@ class Cache:
         """A new context holding the snapshot at ``source`` (a path or binary stream).
 
         Validated in full first: a refused file raises a ``SnapshotError`` subclass
-        and changes nothing. See ``impl/snapshot.py``.
+        (a file at another precision whose values overflow this cache's f16:
+        ``PrecisionRangeError``) and changes nothing. See ``impl/snapshot.py``.
         """
         return restore_snapshot(self, source)
 
