@@ -231,7 +231,7 @@ class Context:
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
                 del self._pages[keep:]
-                self._length = n
+                self._length = int(n)     # a NumPy integer is accepted, an int is kept
 
     def snapshot(self, target) -> None:
         """Write tokens and values, in the cache's own precision, to a path (atomically) or binary stream.

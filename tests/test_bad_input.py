@@ -169,3 +169,11 @@ def test_impossible_configurations_are_refused(kwargs, error):
 def test_impossible_layouts_are_refused(dims):
     with pytest.raises(errors.ConfigError):
         Layout(*dims)
+
+
+def test_numpy_integer_positions_are_accepted_and_stored_as_int(cache):
+    ctx = filled(cache, 5)
+    ctx.truncate(np.int64(3))
+    ctx.overwrite(np.int32(1), [7], kv(1))
+    assert ctx.tokens == [0, 7, 2]
+    assert type(cache.observe().lengths[f"ctx:{ctx.context_id}"]) is int
