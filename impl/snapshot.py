@@ -76,9 +76,12 @@ def _write_to(file, ctx: "Context") -> None:
 def write_snapshot(ctx: "Context", target) -> None:
     """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed)."""
     if hasattr(target, "write"):
-        _write_to(target, ctx)
-        if hasattr(target, "flush"):
-            target.flush()
+        try:
+            _write_to(target, ctx)
+            if hasattr(target, "flush"):
+                target.flush()
+        except OSError as error:
+            raise SnapshotWriteError(f"writing the snapshot to {target!r} failed: {error}") from error
         return
     write_atomic(os.fspath(target), lambda file: _write_to(file, ctx))
 

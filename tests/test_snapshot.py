@@ -273,6 +273,19 @@ def test_restore_that_runs_out_of_memory_leaves_no_page(monkeypatch):
     assert cache.stats()["live_contexts"] == 2     # ctx and its sibling: no half-made context
 
 
+def test_a_stream_that_fails_to_write_gives_a_snapshot_write_error():
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    _, ctx, _ = filled("f32")
+    with pytest.raises(SnapshotWriteError, match="No space left"):
+        ctx.snapshot(Full())
+
+
 def test_snapshot_of_closed_context_is_refused(tmp_path):
     from kvstate.spec.errors import ContextClosedError
 
