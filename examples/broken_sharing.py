@@ -16,10 +16,7 @@ class SharingContext(ListContext):
 
 
 class SharingCache(ListCache):
-    def adopt(self, pages, length, register=True):
-        ctx = super().adopt(pages, length, register)
-        ctx.__class__ = SharingContext
-        return ctx
+    context_class = SharingContext
 
 
 def factory(config):

@@ -123,6 +123,8 @@ class ListContext:
 
 
 class ListCache:
+    context_class = ListContext     # a variant backend swaps in its own context class here
+
     def __init__(self, config: Config):
         self.layout = config.layout
         self.page_tokens = config.page_tokens
@@ -152,7 +154,7 @@ class ListCache:
     def adopt(self, pages: list[Page], length: int, register: bool = True) -> ListContext:
         for page in pages:
             page.refcount += 1
-        ctx = ListContext(self, pages, length)
+        ctx = self.context_class(self, pages, length)
         if register:
             self.contexts.append(ctx)
         return ctx

@@ -6,7 +6,8 @@ Concurrency: two locks, always taken in this order.
    waiting: a second thread using the same context at the same time gets
    ``ContextBusyError``, a closed one ``ContextClosedError``. Every public
    operation on a context takes it, readers too (``tokens``, ``read``,
-   ``fork``, ``Cache.retain``, and ``snapshot``): they read the page list and the
+   ``read_layer``, ``read_layer_pages``, ``fork``, ``Cache.retain``, and
+   ``snapshot``): they read the page list and the
    page bytes outside the cache lock, which is safe only while nobody else can
    write this context.
 2. ``Cache.lock`` (an RLock), taken by ``allocate``, ``match``, ``clear``,
@@ -36,8 +37,9 @@ and the slot books.
 
 Page stores: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books``
 and the counters are used under the cache lock; ``encode``, ``write``, ``read``,
-``read_empty`` and ``concat`` are called outside it, from several threads at
-once, on different pages, so a store must keep no shared scratch state there.
+``read_layer``, ``gather``, ``read_encoded``, ``from_encoded``, ``read_empty`` and
+``concat`` are called outside it, from several threads at once, on different
+pages, so a store must keep no shared scratch state there.
 
 Tree entries are forks the tree owns; no user holds them, so they are touched
 only under the cache lock (``retain``, ``match``, eviction, ``clear``). A
@@ -106,6 +108,12 @@ class Cache:
         self.lock = threading.RLock()
         self._contexts: dict[int, Context] = {}
         self._next_context_id = 0
+
+    @classmethod
+    def from_config(cls, config, store="numpy", device: str = "cpu") -> "Cache":
+        """A cache with a ``kvstate.spec.Config``'s layout, page size, precision, arena and entry limit."""
+        return cls(config.layout, page_tokens=config.page_tokens, precision=config.precision,
+                   store=store, device=device, arena_pages=config.arena_pages, max_entries=config.max_entries)
 
     # -- contexts ------------------------------------------------------------------
 
@@ -178,7 +186,8 @@ class Cache:
         """A new context holding the snapshot at ``source`` (a path or binary stream).
 
         Validated in full first: a refused file raises a ``SnapshotError`` subclass
-        and changes nothing. See ``impl/snapshot.py``.
+        (a file at another precision whose values overflow this cache's f16:
+        ``PrecisionRangeError``) and changes nothing. See ``impl/snapshot.py``.
         """
         return restore_snapshot(self, source)
 

@@ -98,9 +98,10 @@ class Context:
         gathered into one array each; the result does not depend on the page size.
         """
         empty = (0, *self._cache.layout.position_shape[2:])
-        parts = self.read_layer_pages(layer, start, stop)
         store = self._cache.store
-        return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
+        with self._owned():     # gather while owned: the parts may be views of pages a next owner rewrites
+            parts = self._layer_parts(layer, start, stop)
+            return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
 
     def read_layer_pages(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for ``[start, stop)`` as one ``(k, v)`` pair per page touched, in order.
@@ -110,16 +111,18 @@ class Context:
         are valid until the next write to this context; do not write into them.
         """
         with self._owned():
-            stop = self._length if stop is None else stop
-            _check_range("read_layer", start, stop, self._length)
-            if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)) \
-                    or not 0 <= layer < self._cache.layout.layers:
-                raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
-            store, parts = self._cache.store, []
-            for index in range(*pages_touched(start, stop, self.page_tokens)):
-                lo, hi = span_in_page(index, start, stop, self.page_tokens)
-                parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
-            return parts
+            return self._layer_parts(layer, start, stop)
+
+    def _layer_parts(self, layer: int, start: int, stop: int | None):
+        stop = self._length if stop is None else stop
+        _check_range("read_layer", start, stop, self._length)
+        if not _is_position(layer) or not 0 <= layer < self._cache.layout.layers:
+            raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
+        store, parts = self._cache.store, []
+        for index in range(*pages_touched(start, stop, self.page_tokens)):
+            lo, hi = span_in_page(index, start, stop, self.page_tokens)
+            parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
+        return parts
 
     @property
     def layout(self):
@@ -160,8 +163,7 @@ class Context:
                 first, end = pages_touched(start, stop, self.page_tokens)
                 if first < len(self._pages):
                     self.writable(first)           # the partly filled last page
-                while len(self._pages) < end:
-                    self._pages.append(self._cache.pool.new_page())
+                self._pages.extend(self._cache.pool.new_pages(end - len(self._pages)))
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
@@ -172,8 +174,8 @@ class Context:
         tokens = check_tokens(tokens)
         kv = check_values(self._cache.layout, kv, len(tokens))
         with self._owned():
-            stop = start + len(tokens)
-            if not (isinstance(start, (int, np.integer)) and 0 <= start <= stop <= self._length):
+            stop = start + len(tokens) if _is_position(start) else None
+            if stop is None or not 0 <= start <= stop <= self._length:
                 raise PositionError(
                     f"overwrite of [{start}, {stop}) is outside context {self.context_id} of length {self._length}")
             if start == stop:
@@ -222,14 +224,14 @@ class Context:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
         with self._owned():
-            if not (isinstance(n, (int, np.integer)) and 0 <= n <= self._length):
+            if not (_is_position(n) and 0 <= n <= self._length):
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             with self._cache.lock:
                 keep, _released = truncate_keep(self._length, n, self.page_tokens)
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
                 del self._pages[keep:]
-                self._length = n
+                self._length = int(n)     # a NumPy integer is accepted, an int is kept
 
     def snapshot(self, target) -> None:
         """Write tokens and values, in the cache's own precision, to a path (atomically) or binary stream.
@@ -269,7 +271,12 @@ class _Ownership:
         self.ctx._busy.release()
 
 
+def _is_position(value) -> bool:
+    """An int (Python or NumPy) but not a bool: ``True`` is not a position."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 def _check_range(what: str, start, stop, length: int) -> None:
-    if not all(isinstance(v, (int, np.integer)) for v in (start, stop)) or not 0 <= start <= stop <= length:
+    if not (_is_position(start) and _is_position(stop)) or not 0 <= start <= stop <= length:
         raise PositionError(f"{what} of [{start}, {stop}) is outside length {length}")
 

@@ -39,7 +39,7 @@ class NumpyStore:
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(np.float32)
         self.page_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
-        self._arena = SlotArena(arena_pages)
+        self._arena = SlotArena(arena_pages, self.counters)
         self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
 
     # -- encoding (validation happens here, before anything is written) -----------
@@ -57,10 +57,7 @@ class NumpyStore:
     def _take(self, page_id: int, zero: bool) -> NumpyBuffer:
         slot = self._arena.issue(page_id)
         if slot is None:
-            self.counters.heap_pages += 1
-            self.counters.heap_fallbacks += self.arena_pages > 0
             return NumpyBuffer(tuple(np.zeros(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
-        self.counters.arena_issued += 1
         arrays = tuple(block[slot] for block in self._blocks)
         if zero:
             # A recycled slot still holds the last page's bytes: zero it on issue.
@@ -72,9 +69,7 @@ class NumpyStore:
         return self._take(page_id, zero=True)
 
     def free(self, buffer: NumpyBuffer) -> None:
-        if buffer.slot is not None:
-            self._arena.give_back(buffer.slot)
-            self.counters.arena_returned += 1
+        self._arena.give_back(buffer.slot)
         buffer.arrays = ()
 
     def copy(self, source: NumpyBuffer, page_id: int) -> NumpyBuffer:
@@ -124,12 +119,11 @@ class NumpyStore:
         return all(not array[:, :, offset:].any() for array in buffer.arrays)
 
     def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
-        return self.arena_pages, dict(self._arena.out), tuple(self._arena.free)
+        return self._arena.books()
 
 
 def factory(config: Config):
     """The built-in NumPy backend: ``kvstate conform kvstate.impl.numpy``."""
     from .cache import Cache
 
-    return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                 store="numpy", arena_pages=config.arena_pages, max_entries=config.max_entries)
+    return Cache.from_config(config, store="numpy")

@@ -42,6 +42,19 @@ class PagePool:
         return self._register(page_id, self.store.allocate(page_id),
                               np.zeros(self.store.page_tokens, np.int64), 0)
 
+    def new_pages(self, count: int) -> list[Page]:
+        """``count`` new pages, or none: if one allocation fails (memory ran out), the ones
+        already made are released before the error propagates, so no page is left unheld."""
+        pages: list[Page] = []
+        try:
+            while len(pages) < count:
+                pages.append(self.new_page())
+        except BaseException:
+            for page in pages:
+                self.release(page)
+            raise
+        return pages
+
     def clone(self, page: Page) -> Page:
         """A private copy of ``page``. Only ``Context.writable`` calls this."""
         page_id = self.allocated + 1

@@ -76,9 +76,12 @@ def _write_to(file, ctx: "Context") -> None:
 def write_snapshot(ctx: "Context", target) -> None:
     """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed)."""
     if hasattr(target, "write"):
-        _write_to(target, ctx)
-        if hasattr(target, "flush"):
-            target.flush()
+        try:
+            _write_to(target, ctx)
+            if hasattr(target, "flush"):
+                target.flush()
+        except OSError as error:
+            raise SnapshotWriteError(f"writing the snapshot to {target!r} failed: {error}") from error
         return
     write_atomic(os.fspath(target), lambda file: _write_to(file, ctx))
 
@@ -217,9 +220,10 @@ def _remaining(stream) -> int | None:
 
 
 def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
-    """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here."""
+    """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here
+    (running out of memory while allocating leaves no page behind: ``PagePool.new_pages``)."""
     with cache.lock:
-        pages = [cache.pool.new_page() for _ in range(pages_needed(n, cache.page_tokens))]
+        pages = cache.pool.new_pages(pages_needed(n, cache.page_tokens))
         ctx = cache._new_context(pages, 0)
     if n:
         ctx._write(0, n, tokens, encoded)

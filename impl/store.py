@@ -9,8 +9,9 @@ and nowhere else.
 
 Threads: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books`` and
 the counters run under the cache lock; ``encode``, ``write``, ``read``,
-``read_empty`` and ``concat`` run outside it, concurrently on different pages,
-so they must not share scratch buffers or other mutable state.
+``read_layer``, ``gather``, ``read_encoded``, ``from_encoded``, ``read_empty`` and
+``concat`` run outside it, concurrently on different pages, so they must not
+share scratch buffers or other mutable state.
 """
 
 from __future__ import annotations
@@ -61,7 +62,14 @@ class PageStore(Protocol):
         """Store rows ``[lo, hi)`` of ``encoded`` at page offsets ``[offset, offset + hi - lo)``."""
 
     def read(self, buffer: Buffer, start: int, stop: int) -> Any:
-        """Positions ``[start, stop)`` of the page, position-major float32."""
+        """Positions ``[start, stop)`` of the page, position-major float32: a fresh array, never a view
+        of the page (the caller may keep or change it)."""
+
+    def read_empty(self) -> Any:
+        """What ``read`` of no positions returns: float32 of shape ``layout.batch_shape(0)``."""
+
+    def concat(self, parts: list[Any]) -> Any:
+        """``read`` results of consecutive pages joined along the first axis (one part: itself)."""
 
     def read_encoded(self, buffer: Buffer, start: int, stop: int) -> tuple[Any, ...]:
         """Positions ``[start, stop)`` in the stored form, position-major, as NumPy arrays.

@@ -64,7 +64,7 @@ class TorchStore:
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(torch.float32)
         self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in zip(self._shapes, self._dtypes))
-        self._arena = SlotArena(arena_pages)
+        self._arena = SlotArena(arena_pages, self.counters)
         self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
                         for s, d in zip(self._shapes, self._dtypes)]
 
@@ -98,11 +98,8 @@ class TorchStore:
     def _take(self, page_id: int, zero: bool) -> TorchBuffer:
         slot = self._arena.issue(page_id)
         if slot is None:
-            self.counters.heap_pages += 1
-            self.counters.heap_fallbacks += self.arena_pages > 0
             return TorchBuffer(tuple(torch.zeros(s, dtype=d, device=self.device)
                                      for s, d in zip(self._shapes, self._dtypes)), None)
-        self.counters.arena_issued += 1
         tensors = tuple(block[slot] for block in self._blocks)
         if zero:
             # A recycled slot still holds the last page's bytes: zero it on issue.
@@ -114,9 +111,7 @@ class TorchStore:
         return self._take(page_id, zero=True)
 
     def free(self, buffer: TorchBuffer) -> None:
-        if buffer.slot is not None:
-            self._arena.give_back(buffer.slot)
-            self.counters.arena_returned += 1
+        self._arena.give_back(buffer.slot)
         buffer.tensors = ()
 
     def copy(self, source: TorchBuffer, page_id: int) -> TorchBuffer:
@@ -138,6 +133,10 @@ class TorchStore:
         if self.precision == "q8":
             codes, scales = parts
             values = codes.to(torch.float32) * scales.unsqueeze(-1)
+        elif self.precision == "f32":
+            # A copy always, like the NumPy store's: ``contiguous()`` alone hands back the page
+            # itself when the slice already is contiguous (one layer, one position per page).
+            return parts[0].movedim(2, 0).clone(memory_format=torch.contiguous_format)
         else:
             values = parts[0].to(torch.float32)
         return values.movedim(2, 0).contiguous()
@@ -173,7 +172,7 @@ class TorchStore:
         return not any(bool(tensor[:, :, offset:].any()) for tensor in buffer.tensors)
 
     def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
-        return self.arena_pages, dict(self._arena.out), tuple(self._arena.free)
+        return self._arena.books()
 
 
 def _refuse_nonfinite(x: torch.Tensor, finite: bool) -> None:
@@ -200,9 +199,7 @@ def make_factory(device: str | None):
     def factory(config: Config):
         from .cache import Cache
 
-        return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                     store="torch", device=device or default_device(),
-                     arena_pages=config.arena_pages, max_entries=config.max_entries)
+        return Cache.from_config(config, store="torch", device=device or default_device())
     factory.__doc__ = f"The built-in torch backend on {device or 'CUDA when available, else CPU'}."
     return factory
 

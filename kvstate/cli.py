@@ -8,7 +8,7 @@ import sys
 
 def _conform(args: argparse.Namespace) -> int:
     from kvstate.stateful.conform import FactoryError, check_backend, conform, format_table, load_factory
-    from kvstate.stateful.configs import machine_configs
+    from kvstate.stateful.configs import configs_named, machine_configs
     from kvstate.spec.protocol import declared_configs
 
     try:
@@ -16,9 +16,10 @@ def _conform(args: argparse.Namespace) -> int:
         configs = declared_configs(factory, machine_configs())
         check_backend(factory, configs, time_limit=args.time_limit)
         if args.config:
-            configs = [c for c in configs if c.name in args.config] or []
-            if not configs:
-                raise FactoryError(f"no declared configuration named {args.config}")
+            try:
+                configs = configs_named(args.config, configs)
+            except KeyError as error:
+                raise FactoryError(f"the backend declares {error.args[0]}") from None
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
         progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
         settings = None
@@ -82,7 +83,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvstate.stateful import sweep as S
-    from kvstate.stateful.configs import config_named, machine_configs
+    from kvstate.stateful.configs import configs_named, machine_configs
     from kvstate.stateful.conform import FactoryError
 
     try:
@@ -91,7 +92,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if args.shard:
             k, n = S.parse_shard(args.shard)
             seeds, label = S.shard(seeds, k, n), args.shard
-        configs = [config_named(name) for name in args.configs.split(",")] if args.configs else machine_configs()
+        configs = configs_named(args.configs.split(",")) if args.configs else machine_configs()
         workers = S.resolve_workers(args.workers)
         print(f"sweep: {len(seeds)} seeds x {len(configs)} configurations x {args.steps} steps "
               f"against {args.backend}, {workers} worker(s){', shard ' + label if label else ''}", file=sys.stderr)

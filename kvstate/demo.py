@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstate.impl import Cache, Context
+from kvstate.impl import Cache
 from kvstate.model import GPT2, GPT2Config
 
 CONFIG = GPT2Config(vocab_size=512, n_positions=1024, n_embd=128, n_layer=4, n_head=4)
@@ -79,9 +79,6 @@ class Demo:
 
     def snapshot_and_restore(self) -> None:
         self.out("3. a session is snapshotted on exit and restored on the next start")
-        if not (hasattr(Context, "snapshot") and hasattr(Cache, "restore")):
-            self.out("   (skipped: ctx.snapshot / cache.restore are not in this build yet)")
-            return
         with tempfile.TemporaryDirectory() as folder:
             path = Path(folder) / "session.kvs"
             self.parent.snapshot(path)

@@ -28,7 +28,7 @@ from kvstate.spec.layout import check_tokens
 from kvstate.spec.precision import roundtrip
 
 from .config import GPT2Config
-from .weights import check_weights, random_weights
+from .weights import block_weights, check_weights, random_weights
 
 QUERY_CHUNK = 256        # bounds the (heads, queries, keys) score array in long prefills
 ATTENTION_BLOCK = 64     # keys per block; None in ``GPT2.block`` attends over the parts as the context gives them
@@ -42,13 +42,7 @@ class GPT2:
         self.wte = weights["wte.weight"]
         self.wpe = weights["wpe.weight"]
         self.ln_f = (weights["ln_f.weight"], weights["ln_f.bias"])
-        self.blocks = [
-            tuple(weights[f"h.{i}.{part}"] for part in (
-                "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
-                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"))
-            for i in range(config.n_layer)
-        ]
+        self.blocks = block_weights(weights, config.n_layer)
         self.head = np.ascontiguousarray(self.wte.T)     # tied output head, laid out for x @ head
         self.block = ATTENTION_BLOCK
 

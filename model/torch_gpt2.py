@@ -20,7 +20,7 @@ from kvstate.spec.precision import roundtrip
 
 from .config import GPT2Config
 from .numpy_gpt2 import check_call
-from .weights import check_weights, random_weights
+from .weights import block_weights, check_weights, random_weights
 
 
 class TorchGPT2:
@@ -32,13 +32,7 @@ class TorchGPT2:
         w = {name: torch.from_numpy(np.ascontiguousarray(array)).to(self.device) for name, array in weights.items()}
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
         self.ln_f = (w["ln_f.weight"], w["ln_f.bias"])
-        self.blocks = [
-            tuple(w[f"h.{i}.{part}"] for part in (
-                "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
-                "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
-                "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias"))
-            for i in range(config.n_layer)
-        ]
+        self.blocks = block_weights(w, config.n_layer)
 
     @classmethod
     def random(cls, config: GPT2Config, seed: int = 0, device: str = "cpu") -> "TorchGPT2":

@@ -18,6 +18,18 @@ from kvstate.spec.errors import ConfigError
 from .config import GPT2Config
 
 
+BLOCK_PARTS = (
+    "ln_1.weight", "ln_1.bias", "attn.c_attn.weight", "attn.c_attn.bias",
+    "attn.c_proj.weight", "attn.c_proj.bias", "ln_2.weight", "ln_2.bias",
+    "mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")
+"""One transformer block's weights, in the order the forward passes unpack them."""
+
+
+def block_weights(weights: dict, n_layer: int) -> list[tuple]:
+    """Per layer, that block's weights in ``BLOCK_PARTS`` order (NumPy arrays or tensors alike)."""
+    return [tuple(weights[f"h.{i}.{part}"] for part in BLOCK_PARTS) for i in range(n_layer)]
+
+
 def weight_shapes(config: GPT2Config) -> dict[str, tuple[int, ...]]:
     d = config.n_embd
     shapes = {"wte.weight": (config.vocab_size, d), "wpe.weight": (config.n_positions, d),

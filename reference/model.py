@@ -17,6 +17,10 @@ from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec.protocol import Config
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
 class RefContext:
     def __init__(self, cache: "RefCache", values: np.ndarray, tokens: list[int]):
         self.cache = cache
@@ -46,15 +50,15 @@ class RefContext:
 
     def overwrite(self, start: int, tokens, kv) -> None:
         values, tokens = self._stored(tokens, kv)
-        if start < 0 or start + len(tokens) > len(self):
-            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {len(self)}")
+        if not _is_int(start) or start < 0 or start + len(tokens) > len(self):
+            raise PositionError(f"overwrite of {len(tokens)} positions at {start!r} is outside length {len(self)}")
         self.values = self.values.copy()
         self.values[start:start + len(tokens)] = values
         self.token_list = self.token_list[:start] + tokens + self.token_list[start + len(tokens):]
 
     def read(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         stop = len(self) if stop is None else stop
-        if not 0 <= start <= stop <= len(self):
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
             raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
         return self.values[start:stop].copy(), np.array(self.token_list[start:stop], dtype=np.int64)
 
@@ -62,7 +66,7 @@ class RefContext:
         return self.cache._adopt(self.values.copy(), list(self.token_list))
 
     def truncate(self, n: int) -> None:
-        if not 0 <= n <= len(self):
+        if not (_is_int(n) and 0 <= n <= len(self)):
             raise PositionError(f"truncate to {n} outside length {len(self)}")
         self.values = self.values[:n].copy()
         self.token_list = self.token_list[:n]

@@ -19,11 +19,24 @@ def machine_configs() -> list[Config]:
                             arena_pages=MACHINE_ARENA_PAGES)
 
 
+def configs_named(names, available=None) -> list[Config]:
+    """The configurations called ``names``, in that order, from ``available`` (default: the six).
+
+    A name is ``Config.name`` (precision and arena), so a backend declaring one under two page
+    sizes gets both. ``KeyError`` naming every unknown name and the known ones: a typo is never
+    silently skipped.
+    """
+    available = machine_configs() if available is None else list(available)
+    known = list(dict.fromkeys(config.name for config in available))
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise KeyError(f"no configuration {', '.join(map(repr, unknown))}; known: {known}")
+    return [config for name in names for config in available if config.name == name]
+
+
 def config_named(name: str) -> Config:
-    for config in machine_configs():
-        if config.name == name:
-            return config
-    raise KeyError(f"no configuration {name!r}; known: {[c.name for c in machine_configs()]}")
+    """One of the six, by name."""
+    return configs_named([name])[0]
 
 
 _common = dict(

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import copyreg
 import itertools
-import json
 import pickle
 import threading
 import time

@@ -3,7 +3,7 @@
 The machine is parameterised by the backend: ``machine_for(factory, config)``
 builds a machine class for any factory that speaks the spec's protocol.
 Each rule builds an ``Op`` and hands it to ``Lockstep``; invariants are checked
-after every step by ``check_invariants``, and the teardown checks invariant 6.
+after every step by ``every_invariant_holds``, and the teardown checks invariant 6.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def restore_drops_partial_page() -> ContextManager:
 
     def adopt(cache, tokens, encoded, n):
         with cache.lock:
-            pages = [cache.pool.new_page() for _ in range(arithmetic.pages_needed(n, cache.page_tokens))]
+            pages = cache.pool.new_pages(arithmetic.pages_needed(n, cache.page_tokens))
             ctx = cache._new_context(pages, n)
         full = n - n % cache.page_tokens
         if full:

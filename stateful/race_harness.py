@@ -43,10 +43,6 @@ class RaceFailure(AssertionError):
     """A race scenario found a wrong outcome; the message names store, seed, iteration and thread."""
 
 
-class SnapshotsUnavailable(Exception):
-    """This build has no ``Context.snapshot`` / ``Cache.restore`` yet."""
-
-
 @dataclass
 class RaceReport:
     scenario: str
@@ -83,8 +79,7 @@ def race_configs(max_entries: int = RACE_MAX_ENTRIES) -> list[Config]:
 
 
 def make_cache(store: str, config: Config) -> Cache:
-    return Cache(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                 store=store, arena_pages=config.arena_pages, max_entries=config.max_entries)
+    return Cache.from_config(config, store=store)
 
 
 # -- self-verifying values -------------------------------------------------------------

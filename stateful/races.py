@@ -41,7 +41,7 @@ from kvstate.spec.errors import ContextBusyError, ContextClosedError
 from kvstate.spec.protocol import Config
 
 from .race_harness import (  # noqa: F401 - RACE_LAYOUT re-exported for the tests
-    RACE_LAYOUT, RaceFailure, RaceReport, SnapshotsUnavailable, available_stores, check_after, check_emptied,
+    RACE_LAYOUT, RaceFailure, RaceReport, available_stores, check_after, check_emptied,
     extend, kv_for, make_cache, overwrite, race_configs, read_numpy, retry_busy, run_threads, seeded_rng,
     switch_interval, verify,
 )
@@ -408,11 +408,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
     return report
 
 
-# -- snapshot-and-restore racing a decode loop (activates once snapshots exist) ---------------
-
-def snapshots_available() -> bool:
-    return hasattr(Context, "snapshot") and hasattr(Cache, "restore")
-
+# -- snapshot-and-restore racing a decode loop ---------------------------------------------------
 
 def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 12) -> RaceReport:
     """Snapshot and restore a context while a decode loop on its fork keeps rewriting the shared prefix.
@@ -421,8 +417,6 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
     every snapshot must hold; a restored context must read exactly that state (values consistent with
     its tokens, tokens equal to the recorded ones): never the decoder's writes, never a mix.
     """
-    if not snapshots_available():
-        raise SnapshotsUnavailable("Context.snapshot / Cache.restore are not in this build")
     report = RaceReport("snapshot_vs_decode", store, seed, threads=2)
     configs = race_configs()
     with switch_interval(), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
@@ -557,10 +551,7 @@ def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scena
     while True:
         for name in names:
             for store in stores:
-                try:
-                    report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale)
-                except SnapshotsUnavailable:
-                    continue
+                report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale)
                 total = totals.setdefault(f"{name}[{store}]", {"rounds": 0, "iterations": 0})
                 total["rounds"] += 1
                 total["iterations"] += report.iterations

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from kvstate.spec.errors import InvariantViolation, ReplayFileError
+from kvstate.spec.errors import ConfigError, InvariantViolation, ReplayFileError
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config, Factory
 
@@ -130,14 +130,15 @@ def to_json(replay: Replay) -> dict:
 
 
 def from_json(data: dict) -> Replay:
-    if data.get("format") != FORMAT:
-        raise ReplayFileError(f"not a {FORMAT} file (format {data.get('format')!r})")
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise ReplayFileError(f"not a {FORMAT} file (format {found!r})")
     try:
         ops = [O.op_from_json(op) for op in data["ops"]]
         failure = Failure(**data["failure"]) if data.get("failure") else None
         return Replay(data["backend"], config_from_json(data["config"]), data.get("seed"), ops, failure,
                       data.get("minimised", False), data.get("original_steps"))
-    except (KeyError, TypeError) as error:
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as error:
         raise ReplayFileError(f"malformed replay file: {error!r}") from error
 
 

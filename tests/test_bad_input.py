@@ -58,22 +58,62 @@ def test_bad_extend_and_overwrite_are_refused_and_change_nothing(cache, name, er
     shared.close()
 
 
-@pytest.mark.parametrize("start,n", [(-1, 1), (4, 2), (6, 0), (5, 1)])
+@pytest.mark.parametrize("start,n", [(-1, 1), (4, 2), (6, 0), (5, 1), ("0", 1), (None, 1), (1.0, 1), (True, 1)])
 def test_overwrite_outside_the_context_is_refused(cache, start, n):
     ctx = filled(cache, 5)
     refused(cache, ctx, errors.PositionError, lambda: ctx.overwrite(start, [1] * n, kv(n)))
 
 
-@pytest.mark.parametrize("start,stop", [(-1, 2), (2, 1), (0, 6), (6, 6)])
+@pytest.mark.parametrize("start,stop", [(-1, 2), (2, 1), (0, 6), (6, 6), (0, 2.0), (False, 2)])
 def test_read_outside_the_context_is_refused(cache, start, stop):
     ctx = filled(cache, 5)
     refused(cache, ctx, errors.PositionError, lambda: ctx.read(start, stop))
 
 
-@pytest.mark.parametrize("n", [-1, 6, 2.0, None])
+@pytest.mark.parametrize("n", [-1, 6, 2.0, None, True])
 def test_truncate_beyond_length_is_refused(cache, n):
     ctx = filled(cache, 5)
     refused(cache, ctx, errors.PositionError, lambda: ctx.truncate(n))
+
+
+@pytest.mark.parametrize("make_reference_call", [
+    lambda ctx: ctx.overwrite("0", [1], kv(1)), lambda ctx: ctx.overwrite(True, [1], kv(1)),
+    lambda ctx: ctx.truncate(2.0), lambda ctx: ctx.truncate(True), lambda ctx: ctx.read(0, 2.0),
+])
+def test_the_reference_refuses_the_same_positions(make_reference_call):
+    from helpers import make_reference
+
+    ref = make_reference().allocate()
+    ref.extend([1, 2, 3], kv(3))
+    with pytest.raises(errors.PositionError):
+        make_reference_call(ref)
+    assert ref.tokens == [1, 2, 3]
+
+
+def test_an_extend_that_runs_out_of_memory_keeps_no_page(cache, monkeypatch):
+    ctx = filled(cache, 3)
+    calls = {"n": 0}
+    allocate = cache.store.allocate
+
+    def failing_allocate(page_id):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise MemoryError("out of device memory")
+        return allocate(page_id)
+
+    monkeypatch.setattr(cache.store, "allocate", failing_allocate)
+    # 3 + 6 positions need pages 2 and 3 at page_tokens=4: the second allocation fails
+    before = cache.observe()
+    with pytest.raises(MemoryError):
+        ctx.extend(list(range(6)), kv(6))
+    after = cache.observe()
+    assert calls["n"] == 2
+    assert (after.pages.keys(), after.holders, after.lengths, after.arena_out) == \
+        (before.pages.keys(), before.holders, before.lengths, before.arena_out)
+    assert after.pages_allocated - after.pages_freed == before.pages_allocated - before.pages_freed
+    monkeypatch.undo()
+    ctx.extend(list(range(6)), kv(6))
+    assert len(ctx) == 9 and cache.stats()["live_pages"] == 3
 
 
 def test_retain_of_an_empty_context_is_refused(cache):
@@ -129,3 +169,11 @@ def test_impossible_configurations_are_refused(kwargs, error):
 def test_impossible_layouts_are_refused(dims):
     with pytest.raises(errors.ConfigError):
         Layout(*dims)
+
+
+def test_numpy_integer_positions_are_accepted_and_stored_as_int(cache):
+    ctx = filled(cache, 5)
+    ctx.truncate(np.int64(3))
+    ctx.overwrite(np.int32(1), [7], kv(1))
+    assert ctx.tokens == [0, 7, 2]
+    assert type(cache.observe().lengths[f"ctx:{ctx.context_id}"]) is int

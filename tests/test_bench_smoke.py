@@ -30,3 +30,4 @@ def test_demo_shows_exact_backtracking_and_prefix_hits():
     text = "\n".join(lines)
     assert "bit-identical next-token logits: True" in text
     assert "match found 500 of 540 tokens" in text
+    assert "next-token logits identical: True" in text      # the snapshot/restore section ran

@@ -54,6 +54,16 @@ def test_bad_factory_paths_exit_2_with_a_named_error(path, message, capsys):
     assert "FactoryError" in err and message in err
 
 
+@pytest.mark.parametrize("argv", [
+    ["conform", "kvstate.impl.numpy", "--config", "f32-heap", "--config", "f32-typo"],
+    ["sweep", "--seeds", "1", "--steps", "1", "--configs", "f32-heap,f32-typo"],
+])
+def test_an_unknown_configuration_name_is_refused_not_skipped(argv, capsys, tmp_path):
+    assert main(argv + (["--out", str(tmp_path)] if argv[0] == "sweep" else [])) == 2
+    err = capsys.readouterr().err
+    assert "'f32-typo'" in err and "f32-heap" in err
+
+
 def _backend(tmp_path, name, body):
     path = tmp_path / f"{name}.py"
     path.write_text(textwrap.dedent(body))
@@ -101,10 +111,7 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
                 raise RuntimeError("fork is not implemented")
 
         class Cache(ListCache):
-            def adopt(self, pages, length, register=True):
-                ctx = super().adopt(pages, length, register)
-                ctx.__class__ = Context
-                return ctx
+            context_class = Context
 
         def factory(config):
             return Cache(config)
@@ -146,7 +153,7 @@ def test_torch_backend_conforms_on_cpu():
     from kvstate.stateful.configs import config_named
 
     results = conform(cpu_factory, settings=SMALL, configs=[config_named("q8-arena6"), config_named("f16-heap")])
-    assert all(r.passed for r in results), [r.failure for r in results]
+    assert len(results) == 2 and all(r.passed for r in results), [r.failure for r in results]
 
 
 @pytest.mark.cuda
@@ -154,7 +161,7 @@ def test_torch_backend_conforms_on_cuda():
     from kvstate.impl.torch import cuda_factory
 
     results = conform(cuda_factory, settings=SMALL)
-    assert all(r.passed for r in results), [r.failure for r in results]
+    assert len(results) == 6 and all(r.passed for r in results), [r.failure for r in results]
 
 
 def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):

@@ -9,7 +9,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from kvstate.impl import Cache, Context
+from kvstate.impl import Cache
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec.errors import ConfigError, PositionError, TokenError
 from kvstate.spec.precision import PRECISIONS
@@ -114,8 +114,6 @@ def test_same_values_in_another_page_size_continue_exactly(model, cache, other_p
 
 @pytest.mark.parametrize("restore_page", [PAGE, 2 * PAGE, 3])
 def test_restored_snapshot_continues_exactly(model, cache, tmp_path, restore_page):
-    if not hasattr(Context, "snapshot") or not hasattr(Cache, "restore"):
-        pytest.skip("ctx.snapshot / cache.restore are not in this build yet")
     ctx = prefilled(model, cache, 2 * PAGE + 1)
     path = tmp_path / "ctx.kvs"
     ctx.snapshot(path)
@@ -136,6 +134,21 @@ def test_read_layer_equals_read(cache, start, stop):
         k, v = ctx.read_layer(layer, start, stop)
         assert np.array_equal(np.asarray(k), values[:, layer, 0])
         assert np.array_equal(np.asarray(v), values[:, layer, 1])
+
+
+def test_read_layer_gathers_while_it_owns_the_context(cache, monkeypatch):
+    """The parts are views of the pages: copying them after letting go of the context would let
+    its next owner rewrite (or free and recycle) those pages mid-copy."""
+    ctx = prefilled(MODELS["numpy"], cache, 9)
+    gather, owned = cache.store.gather, []
+
+    def watching_gather(parts, shape):
+        owned.append(ctx._busy.locked())
+        return gather(parts, shape)
+
+    monkeypatch.setattr(cache.store, "gather", watching_gather)
+    ctx.read_layer(0, 0, 9)
+    assert owned == [True, True]
 
 
 def test_read_layer_refuses_bad_layers_and_ranges(cache):

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvstate.impl import Cache
-from kvstate.model import GPT2, GPT2Config, load_safetensors
+from kvstate.model import GPT2, load_safetensors
 from kvstate.spec.errors import ConfigError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[test])")

@@ -14,7 +14,6 @@ import threading
 import numpy as np
 import pytest
 
-from kvstate.impl import Context
 from kvstate.spec import invariants
 from kvstate.spec.errors import ContextBusyError, ContextClosedError
 from kvstate.stateful import races
@@ -67,8 +66,6 @@ def test_close_racing_use_close_and_fork_gives_named_errors(store):
 
 @pytest.mark.parametrize("store", STORES)
 def test_snapshot_and_restore_race_a_decode_rewriting_the_shared_prefix(store):
-    if not races.snapshots_available():
-        pytest.skip("Context.snapshot / Cache.restore not in this build yet; activates after the snapshot merge")
     report = _run("snapshot_vs_decode", store)
     assert report.counts["snapshots"] > 0 and report.counts["decode_steps"] > 0
 
@@ -107,9 +104,8 @@ def _operations(cache, config, ctx, folder):
         "truncate": lambda: ctx.truncate(1),
         "retain": lambda: cache.retain(ctx),
         "close": lambda: ctx.close(),
+        "snapshot": lambda: ctx.snapshot(folder / "s.kvs"),
     }
-    if hasattr(Context, "snapshot"):
-        ops["snapshot"] = lambda: ctx.snapshot(folder / "s.kvs")
     return ops
 
 

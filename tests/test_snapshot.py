@@ -11,7 +11,8 @@ from kvstate.reference import RefCache
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import (PrecisionRangeError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
-                                 SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError)
+                                 SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError,
+                                 SnapshotWriteError)
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config
 from kvstate.stateful.ops import values_for
@@ -250,6 +251,41 @@ def test_conversion_that_overflows_f16_is_refused_and_changes_nothing():
     assert state_of(target) == before
 
 
+def test_restore_that_runs_out_of_memory_leaves_no_page(monkeypatch):
+    cache, ctx, _ = filled("f32", page_tokens=4, n=11)     # 3 pages
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    allocate, calls = cache.store.allocate, []
+
+    def failing_allocate(page_id):
+        calls.append(page_id)
+        if len(calls) == 3:
+            raise MemoryError("out of device memory")
+        return allocate(page_id)
+
+    monkeypatch.setattr(cache.store, "allocate", failing_allocate)
+    live_before = cache.stats()["live_pages"]
+    stream.seek(0)
+    with pytest.raises(MemoryError):
+        cache.restore(stream)
+    assert len(calls) == 3
+    assert cache.stats()["live_pages"] == live_before
+    assert cache.stats()["live_contexts"] == 2     # ctx and its sibling: no half-made context
+
+
+def test_a_stream_that_fails_to_write_gives_a_snapshot_write_error():
+    class Full(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    _, ctx, _ = filled("f32")
+    with pytest.raises(SnapshotWriteError, match="No space left"):
+        ctx.snapshot(Full())
+
+
 def test_snapshot_of_closed_context_is_refused(tmp_path):
     from kvstate.spec.errors import ContextClosedError
 
@@ -263,7 +299,7 @@ def test_snapshot_of_closed_context_is_refused(tmp_path):
 
 def test_every_snapshot_error_is_a_snapshot_error():
     for error in (SnapshotCorruptError, SnapshotTruncatedError, SnapshotTooLargeError, SnapshotVersionError,
-                  SnapshotLayoutError):
+                  SnapshotLayoutError, SnapshotWriteError):
         assert issubclass(error, SnapshotError)
 
 

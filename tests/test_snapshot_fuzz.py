@@ -45,6 +45,7 @@ def test_a_share_through_real_files(precision):
     cases = [*fz.truncations(data), *list(fz.single_byte_corruptions(data))[::7]]
     report = fz.refuse_all(fz.host_cache(precision), cases, via="path")
     assert report.ok, (report.summary(), report.escaped[:5])
+    assert report.tried == len(cases) > 0
 
 
 def test_the_small_snapshots_themselves_load():

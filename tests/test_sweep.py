@@ -151,6 +151,12 @@ def test_a_bad_replay_file_is_refused(tmp_path):
     with pytest.raises(ReplayFileError):
         R.load(path)
     assert main(["replay", str(path)]) == 2
+    good = R.to_json(R.Replay("kvstate.impl.numpy", config_named("f32-heap"), 0, [O.Allocate()]))
+    for broken in ([], {**good, "ops": [["allocate"]]}, {**good, "ops": [{"op": "no-such-op"}]},
+                   {**good, "config": {**good["config"], "layout": {"layers": 0, "kv_heads": 1, "head_dim": 1}}}):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ReplayFileError):
+            R.load(path)
     ops = [O.Allocate(), O.Extend("c9", (1,), 0)]
     with pytest.raises(ReplayFileError, match="c9"):
         R.execute(numpy_factory, config_named("f32-heap"), ops)

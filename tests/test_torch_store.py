@@ -60,6 +60,18 @@ def test_reads_are_bit_identical_to_the_numpy_store(device, precision, seed):
     assert_bit_identical(roundtrip(torch_store, x), roundtrip(numpy_store, x))
 
 
+@pytest.mark.parametrize("store", ["numpy", "torch"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_read_is_a_copy_not_a_view_of_the_page(store, precision):
+    """Even where the page's slice is already contiguous (one layer, one position per page)."""
+    layout = Layout(layers=1, kv_heads=2, head_dim=4)
+    ctx = Cache(layout, page_tokens=1, precision=precision, store=store).allocate()
+    ctx.extend([1], np.ones(layout.batch_shape(1), np.float32))
+    values, _ = ctx.read()
+    values[0, 0, 0, 0, 0] = 42
+    assert float(ctx.read()[0][0, 0, 0, 0, 0]) == 1.0
+
+
 @settings(max_examples=60, deadline=None, database=None)
 @given(precision=st.sampled_from(PRECISIONS),
        x=hnp.arrays(np.float32, LAYOUT.batch_shape(2),
