@@ -20,8 +20,8 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
-from kvstate.spec.errors import (SnapshotCorruptError, SnapshotLayoutError, SnapshotTruncatedError,
-                                 SnapshotWriteError)
+from kvstate.spec.errors import (SnapshotCorruptError, SnapshotLayoutError, SnapshotNotFoundError,
+                                 SnapshotTruncatedError, SnapshotWriteError)
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -134,7 +134,11 @@ def restore_snapshot(cache: "Cache", source) -> "Context":
     if hasattr(source, "read"):
         header, body, crc = read_snapshot(source, cache.layout, _remaining(source))
     else:
-        with open(os.fspath(source), "rb") as file:
+        try:
+            file = open(os.fspath(source), "rb")
+        except FileNotFoundError as error:
+            raise SnapshotNotFoundError(f"no snapshot at {os.fspath(source)!r}") from error
+        with file:
             header, body, crc = read_snapshot(file, cache.layout, os.fstat(file.fileno()).st_size)
     arrays = fmt.check_body(header, body, crc)
     parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)

@@ -31,15 +31,20 @@ class RefContext:
     def __len__(self) -> int:
         return len(self.token_list)
 
+    def _require_open(self) -> None:
+        if self.closed:
+            raise ContextClosedError("reference context is closed")
+
     @property
     def tokens(self) -> list[int]:
+        self._require_open()
         return list(self.token_list)
 
     def _stored(self, tokens, kv) -> tuple[np.ndarray, list[int]]:
-        if self.closed:
-            raise ContextClosedError("reference context is closed")
+        # The engine's order: the arguments first, then whether the context is open.
         tokens = check_tokens(tokens)
         kv = check_values(self.cache.config.layout, kv, len(tokens))
+        self._require_open()
         require_finite(kv)
         return precisions.roundtrip(self.cache.config.precision, kv), [int(t) for t in tokens]
 
@@ -57,15 +62,18 @@ class RefContext:
         self.token_list = self.token_list[:start] + tokens + self.token_list[start + len(tokens):]
 
     def read(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        self._require_open()
         stop = len(self) if stop is None else stop
         if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
             raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
         return self.values[start:stop].copy(), np.array(self.token_list[start:stop], dtype=np.int64)
 
     def fork(self) -> "RefContext":
+        self._require_open()
         return self.cache._adopt(self.values.copy(), list(self.token_list))
 
     def truncate(self, n: int) -> None:
+        self._require_open()
         if not (_is_int(n) and 0 <= n <= len(self)):
             raise PositionError(f"truncate to {n} outside length {len(self)}")
         self.values = self.values[:n].copy()
@@ -73,8 +81,7 @@ class RefContext:
 
     def snapshot(self) -> tuple[str, np.ndarray, list[int]]:
         """What a snapshot holds: the precision and a copy of what a read returns."""
-        if self.closed:
-            raise ContextClosedError("reference context is closed")
+        self._require_open()
         return self.cache.config.precision, self.values.copy(), list(self.token_list)
 
     def close(self) -> None:
@@ -111,6 +118,7 @@ class RefCache:
         return self.clock
 
     def retain(self, ctx: RefContext) -> None:
+        ctx._require_open()
         if len(ctx) == 0:
             raise EmptyContextError("cannot retain an empty context")
         key = tuple(ctx.token_list)

@@ -72,6 +72,10 @@ class SnapshotError(KVStateError):
     """
 
 
+class SnapshotNotFoundError(SnapshotError, FileNotFoundError):
+    """There is no snapshot file at the path given to restore."""
+
+
 class SnapshotCorruptError(SnapshotError):
     """Bad magic, a checksum mismatch, or a field or value the format does not allow."""
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from helpers import LAYOUT, filled, kv, make_cache
+from helpers import LAYOUT, filled, kv, make_cache, make_reference
 
 from kvstate import Cache, Layout
 from kvstate.spec import errors
@@ -135,13 +135,17 @@ def test_match_with_bad_tokens_is_refused(cache):
 
 
 def test_use_after_close_is_refused_by_name(cache):
-    ctx = filled(cache, 5)
-    ctx.close()
-    for action in (lambda: ctx.read(), lambda: ctx.fork(), lambda: ctx.extend([1], kv(1)),
-                   lambda: ctx.overwrite(0, [1], kv(1)), lambda: ctx.truncate(0), lambda: ctx.tokens,
-                   lambda: ctx.close(), lambda: cache.retain(ctx)):
-        with pytest.raises(errors.ContextClosedError):
-            action()
+    """The engine and the reference refuse every use of a closed context alike."""
+    reference = make_reference(4, "f16", 3, 2)
+    for owner in (cache, reference):
+        ctx = owner.allocate()
+        ctx.extend(list(range(5)), kv(5))
+        ctx.close()
+        for action in (lambda: ctx.read(), lambda: ctx.fork(), lambda: ctx.extend([1], kv(1)),
+                       lambda: ctx.overwrite(0, [1], kv(1)), lambda: ctx.truncate(0), lambda: ctx.tokens,
+                       lambda: ctx.close(), lambda: owner.retain(ctx)):
+            with pytest.raises(errors.ContextClosedError):
+                action()
 
 
 def test_context_manager_closes_once():

@@ -12,7 +12,7 @@ from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import (PrecisionRangeError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
                                  SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError,
-                                 SnapshotWriteError)
+                                 SnapshotNotFoundError, SnapshotWriteError)
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config
 from kvstate.stateful.ops import values_for
@@ -299,8 +299,16 @@ def test_snapshot_of_closed_context_is_refused(tmp_path):
 
 def test_every_snapshot_error_is_a_snapshot_error():
     for error in (SnapshotCorruptError, SnapshotTruncatedError, SnapshotTooLargeError, SnapshotVersionError,
-                  SnapshotLayoutError, SnapshotWriteError):
+                  SnapshotLayoutError, SnapshotWriteError, SnapshotNotFoundError):
         assert issubclass(error, SnapshotError)
+
+
+def test_restoring_a_missing_file_is_refused_by_name_and_changes_nothing(tmp_path):
+    cache, ctx, _ = filled("f32")
+    before = cache.stats()
+    with pytest.raises(SnapshotNotFoundError, match="no snapshot at"):
+        cache.restore(tmp_path / "never-written.kvs")
+    assert cache.stats() == before
 
 
 def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
