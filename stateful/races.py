@@ -92,6 +92,15 @@ def _copies_expected(plan: list[tuple], parent_len: int, pt: int) -> int:
     return len({index for index in touched if index < parent_pages})
 
 
+def _rounds(scenario: str, store: str, seed: int, iterations: int, configs=None):
+    """Each iteration with its configuration (cycling through ``configs``, by default
+    ``race_configs()``) and a name for failure messages that reruns exactly that schedule."""
+    configs = configs or race_configs()
+    for iteration in range(iterations):
+        config = configs[iteration % len(configs)]
+        yield iteration, config, f"{scenario}[{store}, {config.name}] seed={seed} iteration={iteration}"
+
+
 def _plan_length(plan: list[tuple], parent_len: int) -> int:
     return parent_len + sum(len(op[1]) for op in plan if op[0] == "extend")
 
@@ -101,11 +110,8 @@ def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, thread
     then each writes its own branch; every branch must read only its own writes, the parent nothing
     new, and exactly the shared pages each branch wrote must have been copied."""
     report = RaceReport("fork_storm", store, seed, threads=threads)
-    configs = race_configs()
     with switch_interval():
-        for iteration in range(iterations):
-            config = configs[iteration % len(configs)]
-            where = f"fork_storm[{store}, {config.name}] seed={seed} iteration={iteration}"
+        for iteration, config, where in _rounds("fork_storm", store, seed, iterations):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache, ref = make_cache(store, config), RefCache(config)
             parent_tokens = [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 4 * pt + 1)))]
@@ -262,11 +268,8 @@ def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int 
     """Threads retaining and matching against a tiny ``max_entries`` while others allocate, extend,
     fork and close: no page leaked, no slot issued twice, nothing freed while held."""
     report = RaceReport("eviction_vs_allocation", store, seed, threads=threads)
-    configs = race_configs()
     with switch_interval():
-        for iteration in range(iterations):
-            config = configs[iteration % len(configs)]
-            where = f"eviction_vs_allocation[{store}, {config.name}] seed={seed} iteration={iteration}"
+        for iteration, config, where in _rounds("eviction_vs_allocation", store, seed, iterations):
             cache, retained = make_cache(store, config), set()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = []
@@ -287,11 +290,9 @@ def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 
     """``match`` and ``close`` of the returned contexts racing ``clear``: a match forks an entry before
     the clear releases it or finds nothing; results stay readable after the clear; nothing leaks."""
     report = RaceReport("match_close_vs_clear", store, seed, threads=threads + 1)
-    configs = race_configs(max_entries=8)
     with switch_interval():
-        for iteration in range(iterations):
-            config = configs[iteration % len(configs)]
-            where = f"match_close_vs_clear[{store}, {config.name}] seed={seed} iteration={iteration}"
+        for iteration, config, where in _rounds("match_close_vs_clear", store, seed, iterations,
+                                                race_configs(max_entries=8)):
             cache, retained = make_cache(store, config), set()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = [_tree_worker(cache, config, bases, seeded_rng(seed, iteration, t + 1), steps, report, where, retained,
@@ -328,11 +329,8 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
     the sibling sharing the pages reads unchanged and the refcounts stay exact.
     """
     report = RaceReport("close_races", store, seed, threads=threads)
-    configs = race_configs()
     with switch_interval():
-        for iteration in range(iterations):
-            config = configs[iteration % len(configs)]
-            where = f"close_races[{store}, {config.name}] seed={seed} iteration={iteration}"
+        for iteration, config, where in _rounds("close_races", store, seed, iterations):
             cache = make_cache(store, config)
             ctx, sibling, tokens = _shared_pair(cache, config, seeded_rng(seed, iteration))
             closes, forks, outcomes = [], [], []
@@ -418,11 +416,8 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
     its tokens, tokens equal to the recorded ones): never the decoder's writes, never a mix.
     """
     report = RaceReport("snapshot_vs_decode", store, seed, threads=2)
-    configs = race_configs()
     with switch_interval(), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
-        for iteration in range(iterations):
-            config = configs[iteration % len(configs)]
-            where = f"snapshot_vs_decode[{store}, {config.name}] seed={seed} iteration={iteration}"
+        for iteration, config, where in _rounds("snapshot_vs_decode", store, seed, iterations):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache = make_cache(store, config)
             tokens = [int(t) for t in rng.integers(0, 1000, 3 * pt + 1)]
@@ -479,11 +474,8 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
     pages) while the main thread observes: every observation must satisfy invariants 1-3, in particular
     no page may show bytes past its ``filled`` mark while a write is in flight."""
     report = RaceReport("observe_during_writes", store, seed, threads=threads + 1)
-    configs = race_configs()
     with switch_interval():
-        for iteration in range(iterations):
-            config = configs[iteration % len(configs)]
-            where = f"observe_during_writes[{store}, {config.name}] seed={seed} iteration={iteration}"
+        for iteration, config, where in _rounds("observe_during_writes", store, seed, iterations):
             cache, done = make_cache(store, config), threading.Event()
 
             def writer(t: int) -> Callable[[], None]:
