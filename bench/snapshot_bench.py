@@ -94,7 +94,7 @@ def measure(folder: Path, precision: str, n: int, repeat: int) -> dict:
         # Everything restore does before it touches the cache: read, checksum, check every field and value.
         with open(path, "rb") as file:
             header, body, crc = read_snapshot(file, LAYOUT, os.fstat(file.fileno()).st_size)
-        check_body(header, body, crc)
+        check_body(header, body, crc.result())
 
     def raw_read():
         np.fromfile(raw_path, dtype=np.uint8)

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import io
 import os
+import queue
 import tempfile
+import threading
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -20,7 +22,7 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
-from kvstate.spec.errors import (SnapshotCorruptError, SnapshotLayoutError, SnapshotNotFoundError,
+from kvstate.spec.errors import (SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
                                  SnapshotTruncatedError, SnapshotWriteError)
 
 if TYPE_CHECKING:
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 
 _CHUNK = 1 << 20         # reads from streams of unknown size grow by at most this much at a time
 _READ_CHUNK = 4 << 20    # reads of known size: checksummed piece by piece while cache-hot
+_THREADED_CRC_BYTES = 8 << 20   # from this body size the checksum runs beside the reads
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -140,7 +143,15 @@ def restore_snapshot(cache: "Cache", source) -> "Context":
             raise SnapshotNotFoundError(f"no snapshot at {os.fspath(source)!r}") from error
         with file:
             header, body, crc = read_snapshot(file, cache.layout, os.fstat(file.fileno()).st_size)
-    arrays = fmt.check_body(header, body, crc)
+    # The content checks run while the checksum thread finishes; a checksum mismatch is still
+    # the error reported first, and nothing is allocated until both have passed.
+    try:
+        arrays, content_error = fmt.check_body_content(header, body), None
+    except SnapshotError as error:
+        arrays, content_error = None, error
+    fmt.check_body_crc(header, crc.result())
+    if content_error is not None:
+        raise content_error
     parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
     if header.precision == cache.precision:
         encoded = cache.store.from_encoded(parts)
@@ -150,8 +161,8 @@ def restore_snapshot(cache: "Cache", source) -> "Context":
     return _adopt(cache, arrays["tokens"], encoded, header.positions)
 
 
-def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryview, int]:
-    """Header, body bytes and the body's CRC-32, with every length checked before the body is allocated.
+def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
+    """Header, body bytes and the body's checksum (``.result()``), every length checked before the body is allocated.
 
     ``size`` is the number of bytes left in ``file`` when known (files, seekable
     streams); otherwise the body is read in bounded chunks so a lying header
@@ -161,37 +172,79 @@ def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryvie
     if header.layout != layout:
         raise SnapshotLayoutError(f"snapshot layout {header.layout} (offset 12) differs from the cache's {layout}")
     total = fmt.HEADER_SIZE + header.body_bytes
-    crc = 0
     if size is not None:
         if size < total:
             raise SnapshotTruncatedError(
                 f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
         if size > total:
             raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
-    if size is not None and hasattr(file, "readinto"):
-        body = np.empty(header.body_bytes, np.uint8)     # sized from a checked header and the real file size
-        view = memoryview(body)
-        filled = 0
-        while filled < len(body):
-            got = file.readinto(view[filled:filled + _READ_CHUNK])
-            if not got:
-                raise SnapshotTruncatedError(
-                    f"file ended at offset {fmt.HEADER_SIZE + filled} while reading the body; expected {total} bytes")
-            crc = fmt.crc32(view[filled:filled + got], crc)    # while the bytes are still in cache
-            filled += got
-    else:
-        body = bytearray()
-        while len(body) < header.body_bytes:
-            chunk = file.read(min(_CHUNK, header.body_bytes - len(body)))
-            if not chunk:
-                raise SnapshotTruncatedError(
-                    f"stream ended at offset {fmt.HEADER_SIZE + len(body)} while reading the body; "
-                    f"expected {total} bytes")
-            crc = fmt.crc32(chunk, crc)
-            body += chunk
-    if file.read(1):
-        raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
+    crc = BodyChecksum(threaded=size is not None and header.body_bytes >= _THREADED_CRC_BYTES)
+    with crc:
+        if size is not None and hasattr(file, "readinto"):
+            body = np.empty(header.body_bytes, np.uint8)     # sized from a checked header and the real file size
+            view = memoryview(body)
+            filled = 0
+            while filled < len(body):
+                got = file.readinto(view[filled:filled + _READ_CHUNK])
+                if not got:
+                    raise SnapshotTruncatedError(
+                        f"file ended at offset {fmt.HEADER_SIZE + filled} while reading the body; "
+                        f"expected {total} bytes")
+                crc.feed(view[filled:filled + got])    # checksummed while the next piece is read
+                filled += got
+        else:
+            body = bytearray()
+            while len(body) < header.body_bytes:
+                chunk = file.read(min(_CHUNK, header.body_bytes - len(body)))
+                if not chunk:
+                    raise SnapshotTruncatedError(
+                        f"stream ended at offset {fmt.HEADER_SIZE + len(body)} while reading the body; "
+                        f"expected {total} bytes")
+                crc.feed(chunk)
+                body += chunk
+        if file.read(1):
+            raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
     return header, memoryview(body), crc
+
+
+class BodyChecksum:
+    """CRC-32 of the body, fed piece by piece in file order.
+
+    For large bodies a worker thread computes it (``zlib.crc32`` releases the GIL), so
+    reading the next piece, and then the content checks, overlap the checksum. Used as a
+    context manager: the worker always stops, also when reading fails halfway.
+    """
+
+    def __init__(self, threaded: bool):
+        self.value = 0
+        self._pieces: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
+        self._worker = threading.Thread(target=self._run, daemon=True) if threaded else None
+
+    def __enter__(self) -> "BodyChecksum":
+        if self._worker is not None:
+            self._worker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._pieces.put(None)
+            if exc[0] is not None:
+                self._worker.join()
+
+    def feed(self, piece) -> None:
+        if self._pieces is None:
+            self.value = fmt.crc32(piece, self.value)
+        else:
+            self._pieces.put(piece)
+
+    def result(self) -> int:
+        if self._worker is not None:
+            self._worker.join()
+        return self.value
+
+    def _run(self) -> None:
+        while (piece := self._pieces.get()) is not None:
+            self.value = fmt.crc32(piece, self.value)
 
 
 def _read_exactly_or_less(file, n: int) -> bytes:

@@ -212,11 +212,19 @@ def check_body(header: Header, body, body_crc: int | None = None) -> dict[str, n
 
     ``body_crc`` is the body's CRC-32 when the reader computed it while reading.
     """
-    actual = crc32(body) if body_crc is None else body_crc
+    check_body_crc(header, crc32(body) if body_crc is None else body_crc)
+    return check_body_content(header, body)
+
+
+def check_body_crc(header: Header, actual: int) -> None:
     if actual != header.body_crc:
         raise SnapshotCorruptError(
             f"body checksum mismatch (body starts at offset {HEADER_SIZE}, {header.body_bytes} bytes): "
             f"stored {header.body_crc:#010x}, body gives {actual:#010x}")
+
+
+def check_body_content(header: Header, body) -> dict[str, np.ndarray]:
+    """Every token and value of the body (not its checksum); the section views on success."""
     arrays = split_body(header, body)
     tokens = arrays["tokens"]
     if tokens.size and tokens.min() < 0:     # int32 cannot reach TOKEN_LIMIT; only the sign can be wrong

@@ -321,3 +321,49 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
         assert file.read(6) == b"prefix"
         restored = Cache(LAYOUT, precision="f16").restore(file)
     assert_reads_equal(restored, ref_ctx)
+
+
+# -- the checksum thread that large restores use ------------------------------------------
+
+@pytest.fixture
+def threaded_checksum(monkeypatch):
+    """Every body takes the large-snapshot path, read in many small pieces."""
+    from kvstate.impl import snapshot as snapshot_module
+
+    monkeypatch.setattr(snapshot_module, "_THREADED_CRC_BYTES", 1)
+    monkeypatch.setattr(snapshot_module, "_READ_CHUNK", 64)
+    return snapshot_module
+
+
+@pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
+def test_threaded_checksum_restores_bit_exactly(threaded_checksum, tmp_path, precision):
+    import threading
+
+    cache, ctx, ref_ctx = filled(precision)
+    path = tmp_path / "big.kvs"
+    ctx.snapshot(path)
+    threads = threading.active_count()
+    restored = cache.restore(path)
+    assert np.array_equal(restored.read()[0].view(np.uint32), ref_ctx.read()[0].view(np.uint32))
+    assert np.array_equal(restored.read()[1], ref_ctx.read()[1])
+    assert threading.active_count() == threads      # the worker has finished
+
+
+def test_threaded_checksum_refuses_damage_and_stops_its_worker(threaded_checksum, tmp_path):
+    import threading
+
+    cache, ctx, _ = filled("f32")
+    path = tmp_path / "big.kvs"
+    ctx.snapshot(path)
+    data = path.read_bytes()
+    before, threads = cache.stats(), threading.active_count()
+    flipped = bytearray(data)
+    flipped[len(data) - 5] ^= 0x10                   # a body byte: only the checksum can tell
+    path.write_bytes(bytes(flipped))
+    with pytest.raises(SnapshotCorruptError, match="checksum"):
+        cache.restore(path)
+    path.write_bytes(data[:-100])                     # truncated mid-body
+    with pytest.raises(SnapshotError):
+        cache.restore(path)
+    assert cache.stats() == before
+    assert threading.active_count() == threads
