@@ -18,14 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstate.impl import Cache, Context
+from kvstate.impl import Cache
 from kvstate.model import GPT2, GPT2Config
 
 from .timing import best_of
-
-
-def has_snapshots() -> bool:
-    return hasattr(Context, "snapshot") and hasattr(Cache, "restore")
 
 
 def drop_from_page_cache(path: Path) -> bool:
@@ -82,14 +78,13 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None) -> 
             row["prefill_s"] = min(v for k, v in row.items() if k.endswith("prefill_s"))
             row.update(_read_bytes_time(cache, model, tokens, Path(folder) / f"raw{n}.bin"))
             row["read_bytes_speedup"] = row["prefill_s"] / row["read_bytes_s"]
-            if has_snapshots():
-                row.update(_restore_times(cache, model, tokens, Path(folder) / f"ctx{n}.kvs"))
-                row["warm_speedup"] = row["prefill_s"] / row["restore_warm_s"]
-                if row.get("restore_cold_s"):
-                    row["cold_speedup"] = row["prefill_s"] / row["restore_cold_s"]
+            row.update(_restore_times(cache, model, tokens, Path(folder) / f"ctx{n}.kvs"))
+            row["warm_speedup"] = row["prefill_s"] / row["restore_warm_s"]
+            if row.get("restore_cold_s"):
+                row["cold_speedup"] = row["prefill_s"] / row["restore_cold_s"]
             rows.append(row)
     return {"name": "restore_vs_prefill",
-            "params": {"shape": "GPT-2 small f32", "threads": threads, "snapshots": has_snapshots(),
+            "params": {"shape": "GPT-2 small f32", "threads": threads,
                        "hf": hf_prefill is not None},
             "rows": rows, "targets": {"warm_speedup_at_512": 100}}
 
