@@ -134,7 +134,7 @@ def _require(obj, protocol, what: str) -> None:
 
 @dataclass
 class Outcome:
-    status: str                  # pass, FAIL, TIMEOUT
+    status: str                  # pass, FAIL, TIMEOUT, or n/a (the backend lacks what the check needs)
     seconds: float
     detail: str | None = None    # what failed, and the minimised sequence where there is one
     runs: int = 0
@@ -143,7 +143,7 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        return self.status == "pass"
+        return self.status in ("pass", "n/a")
 
 
 Check = Callable[[Factory, Config, Settings], Outcome]
@@ -176,6 +176,8 @@ def _directed(check) -> Check:
         directed.current.run = None
         try:
             check(factory, config)
+        except directed.NotApplicable as reason:
+            return Outcome("n/a", time.perf_counter() - started, str(reason))
         except Exception as error:
             run = directed.current.run
             history = None if run is None else run.history[:run.failed_at]

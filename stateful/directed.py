@@ -9,6 +9,7 @@ the protocol can be held to them.
 
 from __future__ import annotations
 
+import io
 import threading
 from typing import Callable
 
@@ -154,9 +155,53 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     run.finish()
 
 
+class NotApplicable(Exception):
+    """The backend does not offer what the check exercises (a cache without snapshots, say)."""
+
+
+def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
+    """Every truncation and a change of every byte of a snapshot is refused with a ``SnapshotError``,
+    and no refusal changes the cache; the intact file restores to the same values."""
+    run, n = _filled(factory, config)
+    cache, ctx = run.engine, run.live["c1"][0]
+    if not (hasattr(cache, "restore") and hasattr(ctx, "snapshot")):
+        raise NotApplicable("the cache has no snapshot/restore")
+    cache.retain(ctx)                      # a tree entry too, so "unchanged" covers the tree
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    data = stream.getvalue()
+    cases = [(f"truncated to {size} of {len(data)} bytes", data[:size]) for size in range(len(data))]
+    cases += [(f"byte {offset} xor 0x01", data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:])
+              for offset in range(len(data))]
+
+    def state(obs: Observation):
+        return obs.pages_allocated, obs.pages_freed, obs.holders, obs.lengths, obs.entries
+    before = state(cache.observe())
+    for what, damaged in cases:
+        try:
+            restored = cache.restore(io.BytesIO(damaged))
+        except errors.SnapshotError:
+            pass
+        except Exception as other:
+            raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}") from other
+        else:
+            restored.close()
+            raise AssertionError(f"snapshot {what}: restored {len(restored)} positions, expected a SnapshotError")
+        if state(cache.observe()) != before:
+            raise AssertionError(f"snapshot {what}: refused, but the cache changed")
+    restored = cache.restore(io.BytesIO(data))
+    want, got = ctx.read(), restored.read()
+    if not (np.array_equal(to_numpy(want[0]), to_numpy(got[0])) and np.array_equal(want[1], got[1])):
+        raise AssertionError("the intact snapshot restored to other values or tokens")
+    restored.close()
+    cache.clear()
+    run.finish()
+
+
 DIRECTED: dict[str, Check] = {
     "fork isolation": fork_isolation,
     "fork allocates 0": fork_allocates_nothing,
     "1 write copies 1": one_write_copies_one_page,
     "bad input": bad_input_changes_nothing,
+    "damaged snapshots": damaged_snapshots_refused,
 }

@@ -9,6 +9,8 @@ import pytest
 from hypothesis import settings
 
 from kvstate.cli import main
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.stateful.configs import machine_configs
 from kvstate.stateful.conform import FactoryError, check_backend, conform, load_factory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,3 +201,22 @@ def test_kvstate_imports_and_conforms_without_torch():
     assert run.returncode == 0, run.stdout + run.stderr
     assert "refused: store='torch' needs torch" in run.stdout
     assert "f32-heap" in run.stdout
+
+
+def test_damaged_snapshot_check_passes_the_engine_and_catches_a_broken_restore():
+    from kvstate.stateful.planted import PLANTED
+
+    config = [c for c in machine_configs() if c.name == "q8-arena6"]
+    results = conform(numpy_factory, checks=["damaged snapshots"], configs=config)
+    assert [r.outcomes["damaged snapshots"].status for r in results] == ["pass"]
+    with PLANTED["restore_drops_partial_page"]():
+        results = conform(numpy_factory, checks=["damaged snapshots"], configs=config)
+    outcome = results[0].outcomes["damaged snapshots"]
+    assert outcome.status == "FAIL" and "intact snapshot" in outcome.detail
+
+
+def test_damaged_snapshot_check_is_not_applicable_without_snapshots():
+    factory = load_factory(str(EXAMPLES / "listcache.py"))
+    results = conform(factory, checks=["damaged snapshots"])
+    assert {r.outcomes["damaged snapshots"].status for r in results} == {"n/a"}
+    assert all(r.passed for r in results)
