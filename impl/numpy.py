@@ -127,3 +127,6 @@ def factory(config: Config):
     from .cache import Cache
 
     return Cache.from_config(config, store="numpy")
+
+
+factory.thread_safe = True      # kvstate conform runs the thread-race scenarios against it

@@ -201,6 +201,7 @@ def make_factory(device: str | None):
 
         return Cache.from_config(config, store="torch", device=device or default_device())
     factory.__doc__ = f"The built-in torch backend on {device or 'CUDA when available, else CPU'}."
+    factory.thread_safe = True      # kvstate conform runs the thread-race scenarios against it
     return factory
 
 

@@ -187,8 +187,30 @@ def _directed(check) -> Check:
     return run
 
 
+def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
+    """The thread-race scenarios of ``stateful/races.py``, at a small size, for a backend whose
+    factory declares ``thread_safe = True`` (n/a otherwise: a single-threaded backend is legitimate)."""
+    from . import races
+
+    started = time.perf_counter()
+    if not getattr(factory, "thread_safe", False):
+        return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
+    scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),
+                 ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {})]
+    probe = factory(config)
+    if hasattr(probe, "restore"):
+        scenarios.append(("snapshot_vs_decode", {}))
+    try:
+        for name, options in scenarios:
+            races.SCENARIOS[name](store=factory, seed=0, iterations=2, configs=[config], **options)
+    except Exception as error:   # RaceFailure, or whatever the backend raised under threads
+        return Outcome("FAIL", time.perf_counter() - started, describe(error, None, minimised=False))
+    return Outcome("pass", time.perf_counter() - started)
+
+
 CHECKS: dict[str, Check] = {"lockstep": lockstep_check}
 CHECKS.update({name: _directed(check) for name, check in DIRECTED.items()})
+CHECKS["races"] = races_check
 
 
 def register_check(name: str, check: Check) -> None:

@@ -59,7 +59,7 @@ class RaceReport:
 
     def __str__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(self.counts.items()))
-        return f"{self.scenario}[{self.store}] seed={self.seed} iterations={self.iterations} threads={self.threads}: {counts}"
+        return f"{self.scenario}[{store_label(self.store)}] seed={self.seed} iterations={self.iterations} threads={self.threads}: {counts}"
 
 
 # -- stores and configurations -------------------------------------------------------
@@ -78,8 +78,21 @@ def race_configs(max_entries: int = RACE_MAX_ENTRIES) -> list[Config]:
                             arena_pages=RACE_ARENA_PAGES)
 
 
-def make_cache(store: str, config: Config) -> Cache:
+def make_cache(store, config: Config) -> Cache:
+    """``store`` names a built-in page store, or is a backend factory (``kvstate conform`` passes one)."""
+    if callable(store):
+        return store(config)
     return Cache.from_config(config, store=store)
+
+
+def store_label(store) -> str:
+    return store if isinstance(store, str) else getattr(store, "__qualname__", repr(store))
+
+
+def page_counters(cache) -> dict[str, int]:
+    """Pages allocated and copied so far, from ``observe()``'s counters (empty where a backend keeps none)."""
+    counters = cache.observe().counters
+    return {key: counters[key] for key in ("pages_allocated", "pages_copied") if key in counters}
 
 
 # -- self-verifying values -------------------------------------------------------------

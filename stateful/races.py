@@ -42,8 +42,8 @@ from kvstate.spec.protocol import Config
 
 from .race_harness import (  # noqa: F401 - RACE_LAYOUT re-exported for the tests
     RACE_LAYOUT, RaceFailure, RaceReport, available_stores, check_after, check_emptied,
-    extend, kv_for, make_cache, overwrite, race_configs, read_numpy, retry_busy, run_threads, seeded_rng,
-    switch_interval, verify,
+    extend, kv_for, make_cache, overwrite, page_counters, race_configs, read_numpy, retry_busy, run_threads,
+    seeded_rng, store_label, switch_interval, verify,
 )
 
 
@@ -92,26 +92,27 @@ def _copies_expected(plan: list[tuple], parent_len: int, pt: int) -> int:
     return len({index for index in touched if index < parent_pages})
 
 
-def _rounds(scenario: str, store: str, seed: int, iterations: int, configs=None):
+def _rounds(scenario: str, store, seed: int, iterations: int, configs=None):
     """Each iteration with its configuration (cycling through ``configs``, by default
     ``race_configs()``) and a name for failure messages that reruns exactly that schedule."""
     configs = configs or race_configs()
     for iteration in range(iterations):
         config = configs[iteration % len(configs)]
-        yield iteration, config, f"{scenario}[{store}, {config.name}] seed={seed} iteration={iteration}"
+        yield iteration, config, f"{scenario}[{store_label(store)}, {config.name}] seed={seed} iteration={iteration}"
 
 
 def _plan_length(plan: list[tuple], parent_len: int) -> int:
     return parent_len + sum(len(op[1]) for op in plan if op[0] == "extend")
 
 
-def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, threads: int = 16) -> RaceReport:
+def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, threads: int = 16,
+               configs=None) -> RaceReport:
     """Sixteen threads fork one parent at once (concurrent forks are refused as busy and retried),
     then each writes its own branch; every branch must read only its own writes, the parent nothing
     new, and exactly the shared pages each branch wrote must have been copied."""
     report = RaceReport("fork_storm", store, seed, threads=threads)
     with switch_interval():
-        for iteration, config, where in _rounds("fork_storm", store, seed, iterations):
+        for iteration, config, where in _rounds("fork_storm", store, seed, iterations, configs):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache, ref = make_cache(store, config), RefCache(config)
             parent_tokens = [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 4 * pt + 1)))]
@@ -120,7 +121,7 @@ def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, thread
             ref_parent.extend(parent_tokens, kv_for(config.layout, parent_tokens, 0))
             plans = [_branch_plan(seeded_rng(seed, iteration, t + 1), t, len(parent_tokens), pt) for t in range(threads)]
             branches: list = [None] * threads
-            before = cache.stats()
+            before = page_counters(cache)
 
             def body(t: int) -> Callable[[], None]:
                 def run() -> None:
@@ -137,14 +138,14 @@ def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, thread
                 _apply_plan(twin, config, plan, reference=True)
                 live[f"branch {t}"], twins[f"branch {t}"] = branches[t], twin
             check_after(cache, where, expected_tree=[], live=live, reference=twins)
-            after = cache.stats()
+            after = page_counters(cache)
             copies = sum(_copies_expected(plan, len(parent_tokens), pt) for plan in plans)
             appended = sum(pages_needed(_plan_length(plan, len(parent_tokens)), pt) - pages_needed(len(parent_tokens), pt)
                            for plan in plans)
-            if after["pages_copied"] - before["pages_copied"] != copies:
+            if "pages_copied" in after and after["pages_copied"] - before["pages_copied"] != copies:
                 raise RaceFailure(f"{where}: {after['pages_copied'] - before['pages_copied']} pages copied, "
                                   f"the branches wrote {copies} shared pages")
-            if after["pages_allocated"] - before["pages_allocated"] != copies + appended:
+            if "pages_allocated" in after and after["pages_allocated"] - before["pages_allocated"] != copies + appended:
                 raise RaceFailure(f"{where}: {after['pages_allocated'] - before['pages_allocated']} pages allocated, "
                                   f"expected {copies} copies + {appended} appended")
             for ctx in live.values():
@@ -264,12 +265,12 @@ def _finish_tree(cache: Cache, config: Config, retained: set, where: str, entrie
 
 
 def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int = 6, threads: int = 6,
-                           steps: int = 40) -> RaceReport:
+                           steps: int = 40, configs=None) -> RaceReport:
     """Threads retaining and matching against a tiny ``max_entries`` while others allocate, extend,
     fork and close: no page leaked, no slot issued twice, nothing freed while held."""
     report = RaceReport("eviction_vs_allocation", store, seed, threads=threads)
     with switch_interval():
-        for iteration, config, where in _rounds("eviction_vs_allocation", store, seed, iterations):
+        for iteration, config, where in _rounds("eviction_vs_allocation", store, seed, iterations, configs):
             cache, retained = make_cache(store, config), set()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = []
@@ -286,13 +287,13 @@ def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int 
 
 
 def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 6, threads: int = 5,
-                         steps: int = 40) -> RaceReport:
+                         steps: int = 40, configs=None) -> RaceReport:
     """``match`` and ``close`` of the returned contexts racing ``clear``: a match forks an entry before
     the clear releases it or finds nothing; results stay readable after the clear; nothing leaks."""
     report = RaceReport("match_close_vs_clear", store, seed, threads=threads + 1)
     with switch_interval():
-        for iteration, config, where in _rounds("match_close_vs_clear", store, seed, iterations,
-                                                race_configs(max_entries=8)):
+        wide = [c.with_(max_entries=8) for c in configs] if configs else race_configs(max_entries=8)
+        for iteration, config, where in _rounds("match_close_vs_clear", store, seed, iterations, wide):
             cache, retained = make_cache(store, config), set()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = [_tree_worker(cache, config, bases, seeded_rng(seed, iteration, t + 1), steps, report, where, retained,
@@ -321,7 +322,8 @@ def _shared_pair(cache: Cache, config: Config, rng: np.random.Generator) -> tupl
     return ctx, ctx.fork(), tokens
 
 
-def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threads: int = 4) -> RaceReport:
+def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threads: int = 4,
+                configs=None) -> RaceReport:
     """Close racing use from other threads, several threads closing at once, and close racing fork.
 
     Every refusal must be ``ContextBusyError`` or ``ContextClosedError``; exactly one close succeeds;
@@ -330,7 +332,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
     """
     report = RaceReport("close_races", store, seed, threads=threads)
     with switch_interval():
-        for iteration, config, where in _rounds("close_races", store, seed, iterations):
+        for iteration, config, where in _rounds("close_races", store, seed, iterations, configs):
             cache = make_cache(store, config)
             ctx, sibling, tokens = _shared_pair(cache, config, seeded_rng(seed, iteration))
             closes, forks, outcomes = [], [], []
@@ -408,7 +410,8 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
 
 # -- snapshot-and-restore racing a decode loop ---------------------------------------------------
 
-def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 12) -> RaceReport:
+def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 12,
+                       configs=None) -> RaceReport:
     """Snapshot and restore a context while a decode loop on its fork keeps rewriting the shared prefix.
 
     The snapshotting thread owns the context and changes it between snapshots, so it knows the state
@@ -417,7 +420,7 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
     """
     report = RaceReport("snapshot_vs_decode", store, seed, threads=2)
     with switch_interval(), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
-        for iteration, config, where in _rounds("snapshot_vs_decode", store, seed, iterations):
+        for iteration, config, where in _rounds("snapshot_vs_decode", store, seed, iterations, configs):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache = make_cache(store, config)
             tokens = [int(t) for t in rng.integers(0, 1000, 3 * pt + 1)]
@@ -469,13 +472,13 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
 # -- observe() while other threads write -----------------------------------------------------------
 
 def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 2,
-                          observations: int = 1000) -> RaceReport:
+                          observations: int = 1000, configs=None) -> RaceReport:
     """Writers extend, overwrite and restart contexts (fresh pages, recycled arena slots, partly filled
     pages) while the main thread observes: every observation must satisfy invariants 1-3, in particular
     no page may show bytes past its ``filled`` mark while a write is in flight."""
     report = RaceReport("observe_during_writes", store, seed, threads=threads + 1)
     with switch_interval():
-        for iteration, config, where in _rounds("observe_during_writes", store, seed, iterations):
+        for iteration, config, where in _rounds("observe_during_writes", store, seed, iterations, configs):
             cache, done = make_cache(store, config), threading.Event()
 
             def writer(t: int) -> Callable[[], None]:

@@ -220,3 +220,20 @@ def test_damaged_snapshot_check_is_not_applicable_without_snapshots():
     results = conform(factory, checks=["damaged snapshots"])
     assert {r.outcomes["damaged snapshots"].status for r in results} == {"n/a"}
     assert all(r.passed for r in results)
+
+
+def test_races_check_passes_the_engine_and_catches_a_planted_race_bug(monkeypatch):
+    from kvstate.impl import pages
+
+    config = [c for c in machine_configs() if c.name == "f32-arena6"]
+    results = conform(numpy_factory, checks=["races"], configs=config)
+    assert [r.outcomes["races"].status for r in results] == ["pass"]
+    monkeypatch.setattr(pages.PagePool, "share", lambda self, shared: None)   # fork forgets its refcounts
+    outcome = conform(numpy_factory, checks=["races"], configs=config)[0].outcomes["races"]
+    assert outcome.status == "FAIL" and "seed=0" in outcome.detail
+
+
+def test_races_check_is_not_applicable_to_a_backend_that_does_not_claim_thread_safety():
+    factory = load_factory(str(EXAMPLES / "listcache.py"))
+    results = conform(factory, checks=["races"])
+    assert {r.outcomes["races"].status for r in results} == {"n/a"} and all(r.passed for r in results)
