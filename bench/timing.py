@@ -14,11 +14,3 @@ def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-def per_call(fn: Callable[[], object], calls: int, repeat: int = 3) -> float:
-    """Seconds per call of ``fn``, from the best of ``repeat`` loops of ``calls`` calls."""
-    def loop():
-        for _ in range(calls):
-            fn()
-    return best_of(loop, repeat) / calls
