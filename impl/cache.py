@@ -52,15 +52,21 @@ from __future__ import annotations
 
 import threading
 
+from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError
 from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens, check_tokens
 from kvstate.spec.observation import EntryView, Observation, PageView
 from kvstate.spec.precision import check_precision
+from kvstate.spec.protocol import Config
+from kvstate.spec.snapshot_format import body_size
 
 from .context import Context
+from .matching import finder_for
 from .pages import PagePool
+from .pool_policy import PoolPolicy
 from .radix import RadixTree, pack
 from .snapshot import restore_snapshot
+from .tree_bounds import TreeBounds
 
 
 def make_store(store: str, layout: Layout, page_tokens: int, precision: str, arena_pages: int, device: str):
@@ -92,28 +98,43 @@ class Cache:
         device: str = "cpu",
         arena_pages: int = 0,
         max_entries: int = 64,
+        *,
+        match: str = "entry",
+        block_tokens: int = 0,
+        max_pages: int = 0,
+        pool_pages: int = 0,
+        on_full: str = "fallback",
     ):
+        """Storage (layout, page size, precision, store, device, arena) and the declared
+        semantics of ``spec/semantics.py``: ``match``, ``block_tokens``, the tree's bounds
+        ``max_entries`` and ``max_pages``, and the full-pool policy ``on_full`` over
+        ``pool_pages`` (0: the arena's size)."""
         if not isinstance(layout, Layout):
             raise ConfigError(f"layout must be a kvstate Layout, got {type(layout).__name__}")
-        for name, value, low in (("arena_pages", arena_pages, 0), ("max_entries", max_entries, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+        self.config = Config(layout, check_page_tokens(page_tokens), check_precision(precision), arena_pages,
+                             max_entries, match, block_tokens, max_pages, pool_pages, on_full)
         self.layout = layout
-        self.page_tokens = check_page_tokens(page_tokens)
-        self.precision = check_precision(precision)
+        self.page_tokens = self.config.page_tokens
+        self.precision = self.config.precision
         self.max_entries = max_entries
         self.store = make_store(store, layout, self.page_tokens, precision, arena_pages, device)
         self.pool = PagePool(self.store)
         self.tree = RadixTree()
+        self.find_hit = finder_for(match, block_tokens)
+        self.bounds = TreeBounds(max_entries, max_pages, self.page_tokens)
+        self.policy = PoolPolicy(on_full, self.config.pool_limit, self.pool, self.tree, self._release)
+        self.pool.make_room = self.policy.make_room
         self.lock = threading.RLock()
         self._contexts: dict[int, Context] = {}
         self._next_context_id = 0
 
     @classmethod
-    def from_config(cls, config, store="numpy", device: str = "cpu") -> "Cache":
-        """A cache with a ``kvstate.spec.Config``'s layout, page size, precision, arena and entry limit."""
+    def from_config(cls, config: Config, store="numpy", device: str = "cpu") -> "Cache":
+        """A cache with a ``kvstate.spec.Config``'s storage, bounds and declared semantics."""
         return cls(config.layout, page_tokens=config.page_tokens, precision=config.precision,
-                   store=store, device=device, arena_pages=config.arena_pages, max_entries=config.max_entries)
+                   store=store, device=device, arena_pages=config.arena_pages, max_entries=config.max_entries,
+                   match=config.match, block_tokens=config.block_tokens, max_pages=config.max_pages,
+                   pool_pages=config.pool_pages, on_full=config.on_full)
 
     # -- contexts ------------------------------------------------------------------
 
@@ -129,11 +150,15 @@ class Cache:
         with self.lock:
             return self._new_context([], 0)
 
-    def _fork(self, ctx: Context, register: bool = True) -> Context:
+    def _fork(self, ctx: Context, register: bool = True, length: int | None = None) -> Context:
+        """A context holding ``ctx``'s first ``length`` positions (all by default): the pages
+        that hold them, shared, nothing copied. A partly used last page stays shared until a
+        write makes it private through ``writable``."""
         with self.lock:
-            pages = list(ctx._pages)
+            length = ctx._length if length is None else length
+            pages = ctx._pages[:pages_needed(length, self.page_tokens)]
             self.pool.share(pages)
-            return self._new_context(pages, ctx._length, register)
+            return self._new_context(pages, length, register)
 
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
@@ -162,17 +187,22 @@ class Cache:
                 replaced = self.tree.insert(key, entry)
                 if replaced is not None:
                     self._release(replaced)
-                while len(self.tree) > self.max_entries:
-                    self._release(self.tree.pop_oldest(spare=entry))
+                while self.bounds.exceeded(self.tree):
+                    victim = self.tree.pop_oldest(spare=entry)
+                    if victim is None:
+                        break      # only the entry just retained is left: it stays
+                    self._release(victim)
 
     def match(self, tokens) -> tuple[Context, int]:
-        """A fork of the entry with the longest key that prefixes ``tokens``, and that key's length."""
+        """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and
+        how many positions it holds; a miss is a new empty context and 0. Stamps the hit's entry."""
         query = pack(check_tokens(tokens))
         with self.lock:
-            entry, matched = self.tree.lookup(query)
-            if entry is None:
+            node, matched = self.find_hit(self.tree, query)
+            if node is None:
                 return self._new_context([], 0), 0
-            return self._fork(entry), matched
+            self.tree.stamp(node)
+            return self._fork(node.value, length=matched), matched
 
     def clear(self) -> None:
         """Drop every entry of the tree."""
@@ -214,7 +244,8 @@ class Cache:
             size, out, free = self.store.arena_books()
             counters = self.store.counters.as_dict()
             counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
-                            live_contexts=len(self._contexts), entries=len(self.tree))
+                            live_contexts=len(self._contexts), entries=len(self.tree),
+                            tree_pages=self.bounds.pages_held(self.tree), pressure_evictions=self.policy.evictions)
             return Observation(
                 pages=pages, holders=holders, lengths=lengths,
                 pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
@@ -229,5 +260,11 @@ class Cache:
             counters = self.store.counters.as_dict()
             counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
                             live_pages=len(self.pool.live), live_contexts=len(self._contexts),
-                            entries=len(self.tree))
+                            entries=len(self.tree), tree_pages=self.bounds.pages_held(self.tree),
+                            tree_bytes=self.bounds.pages_held(self.tree) * self.store_page_bytes(),
+                            pressure_evictions=self.policy.evictions)
             return counters
+
+    def store_page_bytes(self) -> int:
+        """Bytes one full page holds in stored form (values, q8 scales, token ids), as a snapshot body counts them."""
+        return body_size(self.layout, self.precision, self.page_tokens)

@@ -161,9 +161,11 @@ class Context:
             start, stop = self._length, self._length + len(tokens)
             with self._cache.lock:
                 first, end = pages_touched(start, stop, self.page_tokens)
+                partial_shared = first < len(self._pages) and self._pages[first].refcount > 1
+                self._cache.pool.make_room(partial_shared + end - len(self._pages))
                 if first < len(self._pages):
                     self.writable(first)           # the partly filled last page
-                self._pages.extend(self._cache.pool.new_pages(end - len(self._pages)))
+                self._pages.extend(self._cache.pool.new_pages(end - len(self._pages), room_made=True))
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
@@ -182,7 +184,9 @@ class Context:
                 return
             encoded = self._cache.store.encode(kv)
             with self._cache.lock:
-                for index in range(*pages_touched(start, stop, self.page_tokens)):
+                touched = range(*pages_touched(start, stop, self.page_tokens))
+                self._cache.pool.make_room(sum(self._pages[index].refcount > 1 for index in touched))
+                for index in touched:
                     self.writable(index)
             self._write(start, stop, tokens, encoded)
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvstate.spec import precision as precisions
 from kvstate.spec.layout import Layout, require_finite
-from kvstate.spec.protocol import Config
+from kvstate.spec.protocol import SEMANTICS_TAGS, Config
 
 from .arena import SlotArena
 from .store import StoreCounters
@@ -130,3 +130,4 @@ def factory(config: Config):
 
 
 factory.thread_safe = True      # kvstate conform runs the thread-race scenarios against it
+factory.semantics = SEMANTICS_TAGS     # and checks it under every declared semantics

@@ -8,6 +8,8 @@ The pool is used under the cache lock.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .store import PageStore
@@ -30,6 +32,9 @@ class PagePool:
         self.live: dict[int, Page] = {}
         self.allocated = 0
         self.freed = 0
+        # The full-pool policy (impl/pool_policy.py), told once per operation how many pages it
+        # will take, before it takes any; the cache sets it.
+        self.make_room: Callable[[int], None] = lambda needed: None
 
     def _register(self, page_id: int, buffer, tokens: np.ndarray, filled: int) -> Page:
         page = Page(page_id, buffer, tokens, filled)
@@ -42,9 +47,14 @@ class PagePool:
         return self._register(page_id, self.store.allocate(page_id),
                               np.zeros(self.store.page_tokens, np.int64), 0)
 
-    def new_pages(self, count: int) -> list[Page]:
+    def new_pages(self, count: int, room_made: bool = False) -> list[Page]:
         """``count`` new pages, or none: if one allocation fails (memory ran out), the ones
-        already made are released before the error propagates, so no page is left unheld."""
+        already made are released before the error propagates, so no page is left unheld.
+
+        The full-pool policy is consulted once per operation, before it changes anything:
+        here, unless the caller already made room for everything it will take (``extend``)."""
+        if not room_made:
+            self.make_room(count)
         pages: list[Page] = []
         try:
             while len(pages) < count:
@@ -56,7 +66,8 @@ class PagePool:
         return pages
 
     def clone(self, page: Page) -> Page:
-        """A private copy of ``page``. Only ``Context.writable`` calls this."""
+        """A private copy of ``page``. Only ``Context.writable`` calls this, inside an operation
+        that has already made room for its copies (``extend``, ``overwrite``)."""
         page_id = self.allocated + 1
         return self._register(page_id, self.store.copy(page.buffer, page_id), page.tokens.copy(), page.filled)
 

@@ -89,27 +89,50 @@ class RadixTree:
         self._stamp(node)
         return replaced
 
-    def lookup(self, query: bytes) -> tuple[Any, int]:
-        """The entry with the longest key that is a prefix of packed ``query``: ``(value, len(key) in tokens)``.
-
-        Stamps the entry it finds. ``(None, 0)`` when no key is a prefix of the query.
-        """
+    def longest_key(self, query: bytes) -> tuple[Node | None, int]:
+        """The entry node whose key is the longest that prefixes packed ``query``, and that key's
+        length in tokens; ``(None, 0)`` when no key prefixes the query."""
         path = self._walk(query)
         stop = match_stop(tuple(node.value is not None for node, _ in path))
         if stop < 0:
             return None, 0
         best, depth = path[stop]
-        self._stamp(best)
-        return best.value, depth // TOKEN_BYTES
+        return best, depth // TOKEN_BYTES
 
-    def pop_oldest(self, spare: Any = None) -> Any:
-        """Remove the least recently used entry (never the one holding ``spare``); return its value."""
+    def deepest(self, query: bytes) -> tuple[Node | None, int]:
+        """Where packed ``query`` leaves the tree, possibly mid-edge: the node whose subtree holds
+        exactly the entries sharing the longest common prefix with the query, and that prefix's
+        length in tokens. ``(None, 0)`` when no entry shares even the first token."""
+        path = self._walk(query)
+        node, depth = path[-1] if path else (self.root, 0)
+        child = node.children.get(query[depth:depth + TOKEN_BYTES])
+        if child is not None:     # the walk stopped inside the child's edge
+            return child, depth // TOKEN_BYTES + shared_tokens(child.edge, query[depth:])
+        return (node, depth // TOKEN_BYTES) if node is not self.root else (None, 0)
+
+    def newest_below(self, top: Node) -> Node:
+        """The most recently stamped entry node in ``top``'s subtree (``top`` included)."""
+        best, pending = None, [top]
+        while pending:
+            node = pending.pop()
+            if node.value is not None and (best is None or node.tick > best.tick):
+                best = node
+            pending.extend(node.children.values())
+        return best
+
+    def stamp(self, node: Node) -> None:
+        """Mark ``node``'s entry as used now (a ``match`` hit)."""
+        self._stamp(node)
+
+    def pop_oldest(self, spare: Any = None, where: Callable[[Any], bool] | None = None) -> Any:
+        """Remove the least recently used entry (never the one holding ``spare``; only one whose
+        value satisfies ``where``, if given) and return its value; None when there is none."""
         for node in self.recency:
-            if node.value is not spare:
+            if node.value is not spare and (where is None or where(node.value)):
                 value = node.value
                 self.remove(node)
                 return value
-        raise LookupError("no entry to evict")
+        return None
 
     def remove(self, node: Node) -> None:
         """Drop the entry at ``node``, prune emptied nodes upward and collapse non-splits."""

@@ -23,7 +23,7 @@ import torch
 from kvstate.spec import precision as precisions
 from kvstate.spec.errors import ConfigError, NonFiniteError, PrecisionRangeError
 from kvstate.spec.layout import Layout
-from kvstate.spec.protocol import Config
+from kvstate.spec.protocol import SEMANTICS_TAGS, Config
 
 from .arena import SlotArena
 from .store import StoreCounters
@@ -202,6 +202,7 @@ def make_factory(device: str | None):
         return Cache.from_config(config, store="torch", device=device or default_device())
     factory.__doc__ = f"The built-in torch backend on {device or 'CUDA when available, else CPU'}."
     factory.thread_safe = True      # kvstate conform runs the thread-race scenarios against it
+    factory.semantics = SEMANTICS_TAGS
     return factory
 
 

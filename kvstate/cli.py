@@ -8,12 +8,11 @@ import sys
 
 def _conform(args: argparse.Namespace) -> int:
     from kvstate.stateful.conform import FactoryError, check_backend, conform, format_table, load_factory
-    from kvstate.stateful.configs import configs_named, machine_configs
-    from kvstate.spec.protocol import declared_configs
+    from kvstate.stateful.configs import configs_for, configs_named
 
     try:
         factory = load_factory(args.backend)
-        configs = declared_configs(factory, machine_configs())
+        configs = configs_for(factory)
         check_backend(factory, configs, time_limit=args.time_limit)
         if args.config:
             try:

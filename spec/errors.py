@@ -2,6 +2,14 @@
 
 Each error says what was wrong with which value. Callers catch ``KVStateError``
 for "kvstate refused this" and a subclass when they care why.
+
+When several things are wrong at once, the first check in this order decides the
+class (the reference and every backend agree on it): the token ids (``DTypeError``,
+``ShapeError``, ``TokenError``); the K/V array's dtype and shape, its rows against
+the token count included (``DTypeError``, ``ShapeError``); the context itself
+(``ContextClosedError``, ``ContextBusyError``); positions (``PositionError``); the
+K/V values (``NonFiniteError``, ``PrecisionRangeError``); the page pool
+(``CapacityError``).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ class InvalidInputError(KVStateError, ValueError):
 
 
 class ShapeError(InvalidInputError):
-    """An array has the wrong shape for the cache's layout."""
+    """An array has the wrong shape for the cache's layout, or K/V rows differ from the token count."""
 
 
 class DTypeError(InvalidInputError):
@@ -34,7 +42,7 @@ class PrecisionRangeError(InvalidInputError):
 
 
 class TokenError(InvalidInputError):
-    """A token id is outside ``[0, 2**31)`` or the token count is wrong."""
+    """A token id is outside ``[0, 2**31)``."""
 
 
 class PositionError(InvalidInputError, IndexError):
@@ -47,6 +55,10 @@ class ConfigError(InvalidInputError):
 
 class EmptyContextError(InvalidInputError):
     """The operation needs at least one position (``retain`` of an empty context)."""
+
+
+class CapacityError(KVStateError):
+    """The page pool is full and the configuration declares ``on_full="refuse"``; nothing changed."""
 
 
 # -- lifecycle and ownership -----------------------------------------------------
@@ -115,4 +127,5 @@ class InvariantViolation(AssertionError):
 
     def __init__(self, invariant: int | str, message: str):
         self.invariant = invariant
+        self.detail = message
         super().__init__(f"invariant {invariant}: {message}")

@@ -12,22 +12,88 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
+from .errors import ConfigError
 from .layout import DEFAULT_PAGE_TOKENS, Layout
 from .observation import Observation
+from .semantics import MATCH_KINDS, ON_FULL, pool_limit
 
 
 @dataclass(frozen=True)
 class Config:
+    """One configuration a backend is checked under: storage, bounds and declared semantics.
+
+    The semantics fields (``match``, ``block_tokens``, ``max_pages``, ``pool_pages``,
+    ``on_full``) are defined in ``spec/semantics.py``; their defaults are the seed's world.
+    """
+
     layout: Layout
     page_tokens: int = DEFAULT_PAGE_TOKENS
     precision: str = "f32"
     arena_pages: int = 0
     max_entries: int = 64
+    match: str = "entry"
+    block_tokens: int = 0      # the block size B of match="block"
+    max_pages: int = 0         # the tree's page budget (0: none)
+    pool_pages: int = 0        # a live-page limit for backends without an arena (0: the arena's size)
+    on_full: str = "fallback"
+
+    def __post_init__(self) -> None:
+        for name, low in (("page_tokens", 1), ("arena_pages", 0), ("max_entries", 1), ("block_tokens", 0),
+                          ("max_pages", 0), ("pool_pages", 0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"Config.{name} must be an int >= {low}, got {value!r}")
+        if self.match not in MATCH_KINDS:
+            raise ConfigError(f"Config.match must be one of {MATCH_KINDS}, got {self.match!r}")
+        if (self.match == "block") != (self.block_tokens > 0):
+            raise ConfigError(f"Config.block_tokens is the block size of match='block' (and only of it), "
+                              f"got match={self.match!r}, block_tokens={self.block_tokens}")
+        if self.on_full not in ON_FULL:
+            raise ConfigError(f"Config.on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        if self.on_full != "fallback" and not self.pool_limit:
+            raise ConfigError(f"on_full={self.on_full!r} needs a pool: set arena_pages or pool_pages")
+
+    @property
+    def pool_limit(self) -> int:
+        return pool_limit(self.pool_pages, self.arena_pages)
 
     @property
     def name(self) -> str:
-        arena = f"arena{self.arena_pages}" if self.arena_pages else "heap"
-        return f"{self.precision}-{arena}"
+        """``[token-|blockB-]precision-(arenaN|poolN|heap)[-evict|-refuse][-pagesN]``: the six
+        standard names (``f32-heap``, ``q8-arena6``, ...) are unchanged."""
+        parts = [] if self.match == "entry" else [self.match if self.match == "token" else f"block{self.block_tokens}"]
+        parts.append(self.precision)
+        parts.append(f"arena{self.arena_pages}" if self.arena_pages else
+                     f"pool{self.pool_pages}" if self.pool_pages else "heap")
+        if self.on_full != "fallback":
+            parts.append(self.on_full)
+        if self.max_pages:
+            parts.append(f"pages{self.max_pages}")
+        return "-".join(parts)
+
+    @property
+    def tags(self) -> frozenset[str]:
+        """The declared semantics this configuration needs beyond the seed's world: a factory
+        whose ``semantics`` attribute holds them all is checked under it (``SEMANTICS_TAGS``)."""
+        tags = {self.match} - {"entry"} | {self.on_full} - {"fallback"}
+        tags |= {name for name in ("max_pages", "pool_pages") if getattr(self, name)}
+        return frozenset(tags)
+
+    @property
+    def semantics(self) -> str:
+        """The declared semantics in words, for reports."""
+        match = {"entry": "entry match", "token": "token match",
+                 "block": f"block match (B={self.block_tokens})"}[self.match]
+        bounds = f"max_entries {self.max_entries}" + (f", max_pages {self.max_pages}" if self.max_pages else "")
+        pool = f"pool {self.pool_limit} pages, {self.on_full} when full" if self.pool_limit else "no pool limit"
+        return f"{match}; {bounds}; {pool}"
+
+    def describe(self) -> str:
+        """Everything a counterexample depends on, in one line."""
+        layout = self.layout
+        return (f"{self.name}: layout {layout.layers}x{layout.kv_heads}x{layout.head_dim} "
+                f"(layers x kv_heads x head_dim), page_tokens {self.page_tokens}, {self.precision}, "
+                f"arena {self.arena_pages}, {self.semantics}")
 
     def with_(self, **changes: Any) -> "Config":
         return replace(self, **changes)
@@ -56,6 +122,9 @@ class CacheProtocol(Protocol):
 
 
 Factory = Callable[[Config], CacheProtocol]
+
+# What a factory may list in its ``semantics`` attribute (``spec/semantics.py``).
+SEMANTICS_TAGS = frozenset({"token", "block", "max_pages", "pool_pages", "evict", "refuse"})
 
 
 def standard_configs(layout: Layout, page_tokens: int, max_entries: int, arena_pages: int) -> list[Config]:

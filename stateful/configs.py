@@ -5,7 +5,8 @@ from __future__ import annotations
 from hypothesis import HealthCheck, Phase, settings
 
 from kvstate.spec.layout import Layout
-from kvstate.spec.protocol import Config, standard_configs
+from kvstate.spec.errors import ConfigError
+from kvstate.spec.protocol import SEMANTICS_TAGS, Config, standard_configs
 
 MACHINE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 MACHINE_MAX_ENTRIES = 2      # small, so eviction happens often
@@ -19,14 +20,45 @@ def machine_configs() -> list[Config]:
                             arena_pages=MACHINE_ARENA_PAGES)
 
 
+def semantics_configs() -> list[Config]:
+    """One configuration per declared semantics beyond the seed's (``spec/semantics.py``), sized so
+    that each bound or pool limit is reached often in a few dozen steps."""
+    base = Config(MACHINE_LAYOUT, page_tokens=4, max_entries=MACHINE_MAX_ENTRIES)
+    return [
+        base.with_(match="token"),
+        base.with_(match="token", precision="f16", max_entries=4, max_pages=5),    # the page budget binds first
+        base.with_(match="block", block_tokens=2, precision="q8"),
+        base.with_(match="token", arena_pages=MACHINE_ARENA_PAGES, on_full="evict", max_entries=4),
+        base.with_(match="block", block_tokens=4, pool_pages=12, on_full="refuse"),
+        base.with_(arena_pages=10, on_full="refuse"),                             # a fixed pool, entry match
+    ]
+
+
+def all_configs() -> list[Config]:
+    return machine_configs() + semantics_configs()
+
+
+def configs_for(factory) -> list[Config]:
+    """What a factory is checked under: its ``configs`` if it lists them; else the six, plus each
+    semantics configuration whose ``tags`` are all in the factory's ``semantics`` declaration."""
+    declared = getattr(factory, "configs", None)
+    if declared is not None:
+        return list(declared)
+    tags = frozenset(getattr(factory, "semantics", ()))
+    unknown = tags - SEMANTICS_TAGS
+    if unknown:
+        raise ConfigError(f"the factory declares unknown semantics {sorted(unknown)}; known: {sorted(SEMANTICS_TAGS)}")
+    return machine_configs() + [config for config in semantics_configs() if config.tags <= tags]
+
+
 def configs_named(names, available=None) -> list[Config]:
-    """The configurations called ``names``, in that order, from ``available`` (default: the six).
+    """The configurations called ``names``, in that order, from ``available`` (default: all standard ones).
 
     A name is ``Config.name`` (precision and arena), so a backend declaring one under two page
     sizes gets both. ``KeyError`` naming every unknown name and the known ones: a typo is never
     silently skipped.
     """
-    available = machine_configs() if available is None else list(available)
+    available = all_configs() if available is None else list(available)
     known = list(dict.fromkeys(config.name for config in available))
     unknown = [name for name in names if name not in known]
     if unknown:
@@ -35,22 +67,32 @@ def configs_named(names, available=None) -> list[Config]:
 
 
 def config_named(name: str) -> Config:
-    """One of the six, by name."""
+    """One of the standard configurations, by name."""
     return configs_named([name])[0]
 
 
 _common = dict(
     deadline=None,
     database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large],
+    # A long first example is what a 400-step nightly run is for (large_base_example), and the
+    # suite's runs are slow by design (too_slow): neither is a finding about the backend.
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,
+                           HealthCheck.large_base_example],
 )
 
+# Hypothesis settings of the lockstep machine per profile. The seeded check (stateful/seeded.py)
+# sizes itself from the same settings: max_examples // 3 seeds of max(200, step count) operations.
 PROFILES = {
-    # Default, in CI: derandomized so a red CI is a reproducible one.
+    # Default, before every commit and in CI: derandomized so a red run is a reproducible one.
     "ci": settings(max_examples=100, stateful_step_count=50, derandomize=True, **_common),
-    # Nightly: long runs, as the design document's 400-step sweeps.
+    # Nightly: long runs, as the design document's 400-step sweeps; random, so each night differs.
     "nightly": settings(max_examples=200, stateful_step_count=400, **_common),
     # Planted-bug hunts: the ci budget, without shrinking (only "found or not" matters).
     "hunt": settings(max_examples=100, stateful_step_count=50, derandomize=True,
                      phases=[Phase.explicit, Phase.generate], **_common),
 }
+
+
+def seeded_size(profile_settings: settings) -> tuple[int, int]:
+    """(seeds, steps) of the seeded check under these settings."""
+    return max(1, profile_settings.max_examples // 3), max(200, profile_settings.stateful_step_count)

@@ -9,6 +9,7 @@ this one class, so they cannot drift apart.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, ClassVar
 
 import numpy as np
@@ -42,7 +43,12 @@ class Lockstep:
         self.steps = 0
         self.checks = 0
         self.history: list[str] = []    # the operations of this run, readable: a counterexample
+        self.ops: list[O.Op] = []       # the same operations as data, for the shrinker
         self.failed_at: int | None = None    # len(history) when a check first failed
+        self.failed_op: str | None = None    # the operation after which it failed
+        self.holder_names: dict[str, str] = {}   # the backend's holder name -> our handle
+        self._created_last: str | None = None
+        self._context_holders: set[str] = set()
 
     # -- operations ----------------------------------------------------------------
 
@@ -53,6 +59,8 @@ class Lockstep:
         """
         self.steps += 1
         self.history.append(str(op))
+        self.ops.append(op)
+        self._created_last = None
         engine_result, engine_error = _attempt(self._perform, op, 0, self.engine)
         ref_result, ref_error = _attempt(self._perform, op, 1, self.reference)
         if type(engine_error) is not type(ref_error):
@@ -71,6 +79,7 @@ class Lockstep:
             handle = f"c{self.created}"
             self.history[-1] = f"{handle} = {self.history[-1]}"
             self.live[handle] = (_context_of(engine_result), _context_of(ref_result))
+            self._created_last = handle
             return handle
         return None
 
@@ -106,17 +115,43 @@ class Lockstep:
     def _failed(self) -> None:
         if self.failed_at is None:
             self.failed_at = len(self.history)
+            self.failed_op = self.history[-1] if self.history else None
 
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
         try:
             self._check()
+        except InvariantViolation as violation:
+            self._failed()
+            raise InvariantViolation(violation.invariant, self._our_names(violation.detail)) from None
         except BaseException:
             self._failed()
             raise
 
+    def _learn_holder_names(self, obs) -> None:
+        """Which of the backend's holder names is which handle: the context holder that first
+        appears right after an operation created a handle is that handle's."""
+        if obs.holders is None:
+            return
+        entries = {entry.holder for entry in obs.entries or ()}
+        now = {name for name in obs.holders if name not in entries}
+        new = now - self._context_holders
+        if self._created_last is not None and len(new) == 1:
+            self.holder_names[new.pop()] = self._created_last
+        self._context_holders = now
+        self._created_last = None
+
+    def _our_names(self, message: str) -> str:
+        for holder, handle in self.holder_names.items():
+            message = re.sub(rf"(?<![\w:]){re.escape(holder)}(?![\w:])", f"{holder} ({handle})", message)
+        return message
+
     def _check(self) -> None:
         obs = self.engine.observe()
+        self._learn_holder_names(obs)
+        if obs.arena_size is not None and obs.arena_size != self.config.arena_pages:
+            raise InvariantViolation(3, f"the arena has {obs.arena_size} slots, the configuration "
+                                        f"{self.config.arena_pages} (arena_pages)")
         invariants.check_structure(obs)
         engine_reads, reference_reads = {}, {}
         for handle, (engine, ref) in self.live.items():
@@ -136,6 +171,9 @@ class Lockstep:
         self.history.append("clear()    # teardown, then invariant 6")
         try:
             invariants.check_empty(self.engine.observe())
+        except InvariantViolation as violation:
+            self._failed()
+            raise InvariantViolation(violation.invariant, self._our_names(violation.detail)) from None
         except BaseException:
             self._failed()
             raise

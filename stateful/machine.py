@@ -9,7 +9,8 @@ after every step by ``every_invariant_holds``, and the teardown checks invariant
 from __future__ import annotations
 
 from hypothesis import strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, initialize, invariant, precondition, rule
+from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
+                                 precondition, rule)
 
 from kvstate.spec.protocol import Config, Factory
 
@@ -61,7 +62,10 @@ class LockstepMachine(RuleBasedStateMachine):
         return first
 
     def _do(self, op: O.Op):
-        return self.lockstep.apply(op)
+        handle = self.lockstep.apply(op)
+        if op.creates and handle is None:
+            return multiple()     # refused by both sides (a full pool): nothing joins the bundle
+        return handle
 
     def _length(self, handle: str) -> int:
         return len(self.lockstep.live[handle][1])
@@ -136,7 +140,9 @@ class LockstepMachine(RuleBasedStateMachine):
             type(self).stats.checks += 1
 
     def teardown(self):
-        if self.lockstep is not None:
+        # After a failed step the first violation is the report: a teardown that failed too
+        # (as it usually does, on a broken cache) must not replace it.
+        if self.lockstep is not None and self.lockstep.failed_at is None:
             self.lockstep.finish()
             type(self).stats.checks += 1
 

@@ -81,7 +81,7 @@ def truncate_shared_boundary() -> ContextManager:
 
 def split_node_evicted() -> ContextManager:
     """Eviction picks the oldest *node*, split nodes without an entry included."""
-    def pop_oldest(tree, spare=None):
+    def pop_oldest(tree, spare=None, where=None):
         stack = [tree.root]
         while stack:
             node = stack.pop()
@@ -101,7 +101,7 @@ def split_node_evicted() -> ContextManager:
                     return value
             stack.extend(node.children.values())
         original_pop = radix_module.RadixTree.__dict__["_planted_original_pop"]
-        return original_pop(tree, spare)
+        return original_pop(tree, spare, where)
     @contextmanager
     def planted():
         radix_module.RadixTree._planted_original_pop = radix_module.RadixTree.pop_oldest
@@ -115,9 +115,9 @@ def split_node_evicted() -> ContextManager:
 
 def arena_slot_kept_on_eviction() -> ContextManager:
     """Pages freed by tree eviction keep their arena slot."""
-    def pop_oldest(tree, spare=None):
-        value = original(tree, spare)
-        for page in value._pages:
+    def pop_oldest(tree, spare=None, where=None):
+        value = original(tree, spare, where)
+        for page in value._pages if value is not None else ():
             if page.refcount == 1 and page.buffer.slot is not None:
                 page.buffer.slot = None      # the page forgets its slot; the arena never gets it back
         return value

@@ -56,14 +56,13 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     backends = config.getoption("kvstate_backend")
     if not backends:
         return
-    from kvstate.spec.protocol import declared_configs
     from kvstate.stateful.conform import CHECKS, FactoryError, check_backend, load_factory
-    from kvstate.stateful.configs import machine_configs
+    from kvstate.stateful.configs import configs_for
 
     for backend in backends:
         try:
             factory = load_factory(backend)
-            configs = declared_configs(factory, machine_configs())
+            configs = configs_for(factory)
             check_backend(factory, configs, time_limit=config.getoption("kvstate_time_limit"))
         except FactoryError as error:
             raise pytest.UsageError(f"--kvstate-backend {backend}: {type(error).__name__}: {error}") from None

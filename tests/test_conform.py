@@ -33,7 +33,8 @@ def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
     out = capsys.readouterr().out
     assert rc == 1
     table_row = next(line for line in out.splitlines() if line.startswith("f32-heap"))
-    assert table_row.split()[1:6] == ["FAIL", "FAIL", "pass", "FAIL", "pass"]
+    # lockstep, seeded, fork isolation, fork allocates 0, 1 write copies 1, bad input
+    assert table_row.split()[1:7] == ["FAIL", "FAIL", "FAIL", "pass", "FAIL", "pass"]
     lockstep = out[out.index("f32-heap / lockstep: FAIL"):]
     assert "invariant 4" in lockstep and "minimised failing sequence" in lockstep
     sequence = lockstep.split("minimised failing sequence", 1)[1].split("\n\n", 1)[0]

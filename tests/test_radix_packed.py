@@ -23,8 +23,12 @@ def test_lookup_never_matches_inside_a_token():
     tree = RadixTree()
     tree.insert(pack(np.array([1, 256])), "a")
     tree.insert(pack(np.array([1, 512])), "b")
-    assert tree.lookup(pack(np.array([1, 256, 3]))) == ("a", 2)
-    assert tree.lookup(pack(np.array([1, 768]))) == (None, 0)
+    node, length = tree.longest_key(pack(np.array([1, 256, 3])))
+    assert (node.value, length) == ("a", 2)
+    assert tree.longest_key(pack(np.array([1, 768]))) == (None, 0)
+    # token-granular: [1, 768] shares only token 1 with both keys; 768's low byte equals 256's
+    below, common = tree.deepest(pack(np.array([1, 768])))
+    assert common == 1 and tree.newest_below(below).value == "b"   # b is the more recently stamped
     assert [unpack(node.edge) for node in tree.root.children.values()] == [(1,)]
 
 

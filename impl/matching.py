@@ -1,0 +1,37 @@
+"""What a ``match`` hit returns, one function per declared semantics (``spec/semantics.py``).
+
+Each takes the radix tree and a packed query and returns the entry node the hit is
+taken from and how many positions it holds, or ``(None, 0)`` for a miss. None of
+them stamps the clock or forks: ``Cache.match`` does both, once, for every kind.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvstate.spec.semantics import hit_length
+
+from .radix import Node, RadixTree
+
+Finder = Callable[[RadixTree, bytes], "tuple[Node | None, int]"]
+
+
+def entry_hit(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
+    """The longest retained key that prefixes the query; the hit holds the whole key."""
+    return tree.longest_key(query)
+
+
+def prefix_hit(match: str, block_tokens: int) -> Finder:
+    """``token``: the longest common prefix with any key; ``block``: that, rounded down to whole
+    blocks. Taken from the most recently used entry of those sharing the longest prefix."""
+    def find(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
+        below, common = tree.deepest(query)
+        length = hit_length(match, block_tokens, common)
+        if below is None or length == 0:
+            return None, 0
+        return tree.newest_below(below), length
+    return find
+
+
+def finder_for(match: str, block_tokens: int) -> Finder:
+    return entry_hit if match == "entry" else prefix_hit(match, block_tokens)

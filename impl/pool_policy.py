@@ -1,0 +1,48 @@
+"""What an operation that needs new pages does when the pool is full (``on_full``).
+
+``make_room`` runs under the cache lock before an operation allocates or copies
+anything, with the number of pages it will need, so ``refuse`` refuses before
+anything changes and ``evict`` frees room before the first page is taken. Page
+stores fall back to ordinary memory by themselves when their arena is out of
+slots; ``fallback`` adds nothing to that. The rules are ``spec/semantics.py``'s.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from kvstate.spec.errors import CapacityError
+
+from .pages import PagePool
+from .radix import RadixTree
+
+
+class PoolPolicy:
+    def __init__(self, on_full: str, limit: int, pool: PagePool, tree: RadixTree,
+                 release_entry: Callable[[object], None]):
+        self.on_full = on_full
+        self.limit = limit               # live pages; 0: no limit
+        self.pool = pool
+        self.tree = tree
+        self.release_entry = release_entry
+        self.evictions = 0
+
+    def fits(self, needed: int) -> bool:
+        return not self.limit or len(self.pool.live) + needed <= self.limit
+
+    def make_room(self, needed: int) -> None:
+        if needed <= 0 or self.fits(needed):
+            return
+        if self.on_full == "refuse":
+            raise CapacityError(f"{len(self.pool.live)} live pages + {needed} needed > pool of {self.limit} pages")
+        while self.on_full == "evict" and not self.fits(needed):
+            victim = self.tree.pop_oldest(where=_frees_a_page)
+            if victim is None:
+                return       # nothing left that frees memory: the store falls back
+            self.release_entry(victim)
+            self.evictions += 1
+
+
+def _frees_a_page(entry) -> bool:
+    """Evicting ``entry`` frees memory only if it holds a page nobody else does."""
+    return any(page.refcount == 1 for page in entry._pages)

@@ -1,0 +1,56 @@
+"""Declared semantics: the prefix-cache and page-pool behaviours a backend may choose.
+
+Real engines differ in three ways that are not bugs, so a backend declares each
+per configuration (``Config``), and the reference and the engine implement all of them:
+
+``match`` -- what a hit returns.
+  ``entry``  the entry whose key is the longest key that prefixes the query (the seed's rule);
+             the hit holds the whole key.
+  ``token``  the longest common prefix of the query with any retained key, token by token
+             (SGLang's radix cache); the hit holds exactly those positions.
+  ``block``  the token match rounded down to a multiple of ``block_tokens`` (engines that cache
+             full blocks by hash: vLLM, nano-vllm); a hit shorter than one block is a miss.
+  For ``token`` and ``block``, several entries may share the matched prefix: the hit is taken
+  from the most recently used of those whose common prefix with the query is longest, and only
+  that entry is stamped on the clock.
+
+``max_entries`` and ``max_pages`` -- the tree's bounds. After a ``retain`` the least recently
+  used entries (never the one just retained) are evicted until both hold. ``max_pages`` counts
+  each entry's own pages, ``pages_needed(len(key))``, as if nothing were shared: physical pages
+  held are never more than that, and the count does not depend on how an engine shares.
+
+``on_full`` -- what an operation that needs new pages does when live pages plus the pages it
+  needs would pass the pool (``pool_pages``, else ``arena_pages``; 0 means no limit):
+  ``fallback`` the pages come from ordinary memory (the seed's arena behaviour);
+  ``evict``    least recently used tree entries whose eviction frees a page (an entry holding
+               a page that no other holder lists) are evicted, oldest first, until the pages fit
+               or no such entry is left; the rest falls back to ordinary memory;
+  ``refuse``   ``CapacityError``, and nothing changes.
+  An operation's need is counted before it starts: ``extend`` needs its new pages plus a copy of
+  a partly filled last page that another holder shares; ``overwrite`` a copy of each shared
+  page it touches; ``restore`` every page of the snapshot; nothing else allocates.
+"""
+
+from __future__ import annotations
+
+from .arithmetic import pages_needed
+
+MATCH_KINDS = ("entry", "token", "block")
+ON_FULL = ("fallback", "evict", "refuse")
+
+
+def hit_length(match: str, block_tokens: int, common: int) -> int:
+    """Positions a ``token`` or ``block`` hit holds, given the longest common prefix ``common``."""
+    if match == "block":
+        return common - common % block_tokens
+    return common
+
+
+def entry_pages(key_length: int, page_tokens: int) -> int:
+    """What one entry counts against ``max_pages``."""
+    return pages_needed(key_length, page_tokens)
+
+
+def pool_limit(pool_pages: int, arena_pages: int) -> int:
+    """The live-page limit ``on_full`` acts on (0: none)."""
+    return pool_pages or arena_pages
