@@ -5,6 +5,13 @@ and raises ``AssertionError`` (``InvariantViolation`` is one) saying what it
 saw when the backend is wrong. Values are compared with the reference through
 ``Lockstep``; page counts come from ``observe()``, so any backend that speaks
 the protocol can be held to them.
+
+This module holds the first five and the registry, ``DIRECTED``, that conform
+turns into table columns. The edges random sequences rarely build live beside it,
+one module per concern (``directed_edges``, ``directed_precision``,
+``directed_prefix``, ``directed_snapshots``), as does the evidence the suite
+gathers itself rather than taking the backend's word (``directed_evidence``);
+what they share is ``directed_common``.
 """
 
 from __future__ import annotations

@@ -35,6 +35,8 @@ class NotApplicable(Exception):
 class BrokenPromise(AssertionError):
     """A directed check failed: ``promise`` (quoted) was broken by ``call``."""
 
+    invariant: int | str | None = None      # set when the break showed as an invariant violation
+
     def __init__(self, promise: str, call: str, saw: str):
         self.promise, self.call, self.saw = promise, call, saw
         super().__init__(f'"{promise}" -- broken by {call}: {saw}')
@@ -66,7 +68,9 @@ def keeping(promise: str, run: Lockstep, call: str | None = None) -> Iterator[No
         raise
     except AssertionError as error:
         where = call or (run.history[-1] if run.history else "the first operation")
-        raise BrokenPromise(promise, where, str(error)) from error
+        broken = BrokenPromise(promise, where, str(error))
+        broken.invariant = getattr(error, "invariant", None)    # the invariant number, where one broke
+        raise broken from error
 
 
 def record(run: Lockstep, call: str) -> None:
