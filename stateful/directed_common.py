@@ -132,11 +132,6 @@ def as_list(tokens: Any) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def forget(run: Lockstep, handle: str) -> None:
-    """Close ``handle`` on both sides (keeps later checks' reads few)."""
-    run.apply(O.Close(handle))
-
-
 def adopt(run: Lockstep, engine_ctx: Any, reference_ctx: Any, call: str) -> str:
     """Give a context the check created directly (a restore, say) a handle, so ``run.check()``
     compares it with its reference twin like any other."""

@@ -15,7 +15,6 @@ import types
 import numpy as np
 import pytest
 
-from kvstate.impl import cache as cache_module
 from kvstate.impl import context as context_module
 from kvstate.impl import numpy as numpy_module
 from kvstate.impl import radix as radix_module
@@ -27,7 +26,6 @@ from kvstate.stateful import directed_precision
 from kvstate.stateful.configs import config_named, machine_configs
 from kvstate.stateful.directed import DIRECTED
 from kvstate.stateful.directed_common import BrokenPromise, NotApplicable
-from kvstate.stateful.lockstep import Lockstep
 from kvstate.stateful.planted import dirty_recycled_slot
 
 NEW_CHECKS = ["no aliasing", "boundaries", "precision edges", "prefix edges", "snapshot writes", "arena evidence"]
@@ -408,13 +406,6 @@ def _dirty_and_silent(monkeypatch):
 def test_arena_evidence_catches_a_dirty_slot_the_backend_does_not_report(monkeypatch, config):
     _dirty_and_silent(monkeypatch)
     with dirty_recycled_slot():
-        # the machine's invariants see nothing: they trust dirty_tail, and reads stop at the length
-        run = Lockstep(numpy_factory, config_named(config))
-        from kvstate.stateful import ops as O
-        for op in (O.Allocate(), O.Extend("c1", (1,) * 8, 1), O.Close("c1"), O.Allocate(), O.Extend("c2", (1,), 2)):
-            run.apply(op)
-            run.check()
-        run.finish()
         failure = fails("arena evidence", numpy_factory, config)
     assert "old bytes" in failure.saw
 
