@@ -5,13 +5,18 @@ and raises ``AssertionError`` (``InvariantViolation`` is one) saying what it
 saw when the backend is wrong. Values are compared with the reference through
 ``Lockstep``; page counts come from ``observe()``, so any backend that speaks
 the protocol can be held to them.
+
+This module holds the first five and the registry, ``DIRECTED``, that conform
+turns into table columns. The edges random sequences rarely build live beside it,
+one module per concern (``directed_edges``, ``directed_precision``,
+``directed_prefix``, ``directed_snapshots``), as does the evidence the suite
+gathers itself rather than taking the backend's word (``directed_evidence``);
+what they share is ``directed_common``.
 """
 
 from __future__ import annotations
 
 import io
-import threading
-from typing import Callable
 
 import numpy as np
 
@@ -20,21 +25,15 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .lockstep import Lockstep, to_numpy
-
-Check = Callable[[Factory, Config], None]
-
-current = threading.local()   # current.run: the Lockstep of the check running in this thread
-
-
-def _filled(factory: Factory, config: Config, pages: float = 2.5) -> tuple[Lockstep, int]:
-    """A lockstep run holding context ``c1`` with ``pages`` pages' worth of positions."""
-    run = current.run = Lockstep(factory, config)
-    run.apply(O.Allocate())
-    n = int(config.page_tokens * pages)
-    run.apply(O.Extend("c1", tuple(i % 3 for i in range(n)), seed=1))
-    run.check()
-    return run, n
+# ``current`` and ``NotApplicable`` are re-exported: conform reads ``directed.current.run`` for a
+# failure's history and reports ``directed.NotApplicable`` as n/a.
+from .directed_common import Check, NotApplicable, current, filled as _filled  # noqa: F401
+from .directed_edges import boundaries, no_aliasing
+from .directed_evidence import arena_evidence
+from .directed_precision import precision_edges
+from .directed_prefix import prefix_edges
+from .directed_snapshots import snapshot_writes
+from .lockstep import to_numpy
 
 
 def _context_pages(obs: Observation) -> list[tuple[int, ...]]:
@@ -155,10 +154,6 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     run.finish()
 
 
-class NotApplicable(Exception):
-    """The backend does not offer what the check exercises (a cache without snapshots, say)."""
-
-
 def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
     """Every truncation and a change of every byte of a snapshot is refused with a ``SnapshotError``,
     and no refusal changes the cache; the intact file restores to the same values."""
@@ -204,4 +199,12 @@ DIRECTED: dict[str, Check] = {
     "1 write copies 1": one_write_copies_one_page,
     "bad input": bad_input_changes_nothing,
     "damaged snapshots": damaged_snapshots_refused,
+    # what random sequences rarely build (directed_edges, _precision, _prefix, _snapshots)
+    "no aliasing": no_aliasing,
+    "boundaries": boundaries,
+    "precision edges": precision_edges,
+    "prefix edges": prefix_edges,
+    "snapshot writes": snapshot_writes,
+    # evidence the suite gathers itself, never the backend's say-so (directed_evidence)
+    "arena evidence": arena_evidence,
 }

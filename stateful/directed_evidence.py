@@ -1,0 +1,178 @@
+"""Directed check: evidence about the arena that the suite gathers itself.
+
+Invariant 3 says a recycled arena slot reads zero where nothing was written, but the
+lockstep machine learns that only from the backend's own ``dirty_tail`` flag, and a
+backend that ignores ``arena_pages`` altogether passes every arena configuration.
+Self-reported evidence cannot convict, so this check looks for itself:
+
+- ``observe()`` reports ``arena_size`` equal to the configuration's ``arena_pages``, and
+  while the arena has a free slot a new page takes one;
+- one fixed program (a seeded sequence of the sweep's generator, then a handcrafted one
+  that frees full pages and reuses their slots for a single position) runs on the
+  configuration and on the same configuration with ``arena_pages=0``; both must read
+  byte-identical values at every step and write byte-identical snapshots, and, for a
+  backend built on kvstate's ``PageStore`` (``cache.store``/``cache.pool``, whose pages
+  can be read whole), store byte-identical pages, positions never written included.
+
+Both runs are lockstep runs, so each is also compared with the reference. Should the
+two runs disagree on whether a step is refused (a configuration that refuses rather
+than fall back when its arena is full), the byte comparison stops there.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .directed_common import BrokenPromise, as_array, as_list, keeping, start
+from .generate import Generator
+from .lockstep import Lockstep
+
+SIZE = "observe() reports arena_size equal to the configuration's arena_pages"
+ISSUED = "while the arena has a free slot, a new page takes one"
+SAME_BYTES = ("one program run with an arena and without one reads, snapshots and stores byte-identical "
+              "values: a recycled slot holds zeros wherever nothing was written")
+
+PROGRAM_SEED = 11        # the sweep generator's seed for the first part of the program
+PROGRAM_STEPS = 120
+
+
+def arena_evidence(factory: Factory, config: Config) -> None:
+    """arena_size is the configuration's, slots are issued, and an arena changes no byte anywhere."""
+    arena = start(factory, config)
+    size = arena.engine.observe().arena_size
+    if size != config.arena_pages:
+        raise BrokenPromise(SIZE, "observe() of a new cache", f"arena_size {size}, configuration arena_pages "
+                                                              f"{config.arena_pages}")
+    heap = Lockstep(factory, config.with_(arena_pages=0)) if config.arena_pages else None
+    twins = _Twins(arena, heap)
+    generator = Generator(PROGRAM_SEED)
+    for _ in range(PROGRAM_STEPS):
+        twins.step(generator.next_op(arena))
+    twins.snapshots()
+    for handle in list(arena.live):
+        twins.step(O.Close(handle))
+    twins.step(O.Clear())                    # an empty cache again: every slot free
+    _slot_reuse(twins, config)
+    twins.snapshots()
+    arena.finish()
+    if heap is not None:
+        heap.finish()
+
+
+class _Twins:
+    """The arena run and its heap twin (None for a heap configuration), stepped together."""
+
+    def __init__(self, arena: Lockstep, heap: Lockstep | None):
+        self.arena, self.heap = arena, heap
+        self.comparing = heap is not None
+
+    def step(self, op: O.Op) -> str | None:
+        with keeping(SAME_BYTES, self.arena):
+            made = self.arena.apply(op)
+            self.arena.check()
+        size = self.arena.engine.observe().arena_size
+        if size != self.arena.config.arena_pages:
+            raise BrokenPromise(SIZE, str(op), f"arena_size {size}, configuration arena_pages "
+                                               f"{self.arena.config.arena_pages}")
+        if self.heap is None or not self.comparing:
+            return made
+        with keeping(SAME_BYTES, self.heap):
+            self.heap.apply(op)
+            self.heap.check()
+        if _refusal(self.arena.history[-1]) != _refusal(self.heap.history[-1]):
+            self.comparing = False           # the runs diverge (a declared refusal): nothing more to compare
+            return made
+        self.same_reads(str(op))
+        self.same_pages(str(op))
+        return made
+
+    def same_reads(self, call: str) -> None:
+        for handle, (engine, _) in self.arena.live.items():
+            twin = self.heap.live[handle][0]
+            values, tokens = engine.read()
+            heap_values, heap_tokens = twin.read()
+            if not _same_bytes(as_array(values), as_array(heap_values)) or as_list(tokens) != as_list(heap_tokens):
+                raise BrokenPromise(SAME_BYTES, call, f"{handle} reads other values with an arena than without")
+
+    def same_pages(self, call: str) -> None:
+        mine, theirs = _stored_pages(self.arena.engine), _stored_pages(self.heap.engine)
+        if mine is None or theirs is None:
+            return
+        for (holder, pages), (heap_holder, heap_pages) in zip(mine, theirs):
+            for index, (page, heap_page) in enumerate(zip(pages, heap_pages)):
+                if page != heap_page:
+                    offset = next(i for i, (a, b) in enumerate(zip(page, heap_page)) if a != b)
+                    raise BrokenPromise(SAME_BYTES, call,
+                                        f"page {index} of {holder} is stored with other bytes than page {index} of "
+                                        f"{heap_holder} without an arena (first at stored byte {offset}): "
+                                        "an arena slot was handed out holding old bytes")
+
+    def snapshots(self) -> None:
+        if not self.comparing or not hasattr(self.arena.engine, "restore"):
+            return
+        for handle, (engine, _) in self.arena.live.items():
+            mine, theirs = io.BytesIO(), io.BytesIO()
+            engine.snapshot(mine)
+            self.heap.live[handle][0].snapshot(theirs)
+            if mine.getvalue() != theirs.getvalue():
+                raise BrokenPromise(SAME_BYTES, f"{handle}.snapshot(BytesIO())",
+                                    "the snapshot's bytes differ with an arena and without")
+
+
+def _slot_reuse(twins: _Twins, config: Config) -> None:
+    """Fill pages, free them, reuse their slots for one position each, copy one; check slots are issued."""
+    page = config.page_tokens
+    full = twins.step(O.Allocate())
+    twins.step(O.Extend(full, tuple(range(2 * page)), seed=71))
+    obs = twins.arena.engine.observe()
+    if not _refusal(twins.arena.history[-1]):
+        wanted = min(len(obs.pages), config.arena_pages)
+        if len(obs.arena_out) != wanted:
+            raise BrokenPromise(ISSUED, twins.arena.history[-1],
+                                f"{len(obs.pages)} pages live in a cache that held none, {len(obs.arena_out)} "
+                                f"arena slots out of {config.arena_pages}; expected {wanted}")
+    twins.step(O.Close(full))                                    # both pages' slots go back, written
+    single = twins.step(O.Allocate())
+    twins.step(O.Extend(single, (5,), seed=72))                  # a recycled slot, one position written
+    fork = twins.step(O.Fork(single))
+    twins.step(O.Extend(fork, (6,), seed=73))                    # copy-on-write of that page
+    grown = twins.step(O.Allocate())
+    twins.step(O.Extend(grown, tuple(range(2 * page + 1)), seed=74))
+    twins.step(O.Truncate(grown, 1))                             # frees written pages again
+    again = twins.step(O.Allocate())
+    twins.step(O.Extend(again, (7,), seed=75))
+    twins.step(O.Close(single))
+
+
+def _refusal(line: str) -> str:
+    """The "# refused: ErrorName" a lockstep run appends to a refused step, or ""."""
+    marker = "# refused: "
+    return line[line.index(marker):] if marker in line else ""
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def _stored_pages(cache: Any) -> list[tuple[str, list[bytes]]] | None:
+    """Each holder's pages as stored, whole (every position, written or not), in the observation's
+    holder order; None unless the backend is built on kvstate's ``PageStore`` (``cache.store`` with
+    ``read_encoded``, live pages in ``cache.pool.live`` by id), the one way to read a page whole."""
+    store, pool = getattr(cache, "store", None), getattr(cache, "pool", None)
+    if not (callable(getattr(store, "read_encoded", None)) and isinstance(getattr(pool, "live", None), dict)):
+        return None
+    obs = cache.observe()
+    pages = []
+    for holder, ids in obs.holders.items():
+        stored = []
+        for page_id in ids:
+            parts = store.read_encoded(pool.live[page_id].buffer, 0, store.page_tokens)
+            stored.append(b"".join(np.ascontiguousarray(part).tobytes() for part in parts))
+        pages.append((holder, stored))
+    return pages

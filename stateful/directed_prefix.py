@@ -1,0 +1,180 @@
+"""Directed check: the prefix tree in the shapes random sequences rarely build.
+
+Random runs over a three-token alphabet seldom hold nested keys at once, retain the
+same key twice with other values, or cut a retained context exactly at a page
+boundary. Every scenario here runs through ``Lockstep``, which compares each
+``match``'s matched count, every read, and the entries in eviction order with the
+reference: the check holds a backend to whatever match semantics its configuration
+declares, and the scenarios stay within (or deliberately beyond) ``max_entries``.
+"""
+
+from __future__ import annotations
+
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .directed_common import keeping, start
+from .lockstep import Lockstep
+
+NESTED = ("match answers with the longest retained key that prefixes the query (an exact key included), "
+          "and after that entry is evicted, with the longest that remains")
+BEYOND = "past max_entries, retain evicts the least recently used entry, and match answers from what remains"
+REPLACED = "retaining a key that is already retained replaces its entry: match returns the newer values"
+COLLAPSED = ("evicting an entry whose node splits a shared prefix collapses the split; match afterwards "
+             "answers from the entries that remain")
+TRUNCATED = ("truncating a fork of a retained context, at any point around a page boundary, changes "
+             "neither the entry nor any other holder")
+
+_LIMIT = 256      # max_entries past which the "beyond" scenario would only take time
+
+
+def prefix_edges(factory: Factory, config: Config) -> None:
+    """Nested keys, eviction past max_entries, a key retained twice, eviction that collapses a
+    split, and truncation of a retained fork at every point around its page boundaries."""
+    run = start(factory, config)
+    for scenario in (_nested_keys, _beyond_max_entries, _retained_twice, _eviction_collapses,
+                     _truncation_around_pages):
+        scenario(run)
+        run.apply(O.Clear())
+        run.check()
+    run.finish()
+
+
+def _context(run: Lockstep, tokens: tuple[int, ...], seed: int) -> str:
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, tokens, seed=seed))
+    return handle
+
+
+def _retain_prefix(run: Lockstep, source: str, n: int) -> None:
+    """Retain the first ``n`` positions of ``source`` (a fork cut to ``n``, retained, closed)."""
+    fork = run.apply(O.Fork(source))
+    run.apply(O.Truncate(fork, n))
+    run.apply(O.Retain(fork))
+    run.apply(O.Close(fork))
+
+
+def _match(run: Lockstep, query: tuple[int, ...]) -> None:
+    """Match ``query`` (lockstep compares the matched count), compare every read, close the hit."""
+    hit = run.apply(O.Match(query))
+    run.check()
+    run.apply(O.Close(hit))
+
+
+def _fill(run: Lockstep, count: int, first: int) -> None:
+    """Retain ``count`` one-token keys no other key shares (pushes older entries out)."""
+    for i in range(count):
+        handle = _context(run, (first + i,), seed=first + i)
+        run.apply(O.Retain(handle))
+        run.apply(O.Close(handle))
+
+
+def _nested_keys(run: Lockstep) -> None:
+    page, limit = run.config.page_tokens, run.config.max_entries
+    length = 3 * page + 2
+    tokens = tuple(10 + i for i in range(length))
+    spread = [length, page + 1, 2 * page, 1, 2 * page + 1, page, length - 1]
+    lengths = list(dict.fromkeys(k for k in spread if 1 <= k <= length))[:min(limit, 4)]
+    with keeping(NESTED, run):
+        source = _context(run, tokens, seed=21)
+        for k in sorted(lengths, reverse=True):          # the longest first: it is the oldest
+            _retain_prefix(run, source, k)
+        run.apply(O.Close(source))
+        run.check()
+        _match(run, tokens + (999,))                       # the longest must win
+        for k in sorted(lengths):
+            _match(run, tokens[:k])                        # an exact key
+            if k < length:
+                _match(run, tokens[:k + 1])                # just past a key
+        _match(run, ())
+        _match(run, (tokens[0] + 1000,))
+        for k in sorted(lengths)[:-1]:
+            _match(run, tokens[:k])                        # every shorter key is now newer than the longest
+        _fill(run, limit - len(lengths) + 1, first=5000)   # one past the limit: the longest goes
+        _match(run, tokens + (999,))
+        _match(run, tokens)
+
+
+def _beyond_max_entries(run: Lockstep) -> None:
+    limit = run.config.max_entries
+    if limit > _LIMIT:
+        return
+    tokens = tuple(300 + i for i in range(limit + 1))
+    with keeping(BEYOND, run):
+        handle = run.apply(O.Allocate())
+        for token in tokens:                               # nested keys, shortest (oldest) first
+            run.apply(O.Extend(handle, (token,), seed=token))
+            run.apply(O.Retain(handle))
+        run.check()
+        _match(run, tokens + (1,))
+        _match(run, tokens[:1])                            # the evicted shortest key
+        _match(run, tokens[:2])
+        run.apply(O.Truncate(handle, 1))                   # retain the evicted key again: it is back
+        run.apply(O.Retain(handle))
+        _match(run, tokens[:2])
+        run.apply(O.Close(handle))
+
+
+def _retained_twice(run: Lockstep) -> None:
+    page = run.config.page_tokens
+    key = tuple(50 + i for i in range(page + 1))           # one position into the second page
+    with keeping(REPLACED, run):
+        older = _context(run, key, seed=31)
+        newer = _context(run, key, seed=32)
+        run.apply(O.Retain(older))
+        run.apply(O.Retain(newer))
+        run.check()
+        _match(run, key + (7,))
+        _match(run, key)
+        run.apply(O.Overwrite(older, 0, key[:1], seed=33))  # values change, the key does not
+        run.apply(O.Retain(older))
+        _match(run, key)
+        run.apply(O.Close(older))
+        run.apply(O.Close(newer))
+        _match(run, key)
+
+
+def _eviction_collapses(run: Lockstep) -> None:
+    page, limit = run.config.page_tokens, run.config.max_entries
+    shared = tuple(70 + i for i in range(page + 1))        # the split lies one position into page 2
+    first, second = shared + (1, 2), shared + (3,)
+    with keeping(COLLAPSED, run):
+        for tokens, seed in ((first, 41), (second, 42)):
+            handle = _context(run, tokens, seed=seed)
+            run.apply(O.Retain(handle))
+            run.apply(O.Close(handle))
+        run.check()
+        _match(run, second + (9,))                         # second is now newer than first
+        _fill(run, limit - 1, first=6000)                  # one past the limit: first goes
+        _match(run, second + (9,))
+        _match(run, first)
+        _match(run, shared)
+        run.apply(O.Clear())
+        _match(run, second)
+
+
+def _truncation_around_pages(run: Lockstep) -> None:
+    page = run.config.page_tokens
+    length = 3 * page + 2
+    tokens = tuple(90 + i for i in range(length))
+    points = sorted({n for k in range(4) for n in (k * page - 1, k * page, k * page + 1) if 0 <= n <= length}
+                    | {length - 1, length})
+    with keeping(TRUNCATED, run):
+        retained = _context(run, tokens, seed=51)
+        run.apply(O.Retain(retained))
+        fork = run.apply(O.Fork(retained))
+        for n in points:
+            cut = run.apply(O.Fork(fork))
+            run.apply(O.Truncate(cut, n))
+            run.check()
+            run.apply(O.Extend(cut, (2, 2, 2), seed=60 + n))   # regrow over pages others share
+            run.apply(O.Overwrite(cut, max(n - 1, 0), (4,), seed=80 + n))
+            run.check()
+            _match(run, tokens + (5,))
+            run.apply(O.Close(cut))
+        for n in reversed(points):                         # the retained context itself, cut step by step
+            run.apply(O.Truncate(retained, n))
+            run.check()
+            _match(run, tokens)
+        run.apply(O.Close(fork))
+        run.apply(O.Close(retained))

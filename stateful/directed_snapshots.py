@@ -1,0 +1,208 @@
+"""Directed check: how a snapshot is written, not only what it holds.
+
+- Into a stream that already holds bytes (a ``BytesIO``, a file opened for append,
+  a stream that cannot seek): the bytes before it stay as they were, and restoring
+  from that offset gives back what the reference holds.
+- To a path: durably. The check records the ``os`` calls the write makes
+  (``fsync``/``fdatasync``, ``replace``/``rename``; what each synced descriptor is,
+  by ``fstat``) and requires the README's protocol: the bytes are written to a
+  temporary file that is synced, at its full size, before it is renamed over the
+  target, and the folder is synced after the rename. A writer that skips either sync
+  is not durable across a crash, and no read can tell: only the record can.
+
+Calls are recorded through the ``os`` module, where Python code makes them; a backend
+that syncs through another route (C code, ``from os import fsync`` bound at import)
+is not seen and fails the durability part.
+
+n/a for a backend without ``snapshot``/``restore``; the path part is n/a for one whose
+``snapshot`` takes no path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tempfile
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .directed_common import BrokenPromise, NotApplicable, adopt, filled, keeping, record
+from .lockstep import Lockstep
+
+AT_OFFSET = ("a snapshot written into a stream that already holds bytes leaves those bytes as they were, "
+             "and restoring from that offset gives back the context")
+DURABLE = ("a snapshot written to a path goes to a temporary file that is synced, at its full size, before "
+           "it is renamed over the target, and the folder is synced after the rename")
+
+_PREFIX = b"KVS\x00 not a snapshot: bytes a caller wrote first\n" * 3
+_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+_recording = threading.Lock()      # one recorder patches the os module at a time
+
+
+def snapshot_writes(factory: Factory, config: Config) -> None:
+    """Snapshots into streams that already hold bytes round-trip; a snapshot to a path is durable."""
+    run, n = filled(factory, config)
+    if not (hasattr(run.engine, "restore") and hasattr(run.live["c1"][0], "snapshot")):
+        raise NotApplicable("the cache has no snapshot/restore")
+    run.apply(O.Fork("c1"))
+    run.apply(O.Overwrite("c2", n - 1, (2,), seed=4))          # c2: shares all but its last page
+    empty = run.apply(O.Allocate())
+    with tempfile.TemporaryDirectory(prefix="kvstate-directed-", dir=_SCRATCH) as folder:
+        for handle in ("c2", empty):
+            _into_bytesio(run, handle)
+            _into_appended_file(run, handle, Path(folder) / f"append-{handle}.bin")
+            _into_unseekable(run, handle)
+        path_form = _to_path(run, "c2", Path(folder) / "durable.kvs")
+    run.finish()
+    if not path_form:
+        raise NotApplicable("streams pass; the backend's snapshot takes no path")
+
+
+def _restore_and_compare(run: Lockstep, handle: str, stream, call: str) -> None:
+    with keeping(AT_OFFSET, run, call):
+        restored = run.engine.restore(stream)
+        adopt(run, restored, run.reference.restore(run.live[handle][1].snapshot()), call)
+        run.check()
+
+
+def _into_bytesio(run: Lockstep, handle: str) -> None:
+    stream = io.BytesIO()
+    stream.write(_PREFIX)
+    call = f"{handle}.snapshot(a BytesIO holding {len(_PREFIX)} bytes, positioned at its end)"
+    record(run, call)
+    run.live[handle][0].snapshot(stream)
+    _prefix_intact(call, stream.getvalue())
+    stream.seek(len(_PREFIX))
+    _restore_and_compare(run, handle, stream, f"restore(that BytesIO, from offset {len(_PREFIX)})")
+
+
+def _into_appended_file(run: Lockstep, handle: str, path: Path) -> None:
+    path.write_bytes(_PREFIX)
+    call = f"{handle}.snapshot(a file opened 'ab' that holds {len(_PREFIX)} bytes)"
+    record(run, call)
+    with open(path, "ab") as file:
+        run.live[handle][0].snapshot(file)
+    _prefix_intact(call, path.read_bytes())
+    with open(path, "rb") as file:
+        file.seek(len(_PREFIX))
+        _restore_and_compare(run, handle, file, f"restore(that file, from offset {len(_PREFIX)})")
+
+
+class _Unseekable(io.RawIOBase):
+    """A write-only stream that cannot seek or tell (a pipe, a socket)."""
+
+    def __init__(self, held: bytes):
+        self.data = bytearray(held)
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, chunk) -> int:
+        self.data += bytes(chunk)
+        return len(chunk)
+
+
+def _into_unseekable(run: Lockstep, handle: str) -> None:
+    stream = _Unseekable(_PREFIX)
+    call = f"{handle}.snapshot(an unseekable stream that already took {len(_PREFIX)} bytes)"
+    record(run, call)
+    run.live[handle][0].snapshot(stream)
+    data = bytes(stream.data)
+    _prefix_intact(call, data)
+    _restore_and_compare(run, handle, io.BytesIO(data[len(_PREFIX):]), "restore(the bytes it wrote)")
+
+
+def _prefix_intact(call: str, data: bytes) -> None:
+    if data[:len(_PREFIX)] != _PREFIX:
+        first = next(i for i, (a, b) in enumerate(zip(data + bytes(len(_PREFIX)), _PREFIX)) if a != b)
+        raise BrokenPromise(AT_OFFSET, call, f"the bytes before the snapshot changed, from offset {first}")
+    if len(data) == len(_PREFIX):
+        raise BrokenPromise(AT_OFFSET, call, "nothing was written after the bytes already there")
+
+
+# -- durability ----------------------------------------------------------------------------
+
+def _to_path(run: Lockstep, handle: str, path: Path) -> bool:
+    """Write ``handle`` to ``path`` twice (a new file, then over it), recording the os calls each
+    time, and restore the file. False where the backend's snapshot takes no path."""
+    for attempt in ("a new file", "over the file written before"):
+        call = f"{handle}.snapshot({str(path)!r})    # {attempt}"
+        record(run, call)
+        before = set(os.listdir(path.parent))
+        with _recorder() as events:
+            try:
+                run.live[handle][0].snapshot(path)
+            except (TypeError, AttributeError, NotImplementedError):
+                if attempt == "a new file" and not path.exists():
+                    return False
+                raise
+        _durable(call, path, events)
+        left = set(os.listdir(path.parent)) - before - {path.name}
+        if left:
+            raise BrokenPromise(DURABLE, call, f"left {sorted(left)} beside the target")
+        if attempt == "a new file":
+            run.apply(O.Overwrite(handle, 0, (1,), seed=12))    # the second write replaces other bytes
+    call = f"restore({str(path)!r})"
+    with keeping(DURABLE, run, call):
+        adopt(run, run.engine.restore(path), run.reference.restore(run.live[handle][1].snapshot()), call)
+        run.check()
+    return True
+
+
+@contextmanager
+def _recorder() -> Iterator[list[tuple]]:
+    """Record fsync/fdatasync (what each descriptor is: a folder or a file, its inode and size) and
+    replace/rename (the inode and size of what is renamed, and where to) while the block runs."""
+    events: list[tuple] = []
+    real = {name: getattr(os, name) for name in ("fsync", "fdatasync", "replace", "rename") if hasattr(os, name)}
+
+    def syncing(name):
+        def sync(fd):
+            info = os.fstat(fd)
+            events.append(("sync", "folder" if stat.S_ISDIR(info.st_mode) else "file",
+                           (info.st_dev, info.st_ino), info.st_size, name))
+            return real[name](fd)
+        return sync
+
+    def renaming(name):
+        def rename(src, dst, *args, **kwargs):
+            info = os.stat(src, dir_fd=kwargs.get("src_dir_fd"))
+            events.append(("rename", "file", (info.st_dev, info.st_ino), info.st_size, os.fspath(dst)))
+            return real[name](src, dst, *args, **kwargs)
+        return rename
+
+    with _recording:
+        for name in real:
+            setattr(os, name, syncing(name) if name in ("fsync", "fdatasync") else renaming(name))
+        try:
+            yield events
+        finally:
+            for name, function in real.items():
+                setattr(os, name, function)
+
+
+def _durable(call: str, path: Path, events: list[tuple]) -> None:
+    said = "; ".join(f"{e[4] if e[0] == 'sync' else 'rename'} {e[1]} inode {e[2][1]} ({e[3]} bytes)"
+                     for e in events) or "none"
+    renames = [i for i, e in enumerate(events) if e[0] == "rename" and _same(e[4], path)]
+    if not renames:
+        raise BrokenPromise(DURABLE, call, f"nothing was renamed over the target (os calls seen: {said})")
+    at = renames[-1]
+    _, _, inode, size, _ = events[at]
+    if not any(e[0] == "sync" and e[1] == "file" and e[2] == inode and e[3] == size for e in events[:at]):
+        raise BrokenPromise(DURABLE, call, f"the file renamed over the target was not synced at its full size "
+                                           f"({size} bytes) before the rename (os calls seen: {said})")
+    folder = os.stat(path.parent)
+    if not any(e[0] == "sync" and e[1] == "folder" and e[2] == (folder.st_dev, folder.st_ino)
+               for e in events[at + 1:]):
+        raise BrokenPromise(DURABLE, call, f"the folder was not synced after the rename (os calls seen: {said})")
+
+
+def _same(target: str, path: Path) -> bool:
+    return os.path.abspath(target) == os.path.abspath(path)

@@ -1,0 +1,435 @@
+"""The directed edge checks pass on our engines and catch a small planted bug each.
+
+Each planted bug is a monkeypatch of our engine that the check exists to catch; the
+control is the same check passing on the unpatched engine (NumPy and torch CPU) in
+all six machine configurations.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import types
+
+import numpy as np
+import pytest
+
+from kvstate.impl import context as context_module
+from kvstate.impl import numpy as numpy_module
+from kvstate.impl import radix as radix_module
+from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl.arena import SlotArena
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.spec import precision as precisions
+from kvstate.stateful import directed_precision
+from kvstate.stateful.configs import config_named, machine_configs
+from kvstate.stateful.directed import DIRECTED
+from kvstate.stateful.directed_common import BrokenPromise, NotApplicable
+from kvstate.stateful.planted import dirty_recycled_slot
+
+NEW_CHECKS = ["no aliasing", "boundaries", "precision edges", "prefix edges", "snapshot writes", "arena evidence"]
+
+
+def torch_factory():
+    pytest.importorskip("torch")
+    from kvstate.impl.torch import cpu_factory
+
+    return cpu_factory
+
+
+def fails(check: str, factory, config_name: str) -> BrokenPromise:
+    """Run ``check``; it must fail with a broken promise, which is returned."""
+    with pytest.raises(BrokenPromise) as caught:
+        DIRECTED[check](factory, config_named(config_name))
+    message = str(caught.value)
+    assert message.startswith('"') and " -- broken by " in message, message
+    return caught.value
+
+
+# -- the controls ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ["numpy", "torch-cpu"])
+@pytest.mark.parametrize("check", NEW_CHECKS)
+def test_check_passes_on_our_engines(check, engine, machine_config):
+    factory = numpy_factory if engine == "numpy" else torch_factory()
+    DIRECTED[check](factory, machine_config)
+
+
+def test_new_checks_are_registered_after_the_existing_ones():
+    names = list(DIRECTED)
+    assert names[-len(NEW_CHECKS):] == NEW_CHECKS
+    assert all(len(name) <= 18 for name in names)        # table column headers
+
+
+def test_checks_keep_within_max_entries_and_still_pass_at_one_and_many():
+    config = config_named("f32-heap")
+    for limit in (1, 3, 64):
+        DIRECTED["prefix edges"](numpy_factory, config.with_(max_entries=limit))
+
+
+@pytest.mark.parametrize("page_tokens", [1, 2, 5])
+def test_checks_pass_at_other_page_sizes(page_tokens):
+    for name in NEW_CHECKS:
+        DIRECTED[name](numpy_factory, config_named("q8-arena6").with_(page_tokens=page_tokens))
+
+
+# -- the cases are what they claim ------------------------------------------------------------
+
+def test_q8_tie_vectors_divide_to_exact_halves_under_the_spec():
+    vectors = np.array(directed_precision.cases(4)["q8 ties"], np.float32)
+    codes, scales = precisions.q8_encode(vectors)
+    ratios = vectors / scales[:, None]
+    assert set(np.log2(scales).tolist()) == {0.0, -7.0, 6.0, -140.0}      # powers of two: exact
+    halves = ratios[:, 1:]
+    assert np.all(halves - np.floor(halves) == 0.5)                         # every one a tie
+    assert np.array_equal(codes[:, 1:], np.rint(halves))                     # and rounded half to even
+    assert not np.array_equal(codes[:, 1:], np.sign(halves) * np.floor(np.abs(halves) + 0.5))
+
+
+def test_f16_ties_and_subnormal_cases_sit_on_the_edges():
+    cases = directed_precision.cases(4)
+    ties = np.array(cases["f16 ties"], np.float32)
+    nearest_even = ties.astype(np.float16).astype(np.float32)
+    assert (nearest_even != ties).all()
+    subnormals = np.array(cases["f16 subnormals"], np.float32)
+    assert ((np.abs(subnormals) < 2.0 ** -14) & (subnormals != 0)).sum() >= 6
+    q8_scales = precisions.q8_encode(np.array(cases["subnormal q8 scales"], np.float32))[1]
+    assert (q8_scales == 0).any() and ((q8_scales > 0) & (q8_scales < 2.0 ** -126)).any()
+
+
+# -- planted bugs: no aliasing ------------------------------------------------------------------
+
+def test_no_aliasing_catches_a_read_that_returns_a_view_of_the_page(monkeypatch):
+    def read(store, buffer, start, stop):
+        return np.moveaxis(buffer.arrays[0][:, :, start:stop], 2, 0)       # f32: a view, not a copy
+    monkeypatch.setattr(numpy_module.NumpyStore, "read", read)
+    monkeypatch.setattr(numpy_module.NumpyStore, "concat", lambda store, parts: parts[0] if len(parts) == 1
+                        else np.concatenate(parts))
+    failure = fails("no aliasing", numpy_factory, "f32-heap")
+    assert "read(" in failure.call and "invariant 4" in failure.saw
+
+
+def test_no_aliasing_catches_tokens_handed_out_from_the_page(monkeypatch):
+    original = context_module.Context.read
+
+    def read(ctx, start=0, stop=None):
+        values, tokens = original(ctx, start, stop)
+        stop = ctx._length if stop is None else stop
+        if stop > start and start // ctx.page_tokens == (stop - 1) // ctx.page_tokens:
+            page = ctx._pages[start // ctx.page_tokens]
+            offset = start % ctx.page_tokens
+            tokens = page.tokens[offset:offset + stop - start]             # the page's own token array
+        return values, tokens
+    monkeypatch.setattr(context_module.Context, "read", read)
+    failure = fails("no aliasing", numpy_factory, "q8-arena6")
+    assert "token" in failure.saw
+
+
+def test_no_aliasing_catches_an_observation_that_hands_out_live_books(monkeypatch):
+    monkeypatch.setattr(SlotArena, "books", lambda arena: (arena.size, arena.out, tuple(arena.free)))
+    failure = fails("no aliasing", numpy_factory, "f16-arena6")
+    assert failure.call == "observe()" and "arena_out" in failure.saw
+
+
+def test_no_aliasing_catches_a_torch_read_that_returns_a_view():
+    torch_module = pytest.importorskip("kvstate.impl.torch")
+    factory = torch_factory()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_module.TorchStore, "read",
+                      lambda store, buffer, start, stop: buffer.tensors[0][:, :, start:stop].movedim(2, 0))
+        patch.setattr(torch_module.TorchStore, "concat", lambda store, parts: parts[0] if len(parts) == 1
+                      else torch_module.torch.cat(parts))
+        failure = fails("no aliasing", factory, "f32-arena6")
+    assert "invariant 4" in failure.saw
+
+
+# -- planted bugs: boundaries --------------------------------------------------------------------
+
+def test_boundaries_catch_a_zero_length_extend_that_allocates_a_page(monkeypatch):
+    original = context_module.Context.extend
+
+    def extend(ctx, tokens, kv):
+        if len(tokens) == 0:
+            with ctx._cache.lock:                       # "make room for what comes next"
+                ctx._pages.extend(ctx._cache.pool.new_pages(1))
+        return original(ctx, tokens, kv)
+    monkeypatch.setattr(context_module.Context, "extend", extend)
+    failure = fails("boundaries", numpy_factory, "f32-heap")
+    assert "allocated 1 pages" in failure.saw and failure.call.startswith("extend(")
+
+
+def test_boundaries_catch_a_zero_length_extend_that_copies_the_shared_last_page(monkeypatch):
+    original = context_module.Context.extend
+
+    def extend(ctx, tokens, kv):
+        if len(tokens) == 0 and ctx._pages:
+            ctx.writable(len(ctx._pages) - 1)
+        return original(ctx, tokens, kv)
+    monkeypatch.setattr(context_module.Context, "extend", extend)
+    failure = fails("boundaries", numpy_factory, "q8-arena6")
+    assert "allocated 1 pages" in failure.saw and "pages_copied" in failure.saw
+
+
+def test_boundaries_catch_a_read_that_takes_stop_0_for_omitted(monkeypatch):
+    original = context_module.Context.read
+    monkeypatch.setattr(context_module.Context, "read",
+                        lambda ctx, start=0, stop=None: original(ctx, start, stop or None))
+    failure = fails("boundaries", numpy_factory, "f16-heap")
+    assert failure.call.endswith(".read(0, 0)")
+
+
+def test_boundaries_catch_a_truncate_to_the_length_that_copies(monkeypatch):
+    original = context_module.Context.truncate
+
+    def truncate(ctx, n):
+        if ctx._pages and n == len(ctx):
+            ctx.writable(len(ctx._pages) - 1)           # "make the tail private before cutting"
+        return original(ctx, n)
+    monkeypatch.setattr(context_module.Context, "truncate", truncate)
+    failure = fails("boundaries", numpy_factory, "f32-arena6")
+    assert failure.call.startswith("truncate(")
+
+
+# -- planted bugs: precision edges -----------------------------------------------------------------
+
+def _half_away_from_zero(x):
+    codes, scales = precisions.q8_encode(x)
+    safe = np.where(scales > 0, scales, np.float32(1))[..., None]
+    ratio = np.where(scales[..., None] > 0, np.asarray(x, np.float32) / safe, np.float32(0))
+    away = np.sign(ratio) * np.floor(np.abs(ratio) + np.float32(0.5))
+    return np.clip(away, -127, 127).astype(np.int8), scales
+
+
+def _store_precisions(**replaced):
+    """spec.precision as the NumPy store sees it, with some functions replaced (the reference keeps the real ones)."""
+    shim = types.SimpleNamespace(**{k: v for k, v in vars(precisions).items() if not k.startswith("__")})
+    for name, function in replaced.items():
+        setattr(shim, name, function)
+    return shim
+
+
+def test_precision_edges_catch_q8_rounding_half_away_from_zero(monkeypatch):
+    def encode(precision, x):
+        return _half_away_from_zero(x) if precision == "q8" else precisions.encode(precision, x)
+    monkeypatch.setattr(numpy_module, "precisions", _store_precisions(encode=encode))
+    failure = fails("precision edges", numpy_factory, "q8-heap")
+    assert "<q8 ties>" in failure.call
+    DIRECTED["precision edges"](numpy_factory, config_named("f32-heap"))     # other precisions: no tie rule
+
+
+def test_precision_edges_catch_torch_q8_rounding_half_away_from_zero():
+    torch_module = pytest.importorskip("kvstate.impl.torch")
+    torch = torch_module.torch
+
+    def q8_encode(x):
+        scales = x.abs().amax(dim=-1) / torch.full_like(x.abs().amax(dim=-1), 127.0)
+        positive = (scales > 0).unsqueeze(-1)
+        ratio = torch.where(positive, x / torch.where(positive, scales.unsqueeze(-1), torch.ones_like(x[..., :1])),
+                            torch.zeros_like(x))
+        away = torch.sign(ratio) * torch.floor(ratio.abs() + 0.5)
+        return torch.clamp(away, -127, 127).to(torch.int8), scales
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch_module, "_q8_encode", q8_encode)
+        failure = fails("precision edges", torch_factory(), "q8-arena6")
+    assert "<q8 ties>" in failure.call
+
+
+def test_precision_edges_catch_f16_subnormals_flushed_to_zero(monkeypatch):
+    def encode(precision, x):
+        if precision == "f16":
+            x = np.where(np.abs(x) < np.float32(2.0 ** -14), np.copysign(np.float32(0), x), x).astype(np.float32)
+        return precisions.encode(precision, x)
+    monkeypatch.setattr(numpy_module, "precisions", _store_precisions(encode=encode))
+    failure = fails("precision edges", numpy_factory, "f16-arena6")
+    assert "<f16" in failure.call and "1.1920929e-07" in failure.saw       # 3 * 2**-25 rounds up to 2**-23
+
+
+def test_precision_edges_catch_a_zero_scale_that_keeps_the_last_codes(monkeypatch):
+    """A q8 store whose all-zero vectors keep a scale of 1e-30: reads then differ from +0 for -0 input."""
+    def encode(precision, x):
+        if precision != "q8":
+            return precisions.encode(precision, x)
+        codes, scales = precisions.q8_encode(x)
+        return codes, np.where(scales == 0, np.float32(1e-30), scales).astype(np.float32)
+    monkeypatch.setattr(numpy_module, "precisions", _store_precisions(encode=encode))
+    monkeypatch.setattr(numpy_module.NumpyStore, "read", lambda store, buffer, start, stop: np.ascontiguousarray(
+        np.moveaxis(buffer.arrays[0][:, :, start:stop].astype(np.float32) * -buffer.arrays[1][:, :, start:stop][..., None], 2, 0)))
+    fails("precision edges", numpy_factory, "q8-heap")
+
+
+# -- planted bugs: prefix edges ------------------------------------------------------------------------
+
+def test_prefix_edges_catch_match_returning_the_shortest_key(monkeypatch):
+    monkeypatch.setattr(radix_module, "match_stop",
+                        lambda has_entry: next((i for i, entry in enumerate(has_entry) if entry), -1))
+    failure = fails("prefix edges", numpy_factory, "f32-heap")
+    assert "longest retained key" in failure.promise and "engine matched" in failure.saw
+
+
+def test_prefix_edges_catch_a_retain_that_keeps_the_older_entry(monkeypatch):
+    original = radix_module.RadixTree.insert
+
+    def insert(tree, key, value):
+        node, depth = tree._descend(key)
+        if depth == len(key) and node.value is not None:
+            tree._stamp(node)
+            return value                       # "already cached": the new fork is released instead
+        return original(tree, key, value)
+    monkeypatch.setattr(radix_module.RadixTree, "insert", insert)
+    failure = fails("prefix edges", numpy_factory, "q8-arena6")
+    assert "replaces its entry" in failure.promise
+
+
+def test_prefix_edges_catch_an_eviction_that_leaves_the_split(monkeypatch):
+    def remove(tree, node):
+        del tree.recency[node]
+        node.value = None
+        while node is not tree.root and node.value is None and not node.children:
+            parent = node.parent
+            del parent.children[node.edge[:radix_module.TOKEN_BYTES]]
+            node = parent                      # no collapse of the split left behind
+    monkeypatch.setattr(radix_module.RadixTree, "remove", remove)
+    failure = fails("prefix edges", numpy_factory, "f16-heap")
+    assert "collapse" in failure.saw
+
+
+def test_prefix_edges_catch_eviction_of_the_newest_entry(monkeypatch):
+    def pop_oldest(tree, spare=None):
+        for node in reversed(tree.recency):
+            if node.value is not spare:
+                value = node.value
+                tree.remove(node)
+                return value
+        raise LookupError("no entry to evict")
+    monkeypatch.setattr(radix_module.RadixTree, "pop_oldest", pop_oldest)
+    fails("prefix edges", numpy_factory, "f32-arena6")
+
+
+# -- planted bugs: snapshot writes ------------------------------------------------------------------------
+
+class _OsWithoutSync(types.ModuleType):
+    """The os module as impl/snapshot.py sees it, with fsync a no-op for one kind of descriptor."""
+
+    def __init__(self, skip_folder: bool):
+        super().__init__("os")
+        self._skip_folder = skip_folder
+
+    def __getattr__(self, name):
+        return getattr(os, name)       # looked up at call time: the check's recorder still sees the rest
+
+    def fsync(self, fd):
+        if stat.S_ISDIR(os.fstat(fd).st_mode) == self._skip_folder:
+            return None
+        return os.fsync(fd)
+
+
+@pytest.mark.parametrize("skip_folder,said", [(False, "not synced at its full size"),
+                                              (True, "folder was not synced after the rename")])
+def test_snapshot_writes_catch_a_writer_without_either_sync(monkeypatch, skip_folder, said):
+    monkeypatch.setattr(snapshot_module, "os", _OsWithoutSync(skip_folder))
+    failure = fails("snapshot writes", numpy_factory, "f32-heap")
+    assert said in failure.saw and ".snapshot(" in failure.call
+
+
+def test_snapshot_writes_catch_a_sync_before_the_bytes_are_written(monkeypatch):
+    def write_atomic(path, fill):
+        folder = os.path.dirname(os.path.abspath(path))
+        fd, temp = tempfile.mkstemp(dir=folder)
+        with open(fd, "wb") as file:
+            os.fsync(file.fileno())            # too early: the sync covers none of the bytes
+            fill(file)
+        os.replace(temp, path)
+        snapshot_module._fsync_folder(folder)
+    monkeypatch.setattr(snapshot_module, "write_atomic", write_atomic)
+    failure = fails("snapshot writes", numpy_factory, "q8-heap")
+    assert "not synced at its full size" in failure.saw and "fsync file" in failure.saw
+
+
+def test_snapshot_writes_catch_a_writer_that_writes_the_target_in_place(monkeypatch):
+    def write_in_place(path, fill):
+        with open(path, "wb") as file:
+            fill(file)
+            file.flush()
+            os.fsync(file.fileno())
+    monkeypatch.setattr(snapshot_module, "write_atomic", write_in_place)
+    failure = fails("snapshot writes", numpy_factory, "f16-arena6")
+    assert "nothing was renamed over the target" in failure.saw
+
+
+def test_snapshot_writes_catch_a_writer_that_assumes_offset_0(monkeypatch):
+    original = snapshot_module._write_to
+
+    def write_to(file, ctx):
+        if snapshot_module._seekable(file):
+            file.seek(0)
+        original(file, ctx)
+    monkeypatch.setattr(snapshot_module, "_write_to", write_to)
+    failure = fails("snapshot writes", numpy_factory, "f32-arena6")
+    assert "bytes before the snapshot changed" in failure.saw and "BytesIO" in failure.call
+
+
+def test_snapshot_writes_is_not_applicable_without_snapshots():
+    def factory(config):
+        cache = numpy_factory(config)
+        return types.SimpleNamespace(**{name: getattr(cache, name)
+                                        for name in ("allocate", "retain", "match", "clear", "observe")})
+    with pytest.raises(NotApplicable):
+        DIRECTED["snapshot writes"](factory, config_named("f32-heap"))
+
+
+# -- planted bugs: arena evidence ------------------------------------------------------------------------
+
+def test_arena_evidence_catches_a_backend_that_ignores_arena_pages():
+    def factory(config):
+        return numpy_factory(config.with_(arena_pages=0))
+    failure = fails("arena evidence", factory, "q8-arena6")
+    assert "arena_size 0, configuration arena_pages 6" in failure.saw
+    DIRECTED["arena evidence"](factory, config_named("q8-heap"))      # without an arena it is right
+
+
+def test_arena_evidence_catches_an_arena_that_never_issues_a_slot(monkeypatch):
+    def issue(arena, page_id):
+        arena.counters.heap_pages += 1
+        return None
+    monkeypatch.setattr(SlotArena, "issue", issue)
+    failure = fails("arena evidence", numpy_factory, "f32-arena6")
+    assert "while the arena has a free slot" in failure.promise and "0 arena slots out of 6" in failure.saw
+
+
+def _dirty_and_silent(monkeypatch):
+    """Slots handed out unzeroed, and the backend's own dirty_tail flag always False."""
+    monkeypatch.setattr(numpy_module.NumpyStore, "is_zero_from", lambda store, buffer, offset: True)
+
+
+@pytest.mark.parametrize("config", ["f32-arena6", "f16-arena6", "q8-arena6"])
+def test_arena_evidence_catches_a_dirty_slot_the_backend_does_not_report(monkeypatch, config):
+    _dirty_and_silent(monkeypatch)
+    with dirty_recycled_slot():
+        failure = fails("arena evidence", numpy_factory, config)
+    assert "old bytes" in failure.saw
+
+
+def test_arena_evidence_catches_a_torch_dirty_slot_the_backend_does_not_report(monkeypatch):
+    torch_module = pytest.importorskip("kvstate.impl.torch")
+    original = torch_module.TorchStore._take
+    monkeypatch.setattr(torch_module.TorchStore, "allocate", lambda store, page_id: original(store, page_id, zero=False))
+    monkeypatch.setattr(torch_module.TorchStore, "is_zero_from", lambda store, buffer, offset: True)
+    failure = fails("arena evidence", torch_factory(), "f16-arena6")
+    assert "old bytes" in failure.saw
+
+
+def test_all_new_checks_report_through_conform_with_the_promise_first():
+    from kvstate.stateful.conform import conform
+
+    def factory(config):
+        return numpy_factory(config.with_(arena_pages=0))
+    (result,) = conform(factory, configs=[config_named("f32-arena6")], checks=["arena evidence"])
+    outcome = result.outcomes["arena evidence"]
+    assert outcome.status == "FAIL"
+    assert outcome.detail.splitlines()[0].startswith('BrokenPromise: "observe() reports arena_size equal')
+
+
+def test_the_six_machine_configs_are_the_ones_checked():
+    assert [c.name for c in machine_configs()] == ["f32-heap", "f32-arena6", "f16-heap", "f16-arena6",
+                                                   "q8-heap", "q8-arena6"]
