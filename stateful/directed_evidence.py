@@ -49,7 +49,9 @@ def arena_evidence(factory: Factory, config: Config) -> None:
     if size != config.arena_pages:
         raise BrokenPromise(SIZE, "observe() of a new cache", f"arena_size {size}, configuration arena_pages "
                                                               f"{config.arena_pages}")
-    heap = Lockstep(factory, config.with_(arena_pages=0)) if config.arena_pages else None
+    # The twin keeps the pool's limit (as pool_pages) so its declared semantics stay the same.
+    heap = (Lockstep(factory, config.with_(arena_pages=0, pool_pages=config.pool_limit))
+            if config.arena_pages else None)
     twins = _Twins(arena, heap)
     generator = Generator(PROGRAM_SEED)
     for _ in range(PROGRAM_STEPS):

@@ -67,8 +67,10 @@ def snapshot_writes(factory: Factory, config: Config) -> None:
 def _restore_and_compare(run: Lockstep, handle: str, stream, call: str) -> None:
     with keeping(AT_OFFSET, run, call):
         restored = run.engine.restore(stream)
-        adopt(run, restored, run.reference.restore(run.live[handle][1].snapshot()), call)
+        twin = adopt(run, restored, run.reference.restore(run.live[handle][1].snapshot()), call)
         run.check()
+    # Compared: let it go, so a fixed pool (on_full="refuse") has room for the next restore.
+    run.apply(O.Close(twin))
 
 
 def _into_bytesio(run: Lockstep, handle: str) -> None:
