@@ -168,8 +168,7 @@ class KVStateCache(_HFCache):
         self._dtype = key_states.dtype
         k, v = key_states[0].to(torch.float32), value_states[0].to(torch.float32)
         self._pending[layer] = (k, v)
-        keys = self._with_past(layer, 0, self._as_read(k))
-        values = self._with_past(layer, 1, self._as_read(v))
+        keys, values = self._with_past(layer, self._as_read(k), self._as_read(v))
         if layer == self.layout.layers - 1:
             self._commit()
         return keys.to(key_states.dtype), values.to(value_states.dtype)
@@ -180,15 +179,19 @@ class KVStateCache(_HFCache):
             return x
         return torch.from_numpy(roundtrip(self.kv.precision, x.detach().cpu().numpy())).to(x.device)
 
-    def _with_past(self, layer: int, which: int, new: torch.Tensor) -> torch.Tensor:
-        """The context's positions of ``layer`` then ``new``, as one contiguous ``(1, heads, n, dim)``.
+    def _with_past(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """The context's K and V of ``layer`` followed by the new ``k``, ``v``: each one
+        contiguous ``(1, heads, n, dim)`` tensor.
 
         One ``torch.cat`` into a fresh contiguous tensor, as ``DynamicCache`` does: the
         attention matmul sees the same values with the same strides.
         """
-        parts = [_as_tensor(part[which]).transpose(0, 1) for part in self.context.read_layer_pages(layer)]
-        parts.append(new.to(parts[0].device) if parts else new)
-        return torch.cat(parts, dim=1).unsqueeze(0)
+        pages = self.context.read_layer_pages(layer)
+        keys = [_as_tensor(pk).transpose(0, 1) for pk, _ in pages]
+        values = [_as_tensor(pv).transpose(0, 1) for _, pv in pages]
+        if pages:
+            k, v = k.to(keys[0].device), v.to(values[0].device)
+        return torch.cat(keys + [k], dim=1).unsqueeze(0), torch.cat(values + [v], dim=1).unsqueeze(0)
 
     def _commit(self) -> None:
         """Every layer of the new positions has arrived: extend the context once."""

@@ -349,3 +349,15 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match=r"kvstate\[hf\]"):
         hf_config.require_transformers()
+
+
+def test_demo_hf_shows_exact_generation_and_the_agent_operations():
+    from kvstate import hf_demo
+
+    lines = []
+    hf_demo.run(out=lines.append)
+    text = "\n".join(lines)
+    assert "bit-identical to DynamicCache's: True" in text
+    assert "next-token logits identical: True" in text
+    assert "identical to the live cache: True" in text
+    assert "match found 211 of 242 tokens; prefilled only 31" in text
