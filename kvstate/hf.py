@@ -107,7 +107,7 @@ class KVStateCache(_HFCache):
         token-id hook and allocates a context unless one is given."""
         layout = layout_of(model)
         if kv is None:
-            kv = Cache(layout, **{"store": "torch", **cache_args})
+            kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
         if context is not None:
             check_layout(layout, context.layout, "the context")
@@ -119,7 +119,7 @@ class KVStateCache(_HFCache):
         """A cache holding the snapshot at ``source``, ready to continue generating."""
         layout = layout_of(model)
         if kv is None:
-            kv = Cache(layout, **{"store": "torch", **cache_args})
+            kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
         return cls.for_model(model, kv, kv.restore(source))
 
@@ -189,9 +189,10 @@ class KVStateCache(_HFCache):
         pages = self.context.read_layer_pages(layer)
         keys = [_as_tensor(pk).transpose(0, 1) for pk, _ in pages]
         values = [_as_tensor(pv).transpose(0, 1) for _, pv in pages]
-        if pages:
-            k, v = k.to(keys[0].device), v.to(values[0].device)
-        return torch.cat(keys + [k], dim=1).unsqueeze(0), torch.cat(values + [v], dim=1).unsqueeze(0)
+        device = k.device      # the model's: a numpy store's pages come back on the cpu
+        keys = torch.cat([part.to(device) for part in keys] + [k], dim=1)
+        values = torch.cat([part.to(device) for part in values] + [v], dim=1)
+        return keys.unsqueeze(0), values.unsqueeze(0)
 
     def _commit(self) -> None:
         """Every layer of the new positions has arrived: extend the context once."""
@@ -293,6 +294,14 @@ class KVStateCache(_HFCache):
 
     def __repr__(self) -> str:
         return f"KVStateCache({self.layout}, {self.context!r}, precision={self.kv.precision!r})"
+
+
+def _defaults(model, cache_args: dict) -> dict:
+    """A torch store on the model's device unless the caller chose otherwise."""
+    args = {"store": "torch", **cache_args}
+    if args["store"] == "torch" and "device" not in args:
+        args["device"] = str(getattr(model, "device", "cpu"))
+    return args
 
 
 def _as_tensor(part) -> torch.Tensor:

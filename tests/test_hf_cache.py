@@ -361,3 +361,9 @@ def test_demo_hf_shows_exact_generation_and_the_agent_operations():
     assert "next-token logits identical: True" in text
     assert "identical to the live cache: True" in text
     assert "match found 211 of 242 tokens; prefilled only 31" in text
+
+
+def test_numpy_store_gives_the_same_logits(model):
+    tokens = ids(11, 22)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, store="numpy")
+    assert_equal_runs(run(model, cache, steps(tokens, 7)), run(model, reference(model), steps(tokens, 7)))
