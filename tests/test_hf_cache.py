@@ -216,7 +216,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_restore_in_a_new_process(model, tmp_path):
+def test_restore_in_a_new_process(tmp_path):
+    """Llama only (GQA and rotary positions): a second interpreter costs seconds of imports."""
+    if "llama" not in MODELS:
+        MODELS["llama"] = build("llama")
+    model = MODELS["llama"]
     prompt, more = ids(13, 12), ids(4, 13)
     model.save_pretrained(tmp_path)
     torch.save(more, tmp_path / "more.pt")
@@ -367,3 +371,18 @@ def test_numpy_store_gives_the_same_logits(model):
     tokens = ids(11, 22)
     cache = hf.KVStateCache.for_model(model, page_tokens=4, store="numpy")
     assert_equal_runs(run(model, cache, steps(tokens, 7)), run(model, reference(model), steps(tokens, 7)))
+
+
+def test_bench_counts_best_of_n_bytes_and_match_prefill():
+    """bench/hf_agent's counts (never its timings): forks hold the prompt once, match prefills the new turn only."""
+    from kvstate.bench import hf_agent
+
+    bench_model = hf_agent._model(512)
+    a = hf_agent.best_of_n(bench_model, prompt_len=64, steps=4)
+    assert a["same_continuations"]                    # forks, copies and independent runs sample the same tokens
+    page_bytes = 4 * 2 * hf_agent.PAGE_TOKENS * 2 * 32 * 4
+    # 63 prompt positions: 4 pages held once; each branch copies the partly filled 4th page and adds one
+    assert a["rows"][0]["kv_bytes"] == (4 + 8 * 2) * page_bytes
+    assert a["rows"][1]["kv_bytes"] == a["rows"][2]["kv_bytes"] == 8 * 67 * 4 * 2 * 2 * 32 * 4
+    b = hf_agent.conversation(bench_model, turns=3, system_len=32, user_len=8, reply_len=4)
+    assert [row["prefill_tokens"] for row in b["rows"]] == [40 + 9 + 9, 40 + 52 + 64]
