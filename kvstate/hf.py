@@ -95,7 +95,7 @@ class KVStateCache(_HFCache):
         self.layout, self.kv, self.context = layout, kv, context
         self._pending: list = [None] * layout.layers      # raw float32 (kv_heads, n, head_dim) K and V
         self._ids: np.ndarray | None = None
-        self._dtype = None
+        self._host_pages = kv.store.__class__.__name__ == "NumpyStore"    # pages are NumPy arrays
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
     # -- construction -------------------------------------------------------------
@@ -165,7 +165,6 @@ class KVStateCache(_HFCache):
             raise TokenError(f"{len(self._ids)} token ids were fed, but layer {layer} wrote {n} positions")
         if self._pending[layer] is not None:
             raise PositionError(f"layer {layer} was updated twice in one forward pass")
-        self._dtype = key_states.dtype
         k, v = key_states[0].to(torch.float32), value_states[0].to(torch.float32)
         self._pending[layer] = (k, v)
         keys, values = self._with_past(layer, self._as_read(k), self._as_read(v))
@@ -187,18 +186,21 @@ class KVStateCache(_HFCache):
         attention matmul sees the same values with the same strides.
         """
         pages = self.context.read_layer_pages(layer)
-        keys = [_as_tensor(pk).transpose(0, 1) for pk, _ in pages]
-        values = [_as_tensor(pv).transpose(0, 1) for _, pv in pages]
-        device = k.device      # the model's: a numpy store's pages come back on the cpu
-        keys = torch.cat([part.to(device) for part in keys] + [k], dim=1)
-        values = torch.cat([part.to(device) for part in values] + [v], dim=1)
-        return keys.unsqueeze(0), values.unsqueeze(0)
+        if self._host_pages:
+            pages = [(torch.from_numpy(pk), torch.from_numpy(pv)) for pk, pv in pages]
+        keys = [pk.transpose(0, 1) for pk, _ in pages]
+        values = [pv.transpose(0, 1) for _, pv in pages]
+        if keys and keys[0].device != k.device:        # a store on another device than the model
+            keys, values = [p.to(k.device) for p in keys], [p.to(k.device) for p in values]
+        keys.append(k)
+        values.append(v)
+        return torch.cat(keys, dim=1).unsqueeze(0), torch.cat(values, dim=1).unsqueeze(0)
 
     def _commit(self) -> None:
         """Every layer of the new positions has arrived: extend the context once."""
         kv = torch.stack([torch.stack(pair) for pair in self._pending])   # (layers, 2, heads, n, dim)
         kv = kv.permute(3, 0, 1, 2, 4)                                      # (n, layers, 2, heads, dim)
-        if self.kv.store.__class__.__name__ == "NumpyStore":
+        if self._host_pages:
             kv = kv.detach().cpu().numpy()
         ids, self._ids = self._ids, None
         self._pending = [None] * self.layout.layers
@@ -302,10 +304,6 @@ def _defaults(model, cache_args: dict) -> dict:
     if args["store"] == "torch" and "device" not in args:
         args["device"] = str(getattr(model, "device", "cpu"))
     return args
-
-
-def _as_tensor(part) -> torch.Tensor:
-    return part if isinstance(part, torch.Tensor) else torch.from_numpy(part)
 
 
 def _feed_hook(module, args, kwargs):
