@@ -198,6 +198,10 @@ class KVStateCache(_HFCache):
 
     def _commit(self) -> None:
         """Every layer of the new positions has arrived: extend the context once."""
+        missing = [i for i, pair in enumerate(self._pending) if pair is None]
+        if missing:
+            self.feed(None)
+            raise PositionError(f"the forward pass skipped layers {missing}: their K/V never arrived")
         kv = torch.stack([torch.stack(pair) for pair in self._pending])   # (layers, 2, heads, n, dim)
         kv = kv.permute(3, 0, 1, 2, 4)                                      # (n, layers, 2, heads, dim)
         if self._host_pages:

@@ -386,3 +386,23 @@ def test_bench_counts_best_of_n_bytes_and_match_prefill():
     assert a["rows"][1]["kv_bytes"] == a["rows"][2]["kv_bytes"] == 8 * 67 * 4 * 2 * 2 * 32 * 4
     b = hf_agent.conversation(bench_model, turns=3, system_len=32, user_len=8, reply_len=4)
     assert [row["prefill_tokens"] for row in b["rows"]] == [40 + 9 + 9, 40 + 52 + 64]
+
+
+def test_a_forward_that_skips_a_layer_is_refused(model):
+    from kvstate.spec.errors import PositionError
+
+    cache = hf.KVStateCache.for_model(model)
+    layout = cache.layout
+    k = torch.zeros(1, layout.kv_heads, 2, layout.head_dim)
+    cache.feed([5, 6])
+    cache.update(k, k, 0)
+    with pytest.raises(PositionError, match=r"skipped layers \[1\]"):
+        cache.update(k, k, layout.layers - 1)
+    assert len(cache.context) == 0 and cache.get_seq_length() == 0
+
+
+def test_crop_is_truncate_from_the_end(model):
+    cache = hf.KVStateCache.for_model(model)
+    run(model, cache, [ids(10, 23)])
+    cache.crop(-3)
+    assert cache.tokens == ids(10, 23)[0, :7].tolist()
