@@ -156,7 +156,7 @@ def resume(model, lengths) -> dict:
 
 
 def decode_overhead(model, context: int, steps: int, rounds: int = 5) -> dict:
-    """Plain greedy-free decode at ``context`` tokens: the whole step, and the time spent inside
+    """Plain decode, one token per forward, at ``context`` tokens: the whole step, and the time inside
     ``cache.update`` (the adapter's own work: gathering the past from pages, buffering, extending)."""
     import torch
     from transformers import DynamicCache
