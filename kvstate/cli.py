@@ -76,7 +76,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from kvstate.demo import main as demo
 
-    return demo()
+    return demo(hf=args.hf)
 
 def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(run=_bench)
 
     demo = commands.add_parser("demo", help="ten seconds of what agents get: forks, backtracking, restore, prefix hits")
+    demo.add_argument("--hf", action="store_true",
+                      help="the same under Hugging Face transformers, on a tiny random model (pip install 'kvstate[hf]')")
     demo.set_defaults(run=_demo)
 
     sweep = commands.add_parser("sweep", help="run many seeds x configurations in lockstep; shrink and save failures")

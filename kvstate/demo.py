@@ -119,6 +119,10 @@ class Demo:
                  f"demo took {time.perf_counter() - start:.1f} s")
 
 
-def main() -> int:
+def main(hf: bool = False) -> int:
+    if hf:
+        from kvstate.hf_demo import main as hf_demo
+
+        return hf_demo()
     Demo().run()
     return 0

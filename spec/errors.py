@@ -53,6 +53,11 @@ class ConfigError(InvalidInputError):
     """A cache was configured with impossible settings."""
 
 
+class UnsupportedModelError(ConfigError):
+    """A transformers model ``kvstate.hf`` cannot hold (sliding-window or linear-attention
+    layers, an encoder-decoder, or a K/V layout other than the cache's); refused before any work."""
+
+
 class EmptyContextError(InvalidInputError):
     """The operation needs at least one position (``retain`` of an empty context)."""
 

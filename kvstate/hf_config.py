@@ -1,0 +1,79 @@
+"""Which transformers models a kvstate context can hold, and their K/V layout.
+
+Everything here runs before any forward pass: a model kvstate cannot hold is
+refused by name (``UnsupportedModelError``) while nothing has been computed,
+allocated or written.
+"""
+
+from __future__ import annotations
+
+from kvstate.spec.errors import UnsupportedModelError
+from kvstate.spec.layout import Layout
+
+MISSING = ("kvstate.hf needs Hugging Face transformers 5.x and torch: "
+           "pip install 'kvstate[hf]'")
+
+
+def require_transformers():
+    """The ``transformers`` module, or ``ImportError`` naming the extra to install."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError as error:
+        raise ImportError(f"{MISSING} ({error})") from None
+    major = int(transformers.__version__.split(".")[0])
+    if major != 5:
+        raise ImportError(f"{MISSING}; found transformers {transformers.__version__}")
+    return transformers
+
+
+def decoder_config(model_or_config):
+    """The decoder's text config of a model or a config; encoder-decoders are refused."""
+    config = getattr(model_or_config, "config", model_or_config)
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(
+            f"{type(config).__name__} is an encoder-decoder; kvstate.hf holds decoder-only models")
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "add_cross_attention", False):
+        raise UnsupportedModelError(
+            f"{type(text).__name__} has cross-attention (add_cross_attention=True); "
+            "kvstate.hf holds decoder-only self-attention")
+    return text
+
+
+def check_attention(config) -> None:
+    """Every layer must be full (global) attention: a sliding window drops old positions and a
+    linear-attention layer keeps a recurrent state, neither of which is a per-position K/V."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    for index, kind in enumerate(layer_types):
+        if kind != "full_attention":
+            raise UnsupportedModelError(
+                f"layer {index} of {type(config).__name__} is {kind!r}; kvstate.hf holds full-attention layers only")
+
+
+def layout_of(model_or_config) -> Layout:
+    """``Layout(layers, kv_heads, head_dim)`` of a decoder-only full-attention model.
+
+    ``kv_heads`` is ``num_key_value_heads`` where the config has one (grouped-query
+    attention stores fewer K/V heads than query heads), else ``num_attention_heads``.
+    """
+    model = model_or_config if hasattr(model_or_config, "config") else None
+    config = decoder_config(model_or_config)
+    if model is not None and hasattr(model, "_supports_default_dynamic_cache") \
+            and not model._supports_default_dynamic_cache():
+        raise UnsupportedModelError(
+            f"{type(model).__name__} does not use a per-layer K/V cache (a recurrent or hybrid model)")
+    check_attention(config)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return Layout(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
+
+
+def check_layout(expected: Layout, found: Layout, what: str) -> None:
+    if expected != found:
+        raise UnsupportedModelError(
+            f"{what} has layout {found}, but the model's config needs {expected} "
+            "(layers, kv_heads incl. grouped-query attention, head_dim)")

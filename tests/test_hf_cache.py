@@ -1,0 +1,409 @@
+"""kvstate.hf: a kvstate context under transformers gives DynamicCache's logits bit for bit.
+
+Tiny random-weight models built from configs (no downloads): GPT-2, and a Llama
+config with grouped-query attention (2 K/V heads for 4 query heads) and rotary
+positions. Each check runs the same forward calls with the same chunking on both
+caches: at f32 the logits are ``torch.equal``; at f16 and q8 they equal a
+DynamicCache whose K/V went through the same precision round trip.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'kvstate[hf]')")
+torch = pytest.importorskip("torch")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.cache_utils import Cache as HFCache  # noqa: E402
+from transformers.cache_utils import DynamicLayer  # noqa: E402
+
+from kvstate import Cache, Layout  # noqa: E402
+
+hf = pytest.importorskip("kvstate.hf")   # skips, naming pip install 'kvstate[hf]', without transformers 5.x
+from kvstate.spec.errors import ShapeError, TokenError, UnsupportedModelError  # noqa: E402
+from kvstate.spec.precision import roundtrip  # noqa: E402
+
+VOCAB = 97
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def build(kind: str):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=256, n_embd=32, n_layer=3, n_head=4,
+                                         bos_token_id=0, eos_token_id=0)
+    else:
+        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():      # random biases too, so the K/V are not trivially structured
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0, 0.05)
+    return model
+
+
+MODELS = {}
+
+
+@pytest.fixture(params=["gpt2", "llama"])
+def model(request):
+    if request.param not in MODELS:
+        MODELS[request.param] = build(request.param)
+    return MODELS[request.param]
+
+
+class RoundTripLayer(DynamicLayer):
+    """A DynamicLayer whose K/V go through a kvstate precision round trip before they are kept."""
+
+    def __init__(self, precision):
+        super().__init__()
+        self.precision = precision
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        def rt(x):
+            return torch.from_numpy(roundtrip(self.precision, x.contiguous().numpy()))
+        return super().update(rt(key_states), rt(value_states))
+
+
+def reference(model, precision="f32"):
+    if precision == "f32":
+        return DynamicCache(config=model.config)
+    return HFCache(layers=[RoundTripLayer(precision) for _ in range(model.config.num_hidden_layers)])
+
+
+def ids(n, seed):
+    return torch.from_numpy(np.random.default_rng(seed).integers(1, VOCAB, (1, n)))
+
+
+def run(model, cache, chunks):
+    """One forward per chunk; the logits of each."""
+    with torch.no_grad():
+        return [model(chunk, cache=cache).logits for chunk in chunks]
+
+
+def steps(tokens, split):
+    """A prefill of ``tokens[:split]`` then one decode step per remaining token."""
+    return [tokens[:, :split]] + [tokens[:, t:t + 1] for t in range(split, tokens.shape[1])]
+
+
+def assert_equal_runs(ours, theirs):
+    assert len(ours) == len(theirs)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a, b), f"forward {i}: max |diff| {float((a - b).abs().max())}"
+
+
+# -- exactness ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
+def test_prefill_and_decode_equal_dynamic_cache(model, precision):
+    tokens = ids(21, 1)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, precision=precision)
+    assert_equal_runs(run(model, cache, steps(tokens, 13)), run(model, reference(model, precision), steps(tokens, 13)))
+    assert cache.tokens == tokens[0].tolist()          # every position entered with its id
+    assert cache.get_seq_length() == 21
+
+
+def test_precision_reference_is_not_the_f32_run(model):
+    """The f16/q8 comparison can fail: the rounded run's logits differ from the f32 run's."""
+    tokens = ids(12, 2)
+    q8 = run(model, hf.KVStateCache.for_model(model, precision="q8"), steps(tokens, 8))
+    f32 = run(model, reference(model), steps(tokens, 8))
+    assert not all(torch.equal(a, b) for a, b in zip(q8, f32))
+
+
+def test_generate_equals_dynamic_cache(model):
+    prompt = ids(10, 3)
+    args = dict(max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    with torch.no_grad():
+        ours = model.generate(prompt, cache=hf.KVStateCache.for_model(model, page_tokens=4), **args)
+        theirs = model.generate(prompt, cache=reference(model), **args)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert_equal_runs(list(ours.logits), list(theirs.logits))
+
+
+# -- the agent operations -------------------------------------------------------------------
+
+def test_fork_mid_generation_best_of_n(model):
+    """Prefill once, fork four branches, sample each; each equals a DynamicCache run and shares the prompt's pages."""
+    prompt = ids(18, 4)
+    args = dict(max_new_tokens=6, do_sample=True, top_k=0, output_logits=True, return_dict_in_generate=True,
+                pad_token_id=0)
+    root = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, root, [prompt[:, :-1]])
+    pages_before = root.kv.stats()["live_pages"]
+    branches = [root.fork() for _ in range(4)]
+    assert root.kv.stats()["live_pages"] == pages_before          # a fork copies no page
+    outs = []
+    for i, branch in enumerate(branches):
+        torch.manual_seed(100 + i)
+        with torch.no_grad():
+            outs.append(model.generate(prompt, cache=branch, **args))
+        expected_cache = reference(model)
+        run(model, expected_cache, [prompt[:, :-1]])
+        torch.manual_seed(100 + i)
+        with torch.no_grad():
+            expected = model.generate(prompt, cache=expected_cache, **args)
+        assert torch.equal(outs[i].sequences, expected.sequences)
+        assert_equal_runs(list(outs[i].logits), list(expected.logits))
+    assert len({tuple(o.sequences[0].tolist()) for o in outs}) > 1     # the branches did diverge
+    # The 17 prompt positions fill 4 whole pages, shared by root and every branch; each branch
+    # privately holds its copy of the partly filled fifth page and its own new pages.
+    shared = [p for p in root.kv.observe().pages.values() if p.refcount == 5]
+    assert len(shared) == 4
+    assert root.tokens == prompt[0, :-1].tolist()                 # the root is untouched by its branches
+
+
+def test_branch_continuation_equals_an_independent_run(model):
+    tokens = ids(24, 5)
+    root = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, root, steps(tokens[:, :16], 11))
+    branch = root.fork()
+    sibling = root.fork()
+    run(model, sibling, [ids(5, 6)])                               # a sibling writes first
+    ours = run(model, branch, [tokens[:, 16:20], tokens[:, 20:21], tokens[:, 21:22]])
+    alone = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, alone, steps(tokens[:, :16], 11))
+    assert_equal_runs(ours, run(model, alone, [tokens[:, 16:20], tokens[:, 20:21], tokens[:, 21:22]]))
+    dynamic = reference(model)
+    run(model, dynamic, steps(tokens[:, :16], 11))
+    assert_equal_runs(ours, run(model, dynamic, [tokens[:, 16:20], tokens[:, 20:21], tokens[:, 21:22]]))
+
+
+def test_truncate_back_to_a_checkpoint_and_continue(model):
+    prompt, wrong, right = ids(14, 7), ids(6, 8), ids(4, 9)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, [prompt] + [wrong[:, t:t + 1] for t in range(6)])
+    cache.truncate(14)
+    assert cache.get_seq_length() == 14 and cache.tokens == prompt[0].tolist()
+    ours = run(model, cache, [right[:, t:t + 1] for t in range(4)])
+    dynamic = reference(model)
+    run(model, dynamic, [prompt])
+    assert_equal_runs(ours, run(model, dynamic, [right[:, t:t + 1] for t in range(4)]))
+
+
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_snapshot_and_restore_then_continue(model, precision, tmp_path):
+    prompt, more = ids(15, 10), ids(5, 11)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, precision=precision)
+    run(model, cache, [prompt])
+    cache.snapshot(tmp_path / "turn.kvs")
+    restored = hf.KVStateCache.restore(model, tmp_path / "turn.kvs", page_tokens=8, precision=precision)
+    assert restored.tokens == prompt[0].tolist()
+    ours = run(model, restored, steps(more, 2))
+    dynamic = reference(model, precision)
+    run(model, dynamic, [prompt])
+    assert_equal_runs(ours, run(model, dynamic, steps(more, 2)))
+
+
+CHILD = textwrap.dedent("""
+    import sys, torch, transformers
+    from kvstate import hf
+    folder, snap, out = sys.argv[1:4]
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    cache = hf.KVStateCache.restore(model, snap)
+    more = torch.load(folder + "/more.pt")
+    with torch.no_grad():
+        logits = [model(more[:, :2], cache=cache).logits] + \\
+                 [model(more[:, t:t + 1], cache=cache).logits for t in range(2, more.shape[1])]
+    torch.save({"logits": logits, "tokens": cache.tokens}, out)
+""")
+
+
+def test_restore_in_a_new_process(tmp_path):
+    """Llama only (GQA and rotary positions): a second interpreter costs seconds of imports."""
+    if "llama" not in MODELS:
+        MODELS["llama"] = build("llama")
+    model = MODELS["llama"]
+    prompt, more = ids(13, 12), ids(4, 13)
+    model.save_pretrained(tmp_path)
+    torch.save(more, tmp_path / "more.pt")
+    cache = hf.KVStateCache.for_model(model)
+    run(model, cache, steps(prompt, 9))
+    cache.snapshot(tmp_path / "turn.kvs")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "turn.kvs"), str(tmp_path / "out.pt")],
+                   check=True, env=env, timeout=120)
+    child = torch.load(tmp_path / "out.pt")
+    assert child["tokens"] == prompt[0].tolist() + more[0].tolist()
+    dynamic = reference(model)
+    run(model, dynamic, steps(prompt, 9))
+    assert_equal_runs(child["logits"], run(model, dynamic, steps(more, 2)))
+
+
+def test_match_prefills_only_the_unmatched_suffix(model):
+    kv = Cache(hf.layout_of(model), page_tokens=4, store="torch")
+    args = dict(max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    turn1 = ids(12, 14)
+    first = hf.KVStateCache.for_model(model, kv)
+    with torch.no_grad():
+        out1 = model.generate(turn1, cache=first, **args)
+    first.retain()                                             # keys: turn 1 and its reply but the last token
+    turn2 = torch.cat([out1.sequences, ids(7, 15)], dim=1)
+    second = hf.KVStateCache.for_model(model, kv)
+    matched = second.match(turn2)
+    assert matched == out1.sequences.shape[1] - 1
+    fed = []
+    original = second.feed
+    second.feed = lambda x: (fed.append(0 if x is None else x.shape[-1]), original(x))[1]
+    with torch.no_grad():
+        out2 = model.generate(turn2, cache=second, **args)
+    assert fed[0] == turn2.shape[1] - matched == 8             # the prefill: the unmatched suffix only
+    dynamic = reference(model)
+    with torch.no_grad():
+        model.generate(turn1, cache=dynamic, **args)
+        expected = model.generate(turn2, cache=dynamic, **args)
+    assert torch.equal(out2.sequences, expected.sequences)
+    assert_equal_runs(list(out2.logits), list(expected.logits))
+
+
+def test_a_full_match_leaves_the_last_token_to_compute(model):
+    kv = Cache(hf.layout_of(model), page_tokens=4, store="torch")
+    tokens = ids(9, 16)
+    first = hf.KVStateCache.for_model(model, kv)
+    run(model, first, [tokens])
+    first.retain()
+    second = hf.KVStateCache.for_model(model, kv)
+    assert second.match(tokens) == 8 and second.get_seq_length() == 8
+
+
+def test_deepcopy_is_a_fork(model):
+    import copy
+
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, [ids(9, 17)])
+    copied = copy.deepcopy(cache)
+    assert copied.tokens == cache.tokens and copied.context is not cache.context
+    assert cache.kv.stats()["pages_copied"] == 0
+
+
+# -- refusals, by name and before any work ---------------------------------------------------
+
+@pytest.mark.parametrize("config", [
+    lambda: transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                       num_attention_heads=4, num_key_value_heads=2, sliding_window=8),
+    lambda: transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+                                     num_attention_heads=4, layer_types=["full_attention", "linear_attention"]),
+    lambda: transformers.BartConfig(d_model=32, encoder_layers=1, decoder_layers=1),
+    lambda: transformers.GPT2Config(n_layer=1, n_embd=32, n_head=4, add_cross_attention=True),
+], ids=["sliding-window", "linear-attention", "encoder-decoder", "cross-attention"])
+def test_unsupported_models_are_refused(config):
+    with pytest.raises(UnsupportedModelError):
+        hf.layout_of(config())
+
+
+def test_sliding_window_model_refused_before_any_work():
+    config = transformers.MistralConfig(num_hidden_layers=2, hidden_size=32, intermediate_size=64, vocab_size=VOCAB,
+                                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    kv = Cache(Layout(2, 2, 8), store="torch")
+    with pytest.raises(UnsupportedModelError, match="sliding_attention"):
+        hf.KVStateCache.for_model(model, kv)
+    assert kv.stats()["live_contexts"] == 0 and getattr(model, "_kvstate_hook", None) is None
+
+
+def test_layout_mismatch_refused(model):
+    layout = hf.layout_of(model)
+    wrong = Cache(Layout(layout.layers, layout.kv_heads + 1, layout.head_dim), store="torch")
+    with pytest.raises(UnsupportedModelError, match="kv_heads"):
+        hf.KVStateCache.for_model(model, wrong)
+    assert wrong.stats()["live_contexts"] == 0
+
+
+def test_grouped_query_layout_comes_from_the_config():
+    assert hf.layout_of(build("llama")) == Layout(3, 2, 8)      # 4 query heads share 2 K/V heads
+    assert hf.layout_of(build("gpt2")) == Layout(3, 4, 8)
+
+
+def test_kv_for_positions_with_unknown_ids_refused(model):
+    cache = hf.KVStateCache.for_model(model)
+    embeds = model.get_input_embeddings()(ids(4, 18))
+    with torch.no_grad(), pytest.raises(TokenError, match="unknown"):
+        model(inputs_embeds=embeds, cache=cache)
+    assert len(cache.context) == 0
+    unhooked = build(model.config.model_type if model.config.model_type == "gpt2" else "llama")
+    bare = hf.KVStateCache(hf.layout_of(model), cache.kv, cache.kv.allocate())
+    with torch.no_grad(), pytest.raises(TokenError, match="unknown"):
+        unhooked(ids(3, 19), cache=bare)                       # no hook and no feed
+    bare.feed(ids(3, 19))                                      # the manual way: feed, then forward
+    with torch.no_grad():
+        unhooked(ids(3, 19), cache=bare)
+    assert bare.tokens == ids(3, 19)[0].tolist()
+    bare.feed(ids(2, 20))
+    with torch.no_grad(), pytest.raises(TokenError, match="2 token ids"):
+        unhooked(ids(3, 21), cache=bare)                       # ids for a different count of positions
+
+
+def test_batch_of_two_refused(model):
+    cache = hf.KVStateCache.for_model(model)
+    with torch.no_grad(), pytest.raises(ShapeError, match="one sequence"):
+        model(torch.cat([ids(4, 20), ids(4, 21)]), cache=cache)
+    assert len(cache.context) == 0
+
+
+def test_missing_transformers_names_the_extra(monkeypatch):
+    from kvstate import hf_config
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"kvstate\[hf\]"):
+        hf_config.require_transformers()
+
+
+def test_demo_hf_shows_exact_generation_and_the_agent_operations():
+    from kvstate import hf_demo
+
+    lines = []
+    hf_demo.run(out=lines.append)
+    text = "\n".join(lines)
+    assert "bit-identical to DynamicCache's: True" in text
+    assert "next-token logits identical: True" in text
+    assert "identical to the live cache: True" in text
+    assert "match found 211 of 242 tokens; prefilled only 31" in text
+
+
+def test_numpy_store_gives_the_same_logits(model):
+    tokens = ids(11, 22)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, store="numpy")
+    assert_equal_runs(run(model, cache, steps(tokens, 7)), run(model, reference(model), steps(tokens, 7)))
+
+
+def test_bench_counts_best_of_n_bytes_and_match_prefill():
+    """bench/hf_agent's counts (never its timings): forks hold the prompt once, match prefills the new turn only."""
+    from kvstate.bench import hf_agent
+
+    bench_model = hf_agent._model(512)
+    a = hf_agent.best_of_n(bench_model, prompt_len=64, steps=4)
+    assert a["same_continuations"]                    # forks, copies and independent runs sample the same tokens
+    page_bytes = 4 * 2 * hf_agent.PAGE_TOKENS * 2 * 32 * 4
+    # 63 prompt positions: 4 pages held once; each branch copies the partly filled 4th page and adds one
+    assert a["rows"][0]["kv_bytes"] == (4 + 8 * 2) * page_bytes
+    assert a["rows"][1]["kv_bytes"] == a["rows"][2]["kv_bytes"] == 8 * 67 * 4 * 2 * 2 * 32 * 4
+    b = hf_agent.conversation(bench_model, turns=3, system_len=32, user_len=8, reply_len=4)
+    assert [row["prefill_tokens"] for row in b["rows"]] == [40 + 9 + 9, 40 + 52 + 64]
+
+
+def test_a_forward_that_skips_a_layer_is_refused(model):
+    from kvstate.spec.errors import PositionError
+
+    cache = hf.KVStateCache.for_model(model)
+    layout = cache.layout
+    k = torch.zeros(1, layout.kv_heads, 2, layout.head_dim)
+    cache.feed([5, 6])
+    cache.update(k, k, 0)
+    with pytest.raises(PositionError, match=r"skipped layers \[1\]"):
+        cache.update(k, k, layout.layers - 1)
+    assert len(cache.context) == 0 and cache.get_seq_length() == 0
+
+
+def test_crop_is_truncate_from_the_end(model):
+    cache = hf.KVStateCache.for_model(model)
+    run(model, cache, [ids(10, 23)])
+    cache.crop(-3)
+    assert cache.tokens == ids(10, 23)[0, :7].tolist()
