@@ -60,10 +60,13 @@ class ListContext:
             raise PositionError(f"read of [{start}, {stop}) outside length {self.length}")
         return self._positions(start, stop)
 
-    def _encode(self, tokens, kv):
+    def _encode(self, tokens, kv, start: int | None = None):
+        # README's order for several bad inputs: tokens, array shape, the context, positions, values.
         tokens = check_tokens(tokens)
         kv = check_values(self.cache.layout, kv, len(tokens))
         self._open()
+        if start is not None and not (isinstance(start, int) and 0 <= start and start + len(tokens) <= self.length):
+            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {self.length}")
         require_finite(kv)
         return tokens, precisions.roundtrip(self.cache.precision, kv)
 
@@ -94,9 +97,7 @@ class ListContext:
         self.length += len(tokens)
 
     def overwrite(self, start: int, tokens, kv) -> None:
-        tokens, values = self._encode(tokens, kv)
-        if not (isinstance(start, int) and 0 <= start and start + len(tokens) <= self.length):
-            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {self.length}")
+        tokens, values = self._encode(tokens, kv, start)
         self._store(start, tokens, values)
 
     def fork(self) -> "ListContext":

@@ -7,7 +7,8 @@ import sys
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from kvstate.stateful.conform import FactoryError, check_backend, conform, format_table, load_factory
+    from kvstate.stateful.conform import (FactoryError, check_backend, conform, format_table, load_factory,
+                                          observed_tiers, use_cache_folder_for_hypothesis)
     from kvstate.stateful.configs import configs_for, configs_named
 
     try:
@@ -20,6 +21,11 @@ def _conform(args: argparse.Namespace) -> int:
             except KeyError as error:
                 raise FactoryError(f"the backend declares {error.args[0]}") from None
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
+        for config in configs:
+            print(f"  {config.describe()}")
+        print(f"observation tiers: {', '.join(observed_tiers(factory, configs[0])) or 'none'} "
+              f"(values, tokens, matched counts and errors are checked for every backend)", flush=True)
+        use_cache_folder_for_hypothesis()
         progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
         settings = None
         if args.examples or args.steps:

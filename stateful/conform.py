@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
 import sys
 import threading
 import time
@@ -28,6 +29,7 @@ from hypothesis.errors import FailedHealthCheck
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.spec.errors import KVStateError
+from kvstate.spec.invariants import tiers
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import CacheProtocol, Config, ContextProtocol, Factory
 
@@ -132,6 +134,22 @@ def _require(obj, protocol, what: str) -> None:
         names = [n for n in dir(protocol) if not n.startswith("_") or n == "__len__"]
         missing = [n for n in names if not hasattr(obj, n)]
         raise FactoryError(f"{what} ({type(obj).__name__}) lacks {missing}: it does not speak {protocol.__name__}")
+
+
+def observed_tiers(factory: Factory, config: Config) -> list[str]:
+    """The observation tiers the factory's caches expose (``spec.invariants.tiers``)."""
+    return tiers(factory(config).observe())
+
+
+def use_cache_folder_for_hypothesis() -> Path:
+    """Point Hypothesis's own files at the user's cache folder, never the working directory
+    (the profiles keep no example database; Hypothesis may still write other files)."""
+    from hypothesis.configuration import set_hypothesis_home_dir
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    folder = base / "kvstate" / "hypothesis"
+    set_hypothesis_home_dir(folder)
+    return folder
 
 
 # -- checks ----------------------------------------------------------------------------

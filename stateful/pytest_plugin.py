@@ -39,6 +39,8 @@ class ConformanceItem(pytest.Item):
         outcome = run_with_limit(CHECKS[self.check], self.factory, self.backend_config,
                                  PROFILES[options.getoption("kvstate_profile")],
                                  options.getoption("kvstate_time_limit"))
+        if outcome.status == "n/a":
+            pytest.skip(f"n/a: {outcome.detail}")
         if not outcome.passed:
             raise ConformanceFailure(f"{self.backend_config.name} / {self.check}: {outcome.status}\n{outcome.detail}")
 
@@ -69,5 +71,13 @@ def pytest_collection_modifyitems(session, config, items) -> None:
         for cfg in configs:
             for check in CHECKS:
                 items.append(ConformanceItem.from_parent(
-                    session, name=f"kvstate[{backend}][{cfg.name}][{check}]",
+                    session, name=f"kvstate[{_short(backend)}][{cfg.name}][{check}]",
                     backend=backend, factory=factory, backend_config=cfg, check=check))
+
+
+def _short(backend: str) -> str:
+    """A readable test id: ``path/to/engine.py:factory`` -> ``engine.py:factory`` (never ``../../..``)."""
+    module, colon, attribute = backend.partition(":")
+    if module.endswith(".py"):
+        module = module.replace("\\", "/").rsplit("/", 1)[-1]
+    return module + colon + attribute

@@ -1,0 +1,161 @@
+"""The semantics README.md pins for backend authors, one row each, and the check of each row.
+
+``ROWS`` is the single source of the table in README's "Write a backend" section
+(``tests/test_semantics_rows.py`` keeps the two identical). A row with a ``check``
+is exercised by the directed check ``pinned semantics``, whose failure quotes the
+row; a row without one is a freedom the suite grants, and the suite's own tests
+prove that a backend using it is not rejected (``tests/test_semantics_rows.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from kvstate.spec import errors
+from kvstate.spec.protocol import Config, Factory
+
+from . import ops as O
+from .directed_common import BrokenPromise, both, filled, keeping
+from .lockstep import Lockstep
+
+
+@dataclass(frozen=True)
+class Row:
+    topic: str
+    text: str
+    check: Callable[[Factory, Config, str], None] | None = None
+
+
+def _two_entries(factory: Factory, config: Config) -> Lockstep:
+    """c1 retained as key A, then its fork c2, one position longer, as key B (the newer)."""
+    run, _ = filled(factory, config, pages=1.5)
+    run.apply(O.Retain("c1"))
+    run.apply(O.Fork("c1"))
+    run.apply(O.Extend("c2", (1,), seed=2))
+    run.apply(O.Retain("c2"))
+    run.check()
+    return run
+
+
+def _miss(factory: Factory, config: Config, promise: str) -> None:
+    # Two entries, so a stamp on a miss would show as a change of order (one entry cannot show it).
+    run = _two_entries(factory, config) if config.max_entries >= 2 else filled(factory, config)[0]
+    with keeping(promise, run):
+        handle = run.apply(O.Match((7, 7)))          # shares not even a first token with any key
+        if len(run.live[handle][0]) != 0:
+            raise AssertionError(f"the miss returned a context of {len(run.live[handle][0])} positions")
+        run.check()                                   # entry order unchanged: nothing was stamped
+        run.finish()
+
+
+def _replace(factory: Factory, config: Config, promise: str) -> None:
+    run, _ = filled(factory, config)
+    with keeping(promise, run):
+        run.apply(O.Retain("c1"))
+        run.apply(O.Overwrite("c1", 0, (0,), seed=99))       # same tokens, new values
+        run.apply(O.Retain("c1"))
+        run.check()
+        run.apply(O.Match(tuple(run.live["c1"][1].tokens)))  # must read the newer values
+        run.check()
+        run.finish()
+
+
+def _exact(factory: Factory, config: Config, promise: str) -> None:
+    run, n = filled(factory, config)
+    with keeping(promise, run):
+        run.apply(O.Retain("c1"))
+        handle = run.apply(O.Match(tuple(run.live["c1"][1].tokens)))
+        run.check()
+        if config.match == "entry" and len(run.live[handle][0]) != n:
+            raise AssertionError(f"an exact-key match held {len(run.live[handle][0])} of {n} positions")
+        run.finish()
+
+
+def _clear(factory: Factory, config: Config, promise: str) -> None:
+    run, _ = filled(factory, config)
+    with keeping(promise, run):
+        run.apply(O.Retain("c1"))
+        run.apply(O.Clear())
+        run.check()
+        handle = run.apply(O.Match(tuple(run.live["c1"][1].tokens)))
+        if len(run.live[handle][0]) != 0:
+            raise AssertionError("a match after clear() still hit")
+        run.finish()
+
+
+def _full_pool(factory: Factory, config: Config, promise: str) -> None:
+    """Grow a retained context past the pool: each step either fits, falls back, evicts or is
+    refused, as declared; the reference (which counts pages) decides which."""
+    run, _ = filled(factory, config, pages=1)
+    limit = config.pool_limit or 4
+    with keeping(promise, run):
+        run.apply(O.Retain("c1"))
+        for step in range(limit + 2):
+            run.apply(O.Extend("c1", tuple([step % 3] * config.page_tokens), seed=10 + step))
+            run.check()
+        run.finish()
+
+
+def _precedence(factory: Factory, config: Config, promise: str) -> None:
+    run, n = filled(factory, config)
+    layout = config.layout
+    good = O.values_for(layout, 1, 5)
+    nan = good.copy()
+    nan[0, 0, 0, 0, 0] = np.nan
+    two = O.values_for(layout, 2, 5)
+    ctx, ref = run.live["c1"]
+    cases = [
+        ("extend([-1], NaN values)", errors.TokenError, lambda c: c.extend([-1], nan)),
+        ("extend([1], 2 rows of values)", errors.ShapeError, lambda c: c.extend([1], two)),
+        ("extend([1], float64 NaN values)", errors.DTypeError, lambda c: c.extend([1], nan.astype(np.float64))),
+        (f"overwrite({n + 5}, [1], NaN values)", errors.PositionError, lambda c: c.overwrite(n + 5, [1], nan)),
+    ]
+    for call, expected, do in cases:
+        _, _, error = both(run, promise, f"c1.{call}", lambda: do(ctx), lambda: do(ref))
+        if type(error) is not expected:
+            raise BrokenPromise(promise, f"c1.{call}", f"raised {type(error).__name__ if error else 'nothing'}, "
+                                                       f"the order gives {expected.__name__}")
+    run.apply(O.Close("c1"))
+    closed = [("extend([1], 2 rows of values) after close", errors.ShapeError, lambda c: c.extend([1], two)),
+              ("extend([1], NaN values) after close", errors.ContextClosedError, lambda c: c.extend([1], nan))]
+    for call, expected, do in closed:
+        _, _, error = both(run, promise, f"c1.{call}", lambda: do(ctx), lambda: do(ref))
+        if type(error) is not expected:
+            raise BrokenPromise(promise, f"c1.{call}", f"raised {type(error).__name__ if error else 'nothing'}, "
+                                                       f"the order gives {expected.__name__}")
+    run.finish()
+
+
+ROWS: list[Row] = [
+    Row("a miss", "`match` of tokens no entry shares returns a new, empty context and 0, and stamps no entry.", _miss),
+    Row("retain again", "Retaining a key that is already retained replaces that entry: the newer values win, "
+                        "and it becomes the most recently used.", _replace),
+    Row("exact key", "A key is a prefix of itself: matching a retained key exactly returns the whole entry.", _exact),
+    Row("clear()", "`clear()` drops every entry; a later `match` of a dropped key misses.", _clear),
+    Row("eviction order", "Only the order of entries (least recently used first) is compared, never tick numbers: "
+                          "a clock may start anywhere, reset on `clear()`, or advance on a miss."),
+    Row("full pool", "A pool that runs out does what the configuration declares (`on_full`): `fallback` to "
+                     "ordinary memory, `evict` least recently used entries that free a page, or `refuse` with "
+                     "`CapacityError`, changing nothing.", _full_pool),
+    Row("several bad inputs", "When several things are wrong, the first in this order decides the error: token "
+                              "ids, the K/V array's dtype and shape (rows against the token count included: "
+                              "`ShapeError`), the context (closed, busy), positions, the K/V values (non-finite, "
+                              "out of precision range), the pool.", _precedence),
+]
+
+
+def pinned_semantics(factory: Factory, config: Config) -> None:
+    """Every checked row of README's table of pinned semantics."""
+    for row in ROWS:
+        if row.check is not None:
+            row.check(factory, config, row.text)
+
+
+def readme_table() -> str:
+    """The table as README.md shows it."""
+    lines = ["| what | the rule |", "| --- | --- |"]
+    lines += [f"| {row.topic} | {row.text} |" for row in ROWS]
+    return "\n".join(lines)

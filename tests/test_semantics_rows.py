@@ -1,0 +1,104 @@
+"""README's table of pinned semantics: one source (stateful/directed_semantics.py), every checked
+row able to fail, and every freedom it grants granted."""
+
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from kvstate.impl import cache as cache_module
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.stateful.conform import conform, load_factory
+from kvstate.stateful.configs import config_named
+from kvstate.stateful.directed_semantics import ROWS, pinned_semantics, readme_table
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = settings(max_examples=25, stateful_step_count=15, derandomize=True, deadline=None, database=None)
+
+
+def test_readme_shows_exactly_the_rows_the_suite_checks():
+    assert readme_table() in (ROOT / "README.md").read_text()
+
+
+def test_every_checked_row_passes_on_our_engine_in_every_semantics():
+    from kvstate.stateful.configs import configs_for
+
+    for config in configs_for(numpy_factory):
+        pinned_semantics(numpy_factory, config)
+
+
+def _row(topic):
+    return next(row for row in ROWS if row.topic == topic)
+
+
+def test_a_miss_that_stamps_an_entry_breaks_the_miss_row(monkeypatch):
+    original = cache_module.Cache.match
+
+    def stamping_miss(cache, tokens):
+        ctx, matched = original(cache, tokens)
+        if matched == 0 and len(cache.tree):
+            cache.tree.stamp(next(cache.tree.entries()))      # a miss "touches" the oldest entry
+        return ctx, matched
+    monkeypatch.setattr(cache_module.Cache, "match", stamping_miss)
+    row = _row("a miss")
+    with pytest.raises(AssertionError, match="stamps no entry"):
+        row.check(numpy_factory, config_named("f32-heap"), row.text)
+
+
+def test_a_retain_that_keeps_the_older_entry_breaks_the_replace_row(monkeypatch):
+    from kvstate.impl import radix
+
+    original = radix.RadixTree.insert
+
+    def keep_older(tree, key, value):
+        node, depth = tree._descend(key)
+        if depth == len(key) and node.value is not None:
+            return value                          # "replaced" the newcomer: the old entry stays
+        return original(tree, key, value)
+    monkeypatch.setattr(radix.RadixTree, "insert", keep_older)
+    row = _row("retain again")
+    with pytest.raises(AssertionError, match="newer values win"):
+        row.check(numpy_factory, config_named("f32-heap"), row.text)
+
+
+def test_checking_values_before_positions_breaks_the_order_row(monkeypatch):
+    from kvstate.impl import context as context_module
+
+    original = context_module.Context.overwrite
+
+    def values_first(ctx, start, tokens, kv):
+        ctx._cache.store.encode(kv)               # NonFiniteError before the position is looked at
+        return original(ctx, start, tokens, kv)
+    monkeypatch.setattr(context_module.Context, "overwrite", values_first)
+    row = _row("several bad inputs")
+    with pytest.raises(AssertionError, match="first in this order decides"):
+        row.check(numpy_factory, config_named("f32-heap"), row.text)
+
+
+def test_a_clock_of_its_own_is_a_freedom_not_a_bug():
+    """The "eviction order" row: a backend whose clock starts at 1000, resets on clear() and
+    advances on a miss keeps the reference's order, so nothing may reject it."""
+    listcache = load_factory(str(ROOT / "examples" / "listcache.py"))
+    module = __import__(listcache.__module__)
+
+    class OwnClock(module.ListCache):
+        def __init__(self, config):
+            super().__init__(config)
+            self.clock = 1000
+
+        def match(self, tokens):
+            ctx, matched = super().match(tokens)
+            if matched == 0:
+                self.clock += 7                   # a miss advances it
+            return ctx, matched
+
+        def clear(self):
+            super().clear()
+            self.clock = 0                        # and clear() resets it
+
+    def factory(config):
+        return OwnClock(config)
+    factory.configs = listcache.configs[:1]
+    results = conform(factory, settings=SMALL, checks=["lockstep", "seeded", "prefix edges", "pinned semantics"])
+    assert len(results) == 1 and results[0].passed, results[0].failure
+    assert results[0].outcomes["lockstep"].steps > 100
