@@ -92,6 +92,7 @@ class Cache:
         device: str = "cpu",
         arena_pages: int = 0,
         max_entries: int = 64,
+        second_tier=None,
     ):
         if not isinstance(layout, Layout):
             raise ConfigError(f"layout must be a kvstate Layout, got {type(layout).__name__}")
@@ -108,6 +109,9 @@ class Cache:
         self.lock = threading.RLock()
         self._contexts: dict[int, Context] = {}
         self._next_context_id = 0
+        # A slower tier consulted by ``match`` on a miss or short hit (``kvstate.remote.SnapshotStore``):
+        # anything with ``consult(cache, tokens, (ctx, matched)) -> (ctx, matched)``.
+        self.second_tier = second_tier
 
     @classmethod
     def from_config(cls, config, store="numpy", device: str = "cpu") -> "Cache":
@@ -170,9 +174,11 @@ class Cache:
         query = pack(check_tokens(tokens))
         with self.lock:
             entry, matched = self.tree.lookup(query)
-            if entry is None:
-                return self._new_context([], 0), 0
-            return self._fork(entry), matched
+            found = (self._new_context([], 0), 0) if entry is None else (self._fork(entry), matched)
+        # -- second tier (issue 16): outside the lock, since it does I/O; it retains what it restores --
+        if self.second_tier is not None:
+            found = self.second_tier.consult(self, tokens, found)
+        return found
 
     def clear(self) -> None:
         """Drop every entry of the tree."""
