@@ -161,7 +161,11 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
         except BaseException:
             _abandon(file)
             raise
-        file.close()    # CompleteMultipartUpload (or the one PUT): the object appears whole
+        try:
+            file.close()    # CompleteMultipartUpload (or the one PUT): the object appears whole
+        except BaseException:
+            _abandon(file)  # an upload that did not complete is aborted, not left for the lifecycle rule
+            raise
         return
     folder, _, name = path.rstrip("/").rpartition("/")
     temp = f"{folder}/" if folder else ""
@@ -230,7 +234,10 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
                     and cause is not None and is_transient(cause):
                 _sleep_before(attempt)
                 continue
-            raise _naming(error, url) from error
+            named = _naming(error, url)
+            if named is error:
+                raise
+            raise named from error
         except Exception as error:     # noqa: BLE001 - translated into a named error below
             if isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
                 raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error

@@ -26,7 +26,7 @@ from kvstate.impl import Cache, remote_io
 from kvstate.impl import snapshot as snapshot_module
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec import Layout
-from kvstate.spec.errors import (SnapshotCorruptError, SnapshotError, SnapshotNotFoundError, SnapshotReadError,
+from kvstate.spec.errors import (SnapshotError, SnapshotNotFoundError, SnapshotReadError,
                                  SnapshotTruncatedError, SnapshotWriteError)
 from kvstate.spec.precision import PRECISIONS
 
@@ -77,9 +77,11 @@ class S3:
 @pytest.fixture(scope="module")
 def s3():
     pytest.importorskip("s3fs")
-    server_module = pytest.importorskip("moto.server")
+    pytest.importorskip("moto.server")
     pytest.importorskip("flask")
     pytest.importorskip("flask_cors")
+    from kvstate.bench.remote_restore import local_s3_server
+
     with pytest.MonkeyPatch.context() as patch:
         for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "AWS_PROFILE", "AWS_SESSION_TOKEN",
                      "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
@@ -91,19 +93,14 @@ def s3():
         patch.setenv("AWS_CONFIG_FILE", os.devnull)
         patch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
         patch.setenv("NO_PROXY", "127.0.0.1")
-        server = server_module.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        server.start()
-        try:
-            host, port = server.get_host_and_port()
-            assert host == "127.0.0.1"
-            store = S3(f"http://127.0.0.1:{port}", f"kvstate-{uuid.uuid4().hex[:12]}")
+        with local_s3_server() as endpoint:     # moto's server, a subprocess on 127.0.0.1, stopped on exit
+            assert endpoint.startswith("http://127.0.0.1:")
+            store = S3(endpoint, f"kvstate-{uuid.uuid4().hex[:12]}")
             store.fs.mkdir(store.bucket)
             # ctx.snapshot("s3://...") takes no options: it gets them from fsspec's config, as a user's would
             patch.setitem(fsspec.config.conf, "s3", store.options)
             patch.setattr(remote_io, "BACKOFF_S", 0.01)
             yield store
-        finally:
-            server.stop()
 
 
 # -- round trips ----------------------------------------------------------------------------
@@ -127,6 +124,41 @@ def test_s3_round_trip_of_a_multipart_object(s3):
         ctx.snapshot(s3.url("round/multipart.kvs"))
         with cache.restore(s3.url("round/multipart.kvs")) as back:
             assert bits(back) == bits(ctx)
+
+
+def test_streaming_holds_a_few_parts_up_and_no_extra_copy_down(s3, monkeypatch):
+    """Client allocations (tracemalloc: Python and NumPy, every thread; the server is another process).
+
+    Up: a few parts (about 6 of 5 MiB measured: s3fs's buffer, the part it cuts
+    from it, the HTTP body), however large the object; buffering the object whole
+    would hold more than the object. Down: the body the reader checks plus the
+    pages it fills (2x the object) plus a few blocks; fetching the whole object
+    first and then parsing it would hold 3x.
+    """
+    import tracemalloc
+
+    monkeypatch.setattr(remote_io, "PART_BYTES", 5 << 20)
+    monkeypatch.setattr(remote_io, "READ_BLOCK_BYTES", 1 << 20)
+    cache = Cache(BIG, page_tokens=256)
+    url = s3.url("memory/big.kvs")
+
+    def peak(fn):
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            result = fn()
+            return tracemalloc.get_traced_memory()[1] - base, result
+        finally:
+            tracemalloc.stop()
+    with filled(cache, 12_000, seed=9) as ctx:      # 47 MiB
+        up, _ = peak(lambda: ctx.snapshot(url))
+        size = s3.fs.size(url.removeprefix("s3://"))
+        assert size > 45 << 20
+        down, back = peak(lambda: cache.restore(url))
+        with back:
+            assert bits(back) == bits(ctx)
+    assert up < 0.75 * size, f"upload peaked at {up / 2**20:.1f} MiB for a {size / 2**20:.1f} MiB object"
+    assert down < 2 * size + 8 * (1 << 20), f"restore peaked at {down / 2**20:.1f} MiB for {size / 2**20:.1f} MiB"
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -265,6 +297,10 @@ class DyingProxy:
             pass
 
     def die(self):
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)     # wakes the accept(); close() alone would not
+        except OSError:
+            pass
         self.listener.close()
         with self.lock:
             for sock in self.sockets:
@@ -283,13 +319,19 @@ def test_a_server_that_dies_mid_upload_leaves_the_old_object_intact(s3, monkeypa
     old_bytes = s3.fs.cat(f"{s3.bucket}/{key}")
     proxy = DyingProxy(int(s3.endpoint.rsplit(":", 1)[1]))
     via_proxy = dict(s3.options, endpoint_url=f"http://127.0.0.1:{proxy.port}")
+    fsspec.filesystem("s3", **via_proxy).retries = 2     # the cached instance remote_io gets: s3fs's own retries, fewer
+    monkeypatch.setattr(remote_io, "ATTEMPTS", 2)
     with filled(cache, 2500, seed=8) as new:
         _fail_after(monkeypatch, 2 * 2500 * f32_bytes(BIG, 1) - (1 << 20), proxy.die)
         with pytest.raises(SnapshotWriteError) as caught:
             remote_io.publish(s3.url(key), new.snapshot, storage_options=via_proxy)
     message = str(caught.value)
-    assert f"after {remote_io.ATTEMPTS} attempts" in message and SECRET not in message
+    assert "after 2 attempts" in message and "EndpointConnectionError" in message and SECRET not in message
     assert s3.fs.cat(f"{s3.bucket}/{key}") == old_bytes       # asked of the server directly: it never died
+    before = cache.stats()
+    with pytest.raises(SnapshotReadError, match=f"{s3.url(key)} failed after 2 attempts") as caught:
+        remote_io.read(s3.url(key), cache.restore, storage_options=via_proxy)
+    assert SECRET not in str(caught.value) and cache.stats() == before
     with cache.restore(s3.url(key)) as back:
         assert len(back) == 32
 
@@ -368,6 +410,17 @@ def test_a_failed_memory_publication_leaves_no_object_and_no_temporary_key():
     assert fsspec.filesystem("memory").find(f"/{folder}") == []
     remote_io.publish(f"memory://{folder}/ctx.kvs", lambda file: file.write(b"whole"))
     assert fsspec.filesystem("memory").find(f"/{folder}") == [f"/{folder}/ctx.kvs"]
+
+
+def test_without_fsspec_a_url_is_refused_by_name(monkeypatch):
+    monkeypatch.setitem(sys.modules, "fsspec", None)     # import fsspec now raises ImportError
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match=r"kvstate\[remote\]"):
+            ctx.snapshot("s3://bucket/ctx.kvs")
+    with pytest.raises(SnapshotReadError, match=r"s3://bucket/ctx.kvs.*kvstate\[remote\]"):
+        cache.restore("s3://bucket/ctx.kvs")
+    assert cache.stats()["live_contexts"] == 0
 
 
 def test_messages_carry_no_credentials():
