@@ -371,6 +371,23 @@ def test_concurrent_writers_of_one_key_leave_one_whole_object(s3):
         ctx.close()
 
 
+def test_an_object_replaced_mid_read_is_read_again_whole_never_spliced(s3, monkeypatch):
+    monkeypatch.setattr(remote_io, "READ_BLOCK_BYTES", 1 << 20)     # several ranged GETs per read
+    key = f"{s3.bucket}/replaced/ctx.kvs"
+    old, new = bytes(range(256)) * (3 << 12), bytes(reversed(range(256))) * (3 << 12)    # 3 MiB each
+    s3.fs.pipe(key, old)
+    attempts = []
+
+    def parse(file):
+        attempts.append(1)
+        head = file.read(1 << 20)
+        if len(attempts) == 1:
+            s3.fs.pipe(key, new)          # another writer publishes between two ranged GETs
+        return head + file.read()
+    assert remote_io.read(f"s3://{key}", parse) == new
+    assert len(attempts) == 2             # the first read failed on If-Match and started over
+
+
 # -- retries and names ------------------------------------------------------------------------
 
 def test_transient_failures_are_retried_a_bounded_number_of_times(monkeypatch):
