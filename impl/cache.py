@@ -104,11 +104,13 @@ class Cache:
         max_pages: int = 0,
         pool_pages: int = 0,
         on_full: str = "fallback",
+        second_tier=None,
     ):
         """Storage (layout, page size, precision, store, device, arena) and the declared
         semantics of ``spec/semantics.py``: ``match``, ``block_tokens``, the tree's bounds
         ``max_entries`` and ``max_pages``, and the full-pool policy ``on_full`` over
-        ``pool_pages`` (0: the arena's size)."""
+        ``pool_pages`` (0: the arena's size). ``second_tier``: a ``kvstate.remote.SnapshotStore``
+        that ``match`` consults on a miss or a short hit."""
         if not isinstance(layout, Layout):
             raise ConfigError(f"layout must be a kvstate Layout, got {type(layout).__name__}")
         self.config = Config(layout, check_page_tokens(page_tokens), check_precision(precision), arena_pages,
@@ -127,6 +129,9 @@ class Cache:
         self.lock = threading.RLock()
         self._contexts: dict[int, Context] = {}
         self._next_context_id = 0
+        # A slower tier consulted by ``match`` on a miss or short hit (``kvstate.remote.SnapshotStore``):
+        # anything with ``consult(cache, tokens, (ctx, matched)) -> (ctx, matched)``.
+        self.second_tier = second_tier
 
     @classmethod
     def from_config(cls, config: Config, store="numpy", device: str = "cpu") -> "Cache":
@@ -200,9 +205,14 @@ class Cache:
         with self.lock:
             node, matched = self.find_hit(self.tree, query)
             if node is None:
-                return self._new_context([], 0), 0
-            self.tree.stamp(node)
-            return self._fork(node.value, length=matched), matched
+                found = self._new_context([], 0), 0
+            else:
+                self.tree.stamp(node)
+                found = self._fork(node.value, length=matched), matched
+        # The second tier (kvstate.remote) does I/O, so outside the lock; it retains what it restores.
+        if self.second_tier is not None:
+            found = self.second_tier.consult(self, tokens, found)
+        return found
 
     def clear(self) -> None:
         """Drop every entry of the tree."""

@@ -25,6 +25,8 @@ from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
 from kvstate.spec.errors import (SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
                                  SnapshotTruncatedError, SnapshotWriteError)
 
+from . import remote_io
+
 if TYPE_CHECKING:
     from .cache import Cache
     from .context import Context
@@ -78,6 +80,9 @@ def _write_to(file, ctx: "Context") -> None:
 
 def write_snapshot(ctx: "Context", target) -> None:
     """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed)."""
+    if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
+        return remote_io.publish(target, lambda file: _write_to(file, ctx))
+    target = remote_io.local_path(target)
     if hasattr(target, "write"):
         try:
             _write_to(target, ctx)
@@ -134,6 +139,9 @@ def _fsync_folder(folder: str) -> None:
 
 def restore_snapshot(cache: "Cache", source) -> "Context":
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream)."""
+    if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file))
+    source = remote_io.local_path(source)
     if hasattr(source, "read"):
         header, body, crc = read_snapshot(source, cache.layout, _remaining(source))
     else:

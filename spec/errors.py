@@ -117,6 +117,10 @@ class SnapshotWriteError(SnapshotError):
     """Writing failed (disk full, I/O error); the previous file at the target is intact."""
 
 
+class SnapshotReadError(SnapshotError):
+    """Reading failed before the snapshot could be checked (storage unreachable or refusing, after retries)."""
+
+
 # -- verification ----------------------------------------------------------------
 
 class ReplayFileError(InvalidInputError):

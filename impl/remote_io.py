@@ -1,0 +1,286 @@
+"""Snapshots at fsspec URLs (``s3://``, ``memory://``, ``gs://`` ...): streaming reads, atomic publication, retries.
+
+This module moves bytes; it neither writes nor checks the format. The one writer
+and the one reader of ``impl/snapshot.py`` run on the streams opened here, so a
+URL gets exactly the checks a file gets (header before sizing, real size against
+the declared one, checksum while reading, every value) and a refused object
+changes nothing in the cache.
+
+Publication is atomic: a reader of the URL sees the old object or the whole new
+one, never a part.
+
+- S3 (s3fs): the bytes go straight to the final key as one PUT (small objects) or
+  one multipart upload, which S3 shows only once ``CompleteMultipartUpload``
+  succeeds. On any failure the upload is aborted and the file is *not* closed,
+  since closing an s3fs file completes the upload with whatever parts it holds.
+  An abort that cannot reach the server leaves an incomplete upload, invisible
+  to readers; a bucket lifecycle rule (AbortIncompleteMultipartUpload) removes it.
+- Any other filesystem: a temporary key beside the target (``TEMP_PREFIX`` name
+  ``TEMP_SUFFIX``), then a move onto the target. That is atomic where the move is
+  (memory://, object stores whose move is copy-then-delete: the copy appears
+  whole); on a filesystem whose move is not atomic, neither is publication.
+- ``file://`` URLs are local paths (``local_path``): ``impl/snapshot.py`` writes
+  them with its own fsync-and-rename.
+
+Memory is bounded both ways: writes buffer at most one part (``PART_BYTES``)
+before it is uploaded, reads fetch ``READ_BLOCK_BYTES`` at a time into the
+reader's body buffer, so a 2 GB object is never held twice.
+
+Transient failures (connection refused or reset, timeouts, 5xx, an object
+replaced while it was being read) are retried up to ``ATTEMPTS`` times with
+exponential backoff and jitter; each retry starts over (a fresh upload, a fresh
+read), which is safe because neither has published or changed anything yet. Every
+failure is a ``SnapshotError`` subclass whose message names the URL with any
+credentials (``user:secret@``, query strings) removed.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import re
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+from urllib.parse import unquote, urlsplit, urlunsplit
+
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.errors import (KVStateError, SnapshotError, SnapshotNotFoundError, SnapshotReadError,
+                                 SnapshotWriteError)
+
+T = TypeVar("T")
+
+ATTEMPTS = 4                    # tries per read or publish, the first included
+BACKOFF_S = 0.25                # first wait; doubled each retry, +-50% jitter
+BACKOFF_CAP_S = 8.0
+PART_BYTES = 8 << 20            # multipart part size (S3's minimum is 5 MiB): the writer's buffer
+READ_BLOCK_BYTES = 8 << 20      # bytes fetched per ranged GET while streaming a restore
+
+_TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                     errno.ECONNABORTED, errno.EPIPE, errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO)}
+
+
+# -- URLs --------------------------------------------------------------------------------
+
+def is_remote(target) -> bool:
+    """Whether ``target`` is a URL for this module: a str with a scheme, other than ``file://``."""
+    return isinstance(target, str) and "://" in target and not target.startswith("file://")
+
+
+def local_path(target):
+    """The path of a ``file://`` URL; any other target unchanged."""
+    if isinstance(target, str) and target.startswith("file://"):
+        return unquote(urlsplit(target).path)
+    return target
+
+
+def redact(url: str) -> str:
+    """``url`` safe for messages and logs: no ``user:password@``, no query string or fragment (presigned keys)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def _describe(error: BaseException) -> str:
+    text = re.sub(r"//[^/\s@]*@", "//", str(error))           # credentials embedded in a URL
+    text = re.sub(r"\?[^\s'\"]*", "", text)                     # query strings (signatures)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+# -- filesystems -------------------------------------------------------------------------
+
+def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
+    try:
+        import fsspec
+    except ImportError:
+        raise error_class(f"{redact(url)}: snapshots at URLs need fsspec (pip install 'kvstate[remote]')") from None
+    try:
+        return fsspec.core.url_to_fs(url, **(storage_options or {}))
+    except (ImportError, ValueError) as error:
+        raise error_class(f"{redact(url)}: no filesystem for this URL ({_describe(error)}); "
+                          f"for s3:// pip install 'kvstate[remote]'") from None
+
+
+def _is_s3(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "s3" in protocols
+
+
+def _abandon(file) -> None:
+    """Drop a half-written file without publishing it; best effort (the server may be gone)."""
+    try:
+        discard = getattr(file, "discard", None)
+        if discard is not None:
+            discard()     # s3fs: AbortMultipartUpload
+    except Exception:     # noqa: BLE001 - the write already failed; that error is the one to report
+        pass
+    finally:
+        # An fsspec buffered file publishes on close() and on garbage collection unless marked closed.
+        try:
+            file.closed = True
+        except AttributeError:
+            pass
+
+
+# -- streams -----------------------------------------------------------------------------
+
+@contextmanager
+def open_read(url: str, storage_options: dict | None = None) -> Iterator:
+    """A seekable binary stream of the object at ``url``, fetched in ``READ_BLOCK_BYTES`` ranges.
+
+    On S3 every range is fetched with ``If-Match`` on the ETag seen at open, so
+    an object replaced mid-read fails (and is retried by ``read``) instead of
+    splicing two versions. No object there: ``SnapshotNotFoundError``.
+    """
+    fs, path = _filesystem(url, storage_options, SnapshotReadError)
+    fs.invalidate_cache(path)     # size and ETag from the server, not from an earlier listing
+    try:
+        file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+    except FileNotFoundError:
+        raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
+    with file:
+        yield file
+
+
+@contextmanager
+def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
+    """A binary stream whose bytes appear at ``url`` all at once when the block exits normally.
+
+    If the block raises, nothing is published and the previous object at ``url``
+    (if any) is untouched. See the module docstring for how, per filesystem.
+    """
+    fs, path = _filesystem(url, storage_options, SnapshotWriteError)
+    if _is_s3(fs):
+        file = fs.open(path, "wb", block_size=PART_BYTES)
+        try:
+            yield file
+        except BaseException:
+            _abandon(file)
+            raise
+        try:
+            file.close()    # CompleteMultipartUpload (or the one PUT): the object appears whole
+        except BaseException:
+            _abandon(file)  # an upload that did not complete is aborted, not left for the lifecycle rule
+            raise
+        return
+    folder, _, name = path.rstrip("/").rpartition("/")
+    temp = f"{folder}/" if folder else ""
+    temp += f"{fmt.TEMP_PREFIX}{name}.{uuid.uuid4().hex}{fmt.TEMP_SUFFIX}"
+    file = fs.open(temp, "wb")
+    try:
+        yield file
+    except BaseException:
+        _abandon(file)
+        _remove_quietly(fs, temp)
+        raise
+    try:
+        file.close()
+        fs.mv(temp, path)
+    except BaseException:
+        _remove_quietly(fs, temp)
+        raise
+
+
+def _remove_quietly(fs, path: str) -> None:
+    try:
+        if fs.exists(path):
+            fs.rm(path)
+    except Exception:     # noqa: BLE001 - best effort; a stray temporary key is never read as a snapshot
+        pass
+
+
+# -- whole operations, retried -------------------------------------------------------------
+
+def read(url: str, parse: Callable[[object], T], storage_options: dict | None = None) -> T:
+    """``parse(stream)`` on the object at ``url``, started over on transient failures.
+
+    ``parse`` must change nothing until it has read and checked everything
+    (``impl/snapshot.restore_snapshot`` on a stream does exactly that).
+    """
+    def attempt() -> T:
+        with open_read(url, storage_options) as file:
+            return parse(file)
+    return _retried(attempt, url, "restoring from", SnapshotReadError)
+
+
+def publish(url: str, fill: Callable[[object], None], storage_options: dict | None = None) -> None:
+    """Replace the object at ``url`` with what ``fill(stream)`` writes, atomically; retried on transient failures."""
+    def attempt() -> None:
+        with open_publish(url, storage_options) as file:
+            fill(file)
+    _retried(attempt, url, "writing a snapshot to", SnapshotWriteError)
+
+
+def exists(url: str, storage_options: dict | None = None) -> bool:
+    """Whether an object is stored at ``url`` (one HEAD on S3), retried on transient failures."""
+    def attempt() -> bool:
+        fs, path = _filesystem(url, storage_options, SnapshotReadError)
+        fs.invalidate_cache(path)
+        return fs.exists(path)
+    return _retried(attempt, url, "looking up", SnapshotReadError)
+
+
+def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[SnapshotError]) -> T:
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return action()
+        except KVStateError as error:
+            cause = error.__cause__
+            if attempt < ATTEMPTS and isinstance(error, (SnapshotReadError, SnapshotWriteError)) \
+                    and cause is not None and is_transient(cause):
+                _sleep_before(attempt)
+                continue
+            named = _naming(error, url)
+            if named is error:
+                raise
+            raise named from error
+        except Exception as error:     # noqa: BLE001 - translated into a named error below
+            if isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
+                raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error
+            if attempt < ATTEMPTS and is_transient(error):
+                _sleep_before(attempt)
+                continue
+            tries = f" after {attempt} attempts" if attempt > 1 else ""
+            raise error_class(f"{verb} {redact(url)} failed{tries}: {_describe(error)}"
+                              + ("; the previous object there is intact" if error_class is SnapshotWriteError
+                                 else "; nothing was changed")) from error
+    raise AssertionError("unreachable")
+
+
+def _naming(error: KVStateError, url: str) -> KVStateError:
+    """The same error class, its message prefixed with the (redacted) URL unless it names it already."""
+    where = redact(url)
+    if where in str(error):
+        return error
+    try:
+        return type(error)(f"{where}: {error}")
+    except TypeError:     # an error class with another constructor: keep it as it is
+        return error
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth another try: the network or the server failed, not the request or the object."""
+    if isinstance(error, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+                          FileExistsError)):
+        return False
+    if isinstance(error, (ConnectionError, TimeoutError)):
+        return True
+    if isinstance(error, OSError) and error.errno in _TRANSIENT_ERRNOS:
+        return True     # s3fs: EBUSY for an object replaced mid-read, EREMOTEIO for InternalError
+    for cls in type(error).__mro__:     # botocore / aiohttp transport errors, without importing either
+        if cls.__module__.split(".")[0] in ("botocore", "aiohttp", "urllib3") and \
+                cls.__name__ in ("ConnectionError", "HTTPClientError", "ClientConnectionError",
+                                 "ClientPayloadError", "ServerDisconnectedError", "ProtocolError"):
+            return True
+    text = str(error)
+    return any(mark in text for mark in ("SlowDown", "ServiceUnavailable", "RequestTimeout", "InternalError",
+                                         "503", "500 Internal"))
+
+
+def _sleep_before(attempt: int) -> None:
+    delay = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** (attempt - 1))
+    time.sleep(delay * random.uniform(0.5, 1.5))

@@ -1,0 +1,200 @@
+"""A second tier below the cache: contexts stored in object storage under their tokens.
+
+    from kvstate.remote import SnapshotStore
+    store = SnapshotStore("s3://bucket/kv/gpt2")          # one prefix per model (weights), see below
+    cache = Cache(layout, second_tier=store)              # match() now consults the store on a short hit
+
+``put(ctx)`` stores a context; ``get(cache, tokens)`` returns the longest stored
+prefix of ``tokens`` as a restored context and its length, the contract of
+``Cache.match`` one tier down. Every object is a plain snapshot (``ctx.snapshot``
+format) written and read through ``impl/remote_io.py``: atomic publication,
+streamed and checksummed reads, retries, named errors.
+
+Keys are content addresses: the SHA-256 of the prefix's token ids, under a folder
+for the layout and precision::
+
+    <url_prefix>/<layers>x<kv_heads>x<head_dim>-<precision>/<length>-<sha256 of int32 LE tokens>.kvs
+
+so two machines storing the same prefix write the same key with equivalent bytes,
+and a race between them is harmless (each write is atomic; either one wins). The
+key does not name the model: the values are only valid for the weights that
+produced them, so give each model its own ``url_prefix``.
+
+The index is the key scheme itself; nothing is listed. A lookup cannot ask the
+server "which prefixes of these tokens exist", so it asks about candidate
+lengths, longest first: the query's own length, then every multiple of
+``stride`` below it. ``put`` therefore stores a context at its own length (an
+exact resume finds it) and, when that is not a multiple of ``stride``, also at
+its longest multiple of ``stride`` (any longer conversation through the same
+tokens finds that one). The trade-off, in ``stride``:
+
+- a miss costs ``len(tokens) // stride + 1`` existence checks (HEADs), sent
+  ``probe_batch`` at a time in parallel, so about ``len // stride / probe_batch``
+  round trips; a smaller stride means more of them;
+- a shared-prefix hit recovers all but fewer than ``stride`` tokens of the shared
+  part (the caller prefills the rest); a larger stride leaves more to prefill;
+- a ``put`` writes up to twice the context's bytes (exact + aligned copy), once
+  per distinct prefix: a key already present is not written again.
+
+Eviction is not the store's: objects stay until the bucket's lifecycle rules
+(expire by age, abort incomplete multipart uploads) remove them. A lookup that
+finds an object gone between the check and the read treats that length as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvstate.impl import Cache, Context
+from kvstate.impl import remote_io
+from kvstate.spec.errors import InvalidInputError, SnapshotCorruptError, SnapshotNotFoundError
+from kvstate.spec.layout import check_tokens
+
+DEFAULT_STRIDE = 256
+DEFAULT_PROBE_BATCH = 8
+
+__all__ = ["SnapshotStore", "second_tier_match"]
+
+
+class SnapshotStore:
+    """Contexts stored under ``url_prefix`` (any fsspec URL), found again by their tokens."""
+
+    def __init__(self, url_prefix: str, stride: int = DEFAULT_STRIDE, probe_batch: int = DEFAULT_PROBE_BATCH,
+                 storage_options: dict | None = None):
+        if not isinstance(url_prefix, str) or "://" not in url_prefix:
+            raise InvalidInputError(f"url_prefix must be a URL such as 's3://bucket/kv', got {url_prefix!r}")
+        for name, value in (("stride", stride), ("probe_batch", probe_batch)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
+        self.url_prefix = url_prefix.rstrip("/")
+        self.stride = stride
+        self.probe_batch = probe_batch
+        self.storage_options = storage_options
+
+    def __repr__(self) -> str:
+        return f"SnapshotStore({remote_io.redact(self.url_prefix)!r}, stride={self.stride})"
+
+    # -- keys ------------------------------------------------------------------------
+
+    def url(self, cache: Cache, tokens) -> str:
+        """Where the context holding exactly ``tokens`` is stored for caches like ``cache``."""
+        tokens = check_tokens(tokens)
+        return self._url(cache, len(tokens), hashlib.sha256(_token_bytes(tokens)).hexdigest())
+
+    def _url(self, cache: Cache, length: int, digest: str) -> str:
+        layout = cache.layout
+        folder = f"{layout.layers}x{layout.kv_heads}x{layout.head_dim}-{cache.precision}"
+        return f"{self.url_prefix}/{folder}/{length}-{digest}.kvs"
+
+    def _candidates(self, cache: Cache, tokens: np.ndarray, longer_than: int) -> list[tuple[int, str]]:
+        """(length, url) of every length a lookup asks about, longest first; the tokens are hashed once."""
+        lengths = sorted({*range(self.stride, len(tokens) + 1, self.stride), len(tokens)} - {0})
+        lengths = [n for n in lengths if n > longer_than]
+        digest, data, done, found = hashlib.sha256(), _token_bytes(tokens), 0, []
+        for n in lengths:
+            digest.update(data[4 * done:4 * n])
+            done = n
+            found.append((n, self._url(cache, n, digest.copy().hexdigest())))
+        return found[::-1]
+
+    # -- the store -------------------------------------------------------------------
+
+    def put(self, ctx: Context) -> list[int]:
+        """Store ``ctx`` at its length and at its longest multiple of ``stride``; the lengths written.
+
+        A key already present is skipped (same tokens, same key). ``ctx`` is read,
+        never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
+        was stored before is intact.
+        """
+        if not isinstance(ctx, Context):
+            raise InvalidInputError(f"put needs a kvstate Context, got {type(ctx).__name__}")
+        cache, tokens = ctx._cache, np.asarray(ctx.tokens, dtype=np.int64)
+        aligned = len(tokens) // self.stride * self.stride
+        written = []
+        for n in sorted({len(tokens), aligned} - {0}, reverse=True):
+            url = self.url(cache, tokens[:n])
+            if remote_io.exists(url, self.storage_options):
+                continue
+            with ctx.fork() as part:
+                part.truncate(n)
+                remote_io.publish(url, part.snapshot, self.storage_options)
+            written.append(n)
+        return written
+
+    def lookup(self, cache: Cache, tokens, longer_than: int = 0) -> int:
+        """The longest stored prefix length of ``tokens`` above ``longer_than``, or 0: existence checks only."""
+        found = self._probe(cache, check_tokens(tokens), longer_than)
+        return found[0][0] if found else 0
+
+    def get(self, cache: Cache, tokens, longer_than: int = 0) -> tuple[Context, int]:
+        """A new context of ``cache`` holding the longest stored prefix of ``tokens``, and its length.
+
+        Only prefixes longer than ``longer_than`` count; none: an empty context and 0
+        (as ``Cache.match`` on a miss). A refused object raises its ``SnapshotError``
+        subclass, naming the URL, and changes nothing in ``cache``.
+        """
+        tokens = check_tokens(tokens)
+        for n, url in self._probe(cache, tokens, longer_than):
+            try:
+                ctx = remote_io.read(url, cache.restore, self.storage_options)
+            except SnapshotNotFoundError:
+                continue     # removed (lifecycle rule) since the check: a miss at this length
+            if len(ctx) != n or not np.array_equal(np.asarray(ctx.tokens), tokens[:n]):
+                ctx.close()
+                raise SnapshotCorruptError(
+                    f"{remote_io.redact(url)} holds {len(ctx)} positions whose tokens are not the {n} of its key")
+            return ctx, n
+        return cache.allocate(), 0
+
+    def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int) -> list[tuple[int, str]]:
+        """Stored (length, url) candidates, longest first, from the first batch that holds any."""
+        candidates = self._candidates(cache, tokens, longer_than)
+        if not candidates:
+            return []
+        with ThreadPoolExecutor(max_workers=min(self.probe_batch, len(candidates))) as pool:
+            for start in range(0, len(candidates), self.probe_batch):
+                batch = candidates[start:start + self.probe_batch]
+                present = list(pool.map(lambda item: remote_io.exists(item[1], self.storage_options), batch))
+                hits = [item for item, here in zip(batch, present) if here]
+                if hits:
+                    return hits + candidates[start + self.probe_batch:]    # shorter ones: fallbacks if one vanishes
+        return []
+
+    # -- the Cache hook (Cache(second_tier=store)) --------------------------------------------
+
+    def consult(self, cache: Cache, tokens, found: tuple[Context, int]) -> tuple[Context, int]:
+        """``found`` (what the cache matched) or, if the store holds a longer prefix, that one, retained."""
+        ctx, matched = found
+        tokens = check_tokens(tokens)
+        if matched >= len(tokens):
+            return found
+        try:
+            deeper, n = self.get(cache, tokens, longer_than=matched)
+        except BaseException:
+            ctx.close()
+            raise
+        if n == 0:
+            deeper.close()
+            return found
+        ctx.close()
+        cache.retain(deeper)     # the next match of these tokens is a local hit
+        return deeper, n
+
+
+def second_tier_match(cache: Cache, store: SnapshotStore, tokens) -> tuple[Context, int]:
+    """``cache.match(tokens)``, then ``store`` for a longer prefix; what the store gives is retained in ``cache``.
+
+    The returned context is the caller's, as from ``match``. On a cache built with
+    ``second_tier=store`` this is just ``cache.match(tokens)``.
+    """
+    if getattr(cache, "second_tier", None) is store:
+        return cache.match(tokens)
+    return store.consult(cache, tokens, cache.match(tokens))
+
+
+def _token_bytes(tokens: np.ndarray) -> bytes:
+    """Token ids as the snapshot format stores them (int32 little-endian), the input to a key's hash."""
+    return np.asarray(tokens).astype("<i4").tobytes()
