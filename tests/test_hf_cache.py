@@ -206,7 +206,8 @@ def test_snapshot_and_restore_then_continue(model, precision, tmp_path):
 CHILD = textwrap.dedent("""
     import sys, torch, transformers
     from kvstate import hf
-    folder, snap, out = sys.argv[1:4]
+    folder, snap, out, threads = sys.argv[1:5]
+    torch.set_num_threads(int(threads))      # the parent's: another count may reorder a reduction
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     cache = hf.KVStateCache.restore(model, snap)
     more = torch.load(folder + "/more.pt")
@@ -229,7 +230,8 @@ def test_restore_in_a_new_process(tmp_path):
     run(model, cache, steps(prompt, 9))
     cache.snapshot(tmp_path / "turn.kvs")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "turn.kvs"), str(tmp_path / "out.pt")],
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(tmp_path / "turn.kvs"), str(tmp_path / "out.pt"),
+                    str(torch.get_num_threads())],
                    check=True, env=env, timeout=120)
     child = torch.load(tmp_path / "out.pt")
     assert child["tokens"] == prompt[0].tolist() + more[0].tolist()
