@@ -123,7 +123,8 @@ def _sweep(args: argparse.Namespace) -> int:
             report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
                              args.shrink_limit, args.shrink_budget, shard_label=label,
                              executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
-                             resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr)
+                             resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
+                             window=cluster.window if cluster else None)
     except ClusterLostError as error:
         print(f"kvstate sweep: {error}", file=sys.stderr)
         return 2

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, TextIO
@@ -36,9 +37,27 @@ class ClusterSession:
     address: str
     client: object                   # distributed.Client
     executor: object                 # distributed.cfexecutor.ClientExecutor
+    resource: str                    # what the sweep's tasks ask for; admitted workers hold it
     workers: int                     # worker threads that passed the check at the start
     accepted: list[str] = field(default_factory=list)     # workers the gate let in (late joiners too)
     refused: dict[str, dict] = field(default_factory=dict)
+    _window: int = 0
+    _window_at: float = float("-inf")
+
+    def window(self) -> int:
+        """Runs to keep submitted: two per thread of the workers holding the sweep's resource
+        (one running, one ready), so that workers that join get runs and workers that die
+        held few. Asks the scheduler at most once a second; keeps the last answer if it fails."""
+        now = time.monotonic()
+        if now - self._window_at >= 1.0:
+            self._window_at = now
+            try:
+                workers = self.client.scheduler_info(n_workers=-1)["workers"].values()
+                threads = sum(w.get("nthreads", 1) for w in workers if w.get("resources", {}).get(self.resource))
+                self._window = 2 * max(threads, 1)
+            except Exception:       # a scheduler going away shows in the futures, not here
+                self._window = self._window or 2 * max(self.workers, 1)
+        return self._window
 
 
 def require_distributed():
@@ -72,7 +91,7 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
         check_workers(client, backend, here)
         gate = BackendGate(backend, here)
         session = ClusterSession(address, client, client.get_executor(pure=False, resources={gate.name: 1}),
-                                 workers=sum(client.nthreads().values()))
+                                 gate.name, workers=sum(client.nthreads().values()))
 
         def on_event(event) -> None:
             _, message = event

@@ -261,12 +261,13 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
           workers: int = 1, out_dir: Path = Path("sweep-out"), shrink_limit: int = 5,
           shrink_budget_s: float = 60.0, progress: TextIO | None = sys.stderr,
           shard_label: str | None = None, *, executor: Executor | None = None,
-          run_timeout: float | None = None, resume: bool = False, scheduler: str | None = None) -> SweepReport:
+          run_timeout: float | None = None, resume: bool = False, scheduler: str | None = None,
+          window: Callable[[], int] | None = None) -> SweepReport:
     """Run every (seed, configuration), then shrink up to ``shrink_limit`` failures (the first of
     each configuration and failure kind) and save every failure as a replay file.
 
     ``executor`` runs the tasks (a Dask ``ClientExecutor``; ``scheduler`` names it in the
-    report); without one, ``workers`` 1 runs in this process (planted bugs and debuggers see it)
+    report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one, ``workers`` 1 runs in this process (planted bugs and debuggers see it)
     and more use a process pool. Each finished run is journaled in ``out_dir`` as it arrives;
     ``resume`` runs only what the journal there lacks. When the pool or scheduler goes away
     (``ClusterLostError``) or on Ctrl-C, a partial report of what finished is written to
@@ -297,7 +298,7 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
                            time.perf_counter() - started, results, scheduler, partial, resumed)
 
     try:
-        for job, result in _map(pool, run_seed, todo):
+        for job, result in _map(pool, run_seed, todo, window):
             if isinstance(result, Exception):
                 result = crashed(job[1], job[2], steps, result)
             key = (result.config, result.seed)
@@ -317,7 +318,7 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
                 seen.add(kind)
                 chosen.append(r)
         jobs = [(backend, by_name[r.config], r, shrink_budget_s) for r in chosen if (r.config, r.seed) not in shrunk]
-        for job, result in _map(pool, shrink_result, jobs):
+        for job, result in _map(pool, shrink_result, jobs, window):
             if isinstance(result, Exception):
                 continue        # the failure stays, unshrunk; the shrinker's own trouble is no finding
             shrunk[(result.config, result.seed)] = result
@@ -366,26 +367,40 @@ def _leave_interrupts_to_parent() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _map(pool: Executor | None, function: Callable, jobs: list[tuple]) -> Iterator[tuple[tuple, object]]:
+def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
+         window: Callable[[], int] | None = None) -> Iterator[tuple[tuple, object]]:
     """(job, result) in completion order, in a pool or one by one here. A job whose task raised
     gets the exception as its result; a pool that went away (its futures cancelled under us,
     or broken) is ``ClusterLostError``.
 
-    Each future is let go as soon as its result is read: on a Dask cluster a result lives in
-    a worker's memory while its future is held, and one held after its worker dies is
-    computed again elsewhere (``as_completed`` would hold every future to the end).
+    ``window()`` caps the jobs submitted and not yet read (None: submit them all at once).
+    On a cluster, tasks the scheduler cannot hold back (ours ask for a resource) go to a
+    worker as soon as they are submitted, and a worker that dies takes the blame for every
+    task it held: enough deaths and Dask gives up on those tasks (``KilledWorker``) though
+    they never ran there. A window of a few tasks per worker thread keeps that to the runs
+    really in progress. Each future is let go once its result is read, too: a held
+    future's result stays in a worker's memory, and is computed again if that worker dies.
     """
     if pool is None:
         for job in jobs:
             yield job, function(*job)
         return
     finished: SimpleQueue = SimpleQueue()
-    pending = {}
-    for job in jobs:
-        future = pool.submit(function, *job)
-        pending[future] = job
-        future.add_done_callback(finished.put)
+    pending: dict = {}
+    waiting = iter(jobs)
+
+    def top_up() -> None:
+        limit = window() if window else len(jobs)
+        while len(pending) < limit:
+            job = next(waiting, None)
+            if job is None:
+                return
+            future = pool.submit(function, *job)
+            pending[future] = job
+            future.add_done_callback(finished.put)
+
     try:
+        top_up()
         while pending:
             future = finished.get()
             job = pending.pop(future)
@@ -397,6 +412,7 @@ def _map(pool: Executor | None, function: Callable, jobs: list[tuple]) -> Iterat
                 result = error
             del future
             yield job, result
+            top_up()
     finally:
         for future in pending:
             future.cancel()

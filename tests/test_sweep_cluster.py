@@ -24,6 +24,7 @@ import pytest
 
 from kvstate.cli import main
 from kvstate.spec.errors import BackendMismatchError
+from kvstate.stateful import replay as R
 from kvstate.stateful import sweep as S
 from kvstate.stateful.configs import configs_named
 
@@ -77,6 +78,19 @@ def factory(config):
 # Generator(seed).page_tokens for seeds 0..5 is [7, 3, 1, 4, 4, 5]: seeds 3 and 4 hang.
 HANGING_SEEDS = {3, 4}
 
+CRASHING_BACKEND = '''"""The NumPy engine, except that at page size 1 the process dies at once (a segfault, say)."""
+import os
+
+from kvstate.impl.numpy import factory as _engine
+
+
+def factory(config):
+    if config.page_tokens == 1:
+        os._exit(1)
+    return _engine(config)
+'''
+CRASHING_SEED = 2
+
 
 def _on_path(folder: Path) -> Path:
     """A Dask preload script putting ``folder`` first on a worker's sys.path."""
@@ -92,6 +106,7 @@ def backends(tmp_path_factory):
     folder = tmp_path_factory.mktemp("backends")
     (folder / "sweep_planted.py").write_text(PLANTED_BACKEND)
     (folder / "sweep_hanging.py").write_text(HANGING_BACKEND)
+    (folder / "sweep_crashing.py").write_text(CRASHING_BACKEND)
     odd = tmp_path_factory.mktemp("odd-backends")
     (odd / "sweep_planted.py").write_text(PLANTED_BACKEND + "# edited on one machine only\n")
     sys.path.insert(0, str(folder))
@@ -191,7 +206,8 @@ def test_a_killed_worker_loses_and_duplicates_no_run(cluster, tmp_path):
     killer = _when_runs(out, 3, lambda: os.kill(before[victim], signal.SIGKILL))
     with connect(local.scheduler_address, S.DEFAULT_BACKEND, out=None) as session:
         report = S.sweep(range(12), 150, configs, S.DEFAULT_BACKEND, session.workers, out,
-                         executor=session.executor, scheduler=session.address, progress=None)
+                         executor=session.executor, window=session.window, scheduler=session.address,
+                         progress=None)
         killer.join()
         client.wait_for_workers(2, timeout=30)          # the nanny's replacement joins ...
         deadline = time.monotonic() + 30
@@ -204,6 +220,28 @@ def test_a_killed_worker_loses_and_duplicates_no_run(cluster, tmp_path):
     assert sorted(_journal_runs(out)) == sorted(expected)                  # journaled once each too
     assert all(r.passed and r.steps == 150 for r in report.results)
     assert len(admitted) == 3 and victim in admitted
+
+
+@needs_distributed
+def test_a_run_that_kills_its_worker_is_a_crash_failure_of_its_seed(cluster, tmp_path):
+    from kvstate.stateful.cluster import connect
+
+    local, client = cluster
+    allowed, local.scheduler.allowed_failures = local.scheduler.allowed_failures, 0    # give up at once
+    try:
+        with connect(local.scheduler_address, "sweep_crashing", out=None) as session:
+            report = S.sweep(range(6), 40, configs_named(["f16-heap"]), "sweep_crashing", session.workers,
+                             tmp_path, executor=session.executor, window=session.window, progress=None)
+    finally:
+        local.scheduler.allowed_failures = allowed
+    client.wait_for_workers(2, timeout=30)
+    crashes = {r.seed: r for r in report.failures}
+    crash = crashes[CRASHING_SEED]
+    assert crash.failure.error == "KilledWorker" and crash.failure.phase == "crash" and not crash.minimised
+    assert len(R.load(crash.replay_file).ops) == 40              # the whole run, to reproduce the crash
+    # Dask blames every run its dead worker held: the window keeps that to one more per thread.
+    assert len(crashes) <= 2 and all(r.failure.error == "KilledWorker" for r in crashes.values())
+    assert len(report.results) == 6 and all(r.passed for r in report.results if r.seed not in crashes)
 
 
 @needs_distributed
@@ -221,7 +259,7 @@ def test_a_worker_with_other_code_gets_no_runs(cluster, backends, tmp_path):
             while not session.refused and time.monotonic() < deadline:
                 time.sleep(0.05)
             report = S.sweep(range(8), 40, configs_named(["f32-heap"]), "sweep_planted", session.workers,
-                             tmp_path / "late", executor=session.executor, progress=None)
+                             tmp_path / "late", executor=session.executor, window=session.window, progress=None)
         (odd_address, differs), = session.refused.items()
         assert set(differs) == {"backend source"}
         assert len(report.results) == 8
