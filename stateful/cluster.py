@@ -41,6 +41,7 @@ class ClusterSession:
     workers: int                     # worker threads that passed the check at the start
     accepted: list[str] = field(default_factory=list)     # workers the gate let in (late joiners too)
     refused: dict[str, dict] = field(default_factory=dict)
+    out: TextIO | None = None        # where refused late joiners are named
     _window: int = 0
     _window_at: float = float("-inf")
 
@@ -58,6 +59,19 @@ class ClusterSession:
             except Exception:       # a scheduler going away shows in the futures, not here
                 self._window = self._window or 2 * max(self.workers, 1)
         return self._window
+
+    def note(self, event: tuple) -> None:
+        """The gate's word on a worker (called on the client's event loop)."""
+        _, message = event
+        if message.get("accepted"):
+            self.accepted.append(message["worker"])
+            return
+        differs = {key: tuple(pair) for key, pair in message["differs"].items()}
+        self.refused[message["worker"]] = differs
+        if self.out is not None:
+            self.out.write(f"\nkvstate sweep: worker {message['worker']} joined with other code and gets no runs: "
+                           f"{describe(differs)}\n")
+            self.out.flush()
 
 
 def require_distributed():
@@ -86,27 +100,20 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
     try:
         try:
             client.wait_for_workers(1, timeout=timeout_s)
+            checked = check_workers(client, backend, here)
+            gate = BackendGate(backend, here)
+            session = ClusterSession(address, client, client.get_executor(pure=False, resources={gate.name: 1}),
+                                     gate.name, workers=sum(client.nthreads().values()), out=out,
+                                     accepted=checked)
+            # Events only name workers (the resource is what keeps work away): a subscription that
+            # reaches the scheduler after the gate's first words misses nothing that matters.
+            client.subscribe_topic(gate.name, session.note)
+            client.register_plugin(gate, name=gate.name)
         except TimeoutError:
             raise SweepError(f"the Dask scheduler at {address} has no workers (waited {timeout_s:g} s)") from None
-        check_workers(client, backend, here)
-        gate = BackendGate(backend, here)
-        session = ClusterSession(address, client, client.get_executor(pure=False, resources={gate.name: 1}),
-                                 gate.name, workers=sum(client.nthreads().values()))
-
-        def on_event(event) -> None:
-            _, message = event
-            if message.get("accepted"):
-                session.accepted.append(message["worker"])
-                return
-            differs = {key: tuple(pair) for key, pair in message["differs"].items()}
-            session.refused[message["worker"]] = differs
-            if out is not None:
-                out.write(f"\nkvstate sweep: worker {message['worker']} joined with other code and gets no runs: "
-                          f"{describe(differs)}\n")
-                out.flush()
-
-        client.subscribe_topic(gate.name, on_event)
-        client.register_plugin(gate, name=gate.name)
+        except OSError as error:        # distributed's CommClosedError is one
+            lost = True
+            raise SweepError(f"lost the Dask scheduler at {address} while checking its workers: {error}") from None
         yield session
     except ClusterLostError:
         lost = True
@@ -115,8 +122,8 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
         _close(client, lost)
 
 
-def check_workers(client, backend: str, here: dict) -> None:
-    """``BackendMismatchError`` unless every worker's fingerprint equals ``here``."""
+def check_workers(client, backend: str, here: dict) -> list[str]:
+    """The workers, all with fingerprint ``here``; ``BackendMismatchError`` if any differs."""
     found = client.run(fingerprint, backend, on_error="return")
     mismatched = {}
     for worker, theirs in sorted(found.items()):
@@ -129,6 +136,7 @@ def check_workers(client, backend: str, here: dict) -> None:
         lines = "; ".join(f"{worker}: {describe(differs)}" for worker, differs in mismatched.items())
         raise BackendMismatchError(f"{len(mismatched)} of {len(found)} workers would run other code than this "
                                    f"machine, so no run started. {lines}", mismatched)
+    return sorted(found)
 
 
 def _close(client, lost: bool) -> None:

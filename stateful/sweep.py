@@ -148,6 +148,18 @@ def shrinkable(result: RunResult) -> bool:
             and result.failure.error != RunTimeout.__name__)
 
 
+def to_shrink(results: Iterable[RunResult], limit: int) -> list[RunResult]:
+    """The first failure (by configuration, then seed) of each configuration and failure kind,
+    up to ``limit``: which ones does not depend on the order runs finished in."""
+    chosen, seen = [], set()
+    for r in sorted((r for r in results if shrinkable(r)), key=lambda r: (r.config, r.seed)):
+        kind = (r.config, r.failure.signature)
+        if kind not in seen and len(chosen) < limit:
+            seen.add(kind)
+            chosen.append(r)
+    return chosen
+
+
 def shrink_result(backend: str, config: Config, result: RunResult, budget_s: float) -> RunResult:
     """A failing run shrunk: its operations and failure replaced by the shrunk ones."""
     factory = _factory(backend)
@@ -267,8 +279,9 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     each configuration and failure kind) and save every failure as a replay file.
 
     ``executor`` runs the tasks (a Dask ``ClientExecutor``; ``scheduler`` names it in the
-    report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one, ``workers`` 1 runs in this process (planted bugs and debuggers see it)
-    and more use a process pool. Each finished run is journaled in ``out_dir`` as it arrives;
+    report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one,
+    ``workers`` 1 runs in this process (planted bugs and debuggers see it) and more use a
+    process pool. Each finished run is journaled in ``out_dir`` as it arrives;
     ``resume`` runs only what the journal there lacks. When the pool or scheduler goes away
     (``ClusterLostError``) or on Ctrl-C, a partial report of what finished is written to
     ``out_dir`` before the error propagates.
@@ -310,14 +323,8 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
                 meter.update(result)
         if meter:
             meter.close()
-        failed = sorted((r for r in runs.values() if shrinkable(r)), key=lambda r: (r.config, r.seed))
-        chosen, seen = [], set()
-        for r in failed:
-            kind = (r.config, r.failure.signature)
-            if kind not in seen and len(chosen) < shrink_limit:
-                seen.add(kind)
-                chosen.append(r)
-        jobs = [(backend, by_name[r.config], r, shrink_budget_s) for r in chosen if (r.config, r.seed) not in shrunk]
+        jobs = [(backend, by_name[r.config], r, shrink_budget_s) for r in to_shrink(runs.values(), shrink_limit)
+                if (r.config, r.seed) not in shrunk]
         for job, result in _map(pool, shrink_result, jobs, window):
             if isinstance(result, Exception):
                 continue        # the failure stays, unshrunk; the shrinker's own trouble is no finding
