@@ -10,6 +10,7 @@ short by a kill is ignored; so is a second line for a run already recorded.
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -48,13 +49,19 @@ class Journal:
     @classmethod
     def start(cls, out_dir: Path, plan: Plan) -> "Journal":
         out_dir.mkdir(parents=True, exist_ok=True)
-        journal = cls(open(out_dir / FILE, "w"))
+        journal = cls(open(out_dir / FILE, "w", encoding="utf-8"))
         journal._write({"kind": "plan", "format": FORMAT, **asdict(plan)})
         return journal
 
     @classmethod
     def reopen(cls, out_dir: Path) -> "Journal":
-        return cls(open(out_dir / FILE, "a"))
+        """Continue a journal, first cutting off a last line that a kill left half written
+        (appended to, it would be a broken line in the middle)."""
+        stream = open(out_dir / FILE, "r+b")
+        content = stream.read()
+        stream.truncate(content.rfind(b"\n") + 1)
+        stream.seek(0, 2)
+        return cls(io.TextIOWrapper(stream, encoding="utf-8"))
 
     def record_run(self, run: dict) -> None:
         self._write({"kind": "run", **run})

@@ -391,6 +391,25 @@ def test_resume_refuses_a_folder_without_a_journal_or_other_arguments(tmp_path, 
     assert "--steps 10, not 20" in capsys.readouterr().err
 
 
+def test_the_journal_survives_a_cut_last_line_and_refuses_other_code(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "3", "--steps", "10", "--configs", "f32-heap", "--out", str(out)]) == 0
+    journal = out / "runs.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])      # killed while writing the last run
+    assert main(["sweep", "--resume", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["runs_resumed"] == 2
+    assert sorted(_journal_runs(out)) == [("f32-heap", seed) for seed in range(3)]
+
+    plan = json.loads(lines[0])
+    plan["fingerprint"]["numpy"] = "0.0.1"                              # swept elsewhere, with other code
+    journal.write_text(json.dumps(plan) + "\n" + "\n".join(lines[1:3]) + "\n")
+    capsys.readouterr()
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "other code" in err and "numpy" in err and "0.0.1" in err
+
+
 def test_without_distributed_the_error_names_the_extra(monkeypatch, capsys, tmp_path):
     monkeypatch.setitem(sys.modules, "distributed", None)        # as if it were not installed
     assert main(["sweep", "--scheduler", "tcp://127.0.0.1:1", "--seeds", "1", "--out", str(tmp_path)]) == 2
