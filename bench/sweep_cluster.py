@@ -45,7 +45,7 @@ def _local_cluster(workers: int):
     from distributed import LocalCluster
 
     return LocalCluster(n_workers=workers, processes=True, threads_per_worker=1, host="127.0.0.1",
-                        dashboard_address=None, silence_logs=40)
+                        dashboard_address="127.0.0.1:0", silence_logs=40)
 
 
 def _process_cpu() -> float:

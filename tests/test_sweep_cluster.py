@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from importlib.util import find_spec
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -28,7 +27,16 @@ from kvstate.stateful import replay as R
 from kvstate.stateful import sweep as S
 from kvstate.stateful.configs import configs_named
 
-needs_distributed = pytest.mark.skipif(find_spec("distributed") is None,
+
+def _has_distributed() -> bool:
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_distributed = pytest.mark.skipif(not _has_distributed(),
                                        reason="needs Dask distributed (pip install 'kvstate[cluster]')")
 
 PLANTED_BACKEND = '''"""The NumPy engine with the missing copy-on-write of stateful/planted.py, in its own caches only."""
@@ -118,8 +126,9 @@ def backends(tmp_path_factory):
 def cluster(backends):
     from distributed import Client, LocalCluster
 
+    # dashboard_address None would still serve HTTP on port 8787; "127.0.0.1:0" takes a free one.
     with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
-                      dashboard_address=None, preload=[str(backends["preload"])]) as local:
+                      dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local:
         with Client(local, set_as_default=False) as client:
             yield local, client
 
@@ -131,7 +140,10 @@ def _free_port() -> int:
 
 
 def _start(module: str, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", f"distributed.cli.{module}", *args],
+    """``dask scheduler`` or ``dask worker``, every port of it on 127.0.0.1 (without
+    --dashboard-address their HTTP servers listen on every interface)."""
+    return subprocess.Popen([sys.executable, "-m", f"distributed.cli.{module}", *args, "--host", "127.0.0.1",
+                             "--no-dashboard", "--dashboard-address", "127.0.0.1:0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -249,8 +261,8 @@ def test_a_worker_with_other_code_gets_no_runs(cluster, backends, tmp_path):
     from kvstate.stateful.cluster import connect
 
     local, client = cluster
-    odd = _start("dask_worker", local.scheduler_address, "--nthreads", "1", "--no-nanny", "--no-dashboard",
-                 "--host", "127.0.0.1", "--preload", str(backends["odd preload"]))
+    odd = _start("dask_worker", local.scheduler_address, "--nthreads", "1", "--no-nanny",
+                 "--preload", str(backends["odd preload"]))
     try:
         # Joining mid-sweep: checked by the gate, refused, and never given a run.
         with connect(local.scheduler_address, "sweep_planted", out=None) as session:
@@ -300,8 +312,8 @@ def test_an_over_long_run_is_a_timeout_failure_of_its_seed(cluster, tmp_path, ca
 def test_a_lost_scheduler_ends_with_one_line_and_resume_finishes(tmp_path, monkeypatch, capfd):
     port = _free_port()
     address = f"tcp://127.0.0.1:{port}"
-    scheduler = _start("dask_scheduler", "--host", "127.0.0.1", "--port", str(port), "--no-dashboard")
-    worker = _start("dask_worker", address, "--nthreads", "1", "--no-dashboard", "--host", "127.0.0.1")
+    scheduler = _start("dask_scheduler", "--port", str(port))
+    worker = _start("dask_worker", address, "--nthreads", "1")
     out = tmp_path / "out"
     try:
         killer = _when_runs(out, 3, lambda: scheduler.send_signal(signal.SIGKILL))
