@@ -85,25 +85,60 @@ def _demo(args: argparse.Namespace) -> int:
     return demo(hf=args.hf)
 
 def _sweep(args: argparse.Namespace) -> int:
+    import os
+    from contextlib import nullcontext
     from pathlib import Path
 
+    from kvstate.spec.errors import ClusterLostError, SweepError
     from kvstate.stateful import sweep as S
     from kvstate.stateful.configs import configs_named, machine_configs
     from kvstate.stateful.conform import FactoryError
 
+    # --scheduler, else KVSTATE_SCHEDULER unless --workers asks for the local pool.
+    scheduler = args.scheduler or (None if args.workers else os.environ.get("KVSTATE_SCHEDULER") or None)
+    out_default = args.resume or "sweep-out"
     try:
-        seeds = S.parse_seed_range(args.seed_range) if args.seed_range else range(args.seeds)
-        label = None
-        if args.shard:
-            k, n = S.parse_shard(args.shard)
-            seeds, label = S.shard(seeds, k, n), args.shard
+        if args.resume:
+            seeds, label = _resume_arguments(args)
+        else:
+            seeds = S.parse_seed_range(args.seed_range) if args.seed_range else range(args.seeds)
+            label = None
+            if args.shard:
+                k, n = S.parse_shard(args.shard)
+                seeds, label = S.shard(seeds, k, n), args.shard
+        args.steps = 400 if args.steps is None else args.steps
+        args.backend = args.backend or S.DEFAULT_BACKEND
+        args.out = args.out or out_default
         configs = configs_named(args.configs.split(",")) if args.configs else machine_configs()
-        workers = S.resolve_workers(args.workers)
-        print(f"sweep: {len(seeds)} seeds x {len(configs)} configurations x {args.steps} steps "
-              f"against {args.backend}, {workers} worker(s){', shard ' + label if label else ''}", file=sys.stderr)
-        report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
-                         args.shrink_limit, args.shrink_budget, shard_label=label)
-    except (ValueError, KeyError, FactoryError) as error:
+        if scheduler and args.workers:
+            raise ValueError("--workers sizes the local pool; with --scheduler the cluster's workers run the sweep")
+        if scheduler:
+            from kvstate.stateful.cluster import connect
+
+            context = connect(scheduler, args.backend)
+        else:
+            context = nullcontext()
+        with context as cluster:
+            workers = cluster.workers if cluster else S.resolve_workers(args.workers or "1")
+            where = (f"{workers} worker thread(s) of Dask scheduler {scheduler}" if cluster
+                     else f"{workers} worker(s)")
+            print(f"sweep: {len(seeds)} seeds x {len(configs)} configurations x {args.steps} steps "
+                  f"against {args.backend}, {where}{', shard ' + label if label else ''}"
+                  f"{', resuming ' + args.out if args.resume else ''}", file=sys.stderr)
+            report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
+                             args.shrink_limit, args.shrink_budget, shard_label=label,
+                             executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
+                             resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
+                             window=cluster.window if cluster else None)
+    except ClusterLostError as error:
+        print(f"kvstate sweep: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        out = args.out or out_default
+        print(f"\nkvstate sweep: interrupted; partial report in {Path(out) / 'report.json'}; "
+              f"finish with: kvstate sweep --resume {out}", file=sys.stderr)
+        return 130
+    except (ValueError, KeyError, FactoryError, SweepError) as error:
         print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 2
     json_path, junit_path = S.write_reports(report, Path(args.out))
@@ -113,6 +148,31 @@ def _sweep(args: argparse.Namespace) -> int:
         print()
         print(S.failure_notes(report))
     return 1 if report.failures else 0
+
+
+def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
+    """The seeds and shard of the sweep in ``--resume OUT``; its backend, steps, configurations
+    and folder go into ``args``. Arguments given as well must agree with the journal."""
+    from pathlib import Path
+
+    from kvstate.spec.errors import ResumeError
+    from kvstate.stateful import journal
+
+    plan = journal.read(Path(args.resume)).plan
+    recorded = {"backend": plan.backend, "steps": plan.steps, "configs": ",".join(plan.configs), "out": args.resume}
+    clash = {}
+    for name, want in recorded.items():
+        given = getattr(args, name)
+        same = given is None or (Path(given).resolve() == Path(want).resolve() if name == "out" else given == want)
+        if not same:
+            clash[name] = given
+        setattr(args, name, want)
+    if args.shard is not None and args.shard != plan.shard:
+        clash["shard"] = args.shard
+    if clash:
+        raise ResumeError(f"{args.resume} holds a sweep with " + "; ".join(
+            f"--{name} {recorded.get(name, plan.shard)}, not {value}" for name, value in clash.items()))
+    return list(plan.seeds), plan.shard
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -192,12 +252,19 @@ def build_parser() -> argparse.ArgumentParser:
     which = sweep.add_mutually_exclusive_group(required=True)
     which.add_argument("--seeds", type=int, help="seeds 0..N-1")
     which.add_argument("--seed-range", help="seeds A..B-1, as A:B")
-    sweep.add_argument("--steps", type=int, default=400, help="operations per run (default 400)")
+    which.add_argument("--resume", metavar="OUT",
+                       help="finish the stopped sweep whose journal is in OUT, running only what it lacks")
+    sweep.add_argument("--steps", type=int, help="operations per run (default 400)")
     sweep.add_argument("--configs", help="comma-separated configuration names (default: all six)")
-    sweep.add_argument("--backend", default="kvstate.impl.numpy", help="package.module[:factory]")
-    sweep.add_argument("--workers", default="1", help="processes, or 'auto' for one per core (default 1)")
+    sweep.add_argument("--backend", help="package.module[:factory] (default kvstate.impl.numpy)")
+    sweep.add_argument("--workers", help="local processes, or 'auto' for one per core (default 1)")
+    sweep.add_argument("--scheduler", metavar="tcp://HOST:PORT",
+                       help="run on this Dask scheduler's workers (default: $KVSTATE_SCHEDULER unless --workers "
+                            "is given); needs the cluster extra: pip install 'kvstate[cluster]'")
+    sweep.add_argument("--run-timeout", type=float, metavar="SECONDS",
+                       help="a run still going after this long is a timeout failure of its seed")
     sweep.add_argument("--shard", help="K/N: run only the K-th of N disjoint shards of the seeds")
-    sweep.add_argument("--out", default="sweep-out", help="folder for report.json, junit.xml, replays/")
+    sweep.add_argument("--out", help="folder for report.json, junit.xml, replays/, runs.jsonl (default sweep-out)")
     sweep.add_argument("--shrink-limit", type=int, default=5, help="failures to shrink (default 5)")
     sweep.add_argument("--shrink-budget", type=float, default=60.0, help="seconds per shrink (default 60)")
     sweep.set_defaults(run=_sweep)

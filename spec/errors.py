@@ -138,3 +138,32 @@ class InvariantViolation(AssertionError):
         self.invariant = invariant
         self.detail = message
         super().__init__(f"invariant {invariant}: {message}")
+
+
+# -- sweeps ----------------------------------------------------------------------
+
+class SweepError(KVStateError):
+    """A sweep could not start, or stopped before its end (``kvstate sweep`` exits 2)."""
+
+
+class BackendMismatchError(SweepError):
+    """Workers would run another backend, kvstate, Python, NumPy or torch than the submitting machine.
+
+    ``differences`` maps each such worker to ``{what: (here, there)}``.
+    """
+
+    def __init__(self, message: str, differences: dict[str, dict[str, tuple]]):
+        self.differences = differences
+        super().__init__(message)
+
+
+class ClusterLostError(SweepError):
+    """The scheduler (or the local pool) went away mid-sweep; the finished runs are kept as a partial report."""
+
+
+class ResumeError(SweepError, InvalidInputError):
+    """``--resume`` names a folder without a sweep's journal, or arguments that differ from the journal's."""
+
+
+class RunTimeout(SweepError):
+    """One run went past ``--run-timeout``; it is recorded as that seed's failure."""

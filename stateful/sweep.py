@@ -10,28 +10,36 @@ command, not a test session; it needs its own progress line, its own report
 and a shrink phase that runs after the runs, and each task is one small
 picklable (backend path, config, seed). Under xdist all of that would go
 through pytest's collection, fixtures and plugins.
+
+The pool is any ``concurrent.futures.Executor``: a ``ProcessPoolExecutor`` here, or Dask's
+``ClientExecutor`` over a cluster (cluster.py). Everything else is one code path: the runs
+and the shrinks are the same tasks (runs.py), their results come back to this process, and this
+process alone writes the journal (journal.py), the replay files and the reports, in the
+folder the user ran the command in.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import xml.etree.ElementTree as ET
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
+from concurrent.futures import BrokenExecutor, CancelledError, Executor, ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Sequence, TextIO
+from queue import SimpleQueue
+from typing import Callable, Iterable, Iterator, Sequence, TextIO
 
+from kvstate.spec.errors import BackendMismatchError, ClusterLostError, ResumeError
 from kvstate.spec.protocol import Config
 
-from . import ops as O
-from .conform import load_factory
-from .generate import Generator
-from .lockstep import Lockstep
-from .replay import Failure, Replay, as_pytest, execute, load, save
-from .shrink import shrink
+from . import journal as J
+from .fingerprint import describe, differences, fingerprint
+from .replay import as_pytest, load
+from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
+                   save_replay, shrink_result, to_shrink)
 
 DEFAULT_BACKEND = "kvstate.impl.numpy"
 
@@ -60,93 +68,24 @@ def shard(seeds: Sequence[int], k: int, n: int) -> list[int]:
     return list(seeds)[k - 1::n]
 
 
-# -- one run ---------------------------------------------------------------------------
-
-@dataclass
-class RunResult:
-    config: str
-    seed: int
-    page_tokens: int
-    steps: int
-    seconds: float
-    cpu_seconds: float
-    failure: Failure | None = None
-    ops: list | None = None            # the operations that ran (JSON), kept only for failures
-    replay_file: str | None = None
-    minimised: bool = False
-
-    @property
-    def passed(self) -> bool:
-        return self.failure is None
-
-
-_factories: dict[str, Callable] = {}
-
-
-def _factory(backend: str):
-    if backend not in _factories:
-        _factories[backend] = load_factory(backend)
-    return _factories[backend]
-
-
-def run_seed(backend: str, config: Config, seed: int, steps: int) -> RunResult:
-    """Seed ``seed``'s ``steps`` operations against ``backend`` in ``config``, every invariant
-    after every step, and invariant 6 at the end."""
-    factory = _factory(backend)
-    generator = Generator(seed)
-    config = config.with_(page_tokens=generator.page_tokens)
-    lockstep = Lockstep(factory, config)
-    ran: list[O.Op] = []
-
-    def generated():
-        # Each operation is chosen from the state the previous ones left.
-        for _ in range(steps):
-            op = generator.next_op(lockstep)
-            ran.append(op)
-            yield op
-
-    started, cpu_started = time.perf_counter(), time.process_time()
-    failure, _ = execute(factory, config, generated(), lockstep=lockstep)
-    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure,
-                     [op.to_json() for op in ran] if failure else None)
-
-
-def shrink_result(backend: str, config: Config, result: RunResult, out_dir: Path, budget_s: float) -> RunResult:
-    """Shrink a failing run and save it as a replay file in ``out_dir``."""
-    factory = _factory(backend)
-    config = config.with_(page_tokens=result.page_tokens)
-    ops = [O.op_from_json(op) for op in result.ops]
-    shrunk, failure = shrink(factory, config, ops, result.failure, budget_s)
-    replay = Replay(backend, config, result.seed, shrunk, failure, minimised=True, original_steps=result.steps)
-    path = save(replay, out_dir / f"{config.name}-seed{result.seed}.json")
-    result.failure, result.replay_file, result.minimised = failure, str(path), True
-    result.ops = [op.to_json() for op in shrunk]
-    return result
-
-
-def save_unshrunk(backend: str, config: Config, result: RunResult, out_dir: Path) -> RunResult:
-    config = config.with_(page_tokens=result.page_tokens)
-    ops = [O.op_from_json(op) for op in result.ops]
-    replay = Replay(backend, config, result.seed, ops, result.failure, minimised=False, original_steps=result.steps)
-    result.replay_file = str(save(replay, out_dir / f"{config.name}-seed{result.seed}.json"))
-    return result
-
-
 # -- progress --------------------------------------------------------------------------
 
 class Progress:
     """One line on stderr: runs done, steps/s, ETA, failures. Redrawn in place on a terminal,
     printed every ``every_s`` seconds elsewhere (CI logs)."""
 
-    def __init__(self, total: int, stream: TextIO = sys.stderr, every_s: float = 10.0):
+    def __init__(self, total: int, stream: TextIO = sys.stderr, every_s: float = 10.0, already: int = 0,
+                 failures: int = 0):
         self.total, self.stream, self.every_s = total, stream, every_s
-        self.done = self.steps = self.failures = 0
+        self.done, self.failures = already, failures     # a resumed sweep starts where it stopped
+        self.fresh = self.steps = 0                      # rates count only this session's runs
         self.started = self.last = time.monotonic()
         self.tty = stream.isatty()
+        self.closed = False
 
     def update(self, result: RunResult) -> None:
         self.done += 1
+        self.fresh += 1
         self.steps += result.steps
         self.failures += not result.passed
         now = time.monotonic()
@@ -157,7 +96,7 @@ class Progress:
 
     def line(self, now: float) -> str:
         elapsed = max(now - self.started, 1e-9)
-        rate = self.done / elapsed
+        rate = self.fresh / elapsed
         eta = (self.total - self.done) / rate if rate else 0.0
         filled = int(30 * self.done / max(self.total, 1))
         return (f"[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} runs  "
@@ -165,8 +104,9 @@ class Progress:
                 f"failures {self.failures}")
 
     def close(self) -> None:
-        if self.tty:
+        if self.tty and not self.closed:
             self.stream.write("\n")
+        self.closed = True
 
 
 def _clock(seconds: float) -> str:
@@ -186,10 +126,17 @@ class SweepReport:
     shard: str | None
     wall_seconds: float
     results: list[RunResult]
+    scheduler: str | None = None     # the Dask scheduler's address; None for the local pool
+    partial: bool = False            # stopped before every run (and shrink) had finished
+    resumed: int = 0                 # runs taken from the journal of an earlier, stopped sweep
 
     @property
     def failures(self) -> list[RunResult]:
         return [r for r in self.results if not r.passed]
+
+    @property
+    def expected(self) -> int:
+        return len(self.seeds) * len(self.configs)
 
 
 def resolve_workers(workers: str | int) -> int:
@@ -204,59 +151,157 @@ def resolve_workers(workers: str | int) -> int:
 def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: str = DEFAULT_BACKEND,
           workers: int = 1, out_dir: Path = Path("sweep-out"), shrink_limit: int = 5,
           shrink_budget_s: float = 60.0, progress: TextIO | None = sys.stderr,
-          shard_label: str | None = None) -> SweepReport:
-    """Run every (seed, configuration), then shrink and save up to ``shrink_limit`` failures
-    (the first of each configuration and failure kind; the rest are saved unshrunk).
+          shard_label: str | None = None, *, executor: Executor | None = None,
+          run_timeout: float | None = None, resume: bool = False, scheduler: str | None = None,
+          window: Callable[[], int] | None = None) -> SweepReport:
+    """Run every (seed, configuration), then shrink up to ``shrink_limit`` failures (the first of
+    each configuration and failure kind) and save every failure as a replay file.
 
-    ``workers`` 1 runs in this process (planted bugs and debuggers see it); more use a pool.
+    ``executor`` runs the tasks (a Dask ``ClientExecutor``; ``scheduler`` names it in the
+    report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one,
+    ``workers`` 1 runs in this process (planted bugs and debuggers see it) and more use a
+    process pool. Each finished run is journaled in ``out_dir`` as it arrives;
+    ``resume`` runs only what the journal there lacks. When the pool or scheduler goes away
+    (``ClusterLostError``) or on Ctrl-C, a partial report of what finished is written to
+    ``out_dir`` before the error propagates.
     """
-    seeds = list(seeds)
-    out_dir = Path(out_dir)
-    _factory(backend)           # a bad backend path fails here, before any pool starts
+    seeds, out_dir = list(seeds), Path(out_dir)
+    factory_for(backend)        # a bad backend path fails here, before any pool starts
     by_name = {c.name: c for c in configs}
-    tasks = [(c, seed) for c in configs for seed in seeds]
-    meter = Progress(len(tasks), progress) if progress is not None else None
+    plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend))
+    runs, shrunk, log = _open_journal(out_dir, plan, resume)
+    resumed = len(runs)
+    order = [(c.name, seed) for c in configs for seed in seeds]
+    todo = [(backend, by_name[name], seed, steps, run_timeout) for name, seed in order if (name, seed) not in runs]
+    meter = (Progress(len(order), progress, already=resumed, failures=sum(not r.passed for r in runs.values()))
+             if progress is not None else None)
     started = time.perf_counter()
-    results: list[RunResult] = []
-    pool = ProcessPoolExecutor(workers) if workers > 1 else None
+    pool = executor
+    if pool is None and workers > 1:
+        pool = ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
+    completed = False
+
+    def report(partial: bool) -> SweepReport:
+        results = [shrunk.get(key, runs[key]) for key in order if key in runs]
+        for r in results:
+            if not r.passed:
+                save_replay(backend, by_name[r.config], r, out_dir / "replays")
+        return SweepReport(backend, steps, seeds, list(by_name), workers, shard_label,
+                           time.perf_counter() - started, results, scheduler, partial, resumed)
+
     try:
-        for result in _map(pool, run_seed, [(backend, c, seed, steps) for c, seed in tasks]):
-            results.append(result)
+        for job, result in _map(pool, run_seed, todo, window):
+            if isinstance(result, Exception):
+                result = crashed(job[1], job[2], steps, result)
+            key = (result.config, result.seed)
+            if key in runs:
+                continue        # counted once, whatever the executor delivers twice
+            runs[key] = result
+            log.record_run(result_to_json(result))
             if meter:
                 meter.update(result)
         if meter:
             meter.close()
-        failed = sorted((r for r in results if not r.passed), key=lambda r: (r.config, r.seed))
-        chosen, seen = [], set()
-        for r in failed:
-            kind = (r.config, r.failure.signature)
-            if kind not in seen and len(chosen) < shrink_limit:
-                seen.add(kind)
-                chosen.append(r)
-        replays = out_dir / "replays"
-        jobs = [(backend, by_name[r.config], r, replays, shrink_budget_s) for r in chosen]
-        shrunk = {(r.config, r.seed): r for r in _map(pool, shrink_result, jobs)}
-        for r in failed:
-            if (r.config, r.seed) not in shrunk:
-                save_unshrunk(backend, by_name[r.config], r, replays)
-        results = [shrunk.get((r.config, r.seed), r) for r in results]
+        jobs = [(backend, by_name[r.config], r, shrink_budget_s) for r in to_shrink(runs.values(), shrink_limit)
+                if (r.config, r.seed) not in shrunk]
+        for job, result in _map(pool, shrink_result, jobs, window):
+            if isinstance(result, Exception):
+                continue        # the failure stays, unshrunk; the shrinker's own trouble is no finding
+            shrunk[(result.config, result.seed)] = result
+            log.record_shrunk(result_to_json(result))
+        completed = True
+    except ClusterLostError:
+        if meter:
+            meter.close()
+        write_reports(report(partial=True), out_dir)
+        where = f"the Dask scheduler {scheduler}" if scheduler else "the local process pool"
+        raise ClusterLostError(f"lost {where} after {len(runs)} of {len(order)} runs; partial report in "
+                               f"{out_dir / 'report.json'}; finish with: kvstate sweep --resume {out_dir}") from None
+    except KeyboardInterrupt:
+        if meter:
+            meter.close()
+        write_reports(report(partial=True), out_dir)
+        raise
     finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-    results.sort(key=lambda r: ([c.name for c in configs].index(r.config), r.seed))
-    return SweepReport(backend, steps, seeds, [c.name for c in configs], workers, shard_label,
-                       time.perf_counter() - started, results)
+        log.close()
+        if executor is None and pool is not None:
+            pool.shutdown(wait=completed, cancel_futures=True)
+    return report(partial=False)
 
 
-def _map(pool, function, argument_tuples):
-    """Results in completion order: in a pool, or one by one here."""
+def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
+    """The runs and shrinks already done (none for a new sweep) and the journal to add to."""
+    if not resume:
+        return {}, {}, J.Journal.start(out_dir, plan)
+    recorded = J.read(out_dir)
+    mine, theirs = asdict(plan), asdict(recorded.plan)
+    changed = [key for key in mine if key != "fingerprint" and mine[key] != theirs[key]]
+    if changed:
+        raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
+                          + "; ".join(f"{key} {theirs[key]!r}, not {mine[key]!r}" for key in changed))
+    differs = differences(recorded.plan.fingerprint, plan.fingerprint)
+    if differs:
+        raise BackendMismatchError(f"{out_dir} was swept with other code than this machine has: {describe(differs)}",
+                                   {"this machine": differs})
+    runs = {key: result_from_json(entry) for key, entry in recorded.runs.items()}
+    shrunk = {key: result_from_json(entry) for key, entry in recorded.shrunk.items()}
+    return runs, shrunk, J.Journal.reopen(out_dir)
+
+
+def _leave_interrupts_to_parent() -> None:
+    """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
+         window: Callable[[], int] | None = None) -> Iterator[tuple[tuple, object]]:
+    """(job, result) in completion order, in a pool or one by one here. A job whose task raised
+    gets the exception as its result; a pool that went away (its futures cancelled under us,
+    or broken) is ``ClusterLostError``.
+
+    ``window()`` caps the jobs submitted and not yet read (None: submit them all at once).
+    On a cluster, tasks the scheduler cannot hold back (ours ask for a resource) go to a
+    worker as soon as they are submitted, and a worker that dies takes the blame for every
+    task it held: enough deaths and Dask gives up on those tasks (``KilledWorker``) though
+    they never ran there. A window of a few tasks per worker thread keeps that to the runs
+    really in progress. Each future is let go once its result is read, too: a held
+    future's result stays in a worker's memory, and is computed again if that worker dies.
+    """
     if pool is None:
-        for arguments in argument_tuples:
-            yield function(*arguments)
+        for job in jobs:
+            yield job, function(*job)
         return
-    futures: list[Future] = [pool.submit(function, *arguments) for arguments in argument_tuples]
-    for future in as_completed(futures):
-        yield future.result()
+    finished: SimpleQueue = SimpleQueue()
+    pending: dict = {}
+    waiting = iter(jobs)
+
+    def top_up() -> None:
+        limit = window() if window else len(jobs)
+        while len(pending) < limit:
+            job = next(waiting, None)
+            if job is None:
+                return
+            future = pool.submit(function, *job)
+            pending[future] = job
+            future.add_done_callback(finished.put)
+
+    try:
+        top_up()
+        while pending:
+            future = finished.get()
+            job = pending.pop(future)
+            try:
+                result = future.result()
+            except (CancelledError, BrokenExecutor):
+                raise ClusterLostError() from None
+            except Exception as error:
+                result = error
+            del future
+            yield job, result
+            top_up()
+    finally:
+        for future in pending:
+            future.cancel()
 
 
 # -- reports ---------------------------------------------------------------------------
@@ -287,9 +332,14 @@ def format_summary(report: SweepReport) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     total_steps = sum(r.steps for r in report.results)
+    where = f"{report.workers} worker{'s' if report.workers > 1 else ''}"
+    if report.scheduler:
+        where += f" of Dask scheduler {report.scheduler}"
     lines.append(f"\n{len(report.results)} runs, {total_steps} steps, {len(report.failures)} failures, "
                  f"wall {report.wall_seconds:.1f}s ({total_steps / max(report.wall_seconds, 1e-9):,.0f} steps/s "
-                 f"on {report.workers} worker{'s' if report.workers > 1 else ''})")
+                 f"on {where})")
+    if report.resumed:
+        lines.append(f"{report.resumed} of these runs were finished before the sweep was resumed")
     return "\n".join(lines)
 
 
@@ -297,6 +347,8 @@ def to_json(report: SweepReport) -> dict:
     return {
         "backend": report.backend, "steps": report.steps, "seeds": _compact(report.seeds),
         "configs": report.configs, "workers": report.workers, "shard": report.shard,
+        "scheduler": report.scheduler, "partial": report.partial, "runs": len(report.results),
+        "runs_expected": report.expected, "runs_resumed": report.resumed,
         "wall_seconds": round(report.wall_seconds, 3), "summary": summary_rows(report),
         "failures": [{"config": r.config, "seed": r.seed, "page_tokens": r.page_tokens, "steps": r.steps,
                       "failure": asdict(r.failure), "replay_file": r.replay_file, "minimised": r.minimised,

@@ -1,0 +1,65 @@
+"""A time limit on one run, in whatever thread runs it.
+
+A backend bug can make one operation loop forever (a cycle in a tree walk); the sweep
+must record that seed as a timeout and go on, not wait with it. Runs execute in the main
+thread of a pool process, or in a thread of a Dask worker's pool, where signals cannot
+reach (``signal.alarm`` works only in a main thread). So a timer thread raises
+``RunTimeout`` *in the running thread* through CPython's ``PyThreadState_SetAsyncExc``,
+delivered at that thread's next bytecode. Code blocked inside C (a lock that never opens)
+is not interrupted; Python-level loops, which is where a backend's own bugs live, are.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+from kvstate.spec.errors import RunTimeout
+
+# Own prototypes of the one C function, rather than argtypes set on ctypes.pythonapi's shared
+# entry: one passes the exception class, the other NULL ("take back the pending one").
+_raise_in = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)(
+    ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+_take_back = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
+    ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+
+
+class Deadline:
+    """``with Deadline(seconds):`` raises ``RunTimeout`` in this thread once ``seconds`` have
+    passed; ``fired`` tells afterwards whether it did. ``None`` means no limit.
+
+    Leaving the block disarms it under the same lock the timer fires under, and takes back an
+    exception fired but not yet delivered, so none escapes the block into the caller's code.
+    """
+
+    def __init__(self, seconds: float | None):
+        self.seconds = seconds
+        self.fired = False
+        self._lock = threading.Lock()
+        self._done = False
+        self._timer: threading.Timer | None = None
+        self._thread_id = 0
+
+    def __enter__(self) -> "Deadline":
+        if self.seconds is not None:
+            self._thread_id = threading.get_ident()
+            self._timer = threading.Timer(self.seconds, self._fire)
+            self._timer.daemon = True
+            self._timer.start()
+        return self
+
+    def _fire(self) -> None:
+        with self._lock:
+            if not self._done:
+                self.fired = True
+                _raise_in(self._thread_id, RunTimeout)
+
+    def __exit__(self, *exc_info) -> None:
+        if self._timer is None:
+            return
+        with self._lock:
+            self._done = True
+            self._timer.cancel()
+            if self.fired:
+                _take_back(self._thread_id, None)
+

@@ -1,0 +1,122 @@
+"""What a machine would run a sweep with: versions and source hashes, to compare across machines.
+
+A sweep's answer depends on the backend under test, on kvstate's own checking code (the
+reference model, the lockstep, the generator) and, through them, on Python and NumPy. Two
+machines that agree on all of these give the same report for the same seeds; a cluster
+whose workers disagree would mix answers from different code. So the sweep compares every
+worker's fingerprint with the submitting machine's before a worker gets a run.
+
+Sources are hashed by path relative to their package folder, so the same files installed
+under different prefixes (``/usr/lib/...`` here, a virtual environment there) agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import platform
+import sys
+from pathlib import Path
+
+import numpy
+
+import kvstate
+
+from .conform import load_factory
+
+# The folders a sweep's answer depends on, besides the backend: the spec it checks against, the
+# reference model, the engine the generator draws from, and the lockstep, generator and shrinker.
+CHECKER_PACKAGES = ("spec", "reference", "impl", "stateful")
+
+
+_taken: dict[str, dict] = {}
+
+
+def fingerprint(backend: str) -> dict[str, str | None]:
+    """This process's versions and source hashes for ``backend``; importing it is part of the
+    check (a worker that cannot import the backend differs in ``backend import``).
+
+    Taken once per process and backend: what a process runs is what it imported first, even
+    if the files change on disk later (a worker left running across an upgrade keeps its old
+    fingerprint, as it keeps its old code). A failed import is tried again next time.
+    """
+    if backend not in _taken:
+        found = _take(backend)
+        if found["backend import"] != "ok":
+            return found
+        _taken[backend] = found
+    return dict(_taken[backend])
+
+
+def _take(backend: str) -> dict[str, str | None]:
+    found: dict[str, str | None] = {
+        "python": platform.python_version(),
+        "kvstate": kvstate.__version__,
+        "kvstate source": _digest(_package_sources(Path(kvstate.__file__).parent, CHECKER_PACKAGES)),
+        "numpy": numpy.__version__,
+        "torch": _installed_version("torch"),
+    }
+    try:
+        load_factory(backend)
+        found["backend import"] = "ok"
+        found["backend source"] = _digest(backend_sources(backend))
+    except Exception as error:          # whatever stops the import is the difference to report
+        found["backend import"] = f"{type(error).__name__}: {error}"
+        found["backend source"] = None
+    return found
+
+
+def differences(here: dict, there: dict) -> dict[str, tuple]:
+    """``{what: (here, there)}`` for every entry the two fingerprints disagree on."""
+    return {key: (here.get(key), there.get(key)) for key in sorted(set(here) | set(there))
+            if here.get(key) != there.get(key)}
+
+
+def describe(differs: dict[str, tuple]) -> str:
+    return "; ".join(f"{key} {there!r} (here {here!r})" for key, (here, there) in differs.items())
+
+
+def backend_sources(backend: str) -> list[tuple[str, Path]]:
+    """The files a backend's code lives in, as (name relative to its folder, path): the whole
+    folder of the module's package (a backend split over sibling modules changes with any of
+    them), or just the file for a module outside any package."""
+    module_name = backend.partition(":")[0]
+    if module_name.endswith(".py"):
+        module = sys.modules[Path(module_name).stem]     # load_factory registers it by its stem
+    else:
+        module = importlib.import_module(module_name)
+    path = Path(module.__file__).resolve()
+    if getattr(module, "__path__", None) or module.__package__:
+        return _package_sources(path.parent, None)
+    return [(path.name, path)]
+
+
+def _package_sources(root: Path, subfolders: tuple[str, ...] | None) -> list[tuple[str, Path]]:
+    """Every ``.py`` file below ``root`` (or below the named subfolders of it), following the
+    symlinks kvstate's own package is made of."""
+    root = Path(root)
+    tops = [root / name for name in subfolders] if subfolders else [root]
+    files = []
+    for top in tops:
+        for path in top.rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                files.append((path.relative_to(root).as_posix(), path))
+    return sorted(files)
+
+
+def _digest(files: list[tuple[str, Path]]) -> str:
+    hasher = hashlib.sha256()
+    for name, path in files:
+        content = path.read_bytes()
+        hasher.update(f"{name}\0{len(content)}\0".encode())
+        hasher.update(content)
+    return hasher.hexdigest()[:16]
+
+
+def _installed_version(distribution: str) -> str | None:
+    """The installed version, without importing the package (importing torch takes seconds)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None

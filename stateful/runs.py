@@ -1,0 +1,142 @@
+"""One (configuration, seed) run of a sweep, and what becomes of it when it fails.
+
+These are the sweep's tasks: module-level functions of picklable arguments (backend path,
+configuration, seed, steps), so that a process pool or a Dask worker runs them by name, and
+their results (``RunResult``) travel back to the sweeping process. Only that process writes
+files (``save_replay``): a worker on another machine has no place to write them to.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from kvstate.spec.errors import RunTimeout
+from kvstate.spec.protocol import Config
+
+from . import ops as O
+from .conform import load_factory
+from .deadline import Deadline
+from .generate import Generator, generate
+from .lockstep import Lockstep
+from .replay import Failure, Replay, execute, save
+from .shrink import shrink
+
+
+@dataclass
+class RunResult:
+    config: str
+    seed: int
+    page_tokens: int
+    steps: int
+    seconds: float
+    cpu_seconds: float
+    failure: Failure | None = None
+    ops: list | None = None            # the operations that ran (JSON), kept only for failures
+    replay_file: str | None = None
+    minimised: bool = False
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+_factories: dict[str, Callable] = {}
+
+
+def factory_for(backend: str):
+    """The backend's factory, imported once per process (a pool process or a worker imports it
+    at its first run, not at each)."""
+    if backend not in _factories:
+        _factories[backend] = load_factory(backend)
+    return _factories[backend]
+
+
+def run_seed(backend: str, config: Config, seed: int, steps: int, timeout_s: float | None = None) -> RunResult:
+    """Seed ``seed``'s ``steps`` operations against ``backend`` in ``config``, every invariant
+    after every step, and invariant 6 at the end. Past ``timeout_s`` seconds the run stops and
+    is a ``RunTimeout`` failure at the step it had reached."""
+    factory = factory_for(backend)
+    generator = Generator(seed)
+    config = config.with_(page_tokens=generator.page_tokens)
+    ran: list[O.Op] = []
+    failure = None
+    started, cpu_started = time.perf_counter(), time.process_time()
+    try:
+        with Deadline(timeout_s) as deadline:
+            lockstep = Lockstep(factory, config)
+
+            def generated():
+                # Each operation is chosen from the state the previous ones left.
+                for _ in range(steps):
+                    op = generator.next_op(lockstep)
+                    ran.append(op)
+                    yield op
+
+            failure, _ = execute(factory, config, generated(), lockstep=lockstep)
+    except RunTimeout:
+        pass                    # raised outside execute's own catch; deadline.fired says it all
+    if deadline.fired:
+        failure = Failure(len(ran), "apply", str(ran[-1]) if ran else None, RunTimeout.__name__, None,
+                          f"the run took longer than --run-timeout {timeout_s:g} s")
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure,
+                     [op.to_json() for op in ran] if failure else None)
+
+
+def crashed(config: Config, seed: int, steps: int, error: BaseException) -> RunResult:
+    """A run that took its worker down with it (Dask gives up on a task after its worker died
+    ``allowed-failures`` times running it): a failure of that seed, kept with the whole
+    generated sequence so that its replay file reproduces the crash."""
+    page_tokens, ops = generate(seed, steps, config)
+    failure = Failure(steps, "crash", None, type(error).__name__, None, str(error) or repr(error))
+    return RunResult(config.name, seed, page_tokens, steps, 0.0, 0.0, failure, [op.to_json() for op in ops])
+
+
+def shrinkable(result: RunResult) -> bool:
+    """A timeout or a crash would make every shrinking try wait for it again: saved unshrunk."""
+    return (not result.passed and result.failure.phase != "crash"
+            and result.failure.error != RunTimeout.__name__)
+
+
+def to_shrink(results: Iterable[RunResult], limit: int) -> list[RunResult]:
+    """The first failure (by configuration, then seed) of each configuration and failure kind,
+    up to ``limit``: which ones does not depend on the order runs finished in."""
+    chosen, seen = [], set()
+    for r in sorted((r for r in results if shrinkable(r)), key=lambda r: (r.config, r.seed)):
+        kind = (r.config, r.failure.signature)
+        if kind not in seen and len(chosen) < limit:
+            seen.add(kind)
+            chosen.append(r)
+    return chosen
+
+
+def shrink_result(backend: str, config: Config, result: RunResult, budget_s: float) -> RunResult:
+    """A failing run shrunk: its operations and failure replaced by the shrunk ones."""
+    factory = factory_for(backend)
+    config = config.with_(page_tokens=result.page_tokens)
+    ops = [O.op_from_json(op) for op in result.ops]
+    shrunk, failure = shrink(factory, config, ops, result.failure, budget_s)
+    return RunResult(result.config, result.seed, result.page_tokens, result.steps, result.seconds,
+                     result.cpu_seconds, failure, [op.to_json() for op in shrunk], minimised=True)
+
+
+def save_replay(backend: str, config: Config, result: RunResult, replays: Path) -> RunResult:
+    """Write a failing run's replay file (shrunk or not) into ``replays`` and note where."""
+    config = config.with_(page_tokens=result.page_tokens)
+    ops = [O.op_from_json(op) for op in result.ops]
+    replay = Replay(backend, config, result.seed, ops, result.failure, minimised=result.minimised,
+                    original_steps=result.steps)
+    result.replay_file = str(save(replay, replays / f"{config.name}-seed{result.seed}.json"))
+    return result
+
+
+def result_to_json(result: RunResult) -> dict:
+    return asdict(result)
+
+
+def result_from_json(data: dict) -> RunResult:
+    failure = data.get("failure")
+    return RunResult(**{**data, "failure": Failure(**failure) if failure else None})

@@ -1,0 +1,49 @@
+"""A Dask worker plugin: a worker gets sweep runs only once it has shown the same fingerprint.
+
+Registered with the scheduler, the plugin's ``setup`` runs on every worker there now and on
+every worker that joins later (a replacement for a dead one, a machine added mid-sweep)
+before the scheduler knows it as able to run a sweep task. The sweep's tasks ask for a
+Dask *resource* named after the submitting machine's fingerprint; ``setup`` grants that
+resource (one unit per worker thread) only when the worker's own fingerprint matches. A
+worker that differs never holds the resource, so the scheduler never gives it a run; the
+plugin says so on an event topic, which the submitting client prints.
+
+A resource rather than a list of worker addresses: restrictions to addresses are fixed at
+submission, so the runs of a worker that dies could only wait for it, while any worker
+holding the resource (the dead one's replacement included) can take them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+
+from distributed import WorkerPlugin
+
+from .fingerprint import differences, fingerprint
+
+
+def gate_name(expected: dict) -> str:
+    """One name per fingerprint, for the resource, the plugin and the event topic: sweeps of
+    the same code share a gate; sweeps of different code never take each other's workers."""
+    digest = hashlib.sha256(json.dumps(expected, sort_keys=True).encode()).hexdigest()[:12]
+    return f"kvstate-sweep-{digest}"
+
+
+class BackendGate(WorkerPlugin):
+    def __init__(self, backend: str, expected: dict):
+        self.backend = backend
+        self.expected = expected
+        self.name = gate_name(expected)
+
+    async def setup(self, worker) -> None:
+        # Importing the backend may take a while: off the worker's event loop.
+        found = await asyncio.get_running_loop().run_in_executor(None, fingerprint, self.backend)
+        differs = differences(self.expected, found)
+        if differs:
+            worker.log_event(self.name, {"worker": worker.address, "accepted": False,
+                                         "differs": {key: list(pair) for key, pair in differs.items()}})
+            return
+        await worker.set_resources(**{self.name: worker.state.nthreads})
+        worker.log_event(self.name, {"worker": worker.address, "accepted": True})

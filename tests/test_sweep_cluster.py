@@ -1,0 +1,428 @@
+"""`kvstate sweep` on a Dask cluster started here on 127.0.0.1: the same answer as the local
+pool, a killed worker, a worker with other code, run timeouts, a lost scheduler, and resume.
+
+Backends with planted bugs are modules in a temporary folder that worker processes find
+through a preload script (tests/test_sweep.py plants bugs by patching this process, which a
+cluster's workers cannot see). Their bugs live in the caches their factory makes, so a
+worker process that ran one runs the plain NumPy engine unharmed afterwards.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+
+import pytest
+
+from kvstate.cli import main
+from kvstate.spec.errors import BackendMismatchError
+from kvstate.stateful import replay as R
+from kvstate.stateful import sweep as S
+from kvstate.stateful.configs import configs_named
+
+
+def _has_distributed() -> bool:
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_distributed = pytest.mark.skipif(not _has_distributed(),
+                                       reason="needs Dask distributed (pip install 'kvstate[cluster]')")
+
+PLANTED_BACKEND = '''"""The NumPy engine with the missing copy-on-write of stateful/planted.py, in its own caches only."""
+from kvstate.impl.context import Context
+from kvstate.impl.numpy import factory as _engine
+
+
+class _CopylessContext(Context):
+    def writable(self, index):
+        return self._pages[index]          # writes into a shared page instead of copying it
+
+
+def factory(config):
+    cache = _engine(config)
+    engine = type(cache)
+
+    def new_context(self, *args, **kwargs):
+        ctx = engine._new_context(self, *args, **kwargs)
+        ctx.__class__ = _CopylessContext
+        return ctx
+
+    cache.__class__ = type("Planted", (engine,), {"_new_context": new_context})
+    return cache
+'''
+
+HANGING_BACKEND = '''"""The NumPy engine, except that at page size 4 allocate spins for 20 s (for ever, to a sweep
+with a shorter --run-timeout; a test whose timeout is broken fails instead of hanging)."""
+import time
+
+from kvstate.impl.numpy import factory as _engine
+
+
+def _allocate_slowly(self):
+    started = time.monotonic()
+    while time.monotonic() - started < 20:
+        pass
+    return type(self).__mro__[1].allocate(self)
+
+
+def factory(config):
+    cache = _engine(config)
+    if config.page_tokens == 4:
+        cache.__class__ = type("Hanging", (type(cache),), {"allocate": _allocate_slowly})
+    return cache
+'''
+
+# Generator(seed).page_tokens for seeds 0..5 is [7, 3, 1, 4, 4, 5]: seeds 3 and 4 hang.
+HANGING_SEEDS = {3, 4}
+
+CRASHING_BACKEND = '''"""The NumPy engine, except that at page size 1 the process dies at once (a segfault, say)."""
+import os
+
+from kvstate.impl.numpy import factory as _engine
+
+
+def factory(config):
+    if config.page_tokens == 1:
+        os._exit(1)
+    return _engine(config)
+'''
+CRASHING_SEED = 2
+
+
+def _on_path(folder: Path) -> Path:
+    """A Dask preload script putting ``folder`` first on a worker's sys.path."""
+    script = folder / "on_path.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(folder)!r})\n")
+    return script
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory):
+    """The backend folder (on this process's path and the workers'), and an odd copy of it whose
+    planted backend has one more line: other source, same behaviour."""
+    folder = tmp_path_factory.mktemp("backends")
+    (folder / "sweep_planted.py").write_text(PLANTED_BACKEND)
+    (folder / "sweep_hanging.py").write_text(HANGING_BACKEND)
+    (folder / "sweep_crashing.py").write_text(CRASHING_BACKEND)
+    odd = tmp_path_factory.mktemp("odd-backends")
+    (odd / "sweep_planted.py").write_text(PLANTED_BACKEND + "# edited on one machine only\n")
+    sys.path.insert(0, str(folder))
+    yield {"preload": _on_path(folder), "odd preload": _on_path(odd)}
+    sys.path.remove(str(folder))
+
+
+@pytest.fixture(scope="module")
+def cluster(backends):
+    from distributed import Client, LocalCluster
+
+    # dashboard_address None would still serve HTTP on port 8787; "127.0.0.1:0" takes a free one.
+    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local:
+        with Client(local, set_as_default=False) as client:
+            yield local, client
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(module: str, *args: str) -> subprocess.Popen:
+    """``dask scheduler`` or ``dask worker``, every port of it on 127.0.0.1 (without
+    --dashboard-address their HTTP servers listen on every interface)."""
+    return subprocess.Popen([sys.executable, "-m", f"distributed.cli.{module}", *args, "--host", "127.0.0.1",
+                             "--no-dashboard", "--dashboard-address", "127.0.0.1:0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _journal_runs(out: Path) -> list[tuple[str, int]]:
+    try:
+        lines = (out / "runs.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    entries = [json.loads(line) for line in lines if line.endswith("}")]
+    return [(e["config"], e["seed"]) for e in entries if e["kind"] == "run"]
+
+
+def _when_runs(out: Path, count: int, action, timeout_s: float = 60.0) -> threading.Thread:
+    """Call ``action`` from another thread once the journal in ``out`` holds ``count`` runs."""
+    def watch():
+        deadline = time.monotonic() + timeout_s
+        while len(_journal_runs(out)) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        action()
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _failures(out: Path) -> list[dict]:
+    """report.json's failures, with replay files named by their file name alone."""
+    failures = json.loads((out / "report.json").read_text())["failures"]
+    return [{**f, "replay_file": Path(f["replay_file"]).name} for f in failures]
+
+
+def _replays(out: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted((out / "replays").glob("*.json"))}
+
+
+# -- the same answer -------------------------------------------------------------------------
+
+@needs_distributed
+def test_cluster_report_equals_the_local_pools(cluster, tmp_path, monkeypatch, capsys):
+    local, _ = cluster
+    configs = configs_named(["f32-heap", "q8-arena6"])
+    # A spawned pool: forking this process, which runs the cluster's threads, is not safe.
+    with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        report = S.sweep(range(6), 60, configs, "sweep_planted", 2, tmp_path / "local", executor=pool,
+                         progress=None)
+    S.write_reports(report, tmp_path / "local")
+    assert report.failures                                          # the planted bug is found locally
+
+    monkeypatch.setenv("KVSTATE_SCHEDULER", local.scheduler_address)       # the variable, not the flag
+    assert main(["sweep", "--seeds", "6", "--steps", "60", "--configs", "f32-heap,q8-arena6",
+                 "--backend", "sweep_planted", "--out", str(tmp_path / "cluster")]) == 1
+    assert "failures" in capsys.readouterr().err                    # the same progress line
+    on_cluster = json.loads((tmp_path / "cluster" / "report.json").read_text())
+    assert on_cluster["scheduler"] == local.scheduler_address and not on_cluster["partial"]
+    assert _failures(tmp_path / "cluster") == _failures(tmp_path / "local")
+    assert any(f["minimised"] for f in _failures(tmp_path / "cluster"))
+    assert _replays(tmp_path / "cluster") == _replays(tmp_path / "local")      # byte for byte
+    assert [(row["runs"], row["steps"], row["failures"]) for row in on_cluster["summary"]] == \
+        [(row["runs"], row["steps"], row["failures"]) for row in S.summary_rows(report)]
+
+
+# -- faults ----------------------------------------------------------------------------------
+
+@needs_distributed
+def test_a_killed_worker_loses_and_duplicates_no_run(cluster, tmp_path):
+    from kvstate.stateful.cluster import connect
+
+    local, client = cluster
+    out = tmp_path / "out"
+    configs = configs_named(["f32-heap", "f16-arena6"])
+    before = client.run(os.getpid)
+    victim = sorted(before)[0]
+    killer = _when_runs(out, 3, lambda: os.kill(before[victim], signal.SIGKILL))
+    with connect(local.scheduler_address, S.DEFAULT_BACKEND, out=None) as session:
+        report = S.sweep(range(12), 150, configs, S.DEFAULT_BACKEND, session.workers, out,
+                         executor=session.executor, window=session.window, scheduler=session.address,
+                         progress=None)
+        killer.join()
+        client.wait_for_workers(2, timeout=30)          # the nanny's replacement joins ...
+        deadline = time.monotonic() + 30
+        while len(set(session.accepted)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        admitted = set(session.accepted)                # ... and is checked before it gets work
+    assert victim not in client.run(os.getpid)         # the worker really died mid-sweep
+    expected = [(c.name, seed) for c in configs for seed in range(12)]
+    assert [(r.config, r.seed) for r in report.results] == expected       # each once, none lost
+    assert sorted(_journal_runs(out)) == sorted(expected)                  # journaled once each too
+    assert all(r.passed and r.steps == 150 for r in report.results)
+    assert len(admitted) == 3 and victim in admitted
+
+
+@needs_distributed
+def test_a_run_that_kills_its_worker_is_a_crash_failure_of_its_seed(cluster, tmp_path):
+    from kvstate.stateful.cluster import connect
+
+    local, client = cluster
+    allowed, local.scheduler.allowed_failures = local.scheduler.allowed_failures, 0    # give up at once
+    try:
+        with connect(local.scheduler_address, "sweep_crashing", out=None) as session:
+            report = S.sweep(range(6), 40, configs_named(["f16-heap"]), "sweep_crashing", session.workers,
+                             tmp_path, executor=session.executor, window=session.window, progress=None)
+    finally:
+        local.scheduler.allowed_failures = allowed
+    client.wait_for_workers(2, timeout=30)
+    crashes = {r.seed: r for r in report.failures}
+    crash = crashes[CRASHING_SEED]
+    assert crash.failure.error == "KilledWorker" and crash.failure.phase == "crash" and not crash.minimised
+    assert len(R.load(crash.replay_file).ops) == 40              # the whole run, to reproduce the crash
+    # Dask blames every run its dead worker held: the window keeps that to one more per thread.
+    assert len(crashes) <= 2 and all(r.failure.error == "KilledWorker" for r in crashes.values())
+    assert len(report.results) == 6 and all(r.passed for r in report.results if r.seed not in crashes)
+
+
+@needs_distributed
+def test_a_worker_with_other_code_gets_no_runs(cluster, backends, tmp_path):
+    from kvstate.stateful.cluster import connect
+
+    local, client = cluster
+    odd = _start("dask_worker", local.scheduler_address, "--nthreads", "1", "--no-nanny",
+                 "--preload", str(backends["odd preload"]))
+    try:
+        # Joining mid-sweep: checked by the gate, refused, and never given a run.
+        with connect(local.scheduler_address, "sweep_planted", out=None) as session:
+            client.wait_for_workers(3, timeout=60)
+            deadline = time.monotonic() + 30
+            while not session.refused and time.monotonic() < deadline:
+                time.sleep(0.05)
+            report = S.sweep(range(8), 40, configs_named(["f32-heap"]), "sweep_planted", session.workers,
+                             tmp_path / "late", executor=session.executor, window=session.window, progress=None)
+        (odd_address, differs), = session.refused.items()
+        assert set(differs) == {"backend source"}
+        assert len(report.results) == 8
+        executed = client.run(lambda dask_worker: dask_worker.state.executed_count)
+        assert executed[odd_address] == 0 and sum(executed.values()) >= 8
+
+        # There from the start: the sweep is refused, naming it, before any run.
+        out = tmp_path / "refused"
+        with pytest.raises(BackendMismatchError) as refused:
+            with connect(local.scheduler_address, "sweep_planted", out=None) as session:
+                S.sweep(range(8), 40, configs_named(["f32-heap"]), "sweep_planted", session.workers, out,
+                        executor=session.executor, progress=None)
+        assert list(refused.value.differences) == [odd_address]
+        assert odd_address in str(refused.value) and "backend source" in str(refused.value)
+        assert not out.exists()
+    finally:
+        odd.kill()
+        odd.wait()
+
+
+@needs_distributed
+def test_an_over_long_run_is_a_timeout_failure_of_its_seed(cluster, tmp_path, capsys):
+    local, _ = cluster
+    for where in (["--scheduler", local.scheduler_address], ["--workers", "1"]):      # worker threads, main thread
+        out = tmp_path / where[0].strip("-")
+        started = time.monotonic()
+        assert main(["sweep", "--seeds", "6", "--steps", "40", "--configs", "f32-heap", "--backend", "sweep_hanging",
+                     "--run-timeout", "0.5", "--out", str(out), *where]) == 1
+        assert time.monotonic() - started < 15
+        failures = json.loads((out / "report.json").read_text())["failures"]
+        assert {f["seed"] for f in failures} == HANGING_SEEDS
+        assert all(f["failure"]["error"] == "RunTimeout" and f["failure"]["op"] == "allocate()" and
+                   not f["minimised"] for f in failures)
+    capsys.readouterr()
+
+
+@needs_distributed
+def test_a_lost_scheduler_ends_with_one_line_and_resume_finishes(tmp_path, monkeypatch, capfd):
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    scheduler = _start("dask_scheduler", "--port", str(port))
+    worker = _start("dask_worker", address, "--nthreads", "1")
+    out = tmp_path / "out"
+    try:
+        killer = _when_runs(out, 3, lambda: scheduler.send_signal(signal.SIGKILL))
+        code = main(["sweep", "--scheduler", address, "--seeds", "10", "--steps", "150", "--configs", "q8-heap",
+                     "--out", str(out)])
+        killer.join()
+    finally:
+        for process in (scheduler, worker):
+            process.kill()
+            process.wait()
+    err = capfd.readouterr().err
+    assert code == 2
+    lost = [line for line in err.splitlines() if line.startswith("kvstate sweep:")]
+    assert len(lost) == 1 and f"--resume {out}" in lost[0] and "Traceback" not in err
+    partial = json.loads((out / "report.json").read_text())
+    finished = len(_journal_runs(out))
+    assert partial["partial"] and 3 <= partial["runs"] == finished < 10
+
+    # Resume with the local pool: only the runs the journal lacks run.
+    ran = []
+    real = S.run_seed
+    monkeypatch.setattr(S, "run_seed", lambda *job: ran.append(job[2]) or real(*job))
+    assert main(["sweep", "--resume", str(out)]) == 0
+    done = json.loads((out / "report.json").read_text())
+    assert len(ran) == 10 - finished and not done["partial"]
+    assert (done["runs"], done["runs_resumed"]) == (10, finished)
+    assert sorted(_journal_runs(out)) == [("q8-heap", seed) for seed in range(10)]
+
+
+# -- resume after Ctrl-C ---------------------------------------------------------------------
+
+def test_resume_after_ctrl_c_gives_the_uninterrupted_answer(tmp_path, monkeypatch):
+    from kvstate.stateful.planted import PLANTED
+
+    configs = configs_named(["f32-heap"])
+    with PLANTED["missing_copy_on_write"]():
+        whole = S.sweep(range(8), 60, configs, out_dir=tmp_path / "whole", progress=None)
+        S.write_reports(whole, tmp_path / "whole")
+        ran = []
+        real = S.run_seed
+
+        def interrupted_at_the_fifth(*job):
+            if len(ran) == 4:
+                raise KeyboardInterrupt
+            ran.append(job[2])
+            return real(*job)
+
+        monkeypatch.setattr(S, "run_seed", interrupted_at_the_fifth)
+        with pytest.raises(KeyboardInterrupt):
+            S.sweep(range(8), 60, configs, out_dir=tmp_path / "out", progress=None)
+        partial = json.loads((tmp_path / "out" / "report.json").read_text())
+        assert partial["partial"] and partial["runs"] == 4
+        ran.clear()
+        monkeypatch.setattr(S, "run_seed", lambda *job: ran.append(job[2]) or real(*job))
+        resumed = S.sweep(range(8), 60, configs, out_dir=tmp_path / "out", progress=None, resume=True)
+    S.write_reports(resumed, tmp_path / "out")
+    assert sorted(ran) == [4, 5, 6, 7]
+    assert _failures(tmp_path / "out") == _failures(tmp_path / "whole")
+    assert _replays(tmp_path / "out") == _replays(tmp_path / "whole")
+
+
+def test_ctrl_c_stops_the_local_pool_and_resume_finishes(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    sweep = subprocess.Popen([sys.executable, "-m", "kvstate", "sweep", "--seeds", "40", "--steps", "150",
+                              "--configs", "f32-heap", "--workers", "2", "--out", str(out)],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _when_runs(out, 2, lambda: sweep.send_signal(signal.SIGINT)).join()
+    _, err = sweep.communicate(timeout=60)
+    assert sweep.returncode == 130, err
+    assert "interrupted" in err and f"--resume {out}" in err and "Traceback" not in err
+    finished = len(_journal_runs(out))
+    assert 2 <= json.loads((out / "report.json").read_text())["runs"] == finished < 40
+    assert main(["sweep", "--resume", str(out), "--workers", "1"]) == 0
+    done = json.loads((out / "report.json").read_text())
+    assert (done["runs"], done["runs_resumed"], done["partial"]) == (40, finished, False)
+
+
+def test_resume_refuses_a_folder_without_a_journal_or_other_arguments(tmp_path, capsys):
+    assert main(["sweep", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "no sweep to resume" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "2", "--steps", "10", "--configs", "f32-heap", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["sweep", "--resume", str(out), "--steps", "20"]) == 2
+    assert "--steps 10, not 20" in capsys.readouterr().err
+
+
+def test_the_journal_survives_a_cut_last_line_and_refuses_other_code(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "3", "--steps", "10", "--configs", "f32-heap", "--out", str(out)]) == 0
+    journal = out / "runs.jsonl"
+    lines = journal.read_text().splitlines()
+    journal.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])      # killed while writing the last run
+    assert main(["sweep", "--resume", str(out)]) == 0
+    assert json.loads((out / "report.json").read_text())["runs_resumed"] == 2
+    assert sorted(_journal_runs(out)) == [("f32-heap", seed) for seed in range(3)]
+
+    plan = json.loads(lines[0])
+    plan["fingerprint"]["numpy"] = "0.0.1"                              # swept elsewhere, with other code
+    journal.write_text(json.dumps(plan) + "\n" + "\n".join(lines[1:3]) + "\n")
+    capsys.readouterr()
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "other code" in err and "numpy" in err and "0.0.1" in err
+
+
+def test_without_distributed_the_error_names_the_extra(monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "distributed", None)        # as if it were not installed
+    assert main(["sweep", "--scheduler", "tcp://127.0.0.1:1", "--seeds", "1", "--out", str(tmp_path)]) == 2
+    assert "pip install 'kvstate[cluster]'" in capsys.readouterr().err
