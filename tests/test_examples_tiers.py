@@ -20,6 +20,7 @@ from kvstate.spec.invariants import tiers
 from kvstate.stateful import ops as O
 from kvstate.stateful.configs import configs_for
 from kvstate.stateful.conform import conform, load_factory
+from kvstate.stateful.exhaustive import Scope, explore, semantics_scope
 from kvstate.stateful.lockstep import Lockstep
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -155,3 +156,12 @@ def test_conform_command_prints_na_for_the_missing_tiers(capsys):
     status = dict(zip(header, row))
     assert status["lockstep"] == status["seeded"] == status["prefix edges"] == "pass"
     assert status["fork allocates 0"] == status["1 write copies 1"] == status["arena evidence"] == "n/a"
+
+
+@pytest.mark.parametrize("name,semantics", [("blackbox_backend", "token"), ("token_pool_backend", "refuse")])
+def test_the_exhaustive_search_runs_on_fewer_tiers(name, semantics):
+    """The small-scope search builds its canonical state from whatever tiers a backend exposes
+    (none, for the black box) and the reference's state."""
+    result = explore(_factory(name), semantics_scope(semantics, Scope(max_depth=4)))
+    assert result.passed, str(result.violation)
+    assert result.depth == 4 and result.states > 100
