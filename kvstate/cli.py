@@ -275,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.set_defaults(run=_replay)
 
     spec_check = commands.add_parser(
-        "spec-check", help="CrossHair over the spec's arithmetic, then an exhaustive search at a small scope")
+        "spec-check", help="CrossHair over the spec's arithmetic, then an exhaustive search at a small scope, "
+                           "once per declared semantics (--semantics)")
     from kvstate.stateful.spec_check import add_arguments as add_spec_check_arguments
 
     add_spec_check_arguments(spec_check)

@@ -27,7 +27,7 @@ from kvstate.spec.protocol import Config, Factory
 from . import ops as O
 # ``current`` and ``NotApplicable`` are re-exported: conform reads ``directed.current.run`` for a
 # failure's history and reports ``directed.NotApplicable`` as n/a.
-from .directed_common import Check, NotApplicable, current, filled as _filled  # noqa: F401
+from .directed_common import Check, NotApplicable, current, filled as _filled, require_tier  # noqa: F401
 from .directed_edges import boundaries, no_aliasing
 from .directed_evidence import arena_evidence
 from .directed_precision import precision_edges
@@ -62,6 +62,7 @@ def fork_allocates_nothing(factory: Factory, config: Config) -> None:
     """``fork`` is a page-list copy: no page is allocated or copied, and the fork lists the same pages."""
     run, _ = _filled(factory, config)
     before = run.engine.observe()
+    require_tier(before, "pages", "observe().pages or .holders")
     run.apply(O.Fork("c1"))
     after = run.engine.observe()
     if after.pages_allocated != before.pages_allocated or len(after.pages) != len(before.pages):
@@ -78,6 +79,7 @@ def fork_allocates_nothing(factory: Factory, config: Config) -> None:
 def one_write_copies_one_page(factory: Factory, config: Config) -> None:
     """After a fork, writing one position copies exactly the one page it lands in, nothing else."""
     run, _ = _filled(factory, config)
+    require_tier(run.engine.observe(), "pages", "observe().pages or .holders")
     (parent,) = _context_pages(run.engine.observe())
     run.apply(O.Fork("c1"))
     before = run.engine.observe()

@@ -18,6 +18,8 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from kvstate.spec.errors import KVStateError
+from kvstate.spec.invariants import tiers
+from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
@@ -30,6 +32,14 @@ current = threading.local()   # current.run: the Lockstep of the check running i
 
 class NotApplicable(Exception):
     """The backend does not offer what the check exercises (a cache without snapshots, say)."""
+
+
+def require_tier(obs: Observation, tier: str, needs: str) -> None:
+    """``NotApplicable`` naming the missing observation tier (``spec.invariants.tiers``) when a
+    check reads a part of ``obs`` the backend does not expose."""
+    if tier not in tiers(obs):
+        raise NotApplicable(f"the observation has no {tier!r} tier ({needs} is None): "
+                            f"the backend exposes {tiers(obs) or 'the black box only'}")
 
 
 class BrokenPromise(AssertionError):

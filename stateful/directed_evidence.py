@@ -29,7 +29,7 @@ import numpy as np
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .directed_common import BrokenPromise, as_array, as_list, keeping, start
+from .directed_common import BrokenPromise, as_array, as_list, keeping, require_tier, start
 from .generate import Generator
 from .lockstep import Lockstep
 
@@ -45,6 +45,7 @@ PROGRAM_STEPS = 120
 def arena_evidence(factory: Factory, config: Config) -> None:
     """arena_size is the configuration's, slots are issued, and an arena changes no byte anywhere."""
     arena = start(factory, config)
+    require_tier(arena.engine.observe(), "arena", "observe().arena_size")
     size = arena.engine.observe().arena_size
     if size != config.arena_pages:
         raise BrokenPromise(SIZE, "observe() of a new cache", f"arena_size {size}, configuration arena_pages "

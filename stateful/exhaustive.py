@@ -16,11 +16,21 @@ shallow states first, the first violation found comes with a shortest
 operation sequence that reaches it, which ``write_replay`` saves as a
 plain replay file.
 
+The scope fixes the declared semantics too (``match``, ``block_tokens``,
+``max_pages``, ``pool_pages``, ``on_full``; ``spec/semantics.py``), so the same
+search runs the engine and the reference in lockstep under any of them;
+``SEMANTICS`` names the small scopes ``kvstate spec-check`` runs by default.
+
 Deduplication is exact for kvstate's own engine with one deliberate
 abstraction: a free arena slot is remembered by which of its positions are
-non-zero, not by its bytes (see ``_engine_memory``). For a foreign engine the
-form is built from its ``Observation`` alone, which cannot tell which context
-holds which page, so two states that differ only in that are merged.
+non-zero, not by its bytes (see ``_engine_memory``). What the declared
+semantics add to a state is in the form as well: the recency order of the
+entries (both sides), the keys the page budget counts, and the reference's
+page labels (which holder shares which page: what ``on_full`` counts and
+evicts by), renamed like page ids. For a foreign engine the form is built
+from its ``Observation`` alone, which cannot tell which context holds which
+page (and a backend that exposes fewer tiers shows less), so two states that
+differ only in what it does not show are merged.
 
 Reached states are kept as pickles of the whole ``Lockstep`` and thawed once per
 operation tried; an engine that cannot be pickled is re-run along its path instead.
@@ -35,7 +45,7 @@ import threading
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Hashable
 
 import numpy as np
@@ -68,13 +78,50 @@ class Scope:
     arena_pages: int = 3
     precision: str = "f32"
     max_depth: int | None = 5        # longest sequence; None: run until no new state appears
+    # The declared semantics (spec/semantics.py); the defaults are the seed's world.
+    match: str = "entry"
+    block_tokens: int = 0
+    max_pages: int = 0
+    pool_pages: int = 0
+    on_full: str = "fallback"
 
     def config(self) -> Config:
+        """The configuration searched; ``ConfigError`` for semantics that do not go together."""
         return Config(SCOPE_LAYOUT, page_tokens=self.page_tokens, precision=self.precision,
-                      arena_pages=self.arena_pages, max_entries=self.max_entries)
+                      arena_pages=self.arena_pages, max_entries=self.max_entries, match=self.match,
+                      block_tokens=self.block_tokens, max_pages=self.max_pages, pool_pages=self.pool_pages,
+                      on_full=self.on_full)
+
+    @property
+    def name(self) -> str:
+        return self.config().name
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# The declared semantics a default ``kvstate spec-check`` searches, each a change to the CI
+# scope that finishes in seconds. Page size 2, at most 3 positions: a token hit may end
+# inside a page (shared, partly filled); block hits are whole pages. The pools are small
+# enough to fill within 5 operations: one page (allocate, extend, retain, truncate, extend
+# evicts), two (two contexts of one page each, then a copy is refused).
+SEMANTICS: dict[str, dict[str, Any]] = {
+    "entry": {},
+    "token": {"match": "token"},
+    "block": {"match": "block", "block_tokens": 2},
+    # memory-pressure eviction over a one-slot arena, and a page budget that binds before
+    # max_entries does (a 1-page and a 2-page entry are over 2 pages)
+    "evict": {"match": "token", "on_full": "evict", "arena_pages": 1, "max_pages": 2},
+    # a fixed pool without an arena that refuses when full
+    "refuse": {"match": "block", "block_tokens": 2, "on_full": "refuse", "arena_pages": 0, "pool_pages": 2},
+}
+
+
+def semantics_scope(name: str, base: Scope = Scope()) -> Scope:
+    """``base`` under the declared semantics ``SEMANTICS[name]``; ``KeyError`` naming the known ones."""
+    if name not in SEMANTICS:
+        raise KeyError(f"no semantics {name!r}; known: {sorted(SEMANTICS)}")
+    return replace(base, **SEMANTICS[name])
 
 
 @dataclass
@@ -138,10 +185,15 @@ def operations(lockstep: Lockstep, scope: Scope) -> list[O.Op]:
 
 
 def _queries(lockstep: Lockstep, scope: Scope) -> list[tuple[int, ...]]:
-    """Queries that reach every match outcome: misses, hits on each key, stops inside an edge."""
+    """Queries that reach every match outcome: misses, hits on each key, stops inside an edge.
+
+    Under ``token`` and ``block`` matching a hit's length is where the query leaves a key, so
+    the queries leave each key at every position (``key[:i]`` and ``key[:i] + (t,)``)."""
     queries = {()} | {(t,) for t in scope.alphabet}
     for key, _tick in lockstep.reference.eviction_order():
         queries |= {key, key[:-1]} | {key + (t,) for t in scope.alphabet}
+        if scope.match != "entry":
+            queries |= {key[:i] + tail for i in range(len(key)) for tail in [()] + [(t,) for t in scope.alphabet]}
     return sorted(queries, key=lambda q: (len(q), q))
 
 
@@ -163,36 +215,45 @@ class _Interner:
 def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
     """A form equal for two states exactly when they differ only by naming.
 
-    Names that do not matter: context handles, page ids (renamed in first-use
-    order), clock ticks (only their order matters), values (interned bytes).
+    Names that do not matter: context handles, page ids and the reference's page labels
+    (each renamed in first-use order), clock ticks (only their order matters), values
+    (interned bytes). A tier the engine does not observe (None) contributes nothing.
     """
     obs = lockstep.engine.observe()
+    holders, lengths = obs.holders or {}, obs.lengths or {}
     contexts = []
     for engine_ctx, ref_ctx in lockstep.live.values():
         values, tokens = ref_ctx.read()
-        contexts.append((tuple(int(t) for t in tokens), intern.rows(values), engine_ctx))
+        contexts.append((tuple(int(t) for t in tokens), intern.rows(values), engine_ctx, ref_ctx))
     holder_of = {id(ctx): name for name, ctx in _engine_holders(lockstep.engine)}
     named = []
-    for tokens, values, engine_ctx in contexts:
+    for tokens, values, engine_ctx, ref_ctx in contexts:
         name = holder_of.get(id(engine_ctx))
-        pages = obs.holders.get(name, ()) if name else ()
-        named.append(((tokens, values, obs.lengths.get(name), _local_pattern(pages)), pages))
+        pages = holders.get(name, ()) if name else ()
+        named.append(((tokens, values, lengths.get(name), _local_pattern(pages), _local_pattern(ref_ctx.labels)),
+                      pages, ref_ctx.labels))
     named.sort(key=lambda item: item[0])
     renamed: dict[int, int] = {}
+    relabelled: dict[int, int] = {}
 
     def rename(pages):
         return tuple(renamed.setdefault(pid, len(renamed)) for pid in pages)
 
-    context_form = tuple((key, rename(pages)) for key, pages in named)
-    entry_form = tuple((e.key, obs.lengths.get(e.holder), rename(obs.holders.get(e.holder, ())))
-                       for e in obs.entries)
+    def relabel(labels):
+        return tuple(relabelled.setdefault(label, len(relabelled)) for label in labels)
+
+    context_form = tuple((key, rename(pages), relabel(labels)) for key, pages, labels in named)
+    entry_form = tuple((e.key, lengths.get(e.holder), rename(holders.get(e.holder, ())))
+                       for e in obs.entries or ())
+    # the reference's entries in recency order: what eviction and a token hit's tie-break read
     reference_entries = tuple(
-        (entry[0], intern.rows(entry[1].values))
+        (entry[0], intern.rows(entry[1].values), relabel(entry[1].labels))
         for entry in sorted(lockstep.reference.entries, key=lambda entry: entry[2]))
-    for pid in sorted(obs.pages):                      # pages no holder points at (a leak)
+    pages = obs.pages or {}
+    for pid in sorted(pages):                          # pages no holder points at (a leak)
         rename((pid,))
     page_form = tuple(
-        sorted((renamed[pid], p.refcount, p.slot, p.dirty_tail) for pid, p in obs.pages.items()))
+        sorted((renamed[pid], p.refcount, p.slot, p.dirty_tail, p.cached) for pid, p in pages.items()))
     arena_form = (obs.arena_free, tuple(sorted((s, renamed.get(pid, -1)) for s, pid in obs.arena_out.items())))
     return (context_form, entry_form, reference_entries, page_form, arena_form,
             obs.pages_allocated - obs.pages_freed, obs.tree,

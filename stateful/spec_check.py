@@ -1,6 +1,12 @@
 """``kvstate spec-check``: CrossHair over ``spec/arithmetic.py``, then the exhaustive search.
 
-The default scope is the CI one; raise it overnight, e.g.
+The default scope is the CI one, searched once per declared semantics of
+``exhaustive.SEMANTICS`` (entry, token and block matching, an evicting and a
+refusing pool). ``--semantics token,refuse`` picks some; ``--match``,
+``--block-tokens``, ``--max-pages``, ``--pool-pages`` and ``--on-full`` set one
+field on each picked scope (given alone, on the entry scope), e.g.
+``kvstate spec-check --match token --pool-pages 2 --on-full refuse``.
+Raise the scope overnight, e.g.
 ``kvstate spec-check --depth 0 --contexts 3 --positions 4 --time-limit 36000``.
 """
 
@@ -11,9 +17,13 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from .exhaustive import Scope, explore, write_replay
+from kvstate.spec.errors import ConfigError
+from kvstate.spec.semantics import MATCH_KINDS, ON_FULL
+
+from .exhaustive import SEMANTICS, Scope, explore, semantics_scope, write_replay
 
 DEFAULT = Scope()
 
@@ -30,6 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--entries", type=int, default=DEFAULT.max_entries, help="max_entries of the tree")
     parser.add_argument("--arena", type=int, default=DEFAULT.arena_pages, help="arena slots (0: none)")
     parser.add_argument("--precision", default=DEFAULT.precision, choices=["f32", "f16", "q8"])
+    parser.add_argument("--semantics", default=None,
+                        help=f"comma-separated declared semantics to search, of {', '.join(SEMANTICS)} "
+                             f"(default: all of them; only 'entry' when a field below is given)")
+    parser.add_argument("--match", choices=MATCH_KINDS, default=None, help="match semantics (spec/semantics.py)")
+    parser.add_argument("--block-tokens", type=int, default=None, help="the block size B of --match block")
+    parser.add_argument("--max-pages", type=int, default=None, help="the tree's page budget (0: none)")
+    parser.add_argument("--pool-pages", type=int, default=None, help="a live-page limit without an arena (0: none)")
+    parser.add_argument("--on-full", choices=ON_FULL, default=None, help="what a full pool does")
     parser.add_argument("--depth", type=int, default=DEFAULT.max_depth or 0,
                         help="longest operation sequence (0: search until no new state appears)")
     parser.add_argument("--time-limit", type=float, default=None, help="stop the search after this many seconds")
@@ -40,11 +58,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where a violation's shortest trace is written")
 
 
+_FIELDS = ("match", "block_tokens", "max_pages", "pool_pages", "on_full")
+
+
 def scope_from(args: argparse.Namespace) -> Scope:
+    """The entry-semantics scope the size options describe."""
     return Scope(page_tokens=args.page_tokens, max_contexts=args.contexts, max_positions=args.positions,
                  alphabet=tuple(range(args.alphabet)), max_write=args.write,
                  seeds=tuple(-(i + 1) for i in range(args.values)), max_entries=args.entries,
                  arena_pages=args.arena, precision=args.precision, max_depth=args.depth or None)
+
+
+def scopes_from(args: argparse.Namespace) -> list[Scope]:
+    """One scope per picked semantics, each with the fields given on the command line.
+
+    ``KeyError`` for an unknown semantics name, ``ConfigError`` for fields that do not go together.
+    """
+    fields = {name: getattr(args, name) for name in _FIELDS if getattr(args, name, None) is not None}
+    if fields.get("match") == "block" and "block_tokens" not in fields:
+        fields["block_tokens"] = args.page_tokens      # whole pages, unless a block size is given
+    if fields.get("match") in ("entry", "token"):
+        fields.setdefault("block_tokens", 0)
+    names = args.semantics.split(",") if args.semantics else (["entry"] if fields else list(SEMANTICS))
+    scopes = [replace(semantics_scope(name.strip(), scope_from(args)), **fields) for name in names]
+    for scope in scopes:
+        scope.config()          # refuse a combination Config refuses, before anything runs
+    return scopes
 
 
 def crosshair(timeout: float) -> int:
@@ -82,13 +121,21 @@ def run_spec_check(args: argparse.Namespace) -> int:
     except FactoryError as error:
         print(f"kvstate spec-check: {error}", file=sys.stderr)
         return 2
-    scope = scope_from(args)
-    print(f"exhaustive: {scope}")
-    result = explore(factory, scope, time_limit=args.time_limit)
-    print(f"exhaustive: {result.summary()}")
-    print(f"exhaustive: new states per depth {result.per_depth}")
-    if result.violation is not None:
-        write_replay(args.replay_out, scope, result.violation, factory, args.backend)
-        print(f"exhaustive: shortest trace written to {args.replay_out}")
-        status = status or 1
+    try:
+        scopes = scopes_from(args)
+    except (KeyError, ConfigError) as error:
+        print(f"kvstate spec-check: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    for scope in scopes:
+        config = scope.config()
+        print(f"exhaustive: {config.name} ({config.semantics}): {scope}")
+        left = None if args.time_limit is None else max(0.0, args.time_limit - (time.perf_counter() - started))
+        result = explore(factory, scope, time_limit=left)
+        print(f"exhaustive: {config.name}: {result.summary()}")
+        print(f"exhaustive: {config.name}: new states per depth {result.per_depth}")
+        if result.violation is not None:
+            write_replay(args.replay_out, scope, result.violation, factory, args.backend)
+            print(f"exhaustive: shortest trace written to {args.replay_out}")
+            return status or 1
     return status

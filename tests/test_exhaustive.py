@@ -8,14 +8,20 @@ so a longer trace means the search or its deduplication is wrong.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
+from dataclasses import replace
 
 import pytest
 
+from kvstate.impl import context as context_module
+from kvstate.impl import pool_policy as pool_policy_module
+from kvstate.impl import radix as radix_module
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import InvariantViolation
 from kvstate.stateful import ops as O
 from kvstate.stateful import replay as R
-from kvstate.stateful.exhaustive import Scope, _Interner, _States, as_replay, canonical, explore, write_replay
+from kvstate.stateful.exhaustive import (SEMANTICS, Scope, _Interner, _States, as_replay, canonical, explore,
+                                         operations, semantics_scope, write_replay)
 from kvstate.stateful.lockstep import Lockstep
 from kvstate.stateful.planted import PLANTED
 
@@ -174,3 +180,187 @@ def test_spec_check_command(tmp_path, capsys):
     document = json.loads(out.read_text())
     assert len(document["ops"]) == MINIMAL["missing_copy_on_write"][1]
     assert document["config"]["max_entries"] == Scope().max_entries
+
+
+# -- declared semantics (spec/semantics.py) ------------------------------------------------------
+
+@pytest.mark.parametrize("name", [name for name in SEMANTICS if name != "entry"])
+def test_engine_passes_each_declared_semantics_at_the_default_depth(name):
+    """What a default ``kvstate spec-check`` runs beside the entry scope: every sequence of up to
+    5 operations under token and block matching, an evicting and a refusing pool."""
+    scope = semantics_scope(name)
+    result = explore(numpy_factory, scope)
+    assert result.passed, str(result.violation)
+    assert result.depth == scope.max_depth and result.states > 500
+
+
+def test_the_default_semantics_cover_token_block_evict_and_refuse():
+    configs = [semantics_scope(name).config() for name in SEMANTICS]
+    assert {config.match for config in configs} == {"entry", "token", "block"}
+    assert {config.on_full for config in configs} == {"fallback", "evict", "refuse"}
+    assert any(config.max_pages for config in configs) and any(config.pool_pages for config in configs)
+
+
+@contextmanager
+def _patched(owner, name, replacement):
+    original = getattr(owner, name)
+    setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _oldest_below(tree, top):
+    best, pending = None, [top]
+    while pending:
+        node = pending.pop()
+        if node.value is not None and (best is None or node.tick < best.tick):
+            best = node
+        pending.extend(node.children.values())
+    return best
+
+
+def token_hit_from_the_oldest():
+    """Among entries sharing the longest prefix, a token hit is taken from (and stamps) the
+    least recently used one instead of the most recently used."""
+    return _patched(radix_module.RadixTree, "newest_below", _oldest_below)
+
+
+def evict_frees_nothing():
+    """Memory-pressure eviction picks the oldest entry even when every page it holds is shared."""
+    return _patched(pool_policy_module, "_frees_a_page", lambda entry: True)
+
+
+def _copy_before_asking(original):
+    def extend(self, tokens, kv):
+        with self._cache.lock:
+            index, offset = divmod(len(self), self.page_tokens)
+            if offset and self._pages[index].refcount > 1:
+                self.writable(index)        # the bug: copied before the pool was asked
+        return original(self, tokens, kv)
+    return extend
+
+
+def refuse_after_copying():
+    """``extend`` copies a shared, partly filled last page before asking the pool for room: a
+    refused extend has already made its copy, and an extend that needs only the copy is never
+    refused."""
+    return _patched(context_module.Context, "extend", _copy_before_asking(context_module.Context.extend))
+
+
+# bug -> (scope, minimal number of operations, why)
+SEMANTICS_MINIMAL = {
+    # allocate, extend (0,), retain, extend (0,) -> (0, 0), retain: two entries share (0,);
+    # match (0,): both have the longest common prefix, the newest (0, 0) must be stamped
+    "token_hit_from_the_oldest": (token_hit_from_the_oldest,
+                                  Scope(match="token", max_positions=2, max_write=1, max_depth=6), 6),
+    # the default evict scope (one-slot arena): allocate, extend, retain (the entry shares the
+    # page), extend (the shared partial page needs a copy: the pool is full, and evicting the
+    # entry would free nothing, so the copy falls back; the bug evicts it)
+    "evict_frees_nothing": (evict_frees_nothing, semantics_scope("evict"), 4),
+    # a one-page pool: allocate, extend, fork (the page is shared), extend (needs only the copy)
+    "refuse_after_copying": (refuse_after_copying,
+                             replace(semantics_scope("refuse", Scope(max_depth=4)), pool_pages=1), 4),
+}
+
+
+@pytest.mark.parametrize("bug", sorted(SEMANTICS_MINIMAL))
+def test_planted_semantics_bug_is_found_with_a_minimal_trace(bug):
+    plant, scope, minimum = SEMANTICS_MINIMAL[bug]
+    with plant():
+        result = explore(numpy_factory, scope, time_limit=120)
+    assert result.violation is not None, f"{bug} not found: {result.summary()}"
+    assert len(result.violation.ops) == minimum, str(result.violation)
+    with plant():
+        assert R.execute(numpy_factory, scope.config(), result.violation.ops)[0] is not None
+    assert R.execute(numpy_factory, scope.config(), result.violation.ops)[0] is None
+    # the same scope without the bug passes to the same depth: the search did not cry wolf
+    clean = explore(numpy_factory, scope)
+    assert clean.passed and clean.depth == scope.max_depth, clean.summary()
+
+
+def _run(config, ops):
+    lockstep = Lockstep(numpy_factory, config)
+    for op in ops:
+        lockstep.apply(op)
+    return lockstep
+
+
+def test_canonical_form_keeps_recency_order_not_ticks():
+    """Which entry eviction or a token tie picks depends on recency: two states whose entries were
+    used in another order are different states; two that differ only in tick numbers are one."""
+    intern, config = _Interner(), Scope(match="token").config()
+    build = [O.Allocate(), O.Extend("c1", (0,), -1), O.Retain("c1"), O.Overwrite("c1", 0, (1,), -1),
+             O.Retain("c1")]                                    # entries (0,), then (1,)
+    plain = _run(config, build)
+    restamped = _run(config, build + [O.Match((1,)), O.Close("c2")])     # (1,) was the newest already
+    reordered = _run(config, build + [O.Match((0,)), O.Close("c2")])     # (0,) becomes the newest
+    assert [key for key, _ in reordered.reference.eviction_order()] == [(1,), (0,)]
+    assert canonical(plain, intern) == canonical(restamped, intern)
+    assert canonical(plain, intern) != canonical(reordered, intern)
+
+
+def test_canonical_form_sees_the_reference_page_labels():
+    """The reference's labels decide what ``on_full`` counts: a state whose reference shares a page
+    differently is not merged with one that does not, even where the engine looks the same."""
+    intern, config = _Interner(), semantics_scope("refuse").config()
+    ops = [O.Allocate(), O.Extend("c1", (0,), -1), O.Retain("c1")]
+    same, relabelled = _run(config, ops), _run(config, ops)
+    assert canonical(same, intern) == canonical(relabelled, intern)
+    relabelled.live["c1"][1].labels = [relabelled.reference.new_label()]   # as if the page were copied
+    assert canonical(same, intern) != canonical(relabelled, intern)
+
+
+def test_a_refused_operation_leaves_the_canonical_state():
+    """Refusal changes nothing (spec/semantics.py), so the search merges it with its parent state."""
+    intern = _Interner()
+    config = Scope(on_full="refuse", arena_pages=0, pool_pages=1).config()
+    before = _run(config, [O.Allocate(), O.Extend("c1", (0,), -1), O.Fork("c1")])
+    after = _run(config, before.ops + [O.Extend("c1", (1,), -1)])
+    assert "refused: CapacityError" in after.history[-1]
+    assert canonical(before, intern) == canonical(after, intern)
+
+
+def test_token_queries_leave_each_key_at_every_position():
+    lockstep = _run(Scope(match="token").config(),
+                    [O.Allocate(), O.Extend("c1", (1, 1), -1), O.Extend("c1", (0,), -1), O.Retain("c1")])
+    token_queries = {op.tokens for op in operations(lockstep, Scope(match="token")) if op.kind == "match"}
+    entry_queries = {op.tokens for op in operations(lockstep, Scope()) if op.kind == "match"}
+    assert {(1, 0), (1, 1, 1), (0,)} <= token_queries
+    assert (1, 0) not in entry_queries and entry_queries < token_queries
+
+
+def test_spec_check_runs_every_declared_semantics(capsys):
+    from kvstate.cli import main
+
+    assert main(["spec-check", "--no-crosshair", "--depth", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in SEMANTICS:
+        assert f"exhaustive: {semantics_scope(name).config().name}: " in out
+    assert main(["spec-check", "--no-crosshair", "--depth", "2", "--match", "token", "--pool-pages", "1",
+                 "--on-full", "refuse"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("states, ") == 1 and "token match" in out and "refuse when full" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--semantics", "tokn"], "no semantics 'tokn'"),
+    (["--on-full", "refuse", "--arena", "0"], "ConfigError"),
+])
+def test_spec_check_refuses_unknown_or_impossible_semantics(argv, message, capsys):
+    from kvstate.cli import main
+
+    assert main(["spec-check", "--no-crosshair", "--depth", "1", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_spec_check_finds_a_semantics_bug_with_its_shortest_trace(tmp_path):
+    from kvstate.cli import main
+
+    out = tmp_path / "violation.json"
+    with evict_frees_nothing():
+        assert main(["spec-check", "--no-crosshair", "--semantics", "evict", "--replay-out", str(out)]) == 1
+    document = json.loads(out.read_text())
+    assert len(document["ops"]) == SEMANTICS_MINIMAL["evict_frees_nothing"][2]
+    assert document["config"]["on_full"] == "evict" and document["config"]["match"] == "token"
