@@ -63,8 +63,9 @@ class Config:
         standard names (``f32-heap``, ``q8-arena6``, ...) are unchanged."""
         parts = [] if self.match == "entry" else [self.match if self.match == "token" else f"block{self.block_tokens}"]
         parts.append(self.precision)
-        parts.append(f"arena{self.arena_pages}" if self.arena_pages else
-                     f"pool{self.pool_pages}" if self.pool_pages else "heap")
+        storage = (f"arena{self.arena_pages}" if self.arena_pages else "") + \
+                  (f"{'-' if self.arena_pages else ''}pool{self.pool_pages}" if self.pool_pages else "")
+        parts.append(storage or "heap")
         if self.on_full != "fallback":
             parts.append(self.on_full)
         if self.max_pages:
