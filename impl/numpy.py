@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from kvstate.spec import precision as precisions
-from kvstate.spec.layout import Layout, require_finite
+from kvstate.spec.errors import DTypeError
+from kvstate.spec.layout import Layout, is_torch_tensor, require_finite
 from kvstate.spec.protocol import Config
 
 from .arena import SlotArena
@@ -45,10 +46,14 @@ class NumpyStore:
     # -- encoding (validation happens here, before anything is written) -----------
 
     def encode(self, kv) -> tuple[np.ndarray, ...]:
-        if not isinstance(kv, np.ndarray):
-            kv = kv.detach().cpu().numpy()     # a torch tensor (check_values let only those through)
+        if is_torch_tensor(kv):
+            kv = kv.detach().cpu().numpy()
+        elif not isinstance(kv, np.ndarray):
+            raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
+        # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.
+        kv = np.array(kv, dtype=np.float32, copy=True, subok=False)
         require_finite(kv)
-        encoded = precisions.encode(self.precision, kv)
+        encoded = (kv,) if self.precision == "f32" else precisions.encode(self.precision, kv)
         # position-major batch -> layer-major rows, the page's own order
         return tuple(np.moveaxis(part, 0, 2) for part in encoded)
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ConfigError, NonFiniteError, PrecisionRangeError
+from kvstate.spec.errors import ConfigError, DTypeError, NonFiniteError, PrecisionRangeError
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config
 
@@ -71,9 +71,18 @@ class TorchStore:
     # -- encoding (validation happens here, before anything is written) -----------
 
     def _as_tensor(self, kv) -> torch.Tensor:
+        """A private float32 copy of ``kv`` on the store's device, detached from any autograd graph.
+
+        A cache stores values, not their history: a tensor with ``requires_grad`` (a model
+        run outside ``no_grad``) is detached on the way in, so no page or arena block joins
+        the graph. The copy is taken before any check, so what was checked is what is stored.
+        """
         if isinstance(kv, torch.Tensor):
-            return kv.to(device=self.device, dtype=torch.float32)
-        return torch.as_tensor(np.asarray(kv, dtype=np.float32), device=self.device)
+            return kv.detach().to(device=self.device, dtype=torch.float32, copy=True)
+        if not isinstance(kv, np.ndarray):
+            raise DTypeError(f"the torch store takes torch tensors or NumPy arrays, got {type(kv).__name__}")
+        # a C-ordered copy: torch takes no negative strides (a reversed view such as ``kv[::-1]``)
+        return torch.from_numpy(np.array(kv, dtype=np.float32, copy=True, order="C")).to(self.device)
 
     def encode(self, kv) -> tuple[torch.Tensor, ...]:
         x = self._as_tensor(kv)
@@ -89,7 +98,7 @@ class TorchStore:
             encoded = (half,)
         else:
             _refuse_nonfinite(x, bool(finite))                                 # the one sync
-            encoded = _q8_encode(x) if self.precision == "q8" else (x.clone(),)
+            encoded = _q8_encode(x) if self.precision == "q8" else (x,)      # x is already a private copy
         # position-major batch -> layer-major rows, the page's own order
         return tuple(part.movedim(0, 2) for part in encoded)
 
