@@ -30,6 +30,7 @@ from .store import StoreCounters
 
 VALUE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
 _Q8_MAX = float(precisions.Q8_MAX)
+_Q8_SCALE_MAX = float(precisions.Q8_SCALE_MAX)      # exactly representable in float32
 
 
 def default_device() -> str:
@@ -195,7 +196,7 @@ def _q8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     peak = x.abs().amax(dim=-1)
     # Divide by a tensor, not a Python scalar: torch may turn ``t / scalar`` into
     # ``t * (1 / scalar)``, which rounds differently from NumPy's true division.
-    scales = peak / torch.full_like(peak, _Q8_MAX)
+    scales = torch.clamp(peak / torch.full_like(peak, _Q8_MAX), max=_Q8_SCALE_MAX)
     positive = (scales > 0).unsqueeze(-1)
     safe = torch.where(positive, scales.unsqueeze(-1), torch.ones_like(x[..., :1]))
     ratio = torch.where(positive, x / safe, torch.zeros_like(x))

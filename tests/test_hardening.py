@@ -245,3 +245,140 @@ def test_torch_values_with_grad_are_detached():
     ctx.snapshot(io.BytesIO())
     ctx.close()
     invariants.check_empty(cache.observe())
+
+
+# -- 3. restore of a FIFO (and every other non-regular file) never blocks -----------------------
+
+def test_restore_of_a_fifo_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "pipe.kvs"
+    os.mkfifo(fifo)
+    cache = make_cache()
+    outcome = []
+
+    def attempt():
+        try:
+            cache.restore(fifo)
+        except Exception as error:          # noqa: BLE001 -- the class is asserted below
+            outcome.append(error)
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(10)
+    if worker.is_alive():                  # unblock the hung open so the thread can end
+        with open(fifo, "wb"):
+            pass
+        worker.join(5)
+        pytest.fail("restore of a FIFO blocked")
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.SnapshotError), outcome
+
+
+# -- 7. streams: append mode and short writes ------------------------------------------------------
+
+def test_snapshot_to_an_o_append_stream_is_a_valid_file(tmp_path):
+    path = tmp_path / "appended.kvs"
+    cache = make_cache(precision="q8")
+    ctx = filled(cache, 9)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "wb") as stream:            # mode says "wb": only the descriptor knows
+        ctx.snapshot(stream)
+    assert cache.restore(path).tokens == ctx.tokens
+
+
+class ShortWrites(io.RawIOBase):
+    """A raw stream that takes at most 7 bytes per call, as a pipe or socket may."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def writable(self):
+        return True
+
+    def write(self, b):
+        piece = bytes(memoryview(b).cast("B")[:7])
+        self.data += piece
+        return len(piece)
+
+
+class WouldBlock(ShortWrites):
+    def write(self, b):
+        return None if len(self.data) else super().write(b)
+
+
+def test_short_writes_of_a_raw_stream_are_completed():
+    cache = make_cache(precision="f16")
+    ctx = filled(cache, 6)
+    stream = ShortWrites()
+    ctx.snapshot(stream)
+    assert cache.restore(io.BytesIO(bytes(stream.data))).tokens == ctx.tokens
+
+
+def test_a_raw_stream_that_would_block_is_a_write_error():
+    cache = make_cache()
+    with pytest.raises(errors.SnapshotWriteError):
+        filled(cache, 6).snapshot(WouldBlock())
+
+
+# -- 9. stale partial files are cleaned, a live writer's never ----------------------------------
+
+def _partials(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(fmt.TEMP_SUFFIX))
+
+
+def test_stale_partials_of_the_target_are_removed(tmp_path):
+    from kvstate.impl import snapshot as S
+    target = tmp_path / "ctx.kvs"
+    stale = tmp_path / f"{fmt.TEMP_PREFIX}ctx.kvs.dead1234{fmt.TEMP_SUFFIX}"
+    stale.write_bytes(b"x" * 100)
+    os.utime(stale, (1, 1))                       # long ago: its writer is gone
+    other = tmp_path / f"{fmt.TEMP_PREFIX}other.kvs.dead1234{fmt.TEMP_SUFFIX}"
+    other.write_bytes(b"y")
+    os.utime(other, (1, 1))
+    live = tmp_path / f"{fmt.TEMP_PREFIX}ctx.kvs.live5678{fmt.TEMP_SUFFIX}"
+    live.write_bytes(b"z")
+    os.utime(live, (1, 1))
+    holder = S.hold_partial(os.open(live, os.O_RDWR))   # a live writer's lock, as write_atomic takes it
+    try:
+        cache = make_cache()
+        filled(cache, 3).snapshot(target)
+        assert _partials(tmp_path) == sorted([other.name, live.name])
+    finally:
+        os.close(holder)
+    filled(cache, 3).snapshot(target)
+    assert _partials(tmp_path) == [other.name]
+
+
+def test_a_fresh_partial_is_left_alone(tmp_path):
+    """Between mkstemp and its lock a writer's file is unlocked for an instant: young files stay."""
+    target = tmp_path / "ctx.kvs"
+    young = tmp_path / f"{fmt.TEMP_PREFIX}ctx.kvs.young{fmt.TEMP_SUFFIX}"
+    young.write_bytes(b"x")
+    filled(make_cache(), 3).snapshot(target)
+    assert _partials(tmp_path) == [young.name]
+
+
+# -- 10. a byte cap on restore, checked before anything is allocated -------------------------------
+
+def test_restore_byte_cap_refuses_before_allocating(tmp_path):
+    cache = make_cache(page_tokens=4)
+    ctx = filled(cache, 40)
+    path = tmp_path / "big.kvs"
+    ctx.snapshot(path)
+    before = cache.stats()
+    with pytest.raises(errors.SnapshotTooLargeError):
+        cache.restore(path, max_bytes=1000)
+    assert cache.stats() == before
+    assert cache.restore(path, max_bytes=10**9).tokens == ctx.tokens
+
+
+def test_a_sparse_file_declaring_the_most_positions_is_refused_by_the_cap(tmp_path):
+    from kvstate import Cache, Layout
+    layout = Layout(1, 1, 1)
+    cache = Cache(layout, page_tokens=4)
+    path = tmp_path / "sparse.kvs"
+    n = fmt.MAX_POSITIONS
+    with open(path, "wb") as file:
+        file.write(fmt.pack_header("f32", layout, n, 0))
+        file.truncate(fmt.HEADER_SIZE + fmt.body_size(layout, "f32", n))   # a hole: 4 KiB on disk
+    with pytest.raises(errors.SnapshotTooLargeError):
+        cache.restore(path, max_bytes=64 << 20)
+    assert cache.stats()["pages_allocated"] == 0
