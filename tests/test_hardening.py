@@ -382,3 +382,53 @@ def test_a_sparse_file_declaring_the_most_positions_is_refused_by_the_cap(tmp_pa
     with pytest.raises(errors.SnapshotTooLargeError):
         cache.restore(path, max_bytes=64 << 20)
     assert cache.stats()["pages_allocated"] == 0
+
+
+# -- 5. deep trees: observe() and the tree check walk without recursion -------------------------
+
+def _nested_retains(depth: int):
+    cache = make_cache(page_tokens=64, max_entries=depth)
+    ctx = cache.allocate()
+    one = kv(1)
+    for turn in range(depth):                      # chat-style: retain after every turn
+        ctx.extend([turn % 1000], one)
+        cache.retain(ctx)
+    return cache, ctx
+
+
+def _chain(depth: int):
+    from kvstate.spec.observation import NodeView
+    keys = [tuple(range(level)) for level in range(1, depth + 1)]     # shared by tree and entries
+    node = None
+    for key in reversed(keys):
+        node = NodeView(edge=(len(key) - 1,), key=key, children=() if node is None else (node,))
+    return NodeView(edge=(), key=None, children=(node,)), [(key, len(key)) for key in keys]
+
+
+@pytest.mark.parametrize("depth", [2000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_deeply_nested_entries_observe_and_check(depth):
+    cache, ctx = _nested_retains(depth)
+    obs = cache.observe()
+    expected = [(entry.key, entry.tick) for entry in obs.entries]
+    assert len(expected) == depth
+    invariants.check_tree(obs, expected)
+    ctx.close()
+    cache.clear()
+    invariants.check_empty(cache.observe())
+
+
+@pytest.mark.parametrize("depth", [3000, pytest.param(10_000, marks=pytest.mark.slow)])
+def test_tree_check_of_a_deep_chain(depth):
+    from kvstate.spec.observation import EntryView, NodeView, Observation
+    tree, expected = _chain(depth)
+
+    def observation(root):
+        entries = tuple(EntryView(key, tick, f"entry:{tick}") for key, tick in expected)
+        return Observation(pages={}, holders={}, lengths={e.holder: len(e.key) for e in entries},
+                           pages_allocated=0, pages_freed=0, arena_size=0, arena_out={}, arena_free=(),
+                           tree=root, entries=entries, counters={})
+
+    invariants.check_tree(observation(tree), expected)          # well formed at any depth
+    broken = NodeView(edge=(), key=None, children=(NodeView(edge=(7,), key=None, children=()), *tree.children))
+    with pytest.raises(errors.InvariantViolation, match="pruned"):
+        invariants.check_tree(observation(broken), expected)
