@@ -47,7 +47,10 @@ class NumpyStore:
 
     def encode(self, kv) -> tuple[np.ndarray, ...]:
         if is_torch_tensor(kv):
-            kv = kv.detach().cpu().numpy()
+            try:
+                kv = kv.detach().cpu().numpy()
+            except (RuntimeError, NotImplementedError, TypeError) as error:   # meta, sparse tensors
+                raise DTypeError(f"cannot take K/V values from a {kv.layout} tensor on {kv.device}: {error}") from None
         elif not isinstance(kv, np.ndarray):
             raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
         # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.

@@ -79,7 +79,10 @@ class TorchStore:
         the graph. The copy is taken before any check, so what was checked is what is stored.
         """
         if isinstance(kv, torch.Tensor):
-            return kv.detach().to(device=self.device, dtype=torch.float32, copy=True)
+            try:
+                return kv.detach().to(device=self.device, dtype=torch.float32, copy=True)
+            except (RuntimeError, NotImplementedError) as error:    # a meta or sparse tensor holds no values
+                raise DTypeError(f"cannot take K/V values from a {kv.layout} tensor on {kv.device}: {error}") from None
         if not isinstance(kv, np.ndarray):
             raise DTypeError(f"the torch store takes torch tensors or NumPy arrays, got {type(kv).__name__}")
         # a C-ordered copy: torch takes no negative strides (a reversed view such as ``kv[::-1]``)
