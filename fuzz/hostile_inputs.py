@@ -453,6 +453,83 @@ def drive(data, harness: Harness, steps: int) -> None:
             harness.restore(data.draw(restore_sources(folder)))
 
 
+# -- the command line: replay files are the CLI's one untrusted input ------------------------------------
+
+def json_values() -> st.SearchStrategy:
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+                       st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=6))
+    return st.recursive(leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                                        st.dictionaries(st.text(max_size=6), inner, max_size=4)),
+                        max_leaves=8)
+
+
+def _valid_replay() -> dict:
+    from kvstate.spec.protocol import Config
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    replay = R.Replay("kvstate.impl.numpy", Config(LAYOUT, PAGE_TOKENS, "f32", 2, 3), 0,
+                      [O.Allocate(), O.Extend("c1", (1, 2, 3), 1), O.Fork("c1"), O.Overwrite("c2", 1, (7,), 2),
+                       O.Retain("c2"), O.Match((1, 7)), O.Truncate("c1", 1), O.Close("c2")])
+    return R.to_json(replay)
+
+
+def replay_documents() -> st.SearchStrategy:
+    """Whole JSON documents, and valid replay files with one field (top level, config, or an operation's)
+    replaced by an arbitrary JSON value."""
+    def mutate(args):
+        where, key, value = args
+        doc = _valid_replay()
+        if where == "top":
+            target = doc
+        elif where == "config":
+            target = doc["config"]
+        elif where == "layout":
+            target = doc["config"]["layout"]
+        else:
+            target = doc["ops"][where % len(doc["ops"])]
+        keys = sorted(target)
+        target[keys[key % len(keys)]] = value
+        return ("replay file with a field replaced", doc)
+    return st.one_of(json_values().map(lambda doc: ("any JSON document", doc)),
+                     st.tuples(st.one_of(st.sampled_from(["top", "config", "layout"]), st.integers(0, 7)),
+                               st.integers(0, 20), json_values()).map(mutate))
+
+
+def cli_replay(tally: Tally, document, folder: str) -> int:
+    """``kvstate replay FILE`` on ``document``: exit 0 (it replays), or 2 with one line on stderr.
+    Exit 1 would blame the built-in backend for a bad file; an escaping exception is unnamed."""
+    import contextlib
+    import json
+
+    from kvstate.cli import main as cli_main
+
+    kind, doc = document
+    tally.tried[("kvstate replay", kind)] += 1
+    path = os.path.join(folder, "replay.json")
+    with open(path, "w") as file:
+        json.dump(doc, file)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = cli_main(["replay", path, "--time-limit", "30"])
+    except BaseException as error:      # noqa: BLE001 -- SystemExit included: main returns its status
+        message = f"kvstate replay on {kind} raised {type(error).__name__}: {error}"
+        tally.findings.append(message)
+        raise Finding(message) from error
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    if status == 2:
+        tally.refused["exit 2"] += 1
+        if len(lines) != 1:
+            message = f"kvstate replay on {kind} exited 2 with {len(lines)} lines: {err.getvalue()[:300]}"
+            tally.findings.append(message)
+            raise Finding(message)
+    elif status != 0:
+        message = f"kvstate replay on {kind} exited {status}: {out.getvalue()[-300:]}"
+        tally.findings.append(message)
+        raise Finding(message)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstate.fuzz.hostile_inputs [EXAMPLES]``: a longer run, printing what was tried."""
     from hypothesis import HealthCheck, given, settings
@@ -467,8 +544,16 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             drive(data, Harness(store, precision, tally, folder), steps=8)
 
+    @settings(max_examples=max(examples // 4, 1), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(replay_documents())
+    def run_cli(document):
+        with tempfile.TemporaryDirectory() as folder:
+            cli_replay(tally, document, folder)
+
     try:
         run()
+        run_cli()
     except BaseException as error:      # noqa: BLE001 -- Hypothesis may group several findings
         if not tally.findings:
             raise

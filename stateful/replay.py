@@ -29,6 +29,9 @@ from .lockstep import Lockstep, to_numpy
 FORMAT = "kvstate-replay/1"
 MAX_REPLAY_BYTES = 64 << 20
 """Replay files larger than this are refused by name (a sweep's shrunk failures are kilobytes)."""
+MAX_REPLAY_PAGE_BYTES = 1 << 30
+"""A replay configuration whose one page holds more float32 bytes than this is refused: the cache
+would accept it and fail only at the first write, which would read as the backend's failure."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ def config_from_json(data: dict) -> Config:
     config = Config(layout=Layout(**data.pop("layout")), **data)
     check_page_tokens(config.page_tokens)
     check_precision(config.precision)
+    if config.page_tokens * config.layout.values_per_position * 4 > MAX_REPLAY_PAGE_BYTES:
+        raise ReplayFileError(f"page_tokens {config.page_tokens} at {config.layout} makes pages larger than "
+                              f"MAX_REPLAY_PAGE_BYTES ({MAX_REPLAY_PAGE_BYTES})")
     for name, low in (("arena_pages", 0), ("max_entries", 1)):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < low:

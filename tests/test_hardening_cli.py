@@ -154,3 +154,9 @@ def test_sweep_out_naming_a_file(tmp_path, capsys):
                                   ["spec-check", "--no-crosshair", "--contexts", "-1"]])
 def test_stress_and_spec_check_bad_arguments(capsys, argv):
     one_line_exit_2(capsys, argv)
+
+
+def test_a_replay_page_too_large_to_allocate_is_the_files_fault(tmp_path, capsys):
+    def huge_pages(data):
+        data["config"].update(page_tokens=2**40, arena_pages=0)
+    assert "MAX_REPLAY_PAGE_BYTES" in one_line_exit_2(capsys, ["replay", replay_file(tmp_path, edit=huge_pages)])

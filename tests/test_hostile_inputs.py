@@ -54,3 +54,22 @@ def test_hostile_cache_arguments_long(args):
     tally = H.Tally()
     H.construct(tally, args)
     assert not tally.findings
+
+
+@CI
+@given(H.replay_documents())
+def test_hostile_replay_files(document):
+    tally = H.Tally()
+    with tempfile.TemporaryDirectory() as folder:
+        H.cli_replay(tally, document, folder)
+    assert not tally.findings
+
+
+@pytest.mark.slow
+@SLOW
+@given(H.replay_documents())
+def test_hostile_replay_files_long(document):
+    tally = H.Tally()
+    with tempfile.TemporaryDirectory() as folder:
+        H.cli_replay(tally, document, folder)
+    assert not tally.findings
