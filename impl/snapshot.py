@@ -247,8 +247,9 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None) -> "C
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
 
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
-    fills, ``restore_cost``); a file past it is ``SnapshotTooLargeError`` before anything
-    is allocated. Every refusal of the source is a ``SnapshotError``.
+    fills, ``restore_cost``; default: the machine's physical memory); a file past it is
+    ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
+    a ``SnapshotError``.
     """
     limit = _cost_limit(cache, max_bytes)
     try:
@@ -326,9 +327,19 @@ def restore_cost(cache: "Cache", header: fmt.Header) -> int:
     return header.body_bytes + pages * page_bytes
 
 
+def physical_memory() -> int | None:
+    """Bytes of RAM on this machine, where the OS says (the default cap of a restore)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | None":
     if max_bytes is None:
-        return None
+        max_bytes = physical_memory()      # a file that cannot fit in RAM is refused, not swapped into
+        if max_bytes is None:
+            return None
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
         raise SnapshotError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
 
@@ -348,13 +359,12 @@ def read_snapshot(file, layout, size: int | None,
     ``size`` is the number of bytes left in ``file`` when known (files, seekable
     streams); otherwise the body is read in bounded chunks so a lying header
     cannot make the reader allocate more than the stream really holds. ``limit(header)``
-    raises when the restore would cost more than its caller allows.
+    raises when the restore would cost more than its caller allows: checked after the real
+    size, before the body is allocated (for a stream of unknown size, once its body is read).
     """
     header = fmt.parse_header(_read_exactly_or_less(file, fmt.HEADER_SIZE))
     if header.layout != layout:
         raise SnapshotLayoutError(f"snapshot layout {header.layout} (offset 12) differs from the cache's {layout}")
-    if limit is not None:
-        limit(header)
     total = fmt.HEADER_SIZE + header.body_bytes
     if size is not None:
         if size < total:
@@ -362,6 +372,8 @@ def read_snapshot(file, layout, size: int | None,
                 f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
         if size > total:
             raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
+        if limit is not None:
+            limit(header)
     crc = BodyChecksum(threaded=size is not None and header.body_bytes >= _THREADED_CRC_BYTES)
     with crc:
         if size is not None and hasattr(file, "readinto"):
@@ -388,6 +400,8 @@ def read_snapshot(file, layout, size: int | None,
                 body += chunk
         if _checked_read(file, 1):
             raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
+    if size is None and limit is not None:
+        limit(header)      # a stream of unknown size: its body is what it really held; the pages are next
     return header, memoryview(body), crc
 
 
