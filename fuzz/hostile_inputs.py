@@ -326,7 +326,7 @@ class Harness:
     def read(self, ctx, start, stop):
         def check(result):
             values, tokens = result
-            n = int(stop[1]) - int(start[1])
+            n = (len(ctx) if stop[1] is None else int(stop[1])) - int(start[1])     # None: to the end
             return None if len(tokens) == n and tuple(values.shape) == LAYOUT.batch_shape(n) else "wrong shape"
         self.call("Context.read", (start[0], stop[0]), lambda: ctx.read(start[1], stop[1]), check)
 

@@ -95,12 +95,12 @@ def _put(file, data) -> None:
     view = memoryview(data).cast("B")
     while len(view):
         written = file.write(view)
-        if written is None:
-            if isinstance(file, io.RawIOBase):      # a raw non-blocking stream that took nothing
-                raise SnapshotWriteError(f"{file!r} would block: snapshots need a blocking stream")
-            return                                  # a plain writer that returns nothing took it all
-        if isinstance(written, bool) or not isinstance(written, int) or not 0 < written <= len(view):
-            raise SnapshotWriteError(f"{file!r} wrote {written!r} of {len(view)} bytes")
+        if written is None and isinstance(file, io.RawIOBase):     # a raw non-blocking stream that took nothing
+            raise SnapshotWriteError(f"{file!r} would block: snapshots need a blocking stream")
+        if isinstance(written, bool) or not isinstance(written, int):
+            return                  # a duck-typed writer that reports no count (None, itself) took it all
+        if not 0 < written <= len(view):
+            raise SnapshotWriteError(f"{file!r} wrote {written} of {len(view)} bytes")
         view = view[written:]
 
 
