@@ -551,8 +551,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             cli_replay(tally, document, folder)
 
+    @settings(max_examples=max(examples // 4, 1), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(cache_arguments())
+    def run_cache(args):
+        construct(tally, args)
+
     try:
         run()
+        run_cache()
         run_cli()
     except BaseException as error:      # noqa: BLE001 -- Hypothesis may group several findings
         if not tally.findings:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import numpy as np
 
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import DTypeError
+from kvstate.spec.errors import ConfigError, DTypeError
 from kvstate.spec.layout import Layout, is_torch_tensor, require_finite
 from kvstate.spec.protocol import Config
 
 from .arena import SlotArena
+from .memory import check_store_size
 from .store import StoreCounters
 
 
@@ -40,8 +41,13 @@ class NumpyStore:
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(np.float32)
         self.page_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
+        check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
-        self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
+        try:
+            self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
+        except (MemoryError, ValueError) as error:
+            raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated: "
+                              f"{error!r}") from None
 
     # -- encoding (validation happens here, before anything is written) -----------
 

@@ -32,6 +32,8 @@ try:
 except ImportError:      # not POSIX: no append-mode detection, no partial-file locks
     fcntl = None
 
+from .memory import physical_memory
+
 if TYPE_CHECKING:
     from .cache import Cache
     from .context import Context
@@ -325,14 +327,6 @@ def restore_cost(cache: "Cache", header: fmt.Header) -> int:
     pages = pages_needed(header.positions, cache.page_tokens)
     page_bytes = getattr(cache.store, "page_bytes", 0) + cache.page_tokens * 8 + PAGE_OVERHEAD_BYTES
     return header.body_bytes + pages * page_bytes
-
-
-def physical_memory() -> int | None:
-    """Bytes of RAM on this machine, where the OS says (the default cap of a restore)."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | None":

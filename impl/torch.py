@@ -26,6 +26,7 @@ from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config
 
 from .arena import SlotArena
+from .memory import check_store_size
 from .store import StoreCounters
 
 VALUE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
@@ -65,9 +66,15 @@ class TorchStore:
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(torch.float32)
         self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in zip(self._shapes, self._dtypes))
+        if self.device.type == "cpu":
+            check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
-        self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
-                        for s, d in zip(self._shapes, self._dtypes)]
+        try:
+            self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
+                            for s, d in zip(self._shapes, self._dtypes)]
+        except (MemoryError, RuntimeError, ValueError) as error:      # torch.OutOfMemoryError is a RuntimeError
+            raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated "
+                              f"on {self.device}: {error!r}") from None
 
     # -- encoding (validation happens here, before anything is written) -----------
 

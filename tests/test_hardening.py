@@ -432,3 +432,16 @@ def test_tree_check_of_a_deep_chain(depth):
     broken = NodeView(edge=(), key=None, children=(NodeView(edge=(7,), key=None, children=()), *tree.children))
     with pytest.raises(errors.InvariantViolation, match="pruned"):
         invariants.check_tree(observation(broken), expected)
+
+
+# -- found by the hostile-input fuzzer: pages or arenas larger than the machine -----------------------
+
+@pytest.mark.parametrize("store", ["numpy", "torch"])
+@pytest.mark.parametrize("page_tokens,arena_pages", [(2**62, 0), (2**62, 1), (2**65, 0), (1, 2**62)],
+                         ids=["page 2^62", "page 2^62 arena", "page 2^65", "arena 2^62"])
+def test_a_cache_larger_than_memory_is_a_config_error(store, page_tokens, arena_pages):
+    if store == "torch":
+        pytest.importorskip("torch")
+    from kvstate import Cache
+    with pytest.raises(errors.ConfigError):
+        Cache(LAYOUT, page_tokens=page_tokens, arena_pages=arena_pages, store=store)
