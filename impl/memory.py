@@ -16,14 +16,10 @@ def physical_memory() -> int | None:
 
 
 def check_store_size(page_bytes: int, arena_pages: int) -> None:
-    """``ConfigError`` for a page, or an arena, larger than the machine's memory.
-
-    Without it ``Cache(page_tokens=2**62)`` or ``arena_pages=2**62`` fails with NumPy's
-    ``ValueError`` or a ``MemoryError`` from deep inside the allocator, or only at the first write.
-    """
+    """``ConfigError`` for an arena larger than the machine's memory (it is allocated when the
+    cache is built). A single page is allocated only at the first write, so a cache with huge
+    pages can still be built and used for restores that are refused before allocating."""
     limit = physical_memory()
-    if limit is None:
-        return
-    for what, size in (("one page", page_bytes), (f"an arena of {arena_pages} pages", page_bytes * arena_pages)):
-        if size > limit:
-            raise ConfigError(f"{what} takes {size} bytes, more than this machine's memory ({limit} bytes)")
+    if limit is not None and arena_pages and page_bytes * arena_pages > limit:
+        raise ConfigError(f"an arena of {arena_pages} pages of {page_bytes} bytes is more than this machine's "
+                          f"memory ({limit} bytes)")

@@ -8,6 +8,8 @@ With an arena, those arrays are views into one preallocated block per component.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvstate.spec import precision as precisions
@@ -40,7 +42,7 @@ class NumpyStore:
         if precision == "q8":
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(np.float32)
-        self.page_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
+        self.page_bytes = sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
         check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
         try:

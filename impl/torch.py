@@ -17,6 +17,8 @@ This module is named ``torch`` inside ``kvstate.impl``; absolute imports make
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -65,14 +67,14 @@ class TorchStore:
         if precision == "q8":
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(torch.float32)
-        self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in zip(self._shapes, self._dtypes))
+        self.page_bytes = sum(math.prod(s) * d.itemsize for s, d in zip(self._shapes, self._dtypes))
         if self.device.type == "cpu":
             check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
         try:
             self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
                             for s, d in zip(self._shapes, self._dtypes)]
-        except (MemoryError, RuntimeError, ValueError) as error:      # torch.OutOfMemoryError is a RuntimeError
+        except (MemoryError, RuntimeError, ValueError, TypeError) as error:   # out of memory; a size past int64 (TypeError)
             raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated "
                               f"on {self.device}: {error!r}") from None
 
