@@ -222,14 +222,16 @@ class Cache:
 
     # -- snapshots -----------------------------------------------------------------------
 
-    def restore(self, source) -> Context:
+    def restore(self, source, max_bytes: int | None = None) -> Context:
         """A new context holding the snapshot at ``source`` (a path or binary stream).
+
+        ``max_bytes``: refuse (``SnapshotTooLargeError``) a file whose restore would allocate more.
 
         Validated in full first: a refused file raises a ``SnapshotError`` subclass
         (a file at another precision whose values overflow this cache's f16:
         ``PrecisionRangeError``) and changes nothing. See ``impl/snapshot.py``.
         """
-        return restore_snapshot(self, source)
+        return restore_snapshot(self, source, max_bytes)
 
     # -- observation -------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ it, and a context has one owner at a time (enforced by ``_owned``).
 
 from __future__ import annotations
 
+import operator
 import threading
 from typing import TYPE_CHECKING
 
@@ -77,8 +78,7 @@ class Context:
     def read(self, start: int = 0, stop: int | None = None):
         """Values ``(n, layers, 2, kv_heads, head_dim)`` float32 and tokens of ``[start, stop)``."""
         with self._owned():
-            stop = self._length if stop is None else stop
-            _check_range("read", start, stop, self._length)
+            start, stop = _check_range("read", start, self._length if stop is None else stop, self._length)
             store = self._cache.store
             if start == stop:
                 return store.read_empty(), np.zeros(0, np.int64)
@@ -114,10 +114,11 @@ class Context:
             return self._layer_parts(layer, start, stop)
 
     def _layer_parts(self, layer: int, start: int, stop: int | None):
-        stop = self._length if stop is None else stop
-        _check_range("read_layer", start, stop, self._length)
-        if not _is_position(layer) or not 0 <= layer < self._cache.layout.layers:
+        start, stop = _check_range("read_layer", start, self._length if stop is None else stop, self._length)
+        index = _position(layer)
+        if index is None or not 0 <= index < self._cache.layout.layers:
             raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
+        layer = index
         store, parts = self._cache.store, []
         for index in range(*pages_touched(start, stop, self.page_tokens)):
             lo, hi = span_in_page(index, start, stop, self.page_tokens)
@@ -176,10 +177,12 @@ class Context:
         tokens = check_tokens(tokens)
         kv = check_values(self._cache.layout, kv, len(tokens))
         with self._owned():
-            stop = start + len(tokens) if _is_position(start) else None
-            if stop is None or not 0 <= start <= stop <= self._length:
+            first = _position(start)
+            stop = first + len(tokens) if first is not None else None
+            if stop is None or not 0 <= first <= stop <= self._length:
                 raise PositionError(
                     f"overwrite of [{start}, {stop}) is outside context {self.context_id} of length {self._length}")
+            start = first
             if start == stop:
                 return
             encoded = self._cache.store.encode(kv)
@@ -228,14 +231,16 @@ class Context:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
         with self._owned():
-            if not (_is_position(n) and 0 <= n <= self._length):
+            keep_positions = _position(n)
+            if keep_positions is None or not 0 <= keep_positions <= self._length:
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
+            n = keep_positions
             with self._cache.lock:
                 keep, _released = truncate_keep(self._length, n, self.page_tokens)
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
                 del self._pages[keep:]
-                self._length = int(n)     # a NumPy integer is accepted, an int is kept
+                self._length = n
 
     def snapshot(self, target) -> None:
         """Write tokens and values, in the cache's own precision, to a path (atomically) or binary stream.
@@ -275,12 +280,21 @@ class _Ownership:
         self.ctx._busy.release()
 
 
-def _is_position(value) -> bool:
-    """An int (Python or NumPy) but not a bool: ``True`` is not a position."""
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+def _position(value) -> int | None:
+    """A position as a Python int, or None for anything that is not one.
+
+    Converted at the door (``operator.index``): a NumPy ``uint8`` or ``int8`` would
+    otherwise carry its width into the page arithmetic and wrap. Ints of every
+    width are positions (Python or NumPy); a bool is not, nor a float or 0-d array.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        return None
+    return operator.index(value)
 
 
-def _check_range(what: str, start, stop, length: int) -> None:
-    if not (_is_position(start) and _is_position(stop)) or not 0 <= start <= stop <= length:
+def _check_range(what: str, start, stop, length: int) -> tuple[int, int]:
+    first, end = _position(start), _position(stop)
+    if first is None or end is None or not 0 <= first <= end <= length:
         raise PositionError(f"{what} of [{start}, {stop}) is outside length {length}")
+    return first, end
 

@@ -8,13 +8,17 @@ With an arena, those arrays are views into one preallocated block per component.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from kvstate.spec import precision as precisions
-from kvstate.spec.layout import Layout, require_finite
+from kvstate.spec.errors import ConfigError, DTypeError
+from kvstate.spec.layout import Layout, is_torch_tensor, require_finite
 from kvstate.spec.protocol import SEMANTICS_TAGS, Config
 
 from .arena import SlotArena
+from .memory import check_store_size
 from .store import StoreCounters
 
 
@@ -38,17 +42,29 @@ class NumpyStore:
         if precision == "q8":
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(np.float32)
-        self.page_bytes = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
+        self.page_bytes = sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
+        check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
-        self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
+        try:
+            self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
+        except (MemoryError, ValueError) as error:
+            raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated: "
+                              f"{error!r}") from None
 
     # -- encoding (validation happens here, before anything is written) -----------
 
     def encode(self, kv) -> tuple[np.ndarray, ...]:
-        if not isinstance(kv, np.ndarray):
-            kv = kv.detach().cpu().numpy()     # a torch tensor (check_values let only those through)
+        if is_torch_tensor(kv):
+            try:
+                kv = kv.detach().cpu().numpy()
+            except (RuntimeError, NotImplementedError, TypeError) as error:   # meta, sparse tensors
+                raise DTypeError(f"cannot take K/V values from a {kv.layout} tensor on {kv.device}: {error}") from None
+        elif not isinstance(kv, np.ndarray):
+            raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
+        # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.
+        kv = np.array(kv, dtype=np.float32, copy=True, subok=False)
         require_finite(kv)
-        encoded = precisions.encode(self.precision, kv)
+        encoded = (kv,) if self.precision == "f32" else precisions.encode(self.precision, kv)
         # position-major batch -> layer-major rows, the page's own order
         return tuple(np.moveaxis(part, 0, 2) for part in encoded)
 

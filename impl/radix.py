@@ -223,10 +223,20 @@ class RadixTree:
         node.parent.children[child.edge[:TOKEN_BYTES]] = child
 
 
-def _view(node: Node, key_of) -> NodeView:
-    return NodeView(
-        edge=unpack(node.edge),
-        key=key_of(node.value) if node.value is not None else None,
-        children=tuple(sorted((_view(child, key_of) for child in node.children.values()),
-                              key=lambda view: view.edge[0])),
-    )
+def _view(root: Node, key_of) -> NodeView:
+    """The tree below ``root`` as ``NodeView``s, built bottom-up with an explicit stack:
+    nested retains (each turn of a chat) make trees thousands of nodes deep."""
+    order, stack = [], [root]
+    while stack:                      # parents before children; reversed below, children come first
+        node = stack.pop()
+        order.append(node)
+        stack.extend(node.children.values())
+    views: dict[int, NodeView] = {}
+    for node in reversed(order):
+        children = sorted((views.pop(id(child)) for child in node.children.values()), key=lambda view: view.edge[0])
+        views[id(node)] = NodeView(
+            edge=unpack(node.edge),
+            key=key_of(node.value) if node.value is not None else None,
+            children=tuple(children),
+        )
+    return views[id(root)]

@@ -13,8 +13,10 @@ from __future__ import annotations
 import io
 import os
 import queue
+import stat
 import tempfile
 import threading
+import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -23,7 +25,14 @@ from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
 from kvstate.spec.errors import (SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
-                                 SnapshotTruncatedError, SnapshotWriteError)
+                                 SnapshotTooLargeError, SnapshotTruncatedError, SnapshotWriteError)
+
+try:
+    import fcntl
+except ImportError:      # not POSIX: no append-mode detection, no partial-file locks
+    fcntl = None
+
+from .memory import physical_memory
 
 from . import remote_io
 
@@ -34,6 +43,8 @@ if TYPE_CHECKING:
 _CHUNK = 1 << 20         # reads from streams of unknown size grow by at most this much at a time
 _READ_CHUNK = 4 << 20    # reads of known size: checksummed piece by piece while cache-hot
 _THREADED_CRC_BYTES = 8 << 20   # from this body size the checksum runs beside the reads
+PAGE_OVERHEAD_BYTES = 1024      # Python objects per page (Page, token array, views): counted by ``max_bytes``
+STALE_PARTIAL_SECONDS = 10.0    # an unlocked partial file this old has no live writer (see clean_stale_partials)
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -57,25 +68,56 @@ def _header(ctx: "Context", body_crc: int) -> bytes:
 
 
 def _write_to(file, ctx: "Context") -> None:
-    """Header and body into ``file``. A seekable file gets one pass (header patched last), others two."""
-    if _seekable(file) and "a" not in getattr(file, "mode", ""):     # appends ignore seeks
+    """Header and body into ``file``. A seekable file gets one pass (header patched last), others two.
+
+    A stream that appends (mode "a", or a descriptor opened with ``O_APPEND``) ignores
+    seeks, so it gets the two-pass order too: header first, then the body, in order.
+    """
+    if _seekable(file) and not _appends(file):
         start = file.tell()
-        file.write(bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
+        _put(file, bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
         crc = 0
         for chunk in body_chunks(ctx):
             crc = fmt.crc32(chunk, crc)
-            file.write(chunk)
+            _put(file, chunk)
         end = file.tell()
         file.seek(start)
-        file.write(_header(ctx, crc))
+        _put(file, _header(ctx, crc))
         file.seek(end)
         return
     crc = 0
     for chunk in body_chunks(ctx):
         crc = fmt.crc32(chunk, crc)
-    file.write(_header(ctx, crc))
+    _put(file, _header(ctx, crc))
     for chunk in body_chunks(ctx):
-        file.write(chunk)
+        _put(file, chunk)
+
+
+def _put(file, data) -> None:
+    """All of ``data`` into ``file``: a raw stream may take less than it was given (a pipe, a
+    socket), so what each write returns is checked and the rest written again."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        written = file.write(view)
+        if written is None and isinstance(file, io.RawIOBase):     # a raw non-blocking stream that took nothing
+            raise SnapshotWriteError(f"{file!r} would block: snapshots need a blocking stream")
+        if isinstance(written, bool) or not isinstance(written, int):
+            return                  # a duck-typed writer that reports no count (None, itself) took it all
+        if not 0 < written <= len(view):
+            raise SnapshotWriteError(f"{file!r} wrote {written} of {len(view)} bytes")
+        view = view[written:]
+
+
+def _appends(stream) -> bool:
+    mode = getattr(stream, "mode", "")
+    if isinstance(mode, str) and "a" in mode:
+        return True
+    if fcntl is None:
+        return False
+    try:
+        return bool(fcntl.fcntl(stream.fileno(), fcntl.F_GETFL) & os.O_APPEND)
+    except (AttributeError, OSError, ValueError, TypeError, io.UnsupportedOperation):
+        return False
 
 
 def write_snapshot(ctx: "Context", target) -> None:
@@ -88,30 +130,41 @@ def write_snapshot(ctx: "Context", target) -> None:
             _write_to(target, ctx)
             if hasattr(target, "flush"):
                 target.flush()
-        except OSError as error:
+        except (OSError, ValueError, TypeError) as error:    # ValueError: closed; TypeError: a text stream
             raise SnapshotWriteError(f"writing the snapshot to {target!r} failed: {error}") from error
         return
-    write_atomic(os.fspath(target), lambda file: _write_to(file, ctx))
+    try:
+        path = os.fsdecode(os.fspath(target))     # str or bytes, as restore takes them
+    except TypeError:
+        raise SnapshotWriteError(
+            f"a snapshot goes to a path or a binary stream, not {type(target).__name__}") from None
+    write_atomic(path, lambda file: _write_to(file, ctx))
 
 
 def write_atomic(path: str, fill: Callable) -> None:
     """Replace ``path`` with what ``fill(file)`` writes: temp file, fsync, rename, fsync of the folder.
 
     On any failure the temporary file is removed, whatever was at ``path`` is
-    untouched, and ``SnapshotWriteError`` says what failed.
+    untouched, and ``SnapshotWriteError`` says what failed. The temporary file is
+    created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path``
+    rather than following it. The writer holds an exclusive ``flock`` on its
+    temporary file while writing, so ``clean_stale_partials`` (run first) never
+    removes a live writer's file, only those of writers that died.
     """
     folder = os.path.dirname(os.path.abspath(path))
     prefix = fmt.TEMP_PREFIX + os.path.basename(path) + "."
+    clean_stale_partials(folder, prefix)
     try:
         fd, temp = tempfile.mkstemp(prefix=prefix, suffix=fmt.TEMP_SUFFIX, dir=folder)
-    except OSError as error:
+    except (OSError, ValueError) as error:       # ValueError: a NUL in the path
         raise SnapshotWriteError(f"cannot create a temporary file in {folder!r} for {path!r}: {error}") from error
     try:
+        hold_partial(fd)
         with open(fd, "wb") as file:
             fill(file)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temp, path)
+            os.replace(temp, path)      # still open, so still locked: no cleaner can take it first
     except BaseException as error:
         try:
             os.unlink(temp)
@@ -127,6 +180,66 @@ def write_atomic(path: str, fill: Callable) -> None:
         raise SnapshotWriteError(f"snapshot {path!r} was written but its folder could not be synced: {error}") from error
 
 
+def hold_partial(fd: int) -> int:
+    """Mark ``fd``'s partial file as a live writer's: an exclusive ``flock``, released when it is closed
+    (also when the process dies). Best effort: where locks are unsupported, nothing is cleaned."""
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+    return fd
+
+
+def clean_stale_partials(folder: str, prefix: str) -> list[str]:
+    """Remove partial files of one target left by writers that died (a crash mid-write); their names.
+
+    A partial file is removed only if it is older than ``STALE_PARTIAL_SECONDS`` (a writer
+    takes its lock an instant after creating it) and its ``flock`` can be taken without
+    waiting (a live writer holds it until its file is renamed or removed), and it is still
+    the same file when the lock is held. Never raises: cleaning is a courtesy to the next write.
+    """
+    if fcntl is None:
+        return []
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    now = time.time()
+    for name in names:
+        middle = name[len(prefix):-len(fmt.TEMP_SUFFIX)] if name.endswith(fmt.TEMP_SUFFIX) else ""
+        if not name.startswith(prefix) or not middle or "." in middle:    # mkstemp's part has no dot
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode) or now - info.st_mtime < STALE_PARTIAL_SECONDS:
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = os.fstat(fd)
+            if (held.st_dev, held.st_ino) == (info.st_dev, info.st_ino) == _identity(path):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass                        # locked by a live writer, gone, or not ours to remove
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 def _fsync_folder(folder: str) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
@@ -137,20 +250,30 @@ def _fsync_folder(folder: str) -> None:
 
 # -- restoring -------------------------------------------------------------------------
 
-def restore_snapshot(cache: "Cache", source) -> "Context":
-    """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream)."""
+def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None) -> "Context":
+    """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
+
+    ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
+    fills, ``restore_cost``; default: the machine's physical memory); a file past it is
+    ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
+    a ``SnapshotError``.
+    """
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
-        return remote_io.read(source, lambda file: restore_snapshot(cache, file))
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes))
     source = remote_io.local_path(source)
-    if hasattr(source, "read"):
-        header, body, crc = read_snapshot(source, cache.layout, _remaining(source))
-    else:
-        try:
-            file = open(os.fspath(source), "rb")
-        except FileNotFoundError as error:
-            raise SnapshotNotFoundError(f"no snapshot at {os.fspath(source)!r}") from error
-        with file:
-            header, body, crc = read_snapshot(file, cache.layout, os.fstat(file.fileno()).st_size)
+    limit = _cost_limit(cache, max_bytes)
+    try:
+        if hasattr(source, "read"):
+            header, body, crc = read_snapshot(source, cache.layout, _remaining(source), limit)
+        else:
+            file, size = open_regular(source)
+            with file:
+                header, body, crc = read_snapshot(file, cache.layout, size, limit)
+    except (OSError, ValueError, TypeError) as error:
+        if isinstance(error, SnapshotError):
+            raise
+        # An I/O error mid-read, a closed stream, a stream of the wrong kind.
+        raise SnapshotError(f"cannot read a snapshot from {source!r}: {error!r}") from error
     # The content checks run while the checksum thread finishes; a checksum mismatch is still
     # the error reported first, and nothing is allocated until both have passed.
     try:
@@ -169,12 +292,77 @@ def restore_snapshot(cache: "Cache", source) -> "Context":
     return _adopt(cache, arrays["tokens"], encoded, header.positions)
 
 
-def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
+def open_regular(source) -> tuple[io.BufferedReader, int]:
+    """``source`` opened for reading, and its size, if it is a regular file; a ``SnapshotError`` if not.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read: opening a FIFO
+    with no writer would otherwise block forever, and a device (``/dev/zero``) or a
+    directory is no snapshot. Blocking is switched back on for the reads.
+    """
+    try:
+        path = os.fspath(source)
+    except TypeError:
+        raise SnapshotError(f"a snapshot comes from a path or a binary stream, not {type(source).__name__}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as error:
+        raise SnapshotNotFoundError(f"no snapshot at {path!r}") from error
+    except (OSError, ValueError) as error:     # permission, a symlink loop, a NUL in the path
+        raise SnapshotError(f"cannot open snapshot {path!r}: {error}") from error
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SnapshotError(f"{path!r} is not a regular file ({_file_kind(info.st_mode)}); "
+                                f"pass an open binary stream to restore from anything else")
+        os.set_blocking(fd, True)
+        return open(fd, "rb"), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def restore_cost(cache: "Cache", header: fmt.Header) -> int:
+    """Bytes a restore of ``header``'s file allocates at its peak: the body read whole, and the pages
+    it fills (their stored bytes, token ids and per-page objects)."""
+    pages = pages_needed(header.positions, cache.page_tokens)
+    page_bytes = getattr(cache.store, "page_bytes", 0) + cache.page_tokens * 8 + PAGE_OVERHEAD_BYTES
+    return header.body_bytes + pages * page_bytes
+
+
+def _cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | None":
+    if max_bytes is None:
+        max_bytes = physical_memory()      # a file that cannot fit in RAM is refused, not swapped into
+        if max_bytes is None:
+            return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise SnapshotError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+
+    def check(header: fmt.Header) -> None:
+        cost = restore_cost(cache, header)
+        if cost > max_bytes:
+            raise SnapshotTooLargeError(
+                f"restoring {header.positions} positions of {header.layout} at {header.precision} takes "
+                f"about {cost} bytes, above max_bytes={max_bytes}")
+    return check
+
+
+def read_snapshot(file, layout, size: int | None,
+                  limit: "Callable[[fmt.Header], None] | None" = None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
     """Header, body bytes and the body's checksum (``.result()``), every length checked before the body is allocated.
 
     ``size`` is the number of bytes left in ``file`` when known (files, seekable
     streams); otherwise the body is read in bounded chunks so a lying header
-    cannot make the reader allocate more than the stream really holds.
+    cannot make the reader allocate more than the stream really holds. ``limit(header)``
+    raises when the restore would cost more than its caller allows: checked after the real
+    size, before the body is allocated (for a stream of unknown size, once its body is read).
     """
     header = fmt.parse_header(_read_exactly_or_less(file, fmt.HEADER_SIZE))
     if header.layout != layout:
@@ -186,6 +374,8 @@ def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryvie
                 f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
         if size > total:
             raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
+        if limit is not None:
+            limit(header)
     crc = BodyChecksum(threaded=size is not None and header.body_bytes >= _THREADED_CRC_BYTES)
     with crc:
         if size is not None and hasattr(file, "readinto"):
@@ -203,15 +393,17 @@ def read_snapshot(file, layout, size: int | None) -> tuple[fmt.Header, memoryvie
         else:
             body = bytearray()
             while len(body) < header.body_bytes:
-                chunk = file.read(min(_CHUNK, header.body_bytes - len(body)))
+                chunk = _checked_read(file, min(_CHUNK, header.body_bytes - len(body)))
                 if not chunk:
                     raise SnapshotTruncatedError(
                         f"stream ended at offset {fmt.HEADER_SIZE + len(body)} while reading the body; "
                         f"expected {total} bytes")
                 crc.feed(chunk)
                 body += chunk
-        if file.read(1):
+        if _checked_read(file, 1):
             raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
+    if size is None and limit is not None:
+        limit(header)      # a stream of unknown size: its body is what it really held; the pages are next
     return header, memoryview(body), crc
 
 
@@ -258,11 +450,21 @@ class BodyChecksum:
 def _read_exactly_or_less(file, n: int) -> bytes:
     data = b""
     while len(data) < n:
-        chunk = file.read(n - len(data))
+        chunk = _checked_read(file, n - len(data))
         if not chunk:
             break
         data += chunk
     return data
+
+
+def _checked_read(file, n: int) -> bytes:
+    """``file.read(n)``, refusing a text stream and a non-blocking one that has nothing yet by name."""
+    chunk = file.read(n)
+    if chunk is None:
+        raise SnapshotError(f"{file!r} would block: restore needs a blocking stream")
+    if not isinstance(chunk, (bytes, bytearray, memoryview)):
+        raise SnapshotError(f"{file!r} is not a binary stream (read returned {type(chunk).__name__})")
+    return chunk
 
 
 def _seekable(stream) -> bool:

@@ -17,19 +17,23 @@ This module is named ``torch`` inside ``kvstate.impl``; absolute imports make
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ConfigError, NonFiniteError, PrecisionRangeError
+from kvstate.spec.errors import ConfigError, DTypeError, NonFiniteError, PrecisionRangeError
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import SEMANTICS_TAGS, Config
 
 from .arena import SlotArena
+from .memory import check_store_size
 from .store import StoreCounters
 
 VALUE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
 _Q8_MAX = float(precisions.Q8_MAX)
+_Q8_SCALE_MAX = float(precisions.Q8_SCALE_MAX)      # exactly representable in float32
 
 
 def default_device() -> str:
@@ -63,17 +67,35 @@ class TorchStore:
         if precision == "q8":
             self._shapes.append(layout.page_shape(page_tokens)[:-1])
             self._dtypes.append(torch.float32)
-        self.page_bytes = sum(int(np.prod(s)) * d.itemsize for s, d in zip(self._shapes, self._dtypes))
+        self.page_bytes = sum(math.prod(s) * d.itemsize for s, d in zip(self._shapes, self._dtypes))
+        if self.device.type == "cpu":
+            check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
-        self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
-                        for s, d in zip(self._shapes, self._dtypes)]
+        try:
+            self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
+                            for s, d in zip(self._shapes, self._dtypes)]
+        except (MemoryError, RuntimeError, ValueError, TypeError) as error:   # out of memory; a size past int64 (TypeError)
+            raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated "
+                              f"on {self.device}: {error!r}") from None
 
     # -- encoding (validation happens here, before anything is written) -----------
 
     def _as_tensor(self, kv) -> torch.Tensor:
+        """A private float32 copy of ``kv`` on the store's device, detached from any autograd graph.
+
+        A cache stores values, not their history: a tensor with ``requires_grad`` (a model
+        run outside ``no_grad``) is detached on the way in, so no page or arena block joins
+        the graph. The copy is taken before any check, so what was checked is what is stored.
+        """
         if isinstance(kv, torch.Tensor):
-            return kv.to(device=self.device, dtype=torch.float32)
-        return torch.as_tensor(np.asarray(kv, dtype=np.float32), device=self.device)
+            try:
+                return kv.detach().to(device=self.device, dtype=torch.float32, copy=True)
+            except (RuntimeError, NotImplementedError) as error:    # a meta or sparse tensor holds no values
+                raise DTypeError(f"cannot take K/V values from a {kv.layout} tensor on {kv.device}: {error}") from None
+        if not isinstance(kv, np.ndarray):
+            raise DTypeError(f"the torch store takes torch tensors or NumPy arrays, got {type(kv).__name__}")
+        # a C-ordered copy: torch takes no negative strides (a reversed view such as ``kv[::-1]``)
+        return torch.from_numpy(np.array(kv, dtype=np.float32, copy=True, order="C")).to(self.device)
 
     def encode(self, kv) -> tuple[torch.Tensor, ...]:
         x = self._as_tensor(kv)
@@ -89,7 +111,7 @@ class TorchStore:
             encoded = (half,)
         else:
             _refuse_nonfinite(x, bool(finite))                                 # the one sync
-            encoded = _q8_encode(x) if self.precision == "q8" else (x.clone(),)
+            encoded = _q8_encode(x) if self.precision == "q8" else (x,)      # x is already a private copy
         # position-major batch -> layer-major rows, the page's own order
         return tuple(part.movedim(0, 2) for part in encoded)
 
@@ -186,7 +208,7 @@ def _q8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     peak = x.abs().amax(dim=-1)
     # Divide by a tensor, not a Python scalar: torch may turn ``t / scalar`` into
     # ``t * (1 / scalar)``, which rounds differently from NumPy's true division.
-    scales = peak / torch.full_like(peak, _Q8_MAX)
+    scales = torch.clamp(peak / torch.full_like(peak, _Q8_MAX), max=_Q8_SCALE_MAX)
     positive = (scales > 0).unsqueeze(-1)
     safe = torch.where(positive, scales.unsqueeze(-1), torch.ones_like(x[..., :1]))
     ratio = torch.where(positive, x / safe, torch.zeros_like(x))

@@ -1,20 +1,77 @@
-"""The ``kvstate`` command: the users' jobs, one subcommand each."""
+"""The ``kvstate`` command: the users' jobs, one subcommand each.
+
+Every bad argument, unreadable file or broken backend ends in one line on stderr
+and exit status 2; exit 1 means the suite ran and found a failure. Loading a
+backend (its import and its first cache) runs under a time limit, so a module or
+factory that hangs cannot hang the command.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
+
+BUILTIN_BACKENDS = ("kvstate.impl.numpy", "kvstate.impl.torch")
+"""Modules ``kvstate replay`` imports when a replay file names them; any other needs ``--backend``."""
+
+LOAD_TIME_LIMIT = 60.0
+
+
+class UsageError(Exception):
+    """A bad argument: one line, exit 2."""
+
+
+def _at_least(name: str, value, low) -> None:
+    if value is not None and value < low:
+        raise UsageError(f"{name} must be at least {low}, got {value}")
+
+
+def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_default=None, check: bool = True):
+    """The factory named ``backend``, imported (and, with ``check``, its first cache built) in a daemon
+    thread: an import or factory that hangs is a ``FactoryError`` after ``time_limit``, and one that
+    calls ``sys.exit`` at import is one too (it would otherwise end the command with its status)."""
+    from kvstate.spec.protocol import declared_configs
+    from kvstate.stateful.configs import configs_for
+    from kvstate.stateful.conform import FactoryError, check_backend, load_factory
+
+    box: dict = {}
+
+    def target():
+        try:
+            factory = load_factory(backend)
+            configs = configs_for(factory) if configs_default is None else declared_configs(factory, configs_default)
+            box["result"] = (factory, configs)
+        except BaseException as error:        # SystemExit at import included
+            box["error"] = error
+
+    worker = threading.Thread(target=target, name="kvstate-load-backend", daemon=True)
+    worker.start()
+    worker.join(time_limit)
+    if worker.is_alive():
+        raise FactoryError(f"importing backend {backend!r} did not finish within {time_limit:g} s")
+    error = box.get("error")
+    if isinstance(error, SystemExit):
+        raise FactoryError(f"backend {backend!r} called sys.exit({error.code!r}) while loading")
+    if isinstance(error, FactoryError):
+        raise error
+    if error is not None:
+        raise FactoryError(f"loading backend {backend!r} failed: {error!r}")
+    factory, configs = box["result"]
+    if check:
+        check_backend(factory, configs, time_limit=time_limit)
+    return factory, configs
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from kvstate.stateful.conform import (FactoryError, check_backend, conform, format_table, load_factory,
-                                          observed_tiers, use_cache_folder_for_hypothesis)
-    from kvstate.stateful.configs import configs_for, configs_named
+    from kvstate.stateful.conform import FactoryError, conform, format_table, observed_tiers, use_cache_folder_for_hypothesis
+    from kvstate.stateful.configs import configs_named
 
     try:
-        factory = load_factory(args.backend)
-        configs = configs_for(factory)
-        check_backend(factory, configs, time_limit=args.time_limit)
+        _at_least("--time-limit", args.time_limit, 0.001)
+        _at_least("--examples", args.examples, 1)
+        _at_least("--steps", args.steps, 1)
+        factory, configs = _load_backend(args.backend, args.time_limit)
         if args.config:
             try:
                 configs = configs_named(args.config, configs)
@@ -60,7 +117,16 @@ def _fuzz(args: argparse.Namespace) -> int:
     return 0 if all(report.ok for report in reports.values()) else 1
 
 def _stress(args: argparse.Namespace) -> int:
-    from kvstate.stateful.races import RaceFailure, stress
+    from kvstate.stateful.races import SCENARIOS, RaceFailure, available_stores, stress
+
+    _at_least("--minutes", args.minutes, 0)
+    _at_least("--scale", args.scale, 1)
+    for store in args.store or ():
+        if store not in available_stores():
+            raise UsageError(f"unknown or unavailable store {store!r} (available: {', '.join(available_stores())})")
+    for scenario in args.scenario or ():
+        if scenario not in SCENARIOS:
+            raise UsageError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
 
     print(f"race scenarios for {args.minutes} min, seed {args.seed}, {args.scale}x the CI iterations")
     try:
@@ -91,13 +157,18 @@ def _sweep(args: argparse.Namespace) -> int:
 
     from kvstate.spec.errors import ClusterLostError, SweepError
     from kvstate.stateful import sweep as S
-    from kvstate.stateful.configs import configs_named, machine_configs
+    from kvstate.stateful.configs import configs_named
     from kvstate.stateful.conform import FactoryError
 
     # --scheduler, else KVSTATE_SCHEDULER unless --workers asks for the local pool.
     scheduler = args.scheduler or (None if args.workers else os.environ.get("KVSTATE_SCHEDULER") or None)
     out_default = args.resume or "sweep-out"
     try:
+        _at_least("--seeds", args.seeds, 1)
+        _at_least("--steps", args.steps, 1)
+        _at_least("--shrink-limit", args.shrink_limit, 0)
+        _at_least("--shrink-budget", args.shrink_budget, 0)
+        _at_least("--time-limit", args.time_limit, 0.001)
         if args.resume:
             seeds, label = _resume_arguments(args)
         else:
@@ -109,7 +180,11 @@ def _sweep(args: argparse.Namespace) -> int:
         args.steps = 400 if args.steps is None else args.steps
         args.backend = args.backend or S.DEFAULT_BACKEND
         args.out = args.out or out_default
-        configs = configs_named(args.configs.split(",")) if args.configs else machine_configs()
+        if Path(args.out).exists() and not Path(args.out).is_dir():
+            raise UsageError(f"--out {args.out!r} is a file; it must name a folder")
+        # Every configuration the backend declares (ours: each semantics too); a broken factory: exit 2 now.
+        _, declared = _load_backend(args.backend, args.time_limit)
+        configs = configs_named(args.configs.split(","), declared) if args.configs else declared
         if scheduler and args.workers:
             raise ValueError("--workers sizes the local pool; with --scheduler the cluster's workers run the sweep")
         if scheduler:
@@ -138,7 +213,7 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"\nkvstate sweep: interrupted; partial report in {Path(out) / 'report.json'}; "
               f"finish with: kvstate sweep --resume {out}", file=sys.stderr)
         return 130
-    except (ValueError, KeyError, FactoryError, SweepError) as error:
+    except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
         print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 2
     json_path, junit_path = S.write_reports(report, Path(args.out))
@@ -178,24 +253,36 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
 def _replay(args: argparse.Namespace) -> int:
     from kvstate.spec.errors import ReplayFileError
     from kvstate.stateful import replay as R
-    from kvstate.stateful.conform import FactoryError, load_factory
+    from kvstate.stateful.conform import FactoryError
 
     try:
         recorded = R.load(args.file)
         backend = args.backend or recorded.backend
-        factory = load_factory(backend)
+        module = recorded.backend.partition(":")[0]
+        if not args.backend and not args.trust_backend and module not in BUILTIN_BACKENDS:
+            # A replay file is data: running it must not import code it names.
+            raise UsageError(f"{args.file} names backend {recorded.backend!r}; pass --backend {recorded.backend} "
+                             f"(or --trust-backend) to import it")
+        factory, _ = _load_backend(backend, args.time_limit, configs_default=[recorded.config])
         print(f"{args.file}: seed {recorded.seed}, backend {backend}"
               + (f" (found with {recorded.backend})" if backend != recorded.backend else ""))
         if recorded.failure is not None:
             print(f"recorded failure: {recorded.failure}")
         failure = R.replay(recorded, factory)
-    except (ReplayFileError, FactoryError) as error:
+    except (ReplayFileError, FactoryError, UsageError) as error:
         print(f"kvstate replay: {error}", file=sys.stderr)
         return 2
     return 1 if failure else 0
 
+
 def _spec_check(args: argparse.Namespace) -> int:
     from kvstate.stateful.spec_check import run_spec_check
+
+    for name in ("page_tokens", "contexts", "positions", "alphabet", "write", "values", "entries"):
+        _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
+    _at_least("--arena", args.arena, 0)
+    _at_least("--depth", args.depth, 0)
+    _at_least("--time-limit", args.time_limit, 0.001)
 
     return run_spec_check(args)
 
@@ -267,11 +354,17 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", help="folder for report.json, junit.xml, replays/, runs.jsonl (default sweep-out)")
     sweep.add_argument("--shrink-limit", type=int, default=5, help="failures to shrink (default 5)")
     sweep.add_argument("--shrink-budget", type=float, default=60.0, help="seconds per shrink (default 60)")
+    sweep.add_argument("--time-limit", type=float, default=LOAD_TIME_LIMIT, metavar="SECONDS",
+                       help="for importing the backend and building its first cache (default 60)")
     sweep.set_defaults(run=_sweep)
 
     replay = commands.add_parser("replay", help="re-run a saved failing sequence step by step")
     replay.add_argument("file", help="a replay file written by kvstate sweep")
     replay.add_argument("--backend", help="replay against this factory instead of the recorded one")
+    replay.add_argument("--trust-backend", action="store_true",
+                        help="import the backend the file names even if it is not built in (a file runs code)")
+    replay.add_argument("--time-limit", type=float, default=LOAD_TIME_LIMIT, metavar="SECONDS",
+                        help="for importing the backend and building its first cache (default 60)")
     replay.set_defaults(run=_replay)
 
     spec_check = commands.add_parser(
@@ -286,7 +379,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UsageError as error:
+        print(f"kvstate {args.command}: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:      # noqa: BLE001 -- anything else escaping a subcommand: one line, exit 2
+        message = str(error).splitlines()[0] if str(error) else ""
+        print(f"kvstate {args.command}: {type(error).__name__}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

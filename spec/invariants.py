@@ -135,30 +135,35 @@ def check_tree(obs: Observation, expected: Iterable[tuple[tuple[int, ...], int]]
                 5, f"entry {entry.key} holds {obs.lengths.get(entry.holder)} positions, key has {len(entry.key)}")
     if obs.tree is None:
         return
-    keys: list[tuple[int, ...]] = []
-    _check_node(obs.tree, (), keys, is_root=True)
+    keys = _check_nodes(obs.tree)
     if sorted(keys) != sorted(expected):
         raise InvariantViolation(5, f"keys spelled by the tree {sorted(keys)} != entries {sorted(expected)}")
 
 
-def _check_node(node: NodeView, path: tuple[int, ...], keys: list, is_root: bool) -> None:
-    spelled = path + tuple(node.edge)
-    if not is_root:
-        if not node.edge:
-            raise InvariantViolation(5, f"node under {path} has an empty edge")
-        if node.key is None and len(node.children) == 1:
-            raise InvariantViolation(5, f"node {spelled} has no entry and one child: it should have collapsed")
-        if node.key is None and not node.children:
-            raise InvariantViolation(5, f"node {spelled} has no entry and no children: it should have been pruned")
-    if node.key is not None:
-        if tuple(node.key) != spelled:
-            raise InvariantViolation(5, f"entry {node.key} sits at path {spelled}")
-        keys.append(tuple(node.key))
-    firsts = [child.edge[0] for child in node.children if child.edge]
-    if len(firsts) != len(set(firsts)):
-        raise InvariantViolation(5, f"children of {spelled} share a first token: {sorted(firsts)}")
-    for child in node.children:
-        _check_node(child, spelled, keys, is_root=False)
+def _check_nodes(root: NodeView) -> list[tuple[int, ...]]:
+    """Every node's shape, walked with an explicit stack (chat-style retains nest thousands deep);
+    the entry keys the tree spells."""
+    keys: list[tuple[int, ...]] = []
+    stack: list[tuple[NodeView, tuple[int, ...], bool]] = [(root, (), True)]
+    while stack:
+        node, path, is_root = stack.pop()
+        spelled = path + tuple(node.edge)
+        if not is_root:
+            if not node.edge:
+                raise InvariantViolation(5, f"node under {path} has an empty edge")
+            if node.key is None and len(node.children) == 1:
+                raise InvariantViolation(5, f"node {spelled} has no entry and one child: it should have collapsed")
+            if node.key is None and not node.children:
+                raise InvariantViolation(5, f"node {spelled} has no entry and no children: it should have been pruned")
+        if node.key is not None:
+            if tuple(node.key) != spelled:
+                raise InvariantViolation(5, f"entry {node.key} sits at path {spelled}")
+            keys.append(tuple(node.key))
+        firsts = [child.edge[0] for child in node.children if child.edge]
+        if len(firsts) != len(set(firsts)):
+            raise InvariantViolation(5, f"children of {spelled} share a first token: {sorted(firsts)}")
+        stack.extend((child, spelled, False) for child in reversed(node.children))
+    return keys
 
 
 def check_empty(obs: Observation) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,9 +56,14 @@ def check_page_tokens(page_tokens: int) -> int:
 
 
 def check_tokens(tokens) -> np.ndarray:
-    """Token ids as an int64 array, or ``TokenError``/``DTypeError`` naming the bad one."""
+    """Token ids as a private int64 array, or ``TokenError``/``DTypeError`` naming the bad one.
+
+    The caller's array is copied once, first, and only the copy is checked and
+    returned: a caller (or another thread) changing its array after the call
+    began cannot change what is stored.
+    """
     if isinstance(tokens, np.ndarray):
-        array = tokens
+        array = np.array(tokens, copy=True, subok=False)    # masked or subclassed: the data itself
         if array.dtype.kind not in "iu":
             raise DTypeError(f"token ids must be integers, got an array of {array.dtype}")
     else:
@@ -66,8 +72,10 @@ def check_tokens(tokens) -> np.ndarray:
         except TypeError:
             raise DTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
         for i, t in enumerate(items):
-            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
                 raise DTypeError(f"token id at index {i} must be an int, got {t!r}")
+            if not 0 <= t < TOKEN_LIMIT:     # before the int64 conversion, which overflows from 2**63
+                raise TokenError(f"token id {int(t)} at index {i} is not in [0, 2**31)")
         array = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
     if array.ndim != 1:
         raise ShapeError(f"token ids must be one-dimensional, got shape {array.shape}")
@@ -83,9 +91,14 @@ def check_tokens(tokens) -> np.ndarray:
 def check_values(layout: Layout, kv, n: int):
     """Check that ``kv`` is float32 ``(n, layers, 2, kv_heads, head_dim)``; a named error if not.
 
-    Works on anything with ``dtype`` and ``shape`` (NumPy arrays, torch tensors):
-    finiteness is checked by the page store, on the array's own device.
+    Works on anything with ``dtype`` and ``shape`` (NumPy arrays, torch tensors; a
+    page store refuses, with ``DTypeError``, array types it cannot take). Finiteness
+    is checked by the page store, on the array's own device, on the copy it stores.
+    A NumPy subclass (a masked array, a matrix) is taken as its plain data, which is
+    what would be stored: a mask does not hide a NaN.
     """
+    if isinstance(kv, np.ndarray) and type(kv) is not np.ndarray:
+        kv = np.asarray(kv).view(np.ndarray)
     dtype = getattr(kv, "dtype", None)
     if dtype is None or str(dtype) not in ("float32", "torch.float32"):
         found = dtype if dtype is not None else type(kv).__name__
@@ -95,6 +108,12 @@ def check_values(layout: Layout, kv, n: int):
     if shape != expected:
         raise ShapeError(f"K/V values must have shape {expected} for {n} positions, got {shape}")
     return kv
+
+
+def is_torch_tensor(value) -> bool:
+    """Whether ``value`` is a torch tensor, without importing torch (a tensor's module is loaded already)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def require_finite(array: np.ndarray) -> None:

@@ -6,12 +6,14 @@
 - ``q8``: symmetric int8 with one float32 scale per ``head_dim`` vector, i.e. per
   (position, layer, K/V, head). All arithmetic is float32::
 
-      scale = max|x| / 127
+      scale = min(max|x| / 127, Q8_SCALE_MAX)
       code  = clip(round_half_even(x / scale), -127, 127)    (code = 0 where scale == 0)
       read  = code * scale
 
   ``scale == 0`` covers the all-zero vector and a vector so small that its scale
-  underflows; both read back as zeros.
+  underflows; both read back as zeros. ``Q8_SCALE_MAX`` is the largest float32
+  whose ``127 * scale`` is finite: without it a vector holding float32's maximum
+  would read back as infinity (``max / 127`` rounds up).
 
 Encoded form: ``(values,)`` for f32/f16 and ``(codes, scales)`` for q8, where
 ``scales`` has the shape of ``values`` without its last axis.
@@ -28,6 +30,18 @@ Q8_MAX = 127
 F16_MAX = 65504.0
 
 VALUE_DTYPES = {"f32": np.float32, "f16": np.float16, "q8": np.int8}
+
+
+def _largest_safe_scale() -> np.float32:
+    scale = np.float32(np.finfo(np.float32).max / Q8_MAX)
+    with np.errstate(over="ignore"):
+        while not np.isfinite(np.float32(Q8_MAX) * scale):
+            scale = np.nextafter(scale, np.float32(0))
+    return scale
+
+
+Q8_SCALE_MAX = _largest_safe_scale()
+"""The largest q8 scale whose ``127 * scale`` is finite in float32 (just below max/127)."""
 
 
 def check_precision(precision: str) -> str:
@@ -75,7 +89,7 @@ def q8_encode(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     agree element by element.
     """
     x = np.asarray(x, dtype=np.float32)
-    scales = (np.abs(x).max(axis=-1) / np.float32(Q8_MAX)).astype(np.float32)
+    scales = np.minimum(np.abs(x).max(axis=-1) / np.float32(Q8_MAX), Q8_SCALE_MAX).astype(np.float32)
     safe = np.where(scales > 0, scales, np.float32(1))[..., None]
     ratio = np.where(scales[..., None] > 0, x / safe, np.float32(0))
     codes = np.clip(np.rint(ratio), -Q8_MAX, Q8_MAX).astype(np.int8)

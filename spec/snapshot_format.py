@@ -61,6 +61,7 @@ import numpy as np
 from .errors import (SnapshotCorruptError, SnapshotTooLargeError, SnapshotTruncatedError,
                      SnapshotVersionError)
 from .layout import Layout
+from .precision import Q8_SCALE_MAX
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
 FORMAT_VERSION = 1
@@ -82,7 +83,7 @@ TOKEN_DTYPE = np.dtype("<i4")
 VALUE_DTYPES = {"f32": np.dtype("<f4"), "f16": np.dtype("<f2"), "q8": np.dtype("i1")}
 SCALE_DTYPE = np.dtype("<f4")
 Q8_CODE_LIMIT = 127
-Q8_SCALE_LIMIT = np.float32(np.finfo(np.float32).max / 127)   # beyond it code * scale overflows
+Q8_SCALE_LIMIT = Q8_SCALE_MAX    # the largest scale whose 127 * scale is finite; beyond it a read is inf
 
 TEMP_PREFIX = "."
 TEMP_SUFFIX = ".kvs-partial"

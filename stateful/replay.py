@@ -11,14 +11,15 @@ file and prints each step, ``kvstate replay FILE`` is its command line.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
 from kvstate.spec.errors import ConfigError, InvariantViolation, ReplayFileError
-from kvstate.spec.layout import Layout
+from kvstate.spec.layout import Layout, check_page_tokens
+from kvstate.spec.precision import check_precision
 from kvstate.spec.protocol import Config, Factory
 
 from . import generate as _generate  # noqa: F401  (imports optional op kinds, so their files load)
@@ -26,6 +27,11 @@ from . import ops as O
 from .lockstep import Lockstep, to_numpy
 
 FORMAT = "kvstate-replay/1"
+MAX_REPLAY_BYTES = 64 << 20
+"""Replay files larger than this are refused by name (a sweep's shrunk failures are kilobytes)."""
+MAX_REPLAY_PAGE_BYTES = 1 << 30
+"""A replay configuration whose one page holds more float32 bytes than this is refused: the cache
+would accept it and fail only at the first write, which would read as the backend's failure."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +116,37 @@ def config_to_json(config: Config) -> dict:
 
 
 def config_from_json(data: dict) -> Config:
+    """A replay file's configuration, checked as a cache would check it (``ConfigError`` if not)."""
     data = dict(data)
-    return Config(layout=Layout(**data.pop("layout")), **data)
+    config = Config(layout=Layout(**data.pop("layout")), **data)
+    check_page_tokens(config.page_tokens)
+    check_precision(config.precision)
+    if config.page_tokens * config.layout.values_per_position * 4 > MAX_REPLAY_PAGE_BYTES:
+        raise ReplayFileError(f"page_tokens {config.page_tokens} at {config.layout} makes pages larger than "
+                              f"MAX_REPLAY_PAGE_BYTES ({MAX_REPLAY_PAGE_BYTES})")
+    for name, low in (("arena_pages", 0), ("max_entries", 1)):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{name} must be an int >= {low}, got {value!r}")
+    return config
+
+
+def _check_op(index: int, op: O.Op) -> O.Op:
+    """Fields of the right kind: ints where ints go, token tuples of ints, handle strings;
+    otherwise the file is at fault, not the backend that would run it."""
+    for f in fields(op):
+        value = getattr(op, f.name)
+        if f.type in ("str", str):
+            ok = isinstance(value, str)
+        elif f.name == "tokens":
+            ok = isinstance(value, tuple) and all(type(t) is int for t in value)
+        elif f.type in ("int", int):
+            ok = type(value) is int
+        else:
+            continue
+        if not ok:
+            raise ReplayFileError(f"operation {index} ({op.kind}): field {f.name} is {value!r}")
+    return op
 
 
 def to_json(replay: Replay) -> dict:
@@ -134,10 +169,12 @@ def from_json(data: dict) -> Replay:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ReplayFileError(f"not a {FORMAT} file (format {found!r})")
     try:
-        ops = [O.op_from_json(op) for op in data["ops"]]
+        ops = [_check_op(i, O.op_from_json(op)) for i, op in enumerate(data["ops"], start=1)]
         failure = Failure(**data["failure"]) if data.get("failure") else None
         return Replay(data["backend"], config_from_json(data["config"]), data.get("seed"), ops, failure,
                       data.get("minimised", False), data.get("original_steps"))
+    except ReplayFileError:
+        raise
     except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as error:
         raise ReplayFileError(f"malformed replay file: {error!r}") from error
 
@@ -155,10 +192,16 @@ def save(replay: Replay, path: Path) -> Path:
 
 
 def load(path: Path) -> Replay:
+    """A replay file, or ``ReplayFileError`` naming what is wrong with it (also past ``MAX_REPLAY_BYTES``,
+    not UTF-8, or nested too deeply to parse)."""
     try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ReplayFileError(f"cannot read replay file {str(path)!r}: {error}") from error
+        with open(path, "rb") as file:
+            raw = file.read(MAX_REPLAY_BYTES + 1)
+        if len(raw) > MAX_REPLAY_BYTES:
+            raise ReplayFileError(f"replay file {str(path)!r} is larger than {MAX_REPLAY_BYTES} bytes (MAX_REPLAY_BYTES)")
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as error:   # ValueError: JSON and UTF-8 errors
+        raise ReplayFileError(f"cannot read replay file {str(path)!r}: {error}") from None
     return from_json(data)
 
 
