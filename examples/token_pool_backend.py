@@ -22,7 +22,7 @@ from listcache import ListCache, ListContext
 from kvstate.spec import Config, Layout
 from kvstate.spec import precision as precisions
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import CapacityError, ConfigError, PositionError
+from kvstate.spec.errors import CapacityError, ConfigError
 from kvstate.spec.layout import check_tokens
 from kvstate.spec.semantics import hit_length
 
@@ -43,9 +43,7 @@ class PoolContext(ListContext):
         self.length += len(tokens)
 
     def overwrite(self, start: int, tokens, kv) -> None:
-        tokens, values = self._encode(tokens, kv)
-        if not (isinstance(start, int) and 0 <= start and start + len(tokens) <= self.length):
-            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {self.length}")
+        tokens, values = self._encode(tokens, kv, start)     # checks the position before the values
         if len(tokens):
             size = self.cache.page_tokens
             touched = self.pages[start // size:(start + len(tokens) - 1) // size + 1]

@@ -297,10 +297,9 @@ def test_an_over_long_run_is_a_timeout_failure_of_its_seed(cluster, tmp_path, ca
     local, _ = cluster
     for where in (["--scheduler", local.scheduler_address], ["--workers", "1"]):      # worker threads, main thread
         out = tmp_path / where[0].strip("-")
-        started = time.monotonic()
+        # A broken --run-timeout lets the hanging seeds spin out their 20 s and pass: no RunTimeout below.
         assert main(["sweep", "--seeds", "6", "--steps", "40", "--configs", "f32-heap", "--backend", "sweep_hanging",
                      "--run-timeout", "0.5", "--out", str(out), *where]) == 1
-        assert time.monotonic() - started < 15
         failures = json.loads((out / "report.json").read_text())["failures"]
         assert {f["seed"] for f in failures} == HANGING_SEEDS
         assert all(f["failure"]["error"] == "RunTimeout" and f["failure"]["op"] == "allocate()" and
