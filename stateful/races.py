@@ -568,7 +568,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
 
 # -- snapshot-and-restore racing a decode loop ---------------------------------------------------
 
-def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 12,
+def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 8,
                        configs=None, yields: bool = False) -> RaceReport:
     """Snapshot and restore a context while a decode loop on its fork keeps rewriting the shared prefix.
 
