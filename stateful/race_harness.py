@@ -214,13 +214,12 @@ def switch_interval(seconds: float = SWITCH_INTERVAL):
 
 
 def engine_folder(store) -> str:
-    """The folder of the engine's own modules: ``kvstate.impl`` for a built-in store, else the
-    folder of the factory's module."""
-    if callable(store):
-        return os.path.dirname(inspect.getsourcefile(store) or "") or os.sep + "nowhere"
-    import kvstate.impl
-
-    return os.path.dirname(kvstate.impl.__file__)
+    """The folder of the engine's own modules: ``kvstate.impl``'s for a built-in store, else that
+    of the factory's module; ``""`` (every call counts) where the factory has no source file."""
+    try:
+        return os.path.dirname(inspect.getsourcefile(store if callable(store) else Cache) or "")
+    except TypeError:
+        return ""
 
 
 @contextmanager
