@@ -274,11 +274,6 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
     started = time.perf_counter()
     if not getattr(factory, "thread_safe", False):
         return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
-    bounded = config.tags & {"block", "max_pages", "pool_pages", "evict", "refuse"}
-    if bounded:
-        # The scenarios count entries against max_entries alone, expect every write to succeed
-        # and every retained key to match whole.
-        return Outcome("n/a", 0.0, f"the race scenarios do not yet model {sorted(bounded)}")
     scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),
                  ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {})]
     probe = factory(config)

@@ -7,11 +7,23 @@
 - ``kv_for`` makes values self-verifying: the K/V of token ``t`` at position ``p``
   is a fixed function of both, so ``verify`` can check any read by its own tokens.
 - ``check_after`` / ``check_emptied`` assert the invariants once the threads are done.
+- ``attempt`` runs one write that a refusing pool (``on_full="refuse"``) may refuse, and
+  checks that a refusal left the context as it was.
+
+Declared semantics (``spec/semantics.py``): ``race_configs`` holds the six standard
+configurations and every semantics configuration of ``stateful/configs.py`` at the race
+layout; ``pressure_configs`` the small pools that evict or refuse when full. A reference
+replay runs under ``reference_config``: the values a thread's writes leave do not depend on
+the pool, but which writes a full pool refuses depends on the schedule, which a sequential
+replay cannot know, so the replay applies exactly the writes that happened.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import os
+import random
 import sys
 import threading
 import time
@@ -24,10 +36,12 @@ import numpy as np
 from kvstate.impl import Cache
 from kvstate.spec import invariants
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ContextBusyError, InvariantViolation
+from kvstate.spec.errors import CapacityError, ContextBusyError, InvariantViolation
 from kvstate.spec.layout import Layout
+from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, standard_configs
 
+from .configs import semantics_configs
 from .lockstep import to_numpy
 
 RACE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
@@ -35,6 +49,7 @@ RACE_PAGE_TOKENS = 3          # odd, so writes straddle page boundaries
 RACE_ARENA_PAGES = 8          # small: runs out (heap fallback) and recycles slots constantly
 RACE_MAX_ENTRIES = 3          # small: eviction on most retains
 SWITCH_INTERVAL = 1e-6        # seconds; CPython's default is 5e-3
+YIELD_PROBABILITY = 0.05      # of a call into the engine's code giving up the interpreter (``yielding_calls``)
 THREAD_TIMEOUT = 120.0        # a thread still running after this is reported as a hang
 BUSY_RETRIES = 1_000_000      # a ContextBusyError retried this often is a livelock
 
@@ -51,6 +66,7 @@ class RaceReport:
     iterations: int = 0
     threads: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    configs: list[str] = field(default_factory=list)     # configuration names, in the order run
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -72,10 +88,34 @@ def available_stores() -> list[str]:
     return stores
 
 
-def race_configs(max_entries: int = RACE_MAX_ENTRIES) -> list[Config]:
-    """The six configurations (three precisions, heap and a small arena); iterations cycle through them."""
-    return standard_configs(RACE_LAYOUT, page_tokens=RACE_PAGE_TOKENS, max_entries=max_entries,
-                            arena_pages=RACE_ARENA_PAGES)
+def race_configs(max_entries: int | None = None) -> list[Config]:
+    """The six standard configurations (three precisions, heap and a small arena), then each declared
+    semantics configuration of ``stateful/configs.py`` (token and block match, a page budget, pools
+    that evict or refuse) at the race layout and page size; iterations cycle through them.
+    ``max_entries`` replaces every configuration's entry bound (default: each keeps its own)."""
+    configs = standard_configs(RACE_LAYOUT, page_tokens=RACE_PAGE_TOKENS, max_entries=RACE_MAX_ENTRIES,
+                               arena_pages=RACE_ARENA_PAGES)
+    configs += [config.with_(layout=RACE_LAYOUT, page_tokens=RACE_PAGE_TOKENS) for config in semantics_configs()]
+    return configs if max_entries is None else [config.with_(max_entries=max_entries) for config in configs]
+
+
+def pressure_configs() -> list[Config]:
+    """Small pools under memory pressure: the race configurations that evict or refuse when full,
+    and three more so that each match kind meets each policy and a page budget meets eviction."""
+    declared = [config for config in race_configs() if config.on_full != "fallback"]
+    base = Config(RACE_LAYOUT, RACE_PAGE_TOKENS, max_entries=RACE_MAX_ENTRIES)
+    return declared + [
+        base.with_(precision="f16", arena_pages=RACE_ARENA_PAGES, on_full="evict"),
+        base.with_(precision="q8", match="block", block_tokens=2, max_entries=4, max_pages=5,
+                   pool_pages=RACE_ARENA_PAGES, on_full="evict"),
+        base.with_(precision="q8", match="token", pool_pages=RACE_ARENA_PAGES, on_full="refuse"),
+    ]
+
+
+def reference_config(config: Config) -> Config:
+    """The configuration a reference replay of one thread's writes runs under: the same storage and
+    semantics without the pool limit (the replay applies only the writes the engine let happen)."""
+    return config.with_(on_full="fallback", pool_pages=0)
 
 
 def make_cache(store, config: Config) -> Cache:
@@ -137,6 +177,29 @@ def overwrite(ctx, config: Config, start: int, tokens) -> None:
     ctx.overwrite(start, list(tokens), kv_for(config.layout, tokens, start))
 
 
+def attempt(write: Callable[[], None], ctx, config: Config, report: "RaceReport", name: str,
+            want_tokens=None) -> bool:
+    """Run one write on ``ctx`` (which the calling thread owns); True if it happened.
+
+    A refusing pool (``on_full="refuse"``) may refuse any write with ``CapacityError``, and the
+    refusal must leave ``ctx`` as it was: the same length, and values matching ``want_tokens``
+    (its tokens before the write, where the caller knows them) or else its own tokens. Under
+    any other ``on_full`` a ``CapacityError`` is a failure.
+    """
+    before = len(ctx)
+    try:
+        write()
+        return True
+    except CapacityError as error:
+        if config.on_full != "refuse":
+            raise RaceFailure(f"{name}: CapacityError although on_full={config.on_full!r}: {error}") from error
+    report.add("refusals")
+    if len(ctx) != before:
+        raise RaceFailure(f"{name}: a refused write changed the length from {before} to {len(ctx)}")
+    verify(ctx, config, f"{name} after a refused write", want_tokens=want_tokens)
+    return False
+
+
 # -- threads ------------------------------------------------------------------------------
 
 @contextmanager
@@ -148,6 +211,53 @@ def switch_interval(seconds: float = SWITCH_INTERVAL):
         yield
     finally:
         sys.setswitchinterval(old)
+
+
+def engine_folder(store) -> str:
+    """The folder of the engine's own modules: ``kvstate.impl``'s for a built-in store, else that
+    of the factory's module; ``""`` (every call counts) where the factory has no source file."""
+    try:
+        return os.path.dirname(inspect.getsourcefile(store if callable(store) else Cache) or "")
+    except TypeError:
+        return ""
+
+
+@contextmanager
+def yielding_calls(folder: str, seed: int, probability: float = YIELD_PROBABILITY):
+    """Threads started meanwhile give up the interpreter (``time.sleep(0)``) at a random
+    ``probability`` of their calls into code under ``folder``.
+
+    Why: under the GIL a thread waiting for the interpreter gets it only after a timed wait,
+    whose granularity is tens of microseconds however small ``sys.setswitchinterval`` is, so a
+    step of the engine that runs for a few microseconds without the lock it needs is almost
+    never interleaved. A yield at the engine's own calls (``make_room`` calling ``pop_oldest``,
+    ``_release`` calling ``pool.release``, ...) lets another thread in exactly there.
+    """
+    draw, sleep = random.Random(seed).random, time.sleep
+
+    def profile(frame, event, arg) -> None:
+        if event == "call" and frame.f_code.co_filename.startswith(folder) and draw() < probability:
+            sleep(0)
+
+    previous = threading.getprofile()
+    threading.setprofile(profile)
+    try:
+        yield
+    finally:
+        threading.setprofile(previous)
+
+
+@contextmanager
+def racing(store, seed: int, yields: bool):
+    """What every scenario runs under: ``switch_interval``, and with ``yields``, ``yielding_calls``
+    into the engine (a Python-level profile hook on every call: it slows the threads several times
+    over, so CI uses it where the short unlocked windows matter most; ``kvstate stress`` every other round)."""
+    with switch_interval():
+        if not yields:
+            yield
+            return
+        with yielding_calls(engine_folder(store), seed):
+            yield
 
 
 def retry_busy(operation: Callable, report: RaceReport):
@@ -162,10 +272,11 @@ def retry_busy(operation: Callable, report: RaceReport):
 
 
 def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cache | None = None,
-                report: RaceReport | None = None) -> None:
+                report: RaceReport | None = None, config: Config | None = None) -> None:
     """Start ``bodies`` together at a barrier, join them, and re-raise the first failure, naming its thread.
 
-    With ``observe_cache``, one more thread checks invariants 1-3 on ``observe()`` until the others finish.
+    With ``observe_cache``, one more thread checks invariants 1-3 on ``observe()`` until the others
+    finish, and, given the ``config``, that a refusing pool never passes its limit (``check_pool``).
     """
     barrier = threading.Barrier(len(bodies) + (observe_cache is not None))
     failures: list[tuple[int, BaseException]] = []
@@ -184,7 +295,9 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
     def observer() -> None:     # started through ``wrap``, which waits at the barrier
         checks = 0
         while not done.is_set():
-            invariants.check_structure(observe_cache.observe())
+            obs = observe_cache.observe()
+            invariants.check_structure(obs)
+            check_pool(obs, config)
             checks += 1
         if report is not None:
             report.add("observations", checks)
@@ -214,13 +327,26 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
         raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
 
 
+def check_pool(obs: Observation, config: Config | None) -> None:
+    """A refusing pool never holds more live pages than its limit: every allocation past it is
+    refused before it happens (``spec/semantics.py``). Cached pages (refcount 0, reusable) are
+    not counted; a backend without the pages tier is not checked here."""
+    if config is None or config.on_full != "refuse" or obs.pages is None:
+        return
+    live = sum(1 for page in obs.pages.values() if not page.cached)
+    if live > config.pool_limit:
+        raise InvariantViolation("pool", f"{live} live pages in a pool of {config.pool_limit} pages that refuses when full")
+
+
 def check_after(cache: Cache, where: str, expected_tree=None, live: dict | None = None,
-                reference: dict | None = None) -> None:
-    """Invariants 1-3, the tree (5) against ``expected_tree`` (default: what is observed, structure only),
-    and values (4) of ``live`` engine contexts against ``reference`` twins."""
+                reference: dict | None = None, config: Config | None = None) -> None:
+    """Invariants 1-3 (and ``check_pool`` given the ``config``), the tree (5) against ``expected_tree``
+    (default: what is observed, structure only), and values (4) of ``live`` engine contexts against
+    ``reference`` twins."""
     try:
         obs = cache.observe()
         invariants.check_structure(obs)
+        check_pool(obs, config)
         if expected_tree is None:
             expected_tree = [(entry.key, entry.tick) for entry in obs.entries]
         invariants.check_tree(obs, expected_tree)

@@ -6,13 +6,32 @@ between almost every pair of bytecodes), runs many short iterations, and then
 checks the invariants of ``kvstate.spec.invariants`` and compares values with
 the reference model (``kvstate.reference``) replaying each thread's operations
 sequentially. An observer thread calls ``observe()`` and checks invariants 1-3
-all the while, so a structure that is only briefly wrong is caught too.
+all the while (and that a refusing pool never passes its limit), so a structure
+that is only briefly wrong is caught too.
+
+Every scenario runs under every declared semantics (``spec/semantics.py``): the
+iterations cycle through ``race_configs()``, and the expectations follow the
+configuration rather than the seed's world. A ``match`` hit is checked by its
+kind (an ``entry`` hit is a whole retained key, a ``token`` hit a prefix of one, a
+``block`` hit that, in whole blocks: ``hit_length``); the tree's size by its
+bounds (``max_entries`` and ``max_pages``, and only from above where memory
+pressure evicts too); and in a pool that refuses when full, any write may be
+refused with ``CapacityError``, which must leave its context as it was, while the
+reference replays only the writes that happened. ``pressure_vs_match`` is the
+scenario of memory pressure itself: small pools that evict or refuse, with
+allocation, forks and writes racing ``retain`` and ``match``.
 
 Values are self-verifying: the K/V written for token ``t`` at position ``p`` is
 a fixed function of ``(t, p)`` (``kv_for``), so any read, of any context, at
 any moment, can be checked against what its own token ids say it must hold. A
 page freed while held, a slot issued twice or a write leaking into another
 branch reads as a mismatch, named with its position.
+
+Every scenario takes ``yields``: threads then also give up the interpreter at random
+calls into the engine's modules (``race_harness.yielding_calls``), which catches
+short unlocked windows the GIL's own switching almost never lands in, at several
+times the cost; ``pressure_vs_match`` uses it by default, ``kvstate stress`` every
+other round.
 
 Every operation sequence comes from ``(seed, iteration, thread)``; the thread
 schedule itself cannot be replayed, so a failure names all three and the store,
@@ -37,13 +56,14 @@ from kvstate.impl import Cache, Context
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.arithmetic import pages_needed, pages_touched
-from kvstate.spec.errors import ContextBusyError, ContextClosedError
+from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError
 from kvstate.spec.protocol import Config
+from kvstate.spec.semantics import entry_pages, hit_length
 
-from .race_harness import (  # noqa: F401 - RACE_LAYOUT re-exported for the tests
-    RACE_LAYOUT, RaceFailure, RaceReport, available_stores, check_after, check_emptied,
-    extend, kv_for, make_cache, overwrite, page_counters, race_configs, read_numpy, retry_busy, run_threads,
-    seeded_rng, store_label, switch_interval, verify,
+from .race_harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
+    RACE_LAYOUT, RaceFailure, RaceReport, attempt, available_stores, check_after, check_emptied, check_pool,
+    extend, kv_for, make_cache, overwrite, page_counters, pressure_configs, race_configs, racing, read_numpy,
+    reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,
 )
 
 
@@ -65,20 +85,27 @@ def _branch_plan(rng: np.random.Generator, thread: int, parent_len: int, pt: int
     return plan
 
 
-def _apply_plan(ctx, config: Config, plan: list[tuple], reference: bool = False) -> None:
-    for op in plan:
-        if op[0] == "overwrite":
-            _, start, tokens = op
-            if reference:
-                ctx.overwrite(start, tokens, kv_for(config.layout, tokens, start))
-            else:
-                overwrite(ctx, config, start, tokens)
+def _apply_op(ctx, config: Config, op: tuple, reference: bool = False) -> None:
+    if op[0] == "overwrite":
+        _, start, tokens = op
+        if reference:
+            ctx.overwrite(start, tokens, kv_for(config.layout, tokens, start))
         else:
-            _, tokens = op
-            if reference:
-                ctx.extend(tokens, kv_for(config.layout, tokens, len(ctx)))
-            else:
-                extend(ctx, config, tokens)
+            overwrite(ctx, config, start, tokens)
+    else:
+        _, tokens = op
+        if reference:
+            ctx.extend(tokens, kv_for(config.layout, tokens, len(ctx)))
+        else:
+            extend(ctx, config, tokens)
+
+
+def _after_op(state: list[int], op: tuple) -> list[int]:
+    """The token ids a context holds after ``op``, given those it held before."""
+    if op[0] == "overwrite":
+        _, start, tokens = op
+        return state[:start] + tokens + state[start + len(tokens):]
+    return state + op[1]
 
 
 def _copies_expected(plan: list[tuple], parent_len: int, pt: int) -> int:
@@ -92,13 +119,24 @@ def _copies_expected(plan: list[tuple], parent_len: int, pt: int) -> int:
     return len({index for index in touched if index < parent_pages})
 
 
-def _rounds(scenario: str, store, seed: int, iterations: int, configs=None):
+def _rounds(report: RaceReport, store, seed: int, iterations: int, configs=None):
     """Each iteration with its configuration (cycling through ``configs``, by default
-    ``race_configs()``) and a name for failure messages that reruns exactly that schedule."""
+    ``race_configs()``, recorded in ``report.configs``) and a name for failure messages that
+    reruns exactly that schedule."""
     configs = configs or race_configs()
     for iteration in range(iterations):
         config = configs[iteration % len(configs)]
-        yield iteration, config, f"{scenario}[{store_label(store)}, {config.name}] seed={seed} iteration={iteration}"
+        report.configs.append(config.name)
+        yield iteration, config, (f"{report.scenario}[{store_label(store)}, {config.name}] "
+                                  f"seed={seed} iteration={iteration}")
+
+
+def _fitting(config: Config, n: int) -> int:
+    """At most ``n`` tokens, and few enough that a context set up before the threads start fills
+    at most half of a pool that refuses when full (so the set-up itself is never refused)."""
+    if config.on_full != "refuse":
+        return n
+    return max(1, min(n, config.pool_limit // 2 * config.page_tokens))
 
 
 def _plan_length(plan: list[tuple], parent_len: int) -> int:
@@ -106,20 +144,23 @@ def _plan_length(plan: list[tuple], parent_len: int) -> int:
 
 
 def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, threads: int = 16,
-               configs=None) -> RaceReport:
+               configs=None, yields: bool = False) -> RaceReport:
     """Sixteen threads fork one parent at once (concurrent forks are refused as busy and retried),
     then each writes its own branch; every branch must read only its own writes, the parent nothing
-    new, and exactly the shared pages each branch wrote must have been copied."""
+    new, and exactly the shared pages each branch wrote must have been copied. In a pool that
+    refuses when full, a refused write changes nothing, and the counts and the reference replay
+    follow the writes that happened."""
     report = RaceReport("fork_storm", store, seed, threads=threads)
-    with switch_interval():
-        for iteration, config, where in _rounds("fork_storm", store, seed, iterations, configs):
+    with racing(store, seed, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
-            cache, ref = make_cache(store, config), RefCache(config)
-            parent_tokens = [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 4 * pt + 1)))]
+            cache, ref = make_cache(store, config), RefCache(reference_config(config))
+            parent_tokens = [int(t) for t in rng.integers(0, 1000, _fitting(config, int(rng.integers(1, 4 * pt + 1))))]
             parent, ref_parent = cache.allocate(), ref.allocate()
             extend(parent, config, parent_tokens)
             ref_parent.extend(parent_tokens, kv_for(config.layout, parent_tokens, 0))
             plans = [_branch_plan(seeded_rng(seed, iteration, t + 1), t, len(parent_tokens), pt) for t in range(threads)]
+            done: list[list[tuple]] = [[] for _ in range(threads)]     # each branch's writes that happened
             branches: list = [None] * threads
             before = page_counters(cache)
 
@@ -127,21 +168,27 @@ def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, thread
                 def run() -> None:
                     child = retry_busy(parent.fork, report)
                     branches[t] = child
-                    _apply_plan(child, config, plans[t])
-                    verify(child, config, f"branch {t}")      # already, while the others still write
+                    state = list(parent_tokens)
+                    for op in plans[t]:
+                        if attempt(lambda: _apply_op(child, config, op), child, config, report, f"branch {t}",
+                                   want_tokens=state):
+                            state = _after_op(state, op)
+                            done[t].append(op)
+                    verify(child, config, f"branch {t}", want_tokens=state)   # already, while the others still write
                 return run
 
-            run_threads([body(t) for t in range(threads)], where, observe_cache=cache, report=report)
+            run_threads([body(t) for t in range(threads)], where, observe_cache=cache, report=report, config=config)
             live, twins = {"parent": parent}, {"parent": ref_parent}
-            for t, plan in enumerate(plans):
+            for t, ops in enumerate(done):
                 twin = ref_parent.fork()
-                _apply_plan(twin, config, plan, reference=True)
+                for op in ops:
+                    _apply_op(twin, config, op, reference=True)
                 live[f"branch {t}"], twins[f"branch {t}"] = branches[t], twin
-            check_after(cache, where, expected_tree=[], live=live, reference=twins)
+            check_after(cache, where, expected_tree=[], live=live, reference=twins, config=config)
             after = page_counters(cache)
-            copies = sum(_copies_expected(plan, len(parent_tokens), pt) for plan in plans)
-            appended = sum(pages_needed(_plan_length(plan, len(parent_tokens)), pt) - pages_needed(len(parent_tokens), pt)
-                           for plan in plans)
+            copies = sum(_copies_expected(ops, len(parent_tokens), pt) for ops in done)
+            appended = sum(pages_needed(_plan_length(ops, len(parent_tokens)), pt) - pages_needed(len(parent_tokens), pt)
+                           for ops in done)
             if "pages_copied" in after and after["pages_copied"] - before["pages_copied"] != copies:
                 raise RaceFailure(f"{where}: {after['pages_copied'] - before['pages_copied']} pages copied, "
                                   f"the branches wrote {copies} shared pages")
@@ -173,18 +220,42 @@ def _bases(seed: int, iteration: int, length: int) -> list[list[int]]:
     return bases
 
 
-def _check_match(ctx, matched: int, query: list[int], bases: list[list[int]], config: Config, where: str) -> None:
-    """A match result: a prefix of the query that some thread could have retained, with consistent values."""
+class Retained:
+    """The keys the threads retained, and every prefix of them. A key is added before its
+    ``retain``, so whatever entry a thread can find is already here; sets, because a
+    membership test and an add are each atomic while other threads add."""
+
+    def __init__(self) -> None:
+        self.keys: set[tuple[int, ...]] = set()
+        self.prefixes: set[tuple[int, ...]] = set()
+
+    def add(self, key) -> None:
+        key = tuple(int(t) for t in key)
+        self.prefixes.update(key[:n] for n in range(1, len(key) + 1))
+        self.keys.add(key)
+
+
+def _check_match(ctx, matched: int, query: list[int], retained: Retained, config: Config, where: str) -> None:
+    """A match result as the declared ``match`` kind allows it: an ``entry`` hit is a whole retained
+    key, a ``token`` hit a prefix of one, a ``block`` hit that in whole blocks; values consistent."""
     if not 0 <= matched <= len(query):
         raise RaceFailure(f"{where}: matched {matched} tokens of a {len(query)}-token query")
-    if matched and not any(base[:matched] == query[:matched] for base in bases):
-        raise RaceFailure(f"{where}: matched key {query[:matched]} was never retained")
-    verify(ctx, config, "match result", want_tokens=query[:matched])
+    hit = tuple(query[:matched])
+    if matched and config.match == "entry" and hit not in retained.keys:
+        raise RaceFailure(f"{where}: matched key {list(hit)} was never retained")
+    if matched and config.match != "entry" and hit not in retained.prefixes:
+        raise RaceFailure(f"{where}: matched {list(hit)}, a prefix of no retained key")
+    if hit_length(config.match, config.block_tokens, matched) != matched:
+        raise RaceFailure(f"{where}: a {config.match} match held {matched} positions, "
+                          f"not a whole number of {config.block_tokens}-token blocks")
+    verify(ctx, config, "match result", want_tokens=list(hit))
 
 
 def _tree_worker(cache: Cache, config: Config, bases: list[list[int]], rng: np.random.Generator, steps: int,
-                 report: RaceReport, where: str, retained: set, hold: int = 2) -> Callable[[], None]:
-    """Retain prefixes of the bases, match queries against them, keep a few results open a while."""
+                 report: RaceReport, where: str, retained: Retained, hold: int = 2) -> Callable[[], None]:
+    """Retain prefixes of the bases, match queries against them, keep a few results open a while
+    (their pages stay live: an eviction must not free them, and they make some entries free
+    nothing when evicted)."""
     def run() -> None:
         held: list[tuple] = []
         for step in range(steps):
@@ -192,15 +263,15 @@ def _tree_worker(cache: Cache, config: Config, bases: list[list[int]], rng: np.r
             if rng.random() < 0.5:
                 ctx = cache.allocate()
                 key = base[:int(rng.integers(1, len(base) + 1))]
-                extend(ctx, config, key)
-                cache.retain(ctx)
-                retained.add(tuple(key))
-                report.add("retains")
+                if attempt(lambda: extend(ctx, config, key), ctx, config, report, where, want_tokens=[]):
+                    retained.add(key)
+                    cache.retain(ctx)
+                    report.add("retains")
                 ctx.close()
             else:
                 query = base[:int(rng.integers(1, len(base) + 1))] + [int(t) for t in rng.integers(2000, 3000, 2)]
                 ctx, matched = cache.match(query)
-                _check_match(ctx, matched, query, bases, config, where)
+                _check_match(ctx, matched, query, retained, config, where)
                 report.add("match_hits" if matched else "match_misses")
                 held.append((ctx, query[:matched]))
             while len(held) > hold:
@@ -214,64 +285,107 @@ def _tree_worker(cache: Cache, config: Config, bases: list[list[int]], rng: np.r
 
 
 def _allocator(cache: Cache, config: Config, rng: np.random.Generator, steps: int, thread: int,
-               report: RaceReport) -> Callable[[], None]:
-    """Allocate, extend, fork, overwrite, truncate and close, mirrored on a private reference cache."""
+               report: RaceReport, where: str, retained: Retained | None = None) -> Callable[[], None]:
+    """Allocate, extend, fork, overwrite, truncate and close, mirrored on a private reference cache
+    (which replays the writes that happened; a refusing pool may refuse any of them). With
+    ``retained``, half the contexts are also retained and then extended: the entry shares their
+    pages, so the extend copies the shared last page, and evicting the entry frees only what
+    the context no longer holds."""
     def run() -> None:
-        ref, fresh = RefCache(config), 100_000 * (thread + 1)
+        ref, fresh = RefCache(reference_config(config)), 100_000 * (thread + 1)
         for step in range(steps):
             ctx, twin = cache.allocate(), ref.allocate()
             tokens = list(range(fresh, fresh + int(rng.integers(1, 3 * config.page_tokens + 1))))
+            more = list(range(fresh + 25, fresh + 25 + int(rng.integers(1, config.page_tokens + 2))))
             fresh += 50
-            extend(ctx, config, tokens)
-            twin.extend(tokens, kv_for(config.layout, tokens, 0))
-            fork, fork_twin = ctx.fork(), twin.fork()
-            start = int(rng.integers(0, len(tokens)))
-            overwrite(fork, config, start, [fresh])
-            fork_twin.overwrite(start, [fresh], kv_for(config.layout, [fresh], start))
-            keep = int(rng.integers(0, len(tokens) + 1))
-            ctx.truncate(keep)
-            twin.truncate(keep)
-            invariants.check_values({"ctx": read_numpy(ctx), "fork": read_numpy(fork)},
-                                    {"ctx": twin.read(), "fork": fork_twin.read()})
+            if attempt(lambda: extend(ctx, config, tokens), ctx, config, report, where, want_tokens=[]):
+                twin.extend(tokens, kv_for(config.layout, tokens, 0))
+                if retained is not None and rng.random() < 0.5:
+                    retained.add(tokens)
+                    cache.retain(ctx)
+                    report.add("retains")
+                    if attempt(lambda: extend(ctx, config, more), ctx, config, report, where, want_tokens=twin.tokens):
+                        twin.extend(more, kv_for(config.layout, more, len(twin)))
+                fork, fork_twin = ctx.fork(), twin.fork()
+                start = int(rng.integers(0, len(twin)))
+                if attempt(lambda: overwrite(fork, config, start, [fresh]), fork, config, report, where,
+                           want_tokens=fork_twin.tokens):
+                    fork_twin.overwrite(start, [fresh], kv_for(config.layout, [fresh], start))
+                keep = int(rng.integers(0, len(twin) + 1))
+                ctx.truncate(keep)
+                twin.truncate(keep)
+                invariants.check_values({"ctx": read_numpy(ctx), "fork": read_numpy(fork)},
+                                        {"ctx": twin.read(), "fork": fork_twin.read()})
+                fork.close()
+                fork_twin.close()
             ctx.close()
-            fork.close()
             twin.close()
-            fork_twin.close()
             report.add("allocations", 2)
     return run
 
 
-def _finish_tree(cache: Cache, config: Config, retained: set, where: str, entries: int | None) -> None:
-    """After the threads: invariants, the entry count, and every entry's content read through ``match``."""
-    check_after(cache, where)
+def _check_bounds(keys: list[tuple[int, ...]], config: Config, retained: Retained, where: str,
+                  only_evicted_by_bounds: bool) -> None:
+    """The tree's size after the threads, as ``max_entries`` and ``max_pages`` declare it.
+
+    From above: at most ``max_entries`` entries and ``max_pages`` pages (unless one entry alone
+    is over the budget: the one just retained is never evicted). From below, where nothing but
+    the bounds evicts (no ``clear``, no memory-pressure eviction): if some retained key is gone,
+    the bounds evicted it, and eviction stops as soon as the tree is within them, so the tree
+    left after the last eviction plus its victim was over a bound; later retains only added
+    entries. So the tree is at ``max_entries``, or one more entry of the largest retained key
+    would pass ``max_pages``.
+    """
+    pt = config.page_tokens
+    pages = sum(entry_pages(len(key), pt) for key in keys)
+    if len(keys) > config.max_entries:
+        raise RaceFailure(f"{where}: {len(keys)} entries, max_entries is {config.max_entries}")
+    if config.max_pages and pages > config.max_pages and len(keys) > 1:
+        raise RaceFailure(f"{where}: {len(keys)} entries count {pages} pages, max_pages is {config.max_pages}")
+    if not only_evicted_by_bounds or len(keys) == len(retained.keys):
+        return
+    largest = max(entry_pages(len(key), pt) for key in retained.keys)
+    if len(keys) < config.max_entries and not (config.max_pages and pages + largest > config.max_pages):
+        raise RaceFailure(f"{where}: {len(keys)} entries counting {pages} pages after evicting "
+                          f"{len(retained.keys) - len(keys)} of {len(retained.keys)} retained keys; the bounds "
+                          f"(max_entries {config.max_entries}, max_pages {config.max_pages or 'none'}) evict "
+                          f"only while passed")
+
+
+def _finish_tree(cache: Cache, config: Config, retained: Retained, where: str, only_evicted_by_bounds: bool) -> None:
+    """After the threads: invariants, the tree's size against its bounds, and every entry's content
+    read through ``match`` (which holds as much of an entry's own key as its ``match`` kind allows)."""
+    check_after(cache, where, config=config)
     obs = cache.observe()
-    keys = [entry.key for entry in obs.entries]
+    keys = [tuple(entry.key) for entry in obs.entries]
     ticks = [entry.tick for entry in obs.entries]
-    if any(tuple(key) not in retained for key in keys):
-        raise RaceFailure(f"{where}: tree holds keys {sorted(set(map(tuple, keys)) - retained)} nobody retained")
+    if any(key not in retained.keys for key in keys):
+        raise RaceFailure(f"{where}: tree holds keys {sorted(set(keys) - retained.keys)} nobody retained")
     if ticks != sorted(set(ticks)):
         raise RaceFailure(f"{where}: entry ticks {ticks} are not strictly increasing in eviction order")
-    if entries is not None and len(keys) != entries:
-        raise RaceFailure(f"{where}: {len(keys)} entries, expected {entries}")
+    _check_bounds(keys, config, retained, where, only_evicted_by_bounds)
     if obs.counters["live_contexts"] != 0:
         raise RaceFailure(f"{where}: {obs.counters['live_contexts']} contexts still live after every thread closed its own")
     for key in keys:
         ctx, matched = cache.match(list(key))
-        if matched != len(key):
-            raise RaceFailure(f"{where}: entry {key} matched only {matched} of its own tokens")
-        verify(ctx, config, f"entry {key}", want_tokens=list(key))
+        want = hit_length(config.match, config.block_tokens, len(key))
+        if matched != want:
+            raise RaceFailure(f"{where}: entry {list(key)} matched {matched} of its own {len(key)} tokens, "
+                              f"a {config.match} match holds {want}")
+        verify(ctx, config, f"entry {list(key)}", want_tokens=list(key[:want]))
         ctx.close()
     check_emptied(cache, where)
 
 
 def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int = 6, threads: int = 6,
-                           steps: int = 40, configs=None) -> RaceReport:
-    """Threads retaining and matching against a tiny ``max_entries`` while others allocate, extend,
-    fork and close: no page leaked, no slot issued twice, nothing freed while held."""
+                           steps: int = 40, configs=None, yields: bool = False) -> RaceReport:
+    """Threads retaining and matching against tiny tree bounds while others allocate, extend,
+    fork and close: no page leaked, no slot issued twice, nothing freed while held, and the tree
+    within its bounds (and, unless memory pressure evicts too, no smaller than they keep it)."""
     report = RaceReport("eviction_vs_allocation", store, seed, threads=threads)
-    with switch_interval():
-        for iteration, config, where in _rounds("eviction_vs_allocation", store, seed, iterations, configs):
-            cache, retained = make_cache(store, config), set()
+    with racing(store, seed, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
+            cache, retained = make_cache(store, config), Retained()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = []
             for t in range(threads):
@@ -279,22 +393,60 @@ def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int 
                 if t % 2 == 0:
                     bodies.append(_tree_worker(cache, config, bases, rng, steps, report, where, retained))
                 else:
-                    bodies.append(_allocator(cache, config, rng, steps // 2, t, report))
-            run_threads(bodies, where, observe_cache=cache, report=report)
-            _finish_tree(cache, config, retained, where, entries=min(config.max_entries, len(retained)))
+                    bodies.append(_allocator(cache, config, rng, steps // 2, t, report, where))
+            run_threads(bodies, where, observe_cache=cache, report=report, config=config)
+            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=config.on_full != "evict")
+            report.iterations += 1
+    return report
+
+
+def pressure_vs_match(store: str = "numpy", seed: int = 0, iterations: int = 6, threads: int = 6,
+                      steps: int = 30, configs=None, yields: bool = True) -> RaceReport:
+    """Memory pressure racing allocation and ``match``: in a small pool (``pressure_configs()``)
+    that evicts when full, threads extending, forking, retaining and closing contexts force
+    pressure evictions while others retain, match and hold what they matched; in one that
+    refuses, the same load is refused page by page.
+
+    Throughout (the observer): invariants 1-3, and a refusing pool never past its limit.
+    Each thread: a refused write (``CapacityError``, only where the pool refuses) leaves its
+    context as it was; every match result and every held one reads its own tokens (an eviction
+    never frees a page a live context holds); each allocator's contexts equal its reference
+    replay. Afterwards: the invariants, the tree within its bounds, every entry matched and
+    read, and nothing leaked once everything is closed and cleared.
+
+    With ``yields`` (the default here), threads also give up the interpreter at random calls into
+    the engine (``yielding_calls``): a step of eviction or of the pool's check done without the
+    cache lock is then interleaved with other threads within a few iterations, where the GIL alone
+    almost never switches threads inside so short a window.
+    """
+    report = RaceReport("pressure_vs_match", store, seed, threads=threads)
+    with racing(store, seed, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs or pressure_configs()):
+            cache, retained = make_cache(store, config), Retained()
+            bases = _bases(seed, iteration, 4 * config.page_tokens)
+            bodies = []
+            for t in range(threads):
+                rng = seeded_rng(seed, iteration, t + 1)
+                if t % 2 == 0:
+                    bodies.append(_tree_worker(cache, config, bases, rng, steps, report, where, retained, hold=3))
+                else:
+                    bodies.append(_allocator(cache, config, rng, steps, t, report, where, retained))
+            run_threads(bodies, where, observe_cache=cache, report=report, config=config)
+            report.add("pressure_evictions", cache.observe().counters.get("pressure_evictions", 0))
+            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=config.on_full != "evict")
             report.iterations += 1
     return report
 
 
 def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 6, threads: int = 5,
-                         steps: int = 40, configs=None) -> RaceReport:
+                         steps: int = 40, configs=None, yields: bool = False) -> RaceReport:
     """``match`` and ``close`` of the returned contexts racing ``clear``: a match forks an entry before
     the clear releases it or finds nothing; results stay readable after the clear; nothing leaks."""
     report = RaceReport("match_close_vs_clear", store, seed, threads=threads + 1)
-    with switch_interval():
+    with racing(store, seed, yields):
         wide = [c.with_(max_entries=8) for c in configs] if configs else race_configs(max_entries=8)
-        for iteration, config, where in _rounds("match_close_vs_clear", store, seed, iterations, wide):
-            cache, retained = make_cache(store, config), set()
+        for iteration, config, where in _rounds(report, store, seed, iterations, wide):
+            cache, retained = make_cache(store, config), Retained()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = [_tree_worker(cache, config, bases, seeded_rng(seed, iteration, t + 1), steps, report, where, retained,
                                    hold=3)
@@ -306,8 +458,8 @@ def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 
                     report.add("clears")
                     time.sleep(0)
 
-            run_threads(bodies + [clearer], where, observe_cache=cache, report=report)
-            _finish_tree(cache, config, retained, where, entries=None)
+            run_threads(bodies + [clearer], where, observe_cache=cache, report=report, config=config)
+            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=False)
             report.iterations += 1
     return report
 
@@ -316,23 +468,24 @@ def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 
 
 def _shared_pair(cache: Cache, config: Config, rng: np.random.Generator) -> tuple[Context, Context, list[int]]:
     """A context and a fork sharing its pages, so a corrupted refcount would free the sibling's pages."""
-    tokens = [int(t) for t in rng.integers(0, 1000, int(rng.integers(1, 4 * config.page_tokens + 1)))]
+    tokens = [int(t) for t in rng.integers(0, 1000, _fitting(config, int(rng.integers(1, 4 * config.page_tokens + 1))))]
     ctx = cache.allocate()
     extend(ctx, config, tokens)
     return ctx, ctx.fork(), tokens
 
 
 def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threads: int = 4,
-                configs=None) -> RaceReport:
+                configs=None, yields: bool = False) -> RaceReport:
     """Close racing use from other threads, several threads closing at once, and close racing fork.
 
-    Every refusal must be ``ContextBusyError`` or ``ContextClosedError``; exactly one close succeeds;
+    Every refusal must be ``ContextBusyError`` or ``ContextClosedError`` (or, for a write in a pool that
+    refuses when full, ``CapacityError``: the write copies the page the sibling shares); exactly one close succeeds;
     a fork either happened before the close (and reads the parent's values) or is refused as closed;
     the sibling sharing the pages reads unchanged and the refcounts stay exact.
     """
     report = RaceReport("close_races", store, seed, threads=threads)
-    with switch_interval():
-        for iteration, config, where in _rounds("close_races", store, seed, iterations, configs):
+    with racing(store, seed, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
             cache = make_cache(store, config)
             ctx, sibling, tokens = _shared_pair(cache, config, seeded_rng(seed, iteration))
             closes, forks, outcomes = [], [], []
@@ -380,6 +533,11 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
                         except ContextBusyError:
                             with lock:
                                 outcomes.append("busy")
+                        except CapacityError:
+                            if action != "write" or config.on_full != "refuse":
+                                raise
+                            with lock:
+                                outcomes.append("refused")
                         except ContextClosedError:
                             with lock:
                                 outcomes.append("closed")
@@ -387,13 +545,13 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
                 return run
 
             bodies = [closer, closer] + [user(t) for t in range(max(1, threads - 2))]
-            run_threads(bodies, where, observe_cache=cache, report=report)
+            run_threads(bodies, where, observe_cache=cache, report=report, config=config)
             if sorted(closes) != ["already_closed", "closed"]:
                 raise RaceFailure(f"{where}: two racing closes ended {closes}; exactly one must succeed")
             if not ctx.closed:
                 raise RaceFailure(f"{where}: the context is not closed after a successful close")
             live = {"sibling": sibling, **{f"fork {i}": f for i, f in enumerate(forks)}}
-            check_after(cache, where)
+            check_after(cache, where, config=config)
             verify(sibling, config, "sibling", want_tokens=tokens)
             for name, child in live.items():
                 if name != "sibling":
@@ -401,7 +559,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
             for child in live.values():
                 child.close()
             check_emptied(cache, where)
-            for name in ("ok", "busy", "closed"):
+            for name in ("ok", "busy", "closed", "refused"):
                 report.add(f"uses_{name}", outcomes.count(name))
             report.add("forks_before_close", len(forks))
             report.iterations += 1
@@ -410,24 +568,26 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
 
 # -- snapshot-and-restore racing a decode loop ---------------------------------------------------
 
-def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 12,
-                       configs=None) -> RaceReport:
+def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4, steps: int = 8,
+                       configs=None, yields: bool = False) -> RaceReport:
     """Snapshot and restore a context while a decode loop on its fork keeps rewriting the shared prefix.
 
     The snapshotting thread owns the context and changes it between snapshots, so it knows the state
     every snapshot must hold; a restored context must read exactly that state (values consistent with
-    its tokens, tokens equal to the recorded ones): never the decoder's writes, never a mix.
+    its tokens, tokens equal to the recorded ones): never the decoder's writes, never a mix. In a
+    pool that refuses when full, a refused write or restore changes nothing, and the state and the
+    decoder's reference replay follow the writes that happened.
     """
     report = RaceReport("snapshot_vs_decode", store, seed, threads=2)
-    with switch_interval(), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
-        for iteration, config, where in _rounds("snapshot_vs_decode", store, seed, iterations, configs):
+    with racing(store, seed, yields), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
             cache = make_cache(store, config)
-            tokens = [int(t) for t in rng.integers(0, 1000, 3 * pt + 1)]
+            tokens = [int(t) for t in rng.integers(0, 1000, _fitting(config, 3 * pt + 1))]
             shared = cache.allocate()
             extend(shared, config, tokens)
             decoder = shared.fork()
-            ref = RefCache(config)
+            ref = RefCache(reference_config(config))
             decoder_twin = ref.allocate()
             decoder_twin.extend(tokens, kv_for(config.layout, tokens, 0))
 
@@ -437,31 +597,42 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
                 for step in range(steps):
                     position = int(srng.integers(len(state)))
                     new = 2_000_000 + step
-                    overwrite(shared, config, position, [new])
-                    state[position] = new
+                    if attempt(lambda: overwrite(shared, config, position, [new]), shared, config, report,
+                               "snapshotter", want_tokens=state):
+                        state[position] = new
                     path = Path(folder) / f"i{iteration}-s{step}.kvs"
                     shared.snapshot(path)
-                    restored = cache.restore(path)
+                    report.add("snapshots")
+                    try:
+                        restored = cache.restore(path)
+                    except CapacityError:
+                        if config.on_full != "refuse":
+                            raise
+                        report.add("refusals")
+                        continue
                     verify(restored, config, f"restore of snapshot {step}", want_tokens=state)
                     restored.close()
-                    report.add("snapshots")
 
             def decode() -> None:
                 drng = seeded_rng(seed, iteration, 2)
                 for step in range(steps * 4):
                     n = int(drng.integers(1, len(tokens) + 1))
                     rewrite = [3_000_000 + step * 100 + k for k in range(n)]
-                    overwrite(decoder, config, 0, rewrite)
-                    decoder_twin.overwrite(0, rewrite, kv_for(config.layout, rewrite, 0))
-                    extend(decoder, config, [4_000_000 + step])
-                    decoder_twin.extend([4_000_000 + step], kv_for(config.layout, [4_000_000 + step], len(decoder_twin)))
+                    if attempt(lambda: overwrite(decoder, config, 0, rewrite), decoder, config, report, "decoder",
+                               want_tokens=decoder_twin.tokens):
+                        decoder_twin.overwrite(0, rewrite, kv_for(config.layout, rewrite, 0))
+                    new = [4_000_000 + step]
+                    if attempt(lambda: extend(decoder, config, new), decoder, config, report, "decoder",
+                               want_tokens=decoder_twin.tokens):
+                        decoder_twin.extend(new, kv_for(config.layout, new, len(decoder_twin)))
                     if len(decoder) > 6 * pt:
                         decoder.truncate(len(tokens))
                         decoder_twin.truncate(len(tokens))
                     report.add("decode_steps")
 
-            run_threads([snapshotter, decode], where, observe_cache=cache, report=report)
-            check_after(cache, where, expected_tree=[], live={"decoder": decoder}, reference={"decoder": decoder_twin})
+            run_threads([snapshotter, decode], where, observe_cache=cache, report=report, config=config)
+            check_after(cache, where, expected_tree=[], live={"decoder": decoder}, reference={"decoder": decoder_twin},
+                        config=config)
             for ctx in (shared, decoder):
                 ctx.close()
             check_emptied(cache, where)
@@ -472,13 +643,14 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
 # -- observe() while other threads write -----------------------------------------------------------
 
 def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 2,
-                          observations: int = 1000, configs=None) -> RaceReport:
+                          observations: int = 1000, configs=None, yields: bool = False) -> RaceReport:
     """Writers extend, overwrite and restart contexts (fresh pages, recycled arena slots, partly filled
     pages) while the main thread observes: every observation must satisfy invariants 1-3, in particular
-    no page may show bytes past its ``filled`` mark while a write is in flight."""
+    no page may show bytes past its ``filled`` mark while a write is in flight (and a refusing pool
+    never passes its limit; a refused write leaves its context as it was)."""
     report = RaceReport("observe_during_writes", store, seed, threads=threads + 1)
-    with switch_interval():
-        for iteration, config, where in _rounds("observe_during_writes", store, seed, iterations, configs):
+    with racing(store, seed, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
             cache, done = make_cache(store, config), threading.Event()
 
             def writer(t: int) -> Callable[[], None]:
@@ -487,10 +659,11 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
                     while not done.is_set():
                         ctx = cache.allocate()
                         for _ in range(4 * config.page_tokens):
-                            extend(ctx, config, [fresh])
+                            attempt(lambda: extend(ctx, config, [fresh]), ctx, config, report, f"writer {t}")
                             fresh += 1
-                            if rng.random() < 0.3:
-                                overwrite(ctx, config, int(rng.integers(len(ctx))), [fresh])
+                            if len(ctx) and rng.random() < 0.3:
+                                attempt(lambda: overwrite(ctx, config, int(rng.integers(len(ctx))), [fresh]), ctx,
+                                        config, report, f"writer {t}")
                                 fresh += 1
                         verify(ctx, config, f"writer {t}")
                         ctx.close()
@@ -500,7 +673,9 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
             def observer() -> None:
                 try:
                     for _ in range(observations):
-                        invariants.check_structure(cache.observe())
+                        obs = cache.observe()
+                        invariants.check_structure(obs)
+                        check_pool(obs, config)
                         report.add("observations")
                 finally:
                     done.set()
@@ -516,28 +691,26 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
 SCENARIOS: dict[str, Callable[..., RaceReport]] = {
     "fork_storm": fork_storm,
     "eviction_vs_allocation": eviction_vs_allocation,
+    "pressure_vs_match": pressure_vs_match,
     "match_close_vs_clear": match_close_vs_clear,
     "close_races": close_races,
     "snapshot_vs_decode": snapshot_vs_decode,
     "observe_during_writes": observe_during_writes,
 }
 
-# Iterations per scenario: CI keeps the suite's share to seconds; stress multiplies them.
-CI_ITERATIONS = {
-    "fork_storm": 6,
-    "eviction_vs_allocation": 6,
-    "match_close_vs_clear": 6,
-    "close_races": 12,
-    "snapshot_vs_decode": 3,
-    "observe_during_writes": 4,
-}
+# Iterations per scenario: one per configuration, so CI runs each scenario under every declared
+# semantics (tests/test_races.py checks that it does) while keeping the suite's share to seconds;
+# stress multiplies them.
+CI_ITERATIONS = {name: len(race_configs()) for name in SCENARIOS}
+CI_ITERATIONS["pressure_vs_match"] = len(pressure_configs())
 
 
 def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scenarios: list[str] | None = None,
            scale: int = 10, out=print) -> dict[str, dict[str, int]]:
     """Run every scenario on every store, ``scale`` times the CI iterations, round after round with
-    seeds ``seed, seed + 1, ...``, until ``minutes`` have passed. Stops at the first ``RaceFailure``
-    (which propagates, naming store, seed and iteration). Returns totals per scenario."""
+    seeds ``seed, seed + 1, ...``, until ``minutes`` have passed; every other round with ``yields``
+    for all scenarios. Stops at the first ``RaceFailure`` (which propagates, naming store, seed and
+    iteration). Returns totals per scenario."""
     stores = stores or available_stores()
     names = scenarios or list(SCENARIOS)
     totals: dict[str, dict[str, int]] = {}
@@ -546,7 +719,8 @@ def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scena
     while True:
         for name in names:
             for store in stores:
-                report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale)
+                options = {"yields": True} if (round_seed - seed) % 2 else {}
+                report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale, **options)
                 total = totals.setdefault(f"{name}[{store}]", {"rounds": 0, "iterations": 0})
                 total["rounds"] += 1
                 total["iterations"] += report.iterations

@@ -1,8 +1,13 @@
 """Races a scheduler creates, under threads, at CI size (``kvstate stress`` runs them for minutes).
 
 The scenarios live in ``kvstate.stateful.races``; each checks the invariants and the
-reference itself and raises ``RaceFailure`` naming store, seed and iteration.
+reference itself and raises ``RaceFailure`` naming store, seed and iteration. At CI size
+each runs once under every configuration of ``race_configs()`` (the six standard ones
+and every declared semantics), ``pressure_vs_match`` under every ``pressure_configs()``.
 Stores: ``available_stores()`` -- ``numpy``, plus ``torch`` once ``impl/torch.py`` exists.
+
+The planted bugs at the end show which scenario catches which concurrency defect of the
+semantics code, and how reliably.
 """
 
 from __future__ import annotations
@@ -14,8 +19,13 @@ import threading
 import numpy as np
 import pytest
 
+from kvstate.impl.cache import Cache
+from kvstate.impl.pool_policy import PoolPolicy, _frees_a_page
+from kvstate.impl.radix import pack
+from kvstate.impl.tree_bounds import TreeBounds
 from kvstate.spec import invariants
-from kvstate.spec.errors import ContextBusyError, ContextClosedError
+from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError
+from kvstate.spec.layout import check_tokens
 from kvstate.stateful import races
 
 STORES = races.available_stores()
@@ -25,7 +35,23 @@ SEED = int(os.environ.get("KVSTATE_RACE_SEED", "20261129"))
 def _run(name: str, store: str):
     report = races.SCENARIOS[name](store=store, seed=SEED, iterations=races.CI_ITERATIONS[name])
     assert report.iterations == races.CI_ITERATIONS[name]
+    # Every declared semantics, once each: the configurations CI cycles through are all of them.
+    configs = races.pressure_configs() if name == "pressure_vs_match" else races.race_configs()
+    assert sorted(report.configs) == sorted(config.name for config in configs)
     return report
+
+
+def test_race_configurations_cover_every_declared_semantics():
+    from kvstate.spec.protocol import SEMANTICS_TAGS
+    from kvstate.stateful.configs import semantics_configs
+
+    names = [config.name for config in races.race_configs()]
+    assert len(names) == len(set(names)) == 6 + len(semantics_configs())
+    assert set().union(*(config.tags for config in races.race_configs())) == SEMANTICS_TAGS
+    assert all(config.layout == races.RACE_LAYOUT for config in races.race_configs())
+    pressure = races.pressure_configs()
+    assert {config.on_full for config in pressure} == {"evict", "refuse"}
+    assert {config.match for config in pressure} == {"entry", "token", "block"}
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +75,16 @@ def test_eviction_races_allocation(store):
     report = _run("eviction_vs_allocation", store)
     assert report.counts["retains"] > 0 and report.counts["allocations"] > 0
     assert report.counts["match_hits"] > 0
+    assert report.counts["refusals"] > 0          # the refusing pools did refuse, and nothing changed
+
+
+@pytest.mark.parametrize("store", STORES)
+def test_pressure_eviction_and_refusal_race_allocation_and_match(store):
+    report = _run("pressure_vs_match", store)
+    assert report.counts["pressure_evictions"] > 0     # the pools that evict did, while others matched
+    assert report.counts["refusals"] > 0               # the pools that refuse did, leaving contexts as they were
+    assert report.counts["match_hits"] > 0 and report.counts["retains"] > 0
+    assert report.counts["observations"] > 0
 
 
 @pytest.mark.parametrize("store", STORES)
@@ -202,6 +238,33 @@ def test_closing_twice_at_once_succeeds_once(store):
     races.check_emptied(cache, "double close")
 
 
+def test_a_refused_write_must_leave_its_context_unchanged():
+    """``attempt`` is what lets a refusing pool refuse: it fails a refusal that changed the context,
+    and any ``CapacityError`` where the pool does not refuse."""
+    refusing = next(c for c in races.race_configs() if c.on_full == "refuse")
+    evicting = next(c for c in races.race_configs() if c.on_full == "evict")
+    report = races.RaceReport("attempt", "numpy", 0)
+    cache = races.make_cache("numpy", refusing)
+    ctx = cache.allocate()
+    races.extend(ctx, refusing, [1, 2, 3])
+
+    def half_done():           # a write that lands, then is reported refused
+        races.extend(ctx, refusing, [4])
+        raise CapacityError("pool full")
+
+    with pytest.raises(races.RaceFailure, match="refused write changed the length from 3 to 4"):
+        races.attempt(half_done, ctx, refusing, report, "ctx", want_tokens=[1, 2, 3])
+
+    def refused():
+        raise CapacityError("pool full")
+
+    assert races.attempt(refused, ctx, refusing, report, "ctx", want_tokens=[1, 2, 3, 4]) is False
+    assert report.counts["refusals"] == 2
+    with pytest.raises(races.RaceFailure, match="CapacityError although on_full='evict'"):
+        races.attempt(refused, ctx, evicting, report, "ctx")
+    ctx.close()
+
+
 def test_reports_name_the_seed_and_iteration_of_a_failure(monkeypatch):
     """A planted race bug (fork forgets its refcount increments) is caught and reported rerunnably."""
     from kvstate.impl import pages
@@ -217,3 +280,120 @@ def test_kv_for_depends_on_token_and_position():
     assert not np.array_equal(a[0], races.kv_for(layout, [1], 1)[0])     # same token, other position
     assert not np.array_equal(a[1], races.kv_for(layout, [3], 1)[0])     # same position, other token
     assert np.array_equal(a[1], races.kv_for(layout, [2], 1)[0])
+
+
+# -- the tree's bounds, checked from both sides --------------------------------------------------
+
+def test_a_tree_past_its_page_budget_is_caught(monkeypatch):
+    """Planted: retain evicts for ``max_entries`` only, ignoring ``max_pages``."""
+    monkeypatch.setattr(TreeBounds, "exceeded", lambda self, tree: len(tree) > self.max_entries)
+    budgeted = [c for c in races.race_configs() if c.max_pages]
+    with pytest.raises(races.RaceFailure, match=r"count \d+ pages, max_pages is"):
+        races.eviction_vs_allocation("numpy", seed=SEED, iterations=len(budgeted), configs=budgeted)
+
+
+def test_a_tree_evicting_more_than_its_bounds_ask_is_caught(monkeypatch):
+    """Planted: retain evicts one entry too many (down to ``max_entries - 1``); the tree's size
+    after the threads follows the bounds from below too."""
+    monkeypatch.setattr(TreeBounds, "exceeded", lambda self, tree: len(tree) >= self.max_entries)
+    with pytest.raises(races.RaceFailure, match="evict only while passed"):
+        races.eviction_vs_allocation("numpy", seed=SEED, iterations=2, configs=races.race_configs()[:2])
+
+
+def test_a_block_hit_not_in_whole_blocks_is_caught(monkeypatch):
+    """Planted: a ``block`` cache that returns the token match without rounding it down to whole
+    blocks; the match results and every entry's own match follow ``hit_length``."""
+    from kvstate.impl import cache as cache_module, matching
+
+    monkeypatch.setattr(cache_module, "finder_for", lambda match, block_tokens: matching.prefix_hit("token", 0))
+    blocks = [c for c in races.race_configs() if c.match == "block"]
+    with pytest.raises(races.RaceFailure, match=r"block\d+-.*(not a whole number of \d+-token blocks|a block match holds)"):
+        races.eviction_vs_allocation("numpy", seed=SEED, iterations=len(blocks), configs=blocks)
+
+
+# -- planted concurrency bugs in the semantics code ------------------------------------------------
+#
+# Each runs a scenario with ``yields`` (threads give up the interpreter at random calls into
+# the engine, see ``race_harness.yielding_calls``): ``pressure_vs_match`` on the pools the bug
+# concerns, or ``match_close_vs_clear``. Measured catch rates are in
+# the report of the change that added them: the first three were caught in every run, the
+# last in about four iterations of ten.
+
+def _lock_of(policy: PoolPolicy):
+    return policy.release_entry.__self__.lock
+
+
+def _without_lock(policy: PoolPolicy, step):
+    """Run ``step`` with the cache lock let go entirely (the RLock's own save/restore)."""
+    lock = _lock_of(policy)
+    saved = lock._release_save()
+    try:
+        return step()
+    finally:
+        lock._acquire_restore(saved)
+
+
+def _pressure(on_full: str):
+    configs = [c for c in races.pressure_configs() if c.on_full == on_full]
+    return dict(seed=SEED, iterations=len(configs), configs=configs)
+
+
+def test_memory_pressure_eviction_without_the_cache_lock_is_caught(monkeypatch):
+    """Planted: ``make_room`` runs its whole eviction (victim choice, tree removal, page release)
+    with the cache lock let go, racing every other thread's tree and refcount changes."""
+    original = PoolPolicy.make_room
+    monkeypatch.setattr(PoolPolicy, "make_room", lambda self, needed: _without_lock(self, lambda: original(self, needed)))
+    with pytest.raises(races.RaceFailure, match=r"pressure_vs_match\[numpy, [^\]]*evict[^\]]*\] seed="):
+        races.pressure_vs_match("numpy", **_pressure("evict"))
+
+
+def test_an_evicted_entry_released_outside_the_lock_is_caught(monkeypatch):
+    """Planted: the victim is chosen and taken out of the tree under the lock, but its pages are
+    released after letting the lock go (a refcount dropped unlocked; pages briefly unheld)."""
+    def make_room(self, needed):
+        while needed > 0 and not self.fits(needed) and self.on_full == "evict":
+            victim = self.tree.pop_oldest(where=_frees_a_page)
+            if victim is None:
+                return
+            _without_lock(self, lambda: self.release_entry(victim))
+            self.evictions += 1
+        if needed > 0 and not self.fits(needed) and self.on_full == "refuse":
+            raise CapacityError("full")
+
+    monkeypatch.setattr(PoolPolicy, "make_room", make_room)
+    with pytest.raises(races.RaceFailure, match=r"pressure_vs_match\[numpy, [^\]]*evict"):
+        races.pressure_vs_match("numpy", **_pressure("evict"))
+
+
+def test_a_refusing_pool_that_lets_the_lock_go_between_check_and_allocation_is_caught(monkeypatch):
+    """Planted: the pool decides "it fits" and then lets the lock go before the pages are taken,
+    so two threads can both fit into the last free pages: the observer sees the pool passed."""
+    original = PoolPolicy.make_room
+
+    def make_room(self, needed):
+        original(self, needed)
+        _without_lock(self, lambda: PoolPolicy.fits(self, 0))
+
+    monkeypatch.setattr(PoolPolicy, "make_room", make_room)
+    with pytest.raises(races.RaceFailure, match=r"refuse.*live pages in a pool of \d+ pages that refuses"):
+        races.pressure_vs_match("numpy", **_pressure("refuse"))
+
+
+def test_match_stamping_its_entry_outside_the_lock_is_caught(monkeypatch):
+    """Planted: ``match`` forks the hit under the lock but stamps its entry on the clock after
+    letting the lock go, racing ``clear`` and eviction (a stamp re-inserts a node they removed).
+    The window is one call wide: ``match_close_vs_clear`` with ``yields`` catches it in about
+    four iterations of ten, so twelve iterations miss it about once in a few hundred runs."""
+    def match(self, tokens):
+        query = pack(check_tokens(tokens))
+        with self.lock:
+            node, matched = self.find_hit(self.tree, query)
+            if node is None:
+                return self._new_context([], 0), 0
+            found = self._fork(node.value, length=matched), matched
+        self.tree.stamp(node)
+        return found
+
+    monkeypatch.setattr(Cache, "match", match)
+    with pytest.raises(races.RaceFailure, match=r"match_close_vs_clear\[numpy, "):
+        races.match_close_vs_clear("numpy", seed=SEED, iterations=len(races.race_configs()), yields=True)
