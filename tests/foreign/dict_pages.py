@@ -59,13 +59,13 @@ class Arena:
         self.size = size
         self.blocks = [np.zeros((size, *shape), dtype) for shape, dtype in part_shapes]
         self.token_block = np.zeros((size, page_tokens), np.int64)
-        self.free: list[int] = list(range(size))
+        self.free: list[int] = list(range(size - 1, -1, -1))   # a stack: the slot freed last is reused first
         self.out: dict[int, int] = {}
 
     def take(self, page_id: int) -> int | None:
         if not self.free:
             return None
-        slot = self.free.pop(0)
+        slot = self.free.pop()
         self.out[slot] = page_id
         self.scrub(slot)
         return slot
@@ -315,6 +315,7 @@ class DictContext:
 
 class DictCache:
     context_class = DictContext
+    arena_class = Arena
 
     def __init__(self, config: Config):
         self.config = config
@@ -328,8 +329,8 @@ class DictCache:
         self.freed = 0
         self.contexts: dict[int, DictContext] = {}
         self.next_context = 0
-        self.arena = Arena(self.arena_size(config), [((self.page_tokens, *s), d) for s, d in self.part_shapes],
-                           self.page_tokens)
+        row_shapes = [((self.page_tokens, *shape), dtype) for shape, dtype in self.part_shapes]
+        self.arena = self.arena_class(self.arena_size(config), row_shapes, self.page_tokens)
         self.tree = RadixTree()
         self.entries: dict[tuple[int, ...], Entry] = {}
         self.clock = 0
@@ -403,11 +404,15 @@ class DictCache:
         self.entries[key] = entry
         self.tree.insert(entry)
         while len(self.entries) > self.max_entries:
-            self._drop(self._victim(spare=entry))
+            self.evict(self._victim(spare=entry))
 
     def _victim(self, spare: Entry) -> Entry:
         """The least recently used entry other than ``spare`` (the one just retained)."""
         return min((e for e in self.entries.values() if e is not spare), key=lambda e: e.tick)
+
+    def evict(self, entry: Entry) -> None:
+        """Eviction goes through the same release path as everything else."""
+        self._drop(entry)
 
     def _drop(self, entry: Entry) -> None:
         self.tree.remove(entry)
