@@ -10,13 +10,17 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Callable, ContextManager
 
+import numpy as np
+
 from kvstate.impl import cache as cache_module
 from kvstate.impl import context as context_module
 from kvstate.impl import numpy as numpy_module
 from kvstate.impl import pages as pages_module
 from kvstate.impl import radix as radix_module
 from kvstate.spec import arithmetic
+from kvstate.spec import precision as precisions
 from kvstate.spec.errors import PositionError
+from kvstate.spec.layout import require_finite
 
 
 @contextmanager
@@ -153,6 +157,36 @@ def restore_drops_partial_page() -> ContextManager:
     return _patched(snapshot_module, "_adopt", adopt)
 
 
+def q8_rounds_half_away_from_zero() -> ContextManager:
+    """The NumPy store's q8 codes round half away from zero instead of half to even.
+
+    Only a value whose ``x / scale`` lands exactly on .5 tells the two apart, which random
+    K/V values almost never do.
+    """
+    original = numpy_module.NumpyStore.encode
+
+    def encode(store, kv):
+        if store.precision != "q8":
+            return original(store, kv)
+        x = np.asarray(kv, dtype=np.float32)
+        require_finite(x)
+        scales = (np.abs(x).max(axis=-1) / np.float32(precisions.Q8_MAX)).astype(np.float32)
+        safe = np.where(scales > 0, scales, np.float32(1))[..., None]
+        ratio = np.where(scales[..., None] > 0, x / safe, np.float32(0))
+        rounded = np.sign(ratio) * np.floor(np.abs(ratio) + np.float32(0.5))
+        codes = np.clip(rounded, -precisions.Q8_MAX, precisions.Q8_MAX).astype(np.int8)
+        return tuple(np.moveaxis(part, 0, 2) for part in (codes, scales))
+    return _patched(numpy_module.NumpyStore, "encode", encode)
+
+
+def match_shortest_key() -> ContextManager:
+    """``match`` answers with the shallowest entry on the walked path: the *shortest* retained key
+    that prefixes the query instead of the longest. Only nested keys tell them apart."""
+    def shallowest(has_entry):
+        return next((i for i, has in enumerate(has_entry) if has), -1)
+    return _patched(radix_module, "match_stop", shallowest)
+
+
 PLANTED: dict[str, Callable[[], ContextManager]] = {
     "missing_copy_on_write": missing_copy_on_write,
     "refcount_kept_on_close": refcount_kept_on_close,
@@ -163,4 +197,6 @@ PLANTED: dict[str, Callable[[], ContextManager]] = {
     "dirty_recycled_slot": dirty_recycled_slot,
     "release_skips_last_page": release_skips_last_page,
     "restore_drops_partial_page": restore_drops_partial_page,
+    "q8_rounds_half_away_from_zero": q8_rounds_half_away_from_zero,
+    "match_shortest_key": match_shortest_key,
 }

@@ -51,7 +51,11 @@ MINIMAL = {
 
 
 # Planted bugs in operations the exhaustive scope does not explore (the lockstep machine finds them).
-OUTSIDE_SCOPE = {"restore_drops_partial_page": "snapshot/restore are not operations of the exhaustive scope"}
+OUTSIDE_SCOPE = {
+    "restore_drops_partial_page": "snapshot/restore are not operations of the exhaustive scope",
+    "q8_rounds_half_away_from_zero": "the default scope stores f32; a q8 tie needs x / scale exactly on .5",
+    "match_shortest_key": "two nested keys and a match past both take 6 operations; the default depth is 5",
+}
 
 
 def test_every_planted_bug_has_a_known_minimum():

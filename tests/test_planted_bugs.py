@@ -8,6 +8,7 @@ from kvstate.stateful.conform import conform
 from kvstate.stateful.planted import PLANTED
 
 ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
+Q8_BUGS = {"q8_rounds_half_away_from_zero"}      # the bug is in the q8 encoding: only q8 configurations
 # Planted to show what random runs miss: the hunt profile does not reach it in any of the
 # six configurations; tests/test_exhaustive.py finds it with a minimal trace.
 EXHAUSTIVE_ONLY = {"truncate_shared_boundary"}
@@ -15,7 +16,8 @@ EXHAUSTIVE_ONLY = {"truncate_shared_boundary"}
 
 @pytest.mark.parametrize("bug", sorted(set(PLANTED) - EXHAUSTIVE_ONLY))
 def test_planted_bug_is_caught(bug):
-    configs = [c for c in machine_configs() if c.arena_pages or bug not in ARENA_BUGS]
+    configs = [c for c in machine_configs()
+               if (c.arena_pages or bug not in ARENA_BUGS) and (c.precision == "q8" or bug not in Q8_BUGS)]
     with PLANTED[bug]():
         results = conform(numpy_factory, profile="hunt", configs=configs)
     failures = [r for r in results if not r.passed]

@@ -1,0 +1,257 @@
+"""The bug zoo: one planted bug per subclass of a foreign backend.
+
+Each class breaks exactly one promise of README.md (its docstring names it); ``BUGS`` maps a
+bug's name to a factory building the broken cache. ``tests/test_bug_zoo.py`` runs ``conform``
+against each and asserts it is caught, with the report naming the right invariant or check.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvstate.spec import precision as precisions
+
+from . import dict_pages, no_arena, no_tree
+
+
+# -- on the dict-of-pages engine ------------------------------------------------------------
+
+class Q8HalfAwayFromZero(dict_pages.DictCache):
+    """q8 codes round half away from zero; ``spec.precision`` rounds half to even (invariant 4).
+
+    Only a value whose ``x / scale`` lands exactly on .5 tells them apart: rare in random data."""
+
+    def encode(self, kv):
+        if self.precision != "q8":
+            return super().encode(kv)
+        x = np.asarray(kv, dtype=np.float32)
+        scales = (np.abs(x).max(axis=-1) / np.float32(precisions.Q8_MAX)).astype(np.float32)
+        safe = np.where(scales > 0, scales, np.float32(1))[..., None]
+        ratio = np.where(scales[..., None] > 0, x / safe, np.float32(0))
+        rounded = np.sign(ratio) * np.floor(np.abs(ratio) + np.float32(0.5))
+        return np.clip(rounded, -precisions.Q8_MAX, precisions.Q8_MAX).astype(np.int8), scales
+
+
+class UnscrubbedArena(dict_pages.Arena):
+    def scrub(self, slot: int) -> None:
+        pass
+
+
+class DirtySlotReportedClean(dict_pages.DictCache):
+    """A recycled arena slot is issued without being zeroed (invariant 3: "a recycled slot reads
+    zero where nothing was written"), and ``observe()`` reports ``dirty_tail=False`` whatever the
+    bytes say: the backend's own flag cannot convict it."""
+
+    arena_class = UnscrubbedArena
+
+    def dirty_tail(self, page) -> bool:
+        return False
+
+
+class IgnoresArenaPages(dict_pages.DictCache):
+    """``config.arena_pages`` is ignored: every page lives in ordinary memory and the observation
+    reports ``arena_size`` 0 in an arena configuration."""
+
+    def arena_size(self, config) -> int:
+        return 0
+
+
+class AliasingReadContext(dict_pages.DictContext):
+    def read(self, start: int = 0, stop: int | None = None):
+        stop = self.length if stop is None else stop
+        size = self.cache.page_tokens
+        if (self.cache.precision == "f32" and _is_int(start) and _is_int(stop) and 0 <= start < stop <= self.length
+                and start // size == (stop - 1) // size and not self.closed):
+            page, base = self.pages[start // size], start // size * size
+            return page.parts[0][start - base:stop - base], page.tokens[start - base:stop - base]
+        return super().read(start, stop)
+
+
+class ReadAliasesStorage(dict_pages.DictCache):
+    """``read`` of a range inside one page returns a view of the page itself (f32), not a copy:
+    a caller that writes into what it read changes the cache (invariant 4: a write through one
+    holder never shows in another; here the write needs no operation at all)."""
+
+    context_class = AliasingReadContext
+
+
+class RetainKeepsOldEntry(dict_pages.DictCache):
+    """Retaining a key that is already retained keeps the old entry (its pages and its tick)
+    instead of replacing it (invariant 5: entries and eviction order equal the reference's)."""
+
+    def retain(self, ctx) -> None:
+        ctx = self._own(ctx)
+        if ctx.length and tuple(ctx.tokens) in self.entries:
+            return
+        super().retain(ctx)
+
+
+class ZeroLengthWriteContext(dict_pages.DictContext):
+    def _write(self, start, tokens, parts) -> None:
+        if len(tokens) == 0:
+            size = self.cache.page_tokens
+            index = start // size
+            while index >= len(self.pages):
+                self.pages.append(self.cache.new_page())
+            self.writable(index)
+            return
+        super()._write(start, tokens, parts)
+
+
+class ZeroLengthWriteAllocates(dict_pages.DictCache):
+    """A zero-length ``extend``/``overwrite`` still makes the page at its start position
+    writable: it allocates a fresh page at a page boundary and copies a shared page inside one.
+    README: a zero-length write copies and allocates nothing."""
+
+    context_class = ZeroLengthWriteContext
+
+
+class SnapshotDropsPartialPage(dict_pages.DictCache):
+    """The snapshot body carries whole pages only: the positions of a partly filled last page are
+    written as zeros (a valid file, with the right size and checksums), so the restored context
+    reads zeros there (invariant 4; the damaged-snapshot check's intact round trip)."""
+
+    def snapshot_sections(self, ctx):
+        sections = [np.array(section) for section in super().snapshot_sections(ctx)]
+        full = ctx.length - ctx.length % self.page_tokens
+        for section in sections:
+            section[full:] = 0
+        return sections
+
+
+class ArenaSlotKeptOnEviction(dict_pages.DictCache):
+    """Pages freed by tree eviction forget their arena slot, which stays out in the arena's books
+    for a page that is gone (invariant 3: every slot that is out backs a live page)."""
+
+    def evict(self, entry) -> None:
+        for page in entry.pages:
+            if page.refcount == 1:
+                page.slot = None
+        super().evict(entry)
+
+
+# -- on the engine without a tree ----------------------------------------------------------------
+
+class ShortestMatch(no_tree.ListEngine):
+    """``match`` answers with the *shortest* retained key that prefixes the query instead of the
+    longest (invariant 5 / the matched count). Needs nested keys, which random runs rarely build."""
+
+    def best_hit(self, query):
+        hits = [e for e in self.entries if query[:len(e.key)] == e.key]
+        return min(hits, key=lambda e: len(e.key)) if hits else None
+
+
+class NoCopyContext(no_tree.PlainContext):
+    def writable(self, index: int):
+        return self.engine.table.records[self.page_ids[index]]
+
+
+class MissingCopyOnWrite(no_tree.ListEngine):
+    """``writable`` writes into a shared page instead of copying it: a write through a fork shows
+    in its parent (invariant 4)."""
+
+    context_class = NoCopyContext
+
+
+class FloorTruncateContext(no_tree.PlainContext):
+    def pages_to_keep(self, n: int) -> int:
+        return n // self.engine.table.page_tokens
+
+
+class TruncateOffByOne(no_tree.ListEngine):
+    """``truncate`` keeps one page too few when ``n`` ends inside a page (rounds down, not up): the
+    kept positions of that page are lost (invariant 4)."""
+
+    context_class = FloorTruncateContext
+
+
+# -- on the engine without an arena -------------------------------------------------------------
+
+class PageGranularMatch(no_arena.HeapEngine):
+    """``match`` reports the matched count in whole pages (the hit's page count times the page
+    size, capped by the query) instead of the key's length: the caller would skip prefilling
+    tokens the returned context does not hold."""
+
+    def matched_count(self, key, query) -> int:
+        pages = -(-len(key) // self.page_tokens)
+        return min(len(query), pages * self.page_tokens)
+
+
+class KeepRefsBlock(no_arena.Block):
+    def release_pages(self) -> None:
+        self.pages = []
+
+
+class RefcountKeptOnClose(no_arena.HeapEngine):
+    """``close`` forgets its pages without decrementing their refcounts (invariant 1: a page's
+    refcount equals its holders; 6: nothing is left after closing everything)."""
+
+    block_class = KeepRefsBlock
+
+
+class EvictsMostRecent(no_arena.HeapEngine):
+    """When the tree is full, eviction drops the *most* recently used entry (other than the one
+    just retained) instead of the least (invariant 5: eviction order)."""
+
+    def eviction_victim(self, newest):
+        return max((k for k in self.retained if k != newest), key=lambda k: self.retained[k][1])
+
+
+class F16OverflowAccepted(no_arena.HeapEngine):
+    """f16 values past 65504 are stored as infinity instead of refused with
+    ``PrecisionRangeError`` (bad input raises its named error and changes nothing)."""
+
+    def encode(self, kv):
+        if self.precision != "f16":
+            return super().encode(kv)
+        with np.errstate(over="ignore"):
+            return (np.asarray(kv).astype(np.float16),)
+
+
+class NoRefForkBlock(no_arena.Block):
+    def fork(self):
+        self._alive()
+        return self.engine.new_block(list(self.pages), self.length)
+
+
+class ForkWithoutRefcount(no_arena.HeapEngine):
+    """``fork`` copies the page list but does not increment the pages' refcounts (invariant 1),
+    so the first close frees pages the other context still lists (invariant 2)."""
+
+    block_class = NoRefForkBlock
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _factory_for(cache_class, base_factory):
+    def factory(config):
+        return cache_class(config)
+    factory.__name__ = factory.__qualname__ = f"{cache_class.__name__}_factory"
+    factory.__doc__ = cache_class.__doc__
+    if hasattr(base_factory, "configs"):
+        factory.configs = base_factory.configs
+    return factory
+
+
+_BASES = {dict_pages: dict_pages.factory, no_tree: no_tree.factory, no_arena: no_arena.factory}
+_PLANTED = {
+    "q8_half_away_from_zero": (Q8HalfAwayFromZero, dict_pages),
+    "match_shortest_key": (ShortestMatch, no_tree),
+    "dirty_slot_reported_clean": (DirtySlotReportedClean, dict_pages),
+    "ignores_arena_pages": (IgnoresArenaPages, dict_pages),
+    "match_count_in_pages": (PageGranularMatch, no_arena),
+    "read_aliases_storage": (ReadAliasesStorage, dict_pages),
+    "missing_copy_on_write": (MissingCopyOnWrite, no_tree),
+    "refcount_kept_on_close": (RefcountKeptOnClose, no_arena),
+    "truncate_off_by_one": (TruncateOffByOne, no_tree),
+    "evicts_most_recent": (EvictsMostRecent, no_arena),
+    "retain_keeps_old_entry": (RetainKeepsOldEntry, dict_pages),
+    "f16_overflow_accepted": (F16OverflowAccepted, no_arena),
+    "zero_length_write_allocates": (ZeroLengthWriteAllocates, dict_pages),
+    "snapshot_drops_partial_page": (SnapshotDropsPartialPage, dict_pages),
+    "arena_slot_kept_on_eviction": (ArenaSlotKeptOnEviction, dict_pages),
+    "fork_without_refcount": (ForkWithoutRefcount, no_arena),
+}
+BUGS = {name: _factory_for(cls, _BASES[module]) for name, (cls, module) in _PLANTED.items()}

@@ -1,0 +1,383 @@
+"""The bug zoo: ``conform`` against foreign backends, correct and with one planted bug each.
+
+- Each correct foreign backend (``tests/foreign``) passes the default profile in every
+  configuration it declares, with nothing rejected.
+- Each planted bug (``tests/foreign/bugs.py``) is shown directly by a small witness scenario
+  (so the bug is real, and its base backend does not have it), then caught by the default
+  profile in the one configuration where it shows, with the report naming the broken promise.
+- Bugs today's conform does not catch are ``xfail(strict=True, raises=NotCaught)``, and bugs it
+  catches under another name ``xfail(strict=True, raises=ReportMisnames)``, each with what it
+  reports now: once conform catches (or names) one, its test fails until the mark is removed,
+  and a bug that is caught but named otherwise than expected fails with the report to read.
+
+The default suite runs the default profile's sequences without the shrink phase (``hunt``: same
+sequences, same catches, a few seconds in all); ``-m slow`` runs the ``ci`` profile exactly,
+shrinking included (minutes). ``pytest -n 0 -s [-m slow] tests/test_bug_zoo.py`` prints a table:
+per bug, which checks caught it, the counterexample's length and the seconds to catch it.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+
+from kvstate.spec import errors, invariants, precision as precisions
+from kvstate.spec.protocol import Config
+from kvstate.stateful.configs import configs_named, machine_configs
+from kvstate.stateful.conform import CHECKS, conform
+from kvstate.stateful.ops import values_for
+
+from foreign import dict_pages, no_arena, no_tree
+from foreign.bugs import BUGS
+
+FOREIGN = {"dict_pages": dict_pages, "no_tree": no_tree, "no_arena": no_arena}
+SNAPSHOT_CHECKS = ("damaged snapshots",)
+
+
+def _values(config: Config, n: int, seed: int = 0) -> np.ndarray:
+    return values_for(config.layout, n, seed)
+
+
+def _filled(cache, config: Config, tokens, seed: int = 0):
+    ctx = cache.allocate()
+    ctx.extend(list(tokens), _values(config, len(tokens), seed))
+    return ctx
+
+
+# -- witnesses: each shows its bug directly, and must show nothing on the correct base ----------
+# Each returns a sentence describing the symptom, or None when the backend behaves.
+
+def q8_tie(factory, config):
+    x = np.zeros(config.layout.batch_shape(1), np.float32)
+    x[0, 0, 0, 0] = [127.0, 2.5, -2.5, 0.5]     # scale 1: three ratios land exactly on .5
+    ctx = factory(config).allocate()
+    ctx.extend([1], x)
+    got, want = ctx.read()[0], precisions.roundtrip("q8", x)
+    return None if np.array_equal(got, want) else f"q8 ties read {got[0, 0, 0, 0]}, spec {want[0, 0, 0, 0]}"
+
+
+def nested_keys(factory, config):
+    cache = factory(config)
+    cache.retain(_filled(cache, config, [1]))
+    cache.retain(_filled(cache, config, [1, 2]))
+    _, matched = cache.match([1, 2, 3])
+    return None if matched == 2 else f"match([1, 2, 3]) over keys (1,) and (1, 2) matched {matched}, not 2"
+
+
+def recycled_slot_bytes(factory, config):
+    cache = factory(config)
+    first = _filled(cache, config, range(config.page_tokens))     # fills slot 0 completely
+    first.close()
+    again = _filled(cache, config, [1])                           # slot 0 again, one row written
+    page = again.pages[0]
+    dirty = any(part[1:].any() for part in page.parts)
+    return f"recycled slot {page.slot} holds old bytes past row 1" if dirty else None
+
+
+def arena_size_reported(factory, config):
+    size = factory(config).observe().arena_size
+    return None if size == config.arena_pages else f"arena_size {size}, configuration {config.arena_pages}"
+
+
+def matched_count(factory, config):
+    cache = factory(config)
+    cache.retain(_filled(cache, config, [1, 2, 3]))
+    _, matched = cache.match([1, 2, 3, 4, 5])
+    return None if matched == 3 else f"match over key (1, 2, 3) reports {matched} tokens matched"
+
+
+def read_aliasing(factory, config):
+    ctx = _filled(factory(config), config, [1, 2])
+    values, tokens = ctx.read(0, 1)
+    values[...] = 7.0
+    tokens[...] = 7
+    again, again_tokens = ctx.read(0, 1)
+    return "writing into what read() returned changed the context" if (again == 7).all() else None
+
+
+def fork_write(factory, config):
+    parent = _filled(factory(config), config, [1, 2])
+    before = parent.read()[0].copy()
+    parent.fork().overwrite(0, [3], _values(config, 1, 9))
+    return None if np.array_equal(parent.read()[0], before) else "a write through the fork shows in its parent"
+
+
+def close_releases(factory, config):
+    cache = factory(config)
+    _filled(cache, config, [1]).close()
+    pages = cache.observe().pages
+    return f"{len(pages)} pages live after closing the only context" if pages else None
+
+
+def truncate_inside_page(factory, config):
+    ctx = _filled(factory(config), config, [1, 2])
+    ctx.truncate(1)
+    return None if len(ctx.read()[1]) == 1 else f"truncate to 1 reads {len(ctx.read()[1])} positions"
+
+
+def eviction_order(factory, config):
+    cache = factory(config)
+    for token in (1, 2, 3):                          # max_entries 2: the third evicts (1,)
+        cache.retain(_filled(cache, config, [token]))
+    keys = [e.key for e in cache.observe().entries]
+    return None if keys == [(2,), (3,)] else f"entries {keys} after retaining (1,), (2,), (3,)"
+
+
+def retain_twice(factory, config):
+    cache = factory(config)
+    ctx = _filled(cache, config, [1])
+    cache.retain(ctx)
+    cache.retain(ctx)
+    ticks = [e.tick for e in cache.observe().entries]
+    return None if ticks == [2] else f"retaining (1,) twice leaves ticks {ticks}, not [2]"
+
+
+def f16_overflow(factory, config):
+    x = _values(config, 1)
+    x[0, 0, 0, 0, 0] = 1e6
+    ctx = factory(config).allocate()
+    try:
+        with np.errstate(over="ignore"):
+            ctx.extend([1], x)
+    except errors.PrecisionRangeError:
+        return None
+    return "extend with 1e6 at f16 was accepted"
+
+
+def zero_length_write(factory, config):
+    cache = factory(config)
+    ctx = _filled(cache, config, range(config.page_tokens))
+    before = cache.observe().pages_allocated
+    ctx.extend([], _values(config, 0))
+    allocated = cache.observe().pages_allocated - before
+    return f"a zero-length extend allocated {allocated} pages" if allocated else None
+
+
+def snapshot_round_trip(factory, config):
+    cache = factory(config)
+    ctx = _filled(cache, config, range(config.page_tokens + 1))
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    stream.seek(0)
+    restored = cache.restore(stream)
+    same = np.array_equal(restored.read()[0], ctx.read()[0])
+    return None if same else "a restored snapshot reads other values than its source"
+
+
+def evicted_slots(factory, config):
+    cache = factory(config)
+    for token in (1, 2, 3):
+        ctx = _filled(cache, config, [token])
+        cache.retain(ctx)
+        ctx.close()
+    try:
+        invariants.check_arena(cache.observe())
+    except errors.InvariantViolation as violation:
+        return str(violation)
+    return None
+
+
+def fork_refcounts(factory, config):
+    cache = factory(config)
+    _filled(cache, config, [1]).fork()
+    counts = [page.refcount for page in cache.observe().pages.values()]
+    return None if counts == [2] else f"after one fork the page's refcount is {counts}, not [2]"
+
+
+# -- the table --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Planted:
+    base: str                      # the foreign backend it is planted in
+    config: str                    # the configuration where it shows
+    expect: str                    # the report must contain this: the invariant or check by name
+    witness: Callable
+    missed: str | None = None      # today's conform passes it: what it misses (xfail, strict)
+    misnamed: str | None = None    # today's conform catches it but names something else (xfail, strict)
+
+
+class NotCaught(AssertionError):
+    """conform passed a backend with a planted bug."""
+
+
+class ReportMisnames(AssertionError):
+    """conform caught the bug, but its report does not name the broken promise."""
+
+
+ZOO = {
+    "q8_half_away_from_zero": Planted(
+        "dict_pages", "q8-heap", "invariant 4", q8_tie,
+        missed="passes: random K/V values almost never put x/scale exactly on .5"),
+    "match_shortest_key": Planted(
+        "no_tree", "f32-heap", "matched", nested_keys,
+        missed="passes: random sequences rarely retain two nested keys and then match past both"),
+    "dirty_slot_reported_clean": Planted(
+        "dict_pages", "f32-arena6", "invariant 3", recycled_slot_bytes,
+        missed="passes: the dirty-slot property is checked only through the backend's own dirty_tail flag"),
+    "ignores_arena_pages": Planted(
+        "dict_pages", "f32-arena6", "arena_size", arena_size_reported,
+        missed="passes: nothing compares the observation's arena_size with the configuration's"),
+    "match_count_in_pages": Planted(
+        "no_arena", "f32-heap", "matched", matched_count,
+        misnamed="caught, but reported as an invariant-6 leak (the teardown replaces the matched-count report)"),
+    "read_aliases_storage": Planted(
+        "dict_pages", "f32-heap", "alias", read_aliasing,
+        missed="passes: no check writes into the arrays a backend returns and reads again"),
+    "missing_copy_on_write": Planted("no_tree", "f32-heap", "invariant 4", fork_write),
+    "refcount_kept_on_close": Planted(
+        "no_arena", "f32-heap", "invariant 1", close_releases,
+        misnamed="caught, but every check reports invariant 6 at teardown, not invariant 1 right after the close"),
+    "truncate_off_by_one": Planted("no_tree", "f32-heap", "invariant 4", truncate_inside_page),
+    "evicts_most_recent": Planted(
+        "no_arena", "f32-heap", "invariant 5", eviction_order,
+        missed="passes: the ci profile's sequences rarely retain three distinct keys under max_entries 2"),
+    "retain_keeps_old_entry": Planted("dict_pages", "f32-heap", "invariant 5", retain_twice),
+    "f16_overflow_accepted": Planted("no_arena", "f16-heap", "PrecisionRangeError", f16_overflow),
+    "zero_length_write_allocates": Planted(
+        "dict_pages", "f32-heap", "zero-length", zero_length_write,
+        missed="passes: no check counts the pages a zero-length extend/overwrite allocates or copies"),
+    "snapshot_drops_partial_page": Planted("dict_pages", "f32-heap", "invariant 4", snapshot_round_trip),
+    "arena_slot_kept_on_eviction": Planted(
+        "dict_pages", "f32-arena6", "invariant 3", evicted_slots,
+        misnamed="caught, but reported as invariant 6 at teardown ('arena slots still out'), not invariant 3 at the eviction"),
+    "fork_without_refcount": Planted("no_arena", "f32-heap", "invariant 1", fork_refcounts),
+}
+
+MEASURED: list[tuple] = []
+
+
+def _config(name: str, factory) -> Config:
+    return configs_named([name], getattr(factory, "configs", None) or machine_configs())[0]
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_witness_shows_the_bug_and_not_on_its_base(name):
+    """The planted bug is real (its witness shows it) and only in the subclass (the base is clean)."""
+    planted = ZOO[name]
+    base = FOREIGN[planted.base].factory
+    config = _config(planted.config, BUGS[name])
+    assert planted.witness(base, config) is None
+    assert planted.witness(BUGS[name], config) is not None
+
+
+def _zoo_params():
+    for name in sorted(ZOO):
+        planted, marks = ZOO[name], []
+        if planted.missed:
+            marks = [pytest.mark.xfail(strict=True, raises=NotCaught, reason=f"not caught by conform yet: {planted.missed}")]
+        elif planted.misnamed:
+            marks = [pytest.mark.xfail(strict=True, raises=ReportMisnames,
+                                       reason=f"not named by conform yet: {planted.misnamed}")]
+        yield pytest.param(name, marks=marks, id=name)
+
+
+def _catch(name: str, profile: str) -> None:
+    """Run ``profile`` on the bug's one configuration; ``NotCaught`` / ``ReportMisnames`` if it falls short."""
+    planted, factory = ZOO[name], BUGS[name]
+    started, cpu = time.perf_counter(), time.process_time()
+    results = conform(factory, profile=profile, configs=[_config(planted.config, factory)])
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    MEASURED.append((name, profile, *_measure(results), seconds, cpu))
+    failed = [r for r in results if not r.passed]
+    if not failed:
+        raise NotCaught(f"{name} passed every check in {planted.config}")
+    report = "\n".join(r.failure for r in failed)
+    if planted.expect not in report:
+        raise ReportMisnames(f"{name} was caught, but the report does not say {planted.expect!r}:\n{report}")
+
+
+@pytest.mark.parametrize("name", _zoo_params())
+def test_default_sequences_catch_the_bug_and_name_it(name):
+    """The default profile's sequences, without its shrink phase (the ``hunt`` profile: the ci budget,
+    derandomized, so the same sequences and the same first failure); shrinking is the slow test below."""
+    _catch(name, "hunt")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _zoo_params())
+def test_default_profile_catches_the_bug_shrinks_and_names_it(name):
+    """``conform`` exactly as a user runs it (profile ``ci``, shrinking included), in one configuration."""
+    _catch(name, "ci")
+
+
+def _measure(results) -> tuple[str, str, str]:
+    """(checks that failed, the first failure's counterexample length, seconds until it was found)."""
+    outcomes = results[0].outcomes
+    names = list(outcomes)
+    failed = [name for name, o in outcomes.items() if not o.passed]
+    if not failed:
+        return "-", "-", "-"
+    first = outcomes[failed[0]]
+    length = re.search(r"\((\d+) operations", first.detail or "")
+    # checks run one after another, so the first failure came after every check before it
+    until = sum(outcomes[name].seconds for name in names[:names.index(failed[0]) + 1])
+    return ", ".join(failed), length.group(1) if length else "-", f"{until:.1f}"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_measurements():
+    yield
+    if not MEASURED:
+        return
+    rows = [("bug", "profile", "caught by", "ops", "s to catch", "s total", "cpu s")]
+    rows += [(n, p, by, ops, until, f"{s:.1f}", f"{c:.1f}") for n, p, by, ops, until, s, c in sorted(MEASURED)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print("\n\nbug zoo, one configuration each (ops: the first failure's sequence, shrunk under ci only):")
+    for row in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+
+
+# -- the correct backends ---------------------------------------------------------------------
+
+def _backend_configs():
+    for name, module in FOREIGN.items():
+        for config in getattr(module.factory, "configs", None) or machine_configs():
+            yield pytest.param(name, config, id=f"{name}-{config.name}")
+
+
+@pytest.mark.parametrize("backend,config", _backend_configs())
+def test_correct_foreign_backend_passes_with_nothing_rejected(backend, config):
+    results = conform(FOREIGN[backend].factory, configs=[config])
+    statuses = {name: o.status for name, o in results[0].outcomes.items()}
+    assert set(statuses) == set(CHECKS)
+    assert all(o.passed for o in results[0].outcomes.values()), results[0].failure
+    if backend == "dict_pages":      # the one with snapshots: the snapshot checks really ran
+        assert all(statuses[name] == "pass" for name in SNAPSHOT_CHECKS), statuses
+
+
+def test_no_arena_declares_arena_free_standard_configs_and_refuses_an_arena():
+    declared = no_arena.factory.configs
+    standard = [c for c in machine_configs() if c.arena_pages == 0]
+    assert declared == standard
+    with pytest.raises(errors.ConfigError):
+        no_arena.factory([c for c in machine_configs() if c.arena_pages][0])
+
+
+def test_no_tree_reports_no_tree_and_dict_pages_reports_one():
+    config = machine_configs()[0]
+    for factory, has_tree in ((no_tree.factory, False), (dict_pages.factory, True)):
+        cache = factory(config)
+        cache.retain(_filled(cache, config, [1, 2]))
+        assert (cache.observe().tree is not None) == has_tree
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent / "foreign").glob("*.py")), ids=lambda p: p.name)
+def test_foreign_backends_import_only_the_spec_and_numpy(path):
+    """Written from README and spec alone: no kvstate.impl, no kvstate.reference, no stateful."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            imported.add(node.module)
+    kvstate = {name for name in imported if name.split(".")[0] == "kvstate"}
+    assert all(name == "kvstate.spec" or name.startswith("kvstate.spec.") for name in kvstate), kvstate
+    assert imported - kvstate <= {"__future__", "numpy", "os", "tempfile", "dataclasses"}, imported
