@@ -165,8 +165,13 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _stored_pages(cache: Any) -> list[tuple[str, list[bytes]]] | None:
     """Each holder's pages as stored, whole (every position, written or not), in the observation's
-    holder order; None unless the backend is built on kvstate's ``PageStore`` (``cache.store`` with
-    ``read_encoded``, live pages in ``cache.pool.live`` by id), the one way to read a page whole."""
+    holder order; None unless the backend reads pages raw: through the protocol's optional
+    ``cache.read_page(page_id)`` (the stored parts of every row), or, built on kvstate's
+    ``PageStore``, through ``cache.store.read_encoded`` of the pages in ``cache.pool.live``."""
+    if callable(getattr(cache, "read_page", None)):
+        return [(holder, [b"".join(np.ascontiguousarray(part).tobytes() for part in cache.read_page(page_id))
+                          for page_id in pages])
+                for holder, pages in (cache.observe().holders or {}).items()]
     store, pool = getattr(cache, "store", None), getattr(cache, "pool", None)
     if not (callable(getattr(store, "read_encoded", None)) and isinstance(getattr(pool, "live", None), dict)):
         return None

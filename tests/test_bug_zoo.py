@@ -214,40 +214,30 @@ class ReportMisnames(AssertionError):
 
 ZOO = {
     "q8_half_away_from_zero": Planted(
-        "dict_pages", "q8-heap", "invariant 4", q8_tie,
-        missed="passes: random K/V values almost never put x/scale exactly on .5"),
+        "dict_pages", "q8-heap", "invariant 4", q8_tie),
     "match_shortest_key": Planted(
-        "no_tree", "f32-heap", "matched", nested_keys,
-        missed="passes: random sequences rarely retain two nested keys and then match past both"),
+        "no_tree", "f32-heap", "matched", nested_keys),
     "dirty_slot_reported_clean": Planted(
-        "dict_pages", "f32-arena6", "invariant 3", recycled_slot_bytes,
-        missed="passes: the dirty-slot property is checked only through the backend's own dirty_tail flag"),
+        "dict_pages", "f32-arena6", "arena evidence", recycled_slot_bytes),
     "ignores_arena_pages": Planted(
-        "dict_pages", "f32-arena6", "arena_size", arena_size_reported,
-        missed="passes: nothing compares the observation's arena_size with the configuration's"),
+        "dict_pages", "f32-arena6", "arena_size", arena_size_reported),
     "match_count_in_pages": Planted(
-        "no_arena", "f32-heap", "matched", matched_count,
-        misnamed="caught, but reported as an invariant-6 leak (the teardown replaces the matched-count report)"),
+        "no_arena", "f32-heap", "matched", matched_count),
     "read_aliases_storage": Planted(
-        "dict_pages", "f32-heap", "alias", read_aliasing,
-        missed="passes: no check writes into the arrays a backend returns and reads again"),
+        "dict_pages", "f32-heap", "alias", read_aliasing),
     "missing_copy_on_write": Planted("no_tree", "f32-heap", "invariant 4", fork_write),
     "refcount_kept_on_close": Planted(
-        "no_arena", "f32-heap", "invariant 1", close_releases,
-        misnamed="caught, but every check reports invariant 6 at teardown, not invariant 1 right after the close"),
+        "no_arena", "f32-heap", "invariant 1", close_releases),
     "truncate_off_by_one": Planted("no_tree", "f32-heap", "invariant 4", truncate_inside_page),
     "evicts_most_recent": Planted(
-        "no_arena", "f32-heap", "invariant 5", eviction_order,
-        missed="passes: the ci profile's sequences rarely retain three distinct keys under max_entries 2"),
+        "no_arena", "f32-heap", "invariant 5", eviction_order),
     "retain_keeps_old_entry": Planted("dict_pages", "f32-heap", "invariant 5", retain_twice),
     "f16_overflow_accepted": Planted("no_arena", "f16-heap", "PrecisionRangeError", f16_overflow),
     "zero_length_write_allocates": Planted(
-        "dict_pages", "f32-heap", "zero-length", zero_length_write,
-        missed="passes: no check counts the pages a zero-length extend/overwrite allocates or copies"),
+        "dict_pages", "f32-heap", "zero positions", zero_length_write),
     "snapshot_drops_partial_page": Planted("dict_pages", "f32-heap", "invariant 4", snapshot_round_trip),
     "arena_slot_kept_on_eviction": Planted(
-        "dict_pages", "f32-arena6", "invariant 3", evicted_slots,
-        misnamed="caught, but reported as invariant 6 at teardown ('arena slots still out'), not invariant 3 at the eviction"),
+        "dict_pages", "f32-arena6", "invariant 3", evicted_slots),
     "fork_without_refcount": Planted("no_arena", "f32-heap", "invariant 1", fork_refcounts),
 }
 

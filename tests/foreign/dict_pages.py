@@ -231,10 +231,15 @@ class DictContext:
 
     # -- writes
 
-    def _validated(self, tokens, kv):
+    def _validated(self, tokens, kv, start=None):
+        # README's order when several inputs are bad: tokens, array shape, the context, positions, values.
         tokens = check_tokens(tokens)
         kv = check_values(self.cache.layout, kv, len(tokens))
         self._require_open()
+        if start is not None:
+            if not (_is_int(start) and 0 <= start and start + len(tokens) <= self.length):
+                raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) is outside context "
+                                    f"{self.context_id} of length {self.length}")
         kv = np.asarray(kv)
         require_finite(kv)
         return tokens, self.cache.encode(kv)
@@ -245,10 +250,7 @@ class DictContext:
         self.length += len(tokens)
 
     def overwrite(self, start: int, tokens, kv) -> None:
-        tokens, parts = self._validated(tokens, kv)
-        if not (_is_int(start) and 0 <= start and start + len(tokens) <= self.length):
-            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) is outside context "
-                                f"{self.context_id} of length {self.length}")
+        tokens, parts = self._validated(tokens, kv, start)
         self._write(start, tokens, parts)
 
     def _write(self, start: int, tokens: np.ndarray, parts: tuple[np.ndarray, ...]) -> None:
@@ -436,6 +438,10 @@ class DictCache:
     def clear(self) -> None:
         for entry in list(self.entries.values()):
             self._drop(entry)
+
+    def read_page(self, page_id: int) -> tuple[np.ndarray, ...]:
+        """The optional raw-page read (README: observation tiers): every row as stored, written or not."""
+        return tuple(part.copy() for part in self.pages[page_id].parts)
 
     def observe(self) -> Observation:
         holders, lengths = {}, {}

@@ -70,10 +70,15 @@ class Block:
                       for rows, (shape, dtype) in zip(encoded, self.engine.shapes))
         return precisions.decode(self.engine.precision, parts), np.array(tokens, np.int64)
 
-    def _accept(self, tokens, kv):
+    def _accept(self, tokens, kv, start=None):
+        # README's order when several inputs are bad: tokens, array shape, the context, positions, values.
         tokens = check_tokens(tokens)
         kv = check_values(self.engine.layout, kv, len(tokens))
         self._alive()
+        if start is not None:
+            if not (_is_int(start) and 0 <= start <= self.length - len(tokens)):
+                raise PositionError(f"overwrite [{start}, {start + len(tokens)}) but the context has "
+                                    f"{self.length} positions")
         kv = np.asarray(kv)
         require_finite(kv)
         return tokens, self.engine.encode(kv)
@@ -84,10 +89,7 @@ class Block:
         self.length += len(tokens)
 
     def overwrite(self, start: int, tokens, kv) -> None:
-        tokens, parts = self._accept(tokens, kv)
-        if not (_is_int(start) and 0 <= start <= self.length - len(tokens)):
-            raise PositionError(f"overwrite [{start}, {start + len(tokens)}) but the context has "
-                                f"{self.length} positions")
+        tokens, parts = self._accept(tokens, kv, start)
         self._store(start, tokens, parts)
 
     def _store(self, start: int, tokens: np.ndarray, parts) -> None:

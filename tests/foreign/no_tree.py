@@ -123,10 +123,14 @@ class PlainContext:
             raise PositionError(f"cannot read [{start}, {stop}) of {self.length} positions")
         return self._rows(start, stop)
 
-    def _prepare(self, tokens, kv):
+    def _prepare(self, tokens, kv, start=None):
+        # README's order when several inputs are bad: tokens, array shape, the context, positions, values.
         tokens = check_tokens(tokens)
         kv = check_values(self.engine.layout, kv, len(tokens))
         self._check_open()
+        if start is not None:
+            if not (_is_int(start) and start >= 0 and start + len(tokens) <= self.length):
+                raise PositionError(f"cannot overwrite [{start}, {start + len(tokens)}) of {self.length} positions")
         kv = np.asarray(kv)
         require_finite(kv)
         return tokens, self.engine.rounded(kv)
@@ -137,9 +141,7 @@ class PlainContext:
         self.length += len(tokens)
 
     def overwrite(self, start: int, tokens, kv) -> None:
-        tokens, values = self._prepare(tokens, kv)
-        if not (_is_int(start) and start >= 0 and start + len(tokens) <= self.length):
-            raise PositionError(f"cannot overwrite [{start}, {start + len(tokens)}) of {self.length} positions")
+        tokens, values = self._prepare(tokens, kv, start)
         self._put(start, tokens, values)
 
     def _put(self, start: int, tokens: np.ndarray, values: np.ndarray) -> None:
