@@ -178,6 +178,11 @@ def verdict(rows: list[dict], timed: bool = True) -> dict:
         for page, floor in TARGETS.items() if timed else ():
             worst = min(token[page]["lookups_x"], token[page]["retains_x"])
             out[f"{kind}: min(lookups_x, retains_x) @{page} >= {floor:g}"] = f"{worst:.2f} {'met' if worst >= floor else 'MISSED'}"
+        if timed:      # for the record: against the stronger yardstick, no target
+            strong = next(r for r in yard if r["engine"] == "yardstick-slice")
+            out[f"{kind}: vs yardstick-slice @64 lookups, retains"] = (
+                f"{token[64]['lookups_per_s'] / strong['lookups_per_s']:.2f}, "
+                f"{token[64]['retains_per_s'] / strong['retains_per_s']:.2f}")
     return out
 
 

@@ -29,6 +29,18 @@ class Page:
         self.tokens = np.frombuffer(token_bytes, np.int64)     # int64 token id per position slot
         self.filled = filled      # high-water mark: offsets >= filled were never written
 
+    # ``tokens`` is a view of ``token_bytes``: pickled or deep-copied apart (a clone of the
+    # whole cache, as the exhaustive checker makes) they would stop aliasing and a write would
+    # miss the bytes that ``Context._tokens`` joins. So only the bytearray travels; the view is
+    # rebuilt from it.
+    def __getstate__(self) -> dict:
+        return {name: getattr(self, name) for name in self.__slots__ if name != "tokens"}
+
+    def __setstate__(self, state: dict) -> None:
+        for name, value in state.items():
+            setattr(self, name, value)
+        self.tokens = np.frombuffer(self.token_bytes, np.int64)
+
 
 class PagePool:
     def __init__(self, store: PageStore):
