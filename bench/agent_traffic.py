@@ -13,10 +13,10 @@ system prompt on its own.
 
 Every semantics (``entry``, ``token``, ``block`` of ``BLOCK`` tokens) runs at page sizes
 1, 16 and 64, beside ``yardstick.TokenRadixTree`` (SGLang's shape) over the same
-requests (``yardstick``: SGLang's token-by-token edge compare, the tree the issue's
-targets were set against; ``yardstick-slice``: a stronger one, for the record). Figures: token hit rate (matched / query tokens), lookups/s (``match``),
-retains/s (``retain``; the yardstick's ``insert``), and memory held once every request
-is done: the tree's page budget count (``stats()['tree_bytes']``: each entry's pages as
+requests: ``yardstick`` compares edges token by token as SGLang does (the tree the
+issue's targets were set against), ``yardstick-slice`` is a stronger one, for the record.
+Figures: token hit rate (matched / query tokens), lookups/s (``match``), retains/s
+(``retain``; the yardstick's ``insert``), and memory held once every request is done: the tree's page budget count (``stats()['tree_bytes']``: each entry's pages as
 if nothing were shared) and what is really live (live pages x page bytes); the
 yardstick holds one token's bytes per token in its tree. Only the tree operations are
 timed; a tiny layout (one value per position) keeps K/V copies out of it. Ratios are
