@@ -1,11 +1,26 @@
-"""Prefix reuse on agent traffic: many conversations re-sending their history, each request a match then a retain.
+"""Prefix reuse on agent traffic, under each declared ``match`` semantics, beside a token radix tree.
 
-Workload (the issue's): 200 conversations x 10 turns, every conversation starting
-with the same 1,000-token system prompt (tool definitions included), each turn
-adding 50-200 tokens, requests of all conversations interleaved at random. A
-request matches its full token list, extends the matched context with the
-tokens the tree did not have, and retains it. A tiny layout (one value per
-position) keeps the K/V copy out of the measurement: this times the tree.
+Two workloads, each of ``conversations`` conversations of ``turns`` turns, all starting
+with the same system prompt, turns of all conversations interleaved at random; each
+turn adds 50-200 tokens. A request matches its whole token list, extends the hit
+with the tokens the cache did not have, and retains the result. Nobody retains the
+system prompt on its own.
+
+``shared``    each request is the conversation's previous request plus the new turn.
+``diverging`` after turn one, each request keeps the system prompt and turn one and
+              rewrites everything after (an agent that rewrites its working memory):
+              of a conversation's retained keys only turn one's prefixes a later request.
+
+Every semantics (``entry``, ``token``, ``block`` of ``BLOCK`` tokens) runs at page sizes
+1, 16 and 64, beside ``yardstick.TokenRadixTree`` (SGLang's shape) over the same
+requests: ``yardstick`` compares edges token by token as SGLang does (the tree the
+issue's targets were set against), ``yardstick-slice`` is a stronger one, for the record.
+Figures: token hit rate (matched / query tokens), lookups/s (``match``), retains/s
+(``retain``; the yardstick's ``insert``), and memory held once every request is done: the tree's page budget count (``stats()['tree_bytes']``: each entry's pages as
+if nothing were shared) and what is really live (live pages x page bytes); the
+yardstick holds one token's bytes per token in its tree. Only the tree operations are
+timed; a tiny layout (one value per position) keeps K/V copies out of it. Ratios are
+kvstate / yardstick from the same run: compare those, not absolute rates.
 """
 
 from __future__ import annotations
@@ -16,71 +31,180 @@ import numpy as np
 
 from kvstate.impl import Cache
 from kvstate.spec.layout import Layout
+from kvstate.spec.snapshot_format import body_size
+
+from .yardstick import TokenRadixTree
 
 TINY = Layout(1, 1, 1)
+PAGE_SIZES = (1, 16, 64)
+BLOCK = 16
+SEMANTICS = ("entry", "token", "block")
+WORKLOADS = ("shared", "diverging")
+# Issue 12's targets for ``token`` semantics against the yardstick: the same hit rate on both
+# workloads; lookups and retains at least this many times the yardstick's, by page size.
+TARGETS = {64: 2.0, 1: 1.0}
 
 
-def workload(conversations: int = 200, turns: int = 10, system_tokens: int = 1000, seed: int = 0):
-    """The requests in arrival order: each a token array (system prompt + history + this turn)."""
+def workload(kind: str = "shared", conversations: int = 200, turns: int = 4, system_tokens: int = 1000,
+             turn_tokens: tuple[int, int] = (50, 200), seed: int = 0) -> list[np.ndarray]:
+    """The requests in arrival order, each a token array; a conversation's turns stay in order."""
+    if kind not in WORKLOADS:
+        raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
     rng = np.random.default_rng(seed)
-    system = rng.integers(0, 50000, system_tokens)
-    histories = [system] * conversations
+
+    def fresh(n):
+        return rng.integers(0, 50000, n)
+
+    # Sizes and arrival order first, so both kinds get the same ones; then the tokens.
+    added = rng.integers(*turn_tokens, size=(conversations, turns), endpoint=True)
     order = np.repeat(np.arange(conversations), turns)
-    rng.shuffle(order)              # each conversation's turns stay in order; conversations interleave
+    rng.shuffle(order)
+    system = fresh(system_tokens)
+    turn_one = [np.concatenate([system, fresh(added[c, 0])]) for c in range(conversations)]
+    histories = list(turn_one)
+    seen = [0] * conversations
     requests = []
     for c in order:
-        histories[c] = np.concatenate([histories[c], rng.integers(0, 50000, rng.integers(50, 201))])
+        turn, seen[c] = seen[c], seen[c] + 1
+        if turn:
+            if kind == "shared":
+                histories[c] = np.concatenate([histories[c], fresh(added[c, turn])])
+            else:   # as long as ``shared`` would be, everything after turn one new
+                histories[c] = np.concatenate([turn_one[c], fresh(len(histories[c]) - len(turn_one[c]) + added[c, turn])])
         requests.append(histories[c])
     return requests
 
 
-def replay(requests) -> dict:
-    """Serve ``requests`` on a fresh cache; seconds spent in match and retain, and what was reused."""
-    cache = Cache(TINY, page_tokens=64, max_entries=len(requests) + 1)
-    with cache.allocate() as system:      # a server retains the shared system prompt once, up front
-        system.extend(requests[0][:1000], np.zeros((1000, *TINY.position_shape), np.float32))
-        cache.retain(system)
-    totals = dict(match_s=0.0, retain_s=0.0, matched=0, tokens=0, hits=0)
-    for tokens in requests:
-        t0 = time.perf_counter()
+def replay_kvstate(requests, match: str, page_tokens: int) -> dict:
+    """Serve ``requests`` on a fresh cache with an unbounded tree; seconds in match and retain,
+    tokens matched, and the memory held at the end."""
+    cache = Cache(TINY, page_tokens=page_tokens, max_entries=len(requests) + 1,
+                  match=match, block_tokens=BLOCK if match == "block" else 0)
+    zeros = np.zeros((max(map(len, requests)), *TINY.position_shape), np.float32)
+    match_s, retain_s = np.zeros(len(requests)), np.zeros(len(requests))
+    matched_tokens = 0
+    clock = time.perf_counter
+    for i, tokens in enumerate(requests):
+        t0 = clock()
         ctx, matched = cache.match(tokens)
-        t1 = time.perf_counter()
-        fresh = len(tokens) - matched
-        ctx.extend(tokens[matched:], np.zeros((fresh, *TINY.position_shape), np.float32))
-        t2 = time.perf_counter()
+        t1 = clock()
+        ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
+        t2 = clock()
         cache.retain(ctx)
-        t3 = time.perf_counter()
+        t3 = clock()
         ctx.close()
-        totals["match_s"] += t1 - t0
-        totals["retain_s"] += t3 - t2
-        totals["matched"] += matched
-        totals["tokens"] += len(tokens)
-        totals["hits"] += matched > 0
-    return totals
+        match_s[i], retain_s[i] = t1 - t0, t3 - t2
+        matched_tokens += matched
+    stats = cache.stats()
+    return dict(match_s=match_s, retain_s=retain_s, matched=matched_tokens,
+                tree_bytes=stats["tree_bytes"], live_bytes=stats["live_pages"] * cache.store_page_bytes(),
+                live_pages=stats["live_pages"])
 
 
-def run(quick: bool = False, repeat: int = 3) -> dict:
-    conversations = 50 if quick else 200
-    requests = workload(conversations)
-    runs = [replay(requests) for _ in range(repeat)]      # the fastest replay: the least disturbed by other load
-    best = min(runs, key=lambda r: r["match_s"] + r["retain_s"])
+def replay_yardstick(requests, compare: str = "token") -> dict:
+    """The same requests through the yardstick: a lookup, new slot indices for the rest, an insert."""
+    keys = [tokens.tolist() for tokens in requests]      # its natural input, converted outside the timing
+    tree = TokenRadixTree(compare)
+    next_slot = 0
+    match_s, retain_s = np.zeros(len(keys)), np.zeros(len(keys))
+    matched_tokens = 0
+    clock = time.perf_counter
+    for i, key in enumerate(keys):
+        t0 = clock()
+        slots, _node = tree.match(key)
+        t1 = clock()
+        fresh = len(key) - len(slots)
+        slots = np.concatenate([slots, np.arange(next_slot, next_slot + fresh)])
+        next_slot += fresh
+        t2 = clock()
+        tree.insert(key, slots)
+        t3 = clock()
+        match_s[i], retain_s[i] = t1 - t0, t3 - t2
+        matched_tokens += len(key) - fresh
+    token_bytes = body_size(TINY, "f32", 1)
+    return dict(match_s=match_s, retain_s=retain_s, matched=matched_tokens, tokens_held=tree.tokens_held,
+                tree_bytes=tree.tokens_held * token_bytes, live_bytes=tree.tokens_held * token_bytes)
+
+
+def contenders():
+    """(label, semantics, page size, replay) of every row of one workload, the yardstick first."""
+    yield "yardstick", "token", 1, replay_yardstick
+    yield "yardstick-slice", "token", 1, lambda r: replay_yardstick(r, "slice")
+    for page_tokens in PAGE_SIZES:
+        for match in SEMANTICS:
+            yield "kvstate", match, page_tokens, (lambda r, m=match, p=page_tokens: replay_kvstate(r, m, p))
+
+
+def measure(requests, repeat: int) -> list[dict]:
+    """Every contender on ``requests``, ``repeat`` rounds interleaved so load hits all alike.
+    Each request's time is its fastest round's: every round replays the same requests from
+    an empty tree, so the minimum drops what other processes cost, and keeps what the
+    contender itself costs each time (its garbage collections land on the same requests)."""
+    best: dict[tuple, dict] = {}
+    for _ in range(repeat):
+        for label, match, page_tokens, replay in contenders():
+            run = replay(requests)
+            key = (label, match, page_tokens)
+            if key in best:
+                assert run["matched"] == best[key]["matched"]      # counts do not depend on the round
+                run["match_s"] = np.minimum(run["match_s"], best[key]["match_s"])
+                run["retain_s"] = np.minimum(run["retain_s"], best[key]["retain_s"])
+            best[key] = run
     n = len(requests)
+    query_tokens = sum(map(len, requests))
+    rows = []
+    for (label, match, page_tokens), run in best.items():
+        rows.append({"engine": label, "match": match, "page": page_tokens if label == "kvstate" else 1,
+                     "hit_rate": run["matched"] / query_tokens, "matched": run["matched"],
+                     "lookups_per_s": n / run["match_s"].sum(), "retains_per_s": n / run["retain_s"].sum(),
+                     "tree_bytes": run["tree_bytes"], "live_bytes": run["live_bytes"]})
+    yard = rows[0]
+    for row in rows:
+        row["lookups_x"] = row["lookups_per_s"] / yard["lookups_per_s"]
+        row["retains_x"] = row["retains_per_s"] / yard["retains_per_s"]
+        row["bytes_x"] = row["live_bytes"] / yard["live_bytes"]
+    return rows
+
+
+def verdict(rows: list[dict], timed: bool = True) -> dict:
+    """Issue 12's targets, each with the figure it was judged on; rates only when ``timed``
+    (at ``--quick`` size a replay takes milliseconds: its rates say nothing)."""
+    out = {}
+    for kind in WORKLOADS:
+        mine = [r for r in rows if r["workload"] == kind]
+        yard = [r for r in mine if r["engine"].startswith("yardstick")]
+        token = {r["page"]: r for r in mine if r["engine"] == "kvstate" and r["match"] == "token"}
+        out[f"{kind}: token hit = yardstick"] = all(r["matched"] == y["matched"] for r in token.values() for y in yard)
+        for page, floor in TARGETS.items() if timed else ():
+            worst = min(token[page]["lookups_x"], token[page]["retains_x"])
+            out[f"{kind}: min(lookups_x, retains_x) @{page} >= {floor:g}"] = f"{worst:.2f} {'met' if worst >= floor else 'MISSED'}"
+        if timed:      # for the record: against the stronger yardstick, no target
+            strong = next(r for r in yard if r["engine"] == "yardstick-slice")
+            out[f"{kind}: vs yardstick-slice @64 lookups, retains"] = (
+                f"{token[64]['lookups_per_s'] / strong['lookups_per_s']:.2f}, "
+                f"{token[64]['retains_per_s'] / strong['retains_per_s']:.2f}")
+    return out
+
+
+def run(quick: bool = False, repeat: int | None = None) -> dict:
+    size = (dict(conversations=12, turns=3, system_tokens=100, turn_tokens=(5, 40)) if quick
+            else dict(conversations=200, turns=4, system_tokens=1000, turn_tokens=(50, 200)))
+    repeat = repeat or (1 if quick else 2)
+    rows = []
+    for kind in WORKLOADS:
+        requests = workload(kind, **size)
+        for row in measure(requests, repeat):
+            rows.append({"workload": kind, **row})
     return {
         "name": "agent_traffic",
-        "params": {"conversations": conversations, "turns": 10, "system_tokens": 1000, "requests": n,
-                   "best_of": repeat},
-        "rows": [{
-            "requests": n,
-            "hit_rate": best["hits"] / n,
-            "tokens_not_reprefilled": best["matched"],
-            "token_reuse": best["matched"] / best["tokens"],
-            "match_per_s": n / best["match_s"],
-            "retain_per_s": n / best["retain_s"],
-            "ns_per_matched_token": 1e9 * best["match_s"] / max(best["matched"], 1),
-        }],
-        "targets": {"match_per_s": 30000, "retain_per_s": 25000},
+        "params": {**size, "requests": size["conversations"] * size["turns"], "block_tokens": BLOCK,
+                   "rounds": repeat},
+        "rows": rows,
+        "targets": verdict(rows, timed=not quick),
     }
 
 
 if __name__ == "__main__":
-    print(run())
+    from .run import format_result
+
+    print(format_result(run()))

@@ -46,10 +46,16 @@ def _best_of_n(ax, r):
 
 
 def _agent(ax, r):
-    row = r["rows"][0]
-    _bars(ax, ["match/s", "retain/s"], [row["match_per_s"], row["retain_per_s"]], "operations per second")
-    for x, target in enumerate((r["targets"]["match_per_s"], r["targets"]["retain_per_s"])):
-        ax.hlines(target, x - 0.4, x + 0.4, colors="k", linestyles="dashed")
+    """Token semantics against the yardstick, per page size: lookups and retains (x), targets dashed."""
+    token = [row for row in r["rows"] if row["engine"] == "kvstate" and row["match"] == "token"]
+    labels = [f"{row['workload']}\n@{row['page']}" for row in token]
+    x = range(len(token))
+    ax.bar([i - 0.2 for i in x], [row["lookups_x"] for row in token], 0.4, label="lookups x")
+    ax.bar([i + 0.2 for i in x], [row["retains_x"] for row in token], 0.4, label="retains x")
+    ax.axhline(1.0, color="k", linewidth=0.5)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("kvstate token / yardstick")
+    ax.legend()
 
 
 def _by_tokens(keys, ylabel, log=False):

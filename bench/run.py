@@ -39,7 +39,10 @@ def format_result(result: dict) -> str:
              "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
     for key in ("ratio", "targets", "same_continuations"):
-        if key in result:
+        if isinstance(result.get(key), dict) and len(result[key]) > 3:     # one per line, to be read
+            lines.append(f"{key}:")
+            lines += [f"  {name}: {_cell(value)}" for name, value in result[key].items()]
+        elif key in result:
             lines.append(f"{key}: {_cell(result[key])}")
     return "\n".join(lines)
 

@@ -52,7 +52,7 @@ def shared_tokens(a: bytes, b: bytes) -> int:
 
 
 class Node:
-    __slots__ = ("edge", "children", "parent", "value", "tick")
+    __slots__ = ("edge", "children", "parent", "value", "tick", "newest")
 
     def __init__(self, edge: bytes, parent: "Node | None"):
         self.edge = edge            # packed tokens
@@ -60,6 +60,10 @@ class Node:
         self.parent = parent
         self.value: Any = None      # None: no entry at this node
         self.tick = 0
+        # The most recently stamped entry node in this subtree (None: no entry below), kept
+        # on every stamp and removal so a token or block hit finds its entry in O(depth)
+        # instead of walking a subtree that, under a shared system prompt, is the whole tree.
+        self.newest: "Node | None" = None
 
     def key(self) -> tuple[int, ...]:
         parts, node = [], self
@@ -112,13 +116,7 @@ class RadixTree:
 
     def newest_below(self, top: Node) -> Node:
         """The most recently stamped entry node in ``top``'s subtree (``top`` included)."""
-        best, pending = None, [top]
-        while pending:
-            node = pending.pop()
-            if node.value is not None and (best is None or node.tick > best.tick):
-                best = node
-            pending.extend(node.children.values())
-        return best
+        return top.newest
 
     def stamp(self, node: Node) -> None:
         """Mark ``node``'s entry as used now (a ``match`` hit)."""
@@ -138,10 +136,12 @@ class RadixTree:
         """Drop the entry at ``node``, prune emptied nodes upward and collapse non-splits."""
         del self.recency[node]
         node.value = None
+        victim = node
         while node is not self.root and node.value is None and not node.children:
             parent = node.parent
             del parent.children[node.edge[:TOKEN_BYTES]]
             node = parent
+        self._forget_newest(node, victim)
         if node is not self.root and node.value is None and len(node.children) == 1:
             self._collapse(node)
 
@@ -167,6 +167,21 @@ class RadixTree:
         node.tick = self.clock
         self.recency[node] = None
         self.recency.move_to_end(node)
+        stamped = node
+        while node is not None:          # the newest stamp of all: the newest of every subtree holding it
+            node.newest = stamped
+            node = node.parent
+
+    def _forget_newest(self, node: Node | None, victim: Node) -> None:
+        """``victim``'s entry is gone: re-elect the newest entry of ``node`` and its ancestors
+        that had it (the others' newest lies outside the victim's path, untouched)."""
+        while node is not None and node.newest is victim:
+            best = node if node.value is not None else None
+            for child in node.children.values():
+                if child.newest is not None and (best is None or child.newest.tick > best.tick):
+                    best = child.newest
+            node.newest = best
+            node = node.parent
 
     def _walk(self, key: bytes) -> list[tuple[Node, int]]:
         """The nodes whose whole edge packed ``key`` spells, root excluded, each with its depth in bytes."""
@@ -209,6 +224,7 @@ class RadixTree:
         """Cut ``child``'s edge after ``at`` bytes (a whole number of tokens); the new node above it is returned."""
         parent = child.parent
         middle = Node(child.edge[:at], parent)
+        middle.newest = child.newest
         parent.children[middle.edge[:TOKEN_BYTES]] = middle
         child.edge = child.edge[at:]
         child.parent = middle

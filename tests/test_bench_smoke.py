@@ -1,21 +1,69 @@
 """The benchmarks and the demo run, and their counts (never their timings) say what the engine promises."""
 
+import numpy as np
+
 from kvstate.bench import agent_traffic, fork_copy
+from kvstate.bench.yardstick import TokenRadixTree
 from kvstate.demo import Demo
 
 
-def test_agent_traffic_reuses_every_shared_prefix():
-    row = agent_traffic.run(quick=True)["rows"][0]
-    assert row["hit_rate"] == 1.0                 # the system prompt is retained up front
-    assert row["token_reuse"] > 0.9
-    assert row["tokens_not_reprefilled"] > 0
+def _rows(result, workload, engine="kvstate", match=None):
+    return {row["page"]: row for row in result["rows"]
+            if row["workload"] == workload and row["engine"] == engine and match in (None, row["match"])}
 
 
-def test_workload_requests_extend_their_conversation():
-    requests = agent_traffic.workload(conversations=3, turns=4)
-    assert len(requests) == 12
-    assert all(len(r) >= 1050 for r in requests)
-    assert all((r[:1000] == requests[0][:1000]).all() for r in requests)
+def test_token_semantics_matches_as_many_tokens_as_the_token_radix_tree():
+    result = agent_traffic.run(quick=True)
+    for workload in agent_traffic.WORKLOADS:
+        (yard,) = _rows(result, workload, "yardstick").values()
+        (strong,) = _rows(result, workload, "yardstick-slice").values()
+        token = _rows(result, workload, match="token")
+        entry = _rows(result, workload, match="entry")
+        block = _rows(result, workload, match="block")
+        assert sorted(token) == list(agent_traffic.PAGE_SIZES)
+        for page in agent_traffic.PAGE_SIZES:
+            assert token[page]["matched"] == yard["matched"] == strong["matched"] > 0
+            assert token[page]["hit_rate"] == yard["hit_rate"]
+            # nobody retains the system prompt alone: a conversation's first turn misses by entry
+            assert entry[page]["matched"] < token[page]["matched"]
+            assert block[page]["matched"] < token[page]["matched"]
+        # at one-token pages nothing is held twice: as many pages as the radix tree holds tokens
+        assert token[1]["live_bytes"] == yard["live_bytes"]
+        assert entry[1]["live_bytes"] > yard["live_bytes"]
+    assert all(value is True for key, value in result["targets"].items() if "hit" in key)
+
+
+def test_shared_workload_extends_each_conversation_and_diverging_rewrites_after_turn_one():
+    size = dict(conversations=3, turns=4, system_tokens=100, turn_tokens=(5, 9))
+    shared = agent_traffic.workload("shared", **size)
+    diverging = agent_traffic.workload("diverging", **size)
+    assert len(shared) == len(diverging) == 12
+    assert [len(r) for r in shared] == [len(r) for r in diverging]
+    assert all((r[:100] == shared[0][:100]).all() for r in shared + diverging)
+
+    def earlier_prefixes(requests):
+        """For each request, the indices of earlier requests that are a proper prefix of it."""
+        return [[j for j in range(i) if len(requests[j]) < len(r) and (r[:len(requests[j])] == requests[j]).all()]
+                for i, r in enumerate(requests)]
+
+    for requests in (shared, diverging):
+        prefixes = earlier_prefixes(requests)
+        first_turns = {i for i, found in enumerate(prefixes) if not found}
+        assert len(first_turns) == 3                   # every later turn extends its conversation's turn one
+        later = {j for found in prefixes for j in found} - first_turns
+        # shared: later turns extend later turns too; diverging: only turn one is ever a prefix
+        assert bool(later) is (requests is shared)
+
+
+def test_yardstick_evicts_least_recently_used_leaves():
+    tree = TokenRadixTree()
+    tree.insert([1, 2, 3], np.arange(3))
+    tree.insert([1, 2, 4, 5], np.array([0, 1, 7, 8]))
+    tree.match([1, 2, 3])                       # [1, 2, 4, 5]'s leaf is now the least recent
+    assert tree.tokens_held == 5
+    assert tree.evict(1) == 2 and tree.tokens_held == 3
+    slots, _ = tree.match([1, 2, 4, 5])
+    assert slots.tolist() == [0, 1]
 
 
 def test_fork_allocates_and_copies_nothing():

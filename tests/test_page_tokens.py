@@ -1,0 +1,56 @@
+"""A page's token ids are one bytearray with an int64 view (``impl/pages.py``): the two must stay
+one memory through every way a page is made, including a pickled or deep-copied cache."""
+
+import copy
+import pickle
+import threading
+
+import numpy as np
+
+from kvstate.impl import Cache
+from kvstate.spec import Layout
+
+TINY = Layout(1, 1, 1)
+
+
+def _zeros(n):
+    return np.zeros((n, *TINY.position_shape), np.float32)
+
+
+def _cache_with_half_page():
+    cache = Cache(TINY, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend([7], _zeros(1))
+    return cache, ctx
+
+
+def _clone(copier):
+    """A copy of a cache and its context made by ``copier``; locks do not copy, the page books do."""
+    cache, ctx = _cache_with_half_page()
+    cache.lock = ctx._busy = None
+    clone_cache, clone = copier((cache, ctx))
+    clone_cache.lock, clone._busy = threading.RLock(), threading.Lock()
+    cache.lock, ctx._busy = threading.RLock(), threading.Lock()
+    return ctx, clone
+
+
+def test_a_write_after_a_deep_copy_lands_in_the_tokens_read_back():
+    ctx, clone = _clone(copy.deepcopy)
+    clone.extend([9], _zeros(1))
+    assert clone.tokens == [7, 9]
+    assert ctx.tokens == [7]                # the original is not the clone's memory
+
+
+def test_a_write_after_pickling_lands_in_the_tokens_read_back():
+    ctx, clone = _clone(lambda state: pickle.loads(pickle.dumps(state)))
+    clone.extend([9], _zeros(1))
+    assert clone.tokens == [7, 9]
+
+
+def test_writable_copies_token_ids_into_memory_of_their_own():
+    cache, ctx = _cache_with_half_page()
+    cache.retain(ctx)
+    ctx.extend([9], _zeros(1))              # the shared half page is copied by writable first
+    (entry,) = [node.value for node in cache.tree.entries()]
+    assert entry.tokens == [7] and ctx.tokens == [7, 9]
+    assert ctx._pages[0].token_bytes is not entry._pages[0].token_bytes
