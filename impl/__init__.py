@@ -6,9 +6,16 @@ Where things live:
 - ``pages.py``    pages, refcounts, and the one release path
 - ``radix.py``    the radix prefix tree (match, retain, eviction)
 - ``arena.py``    slot books for a preallocated arena
+- ``matching.py``    what a ``match`` hit returns, per declared semantics (entry, token, block)
+- ``tree_bounds.py``  the tree's bounds (``max_entries``, the page budget ``max_pages``)
+- ``pool_policy.py``  what a full pool does (``on_full``: fall back, evict, refuse)
 - ``store.py``    what a page store provides (the ``PageStore`` protocol, counters)
-- ``numpy.py``    the NumPy page store (and factory); ``torch.py`` the torch one
-- ``snapshot.py`` writing a context to a snapshot file, restoring one
+- ``numpy_store.py``, ``torch_store.py``  the NumPy and torch page stores
+- ``numpy.py``, ``torch.py``  the built-in backend factories (``kvstate conform kvstate.impl.numpy``)
+- ``snapshot.py`` writing a context to a snapshot file, restoring one; ``remote_io.py`` the same at fsspec URLs
+- ``memory.py``   what a store or a restore may allocate on this machine
+
+Imports run one way: a factory module -> ``cache.py`` -> the rest (tests/test_import_graph.py).
 """
 
 from .cache import Cache

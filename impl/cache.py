@@ -73,12 +73,12 @@ def make_store(store: str, layout: Layout, page_tokens: int, precision: str, are
     if store == "numpy":
         if device != "cpu":
             raise ConfigError(f"the numpy store runs on the cpu, not {device!r}")
-        from .numpy import NumpyStore
+        from .numpy_store import NumpyStore
 
         return NumpyStore(layout, page_tokens, precision, arena_pages)
     if store == "torch":
         try:
-            from .torch import TorchStore
+            from .torch_store import TorchStore
         except ImportError as error:
             raise ConfigError(f"store='torch' needs torch (pip install 'kvstate[torch]'): {error}") from None
 

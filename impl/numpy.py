@@ -1,149 +1,21 @@
-"""The NumPy page store, and the built-in backend factory ``kvstate.impl.numpy``.
+"""The built-in NumPy backend: ``kvstate conform kvstate.impl.numpy``.
 
-A page is a tuple of arrays in layer-major order: ``(values,)`` of shape
-``(layers, 2, page_tokens, kv_heads, head_dim)`` for f32/f16, plus
-``scales`` of shape ``(layers, 2, page_tokens, kv_heads)`` for q8.
-With an arena, those arrays are views into one preallocated block per component.
+A factory module only, so imports run one way: this module -> ``cache.py`` ->
+``numpy_store.py`` (the store).
 """
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
-
-from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ConfigError, DTypeError
-from kvstate.spec.layout import Layout, is_torch_tensor, require_finite
 from kvstate.spec.protocol import SEMANTICS_TAGS, Config
 
-from .arena import SlotArena
-from .memory import check_store_size
-from .store import StoreCounters
+from .cache import Cache
+from .numpy_store import NumpyBuffer, NumpyStore  # noqa: F401  (the store, where callers looked for it)
 
 
-class NumpyBuffer:
-    __slots__ = ("arrays", "slot")
-
-    def __init__(self, arrays: tuple[np.ndarray, ...], slot: int | None):
-        self.arrays = arrays
-        self.slot = slot
-
-
-class NumpyStore:
-    def __init__(self, layout: Layout, page_tokens: int, precision: str, arena_pages: int = 0):
-        self.layout = layout
-        self.page_tokens = page_tokens
-        self.precision = precision
-        self.arena_pages = arena_pages
-        self.counters = StoreCounters()
-        self._shapes = [layout.page_shape(page_tokens)]
-        self._dtypes = [precisions.VALUE_DTYPES[precision]]
-        if precision == "q8":
-            self._shapes.append(layout.page_shape(page_tokens)[:-1])
-            self._dtypes.append(np.float32)
-        self.page_bytes = sum(math.prod(s) * np.dtype(d).itemsize for s, d in zip(self._shapes, self._dtypes))
-        check_store_size(self.page_bytes, arena_pages)
-        self._arena = SlotArena(arena_pages, self.counters)
-        try:
-            self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
-        except (MemoryError, ValueError) as error:
-            raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated: "
-                              f"{error!r}") from None
-
-    # -- encoding (validation happens here, before anything is written) -----------
-
-    def encode(self, kv) -> tuple[np.ndarray, ...]:
-        if is_torch_tensor(kv):
-            try:
-                kv = kv.detach().cpu().numpy()
-            except (RuntimeError, NotImplementedError, TypeError) as error:   # meta, sparse tensors
-                raise DTypeError(f"cannot take K/V values from a {kv.layout} tensor on {kv.device}: {error}") from None
-        elif not isinstance(kv, np.ndarray):
-            raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
-        # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.
-        kv = np.array(kv, dtype=np.float32, copy=True, subok=False)
-        require_finite(kv)
-        encoded = (kv,) if self.precision == "f32" else precisions.encode(self.precision, kv)
-        # position-major batch -> layer-major rows, the page's own order
-        return tuple(np.moveaxis(part, 0, 2) for part in encoded)
-
-    # -- memory ----------------------------------------------------------------------
-
-    def _take(self, page_id: int, zero: bool) -> NumpyBuffer:
-        slot = self._arena.issue(page_id)
-        if slot is None:
-            return NumpyBuffer(tuple(np.zeros(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
-        arrays = tuple(block[slot] for block in self._blocks)
-        if zero:
-            # A recycled slot still holds the last page's bytes: zero it on issue.
-            for array in arrays:
-                array.fill(0)
-        return NumpyBuffer(arrays, slot)
-
-    def allocate(self, page_id: int) -> NumpyBuffer:
-        return self._take(page_id, zero=True)
-
-    def free(self, buffer: NumpyBuffer) -> None:
-        self._arena.give_back(buffer.slot)
-        buffer.arrays = ()
-
-    def copy(self, source: NumpyBuffer, page_id: int) -> NumpyBuffer:
-        target = self._take(page_id, zero=False)   # every byte is overwritten below
-        for dst, src in zip(target.arrays, source.arrays):
-            np.copyto(dst, src)
-        self.counters.pages_copied += 1
-        self.counters.bytes_copied += self.page_bytes
-        return target
-
-    # -- values ----------------------------------------------------------------------
-
-    def write(self, buffer: NumpyBuffer, offset: int, encoded: tuple[np.ndarray, ...], lo: int, hi: int) -> None:
-        for dst, src in zip(buffer.arrays, encoded):
-            dst[:, :, offset:offset + hi - lo] = src[:, :, lo:hi]
-
-    def read(self, buffer: NumpyBuffer, start: int, stop: int) -> np.ndarray:
-        parts = tuple(array[:, :, start:stop] for array in buffer.arrays)
-        return np.ascontiguousarray(np.moveaxis(precisions.decode(self.precision, parts), 2, 0))
-
-    def read_encoded(self, buffer: NumpyBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
-        return tuple(np.moveaxis(array[:, :, start:stop], 2, 0) for array in buffer.arrays)
-
-    def from_encoded(self, parts: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-        return tuple(np.moveaxis(part, 0, 2) for part in parts)
-
-    def read_layer(self, buffer: NumpyBuffer, layer: int, start: int, stop: int):
-        if self.precision == "f32":
-            (values,) = buffer.arrays
-            return values[layer, 0, start:stop], values[layer, 1, start:stop]   # views: gather copies
-        parts = tuple(array[layer, :, start:stop] for array in buffer.arrays)
-        decoded = precisions.decode(self.precision, parts)
-        return decoded[0], decoded[1]
-
-    def gather(self, parts: list[np.ndarray], layer_shape: tuple[int, ...]) -> np.ndarray:
-        if not parts:
-            return np.zeros(layer_shape, np.float32)
-        return np.concatenate(parts)
-
-    def read_empty(self) -> np.ndarray:
-        return np.zeros(self.layout.batch_shape(0), np.float32)
-
-    def concat(self, parts: list[np.ndarray]) -> np.ndarray:
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def is_zero_from(self, buffer: NumpyBuffer, offset: int) -> bool:
-        return all(not array[:, :, offset:].any() for array in buffer.arrays)
-
-    def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
-        return self._arena.books()
-
-
-def factory(config: Config):
-    """The built-in NumPy backend: ``kvstate conform kvstate.impl.numpy``."""
-    from .cache import Cache
-
+def factory(config: Config) -> Cache:
+    """A cache on the NumPy store for ``config``."""
     return Cache.from_config(config, store="numpy")
 
 
-factory.thread_safe = True      # kvstate conform runs the thread-race scenarios against it
+factory.thread_safe = True             # kvstate conform runs the thread-race scenarios against it
 factory.semantics = SEMANTICS_TAGS     # and checks it under every declared semantics

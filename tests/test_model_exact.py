@@ -118,7 +118,7 @@ def test_restored_snapshot_continues_exactly(model, cache, tmp_path, restore_pag
     path = tmp_path / "ctx.kvs"
     ctx.snapshot(path)
     other = Cache(CONFIG.layout, page_tokens=restore_page, precision=cache.precision,
-                  store=type(cache.store).__module__.rsplit(".", 1)[-1])
+                  store=type(cache.store).__module__.rsplit(".", 1)[-1].removesuffix("_store"))
     restored = other.restore(path)
     assert_same(continue_with(model, restored, CONTINUATION), continue_with(model, ctx, CONTINUATION))
 
