@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstate.impl import cache as cache_module
 from kvstate.impl import context as context_module
-from kvstate.impl import numpy as numpy_module
+from kvstate.impl import numpy_store as numpy_module
 from kvstate.impl import pages as pages_module
 from kvstate.impl import radix as radix_module
 from kvstate.spec import arithmetic

@@ -56,12 +56,16 @@ def _forget_urls(prefix: str) -> None:
 
 
 def _target(lockstep: Lockstep, name: str):
-    """Where the engine writes snapshot ``name``: a file, or, for every other snapshot where
-    fsspec is installed (``kvstate[remote]``) and the engine is ours, a ``memory://`` URL, so
-    the URL reader and writer run the same sequences as files do."""
-    if _URLS and int(name[1:]) % 2 == 0 and _speaks_urls(lockstep.engine):
-        return f"memory://kvstate-lockstep/{id(lockstep)}/{name}.kvs"
-    return _folder(lockstep) / f"{name}.kvs"
+    """Where the engine writes snapshot ``name`` (and later restores it from): a file, or, for
+    every other snapshot where fsspec is installed (``kvstate[remote]``) and the engine is ours,
+    a ``memory://`` URL, so the URL reader and writer run the same sequences as files do."""
+    targets = lockstep.__dict__.setdefault("_snapshot_targets", {})
+    if name not in targets:
+        if _URLS and len(targets) % 2 == 1 and _speaks_urls(lockstep.engine):
+            targets[name] = f"memory://kvstate-lockstep/{id(lockstep)}/{name}.kvs"
+        else:
+            targets[name] = _folder(lockstep) / f"{name}.kvs"
+    return targets[name]
 
 
 def _speaks_urls(engine) -> bool:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from kvstate.impl import context as context_module
-from kvstate.impl import numpy as numpy_module
+from kvstate.impl import numpy_store as numpy_module
 from kvstate.impl import radix as radix_module
 from kvstate.impl import snapshot as snapshot_module
 from kvstate.impl.arena import SlotArena
@@ -136,7 +136,7 @@ def test_no_aliasing_catches_an_observation_that_hands_out_live_books(monkeypatc
 
 
 def test_no_aliasing_catches_a_torch_read_that_returns_a_view():
-    torch_module = pytest.importorskip("kvstate.impl.torch")
+    torch_module = pytest.importorskip("kvstate.impl.torch_store")
     factory = torch_factory()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch_module.TorchStore, "read",
@@ -222,7 +222,7 @@ def test_precision_edges_catch_q8_rounding_half_away_from_zero(monkeypatch):
 
 
 def test_precision_edges_catch_torch_q8_rounding_half_away_from_zero():
-    torch_module = pytest.importorskip("kvstate.impl.torch")
+    torch_module = pytest.importorskip("kvstate.impl.torch_store")
     torch = torch_module.torch
 
     def q8_encode(x):
@@ -414,7 +414,7 @@ def test_arena_evidence_catches_a_dirty_slot_the_backend_does_not_report(monkeyp
 
 
 def test_arena_evidence_catches_a_torch_dirty_slot_the_backend_does_not_report(monkeypatch):
-    torch_module = pytest.importorskip("kvstate.impl.torch")
+    torch_module = pytest.importorskip("kvstate.impl.torch_store")
     original = torch_module.TorchStore._take
     monkeypatch.setattr(torch_module.TorchStore, "allocate", lambda store, page_id: original(store, page_id, zero=False))
     monkeypatch.setattr(torch_module.TorchStore, "is_zero_from", lambda store, buffer, offset: True)

@@ -9,8 +9,8 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
 from kvstate import Cache, Layout  # noqa: E402
-from kvstate.impl.numpy import NumpyStore  # noqa: E402
-from kvstate.impl.torch import TorchStore  # noqa: E402
+from kvstate.impl.numpy_store import NumpyStore  # noqa: E402
+from kvstate.impl.torch_store import TorchStore  # noqa: E402
 from kvstate.spec.errors import ConfigError, NonFiniteError, PrecisionRangeError  # noqa: E402
 
 LAYOUT = Layout(layers=2, kv_heads=3, head_dim=8)
