@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from operator import countOf
 
 import numpy as np
 
@@ -98,9 +99,10 @@ def _fast_token_array(items: list) -> np.ndarray | None:
     """
     if not items:
         return np.zeros(0, dtype=np.int64)
-    for kind in set(map(type, items)):
-        if kind is not int and (not issubclass(kind, (int, np.integer)) or issubclass(kind, (bool, np.bool_))):
-            return None
+    if countOf(map(type, items), int) != len(items):     # not all plain ints (the usual case): which kinds?
+        for kind in set(map(type, items)):
+            if kind is not int and (not issubclass(kind, (int, np.integer)) or issubclass(kind, (bool, np.bool_))):
+                return None
     try:
         array = np.fromiter(items, np.int64, len(items))
     except (OverflowError, TypeError, ValueError):
