@@ -143,9 +143,9 @@ class Cache:
 
     # -- contexts ------------------------------------------------------------------
 
-    def _new_context(self, pages, length: int, register: bool = True) -> Context:
+    def _new_context(self, pages, length: int, register: bool = True, ids=None, key=None) -> Context:
         self._next_context_id += 1
-        ctx = Context(self, self._next_context_id, pages, length)
+        ctx = Context(self, self._next_context_id, pages, length, ids, key)
         if register:
             self._contexts[ctx.context_id] = ctx
         return ctx
@@ -161,15 +161,16 @@ class Cache:
         write makes it private through ``writable``."""
         with self.lock:
             length = ctx._length if length is None else length
-            pages = ctx._pages[:pages_needed(length, self.page_tokens)]
-            self.pool.share(pages)
-            return self._new_context(pages, length, register)
+            n = pages_needed(length, self.page_tokens)
+            ids = ctx._ids if len(ctx._ids) == n else ctx._page_ids(n)     # the call only when it slices
+            self.pool.share(ids)          # every refcount in one step; the child's ids are a view
+            return self._new_context(ctx._pages[:n], length, register, ids, ctx._key)
 
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
-        for page in ctx._pages:
-            self.pool.release(page)
+        self.pool.release_ids(ctx._pages, ctx._page_ids(len(ctx._pages)))
         ctx._pages = []
+        ctx._ids = ctx._ids[:0]
         ctx._closed = True
 
     def _close(self, ctx: Context) -> None:
@@ -186,7 +187,7 @@ class Cache:
         with ctx._owned():
             if len(ctx) == 0:
                 raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
-            key = pack(ctx._tokens())
+            key = ctx._packed_key()      # kept by every write: no page's token ids re-read
             with self.lock:
                 entry = self._fork(ctx, register=False)
                 replaced = self.tree.insert(key, entry)

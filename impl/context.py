@@ -23,21 +23,32 @@ from kvstate.spec.arithmetic import pages_touched, span_in_page, truncate_keep
 from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionError
 from kvstate.spec.layout import check_tokens, check_values
 
-from .pages import Page
+from .pages import Page, joined_ids, page_ids
 from .snapshot import write_snapshot
 
 if TYPE_CHECKING:
     from .cache import Cache
 
 
+_KEY = np.dtype("<i4")      # radix.pack's packing: the key ``retain`` stores
+
+
 class Context:
-    def __init__(self, cache: "Cache", context_id: int, pages: list[Page], length: int):
+    def __init__(self, cache: "Cache", context_id: int, pages: list[Page], length: int,
+                 ids: np.ndarray | None = None, key: bytes | None = None):
         self._cache = cache
         self.context_id = context_id
         self._pages = pages
         self._length = length
         self._closed = False
         self._busy = threading.Lock()
+        # The ids of ``_pages`` (a prefix of them at least: see ``_page_ids``), for the pool's
+        # vectorised refcount steps: a range or an int array (``pages.page_ids``). Never
+        # written in place: a fork's is a slice of its parent's.
+        self._ids = ids if ids is not None else page_ids(pages) if pages else range(0)
+        # The packed tokens (``radix.pack``) of positions [0, _length) at least, or None when
+        # unknown; kept by ``_write`` so ``retain`` need not re-read every page's token ids.
+        self._key = b"" if length == 0 else key
 
     # -- ownership ---------------------------------------------------------------
 
@@ -69,6 +80,24 @@ class Context:
     def tokens(self) -> list[int]:
         with self._owned():
             return self._tokens().tolist()
+
+    def _page_ids(self, n: int) -> np.ndarray:
+        """The ids of the first ``n`` pages. The engine keeps ``_ids`` in step with ``_pages``
+        (``writable``, ``extend``, ``truncate``, release); a list grown behind its back (a test's
+        planted bug) is still a prefix of it, so a short array is rebuilt rather than trusted."""
+        ids = self._ids
+        if len(ids) == n:
+            return ids
+        if len(ids) < n:
+            ids = self._ids = page_ids(self._pages)
+        return ids[:n]
+
+    def _packed_key(self) -> bytes:
+        """``radix.pack(self._tokens())``, from the kept key when there is one."""
+        key, size = self._key, 4 * self._length
+        if key is None or len(key) < size:
+            return self._tokens().astype(_KEY).tobytes()
+        return key if len(key) == size else key[:size]
 
     def _tokens(self) -> np.ndarray:
         if not self._pages:
@@ -153,6 +182,9 @@ class Context:
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
             self._pages[index] = private
+            ids = np.array(self._page_ids(len(self._pages)), np.intp)     # a copy: a fork may view the old one
+            ids[index] = private.page_id
+            self._ids = ids
             return private
 
     def extend(self, tokens, kv) -> None:
@@ -170,7 +202,9 @@ class Context:
                 self._cache.pool.make_room(partial_shared + end - len(self._pages))
                 if first < len(self._pages):
                     self.writable(first)           # the partly filled last page
-                self._pages.extend(self._cache.pool.new_pages(end - len(self._pages), room_made=True))
+                held = len(self._pages)
+                self._pages.extend(self._cache.pool.new_pages(end - held, room_made=True))
+                self._ids = joined_ids(self._page_ids(held), page_ids(self._pages[held:]))
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
@@ -217,6 +251,14 @@ class Context:
                for index in range(*pages_touched(start, stop, self.page_tokens))):
             with self._cache.lock:
                 self._raise_filled(start, stop)
+        key, packed = self._key, tokens[:stop - start].astype(_KEY).tobytes()
+        if start == 0 and stop >= self._length:
+            key = packed
+        elif key is not None and len(key) >= 4 * self._length:
+            key = key[:4 * start] + packed + key[4 * stop:4 * self._length]
+        else:
+            key = None
+        self._key = None        # unknown while the pages are half written
         store = self._cache.store
         for index in range(*pages_touched(start, stop, self.page_tokens)):
             lo, hi = span_in_page(index, start, stop, self.page_tokens)
@@ -224,13 +266,23 @@ class Context:
             page = self._pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
             page.tokens[lo:hi] = tokens[row:row + hi - lo]
+        self._key = key
 
     # -- structure -------------------------------------------------------------------
 
     def fork(self) -> "Context":
         """A new context sharing every page: a page-list copy plus refcount increments."""
-        with self._owned():
+        # ``_owned`` spelled out: fork is the hottest path, and the with-statement over a
+        # helper object costs a third of it.
+        busy = self._busy
+        if not busy.acquire(blocking=False):
+            raise ContextBusyError(f"context {self.context_id} is in use by another thread")
+        try:
+            if self._closed:
+                raise ContextClosedError(f"context {self.context_id} is closed")
             return self._cache._fork(self)
+        finally:
+            busy.release()
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
@@ -244,6 +296,7 @@ class Context:
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
                 del self._pages[keep:]
+                self._ids = self._ids[:keep]
                 self._length = n
 
     def snapshot(self, target) -> None:

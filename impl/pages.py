@@ -1,13 +1,20 @@
 """Pages, their refcounts, and the one path that frees them.
 
 A page is shared by every holder (context or tree entry) in its refcount;
-``release`` is the single way a holder lets go, whoever the holder is, so the
+``release`` (one page) and ``release_ids`` (a holder's whole list) are the ways a
+holder lets go, whoever the holder is, and both free through ``_free``, so the
 arena, the counters and the live set can never disagree about a page.
 The pool is used under the cache lock.
+
+Refcounts live in one int64 array indexed by page id (``PagePool.refcounts``);
+``Page.refcount`` reads and writes its slot. Why: a fork or a match of k pages then
+bumps k refcounts in one vectorised step over the holder's page-id array instead of
+k Python attribute updates (at one-token pages k is in the thousands).
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Callable
 
 import numpy as np
@@ -15,12 +22,23 @@ import numpy as np
 from .store import PageStore
 
 
-class Page:
-    __slots__ = ("page_id", "refcount", "buffer", "token_bytes", "tokens", "filled")
+class Refcounts:
+    """The pool's refcount array, in a box the pages share: it is replaced when it grows, and a
+    page reaching it through the box rather than through the pool makes no reference cycle
+    (the pool's live set holds the pages), so a dropped cache is freed at once."""
 
-    def __init__(self, page_id: int, buffer, token_bytes: bytearray, filled: int):
+    __slots__ = ("counts",)
+
+    def __init__(self, size: int):
+        self.counts = np.zeros(size, np.int64)    # refcount of page id i at [i]; 0 for freed or unused ids
+
+
+class Page:
+    __slots__ = ("page_id", "books", "buffer", "token_bytes", "tokens", "filled")
+
+    def __init__(self, books: Refcounts, page_id: int, buffer, token_bytes: bytearray, filled: int):
         self.page_id = page_id
-        self.refcount = 1
+        self.books = books
         self.buffer = buffer
         # Token ids live in a bytearray, ``tokens`` is an int64 view of it (writes land in both):
         # a context's token list is one ``join`` of its pages' bytearrays, which at one-token
@@ -28,6 +46,14 @@ class Page:
         self.token_bytes = token_bytes
         self.tokens = np.frombuffer(token_bytes, np.int64)     # int64 token id per position slot
         self.filled = filled      # high-water mark: offsets >= filled were never written
+
+    @property
+    def refcount(self) -> int:
+        return int(self.books.counts[self.page_id])
+
+    @refcount.setter
+    def refcount(self, value: int) -> None:
+        self.books.counts[self.page_id] = value
 
     # ``tokens`` is a view of ``token_bytes``: pickled or deep-copied apart (a clone of the
     # whole cache, as the exhaustive checker makes) they would stop aliasing and a write would
@@ -42,10 +68,37 @@ class Page:
         self.tokens = np.frombuffer(self.token_bytes, np.int64)
 
 
+_page_id = attrgetter("page_id")
+
+
+def page_ids(pages: list[Page]) -> "np.ndarray | range":
+    """The ids of ``pages``, in order: a ``range`` when they are consecutive (the pages of one
+    ``extend``, allocated one after another), else an int array. Either indexes the pool's
+    vectorised steps; a range lets them work on a view instead of gathering and scattering,
+    which is most of a 32-page fork's refcount step."""
+    ids = np.fromiter(map(_page_id, pages), np.intp, len(pages))
+    return as_run(ids)
+
+
+def as_run(ids: np.ndarray) -> "np.ndarray | range":
+    """``ids`` as a range if they are consecutive, else unchanged."""
+    if len(ids) and ids[-1] - ids[0] == len(ids) - 1 and (len(ids) == 1 or (np.diff(ids) == 1).all()):
+        return range(int(ids[0]), int(ids[-1]) + 1)
+    return ids
+
+
+def joined_ids(head: "np.ndarray | range", tail: "np.ndarray | range") -> "np.ndarray | range":
+    """The ids of two page lists one after the other, still a range when both runs join up."""
+    if type(tail) is range and (not len(head) or (type(head) is range and head.stop == tail.start)):
+        return range(head.start if len(head) else tail.start, tail.stop)
+    return np.concatenate([np.asarray(head, np.intp), np.asarray(tail, np.intp)])
+
+
 class PagePool:
     def __init__(self, store: PageStore):
         self.store = store
         self.live: dict[int, Page] = {}
+        self.books = Refcounts(256)      # grown by doubling
         self.allocated = 0
         self.freed = 0
         # The full-pool policy (impl/pool_policy.py), told once per operation how many pages it
@@ -53,7 +106,13 @@ class PagePool:
         self.make_room: Callable[[int], None] = lambda needed: None
 
     def _register(self, page_id: int, buffer, token_bytes: bytearray, filled: int) -> Page:
-        page = Page(page_id, buffer, token_bytes, filled)
+        books = self.books
+        if page_id >= len(books.counts):
+            grown = np.zeros(2 * page_id, np.int64)
+            grown[:len(books.counts)] = books.counts
+            books.counts = grown
+        books.counts[page_id] = 1
+        page = Page(books, page_id, buffer, token_bytes, filled)
         self.live[page_id] = page
         self.allocated += 1
         return page
@@ -86,14 +145,44 @@ class PagePool:
         page_id = self.allocated + 1
         return self._register(page_id, self.store.copy(page.buffer, page_id), bytearray(page.token_bytes), page.filled)
 
-    def share(self, pages: list[Page]) -> None:
-        for page in pages:
-            page.refcount += 1
+    @property
+    def refcounts(self) -> np.ndarray:
+        """Refcount of page id i at [i]."""
+        return self.books.counts
+
+    def share(self, ids: "np.ndarray | range") -> None:
+        """One more holder for each page of ``ids`` (distinct page ids: one holder's list)."""
+        counts = self.books.counts
+        if type(ids) is range:
+            run = counts[ids.start:ids.stop]
+            run += 1
+        elif len(ids) > 96:      # ufunc.at: faster than fancy indexing on long arrays, slower on short
+            np.add.at(counts, ids, 1)
+        else:
+            counts[ids] += 1
 
     def release(self, page: Page) -> None:
         """Drop one holder's reference; the last one frees the page and its memory."""
-        page.refcount -= 1
-        if page.refcount == 0:
-            del self.live[page.page_id]
-            self.store.free(page.buffer)
-            self.freed += 1
+        counts = self.books.counts
+        left = counts[page.page_id] - 1
+        counts[page.page_id] = left
+        if left == 0:
+            self._free(page)
+
+    def release_ids(self, pages: list[Page], ids: np.ndarray) -> None:
+        """``release`` for each of one holder's ``pages`` (``ids`` their ids), the decrements in one step."""
+        counts = self.books.counts
+        if type(ids) is range:
+            left = counts[ids.start:ids.stop]
+            left -= 1
+        else:
+            left = counts[ids] - 1
+            counts[ids] = left
+        for index in np.flatnonzero(left == 0).tolist():
+            self._free(pages[index])
+
+    def _free(self, page: Page) -> None:
+        """A page nobody holds: out of the live set, its memory back to the store."""
+        del self.live[page.page_id]
+        self.store.free(page.buffer)
+        self.freed += 1

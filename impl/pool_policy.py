@@ -45,4 +45,5 @@ class PoolPolicy:
 
 def _frees_a_page(entry) -> bool:
     """Evicting ``entry`` frees memory only if it holds a page nobody else does."""
-    return any(page.refcount == 1 for page in entry._pages)
+    pages = entry._pages      # refcounts are one array (impl/pages.py): read them in one step
+    return bool(pages) and bool((pages[0].books.counts[entry._page_ids(len(pages))] == 1).any())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from operator import countOf
 
 import numpy as np
 
@@ -71,11 +72,10 @@ def check_tokens(tokens) -> np.ndarray:
             items = list(tokens)
         except TypeError:
             raise DTypeError(f"token ids must be a sequence of ints, got {type(tokens).__name__}") from None
-        for i, t in enumerate(items):
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise DTypeError(f"token id at index {i} must be an int, got {t!r}")
-            if not 0 <= t < TOKEN_LIMIT:     # before the int64 conversion, which overflows from 2**63
-                raise TokenError(f"token id {int(t)} at index {i} is not in [0, 2**31)")
+        array = _fast_token_array(items)
+        if array is not None:
+            return array       # one-dimensional, int64, private and in range: checked there
+        _name_bad_token(items)      # something is wrong: the element-by-element path names it
         array = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
     if array.ndim != 1:
         raise ShapeError(f"token ids must be one-dimensional, got shape {array.shape}")
@@ -86,6 +86,39 @@ def check_tokens(tokens) -> np.ndarray:
         if high >= TOKEN_LIMIT:
             raise TokenError(f"token id {high} at index {int(np.argmax(array))} is not below 2**31")
     return array.astype(np.int64, copy=False)
+
+
+def _fast_token_array(items: list) -> np.ndarray | None:
+    """``items`` as an int64 array when every one is a valid token id, else None.
+
+    One C-level pass collects the element types (a bool, a float, a 0-d array or anything
+    else that is not an int is refused here, as the element-by-element path refuses it),
+    one ``np.fromiter`` converts, one vectorised check bounds the values. An id that does
+    not fit in int64 (OverflowError) or a NumPy unsigned one that wraps negative ends up
+    outside ``[0, 2**31)`` or in the except: either way None, never a wrong accept.
+    """
+    if not items:
+        return np.zeros(0, dtype=np.int64)
+    if countOf(map(type, items), int) != len(items):     # not all plain ints (the usual case): which kinds?
+        for kind in set(map(type, items)):
+            if kind is not int and (not issubclass(kind, (int, np.integer)) or issubclass(kind, (bool, np.bool_))):
+                return None
+    try:
+        array = np.fromiter(items, np.int64, len(items))
+    except (OverflowError, TypeError, ValueError):
+        return None
+    if array.min() < 0 or array.max() >= TOKEN_LIMIT:
+        return None
+    return array
+
+
+def _name_bad_token(items: list) -> None:
+    """The element-by-element check: ``DTypeError``/``TokenError`` naming the first bad token id."""
+    for i, t in enumerate(items):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+            raise DTypeError(f"token id at index {i} must be an int, got {t!r}")
+        if not 0 <= t < TOKEN_LIMIT:     # before the int64 conversion, which overflows from 2**63
+            raise TokenError(f"token id {int(t)} at index {i} is not in [0, 2**31)")
 
 
 def check_values(layout: Layout, kv, n: int):

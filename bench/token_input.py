@@ -1,0 +1,66 @@
+"""``match`` with the tokens as a Python list beside the same tokens as an int64 array.
+
+Users pass lists; ``check_tokens`` turns one into an array in one C-level pass over the
+element types, one ``np.fromiter`` and one vectorised range check. The requests are
+``agent_traffic``'s shared workload, served once into a warm tree first; each request is
+then matched (and its hit closed) as an array and as a list, rounds interleaved, best
+round kept. Page size 64: the layout's own default, where ``match`` is cheapest and so
+the conversion weighs most.
+
+``python3 -m kvstate.bench.token_input``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kvstate.impl import Cache
+
+from .agent_traffic import TINY, workload
+
+LIST_OVER_ARRAY = 1.2       # issue 15's target
+
+
+def run(quick: bool = False, page_tokens: int = 64, rounds: int = 5) -> dict:
+    size = (dict(conversations=12, turns=3, system_tokens=100, turn_tokens=(5, 40)) if quick
+            else dict(conversations=60, turns=4, system_tokens=1000))
+    requests = workload("shared", **size)
+    cache = Cache(TINY, page_tokens=page_tokens, max_entries=len(requests) + 1, match="token")
+    zeros = np.zeros((max(map(len, requests)), *TINY.position_shape), np.float32)
+    for tokens in requests:
+        ctx, matched = cache.match(tokens)
+        ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
+        cache.retain(ctx)
+        ctx.close()
+    lists = [tokens.tolist() for tokens in requests]
+
+    def serve(queries) -> float:
+        start = time.perf_counter()
+        for query in queries:
+            ctx, _ = cache.match(query)
+            ctx.close()
+        return time.perf_counter() - start
+
+    array_s = list_s = float("inf")
+    for _ in range(1 if quick else rounds):
+        array_s = min(array_s, serve(requests))
+        list_s = min(list_s, serve(lists))
+    ratio = list_s / array_s
+    n = len(requests)
+    return {
+        "name": "token_input",
+        "params": {**size, "page_tokens": page_tokens, "rounds": rounds,
+                   "mean_query_tokens": round(float(np.mean(list(map(len, requests)))))},
+        "rows": [{"input": "int64 array", "us_per_match": 1e6 * array_s / n},
+                 {"input": "Python list", "us_per_match": 1e6 * list_s / n}],
+        "ratio": {"list_over_array": ratio},
+        "targets": {f"list_over_array <= {LIST_OVER_ARRAY:g}": f"{ratio:.2f} {'met' if ratio <= LIST_OVER_ARRAY else 'MISSED'}"},
+    }
+
+
+if __name__ == "__main__":
+    from .run import format_result
+
+    print(format_result(run()))

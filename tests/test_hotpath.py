@@ -1,0 +1,119 @@
+"""The hot paths' fast routes agree with the slow ones they replace (issue 15, item 3).
+
+- ``check_tokens`` on a list takes one vectorised route; whatever it refuses is named by
+  the element-by-element check, so every bad input gets the error it always got.
+- Refcounts live in one array indexed by page id and each context carries its page ids:
+  after any sequence of operations the ids are its pages' ids and each refcount is the
+  number of holders (the invariants check the latter through ``observe``).
+- ``retain`` takes its key from the context's packed key, kept by every write: the key
+  must be the tokens the pages hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvstate.impl import Cache
+from kvstate.impl.radix import pack
+from kvstate.spec.errors import DTypeError, TokenError
+from kvstate.spec.invariants import check_structure
+from kvstate.spec.layout import Layout, _name_bad_token, check_tokens
+
+TINY = Layout(1, 1, 1)
+
+BAD_LISTS = [
+    [1, True], [np.True_, 2], [1, 2.0], [np.array(5)], [3, np.array([5])], [2**63], [2**64 + 1], [-1],
+    [5, -(2**63) - 1], [2**31], [1, np.uint64(2**64 - 1)], [1, None], ["a"], [[1]], [1, 2**70, -3],
+    [np.int64(-4)], [np.float32(3)], [b"x"],
+]
+
+
+@pytest.mark.parametrize("items", BAD_LISTS, ids=repr)
+def test_a_bad_list_gets_the_error_the_element_check_names(items):
+    with pytest.raises((DTypeError, TokenError)) as slow:
+        _name_bad_token(list(items))
+    with pytest.raises(type(slow.value)) as fast:
+        check_tokens(items)
+    assert str(fast.value) == str(slow.value)
+    with pytest.raises(type(slow.value)):
+        check_tokens(tuple(items))
+
+
+def test_a_good_list_of_mixed_int_kinds_is_its_int64_array():
+    items = [np.int8(5), 3, np.uint32(7), np.uint64(2**31 - 1), 0]
+    array = check_tokens(items)
+    assert array.dtype == np.int64 and array.tolist() == [5, 3, 7, 2**31 - 1, 0]
+    assert check_tokens([]).dtype == np.int64 and check_tokens([]).size == 0
+
+
+def _check_books(cache: Cache) -> None:
+    """Every holder's page ids are its pages' ids, its kept key is its pages' tokens, and the
+    refcount array agrees with the holders (invariants 1-2 through ``observe``)."""
+    holders = list(cache._contexts.values()) + [node.value for node in cache.tree.entries()]
+    for ctx in holders:
+        assert list(ctx._page_ids(len(ctx._pages))) == [page.page_id for page in ctx._pages]
+        assert ctx._packed_key() == pack(ctx._tokens())
+    check_structure(cache.observe())
+
+
+@pytest.mark.parametrize("page_tokens", [1, 3])
+def test_page_ids_and_kept_keys_follow_every_operation(page_tokens):
+    rng = np.random.default_rng(page_tokens)
+    cache = Cache(TINY, page_tokens=page_tokens, max_entries=4, match="token")
+    live = [cache.allocate()]
+
+    def kv(n):
+        return rng.standard_normal((n, *TINY.position_shape)).astype(np.float32)
+
+    for _step in range(400):
+        ctx = live[rng.integers(len(live))]
+        op = rng.integers(7)
+        if op == 0:
+            n = int(rng.integers(0, 7))
+            ctx.extend(rng.integers(0, 5, n).tolist(), kv(n))
+        elif op == 1 and len(live) < 8:
+            live.append(ctx.fork())
+        elif op == 2 and len(ctx):
+            start = int(rng.integers(len(ctx)))
+            n = int(rng.integers(1, len(ctx) - start + 1))
+            ctx.overwrite(start, rng.integers(0, 5, n), kv(n))
+        elif op == 3:
+            ctx.truncate(int(rng.integers(len(ctx) + 1)))
+        elif op == 4 and len(ctx):
+            cache.retain(ctx)
+        elif op == 5 and len(live) < 8:
+            hit, _matched = cache.match(rng.integers(0, 5, int(rng.integers(1, 12))))
+            live.append(hit)
+        elif op == 6 and len(live) > 1:
+            live.remove(ctx)
+            ctx.close()
+        _check_books(cache)
+    cache.clear()
+    for ctx in live:
+        ctx.close()
+    assert cache.stats()["live_pages"] == 0
+
+
+def test_a_restored_context_retains_under_its_tokens(tmp_path):
+    cache = Cache(TINY, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend([4, 5, 6], np.ones((3, *TINY.position_shape), np.float32))
+    ctx.snapshot(tmp_path / "s.kv")
+    restored = cache.restore(tmp_path / "s.kv")
+    cache.retain(restored)
+    assert [node.key() for node in cache.tree.entries()] == [(4, 5, 6)]
+    _check_books(cache)
+
+
+def test_a_fork_of_32_pages_bumps_their_refcounts_in_the_array():
+    cache = Cache(TINY, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend(list(range(64)), np.zeros((64, *TINY.position_shape), np.float32))
+    forks = [ctx.fork() for _ in range(3)]
+    ids = [page.page_id for page in ctx._pages]
+    assert cache.pool.refcounts[ids].tolist() == [4] * 32 and all(p.refcount == 4 for p in ctx._pages)
+    for fork in forks:
+        fork.close()
+    ctx.close()
+    assert cache.pool.refcounts[ids].tolist() == [0] * 32 and cache.stats()["live_pages"] == 0
