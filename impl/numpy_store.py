@@ -9,6 +9,7 @@ With an arena, those arrays are views into one preallocated block per component.
 from __future__ import annotations
 
 import math
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -65,6 +66,28 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
+# Freed heap pages kept for the next restore (``prepare``), up to this many bytes: a restore into
+# them copies at memory speed instead of faulting fresh memory in (and the kernel zeroing it).
+SPARE_BYTES = 256 << 20
+
+
+def _owner(array: np.ndarray) -> np.ndarray:
+    return array if array.base is None else array.base
+
+
+def _unshared(arrays: tuple[np.ndarray, ...]) -> bool:
+    """Whether nothing but these arrays references their memory: only made by ``huge_page_array``
+    (so its owner is a separate uint8 block) and with no view of it alive anywhere (a view holds
+    the owner). A page some caller still sees through a view is never reused: it is just dropped."""
+    return all(isinstance(array.base, np.ndarray) and array.base.base is None
+               and sys.getrefcount(_owner(array)) <= _OWNER_REFS for array in arrays)
+
+
+def _baseline_refs() -> int:
+    probe = (huge_page_array((HUGE_PAGE // 4 + 1,), np.float32),)
+    return sys.getrefcount(_owner(probe[0]))
+
+
 class NumpyBuffer:
     __slots__ = ("arrays", "slot")
 
@@ -89,6 +112,8 @@ class NumpyStore:
         check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
         self._prepared: list[tuple[np.ndarray, ...]] = []     # filled by ``prepare``, handed out by ``adopting``
+        # Freed heap pages that ``prepare`` hands out again (already faulted in: see ``free``).
+        self._spares: list[tuple[np.ndarray, ...]] = []
         try:
             self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
         except (MemoryError, ValueError) as error:
@@ -123,6 +148,8 @@ class NumpyStore:
             arrays = tuple(block[slot] for block in self._blocks)
             for dst, src in zip(arrays, prepared):     # the arena keeps its slots: one more copy, into them
                 np.copyto(dst, src)
+            if len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(prepared):
+                self._spares.append(prepared)
             return NumpyBuffer(arrays, slot)
         if slot is None:
             return NumpyBuffer(tuple(np.zeros(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
@@ -140,7 +167,12 @@ class NumpyStore:
         """Arrays for ``count`` pages that a restore fills before any page exists (nothing in the
         cache changes): unzeroed, so the restore's copy is each byte's first touch, except the
         last page's offsets from ``last_filled`` on, which nothing will write and must read zero."""
-        prepared = [tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes)) for _ in range(count)]
+        prepared = []
+        while len(prepared) < count:
+            try:
+                prepared.append(self._spares.pop())       # list.pop is atomic: ``free`` may run meanwhile
+            except IndexError:
+                prepared.append(tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes)))
         if prepared:
             for array in prepared[-1]:
                 array[:, :, last_filled:] = 0
@@ -163,7 +195,13 @@ class NumpyStore:
 
     def free(self, buffer: NumpyBuffer) -> None:
         self._arena.give_back(buffer.slot)
-        buffer.arrays = ()
+        arrays, buffer.arrays = buffer.arrays, ()
+        if buffer.slot is None and len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(arrays):
+            self._spares.append(arrays)
+
+    # Spares are memory this process may reuse, not state: a clone of the store starts without them.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_spares": [], "_prepared": []}
 
     def copy(self, source: NumpyBuffer, page_id: int) -> NumpyBuffer:
         target = self._take(page_id, zero=False)   # every byte is overwritten below
@@ -213,3 +251,6 @@ class NumpyStore:
 
     def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
         return self._arena.books()
+
+
+_OWNER_REFS = _baseline_refs()      # the owner's references when only its array holds it (interpreter-specific)

@@ -320,11 +320,11 @@ def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -
 def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
     """Restore a file of the cache's own precision at about the speed of reading it.
 
-    A reader thread reads the body a piece at a time into a few reused staging buffers
-    and checksums each piece while it is cache-hot (file reads and the checksum release
-    the GIL); meanwhile this thread checks the previous piece (token signs, finite values,
-    q8 ranges) and copies it into page arrays made for it (``store.prepare``: not zeroed,
-    so the copy is each byte's first touch). The cache is touched only after the checksum
+    A reader thread reads the body a piece at a time into a few reused staging buffers,
+    and checksums and checks (token signs, finite values, q8 ranges) each piece while it is
+    cache-hot (file reads, the checksum and NumPy's loops release the GIL); meanwhile this
+    thread copies the previous piece into page arrays made for it (``store.prepare``: not
+    zeroed, so the copy is each byte's first touch). The cache is touched only after the checksum
     and every check have passed; a refused file leaves the prepared arrays to the garbage
     collector and changes nothing observable.
     """
@@ -332,16 +332,8 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
     count = pages_needed(n, page_tokens)
     prepared = store.prepare(count, n - (count - 1) * page_tokens if count else 0)
     tokens = np.empty(n, fmt.TOKEN_DTYPE)
-    content_error: SnapshotError | None = None
     with _PieceReader(file, header) as reader:
-        for name, part, first, rows in reader:
-            if content_error is not None:
-                continue                # keep reading: a checksum mismatch is reported first
-            try:
-                fmt.check_section(header.precision, name, rows, first)
-            except SnapshotError as error:
-                content_error = error
-                continue
+        for part, first, rows in reader:
             if part < 0:
                 tokens[first:first + len(rows)] = rows
                 continue
@@ -350,8 +342,8 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
                 lo, hi = span_in_page(index, first, stop, page_tokens)
                 row = index * page_tokens + lo - first
                 store.write_rows(prepared[index], part, lo, rows[row:row + hi - lo])
-        actual = reader.checksum()
-    fmt.check_body_crc(header, actual)
+        actual, content_error = reader.checksum(), reader.content_error
+    fmt.check_body_crc(header, actual)     # a checksum mismatch is reported first
     if content_error is not None:
         raise content_error
     return _adopt_prepared(cache, tokens, prepared, n)
@@ -376,8 +368,10 @@ def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) 
 
 class _PieceReader:
     """The body of an open file, read by a worker thread in pieces of whole positions of one
-    section, each checksummed in file order; iterated as ``(section, part, first row, rows)``
-    (``part`` -1 for the tokens, else the page component the section fills).
+    section, each checksummed in file order and its content checked; iterated as ``(part,
+    first row, rows)`` (``part`` -1 for the tokens, else the page component the section fills).
+    After the first content error (``content_error``) the rest is read and checksummed only,
+    and no more pieces are handed out: the file is refused either way.
 
     A few staging buffers circulate between the threads, so the memory in flight stays at a
     few pieces whatever the file's size. Leaving the ``with`` stops the worker, also on error.
@@ -405,6 +399,7 @@ class _PieceReader:
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._hash = fmt.BodyHash(header.version)
+        self.content_error: SnapshotError | None = None
         self._worker = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> "_PieceReader":
@@ -436,7 +431,15 @@ class _PieceReader:
                 self._hash.update(view)
                 offset += nbytes
                 rows = staging[:nbytes].view(dtype).reshape((stop - first, *row_shape))
-                self._ready.put((name, part, first, rows, staging))
+                if self.content_error is None:
+                    try:
+                        fmt.check_section(self._header.precision, name, rows, first)
+                    except SnapshotError as error:
+                        self.content_error = error
+                if self.content_error is None:
+                    self._ready.put((part, first, rows, staging))
+                else:
+                    self._free.put(staging)
             if _checked_read(self._file, 1):
                 raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {offset}")
             self._ready.put(None)
@@ -450,8 +453,8 @@ class _PieceReader:
                 return
             if isinstance(item, BaseException):
                 raise item
-            name, part, first, rows, staging = item
-            yield name, part, first, rows
+            part, first, rows, staging = item
+            yield part, first, rows
             self._free.put(staging)     # the consumer is done with it
 
     def checksum(self) -> int:

@@ -234,11 +234,16 @@ _FINITE_CHUNK = 1 << 16      # 256 KiB of scratch: stays in cache, reused by mal
 def all_finite(values: np.ndarray) -> bool:
     """Whether a contiguous f16/f32 array holds no NaN or infinity.
 
-    Compares magnitude bits as integers, a chunk at a time: exact, SIMD-fast even
-    for f16 (whose float reductions are slow), and no full-size temporary.
+    A chunk at a time, so no full-size temporary: f32 through ``isfinite``, f16 by comparing
+    magnitude bits as integers (exact, and SIMD-fast where f16 float operations are slow).
     """
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype.itemsize == 4:       # f32: ``isfinite`` is SIMD and 1.7x the bit test (measured)
+        finite = np.empty(min(flat.size, _FINITE_CHUNK), np.bool_)
+        return all(np.isfinite(flat[start:start + _FINITE_CHUNK], out=finite[:min(_FINITE_CHUNK, flat.size - start)]).all()
+                   for start in range(0, flat.size, _FINITE_CHUNK))
     uint, mask, infinity = _FLOAT_BITS[values.dtype.itemsize]
-    flat = np.ascontiguousarray(values).reshape(-1).view(uint)
+    flat = flat.view(uint)
     scratch = np.empty(min(flat.size, _FINITE_CHUNK), uint)
     for start in range(0, flat.size, _FINITE_CHUNK):
         chunk = flat[start:start + _FINITE_CHUNK]
