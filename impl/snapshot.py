@@ -53,14 +53,20 @@ def body_chunks(ctx: "Context") -> Iterator[np.ndarray]:
     """The body in file order, one page's rows of one section at a time, each contiguous.
 
     Page-sized pieces keep the checksum and the write on cache-hot bytes and the
-    writer's extra memory at one page. Called while the caller owns ``ctx``.
+    writer's extra memory at one page. Each piece is valid until the next one is asked
+    for: the pieces of a section share one staging array, faulted in once and reused (a
+    fresh array per page cost a first touch of every byte written). Called while the
+    caller owns ``ctx``.
     """
     cache, n = ctx._cache, ctx._length
     yield ctx._tokens().astype(fmt.TOKEN_DTYPE)
-    for part, (_, dtype, _) in enumerate(fmt.body_sections(cache.layout, cache.precision, n)[1:]):
+    for part, (_, dtype, shape) in enumerate(fmt.body_sections(cache.layout, cache.precision, n)[1:]):
+        staging = np.empty((min(n, ctx.page_tokens), *shape[1:]), dtype)
         for index in range(*pages_touched(0, n, ctx.page_tokens)) if n else ():
             lo, hi = span_in_page(index, 0, n, ctx.page_tokens)
-            yield np.ascontiguousarray(cache.store.read_encoded(ctx._pages[index].buffer, lo, hi)[part], dtype=dtype)
+            piece = staging[:hi - lo]
+            np.copyto(piece, cache.store.read_encoded(ctx._pages[index].buffer, lo, hi)[part], casting="same_kind")
+            yield piece
 
 
 def _header(ctx: "Context", body_crc: int) -> bytes:
