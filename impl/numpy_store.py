@@ -53,11 +53,12 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     per 4 KiB, about as much as the copy that fills it (measured: 43 ms against 18 ms to fill 32
     pages of 4.7 MB). The partial tail is marked ``MADV_NOHUGEPAGE`` so no huge page reaches
     into the unused slack: memory in use stays the array's own size, give or take 4 KiB.
-    Arrays under 2 MiB, and systems without ``madvise``, get a plain ``np.empty``.
+    Arrays under 2 MiB, and systems without ``madvise``, get an unaligned block. Either way the
+    array is a view of a uint8 block only it holds, which is how ``free`` knows it may reuse it.
     """
     nbytes = math.prod(shape) * np.dtype(dtype).itemsize
     if nbytes < HUGE_PAGE or _madvise is None:
-        return np.empty(shape, dtype)
+        return np.empty(nbytes, np.uint8).view(dtype).reshape(shape)     # a view of a block, as below
     raw = np.empty(nbytes + HUGE_PAGE, np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE
     tail = start + nbytes // HUGE_PAGE * HUGE_PAGE
