@@ -11,6 +11,7 @@ cache is touched: a refused restore changes no page, slot, context or counter.
 from __future__ import annotations
 
 import io
+import math
 import os
 import queue
 import stat
@@ -58,15 +59,91 @@ def body_chunks(ctx: "Context") -> Iterator[np.ndarray]:
     fresh array per page cost a first touch of every byte written). Called while the
     caller owns ``ctx``.
     """
+    staging: dict[int, np.ndarray] = {}
+
+    def staging_for(part: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if part not in staging:
+            staging[part] = np.empty(shape, dtype)
+        return staging[part]
+    return _body_pieces(ctx, staging_for)
+
+
+def _body_pieces(ctx: "Context", staging_for: Callable) -> Iterator[np.ndarray]:
+    """``body_chunks``' pieces, each copied into ``staging_for(part, page rows shape, dtype)``."""
     cache, n = ctx._cache, ctx._length
     yield ctx._tokens().astype(fmt.TOKEN_DTYPE)
     for part, (_, dtype, shape) in enumerate(fmt.body_sections(cache.layout, cache.precision, n)[1:]):
-        staging = np.empty((min(n, ctx.page_tokens), *shape[1:]), dtype)
         for index in range(*pages_touched(0, n, ctx.page_tokens)) if n else ():
             lo, hi = span_in_page(index, 0, n, ctx.page_tokens)
-            piece = staging[:hi - lo]
+            piece = staging_for(part, (min(n, ctx.page_tokens), *shape[1:]), dtype)[:hi - lo]
             np.copyto(piece, cache.store.read_encoded(ctx._pages[index].buffer, lo, hi)[part], casting="same_kind")
             yield piece
+
+
+class _PiecesAhead:
+    """The body's pieces, copied out of the pages and hashed by a worker thread while the writer
+    writes the previous one (NumPy's copy, the hash and file writes release the GIL); iterated
+    in file order. Two staging blocks circulate, so the memory in flight is two pages."""
+
+    DEPTH = 2
+
+    def __init__(self, ctx: "Context", hasher: fmt.BodyHash):
+        self._ctx, self._hash = ctx, hasher
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        self._blocks = 0
+        self._block: np.ndarray | None = None
+        self._worker = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_PiecesAhead":
+        self._worker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._free.put(None)          # wakes a worker waiting for a block; it stops there
+        self._worker.join()
+
+    def _staging_for(self, part: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if self._blocks < self.DEPTH:
+            self._blocks += 1
+            block = np.empty(self._largest_piece(), np.uint8)
+        else:
+            block = self._free.get()
+            if block is None:
+                raise _Stopped
+        self._block = block
+        return block[:nbytes].view(dtype).reshape(shape)
+
+    def _largest_piece(self) -> int:
+        cache, n = self._ctx._cache, self._ctx._length
+        return max(dtype.itemsize * math.prod(shape[1:]) * min(n, self._ctx.page_tokens)
+                   for _, dtype, shape in fmt.body_sections(cache.layout, cache.precision, n))
+
+    def _run(self) -> None:
+        try:
+            for piece in _body_pieces(self._ctx, self._staging_for):
+                self._hash.update(piece)
+                self._ready.put((piece, self._block))
+                self._block = None
+            self._ready.put(None)
+        except _Stopped:
+            pass
+        except BaseException as error:      # handed to the writer, raised there
+            self._ready.put(error)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        while (item := self._ready.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            piece, block = item
+            yield piece
+            if block is not None:
+                self._free.put(block)       # written: the worker may fill it again
+
+
+class _Stopped(Exception):
+    """The writer left early (an error); the worker stops."""
 
 
 def _header(ctx: "Context", body_crc: int) -> bytes:
@@ -84,9 +161,9 @@ def _write_to(file, ctx: "Context") -> None:
         start = file.tell()
         _put(file, bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
         crc = fmt.BodyHash(fmt.FORMAT_VERSION)
-        for chunk in body_chunks(ctx):
-            crc.update(chunk)
-            _put(file, chunk)
+        with _PiecesAhead(ctx, crc) as pieces:
+            for chunk in pieces:
+                _put(file, chunk)
         end = file.tell()
         file.seek(start)
         _put(file, _header(ctx, crc.value()))
