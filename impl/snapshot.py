@@ -3,9 +3,19 @@
 The format is ``spec/snapshot_format.py``. Writing to a path is atomic: a
 temporary file in the target's folder, flushed and fsynced, renamed over the
 target, then the folder fsynced, so a reader (or a crash) sees the old complete
-file or the new complete one. Restoring validates the whole file (header,
-sizes against the real file size, checksums, every token and value) before the
-cache is touched: a refused restore changes no page, slot, context or counter.
+file or the new complete one; a worker thread copies each page out and hashes it
+while the previous piece is written (``_PiecesAhead``). Restoring validates the
+whole file (header, sizes against the real file size, checksums, every token and
+value) before the cache is touched: a refused restore changes no page, slot,
+context or counter.
+
+A local file of the cache's own precision into the NumPy store is streamed
+(``_stream_restore``): header and sizes first, then a reader thread reads 1 MiB
+pieces, hashes and checks each while it is cache-hot, and this thread copies it
+into page arrays prepared outside the cache (reused freed pages, or fresh ones on
+huge-page boundaries); the pages join the cache only once everything has passed.
+Other sources (in-memory and remote streams, other stores, another precision)
+read the body whole, check it, then fill pages (``_adopt_body``).
 """
 
 from __future__ import annotations
