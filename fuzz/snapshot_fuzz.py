@@ -117,7 +117,9 @@ def resign(data: bytes) -> bytes:
         return data
     body = data[fmt.HEADER_SIZE:]
     header = bytearray(data[:fmt.HEADER_SIZE])
-    header[40:44] = fmt.crc32(body).to_bytes(4, "little")
+    version = int.from_bytes(header[8:10], "little")
+    body_crc = fmt.body_checksum(version, body) if version in fmt.LOADABLE_VERSIONS else fmt.crc32(body)
+    header[40:44] = body_crc.to_bytes(4, "little")
     header[44:48] = fmt.crc32(bytes(header[:44])).to_bytes(4, "little")
     return bytes(header) + body
 
@@ -143,7 +145,8 @@ def hostile_files(precision: str, layout: Layout = FUZZ_LAYOUT) -> Iterator[Case
     yield "zero layers", resign(data[:12] + b"\x00\x00\x00\x00" + data[16:])
     yield "body_bytes off by one", resign(data[:32] + (int.from_bytes(data[32:40], "little") + 1).to_bytes(8, "little")
                                           + data[40:])
-    yield "version 2", resign(data[:8] + b"\x02\x00" + data[10:])
+    future = max(fmt.KNOWN_VERSIONS) + 1
+    yield f"version {future}", resign(data[:8] + future.to_bytes(2, "little") + data[10:])
     yield "another layout", signed_header(precision, Layout(layout.layers + 1, layout.kv_heads, layout.head_dim), 0)
     yield "billions of positions", signed_header(precision, layout, 3_000_000_000)
     yield "one past the position limit", signed_header(precision, layout, fmt.MAX_POSITIONS + 1)

@@ -217,7 +217,7 @@ def test_hostile_files_with_valid_checksums_are_refused_by_name(precision):
         "unknown precision code": (SnapshotCorruptError, "precision code 7 at offset 10"),
         "zero layers": (SnapshotCorruptError, "layers at offset 12 is 0"),
         "body_bytes off by one": (SnapshotCorruptError, "body_bytes at offset 32"),
-        "version 2": (SnapshotVersionError, "version 2 at offset 8"),
+        "version 3": (SnapshotVersionError, "version 3 at offset 8"),
         "another layout": (SnapshotLayoutError, "differs"),
         "billions of positions": (SnapshotTooLargeError, "positions at offset 24"),
         "one past the position limit": (SnapshotTooLargeError, "16777217"),

@@ -51,9 +51,10 @@ def test_lockstep_catches_a_restore_that_loses_a_position(machine_config, monkey
     """The checks can fail: a restore that drops the last position is caught."""
     from kvstate.impl import snapshot as snapshot_module
 
-    real = snapshot_module._adopt
-    monkeypatch.setattr(snapshot_module, "_adopt", lambda cache, tokens, encoded, n: real(cache, tokens, encoded,
-                                                                                        max(n - 1, 0)))
+    for name in ("_adopt", "_adopt_prepared"):     # a body read whole, and one streamed into pages
+        real = getattr(snapshot_module, name)
+        monkeypatch.setattr(snapshot_module, name,
+                            lambda cache, tokens, pages, n, real=real: real(cache, tokens, pages, max(n - 1, 0)))
     lockstep = Lockstep(numpy_factory, machine_config)
     with pytest.raises(InvariantViolation):
         lockstep.run([O.Allocate(), O.Extend("c1", (1, 2, 3), seed=1), Snapshot("c1", "a"), Restore("a")])

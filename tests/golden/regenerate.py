@@ -1,6 +1,6 @@
 """Regenerate the golden snapshot files. Run by hand only when adding a format version:
 
-    python tests/golden/regenerate.py v1
+    python tests/golden/regenerate.py v2     (the version this build writes: FORMAT_VERSION)
 
 Files a released version wrote must keep loading, so existing files are never
 overwritten (the script refuses); tests only read them.
@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstate.impl.cache import Cache
+from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.layout import Layout
 
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
@@ -30,6 +31,8 @@ def golden_values() -> np.ndarray:
 
 
 def main(version: str) -> None:
+    if version != f"v{fmt.FORMAT_VERSION}":
+        sys.exit(f"this build writes format v{fmt.FORMAT_VERSION}, not {version} (v2 needs the xxhash package)")
     folder = Path(__file__).parent / version
     folder.mkdir(exist_ok=True)
     for precision in ("f32", "f16", "q8"):
