@@ -36,6 +36,7 @@ from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
 from kvstate.spec.errors import (KVStateError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
+                                 SnapshotReadError,
                                  SnapshotTooLargeError, SnapshotTruncatedError, SnapshotWriteError)
 
 try:
@@ -366,7 +367,7 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None) -> "C
         if isinstance(error, KVStateError):     # a named refusal (a snapshot's, or a precision's range)
             raise
         # An I/O error mid-read, a closed stream, a stream of the wrong kind.
-        raise SnapshotError(f"cannot read a snapshot from {source!r}: {error!r}") from error
+        raise SnapshotReadError(f"cannot read a snapshot from {source!r}: {error!r}") from error
 
 
 def _restore_from(cache: "Cache", file, size: int | None, limit) -> "Context":
