@@ -13,10 +13,7 @@ plug in with ``register_check``.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
-import sys
 import threading
 import time
 import traceback
@@ -28,11 +25,10 @@ from hypothesis import Phase, settings as Settings
 from hypothesis.errors import FailedHealthCheck
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvstate.spec.errors import KVStateError
 from kvstate.spec.invariants import tiers
-from kvstate.spec.observation import Observation
-from kvstate.spec.protocol import CacheProtocol, Config, ContextProtocol, Factory
+from kvstate.spec.protocol import Config, Factory
 
+from .backends import FactoryError, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
 from . import directed
 from .directed import DIRECTED
@@ -42,98 +38,6 @@ from .seeded import run_seeds
 from .shrink import shrink
 
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
-
-
-class FactoryError(KVStateError):
-    """A backend factory could not be loaded or does not speak the protocol."""
-
-
-# -- loading --------------------------------------------------------------------------
-
-def load_factory(path: str) -> Factory:
-    """``package.module:callable``, or ``package.module`` for that module's ``factory``.
-
-    ``some/file.py[:callable]`` loads a module from a file (its folder goes on ``sys.path``,
-    so a backend split over sibling files imports).
-    """
-    module_name, _, attribute = path.partition(":")
-    try:
-        if module_name.endswith(".py"):
-            module = _load_file(Path(module_name))
-        else:
-            module = importlib.import_module(module_name)
-    except Exception as error:   # any import failure is the user's to read, by name
-        raise FactoryError(f"cannot import backend module {module_name!r}: {error!r}") from error
-    attribute = attribute or "factory"
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise FactoryError(f"{module_name!r} has no callable {attribute!r} (a backend factory)")
-    return factory
-
-
-def _load_file(path: Path):
-    if not path.is_file():
-        raise FileNotFoundError(f"no file {str(path)!r}")
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def check_backend(factory: Factory, configs: list[Config], time_limit: float = 60.0) -> None:
-    """``FactoryError`` naming what is missing when the factory's caches do not speak the protocol.
-
-    Runs in a daemon thread: a factory that never returns is a ``FactoryError`` after ``time_limit``.
-    """
-    box: dict[str, BaseException | None] = {}
-
-    def target():
-        try:
-            _check_backend(factory, configs)
-            box["error"] = None
-        except BaseException as error:
-            box["error"] = error
-
-    worker = threading.Thread(target=target, name="kvstate-conform-protocol", daemon=True)
-    worker.start()
-    worker.join(time_limit)
-    if worker.is_alive():
-        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:.0f} s")
-    if box["error"] is not None:
-        raise box["error"]
-
-
-def _check_backend(factory: Factory, configs: list[Config]) -> None:
-    if not configs or not all(isinstance(c, Config) for c in configs):
-        raise FactoryError(f"the factory declares configs {configs!r}: expected a non-empty list of Config")
-    config = configs[0]
-    try:
-        cache = factory(config)
-    except Exception as error:
-        raise FactoryError(f"the factory raised {error!r} building {config.name}") from error
-    _require(cache, CacheProtocol, "the factory's cache")
-    try:
-        ctx = cache.allocate()
-        _require(ctx, ContextProtocol, "cache.allocate()'s context")
-        observation = cache.observe()
-        ctx.close()
-    except FactoryError:
-        raise
-    except Exception as error:
-        raise FactoryError(f"the backend raised {error!r} on allocate/observe/close") from error
-    if not isinstance(observation, Observation):
-        raise FactoryError(f"cache.observe() returned {type(observation).__name__}, not kvstate.spec.Observation")
-
-
-def _require(obj, protocol, what: str) -> None:
-    if not isinstance(obj, protocol):
-        names = [n for n in dir(protocol) if not n.startswith("_") or n == "__len__"]
-        missing = [n for n in names if not hasattr(obj, n)]
-        raise FactoryError(f"{what} ({type(obj).__name__}) lacks {missing}: it does not speak {protocol.__name__}")
 
 
 def observed_tiers(factory: Factory, config: Config) -> list[str]:

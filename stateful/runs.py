@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from kvstate.spec.errors import RunTimeout
-from kvstate.spec.protocol import Config
+from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .conform import load_factory
+from .backends import load_factory
 from .deadline import Deadline
 from .generate import Generator, generate
 from .lockstep import Lockstep
@@ -54,11 +54,12 @@ def factory_for(backend: str):
     return _factories[backend]
 
 
-def run_seed(backend: str, config: Config, seed: int, steps: int, timeout_s: float | None = None) -> RunResult:
-    """Seed ``seed``'s ``steps`` operations against ``backend`` in ``config``, every invariant
-    after every step, and invariant 6 at the end. Past ``timeout_s`` seconds the run stops and
-    is a ``RunTimeout`` failure at the step it had reached."""
-    factory = factory_for(backend)
+def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
+             timeout_s: float | None = None) -> RunResult:
+    """Seed ``seed``'s ``steps`` operations against ``backend`` (a factory, or its name) in
+    ``config``, every invariant after every step, and invariant 6 at the end. Past ``timeout_s``
+    seconds the run stops and is a ``RunTimeout`` failure at the step it had reached."""
+    factory = factory_for(backend) if isinstance(backend, str) else backend
     generator = Generator(seed)
     config = config.with_(page_tokens=generator.page_tokens)
     ran: list[O.Op] = []

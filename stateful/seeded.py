@@ -2,7 +2,7 @@
 
 The Hypothesis machine explores short sequences well; long fixed-seed runs build
 what short ones rarely do (nested retained keys, a full pool, deep fork chains).
-The same generator and shrinker serve ``kvstate sweep``, so a failure found here
+The same runs (``runs.run_seed``) and shrinker serve ``kvstate sweep``, so a failure found here
 replays with ``kvstate replay`` exactly as a sweep's does.
 """
 
@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .generate import Generator
-from .lockstep import Lockstep
-from .replay import Failure, execute
+from .replay import Failure
+from .runs import run_seed
 from .shrink import shrink
 
 
@@ -37,23 +36,6 @@ class SeededRuns:
     failure: SeededFailure | None = None
 
 
-def run_seed(factory: Factory, config: Config, seed: int, steps: int) -> tuple[Failure | None, Config, list[O.Op]]:
-    """Seed ``seed``'s ``steps`` operations, every invariant after every step."""
-    generator = Generator(seed)
-    config = config.with_(page_tokens=generator.page_tokens)
-    lockstep = Lockstep(factory, config)
-    ran: list[O.Op] = []
-
-    def generated():
-        for _ in range(steps):
-            op = generator.next_op(lockstep)
-            ran.append(op)
-            yield op
-
-    failure, _ = execute(factory, config, generated(), lockstep=lockstep)
-    return failure, config, ran
-
-
 def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s: float,
               shrink_budget_s: float) -> SeededRuns:
     """Seeds 0, 1, ... until ``seeds`` ran, ``budget_s`` passed, or one failed (then shrunk)."""
@@ -62,10 +44,12 @@ def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s
     for seed in range(seeds):
         if result.runs and time.monotonic() > deadline:
             break
-        failure, seeded_config, ran = run_seed(factory, config, seed, steps)
+        run = run_seed(factory, config, seed, steps)
         result.runs += 1
-        result.steps += len(ran)
-        if failure is not None:
+        result.steps += run.steps
+        if run.failure is not None:
+            failure, seeded_config = run.failure, config.with_(page_tokens=run.page_tokens)
+            ran = [O.op_from_json(op) for op in run.ops]
             started = time.monotonic()
             shrunk, shown = shrink(factory, seeded_config, ran, failure, shrink_budget_s)
             timed_out = time.monotonic() - started >= shrink_budget_s

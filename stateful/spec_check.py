@@ -111,7 +111,7 @@ def crosshair(timeout: float) -> int:
 
 
 def run_spec_check(args: argparse.Namespace) -> int:
-    from .conform import FactoryError, load_factory
+    from .backends import FactoryError, load_factory
 
     status = 0
     if not args.no_crosshair:
