@@ -230,7 +230,8 @@ class Cache:
 
         Validated in full first: a refused file raises a ``SnapshotError`` subclass
         (a file at another precision whose values overflow this cache's f16:
-        ``PrecisionRangeError``) and changes nothing. See ``impl/snapshot.py``.
+        ``SnapshotPrecisionError``, a ``PrecisionRangeError`` too) and changes nothing.
+        See ``impl/snapshot.py``.
         """
         return restore_snapshot(self, source, max_bytes)
 

@@ -36,7 +36,7 @@ from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
 from kvstate.spec.errors import (KVStateError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
-                                 SnapshotReadError,
+                                 PrecisionRangeError, SnapshotPrecisionError, SnapshotReadError,
                                  SnapshotTooLargeError, SnapshotTruncatedError, SnapshotWriteError)
 
 try:
@@ -407,7 +407,11 @@ def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -
         encoded = cache.store.from_encoded(parts)
     else:
         # Another precision: what the file reads as, then the target's encoding (spec rules).
-        encoded = cache.store.encode(precisions.decode(header.precision, parts))
+        try:
+            encoded = cache.store.encode(precisions.decode(header.precision, parts))
+        except PrecisionRangeError as error:
+            raise SnapshotPrecisionError(f"the snapshot's {header.precision} values do not fit this "
+                                         f"{cache.precision} cache: {error}") from None
     return _adopt(cache, arrays["tokens"], encoded, header.positions)
 
 

@@ -18,7 +18,8 @@ import numpy as np
 
 from kvstate.spec import precision as precisions
 from kvstate.spec.arithmetic import pages_needed, pages_touched
-from kvstate.spec.errors import CapacityError, ContextClosedError, EmptyContextError, PositionError
+from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContextError, PositionError,
+                                 PrecisionRangeError, SnapshotPrecisionError)
 from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, hit_length
@@ -180,7 +181,10 @@ class RefCache:
         """A new context from ``RefContext.snapshot()``'s result, converted by spec rules if the precision differs."""
         precision, values, tokens = saved
         if precision != self.config.precision:
-            values = precisions.roundtrip(self.config.precision, values)
+            try:
+                values = precisions.roundtrip(self.config.precision, values)
+            except PrecisionRangeError as error:
+                raise SnapshotPrecisionError(str(error)) from None     # a refusal of the file
         pages = pages_needed(len(tokens), self.config.page_tokens)
         self.make_room(pages)
         return self._adopt(values.copy(), list(tokens), [self.new_label() for _ in range(pages)])

@@ -113,6 +113,11 @@ class SnapshotLayoutError(SnapshotError):
     """The snapshot's layout differs from the cache's; no conversion exists."""
 
 
+class SnapshotPrecisionError(SnapshotError, PrecisionRangeError):
+    """The snapshot's values do not fit this cache's precision (an f32 file restored into an f16
+    cache, with values past 65504); a refusal of the file, so a ``SnapshotError`` too."""
+
+
 class SnapshotWriteError(SnapshotError):
     """Writing failed (disk full, I/O error); the previous file at the target is intact."""
 

@@ -10,7 +10,7 @@ from kvstate.impl.cache import Cache
 from kvstate.reference import RefCache
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
-from kvstate.spec.errors import (PrecisionRangeError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
+from kvstate.spec.errors import (PrecisionRangeError, SnapshotCorruptError, SnapshotPrecisionError, SnapshotError, SnapshotLayoutError,
                                  SnapshotTooLargeError, SnapshotTruncatedError, SnapshotVersionError,
                                  SnapshotNotFoundError, SnapshotWriteError)
 from kvstate.spec.layout import Layout
@@ -246,8 +246,9 @@ def test_conversion_that_overflows_f16_is_refused_and_changes_nothing():
     target = Cache(LAYOUT, precision="f16")
     before = state_of(target)
     stream.seek(0)
-    with pytest.raises(PrecisionRangeError):
+    with pytest.raises(SnapshotPrecisionError) as refused:
         target.restore(stream)
+    assert isinstance(refused.value, SnapshotError) and isinstance(refused.value, PrecisionRangeError)
     assert state_of(target) == before
 
 
