@@ -162,15 +162,15 @@ class Cache:
         with self.lock:
             length = ctx._length if length is None else length
             n = pages_needed(length, self.page_tokens)
-            ids = ctx._ids if len(ctx._ids) == n else ctx._page_ids(n)     # the call only when it slices
+            ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
             self.pool.share(ids)          # every refcount in one step; the child's ids are a view
             return self._new_context(ctx._pages[:n], length, register, ids, ctx._key)
 
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
-        self.pool.release_ids(ctx._pages, ctx._page_ids(len(ctx._pages)))
+        self.pool.release_slots(ctx._pages, ctx._ref_slots(len(ctx._pages)))
         ctx._pages = []
-        ctx._ids = ctx._ids[:0]
+        ctx._slots = ctx._slots[:0]
         ctx._closed = True
 
     def _close(self, ctx: Context) -> None:

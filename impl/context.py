@@ -23,7 +23,7 @@ from kvstate.spec.arithmetic import pages_touched, span_in_page, truncate_keep
 from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionError
 from kvstate.spec.layout import check_tokens, check_values
 
-from .pages import Page, joined_ids, page_ids
+from .pages import Page, joined_slots, ref_slots
 from .snapshot import write_snapshot
 
 if TYPE_CHECKING:
@@ -42,10 +42,10 @@ class Context:
         self._length = length
         self._closed = False
         self._busy = threading.Lock()
-        # The ids of ``_pages`` (a prefix of them at least: see ``_page_ids``), for the pool's
-        # vectorised refcount steps: a range or an int array (``pages.page_ids``). Never
+        # The refcount slots of ``_pages`` (a prefix of them at least: see ``_ref_slots``), for the
+        # pool's vectorised refcount steps: a range or an int array (``pages.ref_slots``). Never
         # written in place: a fork's is a slice of its parent's.
-        self._ids = ids if ids is not None else page_ids(pages) if pages else range(0)
+        self._slots = ids if ids is not None else ref_slots(pages) if pages else range(0)
         # The packed tokens (``radix.pack``) of positions [0, _length) at least, or None when
         # unknown; kept by ``_write`` so ``retain`` need not re-read every page's token ids.
         self._key = b"" if length == 0 else key
@@ -81,15 +81,15 @@ class Context:
         with self._owned():
             return self._tokens().tolist()
 
-    def _page_ids(self, n: int) -> np.ndarray:
-        """The ids of the first ``n`` pages. The engine keeps ``_ids`` in step with ``_pages``
+    def _ref_slots(self, n: int) -> np.ndarray:
+        """The refcount slots of the first ``n`` pages. The engine keeps ``_slots`` in step with ``_pages``
         (``writable``, ``extend``, ``truncate``, release); a list grown behind its back (a test's
         planted bug) is still a prefix of it, so a short array is rebuilt rather than trusted."""
-        ids = self._ids
+        ids = self._slots
         if len(ids) == n:
             return ids
         if len(ids) < n:
-            ids = self._ids = page_ids(self._pages)
+            ids = self._slots = ref_slots(self._pages)
         return ids[:n]
 
     def _packed_key(self) -> bytes:
@@ -182,9 +182,9 @@ class Context:
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
             self._pages[index] = private
-            ids = np.array(self._page_ids(len(self._pages)), np.intp)     # a copy: a fork may view the old one
-            ids[index] = private.page_id
-            self._ids = ids
+            ids = np.array(self._ref_slots(len(self._pages)), np.intp)     # a copy: a fork may view the old one
+            ids[index] = private.ref
+            self._slots = ids
             return private
 
     def extend(self, tokens, kv) -> None:
@@ -204,7 +204,7 @@ class Context:
                     self.writable(first)           # the partly filled last page
                 held = len(self._pages)
                 self._pages.extend(self._cache.pool.new_pages(end - held, room_made=True))
-                self._ids = joined_ids(self._page_ids(held), page_ids(self._pages[held:]))
+                self._slots = joined_slots(self._ref_slots(held), ref_slots(self._pages[held:]))
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
@@ -296,7 +296,7 @@ class Context:
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
                 del self._pages[keep:]
-                self._ids = self._ids[:keep]
+                self._slots = self._slots[:keep]
                 self._length = n
 
     def snapshot(self, target) -> None:

@@ -1,19 +1,23 @@
 """Pages, their refcounts, and the one path that frees them.
 
 A page is shared by every holder (context or tree entry) in its refcount;
-``release`` (one page) and ``release_ids`` (a holder's whole list) are the ways a
+``release`` (one page) and ``release_slots`` (a holder's whole list) are the ways a
 holder lets go, whoever the holder is, and both free through ``_free``, so the
 arena, the counters and the live set can never disagree about a page.
 The pool is used under the cache lock.
 
-Refcounts live in one int64 array indexed by page id (``PagePool.refcounts``);
-``Page.refcount`` reads and writes its slot. Why: a fork or a match of k pages then
-bumps k refcounts in one vectorised step over the holder's page-id array instead of
-k Python attribute updates (at one-token pages k is in the thousands).
+Refcounts live in one int64 array (``PagePool.refcounts``), each live page owning one
+slot of it (``Page.ref``); ``Page.refcount`` reads and writes that slot. Why: a fork or a
+match of k pages then bumps k refcounts in one vectorised step over the holder's array of
+slots instead of k Python attribute updates (at one-token pages k is in the thousands).
+Slots are recycled, smallest first, so the array is as long as the most pages ever live at
+once, not as the pages ever allocated (page ids only grow: they are identities), and the
+pages of one ``extend`` still get consecutive slots in the common case.
 """
 
 from __future__ import annotations
 
+import heapq
 from operator import attrgetter
 from typing import Callable
 
@@ -30,14 +34,15 @@ class Refcounts:
     __slots__ = ("counts",)
 
     def __init__(self, size: int):
-        self.counts = np.zeros(size, np.int64)    # refcount of page id i at [i]; 0 for freed or unused ids
+        self.counts = np.zeros(size, np.int64)    # refcount of the page holding slot i; 0 for free slots
 
 
 class Page:
-    __slots__ = ("page_id", "books", "buffer", "token_bytes", "tokens", "filled")
+    __slots__ = ("page_id", "ref", "books", "buffer", "token_bytes", "tokens", "filled")
 
-    def __init__(self, books: Refcounts, page_id: int, buffer, token_bytes: bytearray, filled: int):
+    def __init__(self, books: Refcounts, page_id: int, ref: int, buffer, token_bytes: bytearray, filled: int):
         self.page_id = page_id
+        self.ref = ref            # this page's slot in the refcount array
         self.books = books
         self.buffer = buffer
         # Token ids live in a bytearray, ``tokens`` is an int64 view of it (writes land in both):
@@ -49,11 +54,11 @@ class Page:
 
     @property
     def refcount(self) -> int:
-        return int(self.books.counts[self.page_id])
+        return int(self.books.counts[self.ref])
 
     @refcount.setter
     def refcount(self, value: int) -> None:
-        self.books.counts[self.page_id] = value
+        self.books.counts[self.ref] = value
 
     # ``tokens`` is a view of ``token_bytes``: pickled or deep-copied apart (a clone of the
     # whole cache, as the exhaustive checker makes) they would stop aliasing and a write would
@@ -68,16 +73,16 @@ class Page:
         self.tokens = np.frombuffer(self.token_bytes, np.int64)
 
 
-_page_id = attrgetter("page_id")
+_ref = attrgetter("ref")
 
 
-def page_ids(pages: list[Page]) -> "np.ndarray | range":
-    """The ids of ``pages``, in order: a ``range`` when they are consecutive (the pages of one
-    ``extend``, allocated one after another), else an int array. Either indexes the pool's
+def ref_slots(pages: list[Page]) -> "np.ndarray | range":
+    """The refcount slots of ``pages``, in order: a ``range`` when they are consecutive (the pages
+    of one ``extend``, allocated one after another), else an int array. Either indexes the pool's
     vectorised steps; a range lets them work on a view instead of gathering and scattering,
     which is most of a 32-page fork's refcount step."""
-    ids = np.fromiter(map(_page_id, pages), np.intp, len(pages))
-    return as_run(ids)
+    slots = np.fromiter(map(_ref, pages), np.intp, len(pages))
+    return as_run(slots)
 
 
 def as_run(ids: np.ndarray) -> "np.ndarray | range":
@@ -87,8 +92,8 @@ def as_run(ids: np.ndarray) -> "np.ndarray | range":
     return ids
 
 
-def joined_ids(head: "np.ndarray | range", tail: "np.ndarray | range") -> "np.ndarray | range":
-    """The ids of two page lists one after the other, still a range when both runs join up."""
+def joined_slots(head: "np.ndarray | range", tail: "np.ndarray | range") -> "np.ndarray | range":
+    """The slots of two page lists one after the other, still a range when both runs join up."""
     if type(tail) is range and (not len(head) or (type(head) is range and head.stop == tail.start)):
         return range(head.start if len(head) else tail.start, tail.stop)
     return np.concatenate([np.asarray(head, np.intp), np.asarray(tail, np.intp)])
@@ -99,6 +104,8 @@ class PagePool:
         self.store = store
         self.live: dict[int, Page] = {}
         self.books = Refcounts(256)      # grown by doubling
+        self._free_refs: list[int] = []  # a heap of free refcount slots below ``_next_ref``
+        self._next_ref = 0
         self.allocated = 0
         self.freed = 0
         # The full-pool policy (impl/pool_policy.py), told once per operation how many pages it
@@ -107,12 +114,16 @@ class PagePool:
 
     def _register(self, page_id: int, buffer, token_bytes: bytearray, filled: int) -> Page:
         books = self.books
-        if page_id >= len(books.counts):
-            grown = np.zeros(2 * page_id, np.int64)
-            grown[:len(books.counts)] = books.counts
-            books.counts = grown
-        books.counts[page_id] = 1
-        page = Page(books, page_id, buffer, token_bytes, filled)
+        if self._free_refs:
+            ref = heapq.heappop(self._free_refs)
+        else:
+            ref, self._next_ref = self._next_ref, self._next_ref + 1
+            if ref >= len(books.counts):
+                grown = np.zeros(2 * len(books.counts), np.int64)
+                grown[:len(books.counts)] = books.counts
+                books.counts = grown
+        books.counts[ref] = 1
+        page = Page(books, page_id, ref, buffer, token_bytes, filled)
         self.live[page_id] = page
         self.allocated += 1
         return page
@@ -147,11 +158,11 @@ class PagePool:
 
     @property
     def refcounts(self) -> np.ndarray:
-        """Refcount of page id i at [i]."""
+        """The refcount of the page holding slot i (``Page.ref``) at [i]."""
         return self.books.counts
 
     def share(self, ids: "np.ndarray | range") -> None:
-        """One more holder for each page of ``ids`` (distinct page ids: one holder's list)."""
+        """One more holder for each page of refcount slots ``ids`` (one holder's list: distinct)."""
         counts = self.books.counts
         if type(ids) is range:
             run = counts[ids.start:ids.stop]
@@ -164,13 +175,13 @@ class PagePool:
     def release(self, page: Page) -> None:
         """Drop one holder's reference; the last one frees the page and its memory."""
         counts = self.books.counts
-        left = counts[page.page_id] - 1
-        counts[page.page_id] = left
+        left = counts[page.ref] - 1
+        counts[page.ref] = left
         if left == 0:
             self._free(page)
 
-    def release_ids(self, pages: list[Page], ids: np.ndarray) -> None:
-        """``release`` for each of one holder's ``pages`` (``ids`` their ids), the decrements in one step."""
+    def release_slots(self, pages: list[Page], ids: np.ndarray) -> None:
+        """``release`` for each of one holder's ``pages`` (``ids`` their refcount slots), the decrements in one step."""
         counts = self.books.counts
         if type(ids) is range:
             left = counts[ids.start:ids.stop]
@@ -184,5 +195,6 @@ class PagePool:
     def _free(self, page: Page) -> None:
         """A page nobody holds: out of the live set, its memory back to the store."""
         del self.live[page.page_id]
+        heapq.heappush(self._free_refs, page.ref)
         self.store.free(page.buffer)
         self.freed += 1

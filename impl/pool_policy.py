@@ -46,4 +46,4 @@ class PoolPolicy:
 def _frees_a_page(entry) -> bool:
     """Evicting ``entry`` frees memory only if it holds a page nobody else does."""
     pages = entry._pages      # refcounts are one array (impl/pages.py): read them in one step
-    return bool(pages) and bool((pages[0].books.counts[entry._page_ids(len(pages))] == 1).any())
+    return bool(pages) and bool((pages[0].books.counts[entry._ref_slots(len(pages))] == 1).any())

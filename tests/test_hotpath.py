@@ -52,13 +52,13 @@ def _check_books(cache: Cache) -> None:
     refcount array agrees with the holders (invariants 1-2 through ``observe``)."""
     holders = list(cache._contexts.values()) + [node.value for node in cache.tree.entries()]
     for ctx in holders:
-        assert list(ctx._page_ids(len(ctx._pages))) == [page.page_id for page in ctx._pages]
+        assert list(ctx._ref_slots(len(ctx._pages))) == [page.ref for page in ctx._pages]
         assert ctx._packed_key() == pack(ctx._tokens())
     check_structure(cache.observe())
 
 
 @pytest.mark.parametrize("page_tokens", [1, 3])
-def test_page_ids_and_kept_keys_follow_every_operation(page_tokens):
+def test_ref_slots_and_kept_keys_follow_every_operation(page_tokens):
     rng = np.random.default_rng(page_tokens)
     cache = Cache(TINY, page_tokens=page_tokens, max_entries=4, match="token")
     live = [cache.allocate()]
@@ -111,9 +111,24 @@ def test_a_fork_of_32_pages_bumps_their_refcounts_in_the_array():
     ctx = cache.allocate()
     ctx.extend(list(range(64)), np.zeros((64, *TINY.position_shape), np.float32))
     forks = [ctx.fork() for _ in range(3)]
-    ids = [page.page_id for page in ctx._pages]
-    assert cache.pool.refcounts[ids].tolist() == [4] * 32 and all(p.refcount == 4 for p in ctx._pages)
+    slots = [page.ref for page in ctx._pages]
+    assert cache.pool.refcounts[slots].tolist() == [4] * 32 and all(p.refcount == 4 for p in ctx._pages)
     for fork in forks:
         fork.close()
     ctx.close()
-    assert cache.pool.refcounts[ids].tolist() == [0] * 32 and cache.stats()["live_pages"] == 0
+    assert cache.pool.refcounts[slots].tolist() == [0] * 32 and cache.stats()["live_pages"] == 0
+
+
+def test_the_refcount_array_is_as_long_as_the_most_pages_ever_live_not_as_pages_ever_made():
+    """Page ids only grow (they are identities); refcount slots are recycled, so a serving loop
+    that allocates and frees pages for ever keeps a bounded array."""
+    cache = Cache(TINY, page_tokens=2)
+    for _ in range(2000):
+        ctx = cache.allocate()
+        ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))   # 4 pages
+        ctx.close()
+    assert cache.stats()["pages_allocated"] == 8000
+    assert len(cache.pool.refcounts) <= 256          # its first size: 4 pages were ever live at once
+    ctx = cache.allocate()
+    ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))
+    assert [page.ref for page in ctx._pages] == [0, 1, 2, 3]     # smallest free slots first: a run
