@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 
 BUILTIN_BACKENDS = ("kvstate.impl.numpy", "kvstate.impl.torch")
 """Modules ``kvstate replay`` imports when a replay file names them; any other needs ``--backend``."""
@@ -35,29 +34,22 @@ def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_def
     from kvstate.stateful.configs import configs_for
     from kvstate.stateful.conform import FactoryError, check_backend, load_factory
 
-    box: dict = {}
+    from kvstate.stateful.deadline import Overran, in_daemon_thread
 
-    def target():
-        try:
-            factory = load_factory(backend)
-            configs = configs_for(factory) if configs_default is None else declared_configs(factory, configs_default)
-            box["result"] = (factory, configs)
-        except BaseException as error:        # SystemExit at import included
-            box["error"] = error
+    def load():
+        factory = load_factory(backend)
+        return factory, configs_for(factory) if configs_default is None else declared_configs(factory, configs_default)
 
-    worker = threading.Thread(target=target, name="kvstate-load-backend", daemon=True)
-    worker.start()
-    worker.join(time_limit)
-    if worker.is_alive():
-        raise FactoryError(f"importing backend {backend!r} did not finish within {time_limit:g} s")
-    error = box.get("error")
-    if isinstance(error, SystemExit):
-        raise FactoryError(f"backend {backend!r} called sys.exit({error.code!r}) while loading")
-    if isinstance(error, FactoryError):
-        raise error
-    if error is not None:
-        raise FactoryError(f"loading backend {backend!r} failed: {error!r}")
-    factory, configs = box["result"]
+    try:
+        factory, configs = in_daemon_thread(load, time_limit, "kvstate-load-backend")
+    except Overran:
+        raise FactoryError(f"importing backend {backend!r} did not finish within {time_limit:g} s") from None
+    except SystemExit as error:
+        raise FactoryError(f"backend {backend!r} called sys.exit({error.code!r}) while loading") from None
+    except FactoryError:
+        raise
+    except BaseException as error:
+        raise FactoryError(f"loading backend {backend!r} failed: {error!r}") from None
     if check:
         check_backend(factory, configs, time_limit=time_limit)
     return factory, configs

@@ -9,12 +9,13 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-import threading
 from pathlib import Path
 
 from kvstate.spec.errors import KVStateError
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import CacheProtocol, Config, ContextProtocol, Factory
+
+from .deadline import Overran, in_daemon_thread
 
 
 class FactoryError(KVStateError):
@@ -60,22 +61,10 @@ def check_backend(factory: Factory, configs: list[Config], time_limit: float = 6
 
     Runs in a daemon thread: a factory that never returns is a ``FactoryError`` after ``time_limit``.
     """
-    box: dict[str, BaseException | None] = {}
-
-    def target():
-        try:
-            _check_backend(factory, configs)
-            box["error"] = None
-        except BaseException as error:
-            box["error"] = error
-
-    worker = threading.Thread(target=target, name="kvstate-conform-protocol", daemon=True)
-    worker.start()
-    worker.join(time_limit)
-    if worker.is_alive():
-        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:.0f} s")
-    if box["error"] is not None:
-        raise box["error"]
+    try:
+        in_daemon_thread(lambda: _check_backend(factory, configs), time_limit, "kvstate-conform-protocol")
+    except Overran:
+        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:.0f} s") from None
 
 
 def _check_backend(factory: Factory, configs: list[Config]) -> None:

@@ -30,6 +30,7 @@ from kvstate.spec.protocol import Config, Factory
 
 from .backends import FactoryError, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
+from .deadline import Overran, in_daemon_thread
 from . import directed
 from .directed import DIRECTED
 from .machine import machine_for
@@ -240,27 +241,23 @@ def _report(head: str, config: Config | None, history: list[str], what: str) -> 
 def run_with_limit(check: Check, factory: Factory, config: Config, settings: Settings,
                    time_limit: float) -> Outcome:
     """``check`` in a daemon thread; past ``time_limit`` it is abandoned and reported as TIMEOUT."""
-    box: dict[str, object] = {}
-
-    def target():
+    def checked() -> Outcome:
         try:
-            box["outcome"] = check(factory, config, settings)
-        except BaseException as error:   # a check that itself crashes is a failure, by name
-            box["outcome"] = Outcome("FAIL", 0.0, describe(error, None))
+            return check(factory, config, settings)
+        except BaseException as error:   # a check that itself crashes (sys.exit too) is a failure, by name
+            return Outcome("FAIL", 0.0, describe(error, None))
 
     started = time.perf_counter()
-    worker = threading.Thread(target=target, name=f"kvstate-conform-{config.name}", daemon=True)
-    worker.start()
-    worker.join(time_limit)
-    if worker.is_alive():
-        partial = _partial.get(worker.ident, lambda: None)()
+    try:
+        return in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}")
+    except Overran as overran:
+        partial = _partial.get(overran.ident, lambda: None)()
         if partial is not None:
             return Outcome("FAIL", time.perf_counter() - started,
                            f"a failure was found, but shrinking it ran out of the {time_limit:.0f} s limit: "
                            f"the sequence below is not minimal\n{partial}")
         return Outcome("TIMEOUT", time.perf_counter() - started,
                        f"no result after {time_limit:.0f} s: the backend hangs or is far too slow")
-    return box["outcome"]
 
 
 # -- the suite --------------------------------------------------------------------------

@@ -63,3 +63,34 @@ class Deadline:
             if self.fired:
                 _take_back(self._thread_id, None)
 
+
+
+class Overran(Exception):
+    """``in_daemon_thread``'s call did not return in time; ``ident`` names its abandoned thread."""
+
+    def __init__(self, seconds: float, ident: int | None):
+        super().__init__(f"no result within {seconds:g} s")
+        self.seconds, self.ident = seconds, ident
+
+
+def in_daemon_thread(call, seconds: float, name: str):
+    """``call()`` in a daemon thread: its result, or whatever it raised (re-raised here, ``SystemExit``
+    included); past ``seconds``, ``Overran`` and the thread is abandoned. Unlike ``Deadline`` this
+    cannot stop the call, only stop waiting for it: for a backend's import, its first cache, or a
+    whole conformance check, which may hang where no exception can reach."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["result"] = call()
+        except BaseException as error:      # handed to the caller, whatever it is
+            box["error"] = error
+
+    worker = threading.Thread(target=target, name=name, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise Overran(seconds, worker.ident)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
