@@ -145,7 +145,7 @@ class Cache:
 
     def _new_context(self, pages, length: int, register: bool = True, ids=None, key=None) -> Context:
         self._next_context_id += 1
-        ctx = Context(self, self._next_context_id, pages, length, ids, key)
+        ctx = Context(self, self._next_context_id, tuple(pages), length, ids, key)    # a tuple stays itself
         if register:
             self._contexts[ctx.context_id] = ctx
         return ctx
@@ -153,7 +153,7 @@ class Cache:
     def allocate(self) -> Context:
         """A new empty context."""
         with self.lock:
-            return self._new_context([], 0)
+            return self._new_context((), 0)
 
     def _fork(self, ctx: Context, register: bool = True, length: int | None = None) -> Context:
         """A context holding ``ctx``'s first ``length`` positions (all by default): the pages
@@ -169,7 +169,7 @@ class Cache:
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
         self.pool.release_slots(ctx._pages, ctx._ref_slots(len(ctx._pages)))
-        ctx._pages = []
+        ctx._pages = ()
         ctx._slots = ctx._slots[:0]
         ctx._closed = True
 
@@ -202,11 +202,11 @@ class Cache:
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and
         how many positions it holds; a miss is a new empty context and 0. Stamps the hit's entry."""
-        query = pack(check_tokens(tokens))
+        query = pack(check_tokens(tokens, private=False))    # packing copies: nothing of the caller's is kept
         with self.lock:
             node, matched = self.find_hit(self.tree, query)
             if node is None:
-                found = self._new_context([], 0), 0
+                found = self._new_context((), 0), 0
             else:
                 self.tree.stamp(node)
                 found = self._fork(node.value, length=matched), matched

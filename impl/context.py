@@ -34,10 +34,13 @@ _KEY = np.dtype("<i4")      # radix.pack's packing: the key ``retain`` stores
 
 
 class Context:
-    def __init__(self, cache: "Cache", context_id: int, pages: list[Page], length: int,
+    def __init__(self, cache: "Cache", context_id: int, pages: tuple[Page, ...], length: int,
                  ids: np.ndarray | None = None, key: bytes | None = None):
         self._cache = cache
         self.context_id = context_id
+        # A tuple, replaced on every change and never changed in place: a fork holding all of
+        # its parent's pages shares the very same tuple (``pages[:n]`` of a tuple with n pages
+        # is that tuple), so a fork or match hit of k pages copies no list of k references.
         self._pages = pages
         self._length = length
         self._closed = False
@@ -181,7 +184,7 @@ class Context:
                 return page
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
-            self._pages[index] = private
+            self._pages = (*self._pages[:index], private, *self._pages[index + 1:])
             ids = np.array(self._ref_slots(len(self._pages)), np.intp)     # a copy: a fork may view the old one
             ids[index] = private.ref
             self._slots = ids
@@ -203,7 +206,7 @@ class Context:
                 if first < len(self._pages):
                     self.writable(first)           # the partly filled last page
                 held = len(self._pages)
-                self._pages.extend(self._cache.pool.new_pages(end - held, room_made=True))
+                self._pages += tuple(self._cache.pool.new_pages(end - held, room_made=True))
                 self._slots = joined_slots(self._ref_slots(held), ref_slots(self._pages[held:]))
                 self._raise_filled(start, stop)
             self._write(start, stop, tokens, encoded)
@@ -275,7 +278,7 @@ class Context:
         # ``_owned`` spelled out: fork is the hottest path, and the with-statement over a
         # helper object costs a third of it.
         busy = self._busy
-        if not busy.acquire(blocking=False):
+        if not busy.acquire(False):       # positional: a keyword costs a tenth of a fork
             raise ContextBusyError(f"context {self.context_id} is in use by another thread")
         try:
             if self._closed:
@@ -295,7 +298,7 @@ class Context:
                 keep, _released = truncate_keep(self._length, n, self.page_tokens)
                 for page in self._pages[keep:]:
                     self._cache.pool.release(page)
-                del self._pages[keep:]
+                self._pages = self._pages[:keep]
                 self._slots = self._slots[:keep]
                 self._length = n
 

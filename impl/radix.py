@@ -97,7 +97,7 @@ class RadixTree:
         """The entry node whose key is the longest that prefixes packed ``query``, and that key's
         length in tokens; ``(None, 0)`` when no key prefixes the query."""
         path = self._walk(query)
-        stop = match_stop(tuple(node.value is not None for node, _ in path))
+        stop = match_stop(tuple([node.value is not None for node, _ in path]))
         if stop < 0:
             return None, 0
         best, depth = path[stop]

@@ -10,7 +10,7 @@ import numpy as np
 
 from .errors import ConfigError, DTypeError, NonFiniteError, ShapeError, TokenError
 
-TOKEN_LIMIT = 2**31
+TOKEN_LIMIT = 2**31      # a power of two: ``_in_range`` relies on it
 """Token ids are non-negative and below this."""
 
 DEFAULT_PAGE_TOKENS = 64
@@ -56,15 +56,16 @@ def check_page_tokens(page_tokens: int) -> int:
     return int(page_tokens)
 
 
-def check_tokens(tokens) -> np.ndarray:
+def check_tokens(tokens, private: bool = True) -> np.ndarray:
     """Token ids as a private int64 array, or ``TokenError``/``DTypeError`` naming the bad one.
 
     The caller's array is copied once, first, and only the copy is checked and
     returned: a caller (or another thread) changing its array after the call
-    began cannot change what is stored.
+    began cannot change what is stored. ``private=False`` skips that copy where it
+    can (an int64 array comes back as itself), for a lookup that stores nothing.
     """
     if isinstance(tokens, np.ndarray):
-        array = np.array(tokens, copy=True, subok=False)    # masked or subclassed: the data itself
+        array = np.array(tokens, copy=True if private else None, subok=False)   # masked or subclassed: the data itself
         if array.dtype.kind not in "iu":
             raise DTypeError(f"token ids must be integers, got an array of {array.dtype}")
     else:
@@ -79,13 +80,20 @@ def check_tokens(tokens) -> np.ndarray:
         array = np.array(items, dtype=np.int64) if items else np.zeros(0, dtype=np.int64)
     if array.ndim != 1:
         raise ShapeError(f"token ids must be one-dimensional, got shape {array.shape}")
-    if array.size:
-        low, high = int(array.min()), int(array.max())
-        if low < 0:
-            raise TokenError(f"token id {low} at index {int(np.argmin(array))} is negative")
-        if high >= TOKEN_LIMIT:
-            raise TokenError(f"token id {high} at index {int(np.argmax(array))} is not below 2**31")
-    return array.astype(np.int64, copy=False)
+    wide = array.astype(np.int64, copy=False)
+    if _in_range(wide):
+        return wide
+    low, high = int(array.min()), int(array.max())      # the original values: a huge uint64 wraps in ``wide``
+    if low < 0:
+        raise TokenError(f"token id {low} at index {int(np.argmin(array))} is negative")
+    raise TokenError(f"token id {high} at index {int(np.argmax(array))} is not below 2**31")
+
+
+def _in_range(wide: np.ndarray) -> bool:
+    """Every int64 of ``wide`` in ``[0, TOKEN_LIMIT)``. TOKEN_LIMIT is a power of two, so that holds
+    when no bit from its bit up (the sign bit included) is set in any of them: one OR over the
+    array decides it, where a min and a max take two passes."""
+    return not wide.size or 0 <= int(np.bitwise_or.reduce(wide)) < TOKEN_LIMIT
 
 
 def _fast_token_array(items: list) -> np.ndarray | None:
@@ -107,9 +115,7 @@ def _fast_token_array(items: list) -> np.ndarray | None:
         array = np.fromiter(items, np.int64, len(items))
     except (OverflowError, TypeError, ValueError):
         return None
-    if array.min() < 0 or array.max() >= TOKEN_LIMIT:
-        return None
-    return array
+    return array if _in_range(array) else None
 
 
 def _name_bad_token(items: list) -> None:

@@ -42,7 +42,7 @@ def refcount_kept_on_close() -> ContextManager:
     """``close`` forgets its pages without decrementing their refcounts."""
     def close_without_release(cache, ctx):
         with cache.lock:
-            ctx._pages = []
+            ctx._pages = ()
             ctx._closed = True
             del cache._contexts[ctx.context_id]
     return _patched(cache_module.Cache, "_close", close_without_release)
@@ -78,7 +78,7 @@ def truncate_shared_boundary() -> ContextManager:
                     first = keep - 1
                 for page in self._pages[first:]:
                     self._cache.pool.release(page)
-                del self._pages[keep:]
+                self._pages = self._pages[:keep]
                 self._length = n
     return _patched(context_module.Context, "truncate", truncate)
 

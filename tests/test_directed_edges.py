@@ -155,7 +155,7 @@ def test_boundaries_catch_a_zero_length_extend_that_allocates_a_page(monkeypatch
     def extend(ctx, tokens, kv):
         if len(tokens) == 0:
             with ctx._cache.lock:                       # "make room for what comes next"
-                ctx._pages.extend(ctx._cache.pool.new_pages(1))
+                ctx._pages += tuple(ctx._cache.pool.new_pages(1))
         return original(ctx, tokens, kv)
     monkeypatch.setattr(context_module.Context, "extend", extend)
     failure = fails("boundaries", numpy_factory, "f32-heap")
