@@ -201,6 +201,7 @@ def run(quick: bool = False, repeat: int | None = None) -> dict:
                    "rounds": repeat},
         "rows": rows,
         "targets": verdict(rows, timed=not quick),
+        "command": "python -m kvstate bench agent_traffic" + " --quick" * quick,
     }
 
 

@@ -59,6 +59,7 @@ def run(quick: bool = False) -> dict:
              "seconds": copy_s, "us_per_fork": 1e6 * copy_s / WAYS},
         ],
         "ratio": {"deepcopy_over_fork_time": copy_s / fork_s},
+        "command": "python -m kvstate bench fork_copy",
         "targets": {"deepcopy_over_fork_time": 100,
                     f"us per fork of {PAGES} pages <= {FORK_US:g}": f"{fork_us:.2f} {'met' if fork_us <= FORK_US else 'MISSED'}"},
     }

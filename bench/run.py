@@ -38,6 +38,8 @@ def format_result(result: dict) -> str:
     lines = [f"\n== {result['name']}  ({result.get('wall_s', 0):.1f} s)  {result.get('params', '')}",
              "  ".join(c.rjust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    if "command" in result:
+        lines.append(f"reproduce: {result['command']}")
     for key in ("ratio", "targets", "same_continuations"):
         if isinstance(result.get(key), dict) and len(result[key]) > 3:     # one per line, to be read
             lines.append(f"{key}:")

@@ -79,3 +79,20 @@ def test_demo_shows_exact_backtracking_and_prefix_hits():
     assert "bit-identical next-token logits: True" in text
     assert "match found 500 of 540 tokens" in text
     assert "next-token logits identical: True" in text      # the snapshot/restore section ran
+
+
+def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
+    """``--against`` measures a second checkout in its own process: here the same one, so both
+    rows must name it and the ratios are of two real runs (never a copied figure)."""
+    from pathlib import Path
+
+    from kvstate.bench import one_token_pages
+
+    checkout = Path(one_token_pages.__file__).resolve().parents[1]
+    result = one_token_pages.run(against=checkout, rounds=1, conversations=6)
+    here, there = result["rows"]
+    assert here["checkout"] == there["checkout"] == str(checkout)
+    assert result["params"]["requests"] == 24
+    assert all(row["match_us"] > 0 and row["retain_us"] > 0 for row in result["rows"])
+    assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
+    assert "--against" in result["command"]

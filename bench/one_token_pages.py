@@ -1,0 +1,154 @@
+"""``match`` and ``retain`` at one-token pages on agent traffic, here and in another checkout, side by side.
+
+    python -m kvstate.bench.one_token_pages [--against DIR] [--rounds N]
+
+The ``shared`` workload of ``agent_traffic`` (200 conversations of 4 turns behind a
+1,000-token system prompt) served with ``match``, ``extend``, ``retain``, ``close`` on a
+cache of one-token pages, tiny layout (one value per position: only the tree and page
+bookkeeping are timed). Each request's time is its best over the rounds.
+
+``--against DIR`` runs the same workload, interleaved round by round, in a process that
+imports kvstate from the checkout at DIR (an older commit, say) and prints both, with
+the speedups. That is how issue 15's "at least 3x today's" is measured:
+``git worktree add /tmp/before 9766fa8`` makes the checkout the issue was filed against.
+Only the API every version has is used (``Cache(layout, page_tokens=, max_entries=)``,
+``match``, ``extend``, ``retain``, ``close``); entry semantics, the only one there then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FOLDERS = ("spec", "impl", "reference", "stateful", "fuzz", "bench", "model")
+
+
+def requests(conversations: int = 200, turns: int = 4, system: int = 1000, seed: int = 0) -> list[np.ndarray]:
+    """``agent_traffic``'s shared workload, rebuilt here so an older checkout serves the same requests."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(0, 50000, system)
+    histories = [np.concatenate([prompt, rng.integers(0, 50000, rng.integers(50, 201))]) for _ in range(conversations)]
+    order = np.repeat(np.arange(conversations), turns)
+    rng.shuffle(order)
+    seen, out = [0] * conversations, []
+    for c in order:
+        if seen[c]:
+            histories[c] = np.concatenate([histories[c], rng.integers(0, 50000, rng.integers(50, 201))])
+        seen[c] += 1
+        out.append(histories[c])
+    return out
+
+
+def one_round(queries: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds per request in ``match`` and in ``retain``, from an empty cache."""
+    from kvstate.impl import Cache
+    from kvstate.spec.layout import Layout
+
+    layout = Layout(1, 1, 1)
+    cache = Cache(layout, page_tokens=1, max_entries=len(queries) + 1)
+    zeros = np.zeros((max(map(len, queries)), 1, 2, 1, 1), np.float32)
+    match_s, retain_s = np.zeros(len(queries)), np.zeros(len(queries))
+    clock = time.perf_counter
+    for i, tokens in enumerate(queries):
+        t0 = clock()
+        ctx, matched = cache.match(tokens)
+        t1 = clock()
+        ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
+        t2 = clock()
+        cache.retain(ctx)
+        t3 = clock()
+        ctx.close()
+        match_s[i], retain_s[i] = t1 - t0, t3 - t2
+    return match_s, retain_s
+
+
+def serve_rounds(rounds: int, conversations: int = 200) -> None:
+    """The child's loop: one round per line on stdin, its per-request seconds as JSON on stdout."""
+    queries = requests(conversations)
+    for _ in range(rounds):
+        sys.stdin.readline()
+        match_s, retain_s = one_round(queries)
+        print(json.dumps([match_s.tolist(), retain_s.tolist()]), flush=True)
+
+
+def importable(checkout: Path, folder: Path) -> Path:
+    """A folder from which ``import kvstate`` finds ``checkout``'s code, whichever packaging it used
+    (older commits mapped the top-level folders into kvstate through setuptools)."""
+    package = folder / "kvstate"
+    package.mkdir(parents=True)
+    for item in (checkout / "kvstate").iterdir():
+        if item.suffix == ".py":
+            (package / item.name).symlink_to(item.resolve())
+    for name in FOLDERS:
+        if (checkout / name).is_dir():
+            (package / name).symlink_to((checkout / name).resolve())
+    return folder
+
+
+def run(against: Path | None = None, rounds: int = 3, conversations: int = 200) -> dict:
+    contenders = {"here": Path(__file__).resolve().parents[1]}
+    if against is not None:
+        contenders["against"] = against.resolve()
+    best = {name: [None, None] for name in contenders}
+    with tempfile.TemporaryDirectory() as scratch:
+        children = {}
+        for name, checkout in contenders.items():
+            path = importable(checkout, Path(scratch) / name)
+            # This file, run by path: the other checkout may not have it.
+            serve = (f"import runpy, sys; sys.argv = ['-', '--serve', '{rounds}', '--conversations', '{conversations}']; "
+                     f"runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")
+            children[name] = subprocess.Popen(
+                [sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                env=dict(os.environ, PYTHONPATH=str(path)), cwd=scratch)
+        for _ in range(rounds):               # interleaved: one round of each, in turn
+            for name, child in children.items():
+                child.stdin.write("go\n")
+                child.stdin.flush()
+                match_s, retain_s = map(np.array, json.loads(child.stdout.readline()))
+                old = best[name]
+                best[name] = [match_s if old[0] is None else np.minimum(old[0], match_s),
+                              retain_s if old[1] is None else np.minimum(old[1], retain_s)]
+        for child in children.values():
+            child.stdin.close()
+            child.wait()
+    rows = [{"checkout": str(contenders[name]), "match_us": 1e6 * m.mean(), "retain_us": 1e6 * r.mean()}
+            for name, (m, r) in best.items()]
+    result = {"name": "one_token_pages", "params": {"page_tokens": 1, "requests": 4 * conversations, "rounds": rounds},
+              "rows": rows,
+              "command": "python -m kvstate.bench.one_token_pages" + (f" --against {against}" if against else "")}
+    if against is not None:
+        here, there = rows
+        result["ratio"] = {"match_speedup": there["match_us"] / here["match_us"],
+                           "retain_speedup": there["retain_us"] / here["retain_us"]}
+        result["targets"] = {f"{kind} >= 3x": f"{value:.2f} {'met' if value >= 3 else 'MISSED'}"
+                             for kind, value in result["ratio"].items()}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.one_token_pages", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", type=Path, help="another checkout to measure beside this one")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=200)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve_rounds(args.serve, args.conversations)
+        return 0
+    from .run import format_result
+
+    print(format_result(run(args.against, args.rounds, args.conversations)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
