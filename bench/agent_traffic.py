@@ -33,6 +33,7 @@ from kvstate.impl import Cache
 from kvstate.spec.layout import Layout
 from kvstate.spec.snapshot_format import body_size
 
+from .one_token_pages import serve_requests
 from .yardstick import TokenRadixTree
 
 TINY = Layout(1, 1, 1)
@@ -80,21 +81,7 @@ def replay_kvstate(requests, match: str, page_tokens: int) -> dict:
     tokens matched, and the memory held at the end."""
     cache = Cache(TINY, page_tokens=page_tokens, max_entries=len(requests) + 1,
                   match=match, block_tokens=BLOCK if match == "block" else 0)
-    zeros = np.zeros((max(map(len, requests)), *TINY.position_shape), np.float32)
-    match_s, retain_s = np.zeros(len(requests)), np.zeros(len(requests))
-    matched_tokens = 0
-    clock = time.perf_counter
-    for i, tokens in enumerate(requests):
-        t0 = clock()
-        ctx, matched = cache.match(tokens)
-        t1 = clock()
-        ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
-        t2 = clock()
-        cache.retain(ctx)
-        t3 = clock()
-        ctx.close()
-        match_s[i], retain_s[i] = t1 - t0, t3 - t2
-        matched_tokens += matched
+    match_s, retain_s, matched_tokens = serve_requests(cache, requests)
     stats = cache.stats()
     return dict(match_s=match_s, retain_s=retain_s, matched=matched_tokens,
                 tree_bytes=stats["tree_bytes"], live_bytes=stats["live_pages"] * cache.store_page_bytes(),

@@ -47,15 +47,13 @@ def requests(conversations: int = 200, turns: int = 4, system: int = 1000, seed:
     return out
 
 
-def one_round(queries: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Seconds per request in ``match`` and in ``retain``, from an empty cache."""
-    from kvstate.impl import Cache
-    from kvstate.spec.layout import Layout
-
-    layout = Layout(1, 1, 1)
-    cache = Cache(layout, page_tokens=1, max_entries=len(queries) + 1)
-    zeros = np.zeros((max(map(len, queries)), 1, 2, 1, 1), np.float32)
+def serve_requests(cache, queries: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
+    """Each request matched, the rest extended (zeros), retained and closed: seconds per request
+    in ``match`` and in ``retain``, and the tokens matched. Only API every version has (this
+    file runs in older checkouts too); ``agent_traffic`` serves its requests with it as well."""
+    zeros = np.zeros((max(map(len, queries)), *cache.layout.position_shape), np.float32)
     match_s, retain_s = np.zeros(len(queries)), np.zeros(len(queries))
+    matched_tokens = 0
     clock = time.perf_counter
     for i, tokens in enumerate(queries):
         t0 = clock()
@@ -67,6 +65,17 @@ def one_round(queries: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
         t3 = clock()
         ctx.close()
         match_s[i], retain_s[i] = t1 - t0, t3 - t2
+        matched_tokens += matched
+    return match_s, retain_s, matched_tokens
+
+
+def one_round(queries: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Seconds per request in ``match`` and in ``retain``, from an empty cache of one-token pages."""
+    from kvstate.impl import Cache
+    from kvstate.spec.layout import Layout
+
+    cache = Cache(Layout(1, 1, 1), page_tokens=1, max_entries=len(queries) + 1)
+    match_s, retain_s, _ = serve_requests(cache, queries)
     return match_s, retain_s
 
 
