@@ -1,6 +1,13 @@
 """Restore vs re-prefill, and restore vs reading the same bytes, GPT-2-small shape (12 layers, 12 heads, 768 wide, f32, CPU).
 
-    kvstate bench restore [--quick] [--full]      (or: python -m kvstate.bench.restore [--no-prefill] [--full])
+    kvstate bench restore [--quick] [--full] [--threads N]
+    python -m kvstate.bench.restore [--no-prefill] [--full] [--tokens 512 2048] [--threads 1,2] [--repeat 5]
+
+``--threads`` sets BLAS and torch threads and the snapshot pipelines' own threads
+(``impl/snapshot.py`` ``IO_THREADS``: 1 runs the restore and the write inline, 2 adds their
+worker thread), so the 1-thread rows show what the pipeline buys. A list (``1,2``) runs each
+count in a child process with the BLAS thread variables set (OpenBLAS reads them at import),
+and every row names the command that reproduces it.
 
 Prefill rows: both ends hold the same K/V state, ready for the next token. The
 denominator is the faster of two prefills measured in the same run: our NumPy
@@ -11,19 +18,31 @@ burst of load elsewhere hits them alike), warm (file in the page cache) and cold
 (the file's pages dropped with ``posix_fadvise(DONTNEED)`` before each read):
 
 - ``restore``: ``cache.restore(path)``, then the context closed;
-- ``raw``: ``readinto`` of the snapshot file's bytes into a fresh buffer, nothing else: the ceiling;
+- ``raw_read``: ``readinto`` of the snapshot file's bytes into one buffer allocated and faulted in
+  once, then reused, nothing else: the ceiling, and the fair baseline (a restore reuses its
+  staging buffers and the pages of closed contexts the same way);
+- ``raw_read_fresh``: the same into a fresh buffer each time, which pays a first-touch fault per
+  page (at 8,192 tokens, 604 MB: it was slower than the restore). Shown, not a target;
 - ``torch``: ``torch.load`` of the same tokens and K/V as tensors (when torch is installed);
-- ``write``: ``ctx.snapshot(path)`` (temp file, fsync, rename, folder fsync) against writing the
-  same byte count to a file and fsyncing it.
+- ``write``: ``ctx.snapshot(path)`` (temp file, fsync, rename, folder fsync) against
+  ``raw_write_fsync`` (the same bytes written over the previous round's file, then fsynced: the
+  target's baseline) and ``raw_write_atomic`` (the same bytes with the whole atomic protocol done
+  by hand: temp file, write, fsync, rename over the target, folder fsync), so the protocol's own
+  cost and our pipeline's are told apart.
 
 Ratios are of times measured in the same run; targets: restore <= 1.3x raw (warm, >= 512 tokens),
-<= 1.3x torch.load, write <= 1.2x raw write+fsync.
+<= 1.3x torch.load, write <= 1.2x raw write+fsync, re-prefill / restore >= 150x at 512 tokens
+with 1 thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstate.impl import Cache
+from kvstate.impl import snapshot as snapshot_module
 from kvstate.model import GPT2, GPT2Config
 
 from .timing import best_of
@@ -66,10 +86,21 @@ def hf_prefill_timer(config: GPT2Config, threads: int):
     return prefill
 
 
+TARGETS = {"warm_speedup_at_512": 150, "restore_over_raw_warm": 1.3, "restore_over_torch_warm": 1.3,
+           "write_over_raw_fsync": 1.2}
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def run(quick: bool = False, full: bool = False, threads: int | None = None, prefill: bool = True,
-        repeat: int | None = None) -> dict:
-    lengths = [128, 512] if quick else [128, 512, 2048] + ([8192] if full else [])
+        repeat: int | None = None, lengths: list[int] | None = None) -> dict:
+    lengths = lengths or ([128, 512] if quick else [128, 512, 2048] + ([8192] if full else []))
     threads = threads or os.cpu_count()
+    snapshot_module.IO_THREADS = threads       # the restore's and the write's own threads
+    try:
+        import torch
+        torch.set_num_threads(threads)
+    except ImportError:
+        pass
     config = GPT2Config.small(n_positions=max(lengths))
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -80,7 +111,7 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
         for n in lengths:
             tokens = rng.integers(0, config.vocab_size, n)
             cache = Cache(config.layout, page_tokens=64)
-            row = {"tokens": n}
+            row = {"tokens": n, "threads": threads}
             if prefill:
                 prefill_repeat = 1 if n >= 2048 else 2
 
@@ -102,8 +133,7 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
             "params": {"shape": "GPT-2 small f32", "threads": threads, "prefill": prefill,
                        "hf": prefill and hf_prefill is not None},
             "rows": rows,
-            "targets": {"warm_speedup_at_512": 100, "restore_over_raw_warm": 1.3, "restore_over_torch_warm": 1.3,
-                        "write_over_raw_fsync": 1.2}}
+            "targets": TARGETS}
 
 
 def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path, repeat: int) -> dict:
@@ -116,11 +146,16 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
     ctx.snapshot(path)
     size = path.stat().st_size
     payload = np.frombuffer(path.read_bytes(), np.uint8).copy()
+    reused = np.ones(size, np.uint8)        # faulted in once: the raw read's ceiling
 
     def restore():
         cache.restore(path).close()
 
     def raw_read():
+        with open(path, "rb", buffering=0) as file:
+            file.readinto(reused)
+
+    def raw_read_fresh():
         buffer = np.empty(size, np.uint8)
         with open(path, "rb", buffering=0) as file:
             file.readinto(buffer)
@@ -133,7 +168,19 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
             file.write(payload)
             os.fsync(file.fileno())
 
-    contenders = {"restore": restore, "raw_read": raw_read}
+    def raw_write_atomic():
+        temp = raw_out.with_suffix(".tmp")
+        with open(temp, "xb", buffering=0) as file:
+            file.write(payload)
+            os.fsync(file.fileno())
+            os.replace(temp, raw_out)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    contenders = {"restore": restore, "raw_read": raw_read, "raw_read_fresh": raw_read_fresh}
     torch_path = _torch_file(folder / f"ctx{n}.pt", tokens, values)
     if torch_path is not None:
         import torch
@@ -150,6 +197,7 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
                 action()        # warm again for the next warm timing
         _time_into(best, "write_s", write)
         _time_into(best, "raw_write_fsync_s", raw_write)
+        _time_into(best, "raw_write_atomic_s", raw_write_atomic)
     ctx.close()
     row = {"snapshot_bytes": size, **best}
     for mode in ("warm", "cold"):
@@ -158,6 +206,7 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
             if f"torch_load_{mode}_s" in best:
                 row[f"restore_over_torch_{mode}"] = best[f"restore_{mode}_s"] / best[f"torch_load_{mode}_s"]
     row["write_over_raw_fsync"] = best["write_s"] / best["raw_write_fsync_s"]
+    row["write_over_raw_atomic"] = best["write_s"] / best["raw_write_atomic_s"]
     for leftover in (path, raw_out, written, torch_path):
         if leftover is not None:
             leftover.unlink(missing_ok=True)
@@ -180,17 +229,60 @@ def _torch_file(path: Path, tokens: np.ndarray, values: np.ndarray) -> Path | No
     return path
 
 
+def thread_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes counts like 1 or 1,2, not {text!r}")
+    return counts
+
+
+def command_for(args: argparse.Namespace, tokens: int, threads: int) -> str:
+    """The shell command that measures one row again."""
+    env = " ".join(f"{var}={threads}" for var in THREAD_VARS)
+    flags = ["--tokens", str(tokens), "--threads", str(threads)]
+    flags += ["--no-prefill"] * args.no_prefill + (["--repeat", str(args.repeat)] if args.repeat else [])
+    return f"{env} python -m kvstate.bench.restore {' '.join(flags)}"
+
+
+def run_pinned(args: argparse.Namespace, threads: int) -> dict:
+    """``run`` with ``threads`` everywhere: here if BLAS already runs with that many threads,
+    else in a child process started with the thread variables set."""
+    if all(os.environ.get(var) == str(threads) for var in THREAD_VARS):
+        return run(quick=args.quick, full=args.full, threads=threads, prefill=not args.no_prefill,
+                   repeat=args.repeat, lengths=args.tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        argv = [sys.executable, "-m", "kvstate.bench.restore", "--threads", str(threads), "--json", str(out)]
+        argv += ["--quick"] * args.quick + ["--full"] * args.full + ["--no-prefill"] * args.no_prefill
+        argv += (["--repeat", str(args.repeat)] if args.repeat else []) + (
+            ["--tokens", *map(str, args.tokens)] if args.tokens else [])
+        subprocess.run(argv, env=dict(os.environ, **{var: str(threads) for var in THREAD_VARS}),
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.restore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="128 and 512 tokens only")
     parser.add_argument("--full", action="store_true", help="add 8,192 tokens")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="these context lengths instead")
     parser.add_argument("--no-prefill", action="store_true", help="the I/O rows only (no model, much faster)")
     parser.add_argument("--repeat", type=int, default=None, help="rounds; each figure is the best of them")
+    parser.add_argument("--threads", type=thread_counts, default=[1, 2],
+                        help="thread counts, one set of rows each (default 1,2)")
+    parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)   # a child's result
     args = parser.parse_args(argv)
     from .run import format_result
 
-    print(format_result(run(quick=args.quick, full=args.full, prefill=not args.no_prefill, repeat=args.repeat)))
+    results = [run_pinned(args, threads) for threads in args.threads]
+    result = dict(results[0], rows=[dict(row, command=command_for(args, row["tokens"], row["threads"]))
+                                    for result in results for row in result["rows"]])
+    result["params"] = dict(result["params"], threads=args.threads)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result))
+        return 0
+    print(format_result(result))
     return 0
 
 
