@@ -10,10 +10,12 @@ value) before the cache is touched: a refused restore changes no page, slot,
 context or counter.
 
 A local file of the cache's own precision into the NumPy store is streamed
-(``_stream_restore``): header and sizes first, then a reader thread reads 1 MiB
+(``_stream_restore``): header and sizes first, then a reader thread reads 4 MiB
 pieces and hashes each while it is cache-hot, and this thread checks it and copies
 it into page arrays prepared outside the cache (reused freed pages, or fresh ones on
 huge-page boundaries); the pages join the cache only once everything has passed.
+``IO_THREADS = 1`` runs both pipelines inline, without their worker thread. Staging
+buffers are recycled between calls (``StagingPool``), so they are not faulted in anew.
 Other sources (in-memory and remote streams, other stores, another precision)
 read the body whole, check it, then fill pages (``_adopt_body``).
 """
