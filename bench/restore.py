@@ -94,9 +94,17 @@ THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 def run(quick: bool = False, full: bool = False, threads: int | None = None, prefill: bool = True,
         repeat: int | None = None, lengths: list[int] | None = None) -> dict:
-    lengths = lengths or ([128, 512] if quick else [128, 512, 2048] + ([8192] if full else []))
     threads = threads or os.cpu_count()
+    before = snapshot_module.IO_THREADS
     snapshot_module.IO_THREADS = threads       # the restore's and the write's own threads
+    try:
+        return _run(quick, full, threads, prefill, repeat, lengths)
+    finally:
+        snapshot_module.IO_THREADS = before
+
+
+def _run(quick: bool, full: bool, threads: int, prefill: bool, repeat: int | None, lengths: list[int] | None) -> dict:
+    lengths = lengths or ([128, 512] if quick else [128, 512, 2048] + ([8192] if full else []))
     try:
         import torch
         torch.set_num_threads(threads)
@@ -129,6 +137,7 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
                 row["warm_speedup"] = row["prefill_s"] / row["restore_warm_s"]
                 if row.get("restore_cold_s"):
                     row["cold_speedup"] = row["prefill_s"] / row["restore_cold_s"]
+            row["command"] = command_for(n, threads, prefill, repeat)
             rows.append(row)
     return {"name": "restore_vs_prefill",
             "params": {"shape": "GPT-2 small f32", "threads": threads, "prefill": prefill,
@@ -240,11 +249,11 @@ def thread_counts(text: str) -> list[int]:
     return counts
 
 
-def command_for(args: argparse.Namespace, tokens: int, threads: int) -> str:
+def command_for(tokens: int, threads: int, prefill: bool, repeat: int | None) -> str:
     """The shell command that measures one row again."""
     env = " ".join(f"{var}={threads}" for var in THREAD_VARS)
     flags = ["--tokens", str(tokens), "--threads", str(threads)]
-    flags += ["--no-prefill"] * args.no_prefill + (["--repeat", str(args.repeat)] if args.repeat else [])
+    flags += ["--no-prefill"] * (not prefill) + (["--repeat", str(repeat)] if repeat else [])
     return f"{env} python -m kvstate.bench.restore {' '.join(flags)}"
 
 
@@ -280,8 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     from .run import format_result
 
     results = [run_pinned(args, threads) for threads in args.threads]
-    result = dict(results[0], rows=[dict(row, command=command_for(args, row["tokens"], row["threads"]))
-                                    for result in results for row in result["rows"]])
+    result = dict(results[0], rows=[row for result in results for row in result["rows"]])
     result["params"] = dict(result["params"], threads=args.threads)
     if args.json is not None:
         args.json.write_text(json.dumps(result))
