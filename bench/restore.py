@@ -1,6 +1,13 @@
 """Restore vs re-prefill, and restore vs reading the same bytes, GPT-2-small shape (12 layers, 12 heads, 768 wide, f32, CPU).
 
-    kvstate bench restore [--quick] [--full]      (or: python -m kvstate.bench.restore [--no-prefill] [--full])
+    kvstate bench restore [--quick] [--full] [--threads N]
+    python -m kvstate.bench.restore [--no-prefill] [--full] [--tokens 512 2048] [--threads 1,2] [--repeat 5]
+
+``--threads`` sets BLAS and torch threads and the snapshot pipelines' own threads
+(``impl/snapshot.py`` ``IO_THREADS``: 1 runs the restore and the write inline, 2 adds their
+worker thread), so the 1-thread rows show what the pipeline buys. A list (``1,2``) runs each
+count in a child process with the BLAS thread variables set (OpenBLAS reads them at import),
+and every row names the command that reproduces it.
 
 Prefill rows: both ends hold the same K/V state, ready for the next token. The
 denominator is the faster of two prefills measured in the same run: our NumPy
@@ -11,19 +18,32 @@ burst of load elsewhere hits them alike), warm (file in the page cache) and cold
 (the file's pages dropped with ``posix_fadvise(DONTNEED)`` before each read):
 
 - ``restore``: ``cache.restore(path)``, then the context closed;
-- ``raw``: ``readinto`` of the snapshot file's bytes into a fresh buffer, nothing else: the ceiling;
+- ``raw_read``: ``readinto`` of the snapshot file's bytes into one buffer allocated and faulted in
+  once, then reused, nothing else: the ceiling, and the fair baseline (a restore reuses its
+  staging buffers and the pages of closed contexts the same way);
+- ``raw_read_fresh``: the same into a fresh buffer each time, which pays a first-touch fault per
+  page (at 8,192 tokens, 604 MB: it was slower than the restore). Shown, not a target;
 - ``torch``: ``torch.load`` of the same tokens and K/V as tensors (when torch is installed);
-- ``write``: ``ctx.snapshot(path)`` (temp file, fsync, rename, folder fsync) against writing the
-  same byte count to a file and fsyncing it.
+- ``write``: ``ctx.snapshot(path)`` (temp file, fsync, rename, folder fsync) against
+  ``raw_write_fsync`` (the same bytes written to a new file, then fsynced: the target's baseline) and ``raw_write_atomic`` (the same bytes with the whole atomic protocol done
+  by hand: temp file, write, fsync, rename over the target, folder fsync), so the protocol's own
+  cost and our pipeline's are told apart. Every write goes to a path that holds no file: writing
+  over an old file frees its blocks first (the rename's unlink, or ``O_TRUNC``), which costs the
+  same either way and is not the write's cost.
 
 Ratios are of times measured in the same run; targets: restore <= 1.3x raw (warm, >= 512 tokens),
-<= 1.3x torch.load, write <= 1.2x raw write+fsync.
+<= 1.3x torch.load, write <= 1.2x raw write+fsync, re-prefill / restore >= 150x at 512 tokens
+with 1 thread.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shlex
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstate.impl import Cache
+from kvstate.impl import snapshot as snapshot_module
 from kvstate.model import GPT2, GPT2Config
 
 from .timing import best_of
@@ -66,10 +87,29 @@ def hf_prefill_timer(config: GPT2Config, threads: int):
     return prefill
 
 
+TARGETS = {"warm_speedup_at_512": 150, "restore_over_raw_warm": 1.3, "restore_over_torch_warm": 1.3,
+           "write_over_raw_fsync": 1.2}
+THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def run(quick: bool = False, full: bool = False, threads: int | None = None, prefill: bool = True,
-        repeat: int | None = None) -> dict:
-    lengths = [128, 512] if quick else [128, 512, 2048] + ([8192] if full else [])
+        repeat: int | None = None, lengths: list[int] | None = None) -> dict:
     threads = threads or os.cpu_count()
+    before = snapshot_module.IO_THREADS
+    snapshot_module.IO_THREADS = threads       # the restore's and the write's own threads
+    try:
+        return _run(quick, full, threads, prefill, repeat, lengths)
+    finally:
+        snapshot_module.IO_THREADS = before
+
+
+def _run(quick: bool, full: bool, threads: int, prefill: bool, repeat: int | None, lengths: list[int] | None) -> dict:
+    lengths = lengths or ([128, 512] if quick else [128, 512, 2048] + ([8192] if full else []))
+    try:
+        import torch
+        torch.set_num_threads(threads)
+    except ImportError:
+        pass
     config = GPT2Config.small(n_positions=max(lengths))
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -80,7 +120,7 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
         for n in lengths:
             tokens = rng.integers(0, config.vocab_size, n)
             cache = Cache(config.layout, page_tokens=64)
-            row = {"tokens": n}
+            row = {"tokens": n, "threads": threads}
             if prefill:
                 prefill_repeat = 1 if n >= 2048 else 2
 
@@ -97,13 +137,13 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
                 row["warm_speedup"] = row["prefill_s"] / row["restore_warm_s"]
                 if row.get("restore_cold_s"):
                     row["cold_speedup"] = row["prefill_s"] / row["restore_cold_s"]
+            row["command"] = command_for(n, threads, prefill, repeat)
             rows.append(row)
     return {"name": "restore_vs_prefill",
             "params": {"shape": "GPT-2 small f32", "threads": threads, "prefill": prefill,
                        "hf": prefill and hf_prefill is not None},
             "rows": rows,
-            "targets": {"warm_speedup_at_512": 100, "restore_over_raw_warm": 1.3, "restore_over_torch_warm": 1.3,
-                        "write_over_raw_fsync": 1.2}}
+            "targets": TARGETS}
 
 
 def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path, repeat: int) -> dict:
@@ -116,11 +156,16 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
     ctx.snapshot(path)
     size = path.stat().st_size
     payload = np.frombuffer(path.read_bytes(), np.uint8).copy()
+    reused = np.ones(size, np.uint8)        # faulted in once: the raw read's ceiling
 
     def restore():
         cache.restore(path).close()
 
     def raw_read():
+        with open(path, "rb", buffering=0) as file:
+            file.readinto(reused)
+
+    def raw_read_fresh():
         buffer = np.empty(size, np.uint8)
         with open(path, "rb", buffering=0) as file:
             file.readinto(buffer)
@@ -133,7 +178,19 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
             file.write(payload)
             os.fsync(file.fileno())
 
-    contenders = {"restore": restore, "raw_read": raw_read}
+    def raw_write_atomic():
+        temp = raw_out.with_suffix(".tmp")
+        with open(temp, "xb", buffering=0) as file:
+            file.write(payload)
+            os.fsync(file.fileno())
+            os.replace(temp, raw_out)
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    contenders = {"restore": restore, "raw_read": raw_read, "raw_read_fresh": raw_read_fresh}
     torch_path = _torch_file(folder / f"ctx{n}.pt", tokens, values)
     if torch_path is not None:
         import torch
@@ -148,8 +205,11 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
                 drop_from_page_cache(torch_path if name == "torch_load" else path)
                 _time_into(best, f"{name}_cold_s", action)
                 action()        # warm again for the next warm timing
-        _time_into(best, "write_s", write)
-        _time_into(best, "raw_write_fsync_s", raw_write)
+        for key, action in (("write_s", write), ("raw_write_fsync_s", raw_write),
+                            ("raw_write_atomic_s", raw_write_atomic)):
+            written.unlink(missing_ok=True)     # every write makes a new file: replacing or truncating an
+            raw_out.unlink(missing_ok=True)     # old one frees its blocks (~7 ms per 37 MB here), untimed
+            _time_into(best, key, action)
     ctx.close()
     row = {"snapshot_bytes": size, **best}
     for mode in ("warm", "cold"):
@@ -157,7 +217,9 @@ def io_times(cache: Cache, tokens: np.ndarray, values: np.ndarray, folder: Path,
             row[f"restore_over_raw_{mode}"] = best[f"restore_{mode}_s"] / best[f"raw_read_{mode}_s"]
             if f"torch_load_{mode}_s" in best:
                 row[f"restore_over_torch_{mode}"] = best[f"restore_{mode}_s"] / best[f"torch_load_{mode}_s"]
+    row["restore_over_raw_fresh_warm"] = best["restore_warm_s"] / best["raw_read_fresh_warm_s"]
     row["write_over_raw_fsync"] = best["write_s"] / best["raw_write_fsync_s"]
+    row["write_over_raw_atomic"] = best["write_s"] / best["raw_write_atomic_s"]
     for leftover in (path, raw_out, written, torch_path):
         if leftover is not None:
             leftover.unlink(missing_ok=True)
@@ -180,18 +242,88 @@ def _torch_file(path: Path, tokens: np.ndarray, values: np.ndarray) -> Path | No
     return path
 
 
+def thread_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"--threads takes counts like 1 or 1,2, not {text!r}")
+    return counts
+
+
+def command_for(tokens: int, threads: int, prefill: bool, repeat: int | None) -> str:
+    """The shell command that measures one row again."""
+    env = " ".join(f"{var}={threads}" for var in THREAD_VARS)
+    flags = ["--tokens", str(tokens), "--threads", str(threads)]
+    flags += ["--no-prefill"] * (not prefill) + (["--repeat", str(repeat)] if repeat else [])
+    return f"{env} python -m kvstate.bench.restore {' '.join(flags)}"
+
+
+def run_pinned(args: argparse.Namespace, threads: int) -> dict:
+    """``run`` with ``threads`` everywhere: here if BLAS already runs with that many threads,
+    else in a child process started with the thread variables set."""
+    if all(os.environ.get(var) == str(threads) for var in THREAD_VARS):
+        return run(quick=args.quick, full=args.full, threads=threads, prefill=not args.no_prefill,
+                   repeat=args.repeat, lengths=args.tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        argv = [sys.executable, "-m", "kvstate.bench.restore", "--threads", str(threads), "--json", str(out)]
+        argv += ["--quick"] * args.quick + ["--full"] * args.full + ["--no-prefill"] * args.no_prefill
+        argv += (["--repeat", str(args.repeat)] if args.repeat else []) + (
+            ["--tokens", *map(str, args.tokens)] if args.tokens else [])
+        subprocess.run(argv, env=dict(os.environ, **{var: str(threads) for var in THREAD_VARS}),
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.restore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="128 and 512 tokens only")
     parser.add_argument("--full", action="store_true", help="add 8,192 tokens")
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="these context lengths instead")
     parser.add_argument("--no-prefill", action="store_true", help="the I/O rows only (no model, much faster)")
     parser.add_argument("--repeat", type=int, default=None, help="rounds; each figure is the best of them")
+    parser.add_argument("--threads", type=thread_counts, default=[1, 2],
+                        help="thread counts, one set of rows each (default 1,2)")
+    parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)   # a child's result
     args = parser.parse_args(argv)
     from .run import format_result
 
-    print(format_result(run(quick=args.quick, full=args.full, prefill=not args.no_prefill, repeat=args.repeat)))
+    results = [run_pinned(args, threads) for threads in args.threads]
+    result = dict(results[0], rows=[row for result in results for row in result["rows"]])
+    result["params"] = dict(result["params"], threads=args.threads)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result))
+        return 0
+    print(format_table(result))
     return 0
+
+
+COLUMNS = (("tokens", "tokens", "{}"), ("threads", "thr", "{}"), ("snapshot_bytes", "MB", "{:.1f}", 1e-6),
+           ("restore_warm_s", "restore ms", "{:.2f}", 1e3), ("raw_read_warm_s", "raw ms", "{:.2f}", 1e3),
+           ("raw_read_fresh_warm_s", "fresh ms", "{:.2f}", 1e3), ("torch_load_warm_s", "torch ms", "{:.2f}", 1e3),
+           ("restore_over_raw_warm", "/raw", "{:.2f}"), ("restore_over_raw_fresh_warm", "/fresh", "{:.2f}"),
+           ("restore_over_torch_warm", "/torch", "{:.2f}"), ("restore_over_raw_cold", "cold /raw", "{:.2f}"),
+           ("write_s", "write ms", "{:.2f}", 1e3), ("raw_write_fsync_s", "raw+fsync", "{:.2f}", 1e3),
+           ("raw_write_atomic_s", "raw atomic", "{:.2f}", 1e3), ("write_over_raw_fsync", "w/raw", "{:.2f}"),
+           ("write_over_raw_atomic", "w/atomic", "{:.2f}"), ("warm_speedup", "prefill/restore", "{:.0f}x"))
+
+
+def format_table(result: dict) -> str:
+    """The rows' times and ratios (targets: /raw and /torch <= 1.3 from 512 tokens, w/raw <= 1.2,
+    prefill/restore >= 150x at 512 with 1 thread), then the command that measures each row again."""
+    rows = result["rows"]
+    columns = [c for c in COLUMNS if any(c[0] in row for row in rows)]
+    cells = [[c[2].format(row[c[0]] * (c[3] if len(c) > 3 else 1)) if c[0] in row else "-" for c in columns]
+             for row in rows]
+    widths = [max(len(c[1]), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    lines = [f"== restore vs raw I/O ({result['params']})",
+             "  ".join(c[1].rjust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in cells]
+    lines.append("warm; /raw: restore over readinto into a reused buffer (the ceiling); /fresh: into a fresh one; "
+                 "w/raw: snapshot write over write+fsync of a new file; w/atomic: over that plus rename and folder fsync")
+    lines.append("targets: " + ", ".join(f"{k} {v}" for k, v in result["targets"].items()))
+    lines += [f"  {row['tokens']:>5} tokens, {row['threads']} thread(s): {row['command']}" for row in rows]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ and size it measures, in the same run and the same folder:
   against ``ndarray.tofile`` of the same byte count followed by fsync;
 - write, buffered: ``ctx.snapshot(open_file)`` against ``ndarray.tofile``, no fsync;
 - restore: ``cache.restore(path)`` (checks, checksums, page allocation and copy)
-  against ``readinto`` of the file's bytes into a fresh buffer, warm and cold (the
+  against ``readinto`` of the file's bytes into one buffer faulted in once and reused (the
+  ceiling: the restore reuses its staging buffers and freed pages too), warm and cold (the
   file dropped from the page cache with ``posix_fadvise(DONTNEED)`` first), and the
   validation alone (read, checksums, field and value checks, no pages) against the same;
 
-every contender once per round, best of ``--repeat`` rounds, as bytes/s and as the
+Every durable write goes to a path holding no file (removed untimed first: freeing an old
+file's blocks, by rename or truncation, costs the same either way). Every contender once per
+round, best of ``--repeat`` rounds, as bytes/s and as the
 ratio snapshot/raw time (targets: write <= 1.2x, restore <= 1.3x). It also reports
 file size against the memory the context held. Timings are printed and saved as JSON,
 never asserted. ``kvstate bench restore`` (bench/restore.py) adds ``torch.load``.
@@ -102,10 +105,11 @@ def measure(folder: Path, precision: str, n: int, repeat: int) -> dict:
             header, body, crc = read_snapshot(file, LAYOUT, os.fstat(file.fileno()).st_size)
         check_body(header, body, crc.result())
 
+    reused = np.ones(size, np.uint8)
+
     def raw_read():
-        buffer = np.empty(size, np.uint8)
         with open(path, "rb", buffering=0) as file:
-            file.readinto(buffer)
+            file.readinto(reused)
 
     def cold(action):
         def run():
@@ -123,6 +127,8 @@ def measure(folder: Path, precision: str, n: int, repeat: int) -> dict:
     colds = {"restore_cold": cold(restore), "raw_read_cold": cold(raw_read)} if drop_from_page_cache(path) else {}
     for _ in range(repeat):         # round-robin: a burst of load elsewhere hits every contender alike
         for name, action in contenders.items():
+            if name in ("write_durable", "raw_write_durable"):
+                (path if name == "write_durable" else raw_path).unlink(missing_ok=True)   # rewritten next
             times[name] = min(times[name], best_of(1, action))
         for name, timed in colds.items():
             times[name] = min(times.get(name, float("inf")), timed())

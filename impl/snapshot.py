@@ -10,10 +10,12 @@ value) before the cache is touched: a refused restore changes no page, slot,
 context or counter.
 
 A local file of the cache's own precision into the NumPy store is streamed
-(``_stream_restore``): header and sizes first, then a reader thread reads 1 MiB
+(``_stream_restore``): header and sizes first, then a reader thread reads 4 MiB
 pieces and hashes each while it is cache-hot, and this thread checks it and copies
 it into page arrays prepared outside the cache (reused freed pages, or fresh ones on
 huge-page boundaries); the pages join the cache only once everything has passed.
+``IO_THREADS = 1`` runs both pipelines inline, without their worker thread. Staging
+buffers are recycled between calls (``StagingPool``), so they are not faulted in anew.
 Other sources (in-memory and remote streams, other stores, another precision)
 read the body whole, check it, then fill pages (``_adopt_body``).
 """
@@ -57,6 +59,49 @@ _READ_CHUNK = 4 << 20    # reads of known size: checksummed piece by piece while
 _THREADED_CRC_BYTES = 8 << 20   # from this body size the checksum runs beside the reads
 PAGE_OVERHEAD_BYTES = 1024      # Python objects per page (Page, token array, views): counted by ``max_bytes``
 STALE_PARTIAL_SECONDS = 10.0    # an unlocked partial file this old has no live writer (see clean_stale_partials)
+IO_THREADS: int | None = None   # threads a streamed restore or a write uses: 1 runs inline; None: 2 given 2+ cores
+
+
+def io_threads() -> int:
+    """Threads the snapshot pipelines use (``IO_THREADS``, else 2 where there are 2 cores): 1 means no worker."""
+    if IO_THREADS is not None:
+        return max(1, IO_THREADS)
+    return min(2, os.cpu_count() or 1)
+
+
+# -- staging buffers -------------------------------------------------------------------
+
+class StagingPool:
+    """Staging buffers kept between snapshot writes and restores. A fresh buffer's first touch
+    faults in every page of it, each time: about 0.6 ms for the 12 MiB a restore stages, as
+    much as reading 10 MB (measured), and for a small file more than the write itself. Holds
+    at most ``KEEP`` buffers of at most ``LARGEST`` bytes; safe from any thread."""
+
+    KEEP = 4
+    LARGEST = 16 << 20
+
+    def __init__(self):
+        self._spare: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A uint8 buffer of at least ``nbytes`` (contents arbitrary): the smallest spare that fits, else a new one."""
+        with self._lock:
+            for index, buffer in enumerate(self._spare):     # kept smallest first
+                if buffer.size >= nbytes:
+                    return self._spare.pop(index)
+        return np.empty(nbytes, np.uint8)
+
+    def give_back(self, buffers: list[np.ndarray]) -> None:
+        with self._lock:
+            for buffer in buffers:
+                if buffer.size <= self.LARGEST and not any(buffer is spare for spare in self._spare):
+                    self._spare.append(buffer)
+            self._spare.sort(key=lambda b: b.size)
+            del self._spare[:max(0, len(self._spare) - self.KEEP)]     # the largest are kept
+
+
+_staging = StagingPool()
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -91,6 +136,17 @@ def _body_pieces(ctx: "Context", staging_for: Callable) -> Iterator[np.ndarray]:
             yield piece
 
 
+def _largest_piece(ctx: "Context") -> int:
+    """Bytes of the largest of ``_body_pieces``' pieces (one page's rows of a section, or the tokens)."""
+    cache, n = ctx._cache, ctx._length
+    return max(dtype.itemsize * math.prod(shape[1:]) * min(n, ctx.page_tokens)
+               for _, dtype, shape in fmt.body_sections(cache.layout, cache.precision, n))
+
+
+def _block_view(block: np.ndarray, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return block[:math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
+
+
 class _PiecesAhead:
     """The body's pieces, copied out of the pages and hashed by a worker thread while the writer
     writes the previous one (NumPy's copy, the hash and file writes release the GIL); iterated
@@ -102,7 +158,7 @@ class _PiecesAhead:
         self._ctx, self._hash = ctx, hasher
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
-        self._blocks = 0
+        self._taken: list[np.ndarray] = []
         self._block: np.ndarray | None = None
         self._worker = threading.Thread(target=self._run, daemon=True)
 
@@ -113,23 +169,18 @@ class _PiecesAhead:
     def __exit__(self, *exc) -> None:
         self._free.put(None)          # wakes a worker waiting for a block; it stops there
         self._worker.join()
+        _staging.give_back(self._taken)     # written out, the worker gone: free for the next write
 
     def _staging_for(self, part: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self._blocks < self.DEPTH:
-            self._blocks += 1
-            block = np.empty(self._largest_piece(), np.uint8)
+        if len(self._taken) < self.DEPTH:
+            block = _staging.take(_largest_piece(self._ctx))
+            self._taken.append(block)
         else:
             block = self._free.get()
             if block is None:
                 raise _Stopped
         self._block = block
-        return block[:nbytes].view(dtype).reshape(shape)
-
-    def _largest_piece(self) -> int:
-        cache, n = self._ctx._cache, self._ctx._length
-        return max(dtype.itemsize * math.prod(shape[1:]) * min(n, self._ctx.page_tokens)
-                   for _, dtype, shape in fmt.body_sections(cache.layout, cache.precision, n))
+        return _block_view(block, shape, dtype)
 
     def _run(self) -> None:
         try:
@@ -172,9 +223,18 @@ def _write_to(file, ctx: "Context") -> None:
         start = file.tell()
         _put(file, bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
         crc = fmt.BodyHash(fmt.FORMAT_VERSION)
-        with _PiecesAhead(ctx, crc) as pieces:
-            for chunk in pieces:
-                _put(file, chunk)
+        if io_threads() > 1:
+            with _PiecesAhead(ctx, crc) as pieces:
+                for chunk in pieces:
+                    _put(file, chunk)
+        else:
+            block = _staging.take(_largest_piece(ctx))
+            try:
+                for chunk in _body_pieces(ctx, lambda part, shape, dtype: _block_view(block, shape, dtype)):
+                    crc.update(chunk)
+                    _put(file, chunk)
+            finally:
+                _staging.give_back([block])
         end = file.tell()
         file.seek(start)
         _put(file, _header(ctx, crc.value()))
@@ -418,12 +478,12 @@ def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -
 def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
     """Restore a file of the cache's own precision at about the speed of reading it.
 
-    A reader thread reads the body a piece at a time into a few reused staging buffers and
-    checksums each piece while it is cache-hot (file reads and the checksum release the GIL);
-    meanwhile this thread checks the previous piece (token signs, finite values, q8 ranges)
-    and copies it into page arrays prepared for it (``store.prepare``: reused freed pages, or
-    fresh ones whose copy is each byte's first touch). Checking here rather than in the
-    reader balances the two threads (measured: 4.4 against 5.6 ms at 512 tokens, even at 2,048). The cache is touched only after the checksum
+    With two threads (``io_threads``), a reader thread reads the body a piece at a time into a
+    few reused staging buffers and checksums each piece while it is cache-hot (file reads and
+    the checksum release the GIL); meanwhile this thread checks the previous piece (token signs,
+    finite values, q8 ranges) and copies it into page arrays prepared for it (``store.prepare``:
+    reused freed pages, or fresh ones whose copy is each byte's first touch). With one thread
+    the same steps run inline, a piece at a time. The cache is touched only after the checksum
     and every check have passed; a refused file leaves the prepared arrays to the garbage
     collector and changes nothing observable.
     """
@@ -432,10 +492,11 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
     prepared = store.prepare(count, n - (count - 1) * page_tokens if count else 0)
     tokens = np.empty(n, fmt.TOKEN_DTYPE)
     content_error: SnapshotError | None = None
-    with _PieceReader(file, header) as reader:
-        for name, part, first, rows in reader:
+    with _PieceReader(file, header, threaded=io_threads() > 1) as reader:
+        for piece in reader:
             if content_error is not None:
                 continue                    # the rest is still read: its checksum is reported first
+            name, part, first, rows = piece
             try:
                 fmt.check_section(header.precision, name, rows, first)
             except SnapshotError as error:
@@ -474,18 +535,25 @@ def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) 
 
 
 class _PieceReader:
-    """The body of an open file, read by a worker thread in pieces of whole positions of one
-    section, each checksummed in file order; iterated as ``(section, part, first row, rows)``
-    (``part`` -1 for the tokens, else the page component the section fills).
+    """The body of an open file, read in pieces of whole positions of one section, each
+    checksummed in file order; iterated as ``(section, part, first row, rows)`` (``part`` -1
+    for the tokens, else the page component the section fills; ``rows`` valid until the next
+    piece is asked for).
 
-    A few staging buffers circulate between the threads, so the memory in flight stays at a
-    few pieces whatever the file's size. Leaving the ``with`` stops the worker, also on error.
+    Threaded, a worker reads and checksums ahead while the caller uses the previous piece; a few
+    staging buffers circulate between the threads, so the memory in flight stays at a few pieces
+    whatever the file's size. Not threaded, the same runs inline with one staging buffer.
+    Leaving the ``with`` stops the worker, also on error.
+
+    Pieces of 4 MiB: each costs about 15 us of Python (queue, checks, page spans), so 1 MiB
+    pieces cost 10-20% more at 512-2,048 tokens (measured); 4 MiB still stay in the L3 cache.
+    Checking in the reader thread instead was slower (the threads then contend for the GIL).
     """
 
-    PIECE_BYTES = 1 << 20
+    PIECE_BYTES = 4 << 20
     DEPTH = 3
 
-    def __init__(self, file, header: fmt.Header):
+    def __init__(self, file, header: fmt.Header, threaded: bool = True):
         self._file = file
         self._header = header
         self._pieces: list[tuple[str, int, np.dtype, tuple[int, ...], int, int]] = []
@@ -499,59 +567,73 @@ class _PieceReader:
         largest = max((np.dtype(d).itemsize * int(np.prod(r, dtype=np.int64)) * (b - a)
                        for _, _, d, r, a, b in self._pieces), default=0)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
-        for _ in range(min(self.DEPTH, len(self._pieces))):
-            self._free.put(np.empty(largest, np.uint8))
+        self._buffers = [_staging.take(largest) for _ in range(min(self.DEPTH if threaded else 1, len(self._pieces)))]
+        for buffer in self._buffers:
+            self._free.put(buffer)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
         self._hash = fmt.BodyHash(header.version)
-        self._worker = threading.Thread(target=self._run, daemon=True)
+        self._worker = threading.Thread(target=self._run, daemon=True) if threaded else None
 
     def __enter__(self) -> "_PieceReader":
-        self._worker.start()
+        if self._worker is not None:
+            self._worker.start()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._free.put(None)            # wakes a worker waiting for a buffer
-        self._worker.join()
+        if self._worker is not None:
+            self._stop.set()
+            self._free.put(None)            # wakes a worker waiting for a buffer
+            self._worker.join()
+        _staging.give_back(self._buffers)  # the worker is gone and the pages hold copies: free to reuse
+
+    def _read(self) -> Iterator[tuple]:
+        """The pieces in file order, each read into a free staging buffer and checksummed, with the buffer."""
+        offset = fmt.HEADER_SIZE
+        for name, part, dtype, row_shape, first, stop in self._pieces:
+            staging = self._free.get()
+            if staging is None or self._stop.is_set():
+                return
+            nbytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64)) * (stop - first)
+            view = memoryview(staging)[:nbytes]
+            filled = 0
+            while filled < nbytes:
+                got = self._file.readinto(view[filled:])
+                if not got:
+                    raise SnapshotTruncatedError(
+                        f"file ended at offset {offset + filled} while reading the body; "
+                        f"expected {fmt.HEADER_SIZE + self._header.body_bytes} bytes")
+                filled += got
+            self._hash.update(view)
+            offset += nbytes
+            rows = staging[:nbytes].view(dtype).reshape((stop - first, *row_shape))
+            yield (name, part, first, rows), staging
+        if _checked_read(self._file, 1):
+            raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {offset}")
 
     def _run(self) -> None:
-        offset = fmt.HEADER_SIZE
         try:
-            for name, part, dtype, row_shape, first, stop in self._pieces:
-                staging = self._free.get()
-                if staging is None or self._stop.is_set():
-                    return
-                nbytes = dtype.itemsize * int(np.prod(row_shape, dtype=np.int64)) * (stop - first)
-                view = memoryview(staging)[:nbytes]
-                filled = 0
-                while filled < nbytes:
-                    got = self._file.readinto(view[filled:])
-                    if not got:
-                        raise SnapshotTruncatedError(
-                            f"file ended at offset {offset + filled} while reading the body; "
-                            f"expected {fmt.HEADER_SIZE + self._header.body_bytes} bytes")
-                    filled += got
-                self._hash.update(view)
-                offset += nbytes
-                rows = staging[:nbytes].view(dtype).reshape((stop - first, *row_shape))
-                self._ready.put((name, part, first, rows, staging))
-            if _checked_read(self._file, 1):
-                raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {offset}")
+            for piece in self._read():
+                self._ready.put(piece)
             self._ready.put(None)
         except BaseException as error:      # handed to the consumer, raised there
             self._ready.put(error)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple]:
+        if self._worker is None:
+            for piece, staging in self._read():
+                yield piece
+                self._free.put(staging)
+            return
         while True:
             item = self._ready.get()
             if item is None:
                 return
             if isinstance(item, BaseException):
                 raise item
-            name, part, first, rows, staging = item
-            yield name, part, first, rows
-            self._free.put(staging)     # the consumer is done with it
+            piece, staging = item
+            yield piece
+            self._free.put(staging)         # the consumer is done with it
 
     def checksum(self) -> int:
         return self._hash.value()

@@ -23,10 +23,12 @@ def values(n, seed=0):
     return np.random.default_rng(seed).standard_normal(LAYOUT.batch_shape(n)).astype(np.float32)
 
 
-@pytest.fixture
-def tiny_pieces(monkeypatch):
-    """Pieces of 3 positions (or fewer): every restore below crosses pieces and pages unaligned."""
+@pytest.fixture(params=[1, 2], ids=["inline", "reader-thread"])
+def tiny_pieces(monkeypatch, request):
+    """Pieces of 3 positions (or fewer): every restore below crosses pieces and pages unaligned;
+    read inline (1 thread) and by a reader thread (2)."""
     monkeypatch.setattr(snapshot_module._PieceReader, "PIECE_BYTES", 3 * LAYOUT.values_per_position)
+    monkeypatch.setattr(snapshot_module, "IO_THREADS", request.param)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -130,3 +132,25 @@ def test_this_build_writes_v2_and_without_xxhash_writes_v1_and_refuses_v2_by_nam
     assert v1[8:10] == b"\x01\x00" and v1[fmt.HEADER_SIZE:] == v2[fmt.HEADER_SIZE:]
     assert fmt.parse_header(v1[:fmt.HEADER_SIZE]).body_crc == fmt.crc32(v1[fmt.HEADER_SIZE:])
     assert cache.restore(tmp_path / "v1.kvs").tokens == [1, 2, 3]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_writes_and_restores_reuse_their_staging_buffers(tmp_path, monkeypatch, threads):
+    """A fresh staging buffer costs a first touch of each of its pages: once a write and a restore
+    have run, the next ones take the same buffers back instead of allocating."""
+    monkeypatch.setattr(snapshot_module, "IO_THREADS", threads)
+    monkeypatch.setattr(snapshot_module, "_staging", snapshot_module.StagingPool())
+    taken = []
+    real_take = snapshot_module.StagingPool.take
+    monkeypatch.setattr(snapshot_module.StagingPool, "take",
+                        lambda pool, nbytes: taken.append(real_take(pool, nbytes)) or taken[-1])
+    cache = Cache(LAYOUT, page_tokens=4)
+    ctx = cache.allocate()
+    ctx.extend(list(range(10)), values(10))
+    for _ in range(2):
+        ctx.snapshot(tmp_path / "a.kvs")
+        cache.restore(tmp_path / "a.kvs").close()
+    first, second = taken[:len(taken) // 2], taken[len(taken) // 2:]
+    assert first and len(first) == len(second)
+    assert {id(buffer) for buffer in second} <= {id(buffer) for buffer in first}
+    assert len(snapshot_module._staging._spare) <= snapshot_module.StagingPool.KEEP

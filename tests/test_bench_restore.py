@@ -1,0 +1,30 @@
+"""The restore benchmark's rows: one per length and thread count, each with the ratios the
+issue's targets name and the command that measures it again (figures are never asserted)."""
+
+import argparse
+
+import pytest
+
+from kvstate.bench import restore
+from kvstate.impl import snapshot as snapshot_module
+
+
+def test_rows_carry_their_thread_count_ratios_and_command():
+    before = snapshot_module.IO_THREADS
+    result = restore.run(threads=1, prefill=False, repeat=1, lengths=[8])
+    assert snapshot_module.IO_THREADS == before          # the bench's thread count does not leak
+    (row,) = result["rows"]
+    assert row["tokens"] == 8 and row["threads"] == 1
+    for ratio in ("restore_over_raw_warm", "restore_over_raw_fresh_warm", "write_over_raw_fsync",
+                  "write_over_raw_atomic"):
+        assert row[ratio] > 0
+    assert "--tokens 8 --threads 1 --no-prefill --repeat 1" in row["command"]
+    assert "OPENBLAS_NUM_THREADS=1" in row["command"]
+    assert result["targets"]["warm_speedup_at_512"] == 150
+    assert "restore ms" in restore.format_table(dict(result, params={"threads": [1]}))
+
+
+def test_thread_counts_are_parsed_and_refused_by_name():
+    assert restore.thread_counts("1,2") == [1, 2]
+    with pytest.raises(argparse.ArgumentTypeError):
+        restore.thread_counts("0")
