@@ -96,3 +96,16 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
     assert all(row["match_us"] > 0 and row["retain_us"] > 0 for row in result["rows"])
     assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
     assert "--against" in result["command"]
+
+
+def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
+    import pytest
+
+    from kvstate.bench import token_input
+
+    result = token_input.run(quick=True)
+    rows = {row["input"]: row["us_per_match"] for row in result["rows"]}
+    assert set(rows) == {"int64 array", "Python list", "np.fromiter of the list alone"}
+    array, conversion = rows["int64 array"], rows["np.fromiter of the list alone"]
+    assert result["ratio"]["floor_of_list_over_array"] == pytest.approx((array + conversion) / array)
+    assert result["command"] == "python -m kvstate.bench.token_input"
