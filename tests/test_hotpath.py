@@ -132,3 +132,24 @@ def test_the_refcount_array_is_as_long_as_the_most_pages_ever_live_not_as_pages_
     ctx = cache.allocate()
     ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))
     assert [page.ref for page in ctx._pages] == [0, 1, 2, 3]     # smallest free slots first: a run
+
+
+def test_a_whole_fork_or_hit_shares_its_source_page_tuple_and_a_write_replaces_only_its_own():
+    """The page list is a tuple never changed in place: a fork or hit holding every page of its
+    source shares the tuple itself (no k references copied); a write through it rebinds its own."""
+    cache = Cache(TINY, page_tokens=1, max_entries=4)
+    ctx = cache.allocate()
+    ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))
+    fork = ctx.fork()
+    cache.retain(ctx)
+    hit, matched = cache.match(list(range(8)) + [99])
+    entry = next(cache.tree.entries()).value
+    assert matched == 8 and fork._pages is ctx._pages and hit._pages is entry._pages is ctx._pages
+    before = ctx._pages
+    fork.overwrite(3, [42], np.ones((1, *TINY.position_shape), np.float32))
+    assert ctx._pages is before and fork._pages is not before
+    assert [p.page_id for p in fork._pages] != [p.page_id for p in before]
+    assert ctx.tokens == list(range(8)) and fork.tokens[3] == 42
+    for c in (fork, hit, ctx):
+        c.close()
+    _check_books(cache)
