@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstate.spec import precision as precisions
 from kvstate.spec.errors import ConfigError, DTypeError
-from kvstate.spec.layout import Layout, is_torch_tensor, require_finite
+from kvstate.spec.layout import Layout, all_finite, is_torch_tensor, require_finite
 
 from .arena import SlotArena
 from .memory import check_store_size
@@ -133,7 +133,8 @@ class NumpyStore:
             raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
         # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.
         kv = np.array(kv, dtype=np.float32, copy=True, subok=False)
-        require_finite(kv)
+        if not all_finite(kv):      # one read of the copy; only a refusal pays for naming the bad value
+            require_finite(kv)
         encoded = (kv,) if self.precision == "f32" else precisions.encode(self.precision, kv)
         # position-major batch -> layer-major rows, the page's own order
         return tuple(np.moveaxis(part, 0, 2) for part in encoded)

