@@ -67,9 +67,12 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-# Freed heap pages kept for the next restore (``prepare``), up to this many bytes: a restore into
-# them copies at memory speed instead of faulting fresh memory in (and the kernel zeroing it).
+# Freed heap pages kept for the next restore (``prepare``), allocation or clone, up to this many
+# bytes: a write into them copies at memory speed instead of faulting fresh memory in (and the
+# kernel zeroing it).
 SPARE_BYTES = 256 << 20
+# Pages from this size on are recycled by allocations and clones too (a restore recycles any size).
+RECYCLE_FROM_BYTES = HUGE_PAGE
 
 
 def _owner(array: np.ndarray) -> np.ndarray:
@@ -154,13 +157,30 @@ class NumpyStore:
                 self._spares.append(prepared)
             return NumpyBuffer(arrays, slot)
         if slot is None:
-            return NumpyBuffer(tuple(np.zeros(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
+            return NumpyBuffer(self._heap_arrays(zero), None)
         arrays = tuple(block[slot] for block in self._blocks)
         if zero:
             # A recycled slot still holds the last page's bytes: zero it on issue.
             for array in arrays:
                 array.fill(0)
         return NumpyBuffer(arrays, slot)
+
+    def _heap_arrays(self, zero: bool) -> tuple[np.ndarray, ...]:
+        """Arrays for a page outside the arena. A page of ``RECYCLE_FROM_BYTES`` or more reuses a
+        freed page's arrays where one is kept (``free``), or gets new ones on huge-page boundaries,
+        which ``free`` can keep in turn: a fresh page's first touch faults in every 4 KiB of it,
+        which cost a 512-position ``extend`` three times its copy (measured). Smaller pages come
+        from ``np.zeros``: malloc recycles those itself."""
+        if self.page_bytes < RECYCLE_FROM_BYTES:
+            return tuple(np.zeros(s, d) for s, d in zip(self._shapes, self._dtypes))
+        try:
+            arrays = self._spares.pop()      # list.pop is atomic: ``free`` may run meanwhile
+        except IndexError:
+            arrays = tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes))
+        if zero:
+            for array in arrays:
+                array.fill(0)
+        return arrays
 
     def allocate(self, page_id: int) -> NumpyBuffer:
         return self._take(page_id, zero=True)

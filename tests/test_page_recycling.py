@@ -1,0 +1,96 @@
+"""Heap pages of 2 MiB or more are recycled: a freed page's arrays go to the NumPy store's spares
+(up to ``SPARE_BYTES``) and the next allocation or copy-on-write clone takes them, zeroed where a
+zeroed page is promised, instead of faulting fresh memory in. Smaller pages are left to malloc."""
+
+import numpy as np
+
+from kvstate.impl import numpy_store
+from kvstate.impl.cache import Cache
+from kvstate.spec.layout import Layout
+
+BIG = Layout(layers=2, kv_heads=16, head_dim=64)     # 16 KiB a position at f32: 2 MiB pages at 128 tokens
+BIG_PAGE = 128
+
+
+def values(layout, n, seed=0):
+    return np.random.default_rng(seed).standard_normal(layout.batch_shape(n)).astype(np.float32) + 3
+
+
+def test_a_freed_page_is_the_next_allocation_and_comes_back_zeroed():
+    cache = Cache(BIG, page_tokens=BIG_PAGE)
+    with cache.allocate() as first:
+        first.extend(list(range(BIG_PAGE)), values(BIG, BIG_PAGE))
+        old = first._pages[0].buffer.arrays[0]
+    assert [arrays[0] is old for arrays in cache.store._spares] == [True]
+    with cache.allocate() as second:
+        second.extend([7], values(BIG, 1, seed=1))
+        assert second._pages[0].buffer.arrays[0] is old          # reused, not faulted in anew
+        assert cache.store.is_zero_from(second._pages[0].buffer, 1)
+        np.testing.assert_array_equal(second.read()[0], values(BIG, 1, seed=1))
+    assert cache.store._spares and cache.stats()["live_pages"] == 0
+
+
+def test_a_copy_on_write_clone_takes_a_spare_and_holds_its_sources_bytes():
+    cache = Cache(BIG, page_tokens=BIG_PAGE)
+    with cache.allocate() as scratch:
+        scratch.extend(list(range(2 * BIG_PAGE)), values(BIG, 2 * BIG_PAGE, seed=2))
+    spares = [arrays[0] for arrays in cache.store._spares]
+    assert len(spares) == 2
+    parent = cache.allocate()
+    parent.extend(list(range(10)), values(BIG, 10))
+    child = parent.fork()
+    child.overwrite(3, [99], values(BIG, 1, seed=3))             # clones the shared page
+    assert {id(parent._pages[0].buffer.arrays[0]), id(child._pages[0].buffer.arrays[0])} == set(map(id, spares))
+    reference = values(BIG, 10)
+    np.testing.assert_array_equal(parent.read()[0], reference)
+    reference[3] = values(BIG, 1, seed=3)[0]
+    np.testing.assert_array_equal(child.read()[0], reference)
+    assert cache.store.is_zero_from(child._pages[0].buffer, 10)   # the clone copied the zero tail too
+    parent.close()
+    child.close()
+
+
+def test_spares_stay_within_their_byte_budget(monkeypatch):
+    monkeypatch.setattr(numpy_store, "SPARE_BYTES", 3 * (2 << 20))
+    cache = Cache(BIG, page_tokens=BIG_PAGE)
+    contexts = []
+    for seed in range(6):
+        ctx = cache.allocate()
+        ctx.extend(list(range(BIG_PAGE)), values(BIG, BIG_PAGE, seed=seed))
+        contexts.append(ctx)
+    for ctx in contexts:
+        ctx.close()
+    assert len(cache.store._spares) == 3
+
+
+def test_small_pages_are_left_to_malloc():
+    small = Layout(layers=2, kv_heads=2, head_dim=8)
+    cache = Cache(small, page_tokens=4)
+    with cache.allocate() as ctx:
+        ctx.extend(list(range(9)), values(small, 9))
+    assert cache.store._spares == []
+
+
+def test_the_lockstep_machine_holds_with_every_page_recycled(monkeypatch):
+    """The machine's layouts are small, so its pages are normally left to malloc: here every page
+    goes through the spares, dirty from its last holder, at every precision, with and without an arena."""
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful.configs import PROFILES, machine_configs
+    from kvstate.stateful.machine import machine_for
+
+    monkeypatch.setattr(numpy_store, "RECYCLE_FROM_BYTES", 0)
+    reused = []
+    take = numpy_store.NumpyStore._heap_arrays
+
+    def counting(store, zero):
+        spares = len(store._spares)
+        arrays = take(store, zero)
+        reused.append(len(store._spares) < spares)
+        return arrays
+    monkeypatch.setattr(numpy_store.NumpyStore, "_heap_arrays", counting)
+    for config in machine_configs():
+        machine = machine_for(numpy_factory, config)
+        run_state_machine_as_test(machine, settings=PROFILES["ci"])
+    assert sum(reused) >= 500
