@@ -109,3 +109,20 @@ def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
     array, conversion = rows["int64 array"], rows["np.fromiter of the list alone"]
     assert result["ratio"]["floor_of_list_over_array"] == pytest.approx((array + conversion) / array)
     assert result["command"] == "python -m kvstate.bench.token_input"
+
+
+def test_extend_bench_times_the_floor_and_another_checkout_beside_extend():
+    from pathlib import Path
+
+    import pytest
+
+    from kvstate.bench import extend
+
+    checkout = Path(extend.__file__).resolve().parents[1]
+    result = extend.run(lengths=[64, 100], rounds=1, against=checkout)
+    assert [row["tokens"] for row in result["rows"]] == [64, 100]
+    for row in result["rows"]:
+        assert row["extend_ms"] > 0 and row["floor_ms"] > 0 and row["against_ms"] > 0
+        assert row["extend_over_floor"] == pytest.approx(row["extend_ms"] / row["floor_ms"])
+        assert row["speedup"] == pytest.approx(row["against_ms"] / row["extend_ms"])
+    assert result["command"] == f"python -m kvstate.bench.extend --tokens 64 100 --rounds 1 --against {checkout}"

@@ -154,3 +154,37 @@ def test_writes_and_restores_reuse_their_staging_buffers(tmp_path, monkeypatch, 
     assert first and len(first) == len(second)
     assert {id(buffer) for buffer in second} <= {id(buffer) for buffer in first}
     assert len(snapshot_module._staging._spare) <= snapshot_module.StagingPool.KEEP
+
+
+def test_by_default_small_bodies_run_inline_and_large_ones_with_the_worker(tmp_path, monkeypatch):
+    """The worker thread pays only for large bodies: ``pipelined`` decides from the body's size
+    unless ``IO_THREADS`` is set, and the write and the restore both follow it."""
+    pipelined, limit = snapshot_module.pipelined, snapshot_module.PIPELINED_FROM_BYTES
+    monkeypatch.setattr(snapshot_module, "IO_THREADS", None)
+    monkeypatch.setattr(snapshot_module.os, "cpu_count", lambda: 2)
+    assert not pipelined(limit - 1) and pipelined(limit)
+    monkeypatch.setattr(snapshot_module.os, "cpu_count", lambda: 1)
+    assert not pipelined(limit)
+    monkeypatch.setattr(snapshot_module, "IO_THREADS", 1)
+    assert not pipelined(10 * limit)
+    monkeypatch.setattr(snapshot_module, "IO_THREADS", 2)
+    assert pipelined(0)
+
+    readers, writers = [], []
+    reader_init, writer_init = snapshot_module._PieceReader.__init__, snapshot_module._PiecesAhead.__init__
+    monkeypatch.setattr(snapshot_module._PieceReader, "__init__",
+                        lambda self, file, header, threaded=True: readers.append(threaded) or reader_init(self, file, header, threaded))
+    monkeypatch.setattr(snapshot_module._PiecesAhead, "__init__",
+                        lambda self, ctx, hasher: writers.append(True) or writer_init(self, ctx, hasher))
+    monkeypatch.setattr(snapshot_module, "IO_THREADS", None)
+    monkeypatch.setattr(snapshot_module.os, "cpu_count", lambda: 2)
+    cache = Cache(LAYOUT, page_tokens=4)
+    with cache.allocate() as ctx:
+        ctx.extend(list(range(10)), values(10))
+        body = fmt.body_size(LAYOUT, "f32", 10)
+        for limit, threaded in ((body + 1, False), (body, True)):
+            monkeypatch.setattr(snapshot_module, "PIPELINED_FROM_BYTES", limit)
+            ctx.snapshot(tmp_path / "a.kvs")
+            with cache.restore(tmp_path / "a.kvs") as back:
+                assert back.tokens == ctx.tokens
+            assert readers[-1] is threaded and len(writers) == int(threaded)
