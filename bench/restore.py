@@ -4,8 +4,9 @@
     python -m kvstate.bench.restore [--no-prefill] [--full] [--tokens 512 2048] [--threads 1,2] [--repeat 5]
 
 ``--threads`` sets BLAS and torch threads and the snapshot pipelines' own threads
-(``impl/snapshot.py`` ``IO_THREADS``: 1 runs the restore and the write inline, 2 adds their
-worker thread), so the 1-thread rows show what the pipeline buys. A list (``1,2``) runs each
+(``impl/snapshot.py`` ``IO_THREADS``: 1 runs the restore and the write inline; 2 or more leaves
+it to the default, ``pipelined``, which adds their worker thread for bodies of 32 MiB or more),
+so the 1-thread rows show what the pipeline buys. A list (``1,2``) runs each
 count in a child process with the BLAS thread variables set (OpenBLAS reads them at import),
 and every row names the command that reproduces it.
 
@@ -96,7 +97,7 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
         repeat: int | None = None, lengths: list[int] | None = None) -> dict:
     threads = threads or os.cpu_count()
     before = snapshot_module.IO_THREADS
-    snapshot_module.IO_THREADS = threads       # the restore's and the write's own threads
+    snapshot_module.IO_THREADS = 1 if threads == 1 else None     # inline, or the default's choice by size
     try:
         return _run(quick, full, threads, prefill, repeat, lengths)
     finally:
