@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -81,36 +79,25 @@ def serve_rounds(rounds: int, lengths) -> None:
         print(json.dumps(extender.round()), flush=True)
 
 
-def _other_checkout(against: Path, lengths, rounds: int, scratch: str) -> subprocess.Popen:
-    from .one_token_pages import importable
-
-    path = importable(against.resolve(), Path(scratch) / "against")
-    serve = (f"import runpy, sys; sys.argv = ['-', '--serve', '{rounds}', '--tokens', *{[str(n) for n in lengths]!r}]; "
-             f"runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")   # by path: it may lack this file
-    return subprocess.Popen([sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONPATH=str(path)), cwd=scratch)
-
-
 def run(lengths=LENGTHS, rounds: int = 7, against: Path | None = None) -> dict:
     layout = _layout()
     extender = Extender(lengths)
     pages = {n: [np.ones(layout.page_shape(PAGE_TOKENS), np.float32) for _ in range(-(-n // PAGE_TOKENS))]
              for n in lengths}
     best = {kind: dict.fromkeys(lengths, float("inf")) for kind in ("extend", "floor", "against")}
+    from .checkouts import finish, next_round, serve_in     # not at the top: the child runs this file by path
+
     with tempfile.TemporaryDirectory() as scratch:
-        child = _other_checkout(against, lengths, rounds, scratch) if against is not None else None
+        arguments = ["--serve", str(rounds), "--tokens", *map(str, lengths)]
+        children = [serve_in(against, Path(__file__), arguments, Path(scratch) / "against")] if against else []
         for _ in range(rounds):               # interleaved: one of each, in turn
             timed = {"extend": extender.round(), "floor": floor_round(lengths, pages)}
-            if child is not None:
-                child.stdin.write("go\n")
-                child.stdin.flush()
-                timed["against"] = {int(n): s for n, s in json.loads(child.stdout.readline()).items()}
+            for child in children:
+                timed["against"] = {int(n): s for n, s in next_round(child).items()}
             for kind, seconds in timed.items():
                 for n, s in seconds.items():
                     best[kind][n] = min(best[kind][n], s)
-        if child is not None:
-            child.stdin.close()
-            child.wait()
+        finish(children)
     rows = []
     for n in lengths:
         row = {"tokens": n, "MB": round(n * layout.values_per_position * 4 / 1e6, 1),

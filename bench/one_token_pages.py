@@ -19,16 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-FOLDERS = ("spec", "impl", "reference", "stateful", "fuzz", "bench", "model")
 
 
 def requests(conversations: int = 200, turns: int = 4, system: int = 1000, seed: int = 0) -> list[np.ndarray]:
@@ -88,46 +84,24 @@ def serve_rounds(rounds: int, conversations: int = 200) -> None:
         print(json.dumps([match_s.tolist(), retain_s.tolist()]), flush=True)
 
 
-def importable(checkout: Path, folder: Path) -> Path:
-    """A folder from which ``import kvstate`` finds ``checkout``'s code, whichever packaging it used
-    (older commits mapped the top-level folders into kvstate through setuptools)."""
-    package = folder / "kvstate"
-    package.mkdir(parents=True)
-    for item in (checkout / "kvstate").iterdir():
-        if item.suffix == ".py":
-            (package / item.name).symlink_to(item.resolve())
-    for name in FOLDERS:
-        if (checkout / name).is_dir():
-            (package / name).symlink_to((checkout / name).resolve())
-    return folder
-
-
 def run(against: Path | None = None, rounds: int = 3, conversations: int = 200) -> dict:
+    from .checkouts import finish, next_round, serve_in     # not at the top: the child runs this file by path
+
     contenders = {"here": Path(__file__).resolve().parents[1]}
     if against is not None:
         contenders["against"] = against.resolve()
     best = {name: [None, None] for name in contenders}
     with tempfile.TemporaryDirectory() as scratch:
-        children = {}
-        for name, checkout in contenders.items():
-            path = importable(checkout, Path(scratch) / name)
-            # This file, run by path: the other checkout may not have it.
-            serve = (f"import runpy, sys; sys.argv = ['-', '--serve', '{rounds}', '--conversations', '{conversations}']; "
-                     f"runpy.run_path({str(Path(__file__))!r}, run_name='__main__')")
-            children[name] = subprocess.Popen(
-                [sys.executable, "-c", serve], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                env=dict(os.environ, PYTHONPATH=str(path)), cwd=scratch)
+        arguments = ["--serve", str(rounds), "--conversations", str(conversations)]
+        children = {name: serve_in(checkout, Path(__file__), arguments, Path(scratch) / name)
+                    for name, checkout in contenders.items()}
         for _ in range(rounds):               # interleaved: one round of each, in turn
             for name, child in children.items():
-                child.stdin.write("go\n")
-                child.stdin.flush()
-                match_s, retain_s = map(np.array, json.loads(child.stdout.readline()))
+                match_s, retain_s = map(np.array, next_round(child))
                 old = best[name]
                 best[name] = [match_s if old[0] is None else np.minimum(old[0], match_s),
                               retain_s if old[1] is None else np.minimum(old[1], retain_s)]
-        for child in children.values():
-            child.stdin.close()
-            child.wait()
+        finish(children.values())
     rows = [{"checkout": str(contenders[name]), "match_us": 1e6 * m.mean(), "retain_us": 1e6 * r.mean()}
             for name, (m, r) in best.items()]
     result = {"name": "one_token_pages", "params": {"page_tokens": 1, "requests": 4 * conversations, "rounds": rounds},
