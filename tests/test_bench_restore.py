@@ -15,16 +15,36 @@ def test_rows_carry_their_thread_count_ratios_and_command():
     assert snapshot_module.IO_THREADS == before          # the bench's thread count does not leak
     (row,) = result["rows"]
     assert row["tokens"] == 8 and row["threads"] == 1
-    for ratio in ("restore_over_raw_warm", "restore_over_raw_fresh_warm", "write_over_raw_fsync",
-                  "write_over_raw_atomic"):
+    for ratio in ("restore_over_raw_warm", "restore_over_raw_fresh_warm", "copies_over_raw_warm",
+                  "write_over_raw_fsync", "write_over_raw_atomic"):
         assert row[ratio] > 0
     assert "--tokens 8 --threads 1 --no-prefill --repeat 1" in row["command"]
     assert "OPENBLAS_NUM_THREADS=1" in row["command"]
     assert result["targets"]["warm_speedup_at_512"] == 150
-    assert "restore ms" in restore.format_table(dict(result, params={"threads": [1]}))
+    assert row["copies_over_raw_warm"] == pytest.approx(row["copies_warm_s"] / row["raw_read_warm_s"])
+    assert "copies/raw" in restore.format_table(dict(result, params={"threads": [1]}))
 
 
 def test_thread_counts_are_parsed_and_refused_by_name():
     assert restore.thread_counts("1,2") == [1, 2]
     with pytest.raises(argparse.ArgumentTypeError):
         restore.thread_counts("0")
+
+
+def test_the_copies_floor_leaves_the_pages_a_restore_would_hold(tmp_path):
+    """The floor contender makes the restore's copies, so it must produce what the restore does."""
+    import numpy as np
+
+    from kvstate.impl import Cache
+    from kvstate.spec.layout import Layout
+
+    layout = Layout(layers=2, kv_heads=3, head_dim=4)
+    cache = Cache(layout, page_tokens=8)
+    values = np.random.default_rng(3).standard_normal(layout.batch_shape(21)).astype(np.float32)
+    with cache.allocate() as ctx:
+        ctx.extend(list(range(21)), values)
+        ctx.snapshot(tmp_path / "a.kvs")
+    copies = restore.CopiesFloor(tmp_path / "a.kvs", layout, 21, 8)
+    copies()
+    stored = np.concatenate([np.moveaxis(page, 2, 0) for page in copies.pages])[:21]
+    np.testing.assert_array_equal(stored, values)
