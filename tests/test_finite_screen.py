@@ -26,6 +26,7 @@ LAYOUT = Layout(layers=2, kv_heads=4, head_dim=64)     # 1,024 values a position
 
 def test_arrays_of_a_chunk_and_less_are_not_screened_and_larger_ones_are(monkeypatch):
     """The size rule itself: the dot screen runs only past a chunk, where it pays."""
+    assert layout_module._dot_screen_is_sound()        # this BLAS passes; asked once, before counting
     calls = []
     real_dot = np.dot
     monkeypatch.setattr(layout_module.np, "dot", lambda a, b: calls.append(a.size) or real_dot(a, b))
@@ -91,3 +92,20 @@ def test_a_streamed_restore_keeps_huge_values_and_refuses_a_late_infinity_by_pos
     with pytest.raises(SnapshotCorruptError, match=rf"value inf at \({n - 2}, 1, 0, 2, 60\) .* is not finite"):
         cache.restore(tmp_path / "inf.kvs")
     assert (cache.observe(), cache.stats()) == before
+
+
+def test_a_blas_that_loses_a_nan_turns_the_screen_off(monkeypatch):
+    """The screen trusts NumPy's BLAS only after checking it once: a dot that drops a NaN
+    (a broken build) must leave the exact test in charge, never accept the NaN."""
+    layout_module._dot_screen_is_sound.cache_clear()
+    real_dot = np.dot
+    monkeypatch.setattr(layout_module.np, "dot", lambda a, b: np.float32(0) if np.isnan(a).any() else real_dot(a, b))
+    try:
+        assert layout_module._dot_screen_is_sound() is False
+        values = np.ones(SIZE, np.float32)
+        values[SIZE // 3] = np.nan
+        assert not all_finite(values)
+    finally:
+        layout_module._dot_screen_is_sound.cache_clear()
+    monkeypatch.undo()
+    assert layout_module._dot_screen_is_sound() is True
