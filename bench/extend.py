@@ -58,11 +58,11 @@ class Extender:
         return seconds
 
 
-def floor_round(lengths, pages: dict) -> dict[int, float]:
-    """The bare copy of each batch into ``pages[n]`` (layer-major arrays, allocated and touched once)."""
+def floor_round(extender: Extender, pages: dict) -> dict[int, float]:
+    """The bare copy of each of ``extender``'s batches into ``pages[n]`` (layer-major arrays,
+    allocated and touched once)."""
     seconds = {}
-    for n in lengths:
-        kv = _batch(n)
+    for n, (_, _, kv) in extender.cases.items():
         start = time.perf_counter()
         for index, page in enumerate(pages[n]):
             rows = kv[index * PAGE_TOKENS:(index + 1) * PAGE_TOKENS]
@@ -91,7 +91,7 @@ def run(lengths=LENGTHS, rounds: int = 7, against: Path | None = None) -> dict:
         arguments = ["--serve", str(rounds), "--tokens", *map(str, lengths)]
         children = [serve_in(against, Path(__file__), arguments, Path(scratch) / "against")] if against else []
         for _ in range(rounds):               # interleaved: one of each, in turn
-            timed = {"extend": extender.round(), "floor": floor_round(lengths, pages)}
+            timed = {"extend": extender.round(), "floor": floor_round(extender, pages)}
             for child in children:
                 timed["against"] = {int(n): s for n, s in next_round(child).items()}
             for kind, seconds in timed.items():

@@ -5,8 +5,9 @@
 
 ``--threads`` sets BLAS and torch threads and the snapshot pipelines' own threads
 (``impl/snapshot.py`` ``IO_THREADS``: 1 runs the restore and the write inline; 2 or more leaves
-it to the default, ``pipelined``, which adds their worker thread for bodies of 32 MiB or more),
-so the 1-thread rows show what the pipeline buys. A list (``1,2``) runs each
+it to the default, ``pipelined``, which adds their worker thread for bodies of 32 MiB or more,
+or with ``--worker always`` adds it at every size), so the 1-thread rows show what the pipeline
+buys, and ``--tokens 16 128 256 --threads 1,2 --worker always`` what it costs a small body. A list (``1,2``) runs each
 count in a child process with the BLAS thread variables set (OpenBLAS reads them at import),
 and every row names the command that reproduces it.
 
@@ -100,12 +101,17 @@ THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def run(quick: bool = False, full: bool = False, threads: int | None = None, prefill: bool = True,
-        repeat: int | None = None, lengths: list[int] | None = None) -> dict:
+        repeat: int | None = None, lengths: list[int] | None = None, worker: str = "auto") -> dict:
     threads = threads or os.cpu_count()
     before = snapshot_module.IO_THREADS
-    snapshot_module.IO_THREADS = 1 if threads == 1 else None     # inline, or the default's choice by size
+    # inline; the default's choice by size; or the worker at every size
+    snapshot_module.IO_THREADS = 1 if threads == 1 else (2 if worker == "always" else None)
     try:
-        return _run(quick, full, threads, prefill, repeat, lengths)
+        result = _run(quick, full, threads, prefill, repeat, lengths)
+        if worker != "auto":
+            for row in result["rows"]:
+                row["command"] += f" --worker {worker}"
+        return result
     finally:
         snapshot_module.IO_THREADS = before
 
@@ -298,11 +304,12 @@ def run_pinned(args: argparse.Namespace, threads: int) -> dict:
     else in a child process started with the thread variables set."""
     if all(os.environ.get(var) == str(threads) for var in THREAD_VARS):
         return run(quick=args.quick, full=args.full, threads=threads, prefill=not args.no_prefill,
-                   repeat=args.repeat, lengths=args.tokens)
+                   repeat=args.repeat, lengths=args.tokens, worker=args.worker)
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
         argv = [sys.executable, "-m", "kvstate.bench.restore", "--threads", str(threads), "--json", str(out)]
         argv += ["--quick"] * args.quick + ["--full"] * args.full + ["--no-prefill"] * args.no_prefill
+        argv += ["--worker", args.worker]
         argv += (["--repeat", str(args.repeat)] if args.repeat else []) + (
             ["--tokens", *map(str, args.tokens)] if args.tokens else [])
         subprocess.run(argv, env=dict(os.environ, **{var: str(threads) for var in THREAD_VARS}),
@@ -320,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=None, help="rounds; each figure is the best of them")
     parser.add_argument("--threads", type=thread_counts, default=[1, 2],
                         help="thread counts, one set of rows each (default 1,2)")
+    parser.add_argument("--worker", choices=("auto", "always"), default="auto",
+                        help="with 2+ threads: the pipelines' worker by body size (default) or at every size")
     parser.add_argument("--json", type=Path, default=None, help=argparse.SUPPRESS)   # a child's result
     args = parser.parse_args(argv)
     from .run import format_result

@@ -70,9 +70,10 @@ def pipelined(body_bytes: int) -> bool:
     ``IO_THREADS`` decides when set. Otherwise the worker runs where there are two cores and the
     body is ``PIPELINED_FROM_BYTES`` or more: below that, starting the thread and handing pieces
     over cost more than the overlap bought. Measured on 2 cores, GPT-2-small f32, inline against
-    threaded: a restore of 16 positions 0.23 against 0.51 ms, of 256 (19 MB) 2.2 against 3.0 ms,
-    even at 384 (28 MB), and the worker ahead from 512 (38 MB); writes alike (16 positions
-    1.3 against 1.7 ms, 512: 21 against 19 ms).
+    threaded: a restore of 16 positions 0.23 against 0.51 ms alone (0.66 against 1.08 in
+    ``bench.restore --worker always``), within noise of each other from 128 to 384 positions
+    (9-28 MB), the worker ahead from 512 (38 MB); writes alike (16 positions 1.3 against
+    1.7 ms, 512: 21 against 19 ms).
     """
     if IO_THREADS is not None:
         return IO_THREADS > 1

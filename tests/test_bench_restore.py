@@ -48,3 +48,18 @@ def test_the_copies_floor_leaves_the_pages_a_restore_would_hold(tmp_path):
     copies()
     stored = np.concatenate([np.moveaxis(page, 2, 0) for page in copies.pages])[:21]
     np.testing.assert_array_equal(stored, values)
+
+
+def test_worker_always_runs_the_worker_for_a_small_body_and_says_so(monkeypatch):
+    seen = []
+    reader_init = snapshot_module._PieceReader.__init__
+    monkeypatch.setattr(snapshot_module._PieceReader, "__init__",
+                        lambda self, file, header, threaded=True: seen.append(threaded) or
+                        reader_init(self, file, header, threaded))
+    before = snapshot_module.IO_THREADS
+    (row,) = restore.run(threads=2, prefill=False, repeat=1, lengths=[8], worker="always")["rows"]
+    assert snapshot_module.IO_THREADS == before
+    assert seen and all(seen) and row["command"].endswith("--worker always")
+    seen.clear()
+    (row,) = restore.run(threads=2, prefill=False, repeat=1, lengths=[8])["rows"]
+    assert seen and not any(seen) and "--worker" not in row["command"]
