@@ -24,3 +24,4 @@ def factory(config):
 
 
 factory.configs = _working_factory.configs
+factory.any_page_size = _working_factory.any_page_size

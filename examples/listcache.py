@@ -61,7 +61,7 @@ class ListContext:
         return self._positions(start, stop)
 
     def _encode(self, tokens, kv, start: int | None = None):
-        # README's order for several bad inputs: tokens, array shape, the context, positions, values.
+        # One order of many: README ("several bad inputs") accepts any error that applies.
         tokens = check_tokens(tokens)
         kv = check_values(self.cache.layout, kv, len(tokens))
         self._open()
@@ -219,3 +219,4 @@ def factory(config: Config) -> ListCache:
 # No arena here: declare the three precisions on the heap only.
 factory.configs = [Config(Layout(layers=2, kv_heads=2, head_dim=4), page_tokens=4, precision=p,
                           arena_pages=0, max_entries=2) for p in precisions.PRECISIONS]
+factory.any_page_size = True      # written for any page size: checked at sizes drawn 1-8 per run

@@ -43,3 +43,4 @@ def factory(config) -> PagesTierCache:
 
 
 factory.configs = _listcache_factory.configs      # the three precisions, no arena
+factory.any_page_size = _listcache_factory.any_page_size

@@ -94,3 +94,4 @@ def factory(config: Config) -> TokenPoolCache:
 
 factory.configs = [Config(Layout(layers=2, kv_heads=2, head_dim=4), page_tokens=4, precision=p, max_entries=2,
                           match="token", pool_pages=POOL_PAGES, on_full="refuse") for p in precisions.PRECISIONS]
+factory.any_page_size = True      # written for any page size: checked at sizes drawn 1-8 per run

@@ -2,7 +2,9 @@
 
 ``make_room`` runs under the cache lock before an operation allocates or copies
 anything, with the number of pages it will need, so ``refuse`` refuses before
-anything changes and ``evict`` frees room before the first page is taken. Page
+anything changes and ``evict`` frees room before the first page is taken;
+``evict-then-refuse`` first asks whether evicting every entry would make room (the
+pages contexts hold), refuses if not, and otherwise evicts as ``evict`` does. Page
 stores fall back to ordinary memory by themselves when their arena is out of
 slots; ``fallback`` adds nothing to that. The rules are ``spec/semantics.py``'s.
 """
@@ -19,12 +21,13 @@ from .radix import RadixTree
 
 class PoolPolicy:
     def __init__(self, on_full: str, limit: int, pool: PagePool, tree: RadixTree,
-                 release_entry: Callable[[object], None]):
+                 release_entry: Callable[[object], None], context_pages: Callable[[], int]):
         self.on_full = on_full
         self.limit = limit               # live pages; 0: no limit
         self.pool = pool
         self.tree = tree
         self.release_entry = release_entry
+        self.context_pages = context_pages    # pages contexts list: what evicting every entry leaves live
         self.evictions = 0
 
     def fits(self, needed: int) -> bool:
@@ -35,7 +38,10 @@ class PoolPolicy:
             return
         if self.on_full == "refuse":
             raise CapacityError(f"{len(self.pool.live)} live pages + {needed} needed > pool of {self.limit} pages")
-        while self.on_full == "evict" and not self.fits(needed):
+        if self.on_full == "evict-then-refuse" and self.context_pages() + needed > self.limit:
+            raise CapacityError(f"{self.context_pages()} pages held by contexts + {needed} needed > pool of "
+                                f"{self.limit} pages, even with every entry evicted")
+        while self.on_full in ("evict", "evict-then-refuse") and not self.fits(needed):
             victim = self.tree.pop_oldest(where=_frees_a_page)
             if victim is None:
                 return       # nothing left that frees memory: the store falls back

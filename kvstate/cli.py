@@ -57,7 +57,7 @@ def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_def
 
 def _conform(args: argparse.Namespace) -> int:
     from kvstate.stateful.conform import FactoryError, conform, format_table, observed_tiers, use_cache_folder_for_hypothesis
-    from kvstate.stateful.configs import configs_named
+    from kvstate.stateful.configs import configs_named, describe_page_sizes, page_sizes
 
     try:
         _at_least("--time-limit", args.time_limit, 0.001)
@@ -71,7 +71,7 @@ def _conform(args: argparse.Namespace) -> int:
                 raise FactoryError(f"the backend declares {error.args[0]}") from None
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
         for config in configs:
-            print(f"  {config.describe()}")
+            print(f"  {config.describe(describe_page_sizes(page_sizes(factory, config)))}")
         print(f"observation tiers: {', '.join(observed_tiers(factory, configs[0])) or 'none'} "
               f"(values, tokens, matched counts and errors are checked for every backend)", flush=True)
         use_cache_folder_for_hypothesis()

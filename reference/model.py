@@ -19,7 +19,7 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec.arithmetic import pages_needed, pages_touched
 from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContextError, PositionError,
-                                 PrecisionRangeError, SnapshotPrecisionError)
+                                 PrecisionRangeError, SnapshotPrecisionError, refuse_with_all)
 from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, hit_length
@@ -27,6 +27,21 @@ from kvstate.spec.semantics import entry_pages, hit_length
 
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _count(tokens) -> int | None:
+    """How many token ids ``tokens`` holds, judged without judging them (None: cannot tell)."""
+    if isinstance(tokens, np.ndarray):
+        return len(tokens) if tokens.ndim == 1 else None
+    return len(tokens) if isinstance(tokens, (list, tuple)) else None
+
+
+def _numbers(kv) -> np.ndarray | None:
+    """``kv`` as a NumPy float array whatever its shape, for the checks of the values themselves
+    (None when it holds no floats to judge)."""
+    if hasattr(kv, "detach"):
+        kv = kv.detach().cpu().numpy()
+    return kv if isinstance(kv, np.ndarray) and kv.dtype.kind == "f" else None
 
 
 class RefContext:
@@ -49,43 +64,73 @@ class RefContext:
         self._require_open()
         return list(self.token_list)
 
-    def _arguments(self, tokens, kv) -> tuple[np.ndarray, list[int]]:
-        # The order of spec/errors.py: tokens, the array's dtype and shape, then the context.
-        tokens = check_tokens(tokens)
-        kv = check_values(self.cache.config.layout, kv, len(tokens))
-        self._require_open()
-        return kv, [int(t) for t in tokens]
+    def _checked_write(self, tokens, kv, start: int | None) -> tuple[list[int], np.ndarray]:
+        """The tokens and the values as stored, for a write at ``start`` (None: an extend).
 
-    def _stored(self, kv: np.ndarray) -> np.ndarray:
-        # ... then the values themselves: finite, and representable at the precision.
-        require_finite(kv)
-        return precisions.roundtrip(self.cache.config.precision, kv)
+        Every check of spec/errors.py runs on its own, and a refusal names every one that
+        failed (``refuse_with_all``): when several inputs are wrong, any of those errors is a
+        right answer for a backend. The first, in the order spec/errors.py lists, is ours.
+        """
+        layout, precision = self.cache.config.layout, self.cache.config.precision
+        ok: dict[str, object] = {}
+
+        def token_ids():
+            ok["tokens"] = [int(t) for t in check_tokens(tokens)]
+
+        def count() -> int | None:      # how many positions, where that can be told at all
+            return len(ok["tokens"]) if "tokens" in ok else _count(tokens)
+
+        def dtype_and_shape():
+            if count() is not None:
+                ok["kv"] = check_values(layout, kv, count())
+
+        def positions():
+            if start is not None and (not _is_int(start) or start < 0 or start + (count() or 0) > len(self)):
+                raise PositionError(f"overwrite of {count()} positions at {start!r} is outside length {len(self)}")
+            ok["positions"] = True
+
+        def values():
+            numbers = _numbers(kv)
+            if numbers is not None:
+                require_finite(numbers)
+                if numbers.dtype == np.float32:
+                    ok["values"] = precisions.roundtrip(precision, numbers)
+
+        def pool():
+            if {"tokens", "kv", "positions"} <= ok.keys() and not self.closed:
+                self.cache.check_room(sum(self._pages_to_write(len(self) if start is None else start,
+                                                               count(), extend=start is None)))
+
+        refuse_with_all(token_ids, dtype_and_shape, self._require_open, positions, values, pool)
+        return ok["tokens"], ok["values"]
+
+    def _pages_to_write(self, start: int, n: int, extend: bool) -> tuple[int, int]:
+        """(shared pages the write must copy, new pages it appends) for positions [start, start + n)."""
+        if not n:
+            return 0, 0
+        page_tokens = self.cache.config.page_tokens
+        first, end = pages_touched(start, start + n, page_tokens)
+        copies = sum(self.cache.shared(self.labels[i]) for i in range(first, min(end, len(self.labels))))
+        return copies, (pages_needed(start + n, page_tokens) - len(self.labels) if extend else 0)
 
     def extend(self, tokens, kv) -> None:
-        kv, tokens = self._arguments(tokens, kv)
-        values = self._stored(kv)
+        tokens, values = self._checked_write(tokens, kv, None)
         if not tokens:
             return
         start, stop = len(self), len(self) + len(tokens)
-        first = pages_touched(start, stop, self.cache.config.page_tokens)[0]
-        copies = [first] if first < len(self.labels) and self.cache.shared(self.labels[first]) else []
-        fresh = pages_needed(stop, self.cache.config.page_tokens) - len(self.labels)
-        self.cache.make_room(len(copies) + fresh)
-        self._relabel(copies)
+        copies, fresh = self._pages_to_write(start, len(tokens), extend=True)
+        self.cache.make_room(copies + fresh)
+        self._relabel(range(*pages_touched(start, stop, self.cache.config.page_tokens)))
         self.labels = self.labels + [self.cache.new_label() for _ in range(fresh)]
         self.values = np.concatenate([self.values, values])
         self.token_list = self.token_list + tokens
 
     def overwrite(self, start: int, tokens, kv) -> None:
-        kv, tokens = self._arguments(tokens, kv)
-        if not _is_int(start) or start < 0 or start + len(tokens) > len(self):
-            raise PositionError(f"overwrite of {len(tokens)} positions at {start!r} is outside length {len(self)}")
-        values = self._stored(kv)
+        tokens, values = self._checked_write(tokens, kv, start)
         if not tokens:
             return
-        touched = range(*pages_touched(start, start + len(tokens), self.cache.config.page_tokens))
-        self.cache.make_room(sum(self.cache.shared(self.labels[i]) for i in touched))
-        self._relabel(touched)
+        self.cache.make_room(sum(self._pages_to_write(start, len(tokens), extend=False)))
+        self._relabel(range(*pages_touched(start, start + len(tokens), self.cache.config.page_tokens)))
         self.values = self.values.copy()
         self.values[start:start + len(tokens)] = values
         self.token_list = self.token_list[:start] + tokens + self.token_list[start + len(tokens):]
@@ -93,14 +138,16 @@ class RefContext:
     def _relabel(self, indexes) -> None:
         """The copy ``writable`` makes: a page another holder lists gets a label of its own."""
         for i in indexes:
-            if self.cache.shared(self.labels[i]):
+            if i < len(self.labels) and self.cache.shared(self.labels[i]):
                 self.labels = self.labels[:i] + [self.cache.new_label()] + self.labels[i + 1:]
 
     def read(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        self._require_open()
         stop = len(self) if stop is None else stop
-        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
-            raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
+
+        def positions():
+            if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
+                raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
+        refuse_with_all(self._require_open, positions)
         return self.values[start:stop].copy(), np.array(self.token_list[start:stop], dtype=np.int64)
 
     def fork(self) -> "RefContext":
@@ -108,9 +155,10 @@ class RefContext:
         return self.cache._adopt(self.values.copy(), list(self.token_list), list(self.labels))
 
     def truncate(self, n: int) -> None:
-        self._require_open()
-        if not (_is_int(n) and 0 <= n <= len(self)):
-            raise PositionError(f"truncate to {n} outside length {len(self)}")
+        def positions():
+            if not (_is_int(n) and 0 <= n <= len(self)):
+                raise PositionError(f"truncate to {n} outside length {len(self)}")
+        refuse_with_all(self._require_open, positions)
         self.values = self.values[:n].copy()
         self.token_list = self.token_list[:n]
         self.labels = self.labels[:pages_needed(n, self.cache.config.page_tokens)]
@@ -153,14 +201,27 @@ class RefCache:
     def live_pages(self) -> int:
         return len({label for holder in self._holders() for label in holder.labels})
 
+    def context_pages(self) -> int:
+        """Pages that would stay live if every tree entry were evicted: those contexts list."""
+        return len({label for holder in self.contexts for label in holder.labels})
+
+    def check_room(self, needed: int) -> None:
+        """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages; changes nothing."""
+        limit, on_full = self.config.pool_limit, self.config.on_full
+        if not needed or not limit or on_full not in ("refuse", "evict-then-refuse"):
+            return
+        held = self.live_pages() if on_full == "refuse" else self.context_pages()
+        if held + needed > limit:
+            what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
+            raise CapacityError(f"{held} {what} + {needed} needed > pool of {limit}")
+
     def make_room(self, needed: int) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py)."""
         limit = self.config.pool_limit
         if not needed or not limit or self.live_pages() + needed <= limit:
             return
-        if self.config.on_full == "refuse":
-            raise CapacityError(f"{self.live_pages()} live pages + {needed} needed > pool of {limit}")
-        while self.config.on_full == "evict" and self.live_pages() + needed > limit:
+        self.check_room(needed)
+        while self.config.on_full in ("evict", "evict-then-refuse") and self.live_pages() + needed > limit:
             frees = [entry for entry in self.entries
                      if any(self.holders_of(label) == 1 for label in entry[1].labels)]
             if not frees:
@@ -196,9 +257,10 @@ class RefCache:
         return self.clock
 
     def retain(self, ctx: RefContext) -> None:
-        ctx._require_open()
-        if len(ctx) == 0:
-            raise EmptyContextError("cannot retain an empty context")
+        def not_empty():
+            if len(ctx) == 0:
+                raise EmptyContextError("cannot retain an empty context")
+        refuse_with_all(ctx._require_open, not_empty)
         key = tuple(ctx.token_list)
         self.entries = [entry for entry in self.entries if entry[0] != key]
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), list(ctx.labels))

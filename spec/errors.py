@@ -3,16 +3,22 @@
 Each error says what was wrong with which value. Callers catch ``KVStateError``
 for "kvstate refused this" and a subclass when they care why.
 
-When several things are wrong at once, the first check in this order decides the
-class (the reference and every backend agree on it): the token ids (``DTypeError``,
-``ShapeError``, ``TokenError``); the K/V array's dtype and shape, its rows against
-the token count included (``DTypeError``, ``ShapeError``); the context itself
-(``ContextClosedError``, ``ContextBusyError``); positions (``PositionError``); the
-K/V values (``NonFiniteError``, ``PrecisionRangeError``); the page pool
-(``CapacityError``).
+When several things are wrong at once, any error that truly applies is a right
+answer: real engines validate in many orders. Each check is judged on its own
+input: the token ids (``DTypeError``, ``ShapeError``, ``TokenError``); the K/V
+array's dtype and shape, its rows against the token count included (``DTypeError``,
+``ShapeError``); the context itself (``ContextClosedError``, ``ContextBusyError``);
+positions (``PositionError``); the K/V values (``NonFiniteError``,
+``PrecisionRangeError``); the page pool (``CapacityError``, judged only once the
+operation's need is known: valid tokens and array, an open context, positions
+inside it). The reference raises the first of these in that order and names every
+one that applies (``refuse_with_all``); a backend is checked against that set
+(``applicable_errors``): a class outside it, or no error, is wrong.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 
 class KVStateError(Exception):
@@ -172,3 +178,25 @@ class ResumeError(SweepError, InvalidInputError):
 
 class RunTimeout(SweepError):
     """One run went past ``--run-timeout``; it is recorded as that seed's failure."""
+
+
+# -- several bad inputs ------------------------------------------------------------
+
+def refuse_with_all(*checks: Callable[[], None]) -> None:
+    """Run each check of one operation on its own; if any refuses, raise the first refusal with
+    ``applicable`` set to the class of every refusal (each is a right answer for a backend)."""
+    refusals = []
+    for check in checks:
+        try:
+            check()
+        except KVStateError as error:
+            refusals.append(error)
+    if refusals:
+        first = refusals[0]
+        first.applicable = tuple(dict.fromkeys(type(error) for error in refusals))
+        raise first
+
+
+def applicable_errors(error: BaseException) -> tuple[type, ...]:
+    """The error classes a backend may raise where the reference raised ``error``."""
+    return getattr(error, "applicable", (type(error),))

@@ -89,11 +89,12 @@ class Config:
         pool = f"pool {self.pool_limit} pages, {self.on_full} when full" if self.pool_limit else "no pool limit"
         return f"{match}; {bounds}; {pool}"
 
-    def describe(self) -> str:
-        """Everything a counterexample depends on, in one line."""
+    def describe(self, page_tokens: str | None = None) -> str:
+        """Everything a counterexample depends on, in one line (``page_tokens``: how the page size
+        is told, when runs draw it rather than take this configuration's)."""
         layout = self.layout
         return (f"{self.name}: layout {layout.layers}x{layout.kv_heads}x{layout.head_dim} "
-                f"(layers x kv_heads x head_dim), page_tokens {self.page_tokens}, {self.precision}, "
+                f"(layers x kv_heads x head_dim), {page_tokens or f'page_tokens {self.page_tokens}'}, {self.precision}, "
                 f"arena {self.arena_pages}, {self.semantics}")
 
     def with_(self, **changes: Any) -> "Config":
@@ -125,7 +126,7 @@ class CacheProtocol(Protocol):
 Factory = Callable[[Config], CacheProtocol]
 
 # What a factory may list in its ``semantics`` attribute (``spec/semantics.py``).
-SEMANTICS_TAGS = frozenset({"token", "block", "max_pages", "pool_pages", "evict", "refuse"})
+SEMANTICS_TAGS = frozenset({"token", "block", "max_pages", "pool_pages", "evict", "refuse", "evict-then-refuse"})
 
 
 def standard_configs(layout: Layout, page_tokens: int, max_entries: int, arena_pages: int) -> list[Config]:

@@ -25,7 +25,14 @@ per configuration (``Config``), and the reference and the engine implement all o
   ``evict``    least recently used tree entries whose eviction frees a page (an entry holding
                a page that no other holder lists) are evicted, oldest first, until the pages fit
                or no such entry is left; the rest falls back to ordinary memory;
-  ``refuse``   ``CapacityError``, and nothing changes.
+  ``refuse``   ``CapacityError``, and nothing changes (entries' pages count as live: nothing is
+               evicted to make room).
+  ``evict-then-refuse``  entries' pages are reclaimable (vLLM keeps cached blocks at refcount 0 in a
+               free queue, SGLang evicts unlocked leaves): ``CapacityError``, nothing changed, when
+               the pages contexts hold plus the pages needed pass the pool; otherwise as ``evict``
+               (which then always makes room).
+  Eviction for room re-scans after each victim: evicting one entry can make another the only
+  holder of a page it shares, so that entry then frees memory too.
   An operation's need is counted before it starts: ``extend`` needs its new pages plus a copy of
   a partly filled last page that another holder shares; ``overwrite`` a copy of each shared
   page it touches; ``restore`` every page of the snapshot; nothing else allocates.
@@ -36,7 +43,7 @@ from __future__ import annotations
 from .arithmetic import pages_needed
 
 MATCH_KINDS = ("entry", "token", "block")
-ON_FULL = ("fallback", "evict", "refuse")
+ON_FULL = ("fallback", "evict", "refuse", "evict-then-refuse")
 
 
 def hit_length(match: str, block_tokens: int, common: int) -> int:
@@ -49,6 +56,16 @@ def hit_length(match: str, block_tokens: int, common: int) -> int:
 def entry_pages(key_length: int, page_tokens: int) -> int:
     """What one entry counts against ``max_pages``."""
     return pages_needed(key_length, page_tokens)
+
+
+def may_refuse(on_full: str) -> bool:
+    """Whether a full pool may answer an operation with ``CapacityError``."""
+    return on_full in ("refuse", "evict-then-refuse")
+
+
+def evicts_for_room(on_full: str) -> bool:
+    """Whether a full pool evicts tree entries to make room."""
+    return on_full in ("evict", "evict-then-refuse")
 
 
 def pool_limit(pool_pages: int, arena_pages: int) -> int:

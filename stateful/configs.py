@@ -12,6 +12,7 @@ MACHINE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 MACHINE_MAX_ENTRIES = 2      # small, so eviction happens often
 MACHINE_ARENA_PAGES = 6      # small, so the arena runs out and falls back to the heap
 PAGE_TOKENS_RANGE = (1, 8)   # drawn per run, so page boundaries are crossed all the time
+DRAWN_PAGE_SIZES = tuple(range(PAGE_TOKENS_RANGE[0], PAGE_TOKENS_RANGE[1] + 1))
 
 
 def machine_configs() -> list[Config]:
@@ -31,6 +32,9 @@ def semantics_configs() -> list[Config]:
         base.with_(match="token", arena_pages=MACHINE_ARENA_PAGES, on_full="evict", max_entries=4),
         base.with_(match="block", block_tokens=4, pool_pages=12, on_full="refuse"),
         base.with_(arena_pages=10, on_full="refuse"),                             # a fixed pool, entry match
+        # vLLM's and SGLang's pools: cached pages are reclaimed first, then the operation is refused
+        base.with_(match="block", block_tokens=2, precision="f16", pool_pages=10, on_full="evict-then-refuse",
+                   max_entries=8),
     ]
 
 
@@ -49,6 +53,23 @@ def configs_for(factory) -> list[Config]:
     if unknown:
         raise ConfigError(f"the factory declares unknown semantics {sorted(unknown)}; known: {sorted(SEMANTICS_TAGS)}")
     return machine_configs() + [config for config in semantics_configs() if config.tags <= tags]
+
+
+def page_sizes(factory, config: Config) -> tuple[int, ...]:
+    """The page sizes the lockstep machine and the seeded runs build ``config``'s caches at.
+
+    A factory that lists its ``configs`` declared each one's ``page_tokens``, and is run at exactly
+    that (an engine whose block is its page, as vLLM's, may take no other); one that lists none is
+    checked in the standard configurations at page sizes drawn per run from ``PAGE_TOKENS_RANGE``,
+    so page boundaries fall everywhere. ``factory.any_page_size`` (True or False) overrides either.
+    """
+    drawn = getattr(factory, "any_page_size", getattr(factory, "configs", None) is None)
+    return DRAWN_PAGE_SIZES if drawn else (config.page_tokens,)
+
+
+def describe_page_sizes(sizes: tuple[int, ...]) -> str:
+    return (f"page_tokens {sizes[0]}" if len(sizes) == 1
+            else f"page_tokens drawn per run from {sizes[0]}-{sizes[-1]}")
 
 
 def configs_named(names, available=None) -> list[Config]:

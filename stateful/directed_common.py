@@ -23,7 +23,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .lockstep import Lockstep, to_numpy
+from .lockstep import Lockstep, describe_refusal, same_refusal, to_numpy
 
 Check = Callable[[Factory, Config], None]
 
@@ -96,9 +96,9 @@ def both(run: Lockstep, promise: str, call: str, engine: Callable[[], Any], refe
     record(run, call)
     got, got_error = _attempt(engine)
     want, want_error = _attempt(reference)
-    if type(got_error) is not type(want_error):
+    if not same_refusal(got_error, want_error):
         raise BrokenPromise(promise, call, f"engine {_said(got_error, 'accepted')}, "
-                                           f"reference {_said(want_error, 'accepted')}")
+                                           f"reference {describe_refusal(want_error)}")
     if got_error is not None:
         run.history[-1] += f"    # refused: {type(got_error).__name__}"
     return got, want, got_error

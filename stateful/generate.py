@@ -27,7 +27,7 @@ from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .configs import PAGE_TOKENS_RANGE, machine_configs
+from .configs import DRAWN_PAGE_SIZES, machine_configs, page_sizes
 from .lockstep import Lockstep
 
 TOKENS = (0, 1, 2)          # a tiny alphabet: prefixes repeat, so match and retain hit
@@ -179,13 +179,13 @@ _register_snapshots()
 
 
 class Generator:
-    """The operation stream of one seed. ``page_tokens`` is drawn first, then each ``next_op``
-    looks at the run's state, so feed it the same ``Lockstep`` the operations are applied to."""
+    """The operation stream of one seed. ``page_tokens`` is drawn first (from ``sizes``), then each
+    ``next_op`` looks at the run's state, so feed it the same ``Lockstep`` the operations are applied to."""
 
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, sizes: tuple[int, ...] = DRAWN_PAGE_SIZES):
         self.seed = seed
         self.rng = random.Random(seed)
-        self.page_tokens = self.rng.randint(*PAGE_TOKENS_RANGE)
+        self.page_tokens = self.rng.choice(sizes)    # for 1-8, the very draw randint(1, 8) makes
         self._opening = [O.Allocate()]
         first = _tokens(self.rng, 0, MAX_FIRST)
         if first:       # as the machine's initialize: one context to share pages with from step 1
@@ -214,8 +214,9 @@ def generate(seed: int, steps: int, config: Config | None = None,
     operation kinds gets the same sequence; ``factory`` defaults to the NumPy engine.
     """
     config = config or machine_configs()[0]
-    generator = Generator(seed)
-    lockstep = Lockstep(factory or numpy_factory, config.with_(page_tokens=generator.page_tokens))
+    factory = factory or numpy_factory
+    generator = Generator(seed, page_sizes(factory, config))
+    lockstep = Lockstep(factory, config.with_(page_tokens=generator.page_tokens))
     sequence = []
     for _ in range(steps):
         op = generator.next_op(lockstep)

@@ -16,7 +16,7 @@ import numpy as np
 
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
-from kvstate.spec.errors import InvariantViolation, KVStateError
+from kvstate.spec.errors import InvariantViolation, KVStateError, applicable_errors
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
@@ -63,9 +63,9 @@ class Lockstep:
         self._created_last = None
         engine_result, engine_error = _attempt(self._perform, op, 0, self.engine)
         ref_result, ref_error = _attempt(self._perform, op, 1, self.reference)
-        if type(engine_error) is not type(ref_error):
+        if not same_refusal(engine_error, ref_error):
             self._failed()
-            raise InvariantViolation("errors", f"{op}: engine {engine_error!r}, reference {ref_error!r}")
+            raise InvariantViolation("errors", f"{op}: engine {engine_error!r}, reference {describe_refusal(ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"    # refused: {type(engine_error).__name__}"
             return None
@@ -184,6 +184,21 @@ class Lockstep:
             self.apply(op)
             if check_every_step:
                 self.check()
+
+
+def same_refusal(engine_error: BaseException | None, ref_error: BaseException | None) -> bool:
+    """Both accepted, or the engine raised one of the errors that apply (``spec.errors.applicable_errors``)."""
+    if engine_error is None or ref_error is None:
+        return engine_error is None and ref_error is None
+    return type(engine_error) in applicable_errors(ref_error)
+
+
+def describe_refusal(ref_error: BaseException | None) -> str:
+    """The reference's answer, naming every error class that would be right."""
+    if ref_error is None:
+        return "accepted"
+    others = [cls.__name__ for cls in applicable_errors(ref_error)[1:]]
+    return f"{ref_error!r}" + (f" (or any of {', '.join(others)})" if others else "")
 
 
 def _attempt(perform, op, side, cache):

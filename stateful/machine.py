@@ -15,7 +15,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .configs import PAGE_TOKENS_RANGE
+from .configs import PAGE_TOKENS_RANGE, page_sizes
 from .lockstep import Lockstep
 from .snapshots import Restore, Snapshot, supports_snapshots
 
@@ -39,6 +39,7 @@ class RunStats:
 class LockstepMachine(RuleBasedStateMachine):
     factory: Factory
     config: Config
+    page_sizes: tuple[int, ...]     # what runs are built at (``configs.page_sizes``)
     stats: RunStats
 
     contexts = Bundle("contexts")
@@ -53,6 +54,8 @@ class LockstepMachine(RuleBasedStateMachine):
                 tokens=st.lists(TOKENS, max_size=12), seed=SEEDS)
     def build_cache(self, page_tokens, tokens, seed):
         """Every run starts from a cache holding one context, so short runs still share pages."""
+        sizes = type(self).page_sizes     # all of PAGE_TOKENS_RANGE, or the declared size alone
+        page_tokens = sizes[(page_tokens - PAGE_TOKENS_RANGE[0]) % len(sizes)]
         self.lockstep = Lockstep(type(self).factory, type(self).config.with_(page_tokens=page_tokens))
         type(self).stats.runs += 1
         type(self).stats.last = self.lockstep
@@ -150,4 +153,5 @@ class LockstepMachine(RuleBasedStateMachine):
 def machine_for(factory: Factory, config: Config) -> type[LockstepMachine]:
     """A machine class bound to one backend factory and one configuration."""
     return type(f"Lockstep_{config.name.replace('-', '_')}", (LockstepMachine,),
-                {"factory": staticmethod(factory), "config": config, "stats": RunStats()})
+                {"factory": staticmethod(factory), "config": config, "page_sizes": page_sizes(factory, config),
+                 "stats": RunStats()})

@@ -36,6 +36,7 @@ import numpy as np
 from kvstate.impl import Cache
 from kvstate.spec import invariants
 from kvstate.spec import precision as precisions
+from kvstate.spec.semantics import may_refuse
 from kvstate.spec.errors import CapacityError, ContextBusyError, InvariantViolation
 from kvstate.spec.layout import Layout
 from kvstate.spec.observation import Observation
@@ -181,7 +182,7 @@ def attempt(write: Callable[[], None], ctx, config: Config, report: "RaceReport"
             want_tokens=None) -> bool:
     """Run one write on ``ctx`` (which the calling thread owns); True if it happened.
 
-    A refusing pool (``on_full="refuse"``) may refuse any write with ``CapacityError``, and the
+    A refusing pool (``on_full`` "refuse" or "evict-then-refuse") may refuse any write with ``CapacityError``, and the
     refusal must leave ``ctx`` as it was: the same length, and values matching ``want_tokens``
     (its tokens before the write, where the caller knows them) or else its own tokens. Under
     any other ``on_full`` a ``CapacityError`` is a failure.
@@ -191,7 +192,7 @@ def attempt(write: Callable[[], None], ctx, config: Config, report: "RaceReport"
         write()
         return True
     except CapacityError as error:
-        if config.on_full != "refuse":
+        if not may_refuse(config.on_full):
             raise RaceFailure(f"{name}: CapacityError although on_full={config.on_full!r}: {error}") from error
     report.add("refusals")
     if len(ctx) != before:
@@ -331,7 +332,7 @@ def check_pool(obs: Observation, config: Config | None) -> None:
     """A refusing pool never holds more live pages than its limit: every allocation past it is
     refused before it happens (``spec/semantics.py``). Cached pages (refcount 0, reusable) are
     not counted; a backend without the pages tier is not checked here."""
-    if config is None or config.on_full != "refuse" or obs.pages is None:
+    if config is None or not may_refuse(config.on_full) or obs.pages is None:
         return
     live = sum(1 for page in obs.pages.values() if not page.cached)
     if live > config.pool_limit:

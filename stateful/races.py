@@ -58,7 +58,7 @@ from kvstate.spec import invariants
 from kvstate.spec.arithmetic import pages_needed, pages_touched
 from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import entry_pages, hit_length
+from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse
 
 from .race_harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
     RACE_LAYOUT, RaceFailure, RaceReport, attempt, available_stores, check_after, check_emptied, check_pool,
@@ -134,7 +134,7 @@ def _rounds(report: RaceReport, store, seed: int, iterations: int, configs=None)
 def _fitting(config: Config, n: int) -> int:
     """At most ``n`` tokens, and few enough that a context set up before the threads start fills
     at most half of a pool that refuses when full (so the set-up itself is never refused)."""
-    if config.on_full != "refuse":
+    if not may_refuse(config.on_full):
         return n
     return max(1, min(n, config.pool_limit // 2 * config.page_tokens))
 
@@ -395,7 +395,7 @@ def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int 
                 else:
                     bodies.append(_allocator(cache, config, rng, steps // 2, t, report, where))
             run_threads(bodies, where, observe_cache=cache, report=report, config=config)
-            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=config.on_full != "evict")
+            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=not evicts_for_room(config.on_full))
             report.iterations += 1
     return report
 
@@ -433,7 +433,7 @@ def pressure_vs_match(store: str = "numpy", seed: int = 0, iterations: int = 6, 
                     bodies.append(_allocator(cache, config, rng, steps, t, report, where, retained))
             run_threads(bodies, where, observe_cache=cache, report=report, config=config)
             report.add("pressure_evictions", cache.observe().counters.get("pressure_evictions", 0))
-            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=config.on_full != "evict")
+            _finish_tree(cache, config, retained, where, only_evicted_by_bounds=not evicts_for_room(config.on_full))
             report.iterations += 1
     return report
 
@@ -534,7 +534,7 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
                             with lock:
                                 outcomes.append("busy")
                         except CapacityError:
-                            if action != "write" or config.on_full != "refuse":
+                            if action != "write" or not may_refuse(config.on_full):
                                 raise
                             with lock:
                                 outcomes.append("refused")
@@ -606,7 +606,7 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
                     try:
                         restored = cache.restore(path)
                     except CapacityError:
-                        if config.on_full != "refuse":
+                        if not may_refuse(config.on_full):
                             raise
                         report.add("refusals")
                         continue

@@ -18,6 +18,7 @@ from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 from .backends import load_factory
+from .configs import page_sizes
 from .deadline import Deadline
 from .generate import Generator, generate
 from .lockstep import Lockstep
@@ -60,7 +61,7 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     ``config``, every invariant after every step, and invariant 6 at the end. Past ``timeout_s``
     seconds the run stops and is a ``RunTimeout`` failure at the step it had reached."""
     factory = factory_for(backend) if isinstance(backend, str) else backend
-    generator = Generator(seed)
+    generator = Generator(seed, page_sizes(factory, config))
     config = config.with_(page_tokens=generator.page_tokens)
     ran: list[O.Op] = []
     failure = None

@@ -115,6 +115,7 @@ class Cache(TokenPoolCache):
 def factory(config):
     return Cache(config)
 factory.configs = working.configs[:1]
+factory.any_page_size = True
 """)
     (result,) = conform(factory, settings=SMALL, checks=["lockstep"])
     assert not result.passed and "CapacityError" in result.outcomes["lockstep"].detail

@@ -50,7 +50,7 @@ def test_race_configurations_cover_every_declared_semantics():
     assert set().union(*(config.tags for config in races.race_configs())) == SEMANTICS_TAGS
     assert all(config.layout == races.RACE_LAYOUT for config in races.race_configs())
     pressure = races.pressure_configs()
-    assert {config.on_full for config in pressure} == {"evict", "refuse"}
+    assert {config.on_full for config in pressure} == {"evict", "refuse", "evict-then-refuse"}
     assert {config.match for config in pressure} == {"entry", "token", "block"}
 
 

@@ -172,7 +172,7 @@ def test_a_sweep_covers_every_configuration_the_backend_declares(tmp_path, capsy
     assert main(["sweep", "--seeds", "10", "--steps", "100", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert [row["config"] for row in report["summary"]] == [c.name for c in configs_for(factory)]
-    assert len(report["summary"]) == 12
+    assert len(report["summary"]) == 13
     for row in report["summary"]:
         assert (row["runs"], row["steps"], row["failures"]) == (10, 1000, 0)    # every run full length
     out = capsys.readouterr().out

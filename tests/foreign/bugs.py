@@ -230,8 +230,9 @@ def _factory_for(cache_class, base_factory):
         return cache_class(config)
     factory.__name__ = factory.__qualname__ = f"{cache_class.__name__}_factory"
     factory.__doc__ = cache_class.__doc__
-    if hasattr(base_factory, "configs"):
-        factory.configs = base_factory.configs
+    for declared in ("configs", "any_page_size"):
+        if hasattr(base_factory, declared):
+            setattr(factory, declared, getattr(base_factory, declared))
     return factory
 
 

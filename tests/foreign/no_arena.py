@@ -279,3 +279,4 @@ def factory(config: Config) -> HeapEngine:
 # No arena: declare the three precisions without one, at the standard page size and entry limit.
 factory.configs = [Config(LAYOUT, page_tokens=4, precision=p, arena_pages=0, max_entries=2)
                    for p in precisions.PRECISIONS]
+factory.any_page_size = True      # written for any page size: checked at sizes drawn 1-8 per run

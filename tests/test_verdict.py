@@ -1,0 +1,102 @@
+"""Conform's verdict both ways: a correct backend built differently from ours is never rejected.
+
+- A backend that validates its inputs in another order (the context first, token ids last) passes
+  the default profile: when several inputs are wrong, any error that applies is right.
+- A backend that takes only the page size its configurations declare (a block is a page, as in
+  vLLM) passes the default profile: a factory listing ``configs`` is run at exactly those sizes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvstate.spec.errors import ConfigError, PositionError
+from kvstate.spec.layout import check_tokens, check_values, require_finite
+from kvstate.spec import precision as precisions
+from kvstate.stateful.configs import page_sizes
+from kvstate.stateful.conform import conform, load_factory
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+listcache_factory = load_factory(str(EXAMPLES / "listcache.py"))
+listcache = sys.modules[listcache_factory.__module__]
+
+
+class ContextFirst(listcache.ListContext):
+    """Validates in the reverse of the reference's order: the context, positions, the values,
+    the array's shape, the token ids last."""
+
+    def _encode(self, tokens, kv, start=None):
+        self._open()
+        count = len(tokens)
+        if start is not None and not (isinstance(start, int) and 0 <= start and start + count <= self.length):
+            raise PositionError(f"overwrite of [{start}, {start + count}) outside length {self.length}")
+        if isinstance(kv, np.ndarray) and kv.dtype.kind == "f":
+            require_finite(kv)
+        kv = check_values(self.cache.layout, kv, count)
+        tokens = check_tokens(tokens)
+        return tokens, precisions.roundtrip(self.cache.precision, kv)
+
+
+class ContextFirstCache(listcache.ListCache):
+    context_class = ContextFirst
+
+
+def context_first(config):
+    return ContextFirstCache(config)
+
+
+context_first.configs = listcache_factory.configs[:1]
+context_first.any_page_size = True
+
+
+class FourTokenPages(listcache.ListCache):
+    """Refuses every page size but the one it declares, as an engine whose block is its page."""
+
+    def __init__(self, config):
+        if config.page_tokens != 4:
+            raise ConfigError(f"this engine's pages hold 4 tokens, not {config.page_tokens}")
+        super().__init__(config)
+
+
+def four_token_pages(config):
+    return FourTokenPages(config)
+
+
+four_token_pages.configs = listcache_factory.configs[1:2]
+
+
+@pytest.mark.parametrize("factory", [context_first, four_token_pages], ids=lambda f: f.__name__)
+def test_a_correct_backend_built_otherwise_passes_the_default_profile(factory):
+    (result,) = conform(factory, profile="ci")
+    assert result.passed, result.failure
+    assert result.outcomes["lockstep"].steps > 1000 and result.outcomes["seeded"].steps > 1000
+
+
+def test_the_other_order_is_really_another_order():
+    """The control: with a closed context and a wrong array, the variant names the context where
+    the reference names the array, so the pass above is the rule at work, not a coincidence."""
+    config = context_first.configs[0]
+    ctx = context_first(config).allocate()
+    ctx.close()
+    two_rows = np.zeros(config.layout.batch_shape(2), np.float32)
+    with pytest.raises(listcache.ContextClosedError):
+        ctx.extend([1], two_rows)
+    from kvstate.reference import RefCache
+    from kvstate.spec.errors import ShapeError, applicable_errors
+
+    ref = RefCache(config).allocate()
+    ref.close()
+    with pytest.raises(ShapeError) as refused:
+        ref.extend([1], two_rows)
+    assert set(applicable_errors(refused.value)) == {ShapeError, listcache.ContextClosedError}
+
+
+def test_page_sizes_are_the_declared_ones_unless_any_is_declared():
+    assert page_sizes(four_token_pages, four_token_pages.configs[0]) == (4,)
+    assert page_sizes(context_first, context_first.configs[0]) == tuple(range(1, 9))
+    with pytest.raises(ConfigError):
+        four_token_pages(four_token_pages.configs[0].with_(page_tokens=2))
