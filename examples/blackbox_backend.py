@@ -154,7 +154,7 @@ class BoxCache:
         length = hit_length(self.config.match, self.config.block_tokens, longest)
         if length == 0:
             return None, 0
-        newest = [key for key in self.entries if common[key] == longest][-1]   # most recently used
+        newest = [key for key in self.entries if common[key] >= length][-1]   # most recently used of those holding the hit
         return newest, length
 
     def clear(self) -> None:

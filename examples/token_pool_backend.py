@@ -73,8 +73,8 @@ class TokenPoolCache(ListCache):
         length = hit_length(self.config.match, self.config.block_tokens, longest)
         if length == 0:
             return self.allocate(), 0
-        # of the entries sharing the longest prefix, the most recently used; only it is stamped
-        _, _, best = max((item for item in common if item[0] == longest), key=lambda item: item[1])
+        # of the entries sharing all of the hit's positions, the most recently used; only it is stamped
+        _, _, best = max((item for item in common if item[0] >= length), key=lambda item: item[1])
         self.clock += 1
         best[2] = self.clock
         pages = best[1].pages[:pages_needed(length, self.page_tokens)]   # the last one may be partly used

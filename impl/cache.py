@@ -125,7 +125,7 @@ class Cache:
         self.find_hit = finder_for(match, block_tokens)
         self.bounds = TreeBounds(max_entries, max_pages, self.page_tokens)
         self.policy = PoolPolicy(on_full, self.config.pool_limit, self.pool, self.tree, self._release,
-                                 self._context_pages)
+                                 self._context_page_ids)
         self.pool.make_room = self.policy.make_room
         self.lock = threading.RLock()
         self._contexts: dict[int, Context] = {}
@@ -174,9 +174,9 @@ class Cache:
         ctx._slots = ctx._slots[:0]
         ctx._closed = True
 
-    def _context_pages(self) -> int:
+    def _context_page_ids(self) -> set[int]:
         """Live pages some context lists (under the lock): what evicting every entry would leave."""
-        return len({page.page_id for ctx in self._contexts.values() for page in ctx._pages})
+        return {page.page_id for ctx in self._contexts.values() for page in ctx._pages}
 
     def _close(self, ctx: Context) -> None:
         with self.lock:

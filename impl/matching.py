@@ -11,7 +11,7 @@ from typing import Callable
 
 from kvstate.spec.semantics import hit_length
 
-from .radix import Node, RadixTree
+from .radix import TOKEN_BYTES, Node, RadixTree
 
 Finder = Callable[[RadixTree, bytes], "tuple[Node | None, int]"]
 
@@ -23,12 +23,15 @@ def entry_hit(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
 
 def prefix_hit(match: str, block_tokens: int) -> Finder:
     """``token``: the longest common prefix with any key; ``block``: that, rounded down to whole
-    blocks. Taken from the most recently used entry of those sharing the longest prefix."""
+    blocks. Taken from the most recently used entry of those sharing the hit's positions (under
+    ``block``, every entry reaching its last whole block, whatever it shares past it)."""
     def find(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
         below, common = tree.deepest(query)
         length = hit_length(match, block_tokens, common)
         if below is None or length == 0:
             return None, 0
+        if length < common:      # the subtree of entries sharing just the hit's positions
+            below, _ = tree.deepest(query[:length * TOKEN_BYTES])
         return tree.newest_below(below), length
     return find
 

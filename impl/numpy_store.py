@@ -241,7 +241,8 @@ class NumpyStore:
 
     def read(self, buffer: NumpyBuffer, start: int, stop: int) -> np.ndarray:
         parts = tuple(array[:, :, start:stop] for array in buffer.arrays)
-        return np.ascontiguousarray(np.moveaxis(precisions.decode(self.precision, parts), 2, 0))
+        # layer-major rows -> position-major; transpose, not moveaxis: a quarter of the cost at one page
+        return np.ascontiguousarray(precisions.decode(self.precision, parts).transpose(_POSITIONS_FIRST))
 
     def read_encoded(self, buffer: NumpyBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
         return tuple(np.moveaxis(array[:, :, start:stop], 2, 0) for array in buffer.arrays)
@@ -269,10 +270,13 @@ class NumpyStore:
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
     def is_zero_from(self, buffer: NumpyBuffer, offset: int) -> bool:
+        if offset >= self.page_tokens:
+            return True           # a full page has no unwritten tail (``observe`` asks of every page)
         return all(not array[:, :, offset:].any() for array in buffer.arrays)
 
     def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
         return self._arena.books()
 
 
+_POSITIONS_FIRST = (2, 0, 1, 3, 4)     # (layers, 2, positions, heads, dim) -> (positions, layers, 2, heads, dim)
 _OWNER_REFS = _baseline_refs()      # the owner's references when only its array holds it (interpreter-specific)

@@ -21,13 +21,13 @@ from .radix import RadixTree
 
 class PoolPolicy:
     def __init__(self, on_full: str, limit: int, pool: PagePool, tree: RadixTree,
-                 release_entry: Callable[[object], None], context_pages: Callable[[], int]):
+                 release_entry: Callable[[object], None], context_page_ids: Callable[[], set[int]]):
         self.on_full = on_full
         self.limit = limit               # live pages; 0: no limit
         self.pool = pool
         self.tree = tree
         self.release_entry = release_entry
-        self.context_pages = context_pages    # pages contexts list: what evicting every entry leaves live
+        self.context_page_ids = context_page_ids    # pages contexts list: what evicting every entry leaves live
         self.evictions = 0
 
     def fits(self, needed: int) -> bool:
@@ -38,18 +38,19 @@ class PoolPolicy:
             return
         if self.on_full == "refuse":
             raise CapacityError(f"{len(self.pool.live)} live pages + {needed} needed > pool of {self.limit} pages")
-        if self.on_full == "evict-then-refuse" and self.context_pages() + needed > self.limit:
-            raise CapacityError(f"{self.context_pages()} pages held by contexts + {needed} needed > pool of "
-                                f"{self.limit} pages, even with every entry evicted")
+        if self.on_full == "evict-then-refuse" and len(self.context_page_ids()) + needed > self.limit:
+            raise CapacityError(f"{len(self.context_page_ids())} pages held by contexts + {needed} needed > pool "
+                                f"of {self.limit} pages, even with every entry evicted")
+        held = self.context_page_ids() if self.on_full in ("evict", "evict-then-refuse") else set()
         while self.on_full in ("evict", "evict-then-refuse") and not self.fits(needed):
-            victim = self.tree.pop_oldest(where=_frees_a_page)
+            victim = self.tree.pop_oldest(where=lambda entry: _keeps_a_page(entry, held))
             if victim is None:
                 return       # nothing left that frees memory: the store falls back
             self.release_entry(victim)
             self.evictions += 1
 
 
-def _frees_a_page(entry) -> bool:
-    """Evicting ``entry`` frees memory only if it holds a page nobody else does."""
-    pages = entry._pages      # refcounts are one array (impl/pages.py): read them in one step
-    return bool(pages) and bool((pages[0].books.counts[entry._ref_slots(len(pages))] == 1).any())
+def _keeps_a_page(entry, held_by_contexts: set[int]) -> bool:
+    """Whether ``entry`` keeps a page no context holds: evicting it frees that page, or, where
+    another entry keeps it too, brings it closer to free (evicting never changes what contexts hold)."""
+    return any(page.page_id not in held_by_contexts for page in entry._pages)

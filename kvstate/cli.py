@@ -9,6 +9,7 @@ factory that hangs cannot hang the command.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 BUILTIN_BACKENDS = ("kvstate.impl.numpy", "kvstate.impl.torch")
@@ -19,6 +20,18 @@ LOAD_TIME_LIMIT = 60.0
 
 class UsageError(Exception):
     """A bad argument: one line, exit 2."""
+
+
+def _workers(value: str, tasks: int) -> int:
+    """``--workers``: ``auto`` (one per core, no more than there are tasks) or a positive int."""
+    if value == "auto":
+        return max(1, min(tasks, os.cpu_count() or 1))
+    try:
+        workers = int(value)
+    except ValueError:
+        raise UsageError(f"--workers must be 'auto' or a positive int, got {value!r}") from None
+    _at_least("--workers", workers, 1)
+    return workers
 
 
 def _at_least(name: str, value, low) -> None:
@@ -56,7 +69,8 @@ def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_def
 
 
 def _conform(args: argparse.Namespace) -> int:
-    from kvstate.stateful.conform import FactoryError, conform, format_table, observed_tiers, use_cache_folder_for_hypothesis
+    from kvstate.stateful.conform import (FactoryError, conform, conform_checks_known, format_table, observed_tiers,
+                                          use_cache_folder_for_hypothesis)
     from kvstate.stateful.configs import configs_named, describe_page_sizes, page_sizes
 
     try:
@@ -76,16 +90,26 @@ def _conform(args: argparse.Namespace) -> int:
               f"(values, tokens, matched counts and errors are checked for every backend)", flush=True)
         use_cache_folder_for_hypothesis()
         progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
-        settings = None
-        if args.examples or args.steps:
-            from hypothesis import settings as Settings
-            from kvstate.stateful.configs import PROFILES
+        workers = _workers(args.workers, len(configs))
+        if args.check:
+            conform_checks_known(args.check)
+        if workers > 1 and len(configs) > 1:
+            from kvstate.stateful.conform_pool import conform_in_processes
 
-            base = PROFILES[args.profile]
-            settings = Settings(base, max_examples=args.examples or base.max_examples,
-                                stateful_step_count=args.steps or base.stateful_step_count)
-        results = conform(factory, profile=args.profile, configs=configs, checks=args.check,
-                          time_limit=args.time_limit, progress=progress, settings=settings)
+            results = conform_in_processes(args.backend, configs, workers, profile=args.profile, checks=args.check,
+                                           time_limit=args.time_limit, sizes=(args.examples, args.steps),
+                                           progress=progress)
+        else:
+            settings = None
+            if args.examples or args.steps:
+                from hypothesis import settings as Settings
+                from kvstate.stateful.configs import PROFILES
+
+                base = PROFILES[args.profile]
+                settings = Settings(base, max_examples=args.examples or base.max_examples,
+                                    stateful_step_count=args.steps or base.stateful_step_count)
+            results = conform(factory, profile=args.profile, configs=configs, checks=args.check,
+                              time_limit=args.time_limit, progress=progress, settings=settings)
     except FactoryError as error:
         print(f"kvstate conform: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
@@ -296,6 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
     conform.add_argument("--examples", type=int, metavar="N", help="lockstep runs per configuration (overrides the profile)")
     conform.add_argument("--steps", type=int, metavar="N", help="operations per lockstep run (overrides the profile)")
     conform.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes")
+    conform.add_argument("--workers", default="auto", metavar="N",
+                         help="configurations checked at once, each in its own process (default: one per core; "
+                              "1: in this process)")
     conform.set_defaults(run=_conform)
 
     fuzz = commands.add_parser("fuzz", help="refuse damaged and hostile snapshot files (deterministic, or atheris)")

@@ -203,7 +203,7 @@ class RefCache:
 
     def context_pages(self) -> int:
         """Pages that would stay live if every tree entry were evicted: those contexts list."""
-        return len({label for holder in self.contexts for label in holder.labels})
+        return len({label for ctx in self.contexts for label in ctx.labels})
 
     def check_room(self, needed: int) -> None:
         """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages; changes nothing."""
@@ -222,11 +222,11 @@ class RefCache:
             return
         self.check_room(needed)
         while self.config.on_full in ("evict", "evict-then-refuse") and self.live_pages() + needed > limit:
-            frees = [entry for entry in self.entries
-                     if any(self.holders_of(label) == 1 for label in entry[1].labels)]
-            if not frees:
+            held = {label for ctx in self.contexts for label in ctx.labels}
+            keeps = [entry for entry in self.entries if any(label not in held for label in entry[1].labels)]
+            if not keeps:
                 break
-            self.entries.remove(min(frees, key=lambda entry: entry[2]))
+            self.entries.remove(min(keeps, key=lambda entry: entry[2]))
 
     # -- contexts ------------------------------------------------------------------------
 
@@ -296,11 +296,12 @@ class RefCache:
             best = max(prefixes, key=lambda entry: len(entry[0]))
             return best, len(best[0])
         common = {id(entry): _common_prefix(entry[0], query) for entry in self.entries}
-        longest = max(common.values(), default=0)
-        length = hit_length(self.config.match, self.config.block_tokens, longest)
+        length = hit_length(self.config.match, self.config.block_tokens, max(common.values(), default=0))
         if length == 0:
             return None, 0
-        best = max((entry for entry in self.entries if common[id(entry)] == longest), key=lambda entry: entry[2])
+        # The hit's length decides the tie: under ``block`` every entry reaching the last whole block
+        # is a candidate, however many tokens past it it shares with the query.
+        best = max((entry for entry in self.entries if common[id(entry)] >= length), key=lambda entry: entry[2])
         return best, length
 
     def clear(self) -> None:

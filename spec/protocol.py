@@ -2,9 +2,31 @@
 
 A backend is a *factory*: a callable taking a ``Config`` and returning an object
 with the ``CacheProtocol`` surface. ``kvstate conform package.module:factory``
-runs the whole suite against it. A factory may carry a ``configs`` attribute
-(an iterable of ``Config``) to declare which configurations it supports;
-otherwise the standard six are used.
+runs the whole suite against it.
+
+What a factory may declare, as attributes:
+
+- ``configs``: the configurations it supports (a list of ``Config``), each run at exactly its
+  ``page_tokens``; without it, the standard six (``standard_configs``) at page sizes drawn 1-8
+  per run, plus each standard semantics configuration whose tags ``semantics`` lists.
+- ``semantics``: the declared semantics it implements (``SEMANTICS_TAGS``; ``spec/semantics.py``).
+- ``any_page_size``: True to be run at page sizes drawn 1-8 per run even where ``configs`` fix
+  one, False to be run at the standard configurations' own page size.
+- ``thread_safe``: True to get the race scenarios.
+
+Optional surfaces, each checked where present and reported ``n/a`` where absent:
+
+- ``ctx.snapshot(target)`` and ``cache.restore(source, max_bytes=None)`` (``SnapshotContext``,
+  ``SnapshotCache``): a target or source is a path or a binary stream; the bytes are the format of
+  ``spec/snapshot_format.py``; a restore returns a new context, and every refusal of a file is a
+  ``SnapshotError`` subclass that changes nothing. ``max_bytes`` bounds the backend's own estimate
+  of what a restore allocates; the suite never passes it.
+- ``cache.read_page(page_id)``: the stored parts of every row of a live page, written or not (the
+  one way the suite can see a recycled page handed out dirty from outside).
+
+Left free, and proven not held against a backend by the suite's own tests: the order in which
+several bad inputs are judged (any error that applies is right), ``len()`` of a closed context,
+tick numbers and when a clock advances (only the order of entries is compared).
 """
 
 from __future__ import annotations
@@ -121,6 +143,16 @@ class CacheProtocol(Protocol):
     def match(self, tokens) -> tuple[ContextProtocol, int]: ...
     def clear(self) -> None: ...
     def observe(self) -> Observation: ...
+
+
+@runtime_checkable
+class SnapshotContext(Protocol):
+    def snapshot(self, target) -> None: ...
+
+
+@runtime_checkable
+class SnapshotCache(Protocol):
+    def restore(self, source, max_bytes: int | None = None) -> ContextProtocol: ...
 
 
 Factory = Callable[[Config], CacheProtocol]

@@ -11,8 +11,10 @@ per configuration (``Config``), and the reference and the engine implement all o
   ``block``  the token match rounded down to a multiple of ``block_tokens`` (engines that cache
              full blocks by hash: vLLM, nano-vllm); a hit shorter than one block is a miss.
   For ``token`` and ``block``, several entries may share the matched prefix: the hit is taken
-  from the most recently used of those whose common prefix with the query is longest, and only
-  that entry is stamped on the clock.
+  from the most recently used of those sharing all of the hit's positions with the query, and
+  only that entry is stamped on the clock. Under ``block`` that is every entry reaching the hit's
+  last whole block, however many tokens past it each shares (the block is the unit a block cache
+  knows; vLLM keys its cached blocks by the hash of whole blocks).
 
 ``max_entries`` and ``max_pages`` -- the tree's bounds. After a ``retain`` the least recently
   used entries (never the one just retained) are evicted until both hold. ``max_pages`` counts
@@ -22,17 +24,17 @@ per configuration (``Config``), and the reference and the engine implement all o
 ``on_full`` -- what an operation that needs new pages does when live pages plus the pages it
   needs would pass the pool (``pool_pages``, else ``arena_pages``; 0 means no limit):
   ``fallback`` the pages come from ordinary memory (the seed's arena behaviour);
-  ``evict``    least recently used tree entries whose eviction frees a page (an entry holding
-               a page that no other holder lists) are evicted, oldest first, until the pages fit
-               or no such entry is left; the rest falls back to ordinary memory;
+  ``evict``    least recently used tree entries that keep a page no context lists are evicted,
+               oldest first, until the pages fit or no such entry is left; the rest falls back
+               to ordinary memory (an entry whose pages another entry keeps too frees nothing by
+               itself, but evicting both does);
   ``refuse``   ``CapacityError``, and nothing changes (entries' pages count as live: nothing is
                evicted to make room).
   ``evict-then-refuse``  entries' pages are reclaimable (vLLM keeps cached blocks at refcount 0 in a
                free queue, SGLang evicts unlocked leaves): ``CapacityError``, nothing changed, when
-               the pages contexts hold plus the pages needed pass the pool; otherwise as ``evict``
-               (which then always makes room).
-  Eviction for room re-scans after each victim: evicting one entry can make another the only
-  holder of a page it shares, so that entry then frees memory too.
+               the pages contexts hold plus the pages needed pass the pool; otherwise as ``evict``,
+               which then always makes room (with every such entry gone, only pages contexts
+               hold are left).
   An operation's need is counted before it starts: ``extend`` needs its new pages plus a copy of
   a partly filled last page that another holder shares; ``overwrite`` a copy of each shared
   page it touches; ``restore`` every page of the snapshot; nothing else allocates.

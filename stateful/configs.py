@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 from kvstate.spec.layout import Layout
 from kvstate.spec.errors import ConfigError
@@ -95,6 +95,9 @@ def config_named(name: str) -> Config:
 _common = dict(
     deadline=None,
     database=None,
+    # conform writes its own report (the minimised sequence, the broken promise); Hypothesis's
+    # printout of its steps would be a second, rawer copy on stdout.
+    verbosity=Verbosity.quiet,
     # A long first example is what a 400-step nightly run is for (large_base_example), and the
     # suite's runs are slow by design (too_slow): neither is a finding about the backend.
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large,

@@ -79,8 +79,10 @@ Check = Callable[[Factory, Config, Settings], Outcome]
 SHRINK_BUDGET_S = 20.0     # delta debugging of one counterexample, after Hypothesis's own shrinking
 
 # A check that is still shrinking when its time limit comes reports what it has so far:
-# thread ident -> a function returning that report (None while nothing failed).
+# thread ident -> a function returning that report (None while nothing failed); and it is told to
+# stop, so the abandoned thread does not shrink on for minutes in the background.
 _partial: dict[int, Callable[[], "str | None"]] = {}
+_abandon: dict[int, Callable[[], None]] = {}
 
 
 def lockstep_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
@@ -88,51 +90,63 @@ def lockstep_check(factory: Factory, config: Config, settings: Settings) -> Outc
     machine = machine_for(factory, config)
     started = time.perf_counter()
     detail = None
-    _partial[threading.get_ident()] = lambda: _so_far(machine.stats.last, config)
+    _partial[threading.get_ident()] = lambda: _so_far(machine.stats.shortest_failure, config)
+    _abandon[threading.get_ident()] = machine.stats.abandon
+    # Hypothesis finds; delta debugging over operations shrinks (``_reshrink``, bounded by
+    # SHRINK_BUDGET_S). Hypothesis's own shrinking of a stateful run can take its full five
+    # minutes on a correct-speed backend, which reads as a hang; a profile whose phases include
+    # ``shrink`` gets ours instead.
+    shrinking = Phase.shrink in settings.phases
+    finding = Settings(settings, report_multiple_bugs=False,
+                       phases=[phase for phase in settings.phases if phase is not Phase.shrink])
     try:
-        # One bug at a time, shrunk: the last run Hypothesis makes replays the minimal failure.
-        run_state_machine_as_test(machine, settings=Settings(settings, report_multiple_bugs=False))
+        run_state_machine_as_test(machine, settings=finding)
     except BaseException as error:   # a failing backend may raise anything; report it, never hang
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise
-        detail = _lockstep_failure(factory, error, machine.stats.last, shrunk=Phase.shrink in settings.phases)
+        detail = _lockstep_failure(factory, error, machine.stats.shortest_failure or machine.stats.last,
+                                   shrunk=shrinking, stop=lambda: machine.stats.abandoned)
     finally:
         _partial.pop(threading.get_ident(), None)
+        _abandon.pop(threading.get_ident(), None)
     stats = machine.stats
     return Outcome("pass" if detail is None else "FAIL", time.perf_counter() - started, detail,
                    stats.runs, stats.steps, stats.checks)
 
 
-def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool) -> str:
-    """The report of a failed machine run: Hypothesis's counterexample, shrunk once more by delta
-    debugging over operations (which drops allocate/close pairs nothing else uses)."""
+def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool,
+                      stop: Callable[[], bool] = lambda: False) -> str:
+    """The report of a failed machine run: the shortest failing run Hypothesis found, shrunk by delta
+    debugging over operations (which drops allocate/close pairs nothing else uses) where ``shrunk``."""
     if last is None or isinstance(error, FailedHealthCheck):
         return describe(error, None)
     history = last.history[:last.failed_at] if last.failed_at is not None else last.history
     if shrunk:
-        replayed, lines = _reshrink(factory, last.config, last.ops[:len(history)])
+        replayed, lines = _reshrink(factory, last.config, last.ops[:len(history)], stop)
         if replayed is not None:
             return _report(f"{replayed.error}: {replayed.message}" if replayed.invariant is not None
                            else f"the backend raised {replayed.error}: {replayed.message}",
                            last.config, lines, "minimised failing sequence")
-    return describe(error, history, minimised=shrunk, config=last.config)
+    return describe(error, history, minimised=False, config=last.config)
 
 
-def _reshrink(factory: Factory, config: Config, ops: list) -> tuple["Failure | None", list[str]]:
+def _reshrink(factory: Factory, config: Config, ops: list,
+              stop: Callable[[], bool] = lambda: False) -> tuple["Failure | None", list[str]]:
     """Delta debugging of a counterexample; ``(None, [])`` when it does not replay outside Hypothesis."""
     failure, _ = execute(factory, config, ops)
     if failure is None:
         return None, []
-    ops, failure = shrink(factory, config, ops, failure, SHRINK_BUDGET_S)
+    ops, failure = shrink(factory, config, ops, failure, SHRINK_BUDGET_S, stop)
     _, lockstep = execute(factory, config, ops)
     return failure, lockstep.history[:lockstep.failed_at]
 
 
 def _so_far(last, config: Config) -> str | None:
+    """The shortest failing run found so far, for a check stopped while it was being shrunk."""
     if last is None or last.failed_at is None:
         return None
-    return describe(AssertionError(f"(found, then still shrinking) failure after: {last.failed_op}"),
-                    last.history[:last.failed_at], minimised=False, config=config)
+    return describe(AssertionError(f"{last.failure} (found, then still being shrunk)"),
+                    last.history[:last.failed_at], minimised=False, config=last.config)
 
 
 def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
@@ -272,6 +286,7 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
         return in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}")
     except Overran as overran:
         partial = _partial.get(overran.ident, lambda: None)()
+        _abandon.get(overran.ident, lambda: None)()
         if partial is not None:
             return Outcome("FAIL", time.perf_counter() - started,
                            f"a failure was found, but shrinking it ran out of the {time_limit:.0f} s limit: "
@@ -310,6 +325,13 @@ class ConfigResult:
         return sum(o.checks for o in self.outcomes.values())
 
 
+def conform_checks_known(names: list[str]) -> None:
+    """``FactoryError`` naming every check in ``names`` that does not exist, and the known ones."""
+    unknown = [n for n in names if n not in CHECKS]
+    if unknown:
+        raise FactoryError(f"no conformance checks {unknown}; known: {list(CHECKS)}")
+
+
 def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None,
             checks: list[str] | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
             progress: Callable[[str], None] | None = None, settings: Settings | None = None,
@@ -323,9 +345,7 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
     configs = configs or configs_for(factory)
     settings = settings or PROFILES[profile]
     names = checks or list(CHECKS)
-    unknown = [n for n in names if n not in CHECKS]
-    if unknown:
-        raise FactoryError(f"no conformance checks {unknown}; known: {list(CHECKS)}")
+    conform_checks_known(names)
     results = []
     for config in configs:
         result = ConfigResult(config)

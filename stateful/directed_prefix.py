@@ -40,7 +40,7 @@ def prefix_edges(factory: Factory, config: Config) -> None:
     """Nested keys, eviction past max_entries, a key retained twice, eviction that collapses a
     split, and truncation of a retained fork at every point around its page boundaries."""
     run = start(factory, config)
-    for scenario in (_ties, _page_budget, _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries,
+    for scenario in (ties, _page_budget, _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries,
                      _retained_twice, _eviction_collapses, _truncation_around_pages):
         scenario(run)
         run.apply(O.Clear())
@@ -83,18 +83,22 @@ def _retain_new(run: Lockstep, tokens: tuple[int, ...], seed: int) -> None:
     run.apply(O.Close(handle))
 
 
-def _ties(run: Lockstep) -> None:
+def ties(run: Lockstep) -> None:
     """Two entries share a prefix the query shares too; which one gives the hit is the recency rule
-    (under entry matching neither key prefixes the query: both queries miss, which is checked too)."""
+    (under entry matching neither key prefixes the query: both queries miss, which is checked too).
+    Under ``block`` one query shares a token more with the older entry than with the newer, within
+    the same last whole block: the newer still gives the hit."""
     if run.config.max_entries < 2:
         return
     page, block = run.config.page_tokens, run.config.block_tokens or 1
-    shared = tuple(130 + i for i in range(max(page, block) + 1))
+    shared = tuple(130 + i for i in range(-(-(page + 1) // block) * block))   # whole blocks, past a page
     first, second = shared + (1,) * block, shared + (2,) * block
+    closer_to_first = shared + (1,) + (9,) * block
     with keeping(TIES, run):
         _retain_new(run, first, seed=121)
         _retain_new(run, second, seed=122)               # the newer: it gives the hit
         _match(run, shared + (3,) * block)
+        _match(run, closer_to_first)
         _match(run, first)                                # now the first is newer
         _match(run, shared + (3,) * block)
         _match(run, shared[:block])

@@ -17,7 +17,7 @@ import numpy as np
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .directed_common import both, filled, keeping
+from .directed_common import both, filled, keeping, start
 from .lockstep import Lockstep
 
 
@@ -123,6 +123,10 @@ def _several_bad(factory: Factory, config: Config, promise: str) -> None:
         (f"read(0, {n + 1}) after close", lambda c: c.read(0, n + 1)),
         (f"truncate({n + 1}) after close", lambda c: c.truncate(n + 1)),
     ]
+    empty, empty_ref = run.live[run.apply(O.Allocate())]
+    run.apply(O.Close(f"c{run.created}"))
+    closed_cases.append(("retain(a closed, empty context)",
+                         lambda c: (run.engine if c is ctx else run.reference).retain(empty if c is ctx else empty_ref)))
     for cases in (open_cases, closed_cases):
         if cases is closed_cases:
             run.apply(O.Close("c1"))
@@ -131,6 +135,84 @@ def _several_bad(factory: Factory, config: Config, promise: str) -> None:
             if error is None:       # both accepted: the case is wrong, not the backend
                 raise AssertionError(f"suite error: c1.{call} was accepted by the reference")
     run.finish()
+
+
+def _closed(factory: Factory, config: Config, promise: str) -> None:
+    """Every operation on a closed context, a second close included, is refused as closed."""
+    run, n = filled(factory, config)
+    ctx, ref = run.live["c1"]
+    run.apply(O.Close("c1"))
+    values = O.values_for(config.layout, 1, 5)
+    cases = [("close()", lambda c: c.close()), ("fork()", lambda c: c.fork()), ("tokens", lambda c: c.tokens),
+             ("read()", lambda c: c.read()), ("truncate(0)", lambda c: c.truncate(0)),
+             ("extend([1], values)", lambda c: c.extend([1], values)),
+             ("overwrite(0, [1], values)", lambda c: c.overwrite(0, [1], values))]
+    for call, do in cases:
+        _, _, error = both(run, promise, f"c1.{call} after close", lambda: do(ctx), lambda: do(ref))
+        if error is None:
+            raise AssertionError(f"suite error: c1.{call} after close was accepted by the reference")
+    _, _, error = both(run, promise, "retain(c1) after close", lambda: run.engine.retain(ctx),
+                       lambda: run.reference.retain(ref))
+    run.finish()
+
+
+def _zero_length(factory: Factory, config: Config, promise: str) -> None:
+    """Zero-length writes, at the start, inside and at the length, change nothing."""
+    run, n = filled(factory, config)
+    with keeping(promise, run):
+        for start in (0, n // 2, n):
+            run.apply(O.Overwrite("c1", start, (), seed=3))
+            run.check()
+        run.apply(O.Extend("c1", (), seed=4))
+        run.check()
+        before = run.engine.observe()
+        run.apply(O.Overwrite("c1", n, (), seed=5))
+        if run.engine.observe().pages_allocated != before.pages_allocated:
+            raise AssertionError("a zero-length overwrite at the length allocated pages")
+        run.finish()
+
+
+def _hit_allocates_nothing(factory: Factory, config: Config, promise: str) -> None:
+    """A hit shares its entry's pages (cached ones included): it allocates none."""
+    run, n = filled(factory, config)
+    with keeping(promise, run):
+        run.apply(O.Retain("c1"))
+        run.apply(O.Close("c1"))
+        before = run.engine.observe()
+        hit = run.apply(O.Match(tuple(i % 3 for i in range(n)) + (1,)))
+        after = run.engine.observe()
+        if before.pages is not None and after.pages_allocated != before.pages_allocated:
+            raise AssertionError(f"a hit of {len(run.live[hit][1])} positions allocated "
+                                 f"{after.pages_allocated - before.pages_allocated} pages")
+        run.check()
+        run.apply(O.Close(hit))
+        run.apply(O.Clear())
+        run.finish()
+
+
+def _rescan(factory: Factory, config: Config, promise: str) -> None:
+    """Entry X keeps pages p1, p2; entry Y (a prefix of X, retained from a fork) keeps p1 with X. Short
+    of both pages, the pool evicts Y (the older, though it frees nothing alone) and X."""
+    if config.on_full not in ("evict", "evict-then-refuse") or config.max_entries < 2:
+        return
+    page, limit = config.page_tokens, config.pool_limit
+    run = start(factory, config)
+    with keeping(promise, run):
+        x = run.apply(O.Allocate())
+        run.apply(O.Extend(x, tuple(i % 3 for i in range(2 * page)), seed=31))
+        y = run.apply(O.Fork(x))
+        run.apply(O.Truncate(y, page))
+        run.apply(O.Retain(y))
+        run.apply(O.Retain(x))
+        run.apply(O.Close(y))
+        run.apply(O.Close(x))
+        run.check()
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple(2 for _ in range(page * limit)), seed=32))   # the whole pool
+        run.check()
+        run.apply(O.Match(tuple(i % 3 for i in range(page))))                      # Y is gone too
+        run.check()
+        run.finish()
 
 
 ROWS: list[Row] = [
@@ -150,7 +232,34 @@ ROWS: list[Row] = [
                               "against the token count included: `ShapeError`), the context (closed, busy), "
                               "positions, the K/V values (non-finite, out of precision range), the pool. An error "
                               "that does not apply, or none, is wrong.", _several_bad),
+    Row("closed contexts", "Every operation on a closed context raises `ContextClosedError`, a second `close()` "
+                           "and `retain` included. `len()` of a closed context is free: any number, or the error.",
+        _closed),
+    Row("zero-length writes", "An `extend` or `overwrite` of zero positions is accepted anywhere in `[0, len]`, "
+                              "at the length included, and changes nothing.", _zero_length),
+    Row("cached pages", "Pages a prefix cache keeps with no holder (`cached`, refcount 0, as vLLM's free queue) "
+                        "are live pages: they count in pages allocated - freed until dropped, and against a "
+                        "`refuse` pool; `evict` and `evict-then-refuse` reclaim them first (they are entries' "
+                        "pages); `clear()` drops them. A hit that reuses them allocates nothing.",
+        _hit_allocates_nothing),
+    Row("eviction for room", "A pool short of pages evicts least recently used entries that keep a page no "
+                             "context holds, oldest first, until the need fits: an entry whose pages another "
+                             "entry keeps too is evicted as well, though it frees nothing alone.", _rescan),
+    Row("block ties", "Under `block` matching, every entry reaching the hit's last whole block competes, however "
+                      "many tokens past it each shares with the query: the most recently used gives the hit.",
+        lambda factory, config, promise: _ties_row(factory, config, promise)),
+    Row("max_bytes", "`restore(source, max_bytes=N)` bounds the backend's own estimate of what a restore "
+                     "allocates (kvstate's: `impl/snapshot.restore_cost`); the suite never passes it."),
 ]
+
+
+def _ties_row(factory: Factory, config: Config, promise: str) -> None:
+    from .directed_prefix import ties
+
+    run = start(factory, config)
+    with keeping(promise, run):
+        ties(run)
+        run.finish()
 
 
 def pinned_semantics(factory: Factory, config: Config) -> None:

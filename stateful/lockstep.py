@@ -46,6 +46,7 @@ class Lockstep:
         self.ops: list[O.Op] = []       # the same operations as data, for the shrinker
         self.failed_at: int | None = None    # len(history) when a check first failed
         self.failed_op: str | None = None    # the operation after which it failed
+        self.failure: str | None = None      # what failed, in words
         self.holder_names: dict[str, str] = {}   # the backend's holder name -> our handle
         self._created_last: str | None = None
         self._context_holders: set[str] = set()
@@ -63,18 +64,20 @@ class Lockstep:
         self.history.append(str(op))
         self.ops.append(op)
         self._created_last = None
-        engine_result, engine_error = _attempt(self._perform, op, 0, self.engine)
-        ref_result, ref_error = _attempt(self._perform, op, 1, self.reference)
+        # One draw of the op's values, a copy for each side: a backend that wrote into its argument
+        # must not change what the reference is given.
+        values = O.values_for(self.config.layout, len(op.tokens), op.seed) if hasattr(op, "seed") else None
+        engine_result, engine_error = _attempt(self._perform, op, 0, self.engine,
+                                               None if values is None else values.copy())
+        ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
         if not same_refusal(engine_error, ref_error):
-            self._failed()
-            raise InvariantViolation("errors", f"{op}: engine {engine_error!r}, reference {describe_refusal(ref_error)}")
+            raise self._violation("errors", f"{op}: engine {engine_error!r}, reference {describe_refusal(ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"    # refused: {type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)
             return None
         if op.kind == "match" and engine_result[1] != ref_result[1]:
-            self._failed()
-            raise InvariantViolation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
+            raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
         if op.kind == "close":
             del self.live[op.ctx]
         if op.creates:
@@ -86,16 +89,17 @@ class Lockstep:
             return handle
         return None
 
-    def _perform(self, op: O.Op, side: int, cache: Any):
-        """Run ``op`` on one side: ``side`` 0 is the engine, 1 the reference."""
+    def _perform(self, op: O.Op, side: int, cache: Any, values=None):
+        """Run ``op`` on one side: ``side`` 0 is the engine, 1 the reference; ``values`` are the K/V
+        of an extend or overwrite (``ops.values_for`` of its seed)."""
         ctx = self.live[op.ctx][side] if hasattr(op, "ctx") else None
         kind = op.kind
         if kind == "allocate":
             return cache.allocate()
         if kind == "extend":
-            return ctx.extend(list(op.tokens), O.values_for(self.config.layout, len(op.tokens), op.seed))
+            return ctx.extend(list(op.tokens), values)
         if kind == "overwrite":
-            return ctx.overwrite(op.start, list(op.tokens), O.values_for(self.config.layout, len(op.tokens), op.seed))
+            return ctx.overwrite(op.start, list(op.tokens), values)
         if kind == "fork":
             return ctx.fork()
         if kind == "truncate":
@@ -130,26 +134,31 @@ class Lockstep:
         changed = changed or next((f"{handle} has {mine} positions, {theirs} before"
                                    for handle, (mine, theirs) in lengths.items() if mine != theirs), None)
         if changed:
-            self._failed()
-            raise InvariantViolation("refusal", f"{op} was refused ({type(error).__name__}) but changed the "
-                                                f"cache: {self._our_names(changed)}")
+            raise self._violation("refusal", f"{op} was refused ({type(error).__name__}) but changed the "
+                                             f"cache: {self._our_names(changed)}")
 
     # -- invariants ------------------------------------------------------------------
 
-    def _failed(self) -> None:
+    def _failed(self, error: BaseException) -> None:
         if self.failed_at is None:
             self.failed_at = len(self.history)
             self.failed_op = self.history[-1] if self.history else None
+            self.failure = f"{type(error).__name__}: {error}"
+
+    def _violation(self, invariant: int | str, message: str) -> InvariantViolation:
+        """The violation to raise, recorded as this run's failure first."""
+        violation = InvariantViolation(invariant, message)
+        self._failed(violation)
+        return violation
 
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
         try:
             self._check()
         except InvariantViolation as violation:
-            self._failed()
-            raise InvariantViolation(violation.invariant, self._our_names(violation.detail)) from None
-        except BaseException:
-            self._failed()
+            raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
+        except BaseException as error:
+            self._failed(error)
             raise
 
     def _learn_holder_names(self, obs) -> None:
@@ -220,10 +229,9 @@ class Lockstep:
         try:
             invariants.check_empty(self.engine.observe())
         except InvariantViolation as violation:
-            self._failed()
-            raise InvariantViolation(violation.invariant, self._our_names(violation.detail)) from None
-        except BaseException:
-            self._failed()
+            raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
+        except BaseException as error:
+            self._failed(error)
             raise
         self.checks += 1
 
@@ -274,9 +282,9 @@ def describe_refusal(ref_error: BaseException | None) -> str:
     return f"{ref_error!r}" + (f" (or any of {', '.join(others)})" if others else "")
 
 
-def _attempt(perform, op, side, cache):
+def _attempt(perform, op, side, cache, values=None):
     try:
-        return perform(op, side, cache), None
+        return perform(op, side, cache, values), None
     except KVStateError as error:
         return None, error
 

@@ -24,6 +24,11 @@ TOKEN_RUNS = st.lists(TOKENS, min_size=1, max_size=9)        # up to a page or t
 SEEDS = st.integers(0, 2**16)
 
 
+class CheckAbandoned(Exception):
+    """Raised into every later step of a machine whose check conform stopped waiting for: each run
+    then fails at once, so Hypothesis's shrinking ends in moments instead of minutes."""
+
+
 class RunStats:
     """Steps and invariant checks across every run of one machine class."""
 
@@ -32,8 +37,13 @@ class RunStats:
         self.steps = 0
         self.checks = 0
         self.last: Lockstep | None = None    # the latest run: after a failure, the minimised one
+        self.shortest_failure: Lockstep | None = None    # the shortest failing run so far (while shrinking)
+        self.abandoned = False    # the check's time ran out: stop (conform no longer waits for it)
         self.snapshots = 0
         self.restores = 0
+
+    def abandon(self) -> None:
+        self.abandoned = True
 
 
 class LockstepMachine(RuleBasedStateMachine):
@@ -65,6 +75,8 @@ class LockstepMachine(RuleBasedStateMachine):
         return first
 
     def _do(self, op: O.Op):
+        if type(self).stats.abandoned:
+            raise CheckAbandoned("the check's time limit passed; conform reported it already")
         handle = self.lockstep.apply(op)
         if op.creates and handle is None:
             return multiple()     # refused by both sides (a full pool): nothing joins the bundle
@@ -145,9 +157,21 @@ class LockstepMachine(RuleBasedStateMachine):
     def teardown(self):
         # After a failed step the first violation is the report: a teardown that failed too
         # (as it usually does, on a broken cache) must not replace it.
-        if self.lockstep is not None and self.lockstep.failed_at is None:
-            self.lockstep.finish()
-            type(self).stats.checks += 1
+        run = self.lockstep
+        if run is not None and run.failed_at is None:
+            try:
+                run.finish()
+            finally:
+                type(self).stats.checks += 1
+                self._keep_if_shortest(run)
+        elif run is not None:
+            self._keep_if_shortest(run)
+
+    def _keep_if_shortest(self, run: Lockstep) -> None:
+        """Remember the shortest failing run, so a check stopped mid-shrink reports it."""
+        best = type(self).stats.shortest_failure
+        if run.failed_at is not None and (best is None or run.failed_at < best.failed_at):
+            type(self).stats.shortest_failure = run
 
 
 def machine_for(factory: Factory, config: Config) -> type[LockstepMachine]:

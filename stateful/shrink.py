@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from kvstate.spec.errors import ReplayFileError
 from kvstate.spec.protocol import Config, Factory
@@ -66,12 +66,14 @@ def created_handles(ops: Sequence[O.Op]) -> list[str | None]:
 
 
 class Shrinker:
-    def __init__(self, factory: Factory, config: Config, failure: Failure, budget_s: float = 60.0):
+    def __init__(self, factory: Factory, config: Config, failure: Failure, budget_s: float = 60.0,
+                 stop: Callable[[], bool] = lambda: False):
         self.factory = factory
         self.config = config
         self.signature = failure.signature
         self.failure = failure
         self.deadline = time.monotonic() + budget_s
+        self.stop = stop          # asked between tries: True ends shrinking now (its caller gave up waiting)
         self.tries = 0
 
     def fails(self, ops: list[O.Op]) -> bool:
@@ -88,7 +90,7 @@ class Shrinker:
 
     @property
     def out_of_time(self) -> bool:
-        return time.monotonic() > self.deadline
+        return time.monotonic() > self.deadline or self.stop()
 
     def shrink(self, ops: list[O.Op]) -> list[O.Op]:
         # Operations after the one that broke never ran: drop them before anything else.
@@ -98,10 +100,34 @@ class Shrinker:
                 ops = cut
         while not self.out_of_time:
             before = list(ops)
+            ops = self.restores_as_forks(ops)
             ops = self.remove_chunks(ops)
             ops = self.simplify_arguments(ops)
             if ops == before:
                 break
+        return ops
+
+    def restores_as_forks(self, ops: list[O.Op]) -> list[O.Op]:
+        """Replace a snapshot and the restores of it by forks of its context, taken where the snapshot
+        was (a fork reads what the snapshot held), keeping each change that still fails: what is
+        left to read is a bug in snapshots, not a sequence that merely passes through one."""
+        index = 0
+        while index < len(ops) and not self.out_of_time:
+            op = ops[index]
+            if op.kind != "snapshot":
+                index += 1
+                continue
+            handles = created_handles(ops)
+            restores = [i for i, other in enumerate(ops) if other.kind == "restore" and other.name == op.name]
+            forks = [O.Fork(op.ctx)] * len(restores)
+            kept = [i for i in range(len(ops)) if i != index and i not in restores]
+            candidate = renumber(ops[:index] + forks + [ops[i] for i in kept if i > index],
+                                 handles[:index] + [handles[i] for i in restores]
+                                 + [handles[i] for i in kept if i > index])
+            if self.fails(candidate):
+                ops = candidate
+            else:
+                index += 1
         return ops
 
     def remove_chunks(self, ops: list[O.Op]) -> list[O.Op]:
@@ -146,6 +172,8 @@ def _simpler(op: O.Op) -> Iterator[O.Op]:
             yield replace(op, tokens=tokens[:n])
         if any(tokens):
             yield replace(op, tokens=tuple(0 for _ in tokens))
+    if isinstance(op, O.Match) and not op.tokens:
+        yield O.Allocate()                        # a miss is a new empty context, as allocate makes
     if isinstance(op, O.Overwrite) and op.start:
         yield replace(op, start=0)
     if isinstance(op, O.Truncate) and op.n:
@@ -156,9 +184,9 @@ def _simpler(op: O.Op) -> Iterator[O.Op]:
 
 
 def shrink(factory: Factory, config: Config, ops: Sequence[O.Op], failure: Failure,
-           budget_s: float = 60.0) -> tuple[list[O.Op], Failure]:
-    """The smallest sequence found within ``budget_s`` that fails with ``failure``'s signature,
-    and the failure it shows."""
-    shrinker = Shrinker(factory, config, failure, budget_s)
+           budget_s: float = 60.0, stop: Callable[[], bool] = lambda: False) -> tuple[list[O.Op], Failure]:
+    """The smallest sequence found within ``budget_s`` (or until ``stop()``) that fails with
+    ``failure``'s signature, and the failure it shows."""
+    shrinker = Shrinker(factory, config, failure, budget_s, stop)
     shrunk = shrinker.shrink(list(ops))
     return shrunk, shrinker.failure

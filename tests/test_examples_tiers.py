@@ -18,7 +18,7 @@ from hypothesis import settings
 from kvstate.cli import main
 from kvstate.spec.invariants import tiers
 from kvstate.stateful import ops as O
-from kvstate.stateful.configs import configs_for
+from kvstate.stateful.configs import configs_for, configs_named
 from kvstate.stateful.conform import conform, load_factory
 from kvstate.stateful.exhaustive import Scope, explore, semantics_scope
 from kvstate.stateful.lockstep import Lockstep
@@ -123,9 +123,9 @@ factory.any_page_size = True
 
 def test_a_blackbox_backend_that_never_stamps_a_hit_is_rejected(tmp_path):
     """Even with nothing observed, the eviction order is checked as ``match`` sees it: a hit that
-    does not mark its entry used evicts the wrong key later, and a match then misses. (The
-    directed prefix edges build that sequence; random lockstep runs rarely do, so without the
-    tree tier they are not what catches it.)"""
+    does not mark its entry used evicts the wrong key later, and a match then misses. The random
+    engines probe every entry through ``match`` after every step, so the lockstep machine catches
+    it; the directed prefix edges build the sequence on purpose and quote the rule."""
     factory = _variant(tmp_path, "never_stamps", """
 from blackbox_backend import BoxCache, factory as working
 
@@ -139,12 +139,13 @@ class Cache(BoxCache):
 
 def factory(config):
     return Cache(config)
+factory.semantics = working.semantics
 """)
-    config = configs_for(factory)[0]
-    (result,) = conform(factory, configs=[config], checks=["prefix edges"], settings=SMALL)
-    detail = result.outcomes["prefix edges"].detail
-    assert result.outcomes["prefix edges"].status == "FAIL"
-    assert "least recently used" in detail and "engine matched" in detail
+    (edges,) = conform(factory, configs=configs_for(factory)[:1], checks=["prefix edges"], settings=SMALL)
+    assert not edges.passed and "least recently used" in edges.failure, edges.failure
+    random = conform(factory, configs=configs_named(["block2-q8-heap", "q8-arena6"], configs_for(factory)),
+                     checks=["lockstep", "seeded"], first_failure=True)
+    assert not random[-1].passed and "through match" in random[-1].failure, [r.failure for r in random]
 
 
 def test_conform_command_prints_na_for_the_missing_tiers(capsys):

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from kvstate.impl.cache import Cache
-from kvstate.impl.pool_policy import PoolPolicy, _frees_a_page
+from kvstate.impl.pool_policy import PoolPolicy, _keeps_a_page
 from kvstate.impl.radix import pack
 from kvstate.impl.tree_bounds import TreeBounds
 from kvstate.spec import invariants
@@ -352,7 +352,8 @@ def test_an_evicted_entry_released_outside_the_lock_is_caught(monkeypatch):
     released after letting the lock go (a refcount dropped unlocked; pages briefly unheld)."""
     def make_room(self, needed):
         while needed > 0 and not self.fits(needed) and self.on_full == "evict":
-            victim = self.tree.pop_oldest(where=_frees_a_page)
+            held = self.context_page_ids()
+            victim = self.tree.pop_oldest(where=lambda entry: _keeps_a_page(entry, held))
             if victim is None:
                 return
             _without_lock(self, lambda: self.release_entry(victim))

@@ -121,3 +121,48 @@ def test_a_clock_of_its_own_is_a_freedom_not_a_bug():
     results = conform(factory, settings=SMALL, checks=["lockstep", "seeded", "prefix edges", "pinned semantics"])
     assert len(results) == 1 and results[0].passed, results[0].failure
     assert results[0].outcomes["lockstep"].steps > 100
+
+
+def test_evicting_only_entries_that_free_a_page_alone_breaks_the_row(monkeypatch):
+    """A pool that evicts only entries freeing a page by themselves, chosen once, leaves an entry
+    whose page another entry kept too: the row's scenario rejects it."""
+    from kvstate.impl import pool_policy
+
+    def one_pass(policy, needed):
+        if needed <= 0 or policy.fits(needed):
+            return
+        def frees_alone(entry):
+            return any(page.refcount == 1 for page in entry._pages)
+        victims = [node.value for node in list(policy.tree.entries()) if frees_alone(node.value)]
+        for victim in victims:
+            if policy.fits(needed):
+                return
+            node = next(node for node in policy.tree.entries() if node.value is victim)
+            policy.tree.remove(node)
+            policy.release_entry(victim)
+    monkeypatch.setattr(pool_policy.PoolPolicy, "make_room", one_pass)
+    row = _row("eviction for room")
+    with pytest.raises(AssertionError, match="frees nothing alone"):
+        row.check(numpy_factory, config_named("token-f32-arena6-evict"), row.text)
+
+
+def test_len_of_a_closed_context_is_a_freedom():
+    """A backend whose len() of a closed context raises passes the closed-contexts row and lockstep."""
+    listcache = load_factory(str(ROOT / "examples" / "listcache.py"))
+    module = __import__(listcache.__module__)
+
+    class StrictLen(module.ListContext):
+        def __len__(self):
+            self._open()
+            return self.length
+
+    class Cache(module.ListCache):
+        context_class = StrictLen
+
+    def factory(config):
+        return Cache(config)
+    factory.configs = listcache.configs[:1]
+    row = _row("closed contexts")
+    row.check(factory, factory.configs[0], row.text)
+    results = conform(factory, settings=SMALL, checks=["lockstep", "seeded", "pinned semantics"])
+    assert results[0].passed, results[0].failure

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -100,3 +101,42 @@ def test_page_sizes_are_the_declared_ones_unless_any_is_declared():
     assert page_sizes(context_first, context_first.configs[0]) == tuple(range(1, 9))
     with pytest.raises(ConfigError):
         four_token_pages(four_token_pages.configs[0].with_(page_tokens=2))
+
+
+class SharesOnWrite(listcache.ListContext):
+    """Shares the parent's pages on write: a fork's write shows in its parent."""
+
+    def writable(self, index):
+        return self.pages[index]
+
+
+class SlowBrokenCache(listcache.ListCache):
+    """Each new cache takes 2 ms longer than the one before: the machine finds the bug within its
+    first few dozen caches (a few seconds), and delta debugging, which builds a cache for every
+    sequence it tries, needs many more, each slower."""
+
+    context_class = SharesOnWrite
+    built = 0
+
+    def __init__(self, config):
+        SlowBrokenCache.built += 1
+        time.sleep(0.002 * SlowBrokenCache.built)
+        super().__init__(config)
+
+
+def slow_broken(config):
+    return SlowBrokenCache(config)
+
+
+slow_broken.configs = listcache_factory.configs[:1]
+slow_broken.any_page_size = True
+
+
+def test_a_failure_still_shrinking_at_the_limit_is_a_failure_not_a_timeout():
+    """A backend that is slow but answers: when the time limit comes while the failure it found is
+    being shrunk, the report is that failure with the shortest sequence found so far."""
+    SlowBrokenCache.built = 0
+    (result,) = conform(slow_broken, checks=["lockstep"], time_limit=10)
+    outcome = result.outcomes["lockstep"]
+    assert outcome.status == "FAIL", outcome
+    assert "shrinking it ran out of the 10 s limit" in outcome.detail and "invariant 4" in outcome.detail

@@ -1,0 +1,65 @@
+"""``kvstate conform --workers N``: configurations checked in worker processes, the same verdicts."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from kvstate.cli import main
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _table_rows(out: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("configuration "))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.strip():
+            break
+        cells = line.split()
+        rows[cells[0]] = cells[1:-3]       # the statuses (steps, checks and seconds dropped)
+    return rows
+
+
+def test_workers_give_the_verdicts_of_one_process(capsys):
+    backend = str(EXAMPLES / "listcache.py")
+    checks = ["--check", "fork isolation", "--check", "prefix edges", "--examples", "5", "--steps", "5"]
+    assert main(["conform", backend, "--workers", "2", *checks]) == 0
+    spread = _table_rows(capsys.readouterr().out)
+    assert main(["conform", backend, "--workers", "1", *checks]) == 0
+    assert spread == _table_rows(capsys.readouterr().out) and len(spread) == 3
+
+
+def test_a_failure_in_a_worker_is_reported_with_its_counterexample(capsys):
+    assert main(["conform", str(EXAMPLES / "broken_sharing.py"), "--workers", "2", "--check", "fork isolation"]) == 1
+    out = capsys.readouterr().out
+    assert "fork isolation: FAIL" in out and "invariant 4" in out
+
+
+def test_a_worker_that_dies_fails_its_configuration_by_name(tmp_path, capsys):
+    path = tmp_path / "dies.py"
+    path.write_text(textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as working
+
+        class Context(ListContext):
+            def fork(self):
+                os._exit(3)          # takes the whole process down
+
+        class Cache(ListCache):
+            context_class = Context
+
+        def factory(config):
+            return Cache(config)
+        factory.configs = working.configs[:2]
+    """))
+    assert main(["conform", str(path), "--workers", "2", "--check", "fork isolation"]) == 1
+    assert "worker process running this configuration died" in capsys.readouterr().out
+
+
+def test_workers_must_be_a_positive_int_or_auto(capsys):
+    for value in ("0", "two"):
+        assert main(["conform", "--workers", value]) == 2
+        assert "--workers" in capsys.readouterr().err
