@@ -23,13 +23,19 @@ from README.md and ``kvstate.spec`` only.
   anything. If the pages contexts hold plus that need pass the pool, ``CapacityError``, nothing
   changed. Otherwise free rows are used first, then entries are evicted, least recently used
   first, each one that frees a page (keeps a page nobody else holds), re-scanning after each.
+  Where no entry frees a page alone (two entries keep the same cached pages), the least recently
+  used entry keeping a cached page goes: a fixed pool has no ordinary memory to fall back to.
+  A cached page a hit takes again is the same live page: neither allocated nor freed.
 
 Where this departs from vLLM, because README's promises say otherwise (each is observable):
 an entry keeps its partly filled last page too (vLLM caches full blocks only; README's retain
-keeps a fork, and the pool counts that page); eviction takes whole entries, least recently used
-(vLLM reclaims single blocks from its free queue, tail blocks first, leaving a shorter prefix
-matchable); entries are bounded by ``max_entries`` (vLLM has only the pool). Rows are not zeroed
-when reused (no read reaches an unwritten row; no ``read_page``); no snapshots.
+keeps a fork, and the pool counts that page and the copy a later write makes of it); eviction
+takes whole entries (vLLM reclaims single blocks, tail blocks first, leaving a shorter prefix
+matchable); entries are bounded by ``max_entries`` (vLLM has only the pool); among entries
+reaching the deepest block, the one sharing most tokens wins (vLLM has no entries: a hash maps
+to whichever block it cached first). Hashes are Python's 64-bit tuple hash (vLLM: sha256 or
+xxhash): a collision would be a wrong hit, a risk vLLM takes too. Rows are not zeroed when
+reused (no read reaches an unwritten row; no ``read_page``); no snapshots.
 
 ``factory`` observes as a black box; ``pages_factory`` exposes the pages tier (pages with
 refcounts and ``cached``, context holders and lengths, pages allocated and freed).
@@ -191,13 +197,13 @@ class BlockContext:
             return
         first, end = pages_touched(start, start + len(tokens), self.cache.page_tokens)
         self.cache.make_room(sum(self.cache.shared(page) for page in self.pages[first:end]))
+        del self.hashes[first:]          # the blocks it rewrites are hashed again once written
         self._write(start, tokens, parts)
 
     def _write(self, start: int, tokens: np.ndarray, parts: tuple[np.ndarray, ...]) -> None:
         """Positions ``[start, start + n)``: new pages past the end, shared or cached pages copied
-        first; then the chain is brought up to date (hashes of rewritten blocks recomputed)."""
+        first; then every block that is now full and not in the chain is hashed."""
         size, table, n = self.cache.page_tokens, self.cache.table, len(tokens)
-        del self.hashes[start // size:]
         first, end = pages_touched(start, start + n, size)
         for index in range(first, end):
             if index == len(self.pages):
@@ -257,6 +263,7 @@ class BlockContext:
 
 class BlockPoolCache:
     context_class = BlockContext
+    table_class = PageTable
 
     def __init__(self, config: Config):
         if config.match != "block" or config.block_tokens != config.page_tokens:
@@ -274,7 +281,7 @@ class BlockPoolCache:
         self.part_shapes = [(position, precisions.VALUE_DTYPES[self.precision])]
         if self.precision == "q8":
             self.part_shapes.append((position[:-1], np.float32))
-        self.table = PageTable(self.part_shapes, self.page_tokens, config.pool_limit)
+        self.table = self.table_class(self.part_shapes, self.page_tokens, config.pool_limit)
         self.held = 0                                    # pages some context lists (refcount > 0)
         self.contexts: list[BlockContext] = []
         self.entries: dict[tuple[int, ...], Entry] = {}  # least recently used first
