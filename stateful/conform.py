@@ -164,11 +164,31 @@ def _directed(check) -> Check:
             return Outcome("n/a", time.perf_counter() - started, str(reason))
         except Exception as error:
             run = directed.current.run
+            shrunk = _shrunk_directed(factory, run, error) if run is not None else None
+            if shrunk is not None:
+                return Outcome("FAIL", time.perf_counter() - started, shrunk)
             history = None if run is None else run.history[:run.failed_at]
             return Outcome("FAIL", time.perf_counter() - started, describe(error, history, minimised=False))
         return Outcome("pass", time.perf_counter() - started)
     run.__doc__ = check.__doc__
     return run
+
+
+def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
+    """A directed check's failure as a minimised sequence, where its operations replay it: the same
+    ``execute`` as replay files (every invariant after every step) finds the failure again, and delta
+    debugging shrinks it. The promise the check quotes stays the report's first line. None when the
+    failure came from a call outside the run's operations (it is then reported as it happened)."""
+    if not isinstance(error, AssertionError) or not run.ops or len(run.ops) != len(run.history):
+        return None
+    replayed, lines = _reshrink(factory, run.config, list(run.ops))
+    if replayed is None:
+        return None
+    promise = getattr(error, "promise", None)
+    head = f'"{promise}" -- broken: ' if promise else ""
+    what = (f"{replayed.error}: {replayed.message}" if replayed.invariant is not None
+            else f"the backend raised {replayed.error}: {replayed.message}")
+    return _report(head + what, run.config, lines, "minimised failing sequence")
 
 
 def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
@@ -293,10 +313,12 @@ class ConfigResult:
 def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None,
             checks: list[str] | None = None, time_limit: float = DEFAULT_TIME_LIMIT,
             progress: Callable[[str], None] | None = None, settings: Settings | None = None,
-            ) -> list[ConfigResult]:
+            first_failure: bool = False) -> list[ConfigResult]:
     """Every check (or those named in ``checks``) in every configuration the factory declares.
 
     ``settings`` (Hypothesis settings for the lockstep machine) overrides ``profile``.
+    ``first_failure``: stop at the first check that fails (the results end with its configuration),
+    for "is a bug there at all?".
     """
     configs = configs or configs_for(factory)
     settings = settings or PROFILES[profile]
@@ -311,6 +333,8 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
             result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
             if progress:
                 progress(f"{config.name:<12} {name:<18} {result.outcomes[name].status}")
+            if first_failure and not result.outcomes[name].passed:
+                return results + [result]
         results.append(result)
     return results
 

@@ -32,6 +32,7 @@ from .directed_edges import boundaries, no_aliasing
 from .directed_evidence import arena_evidence
 from .directed_precision import precision_edges
 from .directed_prefix import prefix_edges
+from .directed_scale import scale
 from .directed_semantics import pinned_semantics
 from .directed_snapshots import snapshot_writes
 from .lockstep import to_numpy
@@ -212,4 +213,6 @@ DIRECTED: dict[str, Check] = {
     "arena evidence": arena_evidence,
     # README's table of pinned semantics, row by row (directed_semantics)
     "pinned semantics": pinned_semantics,
+    # the sizes where a backend's internals grow (directed_scale)
+    "scale": scale,
 }

@@ -15,6 +15,7 @@ from kvstate.spec.protocol import Config, Factory
 from . import ops as O
 from .directed_common import keeping, start
 from .lockstep import Lockstep
+from .snapshots import Restore, Snapshot, supports_snapshots
 
 NESTED = ("match answers with the longest retained key that prefixes the query (an exact key included), "
           "and after that entry is evicted, with the longest that remains")
@@ -24,6 +25,13 @@ COLLAPSED = ("evicting an entry whose node splits a shared prefix collapses the 
              "answers from the entries that remain")
 TRUNCATED = ("truncating a fork of a retained context, at any point around a page boundary, changes "
              "neither the entry nor any other holder")
+HITS = ("hits of one entry are contexts like any other: a write through one, into the entry's partly used "
+        "last page included, shows in no other hit and not in the entry")
+HIT_SNAPSHOT = "a snapshot of a hit holds what the hit reads, after the hit was overwritten too"
+TIES = ("among entries sharing the longest prefix with the query, the most recently used gives the hit, "
+        "and only it is stamped")
+BUDGET = ("the tree's bounds: past max_entries entries or max_pages pages (each entry's own pages, as if "
+          "nothing were shared), retain evicts the least recently used entries, never the one just retained")
 
 _LIMIT = 256      # max_entries past which the "beyond" scenario would only take time
 
@@ -32,8 +40,8 @@ def prefix_edges(factory: Factory, config: Config) -> None:
     """Nested keys, eviction past max_entries, a key retained twice, eviction that collapses a
     split, and truncation of a retained fork at every point around its page boundaries."""
     run = start(factory, config)
-    for scenario in (_nested_keys, _beyond_max_entries, _retained_twice, _eviction_collapses,
-                     _truncation_around_pages):
+    for scenario in (_ties, _page_budget, _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries,
+                     _retained_twice, _eviction_collapses, _truncation_around_pages):
         scenario(run)
         run.apply(O.Clear())
         run.check()
@@ -67,6 +75,80 @@ def _fill(run: Lockstep, count: int, first: int) -> None:
         handle = _context(run, (first + i,), seed=first + i)
         run.apply(O.Retain(handle))
         run.apply(O.Close(handle))
+
+
+def _retain_new(run: Lockstep, tokens: tuple[int, ...], seed: int) -> None:
+    handle = _context(run, tokens, seed=seed)
+    run.apply(O.Retain(handle))
+    run.apply(O.Close(handle))
+
+
+def _ties(run: Lockstep) -> None:
+    """Two entries share a prefix the query shares too; which one gives the hit is the recency rule
+    (under entry matching neither key prefixes the query: both queries miss, which is checked too)."""
+    if run.config.max_entries < 2:
+        return
+    page, block = run.config.page_tokens, run.config.block_tokens or 1
+    shared = tuple(130 + i for i in range(max(page, block) + 1))
+    first, second = shared + (1,) * block, shared + (2,) * block
+    with keeping(TIES, run):
+        _retain_new(run, first, seed=121)
+        _retain_new(run, second, seed=122)               # the newer: it gives the hit
+        _match(run, shared + (3,) * block)
+        _match(run, first)                                # now the first is newer
+        _match(run, shared + (3,) * block)
+        _match(run, shared[:block])
+
+
+def _page_budget(run: Lockstep) -> None:
+    """Long and short keys against both bounds: which entries stay is what the bound that binds
+    first says (the reference counts each entry's own pages)."""
+    page, limit = run.config.page_tokens, run.config.max_entries
+    if limit > _LIMIT:
+        return
+    lengths = [3 * page + 1, 1, 2 * page, page + 1, 1, 4 * page][:limit + 2]
+    with keeping(BUDGET, run):
+        for i, n in enumerate(lengths):
+            _retain_new(run, tuple(200 + 10 * i + j % 3 for j in range(n)), seed=140 + i)
+            run.check()
+        for i, n in enumerate(lengths):
+            _match(run, tuple(200 + 10 * i + j % 3 for j in range(n)))
+
+
+def _hits_write(run: Lockstep) -> None:
+    """Three live hits of one entry whose key ends inside a page, each extending and overwriting."""
+    page = run.config.page_tokens
+    key = tuple(150 + i for i in range(page + max(1, page // 2)))      # ends inside its second page
+    with keeping(HITS, run):
+        _retain_new(run, key, seed=151)
+        hits = [run.apply(O.Match(key + (9,))) for _ in range(3)]
+        for i, hit in enumerate(hits):
+            run.apply(O.Extend(hit, (i, i + 1), seed=152 + i))        # into the shared, partly used page
+        run.check()
+        for i, hit in enumerate(hits):
+            run.apply(O.Overwrite(hit, 0, (i,), seed=160 + i))
+        run.check()
+        _match(run, key)                                    # the entry still reads its own values
+        for hit in hits:
+            run.apply(O.Close(hit))
+
+
+def _hit_snapshot(run: Lockstep) -> None:
+    """overwrite -> snapshot -> restore of a hit (new token ids at its front) reads what the hit read."""
+    if not supports_snapshots(run.engine):
+        return
+    key = tuple(170 + i for i in range(run.config.page_tokens + 1))
+    with keeping(HIT_SNAPSHOT, run):
+        _retain_new(run, key, seed=171)
+        hit = run.apply(O.Match(key))
+        if hit is None or not len(run.live[hit][1]):
+            return                                           # a block match too short to hit: nothing to snapshot
+        run.apply(O.Overwrite(hit, 0, (7,), seed=172))
+        run.apply(Snapshot(hit, "hit"))
+        run.apply(Restore("hit"))
+        run.check()
+        for handle in list(run.live)[-2:]:
+            run.apply(O.Close(handle))
 
 
 def _nested_keys(run: Lockstep) -> None:

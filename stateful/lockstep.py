@@ -49,6 +49,7 @@ class Lockstep:
         self.holder_names: dict[str, str] = {}   # the backend's holder name -> our handle
         self._created_last: str | None = None
         self._context_holders: set[str] = set()
+        self._observed: tuple[int, Any] | None = None    # (steps, observation) of the last check
 
     # -- operations ----------------------------------------------------------------
 
@@ -57,6 +58,7 @@ class Lockstep:
 
         Both sides must agree on whether the operation is refused, and with which error class.
         """
+        before = self._observation_now()
         self.steps += 1
         self.history.append(str(op))
         self.ops.append(op)
@@ -68,6 +70,7 @@ class Lockstep:
             raise InvariantViolation("errors", f"{op}: engine {engine_error!r}, reference {describe_refusal(ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"    # refused: {type(engine_error).__name__}"
+            self._unchanged_by_refusal(op, before, engine_error)
             return None
         if op.kind == "match" and engine_result[1] != ref_result[1]:
             self._failed()
@@ -109,6 +112,27 @@ class Lockstep:
         if extra is None:
             raise InvariantViolation("ops", f"no lockstep handler for operation {kind!r}")
         return extra(self, op, side, cache, ctx)
+
+    # -- refusals change nothing ---------------------------------------------------------
+
+    def _observation_now(self):
+        """The engine's observation of the state before the next operation: the last check's,
+        when nothing happened since, else a fresh one."""
+        if self._observed is not None and self._observed[0] == self.steps:
+            return self._observed[1]
+        return self.engine.observe()
+
+    def _unchanged_by_refusal(self, op: O.Op, before, error: BaseException) -> None:
+        """A refused operation changes nothing observable: every tier of the observation, the
+        counters (but those counting refusals), and the length of every live context."""
+        changed = observable_change(before, self.engine.observe())
+        lengths = {handle: (len(engine), len(ref)) for handle, (engine, ref) in self.live.items()}
+        changed = changed or next((f"{handle} has {mine} positions, {theirs} before"
+                                   for handle, (mine, theirs) in lengths.items() if mine != theirs), None)
+        if changed:
+            self._failed()
+            raise InvariantViolation("refusal", f"{op} was refused ({type(error).__name__}) but changed the "
+                                                f"cache: {self._our_names(changed)}")
 
     # -- invariants ------------------------------------------------------------------
 
@@ -160,7 +184,31 @@ class Lockstep:
             reference_reads[handle] = ref.read()
         invariants.check_values(engine_reads, reference_reads)
         invariants.check_tree(obs, self.reference.eviction_order())
+        if obs.entries is None:
+            self._probe_entries()
+            obs = self.engine.observe()      # the probes' hits came and went: observe what is left
         self.checks += 1
+        self._observed = (self.steps, obs)
+
+    def _probe_entries(self) -> None:
+        """Without the tree tier, entries and their eviction order are seen through ``match``: each
+        entry the reference holds is matched by its own key on both sides, oldest first, and the
+        hits compared (matched count and every value), then closed. Both sides take the same
+        stamps, oldest first, so the order of entries each keeps is unchanged by the probe."""
+        for key, _tick in self.reference.eviction_order():
+            engine_hit, engine_matched = self.engine.match(list(key))
+            ref_hit, ref_matched = self.reference.match(list(key))
+            try:
+                if engine_matched != ref_matched:
+                    raise InvariantViolation(5, f"probing entry {list(key)} through match: the engine's hit holds "
+                                                f"{engine_matched} positions, the reference's {ref_matched} (entries "
+                                                f"or their eviction order differ)")
+                values, tokens = engine_hit.read()
+                invariants.check_values({f"the hit of match({list(key)})": (to_numpy(values), np.asarray(tokens))},
+                                        {f"the hit of match({list(key)})": ref_hit.read()})
+            finally:
+                engine_hit.close()
+                ref_hit.close()
 
     def finish(self) -> None:
         """6. Close every context, clear the tree: cache and arena must be empty."""
@@ -184,6 +232,31 @@ class Lockstep:
             self.apply(op)
             if check_every_step:
                 self.check()
+
+
+def observable_change(before, after) -> str | None:
+    """The first difference between two observations, in words, or None. Counters whose names
+    say they count refusals may move; every other part must be equal."""
+    def counters(obs):
+        return {name: value for name, value in (obs.counters or {}).items() if "refus" not in name}
+    parts = [("pages allocated", lambda o: o.pages_allocated), ("pages freed", lambda o: o.pages_freed),
+             ("live pages", lambda o: o.pages), ("holders", lambda o: o.holders),
+             ("lengths", lambda o: o.lengths), ("arena slots out", lambda o: o.arena_out),
+             ("free arena slots", lambda o: o.arena_free), ("entries", lambda o: o.entries),
+             ("tree", lambda o: o.tree), ("counters", counters)]
+    for name, part in parts:
+        was, now = part(before), part(after)
+        if was != now:
+            return f"{name} {_difference(was, now)}"
+    return None
+
+
+def _difference(was, now) -> str:
+    if isinstance(was, dict) and isinstance(now, dict):
+        keys = sorted(set(was) | set(now), key=str)
+        key = next(k for k in keys if was.get(k) != now.get(k))
+        return f"[{key}]: {was.get(key)!r} -> {now.get(key)!r}"
+    return f"{was!r} -> {now!r}"
 
 
 def same_refusal(engine_error: BaseException | None, ref_error: BaseException | None) -> bool:

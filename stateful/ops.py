@@ -24,8 +24,16 @@ class Op:
         return {"op": self.kind, **asdict(self)}
 
     def __str__(self) -> str:
-        args = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+        args = ", ".join(f"{f.name}={_shown(getattr(self, f.name))}" for f in fields(self))
         return f"{self.kind}({args})"
+
+
+def _shown(value) -> str:
+    """An argument as a counterexample prints it: a long token run as its first ids and its length
+    (the replay file keeps every id)."""
+    if isinstance(value, tuple) and len(value) > 24:
+        return f"({', '.join(map(str, value[:8]))}, ... {len(value)} tokens)"
+    return repr(value)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,19 @@ from kvstate.spec.layout import require_finite
 
 
 @contextmanager
+def _patched_all(patches):
+    """Several ``(owner, name, replacement)`` patches at once, undone in reverse."""
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, replacement in patches:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original in reversed(originals):
+            setattr(owner, name, original)
+
+
+@contextmanager
 def _patched(owner, name: str, replacement):
     original = getattr(owner, name)
     setattr(owner, name, replacement)
@@ -185,6 +198,107 @@ def match_shortest_key() -> ContextManager:
     return _patched(radix_module, "match_stop", shallowest)
 
 
+def hits_append_in_place() -> ContextManager:
+    """A ``match`` hit extends into its entry's partly used last page in place, without
+    copy-on-write, on the theory that the entry never reads past its key: true for one hit, but
+    two hits of one entry then write the same positions. Forks still copy."""
+    original_match, original_extend = cache_module.Cache.match, context_module.Context.extend
+    original_writable = context_module.Context.writable
+
+    def match(cache, tokens):
+        ctx, matched = original_match(cache, tokens)
+        ctx._planted_hit = True
+        return ctx, matched
+
+    def extend(ctx, tokens, kv):
+        ctx._planted_appending = True
+        try:
+            return original_extend(ctx, tokens, kv)
+        finally:
+            ctx._planted_appending = False
+
+    def writable(ctx, index):
+        if getattr(ctx, "_planted_hit", False) and getattr(ctx, "_planted_appending", False):
+            return ctx._pages[index]
+        return original_writable(ctx, index)
+    return _patched_all([(cache_module.Cache, "match", match), (context_module.Context, "extend", extend),
+                         (context_module.Context, "writable", writable)])
+
+
+def snapshot_of_hit_stale_tokens() -> ContextManager:
+    """A hit keeps a copy of its token ids from the match, which ``overwrite`` does not update, and
+    ``snapshot`` writes the token ids from that copy: the snapshot of an overwritten hit restores
+    to the old ids. Reads are right; only a snapshot shows it."""
+    original_match, original_snapshot = cache_module.Cache.match, context_module.Context.snapshot
+
+    def match(cache, tokens):
+        ctx, matched = original_match(cache, tokens)
+        ctx._planted_tokens = ctx._tokens().copy()
+        return ctx, matched
+
+    def snapshot(ctx, target):
+        kept = getattr(ctx, "_planted_tokens", None)
+        if kept is None or len(kept) != len(ctx):
+            return original_snapshot(ctx, target)
+        ctx._tokens = lambda: kept.copy()        # the instance's copy shadows the method, for this call
+        try:
+            return original_snapshot(ctx, target)
+        finally:
+            del ctx._tokens
+    return _patched_all([(cache_module.Cache, "match", match), (context_module.Context, "snapshot", snapshot)])
+
+
+def refused_extend_keeps_pages() -> ContextManager:
+    """``extend`` takes its new pages first and asks the pool after: a refusal (``CapacityError``)
+    leaves them in the context's page list, held, although its length did not change. Every
+    invariant still holds; the pool is smaller for good."""
+    def extend(ctx, tokens, kv):
+        tokens = context_module.check_tokens(tokens)
+        kv = context_module.check_values(ctx._cache.layout, kv, len(tokens))
+        with ctx._owned():
+            if len(tokens) == 0:
+                return
+            encoded = ctx._cache.store.encode(kv)
+            start, stop = ctx._length, ctx._length + len(tokens)
+            with ctx._cache.lock:
+                first, end = arithmetic.pages_touched(start, stop, ctx.page_tokens)
+                held = len(ctx._pages)
+                ctx._pages += tuple(ctx._cache.pool.new_pages(end - held, room_made=True))
+                ctx._slots = pages_module.ref_slots(ctx._pages)
+                partial_shared = first < held and ctx._pages[first].refcount > 1
+                ctx._cache.pool.make_room(partial_shared + end - held)     # too late: the pages are taken
+                if first < held:
+                    ctx.writable(first)
+                ctx._raise_filled(start, stop)
+            ctx._write(start, stop, tokens, encoded)
+            with ctx._cache.lock:
+                ctx._length = stop
+    return _patched(context_module.Context, "extend", extend)
+
+
+def refcounts_split_on_growth() -> ContextManager:
+    """When the refcount array fills up, the pool moves to a new, larger array, but pages made
+    before keep reading the old one: a shared page then looks private to ``writable`` and a fork's
+    write lands in place. Only a cache that passes the array's first size (256 live pages) shows it."""
+    original = pages_module.PagePool._register
+
+    def register(pool, page_id, buffer, token_bytes, filled):
+        books = pool.books
+        if not pool._free_refs and pool._next_ref >= len(books.counts):
+            pool.books = pages_module.Refcounts(2 * len(books.counts))   # the old pages keep ``books``
+            pool.books.counts[:len(books.counts)] = books.counts
+        return original(pool, page_id, buffer, token_bytes, filled)
+    return _patched(pages_module.PagePool, "_register", register)
+
+
+def dirty_recycled_heap_page() -> ContextManager:
+    """Freed heap pages kept for reuse (pages of ``numpy_store.RECYCLE_FROM_BYTES``, 2 MiB, or more)
+    come back unzeroed: a new page reads the last page's bytes where nothing was written. Only
+    pages that large take this path."""
+    original = numpy_module.NumpyStore._heap_arrays
+    return _patched(numpy_module.NumpyStore, "_heap_arrays", lambda store, zero: original(store, False))
+
+
 PLANTED: dict[str, Callable[[], ContextManager]] = {
     "missing_copy_on_write": missing_copy_on_write,
     "refcount_kept_on_close": refcount_kept_on_close,
@@ -197,4 +311,9 @@ PLANTED: dict[str, Callable[[], ContextManager]] = {
     "restore_drops_partial_page": restore_drops_partial_page,
     "q8_rounds_half_away_from_zero": q8_rounds_half_away_from_zero,
     "match_shortest_key": match_shortest_key,
+    "hits_append_in_place": hits_append_in_place,
+    "snapshot_of_hit_stale_tokens": snapshot_of_hit_stale_tokens,
+    "refused_extend_keeps_pages": refused_extend_keeps_pages,
+    "refcounts_split_on_growth": refcounts_split_on_growth,
+    "dirty_recycled_heap_page": dirty_recycled_heap_page,
 }

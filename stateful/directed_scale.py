@@ -1,0 +1,146 @@
+"""Directed check: the sizes where a backend's internals grow.
+
+Every other check runs at toy sizes (a 2x2x4 layout, a handful of pages), so a bug that lives
+behind an internal size threshold passes them all: a refcount table or page index that grows
+past its first size, a free list that starts recycling, a different allocator for large pages.
+This check drives the same lockstep comparison (engine and reference, every invariant after
+every step) through sizes such thresholds sit at:
+
+- thousands of live pages, grown past every power of two up to 2,048, shrunk to a few dozen and
+  grown again, with forks, hits, writes into shared pages and truncations all the way;
+- pages of several MiB (a wide layout), freed and taken again with one position written, where a
+  store that recycles large pages must hand them out clean.
+
+It uses the configuration's declared semantics and page size (drawn sizes become one small size,
+so pages are many and cheap). A pool that refuses is scaled up with the pages (a refusing pool of
+10 pages cannot hold thousands): the configuration with its pool raised is tried first and, where
+the factory refuses it (``ConfigError``), the declared one is used. The wide layout runs only where
+the factory accepts it.
+"""
+
+from __future__ import annotations
+
+from kvstate.spec.errors import ConfigError
+from kvstate.spec.layout import Layout
+from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import may_refuse
+
+from . import ops as O
+from .configs import page_sizes
+from .directed_common import keeping, start
+from .lockstep import Lockstep
+
+MANY = ("a backend holds at any size what it holds at a small one: thousands of live pages, grown past "
+        "every internal size and shrunk again, read and shared exactly as a handful of pages are")
+LARGE = ("pages of several MiB behave as small ones: a page freed and taken again reads zero wherever "
+         "nothing was written")
+
+PEAK_PAGES = 2_300          # past 256, 512, 1,024 and 2,048: where tables that double grow
+LARGE_PAGE_BYTES = 3 << 20  # stored, past the 2 MiB from which a store may keep freed pages for reuse
+WIDE = Layout(layers=4, kv_heads=8, head_dim=64)
+VALUE_BYTES = {"f32": 4, "f16": 2, "q8": 1}     # a stored value's bytes (q8's scales not counted)
+
+
+def scale(factory: Factory, config: Config) -> None:
+    """Thousands of pages grown, shrunk and grown again; then pages of several MiB recycled."""
+    sizes = page_sizes(factory, config)
+    small = config.with_(page_tokens=min(sizes))
+    _many_pages(_run(factory, _scaled_pool(small, PEAK_PAGES + 64), fallback=small))
+    run = _run(factory, _scaled_pool(_wide(config, drawn=len(sizes) > 1), 8), fallback=None)
+    if run is not None:
+        _large_pages(run)
+
+
+def _scaled_pool(config: Config, pages: int) -> Config:
+    """``config`` with a pool that refuses raised to ``pages`` (``pool_pages``, else the arena that
+    sets its limit); a pool that falls back or evicts takes any size as it is."""
+    if not may_refuse(config.on_full) or config.pool_limit >= pages:
+        return config
+    if config.pool_pages:
+        return config.with_(pool_pages=pages)
+    return config.with_(arena_pages=pages)
+
+
+def _wide(config: Config, drawn: bool) -> Config:
+    """``config`` at a layout and page size whose pages store ``LARGE_PAGE_BYTES`` at its precision:
+    the wide layout at the page size that makes it, where page sizes are free; else the declared
+    page size with the head dimension that makes it."""
+    stored = WIDE.values_per_position * VALUE_BYTES[config.precision]
+    if drawn:
+        return config.with_(layout=WIDE, page_tokens=-(-LARGE_PAGE_BYTES // stored))
+    per_head_dim = config.page_tokens * WIDE.layers * 2 * WIDE.kv_heads * VALUE_BYTES[config.precision]
+    return config.with_(layout=Layout(WIDE.layers, WIDE.kv_heads, -(-LARGE_PAGE_BYTES // per_head_dim)))
+
+
+def _run(factory: Factory, config: Config, fallback: Config | None) -> Lockstep | None:
+    """A lockstep run of ``config``; where the factory refuses it, of ``fallback`` (None: no run)."""
+    try:
+        factory(config)
+    except ConfigError:
+        if fallback is None:
+            return None
+        config = fallback
+    return start(factory, config)
+
+
+def _tokens(n: int, first: int) -> tuple[int, ...]:
+    return tuple((first + i) % 7 for i in range(n))
+
+
+def _step(run: Lockstep, op: O.Op) -> str | None:
+    made = run.apply(op)
+    run.check()
+    return made
+
+
+def _many_pages(run: Lockstep) -> None:
+    page = run.config.page_tokens
+    third = PEAK_PAGES // 3 * page
+    with keeping(MANY, run):
+        a = _step(run, O.Allocate())
+        for part in range(2):
+            _step(run, O.Extend(a, _tokens(third // 2 + part, part), seed=301 + part))
+        b = _step(run, O.Fork(a))
+        for position in range(1, len(run.live[a][1]), 97 * page + 1):    # a copy here and there
+            _step(run, O.Overwrite(b, position, (6,), seed=303))
+        _step(run, O.Retain(a))
+        c = _step(run, O.Allocate())
+        _step(run, O.Extend(c, _tokens(third, 3), seed=304))
+        d = _step(run, O.Fork(c))
+        _step(run, O.Extend(d, _tokens(third - page // 2, 4), seed=305))     # the peak
+        _step(run, O.Truncate(c, 3 * page + 1))
+        _step(run, O.Close(b))
+        _step(run, O.Close(d))                                                # down to a few hundred
+        hit = _step(run, O.Match(tuple(run.live[a][1].tokens) + (1,)))
+        if hit is not None:
+            _step(run, O.Extend(hit, _tokens(third, 5), seed=306))
+            _step(run, O.Overwrite(hit, page, (5, 5), seed=307))
+            _step(run, O.Truncate(hit, page + 1))
+            _step(run, O.Close(hit))
+        _step(run, O.Clear())
+        _step(run, O.Close(a))                                                # a few pages left
+        e = _step(run, O.Allocate())
+        _step(run, O.Extend(e, _tokens(2 * third, 6), seed=308))              # and up again
+        f = _step(run, O.Fork(e))
+        _step(run, O.Overwrite(f, 0, (3,), seed=309))
+        _step(run, O.Extend(c, _tokens(third, 7), seed=310))
+        _step(run, O.Retain(f))
+        run.finish()
+
+
+def _large_pages(run: Lockstep) -> None:
+    page = run.config.page_tokens
+    with keeping(LARGE, run):
+        a = _step(run, O.Allocate())
+        _step(run, O.Extend(a, _tokens(page + 1, 0), seed=321))    # a full page and one position
+        b = _step(run, O.Fork(a))
+        _step(run, O.Overwrite(b, 1, (4,), seed=322))                # a copy of a large page
+        _step(run, O.Close(a))
+        _step(run, O.Close(b))                                       # every page freed
+        c = _step(run, O.Allocate())
+        _step(run, O.Extend(c, (1,), seed=323))                      # taken again, one position written
+        d = _step(run, O.Allocate())
+        _step(run, O.Extend(d, (2, 3), seed=324))
+        _step(run, O.Truncate(d, 1))
+        _step(run, O.Extend(c, (2,), seed=325))
+        run.finish()
