@@ -302,8 +302,9 @@ class EagerHashContext(block_pool.BlockContext):
 class HashBeforeWrite(block_pool.BlockPoolCache):
     """A block's hash joins the context's chain when its tokens arrive, before its K/V are written: an
     extend that is then refused (a full pool, a non-finite value) leaves the hash of a block that was
-    never written, a later extend of other tokens keeps it, and ``retain`` publishes it. A query with
-    the refused tokens then hits blocks that hold other tokens (the matched count; invariant 4)."""
+    never written, a later extend of other tokens keeps it, and ``retain`` publishes it: the entry's
+    own key then matches short, and a query with the refused tokens hits blocks that hold other
+    tokens (what ``match`` returns: invariant 5 through match, the matched count, invariant 4)."""
 
     context_class = EagerHashContext
 
