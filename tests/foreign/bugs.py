@@ -340,13 +340,8 @@ class RefusedExtendKeepsPages(block_pool.PagesTierCache):
 
 class RefcountsDroppedTable(block_pool.PageTable):
     def grow(self) -> None:
-        old = self.capacity
-        new = min(2 * old, self.limit) if self.limit else 2 * old
-        self.parts = [block_pool._grown(part, new) for part in self.parts]
-        self.tokens = block_pool._grown(self.tokens, new)
-        self.keepers = block_pool._grown(self.keepers, new)
-        self.refcount = np.zeros(new, np.int32)          # sized for the new rows, never filled from the old
-        self.free[:0] = range(new - 1, old - 1, -1)
+        super().grow()
+        self.refcount = np.zeros_like(self.refcount)     # the doubled array, never filled from the old one
 
 
 class RefcountsLostOnGrowth(block_pool.BlockPoolCache):
