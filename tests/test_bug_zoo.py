@@ -1,7 +1,8 @@
 """The bug zoo: ``conform`` against foreign backends, correct and with one planted bug each.
 
 - Each correct foreign backend (``tests/foreign``) passes the default profile in every
-  configuration it declares, with nothing rejected.
+  configuration it declares, with nothing rejected (``block_pool``: one configuration per factory
+  in the default suite, the others under ``-m slow``).
 - Each planted bug (``tests/foreign/bugs.py``) is shown directly by a small witness scenario
   (so the bug is real, and its base backend does not have it), then caught by the default
   profile in the one configuration where it shows, with the report naming the broken promise.
@@ -35,10 +36,11 @@ from kvstate.stateful.configs import configs_named, machine_configs
 from kvstate.stateful.conform import CHECKS, conform
 from kvstate.stateful.ops import values_for
 
-from foreign import dict_pages, no_arena, no_tree
+from foreign import block_pool, dict_pages, no_arena, no_tree
 from foreign.bugs import BUGS
 
-FOREIGN = {"dict_pages": dict_pages, "no_tree": no_tree, "no_arena": no_arena}
+FOREIGN = {"dict_pages": dict_pages.factory, "no_tree": no_tree.factory, "no_arena": no_arena.factory,
+           "block_pool": block_pool.factory, "block_pool_pages": block_pool.pages_factory}
 SNAPSHOT_CHECKS = ("damaged snapshots",)
 
 
@@ -192,6 +194,75 @@ def fork_refcounts(factory, config):
     return None if counts == [2] else f"after one fork the page's refcount is {counts}, not [2]"
 
 
+def two_hits_extend(factory, config):
+    cache = factory(config)
+    key = list(range(1, config.page_tokens + 2))      # one position into the second page
+    cache.retain(_filled(cache, config, key))
+    first, _ = cache.match(key + [9])
+    second, _ = cache.match(key + [9])
+    first.extend([7], _values(config, 1, 1))
+    second.extend([8], _values(config, 1, 2))
+    last = int(first.read()[1][-1])
+    return None if last == 7 else f"the first hit's appended token reads {last} after the second hit appended 8"
+
+
+def overwritten_hit_snapshot(factory, config):
+    cache = factory(config)
+    key = [1, 2, 3]
+    cache.retain(_filled(cache, config, key))
+    hit, _ = cache.match(key)
+    hit.overwrite(1, [9], _values(config, 1, 5))
+    stream = io.BytesIO()
+    hit.snapshot(stream)
+    stream.seek(0)
+    restored = cache.restore(stream).read()[1].tolist()
+    return None if restored == hit.tokens else f"the snapshot of hit {hit.tokens} restores tokens {restored}"
+
+
+def refused_extend_then_match(factory, config):
+    size = config.page_tokens
+    cache = factory(config)
+    ctx = _filled(cache, config, range(1, size))            # one short of a full block
+    bad = _values(config, 1)
+    bad[0, 0, 0, 0, 0] = np.nan
+    with pytest.raises(errors.NonFiniteError):
+        ctx.extend([size], bad)                             # refused: block 0 would be 1..size
+    ctx.extend([size + 1], _values(config, 1, 1))           # block 0 is 1..size-1, size+1
+    cache.retain(ctx)
+    _, matched = cache.match(list(range(1, size + 1)))
+    return None if matched == 0 else f"match of the refused block's tokens matched {matched} of key {ctx.tokens}"
+
+
+def hit_keeps_entry_recent(factory, config):
+    size, cache = config.page_tokens, factory(config)
+    blocks = [[k] * size for k in range(1, config.max_entries + 2)]
+    for block in blocks[:-1]:
+        cache.retain(_filled(cache, config, block))
+    cache.match(blocks[0])                                  # the oldest is now the most recently used
+    cache.retain(_filled(cache, config, blocks[-1]))        # one past max_entries: blocks[1] goes
+    _, matched = cache.match(blocks[0])
+    return None if matched == size else f"the entry just hit was evicted (matched {matched}, not {size})"
+
+
+def refused_extend_holds_nothing(factory, config):
+    size, cache = config.page_tokens, factory(config)
+    ctx = _filled(cache, config, range(size * (config.pool_limit - 1)))    # one page of the pool left
+    before = cache.observe().holders
+    with pytest.raises(errors.CapacityError):
+        ctx.extend(list(range(2 * size)), _values(config, 2 * size))      # needs two
+    after = cache.observe().holders
+    return None if after == before else f"a refused extend changed the context's pages {before} -> {after}"
+
+
+def fork_write_past_growth(factory, config):
+    size = config.page_tokens
+    parent = _filled(factory(config), config, range(size * (block_pool.INITIAL_PAGES + 1)))
+    before = parent.read(0, 1)[0]
+    parent.fork().overwrite(0, [7], _values(config, 1, 3))
+    same = np.array_equal(parent.read(0, 1)[0], before)
+    return None if same else f"past {block_pool.INITIAL_PAGES} pages, a write through a fork shows in its parent"
+
+
 # -- the table --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -211,6 +282,8 @@ class NotCaught(AssertionError):
 class ReportMisnames(AssertionError):
     """conform caught the bug, but its report does not name the broken promise."""
 
+
+POOL = "block4-f32-pool10-evict-then-refuse"
 
 ZOO = {
     "q8_half_away_from_zero": Planted(
@@ -239,6 +312,14 @@ ZOO = {
     "arena_slot_kept_on_eviction": Planted(
         "dict_pages", "f32-arena6", "invariant 3", evicted_slots),
     "fork_without_refcount": Planted("no_arena", "f32-heap", "invariant 1", fork_refcounts),
+    # issue 22 items 2, 3 and 7, in the standard configurations and in a vLLM-style block pool
+    "hits_append_in_place": Planted("dict_pages", "f32-heap", "invariant 4", two_hits_extend),
+    "snapshot_stale_tokens": Planted("dict_pages", "f32-heap", "invariant 4", overwritten_hit_snapshot),
+    "hash_before_write": Planted("block_pool", POOL, "invariant 5", refused_extend_then_match),
+    "hit_stamps_nothing": Planted("block_pool", "block4-f32-heap", "invariant 5", hit_keeps_entry_recent),
+    "refused_extend_keeps_pages": Planted(
+        "block_pool_pages", POOL, "invariant refusal", refused_extend_holds_nothing),
+    "refcounts_lost_on_growth": Planted("block_pool", "block4-f32-heap", "invariant 4", fork_write_past_growth),
 }
 
 MEASURED: list[tuple] = []
@@ -252,7 +333,7 @@ def _config(name: str, factory) -> Config:
 def test_witness_shows_the_bug_and_not_on_its_base(name):
     """The planted bug is real (its witness shows it) and only in the subclass (the base is clean)."""
     planted = ZOO[name]
-    base = FOREIGN[planted.base].factory
+    base = FOREIGN[planted.base]
     config = _config(planted.config, BUGS[name])
     assert planted.witness(base, config) is None
     assert planted.witness(BUGS[name], config) is not None
@@ -327,15 +408,21 @@ def print_measurements():
 
 # -- the correct backends ---------------------------------------------------------------------
 
+# Each configuration is a whole conform run (about 5 s of CPU): block_pool's factories run one
+# configuration each in the default suite, the other five under -m slow.
+DEFAULT_SUITE = {"block_pool": "block4-q8-heap", "block_pool_pages": POOL}
+
+
 def _backend_configs():
-    for name, module in FOREIGN.items():
-        for config in getattr(module.factory, "configs", None) or machine_configs():
-            yield pytest.param(name, config, id=f"{name}-{config.name}")
+    for name, factory in FOREIGN.items():
+        for config in getattr(factory, "configs", None) or machine_configs():
+            slow = name in DEFAULT_SUITE and config.name != DEFAULT_SUITE[name]
+            yield pytest.param(name, config, id=f"{name}-{config.name}", marks=[pytest.mark.slow] if slow else [])
 
 
 @pytest.mark.parametrize("backend,config", _backend_configs())
 def test_correct_foreign_backend_passes_with_nothing_rejected(backend, config):
-    results = conform(FOREIGN[backend].factory, configs=[config])
+    results = conform(FOREIGN[backend], configs=[config])
     statuses = {name: o.status for name, o in results[0].outcomes.items()}
     assert set(statuses) == set(CHECKS)
     assert all(o.passed for o in results[0].outcomes.values()), results[0].failure

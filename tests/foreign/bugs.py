@@ -10,8 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from kvstate.spec import precision as precisions
+from kvstate.spec.layout import check_tokens
 
-from . import dict_pages, no_arena, no_tree
+from . import block_pool, dict_pages, no_arena, no_tree
 
 
 # -- on the dict-of-pages engine ------------------------------------------------------------
@@ -119,6 +120,69 @@ class SnapshotDropsPartialPage(dict_pages.DictCache):
         return sections
 
 
+class InPlaceHitContext(dict_pages.DictContext):
+    key_end = None            # a hit's entry key length: the entry never reads past it
+
+    def _write(self, start, tokens, parts) -> None:
+        self.writing_from = start
+        super()._write(start, tokens, parts)
+
+    def writable(self, index: int):
+        if self.key_end is not None and index * self.cache.page_tokens < self.key_end <= self.writing_from:
+            return self.pages[index]
+        return super().writable(index)
+
+
+class HitsAppendInPlace(dict_pages.DictCache):
+    """A hit appends past its entry's key into the shared, partly filled last page in place, on the
+    theory that the entry never reads there (forks still copy). Two live hits of one entry then write
+    the same rows, and the first reads the second's positions (invariant 4: a write through one
+    holder never shows in another)."""
+
+    context_class = InPlaceHitContext
+
+    def match(self, tokens):
+        hit, matched = super().match(tokens)
+        if matched:
+            hit.key_end = matched
+        return hit, matched
+
+
+class KeyCacheContext(dict_pages.DictContext):
+    key = None                # a hit's token ids, kept so a snapshot need not gather them from pages
+
+    def extend(self, tokens, kv) -> None:
+        super().extend(tokens, kv)
+        if self.key is not None:
+            self.key += tuple(check_tokens(tokens).tolist())
+
+    def truncate(self, n: int) -> None:
+        super().truncate(n)
+        if self.key is not None:
+            self.key = self.key[:n]
+
+
+class SnapshotStaleTokens(dict_pages.DictCache):
+    """A hit keeps its entry's key as a token cache that ``extend`` and ``truncate`` maintain but
+    ``overwrite`` does not, and a snapshot writes its token ids from that cache: the snapshot of an
+    overwritten hit restores the old token ids (invariant 4 on the restored context; README: a
+    snapshot holds a context's tokens and values)."""
+
+    context_class = KeyCacheContext
+
+    def match(self, tokens):
+        hit, matched = super().match(tokens)
+        if matched:
+            hit.key = tuple(hit.tokens)
+        return hit, matched
+
+    def snapshot_sections(self, ctx):
+        sections = super().snapshot_sections(ctx)
+        if ctx.key is not None:
+            sections[0] = np.array(ctx.key, np.int64)
+        return sections
+
+
 class ArenaSlotKeptOnEviction(dict_pages.DictCache):
     """Pages freed by tree eviction forget their arena slot, which stays out in the arena's books
     for a page that is gone (invariant 3: every slot that is out backs a live page)."""
@@ -221,6 +285,74 @@ class ForkWithoutRefcount(no_arena.HeapEngine):
     block_class = NoRefForkBlock
 
 
+# -- on the block-hash pool ----------------------------------------------------------------------
+
+class EagerHashContext(block_pool.BlockContext):
+    def extend(self, tokens, kv) -> None:
+        ids = check_tokens(tokens).tolist()
+        self._require_open()
+        written = self.tokens
+        size, parent = self.cache.page_tokens, self.hashes[-1] if self.hashes else block_pool.ROOT_HASH
+        for index in range(len(self.hashes), (len(written) + len(ids)) // size):   # as vLLM hashes arriving tokens
+            parent = block_pool.block_hash(parent, tuple((written + ids)[index * size:(index + 1) * size]))
+            self.hashes.append(parent)
+        super().extend(tokens, kv)
+
+
+class HashBeforeWrite(block_pool.BlockPoolCache):
+    """A block's hash joins the context's chain when its tokens arrive, before its K/V are written: an
+    extend that is then refused (a full pool, a non-finite value) leaves the hash of a block that was
+    never written, a later extend of other tokens keeps it, and ``retain`` publishes it: the entry's
+    own key then matches short, and a query with the refused tokens hits blocks that hold other
+    tokens (what ``match`` returns: invariant 5 through match, the matched count, invariant 4)."""
+
+    context_class = EagerHashContext
+
+
+class HitStampsNothing(block_pool.BlockPoolCache):
+    """A ``match`` hit does not make its entry the most recently used, so eviction (past
+    ``max_entries`` or for room) takes an entry just used instead of the least recently used one
+    (README: a hit stamps its entry; invariant 5, seen through ``match``)."""
+
+    def stamp(self, entry) -> None:
+        pass
+
+
+class PagewiseContext(block_pool.BlockContext):
+    def extend(self, tokens, kv) -> None:
+        tokens, parts = self._validated(tokens, kv)
+        if len(tokens):
+            self._write(self.length, tokens, parts)    # each new page asks the pool for itself
+
+
+class RefusedExtendKeepsPages(block_pool.PagesTierCache):
+    """``extend`` takes its pages one at a time, each asking the pool, instead of counting its need
+    first; when the pool refuses a page, ``CapacityError`` leaves the pages already taken (and
+    entries evicted for them) in place: the context lists pages past its length, held from the pool
+    (README's full-pool row: refuse with ``CapacityError``, changing nothing)."""
+
+    context_class = PagewiseContext
+
+    def new_page(self) -> int:
+        self.make_room(1)
+        return super().new_page()
+
+
+class RefcountsDroppedTable(block_pool.PageTable):
+    def grow(self) -> None:
+        super().grow()
+        self.refcount = np.zeros_like(self.refcount)     # the doubled array, never filled from the old one
+
+
+class RefcountsLostOnGrowth(block_pool.BlockPoolCache):
+    """When the page table doubles past its first ``INITIAL_PAGES`` rows, the refcounts of the pages
+    made before the growth are not carried over: a page a fork shares reads as private, so the
+    fork's write lands in place and shows in the parent (invariant 4). Only a run that holds more
+    than 64 live pages at once crosses it."""
+
+    table_class = RefcountsDroppedTable
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -236,23 +368,28 @@ def _factory_for(cache_class, base_factory):
     return factory
 
 
-_BASES = {dict_pages: dict_pages.factory, no_tree: no_tree.factory, no_arena: no_arena.factory}
 _PLANTED = {
-    "q8_half_away_from_zero": (Q8HalfAwayFromZero, dict_pages),
-    "match_shortest_key": (ShortestMatch, no_tree),
-    "dirty_slot_reported_clean": (DirtySlotReportedClean, dict_pages),
-    "ignores_arena_pages": (IgnoresArenaPages, dict_pages),
-    "match_count_in_pages": (PageGranularMatch, no_arena),
-    "read_aliases_storage": (ReadAliasesStorage, dict_pages),
-    "missing_copy_on_write": (MissingCopyOnWrite, no_tree),
-    "refcount_kept_on_close": (RefcountKeptOnClose, no_arena),
-    "truncate_off_by_one": (TruncateOffByOne, no_tree),
-    "evicts_most_recent": (EvictsMostRecent, no_arena),
-    "retain_keeps_old_entry": (RetainKeepsOldEntry, dict_pages),
-    "f16_overflow_accepted": (F16OverflowAccepted, no_arena),
-    "zero_length_write_allocates": (ZeroLengthWriteAllocates, dict_pages),
-    "snapshot_drops_partial_page": (SnapshotDropsPartialPage, dict_pages),
-    "arena_slot_kept_on_eviction": (ArenaSlotKeptOnEviction, dict_pages),
-    "fork_without_refcount": (ForkWithoutRefcount, no_arena),
+    "q8_half_away_from_zero": (Q8HalfAwayFromZero, dict_pages.factory),
+    "match_shortest_key": (ShortestMatch, no_tree.factory),
+    "dirty_slot_reported_clean": (DirtySlotReportedClean, dict_pages.factory),
+    "ignores_arena_pages": (IgnoresArenaPages, dict_pages.factory),
+    "match_count_in_pages": (PageGranularMatch, no_arena.factory),
+    "read_aliases_storage": (ReadAliasesStorage, dict_pages.factory),
+    "missing_copy_on_write": (MissingCopyOnWrite, no_tree.factory),
+    "refcount_kept_on_close": (RefcountKeptOnClose, no_arena.factory),
+    "truncate_off_by_one": (TruncateOffByOne, no_tree.factory),
+    "evicts_most_recent": (EvictsMostRecent, no_arena.factory),
+    "retain_keeps_old_entry": (RetainKeepsOldEntry, dict_pages.factory),
+    "f16_overflow_accepted": (F16OverflowAccepted, no_arena.factory),
+    "zero_length_write_allocates": (ZeroLengthWriteAllocates, dict_pages.factory),
+    "snapshot_drops_partial_page": (SnapshotDropsPartialPage, dict_pages.factory),
+    "arena_slot_kept_on_eviction": (ArenaSlotKeptOnEviction, dict_pages.factory),
+    "fork_without_refcount": (ForkWithoutRefcount, no_arena.factory),
+    "hits_append_in_place": (HitsAppendInPlace, dict_pages.factory),
+    "snapshot_stale_tokens": (SnapshotStaleTokens, dict_pages.factory),
+    "hash_before_write": (HashBeforeWrite, block_pool.factory),
+    "hit_stamps_nothing": (HitStampsNothing, block_pool.factory),
+    "refused_extend_keeps_pages": (RefusedExtendKeepsPages, block_pool.pages_factory),
+    "refcounts_lost_on_growth": (RefcountsLostOnGrowth, block_pool.factory),
 }
-BUGS = {name: _factory_for(cls, _BASES[module]) for name, (cls, module) in _PLANTED.items()}
+BUGS = {name: _factory_for(cls, base) for name, (cls, base) in _PLANTED.items()}
