@@ -207,14 +207,17 @@ class Lockstep:
         for key, _tick in self.reference.eviction_order():
             engine_hit, engine_matched = self.engine.match(list(key))
             ref_hit, ref_matched = self.reference.match(list(key))
+            where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched:
-                    raise InvariantViolation(5, f"probing entry {list(key)} through match: the engine's hit holds "
-                                                f"{engine_matched} positions, the reference's {ref_matched} (entries "
-                                                f"or their eviction order differ)")
+                    raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
+                                                f"the reference's {ref_matched}")
                 values, tokens = engine_hit.read()
-                invariants.check_values({f"the hit of match({list(key)})": (to_numpy(values), np.asarray(tokens))},
-                                        {f"the hit of match({list(key)})": ref_hit.read()})
+                try:
+                    invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},
+                                            {"the hit": ref_hit.read()})
+                except InvariantViolation as differs:
+                    raise InvariantViolation(5, f"{where}: {differs.detail}") from None
             finally:
                 engine_hit.close()
                 ref_hit.close()

@@ -14,17 +14,14 @@ from README.md and ``kvstate.spec`` only.
   A page is *cached* once no context lists it but an entry keeps it: refcount 0, listed
   ``cached=True`` in the pages tier, reclaimable.
 - ``match`` walks the query's chained hashes through the index and stops at the first miss: the
-  longest run of cached full blocks. Of the entries reaching that block, the one sharing the most
-  tokens with the query gives the hit, the most recently used among equals (``spec/semantics.py``);
-  only it is stamped. A hit shares the entry's pages (refcount + 1), copies nothing.
+  longest run of cached full blocks. Of the entries reaching that block, the most recently used
+  gives the hit (``spec/semantics.py``, block ties); only it is stamped. A hit shares the entry's pages (refcount + 1), copies nothing.
 - Writes copy a page that another holder lists or an entry keeps (``writable``): a cached block is
   never written in place (vLLM's ``is_block_writable``).
 - ``on_full="evict-then-refuse"``: an operation counts the pages it needs before it changes
   anything. If the pages contexts hold plus that need pass the pool, ``CapacityError``, nothing
   changed. Otherwise free rows are used first, then entries are evicted, least recently used
-  first, each one that frees a page (keeps a page nobody else holds), re-scanning after each.
-  Where no entry frees a page alone (two entries keep the same cached pages), the least recently
-  used entry keeping a cached page goes: a fixed pool has no ordinary memory to fall back to.
+  first, each one that keeps a cached page (a page no context holds), until the need fits.
   A cached page a hit takes again is the same live page: neither allocated nor freed.
 
 Where this departs from vLLM, because README's promises say otherwise (each is observable):
@@ -32,8 +29,8 @@ an entry keeps its partly filled last page too (vLLM caches full blocks only; RE
 keeps a fork, and the pool counts that page and the copy a later write makes of it); eviction
 takes whole entries (vLLM reclaims single blocks, tail blocks first, leaving a shorter prefix
 matchable); entries are bounded by ``max_entries`` (vLLM has only the pool); among entries
-reaching the deepest block, the one sharing most tokens wins (vLLM has no entries: a hash maps
-to whichever block it cached first). Hashes are Python's 64-bit tuple hash (vLLM: sha256 or
+reaching the deepest block, the most recently used gives the hit (vLLM has no entries: a hash
+maps to whichever block it cached first). Hashes are Python's 64-bit tuple hash (vLLM: sha256 or
 xxhash): a collision would be a wrong hit, a risk vLLM takes too. Rows are not zeroed when
 reused (no read reaches an unwritten row; no ``read_page``); no snapshots.
 
@@ -336,19 +333,11 @@ class BlockPoolCache:
             self.evict(self.victim())
 
     def victim(self) -> Entry:
-        """The least recently used entry whose eviction frees a page; where none frees one alone
-        (cached pages that several entries keep), the least recently used keeping a cached page."""
-        entries = self.entries.values()
-        return next((entry for entry in entries if self.frees_a_page(entry)), None) or \
-            next(entry for entry in entries if np.any(self.table.refcount[entry.pages] == 0))
+        """The least recently used entry keeping a cached page (one no context holds)."""
+        return next(entry for entry in self.entries.values() if np.any(self.table.refcount[entry.pages] == 0))
 
     def live_pages(self) -> int:
         return self.table.allocated - self.table.freed
-
-    def frees_a_page(self, entry: Entry) -> bool:
-        """Whether evicting ``entry`` frees a page: one it keeps that nobody else holds."""
-        pages = entry.pages
-        return bool(np.any((self.table.refcount[pages] == 0) & (self.table.keepers[pages] == 1)))
 
     # -- entries
 
@@ -407,7 +396,7 @@ class BlockPoolCache:
         if not hashes:
             return self.allocate(), 0
         blocks = len(hashes)
-        best = max(found.values(), key=lambda entry: (_common(entry.key, query, blocks * size), entry.tick))
+        best = max(found.values(), key=lambda entry: entry.tick)
         self.stamp(best)
         return self.adopt(best.pages[:blocks], blocks * size, hashes), blocks * size
 
@@ -417,14 +406,6 @@ class BlockPoolCache:
 
     def observe(self) -> Observation:
         return black_box()
-
-
-def _common(key: tuple[int, ...], query: tuple[int, ...], start: int) -> int:
-    """The common prefix of ``key`` and ``query``, known to hold the first ``start`` tokens."""
-    n = start
-    while n < min(len(key), len(query)) and key[n] == query[n]:
-        n += 1
-    return n
 
 
 class PagesTierCache(BlockPoolCache):
