@@ -145,6 +145,10 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     now_values, now_tokens = ctx.read()
     if not (np.array_equal(to_numpy(now_values), values) and np.array_equal(np.asarray(now_tokens), tokens)):
         raise AssertionError("refused writes changed the context's values or tokens")
+    # ... nor anything a later retain keeps: the entry, and a hit of it, read what the reference reads
+    run.apply(O.Retain("c1"))
+    run.apply(O.Match(tuple(int(t) for t in np.asarray(tokens)) + (1,)))
+    run.check()
     closed = run.live["c1"][0]
     run.apply(O.Close("c1"))
     try:
