@@ -7,6 +7,7 @@ them stamps the clock or forks: ``Cache.match`` does both, once, for every kind.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 from kvstate.spec.semantics import hit_length
@@ -21,20 +22,20 @@ def entry_hit(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
     return tree.longest_key(query)
 
 
-def prefix_hit(match: str, block_tokens: int) -> Finder:
+def prefix_hit(match: str, block_tokens: int, tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
     """``token``: the longest common prefix with any key; ``block``: that, rounded down to whole
     blocks. Taken from the most recently used entry of those sharing the hit's positions (under
     ``block``, every entry reaching its last whole block, whatever it shares past it)."""
-    def find(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
-        below, common = tree.deepest(query)
-        length = hit_length(match, block_tokens, common)
-        if below is None or length == 0:
-            return None, 0
-        if length < common:      # the subtree of entries sharing just the hit's positions
-            below, _ = tree.deepest(query[:length * TOKEN_BYTES])
-        return tree.newest_below(below), length
-    return find
+    below, common = tree.deepest(query)
+    length = hit_length(match, block_tokens, common)
+    if below is None or length == 0:
+        return None, 0
+    if length < common:      # the subtree of entries sharing just the hit's positions
+        below, _ = tree.deepest(query[:length * TOKEN_BYTES])
+    return tree.newest_below(below), length
 
 
 def finder_for(match: str, block_tokens: int) -> Finder:
-    return entry_hit if match == "entry" else prefix_hit(match, block_tokens)
+    # a partial of a module-level function, not a closure: a cache stays picklable (the exhaustive
+    # checker keeps each state it explores as a pickle)
+    return entry_hit if match == "entry" else partial(prefix_hit, match, block_tokens)

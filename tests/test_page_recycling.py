@@ -74,6 +74,7 @@ def test_small_pages_are_left_to_malloc():
 def test_the_lockstep_machine_holds_with_every_page_recycled(monkeypatch):
     """The machine's layouts are small, so its pages are normally left to malloc: here every page
     goes through the spares, dirty from its last holder, at every precision, with and without an arena."""
+    from hypothesis import settings
     from hypothesis.stateful import run_state_machine_as_test
 
     from kvstate.impl.numpy import factory as numpy_factory
@@ -92,5 +93,6 @@ def test_the_lockstep_machine_holds_with_every_page_recycled(monkeypatch):
     monkeypatch.setattr(numpy_store.NumpyStore, "_heap_arrays", counting)
     for config in machine_configs():
         machine = machine_for(numpy_factory, config)
-        run_state_machine_as_test(machine, settings=PROFILES["ci"])
-    assert sum(reused) >= 500
+        # 60 of the ci profile's 100 runs: every page recycled, hundreds of reuses, at half the cost
+        run_state_machine_as_test(machine, settings=settings(PROFILES["ci"], max_examples=60))
+    assert sum(reused) >= 200
