@@ -305,7 +305,7 @@ def test_a_block_hit_not_in_whole_blocks_is_caught(monkeypatch):
     blocks; the match results and every entry's own match follow ``hit_length``."""
     from kvstate.impl import cache as cache_module, matching
 
-    monkeypatch.setattr(cache_module, "finder_for", lambda match, block_tokens: matching.prefix_hit("token", 0))
+    monkeypatch.setattr(cache_module, "finder_for", lambda match, block_tokens: matching.finder_for("token", 0))
     blocks = [c for c in races.race_configs() if c.match == "block"]
     with pytest.raises(races.RaceFailure, match=r"block\d+-.*(not a whole number of \d+-token blocks|a block match holds)"):
         races.eviction_vs_allocation("numpy", seed=SEED, iterations=len(blocks), configs=blocks)
