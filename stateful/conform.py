@@ -178,11 +178,15 @@ def _directed(check) -> Check:
             return Outcome("n/a", time.perf_counter() - started, str(reason))
         except Exception as error:
             run = directed.current.run
-            shrunk = _shrunk_directed(factory, run, error) if run is not None else None
+            # a profile without Hypothesis's shrink phase (hunt) wants "found or not", not the shortest run
+            shrinks = run is not None and Phase.shrink in (settings.phases or ())
+            shrunk = _shrunk_directed(factory, run, error) if shrinks else None
             if shrunk is not None:
                 return Outcome("FAIL", time.perf_counter() - started, shrunk)
             history = None if run is None else run.history[:run.failed_at]
-            return Outcome("FAIL", time.perf_counter() - started, describe(error, history, minimised=False))
+            promise = getattr(error, "promise", None)
+            head = f'"{promise}" -- broken: ' if promise else ""
+            return Outcome("FAIL", time.perf_counter() - started, head + describe(error, history, minimised=False))
         return Outcome("pass", time.perf_counter() - started)
     run.__doc__ = check.__doc__
     return run
@@ -231,6 +235,16 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
 CHECKS: dict[str, Check] = {"lockstep": lockstep_check, "seeded": seeded_check}
 CHECKS.update({name: _directed(check) for name, check in DIRECTED.items()})
 CHECKS["races"] = races_check
+
+
+# The checks whose runs take seconds, in the order a first-failure run asks them: whether a bug is
+# there does not depend on the order, and the directed checks take milliseconds, so they go first.
+SLOW_CHECKS = ("scale", "lockstep", "seeded", "races")
+
+
+def quick_first(names: list[str]) -> list[str]:
+    """``names`` with the slow checks moved to the end (for a run that stops at its first failure)."""
+    return [n for n in names if n not in SLOW_CHECKS] + [n for n in SLOW_CHECKS if n in names]
 
 
 def register_check(name: str, check: Check) -> None:
@@ -340,11 +354,11 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
 
     ``settings`` (Hypothesis settings for the lockstep machine) overrides ``profile``.
     ``first_failure``: stop at the first check that fails (the results end with its configuration),
-    for "is a bug there at all?".
+    for "is a bug there at all?"; without ``checks``, the quick directed checks run first.
     """
     configs = configs or configs_for(factory)
     settings = settings or PROFILES[profile]
-    names = checks or list(CHECKS)
+    names = checks or (quick_first(list(CHECKS)) if first_failure else list(CHECKS))
     conform_checks_known(names)
     results = []
     for config in configs:

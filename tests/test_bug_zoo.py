@@ -300,15 +300,16 @@ ZOO = {
         "dict_pages", "f32-heap", "alias", read_aliasing),
     "missing_copy_on_write": Planted("no_tree", "f32-heap", "invariant 4", fork_write),
     "refcount_kept_on_close": Planted(
-        "no_arena", "f32-heap", "invariant 6: not empty: 1 live pages", close_releases),
+        "no_arena", "f32-heap", "invariant 6: not empty", close_releases),
     "truncate_off_by_one": Planted("no_tree", "f32-heap", "invariant 4", truncate_inside_page),
     "evicts_most_recent": Planted(
         "no_arena", "f32-heap", "invariant 5", eviction_order),
-    "retain_keeps_old_entry": Planted("dict_pages", "f32-heap", "invariant 5", retain_twice),
+    "retain_keeps_old_entry": Planted("dict_pages", "f32-heap", "replaces its entry", retain_twice),
     "f16_overflow_accepted": Planted("no_arena", "f16-heap", "PrecisionRangeError", f16_overflow),
     "zero_length_write_allocates": Planted(
         "dict_pages", "f32-heap", "zero positions", zero_length_write),
-    "snapshot_drops_partial_page": Planted("dict_pages", "f32-heap", "invariant 4", snapshot_round_trip),
+    "snapshot_drops_partial_page": Planted("dict_pages", "f32-heap", "restored to other values or tokens",
+                                           snapshot_round_trip),
     "arena_slot_kept_on_eviction": Planted(
         "dict_pages", "f32-arena6", "invariant 3", evicted_slots),
     "fork_without_refcount": Planted("no_arena", "f32-heap", "invariant 1", fork_refcounts),
@@ -316,7 +317,8 @@ ZOO = {
     "hits_append_in_place": Planted("dict_pages", "f32-heap", "invariant 4", two_hits_extend),
     "snapshot_stale_tokens": Planted("dict_pages", "f32-heap", "invariant 4", overwritten_hit_snapshot),
     "hash_before_write": Planted("block_pool", POOL, "invariant 5", refused_extend_then_match),
-    "hit_stamps_nothing": Planted("block_pool", "block4-f32-heap", "invariant 5", hit_keeps_entry_recent),
+    "hit_stamps_nothing": Planted("block_pool", "block4-f32-heap", "the most recently used gives the hit",
+                                  hit_keeps_entry_recent),
     "refused_extend_keeps_pages": Planted(
         "block_pool_pages", POOL, "invariant refusal", refused_extend_holds_nothing),
     "refcounts_lost_on_growth": Planted("block_pool", "block4-f32-heap", "invariant 4", fork_write_past_growth),
