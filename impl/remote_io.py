@@ -43,7 +43,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import (KVStateError, SnapshotError, SnapshotNotFoundError, SnapshotReadError,
@@ -69,9 +69,10 @@ def is_remote(target) -> bool:
 
 
 def local_path(target):
-    """The path of a ``file://`` URL; any other target unchanged."""
+    """The path of a ``file://`` URL, taken literally as fsspec takes it (``?``, ``#`` and ``%`` are
+    part of the name, not a query, a fragment or an escape); any other target unchanged."""
     if isinstance(target, str) and target.startswith("file://"):
-        return unquote(urlsplit(target).path)
+        return target[len("file://"):]
     return target
 
 
@@ -103,6 +104,24 @@ def _filesystem(url: str, storage_options: dict | None, error_class: type[Snapsh
     except (ImportError, ValueError) as error:
         raise error_class(f"{redact(url)}: no filesystem for this URL ({_describe(error)}); "
                           f"for s3:// pip install 'kvstate[remote]'") from None
+
+
+def _object_path(url: str, path: str, error_class: type[SnapshotError]) -> str:
+    """``path`` if it names an object (a key after the bucket or folder); else ``error_class`` by name.
+
+    ``memory://``, ``s3://bucket`` or ``.../folder/`` name no object: a write there
+    would store nothing where a restore could find it.
+    """
+    name = path.rpartition("/")[2]
+    if not name or url.endswith("/") or "/" not in path.strip("/") and _names_bucket(url):
+        raise error_class(f"{redact(url)} names no object: a snapshot URL needs a key, such as "
+                          f"'s3://bucket/kv/name.kvs' or 'memory://kv/name.kvs'")
+    return path
+
+
+def _names_bucket(url: str) -> bool:
+    """Whether the URL's first path part is a bucket (object stores), so a key must follow it."""
+    return urlsplit(url).scheme in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
 def _is_s3(fs) -> bool:
@@ -137,6 +156,7 @@ def open_read(url: str, storage_options: dict | None = None) -> Iterator:
     splicing two versions. No object there: ``SnapshotNotFoundError``.
     """
     fs, path = _filesystem(url, storage_options, SnapshotReadError)
+    path = _object_path(url, path, SnapshotNotFoundError)
     fs.invalidate_cache(path)     # size and ETag from the server, not from an earlier listing
     try:
         file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
@@ -154,6 +174,7 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
     (if any) is untouched. See the module docstring for how, per filesystem.
     """
     fs, path = _filesystem(url, storage_options, SnapshotWriteError)
+    path = _object_path(url, path, SnapshotWriteError)
     if _is_s3(fs):
         file = fs.open(path, "wb", block_size=PART_BYTES)
         try:
@@ -167,7 +188,7 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
             _abandon(file)  # an upload that did not complete is aborted, not left for the lifecycle rule
             raise
         return
-    folder, _, name = path.rstrip("/").rpartition("/")
+    folder, _, name = path.rpartition("/")
     temp = f"{folder}/" if folder else ""
     temp += f"{fmt.TEMP_PREFIX}{name}.{uuid.uuid4().hex}{fmt.TEMP_SUFFIX}"
     file = fs.open(temp, "wb")
@@ -179,16 +200,17 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
         raise
     try:
         file.close()
-        fs.mv(temp, path)
-    except BaseException:
+        # cp_file and rm_file take one exact key; mv, cp and rm expand glob characters
+        # (``*``, ``?``, ``[``) in it, so a name holding them published nothing or left the temp.
+        fs.cp_file(temp, path)
+    finally:
         _remove_quietly(fs, temp)
-        raise
 
 
 def _remove_quietly(fs, path: str) -> None:
     try:
         if fs.exists(path):
-            fs.rm(path)
+            fs.rm_file(path)     # one exact key: rm would glob
     except Exception:     # noqa: BLE001 - best effort; a stray temporary key is never read as a snapshot
         pass
 

@@ -1,0 +1,77 @@
+"""Object storage under attack (issue 24): exact keys, no code from data, no secrets in messages,
+a second tier that never breaks ``match``, one file object per reader, outages named as outages.
+
+Real parts only: fsspec's ``memory://`` and ``file://`` filesystems, a real HTTP server and
+real sockets on 127.0.0.1. The S3 cases of the same rules live in ``test_remote.py``, beside
+its moto server.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstate.impl import Cache, remote_io
+from kvstate.spec import Layout
+from kvstate.spec.errors import SnapshotNotFoundError, SnapshotWriteError
+
+fsspec = pytest.importorskip("fsspec")
+
+SMALL = Layout(1, 1, 2)
+# one name per character class a glob, a URL parser or an encoder treats specially
+AWKWARD_NAMES = ["star*name.kvs", "what?name.kvs", "br[ack]et.kvs", "[0-9].kvs", "sp ace.kvs", "ünïcødé-名.kvs",
+                 "hash#frag.kvs", "per%20cent.kvs", "semi;colon,comma=eq+plus.kvs", "brace{a,b}.kvs"]
+
+
+def filled(cache: Cache, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ctx = cache.allocate()
+    ctx.extend(np.arange(seed, seed + n), rng.standard_normal((n, *cache.layout.position_shape)).astype(np.float32))
+    return ctx
+
+
+def tokens_of(ctx) -> list[int]:
+    return [int(t) for t in ctx.read()[1]]
+
+
+# -- item 1: publishing is exact-key ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", AWKWARD_NAMES)
+def test_memory_publication_lands_at_the_exact_key_and_replaces_the_old_object(name):
+    folder = f"kvstate-test/{uuid.uuid4().hex}"
+    url = f"memory://{folder}/{name}"
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 3, seed=1) as old, filled(cache, 5, seed=7) as new:
+        old.snapshot(url)
+        new.snapshot(url)     # a globbing move left the old object here and reported success
+        with cache.restore(url) as back:
+            assert tokens_of(back) == tokens_of(new)
+    assert fsspec.filesystem("memory").find(f"/{folder}") == [f"/{folder}/{name}"]     # no .kvs-partial
+
+
+@pytest.mark.parametrize("name", AWKWARD_NAMES)
+def test_file_urls_are_the_literal_path_fsspec_uses(name, tmp_path):
+    url = f"file://{tmp_path}/{name}"
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 4, seed=3) as ctx:
+        ctx.snapshot(url)
+        with cache.restore(url) as back:
+            assert tokens_of(back) == tokens_of(ctx)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    fs, path = fsspec.core.url_to_fs(url)
+    assert fs.exists(path)     # the key fsspec itself names by this URL
+
+
+@pytest.mark.parametrize("url", ["memory://", "memory:///", "memory://folder/", "s3://bucket", "s3://bucket/"])
+def test_a_url_that_names_no_object_is_refused_by_name(url):
+    cache = Cache(SMALL, page_tokens=2)
+    before = set(fsspec.filesystem("memory").store)
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match="names no object"):
+            ctx.snapshot(url)
+    with pytest.raises(SnapshotNotFoundError, match="names no object"):
+        cache.restore(url)
+    assert set(fsspec.filesystem("memory").store) == before
+    assert cache.stats()["live_contexts"] == 0
