@@ -107,3 +107,44 @@ def test_a_journal_past_its_size_limit_is_refused_before_it_is_read(tmp_path, ca
     monkeypatch.setattr(J, "MAX_BYTES", 64)
     assert main(["sweep", "--resume", str(out)]) == 2
     assert "MAX_BYTES=64" in capsys.readouterr().err
+
+
+# -- issue 22 item 5: a replay against a black box (no page observation) ------------------------------
+
+BROKEN_BOX = '''import sys
+sys.path.insert(0, {examples!r})
+from blackbox_backend import BoxCache, BoxContext, factory as working
+
+class Context(BoxContext):
+    def read(self, start=0, stop=None):
+        values, tokens = super().read(start, stop)
+        return values + 1, tokens          # wrong values: a failure the lockstep check finds
+
+class Cache(BoxCache):
+    def adopt(self, values, tokens):
+        ctx = super().adopt(values, tokens)
+        ctx.__class__ = Context
+        return ctx
+
+def factory(config):
+    return Cache(config)
+factory.semantics = working.semantics
+'''
+
+
+def test_replaying_a_failure_on_a_black_box_reports_it_and_exits_1(tmp_path, capsys):
+    from pathlib import Path
+
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.conform import load_factory
+    from kvstate.stateful.configs import configs_for
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    module = tmp_path / "broken_box.py"
+    module.write_text(BROKEN_BOX.format(examples=str(examples)))
+    config = configs_for(load_factory(str(module)))[0]
+    recorded = R.Replay(f"{module}:factory", config, 0, [O.Allocate(), O.Extend("c1", (1, 2, 3))])
+    path = R.save(recorded, tmp_path / "replay.json")
+    assert main(["replay", str(path), "--backend", f"{module}:factory"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "pages, as the engine reports them" in out and "does not report" in out, out
