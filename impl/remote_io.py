@@ -76,8 +76,21 @@ def local_path(target):
     return target
 
 
+# ``scheme://user:secret@``: userinfo before the first ``/``, or a ``user:secret`` whose secret holds
+# ``/`` (AWS secrets often do), which a URL parser reads as host ``user``, port ``secret...``. A
+# ``host:port`` (digits) is not credentials.
+_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@)")
+
+
+def has_credentials(url: str) -> bool:
+    """Whether ``url`` carries ``user:secret@`` (in any spelling a parser might split differently)."""
+    return isinstance(url, str) and _CREDENTIALS.match(url) is not None
+
+
 def redact(url: str) -> str:
-    """``url`` safe for messages and logs: no ``user:password@``, no query string or fragment (presigned keys)."""
+    """``url`` safe for messages and logs: no ``user:password@`` (also a secret holding ``/``), no query
+    string or fragment (presigned keys)."""
+    url = _CREDENTIALS.sub(r"\1", url) if isinstance(url, str) else url
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -86,8 +99,19 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
+    """Credentials in a URL end up in messages, logs, tracebacks and third-party errors (botocore
+    quotes the bucket name it was given, secret and all), so such a URL is refused before any use;
+    the message shows only the scheme."""
+    if has_credentials(url):
+        scheme = url.partition("://")[0]
+        raise error_class(f"a {scheme}:// URL carrying credentials (user:secret@) is refused: pass them in "
+                          f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
+
+
 def _describe(error: BaseException) -> str:
-    text = re.sub(r"//[^/\s@]*@", "//", str(error))           # credentials embedded in a URL
+    text = re.sub(r"//[^\s@'\"]*@", "//", str(error))          # credentials embedded in a URL (secrets may hold /)
+    text = re.sub(r"[^\s'\"/]*:[^\s'\"]*@", "", text)          # a quoted user:secret@bucket (botocore)
     text = re.sub(r"\?[^\s'\"]*", "", text)                     # query strings (signatures)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
@@ -95,6 +119,7 @@ def _describe(error: BaseException) -> str:
 # -- filesystems -------------------------------------------------------------------------
 
 def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
+    refuse_credentials(url, error_class)
     try:
         import fsspec
     except ImportError:

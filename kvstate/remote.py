@@ -66,6 +66,7 @@ class SnapshotStore:
                  storage_options: dict | None = None):
         if not isinstance(url_prefix, str) or "://" not in url_prefix:
             raise InvalidInputError(f"url_prefix must be a URL such as 's3://bucket/kv', got {url_prefix!r}")
+        remote_io.refuse_credentials(url_prefix, InvalidInputError)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")

@@ -75,3 +75,54 @@ def test_a_url_that_names_no_object_is_refused_by_name(url):
         cache.restore(url)
     assert set(fsspec.filesystem("memory").store) == before
     assert cache.stats()["live_contexts"] == 0
+
+
+# -- item 4: no secret in any message, cause or log line ----------------------------------------------
+
+SECRETS = ["wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "abc+def=ghi==", "pl+in/sl=sh"]
+
+
+def chain(error: BaseException) -> list[BaseException]:
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+@pytest.mark.parametrize("scheme", ["s3", "memory", "gs"])
+def test_a_url_with_credentials_is_refused_and_no_message_cause_or_log_carries_the_secret(secret, scheme, caplog):
+    import logging
+
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import KVStateError, SnapshotReadError
+    caplog.set_level(logging.DEBUG)
+    url = f"{scheme}://AKIAEXAMPLE:{secret}@bucket/kv/ctx.kvs"
+    cache = Cache(SMALL, page_tokens=2)
+    caught = []
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match="credentials") as error:
+            ctx.snapshot(url)
+        caught.append(error.value)
+    for action in (lambda: cache.restore(url), lambda: remote_io.exists(url)):
+        with pytest.raises(SnapshotReadError, match="credentials") as error:
+            action()
+        caught.append(error.value)
+    with pytest.raises(KVStateError, match="credentials") as error:
+        SnapshotStore(url.rpartition("/")[0])
+    caught.append(error.value)
+    for error in caught:
+        for link in chain(error):
+            assert secret not in str(link) and secret not in repr(link) and "AKIAEXAMPLE" not in str(link)
+    assert secret not in caplog.text
+    assert cache.stats()["live_contexts"] == 0
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_redact_and_error_descriptions_drop_secrets_that_hold_slashes_and_signs(secret):
+    assert remote_io.redact(f"s3://KEY:{secret}@bucket/k.kvs?X-Amz-Signature=sig") == "s3://bucket/k.kvs"
+    text = remote_io._describe(ValueError(f'Invalid bucket name "KEY:{secret}@bucket": see https://u:{secret}@h/k'))
+    assert secret not in text and "bucket" in text
+    assert remote_io.redact("http://127.0.0.1:9000/a@b.kvs") == "http://127.0.0.1:9000/a@b.kvs"     # a port is no secret
+    assert not remote_io.has_credentials("s3://bucket/user@example.com.kvs")
