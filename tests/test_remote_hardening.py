@@ -126,3 +126,77 @@ def test_redact_and_error_descriptions_drop_secrets_that_hold_slashes_and_signs(
     assert secret not in text and "bucket" in text
     assert remote_io.redact("http://127.0.0.1:9000/a@b.kvs") == "http://127.0.0.1:9000/a@b.kvs"     # a port is no secret
     assert not remote_io.has_credentials("s3://bucket/user@example.com.kvs")
+
+
+# -- item 5: a second tier never breaks match --------------------------------------------------------
+
+def memory_store(**kwargs):
+    from kvstate.remote import SnapshotStore
+    return SnapshotStore(f"memory://kvstate-test/{uuid.uuid4().hex}", **kwargs)
+
+
+def stored(store, n: int, seed: int = 4):
+    """``store`` holding a context of ``n`` positions; its tokens."""
+    source = Cache(SMALL, page_tokens=4)
+    with filled(source, n, seed=seed) as ctx:
+        store.put(ctx)
+        return list(ctx.tokens)
+
+
+def test_a_pool_too_full_for_the_tier_returns_the_local_hit_and_counts_a_failure():
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 40)
+    cache = Cache(SMALL, page_tokens=4, pool_pages=4, on_full="refuse", second_tier=store)
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    with pytest.warns(SecondTierWarning, match="CapacityError"):
+        got, n = cache.match(tokens)       # 40 positions need 10 pages; the pool holds 4
+    with got:
+        assert n == 8 and tokens_of(got) == tokens[:8]
+    assert store.failures == 1 and "CapacityError" in store.last_failure
+    assert cache.stats()["live_contexts"] == 0
+
+
+def test_a_damaged_object_falls_back_to_a_shorter_one_and_then_to_the_local_hit():
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 20)                       # stored at 20 and at 16
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(store.url(cache, tokens[:20])[len("memory://"):], b"KVS damaged")
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    with pytest.warns(SecondTierWarning):
+        got, n = cache.match(tokens)
+    with got:
+        assert n == 16 and tokens_of(got) == tokens[:16]
+    fs.pipe_file(store.url(cache, tokens[:16])[len("memory://"):], b"KVS damaged")
+    fresh = Cache(SMALL, page_tokens=4, second_tier=store)
+    with filled(fresh, 8, seed=4) as short:
+        fresh.retain(short)
+    for _ in range(2):                               # every later match too: the local hit, never an error
+        with pytest.warns(SecondTierWarning):
+            got, n = fresh.match(tokens)
+        with got:
+            assert n == 8
+    assert store.failures == 3
+
+
+def test_second_tier_is_checked_at_construction():
+    from kvstate.spec.errors import ConfigError
+    with pytest.raises(ConfigError, match="SnapshotStore"):
+        Cache(SMALL, second_tier="memory://x")
+
+
+def test_a_tier_hit_obeys_block_rounding_and_an_iterator_query_reaches_the_tier():
+    store = memory_store(stride=8)
+    tokens = stored(store, 6)
+    cache = Cache(SMALL, page_tokens=2, match="block", block_tokens=4, second_tier=store)
+    got, n = cache.match(iter(tokens))               # an iterator: consumed once, the tier still asked
+    with got:
+        assert n == 4 and tokens_of(got) == tokens[:4] and len(got) == 4
+    got, n = cache.match(tokens)                     # now a local hit, retained at 4 positions
+    with got:
+        assert n == 4
+    assert cache.stats()["entries"] == 1
