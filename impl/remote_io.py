@@ -37,6 +37,7 @@ credentials (``user:secret@``, query strings) removed.
 from __future__ import annotations
 
 import errno
+import io
 import random
 import re
 import time
@@ -149,6 +150,11 @@ def _names_bucket(url: str) -> bool:
     return urlsplit(url).scheme in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
 
 
+def _is_memory(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "memory" in protocols and isinstance(getattr(fs, "store", None), dict)
+
+
 def _is_s3(fs) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocols
@@ -184,7 +190,12 @@ def open_read(url: str, storage_options: dict | None = None) -> Iterator:
     path = _object_path(url, path, SnapshotNotFoundError)
     fs.invalidate_cache(path)     # size and ETag from the server, not from an earlier listing
     try:
-        file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+        if _is_memory(fs):
+            # memory:// hands every opener the one stored file object (one position for all):
+            # each reader gets its own view of the bytes instead, without copying them.
+            file = io.BytesIO(fs.store[path].getbuffer()) if path in fs.store else fs.open(path, "rb")
+        else:
+            file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
     except FileNotFoundError:
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
     with file:

@@ -200,3 +200,39 @@ def test_a_tier_hit_obeys_block_rounding_and_an_iterator_query_reaches_the_tier(
     with got:
         assert n == 4
     assert cache.stats()["entries"] == 1
+
+
+# -- item 6: one file object per reader ---------------------------------------------------------------
+
+def test_two_readers_of_one_memory_object_have_their_own_positions():
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/x.kvs"
+    remote_io.publish(url, lambda file: file.write(bytes(range(256))))
+    with remote_io.open_read(url) as first, remote_io.open_read(url) as second:
+        assert first is not second
+        assert first.read(10) == bytes(range(10))
+        assert second.read(10) == bytes(range(10))     # the shared object was at 10 already
+
+
+def test_threads_restoring_one_memory_object_all_get_it_whole():
+    import threading
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/x.kvs"
+    cache = Cache(Layout(2, 2, 16), page_tokens=4)
+    with filled(cache, 64) as ctx:
+        ctx.snapshot(url)
+        want = tokens_of(ctx)
+    results, start = [], threading.Barrier(8)
+
+    def restore_some():
+        start.wait()
+        for _ in range(6):
+            try:
+                with cache.restore(url) as back:
+                    results.append(tokens_of(back) == want)
+            except Exception as error:      # noqa: BLE001 - collected, asserted below
+                results.append(repr(error))
+    threads = [threading.Thread(target=restore_some) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [True] * 48
