@@ -196,7 +196,8 @@ def open_read(url: str, storage_options: dict | None = None) -> Iterator:
             file = io.BytesIO(fs.store[path].getbuffer()) if path in fs.store else fs.open(path, "rb")
         else:
             file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
-    except FileNotFoundError:
+    except FileNotFoundError as error:
+        _raise_if_outage(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
     with file:
         yield file
@@ -243,6 +244,26 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
         _remove_quietly(fs, temp)
 
 
+def _outage_behind(error: BaseException) -> BaseException | None:
+    """The transient failure a ``FileNotFoundError`` stands for, if any: fsspec's HTTP filesystem
+    reports a refused connection as "not found", with the real error as its cause."""
+    seen = []
+    link = error.__cause__ or error.__context__
+    while link is not None and link not in seen:
+        if not isinstance(link, FileNotFoundError) and is_transient(link):
+            return link
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _raise_if_outage(error: FileNotFoundError, url: str) -> None:
+    """An outage disguised as absence becomes ``SnapshotReadError`` (with the real cause, so it is retried)."""
+    outage = _outage_behind(error)
+    if outage is not None:
+        raise SnapshotReadError(f"cannot reach {redact(url)}: {_describe(outage)}") from outage
+
+
 def _remove_quietly(fs, path: str) -> None:
     try:
         if fs.exists(path):
@@ -278,7 +299,12 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
     def attempt() -> bool:
         fs, path = _filesystem(url, storage_options, SnapshotReadError)
         fs.invalidate_cache(path)
-        return fs.exists(path)
+        try:
+            fs.info(path)       # not fs.exists: over HTTP it answers False for a refused connection
+        except FileNotFoundError as error:
+            _raise_if_outage(error, url)
+            return False
+        return True
     return _retried(attempt, url, "looking up", SnapshotReadError)
 
 
@@ -297,7 +323,9 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
                 raise
             raise named from error
         except Exception as error:     # noqa: BLE001 - translated into a named error below
-            if isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
+            if isinstance(error, FileNotFoundError) and _outage_behind(error) is not None:
+                error = _outage_behind(error)     # an outage reported as absence: retried, then named as one
+            elif isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
                 raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error
             if attempt < ATTEMPTS and is_transient(error):
                 _sleep_before(attempt)

@@ -236,3 +236,65 @@ def test_threads_restoring_one_memory_object_all_get_it_whole():
     for thread in threads:
         thread.join()
     assert results == [True] * 48
+
+
+# -- item 7: an outage is not an absence ----------------------------------------------------------------
+
+def closed_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """A real HTTP server on 127.0.0.1 serving ``tmp_path``; yields (base URL, folder)."""
+    import functools
+    import http.server
+    import threading
+    pytest.importorskip("aiohttp")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", tmp_path
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_refused_connection_is_a_read_error_with_its_cause_and_is_retried(monkeypatch, http_folder):
+    from kvstate.spec.errors import SnapshotReadError
+    retries = []
+    monkeypatch.setattr(remote_io, "_sleep_before", retries.append)
+    url = f"http://127.0.0.1:{closed_port()}/x.kvs"
+    cache = Cache(SMALL, page_tokens=2)
+    with pytest.raises(SnapshotReadError, match="cannot reach") as caught:
+        cache.restore(url)
+    assert not isinstance(caught.value, SnapshotNotFoundError) and caught.value.__cause__ is not None
+    assert retries == list(range(1, remote_io.ATTEMPTS))
+    with pytest.raises(SnapshotReadError):
+        remote_io.exists(url)            # was False: through a store, an outage became a silent miss
+    base, folder = http_folder           # the same reader against a live server: found, and absent
+    with filled(cache, 3) as ctx:
+        ctx.snapshot(str(folder / "x.kvs"))
+        want = tokens_of(ctx)
+    with cache.restore(f"{base}/x.kvs") as back:
+        assert tokens_of(back) == want
+    with pytest.raises(SnapshotNotFoundError):
+        cache.restore(f"{base}/absent.kvs")
+    assert remote_io.exists(f"{base}/x.kvs") and not remote_io.exists(f"{base}/absent.kvs")
+
+
+def test_through_a_store_an_outage_is_counted_not_a_silent_miss(monkeypatch):
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SecondTierWarning
+    monkeypatch.setattr(remote_io, "BACKOFF_S", 0.001)
+    store = SnapshotStore(f"http://127.0.0.1:{closed_port()}/kv", stride=4)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+    with pytest.warns(SecondTierWarning, match="SnapshotReadError"):
+        got, n = cache.match([1, 2, 3, 4, 5])
+    with got:
+        assert n == 0
+    assert store.failures == 1
