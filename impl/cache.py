@@ -132,6 +132,9 @@ class Cache:
         self._next_context_id = 0
         # A slower tier consulted by ``match`` on a miss or short hit (``kvstate.remote.SnapshotStore``):
         # anything with ``consult(cache, tokens, (ctx, matched)) -> (ctx, matched)``.
+        if second_tier is not None and not callable(getattr(second_tier, "consult", None)):
+            raise ConfigError(f"second_tier must be a kvstate.remote.SnapshotStore (anything with consult()), "
+                              f"got {type(second_tier).__name__}; for a URL: second_tier=SnapshotStore(url)")
         self.second_tier = second_tier
 
     @classmethod
@@ -207,7 +210,8 @@ class Cache:
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and
         how many positions it holds; a miss is a new empty context and 0. Stamps the hit's entry."""
-        query = pack(check_tokens(tokens, private=False))    # packing copies: nothing of the caller's is kept
+        tokens = check_tokens(tokens, private=False)     # once: an iterator is consumed here, not twice
+        query = pack(tokens)    # packing copies: nothing of the caller's is kept
         with self.lock:
             node, matched = self.find_hit(self.tree, query)
             if node is None:

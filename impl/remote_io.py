@@ -37,13 +37,14 @@ credentials (``user:secret@``, query strings) removed.
 from __future__ import annotations
 
 import errno
+import io
 import random
 import re
 import time
 import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator, TypeVar
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import (KVStateError, SnapshotError, SnapshotNotFoundError, SnapshotReadError,
@@ -69,14 +70,28 @@ def is_remote(target) -> bool:
 
 
 def local_path(target):
-    """The path of a ``file://`` URL; any other target unchanged."""
+    """The path of a ``file://`` URL, taken literally as fsspec takes it (``?``, ``#`` and ``%`` are
+    part of the name, not a query, a fragment or an escape); any other target unchanged."""
     if isinstance(target, str) and target.startswith("file://"):
-        return unquote(urlsplit(target).path)
+        return target[len("file://"):]
     return target
 
 
+# ``scheme://user:secret@``: userinfo before the first ``/``, or a ``user:secret`` whose secret holds
+# ``/`` (AWS secrets often do), which a URL parser reads as host ``user``, port ``secret...``. A
+# ``host:port`` (digits) is not credentials.
+_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@)")
+
+
+def has_credentials(url: str) -> bool:
+    """Whether ``url`` carries ``user:secret@`` (in any spelling a parser might split differently)."""
+    return isinstance(url, str) and _CREDENTIALS.match(url) is not None
+
+
 def redact(url: str) -> str:
-    """``url`` safe for messages and logs: no ``user:password@``, no query string or fragment (presigned keys)."""
+    """``url`` safe for messages and logs: no ``user:password@`` (also a secret holding ``/``), no query
+    string or fragment (presigned keys)."""
+    url = _CREDENTIALS.sub(r"\1", url) if isinstance(url, str) else url
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -85,8 +100,19 @@ def redact(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
+def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
+    """Credentials in a URL end up in messages, logs, tracebacks and third-party errors (botocore
+    quotes the bucket name it was given, secret and all), so such a URL is refused before any use;
+    the message shows only the scheme."""
+    if has_credentials(url):
+        scheme = url.partition("://")[0]
+        raise error_class(f"a {scheme}:// URL carrying credentials (user:secret@) is refused: pass them in "
+                          f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
+
+
 def _describe(error: BaseException) -> str:
-    text = re.sub(r"//[^/\s@]*@", "//", str(error))           # credentials embedded in a URL
+    text = re.sub(r"//[^\s@'\"]*@", "//", str(error))          # credentials embedded in a URL (secrets may hold /)
+    text = re.sub(r"[^\s'\"/]*:[^\s'\"]*@", "", text)          # a quoted user:secret@bucket (botocore)
     text = re.sub(r"\?[^\s'\"]*", "", text)                     # query strings (signatures)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
@@ -94,6 +120,7 @@ def _describe(error: BaseException) -> str:
 # -- filesystems -------------------------------------------------------------------------
 
 def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
+    refuse_credentials(url, error_class)
     try:
         import fsspec
     except ImportError:
@@ -103,6 +130,29 @@ def _filesystem(url: str, storage_options: dict | None, error_class: type[Snapsh
     except (ImportError, ValueError) as error:
         raise error_class(f"{redact(url)}: no filesystem for this URL ({_describe(error)}); "
                           f"for s3:// pip install 'kvstate[remote]'") from None
+
+
+def _object_path(url: str, path: str, error_class: type[SnapshotError]) -> str:
+    """``path`` if it names an object (a key after the bucket or folder); else ``error_class`` by name.
+
+    ``memory://``, ``s3://bucket`` or ``.../folder/`` name no object: a write there
+    would store nothing where a restore could find it.
+    """
+    name = path.rpartition("/")[2]
+    if not name or url.endswith("/") or "/" not in path.strip("/") and _names_bucket(url):
+        raise error_class(f"{redact(url)} names no object: a snapshot URL needs a key, such as "
+                          f"'s3://bucket/kv/name.kvs' or 'memory://kv/name.kvs'")
+    return path
+
+
+def _names_bucket(url: str) -> bool:
+    """Whether the URL's first path part is a bucket (object stores), so a key must follow it."""
+    return urlsplit(url).scheme in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss")
+
+
+def _is_memory(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "memory" in protocols and isinstance(getattr(fs, "store", None), dict)
 
 
 def _is_s3(fs) -> bool:
@@ -137,10 +187,17 @@ def open_read(url: str, storage_options: dict | None = None) -> Iterator:
     splicing two versions. No object there: ``SnapshotNotFoundError``.
     """
     fs, path = _filesystem(url, storage_options, SnapshotReadError)
+    path = _object_path(url, path, SnapshotNotFoundError)
     fs.invalidate_cache(path)     # size and ETag from the server, not from an earlier listing
     try:
-        file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
-    except FileNotFoundError:
+        if _is_memory(fs):
+            # memory:// hands every opener the one stored file object (one position for all):
+            # each reader gets its own view of the bytes instead, without copying them.
+            file = io.BytesIO(fs.store[path].getbuffer()) if path in fs.store else fs.open(path, "rb")
+        else:
+            file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+    except FileNotFoundError as error:
+        _raise_if_outage(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
     with file:
         yield file
@@ -154,6 +211,7 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
     (if any) is untouched. See the module docstring for how, per filesystem.
     """
     fs, path = _filesystem(url, storage_options, SnapshotWriteError)
+    path = _object_path(url, path, SnapshotWriteError)
     if _is_s3(fs):
         file = fs.open(path, "wb", block_size=PART_BYTES)
         try:
@@ -167,7 +225,7 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
             _abandon(file)  # an upload that did not complete is aborted, not left for the lifecycle rule
             raise
         return
-    folder, _, name = path.rstrip("/").rpartition("/")
+    folder, _, name = path.rpartition("/")
     temp = f"{folder}/" if folder else ""
     temp += f"{fmt.TEMP_PREFIX}{name}.{uuid.uuid4().hex}{fmt.TEMP_SUFFIX}"
     file = fs.open(temp, "wb")
@@ -179,16 +237,37 @@ def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
         raise
     try:
         file.close()
-        fs.mv(temp, path)
-    except BaseException:
+        # cp_file and rm_file take one exact key; mv, cp and rm expand glob characters
+        # (``*``, ``?``, ``[``) in it, so a name holding them published nothing or left the temp.
+        fs.cp_file(temp, path)
+    finally:
         _remove_quietly(fs, temp)
-        raise
+
+
+def _outage_behind(error: BaseException) -> BaseException | None:
+    """The transient failure a ``FileNotFoundError`` stands for, if any: fsspec's HTTP filesystem
+    reports a refused connection as "not found", with the real error as its cause."""
+    seen = []
+    link = error.__cause__ or error.__context__
+    while link is not None and link not in seen:
+        if not isinstance(link, FileNotFoundError) and is_transient(link):
+            return link
+        seen.append(link)
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def _raise_if_outage(error: FileNotFoundError, url: str) -> None:
+    """An outage disguised as absence becomes ``SnapshotReadError`` (with the real cause, so it is retried)."""
+    outage = _outage_behind(error)
+    if outage is not None:
+        raise SnapshotReadError(f"cannot reach {redact(url)}: {_describe(outage)}") from outage
 
 
 def _remove_quietly(fs, path: str) -> None:
     try:
         if fs.exists(path):
-            fs.rm(path)
+            fs.rm_file(path)     # one exact key: rm would glob
     except Exception:     # noqa: BLE001 - best effort; a stray temporary key is never read as a snapshot
         pass
 
@@ -220,7 +299,12 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
     def attempt() -> bool:
         fs, path = _filesystem(url, storage_options, SnapshotReadError)
         fs.invalidate_cache(path)
-        return fs.exists(path)
+        try:
+            fs.info(path)       # not fs.exists: over HTTP it answers False for a refused connection
+        except FileNotFoundError as error:
+            _raise_if_outage(error, url)
+            return False
+        return True
     return _retried(attempt, url, "looking up", SnapshotReadError)
 
 
@@ -239,7 +323,9 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
                 raise
             raise named from error
         except Exception as error:     # noqa: BLE001 - translated into a named error below
-            if isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
+            if isinstance(error, FileNotFoundError) and _outage_behind(error) is not None:
+                error = _outage_behind(error)     # an outage reported as absence: retried, then named as one
+            elif isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
                 raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error
             if attempt < ATTEMPTS and is_transient(error):
                 _sleep_before(attempt)

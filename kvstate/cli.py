@@ -250,6 +250,8 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     from kvstate.stateful import journal
 
     plan = journal.read(Path(args.resume)).plan
+    if args.backend is None and not args.trust_backend:
+        _refuse_untrusted(plan.backend, f"{Path(args.resume) / journal.FILE}")
     recorded = {"backend": plan.backend, "steps": plan.steps, "configs": ",".join(plan.configs), "out": args.resume}
     clash = {}
     for name, want in recorded.items():
@@ -266,6 +268,15 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     return list(plan.seeds), plan.shard
 
 
+def _refuse_untrusted(backend: str, source: str) -> None:
+    """A journal, replay or report is data (from CI, a colleague, a download): the backend it names
+    is imported only if built in or if the user names it (``--backend``) or trusts it (``--trust-backend``).
+    Checked before any import."""
+    if not isinstance(backend, str) or backend.partition(":")[0] not in BUILTIN_BACKENDS:
+        raise UsageError(f"{source} names backend {backend!r}; pass --backend {backend} "
+                         f"(or --trust-backend) to import it: a file you did not write must not run code")
+
+
 def _replay(args: argparse.Namespace) -> int:
     from kvstate.spec.errors import ReplayFileError
     from kvstate.stateful import replay as R
@@ -274,11 +285,8 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         recorded = R.load(args.file)
         backend = args.backend or recorded.backend
-        module = recorded.backend.partition(":")[0]
-        if not args.backend and not args.trust_backend and module not in BUILTIN_BACKENDS:
-            # A replay file is data: running it must not import code it names.
-            raise UsageError(f"{args.file} names backend {recorded.backend!r}; pass --backend {recorded.backend} "
-                             f"(or --trust-backend) to import it")
+        if not args.backend and not args.trust_backend:
+            _refuse_untrusted(recorded.backend, args.file)
         factory, _ = _load_backend(backend, args.time_limit, configs_default=[recorded.config])
         print(f"{args.file}: seed {recorded.seed}, backend {backend}"
               + (f" (found with {recorded.backend})" if backend != recorded.backend else ""))
@@ -363,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--steps", type=int, help="operations per run (default 400)")
     sweep.add_argument("--configs", help="comma-separated configuration names (default: all six)")
     sweep.add_argument("--backend", help="package.module[:factory] (default kvstate.impl.numpy)")
+    sweep.add_argument("--trust-backend", action="store_true",
+                       help="with --resume: import the backend the journal names even if it is not built in")
     sweep.add_argument("--workers", help="local processes, or 'auto' for one per core (default 1)")
     sweep.add_argument("--scheduler", metavar="tcp://HOST:PORT",
                        help="run on this Dask scheduler's workers (default: $KVSTATE_SCHEDULER unless --workers "

@@ -44,13 +44,17 @@ finds an object gone between the check and the read treats that length as a miss
 from __future__ import annotations
 
 import hashlib
+import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
-from kvstate.spec.errors import InvalidInputError, SnapshotCorruptError, SnapshotNotFoundError
+from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotError,
+                                 SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
+from kvstate.spec.semantics import hit_length
 from kvstate.spec.layout import check_tokens
 
 DEFAULT_STRIDE = 256
@@ -66,6 +70,7 @@ class SnapshotStore:
                  storage_options: dict | None = None):
         if not isinstance(url_prefix, str) or "://" not in url_prefix:
             raise InvalidInputError(f"url_prefix must be a URL such as 's3://bucket/kv', got {url_prefix!r}")
+        remote_io.refuse_credentials(url_prefix, InvalidInputError)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
@@ -73,6 +78,9 @@ class SnapshotStore:
         self.stride = stride
         self.probe_batch = probe_batch
         self.storage_options = storage_options
+        self.failures = 0                   # consults that fell back to the local hit (see consult)
+        self.last_failure: str | None = None
+        self._failure_lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"SnapshotStore({remote_io.redact(self.url_prefix)!r}, stride={self.stride})"
@@ -137,16 +145,26 @@ class SnapshotStore:
         subclass, naming the URL, and changes nothing in ``cache``.
         """
         tokens = check_tokens(tokens)
+        damaged: SnapshotError | None = None
         for n, url in self._probe(cache, tokens, longer_than):
             try:
                 ctx = remote_io.read(url, cache.restore, self.storage_options)
+                if len(ctx) != n or not np.array_equal(np.asarray(ctx.tokens), tokens[:n]):
+                    ctx.close()
+                    raise SnapshotCorruptError(f"{remote_io.redact(url)} holds {len(ctx)} positions whose "
+                                               f"tokens are not the {n} of its key")
             except SnapshotNotFoundError:
                 continue     # removed (lifecycle rule) since the check: a miss at this length
-            if len(ctx) != n or not np.array_equal(np.asarray(ctx.tokens), tokens[:n]):
-                ctx.close()
-                raise SnapshotCorruptError(
-                    f"{remote_io.redact(url)} holds {len(ctx)} positions whose tokens are not the {n} of its key")
+            except (SnapshotReadError, SnapshotWriteError):
+                raise        # an outage: a shorter key is no likelier to answer
+            except SnapshotError as error:
+                damaged = damaged or error     # one bad object: a shorter prefix may still serve
+                continue
+            if damaged is not None:
+                self._failed(damaged)          # counted and warned, the shorter hit served
             return ctx, n
+        if damaged is not None:
+            raise damaged
         return cache.allocate(), 0
 
     def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int) -> list[tuple[int, str]]:
@@ -166,22 +184,55 @@ class SnapshotStore:
     # -- the Cache hook (Cache(second_tier=store)) --------------------------------------------
 
     def consult(self, cache: Cache, tokens, found: tuple[Context, int]) -> tuple[Context, int]:
-        """``found`` (what the cache matched) or, if the store holds a longer prefix, that one, retained."""
+        """``found`` (what the cache matched) or, if the store holds a longer prefix, that one, retained.
+
+        The store is an optimisation: when it cannot deliver (unreachable, a damaged object, a
+        pool too full for the restore, a deadline) this returns ``found`` unchanged, adds one to
+        ``failures``, keeps the message in ``last_failure`` and warns (``SecondTierWarning``,
+        shown once per place by Python's default filter; make it an error with
+        ``warnings.simplefilter("error", SecondTierWarning)``). A hit from the store obeys the
+        cache's declared ``match`` semantics (a ``block`` cache gets whole blocks only).
+        """
         ctx, matched = found
-        tokens = check_tokens(tokens)
+        try:
+            tokens = check_tokens(tokens)
+        except Exception:
+            ctx.close()
+            raise
         if matched >= len(tokens):
             return found
+        config = getattr(cache, "config", None)
+        deeper = None
         try:
             deeper, n = self.get(cache, tokens, longer_than=matched)
+            if n and config is not None and config.match != "entry":
+                n = hit_length(config.match, config.block_tokens, n)     # what a local hit would hold
+                if n > matched:
+                    deeper.truncate(n)
+            if n <= matched:
+                deeper.close()
+                return found
+            cache.retain(deeper)     # the next match of these tokens is a local hit
+        except Exception as error:     # noqa: BLE001 - the tier never costs the caller its local hit
+            if deeper is not None:
+                try:
+                    deeper.close()
+                except Exception:     # noqa: BLE001 - already closed or never registered
+                    pass
+            self._failed(error)
+            return found
         except BaseException:
             ctx.close()
             raise
-        if n == 0:
-            deeper.close()
-            return found
         ctx.close()
-        cache.retain(deeper)     # the next match of these tokens is a local hit
         return deeper, n
+
+    def _failed(self, error: Exception) -> None:
+        with self._failure_lock:
+            self.failures += 1
+            self.last_failure = f"{type(error).__name__}: {error}"
+        warnings.warn(SecondTierWarning(f"second tier {remote_io.redact(self.url_prefix)} could not deliver, "
+                                        f"the local hit was used ({self.last_failure})"), stacklevel=4)
 
 
 def second_tier_match(cache: Cache, store: SnapshotStore, tokens) -> tuple[Context, int]:

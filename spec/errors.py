@@ -151,6 +151,11 @@ class InvariantViolation(AssertionError):
         super().__init__(f"invariant {invariant}: {message}")
 
 
+class SecondTierWarning(UserWarning):
+    """A second tier (``Cache(second_tier=...)``) could not deliver; ``match`` returned the local hit.
+    The tier counts these too (``SnapshotStore.failures``)."""
+
+
 # -- sweeps ----------------------------------------------------------------------
 
 class SweepError(KVStateError):

@@ -77,35 +77,90 @@ class Journal:
         self._stream.close()
 
 
+MAX_BYTES = 256 << 20          # a journal past this is refused before it is read (a million runs is ~200 MB)
+MAX_LINES = 2_000_000
+
+_NUMBER = (int, float)
+_RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "seconds": _NUMBER,
+               "cpu_seconds": _NUMBER, "failure": (dict, type(None)), "ops": (list, type(None)),
+               "replay_file": (str, type(None)), "minimised": bool}
+_FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
+                   "invariant": (int, str, type(None)), "message": str}
+_PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
+                "fingerprint": dict}
+
+
 def read(out_dir: Path) -> Recorded:
-    """The plan, runs and shrunk failures ``OUT/runs.jsonl`` holds; ``ResumeError`` if there is none."""
+    """The plan, runs and shrunk failures ``OUT/runs.jsonl`` holds; ``ResumeError`` if there is none.
+
+    The journal is data from wherever the folder came from: every line is checked for its
+    shape and types, and every run must be one the plan asked for, before anything uses it.
+    Every refusal names the file and the line. Nothing in it is imported or run here.
+    """
     path = Path(out_dir) / FILE
     try:
-        lines = path.read_text().splitlines()
+        size = path.stat().st_size
+        if size > MAX_BYTES:
+            raise ResumeError(f"{path} holds {size} bytes, above the journal limit MAX_BYTES={MAX_BYTES}")
+        lines = path.read_bytes().split(b"\n")
     except OSError as error:
         raise ResumeError(f"no sweep to resume in {str(out_dir)!r}: {error.strerror} ({path})") from None
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if len(lines) > MAX_LINES:
+        raise ResumeError(f"{path} holds {len(lines)} lines, above the journal limit MAX_LINES={MAX_LINES}")
     entries = []
     for number, line in enumerate(lines, start=1):
         try:
-            entries.append(json.loads(line))
-        except json.JSONDecodeError:
+            entries.append((number, json.loads(line.decode("utf-8"))))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
             if number == len(lines):
                 break               # the line being written when the sweep was stopped
-            raise ResumeError(f"{path}: line {number} is not JSON") from None
-    if not entries or entries[0].get("kind") != "plan" or entries[0].get("format") != FORMAT:
+            raise ResumeError(f"{path}: line {number} is not JSON in UTF-8") from None
+    if not entries or not isinstance(entries[0][1], dict) or entries[0][1].get("kind") != "plan" \
+            or entries[0][1].get("format") != FORMAT:
         raise ResumeError(f"{path} does not start with a {FORMAT} plan")
-    head = {key: value for key, value in entries[0].items() if key not in ("kind", "format")}
-    try:
-        plan = Plan(head["backend"], head["steps"], tuple(head["seeds"]), tuple(head["configs"]),
-                    head["shard"], head["fingerprint"])
-    except (KeyError, TypeError) as error:
-        raise ResumeError(f"{path}: malformed plan ({error!r})") from None
+    head = {key: value for key, value in entries[0][1].items() if key not in ("kind", "format")}
+    _check_fields(head, _PLAN_FIELDS, path, 1, "plan")
+    if not all(_is_int(seed) for seed in head["seeds"]) or not all(isinstance(c, str) for c in head["configs"]) \
+            or head["steps"] < 1:
+        raise ResumeError(f"{path}: line 1: malformed plan (seeds must be ints, configs names, steps >= 1)")
+    plan = Plan(head["backend"], head["steps"], tuple(head["seeds"]), tuple(head["configs"]),
+                head["shard"], head["fingerprint"])
+    planned_seeds, planned_configs = set(plan.seeds), set(plan.configs)
     runs: dict[tuple[str, int], dict] = {}
     shrunk: dict[tuple[str, int], dict] = {}
-    for entry in entries[1:]:
-        kind = entry.pop("kind", None)
+    for number, entry in entries[1:]:
+        kind = entry.pop("kind", None) if isinstance(entry, dict) else None
         target = runs if kind == "run" else shrunk if kind == "shrunk" else None
         if target is None:
-            raise ResumeError(f"{path}: an entry of unknown kind {kind!r}")
+            raise ResumeError(f"{path}: line {number}: an entry of unknown kind {kind!r}")
+        _check_fields(entry, _RUN_FIELDS, path, number, kind)
+        if entry["failure"] is not None:
+            _check_fields(entry["failure"], _FAILURE_FIELDS, path, number, f"{kind}'s failure")
+        if entry["config"] not in planned_configs or entry["seed"] not in planned_seeds:
+            raise ResumeError(f"{path}: line {number}: a {kind} of configuration {entry['config']!r}, "
+                              f"seed {entry['seed']}, which the plan does not hold")
         target.setdefault((entry["config"], entry["seed"]), entry)      # the first one counts
     return Recorded(plan, runs, shrunk)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_fields(entry, fields: dict, path: Path, number: int, what: str) -> None:
+    """``entry`` is a dict with exactly ``fields``, each of its type; else ``ResumeError`` naming the line."""
+    if not isinstance(entry, dict):
+        raise ResumeError(f"{path}: line {number}: the {what} is a {type(entry).__name__}, not an object")
+    missing, extra = set(fields) - set(entry), set(entry) - set(fields)
+    if missing or extra:
+        raise ResumeError(f"{path}: line {number}: the {what} " + "; ".join(
+            part for part in (f"lacks {sorted(missing)}" if missing else "",
+                              f"has unknown fields {sorted(extra)}" if extra else "") if part))
+    for name, kind in fields.items():
+        value = entry[name]
+        wrong = not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool and kind != (bool,))
+        if wrong:
+            raise ResumeError(f"{path}: line {number}: the {what}'s {name!r} is {type(value).__name__} "
+                              f"{str(value)[:40]!r}")

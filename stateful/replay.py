@@ -259,6 +259,8 @@ def describe_pages(lockstep: Lockstep) -> list[str]:
         obs = lockstep.engine.observe()
     except Exception as error:
         return [f"  observe() raised {error!r}"]
+    if obs is None or obs.pages is None or obs.holders is None:     # a black box: no 'pages' tier
+        return ["  (the backend does not report its pages: it exposes no 'pages' tier)"]
     held: dict[int, list[str]] = {}
     for holder, pages in obs.holders.items():
         for pid in pages:
@@ -270,7 +272,8 @@ def describe_pages(lockstep: Lockstep) -> list[str]:
         slot = "" if page is None or page.slot is None else f", arena slot {page.slot}"
         lines.append(f"  page {pid}: {state}{slot}, held by {held.get(pid, [])}")
     lines.append(f"  allocated {obs.pages_allocated}, freed {obs.pages_freed}; "
-                 f"arena out {sorted(obs.arena_out)}, free {sorted(obs.arena_free)}")
+                 + (f"arena out {sorted(obs.arena_out)}, free {sorted(obs.arena_free)}"
+                    if obs.arena_out is not None and obs.arena_free is not None else "no arena reported"))
     return lines
 
 

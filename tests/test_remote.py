@@ -616,3 +616,19 @@ def test_two_caches_in_two_processes_share_one_store(s3, precision):
         logits, (values, _) = model.decode(got, 3), got.read()
     assert (hashlib.sha256(values.tobytes()).hexdigest(),
             hashlib.sha256(np.asarray(logits).tobytes()).hexdigest()) == state(theirs, 32)
+
+
+# -- issue 24: exact keys on S3 -------------------------------------------------------------------
+
+def test_s3_publication_lands_at_the_exact_key_for_every_character_class(s3):
+    from test_remote_hardening import AWKWARD_NAMES
+    cache = Cache(SMALL, page_tokens=2)
+    folder = f"awkward-{uuid.uuid4().hex[:8]}"
+    for index, name in enumerate(AWKWARD_NAMES):
+        with filled(cache, 3, seed=index) as old, filled(cache, 5, seed=index + 50) as new:
+            old.snapshot(s3.url(f"{folder}/{name}"))
+            new.snapshot(s3.url(f"{folder}/{name}"))
+            with cache.restore(s3.url(f"{folder}/{name}")) as back:
+                assert bits(back) == bits(new)
+    keys = [item["Key"] for item in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=folder + "/")["Contents"]]
+    assert sorted(keys) == sorted(f"{folder}/{name}" for name in AWKWARD_NAMES)

@@ -1,0 +1,300 @@
+"""Object storage under attack (issue 24): exact keys, no code from data, no secrets in messages,
+a second tier that never breaks ``match``, one file object per reader, outages named as outages.
+
+Real parts only: fsspec's ``memory://`` and ``file://`` filesystems, a real HTTP server and
+real sockets on 127.0.0.1. The S3 cases of the same rules live in ``test_remote.py``, beside
+its moto server.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from kvstate.impl import Cache, remote_io
+from kvstate.spec import Layout
+from kvstate.spec.errors import SnapshotNotFoundError, SnapshotWriteError
+
+fsspec = pytest.importorskip("fsspec")
+
+SMALL = Layout(1, 1, 2)
+# one name per character class a glob, a URL parser or an encoder treats specially
+AWKWARD_NAMES = ["star*name.kvs", "what?name.kvs", "br[ack]et.kvs", "[0-9].kvs", "sp ace.kvs", "ünïcødé-名.kvs",
+                 "hash#frag.kvs", "per%20cent.kvs", "semi;colon,comma=eq+plus.kvs", "brace{a,b}.kvs"]
+
+
+def filled(cache: Cache, n: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    ctx = cache.allocate()
+    ctx.extend(np.arange(seed, seed + n), rng.standard_normal((n, *cache.layout.position_shape)).astype(np.float32))
+    return ctx
+
+
+def tokens_of(ctx) -> list[int]:
+    return [int(t) for t in ctx.read()[1]]
+
+
+# -- item 1: publishing is exact-key ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", AWKWARD_NAMES)
+def test_memory_publication_lands_at_the_exact_key_and_replaces_the_old_object(name):
+    folder = f"kvstate-test/{uuid.uuid4().hex}"
+    url = f"memory://{folder}/{name}"
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 3, seed=1) as old, filled(cache, 5, seed=7) as new:
+        old.snapshot(url)
+        new.snapshot(url)     # a globbing move left the old object here and reported success
+        with cache.restore(url) as back:
+            assert tokens_of(back) == tokens_of(new)
+    assert fsspec.filesystem("memory").find(f"/{folder}") == [f"/{folder}/{name}"]     # no .kvs-partial
+
+
+@pytest.mark.parametrize("name", AWKWARD_NAMES)
+def test_file_urls_are_the_literal_path_fsspec_uses(name, tmp_path):
+    url = f"file://{tmp_path}/{name}"
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 4, seed=3) as ctx:
+        ctx.snapshot(url)
+        with cache.restore(url) as back:
+            assert tokens_of(back) == tokens_of(ctx)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name]
+    fs, path = fsspec.core.url_to_fs(url)
+    assert fs.exists(path)     # the key fsspec itself names by this URL
+
+
+@pytest.mark.parametrize("url", ["memory://", "memory:///", "memory://folder/", "s3://bucket", "s3://bucket/"])
+def test_a_url_that_names_no_object_is_refused_by_name(url):
+    cache = Cache(SMALL, page_tokens=2)
+    before = set(fsspec.filesystem("memory").store)
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match="names no object"):
+            ctx.snapshot(url)
+    with pytest.raises(SnapshotNotFoundError, match="names no object"):
+        cache.restore(url)
+    assert set(fsspec.filesystem("memory").store) == before
+    assert cache.stats()["live_contexts"] == 0
+
+
+# -- item 4: no secret in any message, cause or log line ----------------------------------------------
+
+SECRETS = ["wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", "abc+def=ghi==", "pl+in/sl=sh"]
+
+
+def chain(error: BaseException) -> list[BaseException]:
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+@pytest.mark.parametrize("scheme", ["s3", "memory", "gs"])
+def test_a_url_with_credentials_is_refused_and_no_message_cause_or_log_carries_the_secret(secret, scheme, caplog):
+    import logging
+
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import KVStateError, SnapshotReadError
+    caplog.set_level(logging.DEBUG)
+    url = f"{scheme}://AKIAEXAMPLE:{secret}@bucket/kv/ctx.kvs"
+    cache = Cache(SMALL, page_tokens=2)
+    caught = []
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match="credentials") as error:
+            ctx.snapshot(url)
+        caught.append(error.value)
+    for action in (lambda: cache.restore(url), lambda: remote_io.exists(url)):
+        with pytest.raises(SnapshotReadError, match="credentials") as error:
+            action()
+        caught.append(error.value)
+    with pytest.raises(KVStateError, match="credentials") as error:
+        SnapshotStore(url.rpartition("/")[0])
+    caught.append(error.value)
+    for error in caught:
+        for link in chain(error):
+            assert secret not in str(link) and secret not in repr(link) and "AKIAEXAMPLE" not in str(link)
+    assert secret not in caplog.text
+    assert cache.stats()["live_contexts"] == 0
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_redact_and_error_descriptions_drop_secrets_that_hold_slashes_and_signs(secret):
+    assert remote_io.redact(f"s3://KEY:{secret}@bucket/k.kvs?X-Amz-Signature=sig") == "s3://bucket/k.kvs"
+    text = remote_io._describe(ValueError(f'Invalid bucket name "KEY:{secret}@bucket": see https://u:{secret}@h/k'))
+    assert secret not in text and "bucket" in text
+    assert remote_io.redact("http://127.0.0.1:9000/a@b.kvs") == "http://127.0.0.1:9000/a@b.kvs"     # a port is no secret
+    assert not remote_io.has_credentials("s3://bucket/user@example.com.kvs")
+
+
+# -- item 5: a second tier never breaks match --------------------------------------------------------
+
+def memory_store(**kwargs):
+    from kvstate.remote import SnapshotStore
+    return SnapshotStore(f"memory://kvstate-test/{uuid.uuid4().hex}", **kwargs)
+
+
+def stored(store, n: int, seed: int = 4):
+    """``store`` holding a context of ``n`` positions; its tokens."""
+    source = Cache(SMALL, page_tokens=4)
+    with filled(source, n, seed=seed) as ctx:
+        store.put(ctx)
+        return list(ctx.tokens)
+
+
+def test_a_pool_too_full_for_the_tier_returns_the_local_hit_and_counts_a_failure():
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 40)
+    cache = Cache(SMALL, page_tokens=4, pool_pages=4, on_full="refuse", second_tier=store)
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    with pytest.warns(SecondTierWarning, match="CapacityError"):
+        got, n = cache.match(tokens)       # 40 positions need 10 pages; the pool holds 4
+    with got:
+        assert n == 8 and tokens_of(got) == tokens[:8]
+    assert store.failures == 1 and "CapacityError" in store.last_failure
+    assert cache.stats()["live_contexts"] == 0
+
+
+def test_a_damaged_object_falls_back_to_a_shorter_one_and_then_to_the_local_hit():
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 20)                       # stored at 20 and at 16
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file(store.url(cache, tokens[:20])[len("memory://"):], b"KVS damaged")
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    with pytest.warns(SecondTierWarning):
+        got, n = cache.match(tokens)
+    with got:
+        assert n == 16 and tokens_of(got) == tokens[:16]
+    fs.pipe_file(store.url(cache, tokens[:16])[len("memory://"):], b"KVS damaged")
+    fresh = Cache(SMALL, page_tokens=4, second_tier=store)
+    with filled(fresh, 8, seed=4) as short:
+        fresh.retain(short)
+    for _ in range(2):                               # every later match too: the local hit, never an error
+        with pytest.warns(SecondTierWarning):
+            got, n = fresh.match(tokens)
+        with got:
+            assert n == 8
+    assert store.failures == 3
+
+
+def test_second_tier_is_checked_at_construction():
+    from kvstate.spec.errors import ConfigError
+    with pytest.raises(ConfigError, match="SnapshotStore"):
+        Cache(SMALL, second_tier="memory://x")
+
+
+def test_a_tier_hit_obeys_block_rounding_and_an_iterator_query_reaches_the_tier():
+    store = memory_store(stride=8)
+    tokens = stored(store, 6)
+    cache = Cache(SMALL, page_tokens=2, match="block", block_tokens=4, second_tier=store)
+    got, n = cache.match(iter(tokens))               # an iterator: consumed once, the tier still asked
+    with got:
+        assert n == 4 and tokens_of(got) == tokens[:4] and len(got) == 4
+    got, n = cache.match(tokens)                     # now a local hit, retained at 4 positions
+    with got:
+        assert n == 4
+    assert cache.stats()["entries"] == 1
+
+
+# -- item 6: one file object per reader ---------------------------------------------------------------
+
+def test_two_readers_of_one_memory_object_have_their_own_positions():
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/x.kvs"
+    remote_io.publish(url, lambda file: file.write(bytes(range(256))))
+    with remote_io.open_read(url) as first, remote_io.open_read(url) as second:
+        assert first is not second
+        assert first.read(10) == bytes(range(10))
+        assert second.read(10) == bytes(range(10))     # the shared object was at 10 already
+
+
+def test_threads_restoring_one_memory_object_all_get_it_whole():
+    import threading
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/x.kvs"
+    cache = Cache(Layout(2, 2, 16), page_tokens=4)
+    with filled(cache, 64) as ctx:
+        ctx.snapshot(url)
+        want = tokens_of(ctx)
+    results, start = [], threading.Barrier(8)
+
+    def restore_some():
+        start.wait()
+        for _ in range(6):
+            try:
+                with cache.restore(url) as back:
+                    results.append(tokens_of(back) == want)
+            except Exception as error:      # noqa: BLE001 - collected, asserted below
+                results.append(repr(error))
+    threads = [threading.Thread(target=restore_some) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [True] * 48
+
+
+# -- item 7: an outage is not an absence ----------------------------------------------------------------
+
+def closed_port() -> int:
+    import socket
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def http_folder(tmp_path):
+    """A real HTTP server on 127.0.0.1 serving ``tmp_path``; yields (base URL, folder)."""
+    import functools
+    import http.server
+    import threading
+    pytest.importorskip("aiohttp")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    handler.log_message = lambda *args: None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", tmp_path
+    server.shutdown()
+    server.server_close()
+
+
+def test_a_refused_connection_is_a_read_error_with_its_cause_and_is_retried(monkeypatch, http_folder):
+    from kvstate.spec.errors import SnapshotReadError
+    retries = []
+    monkeypatch.setattr(remote_io, "_sleep_before", retries.append)
+    url = f"http://127.0.0.1:{closed_port()}/x.kvs"
+    cache = Cache(SMALL, page_tokens=2)
+    with pytest.raises(SnapshotReadError, match="cannot reach") as caught:
+        cache.restore(url)
+    assert not isinstance(caught.value, SnapshotNotFoundError) and caught.value.__cause__ is not None
+    assert retries == list(range(1, remote_io.ATTEMPTS))
+    with pytest.raises(SnapshotReadError):
+        remote_io.exists(url)            # was False: through a store, an outage became a silent miss
+    base, folder = http_folder           # the same reader against a live server: found, and absent
+    with filled(cache, 3) as ctx:
+        ctx.snapshot(str(folder / "x.kvs"))
+        want = tokens_of(ctx)
+    with cache.restore(f"{base}/x.kvs") as back:
+        assert tokens_of(back) == want
+    with pytest.raises(SnapshotNotFoundError):
+        cache.restore(f"{base}/absent.kvs")
+    assert remote_io.exists(f"{base}/x.kvs") and not remote_io.exists(f"{base}/absent.kvs")
+
+
+def test_through_a_store_an_outage_is_counted_not_a_silent_miss(monkeypatch):
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SecondTierWarning
+    monkeypatch.setattr(remote_io, "BACKOFF_S", 0.001)
+    store = SnapshotStore(f"http://127.0.0.1:{closed_port()}/kv", stride=4)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+    with pytest.warns(SecondTierWarning, match="SnapshotReadError"):
+        got, n = cache.match([1, 2, 3, 4, 5])
+    with got:
+        assert n == 0
+    assert store.failures == 1

@@ -1,0 +1,150 @@
+"""Sweep journals and replay files are data (issue 24 items 2, 8, 9): nothing in them imports code
+unless the user says so, every line is checked with its file and line named, and bounds are
+checked before work. Each test builds its files by hand: nothing here runs a sweep."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from kvstate.cli import main
+from kvstate.stateful import journal as J
+
+EVIL = '''import pathlib
+pathlib.Path({marker!r}).write_text("imported")
+def factory(config):
+    raise SystemExit("never")
+'''
+
+
+def plan_line(backend="kvstate.impl.numpy", seeds=(0, 1), configs=("f32-heap",)) -> dict:
+    return {"kind": "plan", "format": J.FORMAT, "backend": backend, "steps": 10, "seeds": list(seeds),
+            "configs": list(configs), "shard": None, "fingerprint": {}}
+
+
+def run_line(seed=0, config="f32-heap", **change) -> dict:
+    return {"kind": "run", "config": config, "seed": seed, "page_tokens": 4, "steps": 10, "seconds": 0.1,
+            "cpu_seconds": 0.1, "failure": None, "ops": None, "replay_file": None, "minimised": False, **change}
+
+
+def write_journal(folder, *entries, raw: bytes = b"") -> None:
+    folder.mkdir(exist_ok=True)
+    text = "".join(json.dumps(entry) + "\n" for entry in entries).encode() + raw
+    (folder / J.FILE).write_bytes(text)
+
+
+@pytest.fixture
+def evil_module(tmp_path, monkeypatch):
+    """A module that, imported, leaves a marker file; on sys.path as ``kvs_evil_backend``."""
+    marker = tmp_path / "imported"
+    (tmp_path / "kvs_evil_backend.py").write_text(EVIL.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "kvs_evil_backend", raising=False)
+    return marker
+
+
+# -- item 2: no code from data ------------------------------------------------------------------
+
+def test_resume_does_not_import_the_backend_a_journal_names(tmp_path, evil_module, capsys):
+    out = tmp_path / "out"
+    write_journal(out, plan_line(backend="kvs_evil_backend:factory"), run_line(0))
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--trust-backend" in err and "kvs_evil_backend" in err and len(err.strip().splitlines()) == 1
+    assert not evil_module.exists() and "kvs_evil_backend" not in sys.modules
+
+
+def test_replay_does_not_import_the_backend_a_replay_file_names(tmp_path, evil_module, capsys):
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.configs import configs_named
+    path = R.save(R.Replay("kvs_evil_backend:factory", configs_named(["f32-heap"])[0], 0, []), tmp_path / "r.json")
+    assert R.load(path).backend == "kvs_evil_backend:factory"      # a well-formed file: only trust refuses it
+    assert main(["replay", str(path)]) == 2
+    assert "--trust-backend" in capsys.readouterr().err
+    assert not evil_module.exists() and "kvs_evil_backend" not in sys.modules
+
+
+# -- item 9: damaged journals are named by file and line ----------------------------------------------
+
+@pytest.mark.parametrize("damage, line", [
+    ([run_line("0")], 2),                              # a seed of the wrong type
+    ([run_line(0, failure=[1, 2])], 2),                        # a failure of the wrong shape
+    ([run_line(0), {"kind": "run", "seed": 1}], 3),            # fields missing
+    ([run_line(0), ["not", "an", "object"]], 3),
+    ([run_line(0, failure={"step": 1})], 2),                   # a failure without its fields
+])
+def test_a_damaged_journal_line_is_refused_with_file_and_line(tmp_path, capsys, damage, line):
+    out = tmp_path / "out"
+    write_journal(out, plan_line(), *damage, run_line(1))
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / J.FILE}: line {line}" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_line_that_is_not_utf8_is_refused_with_its_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    write_journal(out, plan_line(), raw=b'{"kind": "run", "config": "\xff\xfe"}\n' + json.dumps(run_line(1)).encode() + b"\n")
+    assert main(["sweep", "--resume", str(out)]) == 2
+    assert f"{out / J.FILE}: line 2" in capsys.readouterr().err
+
+
+def test_a_run_outside_the_plan_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    write_journal(out, plan_line(seeds=(0, 1)), run_line(0), run_line(9))
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "line 3" in err and "plan does not hold" in err
+    write_journal(out, plan_line(seeds=(0, 1)), run_line(0, config="bf16-arena"))
+    assert main(["sweep", "--resume", str(out)]) == 2
+    assert "line 2" in capsys.readouterr().err
+
+
+def test_a_journal_past_its_size_limit_is_refused_before_it_is_read(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    write_journal(out, plan_line(), run_line(0))
+    monkeypatch.setattr(J, "MAX_BYTES", 64)
+    assert main(["sweep", "--resume", str(out)]) == 2
+    assert "MAX_BYTES=64" in capsys.readouterr().err
+
+
+# -- issue 22 item 5: a replay against a black box (no page observation) ------------------------------
+
+BROKEN_BOX = '''import sys
+sys.path.insert(0, {examples!r})
+from blackbox_backend import BoxCache, BoxContext, factory as working
+
+class Context(BoxContext):
+    def read(self, start=0, stop=None):
+        values, tokens = super().read(start, stop)
+        return values + 1, tokens          # wrong values: a failure the lockstep check finds
+
+class Cache(BoxCache):
+    def adopt(self, values, tokens):
+        ctx = super().adopt(values, tokens)
+        ctx.__class__ = Context
+        return ctx
+
+def factory(config):
+    return Cache(config)
+factory.semantics = working.semantics
+'''
+
+
+def test_replaying_a_failure_on_a_black_box_reports_it_and_exits_1(tmp_path, capsys):
+    from pathlib import Path
+
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.conform import load_factory
+    from kvstate.stateful.configs import configs_for
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    module = tmp_path / "broken_box.py"
+    module.write_text(BROKEN_BOX.format(examples=str(examples)))
+    config = configs_for(load_factory(str(module)))[0]
+    recorded = R.Replay(f"{module}:factory", config, 0, [O.Allocate(), O.Extend("c1", (1, 2, 3))])
+    path = R.save(recorded, tmp_path / "replay.json")
+    assert main(["replay", str(path), "--backend", f"{module}:factory"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED" in out and "pages, as the engine reports them" in out and "does not report" in out, out
