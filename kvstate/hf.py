@@ -146,6 +146,22 @@ class KVStateCache(_HFCache):
         self._ids = check_tokens(ids)
         return self
 
+    def check_prefix_of(self, input_ids, attention_mask=None) -> None:
+        """Refuse (``TokenError``, naming the first differing position) a prompt that the ids this
+        cache holds do not begin."""
+        held = self.context.tokens
+        if not held:
+            return
+        row = input_ids[0] if input_ids.ndim == 2 else input_ids
+        prompt = row.detach().cpu().tolist()
+        for position, (mine, theirs) in enumerate(zip(held, prompt)):
+            if mine != theirs:
+                raise TokenError(f"the cache holds token {mine} at position {position}, but the prompt has {theirs} "
+                                 "there: the cache is not a prefix of this prompt (match() or a fresh cache)")
+        if len(prompt) <= len(held):
+            raise TokenError(f"the cache holds {len(held)} positions, but the prompt has only {len(prompt)}: "
+                             "nothing is left to compute the next token from (truncate the cache first)")
+
     # -- the transformers Cache API --------------------------------------------------
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -155,6 +171,9 @@ class KVStateCache(_HFCache):
         batch, heads, n, head_dim = key_states.shape
         if batch != 1:
             raise ShapeError(f"a kvstate cache holds one sequence; K/V arrived with batch size {batch}")
+        if not 0 <= layer < self.layout.layers:
+            raise UnsupportedModelError(f"K/V arrived for layer {layer}, but the cache's layout {self.layout} "
+                                        f"has {self.layout.layers} layers")
         if (heads, head_dim) != (self.layout.kv_heads, self.layout.head_dim):
             raise UnsupportedModelError(
                 f"layer {layer} produced K/V with {heads} heads of {head_dim}, but the layout is {self.layout}")
@@ -313,6 +332,7 @@ def _defaults(model, cache_args: dict) -> dict:
 def _feed_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, KVStateCache):
+        check_model_fits(module._kvstate_layout, cache)
         ids = kwargs.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
@@ -323,7 +343,30 @@ def _feed_hook(module, args, kwargs):
 def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
     ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``). Checks the model first."""
-    layout_of(model)
+    model._kvstate_layout = layout_of(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
+        model.prepare_inputs_for_generation = _prefix_checked(model.prepare_inputs_for_generation)
     return model
+
+
+def check_model_fits(layout, cache: "KVStateCache") -> None:
+    """A model whose layout is not the cache's is refused before its forward computes anything
+    (a model with fewer layers would never complete a position; one with more would write past it)."""
+    if layout != cache.layout:
+        raise UnsupportedModelError(
+            f"the model has layout {layout}, but this kvstate cache holds {cache.layout} "
+            "(layers, kv_heads, head_dim): build the cache with KVStateCache.for_model(model)")
+
+
+def _prefix_checked(prepare):
+    """``generate``'s first step, checked: the ids a cache holds must begin the prompt it is asked to
+    continue, or ``generate`` would continue another conversation (it slices off as many prompt ids
+    as the cache holds without looking at them)."""
+    def checked(input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None:
+            cache.check_prefix_of(input_ids, kwargs.get("attention_mask"))
+        return prepare(input_ids, *args, **kwargs)
+    checked.__wrapped__ = prepare
+    return checked

@@ -409,3 +409,54 @@ def test_crop_is_truncate_from_the_end(model):
     run(model, cache, [ids(10, 23)])
     cache.crop(-3)
     assert cache.tokens == ids(10, 23)[0, :7].tolist()
+
+
+# -- refused before any work: a model that is not the cache's, a prompt the cache does not begin -----
+
+def _llama(layers):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_a_model_with_another_layer_count_is_refused_before_any_work(layers):
+    cache = hf.KVStateCache.for_model(_llama(3))
+    other = hf.attach(_llama(layers))                     # hooked, as a model used with its own cache is
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="layout"):
+        other.generate(ids(6, 30), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert len(cache.context) == 0 and cache.get_seq_length() == 0
+
+
+def test_generate_refuses_a_prompt_the_cache_does_not_begin(model):
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    first = ids(9, 31)
+    run(model, cache, [first])
+    prompt = first.clone()
+    prompt[0, 5] = (prompt[0, 5] % (VOCAB - 1)) + 1      # another token at position 5
+    prompt = torch.cat([prompt, ids(3, 32)], dim=1)
+    with torch.no_grad(), pytest.raises(TokenError, match="position 5"):
+        model.generate(prompt, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert cache.tokens == first[0].tolist()              # nothing was added
+    with torch.no_grad():                                 # the true continuation still runs
+        model.generate(torch.cat([first, ids(3, 32)], dim=1), cache=cache, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    assert len(cache.tokens) == 9 + 3 + 1
+
+
+def test_falcon_multi_query_and_deepseek_latent_attention_refused_at_construction():
+    falcon = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       multi_query=True, new_decoder_architecture=False)
+    deepseek = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=1, topk_group=1)
+    for config, name in [(falcon, "multi_query"), (deepseek, "latent attention")]:
+        built = transformers.AutoModelForCausalLM.from_config(config)
+        kv = Cache(Layout(2, 4, 8), store="torch")
+        with pytest.raises(UnsupportedModelError, match=name):
+            hf.KVStateCache.for_model(built, kv)
+        assert kv.stats()["live_contexts"] == 0 and getattr(built, "_kvstate_hook", None) is None
