@@ -53,6 +53,18 @@ def build(kind: str):
 MODELS = {}
 
 
+def llama_model():
+    if "llama" not in MODELS:
+        MODELS["llama"] = build("llama")
+    return MODELS["llama"]
+
+
+@pytest.fixture
+def llama():
+    """The Llama model alone, for checks whose subject is the cache, not the model family."""
+    return llama_model()
+
+
 @pytest.fixture(params=["gpt2", "llama"])
 def model(request):
     if request.param not in MODELS:
@@ -254,7 +266,7 @@ def test_match_prefills_only_the_unmatched_suffix(model):
     assert matched == out1.sequences.shape[1] - 1
     fed = []
     original = second.feed
-    second.feed = lambda x: (fed.append(0 if x is None else x.shape[-1]), original(x))[1]
+    second.feed = lambda x, *mask: (fed.append(0 if x is None else x.shape[-1]), original(x, *mask))[1]
     with torch.no_grad():
         out2 = model.generate(turn2, cache=second, **args)
     assert fed[0] == turn2.shape[1] - matched == 8             # the prefill: the unmatched suffix only
@@ -343,11 +355,107 @@ def test_kv_for_positions_with_unknown_ids_refused(model):
         unhooked(ids(3, 21), cache=bare)                       # ids for a different count of positions
 
 
-def test_batch_of_two_refused(model):
-    cache = hf.KVStateCache.for_model(model)
-    with torch.no_grad(), pytest.raises(ShapeError, match="one sequence"):
-        model(torch.cat([ids(4, 20), ids(4, 21)]), cache=cache)
-    assert len(cache.context) == 0
+def left_padded(lengths, seed):
+    """A batch of prompts of ``lengths``, left-padded with 0, and its attention mask."""
+    width = max(lengths)
+    batch = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        batch[row, width - n:] = ids(n, seed + row)[0]
+        mask[row, width - n:] = 1
+    return batch, mask
+
+
+def generate_both(model, prompt, mask, seed=0, **args):
+    """The same ``generate`` on a kvstate cache and on a DynamicCache; both outputs and the kvstate cache."""
+    args = dict(output_logits=True, return_dict_in_generate=True, pad_token_id=0, **args)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        ours = model.generate(prompt, attention_mask=mask, cache=cache, **args)
+        torch.manual_seed(seed)
+        theirs = model.generate(prompt, attention_mask=mask, cache=reference(model), **args)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert_equal_runs(list(ours.logits), list(theirs.logits))
+    return ours, cache
+
+
+@pytest.mark.parametrize("mode", [
+    dict(do_sample=False),
+    dict(do_sample=True, top_k=0, num_return_sequences=3),
+    dict(do_sample=False, num_beams=4, num_return_sequences=2),
+], ids=["greedy", "sampling-3-returns", "beam-4"])
+def test_left_padded_batch_generates_as_dynamic_cache(model, mode):
+    prompt, mask = left_padded([7, 4, 9], 40)
+    out, cache = generate_both(model, prompt, mask, seed=5, max_new_tokens=5, **mode)
+    rows = 3 * mode.get("num_beams", mode.get("num_return_sequences", 1))
+    assert cache.batch_size == rows
+    for row, ctx in enumerate(cache.rows):        # a row holds its real tokens only: padding never enters it
+        source = row // (rows // 3)
+        real = prompt[source][mask[source] == 1].tolist()
+        assert ctx.tokens[:len(real)] == real and cache.pads[row] == 9 - len(real)
+    if "num_beams" not in mode:
+        for row, ctx in enumerate(cache.rows):     # what it holds is what was generated, but the last token
+            source = row // (rows // 3)
+            expected = prompt[source][mask[source] == 1].tolist() + out.sequences[row, 9:-1].tolist()
+            assert ctx.tokens == expected
+    cache.close()
+    assert cache.kv.stats()["live_pages"] == 0
+
+
+def test_num_return_sequences_shares_the_prompt_pages(llama):
+    """Eight copies of one prompt are stored once: the duplicates are forks of the first row."""
+    prompt, mask = left_padded([12], 41)
+    out, cache = generate_both(llama, prompt, mask, seed=3, max_new_tokens=3, do_sample=True, top_k=0,
+                               num_return_sequences=8)
+    pages = cache.kv.observe().pages.values()
+    assert sum(p.refcount == 8 for p in pages) == 3          # positions 0..11: three whole pages, held once
+    assert cache.kv.stats()["live_pages"] < 8 * 4
+
+
+def test_reorders_are_forks_and_copy_no_bytes(llama):
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4)
+    prompt, mask = left_padded([9, 6], 42)
+    with torch.no_grad():
+        llama(prompt, attention_mask=mask, cache=cache)
+    tokens = [ctx.tokens for ctx in cache.rows]
+    before = cache.kv.stats()
+    cache.batch_repeat_interleave(3)                      # rows 0 0 0 1 1 1
+    cache.reorder_cache(torch.tensor([3, 3, 0, 5, 1, 4]))
+    cache.batch_select_indices(torch.tensor([0, 2, 3]))
+    after = cache.kv.stats()
+    assert after["pages_copied"] == before["pages_copied"] and after["bytes_copied"] == before["bytes_copied"]
+    assert after["live_pages"] == before["live_pages"]    # every page shared, none new
+    assert [ctx.tokens for ctx in cache.rows] == [tokens[1], tokens[0], tokens[1]]
+    assert cache.pads == [3, 0, 3]
+    with pytest.raises(ShapeError):
+        cache.reorder_cache(torch.tensor([0, 7, 1]))       # refused in full: nothing moved
+    assert [ctx.tokens for ctx in cache.rows] == [tokens[1], tokens[0], tokens[1]]
+
+
+def test_a_row_taken_out_continues_as_its_own_cache(llama, tmp_path):
+    prompt, mask = left_padded([5, 8], 43)
+    out, cache = generate_both(llama, prompt, mask, max_new_tokens=3, do_sample=False)
+    alone = cache.row(0)                                  # padding stays behind
+    assert alone.tokens == prompt[0, 3:].tolist() + out.sequences[0, 8:-1].tolist()
+    alone.snapshot(tmp_path / "row.kvs")
+    more = torch.cat([out.sequences[0:1, 3:], ids(2, 44)], dim=1)
+    expected = reference(llama)
+    with torch.no_grad():
+        theirs = llama.generate(more, cache=expected, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        ours = llama.generate(more, cache=alone, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    with pytest.raises(ShapeError, match="row"):
+        cache.snapshot(tmp_path / "batch.kvs")            # a batch has no one token sequence
+
+
+def test_padding_after_a_token_is_refused(llama):
+    cache = hf.KVStateCache.for_model(llama)
+    prompt, mask = left_padded([4, 4], 45)
+    mask[1, 1] = 0                                        # a hole inside row 1
+    with torch.no_grad(), pytest.raises(ShapeError, match="hole"):
+        llama(prompt, attention_mask=mask, cache=cache)
+    assert all(len(ctx) == 0 for ctx in cache.rows)
 
 
 def test_missing_transformers_names_the_extra(monkeypatch):
@@ -430,7 +538,8 @@ def test_a_model_with_another_layer_count_is_refused_before_any_work(layers):
     assert len(cache.context) == 0 and cache.get_seq_length() == 0
 
 
-def test_generate_refuses_a_prompt_the_cache_does_not_begin(model):
+def test_generate_refuses_a_prompt_the_cache_does_not_begin(llama):
+    model = llama
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     first = ids(9, 31)
     run(model, cache, [first])
