@@ -366,15 +366,16 @@ def left_padded(lengths, seed):
     return batch, mask
 
 
-def generate_both(model, prompt, mask, seed=0, **args):
-    """The same ``generate`` on a kvstate cache and on a DynamicCache; both outputs and the kvstate cache."""
+def generate_both(model, prompt, mask, seed=0, precision="f32", store="torch", **args):
+    """The same ``generate`` on a kvstate cache and on a DynamicCache (through the same precision
+    round trip); both outputs and the kvstate cache."""
     args = dict(output_logits=True, return_dict_in_generate=True, pad_token_id=0, **args)
-    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, precision=precision, store=store)
     with torch.no_grad():
         torch.manual_seed(seed)
         ours = model.generate(prompt, attention_mask=mask, cache=cache, **args)
         torch.manual_seed(seed)
-        theirs = model.generate(prompt, attention_mask=mask, cache=reference(model), **args)
+        theirs = model.generate(prompt, attention_mask=mask, cache=reference(model, precision), **args)
     assert torch.equal(ours.sequences, theirs.sequences)
     assert_equal_runs(list(ours.logits), list(theirs.logits))
     return ours, cache
@@ -401,6 +402,13 @@ def test_left_padded_batch_generates_as_dynamic_cache(model, mode):
             assert ctx.tokens == expected
     cache.close()
     assert cache.kv.stats()["live_pages"] == 0
+
+
+@pytest.mark.parametrize("precision, store", [("f16", "torch"), ("q8", "numpy")])
+def test_beams_at_reduced_precision_equal_the_round_trip(llama, precision, store):
+    prompt, mask = left_padded([6, 3], 46)
+    generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=3, precision=precision,
+                  store=store)
 
 
 def test_num_return_sequences_shares_the_prompt_pages(llama):
