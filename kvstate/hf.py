@@ -92,8 +92,15 @@ class _Layer(CacheLayerMixin):
 class KVStateCache(_HFCache):
     """A transformers cache over kvstate contexts, one per batch row (see the module docstring)."""
 
-    def __init__(self, layout, kv: Cache, context, rows: list | None = None, pads: list[int] | None = None):
+    def __init__(self, layout, kv: Cache, context, rows: list | None = None, pads: list[int] | None = None,
+                 layer_views: bool = False):
         check_layout(layout, kv.layout, "the kvstate cache")
+        # layer_views: keep each layer's past as one contiguous tensor grown by a cat per step, as
+        # DynamicCache does (its speed, and its memory on top of the pages); refilled from the pages
+        # when a row's context changes underneath it. Off: gather from the pages on every step.
+        self.layer_views = layer_views
+        self._views: list = [None] * layout.layers
+        self._view_state = None
         self.layout, self.kv = layout, kv
         self._host_pages = kv.store.__class__.__name__ == "NumpyStore"    # pages are NumPy arrays
         self.rows: list = []            # one context per batch row
@@ -138,7 +145,8 @@ class KVStateCache(_HFCache):
     # -- construction -------------------------------------------------------------
 
     @classmethod
-    def for_model(cls, model, kv: Cache | None = None, context=None, **cache_args) -> "KVStateCache":
+    def for_model(cls, model, kv: Cache | None = None, context=None, layer_views: bool = False,
+                  **cache_args) -> "KVStateCache":
         """A cache for ``model``: checks the model (refusing by name what it cannot hold),
         builds a kvstate ``Cache`` with ``cache_args`` unless ``kv`` is given, attaches the
         token-id hook and allocates a context unless one is given."""
@@ -149,16 +157,17 @@ class KVStateCache(_HFCache):
         if context is not None:
             check_layout(layout, context.layout, "the context")
         attach(model)
-        return cls(layout, kv, context if context is not None else kv.allocate())
+        return cls(layout, kv, context if context is not None else kv.allocate(), layer_views=layer_views)
 
     @classmethod
-    def restore(cls, model, source, kv: Cache | None = None, **cache_args) -> "KVStateCache":
+    def restore(cls, model, source, kv: Cache | None = None, layer_views: bool = False,
+                **cache_args) -> "KVStateCache":
         """A cache holding the snapshot at ``source``, ready to continue generating."""
         layout = layout_of(model)
         if kv is None:
             kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
-        return cls.for_model(model, kv, kv.restore(source))
+        return cls.for_model(model, kv, kv.restore(source), layer_views=layer_views)
 
     # -- token ids ------------------------------------------------------------------
 
@@ -256,6 +265,29 @@ class KVStateCache(_HFCache):
         except at padded positions, which the mask hides: zeros there give the same logits
         bit for bit, since a masked score's weight is exactly 0.
         """
+        if self.layer_views:
+            return self._with_view(layer, k, v)
+        return self._gathered(layer, k, v)
+
+    def _with_view(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """The layer's kept contiguous past (refilled from the pages if any row changed since) and
+        the new positions, by one ``torch.cat`` each: ``DynamicCache``'s own step."""
+        view, state = self._views[layer], self._row_state()
+        if view is None or state != self._view_state or view[0].shape[2] != self._length() \
+                or view[0].shape[0] != k.shape[0]:
+            if state != self._view_state:
+                self._views = [None] * self.layout.layers
+                self._view_state = state
+            view = self._gathered(layer, k[:, :, :0], v[:, :, :0])
+        keys, values = torch.cat([view[0], k], dim=-2), torch.cat([view[1], v], dim=-2)
+        self._views[layer] = (keys, values)
+        return keys, values
+
+    def _row_state(self) -> tuple:
+        """What the views were filled from: each row's context, pages and length."""
+        return tuple((id(ctx), state_token(ctx), len(ctx), pad) for ctx, pad in zip(self.rows, self.pads))
+
+    def _gathered(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         batch, heads, n, dim = k.shape
         length = self._length()
         shape = (batch, heads, length + n, dim)
@@ -329,6 +361,8 @@ class KVStateCache(_HFCache):
             raise
         self.pads = [p + q for p, q in zip(self.pads, pads)]
         self._new_pads = [0] * len(self.rows)
+        if self.layer_views:
+            self._view_state = self._row_state()     # the views now cover exactly what the rows hold
 
     def _length(self) -> int:
         """The length every row presents to attention: its padding plus its context."""
@@ -406,12 +440,13 @@ class KVStateCache(_HFCache):
         self._refuse_mid_forward("row")
         if not 0 <= index < len(self.rows):
             raise ShapeError(f"row {index} is not a row of a batch of {len(self.rows)}")
-        return type(self)(self.layout, self.kv, self.rows[index].fork())
+        return type(self)(self.layout, self.kv, self.rows[index].fork(), layer_views=self.layer_views)
 
     def fork(self) -> "KVStateCache":
         """A new cache on forks of every row's context: every page shared, nothing copied."""
         self._refuse_mid_forward("fork")
-        forked = type(self)(self.layout, self.kv, None, rows=[ctx.fork() for ctx in self.rows], pads=self.pads)
+        forked = type(self)(self.layout, self.kv, None, rows=[ctx.fork() for ctx in self.rows], pads=self.pads,
+                          layer_views=self.layer_views)
         return forked
 
     def __deepcopy__(self, memo) -> "KVStateCache":

@@ -366,11 +366,12 @@ def left_padded(lengths, seed):
     return batch, mask
 
 
-def generate_both(model, prompt, mask, seed=0, precision="f32", store="torch", **args):
+def generate_both(model, prompt, mask, seed=0, precision="f32", store="torch", layer_views=False, **args):
     """The same ``generate`` on a kvstate cache and on a DynamicCache (through the same precision
     round trip); both outputs and the kvstate cache."""
     args = dict(output_logits=True, return_dict_in_generate=True, pad_token_id=0, **args)
-    cache = hf.KVStateCache.for_model(model, page_tokens=4, precision=precision, store=store)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, precision=precision, store=store,
+                                      layer_views=layer_views)
     with torch.no_grad():
         torch.manual_seed(seed)
         ours = model.generate(prompt, attention_mask=mask, cache=cache, **args)
@@ -409,6 +410,23 @@ def test_beams_at_reduced_precision_equal_the_round_trip(llama, precision, store
     prompt, mask = left_padded([6, 3], 46)
     generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=3, precision=precision,
                   store=store)
+
+
+@pytest.mark.parametrize("store", ["torch", "numpy"])
+def test_layer_views_equal_dynamic_cache_and_follow_changes_underneath(llama, store):
+    """The kept per-layer views give the same logits, and are refilled when a row changes under them
+    (a truncate, a reorder), never served stale."""
+    prompt, mask = left_padded([6, 9], 47)
+    generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=2, store=store,
+                  layer_views=True)
+    tokens = ids(14, 48)
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4, store=store, layer_views=True)
+    dynamic = reference(llama)
+    run(llama, cache, steps(tokens[:, :10], 6))
+    run(llama, dynamic, steps(tokens[:, :10], 6))
+    cache.truncate(7)                                 # under the views: they must be refilled
+    dynamic.crop(-3)
+    assert_equal_runs(run(llama, cache, steps(tokens[:, 7:], 3)), run(llama, dynamic, steps(tokens[:, 7:], 3)))
 
 
 def test_num_return_sequences_shares_the_prompt_pages(llama):
