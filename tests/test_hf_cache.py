@@ -595,3 +595,20 @@ def test_falcon_multi_query_and_deepseek_latent_attention_refused_at_constructio
         with pytest.raises(UnsupportedModelError, match=name):
             hf.KVStateCache.for_model(built, kv)
         assert kv.stats()["live_contexts"] == 0 and getattr(built, "_kvstate_hook", None) is None
+
+
+def test_bench_batch_parts_report_every_field_at_tiny_sizes():
+    """bench hf_agent (a)-(d) at tiny sizes: the fields and the counts, never the timings."""
+    from kvstate.bench import hf_agent
+
+    tiny = hf_agent._model(256, "tiny")
+    a = hf_agent.batched(tiny, 20, 3, num_beams=4, do_sample=False)
+    assert a["same_tokens"] and set(a) == {"rows", "same_tokens", "time", "peak_kv"}
+    dynamic, ours = a["rows"][0], a["rows"][1]
+    assert dynamic["peak_kv_bytes"] > ours["peak_kv_bytes"] > 0     # the 4 beams' prompt is held once
+    b = hf_agent.batched(tiny, 20, 3, num_return_sequences=8, do_sample=True, top_k=0)
+    assert b["same_tokens"] and b["rows"][1]["pages_copied"] <= 8   # at most each row's partly filled page
+    c = hf_agent.decode_modes(tiny, 24, 2)
+    assert {r["cache"] for r in c["views"]["rows"]} == {"kvstate", "DynamicCache"} and c["gather"]["overhead"] > 0
+    d = hf_agent.resume(tiny, (24,))
+    assert d["rows"][0]["tokens"] == 24 and d["rows"][0]["snapshot_bytes"] > 0
