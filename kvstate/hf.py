@@ -23,8 +23,18 @@ bit for bit. At f16 and q8 the new positions are returned as they will read back
 from the context (``kvstate.spec.precision.roundtrip``), so a position looks the
 same to attention in the step that computed it as in every later step.
 
-One context holds one sequence: batch size 1. Best-of-N is N forks, each run on
-its own; the shared prefix's pages are stored once.
+Batches: one context per row. Left padding (attention mask 0 before a row's first
+token) never enters a row's context, tokens or snapshots; attention sees zeros there,
+which the mask hides, so logits stay ``torch.equal`` to DynamicCache's. Beam search's
+``reorder_cache``, ``batch_repeat_interleave`` (``num_return_sequences``) and
+``batch_select_indices`` move, fork and close row contexts: no K/V byte is copied.
+Identical rows of one prefill (``num_beams`` copies of a prompt) are stored once.
+``cache.row(i)`` takes a row out as its own one-row cache.
+
+Reading: each layer's past is gathered from the pages by one ``torch.cat`` per row
+(``impl/layer_read.py`` keeps the page slices between steps); ``layer_views=True``
+keeps a contiguous per-layer tensor as DynamicCache does instead (its speed, and its
+memory on top of the pages).
 """
 
 from __future__ import annotations
