@@ -1,18 +1,23 @@
 """kvstate under transformers (``kvstate.hf``) against transformers' own ``DynamicCache``, torch on the CPU.
 
-A tiny random Llama-family model (4 layers, 256 wide, grouped-query attention with
-2 K/V heads for 8 query heads) keeps the run to about a minute; ratios, not
-absolute times, are the figures. Four measurements, side by side in one run:
+Random-weight Llama-family models built from configs: a small one (4 layers, 256 wide,
+GQA 8q/2kv) and one of realistic width (8 layers, 1,024 wide, GQA 16q/4kv); each part
+runs at 1 and 2 torch threads. Ratios, not absolute times, are the figures; every row
+carries the command that reproduces it. Side by side in one run:
 
-(a) best-of-8 sampled continuations of one prompt: K/V bytes held while all 8 are
-    alive, and time, for kvstate forks vs deep-copied DynamicCaches vs 8
-    independent ``generate`` calls (each its own prefill and cache);
-(b) a multi-turn conversation re-sent with one new turn each time: prefill tokens
-    and time to first token with ``cache.match`` vs a fresh cache per turn;
-(c) resume after a restart: restore a snapshot + first token vs re-prefill;
-(d) the adapter's per-step decode cost against DynamicCache at 512 tokens.
+(a) beam search, 4 beams: generate time and peak K/V bytes vs DynamicCache;
+(b) ``num_return_sequences=8`` sampling vs DynamicCache batched: time and peak K/V bytes;
+(c) plain decode per step at 512 and 2,048 tokens, the gather read (default) and
+    ``layer_views=True`` (DynamicCache-style contiguous per-layer views);
+(d) resume after a restart: restore a snapshot + first token vs re-prefill.
 
-    python -m kvstate.bench hf_agent [--quick]
+The small model also runs the earlier agent parts: best-of-8 as forks vs deep copies,
+and a multi-turn conversation with ``match`` vs a fresh cache.
+
+Peak K/V bytes are sampled after every forward: DynamicCache's layer tensors; kvstate's
+live pages (plus the kept views with ``layer_views``).
+
+    python -m kvstate.bench hf_agent [--quick | --full]
 """
 
 from __future__ import annotations
@@ -26,14 +31,23 @@ N = 8
 PAGE_TOKENS = 16    # (a): a branch copies one partly filled page; smaller pages share more of the prompt
 
 
-def _model(max_positions: int):
+MODELS = {
+    "small": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2),
+    "realistic": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4),
+    "tiny": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2),
+}
+
+
+def _model(max_positions: int, kind: str = "small"):
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2,
-                                      max_position_embeddings=max_positions, bos_token_id=0, eos_token_id=0)
+    config = transformers.LlamaConfig(vocab_size=512, max_position_embeddings=max_positions, bos_token_id=0,
+                                      eos_token_id=0, **MODELS[kind])
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -155,7 +169,7 @@ def resume(model, lengths) -> dict:
     return {"rows": rows}
 
 
-def decode_overhead(model, context: int, steps: int, rounds: int = 5) -> dict:
+def decode_overhead(model, context: int, steps: int, rounds: int = 5, layer_views: bool = False) -> dict:
     """Plain decode, one token per forward, at ``context`` tokens: the whole step, and the time inside
     ``cache.update`` (the adapter's own work: gathering the past from pages, buffering, extending)."""
     import torch
@@ -164,7 +178,8 @@ def decode_overhead(model, context: int, steps: int, rounds: int = 5) -> dict:
     from kvstate import hf
 
     tokens = torch.randint(1, 512, (1, context + steps), generator=torch.Generator().manual_seed(3))
-    caches = {"kvstate": hf.KVStateCache.for_model(model), "DynamicCache": DynamicCache(config=model.config)}
+    caches = {"kvstate": hf.KVStateCache.for_model(model, layer_views=layer_views),
+              "DynamicCache": DynamicCache(config=model.config)}
     rewind = {"kvstate": lambda c: c.truncate(context), "DynamicCache": lambda c: c.crop(-steps)}
     inside = {name: 0.0 for name in caches}
     for name, cache in caches.items():
@@ -196,43 +211,124 @@ def decode_overhead(model, context: int, steps: int, rounds: int = 5) -> dict:
             "adapter_ms_per_step": (best_inside["kvstate"] - best_inside["DynamicCache"]) * 1e3}
 
 
-def run(quick: bool = False) -> dict:
+def _peak_kv(model, cache) -> tuple:
+    """A forward hook sampling the K/V bytes ``cache`` holds after every forward; (hook, peak list)."""
+    from kvstate import hf
+
+    peak = [0]
+
+    def sample(*_):
+        if isinstance(cache, hf.KVStateCache):
+            held = cache.kv.stats()["live_pages"] * cache.kv.store.page_bytes
+            held += sum(k.nbytes + v.nbytes for k, v in (view for view in cache._views if view is not None))
+        else:
+            held = _dynamic_bytes([cache])
+        peak[0] = max(peak[0], held)
+    return model.register_forward_hook(sample), peak
+
+
+def batched(model, prompt_len: int, steps: int, **mode) -> dict:
+    """One ``generate`` of a batch (beams or returned sequences) on each cache: time, peak K/V, same tokens."""
+    import torch
+    from transformers import DynamicCache
+
+    from kvstate import hf
+
+    prompt = torch.randint(1, 512, (1, prompt_len), generator=torch.Generator().manual_seed(4))
+    args = dict(max_new_tokens=steps, min_new_tokens=steps, pad_token_id=0, **mode)
+    out, rows = {}, {}
+    for name in ("DynamicCache", "kvstate", "DynamicCache", "kvstate"):     # alternate; the best of two each
+        cache = DynamicCache(config=model.config) if name == "DynamicCache" else \
+            hf.KVStateCache.for_model(model, page_tokens=PAGE_TOKENS)
+        hook, peak = _peak_kv(model, cache)
+        torch.manual_seed(7)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out[name] = model.generate(prompt, cache=cache, **args)
+        seconds = min(time.perf_counter() - t0, rows.get(name, {}).get("seconds", float("inf")))
+        rows[name] = {"seconds": seconds, "peak_kv_bytes": peak[0]}
+        hook.remove()
+        if name == "kvstate":
+            rows[name]["pages_copied"] = cache.kv.stats()["pages_copied"]
+            cache.close()
+    return {"rows": [{"cache": k, **v} for k, v in rows.items()],
+            "same_tokens": bool(torch.equal(out["kvstate"], out["DynamicCache"])),
+            "time": rows["kvstate"]["seconds"] / rows["DynamicCache"]["seconds"],
+            "peak_kv": rows["kvstate"]["peak_kv_bytes"] / rows["DynamicCache"]["peak_kv_bytes"]}
+
+
+def decode_modes(model, context: int, steps: int) -> dict:
+    """(c): the per-step ratio with the gather read and with ``layer_views``."""
+    return {"gather": decode_overhead(model, context, steps),
+            "views": decode_overhead(model, context, steps, layer_views=True)}
+
+
+SIZES = {   # (a) prompt, new; (b) prompt, new; (c) decode steps; (d) resume lengths
+    "quick": dict(a=(32, 4), b=(32, 4), c=4, d=(64,), contexts=(64,)),
+    "default": dict(a=(256, 16), b=(256, 16), c=16, d=(512, 2048), contexts=(512, 2048)),
+    "full": dict(a=(1024, 128), b=(1024, 32), c=32, d=(512, 2048), contexts=(512, 2048)),
+}
+
+
+def run(quick: bool = False, full: bool = False, threads: int | None = None, models=None) -> dict:
     try:
         import kvstate.hf  # noqa: F401
     except ImportError as error:
         return {"name": "hf_agent", "params": "skipped", "rows": [{"skipped": str(error)}]}
+    import os
+
     import torch
 
-    prompt_len, steps = (256, 8) if quick else (1024, 32)
-    turns = 6 if quick else 20
-    lengths = (512,) if quick else (512, 2048)
-    model = _model(max(lengths) + 64 + turns * 64 + 512)
+    size = "quick" if quick else "full" if full else "default"
+    sizes = SIZES[size]
+    models = models or (("tiny",) if quick else ("small", "realistic"))
+    counts = sorted({1, min(2, os.cpu_count() or 1)})
+    flag = {"quick": " --quick", "full": " --full", "default": ""}[size]
+    command = f"python -m kvstate.bench hf_agent{flag}"
     rows, ratio = [], {}
-    with torch.no_grad():     # warm-up: the first forward passes pay one-time costs
-        model.generate(torch.ones((1, 64), dtype=torch.long), max_new_tokens=4, do_sample=False, pad_token_id=0)
-
-    a = best_of_n(model, prompt_len, steps)
-    rows += [{"part": "a best-of-8", **r} for r in a.pop("rows")]
-    b = conversation(model, turns, system_len=256, user_len=32, reply_len=16)
-    rows += [{"part": f"b {turns} turns", **r} for r in b.pop("rows")]
-    c = resume(model, lengths)
-    rows += [{"part": "c resume", **r} for r in c.pop("rows")]
-    d = decode_overhead(model, 512, 16)
-    rows += [{"part": "d decode@512", **r} for r in d.pop("rows")]
-
-    ratio.update({f"a_{k}": v for k, v in a.items()})
-    ratio.update({f"b_{k}": v for k, v in b.items()})
-    ratio.update({f"c_speedup_{r['tokens']}": r["speedup"] for r in rows if r.get("part") == "c resume"})
-    ratio["d_step_overhead"] = d["overhead"]
-    ratio["d_adapter_ms_per_step"] = d["adapter_ms_per_step"]
+    saved_threads = torch.get_num_threads()
+    for kind in models:
+        model = _model(max(sizes["d"]) + max(sizes["a"][0], sizes["b"][0]) + 256, kind)
+        with torch.no_grad():     # warm-up: the first forward passes pay one-time costs
+            model.generate(torch.ones((1, 16), dtype=torch.long), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        for count in counts:
+            torch.set_num_threads(count)
+            tag = f"{kind} x{count}"
+            a = batched(model, *sizes["a"], num_beams=4, do_sample=False)
+            rows += [{"part": f"a beams=4 {sizes['a'][0]}+{sizes['a'][1]} {tag}", **r, "command": command}
+                     for r in a.pop("rows")]
+            b = batched(model, *sizes["b"], num_return_sequences=8, do_sample=True, top_k=0)
+            rows += [{"part": f"b n=8 {sizes['b'][0]}+{sizes['b'][1]} {tag}", **r, "command": command}
+                     for r in b.pop("rows")]
+            ratio.update({f"a_time {tag}": a["time"], f"a_peak_kv {tag}": a["peak_kv"],
+                          f"a_same_tokens {tag}": a["same_tokens"],
+                          f"b_time {tag}": b["time"], f"b_peak_kv {tag}": b["peak_kv"],
+                          f"b_same_tokens {tag}": b["same_tokens"]})
+            for context in sizes["contexts"]:
+                c = decode_modes(model, context, sizes["c"])
+                for mode, result in c.items():
+                    rows += [{"part": f"c decode@{context} {mode} {tag}", **r, "command": command}
+                             for r in result["rows"]]
+                    ratio[f"c_step_{mode}@{context} {tag}"] = result["overhead"]
+            d = resume(model, sizes["d"])
+            for r in d["rows"]:
+                rows.append({"part": f"d resume {tag}", **r, "command": command})
+                ratio[f"d_speedup@{r['tokens']} {tag}"] = r["speedup"]
+    if not quick and "small" in models:
+        torch.set_num_threads(1)
+        model = _model(2048, "small")
+        e = best_of_n(model, 1024 if full else 256, 32 if full else 8)
+        rows += [{"part": "e best-of-8 forks small x1", **r, "command": command} for r in e.pop("rows")]
+        ratio.update({f"e_{k}": v for k, v in e.items()})
+    torch.set_num_threads(saved_threads)
     return {
         "name": "hf_agent",
-        "params": (f"Llama 4x256, GQA 8q/2kv, torch {torch.__version__} cpu x{torch.get_num_threads()}; "
-                   f"best-of-{N} of {prompt_len}+{steps}, {turns} turns, resume at {list(lengths)}"),
+        "params": (f"Llama {', '.join(models)} (small 4x256 GQA 8q/2kv; realistic 8x1024 GQA 16q/4kv), torch "
+                   f"{torch.__version__} cpu, threads {counts}; sizes {size}: {sizes}"),
         "rows": rows,
         "ratio": ratio,
-        "targets": {"a_kv_bytes_vs_copies": "<= 0.2", "b_prefill_tokens_ratio": "<= 0.1",
-                    "c_speedup": ">= 50", "d_step_overhead": "<= 1.3"},
+        "targets": {"a_time": "<= 1.0", "a_peak_kv": "<= 0.3", "b_time": "<= 1.0", "b_peak_kv": "<= 0.3",
+                    "c_step": "<= 1.1", "d_speedup@2048 realistic": ">= 50"},
     }
 
 
@@ -240,4 +336,4 @@ if __name__ == "__main__":
     from kvstate.bench.run import format_result
 
     import sys
-    print(format_result(run(quick="--quick" in sys.argv)))
+    print(format_result(run(quick="--quick" in sys.argv, full="--full" in sys.argv)))

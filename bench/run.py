@@ -22,7 +22,7 @@ def run_all(names, quick: bool, full: bool, threads: int) -> list[dict]:
     for name in names:
         module = importlib.import_module(f"kvstate.bench.{name}")
         start = time.perf_counter()
-        kwargs = {"full": full, "threads": threads} if name == "restore" else {}
+        kwargs = {"full": full, "threads": threads} if name in ("restore", "hf_agent") else {}
         result = module.run(quick=quick, **kwargs)
         result["wall_s"] = time.perf_counter() - start
         print(format_result(result), flush=True)

@@ -23,8 +23,18 @@ bit for bit. At f16 and q8 the new positions are returned as they will read back
 from the context (``kvstate.spec.precision.roundtrip``), so a position looks the
 same to attention in the step that computed it as in every later step.
 
-One context holds one sequence: batch size 1. Best-of-N is N forks, each run on
-its own; the shared prefix's pages are stored once.
+Batches: one context per row. Left padding (attention mask 0 before a row's first
+token) never enters a row's context, tokens or snapshots; attention sees zeros there,
+which the mask hides, so logits stay ``torch.equal`` to DynamicCache's. Beam search's
+``reorder_cache``, ``batch_repeat_interleave`` (``num_return_sequences``) and
+``batch_select_indices`` move, fork and close row contexts: no K/V byte is copied.
+Identical rows of one prefill (``num_beams`` copies of a prompt) are stored once.
+``cache.row(i)`` takes a row out as its own one-row cache.
+
+Reading: each layer's past is gathered from the pages by one ``torch.cat`` per row
+(``impl/layer_read.py`` keeps the page slices between steps); ``layer_views=True``
+keeps a contiguous per-layer tensor as DynamicCache does instead (its speed, and its
+memory on top of the pages).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from .hf_config import check_layout, layout_of, require_transformers
+from .hf_rows import as_ids, new_padding, reorder_plan
 
 transformers = require_transformers()
 
@@ -40,6 +51,7 @@ from transformers.cache_utils import Cache as _HFCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 from kvstate.impl import Cache  # noqa: E402
+from kvstate.impl.layer_read import LayerReader, state_token  # noqa: E402
 from kvstate.spec.errors import PositionError, ShapeError, TokenError, UnsupportedModelError  # noqa: E402
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
@@ -88,20 +100,63 @@ class _Layer(CacheLayerMixin):
 
 
 class KVStateCache(_HFCache):
-    """A transformers cache over one kvstate context (see the module docstring)."""
+    """A transformers cache over kvstate contexts, one per batch row (see the module docstring)."""
 
-    def __init__(self, layout, kv: Cache, context):
+    def __init__(self, layout, kv: Cache, context, rows: list | None = None, pads: list[int] | None = None,
+                 layer_views: bool = False):
         check_layout(layout, kv.layout, "the kvstate cache")
-        self.layout, self.kv, self.context = layout, kv, context
-        self._pending: list = [None] * layout.layers      # raw float32 (kv_heads, n, head_dim) K and V
-        self._ids: np.ndarray | None = None
+        # layer_views: keep each layer's past as one contiguous tensor grown by a cat per step, as
+        # DynamicCache does (its speed, and its memory on top of the pages); refilled from the pages
+        # when a row's context changes underneath it. Off: gather from the pages on every step.
+        self.layer_views = layer_views
+        self._views: list = [None] * layout.layers
+        self._view_state = None
+        self.layout, self.kv = layout, kv
         self._host_pages = kv.store.__class__.__name__ == "NumpyStore"    # pages are NumPy arrays
+        self.rows: list = []            # one context per batch row
+        self.pads: list[int] = []       # each row's left padding: positions shown to attention as zeros, never stored
+        self._readers: list[LayerReader] = []
+        self._set_rows(rows if rows is not None else [context], pads)
+        self._pending: list = [None] * layout.layers      # raw float32 (batch, kv_heads, n, head_dim) K and V
+        self._ids: np.ndarray | None = None                # (batch, n)
+        self._new_pads: list[int] = [0] * len(self.rows)
+        self._zeros = None
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
+
+    def _set_rows(self, rows: list, pads: list[int] | None = None, readers: list | None = None) -> None:
+        self.rows = list(rows)
+        self.pads = list(pads) if pads is not None else [0] * len(self.rows)
+        self._readers = readers if readers is not None else [self._reader(ctx) for ctx in self.rows]
+
+    def _reader(self, context) -> LayerReader:
+        if self._host_pages:
+            return LayerReader(context, lambda x: torch.from_numpy(x).transpose(0, 1), tokens_axis=1)
+        return LayerReader(context, lambda x: x.transpose(0, 1), tokens_axis=1)
+
+    @property
+    def context(self):
+        """The one row's context (a batch of several rows: see ``rows`` and ``row(i)``)."""
+        self._one_row("context")
+        return self.rows[0]
+
+    @context.setter
+    def context(self, value) -> None:
+        self._set_rows([value])
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    def _one_row(self, what: str) -> None:
+        if len(self.rows) != 1:
+            raise ShapeError(f"{what} is per sequence, and this cache holds a batch of {len(self.rows)} rows: "
+                             "take one out with cache.row(i)")
 
     # -- construction -------------------------------------------------------------
 
     @classmethod
-    def for_model(cls, model, kv: Cache | None = None, context=None, **cache_args) -> "KVStateCache":
+    def for_model(cls, model, kv: Cache | None = None, context=None, layer_views: bool = False,
+                  **cache_args) -> "KVStateCache":
         """A cache for ``model``: checks the model (refusing by name what it cannot hold),
         builds a kvstate ``Cache`` with ``cache_args`` unless ``kv`` is given, attaches the
         token-id hook and allocates a context unless one is given."""
@@ -112,39 +167,71 @@ class KVStateCache(_HFCache):
         if context is not None:
             check_layout(layout, context.layout, "the context")
         attach(model)
-        return cls(layout, kv, context if context is not None else kv.allocate())
+        return cls(layout, kv, context if context is not None else kv.allocate(), layer_views=layer_views)
 
     @classmethod
-    def restore(cls, model, source, kv: Cache | None = None, **cache_args) -> "KVStateCache":
+    def restore(cls, model, source, kv: Cache | None = None, layer_views: bool = False,
+                **cache_args) -> "KVStateCache":
         """A cache holding the snapshot at ``source``, ready to continue generating."""
         layout = layout_of(model)
         if kv is None:
             kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
-        return cls.for_model(model, kv, kv.restore(source))
+        return cls.for_model(model, kv, kv.restore(source), layer_views=layer_views)
 
     # -- token ids ------------------------------------------------------------------
 
-    def feed(self, ids) -> "KVStateCache":
-        """The token ids of the positions the next forward pass adds (``(n,)`` or ``(1, n)``).
+    def feed(self, ids, attention_mask=None) -> "KVStateCache":
+        """The token ids of the positions the next forward pass adds (``(n,)`` or ``(batch, n)``),
+        and transformers' 2D attention mask, whose zeros mark left padding.
 
         ``None`` forgets them (a forward from ``inputs_embeds``: its K/V are then refused).
         A forward that stopped part-way left K/V of some layers buffered: they are dropped.
+        A one-row cache fed a batch grows to it: an empty row becomes fresh contexts, a row
+        that holds tokens is forked (every row continues the same held prefix).
         """
         self._pending = [None] * self.layout.layers
         if ids is None:
             self._ids = None
             return self
-        if isinstance(ids, torch.Tensor):
-            ids = ids.detach().cpu().numpy()
-        ids = np.asarray(ids)
-        if ids.ndim == 2:
-            if ids.shape[0] != 1:
-                raise ShapeError(f"a kvstate cache holds one sequence; input_ids has batch size {ids.shape[0]} "
-                                 "(fork the cache once per sequence)")
-            ids = ids[0]
-        self._ids = check_tokens(ids)
+        ids = as_ids(ids)
+        batch, n = ids.shape
+        if batch != len(self.rows) and len(self.rows) != 1:
+            raise ShapeError(f"input_ids has batch size {batch}, but this cache holds {len(self.rows)} rows")
+        held = [len(self.rows[0])] * batch if len(self.rows) == 1 else [len(ctx) for ctx in self.rows]
+        pads = new_padding(attention_mask, batch, n, held)
+        if len(self.rows) == 1 and batch > 1:
+            self._grow(batch)
+        self._ids, self._new_pads = ids, pads
         return self
+
+    def _grow(self, batch: int) -> None:
+        first = self.rows[0]
+        extra = [first.fork() if len(first) else self.kv.allocate() for _ in range(batch - 1)]
+        self._set_rows([first, *extra], self.pads * batch)
+
+    def check_prefix_of(self, input_ids, attention_mask=None) -> None:
+        """Refuse (``TokenError``, naming the row and first differing position) a prompt that the
+        ids this cache holds do not begin."""
+        prompts = as_ids(input_ids)
+        mask = None if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 \
+            else attention_mask.detach().cpu().numpy() != 0
+        if len(self.rows) not in (1, len(prompts)):
+            raise ShapeError(f"the prompt has {len(prompts)} rows, but this cache holds {len(self.rows)}")
+        held_by_row = [ctx.tokens if len(ctx) else [] for ctx in self.rows]
+        for r, prompt in enumerate(prompts):
+            held = held_by_row[r if len(self.rows) > 1 else 0]
+            if not held:
+                continue
+            real = (prompt[mask[r]] if mask is not None else prompt).tolist()
+            for position, (mine, theirs) in enumerate(zip(held, real)):
+                if mine != theirs:
+                    raise TokenError(f"row {r}: the cache holds token {mine} at position {position}, but the prompt "
+                                     f"has {theirs} there: the cache is not a prefix of this prompt "
+                                     "(match() or a fresh cache)")
+            if len(real) <= len(held):
+                raise TokenError(f"row {r}: the cache holds {len(held)} positions, but the prompt has only "
+                                 f"{len(real)}: nothing is left to compute the next token from (truncate first)")
 
     # -- the transformers Cache API --------------------------------------------------
 
@@ -153,19 +240,21 @@ class KVStateCache(_HFCache):
 
     def _update(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor):
         batch, heads, n, head_dim = key_states.shape
-        if batch != 1:
-            raise ShapeError(f"a kvstate cache holds one sequence; K/V arrived with batch size {batch}")
+        if not 0 <= layer < self.layout.layers:
+            raise UnsupportedModelError(f"K/V arrived for layer {layer}, but the cache's layout {self.layout} "
+                                        f"has {self.layout.layers} layers")
         if (heads, head_dim) != (self.layout.kv_heads, self.layout.head_dim):
             raise UnsupportedModelError(
                 f"layer {layer} produced K/V with {heads} heads of {head_dim}, but the layout is {self.layout}")
         if self._ids is None:
             raise TokenError(f"K/V for {n} new positions arrived at layer {layer}, but their token ids are unknown: "
                              "attach(model) or call cache.feed(input_ids) before the forward")
-        if len(self._ids) != n:
-            raise TokenError(f"{len(self._ids)} token ids were fed, but layer {layer} wrote {n} positions")
+        if self._ids.shape != (batch, n):
+            raise TokenError(f"{self._ids.shape[1]} token ids were fed for each of {self._ids.shape[0]} rows, "
+                             f"but layer {layer} wrote {n} positions for {batch} rows")
         if self._pending[layer] is not None:
             raise PositionError(f"layer {layer} was updated twice in one forward pass")
-        k, v = key_states[0].to(torch.float32), value_states[0].to(torch.float32)
+        k, v = key_states.to(torch.float32), value_states.to(torch.float32)
         self._pending[layer] = (k, v)
         keys, values = self._with_past(layer, self._as_read(k), self._as_read(v))
         if layer == self.layout.layers - 1:
@@ -179,40 +268,119 @@ class KVStateCache(_HFCache):
         return torch.from_numpy(roundtrip(self.kv.precision, x.detach().cpu().numpy())).to(x.device)
 
     def _with_past(self, layer: int, k: torch.Tensor, v: torch.Tensor):
-        """The context's K and V of ``layer`` followed by the new ``k``, ``v``: each one
-        contiguous ``(1, heads, n, dim)`` tensor.
+        """Each row's padding (zeros), its context's K/V of ``layer`` and its new ``k``, ``v``: one
+        contiguous ``(batch, heads, n, dim)`` tensor each, written by one ``torch.cat`` per row.
 
-        One ``torch.cat`` into a fresh contiguous tensor, as ``DynamicCache`` does: the
-        attention matmul sees the same values with the same strides.
+        The values and strides attention sees are ``DynamicCache``'s (a contiguous ``torch.cat``),
+        except at padded positions, which the mask hides: zeros there give the same logits
+        bit for bit, since a masked score's weight is exactly 0.
         """
-        pages = self.context.read_layer_pages(layer)
-        if self._host_pages:
-            pages = [(torch.from_numpy(pk), torch.from_numpy(pv)) for pk, pv in pages]
-        keys = [pk.transpose(0, 1) for pk, _ in pages]
-        values = [pv.transpose(0, 1) for _, pv in pages]
-        if keys and keys[0].device != k.device:        # a store on another device than the model
-            keys, values = [p.to(k.device) for p in keys], [p.to(k.device) for p in values]
-        keys.append(k)
-        values.append(v)
-        return torch.cat(keys, dim=1).unsqueeze(0), torch.cat(values, dim=1).unsqueeze(0)
+        if self.layer_views:
+            return self._with_view(layer, k, v)
+        return self._gathered(layer, k, v)
+
+    def _with_view(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """The layer's kept contiguous past (refilled from the pages if any row changed since) and
+        the new positions, by one ``torch.cat`` each: ``DynamicCache``'s own step."""
+        view, state = self._views[layer], self._row_state()
+        if view is None or state != self._view_state or view[0].shape[2] != self._length() \
+                or view[0].shape[0] != k.shape[0]:
+            if state != self._view_state:
+                self._views = [None] * self.layout.layers
+                self._view_state = state
+            view = self._gathered(layer, k[:, :, :0], v[:, :, :0])
+        keys, values = torch.cat([view[0], k], dim=-2), torch.cat([view[1], v], dim=-2)
+        self._views[layer] = (keys, values)
+        return keys, values
+
+    def _row_state(self) -> tuple:
+        """What the views were filled from: each row's context, pages and length."""
+        return tuple((id(ctx), state_token(ctx), len(ctx), pad) for ctx, pad in zip(self.rows, self.pads))
+
+    def _gathered(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        batch, heads, n, dim = k.shape
+        length = self._length()
+        shape = (batch, heads, length + n, dim)
+        keys = torch.empty(shape, dtype=torch.float32, device=k.device)
+        values = torch.empty(shape, dtype=torch.float32, device=k.device)
+        for row, reader in enumerate(self._readers):
+            pad = [self._zero_run(self.pads[row], k)] if self.pads[row] else []
+            for out, new, kind in ((keys, k, 0), (values, v, 1)):
+                torch.cat(pad + self._past(reader, layer, kind, k.device) + [new[row]], dim=1, out=out[row])
+        return keys, values
+
+    def _past(self, reader: LayerReader, layer: int, kind: int, device) -> list:
+        """The row's held K (kind 0) or V (1) of ``layer`` as float32 ``(heads, n, dim)`` parts."""
+        parts = reader.parts(layer, kind)
+        if not parts:
+            return []
+        if parts[0].device != device:                     # a store on another device than the model
+            parts = [p.to(device) for p in parts]
+        precision = self.kv.precision
+        if precision == "f32":
+            return parts
+        values = torch.cat(parts, dim=1).to(torch.float32)
+        if precision == "q8":
+            scales = torch.cat(reader.parts(layer, 2 + kind), dim=1).to(device)
+            values = values * scales.unsqueeze(-1)
+        return [values]
+
+    def _zero_run(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        if self._zeros is None or self._zeros.shape[1] < n or self._zeros.device != like.device:
+            self._zeros = torch.zeros((like.shape[1], max(n, 16), like.shape[3]), dtype=torch.float32,
+                                      device=like.device)
+        return self._zeros[:, :n]
 
     def _commit(self) -> None:
-        """Every layer of the new positions has arrived: extend the context once."""
+        """Every layer of the new positions has arrived: extend each row's context once.
+
+        A row whose state, ids and K/V equal an earlier row's (``num_beams`` copies of one
+        prompt) becomes a fork of it instead of writing the same bytes again. A row that
+        fails to extend undoes the rows extended before it, so the batch stays in step.
+        """
         missing = [i for i, pair in enumerate(self._pending) if pair is None]
         if missing:
             self.feed(None)
             raise PositionError(f"the forward pass skipped layers {missing}: their K/V never arrived")
-        kv = torch.stack([torch.stack(pair) for pair in self._pending])   # (layers, 2, heads, n, dim)
-        kv = kv.permute(3, 0, 1, 2, 4)                                      # (n, layers, 2, heads, dim)
-        if self._host_pages:
-            kv = kv.detach().cpu().numpy()
-        ids, self._ids = self._ids, None
-        self._pending = [None] * self.layout.layers
-        self.context.extend(ids, kv)
+        kv = torch.stack([torch.stack(pair) for pair in self._pending])   # (layers, 2, batch, heads, n, dim)
+        kv = kv.permute(2, 4, 0, 1, 3, 5)                                   # (batch, n, layers, 2, heads, dim)
+        ids, pads = self._ids, self._new_pads
+        self._ids, self._pending = None, [None] * self.layout.layers
+        before = [len(ctx) for ctx in self.rows]
+        states = [state_token(ctx) for ctx in self.rows]       # held alive here: their ids stay unique
+        leaders: dict = {}
+        done: list[int] = []
+        try:
+            for row, ctx in enumerate(self.rows):
+                pad = pads[row]
+                key = (id(states[row]), before[row], pad, ids[row].tobytes())
+                leader = leaders.get(key)
+                if leader is not None and torch.equal(kv[row, pad:], kv[leader, pad:]):
+                    twin = self.rows[leader].fork()
+                    ctx.close()
+                    self.rows[row] = twin
+                    self._readers[row] = self._reader(twin)
+                else:
+                    leaders.setdefault(key, row)
+                    part = kv[row, pad:]
+                    self.rows[row].extend(ids[row, pad:], part.detach().cpu().numpy() if self._host_pages else part)
+                done.append(row)
+        except BaseException:
+            for row in done:
+                self.rows[row].truncate(before[row])
+            raise
+        self.pads = [p + q for p, q in zip(self.pads, pads)]
+        self._new_pads = [0] * len(self.rows)
+        if self.layer_views:
+            self._view_state = self._row_state()     # the views now cover exactly what the rows hold
+
+    def _length(self) -> int:
+        """The length every row presents to attention: its padding plus its context."""
+        return self.pads[0] + len(self.rows[0])
 
     def _layer_length(self, layer: int) -> int:
         pending = self._pending[layer]
-        return len(self.context) + (pending[0].shape[1] if pending is not None else 0)
+        return self._length() + (pending[0].shape[2] if pending is not None else 0)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layer_length(layer_idx)
@@ -224,44 +392,87 @@ class KVStateCache(_HFCache):
         """transformers' rollback: a negative count removes that many positions from the end."""
         if tokens_to_remove > 0:
             raise PositionError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
-        self.truncate(len(self.context) + tokens_to_remove)
+        self.truncate(self._length() + tokens_to_remove)
 
     def reset(self) -> None:
         self.truncate(0)
 
+    # -- batch reorders: forks and closes of row contexts, no K/V copied ------------------
+
     def reorder_cache(self, beam_idx) -> None:
-        raise UnsupportedModelError("beam search reorders a batch; a kvstate cache holds one sequence (fork it)")
+        """Beam search's reorder: row ``i`` becomes row ``beam_idx[i]``. A row picked once moves, a row
+        picked again is forked (its pages shared), a row not picked is closed."""
+        self._refuse_mid_forward("reorder_cache")
+        plan = reorder_plan(beam_idx, len(self.rows))
+        if len(plan) != len(self.rows):
+            raise ShapeError(f"beam_idx has {len(plan)} rows, but this cache holds {len(self.rows)}")
+        self._regroup(plan)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if repeats != 1:
-            raise ShapeError(f"a kvstate cache holds one sequence; fork it instead of repeating it {repeats} times")
+        """Each row repeated ``repeats`` times, in place (``num_return_sequences``): forks."""
+        self._refuse_mid_forward("batch_repeat_interleave")
+        if int(repeats) < 1:
+            raise ShapeError(f"repeats must be at least 1, got {repeats}")
+        self._regroup(reorder_plan([r for r in range(len(self.rows)) for _ in range(int(repeats))], len(self.rows)))
 
     def batch_select_indices(self, indices) -> None:
-        if list(torch.as_tensor(indices).reshape(-1).tolist()) != [0]:
-            raise ShapeError("a kvstate cache holds one sequence; it cannot select batch rows")
+        """Keep the rows at ``indices`` (finished rows dropped): the others are closed."""
+        self._refuse_mid_forward("batch_select_indices")
+        self._regroup(reorder_plan(indices, len(self.rows)))
+
+    def _regroup(self, plan: list[tuple[int, bool]]) -> None:
+        rows, pads, readers = [], [], []
+        for source, fork in plan:
+            ctx = self.rows[source].fork() if fork else self.rows[source]
+            rows.append(ctx)
+            pads.append(self.pads[source])
+            readers.append(self._reader(ctx) if fork else self._readers[source])
+        kept = {source for source, _ in plan}
+        for index, ctx in enumerate(self.rows):
+            if index not in kept:
+                ctx.close()
+        self._set_rows(rows, pads, readers)
+        self._new_pads = [0] * len(rows)
 
     def early_initialization(self, *args, **kwargs) -> None:
-        pass        # layers are views of the context: nothing to allocate
+        pass        # layers are views of the contexts: nothing to allocate
 
     # -- the agent operations ----------------------------------------------------------
 
     @property
     def tokens(self) -> list[int]:
-        """The token ids of the positions the context holds."""
+        """The token ids of the positions the (one row's) context holds."""
         return self.context.tokens
 
+    def row(self, index: int) -> "KVStateCache":
+        """Row ``index`` as its own one-row cache, on a fork of its context (pages shared): retain it,
+        snapshot it, continue it. Its padding stays behind: it holds the row's real tokens only."""
+        self._refuse_mid_forward("row")
+        if not 0 <= index < len(self.rows):
+            raise ShapeError(f"row {index} is not a row of a batch of {len(self.rows)}")
+        return type(self)(self.layout, self.kv, self.rows[index].fork(), layer_views=self.layer_views)
+
     def fork(self) -> "KVStateCache":
-        """A new cache on a fork of the context: every page shared, nothing copied."""
+        """A new cache on forks of every row's context: every page shared, nothing copied."""
         self._refuse_mid_forward("fork")
-        return type(self)(self.layout, self.kv, self.context.fork())
+        forked = type(self)(self.layout, self.kv, None, rows=[ctx.fork() for ctx in self.rows], pads=self.pads,
+                          layer_views=self.layer_views)
+        return forked
 
     def __deepcopy__(self, memo) -> "KVStateCache":
         return self.fork()      # a fork is an independent copy that shares pages until written
 
     def truncate(self, n: int) -> None:
-        """Keep the first ``n`` positions (backtrack to a checkpoint)."""
+        """Keep the first ``n`` positions of every row, padding included (backtrack to a checkpoint)."""
         self._refuse_mid_forward("truncate")
-        self.context.truncate(n)
+        if len(self.rows) == 1 and not self.pads[0]:
+            self.rows[0].truncate(n)
+            return
+        if not isinstance(n, int) or not max(self.pads) <= n <= self._length():
+            raise PositionError(f"truncate to {n} is outside the batch's held positions [{max(self.pads)}, "
+                                f"{self._length()}] (padding is not cut)")
+        for ctx, pad in zip(self.rows, self.pads):
+            ctx.truncate(n - pad)
 
     def retain(self) -> None:
         """Keep a fork of this context in the prefix tree under its token ids."""
@@ -276,12 +487,13 @@ class KVStateCache(_HFCache):
         ``generate(tokens, cache=cache)`` then prefills only the unmatched suffix.
         """
         self._refuse_mid_forward("match")
+        self._one_row("match")
         tokens = check_tokens(tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else tokens)
         found, matched = self.kv.match(tokens)
         if matched >= len(tokens) > 0:
             found.truncate(len(tokens) - 1)
             matched = len(tokens) - 1
-        self.context.close()
+        self.rows[0].close()
         self.context = found
         return matched
 
@@ -291,15 +503,18 @@ class KVStateCache(_HFCache):
         self.context.snapshot(target)
 
     def close(self) -> None:
-        """Release the context's pages."""
-        self.context.close()
+        """Release every row's pages."""
+        for ctx in self.rows:
+            if not ctx.closed:
+                ctx.close()
 
     def _refuse_mid_forward(self, what: str) -> None:
         if any(p is not None for p in self._pending):
             raise PositionError(f"{what} during a forward pass: some layers' K/V are not yet in the context")
 
     def __repr__(self) -> str:
-        return f"KVStateCache({self.layout}, {self.context!r}, precision={self.kv.precision!r})"
+        rows = self.rows[0] if len(self.rows) == 1 else f"{len(self.rows)} rows"
+        return f"KVStateCache({self.layout}, {rows!r}, precision={self.kv.precision!r})"
 
 
 def _defaults(model, cache_args: dict) -> dict:
@@ -313,17 +528,41 @@ def _defaults(model, cache_args: dict) -> dict:
 def _feed_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, KVStateCache):
+        check_model_fits(module._kvstate_layout, cache)
         ids = kwargs.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
-        cache.feed(ids)
+        cache.feed(ids, kwargs.get("attention_mask"))
     return None
 
 
 def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
     ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``). Checks the model first."""
-    layout_of(model)
+    model._kvstate_layout = layout_of(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
+        model.prepare_inputs_for_generation = _prefix_checked(model.prepare_inputs_for_generation)
     return model
+
+
+def check_model_fits(layout, cache: "KVStateCache") -> None:
+    """A model whose layout is not the cache's is refused before its forward computes anything
+    (a model with fewer layers would never complete a position; one with more would write past it)."""
+    if layout != cache.layout:
+        raise UnsupportedModelError(
+            f"the model has layout {layout}, but this kvstate cache holds {cache.layout} "
+            "(layers, kv_heads, head_dim): build the cache with KVStateCache.for_model(model)")
+
+
+def _prefix_checked(prepare):
+    """``generate``'s first step, checked: the ids a cache holds must begin the prompt it is asked to
+    continue, or ``generate`` would continue another conversation (it slices off as many prompt ids
+    as the cache holds without looking at them)."""
+    def checked(input_ids, *args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None:
+            cache.check_prefix_of(input_ids, kwargs.get("attention_mask"))
+        return prepare(input_ids, *args, **kwargs)
+    checked.__wrapped__ = prepare
+    return checked

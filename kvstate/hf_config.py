@@ -53,6 +53,21 @@ def check_attention(config) -> None:
                 f"layer {index} of {type(config).__name__} is {kind!r}; kvstate.hf holds full-attention layers only")
 
 
+def check_kv_shape(config) -> None:
+    """K/V whose shape the config's head counts do not describe are refused by name, before a
+    forward pass: DeepSeek's multi-head latent attention caches a compressed latent (its K and V
+    differ in width from ``head_dim``), and Falcon's original ``multi_query=True`` shares one K/V
+    head that no ``num_key_value_heads`` names."""
+    if getattr(config, "kv_lora_rank", None):
+        raise UnsupportedModelError(
+            f"{type(config).__name__} uses multi-head latent attention (kv_lora_rank={config.kv_lora_rank}): "
+            "its cached K and V are not per-head K/V of one head_dim; kvstate.hf does not hold it")
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        raise UnsupportedModelError(
+            f"{type(config).__name__} with multi_query=True shares one K/V head across all query heads, "
+            "which its config does not state as num_key_value_heads; kvstate.hf does not hold it")
+
+
 def layout_of(model_or_config) -> Layout:
     """``Layout(layers, kv_heads, head_dim)`` of a decoder-only full-attention model.
 
@@ -66,8 +81,11 @@ def layout_of(model_or_config) -> Layout:
         raise UnsupportedModelError(
             f"{type(model).__name__} does not use a per-layer K/V cache (a recurrent or hybrid model)")
     check_attention(config)
+    check_kv_shape(config)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if getattr(config, "new_decoder_architecture", False):      # Falcon's own name for its K/V head count
+        kv_heads = getattr(config, "num_kv_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Layout(int(config.num_hidden_layers), int(kv_heads), int(head_dim))
 

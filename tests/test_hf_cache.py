@@ -53,6 +53,18 @@ def build(kind: str):
 MODELS = {}
 
 
+def llama_model():
+    if "llama" not in MODELS:
+        MODELS["llama"] = build("llama")
+    return MODELS["llama"]
+
+
+@pytest.fixture
+def llama():
+    """The Llama model alone, for checks whose subject is the cache, not the model family."""
+    return llama_model()
+
+
 @pytest.fixture(params=["gpt2", "llama"])
 def model(request):
     if request.param not in MODELS:
@@ -254,7 +266,7 @@ def test_match_prefills_only_the_unmatched_suffix(model):
     assert matched == out1.sequences.shape[1] - 1
     fed = []
     original = second.feed
-    second.feed = lambda x: (fed.append(0 if x is None else x.shape[-1]), original(x))[1]
+    second.feed = lambda x, *mask: (fed.append(0 if x is None else x.shape[-1]), original(x, *mask))[1]
     with torch.no_grad():
         out2 = model.generate(turn2, cache=second, **args)
     assert fed[0] == turn2.shape[1] - matched == 8             # the prefill: the unmatched suffix only
@@ -343,11 +355,133 @@ def test_kv_for_positions_with_unknown_ids_refused(model):
         unhooked(ids(3, 21), cache=bare)                       # ids for a different count of positions
 
 
-def test_batch_of_two_refused(model):
-    cache = hf.KVStateCache.for_model(model)
-    with torch.no_grad(), pytest.raises(ShapeError, match="one sequence"):
-        model(torch.cat([ids(4, 20), ids(4, 21)]), cache=cache)
-    assert len(cache.context) == 0
+def left_padded(lengths, seed):
+    """A batch of prompts of ``lengths``, left-padded with 0, and its attention mask."""
+    width = max(lengths)
+    batch = torch.zeros((len(lengths), width), dtype=torch.long)
+    mask = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, n in enumerate(lengths):
+        batch[row, width - n:] = ids(n, seed + row)[0]
+        mask[row, width - n:] = 1
+    return batch, mask
+
+
+def generate_both(model, prompt, mask, seed=0, precision="f32", store="torch", layer_views=False, **args):
+    """The same ``generate`` on a kvstate cache and on a DynamicCache (through the same precision
+    round trip); both outputs and the kvstate cache."""
+    args = dict(output_logits=True, return_dict_in_generate=True, pad_token_id=0, **args)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, precision=precision, store=store,
+                                      layer_views=layer_views)
+    with torch.no_grad():
+        torch.manual_seed(seed)
+        ours = model.generate(prompt, attention_mask=mask, cache=cache, **args)
+        torch.manual_seed(seed)
+        theirs = model.generate(prompt, attention_mask=mask, cache=reference(model, precision), **args)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert_equal_runs(list(ours.logits), list(theirs.logits))
+    return ours, cache
+
+
+@pytest.mark.parametrize("mode", [
+    dict(do_sample=False),
+    dict(do_sample=True, top_k=0, num_return_sequences=3),
+    dict(do_sample=False, num_beams=4, num_return_sequences=2),
+], ids=["greedy", "sampling-3-returns", "beam-4"])
+def test_left_padded_batch_generates_as_dynamic_cache(model, mode):
+    prompt, mask = left_padded([7, 4, 9], 40)
+    out, cache = generate_both(model, prompt, mask, seed=5, max_new_tokens=5, **mode)
+    rows = 3 * mode.get("num_beams", mode.get("num_return_sequences", 1))
+    assert cache.batch_size == rows
+    for row, ctx in enumerate(cache.rows):        # a row holds its real tokens only: padding never enters it
+        source = row // (rows // 3)
+        real = prompt[source][mask[source] == 1].tolist()
+        assert ctx.tokens[:len(real)] == real and cache.pads[row] == 9 - len(real)
+    if "num_beams" not in mode:
+        for row, ctx in enumerate(cache.rows):     # what it holds is what was generated, but the last token
+            source = row // (rows // 3)
+            expected = prompt[source][mask[source] == 1].tolist() + out.sequences[row, 9:-1].tolist()
+            assert ctx.tokens == expected
+    cache.close()
+    assert cache.kv.stats()["live_pages"] == 0
+
+
+@pytest.mark.parametrize("precision, store", [("f16", "torch"), ("q8", "numpy")])
+def test_beams_at_reduced_precision_equal_the_round_trip(llama, precision, store):
+    prompt, mask = left_padded([6, 3], 46)
+    generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=3, precision=precision,
+                  store=store)
+
+
+@pytest.mark.parametrize("store", ["torch", "numpy"])
+def test_layer_views_equal_dynamic_cache_and_follow_changes_underneath(llama, store):
+    """The kept per-layer views give the same logits, and are refilled when a row changes under them
+    (a truncate, a reorder), never served stale."""
+    prompt, mask = left_padded([6, 9], 47)
+    generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=2, store=store,
+                  layer_views=True)
+    tokens = ids(14, 48)
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4, store=store, layer_views=True)
+    dynamic = reference(llama)
+    run(llama, cache, steps(tokens[:, :10], 6))
+    run(llama, dynamic, steps(tokens[:, :10], 6))
+    cache.truncate(7)                                 # under the views: they must be refilled
+    dynamic.crop(-3)
+    assert_equal_runs(run(llama, cache, steps(tokens[:, 7:], 3)), run(llama, dynamic, steps(tokens[:, 7:], 3)))
+
+
+def test_num_return_sequences_shares_the_prompt_pages(llama):
+    """Eight copies of one prompt are stored once: the duplicates are forks of the first row."""
+    prompt, mask = left_padded([12], 41)
+    out, cache = generate_both(llama, prompt, mask, seed=3, max_new_tokens=3, do_sample=True, top_k=0,
+                               num_return_sequences=8)
+    pages = cache.kv.observe().pages.values()
+    assert sum(p.refcount == 8 for p in pages) == 3          # positions 0..11: three whole pages, held once
+    assert cache.kv.stats()["live_pages"] < 8 * 4
+
+
+def test_reorders_are_forks_and_copy_no_bytes(llama):
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4)
+    prompt, mask = left_padded([9, 6], 42)
+    with torch.no_grad():
+        llama(prompt, attention_mask=mask, cache=cache)
+    tokens = [ctx.tokens for ctx in cache.rows]
+    before = cache.kv.stats()
+    cache.batch_repeat_interleave(3)                      # rows 0 0 0 1 1 1
+    cache.reorder_cache(torch.tensor([3, 3, 0, 5, 1, 4]))
+    cache.batch_select_indices(torch.tensor([0, 2, 3]))
+    after = cache.kv.stats()
+    assert after["pages_copied"] == before["pages_copied"] and after["bytes_copied"] == before["bytes_copied"]
+    assert after["live_pages"] == before["live_pages"]    # every page shared, none new
+    assert [ctx.tokens for ctx in cache.rows] == [tokens[1], tokens[0], tokens[1]]
+    assert cache.pads == [3, 0, 3]
+    with pytest.raises(ShapeError):
+        cache.reorder_cache(torch.tensor([0, 7, 1]))       # refused in full: nothing moved
+    assert [ctx.tokens for ctx in cache.rows] == [tokens[1], tokens[0], tokens[1]]
+
+
+def test_a_row_taken_out_continues_as_its_own_cache(llama, tmp_path):
+    prompt, mask = left_padded([5, 8], 43)
+    out, cache = generate_both(llama, prompt, mask, max_new_tokens=3, do_sample=False)
+    alone = cache.row(0)                                  # padding stays behind
+    assert alone.tokens == prompt[0, 3:].tolist() + out.sequences[0, 8:-1].tolist()
+    alone.snapshot(tmp_path / "row.kvs")
+    more = torch.cat([out.sequences[0:1, 3:], ids(2, 44)], dim=1)
+    expected = reference(llama)
+    with torch.no_grad():
+        theirs = llama.generate(more, cache=expected, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        ours = llama.generate(more, cache=alone, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    with pytest.raises(ShapeError, match="row"):
+        cache.snapshot(tmp_path / "batch.kvs")            # a batch has no one token sequence
+
+
+def test_padding_after_a_token_is_refused(llama):
+    cache = hf.KVStateCache.for_model(llama)
+    prompt, mask = left_padded([4, 4], 45)
+    mask[1, 1] = 0                                        # a hole inside row 1
+    with torch.no_grad(), pytest.raises(ShapeError, match="hole"):
+        llama(prompt, attention_mask=mask, cache=cache)
+    assert all(len(ctx) == 0 for ctx in cache.rows)
 
 
 def test_missing_transformers_names_the_extra(monkeypatch):
@@ -409,3 +543,72 @@ def test_crop_is_truncate_from_the_end(model):
     run(model, cache, [ids(10, 23)])
     cache.crop(-3)
     assert cache.tokens == ids(10, 23)[0, :7].tolist()
+
+
+# -- refused before any work: a model that is not the cache's, a prompt the cache does not begin -----
+
+def _llama(layers):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      bos_token_id=0, eos_token_id=0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_a_model_with_another_layer_count_is_refused_before_any_work(layers):
+    cache = hf.KVStateCache.for_model(_llama(3))
+    other = hf.attach(_llama(layers))                     # hooked, as a model used with its own cache is
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="layout"):
+        other.generate(ids(6, 30), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert len(cache.context) == 0 and cache.get_seq_length() == 0
+
+
+def test_generate_refuses_a_prompt_the_cache_does_not_begin(llama):
+    model = llama
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    first = ids(9, 31)
+    run(model, cache, [first])
+    prompt = first.clone()
+    prompt[0, 5] = (prompt[0, 5] % (VOCAB - 1)) + 1      # another token at position 5
+    prompt = torch.cat([prompt, ids(3, 32)], dim=1)
+    with torch.no_grad(), pytest.raises(TokenError, match="position 5"):
+        model.generate(prompt, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert cache.tokens == first[0].tolist()              # nothing was added
+    with torch.no_grad():                                 # the true continuation still runs
+        model.generate(torch.cat([first, ids(3, 32)], dim=1), cache=cache, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+    assert len(cache.tokens) == 9 + 3 + 1
+
+
+def test_falcon_multi_query_and_deepseek_latent_attention_refused_at_construction():
+    falcon = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                       multi_query=True, new_decoder_architecture=False)
+    deepseek = transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=1, topk_group=1)
+    for config, name in [(falcon, "multi_query"), (deepseek, "latent attention")]:
+        built = transformers.AutoModelForCausalLM.from_config(config)
+        kv = Cache(Layout(2, 4, 8), store="torch")
+        with pytest.raises(UnsupportedModelError, match=name):
+            hf.KVStateCache.for_model(built, kv)
+        assert kv.stats()["live_contexts"] == 0 and getattr(built, "_kvstate_hook", None) is None
+
+
+def test_bench_batch_parts_report_every_field_at_tiny_sizes():
+    """bench hf_agent (a)-(d) at tiny sizes: the fields and the counts, never the timings."""
+    from kvstate.bench import hf_agent
+
+    tiny = hf_agent._model(256, "tiny")
+    a = hf_agent.batched(tiny, 20, 3, num_beams=4, do_sample=False)
+    assert a["same_tokens"] and set(a) == {"rows", "same_tokens", "time", "peak_kv"}
+    dynamic, ours = a["rows"][0], a["rows"][1]
+    assert dynamic["peak_kv_bytes"] > ours["peak_kv_bytes"] > 0     # the 4 beams' prompt is held once
+    b = hf_agent.batched(tiny, 20, 3, num_return_sequences=8, do_sample=True, top_k=0)
+    assert b["same_tokens"] and b["rows"][1]["pages_copied"] <= 8   # at most each row's partly filled page
+    c = hf_agent.decode_modes(tiny, 24, 2)
+    assert {r["cache"] for r in c["views"]["rows"]} == {"kvstate", "DynamicCache"} and c["gather"]["overhead"] > 0
+    d = hf_agent.resume(tiny, (24,))
+    assert d["rows"][0]["tokens"] == 24 and d["rows"][0]["snapshot_bytes"] > 0

@@ -1,0 +1,71 @@
+"""A context's pages seen layer by layer, for a forward pass that reads every layer on every step.
+
+``Context.read_layer_pages`` slices each page anew on every call: at 512 tokens in
+16-token pages that is 32 slices per layer per step, and the slicing, not the copy,
+dominated a decode step. A ``LayerReader`` slices the pages of its context once per
+change of the context's page tuple (which the context replaces on every change and
+never edits in place: one new tuple per filled page, per copy-on-write, per truncate)
+and keeps the slices; a step then takes the list for a layer and cuts only the last,
+partly filled page to the context's length. The caller gathers the list with one
+concatenation per layer.
+
+The slices are views of the pages in their stored encoding (f32, f16, or q8 codes and
+scales): live, valid until the context's owner next writes it, and never written.
+``prepare`` is applied to each slice once, when it is made (the transformers adapter
+turns a NumPy page into a torch tensor and moves heads first there).
+"""
+
+from __future__ import annotations
+
+from kvstate.spec.errors import ContextClosedError
+
+
+class LayerReader:
+    """Per-layer, per-part page slices of one context, rebuilt only when its pages change."""
+
+    def __init__(self, context, prepare=lambda x: x, tokens_axis: int = 0):
+        self.context = context
+        self._prepare = prepare
+        self._axis = tokens_axis        # where ``prepare`` leaves the positions axis (it may move heads first)
+        self._pages: tuple | None = None
+        self._slices: list = []     # [layer][component] -> list of per-page slices (page_tokens positions each)
+
+    def parts(self, layer: int, component: int) -> list:
+        """Slices covering positions ``[0, len(context))`` of ``layer``'s ``component``
+        (``2 * part + kind``: K then V of the store's first array, then of its second, q8's scales).
+        Empty for an empty context."""
+        ctx = self.context
+        if ctx._closed:
+            raise ContextClosedError(f"context {ctx.context_id} is closed")
+        if ctx._pages is not self._pages:
+            self._rebuild(ctx._pages)
+        slices = self._slices[layer][component]
+        if not slices:
+            return slices
+        tail = ctx._length - (len(slices) - 1) * ctx._cache.page_tokens
+        last = slices[-1]
+        if tail == last.shape[self._axis]:
+            return slices
+        return slices[:-1] + [last[:, :tail] if self._axis == 1 else last[:tail]]
+
+    def _rebuild(self, pages: tuple) -> None:
+        layout = self.context._cache.layout
+        arrays = [_arrays(page.buffer) for page in pages]
+        parts = len(arrays[0]) if arrays else 1
+        self._slices = [[[self._prepare(a[p][layer, kind]) for a in arrays]
+                         for p in range(parts) for kind in (0, 1)]
+                        for layer in range(layout.layers)]
+        self._pages = pages
+
+
+def _arrays(buffer) -> tuple:
+    """The arrays of a page buffer, whichever store made it."""
+    return buffer.tensors if hasattr(buffer, "tensors") else buffer.arrays
+
+
+
+
+def state_token(context):
+    """A token equal (``is``) for two contexts exactly when they hold the very same pages: two
+    forks that neither has written since. What one would store next, the other would too."""
+    return context._pages
