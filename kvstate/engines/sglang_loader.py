@@ -9,7 +9,8 @@ one would fail loudly rather than pass on a stand-in's behalf.
 
 Real files, executed as installed (``sglang/srt/mem_cache/...``):
     radix_cache.py, base_prefix_cache.py, cache_init_params.py, events.py, utils.py,
-    evict_policy.py, unified_cache/component_type.py
+    evict_policy.py, unified_cache/component_type.py, and the slot allocators the server pairs
+    with the tree: allocator/base.py, allocator/token.py (page size 1), allocator/paged.py
 
 Stand-ins (module: names the real files import from it; why the cache never calls them here):
     sglang.kernels.ops.kvcache.mla_buffer: the nine MLA buffer kernels -- GPU kernels, re-exported
@@ -20,8 +21,6 @@ Stand-ins (module: names the real files import from it; why the cache never call
     sglang.srt.disaggregation.kv_events: AllBlocksCleared, BlockRemoved, BlockStored,
         StorageMedium, kv_event_namespace_seed, namespaced_block_hash -- KV event payloads,
         built only when ``enable_kv_cache_events`` (off)
-    sglang.srt.mem_cache.allocator: BaseTokenToKVPoolAllocator -- the GPU slot allocator's type,
-        used only in annotations (the adapter passes its own allocator object)
     sglang.srt.mem_cache.memory_pool: ReqToTokenPool -- the request-to-slot table, annotations only
     sglang.srt.observability.metrics_collector: STAT_LOGGER_ROLE_RADIX_CACHE,
         RadixCacheMetricsCollector, radix_cache_metric_labels, resolve_collector_class --
@@ -29,6 +28,15 @@ Stand-ins (module: names the real files import from it; why the cache never call
     sglang.srt.runtime_context: get_observability, get_parallel -- server context, metrics only
     sglang.srt.utils.common: ceil_align -- used by RadixCache.checkpoint (a server request path
         the adapter does not use)
+    sglang.kernels.ops.memory.allocator: alloc_decode_kernel, alloc_extend_kernel -- Triton
+        kernels of the paged allocator's batched alloc_extend/alloc_decode; the adapter allocates
+        with ``alloc`` (whole pages), which is plain torch
+    sglang.srt.utils: get_num_new_pages, next_power_of_2 -- batched-alloc helpers (same paths)
+
+Platform probes, answered for this CPU machine rather than raising (the paged allocator asks
+them in ``__init__`` and at import):
+    sglang.srt.platforms: current_platform.capabilities.supports_triton = False
+    sglang.srt.utils: is_hip() -> False; get_bool_env_var(name) -> False (SGLANG_DEBUG_MEMORY_POOL off)
 
 Any other ``sglang`` module a real file imports at load time is refused (``ImportError`` naming
 it), so a new dependency in another release shows here, not as a silent stand-in. Only
@@ -50,7 +58,10 @@ from kvstate.spec.errors import ConfigError
 
 SUPPORTED_VERSION = "0.5.23"
 
-REAL = (
+REAL = (                # in load order: the allocator's base first, for base_prefix_cache's import
+    "sglang.srt.mem_cache.allocator.base",
+    "sglang.srt.mem_cache.allocator.token",
+    "sglang.srt.mem_cache.allocator.paged",
     "sglang.srt.mem_cache.evict_policy",
     "sglang.srt.mem_cache.unified_cache.component_type",
     "sglang.srt.mem_cache.utils",
@@ -70,13 +81,32 @@ STAND_INS: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.cpp_utils.native_hash": ("get_native_hash",),
     "sglang.srt.disaggregation.kv_events": ("AllBlocksCleared", "BlockRemoved", "BlockStored", "StorageMedium",
                                             "kv_event_namespace_seed", "namespaced_block_hash"),
-    "sglang.srt.mem_cache.allocator": ("BaseTokenToKVPoolAllocator",),
+    "sglang.kernels.ops.memory.allocator": ("alloc_decode_kernel", "alloc_extend_kernel"),
+    "sglang.srt.utils": ("get_num_new_pages", "next_power_of_2"),
     "sglang.srt.mem_cache.memory_pool": ("ReqToTokenPool",),
     "sglang.srt.observability.metrics_collector": ("STAT_LOGGER_ROLE_RADIX_CACHE", "RadixCacheMetricsCollector",
                                                    "radix_cache_metric_labels", "resolve_collector_class"),
     "sglang.srt.runtime_context": ("get_observability", "get_parallel"),
     "sglang.srt.utils.common": ("ceil_align",),
 }
+
+
+class _CpuPlatform:
+    """What ``sglang.srt.platforms.current_platform`` answers on this machine: no Triton."""
+
+    class capabilities:
+        supports_triton = False
+
+
+# Probes answered, not raised: (module, name) -> the value the real module gives on a CPU machine.
+ANSWERS: dict[tuple[str, str], object] = {
+    ("sglang.srt.platforms", "current_platform"): _CpuPlatform(),
+    ("sglang.srt.utils", "is_hip"): lambda: False,
+    ("sglang.srt.utils", "get_bool_env_var"): lambda name, default="false": False,
+}
+
+# Names reexported by a package's __init__ that the loader does not run: (package, name, real module).
+REEXPORTS = (("sglang.srt.mem_cache.allocator", "BaseTokenToKVPoolAllocator", "sglang.srt.mem_cache.allocator.base"),)
 
 
 class EngineVersionError(ConfigError):
@@ -87,6 +117,10 @@ class StandInCalled(RuntimeError):
     """A module the cache should never touch was used: the stand-in list is wrong for this run."""
 
 
+# Every use of a stand-in in this process, even one whose StandInCalled the engine swallowed.
+STAND_IN_USES: list[str] = []
+
+
 class _StandIn:
     """An inert name from a module the cache does not need: calling it, or reading from it, raises."""
 
@@ -94,11 +128,13 @@ class _StandIn:
         self._qualname = qualname
 
     def __call__(self, *args, **kwargs):
+        STAND_IN_USES.append(self._qualname)
         raise StandInCalled(f"{self._qualname} is a stand-in (kvstate.engines.sglang_loader) and was called")
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
+        STAND_IN_USES.append(f"{self._qualname}.{name}")
         raise StandInCalled(f"{self._qualname}.{name} read: {self._qualname} is a stand-in")
 
     def __repr__(self) -> str:
@@ -131,6 +167,9 @@ def _stand_in_module(name: str, names: tuple[str, ...]) -> types.ModuleType:
     module = types.ModuleType(name, "kvstate stand-in: every attribute raises StandInCalled when used")
     for attr in names:
         setattr(module, attr, _StandIn(f"{name}.{attr}"))
+    for (owner, attr), value in ANSWERS.items():
+        if owner == name:
+            setattr(module, attr, value)
     return module
 
 
@@ -143,15 +182,18 @@ class _Finder:
     def find_spec(self, name, path=None, target=None):
         if name != "sglang" and not name.startswith("sglang."):
             return None
-        if name in STAND_INS or name in REAL or _is_parent(name):
+        if name in STAND_INS or name in REAL or _is_parent(name) or name in _answer_modules():
             return importlib.machinery.ModuleSpec(name, self, is_package=_is_parent(name))
         raise ImportError(f"{name} is neither a real file nor a stand-in of kvstate.engines.sglang_loader "
                           f"(sglang {SUPPORTED_VERSION}): the release's imports changed", name=name)
 
     def create_module(self, spec):
         name = spec.name
-        if name in STAND_INS:
-            return _stand_in_module(name, STAND_INS[name])
+        if name in STAND_INS or name in _answer_modules():
+            module = _stand_in_module(name, STAND_INS.get(name, ()))
+            if _is_parent(name):            # a stand-in that is also a package (sglang.srt.utils)
+                module.__path__ = []
+            return module
         if name in REAL:
             return None
         return _bare_package(name, self.root)
@@ -167,8 +209,12 @@ class _Finder:
         exec(code, module.__dict__)
 
 
+def _answer_modules() -> set[str]:
+    return {owner for owner, _ in ANSWERS}
+
+
 def _is_parent(name: str) -> bool:
-    return any(other.startswith(name + ".") for other in (*REAL, *STAND_INS))
+    return any(other.startswith(name + ".") for other in (*REAL, *STAND_INS, *_answer_modules()))
 
 
 _lock = threading.Lock()
@@ -199,6 +245,9 @@ def load_modules() -> dict[str, types.ModuleType]:
         try:
             for name in REAL:
                 _loaded[name] = importlib.import_module(name)
+                for package, attr, source in REEXPORTS:
+                    if source == name:
+                        setattr(sys.modules[package], attr, getattr(_loaded[name], attr))
         except BaseException:
             _loaded.clear()
             raise
@@ -208,6 +257,14 @@ def load_modules() -> dict[str, types.ModuleType]:
                 del sys.modules[name]
             sys.modules.update(saved)
         return _loaded
+
+
+def load_allocators() -> tuple[type, type]:
+    """SGLang's own slot allocators: ``TokenToKVPoolAllocator`` (page size 1) and
+    ``PagedTokenToKVPoolAllocator``."""
+    modules = load_modules()
+    return (modules["sglang.srt.mem_cache.allocator.token"].TokenToKVPoolAllocator,
+            modules["sglang.srt.mem_cache.allocator.paged"].PagedTokenToKVPoolAllocator)
 
 
 def load_radix_cache() -> types.ModuleType:
