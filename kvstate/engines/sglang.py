@@ -158,7 +158,7 @@ class SGLangContext:
             fresh = cache.alloc_pages(-(-private // cache.page))[:private]
             cache.store(fresh, cache.values_at(self.slots[self.protected:]))
             slots += fresh
-        return cache.register(SGLangContext(cache, list(self._tokens), slots, self.protected, self.node))
+        return cache.register(cache.context_class(cache, list(self._tokens), slots, self.protected, self.node))
 
     def _free_private_from(self, position: int) -> None:
         """Free the private pages that hold only positions >= ``position``."""
@@ -249,7 +249,7 @@ class SGLangCache:
     # -- the protocol ----------------------------------------------------------------
 
     def allocate(self) -> SGLangContext:
-        return self.register(SGLangContext(self, [], [], 0, None))
+        return self.register(self.context_class(self, [], [], 0, None))
 
     def retain(self, ctx: SGLangContext) -> None:
         ctx._open()
@@ -281,7 +281,7 @@ class SGLangCache:
         node = result.last_device_node
         self.tree.inc_lock_ref(node)
         slots = self.tree.path_device_indices(node).tolist()
-        return self.register(SGLangContext(self, query[:hit], slots, hit, node)), hit
+        return self.register(self.context_class(self, query[:hit], slots, hit, node)), hit
 
     def clear(self) -> None:
         for ctx in self.contexts:

@@ -148,6 +148,15 @@ def installed_version() -> str | None:
         return None
 
 
+def require_supported(version: str | None) -> None:
+    """``ImportError`` without sglang, ``EngineVersionError`` for any release but ``SUPPORTED_VERSION``."""
+    if version is None:
+        raise ImportError("sglang is not installed: pip install --no-deps sglang==" + SUPPORTED_VERSION)
+    if version != SUPPORTED_VERSION:
+        raise EngineVersionError(f"sglang {version} is installed; kvstate.engines loads sglang "
+                                 f"{SUPPORTED_VERSION} only (its stand-ins were read from that release)")
+
+
 def _package_root() -> str:
     spec = importlib.util.find_spec("sglang")      # finds the package without running its __init__
     if spec is None or not spec.submodule_search_locations:
@@ -230,12 +239,7 @@ def load_modules() -> dict[str, types.ModuleType]:
     with _lock:
         if _loaded:
             return _loaded
-        version = installed_version()
-        if version is None:
-            raise ImportError("sglang is not installed: pip install --no-deps sglang==" + SUPPORTED_VERSION)
-        if version != SUPPORTED_VERSION:
-            raise EngineVersionError(f"sglang {version} is installed; kvstate.engines loads sglang "
-                                     f"{SUPPORTED_VERSION} only (its stand-ins were read from that release)")
+        require_supported(installed_version())
         finder = _Finder(_package_root())
         saved = {name: module for name, module in sys.modules.items()
                  if name == "sglang" or name.startswith("sglang.")}
