@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 from .errors import ConfigError
 from .layout import DEFAULT_PAGE_TOKENS, Layout
 from .observation import Observation
-from .semantics import MATCH_KINDS, ON_FULL, pool_limit
+from .semantics import MATCH_KINDS, ON_FULL, VALUES, pool_limit
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,7 @@ class Config:
     max_pages: int = 0         # the tree's page budget (0: none)
     pool_pages: int = 0        # a live-page limit for backends without an arena (0: the arena's size)
     on_full: str = "fallback"
+    values: str = "seeded"     # "prefix": values fixed by position and token (an engine keying K/V by prefix)
 
     def __post_init__(self) -> None:
         for name, low in (("page_tokens", 1), ("arena_pages", 0), ("max_entries", 1), ("block_tokens", 0),
@@ -72,6 +73,8 @@ class Config:
                               f"got match={self.match!r}, block_tokens={self.block_tokens}")
         if self.on_full not in ON_FULL:
             raise ConfigError(f"Config.on_full must be one of {ON_FULL}, got {self.on_full!r}")
+        if self.values not in VALUES:
+            raise ConfigError(f"Config.values must be one of {VALUES}, got {self.values!r}")
         if self.on_full != "fallback" and not self.pool_limit:
             raise ConfigError(f"on_full={self.on_full!r} needs a pool: set arena_pages or pool_pages")
 
@@ -92,6 +95,8 @@ class Config:
             parts.append(self.on_full)
         if self.max_pages:
             parts.append(f"pages{self.max_pages}")
+        if self.values != "seeded":
+            parts.append(f"{self.values}kv")
         return "-".join(parts)
 
     @property
@@ -100,6 +105,7 @@ class Config:
         whose ``semantics`` attribute holds them all is checked under it (``SEMANTICS_TAGS``)."""
         tags = {self.match} - {"entry"} | {self.on_full} - {"fallback"}
         tags |= {name for name in ("max_pages", "pool_pages") if getattr(self, name)}
+        tags |= {"prefix-values"} if self.values == "prefix" else set()
         return frozenset(tags)
 
     @property
@@ -109,7 +115,8 @@ class Config:
                  "block": f"block match (B={self.block_tokens})"}[self.match]
         bounds = f"max_entries {self.max_entries}" + (f", max_pages {self.max_pages}" if self.max_pages else "")
         pool = f"pool {self.pool_limit} pages, {self.on_full} when full" if self.pool_limit else "no pool limit"
-        return f"{match}; {bounds}; {pool}"
+        values = "; values fixed by token prefix" if self.values == "prefix" else ""
+        return f"{match}; {bounds}; {pool}{values}"
 
     def describe(self, page_tokens: str | None = None) -> str:
         """Everything a counterexample depends on, in one line (``page_tokens``: how the page size
@@ -158,7 +165,8 @@ class SnapshotCache(Protocol):
 Factory = Callable[[Config], CacheProtocol]
 
 # What a factory may list in its ``semantics`` attribute (``spec/semantics.py``).
-SEMANTICS_TAGS = frozenset({"token", "block", "max_pages", "pool_pages", "evict", "refuse", "evict-then-refuse"})
+SEMANTICS_TAGS = frozenset({"token", "block", "max_pages", "pool_pages", "evict", "refuse", "evict-then-refuse",
+                            "prefix-values"})
 
 
 def standard_configs(layout: Layout, page_tokens: int, max_entries: int, arena_pages: int) -> list[Config]:

@@ -35,6 +35,15 @@ per configuration (``Config``), and the reference and the engine implement all o
                the pages contexts hold plus the pages needed pass the pool; otherwise as ``evict``,
                which then always makes room (with every such entry gone, only pages contexts
                hold are left).
+``values`` -- what K/V values the suite writes.
+  ``seeded``  each write draws its values from its own seed (``stateful.ops.values_for``): two
+              contexts may hold different values under the same tokens (the seed's world).
+  ``prefix``  the engine keys K/V by the token prefix and assumes equal prefixes hold equal K/V
+              (SGLang's radix cache: inserting a key it already holds keeps its old slots and
+              frees the new ones), so every write the suite makes gives position ``i`` holding
+              token ``t`` the values fixed by ``(i, t)`` (``stateful.ops.prefix_values``): equal
+              tokens always mean equal values, an overwrite included, and such an engine is never
+              asked to hold two values for one prefix. The rules of the cache are unchanged.
   An operation's need is counted before it starts: ``extend`` needs its new pages plus a copy of
   a partly filled last page that another holder shares; ``overwrite`` a copy of each shared
   page it touches; ``restore`` every page of the snapshot; nothing else allocates.
@@ -46,6 +55,7 @@ from .arithmetic import pages_needed
 
 MATCH_KINDS = ("entry", "token", "block")
 ON_FULL = ("fallback", "evict", "refuse", "evict-then-refuse")
+VALUES = ("seeded", "prefix")
 
 
 def hit_length(match: str, block_tokens: int, common: int) -> int:

@@ -70,7 +70,10 @@ def _match(run: Lockstep, query: tuple[int, ...]) -> None:
 
 
 def _fill(run: Lockstep, count: int, first: int) -> None:
-    """Retain ``count`` one-token keys no other key shares (pushes older entries out)."""
+    """Retain ``count`` one-token keys no other key shares (pushes older entries out). Past
+    ``_LIMIT`` entries (an engine with no entry bound) there is nothing to push: none."""
+    if run.config.max_entries > _LIMIT:
+        return
     for i in range(count):
         handle = _context(run, (first + i,), seed=first + i)
         run.apply(O.Retain(handle))

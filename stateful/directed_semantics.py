@@ -215,10 +215,30 @@ def _rescan(factory: Factory, config: Config, promise: str) -> None:
         run.finish()
 
 
+def _prefix_values(factory: Factory, config: Config, promise: str) -> None:
+    """One key written by two contexts, retained by both, matched: under ``values="prefix"`` both
+    wrote the same values (an engine may keep either); under ``seeded`` the newer wins."""
+    run = start(factory, config)
+    key = tuple(40 + i for i in range(2 * config.page_tokens + 1))
+    with keeping(promise, run):
+        for seed in (71, 72):
+            handle = run.apply(O.Allocate())
+            run.apply(O.Extend(handle, key, seed=seed))
+            run.apply(O.Retain(handle))
+            run.apply(O.Close(handle))
+        run.apply(O.Match(key + (3,)))
+        run.check()
+        run.finish()
+
+
 ROWS: list[Row] = [
     Row("a miss", "`match` of tokens no entry shares returns a new, empty context and 0, and stamps no entry.", _miss),
     Row("retain again", "Retaining a key that is already retained replaces that entry: the newer values win, "
                         "and it becomes the most recently used.", _replace),
+    Row("prefix values", "Under `values=\"prefix\"` (an engine that keys K/V by the token prefix: SGLang's "
+        "radix cache keeps its old slots when a key it holds is inserted again) every write the suite makes "
+        "gives position i holding token t the values fixed by (i, t), so a backend may keep either copy of "
+        "one prefix; every other rule holds as written.", _prefix_values),
     Row("exact key", "A key is a prefix of itself: matching a retained key exactly returns the whole entry.", _exact),
     Row("clear()", "`clear()` drops every entry; a later `match` of a dropped key misses.", _clear),
     Row("eviction order", "Only the order of entries (least recently used first) is compared, never tick numbers: "

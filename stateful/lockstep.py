@@ -22,6 +22,14 @@ from kvstate.spec.protocol import Config, Factory
 from . import ops as O
 
 
+def _length(ctx: Any) -> int:
+    """A reference context's length, 0 where there is none (an operation on a closed context)."""
+    try:
+        return len(ctx) if ctx is not None else 0
+    except Exception:
+        return 0
+
+
 def to_numpy(values: Any) -> np.ndarray:
     """Engine reads may be torch tensors; compare them as NumPy."""
     if isinstance(values, np.ndarray):
@@ -66,7 +74,7 @@ class Lockstep:
         self._created_last = None
         # One draw of the op's values, a copy for each side: a backend that wrote into its argument
         # must not change what the reference is given.
-        values = O.values_for(self.config.layout, len(op.tokens), op.seed) if hasattr(op, "seed") else None
+        values = self._values_of(op)
         engine_result, engine_error = _attempt(self._perform, op, 0, self.engine,
                                                None if values is None else values.copy())
         ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
@@ -88,6 +96,20 @@ class Lockstep:
             self._created_last = handle
             return handle
         return None
+
+    def _values_of(self, op: O.Op):
+        """The K/V an extend or overwrite writes: its seed's (``ops.values_for``), or under
+        ``values="prefix"`` those fixed by each position and token (``ops.prefix_values``)."""
+        if not hasattr(op, "seed"):
+            return None
+        if self.config.values == "prefix" and op.kind in ("extend", "overwrite"):
+            if op.kind == "overwrite":
+                start = op.start if isinstance(op.start, int) else 0
+            else:
+                ref = self.live.get(op.ctx, (None, None))[1]
+                start = _length(ref)
+            return O.prefix_values(self.config.layout, max(start, 0), op.tokens)
+        return O.values_for(self.config.layout, len(op.tokens), op.seed)
 
     def _perform(self, op: O.Op, side: int, cache: Any, values=None):
         """Run ``op`` on one side: ``side`` 0 is the engine, 1 the reference; ``values`` are the K/V

@@ -8,6 +8,8 @@ short, readable, version-independent JSON document.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -138,3 +140,24 @@ def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     values[zero] = 0.0
     return values
 
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _position_values(layout: Layout, position: int, token: int) -> np.ndarray:
+    rng = np.random.default_rng([position, token % (1 << 62), 23])
+    scale = np.float32([1e-3, 1.0, 30.0][(position + token) % 3])
+    values = (rng.standard_normal(layout.position_shape) * scale).astype(np.float32)
+    values[rng.random(layout.position_shape[:-1]) < 0.1] = 0.0     # zero head vectors, as values_for
+    values.setflags(write=False)
+    return values
+
+
+def prefix_values(layout: Layout, start: int, tokens) -> np.ndarray:
+    """K/V values for ``tokens`` written from position ``start`` under ``values="prefix"``
+    (``spec/semantics.py``): position ``i`` holding token ``t`` always gets the values fixed by
+    ``(i, t)``, so equal token prefixes hold equal values, whichever write made them."""
+    values = np.zeros(layout.batch_shape(len(tokens)), np.float32)
+    for i, token in enumerate(tokens):
+        token = int(token) if isinstance(token, (int, np.integer)) else 0     # a bad token still gets values
+        values[i] = _position_values(layout, start + i, token)
+    return values

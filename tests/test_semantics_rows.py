@@ -166,3 +166,20 @@ def test_len_of_a_closed_context_is_a_freedom():
     row.check(factory, factory.configs[0], row.text)
     results = conform(factory, settings=SMALL, checks=["lockstep", "seeded", "pinned semantics"])
     assert results[0].passed, results[0].failure
+
+
+def test_keeping_the_older_copy_of_a_prefix_is_granted_only_under_prefix_values(monkeypatch):
+    from kvstate.impl import radix
+
+    original = radix.RadixTree.insert
+
+    def keep_older(tree, key, value):
+        node, depth = tree._descend(key)
+        if depth == len(key) and node.value is not None:
+            return value                          # SGLang's insert: the old slots stay, the new are freed
+        return original(tree, key, value)
+    monkeypatch.setattr(radix.RadixTree, "insert", keep_older)
+    row = _row("prefix values")
+    row.check(numpy_factory, config_named("f32-heap").with_(values="prefix"), row.text)
+    with pytest.raises(AssertionError):
+        row.check(numpy_factory, config_named("f32-heap"), row.text)

@@ -1,0 +1,313 @@
+"""SGLang 0.5.23's own ``RadixCache`` and slot allocators, driven through the kvstate protocol.
+
+    python -m kvstate conform kvstate.engines.sglang
+
+The engine is SGLang's released code, loaded unmodified by ``kvstate.engines.sglang_loader``
+(which lists every stand-in). The adapter plays the part of SGLang's scheduler, with the
+engine's own operations only:
+
+- a context is a request: its row of slot ids (``req_to_token``), the first ``protected``
+  positions owned by the tree and held by ``inc_lock_ref`` on the tree node that ends them, the
+  rest in private pages from the engine's allocator (``alloc``, whole pages; ``free``);
+- ``match`` is ``match_prefix`` (page-aligned by the engine) and a lock on the node it returns;
+- ``retain`` is what ``RadixCache.checkpoint`` does for a running request: ``insert`` of the
+  page-aligned key, ``free`` of the request's slots the tree already held (the engine keeps its
+  old slots), the row repointed at the tree's slots, the lock moved to the new node;
+- ``close`` is ``dec_lock_ref`` and ``free`` of the private pages; ``clear`` first gives every
+  live context private copies of its tree-owned positions (SGLang flushes only an idle cache),
+  then ``evict`` of everything;
+- writing into a tree-owned position (``overwrite``, ``truncate`` into it) copies those pages
+  into private ones and moves the lock to the ancestor node that ends before them (SGLang never
+  writes into the tree; a copy is how the adapter keeps the tree's values intact);
+- ``fork`` locks the same node (pages shared through the prefix cache) and copies the private
+  pages.
+
+The K/V values live in the adapter's own array, indexed by the engine's slot ids: the engine
+decides which slots, the adapter only stores bytes there.
+
+Declared semantics, from the engine's code: ``match`` is ``token`` at page size 1 and
+``block`` (``block_tokens`` = page size) at 16 and 64 (``RadixKey.page_aligned`` and page-wise
+child keys); ``values="prefix"`` (an insert of a key the tree holds keeps the old slots: the
+engine assumes one prefix, one K/V); no entry bound (the tree evicts only for memory:
+``max_entries`` is set past anything a run retains) and a pool larger than any run needs
+(``on_full`` ``fallback``, never reached: the adapter raises ``PoolExhausted`` rather than
+evict behind the suite's back). Observation: the black-box tier.
+
+Left out: eviction under memory pressure (SGLang evicts leaf *nodes* by its own policy, so part
+of an entry can go while its prefix stays; the suite's ``evict`` rule drops whole entries),
+snapshots, thread safety, the pages and tree tiers.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import torch
+
+from kvstate.spec import Config, Layout
+from kvstate.spec import precision as precisions
+from kvstate.spec.errors import ContextClosedError, EmptyContextError, KVStateError, PositionError
+from kvstate.spec.layout import check_tokens, check_values, require_finite
+from kvstate.spec.observation import Observation, black_box
+
+from .sglang_loader import SUPPORTED_VERSION, load_allocators, load_radix_cache
+
+POOL_PAGES = 1 << 14          # the allocator's pages: more than any run of the suite holds at once
+ENTRY_BOUND = 1 << 30         # no entry bound: SGLang's tree evicts only for memory
+
+
+class PoolExhausted(KVStateError):
+    """The adapter's pool ran out: it is sized past anything the suite asks, so this is a finding."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+class SGLangContext:
+    """One request: tokens, its row of slot ids, the tree-owned prefix and the lock on it."""
+
+    def __init__(self, cache: "SGLangCache", tokens: list[int], slots: list[int], protected: int, node):
+        self.cache = cache
+        self._tokens = tokens
+        self.slots = slots
+        self.protected = protected      # positions [0, protected) are the tree's, held by the lock on node
+        self.node = node
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _open(self) -> None:
+        if self.closed:
+            raise ContextClosedError("this context is closed")
+
+    @property
+    def tokens(self) -> list[int]:
+        self._open()
+        return list(self._tokens)
+
+    def read(self, start: int = 0, stop: int | None = None):
+        self._open()
+        stop = len(self) if stop is None else stop
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
+            raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
+        return self.cache.values_at(self.slots[start:stop]), np.asarray(self._tokens[start:stop], np.int64)
+
+    def _encode(self, tokens, kv, start: int | None = None):
+        tokens = check_tokens(tokens)
+        kv = check_values(self.cache.layout, kv, len(tokens))
+        self._open()
+        if start is not None and not (_is_int(start) and 0 <= start and start + len(tokens) <= len(self)):
+            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {len(self)}")
+        kv = np.asarray(kv, np.float32)
+        require_finite(kv)
+        return [int(t) for t in tokens], precisions.roundtrip(self.cache.precision, kv)
+
+    def extend(self, tokens, kv) -> None:
+        tokens, values = self._encode(tokens, kv)
+        if not tokens:
+            return
+        page = self.cache.page
+        slots = []
+        length = len(self)
+        room = (-length) % page                  # free positions in the last, private, partial page
+        if room:
+            slots += [self.slots[-1] + 1 + i for i in range(min(room, len(tokens)))]
+        rest = len(tokens) - len(slots)
+        if rest:
+            slots += self.cache.alloc_pages(-(-rest // page))[:rest]
+        self.cache.store(slots, values)
+        self.slots += slots
+        self._tokens += tokens
+
+    def overwrite(self, start: int, tokens, kv) -> None:
+        tokens, values = self._encode(tokens, kv, start)
+        if not tokens:
+            return
+        if start < self.protected:
+            self._detach(start - start % self.cache.page, self.protected)
+        self.cache.store(self.slots[start:start + len(tokens)], values)
+        self._tokens[start:start + len(tokens)] = tokens
+
+    def _detach(self, boundary: int, copy_to: int) -> None:
+        """Own positions [boundary, copy_to) privately (copies of the tree's slots) and hold the
+        tree only up to ``boundary`` (page-aligned), through the node that ends there."""
+        cache, page = self.cache, self.cache.page
+        count = copy_to - boundary
+        if count > 0:
+            fresh = cache.alloc_pages(-(-count // page))[:count]
+            cache.store(fresh, cache.values_at(self.slots[boundary:copy_to]))
+            self.slots[boundary:copy_to] = fresh
+        node = cache.node_for(self._tokens[:boundary]) if boundary else None
+        if node is not None:
+            cache.tree.inc_lock_ref(node)
+        if self.node is not None:
+            cache.tree.dec_lock_ref(self.node)
+        self.node, self.protected = node, boundary
+
+    def fork(self) -> "SGLangContext":
+        self._open()
+        cache = self.cache
+        if self.node is not None:
+            cache.tree.inc_lock_ref(self.node)
+        private = len(self) - self.protected
+        slots = list(self.slots[:self.protected])
+        if private:
+            fresh = cache.alloc_pages(-(-private // cache.page))[:private]
+            cache.store(fresh, cache.values_at(self.slots[self.protected:]))
+            slots += fresh
+        return cache.register(cache.context_class(cache, list(self._tokens), slots, self.protected, self.node))
+
+    def _free_private_from(self, position: int) -> None:
+        """Free the private pages that hold only positions >= ``position``."""
+        page = self.cache.page
+        first = max(self.protected, -(-position // page) * page)
+        self.cache.free_slots(self.slots[first::page])
+
+    def truncate(self, n: int) -> None:
+        self._open()
+        if not (_is_int(n) and 0 <= n <= len(self)):
+            raise PositionError(f"truncate to {n} outside length {len(self)}")
+        self._free_private_from(n)
+        del self.slots[n:]
+        del self._tokens[n:]
+        if n < self.protected:
+            self._detach(n - n % self.cache.page, n)
+
+    def close(self) -> None:
+        self._open()
+        self._free_private_from(0)
+        if self.node is not None:
+            self.cache.tree.dec_lock_ref(self.node)
+        self.node, self.slots, self.closed = None, [], True
+        self.cache.contexts.remove(self)
+
+
+class SGLangCache:
+    context_class = SGLangContext
+
+    def __init__(self, config: Config):
+        rc = load_radix_cache()
+        token_allocator, paged_allocator = load_allocators()
+        self.rc = rc
+        self.config = config
+        self.layout = config.layout
+        self.precision = config.precision
+        self.page = config.page_tokens
+        if self.page == 1:
+            self.allocator = token_allocator(POOL_PAGES, torch.float32, "cpu", None, False)
+        else:
+            self.allocator = paged_allocator(POOL_PAGES * self.page, self.page, torch.float32, "cpu", None, False)
+        self.tree = rc.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=self.page)
+        self.values = np.zeros((0, *self.layout.position_shape), np.float32)
+        self.contexts: list[SGLangContext] = []
+
+    # -- the K/V store the adapter keeps, indexed by the engine's slot ids -----------------
+
+    def store(self, slots: list[int], values: np.ndarray) -> None:
+        if slots:
+            top = max(slots) + 1
+            if top > len(self.values):
+                grown = np.zeros((max(top, 2 * len(self.values)), *self.layout.position_shape), np.float32)
+                grown[:len(self.values)] = self.values
+                self.values = grown
+            self.values[slots] = values
+
+    def values_at(self, slots: list[int]) -> np.ndarray:
+        return self.values[np.asarray(slots, np.int64)].copy()
+
+    # -- the engine's operations ---------------------------------------------------------
+
+    def alloc_pages(self, pages: int) -> list[int]:
+        slots = self.allocator.alloc(pages * self.page)
+        if slots is None:
+            raise PoolExhausted(f"the adapter's pool of {POOL_PAGES} pages ran out ({pages} more wanted)")
+        return slots.tolist()
+
+    def free_slots(self, slots: list[int]) -> None:
+        """Free the pages of ``slots`` (one slot per page is enough: the allocator frees whole pages)."""
+        if slots:
+            self.allocator.free(torch.tensor(slots, dtype=torch.int64))
+
+    def _key(self, tokens) -> object:
+        return self.rc.RadixKey(array("q", tokens))
+
+    def node_for(self, tokens: list[int]):
+        """The tree node that ends exactly at ``tokens`` (page-aligned, held by a lock)."""
+        result = self.tree.match_prefix(self.rc.MatchPrefixParams(key=self._key(tokens)))
+        if result.device_prefix_len != len(tokens):
+            raise AssertionError(f"sglang adapter: a locked prefix of {len(tokens)} tokens matched "
+                                 f"{result.device_prefix_len}")
+        return result.last_device_node
+
+    def register(self, ctx: SGLangContext) -> SGLangContext:
+        self.contexts.append(ctx)
+        return ctx
+
+    # -- the protocol ----------------------------------------------------------------
+
+    def allocate(self) -> SGLangContext:
+        return self.register(self.context_class(self, [], [], 0, None))
+
+    def retain(self, ctx: SGLangContext) -> None:
+        ctx._open()
+        if len(ctx) == 0:
+            raise EmptyContextError("cannot retain an empty context")
+        aligned = len(ctx) - len(ctx) % self.page
+        if aligned <= ctx.protected:
+            if aligned:
+                self.node_for(ctx._tokens[:aligned])       # a hit refreshes the path, as a re-insert does
+            return
+        key = self._key(ctx._tokens[:aligned])
+        value = torch.tensor(ctx.slots[:aligned], dtype=torch.int64)
+        result = self.tree.insert(self.rc.InsertParams(key=key, value=value))
+        # the tree kept its own slots for [protected, prefix_len): ours there are duplicates
+        self.free_slots(ctx.slots[ctx.protected:result.prefix_len:self.page])
+        node = self.node_for(ctx._tokens[:aligned])
+        ctx.slots[:aligned] = self.tree.path_device_indices(node).tolist()
+        self.tree.inc_lock_ref(node)
+        if ctx.node is not None:
+            self.tree.dec_lock_ref(ctx.node)
+        ctx.node, ctx.protected = node, aligned
+
+    def match(self, tokens):
+        query = [int(t) for t in check_tokens(tokens, private=False)]
+        result = self.tree.match_prefix(self.rc.MatchPrefixParams(key=self._key(query)))
+        hit = result.device_prefix_len
+        if hit == 0:
+            return self.allocate(), 0
+        node = result.last_device_node
+        self.tree.inc_lock_ref(node)
+        slots = self.tree.path_device_indices(node).tolist()
+        return self.register(self.context_class(self, query[:hit], slots, hit, node)), hit
+
+    def clear(self) -> None:
+        for ctx in self.contexts:
+            if ctx.protected:
+                ctx._detach(0, ctx.protected)
+        self.tree.evict(self.rc.EvictParams(num_tokens=self.tree.evictable_size() + 1))
+
+    def observe(self) -> Observation:
+        return black_box()
+
+
+def _configs() -> list[Config]:
+    layout = Layout(layers=2, kv_heads=2, head_dim=4)
+    configs = []
+    for page in (1, 16, 64):
+        match = dict(match="token") if page == 1 else dict(match="block", block_tokens=page)
+        for precision in (("f32", "f16", "q8") if page == 1 else ("f32",)):
+            configs.append(Config(layout, page_tokens=page, precision=precision, max_entries=ENTRY_BOUND,
+                                  values="prefix", **match))
+    return configs
+
+
+def factory(config: Config) -> SGLangCache:
+    return SGLangCache(config)
+
+
+factory.configs = _configs()
+factory.any_page_size = False
+factory.engine_version = SUPPORTED_VERSION

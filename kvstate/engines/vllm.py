@@ -1,0 +1,286 @@
+"""vLLM 0.33.0's own v1 block pool (prefix caching by block hash), driven through the kvstate protocol.
+
+    python -m kvstate conform kvstate.engines.vllm
+
+The engine is vLLM's released ``vllm/v1/core/block_pool.py`` and ``kv_cache_utils.py``, loaded
+unmodified by ``kvstate.engines.vllm_loader`` (which lists every stand-in, and why
+``kv_cache_manager.py`` itself is not loaded). The adapter plays ``FullAttentionManager``:
+
+- a context is a request's block table: ``KVCacheBlock`` objects from ``get_new_blocks``, shared
+  by reference count (``touch``); a block is written only when ``is_block_writable`` (refcount 1,
+  no hash), else it is first copied into a new block and the old one released (``free_blocks``);
+- ``match`` hashes the query's full blocks with ``hash_block_tokens`` (chained, as vLLM's
+  request block hasher does) and takes the longest run that ``get_cached_block`` finds, then
+  ``touch`` (a cached block at refcount 0 leaves the free queue);
+- ``retain`` hashes the context's full blocks and ``cache_full_blocks`` each one not yet cached
+  under that hash (a block cached under another chain, after an overwrite, is copied first);
+- ``close`` is ``free_blocks`` of the table in reverse order (the tail is evicted first), as
+  ``KVCacheManager.free``; ``clear`` is ``evict_blocks`` of every block (``reset_prefix_cache``
+  refuses while any request holds a block); ``fork`` is ``touch`` of the whole table.
+
+The K/V values live in the adapter's own array, indexed by ``block_id * block_size + offset``.
+
+Declared semantics, from the engine's code: ``match="block"`` with ``block_tokens`` = block size
+(only full blocks are hashed); ``values="prefix"`` (two requests caching one prefix leave two
+blocks under one hash and ``get_cached_block`` returns the first); no entry bound; a pool larger
+than any run needs (``PoolExhausted`` if not: eviction from the free queue and the exhausted
+pool's refusal are not checked). Observation: the black-box tier.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+
+import numpy as np
+
+from kvstate.spec import Config, Layout
+from kvstate.spec import precision as precisions
+from kvstate.spec.errors import ContextClosedError, EmptyContextError, KVStateError, PositionError
+from kvstate.spec.layout import check_tokens, check_values, require_finite
+from kvstate.spec.observation import Observation, black_box
+
+from .vllm_loader import SUPPORTED_VERSION, load_block_pool
+
+POOL_BLOCKS = 1 << 14
+ENTRY_BOUND = 1 << 30
+GROUP = 0                     # one KV cache group: full attention
+
+
+class PoolExhausted(KVStateError):
+    """The adapter's pool ran out: it is sized past anything the suite asks, so this is a finding."""
+
+
+def sha256(value) -> bytes:
+    """vLLM's ``vllm.utils.hashing.sha256`` (sha256 over pickle), written with hashlib."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+class _Request:
+    """What ``BlockPool.cache_full_blocks`` reads of a request (events off): its block hashes."""
+
+    def __init__(self, block_hashes):
+        self.block_hashes = block_hashes
+
+
+class VLLMContext:
+    def __init__(self, cache: "VLLMCache", tokens: list[int], blocks: list):
+        self.cache = cache
+        self._tokens = tokens
+        self.blocks = blocks
+        self.closed = False
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _open(self) -> None:
+        if self.closed:
+            raise ContextClosedError("this context is closed")
+
+    @property
+    def tokens(self) -> list[int]:
+        self._open()
+        return list(self._tokens)
+
+    def _slots(self, start: int, stop: int) -> list[int]:
+        size = self.cache.block_size
+        return [self.blocks[p // size].block_id * size + p % size for p in range(start, stop)]
+
+    def read(self, start: int = 0, stop: int | None = None):
+        self._open()
+        stop = len(self) if stop is None else stop
+        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
+            raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
+        return self.cache.values_at(self._slots(start, stop)), np.asarray(self._tokens[start:stop], np.int64)
+
+    def _encode(self, tokens, kv, start: int | None = None):
+        tokens = check_tokens(tokens)
+        kv = check_values(self.cache.layout, kv, len(tokens))
+        self._open()
+        if start is not None and not (_is_int(start) and 0 <= start and start + len(tokens) <= len(self)):
+            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {len(self)}")
+        kv = np.asarray(kv, np.float32)
+        require_finite(kv)
+        return [int(t) for t in tokens], precisions.roundtrip(self.cache.precision, kv)
+
+    def _writable(self, first: int, last: int) -> None:
+        """Blocks ``first..last`` made writable: each one shared or cached is copied first."""
+        cache, pool = self.cache, self.cache.pool
+        stale = [i for i in range(first, min(last, len(self.blocks) - 1) + 1)
+                 if not pool.is_block_writable(self.blocks[i])]
+        for i in stale:
+            fresh = cache.new_blocks(1)[0]
+            cache.copy_block(self.blocks[i], fresh)
+            pool.free_blocks([self.blocks[i]])
+            self.blocks[i] = fresh
+
+    def extend(self, tokens, kv) -> None:
+        tokens, values = self._encode(tokens, kv)
+        if not tokens:
+            return
+        size = self.cache.block_size
+        length = len(self)
+        total = length + len(tokens)
+        partial = length % size != 0 and not self.cache.pool.is_block_writable(self.blocks[-1])
+        more = -(-total // size) - len(self.blocks)
+        self.cache.require(more + partial)              # refuse before changing anything
+        if length % size:
+            self._writable(len(self.blocks) - 1, len(self.blocks) - 1)
+        if more > 0:
+            self.blocks += self.cache.new_blocks(more)
+        self._tokens += tokens
+        self.cache.store(self._slots(length, total), values)
+
+    def overwrite(self, start: int, tokens, kv) -> None:
+        tokens, values = self._encode(tokens, kv, start)
+        if not tokens:
+            return
+        size = self.cache.block_size
+        self._writable(start // size, (start + len(tokens) - 1) // size)
+        self._tokens[start:start + len(tokens)] = tokens
+        self.cache.store(self._slots(start, start + len(tokens)), values)
+
+    def fork(self) -> "VLLMContext":
+        self._open()
+        self.cache.pool.touch(self.blocks)
+        return self.cache.register(self.cache.context_class(self.cache, list(self._tokens), list(self.blocks)))
+
+    def truncate(self, n: int) -> None:
+        self._open()
+        if not (_is_int(n) and 0 <= n <= len(self)):
+            raise PositionError(f"truncate to {n} outside length {len(self)}")
+        keep = -(-n // self.cache.block_size)
+        self.cache.pool.free_blocks(list(reversed(self.blocks[keep:])))
+        del self.blocks[keep:]
+        del self._tokens[n:]
+
+    def close(self) -> None:
+        self._open()
+        self.cache.pool.free_blocks(list(reversed(self.blocks)))
+        self.blocks, self.closed = [], True
+        self.cache.contexts.remove(self)
+
+
+class VLLMCache:
+    context_class = VLLMContext
+
+    def __init__(self, config: Config):
+        block_pool, utils = load_block_pool()
+        self.utils = utils
+        utils.init_none_hash(sha256)
+        self.config = config
+        self.layout = config.layout
+        self.precision = config.precision
+        self.block_size = config.page_tokens
+        self.pool = block_pool.BlockPool(POOL_BLOCKS, enable_caching=True, hash_block_size=self.block_size)
+        self.values = np.zeros((0, *self.layout.position_shape), np.float32)
+        self.contexts: list[VLLMContext] = []
+
+    # -- the adapter's K/V array, indexed by block_id * block_size + offset ---------------
+
+    def _ensure(self, slots: list[int]) -> None:
+        top = max(slots, default=-1) + 1
+        if top > len(self.values):
+            grown = np.zeros((max(top, 2 * len(self.values)), *self.layout.position_shape), np.float32)
+            grown[:len(self.values)] = self.values
+            self.values = grown
+
+    def store(self, slots: list[int], values: np.ndarray) -> None:
+        if slots:
+            self._ensure(slots)
+            self.values[slots] = values
+
+    def values_at(self, slots: list[int]) -> np.ndarray:
+        self._ensure(slots)          # a block's unwritten rows (copied whole) read as zeros
+        return self.values[np.asarray(slots, np.int64)].copy()
+
+    def copy_block(self, source, target) -> None:
+        size = self.block_size
+        rows = range(source.block_id * size, source.block_id * size + size)
+        self.store(list(range(target.block_id * size, target.block_id * size + size)), self.values_at(list(rows)))
+
+    # -- the engine's operations ---------------------------------------------------------
+
+    def require(self, blocks: int) -> None:
+        if blocks > self.pool.get_num_free_blocks():
+            raise PoolExhausted(f"the adapter's pool of {POOL_BLOCKS} blocks ran out ({blocks} more wanted)")
+
+    def new_blocks(self, count: int) -> list:
+        self.require(count)
+        return self.pool.get_new_blocks(count)
+
+    def block_hashes(self, tokens: list[int]) -> list:
+        """The chained hash of each full block, as vLLM's request block hasher computes them."""
+        hashes, parent, size = [], None, self.block_size
+        for start in range(0, len(tokens) - size + 1, size):
+            parent = self.utils.hash_block_tokens(sha256, parent, tokens[start:start + size], None)
+            hashes.append(parent)
+        return hashes
+
+    def register(self, ctx: VLLMContext) -> VLLMContext:
+        self.contexts.append(ctx)
+        return ctx
+
+    # -- the protocol ----------------------------------------------------------------
+
+    def allocate(self) -> VLLMContext:
+        return self.register(self.context_class(self, [], []))
+
+    def retain(self, ctx: VLLMContext) -> None:
+        ctx._open()
+        if len(ctx) == 0:
+            raise EmptyContextError("cannot retain an empty context")
+        hashes = self.block_hashes(ctx._tokens)
+        keys = [self.utils.make_block_hash_with_group_id(h, GROUP) for h in hashes]
+        foreign = [i for i, key in enumerate(keys)
+                   if ctx.blocks[i].block_hash is not None and ctx.blocks[i].block_hash != key]
+        self.require(len(foreign))
+        for i in foreign:                                 # cached under another chain: copy, then cache
+            ctx._writable(i, i)
+        request = _Request(hashes)
+        for i, key in enumerate(keys):
+            if ctx.blocks[i].block_hash is None:
+                self.pool.cache_full_blocks(request, ctx.blocks, i, i + 1, self.block_size, GROUP)
+
+    def match(self, tokens):
+        query = [int(t) for t in check_tokens(tokens, private=False)]
+        hit = []
+        for block_hash in self.block_hashes(query):
+            found = self.pool.get_cached_block(block_hash, [GROUP])
+            if found is None:
+                break
+            hit.append(found[0])
+        if not hit:
+            return self.allocate(), 0
+        self.pool.touch(hit)
+        length = len(hit) * self.block_size
+        return self.register(self.context_class(self, query[:length], hit)), length
+
+    def clear(self) -> None:
+        self.pool.evict_blocks({block.block_id for block in self.pool.blocks if block.block_hash is not None})
+
+    def observe(self) -> Observation:
+        return black_box()
+
+
+def _configs() -> list[Config]:
+    layout = Layout(layers=2, kv_heads=2, head_dim=4)
+    configs = []
+    for block in (1, 16, 64):
+        for precision in (("f32", "f16", "q8") if block == 16 else ("f32",)):
+            configs.append(Config(layout, page_tokens=block, precision=precision, max_entries=ENTRY_BOUND,
+                                  match="block", block_tokens=block, values="prefix"))
+    return configs
+
+
+def factory(config: Config) -> VLLMCache:
+    return VLLMCache(config)
+
+
+factory.configs = _configs()
+factory.any_page_size = False
+factory.engine_version = SUPPORTED_VERSION

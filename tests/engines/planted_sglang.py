@@ -1,0 +1,43 @@
+"""Bugs planted in the SGLang adapter, one per subclass: ``kvstate conform`` must reject each."""
+
+from __future__ import annotations
+
+from kvstate.engines import sglang
+
+
+class LeakedLockContext(sglang.SGLangContext):
+    """close() skips the engine's dec_lock_ref: the node stays locked, so clear() cannot evict it."""
+
+    def close(self) -> None:
+        self._open()
+        self._free_private_from(0)
+        self.node, self.slots, self.closed = None, [], True
+        self.cache.contexts.remove(self)
+
+
+class WritesIntoTreeContext(sglang.SGLangContext):
+    """overwrite() writes into the tree's slots instead of copying them first."""
+
+    def overwrite(self, start: int, tokens, kv) -> None:
+        tokens, values = self._encode(tokens, kv, start)
+        if tokens:
+            self.cache.store(self.slots[start:start + len(tokens)], values)
+            self._tokens[start:start + len(tokens)] = tokens
+
+
+def _planted(context_class):
+    class Cache(sglang.SGLangCache):
+        pass
+
+    Cache.context_class = context_class
+
+    def factory(config):
+        return Cache(config)
+
+    factory.configs = sglang.factory.configs
+    factory.any_page_size = False
+    return factory
+
+
+leaked_lock = _planted(LeakedLockContext)
+writes_into_tree = _planted(WritesIntoTreeContext)

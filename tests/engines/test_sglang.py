@@ -1,0 +1,79 @@
+"""SGLang's released RadixCache under ``kvstate conform`` (skipped where sglang is not installed)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+
+from kvstate.engines import sglang_loader
+from kvstate.stateful.conform import conform
+
+if sglang_loader.installed_version() is None:
+    pytest.skip("sglang is not installed (pip install --no-deps sglang==0.5.23)", allow_module_level=True)
+
+from kvstate.engines import sglang  # noqa: E402
+
+from . import planted_sglang  # noqa: E402
+
+SMALL = settings(max_examples=12, stateful_step_count=15, derandomize=True, deadline=None, database=None)
+CHEAP = ["lockstep", "fork isolation", "pinned semantics", "prefix edges"]
+
+
+def _config(name):
+    return next(c for c in sglang.factory.configs if c.name == name)
+
+
+def test_the_loaded_cache_is_sglangs_own_file():
+    module = sglang_loader.load_radix_cache()
+    assert module.__file__.replace("\\", "/").endswith("sglang/srt/mem_cache/radix_cache.py")
+    import sys
+    assert not any(name == "sglang" or name.startswith("sglang.") for name in sys.modules
+                   if getattr(sys.modules[name], "__file__", None) is None)     # no bare packages left behind
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.6.0"])
+def test_another_sglang_release_is_refused_by_name(version):
+    with pytest.raises(sglang_loader.EngineVersionError, match=version):
+        sglang_loader.require_supported(version)
+
+
+def test_a_stand_in_raises_when_used():
+    stand_in = sglang_loader._StandIn("sglang.srt.environ.envs")
+    before = len(sglang_loader.STAND_IN_USES)
+    with pytest.raises(sglang_loader.StandInCalled):
+        stand_in()
+    with pytest.raises(sglang_loader.StandInCalled):
+        stand_in.SGLANG_MOONCAKE_CUSTOM_MEM_POOL
+    del sglang_loader.STAND_IN_USES[before:]
+
+
+@pytest.mark.parametrize("name", ["token-f32-heap-prefixkv", "block16-f32-heap-prefixkv"])
+def test_sglang_passes_and_touches_no_stand_in(name):
+    results = conform(sglang.factory, configs=[_config(name)], checks=CHEAP, settings=SMALL)
+    assert results[0].passed, results[0].failure
+    assert results[0].outcomes["lockstep"].steps > 50
+    assert sglang_loader.STAND_IN_USES == []
+
+
+@pytest.mark.parametrize("planted,check", [(planted_sglang.leaked_lock, "prefix edges"),
+                                           (planted_sglang.writes_into_tree, "prefix edges")])
+def test_planted_adapter_bug_is_rejected(planted, check):
+    results = conform(planted, configs=[_config("token-f32-heap-prefixkv")], checks=[check], settings=SMALL)
+    assert not results[0].passed
+
+
+def test_declaring_seeded_values_is_rejected():
+    """The values rule is what SGLang needs: declared with seeded values (two writes of one prefix
+    may differ) the engine's keep-the-old-slots insert shows as wrong values."""
+    config = _config("token-f32-heap-prefixkv").with_(values="seeded")
+    results = conform(sglang.factory, configs=[config], checks=["prefix edges", "lockstep"], settings=SMALL)
+    assert not results[0].passed
+    assert "invariant 4" in results[0].failure or "values" in results[0].failure
+
+
+@pytest.mark.slow
+def test_sglang_passes_the_ci_profile_in_every_configuration():
+    results = conform(sglang.factory, profile="ci")
+    assert [r.config.name for r in results] == [c.name for c in sglang.factory.configs]
+    assert all(r.passed for r in results), [r.failure for r in results]
+    assert sglang_loader.STAND_IN_USES == []

@@ -1,0 +1,72 @@
+"""vLLM's released v1 block pool under ``kvstate conform`` (skipped where vllm is not installed)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+
+from kvstate.engines import sglang_loader, vllm_loader
+from kvstate.stateful.conform import conform
+
+if vllm_loader.installed_version() is None:
+    pytest.skip("vllm is not installed (pip install --no-deps vllm==0.33.0)", allow_module_level=True)
+
+from kvstate.engines import vllm  # noqa: E402
+
+from . import planted_vllm  # noqa: E402
+
+SMALL = settings(max_examples=8, stateful_step_count=12, derandomize=True, deadline=None, database=None)
+CHEAP = ["lockstep", "prefix edges"]
+
+
+def _config(name):
+    return next(c for c in vllm.factory.configs if c.name == name)
+
+
+def test_the_loaded_pool_is_vllms_own_file():
+    block_pool, utils = vllm_loader.load_block_pool()
+    assert block_pool.__file__.replace("\\", "/").endswith("vllm/v1/core/block_pool.py")
+    assert utils.__file__.replace("\\", "/").endswith("vllm/v1/core/kv_cache_utils.py")
+
+
+def test_another_vllm_release_is_refused_by_name():
+    with pytest.raises(vllm_loader.EngineVersionError, match="0.32.0"):
+        vllm_loader.require_supported("0.32.0")
+
+
+@pytest.mark.parametrize("name", ["block16-f32-heap-prefixkv"])
+def test_vllm_passes_and_touches_no_stand_in(name):
+    results = conform(vllm.factory, configs=[_config(name)], checks=CHEAP, settings=SMALL)
+    assert results[0].passed, results[0].failure
+    assert results[0].outcomes["lockstep"].steps > 50
+    assert sglang_loader.STAND_IN_USES == []       # the two loaders share one record
+
+
+def test_planted_clear_that_ignores_the_pools_refusal_breaks_the_clear_row():
+    from kvstate.stateful.directed_semantics import ROWS
+
+    row = next(row for row in ROWS if row.topic == "clear()")
+    row.check(vllm.factory, _config("block16-f32-heap-prefixkv"), row.text)        # the control passes
+    with pytest.raises(AssertionError):
+        row.check(planted_vllm.reset_ignored, _config("block16-f32-heap-prefixkv"), row.text)
+
+
+def test_planted_write_into_a_shared_block_is_rejected():
+    results = conform(planted_vllm.writes_shared_block, configs=[_config("block16-f32-heap-prefixkv")],
+                      checks=["fork isolation"], settings=SMALL)
+    assert not results[0].passed
+
+
+@pytest.mark.slow
+def test_declaring_seeded_values_is_rejected():
+    """Two requests caching one prefix leave two blocks under one hash; the first answers."""
+    config = _config("block16-f32-heap-prefixkv").with_(values="seeded")
+    results = conform(vllm.factory, configs=[config], checks=["prefix edges", "lockstep"], settings=SMALL)
+    assert not results[0].passed
+
+
+@pytest.mark.slow
+def test_vllm_passes_the_ci_profile_in_every_configuration():
+    results = conform(vllm.factory, profile="ci")
+    assert [r.config.name for r in results] == [c.name for c in vllm.factory.configs]
+    assert all(r.passed for r in results), [r.failure for r in results]
