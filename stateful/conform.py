@@ -185,7 +185,7 @@ def _directed(check) -> Check:
                 return Outcome("FAIL", time.perf_counter() - started, shrunk)
             history = None if run is None else run.history[:run.failed_at]
             promise = getattr(error, "promise", None)
-            head = f'"{promise}" -- broken: ' if promise else ""
+            head = f'"{promise}" -- broken: ' if promise and promise not in str(error) else ""
             return Outcome("FAIL", time.perf_counter() - started, head + describe(error, history, minimised=False))
         return Outcome("pass", time.perf_counter() - started)
     run.__doc__ = check.__doc__
