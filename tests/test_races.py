@@ -47,7 +47,8 @@ def test_race_configurations_cover_every_declared_semantics():
 
     names = [config.name for config in races.race_configs()]
     assert len(names) == len(set(names)) == 6 + len(semantics_configs())
-    assert set().union(*(config.tags for config in races.race_configs())) == SEMANTICS_TAGS
+    # 'prefix-values' only changes which values the random engines draw, which no race compares
+    assert set().union(*(config.tags for config in races.race_configs())) == SEMANTICS_TAGS - {"prefix-values"}
     assert all(config.layout == races.RACE_LAYOUT for config in races.race_configs())
     pressure = races.pressure_configs()
     assert {config.on_full for config in pressure} == {"evict", "refuse", "evict-then-refuse"}
