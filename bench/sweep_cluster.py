@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvstate.stateful import sweep as S
+from kvstate.stateful.sweeps import sweep as S
 from kvstate.stateful.configs import machine_configs
 
 
@@ -90,7 +90,7 @@ def real_runs(runs: int, steps: int, repeats: int) -> dict:
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
 
-    from kvstate.stateful.cluster import connect
+    from kvstate.stateful.sweeps.cluster import connect
 
     seeds = list(range(max(1, runs // len(machine_configs()))))
     local, remote = [], []
@@ -132,7 +132,7 @@ def scheduling_only(executor, window, tasks: int) -> float:
 
 def scaling(run_seconds: float, worker_counts: list[int], runs_per_worker: int) -> list[dict]:
     """Simulated runs per second as worker processes are added (more than there are cores)."""
-    from kvstate.stateful.cluster import connect
+    from kvstate.stateful.sweeps.cluster import connect
 
     rows = []
     for workers in worker_counts:

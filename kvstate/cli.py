@@ -133,7 +133,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     return 0 if all(report.ok for report in reports.values()) else 1
 
 def _stress(args: argparse.Namespace) -> int:
-    from kvstate.stateful.races import SCENARIOS, RaceFailure, available_stores, stress
+    from kvstate.stateful.races.scenarios import SCENARIOS, RaceFailure, available_stores, stress
 
     _at_least("--minutes", args.minutes, 0)
     _at_least("--scale", args.scale, 1)
@@ -172,7 +172,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvstate.spec.errors import ClusterLostError, SweepError
-    from kvstate.stateful import sweep as S
+    from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.configs import configs_named
     from kvstate.stateful.conform import FactoryError
 
@@ -204,7 +204,7 @@ def _sweep(args: argparse.Namespace) -> int:
         if scheduler and args.workers:
             raise ValueError("--workers sizes the local pool; with --scheduler the cluster's workers run the sweep")
         if scheduler:
-            from kvstate.stateful.cluster import connect
+            from kvstate.stateful.sweeps.cluster import connect
 
             context = connect(scheduler, args.backend)
         else:
@@ -247,7 +247,7 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     from pathlib import Path
 
     from kvstate.spec.errors import ResumeError
-    from kvstate.stateful import journal
+    from kvstate.stateful.sweeps import journal
 
     plan = journal.read(Path(args.resume)).plan
     if args.backend is None and not args.trust_backend:

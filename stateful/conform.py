@@ -31,8 +31,8 @@ from kvstate.spec.protocol import Config, Factory
 from .backends import FactoryError, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
 from .deadline import Overran, in_daemon_thread
-from . import directed
-from .directed import DIRECTED
+from .directed import checks as directed
+from .directed.checks import DIRECTED
 from .machine import machine_for
 from .replay import Failure, execute
 from .seeded import run_seeds
@@ -210,9 +210,9 @@ def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
 
 
 def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
-    """The thread-race scenarios of ``stateful/races.py``, at a small size, for a backend whose
+    """The thread-race scenarios of ``stateful/races/``, at a small size, for a backend whose
     factory declares ``thread_safe = True`` (n/a otherwise: a single-threaded backend is legitimate)."""
-    from . import races
+    from .races import scenarios as races
 
     started = time.perf_counter()
     if not getattr(factory, "thread_safe", False):

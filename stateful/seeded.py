@@ -15,7 +15,7 @@ from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 from .replay import Failure
-from .runs import run_seed
+from .sweeps.runs import run_seed
 from .shrink import shrink
 
 

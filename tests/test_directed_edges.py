@@ -22,10 +22,10 @@ from kvstate.impl import snapshot as snapshot_module
 from kvstate.impl.arena import SlotArena
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec import precision as precisions
-from kvstate.stateful import directed_precision
+from kvstate.stateful.directed import precision as directed_precision
 from kvstate.stateful.configs import config_named, machine_configs
-from kvstate.stateful.directed import DIRECTED
-from kvstate.stateful.directed_common import BrokenPromise, NotApplicable
+from kvstate.stateful.directed.checks import DIRECTED
+from kvstate.stateful.directed.common import BrokenPromise, NotApplicable
 from kvstate.stateful.planted import dirty_recycled_slot
 
 NEW_CHECKS = ["no aliasing", "boundaries", "precision edges", "prefix edges", "snapshot writes", "arena evidence"]

@@ -1,6 +1,6 @@
 """Races a scheduler creates, under threads, at CI size (``kvstate stress`` runs them for minutes).
 
-The scenarios live in ``kvstate.stateful.races``; each checks the invariants and the
+The scenarios live in ``kvstate.stateful.races.scenarios``; each checks the invariants and the
 reference itself and raises ``RaceFailure`` naming store, seed and iteration. At CI size
 each runs once under every configuration of ``race_configs()`` (the six standard ones
 and every declared semantics), ``pressure_vs_match`` under every ``pressure_configs()``.
@@ -26,7 +26,7 @@ from kvstate.impl.tree_bounds import TreeBounds
 from kvstate.spec import invariants
 from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError
 from kvstate.spec.layout import check_tokens
-from kvstate.stateful import races
+from kvstate.stateful.races import scenarios as races
 
 STORES = races.available_stores()
 SEED = int(os.environ.get("KVSTATE_RACE_SEED", "20261129"))
@@ -315,7 +315,7 @@ def test_a_block_hit_not_in_whole_blocks_is_caught(monkeypatch):
 # -- planted concurrency bugs in the semantics code ------------------------------------------------
 #
 # Each runs a scenario with ``yields`` (threads give up the interpreter at random calls into
-# the engine, see ``race_harness.yielding_calls``): ``pressure_vs_match`` on the pools the bug
+# the engine, see ``kvstate.stateful.races.harness.yielding_calls``): ``pressure_vs_match`` on the pools the bug
 # concerns, or ``match_close_vs_clear``. Measured catch rates are in
 # the report of the change that added them: the first three were caught in every run, the
 # last in about four iterations of ten.

@@ -1,4 +1,4 @@
-"""README's table of pinned semantics: one source (stateful/directed_semantics.py), every checked
+"""README's table of pinned semantics: one source (stateful/directed/semantics.py), every checked
 row able to fail, and every freedom it grants granted."""
 
 from pathlib import Path
@@ -11,7 +11,7 @@ from kvstate.impl import cache as cache_module
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful.conform import conform, load_factory
 from kvstate.stateful.configs import config_named
-from kvstate.stateful.directed_semantics import ROWS, pinned_semantics, readme_table
+from kvstate.stateful.directed.semantics import ROWS, pinned_semantics, readme_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = settings(max_examples=25, stateful_step_count=15, derandomize=True, deadline=None, database=None)

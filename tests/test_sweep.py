@@ -10,7 +10,7 @@ from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import ReplayFileError
 from kvstate.stateful import ops as O
 from kvstate.stateful import replay as R
-from kvstate.stateful import sweep as S
+from kvstate.stateful.sweeps import sweep as S
 from kvstate.stateful.configs import config_named
 from kvstate.stateful.generate import generate
 from kvstate.stateful.planted import PLANTED

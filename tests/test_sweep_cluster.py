@@ -24,7 +24,7 @@ import pytest
 from kvstate.cli import main
 from kvstate.spec.errors import BackendMismatchError
 from kvstate.stateful import replay as R
-from kvstate.stateful import sweep as S
+from kvstate.stateful.sweeps import sweep as S
 from kvstate.stateful.configs import configs_named
 
 
@@ -209,7 +209,7 @@ def test_cluster_report_equals_the_local_pools(cluster, tmp_path, monkeypatch, c
 
 @needs_distributed
 def test_a_killed_worker_loses_and_duplicates_no_run(cluster, tmp_path):
-    from kvstate.stateful.cluster import connect
+    from kvstate.stateful.sweeps.cluster import connect
 
     local, client = cluster
     out = tmp_path / "out"
@@ -237,7 +237,7 @@ def test_a_killed_worker_loses_and_duplicates_no_run(cluster, tmp_path):
 
 @needs_distributed
 def test_a_run_that_kills_its_worker_is_a_crash_failure_of_its_seed(cluster, tmp_path):
-    from kvstate.stateful.cluster import connect
+    from kvstate.stateful.sweeps.cluster import connect
 
     local, client = cluster
     allowed, local.scheduler.allowed_failures = local.scheduler.allowed_failures, 0    # give up at once
@@ -259,7 +259,7 @@ def test_a_run_that_kills_its_worker_is_a_crash_failure_of_its_seed(cluster, tmp
 
 @needs_distributed
 def test_a_worker_with_other_code_gets_no_runs(cluster, backends, tmp_path):
-    from kvstate.stateful.cluster import connect
+    from kvstate.stateful.sweeps.cluster import connect
 
     local, client = cluster
     odd = _start("dask_worker", local.scheduler_address, "--nthreads", "1", "--no-nanny",

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvstate.cli import main
-from kvstate.stateful import journal as J
+from kvstate.stateful.sweeps import journal as J
 
 EVIL = '''import pathlib
 pathlib.Path({marker!r}).write_text("imported")

@@ -43,7 +43,7 @@ def test_vllm_passes_and_touches_no_stand_in(name):
 
 
 def test_planted_clear_that_ignores_the_pools_refusal_breaks_the_clear_row():
-    from kvstate.stateful.directed_semantics import ROWS
+    from kvstate.stateful.directed.semantics import ROWS
 
     row = next(row for row in ROWS if row.topic == "clear()")
     row.check(vllm.factory, _config("block16-f32-heap-prefixkv"), row.text)        # the control passes

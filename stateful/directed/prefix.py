@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .directed_common import keeping, start
-from .lockstep import Lockstep
-from .snapshots import Restore, Snapshot, supports_snapshots
+from .. import ops as O
+from .common import keeping, start
+from ..lockstep import Lockstep
+from ..snapshots import Restore, Snapshot, supports_snapshots
 
 NESTED = ("match answers with the longest retained key that prefixes the query (an exact key included), "
           "and after that entry is evicted, with the longest that remains")

@@ -42,8 +42,8 @@ from kvstate.spec.layout import Layout
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, standard_configs
 
-from .configs import semantics_configs
-from .lockstep import to_numpy
+from ..configs import semantics_configs
+from ..lockstep import to_numpy
 
 RACE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 RACE_PAGE_TOKENS = 3          # odd, so writes straddle page boundaries

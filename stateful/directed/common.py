@@ -22,8 +22,8 @@ from kvstate.spec.invariants import tiers
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .lockstep import Lockstep, describe_refusal, same_refusal, to_numpy
+from .. import ops as O
+from ..lockstep import Lockstep, describe_refusal, same_refusal, to_numpy
 
 Check = Callable[[Factory, Config], None]
 

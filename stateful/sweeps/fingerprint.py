@@ -23,7 +23,7 @@ import numpy
 
 import kvstate
 
-from .backends import load_factory
+from ..backends import load_factory
 
 # The folders a sweep's answer depends on, besides the backend: the spec it checks against, the
 # reference model, the engine the generator draws from, and the lockstep, generator and shrinker.

@@ -16,9 +16,9 @@ import numpy as np
 
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .directed_common import both, filled, keeping, start
-from .lockstep import Lockstep
+from .. import ops as O
+from .common import both, filled, keeping, start
+from ..lockstep import Lockstep
 
 
 @dataclass(frozen=True)
@@ -274,7 +274,7 @@ ROWS: list[Row] = [
 
 
 def _ties_row(factory: Factory, config: Config, promise: str) -> None:
-    from .directed_prefix import ties
+    from .prefix import ties
 
     run = start(factory, config)
     with keeping(promise, run):

@@ -27,8 +27,8 @@ import numpy as np
 from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .directed_common import both, keeping, start
+from .. import ops as O
+from .common import both, keeping, start
 
 PRECISE = ("every position reads bit for bit what kvstate.spec.precision makes of the value written at the "
            "cache's precision: q8 rounds half to even per vector scale, a zero or underflowing scale reads "

@@ -37,7 +37,7 @@ from kvstate.spec.protocol import Config
 
 from . import journal as J
 from .fingerprint import describe, differences, fingerprint
-from .replay import as_pytest, load
+from ..replay import as_pytest, load
 from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
                    save_replay, shrink_result, to_shrink)
 

@@ -25,10 +25,10 @@ from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import may_refuse
 
-from . import ops as O
-from .configs import page_sizes
-from .directed_common import keeping, start
-from .lockstep import Lockstep
+from .. import ops as O
+from ..configs import page_sizes
+from .common import keeping, start
+from ..lockstep import Lockstep
 
 MANY = ("a backend holds at any size what it holds at a small one: thousands of live pages, grown past "
         "every internal size and shrunk again, read and shared exactly as a handful of pages are")

@@ -28,10 +28,10 @@ import numpy as np
 
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .directed_common import BrokenPromise, as_array, as_list, keeping, require_tier, start
-from .generate import Generator
-from .lockstep import Lockstep
+from .. import ops as O
+from .common import BrokenPromise, as_array, as_list, keeping, require_tier, start
+from ..generate import Generator
+from ..lockstep import Lockstep
 
 SIZE = "observe() reports arena_size equal to the configuration's arena_pages"
 ISSUED = "while the arena has a free slot, a new page takes one"

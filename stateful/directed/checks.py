@@ -8,10 +8,9 @@ the protocol can be held to them.
 
 This module holds the first five and the registry, ``DIRECTED``, that conform
 turns into table columns. The edges random sequences rarely build live beside it,
-one module per concern (``directed_edges``, ``directed_precision``,
-``directed_prefix``, ``directed_snapshots``), as does the evidence the suite
-gathers itself rather than taking the backend's word (``directed_evidence``);
-what they share is ``directed_common``.
+one module per concern (``edges``, ``precision``, ``prefix``, ``snapshot_writes``),
+as does the evidence the suite gathers itself rather than taking the backend's word
+(``evidence``); what they share is ``common``.
 """
 
 from __future__ import annotations
@@ -24,18 +23,18 @@ from kvstate.spec import errors
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
+from .. import ops as O
 # ``current`` and ``NotApplicable`` are re-exported: conform reads ``directed.current.run`` for a
 # failure's history and reports ``directed.NotApplicable`` as n/a.
-from .directed_common import Check, NotApplicable, current, filled as _filled, require_tier  # noqa: F401
-from .directed_edges import boundaries, no_aliasing
-from .directed_evidence import arena_evidence
-from .directed_precision import precision_edges
-from .directed_prefix import prefix_edges
-from .directed_scale import scale
-from .directed_semantics import pinned_semantics
-from .directed_snapshots import snapshot_writes
-from .lockstep import to_numpy
+from .common import Check, NotApplicable, current, filled as _filled, require_tier  # noqa: F401
+from .edges import boundaries, no_aliasing
+from .evidence import arena_evidence
+from .precision import precision_edges
+from .prefix import prefix_edges
+from .scale import scale
+from .semantics import pinned_semantics
+from .snapshot_writes import snapshot_writes
+from ..lockstep import to_numpy
 
 
 def _context_pages(obs: Observation) -> list[tuple[int, ...]]:
@@ -207,16 +206,16 @@ DIRECTED: dict[str, Check] = {
     "1 write copies 1": one_write_copies_one_page,
     "bad input": bad_input_changes_nothing,
     "damaged snapshots": damaged_snapshots_refused,
-    # what random sequences rarely build (directed_edges, _precision, _prefix, _snapshots)
+    # what random sequences rarely build (edges, precision, prefix, snapshot_writes)
     "no aliasing": no_aliasing,
     "boundaries": boundaries,
     "precision edges": precision_edges,
     "prefix edges": prefix_edges,
     "snapshot writes": snapshot_writes,
-    # evidence the suite gathers itself, never the backend's say-so (directed_evidence)
+    # evidence the suite gathers itself, never the backend's say-so (evidence)
     "arena evidence": arena_evidence,
-    # README's table of pinned semantics, row by row (directed_semantics)
+    # README's table of pinned semantics, row by row (semantics)
     "pinned semantics": pinned_semantics,
-    # the sizes where a backend's internals grow (directed_scale)
+    # the sizes where a backend's internals grow (scale)
     "scale": scale,
 }

@@ -16,14 +16,14 @@ from typing import Callable, Iterable
 from kvstate.spec.errors import RunTimeout
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .backends import load_factory
-from .configs import page_sizes
-from .deadline import Deadline
-from .generate import Generator, generate
-from .lockstep import Lockstep
-from .replay import Failure, Replay, execute, save
-from .shrink import shrink
+from .. import ops as O
+from ..backends import load_factory
+from ..configs import page_sizes
+from ..deadline import Deadline
+from ..generate import Generator, generate
+from ..lockstep import Lockstep
+from ..replay import Failure, Replay, execute, save
+from ..shrink import shrink
 
 
 @dataclass

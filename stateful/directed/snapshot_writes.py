@@ -31,9 +31,9 @@ from typing import Iterator
 
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .directed_common import BrokenPromise, NotApplicable, adopt, filled, keeping, record
-from .lockstep import Lockstep
+from .. import ops as O
+from .common import BrokenPromise, NotApplicable, adopt, filled, keeping, record
+from ..lockstep import Lockstep
 
 AT_OFFSET = ("a snapshot written into a stream that already holds bytes leaves those bytes as they were, "
              "and restoring from that offset gives back the context")

@@ -23,9 +23,9 @@ import numpy as np
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
-from . import ops as O
-from .directed_common import BrokenPromise, as_array, as_list, both, filled, keeping, record, same_read
-from .lockstep import Lockstep, to_numpy
+from .. import ops as O
+from .common import BrokenPromise, as_array, as_list, both, filled, keeping, record, same_read
+from ..lockstep import Lockstep, to_numpy
 
 NOT_ALIASED = ("what a backend returns, and what it is given, belongs to the caller: changing it changes "
                "nothing in the cache, and later writes to the cache do not change it")

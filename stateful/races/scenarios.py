@@ -28,7 +28,7 @@ page freed while held, a slot issued twice or a write leaking into another
 branch reads as a mismatch, named with its position.
 
 Every scenario takes ``yields``: threads then also give up the interpreter at random
-calls into the engine's modules (``race_harness.yielding_calls``), which catches
+calls into the engine's modules (``harness.yielding_calls``), which catches
 short unlocked windows the GIL's own switching almost never lands in, at several
 times the cost; ``pressure_vs_match`` uses it by default, ``kvstate stress`` every
 other round.
@@ -39,7 +39,7 @@ and rerunning that seed retries the same work under new schedules.
 
 ``tests/test_races.py`` runs these at CI size; ``kvstate stress`` runs them for
 minutes. ``SCENARIOS`` maps names to the functions; the shared harness is
-``stateful/race_harness.py``.
+``stateful/races/harness.py``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedEr
 from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse
 
-from .race_harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
+from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
     RACE_LAYOUT, RaceFailure, RaceReport, attempt, available_stores, check_after, check_emptied, check_pool,
     extend, kv_for, make_cache, overwrite, page_counters, pressure_configs, race_configs, racing, read_numpy,
     reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,

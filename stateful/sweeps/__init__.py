@@ -1,0 +1,6 @@
+"""Sweeps: many seeds x configurations through the lockstep checks, locally or on a Dask cluster.
+
+``sweep`` plans and drives them, ``runs`` is one (configuration, seed) task, ``journal`` records
+each finished run, ``cluster``/``worker_gate``/``fingerprint`` check that every machine runs the
+same code.
+"""
