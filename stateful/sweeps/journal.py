@@ -113,7 +113,7 @@ def read(out_dir: Path) -> Recorded:
     for number, line in enumerate(lines, start=1):
         try:
             entries.append((number, json.loads(line.decode("utf-8"))))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (UnicodeDecodeError, ValueError, RecursionError):     # ValueError: also an int past 4,300 digits
             if number == len(lines):
                 break               # the line being written when the sweep was stopped
             raise ResumeError(f"{path}: line {number} is not JSON in UTF-8") from None
@@ -138,11 +138,32 @@ def read(out_dir: Path) -> Recorded:
         _check_fields(entry, _RUN_FIELDS, path, number, kind)
         if entry["failure"] is not None:
             _check_fields(entry["failure"], _FAILURE_FIELDS, path, number, f"{kind}'s failure")
+            _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
+        if entry["page_tokens"] < 1:
+            raise ResumeError(f"{path}: line {number}: the {kind}'s page_tokens is {entry['page_tokens']}, not >= 1")
         if entry["config"] not in planned_configs or entry["seed"] not in planned_seeds:
             raise ResumeError(f"{path}: line {number}: a {kind} of configuration {entry['config']!r}, "
                               f"seed {entry['seed']}, which the plan does not hold")
         target.setdefault((entry["config"], entry["seed"]), entry)      # the first one counts
     return Recorded(plan, runs, shrunk)
+
+
+def _check_ops(ops, path: Path, number: int, kind: str) -> None:
+    """A failed run's operations, each one a replay file could hold; else ``ResumeError`` naming the line."""
+    from ..ops import op_from_json
+    from ..replay import _check_op as check_op     # the rule replay files are held to
+
+    if not isinstance(ops, list):
+        raise ResumeError(f"{path}: line {number}: the {kind} records a failure but its ops are "
+                          f"{type(ops).__name__}, not a list")
+    for index, op in enumerate(ops, start=1):
+        try:
+            if not isinstance(op, dict):
+                raise TypeError(f"a {type(op).__name__}, not an object")
+            check_op(index, op_from_json(op))
+        except (KeyError, TypeError, ValueError) as error:     # ReplayFileError is a ValueError
+            raise ResumeError(f"{path}: line {number}: the {kind}'s operation {index} is malformed: "
+                              f"{str(error)[:80]}") from None
 
 
 def _is_int(value) -> bool:
