@@ -9,6 +9,7 @@ factory that hangs cannot hang the command.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -34,9 +35,15 @@ def _workers(value: str, tasks: int) -> int:
     return workers
 
 
-def _at_least(name: str, value, low) -> None:
-    if value is not None and value < low:
-        raise UsageError(f"{name} must be at least {low}, got {value}")
+def _at_least(name: str, value, low, high=None) -> None:
+    """``value`` (None: not given) a finite number in ``[low, high]``; argparse lets NaN, inf and, for
+    ``--opt=--``, an empty list through."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < low or (high is not None and value > high):
+        raise UsageError(f"{name} must be a finite number at least {low}"
+                         + (f" and at most {high}" if high is not None else "") + f", got {value!r}")
 
 
 def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_default=None, check: bool = True):
@@ -180,11 +187,12 @@ def _sweep(args: argparse.Namespace) -> int:
     scheduler = args.scheduler or (None if args.workers else os.environ.get("KVSTATE_SCHEDULER") or None)
     out_default = args.resume or "sweep-out"
     try:
-        _at_least("--seeds", args.seeds, 1)
+        _at_least("--seeds", args.seeds, 1, S.MAX_SEEDS)
         _at_least("--steps", args.steps, 1)
         _at_least("--shrink-limit", args.shrink_limit, 0)
         _at_least("--shrink-budget", args.shrink_budget, 0)
         _at_least("--time-limit", args.time_limit, 0.001)
+        _at_least("--run-timeout", args.run_timeout, 0.001)
         if args.resume:
             seeds, label = _resume_arguments(args)
         else:
@@ -273,7 +281,7 @@ def _refuse_untrusted(backend: str, source: str) -> None:
     is imported only if built in or if the user names it (``--backend``) or trusts it (``--trust-backend``).
     Checked before any import."""
     if not isinstance(backend, str) or backend.partition(":")[0] not in BUILTIN_BACKENDS:
-        raise UsageError(f"{source} names backend {backend!r}; pass --backend {backend} "
+        raise UsageError(f"{source} names backend {backend!r}; pass --backend {backend!r} "
                          f"(or --trust-backend) to import it: a file you did not write must not run code")
 
 

@@ -42,6 +42,7 @@ from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_
                    save_replay, shrink_result, to_shrink)
 
 DEFAULT_BACKEND = "kvstate.impl.numpy"
+MAX_SEEDS = 10_000_000     # the plan line lists every seed: this many keep the journal under J.MAX_BYTES
 
 
 # -- which runs ------------------------------------------------------------------------
@@ -51,6 +52,8 @@ def parse_seed_range(text: str) -> range:
     start, sep, stop = text.partition(":")
     if not sep or not start.strip().isdigit() or not stop.strip().isdigit() or int(stop) <= int(start):
         raise ValueError(f"--seed-range wants A:B with 0 <= A < B, got {text!r}")
+    if int(stop) - int(start) > MAX_SEEDS:
+        raise ValueError(f"--seed-range {text!r} holds more than MAX_SEEDS={MAX_SEEDS} seeds")
     return range(int(start), int(stop))
 
 
