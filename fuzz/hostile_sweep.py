@@ -268,7 +268,7 @@ def sweep_arguments() -> st.SearchStrategy:
                      st.booleans())
 
 
-class _Accepted(Exception):
+class _Accepted(BaseException):     # past the CLI's catch-all, which takes Exception
     """The command got as far as running the sweep (or connecting to a scheduler) with these values."""
 
     def __init__(self, values: dict):
@@ -312,7 +312,7 @@ def check_arguments(tally: Tally, drawn, folder: str) -> None:
 
     @contextlib.contextmanager
     def record_connect(address, backend, *args, **kwargs):
-        raise _Accepted({"scheduler": address})
+        raise _Accepted({"connect": address})
         yield     # pragma: no cover
 
     saved = S.sweep, cluster.connect
@@ -341,9 +341,9 @@ def check_arguments(tally: Tally, drawn, folder: str) -> None:
 
 def _check_accepted(tally: Tally, kind: str, values: dict) -> None:
     """What the sweep would be handed: every value one it can run."""
-    if "scheduler" in values:
-        if not isinstance(values["scheduler"], str) or not values["scheduler"]:
-            _finding(tally, f"kvstate sweep with {kind} connected to scheduler {values['scheduler']!r}")
+    if "connect" in values:
+        if not isinstance(values["connect"], str) or not values["connect"]:
+            _finding(tally, f"kvstate sweep with {kind} connected to scheduler {values['connect']!r}")
         return
     problems = []
     seeds = values["seeds"]
