@@ -73,6 +73,9 @@ def local_path(target):
     """The path of a ``file://`` URL, taken literally as fsspec takes it (``?``, ``#`` and ``%`` are
     part of the name, not a query, a fragment or an escape); any other target unchanged."""
     if isinstance(target, str) and target.startswith("file://"):
+        # fsspec reads file://user:secret@/p as the relative path "user:secret@/p": the secret would
+        # become a folder name and show in every message about it
+        refuse_credentials(target, SnapshotError)
         return target[len("file://"):]
     return target
 
