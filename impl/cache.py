@@ -51,9 +51,10 @@ finds no entry.
 from __future__ import annotations
 
 import threading
+import warnings
 
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError
+from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning
 from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens, check_tokens
 from kvstate.spec.observation import EntryView, Observation, PageView
 from kvstate.spec.precision import check_precision
@@ -132,9 +133,11 @@ class Cache:
         self._next_context_id = 0
         # A slower tier consulted by ``match`` on a miss or short hit (``kvstate.remote.SnapshotStore``):
         # anything with ``consult(cache, tokens, (ctx, matched)) -> (ctx, matched)``.
-        if second_tier is not None and not callable(getattr(second_tier, "consult", None)):
+        if second_tier is not None and (isinstance(second_tier, type) or
+                                        not callable(getattr(second_tier, "consult", None))):
+            got = f"the class {second_tier.__name__}" if isinstance(second_tier, type) else type(second_tier).__name__
             raise ConfigError(f"second_tier must be a kvstate.remote.SnapshotStore (anything with consult()), "
-                              f"got {type(second_tier).__name__}; for a URL: second_tier=SnapshotStore(url)")
+                              f"got {got}; for a URL: second_tier=SnapshotStore(url)")
         self.second_tier = second_tier
 
     @classmethod
@@ -221,7 +224,13 @@ class Cache:
                 found = self._fork(node.value, length=matched), matched
         # The second tier (kvstate.remote) does I/O, so outside the lock; it retains what it restores.
         if self.second_tier is not None:
-            found = self.second_tier.consult(self, tokens, found)
+            try:
+                found = self.second_tier.consult(self, tokens, found)
+            except Exception as error:     # noqa: BLE001 - SnapshotStore never raises here; a duck tier may
+                if found[0].closed:
+                    raise
+                warnings.warn(SecondTierWarning(f"second tier {type(self.second_tier).__name__} raised "
+                                                f"{type(error).__name__}; the local hit was used"), stacklevel=2)
         return found
 
     def clear(self) -> None:
