@@ -1,0 +1,156 @@
+"""The hostile storage fuzzer (``fuzz/hostile_storage.py``) at CI size, more with ``-m slow``; what it
+found, as regression tests; and planted faults each target must report, so each is shown able to fail."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvstate.fuzz import hostile_storage as HS
+from kvstate.fuzz.hostile_inputs import Finding, Tally
+from kvstate.impl import remote_io
+from kvstate.impl.cache import Cache
+from kvstate.spec.errors import KVStateError
+
+CI = settings(max_examples=30, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+SLOW = settings(max_examples=1000, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+URL_ARGS = (st.sampled_from(["memory", "file"]), HS.names(), st.none() | HS.credentials(), HS.secrets(), st.booleans())
+
+
+@CI
+@given(*URL_ARGS)
+def test_hostile_urls_land_at_their_key_or_are_refused_leaving_nothing(tmp_path_factory, scheme, name, userinfo,
+                                                                       secret, store):
+    tally = Tally()
+    HS.check_url(tally, scheme, name, userinfo, secret, str(tmp_path_factory.mktemp("u")), store)
+    assert not tally.findings
+
+
+@CI
+@given(HS.tier_values(""), HS.tier_queries())
+def test_hostile_second_tiers_are_refused_at_construction_or_never_break_match(value, query):
+    tally = Tally()
+    HS.check_tier(tally, value, query)
+    assert not tally.findings
+
+
+@pytest.mark.slow
+@SLOW
+@given(*URL_ARGS)
+def test_hostile_urls_long(tmp_path_factory, scheme, name, userinfo, secret, store):
+    tally = Tally()
+    HS.check_url(tally, scheme, name, userinfo, secret, str(tmp_path_factory.mktemp("u")), store)
+    assert not tally.findings
+
+
+@pytest.mark.slow
+@SLOW
+@given(HS.tier_values(""), HS.tier_queries())
+def test_hostile_second_tiers_long(value, query):
+    tally = Tally()
+    HS.check_tier(tally, value, query)
+    assert not tally.findings
+
+
+# -- what the fuzzer found ----------------------------------------------------------------------
+
+SECRET = "wJalr/XUtn+FEMI=K7MDENG"
+
+
+@pytest.mark.parametrize("userinfo", [f"AKIA:{SECRET}@", "tok3n+=x@"])
+def test_a_file_url_carrying_credentials_is_refused_and_its_secret_never_shown(tmp_path, userinfo):
+    """fsspec reads file://user:secret@/p as a relative path: the secret became a folder name in the message."""
+    secret = SECRET if ":" in userinfo else "tok3n+=x"
+    cache = Cache(HS.LAYOUT, page_tokens=HS.PAGE_TOKENS)
+    ctx = HS._filled(cache, [1, 2], 0)
+    url = f"file://{userinfo}{tmp_path}/x.kvs"
+    for action in (lambda: ctx.snapshot(url), lambda: cache.restore(url)):
+        with pytest.raises(KVStateError) as caught:
+            action()
+        assert secret not in HS._texts(caught.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_snapshot_store_class_as_a_tier_is_refused_at_construction():
+    """The class has a callable consult: accepted, every match then raised TypeError."""
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import ConfigError
+    with pytest.raises(ConfigError, match="the class SnapshotStore"):
+        Cache(HS.LAYOUT, page_tokens=HS.PAGE_TOKENS, second_tier=SnapshotStore)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("down"), OSError("down"), KVStateError("down")])
+def test_a_tier_whose_consult_raises_costs_match_nothing_but_a_warning(error):
+    from kvstate.spec.errors import SecondTierWarning
+    cache = Cache(HS.LAYOUT, page_tokens=HS.PAGE_TOKENS, second_tier=HS.Raising(error))
+    with HS._filled(cache, [1, 2, 3], 0) as local:
+        cache.retain(local)
+    with pytest.warns(SecondTierWarning, match=type(error).__name__):
+        ctx, n = cache.match([1, 2, 3, 4])
+    assert n == 3 and list(ctx.tokens) == [1, 2, 3]
+    ctx.close()
+
+
+# -- each target can fail -------------------------------------------------------------------------
+
+def test_the_url_target_reports_a_secret_in_a_message(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_io, "redact", lambda url: url)
+    monkeypatch.setattr(remote_io, "refuse_credentials", lambda url, error_class: None)
+    with pytest.raises(Finding, match="secret"):
+        HS.check_url(Tally(), "memory", ("edge", ""), ("user:secret@", "AKIAFUZZ:{secret}@"), "Sk/+=Qz",
+                     str(tmp_path), False)
+
+
+def test_the_url_target_reports_a_write_that_landed_elsewhere(tmp_path, monkeypatch):
+    real = remote_io.open_publish
+
+    def elsewhere(url, storage_options=None):
+        return real(url.replace(".kvs", "-moved.kvs") if url.count(".kvs") else url + "-moved", storage_options)
+    monkeypatch.setattr(remote_io, "open_publish", elsewhere)
+    monkeypatch.setattr(remote_io, "_retried", lambda action, *args: action())
+    with pytest.raises(Finding, match="restore"):
+        HS.check_url(Tally(), "memory", ("pieces", "x.kvs"), None, "Sk/+=Qz", str(tmp_path), False)
+
+
+def test_the_url_target_reports_a_partial_left_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(remote_io, "_remove_quietly", lambda fs, path: None)
+    monkeypatch.setattr(remote_io, "_abandon", lambda file: None)
+    monkeypatch.setattr("kvstate.impl.snapshot._write_to", lambda file, ctx: (file.write(b"x"), 1 / 0))
+    with pytest.raises(Finding):
+        HS.check_url(Tally(), "memory", ("pieces", "x.kvs"), None, "Sk/+=Qz", str(tmp_path), False)
+
+
+def test_the_tier_target_reports_a_match_that_raises(monkeypatch):
+    """A tier that closes the local hit and then fails: match cannot fall back, so it raises."""
+    from kvstate import remote
+
+    def consumes_then_fails(self, cache, tokens, found):
+        found[0].close()
+        raise OSError("planted")
+    monkeypatch.setattr(remote.SnapshotStore, "consult", consumes_then_fails)
+    with pytest.raises(Finding, match="raised OSError"):
+        HS.check_tier(Tally(), ("SnapshotStore holding garbage", lambda: _store("garbage")), "list")
+
+
+def test_the_tier_target_reports_a_hit_of_other_tokens(monkeypatch):
+    """A store serving an object whose tokens are not its key's (the check in get removed)."""
+    from kvstate import remote
+
+    def serve_anything(self, cache, tokens, longer_than=0):
+        ctx = cache.allocate()
+        ctx.extend([9] * 8, HS.np.ones(HS.LAYOUT.batch_shape(8), HS.np.float32))
+        return ctx, 8
+    monkeypatch.setattr(remote.SnapshotStore, "get", serve_anything)
+    with pytest.raises(Finding, match="returned 8 positions"):
+        HS.check_tier(Tally(), ("SnapshotStore holding other tokens", lambda: _store("other tokens")), "list")
+
+
+def _store(kind):
+    import uuid
+
+    from kvstate.remote import SnapshotStore
+    store = SnapshotStore(f"memory://kvfuzz-test-{uuid.uuid4().hex[:8]}", stride=4)
+    HS._plant(store, kind)
+    return store
