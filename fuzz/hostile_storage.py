@@ -393,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     for finding in dict.fromkeys(tally.findings):
         print(f"FINDING: {finding}")
     print(tally.summary())
+    print("outcomes:", ", ".join(f"{name} {count}" for name, count in tally.refused.most_common()))
     for (entry, kind), count in sorted(tally.tried.items()):
         print(f"  {entry:28} {kind:60} {count}")
     return 1 if tally.findings else 0
