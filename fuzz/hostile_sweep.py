@@ -365,6 +365,28 @@ def _check_accepted(tally: Tally, kind: str, values: dict) -> None:
         _finding(tally, f"kvstate sweep with {kind} ran a sweep with " + ", ".join(problems))
 
 
+def check_scheduler(tally: Tally, address: str, folder: str, limit_s: float = 120.0) -> None:
+    """``kvstate sweep --scheduler ADDRESS`` for real, in its own process (what a user sees, exit
+    included): one named line and exit 2 within ``limit_s``. Opt-in: a refused address may take the
+    connection timeout, so this is not in ``check_arguments``."""
+    import subprocess
+
+    tally.tried[("kvstate sweep --scheduler", address[:20] or "empty")] += 1
+    argv = [sys.executable, "-m", "kvstate", "sweep", "--seeds", "1", "--steps", "1", "--configs", CONFIG,
+            "--scheduler", address, "--out", str(Path(folder) / "o")]
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit_s,
+                              env={**os.environ, "KVSTATE_SCHEDULER": ""})
+    except subprocess.TimeoutExpired:
+        _finding(tally, f"kvstate sweep --scheduler {address!r} was still running after {limit_s:g} s")
+    lines = [line for line in done.stderr.splitlines() if line.strip() and not line.startswith(("sweep: ", "["))]
+    if address and (done.returncode != 2 or len(lines) != 1 or "Traceback" in done.stderr
+                    or _CATCH_ALL.match(lines[0])):
+        _finding(tally, f"kvstate sweep --scheduler {address!r} exited {done.returncode} with "
+                        f"{len(lines)} lines: {done.stderr[-400:]}")
+    tally.refused[f"exit {done.returncode}"] += 1
+
+
 def _write_resume(out: Path) -> None:
     """A journal whose every planned run is recorded (so resuming it runs nothing)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -373,10 +395,12 @@ def _write_resume(out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvstate.fuzz.hostile_sweep [EXAMPLES]``: a longer run, printing what was tried."""
+    """``python -m kvstate.fuzz.hostile_sweep [EXAMPLES] [--schedulers]``: a longer run, printing what was
+    tried; ``--schedulers`` also connects to each hostile scheduler address for real (minutes)."""
     from hypothesis import HealthCheck, given, settings
 
-    examples = int((argv or sys.argv[1:] or ["300"])[0])
+    numbers = [arg for arg in (argv or sys.argv[1:]) if arg.isdigit()]
+    examples = int((numbers or ["300"])[0])
     tally = Tally()
     options = settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -392,7 +416,15 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             check_arguments(tally, drawn, folder)
 
-    for run in (run_journals, run_arguments):
+    @settings(max_examples=len(OPTIONS["--scheduler"]), deadline=None, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(OPTIONS["--scheduler"]))
+    def run_schedulers(address):
+        with tempfile.TemporaryDirectory() as folder:
+            check_scheduler(tally, address, folder)
+
+    runs = (run_journals, run_arguments) + ((run_schedulers,) if "--schedulers" in (argv or sys.argv[1:]) else ())
+    for run in runs:
         try:
             run()
         except BaseException:      # noqa: BLE001 -- Hypothesis may group several findings

@@ -52,6 +52,15 @@ def test_hostile_sweep_options_long(tmp_path_factory, drawn):
     assert not tally.findings
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("address", HS.OPTIONS["--scheduler"])
+def test_hostile_scheduler_addresses_for_real(tmp_path, address):
+    """Each address through a real connection attempt, in its own process (slow: connection timeouts)."""
+    tally = Tally()
+    HS.check_scheduler(tally, address, str(tmp_path))
+    assert not tally.findings
+
+
 # -- what the fuzzer found ----------------------------------------------------------------------
 
 def _journal(folder, *entries, raw: bytes = b""):
