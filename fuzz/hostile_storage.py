@@ -225,7 +225,7 @@ def _store_steps(cache: Cache, url: str, first, second):
     holder = {}
 
     def build():
-        holder["store"] = SnapshotStore(url.rstrip("/") or url, stride=4)
+        holder["store"] = SnapshotStore(url, stride=4)
 
     def got(want_n):
         def check(result):
@@ -240,6 +240,49 @@ def _store_steps(cache: Cache, url: str, first, second):
     return [("SnapshotStore()", build, lambda _: None),
             ("put", lambda: holder["store"].put(first), lambda written: None if written else "put wrote nothing"),
             ("get", lambda: holder["store"].get(cache, [1, 2, 3, 4, 5]), got(5))]
+
+
+STORE_NUMBERS = [4, 1, 3, 0, -1, True, False, 2**70, 4.0, "4", None, float("nan")]
+STORE_OPTIONS = [None, {}, {"bogus": 1}, {"auto_mkdir": True}, "memory", 3, [], {"skip_instance_cache": True}]
+
+
+def store_arguments() -> st.SearchStrategy:
+    return st.tuples(st.sampled_from(STORE_NUMBERS), st.sampled_from(STORE_NUMBERS), st.sampled_from(STORE_OPTIONS))
+
+
+def check_store_arguments(tally: Tally, args) -> None:
+    """``SnapshotStore(prefix, stride, probe_batch, storage_options)``: a named error when built (or at
+    its first use), or a store whose ``put`` and ``get`` round-trip a context."""
+    from kvstate.remote import SnapshotStore
+
+    stride, batch, options = args
+    kind = f"stride {stride!r}, probe_batch {batch!r}, storage_options {options!r}"
+    tally.tried[("SnapshotStore(...)", kind)] += 1
+    prefix = f"memory://kvfuzz-{uuid.uuid4().hex[:12]}"
+    cache = Cache(LAYOUT, page_tokens=PAGE_TOKENS)
+    ctx = _filled(cache, [1, 2, 3, 4, 5], 5)
+    scheme = Scheme("memory", "")
+    scheme.root = prefix.partition("://")[2]
+    try:
+        def use():
+            store = SnapshotStore(prefix, stride=stride, probe_batch=batch, storage_options=options)
+            store.put(ctx)
+            return store.get(cache, [1, 2, 3, 4, 5])
+        result, error, _ = _observed(use)
+        if error is not None:
+            if not isinstance(error, KVStateError):
+                _finding(tally, f"SnapshotStore({kind}) raised unnamed {type(error).__name__}: {error}", error)
+            tally.refused[type(error).__name__] += 1
+            return
+        got, n = result
+        try:
+            if n != 5 or not _same(got, ctx):
+                _finding(tally, f"SnapshotStore({kind}): get found {n} positions after put")
+        finally:
+            got.close()
+        tally.refused["stored"] += 1
+    finally:
+        scheme.clean()
 
 
 # -- second tiers -----------------------------------------------------------------------------------
@@ -384,7 +427,12 @@ def main(argv: list[str] | None = None) -> int:
     def run_tiers(value, query):
         check_tier(tally, value, query)
 
-    for run in (run_urls, run_tiers):
+    @options
+    @given(store_arguments())
+    def run_store_arguments(args):
+        check_store_arguments(tally, args)
+
+    for run in (run_urls, run_tiers, run_store_arguments):
         try:
             run()
         except BaseException:      # noqa: BLE001 -- Hypothesis may group several findings

@@ -36,6 +36,14 @@ def test_hostile_second_tiers_are_refused_at_construction_or_never_break_match(v
     assert not tally.findings
 
 
+@CI
+@given(HS.store_arguments())
+def test_hostile_store_arguments_are_refused_by_name_or_round_trip(args):
+    tally = Tally()
+    HS.check_store_arguments(tally, args)
+    assert not tally.findings
+
+
 @pytest.mark.slow
 @SLOW
 @given(*URL_ARGS)
