@@ -3,7 +3,6 @@ as regression tests; and planted faults it must report, so each target is shown 
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 
