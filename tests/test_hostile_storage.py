@@ -162,3 +162,16 @@ def _store(kind):
     store = SnapshotStore(f"memory://kvfuzz-test-{uuid.uuid4().hex[:8]}", stride=4)
     HS._plant(store, kind)
     return store
+
+
+def test_the_store_arguments_target_reports_an_unchecked_stride(monkeypatch):
+    """Without the constructor's check, stride 0 reaches put's division."""
+    from kvstate import remote
+    real = remote.SnapshotStore.__init__
+
+    def unchecked(self, url_prefix, stride=4, probe_batch=8, storage_options=None):
+        real(self, url_prefix, 4, probe_batch, storage_options)
+        self.stride = stride
+    monkeypatch.setattr(remote.SnapshotStore, "__init__", unchecked)
+    with pytest.raises(Finding, match="unnamed ZeroDivisionError"):
+        HS.check_store_arguments(Tally(), (0, 8, None))
