@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvstate.engines import vllm
 
+from .planting import planted
+
 
 class ResetIgnoredCache(vllm.VLLMCache):
     """clear() is reset_prefix_cache(), its refusal ignored: while a request holds a block vLLM
@@ -20,19 +22,5 @@ class WritesSharedBlockContext(vllm.VLLMContext):
         return None
 
 
-def _planted(context_class, base=vllm.VLLMCache):
-    class Cache(base):
-        pass
-
-    Cache.context_class = context_class
-
-    def factory(config):
-        return Cache(config)
-
-    factory.configs = vllm.factory.configs
-    factory.any_page_size = False
-    return factory
-
-
-reset_ignored = _planted(vllm.VLLMContext, ResetIgnoredCache)
-writes_shared_block = _planted(WritesSharedBlockContext)
+reset_ignored = planted(vllm.factory, ResetIgnoredCache, vllm.VLLMContext)
+writes_shared_block = planted(vllm.factory, vllm.VLLMCache, WritesSharedBlockContext)
