@@ -24,7 +24,13 @@ Declared semantics, from the engine's code: ``match="block"`` with ``block_token
 (only full blocks are hashed); ``values="prefix"`` (two requests caching one prefix leave two
 blocks under one hash and ``get_cached_block`` returns the first); no entry bound; a pool larger
 than any run needs (``PoolExhausted`` if not: eviction from the free queue and the exhausted
-pool's refusal are not checked). Observation: the black-box tier.
+pool's refusal are not checked).
+
+Observation: the pages tier (``vllm_pages``), read from the pool itself: each block's own
+``ref_cnt`` against the block tables that list it, cached blocks at ``ref_cnt`` 0 in the free queue
+listed as ``cached``, and the pool's count of blocks out against the blocks the tables and the
+hash map account for. No tree tier: vLLM keeps a flat map of chained block hashes, not keys (a
+retained prefix of a retained key leaves no mark of its own), so there are no entries to list.
 """
 
 from __future__ import annotations
@@ -35,10 +41,11 @@ import pickle
 from kvstate.spec import Config, Layout
 from kvstate.spec.errors import EmptyContextError
 from kvstate.spec.layout import check_tokens
-from kvstate.spec.observation import Observation, black_box
+from kvstate.spec.observation import Observation
 
 from .context_base import ENTRY_BOUND, EngineCache, EngineContext, PoolExhausted
 from .vllm_loader import SUPPORTED_VERSION, load_block_pool
+from .vllm_pages import observe_pool
 
 POOL_BLOCKS = 1 << 14
 GROUP = 0                     # one KV cache group: full attention
@@ -133,6 +140,7 @@ class VLLMCache(EngineCache):
         utils.init_none_hash(sha256)
         self.block_size = config.page_tokens
         self.pool = block_pool.BlockPool(POOL_BLOCKS, enable_caching=True, hash_block_size=self.block_size)
+        self.allocated = 0            # blocks get_new_blocks handed out (the pool counts none)
 
     # -- the adapter's K/V array is indexed by block_id * block_size + offset -------------
 
@@ -149,7 +157,9 @@ class VLLMCache(EngineCache):
 
     def new_blocks(self, count: int) -> list:
         self.require(count)
-        return self.pool.get_new_blocks(count)
+        blocks = self.pool.get_new_blocks(count)
+        self.allocated += len(blocks)
+        return blocks
 
     def block_hashes(self, tokens: list[int]) -> list:
         """The chained hash of each full block, as vLLM's request block hasher computes them."""
@@ -198,7 +208,7 @@ class VLLMCache(EngineCache):
         self.pool.evict_blocks({block.block_id for block in self.pool.blocks if block.block_hash is not None})
 
     def observe(self) -> Observation:
-        return black_box()
+        return observe_pool(self.pool, self.contexts, self.allocated)
 
 
 def _configs() -> list[Config]:

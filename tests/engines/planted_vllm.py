@@ -22,5 +22,24 @@ class WritesSharedBlockContext(vllm.VLLMContext):
         return None
 
 
+class ForkWithoutTouchContext(vllm.VLLMContext):
+    """fork() copies the block table without touch(): two requests list blocks counted once."""
+
+    def fork(self) -> "vllm.VLLMContext":
+        self._open()
+        return self.cache.register(type(self)(self.cache, list(self._tokens), list(self.blocks)))
+
+
+class LeakedBlocksContext(vllm.VLLMContext):
+    """close() forgets free_blocks(): the pool keeps the blocks out, no request lists them."""
+
+    def close(self) -> None:
+        self._open()
+        self.blocks, self.closed = [], True
+        self.cache.contexts.remove(self)
+
+
 reset_ignored = planted(vllm.factory, ResetIgnoredCache, vllm.VLLMContext)
 writes_shared_block = planted(vllm.factory, vllm.VLLMCache, WritesSharedBlockContext)
+fork_without_touch = planted(vllm.factory, vllm.VLLMCache, ForkWithoutTouchContext)
+leaked_blocks = planted(vllm.factory, vllm.VLLMCache, LeakedBlocksContext)
