@@ -31,11 +31,24 @@ child keys); ``values="prefix"`` (an insert of a key the tree holds keeps the ol
 engine assumes one prefix, one K/V); no entry bound (the tree evicts only for memory:
 ``max_entries`` is set past anything a run retains) and a pool larger than any run needs
 (``on_full`` ``fallback``, never reached: the adapter raises ``PoolExhausted`` rather than
-evict behind the suite's back). Observation: the black-box tier.
+evict behind the suite's back).
+
+Observation: the black-box tier, because the others cannot be filled from SGLang's own state:
+
+- pages: SGLang keeps no count per page. A tree node's ``lock_ref`` counts the requests locked at
+  or below it, and a request's private slots have no count at all; SGLang has no fork, so the
+  adapter's ``fork`` copies the private pages. The pages tier brings the checks that a fork
+  allocates nothing and one write copies one page (copy-on-write, kvstate's design): they would
+  fail on a promise SGLang never made, and passing them would take refcounts the adapter keeps
+  itself, which is kvstate's design again, not the engine's.
+- tree (entries in eviction order) and shape: the tree does not record which keys were inserted.
+  ``match_prefix`` splits a node where a query diverges, so a node boundary is not a key; a
+  retained prefix of a retained key leaves only such a boundary; nodes never merge again (the
+  shape invariant wants a node with one child and no entry collapsed); recency is per node.
 
 Left out: eviction under memory pressure (SGLang evicts leaf *nodes* by its own policy, so part
 of an entry can go while its prefix stays; the suite's ``evict`` rule drops whole entries),
-snapshots, thread safety, the pages and tree tiers.
+snapshots, thread safety.
 """
 
 from __future__ import annotations
