@@ -31,79 +31,54 @@ child keys); ``values="prefix"`` (an insert of a key the tree holds keeps the ol
 engine assumes one prefix, one K/V); no entry bound (the tree evicts only for memory:
 ``max_entries`` is set past anything a run retains) and a pool larger than any run needs
 (``on_full`` ``fallback``, never reached: the adapter raises ``PoolExhausted`` rather than
-evict behind the suite's back). Observation: the black-box tier.
+evict behind the suite's back).
+
+Observation: the black-box tier, because the others cannot be filled from SGLang's own state:
+
+- pages: SGLang keeps no count per page. A tree node's ``lock_ref`` counts the requests locked at
+  or below it, and a request's private slots have no count at all; SGLang has no fork, so the
+  adapter's ``fork`` copies the private pages. The pages tier brings the checks that a fork
+  allocates nothing and one write copies one page (copy-on-write, kvstate's design): they would
+  fail on a promise SGLang never made, and passing them would take refcounts the adapter keeps
+  itself, which is kvstate's design again, not the engine's.
+- tree (entries in eviction order) and shape: the tree does not record which keys were inserted.
+  ``match_prefix`` splits a node where a query diverges, so a node boundary is not a key; a
+  retained prefix of a retained key leaves only such a boundary; nodes never merge again (the
+  shape invariant wants a node with one child and no entry collapsed); recency is per node.
 
 Left out: eviction under memory pressure (SGLang evicts leaf *nodes* by its own policy, so part
 of an entry can go while its prefix stays; the suite's ``evict`` rule drops whole entries),
-snapshots, thread safety, the pages and tree tiers.
+snapshots, thread safety.
 """
 
 from __future__ import annotations
 
 from array import array
 
-import numpy as np
 import torch
 
 from kvstate.spec import Config, Layout
-from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ContextClosedError, EmptyContextError, KVStateError, PositionError
-from kvstate.spec.layout import check_tokens, check_values, require_finite
+from kvstate.spec.errors import EmptyContextError
+from kvstate.spec.layout import check_tokens
 from kvstate.spec.observation import Observation, black_box
 
+from .context_base import ENTRY_BOUND, EngineCache, EngineContext, PoolExhausted
 from .sglang_loader import SUPPORTED_VERSION, load_allocators, load_radix_cache
 
 POOL_PAGES = 1 << 14          # the allocator's pages: more than any run of the suite holds at once
-ENTRY_BOUND = 1 << 30         # no entry bound: SGLang's tree evicts only for memory
 
 
-class PoolExhausted(KVStateError):
-    """The adapter's pool ran out: it is sized past anything the suite asks, so this is a finding."""
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
-
-
-class SGLangContext:
+class SGLangContext(EngineContext):
     """One request: tokens, its row of slot ids, the tree-owned prefix and the lock on it."""
 
     def __init__(self, cache: "SGLangCache", tokens: list[int], slots: list[int], protected: int, node):
-        self.cache = cache
-        self._tokens = tokens
+        super().__init__(cache, tokens)
         self.slots = slots
         self.protected = protected      # positions [0, protected) are the tree's, held by the lock on node
         self.node = node
-        self.closed = False
 
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    def _open(self) -> None:
-        if self.closed:
-            raise ContextClosedError("this context is closed")
-
-    @property
-    def tokens(self) -> list[int]:
-        self._open()
-        return list(self._tokens)
-
-    def read(self, start: int = 0, stop: int | None = None):
-        self._open()
-        stop = len(self) if stop is None else stop
-        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
-            raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
-        return self.cache.values_at(self.slots[start:stop]), np.asarray(self._tokens[start:stop], np.int64)
-
-    def _encode(self, tokens, kv, start: int | None = None):
-        tokens = check_tokens(tokens)
-        kv = check_values(self.cache.layout, kv, len(tokens))
-        self._open()
-        if start is not None and not (_is_int(start) and 0 <= start and start + len(tokens) <= len(self)):
-            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {len(self)}")
-        kv = np.asarray(kv, np.float32)
-        require_finite(kv)
-        return [int(t) for t in tokens], precisions.roundtrip(self.cache.precision, kv)
+    def _slots(self, start: int, stop: int) -> list[int]:
+        return self.slots[start:stop]
 
     def extend(self, tokens, kv) -> None:
         tokens, values = self._encode(tokens, kv)
@@ -167,9 +142,7 @@ class SGLangContext:
         self.cache.free_slots(self.slots[first::page])
 
     def truncate(self, n: int) -> None:
-        self._open()
-        if not (_is_int(n) and 0 <= n <= len(self)):
-            raise PositionError(f"truncate to {n} outside length {len(self)}")
+        self._check_truncate(n)
         self._free_private_from(n)
         del self.slots[n:]
         del self._tokens[n:]
@@ -185,38 +158,20 @@ class SGLangContext:
         self.cache.contexts.remove(self)
 
 
-class SGLangCache:
+class SGLangCache(EngineCache):
     context_class = SGLangContext
 
     def __init__(self, config: Config):
+        super().__init__(config)
         rc = load_radix_cache()
         token_allocator, paged_allocator = load_allocators()
         self.rc = rc
-        self.config = config
-        self.layout = config.layout
-        self.precision = config.precision
         self.page = config.page_tokens
         if self.page == 1:
             self.allocator = token_allocator(POOL_PAGES, torch.float32, "cpu", None, False)
         else:
             self.allocator = paged_allocator(POOL_PAGES * self.page, self.page, torch.float32, "cpu", None, False)
         self.tree = rc.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=self.page)
-        self.values = np.zeros((0, *self.layout.position_shape), np.float32)
-        self.contexts: list[SGLangContext] = []
-
-    # -- the K/V store the adapter keeps, indexed by the engine's slot ids -----------------
-
-    def store(self, slots: list[int], values: np.ndarray) -> None:
-        if slots:
-            top = max(slots) + 1
-            if top > len(self.values):
-                grown = np.zeros((max(top, 2 * len(self.values)), *self.layout.position_shape), np.float32)
-                grown[:len(self.values)] = self.values
-                self.values = grown
-            self.values[slots] = values
-
-    def values_at(self, slots: list[int]) -> np.ndarray:
-        return self.values[np.asarray(slots, np.int64)].copy()
 
     # -- the engine's operations ---------------------------------------------------------
 
@@ -241,10 +196,6 @@ class SGLangCache:
             raise AssertionError(f"sglang adapter: a locked prefix of {len(tokens)} tokens matched "
                                  f"{result.device_prefix_len}")
         return result.last_device_node
-
-    def register(self, ctx: SGLangContext) -> SGLangContext:
-        self.contexts.append(ctx)
-        return ctx
 
     # -- the protocol ----------------------------------------------------------------
 

@@ -5,7 +5,8 @@ module, which drag in orjson, pybase64, triton, starlette, msgspec, pyzmq, IPyth
 (which then fails against torch 2.13). The cache itself needs none of them: this loader executes
 the real files below from the installed package and hands every other module they import an
 inert stand-in whose every attribute raises ``StandInCalled`` when called, so a run that touched
-one would fail loudly rather than pass on a stand-in's behalf.
+one would fail loudly rather than pass on a stand-in's behalf (the machinery, shared with the
+other engines' loaders, is ``kvstate.engines._loading``).
 
 Real files, executed as installed (``sglang/srt/mem_cache/...``):
     radix_cache.py, base_prefix_cache.py, cache_init_params.py, events.py, utils.py,
@@ -46,15 +47,9 @@ it), so a new dependency in another release shows here, not as a silent stand-in
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.metadata
-import importlib.util
-import os
-import sys
-import threading
 import types
 
-from kvstate.spec.errors import ConfigError
+from ._loading import STAND_IN_USES, EngineLoader, EngineVersionError, StandInCalled, _StandIn  # noqa: F401
 
 SUPPORTED_VERSION = "0.5.23"
 
@@ -108,159 +103,10 @@ ANSWERS: dict[tuple[str, str], object] = {
 # Names reexported by a package's __init__ that the loader does not run: (package, name, real module).
 REEXPORTS = (("sglang.srt.mem_cache.allocator", "BaseTokenToKVPoolAllocator", "sglang.srt.mem_cache.allocator.base"),)
 
-
-class EngineVersionError(ConfigError):
-    """The installed engine is not the release an adapter was written and checked against."""
-
-
-class StandInCalled(RuntimeError):
-    """A module the cache should never touch was used: the stand-in list is wrong for this run."""
-
-
-# Every use of a stand-in in this process, even one whose StandInCalled the engine swallowed.
-STAND_IN_USES: list[str] = []
-
-
-class _StandIn:
-    """An inert name from a module the cache does not need: calling it, or reading from it, raises."""
-
-    def __init__(self, qualname: str):
-        self._qualname = qualname
-
-    def __call__(self, *args, **kwargs):
-        STAND_IN_USES.append(self._qualname)
-        raise StandInCalled(f"{self._qualname} is a stand-in (kvstate.engines.sglang_loader) and was called")
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        STAND_IN_USES.append(f"{self._qualname}.{name}")
-        raise StandInCalled(f"{self._qualname}.{name} read: {self._qualname} is a stand-in")
-
-    def __repr__(self) -> str:
-        return f"<stand-in {self._qualname}>"
-
-
-def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def require_supported(version: str | None) -> None:
-    """``ImportError`` without sglang, ``EngineVersionError`` for any release but ``SUPPORTED_VERSION``."""
-    if version is None:
-        raise ImportError("sglang is not installed: pip install --no-deps sglang==" + SUPPORTED_VERSION)
-    if version != SUPPORTED_VERSION:
-        raise EngineVersionError(f"sglang {version} is installed; kvstate.engines loads sglang "
-                                 f"{SUPPORTED_VERSION} only (its stand-ins were read from that release)")
-
-
-def _package_root() -> str:
-    spec = importlib.util.find_spec("sglang")      # finds the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("sglang is not installed: pip install --no-deps sglang==" + SUPPORTED_VERSION)
-    return list(spec.submodule_search_locations)[0]
-
-
-def _bare_package(name: str, root: str) -> types.ModuleType:
-    """A package module whose ``__init__`` is not run: only a path for its submodules."""
-    module = types.ModuleType(name)
-    module.__path__ = [os.path.join(root, *name.split(".")[1:])]
-    module.__package__ = name
-    return module
-
-
-def _stand_in_module(name: str, names: tuple[str, ...]) -> types.ModuleType:
-    module = types.ModuleType(name, "kvstate stand-in: every attribute raises StandInCalled when used")
-    for attr in names:
-        setattr(module, attr, _StandIn(f"{name}.{attr}"))
-    for (owner, attr), value in ANSWERS.items():
-        if owner == name:
-            setattr(module, attr, value)
-    return module
-
-
-class _Finder:
-    """Resolves ``sglang.*`` during the load only: real files, stand-ins, bare packages, else refuses."""
-
-    def __init__(self, root: str):
-        self.root = root
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "sglang" and not name.startswith("sglang."):
-            return None
-        if name in STAND_INS or name in REAL or _is_parent(name) or name in _answer_modules():
-            return importlib.machinery.ModuleSpec(name, self, is_package=_is_parent(name))
-        raise ImportError(f"{name} is neither a real file nor a stand-in of kvstate.engines.sglang_loader "
-                          f"(sglang {SUPPORTED_VERSION}): the release's imports changed", name=name)
-
-    def create_module(self, spec):
-        name = spec.name
-        if name in STAND_INS or name in _answer_modules():
-            module = _stand_in_module(name, STAND_INS.get(name, ()))
-            if _is_parent(name):            # a stand-in that is also a package (sglang.srt.utils)
-                module.__path__ = []
-            return module
-        if name in REAL:
-            return None
-        return _bare_package(name, self.root)
-
-    def exec_module(self, module):
-        name = module.__name__
-        if name not in REAL:
-            return
-        path = os.path.join(self.root, *name.split(".")[1:]) + ".py"
-        module.__file__ = path
-        with open(path, "rb") as source:
-            code = compile(source.read(), path, "exec")
-        exec(code, module.__dict__)
-
-
-def _answer_modules() -> set[str]:
-    return {owner for owner, _ in ANSWERS}
-
-
-def _is_parent(name: str) -> bool:
-    return any(other.startswith(name + ".") for other in (*REAL, *STAND_INS, *_answer_modules()))
-
-
-_lock = threading.Lock()
-_loaded: dict[str, types.ModuleType] = {}
-
-
-def load_modules() -> dict[str, types.ModuleType]:
-    """The real modules of ``REAL``, by name, loaded once per process.
-
-    ``sys.modules`` is left as it was: the loaded modules hold what they imported, and a real
-    ``import sglang`` elsewhere in the process is not shadowed.
-    """
-    with _lock:
-        if _loaded:
-            return _loaded
-        require_supported(installed_version())
-        finder = _Finder(_package_root())
-        saved = {name: module for name, module in sys.modules.items()
-                 if name == "sglang" or name.startswith("sglang.")}
-        for name in saved:
-            del sys.modules[name]
-        sys.meta_path.insert(0, finder)
-        try:
-            for name in REAL:
-                _loaded[name] = importlib.import_module(name)
-                for package, attr, source in REEXPORTS:
-                    if source == name:
-                        setattr(sys.modules[package], attr, getattr(_loaded[name], attr))
-        except BaseException:
-            _loaded.clear()
-            raise
-        finally:
-            sys.meta_path.remove(finder)
-            for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
-                del sys.modules[name]
-            sys.modules.update(saved)
-        return _loaded
+LOADER = EngineLoader("sglang", SUPPORTED_VERSION, REAL, STAND_INS, ANSWERS, REEXPORTS)
+installed_version = LOADER.installed_version
+require_supported = LOADER.require_supported
+load_modules = LOADER.load
 
 
 def load_allocators() -> tuple[type, type]:

@@ -24,7 +24,13 @@ Declared semantics, from the engine's code: ``match="block"`` with ``block_token
 (only full blocks are hashed); ``values="prefix"`` (two requests caching one prefix leave two
 blocks under one hash and ``get_cached_block`` returns the first); no entry bound; a pool larger
 than any run needs (``PoolExhausted`` if not: eviction from the free queue and the exhausted
-pool's refusal are not checked). Observation: the black-box tier.
+pool's refusal are not checked).
+
+Observation: the pages tier (``vllm_pages``), read from the pool itself: each block's own
+``ref_cnt`` against the block tables that list it, cached blocks at ``ref_cnt`` 0 in the free queue
+listed as ``cached``, and the pool's count of blocks out against the blocks the tables and the
+hash map account for. No tree tier: vLLM keeps a flat map of chained block hashes, not keys (a
+retained prefix of a retained key leaves no mark of its own), so there are no entries to list.
 """
 
 from __future__ import annotations
@@ -32,32 +38,22 @@ from __future__ import annotations
 import hashlib
 import pickle
 
-import numpy as np
-
 from kvstate.spec import Config, Layout
-from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ContextClosedError, EmptyContextError, KVStateError, PositionError
-from kvstate.spec.layout import check_tokens, check_values, require_finite
-from kvstate.spec.observation import Observation, black_box
+from kvstate.spec.errors import EmptyContextError
+from kvstate.spec.layout import check_tokens
+from kvstate.spec.observation import Observation
 
+from .context_base import ENTRY_BOUND, EngineCache, EngineContext, PoolExhausted
 from .vllm_loader import SUPPORTED_VERSION, load_block_pool
+from .vllm_pages import observe_pool
 
 POOL_BLOCKS = 1 << 14
-ENTRY_BOUND = 1 << 30
 GROUP = 0                     # one KV cache group: full attention
-
-
-class PoolExhausted(KVStateError):
-    """The adapter's pool ran out: it is sized past anything the suite asks, so this is a finding."""
 
 
 def sha256(value) -> bytes:
     """vLLM's ``vllm.utils.hashing.sha256`` (sha256 over pickle), written with hashlib."""
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
 class _Request:
@@ -67,45 +63,16 @@ class _Request:
         self.block_hashes = block_hashes
 
 
-class VLLMContext:
+class VLLMContext(EngineContext):
+    """One request: tokens and its block table (``KVCacheBlock`` objects of the engine's pool)."""
+
     def __init__(self, cache: "VLLMCache", tokens: list[int], blocks: list):
-        self.cache = cache
-        self._tokens = tokens
+        super().__init__(cache, tokens)
         self.blocks = blocks
-        self.closed = False
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    def _open(self) -> None:
-        if self.closed:
-            raise ContextClosedError("this context is closed")
-
-    @property
-    def tokens(self) -> list[int]:
-        self._open()
-        return list(self._tokens)
 
     def _slots(self, start: int, stop: int) -> list[int]:
         size = self.cache.block_size
         return [self.blocks[p // size].block_id * size + p % size for p in range(start, stop)]
-
-    def read(self, start: int = 0, stop: int | None = None):
-        self._open()
-        stop = len(self) if stop is None else stop
-        if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
-            raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
-        return self.cache.values_at(self._slots(start, stop)), np.asarray(self._tokens[start:stop], np.int64)
-
-    def _encode(self, tokens, kv, start: int | None = None):
-        tokens = check_tokens(tokens)
-        kv = check_values(self.cache.layout, kv, len(tokens))
-        self._open()
-        if start is not None and not (_is_int(start) and 0 <= start and start + len(tokens) <= len(self)):
-            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) outside length {len(self)}")
-        kv = np.asarray(kv, np.float32)
-        require_finite(kv)
-        return [int(t) for t in tokens], precisions.roundtrip(self.cache.precision, kv)
 
     def _writable(self, first: int, last: int) -> None:
         """Blocks ``first..last`` made writable: each one shared or cached is copied first."""
@@ -150,9 +117,7 @@ class VLLMContext:
         return self.cache.register(self.cache.context_class(self.cache, list(self._tokens), list(self.blocks)))
 
     def truncate(self, n: int) -> None:
-        self._open()
-        if not (_is_int(n) and 0 <= n <= len(self)):
-            raise PositionError(f"truncate to {n} outside length {len(self)}")
+        self._check_truncate(n)
         keep = -(-n // self.cache.block_size)
         self.cache.pool.free_blocks(list(reversed(self.blocks[keep:])))
         del self.blocks[keep:]
@@ -165,38 +130,19 @@ class VLLMContext:
         self.cache.contexts.remove(self)
 
 
-class VLLMCache:
+class VLLMCache(EngineCache):
     context_class = VLLMContext
 
     def __init__(self, config: Config):
+        super().__init__(config)
         block_pool, utils = load_block_pool()
         self.utils = utils
         utils.init_none_hash(sha256)
-        self.config = config
-        self.layout = config.layout
-        self.precision = config.precision
         self.block_size = config.page_tokens
         self.pool = block_pool.BlockPool(POOL_BLOCKS, enable_caching=True, hash_block_size=self.block_size)
-        self.values = np.zeros((0, *self.layout.position_shape), np.float32)
-        self.contexts: list[VLLMContext] = []
+        self.allocated = 0            # blocks get_new_blocks handed out (the pool counts none)
 
-    # -- the adapter's K/V array, indexed by block_id * block_size + offset ---------------
-
-    def _ensure(self, slots: list[int]) -> None:
-        top = max(slots, default=-1) + 1
-        if top > len(self.values):
-            grown = np.zeros((max(top, 2 * len(self.values)), *self.layout.position_shape), np.float32)
-            grown[:len(self.values)] = self.values
-            self.values = grown
-
-    def store(self, slots: list[int], values: np.ndarray) -> None:
-        if slots:
-            self._ensure(slots)
-            self.values[slots] = values
-
-    def values_at(self, slots: list[int]) -> np.ndarray:
-        self._ensure(slots)          # a block's unwritten rows (copied whole) read as zeros
-        return self.values[np.asarray(slots, np.int64)].copy()
+    # -- the adapter's K/V array is indexed by block_id * block_size + offset -------------
 
     def copy_block(self, source, target) -> None:
         size = self.block_size
@@ -211,7 +157,9 @@ class VLLMCache:
 
     def new_blocks(self, count: int) -> list:
         self.require(count)
-        return self.pool.get_new_blocks(count)
+        blocks = self.pool.get_new_blocks(count)
+        self.allocated += len(blocks)
+        return blocks
 
     def block_hashes(self, tokens: list[int]) -> list:
         """The chained hash of each full block, as vLLM's request block hasher computes them."""
@@ -220,10 +168,6 @@ class VLLMCache:
             parent = self.utils.hash_block_tokens(sha256, parent, tokens[start:start + size], None)
             hashes.append(parent)
         return hashes
-
-    def register(self, ctx: VLLMContext) -> VLLMContext:
-        self.contexts.append(ctx)
-        return ctx
 
     # -- the protocol ----------------------------------------------------------------
 
@@ -264,7 +208,7 @@ class VLLMCache:
         self.pool.evict_blocks({block.block_id for block in self.pool.blocks if block.block_hash is not None})
 
     def observe(self) -> Observation:
-        return black_box()
+        return observe_pool(self.pool, self.contexts, self.allocated)
 
 
 def _configs() -> list[Config]:

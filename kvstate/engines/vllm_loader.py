@@ -5,7 +5,7 @@
 none installable without vLLM's CUDA dependency set. The prefix cache's data structures live in two
 files that need none of it: this loader executes them from the installed package and gives every
 other module they import an inert stand-in that raises ``StandInCalled`` when used (the same
-machinery as ``sglang_loader``).
+machinery as ``sglang_loader``: ``kvstate.engines._loading``).
 
 Real files, executed as installed (``vllm/...``):
     v1/core/block_pool.py (``BlockPool``: the free queue, the hash-to-block map, ``touch``,
@@ -42,17 +42,10 @@ pool as ``FullAttentionManager`` does (the longest run of cached block hashes, `
 
 from __future__ import annotations
 
-import importlib
-import importlib.machinery
-import importlib.metadata
-import importlib.util
 import logging
-import os
-import sys
-import threading
 import types
 
-from .sglang_loader import EngineVersionError, StandInCalled, _StandIn  # noqa: F401  (shared machinery)
+from ._loading import EngineLoader, EngineVersionError, StandInCalled  # noqa: F401  (the tests name them here)
 
 SUPPORTED_VERSION = "0.33.0"
 
@@ -74,95 +67,10 @@ STAND_INS: dict[str, tuple[str, ...]] = {
 
 ANSWERS: dict[tuple[str, str], object] = {("vllm.logger", "init_logger"): logging.getLogger}
 
-
-def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def require_supported(version: str | None) -> None:
-    if version is None:
-        raise ImportError("vllm is not installed: pip install --no-deps vllm==" + SUPPORTED_VERSION)
-    if version != SUPPORTED_VERSION:
-        raise EngineVersionError(f"vllm {version} is installed; kvstate.engines loads vllm "
-                                 f"{SUPPORTED_VERSION} only (its stand-ins were read from that release)")
-
-
-def _modules_named() -> set[str]:
-    return set(REAL) | set(STAND_INS) | {owner for owner, _ in ANSWERS}
-
-
-def _is_parent(name: str) -> bool:
-    return any(other.startswith(name + ".") for other in _modules_named())
-
-
-class _Finder:
-    def __init__(self, root: str):
-        self.root = root
-
-    def find_spec(self, name, path=None, target=None):
-        if name != "vllm" and not name.startswith("vllm."):
-            return None
-        if name in _modules_named() or _is_parent(name):
-            return importlib.machinery.ModuleSpec(name, self, is_package=_is_parent(name))
-        raise ImportError(f"{name} is neither a real file nor a stand-in of kvstate.engines.vllm_loader "
-                          f"(vllm {SUPPORTED_VERSION}): the release's imports changed", name=name)
-
-    def create_module(self, spec):
-        name = spec.name
-        if name in REAL:
-            return None
-        module = types.ModuleType(name)
-        if _is_parent(name):
-            module.__path__ = [os.path.join(self.root, *name.split(".")[1:])] if name not in STAND_INS else []
-        for attr in STAND_INS.get(name, ()):
-            setattr(module, attr, _StandIn(f"{name}.{attr}"))
-        for (owner, attr), value in ANSWERS.items():
-            if owner == name:
-                setattr(module, attr, value)
-        return module
-
-    def exec_module(self, module):
-        name = module.__name__
-        if name not in REAL:
-            return
-        path = os.path.join(self.root, *name.split(".")[1:]) + ".py"
-        module.__file__ = path
-        with open(path, "rb") as source:
-            exec(compile(source.read(), path, "exec"), module.__dict__)
-
-
-_lock = threading.Lock()
-_loaded: dict[str, types.ModuleType] = {}
-
-
-def load_modules() -> dict[str, types.ModuleType]:
-    """The real modules of ``REAL``, loaded once per process; ``sys.modules`` is left as it was."""
-    with _lock:
-        if _loaded:
-            return _loaded
-        require_supported(installed_version())
-        spec = importlib.util.find_spec("vllm")
-        root = list(spec.submodule_search_locations)[0]
-        finder = _Finder(root)
-        saved = {n: m for n, m in sys.modules.items() if n == "vllm" or n.startswith("vllm.")}
-        for n in saved:
-            del sys.modules[n]
-        sys.meta_path.insert(0, finder)
-        try:
-            for name in REAL:
-                _loaded[name] = importlib.import_module(name)
-        except BaseException:
-            _loaded.clear()
-            raise
-        finally:
-            sys.meta_path.remove(finder)
-            for n in [n for n in sys.modules if n == "vllm" or n.startswith("vllm.")]:
-                del sys.modules[n]
-            sys.modules.update(saved)
-        return _loaded
+LOADER = EngineLoader("vllm", SUPPORTED_VERSION, REAL, STAND_INS, ANSWERS)
+installed_version = LOADER.installed_version
+require_supported = LOADER.require_supported
+load_modules = LOADER.load
 
 
 def load_block_pool() -> tuple[types.ModuleType, types.ModuleType]:

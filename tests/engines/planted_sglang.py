@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvstate.engines import sglang
 
+from .planting import planted
+
 
 class LeakedLockContext(sglang.SGLangContext):
     """close() skips the engine's dec_lock_ref: the node stays locked, so clear() cannot evict it."""
@@ -25,19 +27,5 @@ class WritesIntoTreeContext(sglang.SGLangContext):
             self._tokens[start:start + len(tokens)] = tokens
 
 
-def _planted(context_class):
-    class Cache(sglang.SGLangCache):
-        pass
-
-    Cache.context_class = context_class
-
-    def factory(config):
-        return Cache(config)
-
-    factory.configs = sglang.factory.configs
-    factory.any_page_size = False
-    return factory
-
-
-leaked_lock = _planted(LeakedLockContext)
-writes_into_tree = _planted(WritesIntoTreeContext)
+leaked_lock = planted(sglang.factory, sglang.SGLangCache, LeakedLockContext)
+writes_into_tree = planted(sglang.factory, sglang.SGLangCache, WritesIntoTreeContext)

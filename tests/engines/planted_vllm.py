@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from kvstate.engines import vllm
 
+from .planting import planted
+
 
 class ResetIgnoredCache(vllm.VLLMCache):
     """clear() is reset_prefix_cache(), its refusal ignored: while a request holds a block vLLM
@@ -20,19 +22,24 @@ class WritesSharedBlockContext(vllm.VLLMContext):
         return None
 
 
-def _planted(context_class, base=vllm.VLLMCache):
-    class Cache(base):
-        pass
+class ForkWithoutTouchContext(vllm.VLLMContext):
+    """fork() copies the block table without touch(): two requests list blocks counted once."""
 
-    Cache.context_class = context_class
-
-    def factory(config):
-        return Cache(config)
-
-    factory.configs = vllm.factory.configs
-    factory.any_page_size = False
-    return factory
+    def fork(self) -> "vllm.VLLMContext":
+        self._open()
+        return self.cache.register(type(self)(self.cache, list(self._tokens), list(self.blocks)))
 
 
-reset_ignored = _planted(vllm.VLLMContext, ResetIgnoredCache)
-writes_shared_block = _planted(WritesSharedBlockContext)
+class LeakedBlocksContext(vllm.VLLMContext):
+    """close() forgets free_blocks(): the pool keeps the blocks out, no request lists them."""
+
+    def close(self) -> None:
+        self._open()
+        self.blocks, self.closed = [], True
+        self.cache.contexts.remove(self)
+
+
+reset_ignored = planted(vllm.factory, ResetIgnoredCache, vllm.VLLMContext)
+writes_shared_block = planted(vllm.factory, vllm.VLLMCache, WritesSharedBlockContext)
+fork_without_touch = planted(vllm.factory, vllm.VLLMCache, ForkWithoutTouchContext)
+leaked_blocks = planted(vllm.factory, vllm.VLLMCache, LeakedBlocksContext)

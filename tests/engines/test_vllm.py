@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import settings
 
 from kvstate.engines import sglang_loader, vllm_loader
+from kvstate.spec.invariants import tiers
 from kvstate.stateful.conform import conform
 
 if vllm_loader.installed_version() is None:
@@ -55,6 +57,33 @@ def test_planted_write_into_a_shared_block_is_rejected():
     results = conform(planted_vllm.writes_shared_block, configs=[_config("block16-f32-heap-prefixkv")],
                       checks=["fork isolation"], settings=SMALL)
     assert not results[0].passed
+
+
+def test_the_pages_tier_reads_the_pools_ref_counts():
+    cache = vllm.factory(_config("block16-f32-heap-prefixkv"))
+    ctx = cache.allocate()
+    ctx.extend(list(range(20)), np.zeros(cache.layout.batch_shape(20), np.float32))
+    fork = ctx.fork()
+    cache.retain(ctx)
+    ctx.close()
+    obs = cache.observe()
+    assert tiers(obs) == ["pages"]
+    assert [(p.refcount, p.cached) for p in obs.pages.values()] == [(1, False), (1, False)]
+    fork.close()
+    obs = cache.observe()
+    assert [(p.refcount, p.cached) for p in obs.pages.values()] == [(0, True)]     # the full block stays cached
+    assert obs.pages_allocated - obs.pages_freed == 1
+    cache.clear()
+    assert cache.observe().pages == {}
+
+
+@pytest.mark.parametrize("planted,check,invariant", [(planted_vllm.fork_without_touch, "fork allocates 0", 1),
+                                                     (planted_vllm.leaked_blocks, "fork isolation", 6)])
+def test_planted_ref_count_bug_is_rejected_on_the_pages_tier(planted, check, invariant):
+    """Both bugs break only the block pool's books: values read right, so the black box passed them."""
+    results = conform(planted, configs=[_config("block16-f32-heap-prefixkv")], checks=[check], settings=SMALL)
+    assert not results[0].passed
+    assert f"invariant {invariant}:" in results[0].failure
 
 
 @pytest.mark.slow
