@@ -86,3 +86,30 @@ def test_running_page_count_equals_the_recount_after_random_operations(name, see
     assert cache.policy.evictions > 0 or cache.config.on_full == "fallback"
     cache.clear()
     assert cache.tree.weight == 0
+
+
+def test_retain_under_a_page_budget_never_walks_the_entries(monkeypatch):
+    """Each retain's bound check is O(1): no pass over every entry (issue 26, item 3)."""
+    from kvstate.impl import radix
+
+    walks = []
+    entries = radix.RadixTree.entries
+    monkeypatch.setattr(radix.RadixTree, "entries", lambda tree: walks.append(len(tree)) or entries(tree))
+    cache = Cache(LAYOUT, page_tokens=3, match="token", max_entries=1000, max_pages=20)
+    for i in range(40):
+        ctx = _filled(cache, [i, 7, i])
+        cache.retain(ctx)
+        ctx.close()
+    assert len(cache.tree) == 20 and walks == []      # the budget evicted, counting no entries
+    cache.stats()
+    assert walks == []
+
+
+def test_tree_scale_bench_prints_a_row_per_tree_size_relative_to_the_smallest():
+    from kvstate.bench import tree_scale
+    from kvstate.bench.run import format_result
+
+    result = tree_scale.run(quick=True)      # asserts inside: inserts evict nothing, evict-phase retains one each
+    assert [row["entries"] for row in result["rows"]] == list(tree_scale.QUICK_SIZES)
+    assert all(result["rows"][0][f"{phase}_x_smallest"] == 1 for phase in ("lookup", "insert", "evict"))
+    assert "reproduce: python -m kvstate.bench.tree_scale --quick" in format_result(result)
