@@ -168,7 +168,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from .run import format_result
 
+    start = time.perf_counter()
     result = run(args.quick, args.rounds, args.workload or WORKLOADS, args.page or PAGE_SIZES)
+    result["wall_s"] = time.perf_counter() - start
     result["command"] = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
         f" --page {p}" for p in args.page or ()) + " --quick" * args.quick
     print(format_result(result))
