@@ -30,6 +30,7 @@ from kvstate.spec.snapshot_format import body_size
 
 from .one_token_pages import serve_requests
 from .traffic_workload import FULL, PAGE_SIZES, QUICK, TINY, WORKLOADS, workload
+from .versus_sglang import run as versus_sglang, sglang_missing
 from .yardstick import TokenRadixTree
 
 __all__ = ["FULL", "PAGE_SIZES", "QUICK", "TINY", "WORKLOADS", "run", "workload"]
@@ -143,8 +144,6 @@ def run(quick: bool = False, repeat: int | None = None, peer: str | None = None)
     the in-house yardstick, labelled as such; ``peer`` (``"sglang"``, ``"yardstick"``) forces one."""
     missing = None
     if peer in (None, "sglang"):
-        from .versus_sglang import run as versus_sglang, sglang_missing
-
         missing = sglang_missing()
         if missing is None:
             return versus_sglang(quick, repeat)
