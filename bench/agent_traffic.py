@@ -1,26 +1,22 @@
-"""Prefix reuse on agent traffic, under each declared ``match`` semantics, beside a token radix tree.
+"""Prefix reuse on agent traffic: kvstate beside SGLang's released ``RadixCache``, or, where
+SGLang is not installed, beside an in-house yardstick (labelled as such in the output).
 
-Two workloads, each of ``conversations`` conversations of ``turns`` turns, all starting
-with the same system prompt, turns of all conversations interleaved at random; each
-turn adds 50-200 tokens. A request matches its whole token list, extends the hit
-with the tokens the cache did not have, and retains the result. Nobody retains the
-system prompt on its own.
+The requests are ``traffic_workload``'s: ``shared`` (each request extends its conversation's
+last one) and ``divergent`` (only a 1,000-token system prompt is shared), 200 conversations x
+10 turns. Each request is matched whole (a lookup), the hit extended with the tokens the cache
+did not have, and the result retained (an insert).
 
-``shared``    each request is the conversation's previous request plus the new turn.
-``diverging`` after turn one, each request keeps the system prompt and turn one and
-              rewrites everything after (an agent that rewrites its working memory):
-              of a conversation's retained keys only turn one's prefixes a later request.
-
-Every semantics (``entry``, ``token``, ``block`` of ``BLOCK`` tokens) runs at page sizes
-1, 16 and 64, beside ``yardstick.TokenRadixTree`` (SGLang's shape) over the same
-requests: ``yardstick`` compares edges token by token as SGLang does (the tree the
-issue's targets were set against), ``yardstick-slice`` is a stronger one, for the record.
-Figures: token hit rate (matched / query tokens), lookups/s (``match``), retains/s
-(``retain``; the yardstick's ``insert``), and memory held once every request is done: the tree's page budget count (``stats()['tree_bytes']``: each entry's pages as
-if nothing were shared) and what is really live (live pages x page bytes); the
-yardstick holds one token's bytes per token in its tree. Only the tree operations are
-timed; a tiny layout (one value per position) keeps K/V copies out of it. Ratios are
-kvstate / yardstick from the same run: compare those, not absolute rates.
+With SGLang installed, ``versus_sglang`` runs (its docstring says what is timed on each side).
+The fallback: every semantics (``entry``, ``token``, ``block`` of ``BLOCK`` tokens) at page
+sizes 1, 16 and 64 beside ``yardstick.TokenRadixTree`` (a Python tree of SGLang's shape,
+written here, not SGLang's code): ``yardstick`` compares edges token by token,
+``yardstick-slice`` is a stronger one, for the record. Figures: token hit rate (matched /
+query tokens), lookups/s (``match``), retains/s (``retain``; the yardstick's ``insert``),
+and memory held once every request is done: the tree's page budget count
+(``stats()['tree_bytes']``: each entry's pages as if nothing were shared) and what is really
+live (live pages x page bytes); the yardstick holds one token's bytes per token in its tree.
+Only the tree operations are timed; a tiny layout (one value per position) keeps K/V copies
+out of it. Ratios are kvstate / yardstick from the same run: compare those, not absolute rates.
 """
 
 from __future__ import annotations
@@ -30,50 +26,20 @@ import time
 import numpy as np
 
 from kvstate.impl import Cache
-from kvstate.spec.layout import Layout
 from kvstate.spec.snapshot_format import body_size
 
 from .one_token_pages import serve_requests
+from .traffic_workload import FULL, PAGE_SIZES, QUICK, TINY, WORKLOADS, workload
+from .versus_sglang import run as versus_sglang, sglang_missing
 from .yardstick import TokenRadixTree
 
-TINY = Layout(1, 1, 1)
-PAGE_SIZES = (1, 16, 64)
+__all__ = ["FULL", "PAGE_SIZES", "QUICK", "TINY", "WORKLOADS", "run", "workload"]
+
 BLOCK = 16
 SEMANTICS = ("entry", "token", "block")
-WORKLOADS = ("shared", "diverging")
 # Issue 12's targets for ``token`` semantics against the yardstick: the same hit rate on both
 # workloads; lookups and retains at least this many times the yardstick's, by page size.
 TARGETS = {64: 2.0, 1: 1.0}
-
-
-def workload(kind: str = "shared", conversations: int = 200, turns: int = 4, system_tokens: int = 1000,
-             turn_tokens: tuple[int, int] = (50, 200), seed: int = 0) -> list[np.ndarray]:
-    """The requests in arrival order, each a token array; a conversation's turns stay in order."""
-    if kind not in WORKLOADS:
-        raise ValueError(f"workload must be one of {WORKLOADS}, got {kind!r}")
-    rng = np.random.default_rng(seed)
-
-    def fresh(n):
-        return rng.integers(0, 50000, n)
-
-    # Sizes and arrival order first, so both kinds get the same ones; then the tokens.
-    added = rng.integers(*turn_tokens, size=(conversations, turns), endpoint=True)
-    order = np.repeat(np.arange(conversations), turns)
-    rng.shuffle(order)
-    system = fresh(system_tokens)
-    turn_one = [np.concatenate([system, fresh(added[c, 0])]) for c in range(conversations)]
-    histories = list(turn_one)
-    seen = [0] * conversations
-    requests = []
-    for c in order:
-        turn, seen[c] = seen[c], seen[c] + 1
-        if turn:
-            if kind == "shared":
-                histories[c] = np.concatenate([histories[c], fresh(added[c, turn])])
-            else:   # as long as ``shared`` would be, everything after turn one new
-                histories[c] = np.concatenate([turn_one[c], fresh(len(histories[c]) - len(turn_one[c]) + added[c, turn])])
-        requests.append(histories[c])
-    return requests
 
 
 def replay_kvstate(requests, match: str, page_tokens: int) -> dict:
@@ -173,19 +139,28 @@ def verdict(rows: list[dict], timed: bool = True) -> dict:
     return out
 
 
-def run(quick: bool = False, repeat: int | None = None) -> dict:
-    size = (dict(conversations=12, turns=3, system_tokens=100, turn_tokens=(5, 40)) if quick
-            else dict(conversations=200, turns=4, system_tokens=1000, turn_tokens=(50, 200)))
+def run(quick: bool = False, repeat: int | None = None, peer: str | None = None) -> dict:
+    """Against SGLang's released ``RadixCache`` where it loads (``versus_sglang``), else against
+    the in-house yardstick, labelled as such; ``peer`` (``"sglang"``, ``"yardstick"``) forces one."""
+    missing = None
+    if peer in (None, "sglang"):
+        missing = sglang_missing()
+        if missing is None:
+            return versus_sglang(quick, repeat)
+        if peer == "sglang":
+            raise RuntimeError(f"SGLang's RadixCache cannot be loaded: {missing}")
+    size = QUICK if quick else FULL
     repeat = repeat or (1 if quick else 2)
     rows = []
     for kind in WORKLOADS:
         requests = workload(kind, **size)
         for row in measure(requests, repeat):
             rows.append({"workload": kind, **row})
+    label = "in-house yardstick (kvstate.bench.yardstick, a Python token radix tree; not SGLang's code)"
     return {
         "name": "agent_traffic",
         "params": {**size, "requests": size["conversations"] * size["turns"], "block_tokens": BLOCK,
-                   "rounds": repeat},
+                   "rounds": repeat, "peer": label + (f": {missing}" if missing else "")},
         "rows": rows,
         "targets": verdict(rows, timed=not quick),
         "command": "python -m kvstate bench agent_traffic" + " --quick" * quick,

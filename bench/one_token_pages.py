@@ -2,7 +2,7 @@
 
     python -m kvstate.bench.one_token_pages [--against DIR] [--rounds N]
 
-The ``shared`` workload of ``agent_traffic`` (200 conversations of 4 turns behind a
+The ``shared`` workload of ``agent_traffic`` at 4 turns (200 conversations of 4 turns behind a
 1,000-token system prompt) served with ``match``, ``extend``, ``retain``, ``close`` on a
 cache of one-token pages, tiny layout (one value per position: only the tree and page
 bookkeeping are timed). Each request's time is its best over the rounds.
@@ -28,7 +28,8 @@ import numpy as np
 
 
 def requests(conversations: int = 200, turns: int = 4, system: int = 1000, seed: int = 0) -> list[np.ndarray]:
-    """``agent_traffic``'s shared workload, rebuilt here so an older checkout serves the same requests."""
+    """``agent_traffic``'s shared workload (4 turns, as when this bench was written), rebuilt here so an
+    older checkout serves the same requests."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, 50000, system)
     histories = [np.concatenate([prompt, rng.integers(0, 50000, rng.integers(50, 201))]) for _ in range(conversations)]

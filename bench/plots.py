@@ -46,15 +46,21 @@ def _best_of_n(ax, r):
 
 
 def _agent(ax, r):
-    """Token semantics against the yardstick, per page size: lookups and retains (x), targets dashed."""
-    token = [row for row in r["rows"] if row["engine"] == "kvstate" and row["match"] == "token"]
+    """Token semantics against the peer (SGLang, or the yardstick where SGLang is absent), per page
+    size: lookups and retains (x)."""
+    if any("lookup_speedup" in row for row in r["rows"]):        # against SGLang: array input
+        token = [row for row in r["rows"] if row["engine"] == "kvstate token" and row["input"] == "int64 array"]
+        lookups, retains, peer = "lookup_speedup", "insert_speedup", "SGLang"
+    else:
+        token = [row for row in r["rows"] if row["engine"] == "kvstate" and row["match"] == "token"]
+        lookups, retains, peer = "lookups_x", "retains_x", "yardstick"
     labels = [f"{row['workload']}\n@{row['page']}" for row in token]
     x = range(len(token))
-    ax.bar([i - 0.2 for i in x], [row["lookups_x"] for row in token], 0.4, label="lookups x")
-    ax.bar([i + 0.2 for i in x], [row["retains_x"] for row in token], 0.4, label="retains x")
+    ax.bar([i - 0.2 for i in x], [row[lookups] for row in token], 0.4, label="lookups x")
+    ax.bar([i + 0.2 for i in x], [row[retains] for row in token], 0.4, label="retains x")
     ax.axhline(1.0, color="k", linewidth=0.5)
     ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_ylabel("kvstate token / yardstick")
+    ax.set_ylabel(f"kvstate token speed / {peer}'s")
     ax.legend()
 
 

@@ -12,7 +12,7 @@ import platform
 import time
 from pathlib import Path
 
-BENCHMARKS = ("fork_copy", "agent_traffic", "paged_decode", "best_of_n", "restore", "hf_agent")
+BENCHMARKS = ("fork_copy", "agent_traffic", "tree_scale", "paged_decode", "best_of_n", "restore", "hf_agent")
 
 
 def run_all(names, quick: bool, full: bool, threads: int) -> list[dict]:

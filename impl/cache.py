@@ -122,9 +122,9 @@ class Cache:
         self.max_entries = max_entries
         self.store = make_store(store, layout, self.page_tokens, precision, arena_pages, device)
         self.pool = PagePool(self.store)
-        self.tree = RadixTree()
-        self.find_hit = finder_for(match, block_tokens)
         self.bounds = TreeBounds(max_entries, max_pages, self.page_tokens)
+        self.tree = RadixTree(weigh=self.bounds.entry_pages)     # keeps the pages held as it changes
+        self.find_hit = finder_for(match, block_tokens)
         self.policy = PoolPolicy(on_full, self.config.pool_limit, self.pool, self.tree, self._release,
                                  self._context_page_ids)
         self.pool.make_room = self.policy.make_room
@@ -292,8 +292,8 @@ class Cache:
             counters = self.store.counters.as_dict()
             counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
                             live_pages=len(self.pool.live), live_contexts=len(self._contexts),
-                            entries=len(self.tree), tree_pages=self.bounds.pages_held(self.tree),
-                            tree_bytes=self.bounds.pages_held(self.tree) * self.store_page_bytes(),
+                            entries=len(self.tree), tree_pages=self.tree.weight,
+                            tree_bytes=self.tree.weight * self.store_page_bytes(),
                             pressure_evictions=self.policy.evictions)
             return counters
 

@@ -74,10 +74,14 @@ class Node:
 
 
 class RadixTree:
-    def __init__(self):
+    def __init__(self, weigh: Callable[[Any], int] | None = None):
         self.root = Node(b"", None)
         self.recency: OrderedDict[Node, None] = OrderedDict()   # entries, least recent first
         self.clock = 0
+        # ``weight``: the sum of ``weigh(value)`` over the entries, kept on every insert, replace,
+        # removal and clear, so a bound on it (the page budget) costs O(1) per check, not O(entries).
+        self.weigh = weigh
+        self.weight = 0
 
     def __len__(self) -> int:
         return len(self.recency)
@@ -90,6 +94,8 @@ class RadixTree:
         if depth < len(key):
             node = self._add_below(node, key[depth:])
         replaced, node.value = node.value, value
+        if self.weigh is not None:
+            self.weight += self.weigh(value) - (0 if replaced is None else self.weigh(replaced))
         self._stamp(node)
         return replaced
 
@@ -135,6 +141,8 @@ class RadixTree:
     def remove(self, node: Node) -> None:
         """Drop the entry at ``node``, prune emptied nodes upward and collapse non-splits."""
         del self.recency[node]
+        if self.weigh is not None:
+            self.weight -= self.weigh(node.value)
         node.value = None
         victim = node
         while node is not self.root and node.value is None and not node.children:
@@ -150,6 +158,7 @@ class RadixTree:
         values = [node.value for node in self.recency]
         self.root = Node(b"", None)
         self.recency.clear()
+        self.weight = 0
         return values
 
     def entries(self) -> Iterator[Node]:

@@ -1,0 +1,181 @@
+"""``agent_traffic`` against SGLang's released ``RadixCache``, side by side in one process.
+
+    python -m kvstate.bench.versus_sglang [--workload shared|divergent] [--page 1|16|64] [--rounds N] [--quick]
+
+The peer is SGLang 0.5.23's own ``sglang/srt/mem_cache/radix_cache.py``, loaded unmodified by
+``kvstate.engines.sglang_loader`` (``pip install --no-deps sglang==0.5.23``). Per request, as
+SGLang's scheduler does it and as kvstate's users do:
+
+- SGLang: *lookup* = ``match_prefix`` of the request's key and ``inc_lock_ref`` of the node it
+  ends on (what holds the hit for the request); *insert* = ``insert`` of the whole key with one
+  slot id per token (fresh ids past the hit; the tree keeps its own for what it held). Keys are
+  ``array('q')``, the ``RadixKey`` type, built outside the timing; ``dec_lock_ref`` untimed.
+- kvstate: *lookup* = ``match`` (a fork of the hit); *insert* = ``retain``. ``extend`` of the
+  rest and ``close`` are untimed. The tokens come as an int64 array and, in their own rows, as
+  a Python list (what users pass).
+
+Page sizes 1, 16, 64. SGLang matches whole pages past page size 1, so kvstate's ``block``
+semantics (``block_tokens`` = page size) is its like; ``token`` (any common prefix) is timed
+beside it. Hit rates: ``token`` at page 1 and ``block`` at every page must equal SGLang's.
+Rounds are interleaved (every contender once per round, in turn); each request keeps its
+fastest round. ``lookup_speedup`` and ``insert_speedup`` are kvstate speed ÷ SGLang's, that
+is SGLang's time / kvstate's time on the same requests in the same run: above 1, kvstate is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from array import array
+
+import numpy as np
+
+from .traffic_workload import FULL, PAGE_SIZES, QUICK, TINY, WORKLOADS, workload
+from .one_token_pages import serve_requests
+
+TARGET = 1.5          # issue 26: lookups and inserts at least this many times SGLang's speed
+COMMAND = "python -m kvstate.bench.versus_sglang"
+
+
+def sglang_missing() -> str | None:
+    """Why SGLang's RadixCache cannot be loaded here (not installed, another release), or None."""
+    from kvstate.engines.sglang_loader import load_radix_cache
+    from kvstate.spec.errors import ConfigError
+
+    try:
+        load_radix_cache()
+    except (ImportError, ConfigError) as error:
+        return str(error)
+    return None
+
+
+def replay_sglang(keys: list[array], page: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Seconds per request in lookup (``match_prefix`` + lock) and ``insert``, and the tokens matched."""
+    import torch
+
+    from kvstate.engines.sglang_loader import load_radix_cache
+
+    rc = load_radix_cache()
+    tree = rc.RadixCache.create_simulated(page_size=page)
+    slots = torch.arange(sum(map(len, keys)), dtype=torch.int64)
+    match_s, insert_s = np.zeros(len(keys)), np.zeros(len(keys))
+    matched_tokens = next_slot = 0
+    clock = time.perf_counter
+    for i, key in enumerate(keys):
+        t0 = clock()
+        hit = tree.match_prefix(rc.MatchPrefixParams(key=rc.RadixKey(key)))
+        tree.inc_lock_ref(hit.last_device_node)
+        t1 = clock()
+        matched = hit.device_prefix_len
+        value = slots[next_slot:next_slot + len(key)]      # fresh ids: the tree keeps its own where it held the key
+        next_slot += len(key) - matched
+        t2 = clock()
+        tree.insert(rc.InsertParams(key=rc.RadixKey(key), value=value))
+        t3 = clock()
+        tree.dec_lock_ref(hit.last_device_node)
+        match_s[i], insert_s[i] = t1 - t0, t3 - t2
+        matched_tokens += matched
+    return match_s, insert_s, matched_tokens
+
+
+def replay_kvstate(queries: list, match: str, page: int) -> tuple[np.ndarray, np.ndarray, int]:
+    from kvstate.impl import Cache
+
+    cache = Cache(TINY, page_tokens=page, max_entries=len(queries) + 1, match=match,
+                  block_tokens=page if match == "block" else 0)
+    return serve_requests(cache, queries)
+
+
+def contenders(requests: list[np.ndarray], page: int):
+    """(engine, input, replay) at one page size, SGLang first; inputs converted here, untimed."""
+    keys = [array("q", tokens.tolist()) for tokens in requests]
+    lists = [tokens.tolist() for tokens in requests]
+    yield "SGLang RadixCache", "array('q')", lambda: replay_sglang(keys, page)
+    for match in ("token", "block") if page > 1 else ("token",):
+        yield f"kvstate {match}", "int64 array", lambda m=match: replay_kvstate(requests, m, page)
+        yield f"kvstate {match}", "Python list", lambda m=match: replay_kvstate(lists, m, page)
+
+
+def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bool) -> list[dict]:
+    """Every contender at every page size on ``requests``, ``rounds`` rounds interleaved."""
+    best: dict[tuple, list] = {}
+    for _ in range(rounds):
+        for page in pages:
+            for engine, given, replay in contenders(requests, page):
+                match_s, insert_s, matched = replay()
+                old = best.get((page, engine, given))
+                if old is not None:
+                    assert matched == old[2]            # counts do not depend on the round
+                    match_s, insert_s = np.minimum(match_s, old[0]), np.minimum(insert_s, old[1])
+                best[(page, engine, given)] = [match_s, insert_s, matched]
+    query_tokens = sum(map(len, requests))
+    rows = []
+    for (page, engine, given), (match_s, insert_s, matched) in best.items():
+        peer = best[(page, "SGLang RadixCache", "array('q')")]
+        rows.append({"workload": kind, "page": page, "engine": engine, "input": given,
+                     "hit_rate": matched / query_tokens, "matched": matched,
+                     "lookup_us": 1e6 * match_s.mean(), "insert_us": 1e6 * insert_s.mean(),
+                     "lookup_speedup": peer[0].sum() / match_s.sum(), "insert_speedup": peer[1].sum() / insert_s.sum(),
+                     "command": f"{COMMAND} --workload {kind} --page {page}" + " --quick" * quick})
+    return rows
+
+
+def verdict(rows: list[dict], timed: bool) -> dict:
+    """Equal hit rates where the semantics agree; the speed target where ``timed``."""
+    out = {}
+    peers = {(r["workload"], r["page"]): r for r in rows if r["engine"] == "SGLang RadixCache"}
+    for row in rows:
+        peer = peers[row["workload"], row["page"]]
+        name = f"{row['workload']} @{row['page']} {row['engine']}, {row['input']}"
+        if row["engine"] == "kvstate block" or (row["engine"] == "kvstate token" and row["page"] == 1):
+            out[f"{name}: hit = SGLang's"] = row["matched"] == peer["matched"]
+        if timed and row["engine"] == "kvstate token":
+            worst = min(row["lookup_speedup"], row["insert_speedup"])
+            out[f"{name}: min(lookup, insert speedup) >= {TARGET:g}"] = f"{worst:.2f} {'met' if worst >= TARGET else 'MISSED'}"
+    return out
+
+
+def run(quick: bool = False, rounds: int | None = None, workloads=WORKLOADS, pages=PAGE_SIZES) -> dict:
+    size = QUICK if quick else FULL
+    rounds = rounds or (1 if quick else 2)
+    rows = []
+    for kind in workloads:
+        rows += measure(kind, workload(kind, **size), pages, rounds, quick)
+    from kvstate.engines.sglang_loader import SUPPORTED_VERSION
+
+    return {
+        "name": "agent_traffic",
+        "params": {**size, "requests": size["conversations"] * size["turns"], "rounds": rounds,
+                   "peer": f"SGLang {SUPPORTED_VERSION} RadixCache (its released code)",
+                   "speedup": "kvstate speed / SGLang's = SGLang time / kvstate time, same run"},
+        "rows": rows,
+        "targets": verdict(rows, timed=not quick),
+        "command": "python -m kvstate bench agent_traffic" + " --quick" * quick,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
+    parser.add_argument("--page", type=int, choices=PAGE_SIZES, action="append", help="default: 1, 16 and 64")
+    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
+    args = parser.parse_args(argv)
+    missing = sglang_missing()
+    if missing:
+        print(f"SGLang's RadixCache cannot be loaded: {missing}")
+        return 1
+    from .run import format_result
+
+    start = time.perf_counter()
+    result = run(args.quick, args.rounds, args.workload or WORKLOADS, args.page or PAGE_SIZES)
+    result["wall_s"] = time.perf_counter() - start
+    result["command"] = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
+        f" --page {p}" for p in args.page or ()) + " --quick" * args.quick
+    print(format_result(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
