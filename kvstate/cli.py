@@ -198,6 +198,10 @@ def _sweep(args: argparse.Namespace) -> int:
         args.out = args.out or out_default
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise UsageError(f"--out {args.out!r} is a file; it must name a folder")
+        if scheduler:       # a bad address is one line now, before the backend loads or a Client exists
+            from kvstate.stateful.sweeps.cluster import check_address
+
+            check_address(scheduler)
         # Every configuration the backend declares (ours: each semantics too); a broken factory: exit 2 now.
         _, declared = _load_backend(args.backend, args.time_limit)
         configs = configs_named(args.configs.split(","), declared) if args.configs else declared
