@@ -286,10 +286,11 @@ def _appends(stream) -> bool:
         return False
 
 
-def write_snapshot(ctx: "Context", target) -> None:
-    """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed)."""
+def write_snapshot(ctx: "Context", target, deadline=None) -> None:
+    """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed).
+    ``deadline`` (seconds) bounds a write to a URL in all (``impl/remote_deadline.py``)."""
     if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
-        return remote_io.publish(target, lambda file: _write_to(file, ctx))
+        return remote_io.publish(target, lambda file: _write_to(file, ctx), deadline=deadline)
     target = remote_io.local_path(target)
     if hasattr(target, "write"):
         try:
@@ -416,16 +417,17 @@ def _fsync_folder(folder: str) -> None:
 
 # -- restoring -------------------------------------------------------------------------
 
-def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None) -> "Context":
+def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadline=None) -> "Context":
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
 
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
     fills, ``restore_cost``; default: the machine's physical memory); a file past it is
     ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
-    a ``SnapshotError``.
+    a ``SnapshotError``. ``deadline`` (seconds) bounds a restore from a URL in all
+    (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
     """
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
-        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes))
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes), deadline=deadline)
     source = remote_io.local_path(source)
     limit = _cost_limit(cache, max_bytes)
     try:
