@@ -39,7 +39,8 @@ tokens finds that one). The trade-off, in ``stride``:
 Every operation of the store (``put``, ``lookup``, ``get``, and so the second tier's part of
 ``match``) runs under one total deadline, retries and probes included: the call's
 ``deadline_s=``, else the store's own (``SnapshotStore(deadline_s=...)``), else an enclosing
-``with kvstate.remote.deadline(seconds):`` block's, else ``DEFAULT_DEADLINE_S`` (30 s).
+``with kvstate.remote.deadline(seconds):`` block's, else 30 s (``DEFAULT_DEADLINE_S`` of
+``impl/remote_deadline.py``, which a program may change).
 Past it: ``SnapshotDeadlineError`` naming the deadline; inside ``match``, a counted
 failure and the local hit. The same block bounds ``cache.restore(url)`` and
 ``ctx.snapshot(url)``.
@@ -60,7 +61,7 @@ import numpy as np
 
 from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
-from kvstate.impl.remote_deadline import DEFAULT_DEADLINE_S, Deadline, check_seconds, resolve
+from kvstate.impl.remote_deadline import Deadline, check_seconds, resolve
 from kvstate.impl.remote_deadline import within as deadline
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotError,
                                  SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
@@ -70,7 +71,7 @@ from kvstate.spec.layout import check_tokens
 DEFAULT_STRIDE = 256
 DEFAULT_PROBE_BATCH = 8
 
-__all__ = ["SnapshotStore", "second_tier_match", "deadline", "DEFAULT_DEADLINE_S"]
+__all__ = ["SnapshotStore", "second_tier_match", "deadline"]
 
 
 class SnapshotStore:

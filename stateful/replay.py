@@ -4,8 +4,11 @@ A replay file names the backend factory, the full configuration (page size
 included), the sweep seed that found it, the failure it showed, and the
 operations. It depends on nothing else: not on Hypothesis, its example
 database or its version. ``execute`` re-runs any sequence through ``Lockstep``
-with every invariant checked after every step; ``replay`` does the same for a
-file and prints each step, ``kvstate replay FILE`` is its command line.
+with every invariant checked after every step; ``replay`` runs a file's sequence
+with checks spaced so its time is linear in the file (``SpacedChecks``), pins a
+failure to its first step, and prints each step; ``kvstate replay FILE`` is its
+command line. A file is data: its bounds (``replay_bounds.py``) are checked before
+anything runs.
 """
 
 from __future__ import annotations
@@ -291,7 +294,8 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
         made = f"  -> {handle}" if handle else ""
         out(f"  {step:>4}  {op}{made}")
     out(f"replaying {len(replay.ops)} operations, {replay.config.name}, page_tokens {replay.config.page_tokens}")
-    always = () if replay.failure is None else (replay.failure.step,)
+    recorded = getattr(replay.failure, "step", None)
+    always = (recorded,) if type(recorded) is int else ()
     schedule = SpacedChecks(math.inf if every_step else CHECK_BUDGET, always)
     with Deadline(time_limit) as deadline:
         try:

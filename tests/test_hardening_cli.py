@@ -262,3 +262,11 @@ def test_replay_honours_its_time_limit(tmp_path):
 def _spin():
     while True:
         pass
+
+
+def test_replay_says_how_many_steps_it_checked_and_every_step_checks_them_all(tmp_path, capsys):
+    path = extends_file(tmp_path, 80)
+    assert main(["replay", path]) == 0
+    assert "every invariant holds (checked after" in capsys.readouterr().out
+    assert main(["replay", path, "--every-step"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "every invariant holds"
