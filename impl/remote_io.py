@@ -229,10 +229,16 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
     call = worker.call if worker is not None else (lambda function, *args, **kwargs: function(*args, **kwargs))
 
     def clean_up(function, *args):
+        """Abort or remove now, within the deadline; a worker stuck (or out of time) does it later."""
         if worker is None:
             function(*args)
-        else:
+        elif worker.stuck or worker.deadline.left() <= 0:
             worker.later(function, *args)
+        else:
+            try:
+                worker.call(function, *args)
+            except SnapshotDeadlineError:
+                pass            # still queued on the worker: it runs if the stuck call returns
 
     fs, path = call(_filesystem, url, storage_options, SnapshotWriteError)
     path = _object_path(url, path, SnapshotWriteError)
