@@ -26,9 +26,13 @@ Memory is bounded both ways: writes buffer at most one part (``PART_BYTES``)
 before it is uploaded, reads fetch ``READ_BLOCK_BYTES`` at a time into the
 reader's body buffer, so a 2 GB object is never held twice.
 
+Every operation (``read``, ``publish``, ``exists``) has a total deadline over all its
+attempts (``impl/remote_deadline.py``: ``DEFAULT_DEADLINE_S``, or the call's, store's or
+block's own); past it, ``SnapshotDeadlineError`` naming that deadline.
+
 Transient failures (connection refused or reset, timeouts, 5xx, an object
 replaced while it was being read) are retried up to ``ATTEMPTS`` times with
-exponential backoff and jitter; each retry starts over (a fresh upload, a fresh
+exponential backoff and jitter, within the deadline; each retry starts over (a fresh upload, a fresh
 read), which is safe because neither has published or changed anything yet. Every
 failure is a ``SnapshotError`` subclass whose message names the URL with any
 credentials (``user:secret@``, query strings) removed.
@@ -47,8 +51,10 @@ from typing import Callable, Iterator, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from kvstate.spec import snapshot_format as fmt
-from kvstate.spec.errors import (KVStateError, SnapshotError, SnapshotNotFoundError, SnapshotReadError,
-                                 SnapshotWriteError)
+from kvstate.spec.errors import (KVStateError, SnapshotDeadlineError, SnapshotError, SnapshotNotFoundError,
+                                 SnapshotReadError, SnapshotWriteError)
+
+from .remote_deadline import Bounded, Deadline, Worker, resolve
 
 T = TypeVar("T")
 
@@ -182,69 +188,108 @@ def _abandon(file) -> None:
 # -- streams -----------------------------------------------------------------------------
 
 @contextmanager
-def open_read(url: str, storage_options: dict | None = None) -> Iterator:
+def open_read(url: str, storage_options: dict | None = None, worker: Worker | None = None) -> Iterator:
     """A seekable binary stream of the object at ``url``, fetched in ``READ_BLOCK_BYTES`` ranges.
 
     On S3 every range is fetched with ``If-Match`` on the ETag seen at open, so
     an object replaced mid-read fails (and is retried by ``read``) instead of
-    splicing two versions. No object there: ``SnapshotNotFoundError``.
+    splicing two versions. No object there: ``SnapshotNotFoundError``. With ``worker``,
+    every blocking call (the open, each read) is bounded by its deadline.
     """
-    fs, path = _filesystem(url, storage_options, SnapshotReadError)
+    call = worker.call if worker is not None else (lambda function, *args, **kwargs: function(*args, **kwargs))
+    fs, path = call(_filesystem, url, storage_options, SnapshotReadError)
     path = _object_path(url, path, SnapshotNotFoundError)
-    fs.invalidate_cache(path)     # size and ETag from the server, not from an earlier listing
     try:
         if _is_memory(fs):
             # memory:// hands every opener the one stored file object (one position for all):
             # each reader gets its own view of the bytes instead, without copying them.
             file = io.BytesIO(fs.store[path].getbuffer()) if path in fs.store else fs.open(path, "rb")
+            worker = None       # in this process's memory: nothing to wait for
         else:
-            file = fs.open(path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+            call(fs.invalidate_cache, path)     # size and ETag from the server, not from an earlier listing
+            file = call(fs.open, path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
     except FileNotFoundError as error:
         _raise_if_outage(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
-    with file:
-        yield file
+    try:
+        yield file if worker is None else Bounded(file, worker)
+    finally:
+        if worker is None:
+            file.close()
+        else:
+            worker.later(file.close)     # a read-only handle: nothing to wait for
 
 
 @contextmanager
-def open_publish(url: str, storage_options: dict | None = None) -> Iterator:
+def open_publish(url: str, storage_options: dict | None = None, worker: Worker | None = None) -> Iterator:
     """A binary stream whose bytes appear at ``url`` all at once when the block exits normally.
 
     If the block raises, nothing is published and the previous object at ``url``
-    (if any) is untouched. See the module docstring for how, per filesystem.
+    (if any) is untouched. See the module docstring for how, per filesystem. With
+    ``worker``, every blocking call is bounded by its deadline; past it, clean-up
+    (abort, removing the temporary key) runs if and when the stuck call returns.
     """
-    fs, path = _filesystem(url, storage_options, SnapshotWriteError)
+    call = worker.call if worker is not None else (lambda function, *args, **kwargs: function(*args, **kwargs))
+
+    def clean_up(function, *args):
+        """Abort or remove now, within the deadline; a worker stuck (or out of time) does it later."""
+        if worker is None:
+            function(*args)
+        elif worker.stuck or worker.deadline.left() <= 0:
+            worker.later(function, *args)
+        else:
+            try:
+                worker.call(function, *args)
+            except SnapshotDeadlineError:
+                pass            # still queued on the worker: it runs if the stuck call returns
+
+    fs, path = call(_filesystem, url, storage_options, SnapshotWriteError)
     path = _object_path(url, path, SnapshotWriteError)
+    if _is_memory(fs):
+        call = lambda function, *args, **kwargs: function(*args, **kwargs)    # noqa: E731 - in memory
+        worker = None
     if _is_s3(fs):
-        file = fs.open(path, "wb", block_size=PART_BYTES)
+        file = call(fs.open, path, "wb", block_size=PART_BYTES)
         try:
-            yield file
+            yield file if worker is None else Bounded(file, worker)
         except BaseException:
-            _abandon(file)
+            clean_up(_abandon, file)
             raise
         try:
-            file.close()    # CompleteMultipartUpload (or the one PUT): the object appears whole
+            call(file.close)    # CompleteMultipartUpload (or the one PUT): the object appears whole
+        except SnapshotDeadlineError as error:
+            clean_up(_abandon, file)
+            raise _unknown_outcome(error) from None
         except BaseException:
-            _abandon(file)  # an upload that did not complete is aborted, not left for the lifecycle rule
+            clean_up(_abandon, file)  # an upload that did not complete is aborted, not left for the lifecycle rule
             raise
         return
     folder, _, name = path.rpartition("/")
     temp = f"{folder}/" if folder else ""
     temp += f"{fmt.TEMP_PREFIX}{name}.{uuid.uuid4().hex}{fmt.TEMP_SUFFIX}"
-    file = fs.open(temp, "wb")
+    file = call(fs.open, temp, "wb")
     try:
-        yield file
+        yield file if worker is None else Bounded(file, worker)
     except BaseException:
-        _abandon(file)
-        _remove_quietly(fs, temp)
+        clean_up(_abandon, file)
+        clean_up(_remove_quietly, fs, temp)
         raise
     try:
-        file.close()
+        call(file.close)
         # cp_file and rm_file take one exact key; mv, cp and rm expand glob characters
         # (``*``, ``?``, ``[``) in it, so a name holding them published nothing or left the temp.
-        fs.cp_file(temp, path)
+        call(fs.cp_file, temp, path)
+    except SnapshotDeadlineError as error:
+        raise _unknown_outcome(error) from None
     finally:
-        _remove_quietly(fs, temp)
+        clean_up(_remove_quietly, fs, temp)
+
+
+def _unknown_outcome(error: SnapshotDeadlineError) -> SnapshotDeadlineError:
+    """The deadline ran out during the publishing call itself: the server may yet complete it."""
+    return SnapshotDeadlineError(str(error).replace("nothing was changed here", "the publishing call was sent "
+                                                    "and may still complete: the object there is the old one "
+                                                    "or the whole new one"), deadline=error.deadline)
 
 
 def _outage_behind(error: BaseException) -> BaseException | None:
@@ -277,29 +322,48 @@ def _remove_quietly(fs, path: str) -> None:
 
 # -- whole operations, retried -------------------------------------------------------------
 
-def read(url: str, parse: Callable[[object], T], storage_options: dict | None = None) -> T:
-    """``parse(stream)`` on the object at ``url``, started over on transient failures.
+def read(url: str, parse: Callable[[object], T], storage_options: dict | None = None,
+         deadline: Deadline | float | None = None) -> T:
+    """``parse(stream)`` on the object at ``url``, started over on transient failures, all within
+    ``deadline`` (seconds or a ``Deadline``; default: ``remote_deadline.resolve``'s).
 
     ``parse`` must change nothing until it has read and checked everything
-    (``impl/snapshot.restore_snapshot`` on a stream does exactly that).
+    (``impl/snapshot.restore_snapshot`` on a stream does exactly that); it runs in this thread.
     """
+    deadline = resolve(deadline)
+
     def attempt() -> T:
-        with open_read(url, storage_options) as file:
-            return parse(file)
-    return _retried(attempt, url, "restoring from", SnapshotReadError)
+        worker = Worker(deadline, f"restoring from {redact(url)}")
+        try:
+            with open_read(url, storage_options, worker) as file:
+                return parse(file)
+        finally:
+            worker.close()
+    return _retried(attempt, url, "restoring from", SnapshotReadError, deadline)
 
 
-def publish(url: str, fill: Callable[[object], None], storage_options: dict | None = None) -> None:
-    """Replace the object at ``url`` with what ``fill(stream)`` writes, atomically; retried on transient failures."""
+def publish(url: str, fill: Callable[[object], None], storage_options: dict | None = None,
+            deadline: Deadline | float | None = None) -> None:
+    """Replace the object at ``url`` with what ``fill(stream)`` writes, atomically; retried on transient
+    failures, all within ``deadline`` (as for ``read``)."""
+    deadline = resolve(deadline)
+
     def attempt() -> None:
-        with open_publish(url, storage_options) as file:
-            fill(file)
-    _retried(attempt, url, "writing a snapshot to", SnapshotWriteError)
+        worker = Worker(deadline, f"writing a snapshot to {redact(url)}")
+        try:
+            with open_publish(url, storage_options, worker) as file:
+                fill(file)
+        finally:
+            worker.close()
+    _retried(attempt, url, "writing a snapshot to", SnapshotWriteError, deadline)
 
 
-def exists(url: str, storage_options: dict | None = None) -> bool:
-    """Whether an object is stored at ``url`` (one HEAD on S3), retried on transient failures."""
-    def attempt() -> bool:
+def exists(url: str, storage_options: dict | None = None, deadline: Deadline | float | None = None) -> bool:
+    """Whether an object is stored at ``url`` (one HEAD on S3), retried on transient failures, within
+    ``deadline`` (as for ``read``)."""
+    deadline = resolve(deadline)
+
+    def look() -> bool:
         fs, path = _filesystem(url, storage_options, SnapshotReadError)
         fs.invalidate_cache(path)
         try:
@@ -308,18 +372,29 @@ def exists(url: str, storage_options: dict | None = None) -> bool:
             _raise_if_outage(error, url)
             return False
         return True
-    return _retried(attempt, url, "looking up", SnapshotReadError)
+
+    def attempt() -> bool:
+        worker = Worker(deadline, f"looking up {redact(url)}")
+        try:
+            return worker.call(look)
+        finally:
+            worker.close()
+    return _retried(attempt, url, "looking up", SnapshotReadError, deadline)
 
 
-def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[SnapshotError]) -> T:
+def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[SnapshotError],
+             deadline: Deadline | None = None) -> T:
+    deadline = resolve(deadline)
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return action()
+        except SnapshotDeadlineError:
+            raise
         except KVStateError as error:
             cause = error.__cause__
             if attempt < ATTEMPTS and isinstance(error, (SnapshotReadError, SnapshotWriteError)) \
                     and cause is not None and is_transient(cause):
-                _sleep_before(attempt)
+                _sleep_before(attempt, deadline)
                 continue
             named = _naming(error, url)
             if named is error:
@@ -331,7 +406,7 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
             elif isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
                 raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error
             if attempt < ATTEMPTS and is_transient(error):
-                _sleep_before(attempt)
+                _sleep_before(attempt, deadline)
                 continue
             tries = f" after {attempt} attempts" if attempt > 1 else ""
             raise error_class(f"{verb} {redact(url)} failed{tries}: {_describe(error)}"
@@ -370,6 +445,7 @@ def is_transient(error: BaseException) -> bool:
                                          "503", "500 Internal"))
 
 
-def _sleep_before(attempt: int) -> None:
-    delay = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** (attempt - 1))
-    time.sleep(delay * random.uniform(0.5, 1.5))
+def _sleep_before(attempt: int, deadline: Deadline | None = None) -> None:
+    """The pause before another attempt, never past ``deadline`` (the next attempt then fails at once)."""
+    delay = min(BACKOFF_CAP_S, BACKOFF_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.5)
+    time.sleep(delay if deadline is None else min(delay, deadline.left()))

@@ -1,9 +1,9 @@
 """Writing a context to a snapshot file and restoring one into a cache.
 
-The format is ``spec/snapshot_format.py``. Writing to a path is atomic: a
-temporary file in the target's folder, flushed and fsynced, renamed over the
-target, then the folder fsynced, so a reader (or a crash) sees the old complete
-file or the new complete one; a worker thread copies each page out and hashes it
+The format is ``spec/snapshot_format.py``. Writing to a path is atomic
+(``impl/snapshot_files.py``: a temporary file in the target's folder, flushed and
+fsynced, renamed over the target, then the folder fsynced, so a reader or a crash
+sees the old complete file or the new complete one); a worker thread copies each page out and hashes it
 while the previous piece is written (``_PiecesAhead``). Restoring validates the
 whole file (header, sizes against the real file size, checksums, every token and
 value) before the cache is touched: a refused restore changes no page, slot,
@@ -28,9 +28,7 @@ import math
 import os
 import queue
 import stat
-import tempfile
 import threading
-import time
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
@@ -48,6 +46,8 @@ except ImportError:      # not POSIX: no append-mode detection, no partial-file 
     fcntl = None
 
 from .memory import physical_memory
+from .snapshot_files import STALE_PARTIAL_SECONDS, clean_stale_partials, hold_partial, write_atomic  # noqa: F401
+from .snapshot_files import fsync_folder as _fsync_folder  # noqa: F401  (callers and tests use these names here)
 
 from . import remote_io
 
@@ -59,7 +59,6 @@ _CHUNK = 1 << 20         # reads from streams of unknown size grow by at most th
 _READ_CHUNK = 4 << 20    # reads of known size: checksummed piece by piece while cache-hot
 _THREADED_CRC_BYTES = 8 << 20   # from this body size the checksum runs beside the reads
 PAGE_OVERHEAD_BYTES = 1024      # Python objects per page (Page, token array, views): counted by ``max_bytes``
-STALE_PARTIAL_SECONDS = 10.0    # an unlocked partial file this old has no live writer (see clean_stale_partials)
 IO_THREADS: int | None = None   # 1: the restore and write pipelines run inline; 2: with their worker; None: ``pipelined``
 PIPELINED_FROM_BYTES = 32 << 20  # automatic (IO_THREADS None): smaller bodies run inline
 
@@ -286,10 +285,11 @@ def _appends(stream) -> bool:
         return False
 
 
-def write_snapshot(ctx: "Context", target) -> None:
-    """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed)."""
+def write_snapshot(ctx: "Context", target, deadline=None) -> None:
+    """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed).
+    ``deadline`` (seconds) bounds a write to a URL in all (``impl/remote_deadline.py``)."""
     if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
-        return remote_io.publish(target, lambda file: _write_to(file, ctx))
+        return remote_io.publish(target, lambda file: _write_to(file, ctx), deadline=deadline)
     target = remote_io.local_path(target)
     if hasattr(target, "write"):
         try:
@@ -307,125 +307,19 @@ def write_snapshot(ctx: "Context", target) -> None:
     write_atomic(path, lambda file: _write_to(file, ctx))
 
 
-def write_atomic(path: str, fill: Callable) -> None:
-    """Replace ``path`` with what ``fill(file)`` writes: temp file, fsync, rename, fsync of the folder.
-
-    On any failure the temporary file is removed, whatever was at ``path`` is
-    untouched, and ``SnapshotWriteError`` says what failed. The temporary file is
-    created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path``
-    rather than following it. The writer holds an exclusive ``flock`` on its
-    temporary file while writing, so ``clean_stale_partials`` (run first) never
-    removes a live writer's file, only those of writers that died.
-    """
-    folder = os.path.dirname(os.path.abspath(path))
-    prefix = fmt.TEMP_PREFIX + os.path.basename(path) + "."
-    clean_stale_partials(folder, prefix)
-    try:
-        fd, temp = tempfile.mkstemp(prefix=prefix, suffix=fmt.TEMP_SUFFIX, dir=folder)
-    except (OSError, ValueError) as error:       # ValueError: a NUL in the path
-        raise SnapshotWriteError(f"cannot create a temporary file in {folder!r} for {path!r}: {error}") from error
-    try:
-        hold_partial(fd)
-        with open(fd, "wb") as file:
-            fill(file)
-            file.flush()
-            os.fsync(file.fileno())
-            os.replace(temp, path)      # still open, so still locked: no cleaner can take it first
-    except BaseException as error:
-        try:
-            os.unlink(temp)
-        except OSError:
-            pass
-        if isinstance(error, OSError):
-            raise SnapshotWriteError(
-                f"writing snapshot {path!r} failed ({error}); the previous file there is intact") from error
-        raise
-    try:
-        _fsync_folder(folder)
-    except OSError as error:
-        raise SnapshotWriteError(f"snapshot {path!r} was written but its folder could not be synced: {error}") from error
-
-
-def hold_partial(fd: int) -> int:
-    """Mark ``fd``'s partial file as a live writer's: an exclusive ``flock``, released when it is closed
-    (also when the process dies). Best effort: where locks are unsupported, nothing is cleaned."""
-    if fcntl is not None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            pass
-    return fd
-
-
-def clean_stale_partials(folder: str, prefix: str) -> list[str]:
-    """Remove partial files of one target left by writers that died (a crash mid-write); their names.
-
-    A partial file is removed only if it is older than ``STALE_PARTIAL_SECONDS`` (a writer
-    takes its lock an instant after creating it) and its ``flock`` can be taken without
-    waiting (a live writer holds it until its file is renamed or removed), and it is still
-    the same file when the lock is held. Never raises: cleaning is a courtesy to the next write.
-    """
-    if fcntl is None:
-        return []
-    removed = []
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return []
-    now = time.time()
-    for name in names:
-        middle = name[len(prefix):-len(fmt.TEMP_SUFFIX)] if name.endswith(fmt.TEMP_SUFFIX) else ""
-        if not name.startswith(prefix) or not middle or "." in middle:    # mkstemp's part has no dot
-            continue
-        path = os.path.join(folder, name)
-        try:
-            info = os.lstat(path)
-            if not stat.S_ISREG(info.st_mode) or now - info.st_mtime < STALE_PARTIAL_SECONDS:
-                continue
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            held = os.fstat(fd)
-            if (held.st_dev, held.st_ino) == (info.st_dev, info.st_ino) == _identity(path):
-                os.unlink(path)
-                removed.append(name)
-        except OSError:
-            pass                        # locked by a live writer, gone, or not ours to remove
-        finally:
-            os.close(fd)
-    return removed
-
-
-def _identity(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return None
-    return info.st_dev, info.st_ino
-
-
-def _fsync_folder(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # -- restoring -------------------------------------------------------------------------
 
-def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None) -> "Context":
+def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadline=None) -> "Context":
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
 
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
     fills, ``restore_cost``; default: the machine's physical memory); a file past it is
     ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
-    a ``SnapshotError``.
+    a ``SnapshotError``. ``deadline`` (seconds) bounds a restore from a URL in all
+    (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
     """
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
-        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes))
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes), deadline=deadline)
     source = remote_io.local_path(source)
     limit = _cost_limit(cache, max_bytes)
     try:

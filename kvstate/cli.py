@@ -206,6 +206,10 @@ def _sweep(args: argparse.Namespace) -> int:
         args.out = args.out or out_default
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise UsageError(f"--out {args.out!r} is a file; it must name a folder")
+        if scheduler:       # a bad address is one line now, before the backend loads or a Client exists
+            from kvstate.stateful.sweeps.cluster import check_address
+
+            check_address(scheduler)
         # Every configuration the backend declares (ours: each semantics too); a broken factory: exit 2 now.
         _, declared = _load_backend(args.backend, args.time_limit)
         configs = configs_named(args.configs.split(","), declared) if args.configs else declared
@@ -286,7 +290,7 @@ def _refuse_untrusted(backend: str, source: str) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from kvstate.spec.errors import ReplayFileError
+    from kvstate.spec.errors import ReplayFileError, RunTimeout
     from kvstate.stateful import replay as R
     from kvstate.stateful.conform import FactoryError
 
@@ -300,8 +304,8 @@ def _replay(args: argparse.Namespace) -> int:
               + (f" (found with {recorded.backend})" if backend != recorded.backend else ""))
         if recorded.failure is not None:
             print(f"recorded failure: {recorded.failure}")
-        failure = R.replay(recorded, factory)
-    except (ReplayFileError, FactoryError, UsageError) as error:
+        failure = R.replay(recorded, factory, time_limit=args.time_limit, every_step=args.every_step)
+    except (ReplayFileError, FactoryError, UsageError, RunTimeout) as error:
         print(f"kvstate replay: {error}", file=sys.stderr)
         return 2
     return 1 if failure else 0
@@ -401,7 +405,11 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--trust-backend", action="store_true",
                         help="import the backend the file names even if it is not built in (a file runs code)")
     replay.add_argument("--time-limit", type=float, default=LOAD_TIME_LIMIT, metavar="SECONDS",
-                        help="for importing the backend and building its first cache (default 60)")
+                        help="for importing the backend and building its first cache, and again for the "
+                             "replay itself (default 60)")
+    replay.add_argument("--every-step", action="store_true",
+                        help="check every invariant after every step (default: after every step while the cache "
+                             "is small, then spaced so the replay takes time linear in its length)")
     replay.set_defaults(run=_replay)
 
     spec_check = commands.add_parser(

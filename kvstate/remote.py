@@ -36,6 +36,15 @@ tokens finds that one). The trade-off, in ``stride``:
 - a ``put`` writes up to twice the context's bytes (exact + aligned copy), once
   per distinct prefix: a key already present is not written again.
 
+Every operation of the store (``put``, ``lookup``, ``get``, and so the second tier's part of
+``match``) runs under one total deadline, retries and probes included: the call's
+``deadline_s=``, else the store's own (``SnapshotStore(deadline_s=...)``), else an enclosing
+``with kvstate.remote.deadline(seconds):`` block's, else 30 s (``DEFAULT_DEADLINE_S`` of
+``impl/remote_deadline.py``, which a program may change).
+Past it: ``SnapshotDeadlineError`` naming the deadline; inside ``match``, a counted
+failure and the local hit. The same block bounds ``cache.restore(url)`` and
+``ctx.snapshot(url)``.
+
 Eviction is not the store's: objects stay until the bucket's lifecycle rules
 (expire by age, abort incomplete multipart uploads) remove them. A lookup that
 finds an object gone between the check and the read treats that length as a miss.
@@ -52,6 +61,8 @@ import numpy as np
 
 from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
+from kvstate.impl.remote_deadline import Deadline, check_seconds, resolve
+from kvstate.impl.remote_deadline import within as deadline
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotError,
                                  SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
 from kvstate.spec.semantics import hit_length
@@ -60,21 +71,24 @@ from kvstate.spec.layout import check_tokens
 DEFAULT_STRIDE = 256
 DEFAULT_PROBE_BATCH = 8
 
-__all__ = ["SnapshotStore", "second_tier_match"]
+__all__ = ["SnapshotStore", "second_tier_match", "deadline"]
 
 
 class SnapshotStore:
     """Contexts stored under ``url_prefix`` (any fsspec URL), found again by their tokens."""
 
     def __init__(self, url_prefix: str, stride: int = DEFAULT_STRIDE, probe_batch: int = DEFAULT_PROBE_BATCH,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, deadline_s: float | None = None):
         if not isinstance(url_prefix, str) or "://" not in url_prefix:
             raise InvalidInputError(f"url_prefix must be a URL such as 's3://bucket/kv', got {url_prefix!r}")
         remote_io.refuse_credentials(url_prefix, InvalidInputError)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
+        if deadline_s is not None:
+            check_seconds(deadline_s, "deadline_s")
         self.url_prefix = url_prefix.rstrip("/")
+        self.deadline_s = deadline_s        # each operation's total; None: the enclosing block's or the default
         self.stride = stride
         self.probe_batch = probe_batch
         self.storage_options = storage_options
@@ -108,47 +122,59 @@ class SnapshotStore:
             found.append((n, self._url(cache, n, digest.copy().hexdigest())))
         return found[::-1]
 
+    def _deadline(self, deadline_s: float | None) -> Deadline:
+        """One operation's deadline: the call's, else the store's, else the block's or the default."""
+        if deadline_s is not None:
+            return Deadline(deadline_s, "deadline_s of this call")
+        if self.deadline_s is not None:
+            return Deadline(self.deadline_s, "store's deadline (SnapshotStore deadline_s)")
+        return resolve(None)
+
     # -- the store -------------------------------------------------------------------
 
-    def put(self, ctx: Context) -> list[int]:
+    def put(self, ctx: Context, deadline_s: float | None = None) -> list[int]:
         """Store ``ctx`` at its length and at its longest multiple of ``stride``; the lengths written.
 
         A key already present is skipped (same tokens, same key). ``ctx`` is read,
         never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
-        was stored before is intact.
+        was stored before is intact; past the deadline, ``SnapshotDeadlineError``.
         """
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"put needs a kvstate Context, got {type(ctx).__name__}")
+        deadline = self._deadline(deadline_s)
         cache, tokens = ctx._cache, np.asarray(ctx.tokens, dtype=np.int64)
         aligned = len(tokens) // self.stride * self.stride
         written = []
         for n in sorted({len(tokens), aligned} - {0}, reverse=True):
             url = self.url(cache, tokens[:n])
-            if remote_io.exists(url, self.storage_options):
+            if remote_io.exists(url, self.storage_options, deadline):
                 continue
             with ctx.fork() as part:
                 part.truncate(n)
-                remote_io.publish(url, part.snapshot, self.storage_options)
+                remote_io.publish(url, part.snapshot, self.storage_options, deadline)
             written.append(n)
         return written
 
-    def lookup(self, cache: Cache, tokens, longer_than: int = 0) -> int:
+    def lookup(self, cache: Cache, tokens, longer_than: int = 0, deadline_s: float | None = None) -> int:
         """The longest stored prefix length of ``tokens`` above ``longer_than``, or 0: existence checks only."""
-        found = self._probe(cache, check_tokens(tokens), longer_than)
+        found = self._probe(cache, check_tokens(tokens), longer_than, self._deadline(deadline_s))
         return found[0][0] if found else 0
 
-    def get(self, cache: Cache, tokens, longer_than: int = 0) -> tuple[Context, int]:
+    def get(self, cache: Cache, tokens, longer_than: int = 0,
+            deadline_s: float | None = None) -> tuple[Context, int]:
         """A new context of ``cache`` holding the longest stored prefix of ``tokens``, and its length.
 
         Only prefixes longer than ``longer_than`` count; none: an empty context and 0
         (as ``Cache.match`` on a miss). A refused object raises its ``SnapshotError``
-        subclass, naming the URL, and changes nothing in ``cache``.
+        subclass, naming the URL, and changes nothing in ``cache``; so does the deadline running
+        out (``SnapshotDeadlineError``), one deadline for the probes and reads together.
         """
         tokens = check_tokens(tokens)
+        deadline = self._deadline(deadline_s)
         damaged: SnapshotError | None = None
-        for n, url in self._probe(cache, tokens, longer_than):
+        for n, url in self._probe(cache, tokens, longer_than, deadline):
             try:
-                ctx = remote_io.read(url, cache.restore, self.storage_options)
+                ctx = remote_io.read(url, cache.restore, self.storage_options, deadline)
                 if len(ctx) != n or not np.array_equal(np.asarray(ctx.tokens), tokens[:n]):
                     ctx.close()
                     raise SnapshotCorruptError(f"{remote_io.redact(url)} holds {len(ctx)} positions whose "
@@ -167,7 +193,8 @@ class SnapshotStore:
             raise damaged
         return cache.allocate(), 0
 
-    def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int) -> list[tuple[int, str]]:
+    def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int,
+               deadline: Deadline) -> list[tuple[int, str]]:
         """Stored (length, url) candidates, longest first, from the first batch that holds any."""
         candidates = self._candidates(cache, tokens, longer_than)
         if not candidates:
@@ -175,7 +202,7 @@ class SnapshotStore:
         with ThreadPoolExecutor(max_workers=min(self.probe_batch, len(candidates))) as pool:
             for start in range(0, len(candidates), self.probe_batch):
                 batch = candidates[start:start + self.probe_batch]
-                present = list(pool.map(lambda item: remote_io.exists(item[1], self.storage_options), batch))
+                present = list(pool.map(lambda item: remote_io.exists(item[1], self.storage_options, deadline), batch))
                 hits = [item for item, here in zip(batch, present) if here]
                 if hits:
                     return hits + candidates[start + self.probe_batch:]    # shorter ones: fallbacks if one vanishes

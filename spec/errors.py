@@ -132,6 +132,16 @@ class SnapshotReadError(SnapshotError):
     """Reading failed before the snapshot could be checked (storage unreachable or refusing, after retries)."""
 
 
+class SnapshotDeadlineError(SnapshotReadError, SnapshotWriteError):
+    """A remote snapshot operation (restore, write, a store's lookup) ran past its total deadline,
+    retries included; ``deadline`` names which one (the call's, the store's, the enclosing block's,
+    or the default). A read or a write error, as the operation was."""
+
+    def __init__(self, message: str, deadline: str | None = None):
+        super().__init__(message)
+        self.deadline = deadline
+
+
 # -- verification ----------------------------------------------------------------
 
 class ReplayFileError(InvalidInputError):

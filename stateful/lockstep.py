@@ -62,12 +62,14 @@ class Lockstep:
 
     # -- operations ----------------------------------------------------------------
 
-    def apply(self, op: O.Op) -> str | None:
+    def apply(self, op: O.Op, watched: bool = True) -> str | None:
         """Perform ``op`` on both sides. Returns the new handle for operations that create one.
 
         Both sides must agree on whether the operation is refused, and with which error class.
+        A refusal must change nothing: ``watched`` compares whole observations before and after
+        (a cost that grows with the cache); unwatched, only the live contexts' lengths.
         """
-        before = self._observation_now()
+        before = self._observation_now() if watched else None
         self.steps += 1
         self.history.append(str(op))
         self.ops.append(op)
@@ -150,8 +152,9 @@ class Lockstep:
 
     def _unchanged_by_refusal(self, op: O.Op, before, error: BaseException) -> None:
         """A refused operation changes nothing observable: every tier of the observation, the
-        counters (but those counting refusals), and the length of every live context."""
-        changed = observable_change(before, self.engine.observe())
+        counters (but those counting refusals), and the length of every live context. Without
+        ``before`` (an unwatched step) only the lengths."""
+        changed = None if before is None else observable_change(before, self.engine.observe())
         lengths = {handle: (len(engine), len(ref)) for handle, (engine, ref) in self.live.items()}
         changed = changed or next((f"{handle} has {mine} positions, {theirs} before"
                                    for handle, (mine, theirs) in lengths.items() if mine != theirs), None)

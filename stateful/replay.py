@@ -4,26 +4,32 @@ A replay file names the backend factory, the full configuration (page size
 included), the sweep seed that found it, the failure it showed, and the
 operations. It depends on nothing else: not on Hypothesis, its example
 database or its version. ``execute`` re-runs any sequence through ``Lockstep``
-with every invariant checked after every step; ``replay`` does the same for a
-file and prints each step, ``kvstate replay FILE`` is its command line.
+with every invariant checked after every step; ``replay`` runs a file's sequence
+with checks spaced so its time is linear in the file (``SpacedChecks``), pins a
+failure to its first step, and prints each step; ``kvstate replay FILE`` is its
+command line. A file is data: its bounds (``replay_bounds.py``) are checked before
+anything runs.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable
 
 import numpy as np
 
-from kvstate.spec.errors import ConfigError, InvariantViolation, ReplayFileError
+from kvstate.spec.errors import ConfigError, InvariantViolation, ReplayFileError, RunTimeout
 from kvstate.spec.layout import Layout, check_page_tokens
 from kvstate.spec.precision import check_precision
 from kvstate.spec.protocol import Config, Factory
 
 from . import generate as _generate  # noqa: F401  (imports optional op kinds, so their files load)
 from . import ops as O
+from . import replay_bounds as bounds
+from .deadline import Deadline
 from .lockstep import Lockstep, to_numpy
 
 FORMAT = "kvstate-replay/1"
@@ -73,14 +79,20 @@ class Replay:
 StepHook = Callable[[int, O.Op, "str | None", Lockstep], None]
 
 
+Watch = Callable[[int, O.Op, Lockstep], bool]
+
+
 def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
-            on_step: StepHook | None = None, lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
+            on_step: StepHook | None = None, lockstep: Lockstep | None = None,
+            watch: Watch | None = None) -> tuple[Failure | None, Lockstep]:
     """Apply ``ops`` in lockstep, checking invariants 1-5 after every step and 6 at the end.
 
     Returns the first failure (None when every check holds) and the lockstep, left as it was
     when the run stopped. An operation naming a context that is not live is the sequence's
     fault, not the backend's: ``ReplayFileError``. ``ops`` may be a generator that reads
-    ``lockstep`` (passed in, already built) to choose each next operation.
+    ``lockstep`` (passed in, already built) to choose each next operation. ``watch(step, op,
+    lockstep)``, when given, decides which steps are checked (``spaced_checks``); every
+    step's errors are still compared.
     """
     lockstep = lockstep or Lockstep(factory, config)
     step = 0
@@ -90,11 +102,13 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             raise ReplayFileError(f"step {step} {op} names {ctx!r}, which is not live (live: {sorted(lockstep.live)})")
         phase = "apply"
         try:
-            handle = lockstep.apply(op)
+            watched = watch is None or watch(step, op, lockstep)
+            handle = lockstep.apply(op, watched)
             if on_step is not None:
                 on_step(step, op, handle, lockstep)
             phase = "check"
-            lockstep.check()
+            if watched:
+                lockstep.check()
         except Exception as error:      # a broken backend may raise anything; that is a finding
             return _failure(step, phase, op, error), lockstep
     try:
@@ -102,6 +116,64 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
     except Exception as error:
         return _failure(step + 1, "finish", None, error), lockstep
     return None, lockstep
+
+
+CHECK_BUDGET = 16
+"""``spaced_checks``: checking may cost up to this many positions per operation (and per token written)."""
+
+
+class SpacedChecks:
+    """Which steps a long replay checks, so that checking costs time linear in the file.
+
+    A check reads every live position, so checking after every step of a sequence that grows
+    one context costs the square of its length (2,000 one-token extends: a minute). Here a step
+    is checked once the operations since the last check (one unit each, plus one per token
+    they carry) times ``budget`` reach the live positions a check reads: every step while the
+    cache holds fewer than ``budget`` positions, then spaced so the reading stays within
+    ``budget`` per unit. Steps in ``always`` (the recorded failure's) are always checked.
+    ``checked`` and ``positions`` count what was checked, for whoever wants to know.
+    """
+
+    def __init__(self, budget: int = CHECK_BUDGET, always: Iterable[int] = ()):
+        self.budget, self.always = budget, set(always)
+        self.last = 0            # the last checked step
+        self.work = 0            # units since then
+        self.checked = self.positions = 0
+
+    def __call__(self, step: int, op: O.Op, lockstep: Lockstep) -> bool:
+        self.work += 1 + len(getattr(op, "tokens", ()))
+        live = sum(len(ref) for _, ref in lockstep.live.values()) + len(lockstep.live)
+        if step in self.always or step + 1 in self.always or self.work * self.budget >= live:
+            self.last, self.work = step, 0
+            self.checked += 1
+            self.positions += live
+            return True
+        return False
+
+
+def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: StepHook | None = None,
+                  schedule: SpacedChecks | None = None) -> tuple[Failure | None, Lockstep]:
+    """``execute`` with ``SpacedChecks``; a failure seen at a check is then pinned to its first
+    step by running the sequence again, checking every step since the check before it."""
+    schedule = schedule or SpacedChecks()
+    watched: list[int] = []
+
+    def watch(step, op, lockstep):
+        if schedule(step, op, lockstep):
+            watched.append(step)
+            return True
+        return False
+
+    failure, lockstep = execute(factory, config, ops, on_step, watch=watch)
+    if failure is None or failure.phase == "finish":
+        return failure, lockstep
+    since = max((step for step in watched if step < failure.step), default=0)
+    if failure.step - since <= 1:
+        return failure, lockstep
+    again, again_lockstep = execute(factory, config, ops[:failure.step], watch=lambda step, op, ls: step > since)
+    if again is not None and again.phase != "finish":
+        return again, again_lockstep
+    return failure, lockstep
 
 
 def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failure:
@@ -169,9 +241,12 @@ def from_json(data: dict) -> Replay:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ReplayFileError(f"not a {FORMAT} file (format {found!r})")
     try:
+        bounds.check_op_count(len(data["ops"]))
         ops = [_check_op(i, O.op_from_json(op)) for i, op in enumerate(data["ops"], start=1)]
         failure = Failure(**data["failure"]) if data.get("failure") else None
-        return Replay(data["backend"], config_from_json(data["config"]), data.get("seed"), ops, failure,
+        config = config_from_json(data["config"])
+        bounds.check_memory(config, ops)
+        return Replay(data["backend"], config, data.get("seed"), ops, failure,
                       data.get("minimised", False), data.get("original_steps"))
     except ReplayFileError:
         raise
@@ -193,7 +268,7 @@ def save(replay: Replay, path: Path) -> Path:
 
 def load(path: Path) -> Replay:
     """A replay file, or ``ReplayFileError`` naming what is wrong with it (also past ``MAX_REPLAY_BYTES``,
-    not UTF-8, or nested too deeply to parse)."""
+    not UTF-8, nested too deeply to parse, or past a bound of ``replay_bounds``), before anything runs."""
     try:
         with open(path, "rb") as file:
             raw = file.read(MAX_REPLAY_BYTES + 1)
@@ -207,16 +282,31 @@ def load(path: Path) -> Replay:
 
 # -- replay, step by step ----------------------------------------------------------------
 
-def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print) -> Failure | None:
+def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
+           time_limit: float | None = None, every_step: bool = False) -> Failure | None:
     """Re-run a replay's sequence, printing each step and, on failure, the broken invariant
-    with the live contexts' engine and reference contents side by side."""
+    with the live contexts' engine and reference contents side by side.
+
+    Invariants are checked on ``SpacedChecks``' schedule (the recorded failure's step always),
+    or after every step with ``every_step``. Past ``time_limit`` seconds the run stops with
+    ``RunTimeout`` (a backend stuck inside C is not interrupted)."""
     def show(step, op, handle, lockstep):
         made = f"  -> {handle}" if handle else ""
         out(f"  {step:>4}  {op}{made}")
     out(f"replaying {len(replay.ops)} operations, {replay.config.name}, page_tokens {replay.config.page_tokens}")
-    failure, lockstep = execute(factory, replay.config, replay.ops, show)
+    recorded = getattr(replay.failure, "step", None)
+    always = (recorded,) if type(recorded) is int else ()
+    schedule = SpacedChecks(math.inf if every_step else CHECK_BUDGET, always)
+    with Deadline(time_limit) as deadline:
+        try:
+            failure, lockstep = spaced_checks(factory, replay.config, replay.ops, show, schedule)
+        except RunTimeout:
+            failure = None
+    if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):
+        raise RunTimeout(f"the replay did not finish within {time_limit:g} s (--time-limit)")
     if failure is None:
-        out("every invariant holds")
+        out(f"every invariant holds (checked after {schedule.checked} of {len(replay.ops)} steps; "
+            f"--every-step checks them all)" if schedule.checked < len(replay.ops) else "every invariant holds")
         return None
     out("")
     out(f"FAILED {failure}")

@@ -312,7 +312,7 @@ def test_prefix_edges_catch_eviction_of_the_newest_entry(monkeypatch):
 # -- planted bugs: snapshot writes ------------------------------------------------------------------------
 
 class _OsWithoutSync(types.ModuleType):
-    """The os module as impl/snapshot.py sees it, with fsync a no-op for one kind of descriptor."""
+    """The os module as impl/snapshot_files.py sees it, with fsync a no-op for one kind of descriptor."""
 
     def __init__(self, skip_folder: bool):
         super().__init__("os")
@@ -330,7 +330,8 @@ class _OsWithoutSync(types.ModuleType):
 @pytest.mark.parametrize("skip_folder,said", [(False, "not synced at its full size"),
                                               (True, "folder was not synced after the rename")])
 def test_snapshot_writes_catch_a_writer_without_either_sync(monkeypatch, skip_folder, said):
-    monkeypatch.setattr(snapshot_module, "os", _OsWithoutSync(skip_folder))
+    from kvstate.impl import snapshot_files     # the file protocol: its fsyncs of file and folder
+    monkeypatch.setattr(snapshot_files, "os", _OsWithoutSync(skip_folder))
     failure = fails("snapshot writes", numpy_factory, "f32-heap")
     assert said in failure.saw and ".snapshot(" in failure.call
 

@@ -160,3 +160,113 @@ def test_a_replay_page_too_large_to_allocate_is_the_files_fault(tmp_path, capsys
     def huge_pages(data):
         data["config"].update(page_tokens=2**40, arena_pages=0)
     assert "MAX_REPLAY_PAGE_BYTES" in one_line_exit_2(capsys, ["replay", replay_file(tmp_path, edit=huge_pages)])
+
+
+# -- replay bounds and time (issue 24, item 8) ----------------------------------------------------
+
+from kvstate.spec.errors import RunTimeout  # noqa: E402
+from kvstate.spec.layout import Layout  # noqa: E402
+from kvstate.stateful import planted  # noqa: E402
+from kvstate.stateful import replay_bounds  # noqa: E402
+
+
+def extends_file(tmp_path, n: int, layout=LAYOUT, page_tokens=4, tokens=1) -> str:
+    ops = [O.Allocate()] + [O.Extend("c1", tuple(range(tokens)), i) for i in range(n)]
+    return str(R.save(R.Replay("kvstate.impl.numpy", Config(layout, page_tokens, "f32", 0, 4), 0, ops),
+                      tmp_path / "long.json"))
+
+
+def test_a_replay_with_too_many_operations_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    path = extends_file(tmp_path, 20)
+    monkeypatch.setattr(replay_bounds, "MAX_REPLAY_OPS", 10)
+    assert "MAX_REPLAY_OPS" in one_line_exit_2(capsys, ["replay", path])
+
+
+def test_a_replay_needing_too_much_memory_is_refused_by_name(tmp_path, capsys, monkeypatch):
+    path = extends_file(tmp_path, 20)          # 20 positions of 128 bytes, twice: about 5 KB
+    monkeypatch.setattr(replay_bounds, "MAX_REPLAY_MEMORY_BYTES", 4096)
+    assert "MAX_REPLAY_MEMORY_BYTES" in one_line_exit_2(capsys, ["replay", path])
+
+
+def test_a_small_file_asking_for_gigabytes_is_refused_before_any_work(tmp_path, capsys):
+    # 64 MiB a position, one-position pages (under MAX_REPLAY_PAGE_BYTES), 16 positions a write:
+    # about 1 KB of file asking for 1 GiB per operation.
+    path = extends_file(tmp_path, 3, layout=Layout(1024, 64, 128), page_tokens=1, tokens=16)
+    assert "MAX_REPLAY_MEMORY_BYTES" in one_line_exit_2(capsys, ["replay", path])
+
+
+def test_forks_and_closes_count_only_what_is_live():
+    ops = [O.Allocate(), O.Extend("c1", (1,) * 10, 0)]
+    for i in range(100):
+        ops += [O.Fork("c1"), O.Close(f"c{i + 2}")]
+    once = R.bounds.peak_bytes(Config(LAYOUT, 4, "f32", 0, 4), ops[:4])
+    assert R.bounds.peak_bytes(Config(LAYOUT, 4, "f32", 0, 4), ops) == once
+
+
+class _CountedReads:
+    """Positions read back from engine contexts while planted (every check reads every live one)."""
+
+    def __init__(self, monkeypatch):
+        from kvstate.impl import context
+        self.positions = 0
+        original = context.Context.read
+
+        def read(ctx, *args, **kwargs):
+            values, tokens = original(ctx, *args, **kwargs)
+            self.positions += len(tokens)
+            return values, tokens
+        monkeypatch.setattr(context.Context, "read", read)
+
+
+def test_replay_checking_costs_time_linear_in_the_file(tmp_path, monkeypatch):
+    from kvstate.impl.numpy import factory
+    n = 300
+    recorded = R.load(extends_file(tmp_path, n))
+    reads = _CountedReads(monkeypatch)
+    assert R.replay(recorded, factory, out=lambda line: None) is None
+    # Every-step checking reads n * n / 2 = 45,000 positions; spaced checks a bounded number per token.
+    assert reads.positions <= 4 * R.CHECK_BUDGET * n, reads.positions
+
+
+def test_spaced_checks_still_name_the_first_failing_step(tmp_path):
+    from kvstate.impl.numpy import factory
+    ops = [O.Allocate()] + [O.Extend("c1", (i,), i) for i in range(150)]
+    ops += [O.Fork("c1"), O.Overwrite("c2", 148, (7,), 5)]      # writes into a page c1 shares
+    broken_at = len(ops)
+    ops += [O.Extend("c1", (i,), i) for i in range(40)]
+    with planted.missing_copy_on_write():
+        every, _ = R.execute(factory, Config(LAYOUT, 4, "f32", 0, 4), ops)
+        spaced, _ = R.spaced_checks(factory, Config(LAYOUT, 4, "f32", 0, 4), ops)
+    assert every is not None and every.step == broken_at
+    assert spaced is not None and (spaced.step, spaced.signature) == (every.step, every.signature)
+
+
+def test_replay_honours_its_time_limit(tmp_path):
+    from kvstate.impl.numpy import factory
+
+    def stuck_factory(config):
+        cache = factory(config)
+        allocate = cache.allocate
+
+        def stuck():
+            ctx = allocate()
+            ctx.extend = lambda *args: _spin()
+            return ctx
+        cache.allocate = stuck
+        return cache
+    recorded = R.load(extends_file(tmp_path, 3))
+    with pytest.raises(RunTimeout, match="--time-limit"):
+        R.replay(recorded, stuck_factory, out=lambda line: None, time_limit=0.5)
+
+
+def _spin():
+    while True:
+        pass
+
+
+def test_replay_says_how_many_steps_it_checked_and_every_step_checks_them_all(tmp_path, capsys):
+    path = extends_file(tmp_path, 80)
+    assert main(["replay", path]) == 0
+    assert "every invariant holds (checked after" in capsys.readouterr().out
+    assert main(["replay", path, "--every-step"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "every invariant holds"

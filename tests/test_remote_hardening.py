@@ -267,7 +267,7 @@ def http_folder(tmp_path):
 def test_a_refused_connection_is_a_read_error_with_its_cause_and_is_retried(monkeypatch, http_folder):
     from kvstate.spec.errors import SnapshotReadError
     retries = []
-    monkeypatch.setattr(remote_io, "_sleep_before", retries.append)
+    monkeypatch.setattr(remote_io, "_sleep_before", lambda attempt, *_: retries.append(attempt))
     url = f"http://127.0.0.1:{closed_port()}/x.kvs"
     cache = Cache(SMALL, page_tokens=2)
     with pytest.raises(SnapshotReadError, match="cannot reach") as caught:
@@ -298,3 +298,84 @@ def test_through_a_store_an_outage_is_counted_not_a_silent_miss(monkeypatch):
     with got:
         assert n == 0
     assert store.failures == 1
+
+
+# -- item 3: every remote operation has a total deadline ------------------------------------------------
+
+@pytest.fixture
+def silent_server():
+    """A hostile endpoint on 127.0.0.1: it accepts every connection and never answers (nor closes)."""
+    import socket
+    import threading
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    listener.settimeout(0.05)
+    held, stop = [], threading.Event()
+
+    def accept():
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield "127.0.0.1:%d" % listener.getsockname()[1]
+    stop.set()
+    thread.join()
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_a_restore_from_a_silent_endpoint_ends_at_its_deadline_and_names_it(silent_server):
+    pytest.importorskip("aiohttp")
+    from kvstate import remote
+    from kvstate.impl.snapshot import restore_snapshot
+    from kvstate.spec.errors import SnapshotDeadlineError, SnapshotReadError
+    cache = Cache(SMALL, page_tokens=2)
+    url = f"http://{silent_server}/x.kvs"
+    with remote.deadline(0.5), pytest.raises(SnapshotDeadlineError, match="enclosing kvstate.remote.deadline") as caught:
+        cache.restore(url)
+    assert isinstance(caught.value, SnapshotReadError) and url in str(caught.value)
+    with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call"):
+        restore_snapshot(cache, url, deadline=0.3)
+    assert cache.observe().pages == {}          # nothing was changed
+
+
+def test_a_write_to_a_silent_s3_endpoint_ends_at_its_deadline(silent_server):
+    pytest.importorskip("s3fs")
+    from kvstate.spec.errors import SnapshotDeadlineError, SnapshotWriteError
+    options = {"key": "k", "secret": "s", "client_kwargs": {"endpoint_url": f"http://{silent_server}"}}
+    with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call") as caught:
+        remote_io.publish("s3://bucket/x.kvs", lambda file: file.write(b"x" * 100), options, deadline=0.5)
+    assert isinstance(caught.value, SnapshotWriteError)
+
+
+def test_a_second_tier_at_a_silent_endpoint_counts_its_deadline_and_match_returns_the_local_hit(silent_server):
+    pytest.importorskip("aiohttp")
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SecondTierWarning
+    store = SnapshotStore(f"http://{silent_server}/kv", stride=4, deadline_s=0.5)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+    with filled(cache, 3) as ctx:
+        cache.retain(ctx)
+    with pytest.warns(SecondTierWarning, match="SnapshotDeadlineError"):
+        got, n = cache.match([0, 1, 2, 3, 4, 5, 6, 7, 8])
+    with got:
+        assert n == 3 and tokens_of(got) == [0, 1, 2]
+    assert store.failures == 1 and "store's deadline" in store.last_failure
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
+def test_deadlines_must_be_positive_seconds(seconds):
+    from kvstate import remote
+    from kvstate.spec.errors import InvalidInputError
+    with pytest.raises(InvalidInputError, match="deadline"):
+        remote.SnapshotStore("memory://kv", deadline_s=seconds)
+    with pytest.raises(InvalidInputError):
+        with remote.deadline(seconds):
+            pass

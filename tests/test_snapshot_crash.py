@@ -141,7 +141,8 @@ def test_failed_write_leaves_previous_snapshot_intact(tmp_path, monkeypatch, fai
         monkeypatch.setattr(snapshot_module.os, "replace", enospc)
     else:
         real_open = open
-        monkeypatch.setattr(snapshot_module, "open", lambda *a, **k: FailingFile(real_open(*a, **k), 1000),
+        from kvstate.impl import snapshot_files     # the atomic write opens its temporary file there
+        monkeypatch.setattr(snapshot_files, "open", lambda *a, **k: FailingFile(real_open(*a, **k), 1000),
                             raising=False)
     with pytest.raises(SnapshotWriteError, match="previous file there is intact"):
         new.snapshot(target)

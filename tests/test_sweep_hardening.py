@@ -148,3 +148,67 @@ def test_replaying_a_failure_on_a_black_box_reports_it_and_exits_1(tmp_path, cap
     assert main(["replay", str(path), "--backend", f"{module}:factory"]) == 1
     out = capsys.readouterr().out
     assert "FAILED" in out and "pages, as the engine reports them" in out and "does not report" in out, out
+
+
+# -- schedulers (item 9) ------------------------------------------------------------------------
+
+def _has_distributed() -> bool:
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+needs_distributed = pytest.mark.skipif(not _has_distributed(), reason="needs Dask distributed")
+
+
+@needs_distributed
+def test_a_nonsense_scheduler_is_one_line_at_once():
+    # In a process of its own: a Client whose constructor failed used to wait 60 s on its way out
+    # and print a TimeoutError traceback, after the command had printed its line.
+    import subprocess
+    from pathlib import Path
+
+    done = subprocess.run([sys.executable, "-m", "kvstate", "sweep", "--scheduler", "nonsense", "--seeds", "1",
+                           "--steps", "5", "--out", "never-written"], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=40)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 2 and len(lines) == 1 and "--scheduler 'nonsense'" in lines[0], done.stderr
+
+
+@needs_distributed
+@pytest.mark.parametrize("address", ["nonsense", "tcp://host", "foo://host:1", "tcp://:80", "tcp://host:0", ""])
+def test_scheduler_addresses_are_checked_before_a_client_exists(address):
+    from kvstate.spec.errors import SweepError
+    from kvstate.stateful.sweeps.cluster import check_address
+
+    with pytest.raises(SweepError, match="--scheduler"):
+        check_address(address)
+
+
+@needs_distributed
+def test_a_sessions_dask_client_logs_do_not_reach_the_user():
+    """A lost scheduler made Dask's client log a 36-line reconnection traceback before the sweep's
+    one line; while a session is open the client's records are dropped, and kept again after."""
+    import logging
+
+    from distributed import LocalCluster
+
+    from kvstate.stateful.sweeps.cluster import connect
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    client_log = logging.getLogger("distributed.client")
+    client_log.addHandler(handler)
+    try:
+        with LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
+                          dashboard_address="127.0.0.1:0") as local:
+            with connect(local.scheduler_address, "kvstate.impl.numpy", out=None):
+                client_log.error("Failed to reconnect to scheduler after 30.00 seconds, closing client")
+            assert seen == []
+            client_log.error("after the session")
+        assert [record.getMessage() for record in seen] == ["after the session"]
+    finally:
+        client_log.removeHandler(handler)

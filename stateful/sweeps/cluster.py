@@ -84,6 +84,39 @@ def require_distributed():
     return distributed
 
 
+def check_address(address: str) -> str:
+    """``address`` if it can name a scheduler (``tcp://HOST:PORT`` and Dask's other schemes), else a
+    one-line ``SweepError``. Checked before a ``Client`` exists: a Client whose constructor failed
+    waits 60 s on its way out and prints a traceback."""
+    require_distributed()
+    from distributed.comm import get_address_host_port
+
+    if isinstance(address, str) and address.startswith("inproc://"):      # an in-process cluster's
+        return address
+    try:
+        host, port = get_address_host_port(address)
+        if not host or not 0 < int(port) < 65536:
+            raise ValueError(f"host {host!r}, port {port}")
+    except (ValueError, TypeError) as error:
+        raise SweepError(f"--scheduler {address!r} is not a Dask scheduler address (tcp://HOST:PORT): "
+                         f"{error}") from None
+    return address
+
+
+@contextmanager
+def quiet_dask_client() -> Iterator[None]:
+    """Dask's client logs each failed reconnection as an ERROR with a traceback (36 lines for a lost
+    scheduler); the sweep says what happened in one line (``ClusterLostError``), so while a session
+    is open those records are dropped. Restored on leaving."""
+    logger = logging.getLogger("distributed.client")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 @contextmanager
 def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
             timeout_s: float = 30.0) -> Iterator[ClusterSession]:
@@ -91,35 +124,38 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
     distributed = require_distributed()
     from .worker_gate import BackendGate
 
+    check_address(address)
     here = fingerprint(backend)
-    try:
-        client = distributed.Client(address, timeout=timeout_s, set_as_default=False)
-    except (OSError, TimeoutError) as error:
-        raise SweepError(f"cannot reach the Dask scheduler at {address}: {error}") from None
-    lost = False
-    try:
+    with quiet_dask_client():
         try:
-            client.wait_for_workers(1, timeout=timeout_s)
-            checked = check_workers(client, backend, here)
-            gate = BackendGate(backend, here)
-            session = ClusterSession(address, client, client.get_executor(pure=False, resources={gate.name: 1}),
-                                     gate.name, workers=sum(client.nthreads().values()), out=out,
-                                     accepted=checked)
-            # Events only name workers (the resource is what keeps work away): a subscription that
-            # reaches the scheduler after the gate's first words misses nothing that matters.
-            client.subscribe_topic(gate.name, session.note)
-            client.register_plugin(gate, name=gate.name)
-        except TimeoutError:
-            raise SweepError(f"the Dask scheduler at {address} has no workers (waited {timeout_s:g} s)") from None
-        except OSError as error:        # distributed's CommClosedError is one
+            client = distributed.Client(address, timeout=timeout_s, set_as_default=False)
+        except (OSError, TimeoutError, ValueError) as error:
+            raise SweepError(f"cannot reach the Dask scheduler at {address}: {error}") from None
+        lost = False
+        try:
+            try:
+                client.wait_for_workers(1, timeout=timeout_s)
+                checked = check_workers(client, backend, here)
+                gate = BackendGate(backend, here)
+                session = ClusterSession(address, client,
+                                         client.get_executor(pure=False, resources={gate.name: 1}), gate.name,
+                                         workers=sum(client.nthreads().values()), out=out, accepted=checked)
+                # Events only name workers (the resource is what keeps work away): a subscription that
+                # reaches the scheduler after the gate's first words misses nothing that matters.
+                client.subscribe_topic(gate.name, session.note)
+                client.register_plugin(gate, name=gate.name)
+            except TimeoutError:
+                raise SweepError(f"the Dask scheduler at {address} has no workers (waited {timeout_s:g} s)") from None
+            except OSError as error:        # distributed's CommClosedError is one
+                lost = True
+                raise SweepError(f"lost the Dask scheduler at {address} while checking its workers: "
+                                 f"{error}") from None
+            yield session
+        except ClusterLostError:
             lost = True
-            raise SweepError(f"lost the Dask scheduler at {address} while checking its workers: {error}") from None
-        yield session
-    except ClusterLostError:
-        lost = True
-        raise
-    finally:
-        _close(client, lost)
+            raise
+        finally:
+            _close(client, lost)
 
 
 def check_workers(client, backend: str, here: dict) -> list[str]:

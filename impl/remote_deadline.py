@@ -1,0 +1,167 @@
+"""A total deadline for one remote operation (a restore, a snapshot, a store's lookup), over every attempt.
+
+Socket timeouts bound one wait and retries multiply them: against an S3 endpoint that
+accepts connections and never answers, 4 attempts x s3fs's retries x botocore's retries x
+15 s read timeouts took 27 minutes. A ``Deadline`` bounds the whole operation instead. Each
+blocking call of the operation (opening, a ranged read, an upload, a HEAD) runs on the
+operation's own daemon thread (``Worker``) and the caller waits for it at most the time
+left; past it the caller gets ``SnapshotDeadlineError`` naming the deadline that ran out.
+
+Giving up on a call is safe because the calls only move bytes: a restore parses and adopts
+in the caller's thread, after everything was read and checked, so an abandoned read changes
+no cache; an abandoned upload is aborted (or its temporary key removed) once the stuck call
+returns, and it never completed, except the final publishing call itself, whose outcome the
+error then says is unknown.
+
+Which deadline applies, most specific first: one passed to the call (``deadline_s=``), the
+``SnapshotStore``'s own (``SnapshotStore(deadline_s=...)``), the innermost ``within(seconds)``
+block around the call (``kvstate.remote.deadline``), else ``DEFAULT_DEADLINE_S``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import math
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator, TypeVar
+
+from kvstate.spec.errors import InvalidInputError, SnapshotDeadlineError
+
+T = TypeVar("T")
+
+DEFAULT_DEADLINE_S = 30.0
+"""Seconds one remote operation may take in all, retries included, when nothing else is said."""
+
+_BLOCK: contextvars.ContextVar["Deadline | None"] = contextvars.ContextVar("kvstate_remote_deadline", default=None)
+
+
+class Deadline:
+    """An end time, and the name by which an error says which deadline ran out."""
+
+    def __init__(self, seconds: float, name: str):
+        check_seconds(seconds, name)
+        self.seconds, self.name = float(seconds), name
+        self.ends = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        return max(0.0, self.ends - time.monotonic())
+
+    def error(self, doing: str) -> SnapshotDeadlineError:
+        return SnapshotDeadlineError(f"{doing}: the {self.name} of {self.seconds:g} s ran out; nothing was "
+                                     f"changed here", deadline=self.name)
+
+
+def check_seconds(seconds, name: str) -> None:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+        raise InvalidInputError(f"{name} must be a positive number of seconds, got {seconds!r}")
+
+
+def resolve(deadline: "Deadline | float | None", name: str = "deadline_s of this call") -> Deadline:
+    """The deadline an operation runs under: ``deadline`` (a ``Deadline`` or seconds), else the
+    innermost ``within`` block's, else ``DEFAULT_DEADLINE_S``."""
+    if isinstance(deadline, Deadline):
+        return deadline
+    if deadline is not None:
+        return Deadline(deadline, name)
+    block = _BLOCK.get()
+    if block is not None:
+        return block
+    return Deadline(DEFAULT_DEADLINE_S, "default deadline (kvstate.impl.remote_deadline.DEFAULT_DEADLINE_S)")
+
+
+@contextmanager
+def within(seconds: float) -> Iterator[Deadline]:
+    """Every remote operation in this block (of this thread or task) shares one deadline of
+    ``seconds``, unless the call or its store names its own."""
+    deadline = Deadline(seconds, "deadline of the enclosing kvstate.remote.deadline() block")
+    token = _BLOCK.set(deadline)
+    try:
+        yield deadline
+    finally:
+        _BLOCK.reset(token)
+
+
+class Worker:
+    """A daemon thread running one operation's blocking calls in order; the caller waits for each at
+    most the deadline's time left. Once a call overran, the worker is stuck: further ``call``\\s fail
+    at once and ``later`` queues clean-up to run if the stuck call ever returns."""
+
+    def __init__(self, deadline: Deadline, doing: str):
+        self.deadline, self.doing = deadline, doing
+        self.stuck = False
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def call(self, function: Callable[..., T], *args, **kwargs) -> T:
+        if self.stuck or self.deadline.left() <= 0:
+            raise self.deadline.error(self.doing)
+        box: dict = {}
+        done = threading.Event()
+        self._put((function, args, kwargs, box, done))
+        if not done.wait(self.deadline.left()):
+            self.stuck = True
+            raise self.deadline.error(self.doing)
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def later(self, function: Callable, *args) -> None:
+        """Run ``function`` when the calls before it are done, without waiting for it."""
+        self._put((function, args, {}, {}, threading.Event()))
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+    def _put(self, job) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvstate-remote-io", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            function, args, kwargs, box, done = job
+            try:
+                box["result"] = function(*args, **kwargs)
+            except BaseException as error:      # handed to the waiting caller, whatever it is
+                box["error"] = error
+            done.set()
+
+
+class Bounded:
+    """A file object whose blocking methods run on ``worker``, so each is bounded by its deadline."""
+
+    def __init__(self, file, worker: Worker):
+        self._file, self._worker = file, worker
+
+    def read(self, *args):
+        return self._worker.call(self._file.read, *args)
+
+    def readinto(self, buffer):
+        return self._worker.call(self._file.readinto, buffer)
+
+    def write(self, data):
+        return self._worker.call(self._file.write, data)
+
+    def flush(self):
+        return self._worker.call(self._file.flush)
+
+    def seek(self, *args):
+        return self._worker.call(self._file.seek, *args)
+
+    def tell(self):
+        return self._file.tell()
+
+    def seekable(self):
+        return self._file.seekable()
+
+    def fileno(self):
+        import io
+        raise io.UnsupportedOperation("a remote object has no file descriptor")
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)

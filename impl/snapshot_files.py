@@ -1,0 +1,135 @@
+"""The file protocol of a snapshot at a path: atomic replacement, partial files, folder sync.
+
+``write_atomic(path, fill)`` writes a temporary file in the target's folder (``mkstemp``, 0600),
+flushes and fsyncs it, renames it over the target (``os.replace``: a symlink there is replaced,
+not followed), then fsyncs the folder: a reader, or a crash, sees the old complete file or the
+new complete one. The writer holds an exclusive ``flock`` on its partial file while it writes
+(``hold_partial``), so ``clean_stale_partials`` removes only the partials of writers that died.
+What goes into the file is the caller's (``impl/snapshot.py``); this module knows only names
+(``spec/snapshot_format.py``'s ``TEMP_PREFIX``/``TEMP_SUFFIX``) and the operating system.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+import time
+from typing import Callable
+
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.errors import SnapshotWriteError
+
+try:
+    import fcntl
+except ImportError:      # not POSIX: no partial-file locks
+    fcntl = None
+
+STALE_PARTIAL_SECONDS = 10.0    # an unlocked partial file this old has no live writer (see clean_stale_partials)
+
+
+def write_atomic(path: str, fill: Callable) -> None:
+    """Replace ``path`` with what ``fill(file)`` writes: temp file, fsync, rename, fsync of the folder.
+
+    On any failure the temporary file is removed, whatever was at ``path`` is
+    untouched, and ``SnapshotWriteError`` says what failed. The temporary file is
+    created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path``
+    rather than following it. The writer holds an exclusive ``flock`` on its
+    temporary file while writing, so ``clean_stale_partials`` (run first) never
+    removes a live writer's file, only those of writers that died.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    prefix = fmt.TEMP_PREFIX + os.path.basename(path) + "."
+    clean_stale_partials(folder, prefix)
+    try:
+        fd, temp = tempfile.mkstemp(prefix=prefix, suffix=fmt.TEMP_SUFFIX, dir=folder)
+    except (OSError, ValueError) as error:       # ValueError: a NUL in the path
+        raise SnapshotWriteError(f"cannot create a temporary file in {folder!r} for {path!r}: {error}") from error
+    try:
+        hold_partial(fd)
+        with open(fd, "wb") as file:
+            fill(file)
+            file.flush()
+            os.fsync(file.fileno())
+            os.replace(temp, path)      # still open, so still locked: no cleaner can take it first
+    except BaseException as error:
+        try:
+            os.unlink(temp)
+        except OSError:
+            pass
+        if isinstance(error, OSError):
+            raise SnapshotWriteError(
+                f"writing snapshot {path!r} failed ({error}); the previous file there is intact") from error
+        raise
+    try:
+        fsync_folder(folder)
+    except OSError as error:
+        raise SnapshotWriteError(f"snapshot {path!r} was written but its folder could not be synced: {error}") from error
+
+
+def hold_partial(fd: int) -> int:
+    """Mark ``fd``'s partial file as a live writer's: an exclusive ``flock``, released when it is closed
+    (also when the process dies). Best effort: where locks are unsupported, nothing is cleaned."""
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+    return fd
+
+
+def clean_stale_partials(folder: str, prefix: str) -> list[str]:
+    """Remove partial files of one target left by writers that died (a crash mid-write); their names.
+
+    A partial file is removed only if it is older than ``STALE_PARTIAL_SECONDS`` (a writer
+    takes its lock an instant after creating it) and its ``flock`` can be taken without
+    waiting (a live writer holds it until its file is renamed or removed), and it is still
+    the same file when the lock is held. Never raises: cleaning is a courtesy to the next write.
+    """
+    if fcntl is None:
+        return []
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return []
+    now = time.time()
+    for name in names:
+        middle = name[len(prefix):-len(fmt.TEMP_SUFFIX)] if name.endswith(fmt.TEMP_SUFFIX) else ""
+        if not name.startswith(prefix) or not middle or "." in middle:    # mkstemp's part has no dot
+            continue
+        path = os.path.join(folder, name)
+        try:
+            info = os.lstat(path)
+            if not stat.S_ISREG(info.st_mode) or now - info.st_mtime < STALE_PARTIAL_SECONDS:
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = os.fstat(fd)
+            if (held.st_dev, held.st_ino) == (info.st_dev, info.st_ino) == _identity(path):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass                        # locked by a live writer, gone, or not ours to remove
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def fsync_folder(folder: str) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
