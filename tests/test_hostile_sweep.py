@@ -50,13 +50,8 @@ def test_hostile_sweep_options_long(tmp_path_factory, drawn):
     assert not tally.findings
 
 
-ITEM_9 = pytest.mark.xfail(reason="issue 24 item 9: waits 60 s, then a TimeoutError traceback (cluster.py, "
-                                   "being fixed on another branch)", strict=False)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("address", [pytest.param(a, marks=ITEM_9) if a in ("nonsense", "inproc://x") else a
-                                     for a in HS.OPTIONS["--scheduler"]])
+@pytest.mark.parametrize("address", HS.OPTIONS["--scheduler"])
 def test_hostile_scheduler_addresses_for_real(tmp_path, address):
     """Each address through a real connection attempt, in its own process (slow: connection timeouts)."""
     tally = Tally()

@@ -178,7 +178,8 @@ def test_a_nonsense_scheduler_is_one_line_at_once():
 
 
 @needs_distributed
-@pytest.mark.parametrize("address", ["nonsense", "tcp://host", "foo://host:1", "tcp://:80", "tcp://host:0", ""])
+@pytest.mark.parametrize("address", ["nonsense", "tcp://host", "foo://host:1", "tcp://:80", "tcp://host:0", "",
+                                     "inproc://x", "inproc://192.0.2.1/1/1"])
 def test_scheduler_addresses_are_checked_before_a_client_exists(address):
     from kvstate.spec.errors import SweepError
     from kvstate.stateful.sweeps.cluster import check_address

@@ -92,7 +92,7 @@ def check_address(address: str) -> str:
     from distributed.comm import get_address_host_port
 
     if isinstance(address, str) and address.startswith("inproc://"):      # an in-process cluster's
-        return address
+        return _check_inproc(address)
     try:
         host, port = get_address_host_port(address)
         if not host or not 0 < int(port) < 65536:
@@ -100,6 +100,21 @@ def check_address(address: str) -> str:
     except (ValueError, TypeError) as error:
         raise SweepError(f"--scheduler {address!r} is not a Dask scheduler address (tcp://HOST:PORT): "
                          f"{error}") from None
+    return address
+
+
+def _check_inproc(address: str) -> str:
+    """An ``inproc://`` address names a scheduler inside this process; one nobody listens on would
+    leave the Client waiting out its 60 s close."""
+    from distributed.comm.inproc import global_manager
+
+    try:
+        listening = global_manager.get_listener_for(address[len("inproc://"):]) is not None
+    except Exception:              # a malformed address: validate_address's own assertion or error
+        listening = False
+    if not listening:
+        raise SweepError(f"--scheduler {address!r}: no scheduler listens at that in-process address "
+                         f"(inproc:// names a cluster started inside this same process)")
     return address
 
 
