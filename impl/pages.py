@@ -232,8 +232,15 @@ class PagePool:
         return self.books.counts
 
     def share(self, ids: "np.ndarray | range") -> None:
-        """One more holder for each page of refcount slots ``ids`` (one holder's list: distinct)."""
-        self.books.share(ids)
+        """One more holder for each page of refcount slots ``ids`` (one holder's list: distinct).
+
+        ``Refcounts.share`` spelled out (fork's hottest step): a count on the run, pending."""
+        books = self.books
+        entry = books.pending.get(id(ids))
+        if entry is not None and entry[0] is ids:
+            entry[1] += 1
+        else:
+            books.share(ids)
 
     def _ones(self, n: int) -> np.ndarray:
         """n int64 ones, a view of one kept array: adding an array to a run of refcounts costs a
