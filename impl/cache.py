@@ -170,8 +170,12 @@ class Cache:
             length = ctx._length if length is None else length
             n = pages_needed(length, self.page_tokens)
             ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
-            self.pool.share(ids)          # every refcount in one step; the child's ids are a view
-            return self._new_context(ctx._pages[:n], length, register, ids, ctx._key)
+            self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
+            self._next_context_id += 1    # ``_new_context`` spelled out: fork is the hottest path
+            child = Context(self, self._next_context_id, ctx._pages[:n], length, ids, ctx._key)
+            if register:
+                self._contexts[child.context_id] = child
+            return child
 
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""

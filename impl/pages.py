@@ -9,7 +9,9 @@ The pool is used under the cache lock.
 Refcounts live in one int64 array (``PagePool.refcounts``), each live page owning one
 slot of it (``Page.ref``); ``Page.refcount`` reads and writes that slot. Why: a fork or a
 match of k pages then bumps k refcounts in one vectorised step over the holder's array of
-slots instead of k Python attribute updates (at one-token pages k is in the thousands).
+slots instead of k Python attribute updates (at one-token pages k is in the thousands);
+and that step is itself deferred, one count per run of slots, until a count is looked at
+(``Refcounts``): a fork closed before anything reads a count costs no step at all.
 Slots are recycled, smallest first, so the array is as long as the most pages ever live at
 once, not as the pages ever allocated (page ids only grow: they are identities), and the
 pages of one ``extend`` still get consecutive slots in the common case.
@@ -29,12 +31,79 @@ from .store import PageStore
 class Refcounts:
     """The pool's refcount array, in a box the pages share: it is replaced when it grows, and a
     page reaching it through the box rather than through the pool makes no reference cycle
-    (the pool's live set holds the pages), so a dropped cache is freed at once."""
+    (the pool's live set holds the pages), so a dropped cache is freed at once.
 
-    __slots__ = ("counts",)
+    Shares are deferred per run: a fork records "one more holder of the run ``ids``" as one
+    count on the run (``pending``: ``id(ids) -> [ids, holders]``) instead of one increment per
+    page, and a holder of the same run letting go takes such a count back (``withdraw``), so a
+    fork closed again touches no page's count. Whoever reads or writes ``counts`` gets them
+    exact: the pending counts are added first (``flush``), one vectorised step per run. So a
+    page's refcount is exact whenever anything looks at it (``Page.refcount``, ``observe``,
+    ``writable``, a release that may free a page).
+    """
+
+    __slots__ = ("_counts", "pending")
+
+    FLUSH_AT = 64       # runs pending before a share adds them anyway: bounds the dict and a late flush
 
     def __init__(self, size: int):
-        self.counts = np.zeros(size, np.int64)    # refcount of the page holding slot i; 0 for free slots
+        self._counts = np.zeros(size, np.int64)    # refcount of the page holding slot i; 0 for free slots
+        self.pending: dict[int, list] = {}
+
+    @property
+    def counts(self) -> np.ndarray:
+        if self.pending:
+            self.flush()
+        return self._counts
+
+    @counts.setter
+    def counts(self, value: np.ndarray) -> None:
+        if self.pending:
+            self.flush()
+        self._counts = value
+
+    def flush(self) -> None:
+        counts, pending = self._counts, self.pending
+        self.pending = {}
+        for ids, holders in pending.values():
+            if type(ids) is range:
+                counts[ids.start:ids.stop] += holders
+            elif len(ids) > 96:      # ufunc.at: faster than fancy indexing on long arrays, slower on short
+                np.add.at(counts, ids, holders)
+            else:
+                counts[ids] += holders
+
+    def share(self, ids) -> None:
+        """One more holder of every slot of ``ids`` (one holder's list: distinct slots), as one pending count."""
+        pending = self.pending
+        entry = pending.get(id(ids))
+        if entry is not None and entry[0] is ids:
+            entry[1] += 1
+            return
+        if len(pending) >= self.FLUSH_AT:
+            self.flush()
+        self.pending[id(ids)] = [ids, 1]
+
+    def withdraw(self, ids) -> bool:
+        """Take back one pending holder of the run ``ids``, if there is one; True if taken.
+
+        Safe without looking at any page: every holder of ``ids`` holds the same pages, so
+        which of them lets go does not matter; and while a count is pending for ``ids`` the
+        holder it was forked from holds them too, so no page can reach 0 here."""
+        entry = self.pending.get(id(ids))
+        if entry is None or entry[0] is not ids:
+            return False
+        if entry[1] == 1:
+            del self.pending[id(ids)]
+        else:
+            entry[1] -= 1
+        return True
+
+    def __getstate__(self):
+        return {"_counts": self.counts, "pending": {}}     # flushed: id() keys mean nothing in a copy
+
+    def __setstate__(self, state) -> None:
+        self._counts, self.pending = state["_counts"], state["pending"]
 
 
 class Page:
@@ -119,11 +188,11 @@ class PagePool:
             ref = heapq.heappop(self._free_refs)
         else:
             ref, self._next_ref = self._next_ref, self._next_ref + 1
-            if ref >= len(books.counts):
-                grown = np.zeros(2 * len(books.counts), np.int64)
-                grown[:len(books.counts)] = books.counts
-                books.counts = grown
-        books.counts[ref] = 1
+            if ref >= len(books._counts):
+                grown = np.zeros(2 * len(books._counts), np.int64)
+                grown[:len(books._counts)] = books._counts
+                books._counts = grown       # pending shares name slots, which the grown array keeps
+        books._counts[ref] = 1              # a free slot: no pending share names it, so no flush
         page = Page(books, page_id, ref, buffer, token_bytes, filled)
         self.live[page_id] = page
         self.allocated += 1
@@ -163,15 +232,15 @@ class PagePool:
         return self.books.counts
 
     def share(self, ids: "np.ndarray | range") -> None:
-        """One more holder for each page of refcount slots ``ids`` (one holder's list: distinct)."""
-        counts = self.books.counts
-        if type(ids) is range:
-            run = counts[ids.start:ids.stop]
-            np.add(run, self._ones(len(run)), out=run)
-        elif len(ids) > 96:      # ufunc.at: faster than fancy indexing on long arrays, slower on short
-            np.add.at(counts, ids, 1)
+        """One more holder for each page of refcount slots ``ids`` (one holder's list: distinct).
+
+        ``Refcounts.share`` spelled out (fork's hottest step): a count on the run, pending."""
+        books = self.books
+        entry = books.pending.get(id(ids))
+        if entry is not None and entry[0] is ids:
+            entry[1] += 1
         else:
-            counts[ids] += 1
+            books.share(ids)
 
     def _ones(self, n: int) -> np.ndarray:
         """n int64 ones, a view of one kept array: adding an array to a run of refcounts costs a
@@ -190,6 +259,8 @@ class PagePool:
 
     def release_slots(self, pages: list[Page], ids: np.ndarray) -> None:
         """``release`` for each of one holder's ``pages`` (``ids`` their refcount slots), the decrements in one step."""
+        if self.books.withdraw(ids):
+            return
         counts = self.books.counts
         if type(ids) is range:
             left = counts[ids.start:ids.stop]

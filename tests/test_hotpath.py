@@ -119,6 +119,29 @@ def test_a_fork_of_32_pages_bumps_their_refcounts_in_the_array():
     assert cache.pool.refcounts[slots].tolist() == [0] * 32 and cache.stats()["live_pages"] == 0
 
 
+def test_forks_closed_before_any_count_is_read_touch_no_refcount_and_reads_are_exact(monkeypatch):
+    """A fork is one pending count on its run (``pages.Refcounts``); closing a fork of the same run
+    takes it back; anything reading a count gets every pending share added first."""
+    from kvstate.impl.pages import Refcounts
+
+    cache = Cache(TINY, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend(list(range(64)), np.zeros((64, *TINY.position_shape), np.float32))
+    flushes = []
+    monkeypatch.setattr(Refcounts, "flush", lambda self, real=Refcounts.flush: (flushes.append(1), real(self)))
+    for _ in range(3):
+        for fork in [ctx.fork() for _ in range(8)]:
+            fork.close()
+    assert flushes == []
+    forks = [ctx.fork() for _ in range(5)]
+    hit = ctx.fork()
+    assert [p.refcount for p in ctx._pages] == [7] * 32 and len(flushes) == 1      # one flush for the run
+    for fork in forks + [hit]:
+        fork.close()
+    ctx.close()
+    assert cache.stats()["live_pages"] == 0
+
+
 def test_the_refcount_array_is_as_long_as_the_most_pages_ever_live_not_as_pages_ever_made():
     """Page ids only grow (they are identities); refcount slots are recycled, so a serving loop
     that allocates and frees pages for ever keeps a bounded array."""

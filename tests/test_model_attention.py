@@ -1,0 +1,47 @@
+"""The NumPy model's chunked attention equals plain causal attention, and its chunks stay small.
+
+Small chunks are the point (each product then runs on the calling thread, below
+OpenBLAS's threading threshold); these checks pin both the values and the sizes.
+"""
+
+import numpy as np
+import pytest
+
+from kvstate.model import numpy_gpt2
+from kvstate.model.numpy_gpt2 import QUERY_ROWS, attend, rechunk
+
+
+def dense_attention(q, k, v, start):
+    n, H, D = q.shape
+    scores = np.einsum("nhd,thd->hnt", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(D)
+    visible = np.arange(len(k))[None, :] <= (start + np.arange(n))[:, None]
+    scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("hnt,thd->nhd", weights, v.astype(np.float64)).reshape(n, H * D)
+
+
+@pytest.mark.parametrize("start,n,block", [(0, 200, 64), (37, 150, 64), (5, 1, 64), (0, 70, 6), (10, 90, None)])
+def test_chunked_attention_equals_dense_attention(start, n, block):
+    rng = np.random.default_rng(start + n)
+    H, D = 3, 8
+    k, v = (rng.standard_normal((start + n, H, D), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((n, H, D), dtype=np.float32)
+    parts = [(k[:start], v[:start]), (k[start:], v[start:])] if start else [(k, v)]
+    blocks = parts if block is None else list(rechunk(parts, block))
+    assert np.allclose(attend(q, blocks, start), dense_attention(q, k, v, start), atol=1e-5)
+
+
+def test_no_chunk_spans_more_than_one_key_block_or_query_rows(monkeypatch):
+    seen, chunk = [], numpy_gpt2._attend_chunk
+
+    def recording(rows, blocks, offsets, lo, hi, scale):
+        seen.append((rows.shape[1], offsets[len(blocks) - 1], lo, hi))
+        return chunk(rows, blocks, offsets, lo, hi, scale)
+
+    monkeypatch.setattr(numpy_gpt2, "_attend_chunk", recording)
+    rng = np.random.default_rng(0)
+    k = v = rng.standard_normal((300, 2, 4), dtype=np.float32)
+    attend(rng.standard_normal((290, 2, 4), dtype=np.float32), list(rechunk([(k, v)], 64)), 10)
+    assert sum(rows for rows, *_ in seen) == 290
+    assert all(rows <= QUERY_ROWS and last <= lo and hi <= last + 64 for rows, last, lo, hi in seen)
