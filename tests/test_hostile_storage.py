@@ -114,8 +114,8 @@ def test_the_url_target_reports_a_secret_in_a_message(tmp_path, monkeypatch):
 def test_the_url_target_reports_a_write_that_landed_elsewhere(tmp_path, monkeypatch):
     real = remote_io.open_publish
 
-    def elsewhere(url, storage_options=None):
-        return real(url.replace(".kvs", "-moved.kvs") if url.count(".kvs") else url + "-moved", storage_options)
+    def elsewhere(url, storage_options=None, worker=None):
+        return real(url.replace(".kvs", "-moved.kvs") if url.count(".kvs") else url + "-moved", storage_options, worker)
     monkeypatch.setattr(remote_io, "open_publish", elsewhere)
     monkeypatch.setattr(remote_io, "_retried", lambda action, *args: action())
     with pytest.raises(Finding, match="restore"):
