@@ -530,6 +530,25 @@ def cli_replay(tally: Tally, document, folder: str) -> int:
     return status
 
 
+def run_and_report(tally: Tally, runs) -> int:
+    """Run each Hypothesis-decorated target, then print the findings, the outcomes and what was
+    tried; 1 if anything was found. Shared by this module's ``main`` and its sibling fuzzers'."""
+    for run in runs:
+        try:
+            run()
+        except BaseException:      # noqa: BLE001 -- Hypothesis may group several findings
+            if not tally.findings:
+                raise
+    for finding in dict.fromkeys(tally.findings):
+        print(f"FINDING: {finding}")
+    print(tally.summary())
+    if tally.refused:
+        print("outcomes:", ", ".join(f"{name} {count}" for name, count in tally.refused.most_common()))
+    for (entry, kind), count in sorted(tally.tried.items()):
+        print(f"  {entry:28} {kind:60} {count}")
+    return 1 if tally.findings else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstate.fuzz.hostile_inputs [EXAMPLES]``: a longer run, printing what was tried."""
     from hypothesis import HealthCheck, given, settings
@@ -557,20 +576,7 @@ def main(argv: list[str] | None = None) -> int:
     def run_cache(args):
         construct(tally, args)
 
-    try:
-        run()
-        run_cache()
-        run_cli()
-    except BaseException as error:      # noqa: BLE001 -- Hypothesis may group several findings
-        if not tally.findings:
-            raise
-        for finding in dict.fromkeys(tally.findings):
-            print(f"FINDING: {finding}")
-    print(tally.summary())
-    for (entry, kind), count in sorted(tally.tried.items()):
-        print(f"  {entry:28} {kind:60} {count}")
-    return 1 if tally.findings else 0
-
+    return run_and_report(tally, (run, run_cache, run_cli))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from hypothesis import strategies as st
 
-from kvstate.fuzz.hostile_inputs import LAYOUT, PAGE_TOKENS, Finding, Tally
+from kvstate.fuzz.hostile_inputs import LAYOUT, PAGE_TOKENS, Finding, Tally, run_and_report
 from kvstate.impl.cache import Cache
 from kvstate.spec import invariants
 from kvstate.spec.errors import KVStateError
@@ -432,20 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     def run_store_arguments(args):
         check_store_arguments(tally, args)
 
-    for run in (run_urls, run_tiers, run_store_arguments):
-        try:
-            run()
-        except BaseException:      # noqa: BLE001 -- Hypothesis may group several findings
-            if not tally.findings:
-                raise
-    for finding in dict.fromkeys(tally.findings):
-        print(f"FINDING: {finding}")
-    print(tally.summary())
-    print("outcomes:", ", ".join(f"{name} {count}" for name, count in tally.refused.most_common()))
-    for (entry, kind), count in sorted(tally.tried.items()):
-        print(f"  {entry:28} {kind:60} {count}")
-    return 1 if tally.findings else 0
-
+    return run_and_report(tally, (run_urls, run_tiers, run_store_arguments))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from kvstate.fuzz.hostile_inputs import Finding, Tally, json_values
+from kvstate.fuzz.hostile_inputs import Finding, Tally, json_values, run_and_report
 
 CONFIG = "f32-heap"
 SEEDS = (0, 1)
@@ -424,20 +424,7 @@ def main(argv: list[str] | None = None) -> int:
             check_scheduler(tally, address, folder)
 
     runs = (run_journals, run_arguments) + ((run_schedulers,) if "--schedulers" in (argv or sys.argv[1:]) else ())
-    for run in runs:
-        try:
-            run()
-        except BaseException:      # noqa: BLE001 -- Hypothesis may group several findings
-            if not tally.findings:
-                raise
-    for finding in dict.fromkeys(tally.findings):
-        print(f"FINDING: {finding}")
-    print(tally.summary())
-    print("outcomes:", ", ".join(f"{name} {count}" for name, count in tally.refused.most_common()))
-    for (entry, kind), count in sorted(tally.tried.items()):
-        print(f"  {entry:28} {kind:60} {count}")
-    return 1 if tally.findings else 0
-
+    return run_and_report(tally, runs)
 
 if __name__ == "__main__":
     sys.exit(main())
