@@ -16,12 +16,13 @@ import threading
 
 from kvstate.spec.errors import RunTimeout
 
-# Own prototypes of the one C function, rather than argtypes set on ctypes.pythonapi's shared
-# entry: one passes the exception class, the other NULL ("take back the pending one").
+# An own prototype of the one C function, rather than argtypes set on ctypes.pythonapi's shared entry.
 _raise_in = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)(
     ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
-_take_back = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.c_void_p)(
-    ("PyThreadState_SetAsyncExc", ctypes.pythonapi))
+
+
+class _Drained(BaseException):
+    """Sent to this thread by ``Deadline.__exit__`` in place of a fired ``RunTimeout``, and caught there."""
 
 
 class Deadline:
@@ -60,9 +61,25 @@ class Deadline:
         with self._lock:
             self._done = True
             self._timer.cancel()
-            if self.fired:
-                _take_back(self._thread_id, None)
+        if self.fired:
+            _drain()
 
+
+def _drain() -> None:
+    """Take back a fired exception that may not have landed yet, leaving nothing pending.
+
+    Not with ``PyThreadState_SetAsyncExc(id, NULL)``: on CPython up to 3.11 that still raises the
+    interpreter's "asynchronous exception pending" flag, which only the delivery of a real one
+    lowers. Left up, every thread takes the eval loop's slow path at every check, and a thread
+    under a profile hook (``threading.setprofile``) loops forever at its first call (the race tests
+    hung for 120 s after a fired replay deadline). So a sentinel replaces whatever is pending and
+    is delivered here, at the loop's first backward jump, which lowers the flag."""
+    try:
+        _raise_in(threading.get_ident(), _Drained)
+        for _ in range(1_000_000):      # delivered at the first check; the bound is only a backstop
+            pass
+    except _Drained:
+        return
 
 
 class Overran(Exception):
