@@ -66,6 +66,7 @@ from .matching import finder_for
 from .pages import PagePool
 from .pool_policy import PoolPolicy
 from .radix import RadixTree, pack
+from .remote_deadline import CACHE, CALL, check_seconds, first_set
 from .snapshot import restore_snapshot
 from .tree_bounds import TreeBounds
 
@@ -106,12 +107,16 @@ class Cache:
         pool_pages: int = 0,
         on_full: str = "fallback",
         second_tier=None,
+        remote_deadline_s: float | None = None,
     ):
         """Storage (layout, page size, precision, store, device, arena) and the declared
         semantics of ``spec/semantics.py``: ``match``, ``block_tokens``, the tree's bounds
         ``max_entries`` and ``max_pages``, and the full-pool policy ``on_full`` over
         ``pool_pages`` (0: the arena's size). ``second_tier``: a ``kvstate.remote.SnapshotStore``
-        that ``match`` consults on a miss or a short hit."""
+        that ``match`` consults on a miss or a short hit. ``remote_deadline_s``: the total seconds
+        each remote operation of this cache may take (``restore``/``snapshot`` with a URL, the
+        second tier's part of ``match``) unless the call names its own; ``None``: the store's,
+        the enclosing ``kvstate.remote.deadline`` block's, or the default (``impl/remote_deadline.py``)."""
         if not isinstance(layout, Layout):
             raise ConfigError(f"layout must be a kvstate Layout, got {type(layout).__name__}")
         self.config = Config(layout, check_page_tokens(page_tokens), check_precision(precision), arena_pages,
@@ -139,6 +144,9 @@ class Cache:
             raise ConfigError(f"second_tier must be a kvstate.remote.SnapshotStore (anything with consult()), "
                               f"got {got}; for a URL: second_tier=SnapshotStore(url)")
         self.second_tier = second_tier
+        if remote_deadline_s is not None:
+            check_seconds(remote_deadline_s, "remote_deadline_s", ConfigError)
+        self.remote_deadline_s = remote_deadline_s
 
     @classmethod
     def from_config(cls, config: Config, store="numpy", device: str = "cpu") -> "Cache":
@@ -245,17 +253,24 @@ class Cache:
 
     # -- snapshots -----------------------------------------------------------------------
 
-    def restore(self, source, max_bytes: int | None = None) -> Context:
-        """A new context holding the snapshot at ``source`` (a path or binary stream).
+    def restore(self, source, max_bytes: int | None = None, deadline_s: float | None = None) -> Context:
+        """A new context holding the snapshot at ``source`` (a path, URL or binary stream).
 
         ``max_bytes``: refuse (``SnapshotTooLargeError``) a file whose restore would allocate more.
+        ``deadline_s``: a URL's restore in all, retries included (else ``remote_deadline_s``'s
+        order); past it ``SnapshotDeadlineError``, naming the deadline.
 
         Validated in full first: a refused file raises a ``SnapshotError`` subclass
         (a file at another precision whose values overflow this cache's f16:
         ``SnapshotPrecisionError``, a ``PrecisionRangeError`` too) and changes nothing.
         See ``impl/snapshot.py``.
         """
-        return restore_snapshot(self, source, max_bytes)
+        return restore_snapshot(self, source, max_bytes, self.remote_deadline(deadline_s))
+
+    def remote_deadline(self, deadline_s: float | None = None):
+        """The deadline a remote operation of this cache runs under: the call's, else the cache's;
+        ``None``: the store's, the block's or the default, chosen where the operation runs."""
+        return first_set((deadline_s, CALL), (self.remote_deadline_s, CACHE))
 
     # -- observation -------------------------------------------------------------------
 

@@ -302,13 +302,14 @@ class Context:
                 self._slots = self._slots[:keep]
                 self._length = n
 
-    def snapshot(self, target) -> None:
-        """Write tokens and values, in the cache's own precision, to a path (atomically) or binary stream.
+    def snapshot(self, target, deadline_s: float | None = None) -> None:
+        """Write tokens and values, in the cache's own precision, to a path or URL (atomically) or binary stream.
 
-        Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot.py``.
+        ``deadline_s``: a URL's write in all, retries included (else the cache's ``remote_deadline_s``,
+        the block's or the default). Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot.py``.
         """
         with self._owned():
-            write_snapshot(self, target)
+            write_snapshot(self, target, self._cache.remote_deadline(deadline_s))
 
     def close(self) -> None:
         """Release every page. Any later use raises ``ContextClosedError``."""

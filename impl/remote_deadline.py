@@ -14,8 +14,9 @@ returns, and it never completed, except the final publishing call itself, whose 
 error then says is unknown.
 
 Which deadline applies, most specific first: one passed to the call (``deadline_s=``), the
-``SnapshotStore``'s own (``SnapshotStore(deadline_s=...)``), the innermost ``within(seconds)``
-block around the call (``kvstate.remote.deadline``), else ``DEFAULT_DEADLINE_S``.
+cache's (``Cache(remote_deadline_s=...)``: its restores from and snapshots to URLs, and its
+second tier), the ``SnapshotStore``'s own (``SnapshotStore(deadline_s=...)``), the innermost
+``within(seconds)`` block around the call (``kvstate.remote.deadline``), else ``DEFAULT_DEADLINE_S``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ T = TypeVar("T")
 
 DEFAULT_DEADLINE_S = 30.0
 """Seconds one remote operation may take in all, retries included, when nothing else is said."""
+
+# The names by which an error says which deadline ran out.
+CALL = "deadline_s of this call"
+CACHE = "cache's deadline (Cache remote_deadline_s)"
+STORE = "store's deadline (SnapshotStore deadline_s)"
 
 _BLOCK: contextvars.ContextVar["Deadline | None"] = contextvars.ContextVar("kvstate_remote_deadline", default=None)
 
@@ -54,12 +60,12 @@ class Deadline:
                                      f"changed here", deadline=self.name)
 
 
-def check_seconds(seconds, name: str) -> None:
+def check_seconds(seconds, name: str, error: type[InvalidInputError] = InvalidInputError) -> None:
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
-        raise InvalidInputError(f"{name} must be a positive number of seconds, got {seconds!r}")
+        raise error(f"{name} must be a positive number of seconds, got {seconds!r}")
 
 
-def resolve(deadline: "Deadline | float | None", name: str = "deadline_s of this call") -> Deadline:
+def resolve(deadline: "Deadline | float | None", name: str = CALL) -> Deadline:
     """The deadline an operation runs under: ``deadline`` (a ``Deadline`` or seconds), else the
     innermost ``within`` block's, else ``DEFAULT_DEADLINE_S``."""
     if isinstance(deadline, Deadline):
@@ -70,6 +76,15 @@ def resolve(deadline: "Deadline | float | None", name: str = "deadline_s of this
     if block is not None:
         return block
     return Deadline(DEFAULT_DEADLINE_S, "default deadline (kvstate.impl.remote_deadline.DEFAULT_DEADLINE_S)")
+
+
+def first_set(*choices: tuple[float | None, str]) -> Deadline | None:
+    """The first ``(seconds, name)`` whose seconds are set, as a ``Deadline``, most specific first;
+    ``None`` when none is (``resolve`` then takes the block's or the default, when the operation runs)."""
+    for seconds, name in choices:
+        if seconds is not None:
+            return Deadline(seconds, name)
+    return None
 
 
 @contextmanager

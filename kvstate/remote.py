@@ -38,7 +38,8 @@ tokens finds that one). The trade-off, in ``stride``:
 
 Every operation of the store (``put``, ``lookup``, ``get``, and so the second tier's part of
 ``match``) runs under one total deadline, retries and probes included: the call's
-``deadline_s=``, else the store's own (``SnapshotStore(deadline_s=...)``), else an enclosing
+``deadline_s=``, else the cache's (``Cache(remote_deadline_s=...)``, for the cache the
+operation reads into or writes from), else the store's own (``SnapshotStore(deadline_s=...)``), else an enclosing
 ``with kvstate.remote.deadline(seconds):`` block's, else 30 s (``DEFAULT_DEADLINE_S`` of
 ``impl/remote_deadline.py``, which a program may change).
 Past it: ``SnapshotDeadlineError`` naming the deadline; inside ``match``, a counted
@@ -61,7 +62,7 @@ import numpy as np
 
 from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
-from kvstate.impl.remote_deadline import Deadline, check_seconds, resolve
+from kvstate.impl.remote_deadline import CACHE, CALL, STORE, Deadline, check_seconds, first_set, resolve
 from kvstate.impl.remote_deadline import within as deadline
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotError,
                                  SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
@@ -122,13 +123,11 @@ class SnapshotStore:
             found.append((n, self._url(cache, n, digest.copy().hexdigest())))
         return found[::-1]
 
-    def _deadline(self, deadline_s: float | None) -> Deadline:
-        """One operation's deadline: the call's, else the store's, else the block's or the default."""
-        if deadline_s is not None:
-            return Deadline(deadline_s, "deadline_s of this call")
-        if self.deadline_s is not None:
-            return Deadline(self.deadline_s, "store's deadline (SnapshotStore deadline_s)")
-        return resolve(None)
+    def _deadline(self, deadline_s: float | None, cache=None) -> Deadline:
+        """One operation's deadline: the call's, else the cache's (``Cache(remote_deadline_s=)``),
+        else the store's, else the block's or the default."""
+        return first_set((deadline_s, CALL), (getattr(cache, "remote_deadline_s", None), CACHE),
+                         (self.deadline_s, STORE)) or resolve(None)
 
     # -- the store -------------------------------------------------------------------
 
@@ -141,8 +140,8 @@ class SnapshotStore:
         """
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"put needs a kvstate Context, got {type(ctx).__name__}")
-        deadline = self._deadline(deadline_s)
         cache, tokens = ctx._cache, np.asarray(ctx.tokens, dtype=np.int64)
+        deadline = self._deadline(deadline_s, cache)
         aligned = len(tokens) // self.stride * self.stride
         written = []
         for n in sorted({len(tokens), aligned} - {0}, reverse=True):
@@ -157,7 +156,7 @@ class SnapshotStore:
 
     def lookup(self, cache: Cache, tokens, longer_than: int = 0, deadline_s: float | None = None) -> int:
         """The longest stored prefix length of ``tokens`` above ``longer_than``, or 0: existence checks only."""
-        found = self._probe(cache, check_tokens(tokens), longer_than, self._deadline(deadline_s))
+        found = self._probe(cache, check_tokens(tokens), longer_than, self._deadline(deadline_s, cache))
         return found[0][0] if found else 0
 
     def get(self, cache: Cache, tokens, longer_than: int = 0,
@@ -170,7 +169,7 @@ class SnapshotStore:
         out (``SnapshotDeadlineError``), one deadline for the probes and reads together.
         """
         tokens = check_tokens(tokens)
-        deadline = self._deadline(deadline_s)
+        deadline = self._deadline(deadline_s, cache)
         damaged: SnapshotError | None = None
         for n, url in self._probe(cache, tokens, longer_than, deadline):
             try:

@@ -370,6 +370,51 @@ def test_a_second_tier_at_a_silent_endpoint_counts_its_deadline_and_match_return
     assert store.failures == 1 and "store's deadline" in store.last_failure
 
 
+def test_a_cache_deadline_bounds_its_restores_and_its_tier_and_a_call_deadline_overrides_it(silent_server):
+    """Precedence, most specific first: the call's, the cache's, then the store's or the block's."""
+    pytest.importorskip("aiohttp")
+    from kvstate import remote
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SecondTierWarning, SnapshotDeadlineError
+    store = SnapshotStore(f"http://{silent_server}/kv", stride=4, deadline_s=60)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store, remote_deadline_s=0.3)
+    url = f"http://{silent_server}/x.kvs"
+    with remote.deadline(60), pytest.raises(SnapshotDeadlineError, match="cache's deadline"):
+        cache.restore(url)
+    with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call"):
+        cache.restore(url, deadline_s=0.2)
+    with filled(cache, 3) as ctx:
+        cache.retain(ctx)
+    with pytest.warns(SecondTierWarning, match="SnapshotDeadlineError"):
+        got, n = cache.match([0, 1, 2, 3, 4, 5, 6, 7, 8])
+    with got:
+        assert n == 3 and tokens_of(got) == [0, 1, 2]
+    assert store.failures == 1 and "cache's deadline" in store.last_failure
+    with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call"):
+        store.get(cache, [0, 1, 2, 3, 4, 5, 6, 7, 8], deadline_s=0.2)
+
+
+def test_a_snapshot_to_a_url_runs_under_the_call_s_else_the_cache_s_deadline(monkeypatch):
+    chosen = []
+    monkeypatch.setattr(remote_io, "publish", lambda url, write, deadline=None: chosen.append(deadline))
+    cache = Cache(SMALL, page_tokens=2, remote_deadline_s=7)
+    with filled(cache, 3) as ctx:
+        ctx.snapshot("memory://kv/a.kvs")
+        ctx.snapshot("memory://kv/b.kvs", deadline_s=2)
+    with filled(Cache(SMALL, page_tokens=2), 3) as ctx:
+        ctx.snapshot("memory://kv/c.kvs")
+    assert [(d.seconds, d.name) for d in chosen[:2]] == [(7, "cache's deadline (Cache remote_deadline_s)"),
+                                                         (2, "deadline_s of this call")]
+    assert chosen[2] is None        # the block's or the default, chosen where the write runs
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
+def test_a_cache_deadline_must_be_positive_seconds(seconds):
+    from kvstate.spec.errors import ConfigError
+    with pytest.raises(ConfigError, match="remote_deadline_s must be a positive number of seconds"):
+        Cache(SMALL, page_tokens=2, remote_deadline_s=seconds)
+
+
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
 def test_deadlines_must_be_positive_seconds(seconds):
     from kvstate import remote
