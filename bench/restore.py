@@ -4,7 +4,7 @@
     python -m kvstate.bench.restore [--no-prefill] [--full] [--tokens 512 2048] [--threads 1,2] [--repeat 5]
 
 ``--threads`` sets BLAS and torch threads and the snapshot pipelines' own threads
-(``impl/snapshot.py`` ``IO_THREADS``: 1 runs the restore and the write inline; 2 or more leaves
+(``impl/snapshot_tuning.py`` ``IO_THREADS``: 1 runs the restore and the write inline; 2 or more leaves
 it to the default, ``pipelined``, which adds their worker thread for bodies of 32 MiB or more,
 or with ``--worker always`` adds it at every size), so the 1-thread rows show what the pipeline
 buys, and ``--tokens 16 128 256 --threads 1,2 --worker always`` what it costs a small body. A list (``1,2``) runs each
@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from kvstate.impl import Cache
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_tuning
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec.arithmetic import pages_touched, span_in_page
 from kvstate.spec.snapshot_format import HEADER_SIZE
@@ -103,9 +103,9 @@ THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 def run(quick: bool = False, full: bool = False, threads: int | None = None, prefill: bool = True,
         repeat: int | None = None, lengths: list[int] | None = None, worker: str = "auto") -> dict:
     threads = threads or os.cpu_count()
-    before = snapshot_module.IO_THREADS
+    before = snapshot_tuning.IO_THREADS
     # inline; the default's choice by size; or the worker at every size
-    snapshot_module.IO_THREADS = 1 if threads == 1 else (2 if worker == "always" else None)
+    snapshot_tuning.IO_THREADS = 1 if threads == 1 else (2 if worker == "always" else None)
     try:
         result = _run(quick, full, threads, prefill, repeat, lengths)
         if worker != "auto":
@@ -113,7 +113,7 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, pre
                 row["command"] += f" --worker {worker}"
         return result
     finally:
-        snapshot_module.IO_THREADS = before
+        snapshot_tuning.IO_THREADS = before
 
 
 def _run(quick: bool, full: bool, threads: int, prefill: bool, repeat: int | None, lengths: list[int] | None) -> dict:

@@ -306,7 +306,7 @@ class Context:
         """Write tokens and values, in the cache's own precision, to a path or URL (atomically) or binary stream.
 
         ``deadline_s``: a URL's write in all, retries included (else the cache's ``remote_deadline_s``,
-        the block's or the default). Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot.py``.
+        the block's or the default). Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot_write.py``.
         """
         with self._owned():
             write_snapshot(self, target, self._cache.remote_deadline(deadline_s))

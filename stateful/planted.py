@@ -155,7 +155,7 @@ def release_skips_last_page() -> ContextManager:
 
 def restore_drops_partial_page() -> ContextManager:
     """``restore`` writes whole pages only: positions in a partly filled last page read back as zeros."""
-    from kvstate.impl import snapshot as snapshot_module
+    from kvstate.impl import snapshot_restore
 
     def adopt(cache, tokens, encoded, n):
         with cache.lock:
@@ -165,7 +165,7 @@ def restore_drops_partial_page() -> ContextManager:
         if full:
             ctx._write(0, full, tokens, encoded)
         return ctx
-    return _patched(snapshot_module, "_adopt", adopt)
+    return _patched(snapshot_restore, "_adopt", adopt)
 
 
 def q8_rounds_half_away_from_zero() -> ContextManager:

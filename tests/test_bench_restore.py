@@ -6,13 +6,14 @@ import argparse
 import pytest
 
 from kvstate.bench import restore
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_stream
+from kvstate.impl import snapshot_tuning
 
 
 def test_rows_carry_their_thread_count_ratios_and_command():
-    before = snapshot_module.IO_THREADS
+    before = snapshot_tuning.IO_THREADS
     result = restore.run(threads=1, prefill=False, repeat=1, lengths=[8])
-    assert snapshot_module.IO_THREADS == before          # the bench's thread count does not leak
+    assert snapshot_tuning.IO_THREADS == before          # the bench's thread count does not leak
     (row,) = result["rows"]
     assert row["tokens"] == 8 and row["threads"] == 1
     for ratio in ("restore_over_raw_warm", "restore_over_raw_fresh_warm", "copies_over_raw_warm",
@@ -52,13 +53,13 @@ def test_the_copies_floor_leaves_the_pages_a_restore_would_hold(tmp_path):
 
 def test_worker_always_runs_the_worker_for_a_small_body_and_says_so(monkeypatch):
     seen = []
-    reader_init = snapshot_module._PieceReader.__init__
-    monkeypatch.setattr(snapshot_module._PieceReader, "__init__",
+    reader_init = snapshot_stream._PieceReader.__init__
+    monkeypatch.setattr(snapshot_stream._PieceReader, "__init__",
                         lambda self, file, header, threaded=True: seen.append(threaded) or
                         reader_init(self, file, header, threaded))
-    before = snapshot_module.IO_THREADS
+    before = snapshot_tuning.IO_THREADS
     (row,) = restore.run(threads=2, prefill=False, repeat=1, lengths=[8], worker="always")["rows"]
-    assert snapshot_module.IO_THREADS == before
+    assert snapshot_tuning.IO_THREADS == before
     assert seen and all(seen) and row["command"].endswith("--worker always")
     seen.clear()
     (row,) = restore.run(threads=2, prefill=False, repeat=1, lengths=[8])["rows"]

@@ -18,7 +18,9 @@ import pytest
 from kvstate.impl import context as context_module
 from kvstate.impl import numpy_store as numpy_module
 from kvstate.impl import radix as radix_module
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_files
+from kvstate.impl import snapshot_read
+from kvstate.impl import snapshot_write
 from kvstate.impl.arena import SlotArena
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec import precision as precisions
@@ -344,8 +346,8 @@ def test_snapshot_writes_catch_a_sync_before_the_bytes_are_written(monkeypatch):
             os.fsync(file.fileno())            # too early: the sync covers none of the bytes
             fill(file)
         os.replace(temp, path)
-        snapshot_module._fsync_folder(folder)
-    monkeypatch.setattr(snapshot_module, "write_atomic", write_atomic)
+        snapshot_files.fsync_folder(folder)
+    monkeypatch.setattr(snapshot_write, "write_atomic", write_atomic)
     failure = fails("snapshot writes", numpy_factory, "q8-heap")
     assert "not synced at its full size" in failure.saw and "fsync file" in failure.saw
 
@@ -356,19 +358,19 @@ def test_snapshot_writes_catch_a_writer_that_writes_the_target_in_place(monkeypa
             fill(file)
             file.flush()
             os.fsync(file.fileno())
-    monkeypatch.setattr(snapshot_module, "write_atomic", write_in_place)
+    monkeypatch.setattr(snapshot_write, "write_atomic", write_in_place)
     failure = fails("snapshot writes", numpy_factory, "f16-arena6")
     assert "nothing was renamed over the target" in failure.saw
 
 
 def test_snapshot_writes_catch_a_writer_that_assumes_offset_0(monkeypatch):
-    original = snapshot_module._write_to
+    original = snapshot_write._write_to
 
     def write_to(file, ctx):
-        if snapshot_module._seekable(file):
+        if snapshot_read.seekable(file):
             file.seek(0)
         original(file, ctx)
-    monkeypatch.setattr(snapshot_module, "_write_to", write_to)
+    monkeypatch.setattr(snapshot_write, "_write_to", write_to)
     failure = fails("snapshot writes", numpy_factory, "f32-arena6")
     assert "bytes before the snapshot changed" in failure.saw and "BytesIO" in failure.call
 

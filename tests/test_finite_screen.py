@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstate.fuzz.snapshot_fuzz import resign
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_tuning
 from kvstate.impl.cache import Cache
 from kvstate.spec import layout as layout_module
 from kvstate.spec import snapshot_format as fmt
@@ -74,7 +74,7 @@ def test_the_store_refuses_a_nan_deep_in_a_large_write_by_index_and_keeps_huge_f
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_streamed_restore_keeps_huge_values_and_refuses_a_late_infinity_by_position(tmp_path, monkeypatch, threads):
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", threads)
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", threads)
     cache = Cache(LAYOUT, page_tokens=16)
     n = 4 * CHUNK // LAYOUT.values_per_position
     values = np.full(LAYOUT.batch_shape(n), HUGE, np.float32)

@@ -325,7 +325,7 @@ def _partials(folder):
 
 
 def test_stale_partials_of_the_target_are_removed(tmp_path):
-    from kvstate.impl import snapshot as S
+    from kvstate.impl import snapshot_files as S
     target = tmp_path / "ctx.kvs"
     stale = tmp_path / f"{fmt.TEMP_PREFIX}ctx.kvs.dead1234{fmt.TEMP_SUFFIX}"
     stale.write_bytes(b"x" * 100)

@@ -125,7 +125,7 @@ def test_the_url_target_reports_a_write_that_landed_elsewhere(tmp_path, monkeypa
 def test_the_url_target_reports_a_partial_left_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(remote_io, "_remove_quietly", lambda fs, path: None)
     monkeypatch.setattr(remote_io, "_abandon", lambda file: None)
-    monkeypatch.setattr("kvstate.impl.snapshot._write_to", lambda file, ctx: (file.write(b"x"), 1 / 0))
+    monkeypatch.setattr("kvstate.impl.snapshot_write._write_to", lambda file, ctx: (file.write(b"x"), 1 / 0))
     with pytest.raises(Finding):
         HS.check_url(Tally(), "memory", ("pieces", "x.kvs"), None, "Sk/+=Qz", str(tmp_path), False)
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from kvstate.impl import Cache, remote_io
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_write
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec import Layout
 from kvstate.spec.errors import (SnapshotError, SnapshotNotFoundError, SnapshotReadError,
@@ -225,7 +225,7 @@ def test_every_flipped_byte_of_a_stored_object_is_refused_by_name(s3):
 
 def _fail_after(patch, bytes_before: int, action):
     """Make the snapshot writer run ``action`` once it has produced ``bytes_before`` body bytes."""
-    original, produced, fired = snapshot_module.body_chunks, [0], []
+    original, produced, fired = snapshot_write.body_chunks, [0], []
 
     def chunks(ctx):
         for chunk in original(ctx):
@@ -234,7 +234,7 @@ def _fail_after(patch, bytes_before: int, action):
             if produced[0] >= bytes_before and not fired:
                 fired.append(True)
                 action()
-    patch.setattr(snapshot_module, "body_chunks", chunks)
+    patch.setattr(snapshot_write, "body_chunks", chunks)
 
 
 def test_a_failed_upload_publishes_nothing_and_aborts_its_multipart_upload(s3, monkeypatch):

@@ -329,11 +329,11 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
 @pytest.fixture
 def threaded_checksum(monkeypatch):
     """Every body takes the large-snapshot path, read in many small pieces."""
-    from kvstate.impl import snapshot as snapshot_module
+    from kvstate.impl import snapshot_tuning
 
-    monkeypatch.setattr(snapshot_module, "_THREADED_CRC_BYTES", 1)
-    monkeypatch.setattr(snapshot_module, "_READ_CHUNK", 64)
-    return snapshot_module
+    monkeypatch.setattr(snapshot_tuning, "THREADED_CRC_BYTES", 1)
+    monkeypatch.setattr(snapshot_tuning, "READ_CHUNK", 64)
+    return snapshot_tuning
 
 
 @pytest.mark.parametrize("precision", ["f32", "f16", "q8"])

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_files
 from kvstate.impl.cache import Cache
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import SnapshotError, SnapshotWriteError
@@ -136,12 +136,11 @@ def test_failed_write_leaves_previous_snapshot_intact(tmp_path, monkeypatch, fai
     old.snapshot(target)
     before = target.read_bytes()
     if failure == "fsync":
-        monkeypatch.setattr(snapshot_module.os, "fsync", enospc)
+        monkeypatch.setattr(snapshot_files.os, "fsync", enospc)
     elif failure == "replace":
-        monkeypatch.setattr(snapshot_module.os, "replace", enospc)
+        monkeypatch.setattr(snapshot_files.os, "replace", enospc)
     else:
         real_open = open
-        from kvstate.impl import snapshot_files     # the atomic write opens its temporary file there
         monkeypatch.setattr(snapshot_files, "open", lambda *a, **k: FailingFile(real_open(*a, **k), 1000),
                             raising=False)
     with pytest.raises(SnapshotWriteError, match="previous file there is intact"):

@@ -49,11 +49,12 @@ def test_snapshot_and_restore_in_lockstep(machine_config, page_tokens):
 
 def test_lockstep_catches_a_restore_that_loses_a_position(machine_config, monkeypatch):
     """The checks can fail: a restore that drops the last position is caught."""
-    from kvstate.impl import snapshot as snapshot_module
+    from kvstate.impl import snapshot_restore, snapshot_stream
 
-    for name in ("_adopt", "_adopt_prepared"):     # a body read whole, and one streamed into pages
-        real = getattr(snapshot_module, name)
-        monkeypatch.setattr(snapshot_module, name,
+    # a body read whole, and one streamed into pages
+    for module, name in ((snapshot_restore, "_adopt"), (snapshot_stream, "_adopt_prepared")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name,
                             lambda cache, tokens, pages, n, real=real: real(cache, tokens, pages, max(n - 1, 0)))
     lockstep = Lockstep(numpy_factory, machine_config)
     with pytest.raises(InvariantViolation):

@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 
 from kvstate.impl import numpy_store
-from kvstate.impl import snapshot as snapshot_module
+from kvstate.impl import snapshot_stream
+from kvstate.impl import snapshot_tuning
+from kvstate.impl import snapshot_write
 from kvstate.impl.cache import Cache
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import SnapshotCorruptError, SnapshotVersionError
@@ -27,8 +29,8 @@ def values(n, seed=0):
 def tiny_pieces(monkeypatch, request):
     """Pieces of 3 positions (or fewer): every restore below crosses pieces and pages unaligned;
     read inline (1 thread) and by a reader thread (2)."""
-    monkeypatch.setattr(snapshot_module._PieceReader, "PIECE_BYTES", 3 * LAYOUT.values_per_position)
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", request.param)
+    monkeypatch.setattr(snapshot_stream._PieceReader, "PIECE_BYTES", 3 * LAYOUT.values_per_position)
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", request.param)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -138,11 +140,11 @@ def test_this_build_writes_v2_and_without_xxhash_writes_v1_and_refuses_v2_by_nam
 def test_writes_and_restores_reuse_their_staging_buffers(tmp_path, monkeypatch, threads):
     """A fresh staging buffer costs a first touch of each of its pages: once a write and a restore
     have run, the next ones take the same buffers back instead of allocating."""
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", threads)
-    monkeypatch.setattr(snapshot_module, "_staging", snapshot_module.StagingPool())
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", threads)
+    monkeypatch.setattr(snapshot_tuning, "staging", snapshot_tuning.StagingPool())
     taken = []
-    real_take = snapshot_module.StagingPool.take
-    monkeypatch.setattr(snapshot_module.StagingPool, "take",
+    real_take = snapshot_tuning.StagingPool.take
+    monkeypatch.setattr(snapshot_tuning.StagingPool, "take",
                         lambda pool, nbytes: taken.append(real_take(pool, nbytes)) or taken[-1])
     cache = Cache(LAYOUT, page_tokens=4)
     ctx = cache.allocate()
@@ -153,38 +155,51 @@ def test_writes_and_restores_reuse_their_staging_buffers(tmp_path, monkeypatch, 
     first, second = taken[:len(taken) // 2], taken[len(taken) // 2:]
     assert first and len(first) == len(second)
     assert {id(buffer) for buffer in second} <= {id(buffer) for buffer in first}
-    assert len(snapshot_module._staging._spare) <= snapshot_module.StagingPool.KEEP
+    assert len(snapshot_tuning.staging._spare) <= snapshot_tuning.StagingPool.KEEP
 
 
 def test_by_default_small_bodies_run_inline_and_large_ones_with_the_worker(tmp_path, monkeypatch):
     """The worker thread pays only for large bodies: ``pipelined`` decides from the body's size
     unless ``IO_THREADS`` is set, and the write and the restore both follow it."""
-    pipelined, limit = snapshot_module.pipelined, snapshot_module.PIPELINED_FROM_BYTES
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", None)
-    monkeypatch.setattr(snapshot_module.os, "cpu_count", lambda: 2)
+    pipelined, limit = snapshot_tuning.pipelined, snapshot_tuning.PIPELINED_FROM_BYTES
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", None)
+    monkeypatch.setattr(snapshot_tuning.os, "cpu_count", lambda: 2)
     assert not pipelined(limit - 1) and pipelined(limit)
-    monkeypatch.setattr(snapshot_module.os, "cpu_count", lambda: 1)
+    monkeypatch.setattr(snapshot_tuning.os, "cpu_count", lambda: 1)
     assert not pipelined(limit)
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", 1)
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", 1)
     assert not pipelined(10 * limit)
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", 2)
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", 2)
     assert pipelined(0)
 
     readers, writers = [], []
-    reader_init, writer_init = snapshot_module._PieceReader.__init__, snapshot_module._PiecesAhead.__init__
-    monkeypatch.setattr(snapshot_module._PieceReader, "__init__",
+    reader_init, writer_init = snapshot_stream._PieceReader.__init__, snapshot_write._PiecesAhead.__init__
+    monkeypatch.setattr(snapshot_stream._PieceReader, "__init__",
                         lambda self, file, header, threaded=True: readers.append(threaded) or reader_init(self, file, header, threaded))
-    monkeypatch.setattr(snapshot_module._PiecesAhead, "__init__",
+    monkeypatch.setattr(snapshot_write._PiecesAhead, "__init__",
                         lambda self, ctx, hasher: writers.append(True) or writer_init(self, ctx, hasher))
-    monkeypatch.setattr(snapshot_module, "IO_THREADS", None)
-    monkeypatch.setattr(snapshot_module.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(snapshot_tuning, "IO_THREADS", None)
+    monkeypatch.setattr(snapshot_tuning.os, "cpu_count", lambda: 2)
     cache = Cache(LAYOUT, page_tokens=4)
     with cache.allocate() as ctx:
         ctx.extend(list(range(10)), values(10))
         body = fmt.body_size(LAYOUT, "f32", 10)
         for limit, threaded in ((body + 1, False), (body, True)):
-            monkeypatch.setattr(snapshot_module, "PIPELINED_FROM_BYTES", limit)
+            monkeypatch.setattr(snapshot_tuning, "PIPELINED_FROM_BYTES", limit)
             ctx.snapshot(tmp_path / "a.kvs")
             with cache.restore(tmp_path / "a.kvs") as back:
                 assert back.tokens == ctx.tokens
             assert readers[-1] is threaded and len(writers) == int(threaded)
+
+
+def test_the_snapshot_module_names_only_its_entry_points():
+    """``impl/snapshot.py`` re-exports the entry points of the modules it was split into and holds no
+    tuning of its own: a test or bench that set ``snapshot.IO_THREADS`` (or any name defined in one
+    of those modules) would change nothing the code reads, so such a name is absent here and
+    ``monkeypatch.setattr`` on it fails loudly instead."""
+    from kvstate.impl import snapshot
+    public = {name for name in vars(snapshot) if not name.startswith("__")}
+    assert public == set(snapshot.__all__)
+    for name in ("IO_THREADS", "PIPELINED_FROM_BYTES", "_READ_CHUNK", "_THREADED_CRC_BYTES", "_staging",
+                 "_PieceReader", "_PiecesAhead", "_write_to", "_adopt", "write_atomic", "body_chunks", "os"):
+        assert not hasattr(snapshot, name)

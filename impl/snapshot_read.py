@@ -1,0 +1,231 @@
+"""Reading a snapshot without touching a cache: opening a regular file, the header and its
+size checks, the cost bound (``max_bytes``), and a body read whole with its checksum
+(``BodyChecksum``, on a worker thread for large bodies)."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import stat
+import threading
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.arithmetic import pages_needed
+from kvstate.spec.errors import (SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
+                                 SnapshotTooLargeError, SnapshotTruncatedError)
+
+from . import snapshot_tuning as tuning
+from .memory import physical_memory
+
+if TYPE_CHECKING:
+    from .cache import Cache
+
+
+def open_regular(source) -> tuple[io.BufferedReader, int]:
+    """``source`` opened for reading, and its size, if it is a regular file; a ``SnapshotError`` if not.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read: opening a FIFO
+    with no writer would otherwise block forever, and a device (``/dev/zero``) or a
+    directory is no snapshot. Blocking is switched back on for the reads.
+    """
+    try:
+        path = os.fspath(source)
+    except TypeError:
+        raise SnapshotError(f"a snapshot comes from a path or a binary stream, not {type(source).__name__}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as error:
+        raise SnapshotNotFoundError(f"no snapshot at {path!r}") from error
+    except (OSError, ValueError) as error:     # permission, a symlink loop, a NUL in the path
+        raise SnapshotError(f"cannot open snapshot {path!r}: {error}") from error
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SnapshotError(f"{path!r} is not a regular file ({_file_kind(info.st_mode)}); "
+                                f"pass an open binary stream to restore from anything else")
+        os.set_blocking(fd, True)
+        return open(fd, "rb"), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def restore_cost(cache: "Cache", header: fmt.Header) -> int:
+    """Bytes a restore of ``header``'s file allocates at its peak: the body read whole, and the pages
+    it fills (their stored bytes, token ids and per-page objects)."""
+    pages = pages_needed(header.positions, cache.page_tokens)
+    page_bytes = getattr(cache.store, "page_bytes", 0) + cache.page_tokens * 8 + tuning.PAGE_OVERHEAD_BYTES
+    return header.body_bytes + pages * page_bytes
+
+
+def cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | None":
+    if max_bytes is None:
+        max_bytes = physical_memory()      # a file that cannot fit in RAM is refused, not swapped into
+        if max_bytes is None:
+            return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+        raise SnapshotError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+
+    def check(header: fmt.Header) -> None:
+        cost = restore_cost(cache, header)
+        if cost > max_bytes:
+            raise SnapshotTooLargeError(
+                f"restoring {header.positions} positions of {header.layout} at {header.precision} takes "
+                f"about {cost} bytes, above max_bytes={max_bytes}")
+    return check
+
+
+def read_snapshot(file, layout, size: int | None,
+                  limit: "Callable[[fmt.Header], None] | None" = None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
+    """Header, body bytes and the body's checksum (``.result()``), every length checked before the body is allocated.
+
+    ``size`` is the number of bytes left in ``file`` when known (files, seekable
+    streams); otherwise the body is read in bounded chunks so a lying header
+    cannot make the reader allocate more than the stream really holds. ``limit(header)``
+    raises when the restore would cost more than its caller allows: checked after the real
+    size, before the body is allocated (for a stream of unknown size, once its body is read).
+    """
+    header = read_header(file, layout, size, limit)
+    return read_body(file, header, size, limit)
+
+
+def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], None] | None" = None) -> fmt.Header:
+    """The header, checked against ``layout``, the real size (when known) and ``limit``; nothing allocated."""
+    header = fmt.parse_header(_read_exactly_or_less(file, fmt.HEADER_SIZE))
+    if header.layout != layout:
+        raise SnapshotLayoutError(f"snapshot layout {header.layout} (offset 12) differs from the cache's {layout}")
+    total = fmt.HEADER_SIZE + header.body_bytes
+    if size is not None:
+        if size < total:
+            raise SnapshotTruncatedError(
+                f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
+        if size > total:
+            raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
+        if limit is not None:
+            limit(header)
+    return header
+
+
+def read_body(file, header: fmt.Header, size: int | None,
+               limit: "Callable[[fmt.Header], None] | None" = None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
+    total = fmt.HEADER_SIZE + header.body_bytes
+    crc = BodyChecksum(header.version, threaded=size is not None and header.body_bytes >= tuning.THREADED_CRC_BYTES)
+    with crc:
+        if size is not None and hasattr(file, "readinto"):
+            body = np.empty(header.body_bytes, np.uint8)     # sized from a checked header and the real file size
+            view = memoryview(body)
+            filled = 0
+            while filled < len(body):
+                got = file.readinto(view[filled:filled + tuning.READ_CHUNK])
+                if not got:
+                    raise SnapshotTruncatedError(
+                        f"file ended at offset {fmt.HEADER_SIZE + filled} while reading the body; "
+                        f"expected {total} bytes")
+                crc.feed(view[filled:filled + got])    # checksummed while the next piece is read
+                filled += got
+        else:
+            body = bytearray()
+            while len(body) < header.body_bytes:
+                chunk = checked_read(file, min(tuning.CHUNK, header.body_bytes - len(body)))
+                if not chunk:
+                    raise SnapshotTruncatedError(
+                        f"stream ended at offset {fmt.HEADER_SIZE + len(body)} while reading the body; "
+                        f"expected {total} bytes")
+                crc.feed(chunk)
+                body += chunk
+        if checked_read(file, 1):
+            raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
+    if size is None and limit is not None:
+        limit(header)      # a stream of unknown size: its body is what it really held; the pages are next
+    return header, memoryview(body), crc
+
+
+class BodyChecksum:
+    """The body's checksum (``fmt.BodyHash`` of its version), fed piece by piece in file order.
+
+    For large bodies a worker thread computes it (``zlib.crc32`` and XXH3 release the GIL), so
+    reading the next piece, and then the content checks, overlap the checksum. Used as a
+    context manager: the worker always stops, also when reading fails halfway.
+    """
+
+    def __init__(self, version: int, threaded: bool):
+        self._hash = fmt.BodyHash(version)
+        self._pieces: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
+        self._worker = threading.Thread(target=self._run, daemon=True) if threaded else None
+
+    def __enter__(self) -> "BodyChecksum":
+        if self._worker is not None:
+            self._worker.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._worker is not None and self._worker.is_alive():
+            self._pieces.put(None)
+            if exc[0] is not None:
+                self._worker.join()
+
+    def feed(self, piece) -> None:
+        if self._pieces is None:
+            self._hash.update(piece)
+        else:
+            self._pieces.put(piece)
+
+    def result(self) -> int:
+        if self._worker is not None:
+            self._worker.join()
+        return self._hash.value()
+
+    def _run(self) -> None:
+        while (piece := self._pieces.get()) is not None:
+            self._hash.update(piece)
+
+
+def _read_exactly_or_less(file, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = checked_read(file, n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def checked_read(file, n: int) -> bytes:
+    """``file.read(n)``, refusing a text stream and a non-blocking one that has nothing yet by name."""
+    chunk = file.read(n)
+    if chunk is None:
+        raise SnapshotError(f"{file!r} would block: restore needs a blocking stream")
+    if not isinstance(chunk, (bytes, bytearray, memoryview)):
+        raise SnapshotError(f"{file!r} is not a binary stream (read returned {type(chunk).__name__})")
+    return chunk
+
+
+def seekable(stream) -> bool:
+    try:
+        return bool(stream.seekable())
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+def remaining(stream) -> int | None:
+    try:
+        if not seekable(stream):
+            return None
+        here = stream.tell()
+        end = stream.seek(0, io.SEEK_END)
+        stream.seek(here)
+        return end - here
+    except (AttributeError, OSError):
+        return None

@@ -1,0 +1,112 @@
+"""Restoring a snapshot into a cache: from a URL (``impl/remote_io.py``), a path or a stream.
+
+A local regular file of the cache's own precision into a store that prepares pages is streamed
+(``impl/snapshot_stream.py``); every other source is read whole and checked
+(``impl/snapshot_read.py``), then its pages filled (``_adopt_body``). Either way the whole file is
+validated before the cache is touched: a refused restore changes nothing."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvstate.spec import precision as precisions
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.arithmetic import pages_needed
+from kvstate.spec.errors import KVStateError, PrecisionRangeError, SnapshotError, SnapshotPrecisionError, SnapshotReadError
+
+from . import remote_io
+from .snapshot_read import BodyChecksum, cost_limit, open_regular, read_body, read_header, read_snapshot, remaining
+from .snapshot_stream import _stream_restore
+
+if TYPE_CHECKING:
+    from .cache import Cache
+    from .context import Context
+
+
+def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadline=None) -> "Context":
+    """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
+
+    ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
+    fills, ``restore_cost``; default: the machine's physical memory); a file past it is
+    ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
+    a ``SnapshotError``. ``deadline`` (seconds) bounds a restore from a URL in all
+    (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
+    """
+    if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes), deadline=deadline)
+    source = remote_io.local_path(source)
+    limit = cost_limit(cache, max_bytes)
+    try:
+        if hasattr(source, "read"):
+            return _restore_from(cache, source, remaining(source), limit)
+        file, size = open_regular(source)
+        with file:
+            return _restore_from(cache, file, size, limit)
+    except (OSError, ValueError, TypeError) as error:
+        if isinstance(error, KVStateError):     # a named refusal (a snapshot's, or a precision's range)
+            raise
+        # An I/O error mid-read, a closed stream, a stream of the wrong kind.
+        raise SnapshotReadError(f"cannot read a snapshot from {source!r}: {error!r}") from error
+
+
+def _restore_from(cache: "Cache", file, size: int | None, limit) -> "Context":
+    if size is not None and _local_file(file) and hasattr(cache.store, "prepare"):
+        header = read_header(file, cache.layout, size, limit)
+        if header.precision == cache.precision:
+            return _stream_restore(cache, header, file)
+        header, body, crc = read_body(file, header, size)
+    else:
+        header, body, crc = read_snapshot(file, cache.layout, size, limit)
+    return _adopt_body(cache, header, body, crc)
+
+
+def _local_file(file) -> bool:
+    """Whether ``file`` reads a local regular file: those are streamed into pages. Other streams
+    (in memory, remote: a remote read retries whole on a transient failure, and fewer, larger
+    reads leave a replaced object less room to fail one) are read whole first, as before."""
+    try:
+        return hasattr(file, "readinto") and stat.S_ISREG(os.fstat(file.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError, TypeError, io.UnsupportedOperation):
+        return False
+
+
+def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -> "Context":
+    """A body read whole (streams of unknown size, other stores, other precisions): checked, then adopted."""
+    try:
+        # The content checks run while the checksum thread finishes; a checksum mismatch is still
+        # the error reported first, and nothing is allocated until both have passed.
+        arrays, content_error = fmt.check_body_content(header, body), None
+    except SnapshotError as error:
+        arrays, content_error = None, error
+    fmt.check_body_crc(header, crc.result())
+    if content_error is not None:
+        raise content_error
+    parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
+    if header.precision == cache.precision:
+        encoded = cache.store.from_encoded(parts)
+    else:
+        # Another precision: what the file reads as, then the target's encoding (spec rules).
+        try:
+            encoded = cache.store.encode(precisions.decode(header.precision, parts))
+        except PrecisionRangeError as error:
+            raise SnapshotPrecisionError(f"the snapshot's {header.precision} values do not fit this "
+                                         f"{cache.precision} cache: {error}") from None
+    return _adopt(cache, arrays["tokens"], encoded, header.positions)
+
+
+def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
+    """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here
+    (running out of memory while allocating leaves no page behind: ``PagePool.new_pages``)."""
+    with cache.lock:
+        pages = cache.pool.new_pages(pages_needed(n, cache.page_tokens))
+        ctx = cache._new_context(pages, 0)
+    if n:
+        ctx._write(0, n, tokens, encoded)
+    with cache.lock:
+        ctx._length = n
+    return ctx
