@@ -246,17 +246,25 @@ STORE_NUMBERS = [4, 1, 3, 0, -1, True, False, 2**70, 4.0, "4", None, float("nan"
 STORE_OPTIONS = [None, {}, {"bogus": 1}, {"auto_mkdir": True}, "memory", 3, [], {"skip_instance_cache": True}]
 
 
+DEADLINES = [None, 30, 2.5, 0, -1, True, "5", float("nan"), float("inf"), 2**70, 1e300]
+
+
 def store_arguments() -> st.SearchStrategy:
-    return st.tuples(st.sampled_from(STORE_NUMBERS), st.sampled_from(STORE_NUMBERS), st.sampled_from(STORE_OPTIONS))
+    """stride, probe_batch, storage_options, the store's ``deadline_s``, the cache's ``remote_deadline_s``."""
+    return st.tuples(st.sampled_from(STORE_NUMBERS), st.sampled_from(STORE_NUMBERS), st.sampled_from(STORE_OPTIONS),
+                     st.sampled_from(DEADLINES), st.sampled_from(DEADLINES))
 
 
 def check_store_arguments(tally: Tally, args) -> None:
-    """``SnapshotStore(prefix, stride, probe_batch, storage_options)``: a named error when built (or at
-    its first use), or a store whose ``put`` and ``get`` round-trip a context."""
+    """``SnapshotStore(prefix, stride, probe_batch, storage_options, deadline_s)`` and a cache with
+    ``remote_deadline_s``: a named error when built (or at first use), or a store whose ``put`` and
+    ``get`` round-trip a context into that cache."""
     from kvstate.remote import SnapshotStore
 
-    stride, batch, options = args
-    kind = f"stride {stride!r}, probe_batch {batch!r}, storage_options {options!r}"
+    stride, batch, options, *deadlines = args
+    store_deadline, cache_deadline = deadlines or (None, None)
+    kind = (f"stride {stride!r}, probe_batch {batch!r}, storage_options {options!r}, deadline_s {store_deadline!r}, "
+            f"Cache remote_deadline_s {cache_deadline!r}")
     tally.tried[("SnapshotStore(...)", kind)] += 1
     prefix = f"memory://kvfuzz-{uuid.uuid4().hex[:12]}"
     cache = Cache(LAYOUT, page_tokens=PAGE_TOKENS)
@@ -265,9 +273,11 @@ def check_store_arguments(tally: Tally, args) -> None:
     scheme.root = prefix.partition("://")[2]
     try:
         def use():
-            store = SnapshotStore(prefix, stride=stride, probe_batch=batch, storage_options=options)
+            store = SnapshotStore(prefix, stride=stride, probe_batch=batch, storage_options=options,
+                                  deadline_s=store_deadline)
             store.put(ctx)
-            return store.get(cache, [1, 2, 3, 4, 5])
+            return store.get(Cache(LAYOUT, page_tokens=PAGE_TOKENS, remote_deadline_s=cache_deadline),
+                             [1, 2, 3, 4, 5])
         result, error, _ = _observed(use)
         if error is not None:
             if not isinstance(error, KVStateError):

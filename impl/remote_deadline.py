@@ -36,6 +36,8 @@ T = TypeVar("T")
 DEFAULT_DEADLINE_S = 30.0
 """Seconds one remote operation may take in all, retries included, when nothing else is said."""
 
+LONGEST_WAIT = 365 * 86400.0
+
 # The names by which an error says which deadline ran out.
 CALL = "deadline_s of this call"
 CACHE = "cache's deadline (Cache remote_deadline_s)"
@@ -53,7 +55,9 @@ class Deadline:
         self.ends = time.monotonic() + self.seconds
 
     def left(self) -> float:
-        return max(0.0, self.ends - time.monotonic())
+        """Seconds left, at most ``LONGEST_WAIT``: any wait longer overflows the platform's time_t
+        (``Event.wait(2**70)`` raises ``OverflowError``), and a year is no deadline in practice."""
+        return min(max(0.0, self.ends - time.monotonic()), LONGEST_WAIT)
 
     def error(self, doing: str) -> SnapshotDeadlineError:
         return SnapshotDeadlineError(f"{doing}: the {self.name} of {self.seconds:g} s ran out; nothing was "

@@ -134,8 +134,8 @@ class SnapshotReadError(SnapshotError):
 
 class SnapshotDeadlineError(SnapshotReadError, SnapshotWriteError):
     """A remote snapshot operation (restore, write, a store's lookup) ran past its total deadline,
-    retries included; ``deadline`` names which one (the call's, the store's, the enclosing block's,
-    or the default). A read or a write error, as the operation was."""
+    retries included; ``deadline`` names which one (the call's, the cache's, the store's, the
+    enclosing block's, or the default). A read or a write error, as the operation was."""
 
     def __init__(self, message: str, deadline: str | None = None):
         super().__init__(message)

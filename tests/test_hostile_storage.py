@@ -169,8 +169,8 @@ def test_the_store_arguments_target_reports_an_unchecked_stride(monkeypatch):
     from kvstate import remote
     real = remote.SnapshotStore.__init__
 
-    def unchecked(self, url_prefix, stride=4, probe_batch=8, storage_options=None):
-        real(self, url_prefix, 4, probe_batch, storage_options)
+    def unchecked(self, url_prefix, stride=4, probe_batch=8, storage_options=None, deadline_s=None):
+        real(self, url_prefix, 4, probe_batch, storage_options, deadline_s)
         self.stride = stride
     monkeypatch.setattr(remote.SnapshotStore, "__init__", unchecked)
     with pytest.raises(Finding, match="unnamed ZeroDivisionError"):

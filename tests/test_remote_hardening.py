@@ -408,6 +408,20 @@ def test_a_snapshot_to_a_url_runs_under_the_call_s_else_the_cache_s_deadline(mon
     assert chosen[2] is None        # the block's or the default, chosen where the write runs
 
 
+@pytest.mark.parametrize("seconds", [2**70, 1e300])
+def test_a_huge_finite_deadline_is_no_deadline_rather_than_an_overflow(seconds):
+    """Accepted as positive seconds, it used to make every wait overflow time_t: each snapshot to a
+    URL failed as a ``SnapshotWriteError`` caused by ``OverflowError``."""
+    url = f"memory://kv-{uuid.uuid4().hex[:12]}/a.kvs"
+    cache = Cache(SMALL, page_tokens=2, remote_deadline_s=seconds)
+    with filled(cache, 3) as ctx:
+        ctx.snapshot(url)
+    with cache.restore(url) as back:
+        assert tokens_of(back) == [0, 1, 2]
+    with filled(cache, 3) as ctx:
+        ctx.snapshot(url, deadline_s=seconds)
+
+
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
 def test_a_cache_deadline_must_be_positive_seconds(seconds):
     from kvstate.spec.errors import ConfigError
