@@ -34,7 +34,7 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
     fills, ``restore_cost``; default: the machine's physical memory); a file past it is
     ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
-    a ``SnapshotError``. ``deadline`` (seconds) bounds a restore from a URL in all
+    a ``SnapshotError``. ``deadline`` (seconds or a ``Deadline``) bounds a restore from a URL in all
     (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
     """
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries

@@ -206,7 +206,7 @@ def _appends(stream) -> bool:
 
 def write_snapshot(ctx: "Context", target, deadline=None) -> None:
     """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed).
-    ``deadline`` (seconds) bounds a write to a URL in all (``impl/remote_deadline.py``)."""
+    ``deadline`` (seconds or a ``Deadline``) bounds a write to a URL in all (``impl/remote_deadline.py``)."""
     if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
         return remote_io.publish(target, lambda file: _write_to(file, ctx), deadline=deadline)
     target = remote_io.local_path(target)

@@ -328,12 +328,21 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
 
 @pytest.fixture
 def threaded_checksum(monkeypatch):
-    """Every body takes the large-snapshot path, read in many small pieces."""
-    from kvstate.impl import snapshot_tuning
+    """Every body read whole takes the large-snapshot path, read in many small pieces; the list
+    it gives counts the checksums made with their thread. The tests restore from an in-memory
+    stream: a local file of the cache's own precision is streamed instead (``snapshot_stream``)
+    and never reaches this path, so a test restoring from a path would check nothing here."""
+    from kvstate.impl import snapshot_read, snapshot_tuning
 
     monkeypatch.setattr(snapshot_tuning, "THREADED_CRC_BYTES", 1)
     monkeypatch.setattr(snapshot_tuning, "READ_CHUNK", 64)
-    return snapshot_tuning
+    made, real_init = [], snapshot_read.BodyChecksum.__init__
+
+    def init(self, version, threaded):
+        made.append(threaded)
+        real_init(self, version, threaded)
+    monkeypatch.setattr(snapshot_read.BodyChecksum, "__init__", init)
+    return made
 
 
 @pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
@@ -344,10 +353,11 @@ def test_threaded_checksum_restores_bit_exactly(threaded_checksum, tmp_path, pre
     path = tmp_path / "big.kvs"
     ctx.snapshot(path)
     threads = threading.active_count()
-    restored = cache.restore(path)
+    restored = cache.restore(io.BytesIO(path.read_bytes()))
     assert np.array_equal(restored.read()[0].view(np.uint32), ref_ctx.read()[0].view(np.uint32))
     assert np.array_equal(restored.read()[1], ref_ctx.read()[1])
     assert threading.active_count() == threads      # the worker has finished
+    assert threaded_checksum == [True]
 
 
 def test_threaded_checksum_refuses_damage_and_stops_its_worker(threaded_checksum, tmp_path):
@@ -360,11 +370,10 @@ def test_threaded_checksum_refuses_damage_and_stops_its_worker(threaded_checksum
     before, threads = cache.stats(), threading.active_count()
     flipped = bytearray(data)
     flipped[len(data) - 5] ^= 0x10                   # a body byte: only the checksum can tell
-    path.write_bytes(bytes(flipped))
     with pytest.raises(SnapshotCorruptError, match="checksum"):
-        cache.restore(path)
-    path.write_bytes(data[:-100])                     # truncated mid-body
+        cache.restore(io.BytesIO(bytes(flipped)))
     with pytest.raises(SnapshotError):
-        cache.restore(path)
+        cache.restore(io.BytesIO(data[:-100]))        # truncated mid-body
     assert cache.stats() == before
     assert threading.active_count() == threads
+    assert True in threaded_checksum
