@@ -17,7 +17,7 @@ from typing import Callable
 
 from kvstate.spec.protocol import Config
 
-from .conform import ConfigResult, Outcome, conform, use_cache_folder_for_hypothesis
+from .conform import ConfigResult, Outcome, conform, progress_line, use_cache_folder_for_hypothesis
 
 
 def conform_in_processes(backend: str, configs: list[Config], workers: int, profile: str = "ci",
@@ -40,7 +40,7 @@ def conform_in_processes(backend: str, configs: list[Config], workers: int, prof
             results.append(result)
             if progress:
                 for name, outcome in result.outcomes.items():
-                    progress(f"{config.name:<12} {name:<18} {outcome.status}")
+                    progress(progress_line(config, name, outcome))
     return results
 
 
