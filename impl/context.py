@@ -119,13 +119,16 @@ class Context:
             if start == stop:
                 return store.read_empty(), np.zeros(0, np.int64)
             first, end = pages_touched(start, stop, self.page_tokens)
-            values, tokens = [], []
+            spans, tokens = [], []
             for index in range(first, end):
                 lo, hi = span_in_page(index, start, stop, self.page_tokens)
                 page = self._pages[index]
-                values.append(store.read(page.buffer, lo, hi))
+                spans.append((page.buffer, lo, hi))
                 tokens.append(page.tokens[lo:hi])
-            return store.concat(values), np.concatenate(tokens)
+            read_spans = getattr(store, "read_spans", None)     # one decode for every page, where the store can
+            values = (read_spans(spans) if read_spans is not None
+                      else store.concat([store.read(*span) for span in spans]))
+            return values, np.concatenate(tokens)
 
     def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for positions ``[start, stop)``: two fresh float32 arrays ``(n, kv_heads, head_dim)``.
