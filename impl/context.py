@@ -350,6 +350,8 @@ def _position(value) -> int | None:
     otherwise carry its width into the page arithmetic and wrap. Ints of every
     width are positions (Python or NumPy); a bool is not, nor a float or 0-d array.
     """
+    if type(value) is int:      # the common case first: a plain int (a bool's type is bool)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         return None
     return operator.index(value)
