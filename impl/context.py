@@ -119,13 +119,16 @@ class Context:
             if start == stop:
                 return store.read_empty(), np.zeros(0, np.int64)
             first, end = pages_touched(start, stop, self.page_tokens)
-            values, tokens = [], []
-            for index in range(first, end):
-                lo, hi = span_in_page(index, start, stop, self.page_tokens)
-                page = self._pages[index]
-                values.append(store.read(page.buffer, lo, hi))
-                tokens.append(page.tokens[lo:hi])
-            return store.concat(values), np.concatenate(tokens)
+            pages = self._pages[first:end]
+            spans = [(page.buffer, 0, self.page_tokens) for page in pages]
+            for index in (first, end - 1):      # only the first and the last page may be covered in part
+                spans[index - first] = (self._pages[index].buffer, *span_in_page(index, start, stop, self.page_tokens))
+            read_spans = getattr(store, "read_spans", None)     # one decode for every page, where the store can
+            values = (read_spans(spans) if read_spans is not None
+                      else store.concat([store.read(*span) for span in spans]))
+            skip = first * self.page_tokens     # one join of the token bytes, as ``_tokens``
+            tokens = np.frombuffer(bytearray().join([page.token_bytes for page in pages]), np.int64)
+            return values, tokens[start - skip:stop - skip]
 
     def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for positions ``[start, stop)``: two fresh float32 arrays ``(n, kv_heads, head_dim)``.
@@ -348,6 +351,8 @@ def _position(value) -> int | None:
     otherwise carry its width into the page arithmetic and wrap. Ints of every
     width are positions (Python or NumPy); a bool is not, nor a float or 0-d array.
     """
+    if type(value) is int:      # the common case first: a plain int (a bool's type is bool)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         return None
     return operator.index(value)

@@ -244,6 +244,15 @@ class NumpyStore:
         # layer-major rows -> position-major; transpose, not moveaxis: a quarter of the cost at one page
         return np.ascontiguousarray(precisions.decode(self.precision, parts).transpose(_POSITIONS_FIRST))
 
+    def read_spans(self, spans: list[tuple[NumpyBuffer, int, int]]) -> np.ndarray:
+        """What ``concat`` of ``read`` over ``spans`` (each ``(buffer, start, stop)``) returns, decoded
+        and transposed once for them all: a read of many small pages pays one decode, not one each."""
+        if len(spans) == 1:
+            return self.read(*spans[0])
+        parts = tuple(np.concatenate([buffer.arrays[i][:, :, lo:hi] for buffer, lo, hi in spans], axis=2)
+                      for i in range(len(spans[0][0].arrays)))
+        return np.ascontiguousarray(precisions.decode(self.precision, parts).transpose(_POSITIONS_FIRST))
+
     def read_encoded(self, buffer: NumpyBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
         return tuple(np.moveaxis(array[:, :, start:stop], 2, 0) for array in buffer.arrays)
 

@@ -150,6 +150,12 @@ class RefContext:
         refuse_with_all(self._require_open, positions)
         return self.values[start:stop].copy(), np.array(self.token_list[start:stop], dtype=np.int64)
 
+    def contents(self) -> tuple[np.ndarray, np.ndarray]:
+        """What ``read()`` of the whole context returns, the values not copied: for the invariant
+        check after every step, which only compares them."""
+        self._require_open()
+        return self.values, np.array(self.token_list, dtype=np.int64)
+
     def fork(self) -> "RefContext":
         self._require_open()
         return self.cache._adopt(self.values.copy(), list(self.token_list), list(self.labels))

@@ -67,6 +67,7 @@ class Outcome:
     runs: int = 0
     steps: int = 0
     checks: int = 0
+    cpu_seconds: float = 0.0     # the process's CPU time while the check ran (its threads' included)
 
     @property
     def passed(self) -> bool:
@@ -295,9 +296,11 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
         except BaseException as error:   # a check that itself crashes (sys.exit too) is a failure, by name
             return Outcome("FAIL", 0.0, describe(error, None))
 
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     try:
-        return in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}")
+        outcome = in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}")
+        outcome.cpu_seconds = time.process_time() - cpu_started
+        return outcome
     except Overran as overran:
         partial = _partial.get(overran.ident, lambda: None)()
         _abandon.get(overran.ident, lambda: None)()
@@ -366,11 +369,17 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
         for name in names:
             result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
             if progress:
-                progress(f"{config.name:<12} {name:<18} {result.outcomes[name].status}")
+                progress(progress_line(config, name, result.outcomes[name]))
             if first_failure and not result.outcomes[name].passed:
                 return results + [result]
         results.append(result)
     return results
+
+
+def progress_line(config: Config, name: str, outcome: Outcome) -> str:
+    """One check as it finishes (``kvstate conform -v``): its status, wall and CPU seconds."""
+    return (f"{config.name:<12} {name:<18} {outcome.status:<7} {outcome.seconds:6.1f} s "
+            f"{outcome.cpu_seconds:6.1f} cpu s")
 
 
 def format_table(results: list[ConfigResult]) -> str:

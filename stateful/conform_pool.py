@@ -1,11 +1,11 @@
-"""Conformance configurations in worker processes, one configuration per task.
+"""Conformance configurations in worker processes, a few checks of one configuration per task.
 
 Checks are Python holding the GIL, so threads add nothing: ``kvstate conform`` on a 2-core machine
-runs two configurations at once in two processes. A worker imports the backend by name (so only a
-backend named on the command line, not a factory object, can be spread), runs every check of its
-configuration exactly as ``conform`` does in-process, and sends the ``ConfigResult`` back; results
-come out in the configurations' order. A worker that dies (a backend that crashes the interpreter)
-is that configuration's failure, by name.
+runs two tasks at once in two processes. A worker imports the backend by name (so only a backend
+named on the command line, not a factory object, can be spread), runs its task's checks exactly as
+``conform`` does in-process, and sends the ``ConfigResult`` back; results come out in the
+configurations' order, one ``ConfigResult`` each. A worker that dies (a backend that crashes the
+interpreter) is that configuration's failure, by name.
 """
 
 from __future__ import annotations
@@ -17,31 +17,53 @@ from typing import Callable
 
 from kvstate.spec.protocol import Config
 
-from .conform import ConfigResult, Outcome, conform, use_cache_folder_for_hypothesis
+from .conform import ConfigResult, Outcome, conform, progress_line, use_cache_folder_for_hypothesis
+
+
+# The checks that take seconds each, longest first; every other check of a configuration runs in
+# one task after them. A task per configuration left the last one (15 s of CPU) running alone
+# while the other core idled; tasks this size, longest first, keep both busy to the end.
+LONG_CHECKS = ("lockstep", "seeded")
+
+
+def tasks(configs: list[Config], names: list[str]) -> list[tuple[Config, list[str]]]:
+    """(configuration, checks) in the order they are handed out: every configuration's lockstep,
+    then every seeded, then the rest of each configuration's checks together."""
+    rest = [n for n in names if n not in LONG_CHECKS]
+    return ([(config, [name]) for name in LONG_CHECKS if name in names for config in configs]
+            + ([(config, rest) for config in configs] if rest else []))
 
 
 def conform_in_processes(backend: str, configs: list[Config], workers: int, profile: str = "ci",
                          checks: list[str] | None = None, time_limit: float | None = None,
                          sizes: tuple[int | None, int | None] = (None, None),
                          progress: Callable[[str], None] | None = None) -> list[ConfigResult]:
-    """``conform`` of the backend named ``backend`` with each configuration in its own task, on
-    ``workers`` processes. ``sizes`` overrides the profile's (examples, steps) of the lockstep machine."""
+    """``conform`` of the backend named ``backend`` on ``workers`` processes, each task one
+    configuration's lockstep, its seeded runs, or its other checks (``tasks``); the results are
+    those of ``conform`` in one process, outcomes in the checks' order. ``sizes`` overrides the
+    profile's (examples, steps) of the lockstep machine."""
+    from .conform import CHECKS
+
+    names = list(checks or CHECKS)
     context = multiprocessing.get_context("spawn")     # a fresh interpreter: no threads or locks inherited
-    results: list[ConfigResult] = []
+    outcomes: list[dict[str, Outcome]] = [{} for _ in configs]
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        futures = [pool.submit(_one_configuration, backend, config, profile, checks, time_limit, sizes)
-                   for config in configs]
-        for config, future in zip(configs, futures):
+        submitted = [(configs.index(config), part,
+                      pool.submit(_one_configuration, backend, config, profile, part, time_limit, sizes))
+                     for config, part in tasks(configs, names)]
+        for index, part, future in submitted:
+            config = configs[index]
             try:
-                result = future.result()
+                got = future.result().outcomes
             except BrokenProcessPool as error:
-                result = ConfigResult(config, {"worker": Outcome("FAIL", 0.0, f"the worker process running this "
-                                                                          f"configuration died: {error}")})
-            results.append(result)
+                got = {"worker": Outcome("FAIL", 0.0, f"the worker process running this configuration died "
+                                                      f"(checks: {', '.join(part)}): {error}")}
+            outcomes[index].update(got)
             if progress:
-                for name, outcome in result.outcomes.items():
-                    progress(f"{config.name:<12} {name:<18} {outcome.status}")
-    return results
+                for name, outcome in got.items():
+                    progress(progress_line(config, name, outcome))
+    return [ConfigResult(config, {name: found[name] for name in [*names, "worker"] if name in found})
+            for config, found in zip(configs, outcomes)]
 
 
 def _one_configuration(backend: str, config: Config, profile: str, checks: list[str] | None,

@@ -215,7 +215,7 @@ class Lockstep:
         for handle, (engine, ref) in self.live.items():
             values, tokens = engine.read()
             engine_reads[handle] = (to_numpy(values), np.asarray(tokens))
-            reference_reads[handle] = ref.read()
+            reference_reads[handle] = ref.contents()
         invariants.check_values(engine_reads, reference_reads)
         invariants.check_tree(obs, self.reference.eviction_order())
         if obs.entries is None:

@@ -6,6 +6,8 @@ import textwrap
 from pathlib import Path
 
 from kvstate.cli import main
+from kvstate.stateful.configs import machine_configs
+from kvstate.stateful.conform_pool import tasks
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -63,3 +65,14 @@ def test_workers_must_be_a_positive_int_or_auto(capsys):
     for value in ("0", "two"):
         assert main(["conform", "--workers", value]) == 2
         assert "--workers" in capsys.readouterr().err
+
+
+def test_tasks_hand_out_every_lockstep_then_every_seeded_then_the_rest():
+    """Longest first, so the last task to finish is a short one (one task per configuration left the
+    slowest configuration running alone at the end)."""
+    configs = machine_configs()[:3]
+    handed = tasks(configs, ["fork isolation", "seeded", "lockstep", "races"])
+    assert [(config.name, checks) for config, checks in handed] == (
+        [(config.name, ["lockstep"]) for config in configs] + [(config.name, ["seeded"]) for config in configs]
+        + [(config.name, ["fork isolation", "races"]) for config in configs])
+    assert tasks(configs, ["fork isolation"]) == [(config, ["fork isolation"]) for config in configs]

@@ -172,6 +172,20 @@ def test_memory_and_file_urls_round_trip(precision, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ctx.kvs"]     # no temporary file left behind
 
 
+def test_memory_urls_start_no_deadline_thread(monkeypatch):
+    """Nothing in this process's memory can block: a memory:// snapshot and restore run without the
+    deadline's worker thread (the lockstep machine sends half its snapshots there)."""
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a deadline worker for a memory:// URL")
+    monkeypatch.setattr(remote_io, "Worker", no_worker)
+    cache = Cache(SMALL, page_tokens=2)
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/ctx.kvs"
+    with filled(cache, 5) as ctx:
+        ctx.snapshot(url)
+        with cache.restore(url) as back:
+            assert bits(back) == bits(ctx)
+
+
 def test_a_missing_object_is_not_found_by_name(s3):
     cache = Cache(SMALL, page_tokens=2)
     url = s3.url("nowhere/ctx.kvs")
