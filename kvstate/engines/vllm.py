@@ -132,6 +132,7 @@ class VLLMContext(EngineContext):
 
 class VLLMCache(EngineCache):
     context_class = VLLMContext
+    pool_blocks = POOL_BLOCKS     # the engine's num_gpu_blocks; block 0 is its null block
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -139,7 +140,7 @@ class VLLMCache(EngineCache):
         self.utils = utils
         utils.init_none_hash(sha256)
         self.block_size = config.page_tokens
-        self.pool = block_pool.BlockPool(POOL_BLOCKS, enable_caching=True, hash_block_size=self.block_size)
+        self.pool = block_pool.BlockPool(self.pool_blocks, enable_caching=True, hash_block_size=self.block_size)
         self.allocated = 0            # blocks get_new_blocks handed out (the pool counts none)
 
     # -- the adapter's K/V array is indexed by block_id * block_size + offset -------------
@@ -153,7 +154,7 @@ class VLLMCache(EngineCache):
 
     def require(self, blocks: int) -> None:
         if blocks > self.pool.get_num_free_blocks():
-            raise PoolExhausted(f"the adapter's pool of {POOL_BLOCKS} blocks ran out ({blocks} more wanted)")
+            raise PoolExhausted(f"the adapter's pool of {self.pool_blocks} blocks ran out ({blocks} more wanted)")
 
     def new_blocks(self, count: int) -> list:
         self.require(count)
