@@ -103,8 +103,13 @@ def test_vllm_passes_the_ci_profile_in_every_configuration():
 
 
 
-class _FourBlockPool(vllm.VLLMCache):
+class _FourBlocks(vllm.VLLMCache):
     pool_blocks = 5                   # block 0 is vLLM's null block: 4 usable, the suite's pool_pages=4
+
+
+class _FourBlockPool(_FourBlocks):
+    def refuse_eviction(self, count: int) -> None:
+        return None                   # let vLLM evict, to see what it evicts
 
 
 def _request(cache, tokens, retain):
@@ -154,3 +159,9 @@ def test_a_small_pool_evicts_in_ways_the_suites_evict_then_refuse_cannot_express
     config = _config("block16-f32-heap-prefixkv")
     assert scenario(_FourBlockPool(config)) == engine_hits
     assert scenario(RefCache(config.with_(pool_pages=4, on_full="evict-then-refuse"))) == suite_hits
+
+
+def test_the_adapter_refuses_rather_than_let_the_pool_evict_a_cached_block():
+    """The declared pool never evicts: where get_new_blocks would take a cached block, PoolExhausted."""
+    with pytest.raises(vllm.PoolExhausted, match="would evict cached block 2"):
+        _per_block(_FourBlocks(_config("block16-f32-heap-prefixkv")))
