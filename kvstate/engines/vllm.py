@@ -23,8 +23,13 @@ The K/V values live in the adapter's own array, indexed by ``block_id * block_si
 Declared semantics, from the engine's code: ``match="block"`` with ``block_tokens`` = block size
 (only full blocks are hashed); ``values="prefix"`` (two requests caching one prefix leave two
 blocks under one hash and ``get_cached_block`` returns the first); no entry bound; a pool larger
-than any run needs (``PoolExhausted`` if not: eviction from the free queue and the exhausted
-pool's refusal are not checked).
+than any run needs: ``PoolExhausted`` if not, and also where ``get_new_blocks`` would evict a
+cached block (its free queue reaches the cached blocks once the never used ones are gone, which
+``clear()`` can bring about before the pool is full), rather than let vLLM evict behind the
+suite's back. Eviction from the free queue and the exhausted pool's refusal are not checked: vLLM
+evicts single blocks, tail first, in the order their holders released them, where the suite's
+``evict-then-refuse`` evicts whole entries in the order they were retained or hit
+(``tests/engines/test_vllm.py`` shows each difference).
 
 Observation: the pages tier (``vllm_pages``), read from the pool itself: each block's own
 ``ref_cnt`` against the block tables that list it, cached blocks at ``ref_cnt`` 0 in the free queue
@@ -132,6 +137,7 @@ class VLLMContext(EngineContext):
 
 class VLLMCache(EngineCache):
     context_class = VLLMContext
+    pool_blocks = POOL_BLOCKS     # the engine's num_gpu_blocks; block 0 is its null block
 
     def __init__(self, config: Config):
         super().__init__(config)
@@ -139,7 +145,7 @@ class VLLMCache(EngineCache):
         self.utils = utils
         utils.init_none_hash(sha256)
         self.block_size = config.page_tokens
-        self.pool = block_pool.BlockPool(POOL_BLOCKS, enable_caching=True, hash_block_size=self.block_size)
+        self.pool = block_pool.BlockPool(self.pool_blocks, enable_caching=True, hash_block_size=self.block_size)
         self.allocated = 0            # blocks get_new_blocks handed out (the pool counts none)
 
     # -- the adapter's K/V array is indexed by block_id * block_size + offset -------------
@@ -153,13 +159,27 @@ class VLLMCache(EngineCache):
 
     def require(self, blocks: int) -> None:
         if blocks > self.pool.get_num_free_blocks():
-            raise PoolExhausted(f"the adapter's pool of {POOL_BLOCKS} blocks ran out ({blocks} more wanted)")
+            raise PoolExhausted(f"the adapter's pool of {self.pool_blocks} blocks ran out ({blocks} more wanted)")
 
     def new_blocks(self, count: int) -> list:
         self.require(count)
+        self.refuse_eviction(count)
         blocks = self.pool.get_new_blocks(count)
         self.allocated += len(blocks)
         return blocks
+
+    def refuse_eviction(self, count: int) -> None:
+        """``PoolExhausted`` rather than let ``get_new_blocks`` evict a cached block behind the suite's back.
+
+        The free queue hands out its head: freed uncached blocks, then never used ones, then cached
+        blocks in release order (after ``clear()``, uncached ones among them). Where a cached block
+        comes up before ``count`` are taken, vLLM would evict it while the declared pool has room."""
+        block = self.pool.free_block_queue.fake_free_list_head.next_free_block
+        for _ in range(count):
+            if block.block_hash is not None:
+                raise PoolExhausted(f"the adapter's pool of {self.pool_blocks} blocks would evict cached block "
+                                    f"{block.block_id} (its free queue reached the cached blocks)")
+            block = block.next_free_block
 
     def block_hashes(self, tokens: list[int]) -> list:
         """The chained hash of each full block, as vLLM's request block hasher computes them."""

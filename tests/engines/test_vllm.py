@@ -7,6 +7,7 @@ import pytest
 from hypothesis import settings
 
 from kvstate.engines import sglang_loader, vllm_loader
+from kvstate.reference.model import RefCache
 from kvstate.spec.invariants import tiers
 from kvstate.stateful.conform import conform
 
@@ -99,3 +100,68 @@ def test_vllm_passes_the_ci_profile_in_every_configuration():
     results = conform(vllm.factory, profile="ci")
     assert [r.config.name for r in results] == [c.name for c in vllm.factory.configs]
     assert all(r.passed for r in results), [r.failure for r in results]
+
+
+
+class _FourBlocks(vllm.VLLMCache):
+    pool_blocks = 5                   # block 0 is vLLM's null block: 4 usable, the suite's pool_pages=4
+
+
+class _FourBlockPool(_FourBlocks):
+    def refuse_eviction(self, count: int) -> None:
+        return None                   # let vLLM evict, to see what it evicts
+
+
+def _request(cache, tokens, retain):
+    ctx = cache.allocate()
+    ctx.extend(tokens, np.zeros(cache.config.layout.batch_shape(len(tokens)), np.float32))
+    if retain:
+        cache.retain(ctx)
+    return ctx
+
+
+A, B, OTHER = list(range(32)), list(range(200, 216)), list(range(100, 148))
+
+
+def _per_block(cache):
+    """A (2 blocks) released, then a request needs 3 of the 4 blocks."""
+    _request(cache, A, retain=True).close()
+    _request(cache, OTHER, retain=False)
+    return [cache.match(A)[1]]
+
+
+def _release_order(cache):
+    """A retained first but released last; B retained and released in between."""
+    a = _request(cache, A[:16], retain=True)
+    _request(cache, B, retain=True).close()
+    a.close()
+    _request(cache, OTHER, retain=False)
+    return [cache.match(A[:16])[1], cache.match(B)[1]]
+
+
+def _partial_block(cache):
+    """A of 1.5 blocks released, then a request needs 3 of the 4 blocks."""
+    _request(cache, A[:24], retain=True).close()
+    _request(cache, OTHER, retain=False)
+    return [cache.match(A[:24])[1]]
+
+
+@pytest.mark.parametrize("scenario,engine_hits,suite_hits", [
+    (_per_block, [16], [0]),          # vLLM evicts A's tail block only: A's first block still hits
+    (_release_order, [16, 0], [0, 16]),   # vLLM: least recently *released* block; the suite: entry stamp
+    (_partial_block, [16], [0]),      # the suite counts A's partly filled page live and evicts A; vLLM never cached it
+])
+def test_a_small_pool_evicts_in_ways_the_suites_evict_then_refuse_cannot_express(scenario, engine_hits, suite_hits):
+    """Why no vLLM configuration declares a small pool (README, "left out"): under pressure vLLM's
+    free queue evicts single blocks, tail first, in the order holders released them; the suite's
+    ``evict-then-refuse`` evicts whole entries in the order they were retained or hit. If these
+    ever agree, a small-pool configuration can be declared honestly."""
+    config = _config("block16-f32-heap-prefixkv")
+    assert scenario(_FourBlockPool(config)) == engine_hits
+    assert scenario(RefCache(config.with_(pool_pages=4, on_full="evict-then-refuse"))) == suite_hits
+
+
+def test_the_adapter_refuses_rather_than_let_the_pool_evict_a_cached_block():
+    """The declared pool never evicts: where get_new_blocks would take a cached block, PoolExhausted."""
+    with pytest.raises(vllm.PoolExhausted, match="would evict cached block 2"):
+        _per_block(_FourBlocks(_config("block16-f32-heap-prefixkv")))
