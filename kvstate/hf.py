@@ -51,6 +51,7 @@ from transformers.cache_utils import Cache as _HFCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 from kvstate.impl import Cache  # noqa: E402
+from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, state_token  # noqa: E402
 from kvstate.spec.errors import PositionError, ShapeError, TokenError, UnsupportedModelError  # noqa: E402
 from kvstate.spec.layout import check_tokens  # noqa: E402
@@ -332,11 +333,12 @@ class KVStateCache(_HFCache):
         return self._zeros[:, :n]
 
     def _commit(self) -> None:
-        """Every layer of the new positions has arrived: extend each row's context once.
+        """Every layer of the new positions has arrived: extend each row's context once
+        (a decode step: every row in one ``extend_rows``).
 
         A row whose state, ids and K/V equal an earlier row's (``num_beams`` copies of one
-        prompt) becomes a fork of it instead of writing the same bytes again. A row that
-        fails to extend undoes the rows extended before it, so the batch stays in step.
+        prompt) becomes a fork of it instead of writing the same bytes again. A failure
+        leaves every row as it was before the step.
         """
         missing = [i for i, pair in enumerate(self._pending) if pair is None]
         if missing:
@@ -349,22 +351,23 @@ class KVStateCache(_HFCache):
         before = [len(ctx) for ctx in self.rows]
         states = [state_token(ctx) for ctx in self.rows]       # held alive here: their ids stay unique
         leaders: dict = {}
-        done: list[int] = []
+        plain, twins = [], []
+        for row in range(len(self.rows)):
+            pad = pads[row]
+            key = (id(states[row]), before[row], pad, ids[row].tobytes())
+            leader = leaders.get(key)
+            if leader is not None and torch.equal(kv[row, pad:], kv[leader, pad:]):
+                twins.append((row, leader))
+            else:
+                leaders.setdefault(key, row)
+                plain.append(row)
+        done = self._extend(plain, ids, kv, pads, before)
         try:
-            for row, ctx in enumerate(self.rows):
-                pad = pads[row]
-                key = (id(states[row]), before[row], pad, ids[row].tobytes())
-                leader = leaders.get(key)
-                if leader is not None and torch.equal(kv[row, pad:], kv[leader, pad:]):
-                    twin = self.rows[leader].fork()
-                    ctx.close()
-                    self.rows[row] = twin
-                    self._readers[row] = self._reader(twin)
-                else:
-                    leaders.setdefault(key, row)
-                    part = kv[row, pad:]
-                    self.rows[row].extend(ids[row, pad:], part.detach().cpu().numpy() if self._host_pages else part)
-                done.append(row)
+            for row, leader in twins:
+                twin = self.rows[leader].fork()
+                self.rows[row].close()
+                self.rows[row] = twin
+                self._readers[row] = self._reader(twin)
         except BaseException:
             for row in done:
                 self.rows[row].truncate(before[row])
@@ -373,6 +376,27 @@ class KVStateCache(_HFCache):
         self._new_pads = [0] * len(self.rows)
         if self.layer_views:
             self._view_state = self._row_state()     # the views now cover exactly what the rows hold
+
+    def _extend(self, plain: list[int], ids, kv, pads: list[int], before: list[int]) -> list[int]:
+        """Extend the rows ``plain`` by their new positions; the rows extended. A decode step (no
+        padding) is one ``extend_rows`` for the batch; otherwise one ``extend`` per row, a row that
+        fails undoing the rows extended before it, so the batch stays in step."""
+        if len(plain) > 1 and not any(pads[row] for row in plain):
+            part = kv if len(plain) == len(self.rows) else kv[plain]
+            extend_rows([self.rows[row] for row in plain], ids[plain],
+                        part.detach().cpu().numpy() if self._host_pages else part)
+            return plain
+        done: list[int] = []
+        try:
+            for row in plain:
+                part = kv[row, pads[row]:]
+                self.rows[row].extend(ids[row, pads[row]:], part.detach().cpu().numpy() if self._host_pages else part)
+                done.append(row)
+        except BaseException:
+            for row in done:
+                self.rows[row].truncate(before[row])
+            raise
+        return done
 
     def _length(self) -> int:
         """The length every row presents to attention: its padding plus its context."""
