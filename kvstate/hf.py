@@ -367,7 +367,7 @@ class KVStateCache(_HFCache):
                 twin = self.rows[leader].fork()
                 self.rows[row].close()
                 self.rows[row] = twin
-                self._readers[row] = self._reader(twin)
+                self._readers[row] = self._readers[leader].follow(twin)
         except BaseException:
             for row in done:
                 self.rows[row].truncate(before[row])
@@ -450,7 +450,7 @@ class KVStateCache(_HFCache):
             ctx = self.rows[source].fork() if fork else self.rows[source]
             rows.append(ctx)
             pads.append(self.pads[source])
-            readers.append(self._reader(ctx) if fork else self._readers[source])
+            readers.append(self._readers[source].follow(ctx) if fork else self._readers[source])
         kept = {source for source, _ in plan}
         for index, ctx in enumerate(self.rows):
             if index not in kept:
