@@ -603,12 +603,15 @@ def test_bench_batch_parts_report_every_field_at_tiny_sizes():
 
     tiny = hf_agent._model(256, "tiny")
     a = hf_agent.batched(tiny, 20, 3, num_beams=4, do_sample=False)
-    assert a["same_tokens"] and set(a) == {"rows", "same_tokens", "time", "peak_kv"}
+    assert a["same_tokens"] and set(a) == {"rows", "same_tokens", "time", "time_without_cache", "cache_time",
+                                           "peak_kv"}
+    assert all(row["cache_seconds"] > 0 for row in a["rows"])
     dynamic, ours = a["rows"][0], a["rows"][1]
     assert dynamic["peak_kv_bytes"] > ours["peak_kv_bytes"] > 0     # the 4 beams' prompt is held once
     b = hf_agent.batched(tiny, 20, 3, num_return_sequences=8, do_sample=True, top_k=0)
     assert b["same_tokens"] and b["rows"][1]["pages_copied"] <= 8   # at most each row's partly filled page
     c = hf_agent.decode_modes(tiny, 24, 2)
     assert {r["cache"] for r in c["views"]["rows"]} == {"kvstate", "DynamicCache"} and c["gather"]["overhead"] > 0
+    assert c["views"]["floor"] > 0 and c["gather"]["page_write_ms"] > 0 and c["gather"]["page_cat_ms"] > 0
     d = hf_agent.resume(tiny, (24,))
     assert d["rows"][0]["tokens"] == 24 and d["rows"][0]["snapshot_bytes"] > 0
