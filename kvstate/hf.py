@@ -15,7 +15,9 @@ K/V that arrive for positions whose ids were not fed raise ``TokenError``.
 
 Buffering: transformers calls ``update`` layer by layer, but ``Context.extend``
 takes every layer of a position at once. The new positions' K/V wait in a
-per-layer buffer; when the last layer has arrived they are extended in one call.
+per-layer buffer; when the last layer has arrived they are extended in one call
+(a batch's rows in one ``impl.batch_write.extend_rows``: one validation and encoding, one
+critical section for every row's pages).
 Each layer's ``update`` returns the context's past K/V for that layer followed
 by the new positions, as one contiguous ``(1, kv_heads, n, head_dim)`` tensor,
 exactly the tensor ``DynamicCache`` would return: at f32 the logits are equal

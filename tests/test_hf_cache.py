@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache as HFCache  # noqa: E402
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 from kvstate import Cache, Layout  # noqa: E402
+from kvstate.impl.batch_write import extend_rows  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")   # skips, naming pip install 'kvstate[hf]', without transformers 5.x
 from kvstate.spec.errors import ShapeError, TokenError, UnsupportedModelError  # noqa: E402
@@ -437,6 +438,21 @@ def test_num_return_sequences_shares_the_prompt_pages(llama):
     pages = cache.kv.observe().pages.values()
     assert sum(p.refcount == 8 for p in pages) == 3          # positions 0..11: three whole pages, held once
     assert cache.kv.stats()["live_pages"] < 8 * 4
+
+
+@pytest.mark.parametrize("store", ["torch", "numpy"])
+def test_a_decode_step_commits_every_row_in_one_batched_write(llama, store, monkeypatch):
+    """Each decode step of a batch is one ``extend_rows`` over its rows (the prefill, padded, one
+    ``extend`` per row), and the logits stay DynamicCache's."""
+    calls = []
+
+    def counted(contexts, tokens, kv):
+        calls.append(len(contexts))
+        return extend_rows(contexts, tokens, kv)
+    monkeypatch.setattr(hf, "extend_rows", counted)
+    prompt, mask = left_padded([7, 4, 9], 42)
+    generate_both(llama, prompt, mask, store=store, max_new_tokens=4, do_sample=False, num_beams=2)
+    assert calls == [6, 6, 6]       # 3 prompts x 2 beams; 4 new tokens: the prefill and 3 decode steps
 
 
 def test_reorders_are_forks_and_copy_no_bytes(llama):
