@@ -48,12 +48,29 @@ class LayerReader:
             return slices
         return slices[:-1] + [last[:, :tail] if self._axis == 1 else last[:tail]]
 
+    def follow(self, context) -> "LayerReader":
+        """A reader of ``context`` (a fork of this reader's context) that starts from this reader's
+        slices: a fork holds the very same pages, so none is sliced again until one changes."""
+        reader = LayerReader(context, self._prepare, self._axis)
+        reader._pages, reader._slices = self._pages, self._slices     # replaced, never changed in place
+        return reader
+
     def _rebuild(self, pages: tuple) -> None:
+        """Slice the pages that changed: the pages a new tuple shares with the old one, from the
+        start (every page but the last after an ``extend`` or a copy-on-write), keep their slices."""
+        old = self._pages or ()
+        keep = 0
+        for mine, theirs in zip(old, pages):
+            if mine is not theirs:
+                break
+            keep += 1
         layout = self.context._cache.layout
-        arrays = [_arrays(page.buffer) for page in pages]
-        parts = len(arrays[0]) if arrays else 1
-        self._slices = [[[self._prepare(a[p][layer, kind]) for a in arrays]
-                         for p in range(parts) for kind in (0, 1)]
+        arrays = [_arrays(page.buffer) for page in pages[keep:]]
+        parts = len(_arrays(pages[0].buffer)) if pages else 1
+        if not keep or not self._slices:
+            self._slices = [[[] for _ in range(2 * parts)] for _ in range(layout.layers)]
+        self._slices = [[kept[:keep] + [self._prepare(a[component // 2][layer, component % 2]) for a in arrays]
+                         for component, kept in enumerate(self._slices[layer])]
                         for layer in range(layout.layers)]
         self._pages = pages
 

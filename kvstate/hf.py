@@ -15,7 +15,9 @@ K/V that arrive for positions whose ids were not fed raise ``TokenError``.
 
 Buffering: transformers calls ``update`` layer by layer, but ``Context.extend``
 takes every layer of a position at once. The new positions' K/V wait in a
-per-layer buffer; when the last layer has arrived they are extended in one call.
+per-layer buffer; when the last layer has arrived they are extended in one call
+(a batch's rows in one ``impl.batch_write.extend_rows``: one validation and encoding, one
+critical section for every row's pages).
 Each layer's ``update`` returns the context's past K/V for that layer followed
 by the new positions, as one contiguous ``(1, kv_heads, n, head_dim)`` tensor,
 exactly the tensor ``DynamicCache`` would return: at f32 the logits are equal
@@ -51,6 +53,7 @@ from transformers.cache_utils import Cache as _HFCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 from kvstate.impl import Cache  # noqa: E402
+from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, state_token  # noqa: E402
 from kvstate.spec.errors import PositionError, ShapeError, TokenError, UnsupportedModelError  # noqa: E402
 from kvstate.spec.layout import check_tokens  # noqa: E402
@@ -332,11 +335,12 @@ class KVStateCache(_HFCache):
         return self._zeros[:, :n]
 
     def _commit(self) -> None:
-        """Every layer of the new positions has arrived: extend each row's context once.
+        """Every layer of the new positions has arrived: extend each row's context once
+        (a decode step: every row in one ``extend_rows``).
 
         A row whose state, ids and K/V equal an earlier row's (``num_beams`` copies of one
-        prompt) becomes a fork of it instead of writing the same bytes again. A row that
-        fails to extend undoes the rows extended before it, so the batch stays in step.
+        prompt) becomes a fork of it instead of writing the same bytes again. A failure
+        leaves every row as it was before the step.
         """
         missing = [i for i, pair in enumerate(self._pending) if pair is None]
         if missing:
@@ -349,22 +353,23 @@ class KVStateCache(_HFCache):
         before = [len(ctx) for ctx in self.rows]
         states = [state_token(ctx) for ctx in self.rows]       # held alive here: their ids stay unique
         leaders: dict = {}
-        done: list[int] = []
+        plain, twins = [], []
+        for row in range(len(self.rows)):
+            pad = pads[row]
+            key = (id(states[row]), before[row], pad, ids[row].tobytes())
+            leader = leaders.get(key)
+            if leader is not None and torch.equal(kv[row, pad:], kv[leader, pad:]):
+                twins.append((row, leader))
+            else:
+                leaders.setdefault(key, row)
+                plain.append(row)
+        done = self._extend(plain, ids, kv, pads, before)
         try:
-            for row, ctx in enumerate(self.rows):
-                pad = pads[row]
-                key = (id(states[row]), before[row], pad, ids[row].tobytes())
-                leader = leaders.get(key)
-                if leader is not None and torch.equal(kv[row, pad:], kv[leader, pad:]):
-                    twin = self.rows[leader].fork()
-                    ctx.close()
-                    self.rows[row] = twin
-                    self._readers[row] = self._reader(twin)
-                else:
-                    leaders.setdefault(key, row)
-                    part = kv[row, pad:]
-                    self.rows[row].extend(ids[row, pad:], part.detach().cpu().numpy() if self._host_pages else part)
-                done.append(row)
+            for row, leader in twins:
+                twin = self.rows[leader].fork()
+                self.rows[row].close()
+                self.rows[row] = twin
+                self._readers[row] = self._readers[leader].follow(twin)
         except BaseException:
             for row in done:
                 self.rows[row].truncate(before[row])
@@ -373,6 +378,27 @@ class KVStateCache(_HFCache):
         self._new_pads = [0] * len(self.rows)
         if self.layer_views:
             self._view_state = self._row_state()     # the views now cover exactly what the rows hold
+
+    def _extend(self, plain: list[int], ids, kv, pads: list[int], before: list[int]) -> list[int]:
+        """Extend the rows ``plain`` by their new positions; the rows extended. A decode step (no
+        padding) is one ``extend_rows`` for the batch; otherwise one ``extend`` per row, a row that
+        fails undoing the rows extended before it, so the batch stays in step."""
+        if len(plain) > 1 and not any(pads[row] for row in plain):
+            part = kv if len(plain) == len(self.rows) else kv[plain]
+            extend_rows([self.rows[row] for row in plain], ids[plain],
+                        part.detach().cpu().numpy() if self._host_pages else part)
+            return plain
+        done: list[int] = []
+        try:
+            for row in plain:
+                part = kv[row, pads[row]:]
+                self.rows[row].extend(ids[row, pads[row]:], part.detach().cpu().numpy() if self._host_pages else part)
+                done.append(row)
+        except BaseException:
+            for row in done:
+                self.rows[row].truncate(before[row])
+            raise
+        return done
 
     def _length(self) -> int:
         """The length every row presents to attention: its padding plus its context."""
@@ -426,7 +452,7 @@ class KVStateCache(_HFCache):
             ctx = self.rows[source].fork() if fork else self.rows[source]
             rows.append(ctx)
             pads.append(self.pads[source])
-            readers.append(self._reader(ctx) if fork else self._readers[source])
+            readers.append(self._readers[source].follow(ctx) if fork else self._readers[source])
         kept = {source for source, _ in plan}
         for index, ctx in enumerate(self.rows):
             if index not in kept:

@@ -24,6 +24,7 @@ from transformers.cache_utils import Cache as HFCache  # noqa: E402
 from transformers.cache_utils import DynamicLayer  # noqa: E402
 
 from kvstate import Cache, Layout  # noqa: E402
+from kvstate.impl.batch_write import extend_rows  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")   # skips, naming pip install 'kvstate[hf]', without transformers 5.x
 from kvstate.spec.errors import ShapeError, TokenError, UnsupportedModelError  # noqa: E402
@@ -439,6 +440,21 @@ def test_num_return_sequences_shares_the_prompt_pages(llama):
     assert cache.kv.stats()["live_pages"] < 8 * 4
 
 
+@pytest.mark.parametrize("store", ["torch", "numpy"])
+def test_a_decode_step_commits_every_row_in_one_batched_write(llama, store, monkeypatch):
+    """Each decode step of a batch is one ``extend_rows`` over its rows (the prefill, padded, one
+    ``extend`` per row), and the logits stay DynamicCache's."""
+    calls = []
+
+    def counted(contexts, tokens, kv):
+        calls.append(len(contexts))
+        return extend_rows(contexts, tokens, kv)
+    monkeypatch.setattr(hf, "extend_rows", counted)
+    prompt, mask = left_padded([7, 4, 9], 42)
+    generate_both(llama, prompt, mask, store=store, max_new_tokens=4, do_sample=False, num_beams=2)
+    assert calls == [6, 6, 6]       # 3 prompts x 2 beams; 4 new tokens: the prefill and 3 decode steps
+
+
 def test_reorders_are_forks_and_copy_no_bytes(llama):
     cache = hf.KVStateCache.for_model(llama, page_tokens=4)
     prompt, mask = left_padded([9, 6], 42)
@@ -603,12 +619,15 @@ def test_bench_batch_parts_report_every_field_at_tiny_sizes():
 
     tiny = hf_agent._model(256, "tiny")
     a = hf_agent.batched(tiny, 20, 3, num_beams=4, do_sample=False)
-    assert a["same_tokens"] and set(a) == {"rows", "same_tokens", "time", "peak_kv"}
+    assert a["same_tokens"] and set(a) == {"rows", "same_tokens", "time", "time_without_cache", "cache_time",
+                                           "peak_kv"}
+    assert all(row["cache_seconds"] > 0 for row in a["rows"])
     dynamic, ours = a["rows"][0], a["rows"][1]
     assert dynamic["peak_kv_bytes"] > ours["peak_kv_bytes"] > 0     # the 4 beams' prompt is held once
     b = hf_agent.batched(tiny, 20, 3, num_return_sequences=8, do_sample=True, top_k=0)
     assert b["same_tokens"] and b["rows"][1]["pages_copied"] <= 8   # at most each row's partly filled page
     c = hf_agent.decode_modes(tiny, 24, 2)
     assert {r["cache"] for r in c["views"]["rows"]} == {"kvstate", "DynamicCache"} and c["gather"]["overhead"] > 0
+    assert c["views"]["floor"] > 0 and c["gather"]["page_write_ms"] > 0 and c["gather"]["page_cat_ms"] > 0
     d = hf_agent.resume(tiny, (24,))
     assert d["rows"][0]["tokens"] == 24 and d["rows"][0]["snapshot_bytes"] > 0

@@ -1,0 +1,121 @@
+"""Many contexts extended by one call: the commit of a batched decode step.
+
+A transformers decode step adds one position to every row of a batch, each row its
+own context. ``Context.extend`` per row pays, per row, what does not depend on the
+row: validating and encoding the values (a device sync on the torch store), taking
+the cache lock, asking the pool policy for room. ``extend_rows`` pays each of these
+once for the batch, then does the page work of each context (copy-on-write of a
+shared last page through ``writable``, the one place that copies; new pages) in one
+critical section, and writes every row's bytes outside the lock, as ``extend`` does.
+
+The result equals ``contexts[i].extend(tokens[i], kv[i])`` for each i in order: the
+same values, tokens, lengths, refcounts, pages copied and pages allocated. One
+difference: the pool policy is told the whole batch's page count at once, so where
+it must evict, it evicts for the batch before any row takes a page.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+from kvstate.spec.arithmetic import pages_needed, pages_touched
+from kvstate.spec.errors import ForeignContextError, ShapeError
+from kvstate.spec.layout import check_tokens, check_values
+
+from .context import Context, _Ownership
+from .pages import joined_slots, ref_slots
+
+
+def extend_rows(contexts: list[Context], tokens, kv) -> None:
+    """Append ``tokens[i]`` (``(rows, n)`` ints) with ``kv[i]`` (``(rows, n, layers, 2, kv_heads,
+    head_dim)`` float32) to ``contexts[i]``, for every row.
+
+    All or nothing for bad input: every row is validated (ids, shape, dtype, finite and
+    representable values; distinct open contexts of one cache, none in use) before any
+    context, page or counter changes. A failure after that (memory ran out) truncates the
+    rows already grown back to their lengths before the error propagates.
+    """
+    contexts = list(contexts)
+    if not contexts:
+        return
+    cache = contexts[0]._cache
+    foreign = [i for i, ctx in enumerate(contexts) if ctx._cache is not cache]
+    if foreign:
+        raise ForeignContextError(f"rows {foreign} belong to another cache than row 0's")
+    if len({id(ctx) for ctx in contexts}) != len(contexts):
+        raise ShapeError("a context appears twice among the rows: each row is its own context")
+    rows = len(contexts)
+    ids = [check_tokens(row) for row in _rows(tokens, rows, "token ids")]
+    n = len(ids[0]) if ids else 0
+    if any(len(row) != n for row in ids):
+        raise ShapeError(f"every row must add the same number of positions, got {[len(row) for row in ids]}")
+    shape = tuple(getattr(kv, "shape", ()))
+    if shape[:2] != (rows, n):
+        raise ShapeError(f"K/V values must have shape ({rows}, {n}, ...) for {rows} rows of {n} positions, "
+                         f"got {shape}")
+    flat = check_values(cache.layout, kv.reshape(rows * n, *shape[2:]), rows * n)
+    with ExitStack() as owned:
+        for ctx in contexts:
+            owned.enter_context(_Ownership(ctx))
+        if n == 0:
+            return
+        encoded = cache.store.encode(flat)      # one validation and encoding for every row
+        starts = [ctx._length for ctx in contexts]
+        with cache.lock:
+            _make_pages(cache, contexts, starts, n)
+        try:
+            for row, ctx in enumerate(contexts):
+                part = tuple(p[:, :, row * n:(row + 1) * n] for p in encoded)
+                ctx._write(starts[row], starts[row] + n, ids[row], part)
+        except BaseException:
+            with cache.lock:
+                for ctx, start in zip(contexts, starts):
+                    _drop_from(cache, ctx, start)
+            raise
+        with cache.lock:
+            for ctx, start in zip(contexts, starts):
+                ctx._length = start + n
+
+
+def _rows(values, rows: int, what: str) -> list:
+    if hasattr(values, "detach"):
+        values = values.detach().cpu().numpy()
+    if not hasattr(values, "__len__") or len(values) != rows:
+        raise ShapeError(f"{what} must have one row per context ({rows}), got {values!r:.80}")
+    return list(values)
+
+
+def _make_pages(cache, contexts: list[Context], starts: list[int], n: int) -> None:
+    """Each context's pages for ``[start, start + n)``, private: ``extend``'s critical section, once
+    for the batch (the pool policy asked once for every row's pages)."""
+    page_tokens, spans, needed = cache.page_tokens, [], 0
+    for ctx, start in zip(contexts, starts):
+        first, end = pages_touched(start, start + n, page_tokens)
+        partial_shared = first < len(ctx._pages) and ctx._pages[first].refcount > 1
+        needed += partial_shared + end - len(ctx._pages)
+        spans.append((first, end))
+    cache.pool.make_room(needed)
+    grown: list[tuple[Context, int]] = []
+    try:
+        for ctx, start, (first, end) in zip(contexts, starts, spans):
+            if first < len(ctx._pages):
+                ctx.writable(first)           # the partly filled last page
+            held = len(ctx._pages)
+            ctx._pages += tuple(cache.pool.new_pages(end - held, room_made=True))
+            ctx._slots = joined_slots(ctx._ref_slots(held), ref_slots(ctx._pages[held:]))
+            grown.append((ctx, start))
+            ctx._raise_filled(start, start + n)
+    except BaseException:
+        for ctx, start in grown:
+            _drop_from(cache, ctx, start)
+        raise
+
+
+def _drop_from(cache, ctx: Context, start: int) -> None:
+    """Release the pages ``ctx`` took past ``start`` positions (under the lock): ``truncate``'s step."""
+    keep = pages_needed(start, cache.page_tokens)
+    for page in ctx._pages[keep:]:
+        cache.pool.release(page)
+    ctx._pages = ctx._pages[:keep]
+    ctx._slots = ctx._slots[:keep]
+    ctx._length = start
