@@ -52,5 +52,11 @@ def test_every_missed_cell_gets_its_floor_and_a_design_beside_it():
                           "divergent @1 kvstate token, Python list: lookup 0.30 MISSED"}
     lookup = notes["divergent @1 kvstate token, Python list: lookup 0.30 MISSED"]
     assert lookup.startswith("floor 0.25x (validating the list") and "BELOW" in lookup and "validated once" in lookup
+    assert "0.20x with this run's int64-array lookup on top" in lookup      # 10 us / (40 + 10)
+    # validation alone under the target, but an array lookup on top brings it below: the list design
+    rows[2].update(lookup_floor_us=5.0, lookup_floor_speedup=2.0)
+    rows[1]["lookup_us"] = 2.0      # 10 / (5 + 2) = 1.43 < 1.5
+    lookup = versus_sglang.verdict(rows, timed=True)["divergent @1 kvstate token, Python list: lookup 0.30 MISSED"]
+    assert lookup.startswith("floor 2.00x") and "1.43x with this run" in lookup and "BELOW" in lookup
     insert = notes["divergent @1 kvstate token, int64 array: insert 0.50 MISSED"]
     assert insert.startswith("floor 10.00x (one pass over the key") and "above" in insert and "slabs" in insert
