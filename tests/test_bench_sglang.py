@@ -32,3 +32,31 @@ def test_agent_traffic_falls_back_to_the_labelled_yardstick():
     result = agent_traffic.run(quick=True, peer="yardstick")
     assert "in-house yardstick" in result["params"]["peer"] and "not SGLang's code" in result["params"]["peer"]
     assert {row["engine"] for row in result["rows"]} >= {"yardstick", "kvstate"}
+
+
+def test_every_missed_cell_gets_its_floor_and_a_design_beside_it():
+    """``verdict`` on made-up rows (no timing): a missed lookup or insert names the floor measured
+    for its input, says whether the target sits below it, and names a design; a met cell gets none."""
+    from kvstate.bench import versus_sglang
+
+    def row(engine, given, lookup, insert, floor_us=None, floor_x=None):
+        return {"workload": "divergent", "page": 1, "engine": engine, "input": given, "matched": 10,
+                "lookup_us": 10.0, "insert_us": 10.0, "lookup_speedup": lookup, "insert_speedup": insert,
+                "lookup_floor_us": floor_us, "lookup_floor_speedup": floor_x}
+
+    rows = [row("SGLang RadixCache", "array('q')", 1, 1),
+            row("kvstate token", "int64 array", 2.0, 0.5, floor_us=1.0, floor_x=10.0),
+            row("kvstate token", "Python list", 0.3, 2.0, floor_us=40.0, floor_x=0.25)]
+    notes = {name: value for name, value in versus_sglang.verdict(rows, timed=True).items() if "MISSED" in name}
+    assert set(notes) == {"divergent @1 kvstate token, int64 array: insert 0.50 MISSED",
+                          "divergent @1 kvstate token, Python list: lookup 0.30 MISSED"}
+    lookup = notes["divergent @1 kvstate token, Python list: lookup 0.30 MISSED"]
+    assert lookup.startswith("floor 0.25x (validating the list") and "BELOW" in lookup and "validated once" in lookup
+    assert "0.20x with this run's int64-array lookup on top" in lookup      # 10 us / (40 + 10)
+    # validation alone under the target, but an array lookup on top brings it below: the list design
+    rows[2].update(lookup_floor_us=5.0, lookup_floor_speedup=2.0)
+    rows[1]["lookup_us"] = 2.0      # 10 / (5 + 2) = 1.43 < 1.5
+    lookup = versus_sglang.verdict(rows, timed=True)["divergent @1 kvstate token, Python list: lookup 0.30 MISSED"]
+    assert lookup.startswith("floor 2.00x") and "1.43x with this run" in lookup and "BELOW" in lookup
+    insert = notes["divergent @1 kvstate token, int64 array: insert 0.50 MISSED"]
+    assert insert.startswith("floor 10.00x (one pass over the key") and "above" in insert and "slabs" in insert
