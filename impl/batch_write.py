@@ -18,12 +18,10 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
-from kvstate.spec.arithmetic import pages_needed, pages_touched
 from kvstate.spec.errors import ForeignContextError, ShapeError
 from kvstate.spec.layout import check_tokens, check_values
 
 from .context import Context, _Ownership
-from .pages import joined_slots, ref_slots
 
 
 def extend_rows(contexts: list[Context], tokens, kv) -> None:
@@ -70,7 +68,7 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
         except BaseException:
             with cache.lock:
                 for ctx, start in zip(contexts, starts):
-                    _drop_from(cache, ctx, start)
+                    ctx._keep_first(start)
             raise
         with cache.lock:
             for ctx, start in zip(contexts, starts):
@@ -88,34 +86,13 @@ def _rows(values, rows: int, what: str) -> list:
 def _make_pages(cache, contexts: list[Context], starts: list[int], n: int) -> None:
     """Each context's pages for ``[start, start + n)``, private: ``extend``'s critical section, once
     for the batch (the pool policy asked once for every row's pages)."""
-    page_tokens, spans, needed = cache.page_tokens, [], 0
-    for ctx, start in zip(contexts, starts):
-        first, end = pages_touched(start, start + n, page_tokens)
-        partial_shared = first < len(ctx._pages) and ctx._pages[first].refcount > 1
-        needed += partial_shared + end - len(ctx._pages)
-        spans.append((first, end))
-    cache.pool.make_room(needed)
+    cache.pool.make_room(sum(ctx._pages_to_grow(start, start + n) for ctx, start in zip(contexts, starts)))
     grown: list[tuple[Context, int]] = []
     try:
-        for ctx, start, (first, end) in zip(contexts, starts, spans):
-            if first < len(ctx._pages):
-                ctx.writable(first)           # the partly filled last page
-            held = len(ctx._pages)
-            ctx._pages += tuple(cache.pool.new_pages(end - held, room_made=True))
-            ctx._slots = joined_slots(ctx._ref_slots(held), ref_slots(ctx._pages[held:]))
+        for ctx, start in zip(contexts, starts):
             grown.append((ctx, start))
-            ctx._raise_filled(start, start + n)
+            ctx._grow(start, start + n)
     except BaseException:
         for ctx, start in grown:
-            _drop_from(cache, ctx, start)
+            ctx._keep_first(start)
         raise
-
-
-def _drop_from(cache, ctx: Context, start: int) -> None:
-    """Release the pages ``ctx`` took past ``start`` positions (under the lock): ``truncate``'s step."""
-    keep = pages_needed(start, cache.page_tokens)
-    for page in ctx._pages[keep:]:
-        cache.pool.release(page)
-    ctx._pages = ctx._pages[:keep]
-    ctx._slots = ctx._slots[:keep]
-    ctx._length = start

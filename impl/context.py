@@ -203,18 +203,28 @@ class Context:
             encoded = self._cache.store.encode(kv)
             start, stop = self._length, self._length + len(tokens)
             with self._cache.lock:
-                first, end = pages_touched(start, stop, self.page_tokens)
-                partial_shared = first < len(self._pages) and self._pages[first].refcount > 1
-                self._cache.pool.make_room(partial_shared + end - len(self._pages))
-                if first < len(self._pages):
-                    self.writable(first)           # the partly filled last page
-                held = len(self._pages)
-                self._pages += tuple(self._cache.pool.new_pages(end - held, room_made=True))
-                self._slots = joined_slots(self._ref_slots(held), ref_slots(self._pages[held:]))
-                self._raise_filled(start, stop)
+                self._cache.pool.make_room(self._pages_to_grow(start, stop))
+                self._grow(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
                 self._length = stop
+
+    def _pages_to_grow(self, start: int, stop: int) -> int:
+        """Pages an append of ``[start, stop)`` takes from the pool: the new ones, plus a copy of the
+        partly filled last page where other holders share it."""
+        first, end = pages_touched(start, stop, self.page_tokens)
+        partial_shared = first < len(self._pages) and self._pages[first].refcount > 1
+        return partial_shared + end - len(self._pages)
+
+    def _grow(self, start: int, stop: int) -> None:
+        """Make every page ``[start, stop)`` lands in this context's own (under the cache lock, room made)."""
+        first, end = pages_touched(start, stop, self.page_tokens)
+        if first < len(self._pages):
+            self.writable(first)           # the partly filled last page
+        held = len(self._pages)
+        self._pages += tuple(self._cache.pool.new_pages(end - held, room_made=True))
+        self._slots = joined_slots(self._ref_slots(held), ref_slots(self._pages[held:]))
+        self._raise_filled(start, stop)
 
     def overwrite(self, start: int, tokens, kv) -> None:
         """Rewrite positions ``[start, start + n)``, all inside the current length."""
@@ -298,12 +308,16 @@ class Context:
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             n = keep_positions
             with self._cache.lock:
-                keep, _released = truncate_keep(self._length, n, self.page_tokens)
-                for page in self._pages[keep:]:
-                    self._cache.pool.release(page)
-                self._pages = self._pages[:keep]
-                self._slots = self._slots[:keep]
-                self._length = n
+                self._keep_first(n)
+
+    def _keep_first(self, n: int) -> None:
+        """Keep the first ``n`` positions and release the pages past them (under the cache lock)."""
+        keep, _released = truncate_keep(self._length, n, self.page_tokens)
+        for page in self._pages[keep:]:
+            self._cache.pool.release(page)
+        self._pages = self._pages[:keep]
+        self._slots = self._slots[:keep]
+        self._length = n
 
     def snapshot(self, target, deadline_s: float | None = None) -> None:
         """Write tokens and values, in the cache's own precision, to a path or URL (atomically) or binary stream.
