@@ -355,18 +355,23 @@ def test_a_write_to_a_silent_s3_endpoint_ends_at_its_deadline(silent_server):
     assert isinstance(caught.value, SnapshotWriteError)
 
 
-def test_a_second_tier_at_a_silent_endpoint_counts_its_deadline_and_match_returns_the_local_hit(silent_server):
-    pytest.importorskip("aiohttp")
-    from kvstate.remote import SnapshotStore
+def _match_past_a_tier_deadline_returns_the_local_hit(cache):
+    """Retain 3 positions, then match 9: the tier runs out of time, a warning names it, the local hit stays."""
     from kvstate.spec.errors import SecondTierWarning
-    store = SnapshotStore(f"http://{silent_server}/kv", stride=4, deadline_s=0.5)
-    cache = Cache(SMALL, page_tokens=2, second_tier=store)
     with filled(cache, 3) as ctx:
         cache.retain(ctx)
     with pytest.warns(SecondTierWarning, match="SnapshotDeadlineError"):
         got, n = cache.match([0, 1, 2, 3, 4, 5, 6, 7, 8])
     with got:
         assert n == 3 and tokens_of(got) == [0, 1, 2]
+
+
+def test_a_second_tier_at_a_silent_endpoint_counts_its_deadline_and_match_returns_the_local_hit(silent_server):
+    pytest.importorskip("aiohttp")
+    from kvstate.remote import SnapshotStore
+    store = SnapshotStore(f"http://{silent_server}/kv", stride=4, deadline_s=0.5)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+    _match_past_a_tier_deadline_returns_the_local_hit(cache)
     assert store.failures == 1 and "store's deadline" in store.last_failure
 
 
@@ -375,7 +380,7 @@ def test_a_cache_deadline_bounds_its_restores_and_its_tier_and_a_call_deadline_o
     pytest.importorskip("aiohttp")
     from kvstate import remote
     from kvstate.remote import SnapshotStore
-    from kvstate.spec.errors import SecondTierWarning, SnapshotDeadlineError
+    from kvstate.spec.errors import SnapshotDeadlineError
     store = SnapshotStore(f"http://{silent_server}/kv", stride=4, deadline_s=60)
     cache = Cache(SMALL, page_tokens=2, second_tier=store, remote_deadline_s=0.3)
     url = f"http://{silent_server}/x.kvs"
@@ -383,12 +388,7 @@ def test_a_cache_deadline_bounds_its_restores_and_its_tier_and_a_call_deadline_o
         cache.restore(url)
     with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call"):
         cache.restore(url, deadline_s=0.2)
-    with filled(cache, 3) as ctx:
-        cache.retain(ctx)
-    with pytest.warns(SecondTierWarning, match="SnapshotDeadlineError"):
-        got, n = cache.match([0, 1, 2, 3, 4, 5, 6, 7, 8])
-    with got:
-        assert n == 3 and tokens_of(got) == [0, 1, 2]
+    _match_past_a_tier_deadline_returns_the_local_hit(cache)
     assert store.failures == 1 and "cache's deadline" in store.last_failure
     with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call"):
         store.get(cache, [0, 1, 2, 3, 4, 5, 6, 7, 8], deadline_s=0.2)
