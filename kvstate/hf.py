@@ -124,6 +124,7 @@ class KVStateCache(_HFCache):
         self._ids: np.ndarray | None = None                # (batch, n)
         self._new_pads: list[int] = [0] * len(self.rows)
         self._zeros = None
+        self._shared = None             # (the rows' page tuples, _shared_past() of them)
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
     def _set_rows(self, rows: list, pads: list[int] | None = None, readers: list | None = None) -> None:
@@ -302,19 +303,50 @@ class KVStateCache(_HFCache):
 
     def _gathered(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         batch, heads, n, dim = k.shape
-        length = self._length()
-        shape = (batch, heads, length + n, dim)
+        shape = (batch, heads, self._length() + n, dim)
         keys = torch.empty(shape, dtype=torch.float32, device=k.device)
         values = torch.empty(shape, dtype=torch.float32, device=k.device)
+        shared_pages, shared_end = self._shared_past()
         for row, reader in enumerate(self._readers):
-            pad = [self._zero_run(self.pads[row], k)] if self.pads[row] else []
+            # Rows after the first gather only what they do not share with it; the shared part is
+            # copied from the first row below, one copy for all of them.
+            skip, start = (shared_pages, shared_end) if row else (0, 0)
+            pad = [self._zero_run(self.pads[row], k)] if self.pads[row] and not start else []
             for out, new, kind in ((keys, k, 0), (values, v, 1)):
-                torch.cat(pad + self._past(reader, layer, kind, k.device) + [new[row]], dim=1, out=out[row])
+                torch.cat(pad + self._past(reader, layer, kind, k.device, skip) + [new[row]], dim=1,
+                          out=out[row, :, start:])
+        if shared_end:
+            for out in (keys, values):
+                out[1:, :, :shared_end] = out[:1, :, :shared_end]
         return keys, values
 
-    def _past(self, reader: LayerReader, layer: int, kind: int, device) -> list:
-        """The row's held K (kind 0) or V (1) of ``layer`` as float32 ``(heads, n, dim)`` parts."""
-        parts = reader.parts(layer, kind)
+    def _shared_past(self) -> tuple[int, int]:
+        """The leading pages every row holds in common (the very same pages: the prompt under beams or
+        ``num_return_sequences``) and where they end in a row, padding included; ``(0, 0)`` for one row
+        or for rows padded differently. The rows' pages do not change within a forward, so this is
+        worked out once per step (per change of any row's page tuple)."""
+        rows = self.rows
+        if len(rows) < 2 or self.pads.count(self.pads[0]) != len(rows):
+            return 0, 0
+        tuples = [ctx._pages for ctx in rows]
+        known = self._shared
+        if known is not None and len(known[0]) == len(tuples) and all(a is b for a, b in zip(known[0], tuples)):
+            return known[1]
+        first, shared = tuples[0], min(len(t) for t in tuples)
+        for pages in tuples[1:]:
+            common = 0
+            while common < shared and pages[common] is first[common]:
+                common += 1
+            shared = common
+        tokens = min(shared * self.kv.page_tokens, len(rows[0]))     # all rows are as long: same padding
+        result = (shared, self.pads[0] + tokens) if tokens else (0, 0)
+        self._shared = (tuples, result)
+        return result
+
+    def _past(self, reader: LayerReader, layer: int, kind: int, device, skip: int = 0) -> list:
+        """The row's held K (kind 0) or V (1) of ``layer`` past its first ``skip`` pages, as float32
+        ``(heads, n, dim)`` parts."""
+        parts = reader.parts(layer, kind)[skip:]
         if not parts:
             return []
         if parts[0].device != device:                     # a store on another device than the model
@@ -324,7 +356,7 @@ class KVStateCache(_HFCache):
             return parts
         values = torch.cat(parts, dim=1).to(torch.float32)
         if precision == "q8":
-            scales = torch.cat(reader.parts(layer, 2 + kind), dim=1).to(device)
+            scales = torch.cat(reader.parts(layer, 2 + kind)[skip:], dim=1).to(device)
             values = values * scales.unsqueeze(-1)
         return [values]
 

@@ -631,3 +631,18 @@ def test_bench_batch_parts_report_every_field_at_tiny_sizes():
     assert c["views"]["floor"] > 0 and c["gather"]["page_write_ms"] > 0 and c["gather"]["page_cat_ms"] > 0
     d = hf_agent.resume(tiny, (24,))
     assert d["rows"][0]["tokens"] == 24 and d["rows"][0]["snapshot_bytes"] > 0
+
+
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_rows_sharing_a_prompt_gather_it_once_and_stay_exact(llama, precision, monkeypatch):
+    """Beams of one left-padded prompt share its pages: rows after the first copy that common past
+    from the first row's gather (the padding with it) instead of gathering it again."""
+    prompt, mask = left_padded([9], 47)
+    prompt = torch.cat([torch.zeros((1, 3), dtype=torch.long), prompt], dim=1)     # three positions of padding
+    mask = torch.cat([torch.zeros((1, 3), dtype=torch.long), mask], dim=1)
+    seen = []
+    shared_past = hf.KVStateCache._shared_past
+    monkeypatch.setattr(hf.KVStateCache, "_shared_past", lambda self: seen.append(shared_past(self)) or seen[-1])
+    generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=4, precision=precision)
+    assert (3, 3 + 9) in seen          # every page of the prompt shared, its partly filled last one too
+    assert (2, 3 + 8) in seen          # after each beam's write copied that last page: the two full ones
