@@ -30,23 +30,23 @@ class LayerReader:
         self._pages: tuple | None = None
         self._slices: list = []     # [layer][component] -> list of per-page slices (page_tokens positions each)
 
-    def parts(self, layer: int, component: int) -> list:
-        """Slices covering positions ``[0, len(context))`` of ``layer``'s ``component``
-        (``2 * part + kind``: K then V of the store's first array, then of its second, q8's scales).
-        Empty for an empty context."""
+    def parts(self, layer: int, component: int, skip: int = 0) -> list:
+        """Slices covering positions ``[skip * page_tokens, len(context))`` of ``layer``'s ``component``
+        (``2 * part + kind``: K then V of the store's first array, then of its second, q8's scales):
+        the pages after the first ``skip``. Empty for an empty context."""
         ctx = self.context
         if ctx._closed:
             raise ContextClosedError(f"context {ctx.context_id} is closed")
         if ctx._pages is not self._pages:
             self._rebuild(ctx._pages)
         slices = self._slices[layer][component]
-        if not slices:
-            return slices
+        if skip >= len(slices):
+            return []
         tail = ctx._length - (len(slices) - 1) * ctx._cache.page_tokens
         last = slices[-1]
         if tail == last.shape[self._axis]:
-            return slices
-        return slices[:-1] + [last[:, :tail] if self._axis == 1 else last[:tail]]
+            return slices[skip:] if skip else slices
+        return slices[skip:-1] + [last[:, :tail] if self._axis == 1 else last[:tail]]
 
     def follow(self, context) -> "LayerReader":
         """A reader of ``context`` (a fork of this reader's context) that starts from this reader's

@@ -346,7 +346,7 @@ class KVStateCache(_HFCache):
     def _past(self, reader: LayerReader, layer: int, kind: int, device, skip: int = 0) -> list:
         """The row's held K (kind 0) or V (1) of ``layer`` past its first ``skip`` pages, as float32
         ``(heads, n, dim)`` parts."""
-        parts = reader.parts(layer, kind)[skip:]
+        parts = reader.parts(layer, kind, skip)
         if not parts:
             return []
         if parts[0].device != device:                     # a store on another device than the model
@@ -356,7 +356,7 @@ class KVStateCache(_HFCache):
             return parts
         values = torch.cat(parts, dim=1).to(torch.float32)
         if precision == "q8":
-            scales = torch.cat(reader.parts(layer, 2 + kind)[skip:], dim=1).to(device)
+            scales = torch.cat(reader.parts(layer, 2 + kind, skip), dim=1).to(device)
             values = values * scales.unsqueeze(-1)
         return [values]
 

@@ -24,6 +24,10 @@ def assert_reads_as_context(reader: LayerReader) -> None:
             if ctx.precision == "q8" and parts:      # codes (components 0, 1) times scales (2, 3)
                 got = got * np.concatenate(reader.parts(layer, 2 + kind))[..., None]
             np.testing.assert_array_equal(got, expected)
+            for skip in range(len(parts) + 2):        # the pages after the first ``skip``: the rest of the read
+                tail = reader.parts(layer, kind, skip)
+                assert len(tail) == max(len(parts) - skip, 0)
+                assert all(a is b or np.array_equal(a, b) for a, b in zip(tail, parts[skip:]))
 
 
 @pytest.mark.parametrize("precision", ["f32", "q8"])
