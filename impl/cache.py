@@ -180,7 +180,11 @@ class Cache:
             ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
             self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
             self._next_context_id += 1    # ``_new_context`` spelled out: fork is the hottest path
-            child = Context(self, self._next_context_id, ctx._pages[:n], length, ids, ctx._key)
+            pages, base = ctx._pages, ctx._base
+            if n != len(pages):           # a prefix: the kept base tuple when it is that prefix, else a slice
+                pages = base = base if len(base) == n else pages[:n]
+            child = Context(self, self._next_context_id, pages, length, ids, ctx._key)
+            child._base = base if len(base) <= n else pages
             if register:
                 self._contexts[child.context_id] = child
             return child
@@ -188,7 +192,7 @@ class Cache:
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
         self.pool.release_slots(ctx._pages, ctx._ref_slots(len(ctx._pages)))
-        ctx._pages = ()
+        ctx._pages = ctx._base = ()
         ctx._slots = ctx._slots[:0]
         ctx._closed = True
 

@@ -176,3 +176,34 @@ def test_a_whole_fork_or_hit_shares_its_source_page_tuple_and_a_write_replaces_o
     for c in (fork, hit, ctx):
         c.close()
     _check_books(cache)
+
+
+def test_hits_at_a_shared_prefix_share_one_prefix_tuple_and_a_write_below_it_drops_it():
+    """A hit at the system prompt's length from an entry that extended that very hit takes the
+    entry's kept prefix tuple (``Context._base``), not a slice; a write or a truncate below the
+    prefix's end makes a later fork slice the context's own pages again."""
+    cache = Cache(TINY, page_tokens=1, max_entries=8, match="token")
+    zeros = np.zeros((12, *TINY.position_shape), np.float32)
+    prompt = list(range(4))
+    first = cache.allocate()
+    first.extend(prompt + [10, 11], zeros[:6])
+    cache.retain(first)
+    hits = []
+    for turn in range(3):
+        hit, matched = cache.match(prompt + [20 + turn])
+        assert matched == 4
+        hit.extend([30 + turn, 31 + turn], zeros[:2])
+        cache.retain(hit)
+        hits.append(hit)
+    assert hits[1]._pages[:4] == hits[2]._pages[:4] and hits[1]._base is hits[2]._base
+    assert [p.page_id for p in hits[2]._pages[:4]] == [p.page_id for p in first._pages[:4]]
+    hits[2].overwrite(1, [99], zeros[:1])          # a private copy of page 1, below the prefix's end
+    fork = cache._fork(hits[2], length=4)
+    assert [p.page_id for p in fork._pages] == [p.page_id for p in hits[2]._pages[:4]]
+    assert fork._pages[1] is not first._pages[1] and fork.tokens == [0, 99, 2, 3]
+    hits[1].truncate(2)
+    fork2 = cache._fork(hits[1], length=2)
+    assert fork2._pages == first._pages[:2] and len(hits[1]._base) <= 2
+    for ctx in (first, *hits, fork, fork2):
+        ctx.close()
+    _check_books(cache)
