@@ -55,7 +55,7 @@ import warnings
 
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning
-from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens, check_tokens
+from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens
 from kvstate.spec.observation import EntryView, Observation, PageView
 from kvstate.spec.precision import check_precision
 from kvstate.spec.protocol import Config
@@ -65,7 +65,8 @@ from .context import Context
 from .matching import finder_for
 from .pages import PagePool
 from .pool_policy import PoolPolicy
-from .radix import RadixTree, pack
+from .query import packed_query, unpacked
+from .radix import RadixTree
 from .remote_deadline import CACHE, CALL, check_seconds, first_set
 from .snapshot import restore_snapshot
 from .tree_bounds import TreeBounds
@@ -229,8 +230,7 @@ class Cache:
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and
         how many positions it holds; a miss is a new empty context and 0. Stamps the hit's entry."""
-        tokens = check_tokens(tokens, private=False)     # once: an iterator is consumed here, not twice
-        query = pack(tokens)    # packing copies: nothing of the caller's is kept
+        query, tokens = packed_query(tokens)     # a copy, validated: nothing of the caller's is kept
         with self.lock:
             node, matched = self.find_hit(self.tree, query)
             if node is None:
@@ -241,7 +241,7 @@ class Cache:
         # The second tier (kvstate.remote) does I/O, so outside the lock; it retains what it restores.
         if self.second_tier is not None:
             try:
-                found = self.second_tier.consult(self, tokens, found)
+                found = self.second_tier.consult(self, unpacked(query) if tokens is None else tokens, found)
             except Exception as error:     # noqa: BLE001 - SnapshotStore never raises here; a duck tier may
                 if found[0].closed:
                     raise

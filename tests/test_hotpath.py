@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from kvstate.impl import Cache
+from kvstate.impl import query
+from kvstate.impl.query import packed_query
 from kvstate.impl.radix import pack
 from kvstate.spec.errors import DTypeError, TokenError
 from kvstate.spec.invariants import check_structure
@@ -38,6 +40,47 @@ def test_a_bad_list_gets_the_error_the_element_check_names(items):
     assert str(fast.value) == str(slow.value)
     with pytest.raises(type(slow.value)):
         check_tokens(tuple(items))
+
+
+# Bools and big ints whose marshal records balance in length (1 byte each against 11): only the
+# tag check tells them from small ints.
+BALANCED = [[2**40, 2**40, True, True, True], [5, 2**45, False, 2**33, True, True, False, 9]]
+
+
+@pytest.mark.parametrize("route", ["marshal", "array"])
+@pytest.mark.parametrize("items", BAD_LISTS + BALANCED, ids=repr)
+def test_a_lookups_packed_route_refuses_a_bad_list_with_the_named_error(items, route, monkeypatch):
+    monkeypatch.setattr(query, "_MARSHAL", route == "marshal")
+    assert query._from_marshal(list(items)) is None and query._from_array(list(items)) is None
+    with pytest.raises((DTypeError, TokenError)) as slow:
+        _name_bad_token(list(items))
+    with pytest.raises(type(slow.value)) as fast:
+        packed_query(list(items))
+    assert str(fast.value) == str(slow.value)
+
+
+def test_the_marshal_route_reads_this_pythons_format():
+    assert query._MARSHAL      # else lists take the two-pass route: correct, slower
+
+
+@pytest.mark.parametrize("items", [[-1], [2**31], [5, -(2**62)], [2**62], [0, 2**31 + 7]], ids=repr)
+def test_a_lookups_packed_route_refuses_a_bad_int64_array_with_the_named_error(items):
+    with pytest.raises(TokenError) as slow:
+        check_tokens(np.array(items, np.int64))
+    with pytest.raises(TokenError) as fast:
+        packed_query(np.array(items, np.int64))
+    assert str(fast.value) == str(slow.value)
+
+
+@pytest.mark.parametrize("items", [[0, 2**31 - 1, 5], [], [7], list(range(1000)), [np.int64(4), 2, np.uint8(3)]],
+                         ids=repr)
+def test_a_lookups_packed_route_packs_a_good_list_as_its_checked_array(items):
+    assert packed_query(np.array(items, np.int64))[0] == pack(check_tokens(items))
+    if all(type(t) is int for t in items):
+        assert query._from_marshal(items) == query._from_array(items) == pack(check_tokens(items))
+    packed, checked = packed_query(items)
+    assert packed == pack(check_tokens(items))
+    assert checked is None or checked.tolist() == [int(t) for t in items]
 
 
 def test_a_good_list_of_mixed_int_kinds_is_its_int64_array():
