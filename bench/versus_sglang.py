@@ -201,9 +201,11 @@ def miss_note(row: dict, op: str, peers: dict, rows: list[dict]) -> str:
 
 FLOOR_PART = {"int64 array": "one pass over the query: range check and packing",
               "Python list": "validating the list: one C pass over types and values"}
-_RUNS = ("a hit that holds the entry's page runs whole (a fork O(runs), not one tuple slot per page, "
-         "one page object per token at page 1), validation and packing fused into one int32 pass, "
-         "and fewer NumPy calls per lookup (each ~1 us)")
+_RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (no per-page slice), one C pass "
+         "packs a list, an int64 array skips check_tokens's dispatch; what remains: pages as slabs (one Python "
+         "object per extend, not ~4 per token at page 1: the extend between two lookups then stops leaving the "
+         "tree, entry and context cold for the next one) and fewer Python calls per lookup (match, find, stamp "
+         "and fork in one function)")
 DESIGN = {
     ("lookup", "int64 array", False): _RUNS,
     ("lookup", "Python list", False): _RUNS,
