@@ -55,7 +55,7 @@ import warnings
 
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning
-from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens, check_tokens
+from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens
 from kvstate.spec.observation import EntryView, Observation, PageView
 from kvstate.spec.precision import check_precision
 from kvstate.spec.protocol import Config
@@ -65,7 +65,8 @@ from .context import Context
 from .matching import finder_for
 from .pages import PagePool
 from .pool_policy import PoolPolicy
-from .radix import RadixTree, pack
+from .query import packed_query, unpacked
+from .radix import RadixTree
 from .remote_deadline import CACHE, CALL, check_seconds, first_set
 from .snapshot import restore_snapshot
 from .tree_bounds import TreeBounds
@@ -180,7 +181,11 @@ class Cache:
             ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
             self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
             self._next_context_id += 1    # ``_new_context`` spelled out: fork is the hottest path
-            child = Context(self, self._next_context_id, ctx._pages[:n], length, ids, ctx._key)
+            pages, base = ctx._pages, ctx._base
+            if n != len(pages):           # a prefix: the kept base tuple when it is that prefix, else a slice
+                pages = base = base if len(base) == n else pages[:n]
+            child = Context(self, self._next_context_id, pages, length, ids, ctx._key)
+            child._base = base if len(base) <= n else pages
             if register:
                 self._contexts[child.context_id] = child
             return child
@@ -188,7 +193,7 @@ class Cache:
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
         self.pool.release_slots(ctx._pages, ctx._ref_slots(len(ctx._pages)))
-        ctx._pages = ()
+        ctx._pages = ctx._base = ()
         ctx._slots = ctx._slots[:0]
         ctx._closed = True
 
@@ -225,8 +230,7 @@ class Cache:
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and
         how many positions it holds; a miss is a new empty context and 0. Stamps the hit's entry."""
-        tokens = check_tokens(tokens, private=False)     # once: an iterator is consumed here, not twice
-        query = pack(tokens)    # packing copies: nothing of the caller's is kept
+        query, tokens = packed_query(tokens)     # a copy, validated: nothing of the caller's is kept
         with self.lock:
             node, matched = self.find_hit(self.tree, query)
             if node is None:
@@ -237,7 +241,7 @@ class Cache:
         # The second tier (kvstate.remote) does I/O, so outside the lock; it retains what it restores.
         if self.second_tier is not None:
             try:
-                found = self.second_tier.consult(self, tokens, found)
+                found = self.second_tier.consult(self, unpacked(query) if tokens is None else tokens, found)
             except Exception as error:     # noqa: BLE001 - SnapshotStore never raises here; a duck tier may
                 if found[0].closed:
                     raise

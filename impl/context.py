@@ -42,6 +42,13 @@ class Context:
         # its parent's pages shares the very same tuple (``pages[:n]`` of a tuple with n pages
         # is that tuple), so a fork or match hit of k pages copies no list of k references.
         self._pages = pages
+        # A tuple that is a prefix of ``_pages`` (the very objects, in order): the page list this
+        # context was forked with, kept through appends. A fork at exactly its length takes it
+        # whole instead of slicing ``_pages``: requests hitting at a shared system prompt fork
+        # entries that each extended that same tuple, so the hit copies no list of page
+        # references (a slice increfs every page: the cost of a one-token-page hit). Whatever
+        # replaces a page below its end resets it (``writable``, ``_keep_first``, release).
+        self._base = pages
         self._length = length
         self._closed = False
         self._busy = threading.Lock()
@@ -188,6 +195,8 @@ class Context:
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
             self._pages = (*self._pages[:index], private, *self._pages[index + 1:])
+            if index < len(self._base):
+                self._base = self._pages
             ids = np.array(self._ref_slots(len(self._pages)), np.intp)     # a copy: a fork may view the old one
             ids[index] = private.ref
             self._slots = ids
@@ -316,6 +325,8 @@ class Context:
         for page in self._pages[keep:]:
             self._cache.pool.release(page)
         self._pages = self._pages[:keep]
+        if len(self._base) > keep:
+            self._base = self._pages
         self._slots = self._slots[:keep]
         self._length = n
 

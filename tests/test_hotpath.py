@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 
 from kvstate.impl import Cache
+from kvstate.impl import query
+from kvstate.impl.query import packed_query
 from kvstate.impl.radix import pack
 from kvstate.spec.errors import DTypeError, TokenError
 from kvstate.spec.invariants import check_structure
@@ -38,6 +40,47 @@ def test_a_bad_list_gets_the_error_the_element_check_names(items):
     assert str(fast.value) == str(slow.value)
     with pytest.raises(type(slow.value)):
         check_tokens(tuple(items))
+
+
+# Bools and big ints whose marshal records balance in length (1 byte each against 11): only the
+# tag check tells them from small ints.
+BALANCED = [[2**40, 2**40, True, True, True], [5, 2**45, False, 2**33, True, True, False, 9]]
+
+
+@pytest.mark.parametrize("route", ["marshal", "array"])
+@pytest.mark.parametrize("items", BAD_LISTS + BALANCED, ids=repr)
+def test_a_lookups_packed_route_refuses_a_bad_list_with_the_named_error(items, route, monkeypatch):
+    monkeypatch.setattr(query, "_MARSHAL", route == "marshal")
+    assert query._from_marshal(list(items)) is None and query._from_array(list(items)) is None
+    with pytest.raises((DTypeError, TokenError)) as slow:
+        _name_bad_token(list(items))
+    with pytest.raises(type(slow.value)) as fast:
+        packed_query(list(items))
+    assert str(fast.value) == str(slow.value)
+
+
+def test_the_marshal_route_reads_this_pythons_format():
+    assert query._MARSHAL      # else lists take the two-pass route: correct, slower
+
+
+@pytest.mark.parametrize("items", [[-1], [2**31], [5, -(2**62)], [2**62], [0, 2**31 + 7]], ids=repr)
+def test_a_lookups_packed_route_refuses_a_bad_int64_array_with_the_named_error(items):
+    with pytest.raises(TokenError) as slow:
+        check_tokens(np.array(items, np.int64))
+    with pytest.raises(TokenError) as fast:
+        packed_query(np.array(items, np.int64))
+    assert str(fast.value) == str(slow.value)
+
+
+@pytest.mark.parametrize("items", [[0, 2**31 - 1, 5], [], [7], list(range(1000)), [np.int64(4), 2, np.uint8(3)]],
+                         ids=repr)
+def test_a_lookups_packed_route_packs_a_good_list_as_its_checked_array(items):
+    assert packed_query(np.array(items, np.int64))[0] == pack(check_tokens(items))
+    if all(type(t) is int for t in items):
+        assert query._from_marshal(items) == query._from_array(items) == pack(check_tokens(items))
+    packed, checked = packed_query(items)
+    assert packed == pack(check_tokens(items))
+    assert checked is None or checked.tolist() == [int(t) for t in items]
 
 
 def test_a_good_list_of_mixed_int_kinds_is_its_int64_array():
@@ -175,4 +218,35 @@ def test_a_whole_fork_or_hit_shares_its_source_page_tuple_and_a_write_replaces_o
     assert ctx.tokens == list(range(8)) and fork.tokens[3] == 42
     for c in (fork, hit, ctx):
         c.close()
+    _check_books(cache)
+
+
+def test_hits_at_a_shared_prefix_share_one_prefix_tuple_and_a_write_below_it_drops_it():
+    """A hit at the system prompt's length from an entry that extended that very hit takes the
+    entry's kept prefix tuple (``Context._base``), not a slice; a write or a truncate below the
+    prefix's end makes a later fork slice the context's own pages again."""
+    cache = Cache(TINY, page_tokens=1, max_entries=8, match="token")
+    zeros = np.zeros((12, *TINY.position_shape), np.float32)
+    prompt = list(range(4))
+    first = cache.allocate()
+    first.extend(prompt + [10, 11], zeros[:6])
+    cache.retain(first)
+    hits = []
+    for turn in range(3):
+        hit, matched = cache.match(prompt + [20 + turn])
+        assert matched == 4
+        hit.extend([30 + turn, 31 + turn], zeros[:2])
+        cache.retain(hit)
+        hits.append(hit)
+    assert hits[1]._pages[:4] == hits[2]._pages[:4] and hits[1]._base is hits[2]._base
+    assert [p.page_id for p in hits[2]._pages[:4]] == [p.page_id for p in first._pages[:4]]
+    hits[2].overwrite(1, [99], zeros[:1])          # a private copy of page 1, below the prefix's end
+    fork = cache._fork(hits[2], length=4)
+    assert [p.page_id for p in fork._pages] == [p.page_id for p in hits[2]._pages[:4]]
+    assert fork._pages[1] is not first._pages[1] and fork.tokens == [0, 99, 2, 3]
+    hits[1].truncate(2)
+    fork2 = cache._fork(hits[1], length=2)
+    assert fork2._pages == first._pages[:2] and len(hits[1]._base) <= 2
+    for ctx in (first, *hits, fork, fork2):
+        ctx.close()
     _check_books(cache)

@@ -1,0 +1,105 @@
+"""A lookup's tokens as a packed key (``radix.pack``), in as few passes as the input allows.
+
+A Python list (what users pass) is read once, in C, by ``marshal.dumps(items, 2)``: format
+version 2 writes a list of n objects as ``b'['`` + n (int32) + one record each, and an exact
+``int`` in [-2**31, 2**31) as ``b'i'`` + its int32 little-endian, 5 bytes; anything else gets
+another record (a bool ``b'T'``/``b'F'``, a float ``b'g'``, a bigger int ``b'l'`` and its
+digits) or raises (a NumPy scalar or array, an int subclass). So an output of exactly
+5 + 5n bytes whose every fifth byte from the sixth is ``b'i'`` proves every token is a plain
+int that fits in int32, and its payload, read with a stride of 5, is the packed key; one OR
+finds a negative id. That is one pass over the list where a type scan plus a conversion
+(``countOf(map(type, ...))`` + ``np.fromiter`` or ``array('i')``) take two, each as long.
+The format is CPython's own and stable since version 2, and checked once at import: where
+it differs, lists take the two-pass route. Whatever a route does not accept (any bad token,
+a NumPy integer, an int subclass) takes the general route (``check_tokens`` then ``pack``),
+which names the bad token exactly as it always has, before the lookup looks at the tree.
+
+An int64 array (the other usual input) is checked as ``check_tokens`` checks it, minus its
+dispatch.
+"""
+
+from __future__ import annotations
+
+import marshal
+import sys
+from array import array
+from operator import countOf
+
+import numpy as np
+
+from kvstate.spec.layout import TOKEN_LIMIT, check_tokens
+
+from .radix import pack
+
+_I4 = np.dtype("<i4")
+_I8 = np.dtype(np.int64)
+_VERSION = 2         # no back-references (version 3 added them): every record stands alone
+
+
+def _marshal_checked() -> bool:
+    """Does this Python write a list of small ints as the records ``_from_marshal`` reads?"""
+    try:
+        return marshal.dumps([0, 7, 2**31 - 1, -1], _VERSION) == (
+            b"[\x04\x00\x00\x00" + b"".join(b"i" + v.to_bytes(4, "little", signed=True) for v in (0, 7, 2**31 - 1, -1)))
+    except (ValueError, TypeError):
+        return False
+
+
+_MARSHAL = _marshal_checked()
+# ``array('i')`` is the packed form only where a C int is 4 little-endian bytes.
+_ARRAY_I = array("i").itemsize == 4 and sys.byteorder == "little"
+
+
+def packed_query(tokens) -> tuple[bytes, "np.ndarray | None"]:
+    """``tokens`` validated and packed; the checked int64 array too when the general route made one.
+
+    Raises what ``check_tokens`` raises, and nothing else, for every input."""
+    kind = type(tokens)
+    if kind is np.ndarray and tokens.dtype == _I8 and tokens.ndim == 1:
+        # ``check_tokens``'s own test for this input (one OR: no bit from 2**31 up, sign included),
+        # without its general dispatch; the cast to int32 is then exact.
+        if not tokens.size or 0 <= int(np.bitwise_or.reduce(tokens)) < TOKEN_LIMIT:
+            return tokens.astype(_I4).tobytes(), tokens
+    elif kind is list:
+        packed = _from_marshal(tokens) if _MARSHAL else _from_array(tokens) if _ARRAY_I else None
+        if packed is not None:
+            return packed, None
+    checked = check_tokens(tokens, private=False)      # once: an iterator is consumed here, not twice
+    return pack(checked), checked
+
+
+def _from_marshal(items: list) -> bytes | None:
+    """The packed key of a list of plain ints in [0, 2**31), from one marshal pass; else None."""
+    try:
+        out = marshal.dumps(items, _VERSION)
+    except (ValueError, TypeError):        # something marshal cannot write (a NumPy scalar, ...)
+        return None
+    n = int.from_bytes(out[1:5], "little")
+    if len(out) != 5 + 5 * n or out[0] != ord("["):
+        return None       # a record that is not a small int (a bool is shorter, a big int longer)
+    if not n:
+        return b""
+    if out[5::5].count(b"i") != n:
+        return None       # lengths can balance out (three bools, two big ints): every tag must be 'i'
+    ids = np.ndarray((n,), _I4, out, 6, (5,))
+    if int(np.bitwise_or.reduce(ids)) < 0:
+        return None       # a negative id: named by the general route
+    return ids.tobytes()
+
+
+def _from_array(items: list) -> bytes | None:
+    """The two-pass route: a type scan, then ``array('i')`` (it refuses ids from 2**31 up)."""
+    if countOf(map(type, items), int) != len(items):
+        return None
+    try:
+        ids = array("i", items)
+    except (OverflowError, TypeError):
+        return None
+    if ids and int(np.bitwise_or.reduce(np.frombuffer(ids, _I4))) < 0:
+        return None
+    return ids.tobytes()
+
+
+def unpacked(packed: bytes) -> np.ndarray:
+    """The int64 token ids of a packed key (for a second tier, which takes arrays)."""
+    return np.frombuffer(packed, _I4).astype(np.int64)
