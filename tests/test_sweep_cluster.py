@@ -379,7 +379,9 @@ def test_ctrl_c_stops_the_local_pool_and_resume_finishes(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
                                                                       os.environ.get("PYTHONPATH")]))}
-    sweep = subprocess.Popen([sys.executable, "-m", "kvstate", "sweep", "--seeds", "40", "--steps", "150",
+    # 500 steps a run: long enough that the pool cannot finish all 40 runs while a loaded machine
+    # keeps this test's watcher from sending the signal (at 150 it sometimes did, at load 11)
+    sweep = subprocess.Popen([sys.executable, "-m", "kvstate", "sweep", "--seeds", "40", "--steps", "500",
                               "--configs", "f32-heap", "--workers", "2", "--out", str(out)],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _when_runs(out, 2, lambda: sweep.send_signal(signal.SIGINT)).join()
