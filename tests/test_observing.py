@@ -48,3 +48,20 @@ def test_an_unchanged_page_keeps_its_view():
     ctx.extend([1, 2, 3], values(3))
     first, second = cache.observe().pages, cache.observe().pages
     assert first == second and all(first[pid] is second[pid] for pid in first)
+
+
+def test_liveness_names_the_holder_and_place_of_a_freed_page():
+    from kvstate.spec.errors import InvariantViolation
+    from kvstate.spec.invariants import check_liveness
+    from kvstate.spec.observation import Observation, PageView
+
+    pages = {1: PageView(1, 2, None), 2: PageView(2, 1, None, freed=True)}
+    obs = Observation(pages=pages, holders={"ctx:0": (1,), "ctx:1": (1, 2, 3)}, lengths=None,
+                      pages_allocated=2, pages_freed=0, arena_size=None, arena_out={}, arena_free=(),
+                      tree=None, entries=None)
+    try:
+        check_liveness(obs)
+    except InvariantViolation as violation:
+        assert violation.invariant == 2 and "ctx:1 page list[1] points at freed page 2" in str(violation)
+    else:
+        raise AssertionError("a holder of a freed page passed invariant 2")
