@@ -56,13 +56,14 @@ import warnings
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning
 from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens
-from kvstate.spec.observation import EntryView, Observation, PageView
+from kvstate.spec.observation import EntryView, Observation
 from kvstate.spec.precision import check_precision
 from kvstate.spec.protocol import Config
 from kvstate.spec.snapshot_format import body_size
 
 from .context import Context
 from .matching import finder_for
+from .observing import PageViews, page_ids
 from .pages import PagePool
 from .pool_policy import PoolPolicy
 from .query import packed_query, unpacked
@@ -135,6 +136,7 @@ class Cache:
                                  self._context_page_ids)
         self.pool.make_room = self.policy.make_room
         self.lock = threading.RLock()
+        self._page_views = PageViews()     # observe's, reused where a page did not change
         self._contexts: dict[int, Context] = {}
         self._next_context_id = 0
         # A slower tier consulted by ``match`` on a miss or short hit (``kvstate.remote.SnapshotStore``):
@@ -283,19 +285,15 @@ class Cache:
         with self.lock:
             holders, lengths = {}, {}
             for ctx in self._contexts.values():
-                holders[f"ctx:{ctx.context_id}"] = tuple(p.page_id for p in ctx._pages)
+                holders[f"ctx:{ctx.context_id}"] = page_ids(ctx._pages)
                 lengths[f"ctx:{ctx.context_id}"] = ctx._length
             entries = []
             for node in self.tree.entries():
                 name = f"entry:{node.value.context_id}"
-                holders[name] = tuple(p.page_id for p in node.value._pages)
+                holders[name] = page_ids(node.value._pages)
                 lengths[name] = node.value._length
                 entries.append(EntryView(node.key(), node.tick, name))
-            pages = {
-                pid: PageView(pid, page.refcount, page.buffer.slot, freed=False,
-                              dirty_tail=not self.store.is_zero_from(page.buffer, page.filled))
-                for pid, page in self.pool.live.items()
-            }
+            pages = self._page_views(self.pool.live, self.store, self.page_tokens)
             size, out, free = self.store.arena_books()
             counters = self.store.counters.as_dict()
             counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
