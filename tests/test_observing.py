@@ -4,6 +4,7 @@ where a page is unchanged: every change to a refcount, a slot or a tail still sh
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvstate.impl import Cache
 from kvstate.spec.layout import Layout
@@ -59,9 +60,6 @@ def test_liveness_names_the_holder_and_place_of_a_freed_page():
     obs = Observation(pages=pages, holders={"ctx:0": (1,), "ctx:1": (1, 2, 3)}, lengths=None,
                       pages_allocated=2, pages_freed=0, arena_size=None, arena_out={}, arena_free=(),
                       tree=None, entries=None)
-    try:
+    with pytest.raises(InvariantViolation, match=r"ctx:1 page list\[1\] points at freed page 2") as caught:
         check_liveness(obs)
-    except InvariantViolation as violation:
-        assert violation.invariant == 2 and "ctx:1 page list[1] points at freed page 2" in str(violation)
-    else:
-        raise AssertionError("a holder of a freed page passed invariant 2")
+    assert caught.value.invariant == 2
