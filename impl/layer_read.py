@@ -58,12 +58,7 @@ class LayerReader:
     def _rebuild(self, pages: tuple) -> None:
         """Slice the pages that changed: the pages a new tuple shares with the old one, from the
         start (every page but the last after an ``extend`` or a copy-on-write), keep their slices."""
-        old = self._pages or ()
-        keep = 0
-        for mine, theirs in zip(old, pages):
-            if mine is not theirs:
-                break
-            keep += 1
+        keep = common_prefix(self._pages or (), pages)
         layout = self.context._cache.layout
         arrays = [_arrays(page.buffer) for page in pages[keep:]]
         parts = len(_arrays(pages[0].buffer)) if pages else 1
@@ -73,6 +68,15 @@ class LayerReader:
                          for component, kept in enumerate(self._slices[layer])]
                         for layer in range(layout.layers)]
         self._pages = pages
+
+
+def common_prefix(pages: tuple, others: tuple) -> int:
+    """How many leading pages two page tuples hold in common (the very same page objects)."""
+    n = min(len(pages), len(others))
+    for index in range(n):
+        if pages[index] is not others[index]:
+            return index
+    return n
 
 
 def _arrays(buffer) -> tuple:

@@ -54,7 +54,7 @@ from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 from kvstate.impl import Cache  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
-from kvstate.impl.layer_read import LayerReader, state_token  # noqa: E402
+from kvstate.impl.layer_read import LayerReader, common_prefix, state_token  # noqa: E402
 from kvstate.spec.errors import PositionError, ShapeError, TokenError, UnsupportedModelError  # noqa: E402
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
@@ -124,7 +124,7 @@ class KVStateCache(_HFCache):
         self._ids: np.ndarray | None = None                # (batch, n)
         self._new_pads: list[int] = [0] * len(self.rows)
         self._zeros = None
-        self._shared = None             # (the rows' page tuples, _shared_past() of them)
+        self._shared = None             # (the rows' page tuples, how many leading pages they share)
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
     def _set_rows(self, rows: list, pads: list[int] | None = None, readers: list | None = None) -> None:
@@ -323,25 +323,21 @@ class KVStateCache(_HFCache):
     def _shared_past(self) -> tuple[int, int]:
         """The leading pages every row holds in common (the very same pages: the prompt under beams or
         ``num_return_sequences``) and where they end in a row, padding included; ``(0, 0)`` for one row
-        or for rows padded differently. The rows' pages do not change within a forward, so this is
-        worked out once per step (per change of any row's page tuple)."""
+        or for rows padded differently. The pages are compared once per change of any row's page
+        tuple (not once per layer: they do not change within a forward); the end follows the rows'
+        length, which a truncate inside the last page changes without a new tuple."""
         rows = self.rows
         if len(rows) < 2 or self.pads.count(self.pads[0]) != len(rows):
             return 0, 0
         tuples = [ctx._pages for ctx in rows]
         known = self._shared
         if known is not None and len(known[0]) == len(tuples) and all(a is b for a, b in zip(known[0], tuples)):
-            return known[1]
-        first, shared = tuples[0], min(len(t) for t in tuples)
-        for pages in tuples[1:]:
-            common = 0
-            while common < shared and pages[common] is first[common]:
-                common += 1
-            shared = common
+            shared = known[1]
+        else:
+            shared = min(common_prefix(tuples[0], pages) for pages in tuples[1:])
+            self._shared = (tuples, shared)
         tokens = min(shared * self.kv.page_tokens, len(rows[0]))     # all rows are as long: same padding
-        result = (shared, self.pads[0] + tokens) if tokens else (0, 0)
-        self._shared = (tuples, result)
-        return result
+        return (shared, self.pads[0] + tokens) if tokens else (0, 0)
 
     def _past(self, reader: LayerReader, layer: int, kind: int, device, skip: int = 0) -> list:
         """The row's held K (kind 0) or V (1) of ``layer`` past its first ``skip`` pages, as float32
@@ -417,20 +413,22 @@ class KVStateCache(_HFCache):
         fails undoing the rows extended before it, so the batch stays in step."""
         if len(plain) > 1 and not any(pads[row] for row in plain):
             part = kv if len(plain) == len(self.rows) else kv[plain]
-            extend_rows([self.rows[row] for row in plain], ids[plain],
-                        part.detach().cpu().numpy() if self._host_pages else part)
+            extend_rows([self.rows[row] for row in plain], ids[plain], self._for_store(part))
             return plain
         done: list[int] = []
         try:
             for row in plain:
-                part = kv[row, pads[row]:]
-                self.rows[row].extend(ids[row, pads[row]:], part.detach().cpu().numpy() if self._host_pages else part)
+                self.rows[row].extend(ids[row, pads[row]:], self._for_store(kv[row, pads[row]:]))
                 done.append(row)
         except BaseException:
             for row in done:
                 self.rows[row].truncate(before[row])
             raise
         return done
+
+    def _for_store(self, kv: torch.Tensor):
+        """K/V in the form the cache's store takes: a NumPy array for NumPy pages, else the tensor."""
+        return kv.detach().cpu().numpy() if self._host_pages else kv
 
     def _length(self) -> int:
         """The length every row presents to attention: its padding plus its context."""

@@ -646,3 +646,19 @@ def test_rows_sharing_a_prompt_gather_it_once_and_stay_exact(llama, precision, m
     generate_both(llama, prompt, mask, max_new_tokens=4, do_sample=False, num_beams=4, precision=precision)
     assert (3, 3 + 9) in seen          # every page of the prompt shared, its partly filled last one too
     assert (2, 3 + 8) in seen          # after each beam's write copied that last page: the two full ones
+
+
+def test_shared_rows_truncated_inside_their_last_page_read_only_what_they_hold(llama):
+    """Rows that share one page tuple, truncated inside its last page (the tuple stays the same
+    object, the length does not): the next step reads the shorter past, as DynamicCache does."""
+    prompt = ids(11, 48)                               # pages of 4: [0-3] [4-7] [8-10]
+    step, crop = ids(1, 49).repeat(2, 1), 9
+    ours = hf.KVStateCache.for_model(llama, page_tokens=4)
+    theirs = reference(llama)
+    with torch.no_grad():
+        llama(prompt, cache=ours), llama(prompt, cache=theirs)
+        ours.batch_repeat_interleave(2), theirs.batch_repeat_interleave(2)
+        assert ours._shared_past() == (3, 11)          # every page shared, the last partly filled
+        ours.truncate(crop), theirs.crop(crop - 11)
+        assert ours._shared_past() == (3, 9)
+        assert_equal_runs([llama(step, cache=ours).logits], [llama(step, cache=theirs).logits])
