@@ -69,22 +69,26 @@ def packed_query(tokens) -> tuple[bytes, "np.ndarray | None"]:
 
 
 def _from_marshal(items: list) -> bytes | None:
-    """The packed key of a list of plain ints in [0, 2**31), from one marshal pass; else None."""
+    """The packed key of a list of plain ints in [0, 2**31), from one marshal pass; else None.
+
+    Its checks are bytes methods, not NumPy reductions: a lookup runs right after the caller's
+    ``extend``, with caches cold, where a ufunc reduce's machinery cost ~20 µs of a ~40 µs list
+    check on 1,700 tokens (``bench/versus_sglang.py``); ``isascii`` on the top bytes does the
+    same sign test in one C loop over the payloads."""
     try:
         out = marshal.dumps(items, _VERSION)
     except (ValueError, TypeError):        # something marshal cannot write (a NumPy scalar, ...)
         return None
-    n = int.from_bytes(out[1:5], "little")
-    if len(out) != 5 + 5 * n or out[0] != ord("["):
+    n = len(items)        # a list's header is b'[' + n: only its records are read
+    if len(out) != 5 + 5 * n:
         return None       # a record that is not a small int (a bool is shorter, a big int longer)
     if not n:
         return b""
-    if out[5::5].count(b"i") != n:
-        return None       # lengths can balance out (three bools, two big ints): every tag must be 'i'
-    ids = np.ndarray((n,), _I4, out, 6, (5,))
-    if int(np.bitwise_or.reduce(ids)) < 0:
-        return None       # a negative id: named by the general route
-    return ids.tobytes()
+    # Every tag 'i' (lengths can balance out: three bools, two big ints), so by induction every
+    # record is a 5-byte int; then no top payload byte has its high bit set: none is negative.
+    if out[5::5].count(b"i") != n or not out[9::5].isascii():
+        return None       # a bad record or a negative id: named by the general route
+    return np.ndarray((n,), _I4, out, 6, (5,)).tobytes()
 
 
 def _from_array(items: list) -> bytes | None:
