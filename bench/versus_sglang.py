@@ -97,8 +97,9 @@ def replay_kvstate(queries: list, match: str, page: int) -> tuple[np.ndarray, np
 def replay_floors(requests: list[np.ndarray], lists: list[list]) -> tuple[np.ndarray, np.ndarray]:
     """Seconds per request of the part of a lookup no design can skip, for each input.
 
-    int64 array: one pass over the query, the range check (one OR-reduce) and the packing into the
-    stored key form (``astype`` + ``tobytes``). Python list: validating it so that every bad token
+    int64 array: one pass over the query, the range check and the packing into the stored key form:
+    where NumPy has it, one cast that refuses a changed value (``same_value``) + ``tobytes``, as a
+    lookup does (``impl/query.py``); else one OR-reduce, then ``astype`` + ``tobytes``. Python list: validating it so that every bad token
     gets its named error before anything changes: one C-level pass that reads every element's type
     (a bool, float or 0-d array is refused) and value (its range), the cheapest of which measured
     here is ``marshal.dumps(items, 2)`` (``impl/query.py``: what a list lookup does); a type scan
@@ -106,10 +107,15 @@ def replay_floors(requests: list[np.ndarray], lists: list[list]) -> tuple[np.nda
     A lookup taking more than its floor spends the rest in the tree, the fork and the context."""
     clock = time.perf_counter
     array_s, list_s = np.zeros(len(requests)), np.zeros(len(requests))
+    from kvstate.impl.query import SAME_VALUE
+
     for i, (tokens, items) in enumerate(zip(requests, lists)):
         t0 = clock()
-        np.bitwise_or.reduce(tokens)
-        tokens.astype("<i4").tobytes()
+        if SAME_VALUE:
+            tokens.astype("<i4", casting="same_value").tobytes()
+        else:
+            np.bitwise_or.reduce(tokens)
+            tokens.astype("<i4").tobytes()
         t1 = clock()
         marshal.dumps(items, 2)
         t2 = clock()
@@ -202,7 +208,8 @@ def miss_note(row: dict, op: str, peers: dict, rows: list[dict]) -> str:
 FLOOR_PART = {"int64 array": "one pass over the query: range check and packing",
               "Python list": "validating the list: one C pass over types and values"}
 _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (no per-page slice), one C pass "
-         "packs a list, an int64 array skips check_tokens's dispatch; what remains: pages as slabs (one Python "
+         "packs a list and bytes methods check it, an int64 array is checked by its cast (no OR-reduce: NumPy "
+         "reductions cost most of a lookup run cold, after an extend); what remains: pages as slabs (one Python "
          "object per extend, not ~4 per token at page 1: the extend between two lookups then stops leaving the "
          "tree, entry and context cold for the next one) and fewer Python calls per lookup (match, find, stamp "
          "and fork in one function)")

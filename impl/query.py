@@ -61,7 +61,7 @@ def _same_value_checked() -> bool:
     return False
 
 
-_SAME_VALUE = _same_value_checked()
+SAME_VALUE = _same_value_checked()
 # ``array('i')`` is the packed form only where a C int is 4 little-endian bytes.
 _ARRAY_I = array("i").itemsize == 4 and sys.byteorder == "little"
 
@@ -91,7 +91,7 @@ def _from_int64(tokens: np.ndarray) -> bytes | None:
     method, where ``check_tokens``'s OR-reduce and then the cast cost twice as much with caches
     cold, as a lookup finds them after the caller's ``extend``. Else that OR (no bit from
     2**31 up, sign included), after which the cast is exact."""
-    if _SAME_VALUE:
+    if SAME_VALUE:
         try:
             packed = tokens.astype(_I4, casting="same_value").tobytes()
         except (ValueError, OverflowError):

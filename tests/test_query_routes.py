@@ -24,7 +24,7 @@ ROUTES = ["same_value", "reduce"]
 def route(request, monkeypatch):
     if request.param == "same_value" and not query._same_value_checked():
         pytest.skip("this NumPy has no same_value casting")
-    monkeypatch.setattr(query, "_SAME_VALUE", request.param == "same_value")
+    monkeypatch.setattr(query, "SAME_VALUE", request.param == "same_value")
     return request.param
 
 
@@ -49,4 +49,4 @@ def test_a_good_int64_array_packs_as_its_checked_tokens(items, route):
 
 def test_the_probe_finds_same_value_casting_where_numpy_has_it():
     major, minor = (int(part) for part in np.__version__.split(".")[:2])
-    assert query._SAME_VALUE == ((major, minor) >= (2, 3))
+    assert query.SAME_VALUE == ((major, minor) >= (2, 3))
