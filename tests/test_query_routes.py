@@ -50,3 +50,25 @@ def test_a_good_int64_array_packs_as_its_checked_tokens(items, route):
 def test_the_probe_finds_same_value_casting_where_numpy_has_it():
     major, minor = (int(part) for part in np.__version__.split(".")[:2])
     assert query.SAME_VALUE == ((major, minor) >= (2, 3))
+
+
+# The marshal route reads tags at every fifth byte and signs at the payloads' top bytes: ids whose
+# bytes look like tags (0x69 is b"i") or sit at the sign boundary must pack as themselves, and a
+# negative id anywhere (its top byte has the high bit) must go to the general route.
+TAG_LIKE = [[105], [0x69696969, 5, 0x69], [2**31 - 1, 0, 0x7F000000, 0x00800000], list(range(100, 110)) * 30]
+NEGATIVE = [[7] * 40 + [-2], [-(2**31)], [0x69, -0x69], [5] * 300 + [-1] + [5] * 300]
+
+
+@pytest.mark.parametrize("items", TAG_LIKE, ids=lambda items: repr(items[:4]))
+def test_the_marshal_route_packs_ids_whose_bytes_look_like_tags(items):
+    assert query._from_marshal(items) == pack(check_tokens(items))
+
+
+@pytest.mark.parametrize("items", NEGATIVE, ids=lambda items: repr(items[-2:]))
+def test_the_marshal_route_hands_a_negative_id_to_the_general_route(items):
+    assert query._from_marshal(items) is None
+    with pytest.raises(TokenError) as slow:
+        check_tokens(items)
+    with pytest.raises(TokenError) as fast:
+        packed_query(items)
+    assert str(fast.value) == str(slow.value)
