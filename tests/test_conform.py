@@ -170,8 +170,12 @@ def test_torch_backend_conforms_on_cuda():
 def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):
     """A third party's CI: ``pytest --kvstate-backend ...`` with no test files of their own."""
     def pytest_run(backend):
+        # ``--kvstate-backend=PATH`` in one word: given as two, pytest takes the path for a test
+        # argument when it looks for an ini file, finds this repository's pyproject.toml beside the
+        # examples, and runs the third party's session under our addopts (-n auto: two more
+        # interpreters, each importing everything, per run).
         return subprocess.run(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--kvstate-backend", backend,
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", f"--kvstate-backend={backend}",
              "--kvstate-profile", "hunt", "-k", "isolation or copies", str(tmp_path)],
             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     good = pytest_run(str(EXAMPLES / "listcache.py"))
