@@ -11,7 +11,6 @@ from kvstate.stateful.configs import machine_configs
 # module-scoped fixtures start a server or a cluster (test_remote, test_sweep_cluster,
 # test_model_hf) are left whole, so their fixture starts once per worker, not once per group.
 LONGEST_FIRST = (
-    "tests/test_page_recycling.py::test_the_lockstep_machine_holds_with_every_page_recycled",
     "tests/test_conform.py::test_torch_backend_conforms_on_cpu",
     "tests/test_bug_zoo.py::test_correct_foreign_backend_passes_with_nothing_rejected",
     "tests/test_conform.py::test_pytest_plugin_runs_conformance_as_test_items",
