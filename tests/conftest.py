@@ -11,10 +11,8 @@ from kvstate.stateful.configs import machine_configs
 # module-scoped fixtures start a server or a cluster (test_remote, test_sweep_cluster,
 # test_model_hf) are left whole, so their fixture starts once per worker, not once per group.
 LONGEST_FIRST = (
-    "tests/test_page_recycling.py::test_the_lockstep_machine_holds_with_every_page_recycled",
     "tests/test_conform.py::test_torch_backend_conforms_on_cpu",
     "tests/test_bug_zoo.py::test_correct_foreign_backend_passes_with_nothing_rejected",
-    "tests/test_conform.py::test_pytest_plugin_runs_conformance_as_test_items",
     "tests/test_examples_tiers.py::test_example_passes_with_the_tiers_it_lacks_reported_na",
     "tests/test_planted_bugs.py::test_unplanted_engine_passes_the_hunt_profile",
     "tests/test_spec_arithmetic.py::test_property_crosshair_backend",
@@ -22,7 +20,7 @@ LONGEST_FIRST = (
     "tests/test_exhaustive.py::test_planted_semantics_bug_is_found_with_a_minimal_trace",
     "tests/test_exhaustive.py::test_engine_passes_each_declared_semantics_at_the_default_depth",
     "tests/test_lockstep.py::",
-    "tests/test_sweep.py::test_a_sweep_covers_every_configuration_the_backend_declares",
+    "tests/test_conform.py::test_pytest_plugin_runs_conformance_as_test_items",
     "tests/test_hf_cache.py::test_restore_in_a_new_process",
     "tests/test_spec_arithmetic.py::test_crosshair",
     "tests/test_exhaustive.py::test_planted_bug_is_found_with_a_minimal_trace",
@@ -31,7 +29,6 @@ LONGEST_FIRST = (
     "tests/test_bug_zoo.py::test_default_sequences_catch_the_bug_and_name_it",
     "tests/test_static_imports.py::test_a_type_checker_resolves_every_kvstate_import",
     "tests/test_hostile_inputs.py::test_hostile_calls_are_done_or_refused_by_name",
-    "tests/test_sweep.py::test_500_seeds_give_500_distinct_full_length_sequences",
     "tests/test_races.py::test_observe_while_other_threads_write_sees_consistent_structure",
     "tests/test_exhaustive.py::test_engine_passes_a_complete_tiny_scope",
     "tests/test_hardening.py::test_deeply_nested_entries_observe_and_check",

@@ -193,6 +193,9 @@ def test_spec_check_command(tmp_path, capsys):
 
 # -- declared semantics (spec/semantics.py) ------------------------------------------------------
 
+DEFAULT_SEMANTICS_SCOPES = [semantics_scope(name) for name in SEMANTICS if name != "entry"]
+
+
 @pytest.mark.parametrize("name", [name for name in SEMANTICS if name != "entry"])
 def test_engine_passes_each_declared_semantics_at_the_default_depth(name):
     """What a default ``kvstate spec-check`` runs beside the entry scope: every sequence of up to
@@ -285,8 +288,11 @@ def test_planted_semantics_bug_is_found_with_a_minimal_trace(bug):
         assert R.execute(numpy_factory, scope.config(), result.violation.ops)[0] is not None
     assert R.execute(numpy_factory, scope.config(), result.violation.ops)[0] is None
     # the same scope without the bug passes to the same depth: the search did not cry wolf
-    clean = explore(numpy_factory, scope)
-    assert clean.passed and clean.depth == scope.max_depth, clean.summary()
+    # (a declared semantics' default scope is test_engine_passes_each_declared_semantics_at_the_
+    # default_depth's run, with this assertion: not explored twice)
+    if scope not in DEFAULT_SEMANTICS_SCOPES:
+        clean = explore(numpy_factory, scope)
+        assert clean.passed and clean.depth == scope.max_depth, clean.summary()
 
 
 def _run(config, ops):

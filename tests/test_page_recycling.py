@@ -71,28 +71,5 @@ def test_small_pages_are_left_to_malloc():
     assert cache.store._spares == []
 
 
-def test_the_lockstep_machine_holds_with_every_page_recycled(monkeypatch):
-    """The machine's layouts are small, so its pages are normally left to malloc: here every page
-    goes through the spares, dirty from its last holder, at every precision, with and without an arena."""
-    from hypothesis import settings
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from kvstate.impl.numpy import factory as numpy_factory
-    from kvstate.stateful.configs import PROFILES, machine_configs
-    from kvstate.stateful.machine import machine_for
-
-    monkeypatch.setattr(numpy_store, "RECYCLE_FROM_BYTES", 0)
-    reused = []
-    take = numpy_store.NumpyStore._heap_arrays
-
-    def counting(store, zero):
-        spares = len(store._spares)
-        arrays = take(store, zero)
-        reused.append(len(store._spares) < spares)
-        return arrays
-    monkeypatch.setattr(numpy_store.NumpyStore, "_heap_arrays", counting)
-    for config in machine_configs():
-        machine = machine_for(numpy_factory, config)
-        # 60 of the ci profile's 100 runs: every page recycled, hundreds of reuses, at half the cost
-        run_state_machine_as_test(machine, settings=settings(PROFILES["ci"], max_examples=60))
-    assert sum(reused) >= 200
+# The lockstep machine with every page recycled is tests/test_lockstep.py's (one run per
+# configuration checks the semantics and the recycling together).

@@ -38,8 +38,9 @@ def test_planted_bug_is_caught(bug):
 def test_unplanted_engine_passes_the_hunt_profile(config):
     """The control: without a planted bug the same runs pass, so the catches above are real. (The
     lockstep machine in the six standard configurations is tests/test_lockstep.py's: the same
-    derandomized runs, with their snapshots and restores counted; the race scenarios in every
-    semantics are tests/test_races.py's, at more iterations than conform's races check runs.)"""
+    derandomized runs, with every page recycled and their snapshots and restores counted; the
+    race scenarios in every semantics are tests/test_races.py's, at more iterations than
+    conform's races check runs.)"""
     checks = [name for name in CHECKS
               if name != "races" and not (name == "lockstep" and config in machine_configs())]
     (result,) = conform(numpy_factory, profile="hunt", configs=[config], checks=checks)
