@@ -67,6 +67,7 @@ class LockstepMachine(RuleBasedStateMachine):
         sizes = type(self).page_sizes     # all of PAGE_TOKENS_RANGE, or the declared size alone
         page_tokens = sizes[(page_tokens - PAGE_TOKENS_RANGE[0]) % len(sizes)]
         self.lockstep = Lockstep(type(self).factory, type(self).config.with_(page_tokens=page_tokens))
+        self.lockstep.reads_changed_only = True     # every operation goes through ``_do``
         type(self).stats.runs += 1
         type(self).stats.last = self.lockstep
         first = self._do(O.Allocate())
