@@ -65,6 +65,7 @@ class Lockstep:
         self.reads_changed_only = False
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
+        self._holder_of: dict[str, str] = {}     # live handle -> the backend's holder name (``holder_names``)
 
     # -- operations ----------------------------------------------------------------
 
@@ -98,6 +99,7 @@ class Lockstep:
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
         if op.kind == "close":
             del self.live[op.ctx]
+            self._holder_of.pop(op.ctx, None)
         if op.creates:
             self.created += 1
             handle = f"c{self.created}"
@@ -203,7 +205,9 @@ class Lockstep:
         now = {name for name in obs.holders if name not in entries}
         new = now - self._context_holders
         if self._created_last is not None and len(new) == 1:
-            self.holder_names[new.pop()] = self._created_last
+            holder = new.pop()
+            self.holder_names[holder] = self._created_last
+            self._holder_of[self._created_last] = holder
         self._context_holders = now
         self._created_last = None
 
@@ -295,27 +299,37 @@ def unchanged_since(last, obs, run: Lockstep) -> set[str]:
     if last is None or obs.pages is None or obs.holders is None or obs.lengths is None or obs.entries is None \
             or last.pages is None or last.holders is None or last.lengths is None:
         return set()
-    holder_of = {handle: holder for holder, handle in run.holder_names.items()}
+    holder_of = run._holder_of
+    holders, lengths, was_held, was_long = obs.holders, obs.lengths, last.holders, last.lengths
     suspect: set = set()
-    for holder in obs.holders.keys() | last.holders.keys():
-        now, was = obs.holders.get(holder), last.holders.get(holder)
-        if now != was or obs.lengths.get(holder) != last.lengths.get(holder):
-            suspect.update(now or ())
+    for holder, pages in holders.items():
+        was = was_held.get(holder)
+        if was != pages or lengths.get(holder) != was_long.get(holder):
+            suspect.update(pages)
             suspect.update(was or ())
-    suspect.update(pid for pid, view in obs.pages.items() if last.pages.get(pid) != view)
+    for holder in was_held.keys() - holders.keys():
+        suspect.update(was_held[holder])
+    was_viewed = last.pages
+    for pid, view in obs.pages.items():
+        before = was_viewed.get(pid)
+        if before is not view and before != view:      # an engine may hand back the same view
+            suspect.add(pid)
     for handle in run._touched:
         holder = holder_of.get(handle)
         if holder is None and handle in run.live:
             return set()
-        suspect.update(obs.holders.get(holder, ()))
-        suspect.update(last.holders.get(holder, ()))
+        suspect.update(holders.get(holder, ()))
+        suspect.update(was_held.get(holder, ()))
     unchanged = set()
     for handle, (_engine, ref) in run.live.items():
+        if handle not in run._verified or handle in run._touched:
+            continue
         holder = holder_of.get(handle)
-        pages = obs.holders.get(holder)
-        if (handle in run._verified and handle not in run._touched and pages is not None
-                and last.holders.get(holder) == pages and obs.lengths.get(holder) == len(ref)
-                and last.lengths.get(holder) == len(ref) and suspect.isdisjoint(pages)):
+        pages = holders.get(holder)
+        if pages is None or was_held.get(holder) != pages or suspect.intersection(pages):
+            continue
+        length = lengths.get(holder)
+        if length == was_long.get(holder) and length == len(ref):
             unchanged.add(handle)
     return unchanged
 
