@@ -58,17 +58,18 @@ def _forget_urls(prefix: str) -> None:
 
 def _target(lockstep: Lockstep, name: str):
     """Where the engine writes snapshot ``name`` (and later restores it from). A foreign engine:
-    a file. Ours, in turn: a file; an in-memory stream; a ``memory://`` URL where fsspec is
-    installed (``kvstate[remote]``, else a file); a stream. So the file, stream and URL writers
-    and readers all run the machine's and the seeded runs' sequences, while half the snapshots
-    skip the temporary file, syncs and rename (or fsspec's machinery) a path or URL costs:
-    durability is the directed ``snapshot writes`` check's, not these sequences'."""
+    a file. Ours, in turn: a file; a ``memory://`` URL where fsspec is installed (``kvstate[remote]``,
+    else a file); a file; an in-memory stream. Files keep half the snapshots, as before streams
+    joined, and the stream reader keeps the other half (a URL is restored through it too), so the
+    file, URL and stream writers and readers all run the machine's and the seeded runs' sequences;
+    a quarter skip fsspec's machinery, the dearest of the three. Durability is the directed
+    ``snapshot writes`` check's, not these sequences'."""
     targets = lockstep.__dict__.setdefault("_snapshot_targets", {})
     if name not in targets:
         turn = len(targets) % 4 if _speaks_urls(lockstep.engine) else 0
-        if turn in (1, 3):
+        if turn == 3:
             targets[name] = io.BytesIO()
-        elif turn == 2 and _URLS:
+        elif turn == 1 and _URLS:
             targets[name] = f"memory://kvstate-lockstep/{id(lockstep)}/{name}.kvs"
         else:
             targets[name] = _folder(lockstep) / f"{name}.kvs"
