@@ -8,6 +8,8 @@ after every step by ``every_invariant_holds``, and the teardown checks invariant
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from hypothesis import strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule)
@@ -22,6 +24,20 @@ from .snapshots import Restore, Snapshot, supports_snapshots
 TOKENS = st.integers(0, 2)                                   # a tiny alphabet: prefixes repeat
 TOKEN_RUNS = st.lists(TOKENS, min_size=1, max_size=9)        # up to a page or two at page size 1-8
 SEEDS = st.integers(0, 2**16)
+
+
+# The strategies a rule builds from the state (a bound that is a context's length), one object
+# per bound: Hypothesis works out a new strategy's properties (emptiness, labels) when it is
+# first drawn from, which cost more than the draw itself when rebuilt at every step. The same
+# arguments give an equal strategy, so the same draws.
+@lru_cache(maxsize=4096)
+def up_to(n: int) -> st.SearchStrategy[int]:
+    return st.integers(0, n)
+
+
+@lru_cache(maxsize=64)
+def token_runs_up_to(n: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(TOKENS, min_size=0, max_size=n)
 
 
 class CheckAbandoned(Exception):
@@ -67,6 +83,7 @@ class LockstepMachine(RuleBasedStateMachine):
         sizes = type(self).page_sizes     # all of PAGE_TOKENS_RANGE, or the declared size alone
         page_tokens = sizes[(page_tokens - PAGE_TOKENS_RANGE[0]) % len(sizes)]
         self.lockstep = Lockstep(type(self).factory, type(self).config.with_(page_tokens=page_tokens))
+        self.lockstep.reads_changed_only = True     # every operation goes through ``_do``
         type(self).stats.runs += 1
         type(self).stats.last = self.lockstep
         first = self._do(O.Allocate())
@@ -98,8 +115,8 @@ class LockstepMachine(RuleBasedStateMachine):
     @rule(ctx=contexts, data=st.data(), seed=SEEDS)
     def overwrite(self, ctx, data, seed):
         length = self._length(ctx)
-        start = data.draw(st.integers(0, length), label="start")
-        tokens = data.draw(st.lists(TOKENS, min_size=0, max_size=min(9, length - start)), label="tokens")
+        start = data.draw(up_to(length), label="start")
+        tokens = data.draw(token_runs_up_to(min(9, length - start)), label="tokens")
         self._do(O.Overwrite(ctx, start, tuple(tokens), seed))
 
     @rule(target=contexts, ctx=contexts)
@@ -108,7 +125,7 @@ class LockstepMachine(RuleBasedStateMachine):
 
     @rule(ctx=contexts, data=st.data())
     def truncate(self, ctx, data):
-        self._do(O.Truncate(ctx, data.draw(st.integers(0, self._length(ctx)), label="n")))
+        self._do(O.Truncate(ctx, data.draw(up_to(self._length(ctx)), label="n")))
 
     @rule(ctx=consumes(contexts))
     def close(self, ctx):
@@ -122,7 +139,7 @@ class LockstepMachine(RuleBasedStateMachine):
     def match(self, ctx, data, extra):
         # Queries built from a live context's tokens hit the tree far more often than random ones.
         tokens = self.lockstep.live[ctx][1].tokens
-        cut = data.draw(st.integers(0, len(tokens)), label="cut")
+        cut = data.draw(up_to(len(tokens)), label="cut")
         return self._do(O.Match(tuple(tokens[:cut]) + tuple(extra)))
 
     @precondition(lambda self: self.lockstep is not None and self.lockstep.reference.entries)

@@ -69,6 +69,7 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     try:
         with Deadline(timeout_s) as deadline:
             lockstep = Lockstep(factory, config)
+            lockstep.reads_changed_only = True     # every operation goes through ``execute``
 
             def generated():
                 # Each operation is chosen from the state the previous ones left.

@@ -1,0 +1,80 @@
+"""``Lockstep.reads_changed_only``: a check reads only the contexts an operation could have changed,
+and a value bug in a context the operation did not name is still caught at its step."""
+
+import pytest
+
+from kvstate.impl import context as engine_context
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.spec.errors import InvariantViolation
+from kvstate.stateful import ops as O
+from kvstate.stateful.configs import config_named
+from kvstate.stateful.lockstep import Lockstep
+from kvstate.stateful.planted import PLANTED
+
+
+def _run(skip: bool) -> Lockstep:
+    run = Lockstep(numpy_factory, config_named("f32-heap").with_(page_tokens=4))
+    run.reads_changed_only = skip
+    return run
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+    count = [0]
+    read = engine_context.Context.read
+
+    def counted(self, *args, **kwargs):
+        count[0] += 1
+        return read(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_context.Context, "read", counted)
+    return count
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_write_into_a_shared_page_fails_the_check_of_that_step(skip):
+    """c2 = fork(c1) shares c1's pages; with copy-on-write missing, overwriting c1 changes c2 too.
+    c2 was not named by the overwrite, yet the check right after it reads c2 (it shares a page
+    the overwrite named) and fails there, with or without skipping."""
+    run = _run(skip)
+    with PLANTED["missing_copy_on_write"]():
+        run.apply(O.Allocate())
+        run.check()
+        run.apply(O.Extend("c1", (0, 1, 2, 0, 1, 2), seed=1))
+        run.check()
+        run.apply(O.Fork("c1"))
+        run.check()
+        run.apply(O.Overwrite("c1", 1, (2,), seed=2))
+        with pytest.raises(InvariantViolation) as failed:
+            run.check()
+    assert failed.value.invariant == 4 and "c2 position" in str(failed.value)
+    assert run.failed_at == len(run.history)
+
+
+def test_only_contexts_an_operation_could_change_are_read(monkeypatch):
+    """Three private contexts; extending one reads that one alone. (Handles are known by their
+    holders when each creation is checked on its own, as the machine and seeded runs do.)"""
+    run = _run(True)
+    for handle in ("c1", "c2", "c3"):
+        run.apply(O.Allocate())
+        run.check()                    # as the machine does: a check after every step
+        run.apply(O.Extend(handle, (0, 1, 2), seed=3))
+        run.check()
+    count = _counting_reads(monkeypatch)
+    run.apply(O.Extend("c2", (1, 1), seed=4))
+    run.check()
+    assert count[0] == 1
+    run.apply(O.Fork("c3"))            # c4 is new, c3 was named: both read
+    run.check()
+    assert count[0] == 3
+
+
+def test_without_the_flag_every_context_is_read(monkeypatch):
+    run = _run(False)
+    for handle in ("c1", "c2", "c3"):
+        run.apply(O.Allocate())
+        run.apply(O.Extend(handle, (0, 1, 2), seed=3))
+    run.check()
+    count = _counting_reads(monkeypatch)
+    run.apply(O.Extend("c2", (1, 1), seed=4))
+    run.check()
+    assert count[0] == 3
