@@ -45,6 +45,8 @@ from kvstate.impl.numpy import factory as _engine
 
 
 class _CopylessContext(Context):
+    __slots__ = ()          # the engine's Context has slots: a __class__ swap needs the same layout
+
     def writable(self, index):
         return self._pages[index]          # writes into a shared page instead of copying it
 
