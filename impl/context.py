@@ -307,13 +307,19 @@ class Context:
         # ``_owned`` spelled out (fork is the hottest path): the whole fork runs under the cache
         # lock, so testing the busy flag there is enough; no other thread can take this context
         # until the fork is done, and one that holds it has set the flag.
+        # acquire/release rather than ``with``: on this hot path the with-statement's protocol
+        # calls cost as much again as the lock itself.
         cache = self._cache
-        with cache.lock:
+        lock = cache.lock
+        lock.acquire()
+        try:
             if self._busy:
                 raise ContextBusyError(f"context {self.context_id} is in use by another thread")
             if self._closed:
                 raise ContextClosedError(f"context {self.context_id} is closed")
             return cache._fork(self)
+        finally:
+            lock.release()
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
@@ -369,12 +375,16 @@ class _Ownership:
 
     def __enter__(self) -> None:
         ctx = self.ctx
-        with ctx._cache.lock:
+        lock = ctx._cache.lock
+        lock.acquire()          # not ``with``: see ``Context.fork``
+        try:
             if ctx._busy:
                 raise ContextBusyError(f"context {ctx.context_id} is in use by another thread")
             if ctx._closed:
                 raise ContextClosedError(f"context {ctx.context_id} is closed")
             ctx._busy = True
+        finally:
+            lock.release()
 
     def __exit__(self, *exc) -> None:
         self.ctx._busy = False
