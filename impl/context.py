@@ -307,19 +307,15 @@ class Context:
         # ``_owned`` spelled out (fork is the hottest path): the whole fork runs under the cache
         # lock, so testing the busy flag there is enough; no other thread can take this context
         # until the fork is done, and one that holds it has set the flag.
-        # acquire/release rather than ``with``: on this hot path the with-statement's protocol
-        # calls cost as much again as the lock itself.
+        # ``with``, not acquire() then try: an asynchronous exception (Ctrl-C, a run's deadline)
+        # delivered between the two would leave the cache lock held for good.
         cache = self._cache
-        lock = cache.lock
-        lock.acquire()
-        try:
+        with cache.lock:
             if self._busy:
                 raise ContextBusyError(f"context {self.context_id} is in use by another thread")
             if self._closed:
                 raise ContextClosedError(f"context {self.context_id} is closed")
             return cache._fork(self)
-        finally:
-            lock.release()
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
@@ -375,16 +371,12 @@ class _Ownership:
 
     def __enter__(self) -> None:
         ctx = self.ctx
-        lock = ctx._cache.lock
-        lock.acquire()          # not ``with``: see ``Context.fork``
-        try:
+        with ctx._cache.lock:       # ``with``: see ``Context.fork``
             if ctx._busy:
                 raise ContextBusyError(f"context {ctx.context_id} is in use by another thread")
             if ctx._closed:
                 raise ContextClosedError(f"context {ctx.context_id} is closed")
             ctx._busy = True
-        finally:
-            lock.release()
 
     def __exit__(self, *exc) -> None:
         self.ctx._busy = False
