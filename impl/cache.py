@@ -1,21 +1,21 @@
 """The cache: one page store, one page pool, the radix tree, the live contexts, one lock.
 
-Concurrency: two locks, always taken in this order.
+Concurrency: one lock, and one busy flag per context.
 
-1. ``Context._busy`` (``Context._owned``), one per context, taken without
-   waiting: a second thread using the same context at the same time gets
-   ``ContextBusyError``, a closed one ``ContextClosedError``. Every public
-   operation on a context takes it, readers too (``tokens``, ``read``,
-   ``read_layer``, ``read_layer_pages``, ``fork``, ``Cache.retain``, and
-   ``snapshot``): they read the page list and the
-   page bytes outside the cache lock, which is safe only while nobody else can
-   write this context.
+1. ``Context._busy`` (``Context._owned``): a flag tested and set under the cache
+   lock, never waited for: a second thread using the same context at the same
+   time gets ``ContextBusyError``, a closed one ``ContextClosedError``. Every
+   public operation on a context takes it, readers too (``tokens``, ``read``,
+   ``read_layer``, ``read_layer_pages``, ``Cache.retain``, and ``snapshot``):
+   they read the page list and the page bytes outside the cache lock, which is
+   safe only while nobody else can write this context. ``fork`` runs whole under
+   the cache lock, so it only tests the flag.
 2. ``Cache.lock`` (an RLock), taken by ``allocate``, ``match``, ``clear``,
-   ``observe``, ``stats`` and inside every context operation that changes a page
-   list, a length or a refcount. It guards refcounts, page lists and lengths, the
-   live-context table, the radix tree and its clock, the arena's slot books, the
-   page pool and the store counters. It is never held while waiting for a
-   ``_busy`` lock (``_owned`` does not wait), so the order cannot deadlock.
+   ``observe``, ``stats``, by ``_owned`` for the flag, and inside every context
+   operation that changes a page list, a length or a refcount. It guards
+   refcounts, page lists and lengths, the busy flags, the live-context table,
+   the radix tree and its clock, the arena's slot books, the page pool and the
+   store counters. Nothing waits for a busy flag, so nothing can deadlock.
 
 Outside the cache lock, under the context's ``_busy`` only: validating and
 encoding the caller's values, writing value bytes and token ids into pages
@@ -53,7 +53,6 @@ from __future__ import annotations
 import threading
 import warnings
 
-from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning
 from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens
 from kvstate.spec.observation import EntryView, Observation
@@ -176,21 +175,22 @@ class Cache:
     def _fork(self, ctx: Context, register: bool = True, length: int | None = None) -> Context:
         """A context holding ``ctx``'s first ``length`` positions (all by default): the pages
         that hold them, shared, nothing copied. A partly used last page stays shared until a
-        write makes it private through ``writable``."""
-        with self.lock:
-            length = ctx._length if length is None else length
-            n = pages_needed(length, self.page_tokens)
-            ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
-            self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
-            self._next_context_id += 1    # ``_new_context`` spelled out: fork is the hottest path
-            pages, base = ctx._pages, ctx._base
-            if n != len(pages):           # a prefix: the kept base tuple when it is that prefix, else a slice
-                pages = base = base if len(base) == n else pages[:n]
-            child = Context(self, self._next_context_id, pages, length, ids, ctx._key)
-            child._base = base if len(base) <= n else pages
-            if register:
-                self._contexts[child.context_id] = child
-            return child
+        write makes it private through ``writable``. The caller holds the cache lock."""
+        if length is None:
+            length = ctx._length
+        n = (length + self.page_tokens - 1) // self.page_tokens     # pages_needed, spelled out: the hottest path
+        ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
+        self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
+        pages, base = ctx._pages, ctx._base
+        if n != len(pages):           # a prefix: the kept base tuple when it is that prefix, else a slice
+            pages = base = base if len(base) == n else pages[:n]
+        elif len(base) > n:           # a base left longer than the pages (a test's planted truncate)
+            base = pages
+        self._next_context_id += 1    # ``_new_context`` spelled out
+        child = Context(self, self._next_context_id, pages, length, ids, ctx._key, base)
+        if register:
+            self._contexts[child.context_id] = child
+        return child
 
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""

@@ -14,7 +14,6 @@ it, and a context has one owner at a time (enforced by ``_owned``).
 from __future__ import annotations
 
 import operator
-import threading
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -34,8 +33,14 @@ _KEY = np.dtype("<i4")      # radix.pack's packing: the key ``retain`` stores
 
 
 class Context:
+    # Slots: a fork builds one of these on the hottest path, and a slotted object is built faster
+    # (no per-instance dict). A subclass that swaps ``__class__`` in (a test's planted bug)
+    # declares ``__slots__ = ()``.
+    __slots__ = ("_cache", "context_id", "_pages", "_base", "_length", "_closed", "_busy", "_slots", "_key",
+                 "__weakref__")
+
     def __init__(self, cache: "Cache", context_id: int, pages: tuple[Page, ...], length: int,
-                 ids: np.ndarray | None = None, key: bytes | None = None):
+                 ids: np.ndarray | None = None, key: bytes | None = None, base: tuple[Page, ...] | None = None):
         self._cache = cache
         self.context_id = context_id
         # A tuple, replaced on every change and never changed in place: a fork holding all of
@@ -48,10 +53,12 @@ class Context:
         # entries that each extended that same tuple, so the hit copies no list of page
         # references (a slice increfs every page: the cost of a one-token-page hit). Whatever
         # replaces a page below its end resets it (``writable``, ``_keep_first``, release).
-        self._base = pages
+        self._base = pages if base is None else base
         self._length = length
         self._closed = False
-        self._busy = threading.Lock()
+        # True while one operation holds this context (``_owned``); set and tested only under the
+        # cache lock, so a flag does what a lock per context did, and a fork builds no lock.
+        self._busy = False
         # The refcount slots of ``_pages`` (a prefix of them at least: see ``_ref_slots``), for the
         # pool's vectorised refcount steps: a range or an int array (``pages.ref_slots``). Never
         # written in place: a fork's is a slice of its parent's.
@@ -297,17 +304,18 @@ class Context:
 
     def fork(self) -> "Context":
         """A new context sharing every page: a page-list copy plus refcount increments."""
-        # ``_owned`` spelled out: fork is the hottest path, and the with-statement over a
-        # helper object costs a third of it.
-        busy = self._busy
-        if not busy.acquire(False):       # positional: a keyword costs a tenth of a fork
-            raise ContextBusyError(f"context {self.context_id} is in use by another thread")
-        try:
+        # ``_owned`` spelled out (fork is the hottest path): the whole fork runs under the cache
+        # lock, so testing the busy flag there is enough; no other thread can take this context
+        # until the fork is done, and one that holds it has set the flag.
+        # ``with``, not acquire() then try: an asynchronous exception (Ctrl-C, a run's deadline)
+        # delivered between the two would leave the cache lock held for good.
+        cache = self._cache
+        with cache.lock:
+            if self._busy:
+                raise ContextBusyError(f"context {self.context_id} is in use by another thread")
             if self._closed:
                 raise ContextClosedError(f"context {self.context_id} is closed")
-            return self._cache._fork(self)
-        finally:
-            busy.release()
+            return cache._fork(self)
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
@@ -350,7 +358,11 @@ class Context:
 
 
 class _Ownership:
-    """``with ctx._owned():`` -- a plain class rather than a generator, since fork is a hot path."""
+    """``with ctx._owned():`` -- a plain class rather than a generator: it is on every operation.
+
+    The busy flag is tested and set under the cache lock, so two threads cannot both take it;
+    clearing it is one store, which needs no lock (the flag only ever goes from set to clear
+    in the thread that set it)."""
 
     __slots__ = ("ctx",)
 
@@ -359,14 +371,15 @@ class _Ownership:
 
     def __enter__(self) -> None:
         ctx = self.ctx
-        if not ctx._busy.acquire(blocking=False):
-            raise ContextBusyError(f"context {ctx.context_id} is in use by another thread")
-        if ctx._closed:
-            ctx._busy.release()
-            raise ContextClosedError(f"context {ctx.context_id} is closed")
+        with ctx._cache.lock:       # ``with``: see ``Context.fork``
+            if ctx._busy:
+                raise ContextBusyError(f"context {ctx.context_id} is in use by another thread")
+            if ctx._closed:
+                raise ContextClosedError(f"context {ctx.context_id} is closed")
+            ctx._busy = True
 
     def __exit__(self, *exc) -> None:
-        self.ctx._busy.release()
+        self.ctx._busy = False
 
 
 def _position(value) -> int | None:

@@ -7,6 +7,7 @@ while a bug is planted: a checker that cannot catch these is not done.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Callable, ContextManager
 
@@ -204,21 +205,23 @@ def hits_append_in_place() -> ContextManager:
     two hits of one entry then write the same positions. Forks still copy."""
     original_match, original_extend = cache_module.Cache.match, context_module.Context.extend
     original_writable = context_module.Context.writable
+    # Kept beside the contexts, not on them: the engine's Context has slots.
+    hits, appending = weakref.WeakSet(), weakref.WeakSet()
 
     def match(cache, tokens):
         ctx, matched = original_match(cache, tokens)
-        ctx._planted_hit = True
+        hits.add(ctx)
         return ctx, matched
 
     def extend(ctx, tokens, kv):
-        ctx._planted_appending = True
+        appending.add(ctx)
         try:
             return original_extend(ctx, tokens, kv)
         finally:
-            ctx._planted_appending = False
+            appending.discard(ctx)
 
     def writable(ctx, index):
-        if getattr(ctx, "_planted_hit", False) and getattr(ctx, "_planted_appending", False):
+        if ctx in hits and ctx in appending:
             return ctx._pages[index]
         return original_writable(ctx, index)
     return _patched_all([(cache_module.Cache, "match", match), (context_module.Context, "extend", extend),
@@ -230,22 +233,30 @@ def snapshot_of_hit_stale_tokens() -> ContextManager:
     ``snapshot`` writes the token ids from that copy: the snapshot of an overwritten hit restores
     to the old ids. Reads are right; only a snapshot shows it."""
     original_match, original_snapshot = cache_module.Cache.match, context_module.Context.snapshot
+    original_tokens = context_module.Context._tokens
+    kept_at_match = weakref.WeakKeyDictionary()     # beside the contexts: the engine's Context has slots
+    snapshotting = weakref.WeakKeyDictionary()      # a hit being snapshotted -> the ids it writes
 
     def match(cache, tokens):
         ctx, matched = original_match(cache, tokens)
-        ctx._planted_tokens = ctx._tokens().copy()
+        kept_at_match[ctx] = original_tokens(ctx).copy()
         return ctx, matched
 
     def snapshot(ctx, target):
-        kept = getattr(ctx, "_planted_tokens", None)
+        kept = kept_at_match.get(ctx)
         if kept is None or len(kept) != len(ctx):
             return original_snapshot(ctx, target)
-        ctx._tokens = lambda: kept.copy()        # the instance's copy shadows the method, for this call
+        snapshotting[ctx] = kept
         try:
             return original_snapshot(ctx, target)
         finally:
-            del ctx._tokens
-    return _patched_all([(cache_module.Cache, "match", match), (context_module.Context, "snapshot", snapshot)])
+            del snapshotting[ctx]
+
+    def tokens(ctx):
+        kept = snapshotting.get(ctx)
+        return original_tokens(ctx) if kept is None else kept.copy()
+    return _patched_all([(cache_module.Cache, "match", match), (context_module.Context, "snapshot", snapshot),
+                         (context_module.Context, "_tokens", tokens)])
 
 
 def refused_extend_keeps_pages() -> ContextManager:

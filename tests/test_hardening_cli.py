@@ -245,7 +245,14 @@ def test_replay_honours_its_time_limit(tmp_path):
     """In this process: the run it stops is a backend spinning in the test's own thread. What the
     fired deadline leaves behind is nothing (tests/test_run_deadline.py); it once left a flag up that
     hung the thread-race tests after it, and this test ran in a subprocess to keep them apart."""
+    from kvstate.impl.context import Context
     from kvstate.impl.numpy import factory
+
+    class Spinning(Context):
+        __slots__ = ()          # the engine's Context has slots: a __class__ swap needs the same layout
+
+        def extend(self, *args):
+            _spin()
 
     def stuck_factory(config):
         cache = factory(config)
@@ -253,7 +260,7 @@ def test_replay_honours_its_time_limit(tmp_path):
 
         def stuck():
             ctx = allocate()
-            ctx.extend = lambda *args: _spin()
+            ctx.__class__ = Spinning
             return ctx
         cache.allocate = stuck
         return cache

@@ -143,7 +143,7 @@ def test_read_layer_gathers_while_it_owns_the_context(cache, monkeypatch):
     gather, owned = cache.store.gather, []
 
     def watching_gather(parts, shape):
-        owned.append(ctx._busy.locked())
+        owned.append(ctx._busy)
         return gather(parts, shape)
 
     monkeypatch.setattr(cache.store, "gather", watching_gather)

@@ -25,12 +25,11 @@ def _cache_with_half_page():
 
 
 def _clone(copier):
-    """A copy of a cache and its context made by ``copier``; locks do not copy, the page books do."""
+    """A copy of a cache and its context made by ``copier``; the lock does not copy, the page books do."""
     cache, ctx = _cache_with_half_page()
-    cache.lock = ctx._busy = None
+    cache.lock = None
     clone_cache, clone = copier((cache, ctx))
-    clone_cache.lock, clone._busy = threading.RLock(), threading.Lock()
-    cache.lock, ctx._busy = threading.RLock(), threading.Lock()
+    clone_cache.lock, cache.lock = threading.RLock(), threading.RLock()
     return ctx, clone
 
 

@@ -170,6 +170,38 @@ def test_every_operation_on_a_context_held_by_another_thread_is_refused_and_chan
 
 
 @pytest.mark.parametrize("store", STORES)
+def test_concurrent_forks_of_one_parent_all_succeed(store):
+    """A fork runs whole under the cache lock and only tests the busy flag: forks of one parent
+    from many threads take turns (README, Concurrency), none is refused, and every page ends
+    with one holder more per fork."""
+    config = races.race_configs()[0]
+    cache = races.make_cache(store, config)
+    parent = cache.allocate()
+    races.extend(parent, config, list(range(3 * config.page_tokens)))
+    threads, start = 8, threading.Barrier(8)
+    children, errors = [], []
+
+    def fork_many():
+        start.wait(10)
+        for _ in range(50):
+            try:
+                children.append(parent.fork())
+            except Exception as error:     # noqa: BLE001 - any refusal fails the test below
+                errors.append(error)
+
+    workers = [threading.Thread(target=fork_many) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    assert errors == [] and len(children) == threads * 50
+    assert {page.refcount for page in parent._pages} == {1 + threads * 50}
+    for ctx in (parent, *children):
+        ctx.close()
+    races.check_emptied(cache, "forked")
+
+
+@pytest.mark.parametrize("store", STORES)
 def test_use_after_close_from_another_thread_is_refused_and_refcounts_hold(store, tmp_path):
     config = races.race_configs()[0]
     cache = races.make_cache(store, config)

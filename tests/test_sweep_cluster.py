@@ -45,6 +45,8 @@ from kvstate.impl.numpy import factory as _engine
 
 
 class _CopylessContext(Context):
+    __slots__ = ()          # the engine's Context has slots: a __class__ swap needs the same layout
+
     def writable(self, index):
         return self._pages[index]          # writes into a shared page instead of copying it
 
@@ -149,11 +151,14 @@ def _start(module: str, *args: str) -> subprocess.Popen:
 
 
 def _journal_runs(out: Path) -> list[tuple[str, int]]:
+    """The runs the journal holds so far: its complete lines only. Read while the sweep writes,
+    the last line may be cut anywhere, even just after an inner ``}`` (a reader that parsed it
+    died there once, at load 12, and its signal was never sent)."""
     try:
-        lines = (out / "runs.jsonl").read_text().splitlines()
+        lines = (out / "runs.jsonl").read_text().split("\n")[:-1]     # what follows the last newline is unfinished
     except FileNotFoundError:
         return []
-    entries = [json.loads(line) for line in lines if line.endswith("}")]
+    entries = [json.loads(line) for line in lines if line]
     return [(e["config"], e["seed"]) for e in entries if e["kind"] == "run"]
 
 
@@ -161,9 +166,11 @@ def _when_runs(out: Path, count: int, action, timeout_s: float = 60.0) -> thread
     """Call ``action`` from another thread once the journal in ``out`` holds ``count`` runs."""
     def watch():
         deadline = time.monotonic() + timeout_s
-        while len(_journal_runs(out)) < count and time.monotonic() < deadline:
-            time.sleep(0.02)
-        action()
+        try:
+            while len(_journal_runs(out)) < count and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            action()        # even if reading failed: a test waiting for the action must not hang
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     return thread

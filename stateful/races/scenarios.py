@@ -145,7 +145,7 @@ def _plan_length(plan: list[tuple], parent_len: int) -> int:
 
 def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, threads: int = 16,
                configs=None, yields: bool = False) -> RaceReport:
-    """Sixteen threads fork one parent at once (concurrent forks are refused as busy and retried),
+    """Sixteen threads fork one parent at once (a backend may serialise them or refuse as busy: retried),
     then each writes its own branch; every branch must read only its own writes, the parent nothing
     new, and exactly the shared pages each branch wrote must have been copied. In a pool that
     refuses when full, a refused write changes nothing, and the counts and the reference replay
