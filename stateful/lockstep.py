@@ -266,7 +266,17 @@ class Lockstep:
                 ref_hit.close()
 
     def finish(self) -> None:
-        """6. Close every context, clear the tree: cache and arena must be empty."""
+        """6. Close every context, clear the tree: cache and arena must be empty.
+
+        A run that read only changed contexts (``reads_changed_only``) first reads every live one:
+        a bug that writes into a page no observation shows changed (a context's private page, held
+        by nothing the operation named) is then still caught in the run, and shrunk from there."""
+        if self.reads_changed_only and self.live:
+            self.reads_changed_only = False
+            try:
+                self.check()
+            finally:
+                self.reads_changed_only = True
         for handle in list(self.live):
             self.apply(O.Close(handle))
         self.engine.clear()

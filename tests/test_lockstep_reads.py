@@ -78,3 +78,31 @@ def test_without_the_flag_every_context_is_read(monkeypatch):
     run.apply(O.Extend("c2", (1, 1), seed=4))
     run.check()
     assert count[0] == 3
+
+
+def test_a_write_no_observation_shows_is_caught_before_the_run_ends(monkeypatch):
+    """A bug that writes into another context's private page (held by nothing the operation named,
+    its page view unchanged) escapes the changed-only reads of its step; the full read that
+    ``finish`` does first catches it, so the run still fails."""
+    run = _run(True)
+    for handle in ("c1", "c2"):
+        run.apply(O.Allocate())
+        run.check()
+        run.apply(O.Extend(handle, (0, 1, 2), seed=5))
+        run.check()
+    victim = run.live["c1"][0]
+    extend = engine_context.Context.extend
+
+    def extend_and_scribble(self, tokens, kv):
+        extend(self, tokens, kv)
+        if self is not victim:
+            (array,) = victim._pages[0].buffer.arrays
+            array[:, :, 0] += 1        # c1's first position changes (layers, K/V, position, ...); only c2 was named
+
+    monkeypatch.setattr(engine_context.Context, "extend", extend_and_scribble)
+    run.apply(O.Extend("c2", (2, 2), seed=6))
+    run.check()                        # c1 not named, its pages unchanged as observed: not read
+    monkeypatch.undo()
+    with pytest.raises(InvariantViolation) as failed:
+        run.finish()
+    assert failed.value.invariant == 4 and "c1 position" in str(failed.value)
