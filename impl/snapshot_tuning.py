@@ -30,7 +30,7 @@ def pipelined(body_bytes: int) -> bool:
     """
     if IO_THREADS is not None:
         return IO_THREADS > 1
-    return (os.cpu_count() or 1) > 1 and body_bytes >= PIPELINED_FROM_BYTES
+    return body_bytes >= PIPELINED_FROM_BYTES and (os.cpu_count() or 1) > 1     # the size first: cpu_count reads /sys
 
 
 # -- staging buffers -------------------------------------------------------------------
