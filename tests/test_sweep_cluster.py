@@ -382,18 +382,29 @@ def test_resume_after_ctrl_c_gives_the_uninterrupted_answer(tmp_path, monkeypatc
     assert _replays(tmp_path / "out") == _replays(tmp_path / "whole")
 
 
+def _ctrl_c_as_a_shell_gives_it() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_stops_the_local_pool_and_resume_finishes(tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
                                                                       os.environ.get("PYTHONPATH")]))}
     # 500 steps a run: long enough that the pool cannot finish all 40 runs while a loaded machine
     # keeps this test's watcher from sending the signal (at 150 it sometimes did, at load 11)
+    # The child starts with Ctrl-C as a user's shell gives it (default action, unblocked), whatever
+    # this test process inherited: in a full run the sweep once ignored the signal and finished.
     sweep = subprocess.Popen([sys.executable, "-m", "kvstate", "sweep", "--seeds", "40", "--steps", "500",
                               "--configs", "f32-heap", "--workers", "2", "--out", str(out)],
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    _when_runs(out, 2, lambda: sweep.send_signal(signal.SIGINT)).join()
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=_ctrl_c_as_a_shell_gives_it)
+    inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    sent = []
+    _when_runs(out, 2, lambda: sent.append(len(_journal_runs(out))) or sweep.send_signal(signal.SIGINT)).join()
     _, err = sweep.communicate(timeout=60)
-    assert sweep.returncode == 130, err
+    assert sweep.returncode == 130, (err, f"signal sent after {sent} runs; this process's SIGINT handler and "
+                                          f"blocked signals: {inherited}")
     assert "interrupted" in err and f"--resume {out}" in err and "Traceback" not in err
     finished = len(_journal_runs(out))
     assert 2 <= json.loads((out / "report.json").read_text())["runs"] == finished < 40
