@@ -21,7 +21,7 @@ BUG = "missing_copy_on_write"
 
 # -- the sequences --------------------------------------------------------------------
 
-def test_500_seeds_give_500_distinct_full_length_sequences():
+def test_500_seeds_give_500_distinct_sequences():
     # 10 steps, not 40: a seed's longer sequence starts with its shorter one, so 500 distinct
     # 10-step prefixes make 500 distinct sequences at every length (the stronger claim, at a
     # quarter of the generation); full length at 400 steps is the next test's
