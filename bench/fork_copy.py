@@ -93,8 +93,8 @@ def run(quick: bool = False) -> dict:
     }
 
 
-FORK_DESIGN = ("a context with __slots__ and ownership by a thread-id field instead of a lock per context, "
-               "built by one call that takes the parent's tuple, slots and key as they are")
+FORK_DESIGN = ("built: a slotted context whose owner is a flag under the cache lock (no lock per context); "
+               "what remains: the pending share, the id and the registration in one call with the constructor")
 
 
 def bare_forks(ctx) -> list:

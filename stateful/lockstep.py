@@ -60,7 +60,7 @@ class Lockstep:
         self._context_holders: set[str] = set()
         self._observed: tuple[int, Any] | None = None    # (steps, observation) of the last check
         # ``reads_changed_only``: a check reads only the contexts an operation since the last check
-        # could have changed (``unchanged_since``); set by runs whose every operation goes through
+        # could have changed (``_unchanged_since``); set by runs whose every operation goes through
         # ``apply`` (the machine, seeded runs), never by checks that call a backend directly.
         self.reads_changed_only = False
         self._touched: set[str] = set()          # handles the operations since the last check named
@@ -225,7 +225,7 @@ class Lockstep:
         invariants.check_structure(obs)
         engine_reads, reference_reads = {}, {}
         last = self._observed[1] if self._observed is not None else None
-        skip = unchanged_since(last, obs, self) if self.reads_changed_only else set()
+        skip = self._unchanged_since(last, obs) if self.reads_changed_only else set()
         self._touched = set()
         for handle, (engine, ref) in self.live.items():
             if handle in skip:
@@ -241,6 +241,51 @@ class Lockstep:
         self.checks += 1
         self._observed = (self.steps, obs)
         self._verified = set(self.live)
+
+    def _unchanged_since(self, last, obs) -> set[str]:
+        """The live handles whose values no operation since the last check can have changed, by the
+        pages tier: the check vouched for them then, and their holder lists the same pages at the same
+        length, none of which an operation since then could have written. A page could have been
+        written if it is, or was, held by a context an operation named, or by a holder that came,
+        went or changed, or if its ``PageView`` changed. Empty (read everything) without the pages
+        tier, where a named handle's holder is not known, or without the tree tier (entries are then
+        probed through ``match`` between observations): a black box is read in full."""
+        if last is None or obs.pages is None or obs.holders is None or obs.lengths is None or obs.entries is None \
+                or last.pages is None or last.holders is None or last.lengths is None:
+            return set()
+        holder_of = self._holder_of
+        holders, lengths, was_held, was_long = obs.holders, obs.lengths, last.holders, last.lengths
+        suspect: set = set()
+        for holder, pages in holders.items():
+            was = was_held.get(holder)
+            if was != pages or lengths.get(holder) != was_long.get(holder):
+                suspect.update(pages)
+                suspect.update(was or ())
+        for holder in was_held.keys() - holders.keys():
+            suspect.update(was_held[holder])
+        was_viewed = last.pages
+        for pid, view in obs.pages.items():
+            before = was_viewed.get(pid)
+            if before is not view and before != view:      # an engine may hand back the same view
+                suspect.add(pid)
+        for handle in self._touched:
+            holder = holder_of.get(handle)
+            if holder is None and handle in self.live:
+                return set()
+            suspect.update(holders.get(holder, ()))
+            suspect.update(was_held.get(holder, ()))
+        unchanged = set()
+        for handle, (_engine, ref) in self.live.items():
+            if handle not in self._verified or handle in self._touched:
+                continue
+            holder = holder_of.get(handle)
+            pages = holders.get(holder)
+            if pages is None or was_held.get(holder) != pages or suspect.intersection(pages):
+                continue
+            length = lengths.get(holder)
+            if length == was_long.get(holder) and length == len(ref):
+                unchanged.add(handle)
+        return unchanged
 
     def _probe_entries(self) -> None:
         """Without the tree tier, entries and their eviction order are seen through ``match``: each
@@ -296,52 +341,6 @@ class Lockstep:
             self.apply(op)
             if check_every_step:
                 self.check()
-
-
-def unchanged_since(last, obs, run: Lockstep) -> set[str]:
-    """The live handles whose values no operation since the last check can have changed, by the
-    pages tier: the check vouched for them then, and their holder lists the same pages at the same
-    length, none of which an operation since then could have written. A page could have been
-    written if it is, or was, held by a context an operation named, or by a holder that came,
-    went or changed, or if its ``PageView`` changed. Empty (read everything) without the pages
-    tier, where a named handle's holder is not known, or without the tree tier (entries are then
-    probed through ``match`` between observations): a black box is read in full."""
-    if last is None or obs.pages is None or obs.holders is None or obs.lengths is None or obs.entries is None \
-            or last.pages is None or last.holders is None or last.lengths is None:
-        return set()
-    holder_of = run._holder_of
-    holders, lengths, was_held, was_long = obs.holders, obs.lengths, last.holders, last.lengths
-    suspect: set = set()
-    for holder, pages in holders.items():
-        was = was_held.get(holder)
-        if was != pages or lengths.get(holder) != was_long.get(holder):
-            suspect.update(pages)
-            suspect.update(was or ())
-    for holder in was_held.keys() - holders.keys():
-        suspect.update(was_held[holder])
-    was_viewed = last.pages
-    for pid, view in obs.pages.items():
-        before = was_viewed.get(pid)
-        if before is not view and before != view:      # an engine may hand back the same view
-            suspect.add(pid)
-    for handle in run._touched:
-        holder = holder_of.get(handle)
-        if holder is None and handle in run.live:
-            return set()
-        suspect.update(holders.get(holder, ()))
-        suspect.update(was_held.get(holder, ()))
-    unchanged = set()
-    for handle, (_engine, ref) in run.live.items():
-        if handle not in run._verified or handle in run._touched:
-            continue
-        holder = holder_of.get(handle)
-        pages = holders.get(holder)
-        if pages is None or was_held.get(holder) != pages or suspect.intersection(pages):
-            continue
-        length = lengths.get(holder)
-        if length == was_long.get(holder) and length == len(ref):
-            unchanged.add(handle)
-    return unchanged
 
 
 def observable_change(before, after) -> str | None:

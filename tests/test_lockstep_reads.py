@@ -30,6 +30,15 @@ def _counting_reads(monkeypatch) -> list[int]:
     return count
 
 
+def _three_contexts(run: Lockstep, check_each: bool) -> None:
+    """c1, c2, c3, each extended by three tokens; checked after every step if ``check_each``."""
+    for handle in ("c1", "c2", "c3"):
+        for op in (O.Allocate(), O.Extend(handle, (0, 1, 2), seed=3)):
+            run.apply(op)
+            if check_each:
+                run.check()
+
+
 @pytest.mark.parametrize("skip", [False, True])
 def test_a_write_into_a_shared_page_fails_the_check_of_that_step(skip):
     """c2 = fork(c1) shares c1's pages; with copy-on-write missing, overwriting c1 changes c2 too.
@@ -54,11 +63,7 @@ def test_only_contexts_an_operation_could_change_are_read(monkeypatch):
     """Three private contexts; extending one reads that one alone. (Handles are known by their
     holders when each creation is checked on its own, as the machine and seeded runs do.)"""
     run = _run(True)
-    for handle in ("c1", "c2", "c3"):
-        run.apply(O.Allocate())
-        run.check()                    # as the machine does: a check after every step
-        run.apply(O.Extend(handle, (0, 1, 2), seed=3))
-        run.check()
+    _three_contexts(run, check_each=True)      # as the machine does: a check after every step
     count = _counting_reads(monkeypatch)
     run.apply(O.Extend("c2", (1, 1), seed=4))
     run.check()
@@ -70,9 +75,7 @@ def test_only_contexts_an_operation_could_change_are_read(monkeypatch):
 
 def test_without_the_flag_every_context_is_read(monkeypatch):
     run = _run(False)
-    for handle in ("c1", "c2", "c3"):
-        run.apply(O.Allocate())
-        run.apply(O.Extend(handle, (0, 1, 2), seed=3))
+    _three_contexts(run, check_each=False)
     run.check()
     count = _counting_reads(monkeypatch)
     run.apply(O.Extend("c2", (1, 1), seed=4))
