@@ -3,6 +3,8 @@
 - ``run_threads`` starts thread bodies together at a barrier, optionally with an
   observer thread that checks invariants 1-3 on ``observe()`` the whole time, and
   re-raises the first failure as ``RaceFailure`` naming the thread.
+- ``Watch`` checks each observation that differs from the last one it checked, and says
+  when nothing changed, so an observer can step aside (``SETTLE``).
 - ``switch_interval`` makes CPython switch threads as often as it can (restored after).
 - ``kv_for`` makes values self-verifying: the K/V of token ``t`` at position ``p``
   is a fixed function of both, so ``verify`` can check any read by its own tokens.
@@ -53,6 +55,7 @@ SWITCH_INTERVAL = 1e-6        # seconds; CPython's default is 5e-3
 YIELD_PROBABILITY = 0.05      # of a call into the engine's code giving up the interpreter (``yielding_calls``)
 THREAD_TIMEOUT = 120.0        # a thread still running after this is reported as a hang
 BUSY_RETRIES = 1_000_000      # a ContextBusyError retried this often is a livelock
+SETTLE = 1e-5                 # seconds an observer steps aside after an observation that saw no change
 
 
 class RaceFailure(AssertionError):
@@ -326,6 +329,49 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
     hung = [t.name for t in threads + ([watcher] if watcher else []) if t.is_alive()]
     if hung:
         raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
+
+
+class Watch:
+    """Observe ``cache`` and check invariants 1-3 (and ``check_pool`` given the ``config``) on what it shows.
+
+    ``look`` checks an observation only if it differs from the last one checked (the checks are
+    functions of the observation: an equal one gets the same verdict) and returns whether it
+    differed. ``observe()`` takes the cache lock, so an observer looking back to back holds the
+    writers up: in ``observe_during_writes`` about 1 look in 50 saw a state not checked before.
+    An observer that steps aside for ``SETTLE`` seconds after a look that saw no change lets
+    them move on, so its next look more likely sees a new state.
+    """
+
+    __slots__ = ("cache", "config", "last", "changes")
+
+    def __init__(self, cache, config: Config | None = None) -> None:
+        self.cache, self.config, self.last, self.changes = cache, config, None, 0
+
+    def look(self) -> bool:
+        obs = self.cache.observe()
+        if _same(obs, self.last):
+            return False
+        invariants.check_structure(obs)
+        check_pool(obs, self.config)
+        self.last = obs
+        self.changes += 1
+        return True
+
+
+_MUTABLE_FIELDS = ("pages", "holders", "lengths", "arena_out", "counters")
+
+
+def _same(obs: Observation, last: Observation | None) -> bool:
+    """``obs`` equals ``last``, and is a fresh one: a backend that hands out the same dict twice
+    (and changes it in place) must not have its changes taken for the state already checked."""
+    if last is None or obs is last:
+        return False
+    if any(getattr(obs, name) is getattr(last, name) and getattr(obs, name) is not None for name in _MUTABLE_FIELDS):
+        return False
+    try:
+        return bool(obs == last)
+    except Exception:       # noqa: BLE001 - a value that does not compare plainly (an array): check it
+        return False
 
 
 def check_pool(obs: Observation, config: Config | None) -> None:
