@@ -112,7 +112,7 @@ def replay_floors(requests: list[np.ndarray], lists: list[list]) -> tuple[np.nda
     for i, (tokens, items) in enumerate(zip(requests, lists)):
         t0 = clock()
         if SAME_VALUE:
-            tokens.astype("<i4", casting="same_value").tobytes()
+            tokens.view("<u8").astype("<i4", casting="same_value").tobytes()
         else:
             np.bitwise_or.reduce(tokens)
             tokens.astype("<i4").tobytes()
