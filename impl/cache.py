@@ -179,15 +179,21 @@ class Cache:
         if length is None:
             length = ctx._length
         n = (length + self.page_tokens - 1) // self.page_tokens     # pages_needed, spelled out: the hottest path
-        ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
+        pages, base, base_ids = ctx._pages, ctx._base, ctx._base_slots
+        if n != len(pages):           # a prefix: the kept base tuple and its slots when it is that prefix, else a slice
+            if len(base) == n and len(base_ids) == n:
+                pages = base
+                ids = base_ids
+            else:
+                pages = base = pages[:n]
+                ids = base_ids = ctx._ref_slots(n)
+        else:
+            ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
+            if len(base) > n:         # a base left longer than the pages (a test's planted truncate)
+                base, base_ids = pages, ids
         self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
-        pages, base = ctx._pages, ctx._base
-        if n != len(pages):           # a prefix: the kept base tuple when it is that prefix, else a slice
-            pages = base = base if len(base) == n else pages[:n]
-        elif len(base) > n:           # a base left longer than the pages (a test's planted truncate)
-            base = pages
         self._next_context_id += 1    # ``_new_context`` spelled out
-        child = Context(self, self._next_context_id, pages, length, ids, ctx._key, base)
+        child = Context(self, self._next_context_id, pages, length, ids, ctx._key, base, base_ids)
         if register:
             self._contexts[child.context_id] = child
         return child
@@ -196,7 +202,7 @@ class Cache:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
         self.pool.release_slots(ctx._pages, ctx._ref_slots(len(ctx._pages)))
         ctx._pages = ctx._base = ()
-        ctx._slots = ctx._slots[:0]
+        ctx._slots = ctx._base_slots = ctx._slots[:0]
         ctx._closed = True
 
     def _context_page_ids(self) -> set[int]:

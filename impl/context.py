@@ -37,10 +37,12 @@ class Context:
     # (no per-instance dict). A subclass that swaps ``__class__`` in (a test's planted bug)
     # declares ``__slots__ = ()``.
     __slots__ = ("_cache", "context_id", "_pages", "_base", "_length", "_closed", "_busy", "_slots", "_key",
+                 "_base_slots",
                  "__weakref__")
 
     def __init__(self, cache: "Cache", context_id: int, pages: tuple[Page, ...], length: int,
-                 ids: np.ndarray | None = None, key: bytes | None = None, base: tuple[Page, ...] | None = None):
+                 ids: np.ndarray | None = None, key: bytes | None = None, base: tuple[Page, ...] | None = None,
+                 base_ids=None):
         self._cache = cache
         self.context_id = context_id
         # A tuple, replaced on every change and never changed in place: a fork holding all of
@@ -63,6 +65,10 @@ class Context:
         # pool's vectorised refcount steps: a range or an int array (``pages.ref_slots``). Never
         # written in place: a fork's is a slice of its parent's.
         self._slots = ids if ids is not None else ref_slots(pages) if pages else range(0)
+        # The refcount slots of ``_base``, kept beside it: a hit that takes the base whole shares
+        # these, a range where the base was one extend's pages, so the count it leaves pending is
+        # one slice add (``pages.Refcounts.flush``), not a scatter over an array view of ``_slots``.
+        self._base_slots = self._slots if base is None else base_ids
         # The packed tokens (``radix.pack``) of positions [0, _length) at least, or None when
         # unknown; kept by ``_write`` so ``retain`` need not re-read every page's token ids.
         self._key = b"" if length == 0 else key
@@ -202,11 +208,12 @@ class Context:
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
             self._pages = (*self._pages[:index], private, *self._pages[index + 1:])
-            if index < len(self._base):
-                self._base = self._pages
             ids = np.array(self._ref_slots(len(self._pages)), np.intp)     # a copy: a fork may view the old one
             ids[index] = private.ref
             self._slots = ids
+            if index < len(self._base):
+                self._base = self._pages
+                self._base_slots = ids
             return private
 
     def extend(self, tokens, kv) -> None:
@@ -292,12 +299,13 @@ class Context:
             key = None
         self._key = None        # unknown while the pages are half written
         store = self._cache.store
+        raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
         for index in range(*pages_touched(start, stop, self.page_tokens)):
             lo, hi = span_in_page(index, start, stop, self.page_tokens)
             row = index * self.page_tokens + lo - start
             page = self._pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
-            page.tokens[lo:hi] = tokens[row:row + hi - lo]
+            page.token_bytes[8 * lo:8 * hi] = raw[8 * row:8 * (row + hi - lo)]
         self._key = key
 
     # -- structure -------------------------------------------------------------------
@@ -333,9 +341,10 @@ class Context:
         for page in self._pages[keep:]:
             self._cache.pool.release(page)
         self._pages = self._pages[:keep]
+        self._slots = self._slots[:keep]
         if len(self._base) > keep:
             self._base = self._pages
-        self._slots = self._slots[:keep]
+            self._base_slots = self._slots
         self._length = n
 
     def snapshot(self, target, deadline_s: float | None = None) -> None:

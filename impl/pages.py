@@ -107,19 +107,26 @@ class Refcounts:
 
 
 class Page:
-    __slots__ = ("page_id", "ref", "books", "buffer", "token_bytes", "tokens", "filled")
+    __slots__ = ("page_id", "ref", "books", "buffer", "token_bytes", "filled")
 
     def __init__(self, books: Refcounts, page_id: int, ref: int, buffer, token_bytes: bytearray, filled: int):
         self.page_id = page_id
         self.ref = ref            # this page's slot in the refcount array
         self.books = books
         self.buffer = buffer
-        # Token ids live in a bytearray, ``tokens`` is an int64 view of it (writes land in both):
+        # Token ids live in a bytearray (``tokens`` is an int64 view of it, made when asked for):
         # a context's token list is one ``join`` of its pages' bytearrays, which at one-token
         # pages costs a quarter of joining (or concatenating) thousands of NumPy arrays.
         self.token_bytes = token_bytes
-        self.tokens = np.frombuffer(token_bytes, np.int64)     # int64 token id per position slot
         self.filled = filled      # high-water mark: offsets >= filled were never written
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """The int64 token id per position slot: a view of ``token_bytes`` (writes land in it).
+        Made on demand, not kept: a kept view was ~400 of the ~1,000 bytes each page allocates,
+        and at one-token pages an ``extend`` of a turn's tokens left that much more memory
+        freshly touched, the caches colder for the lookup and the retain after it."""
+        return np.frombuffer(self.token_bytes, np.int64)
 
     @property
     def refcount(self) -> int:
@@ -128,18 +135,6 @@ class Page:
     @refcount.setter
     def refcount(self, value: int) -> None:
         self.books.counts[self.ref] = value
-
-    # ``tokens`` is a view of ``token_bytes``: pickled or deep-copied apart (a clone of the
-    # whole cache, as the exhaustive checker makes) they would stop aliasing and a write would
-    # miss the bytes that ``Context._tokens`` joins. So only the bytearray travels; the view is
-    # rebuilt from it.
-    def __getstate__(self) -> dict:
-        return {name: getattr(self, name) for name in self.__slots__ if name != "tokens"}
-
-    def __setstate__(self, state: dict) -> None:
-        for name, value in state.items():
-            setattr(self, name, value)
-        self.tokens = np.frombuffer(self.token_bytes, np.int64)
 
 
 _ref = attrgetter("ref")

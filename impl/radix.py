@@ -113,11 +113,17 @@ class RadixTree:
         """Where packed ``query`` leaves the tree, possibly mid-edge: the node whose subtree holds
         exactly the entries sharing the longest common prefix with the query, and that prefix's
         length in tokens. ``(None, 0)`` when no entry shares even the first token."""
-        path = self._walk(query)
-        node, depth = path[-1] if path else (self.root, 0)
-        child = node.children.get(query[depth:depth + TOKEN_BYTES])
-        if child is not None:     # the walk stopped inside the child's edge
-            return child, depth // TOKEN_BYTES + shared_tokens(child.edge, query[depth:])
+        # ``_walk``'s loop inline, keeping only where it ends: a lookup's walk, with no path list
+        # and no call a step (every call costs several times its warm price on a lookup's cold caches).
+        node, depth, end = self.root, 0, len(query)
+        while depth < end:
+            child = node.children.get(query[depth:depth + TOKEN_BYTES])
+            if child is None:
+                break
+            if not query.startswith(child.edge, depth):     # the walk stops inside the child's edge
+                return child, depth // TOKEN_BYTES + shared_tokens(child.edge, query[depth:])
+            depth += len(child.edge)
+            node = child
         return (node, depth // TOKEN_BYTES) if node is not self.root else (None, 0)
 
     def newest_below(self, top: Node) -> Node:
@@ -209,9 +215,17 @@ class RadixTree:
         return path
 
     def _descend(self, key: bytes) -> tuple[Node, int]:
-        """The deepest node whose full path is a prefix of ``key``, and that path's length in bytes."""
-        path = self._walk(key)
-        return path[-1] if path else (self.root, 0)
+        """The deepest node whose full path is a prefix of ``key``, and that path's length in bytes.
+
+        ``_walk`` without the path list or a call a step, as in ``deepest``: a retain's walk."""
+        node, depth, end = self.root, 0, len(key)
+        while depth < end:
+            child = node.children.get(key[depth:depth + TOKEN_BYTES])
+            if child is None or not key.startswith(child.edge, depth):
+                break
+            depth += len(child.edge)
+            node = child
+        return node, depth
 
     def _add_below(self, node: Node, rest: bytes) -> Node:
         """A node for packed ``rest`` under ``node``, splitting the edge that shares its start."""

@@ -96,6 +96,7 @@ def _check_books(cache: Cache) -> None:
     holders = list(cache._contexts.values()) + [node.value for node in cache.tree.entries()]
     for ctx in holders:
         assert list(ctx._ref_slots(len(ctx._pages))) == [page.ref for page in ctx._pages]
+        assert list(ctx._base_slots) == [page.ref for page in ctx._base]
         assert ctx._packed_key() == pack(ctx._tokens())
     check_structure(cache.observe())
 
@@ -248,5 +249,29 @@ def test_hits_at_a_shared_prefix_share_one_prefix_tuple_and_a_write_below_it_dro
     fork2 = cache._fork(hits[1], length=2)
     assert fork2._pages == first._pages[:2] and len(hits[1]._base) <= 2
     for ctx in (first, *hits, fork, fork2):
+        ctx.close()
+    _check_books(cache)
+
+
+def test_hits_at_a_shared_prefix_share_its_slots_as_one_range():
+    """The prefix's refcount slots are kept beside it (``Context._base_slots``): a hit that takes
+    the kept prefix tuple shares a range, so the count it leaves pending is one slice add, where
+    a view of the entry's joined slot array made it a scatter over every page."""
+    cache = Cache(TINY, page_tokens=1, max_entries=8, match="token")
+    zeros = np.zeros((12, *TINY.position_shape), np.float32)
+    prompt = list(range(4))
+    first = cache.allocate()
+    first.extend(prompt + [10, 11], zeros[:6])
+    cache.retain(first)
+    blocker = cache.allocate()
+    blocker.extend([7], zeros[:1])          # takes the next slot: an extend of a hit starts a new run
+    for turn in range(3):
+        hit, matched = cache.match(prompt + [20 + turn])
+        assert matched == 4 and hit._slots == range(first._pages[0].ref, first._pages[0].ref + 4)
+        hit.extend([30 + turn, 31 + turn], zeros[:2])
+        assert type(hit._slots) is not range      # the prompt's run and the turn's, joined
+        cache.retain(hit)
+        hit.close()
+    for ctx in (first, blocker):
         ctx.close()
     _check_books(cache)
