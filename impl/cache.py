@@ -291,8 +291,9 @@ class Cache:
         with self.lock:
             holders, lengths = {}, {}
             for ctx in self._contexts.values():
-                holders[f"ctx:{ctx.context_id}"] = page_ids(ctx._pages)
-                lengths[f"ctx:{ctx.context_id}"] = ctx._length
+                name = f"ctx:{ctx.context_id}"
+                holders[name] = page_ids(ctx._pages)
+                lengths[name] = ctx._length
             entries = []
             for node in self.tree.entries():
                 name = f"entry:{node.value.context_id}"

@@ -19,6 +19,7 @@ Packed, a query is one ``tobytes`` and each edge test is one ``startswith``
 
 from __future__ import annotations
 
+import struct
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
@@ -37,7 +38,8 @@ def pack(tokens: np.ndarray) -> bytes:
 
 
 def unpack(packed: bytes) -> tuple[int, ...]:
-    return tuple(np.frombuffer(packed, _PACKED).tolist())
+    # struct, not NumPy: the invariants unpack every edge and key at every step, a few tokens each
+    return struct.unpack(f"<{len(packed) // TOKEN_BYTES}i", packed)
 
 
 def shared_tokens(a: bytes, b: bytes) -> int:
@@ -262,6 +264,10 @@ class RadixTree:
         node.parent.children[child.edge[:TOKEN_BYTES]] = child
 
 
+def _first_token(view: NodeView) -> int:
+    return view.edge[0]
+
+
 def _view(root: Node, key_of) -> NodeView:
     """The tree below ``root`` as ``NodeView``s, built bottom-up with an explicit stack:
     nested retains (each turn of a chat) make trees thousands of nodes deep."""
@@ -272,7 +278,9 @@ def _view(root: Node, key_of) -> NodeView:
         stack.extend(node.children.values())
     views: dict[int, NodeView] = {}
     for node in reversed(order):
-        children = sorted((views.pop(id(child)) for child in node.children.values()), key=lambda view: view.edge[0])
+        children = [views.pop(id(child)) for child in node.children.values()]
+        if len(children) > 1:
+            children.sort(key=_first_token)
         views[id(node)] = NodeView(
             edge=unpack(node.edge),
             key=key_of(node.value) if node.value is not None else None,

@@ -7,6 +7,7 @@ offending page, holder, position or node, and returns None when it holds.
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from typing import Iterable, Mapping
 
 import numpy as np
@@ -29,7 +30,7 @@ def check_refcounts(obs: Observation) -> None:
     """1. A page's refcount equals the number of holders that point at it (0 for a cached page)."""
     if obs.pages is None or obs.holders is None:
         return
-    held = Counter(pid for pages in obs.holders.values() for pid in pages)
+    held = Counter(chain.from_iterable(obs.holders.values()))
     for pid, page in obs.pages.items():
         if page.refcount != held.get(pid, 0):
             holders = sorted(h for h, pages in obs.holders.items() if pid in pages)

@@ -201,8 +201,7 @@ class Lockstep:
         appears right after an operation created a handle is that handle's."""
         if obs.holders is None:
             return
-        entries = {entry.holder for entry in obs.entries or ()}
-        now = {name for name in obs.holders if name not in entries}
+        now = obs.holders.keys() - {entry.holder for entry in obs.entries or ()}
         new = now - self._context_holders
         if self._created_last is not None and len(new) == 1:
             holder = new.pop()
@@ -253,8 +252,26 @@ class Lockstep:
         if last is None or obs.pages is None or obs.holders is None or obs.lengths is None or obs.entries is None \
                 or last.pages is None or last.holders is None or last.lengths is None:
             return set()
-        holder_of = self._holder_of
+        holder_of, live, touched = self._holder_of, self.live, self._touched
         holders, lengths, was_held, was_long = obs.holders, obs.lengths, last.holders, last.lengths
+        for handle in touched:
+            if handle in live and handle not in holder_of:
+                return set()
+        # The candidates first: vouched for, not named, the same pages at the same length. Only
+        # their pages can make a difference, so only those pages' views are compared below.
+        candidates: dict[str, tuple] = {}
+        for handle in self._verified:
+            if handle in touched or handle not in live:
+                continue
+            holder = holder_of.get(handle)
+            pages = holders.get(holder)
+            if pages is None or was_held.get(holder) != pages:
+                continue
+            length = lengths.get(holder)
+            if length == was_long.get(holder) and length == len(live[handle][1]):
+                candidates[handle] = pages
+        if not candidates:
+            return set()
         suspect: set = set()
         for holder, pages in holders.items():
             was = was_held.get(holder)
@@ -263,29 +280,17 @@ class Lockstep:
                 suspect.update(was or ())
         for holder in was_held.keys() - holders.keys():
             suspect.update(was_held[holder])
-        was_viewed = last.pages
-        for pid, view in obs.pages.items():
-            before = was_viewed.get(pid)
-            if before is not view and before != view:      # an engine may hand back the same view
-                suspect.add(pid)
-        for handle in self._touched:
+        for handle in touched:
             holder = holder_of.get(handle)
-            if holder is None and handle in self.live:
-                return set()
             suspect.update(holders.get(holder, ()))
             suspect.update(was_held.get(holder, ()))
-        unchanged = set()
-        for handle, (_engine, ref) in self.live.items():
-            if handle not in self._verified or handle in self._touched:
-                continue
-            holder = holder_of.get(handle)
-            pages = holders.get(holder)
-            if pages is None or was_held.get(holder) != pages or suspect.intersection(pages):
-                continue
-            length = lengths.get(holder)
-            if length == was_long.get(holder) and length == len(ref):
-                unchanged.add(handle)
-        return unchanged
+        viewed, was_viewed = obs.pages, last.pages
+        for pid in set().union(*candidates.values()) - suspect:
+            if pid in viewed:
+                view, before = viewed[pid], was_viewed.get(pid)
+                if before is not view and before != view:      # an engine may hand back the same view
+                    suspect.add(pid)
+        return {handle for handle, pages in candidates.items() if suspect.isdisjoint(pages)}
 
     def _probe_entries(self) -> None:
         """Without the tree tier, entries and their eviction order are seen through ``match``: each

@@ -26,8 +26,14 @@ class Op:
         return {"op": self.kind, **asdict(self)}
 
     def __str__(self) -> str:
-        args = ", ".join(f"{f.name}={_shown(getattr(self, f.name))}" for f in fields(self))
+        args = ", ".join(f"{name}={_shown(getattr(self, name))}" for name in _field_names(type(self)))
         return f"{self.kind}({args})"
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> tuple[str, ...]:
+    """An operation class's field names, in order: every step of a run prints its operation."""
+    return tuple(f.name for f in fields(cls))
 
 
 def _shown(value) -> str:
@@ -128,6 +134,25 @@ def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     position i of the write gets a vector fixed by ``(seed, i)`` whatever the write's
     length, so a small scope holds only a few distinct values.
     """
+    if n * layout.values_per_position <= _CACHED_FLOATS:
+        return _cached_values(layout, n, seed).copy()
+    return _values(layout, n, seed)
+
+
+# A write's values cost tens of microseconds to draw (a seeded generator each), and the same
+# (n, seed) recurs: the seeded check's configurations that refuse nothing run the same sequences,
+# and Hypothesis replays prefixes. Small writes are kept, read-only, and handed out as copies.
+_CACHED_FLOATS = 1024        # 4 KiB a write at most: the cache stays under 16 MiB
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_values(layout: Layout, n: int, seed: int) -> np.ndarray:
+    values = _values(layout, n, seed)
+    values.setflags(write=False)
+    return values
+
+
+def _values(layout: Layout, n: int, seed: int) -> np.ndarray:
     if seed < 0:
         values = np.zeros(layout.batch_shape(n), np.float32)
         for i in range(n):
