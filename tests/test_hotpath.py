@@ -222,16 +222,22 @@ def test_a_whole_fork_or_hit_shares_its_source_page_tuple_and_a_write_replaces_o
     _check_books(cache)
 
 
-def test_hits_at_a_shared_prefix_share_one_prefix_tuple_and_a_write_below_it_drops_it():
-    """A hit at the system prompt's length from an entry that extended that very hit takes the
-    entry's kept prefix tuple (``Context._base``), not a slice; a write or a truncate below the
-    prefix's end makes a later fork slice the context's own pages again."""
+def _retained_prompt():
+    """A token-matching cache at one-token pages holding one entry: a 4-token prompt and a turn."""
     cache = Cache(TINY, page_tokens=1, max_entries=8, match="token")
     zeros = np.zeros((12, *TINY.position_shape), np.float32)
     prompt = list(range(4))
     first = cache.allocate()
     first.extend(prompt + [10, 11], zeros[:6])
     cache.retain(first)
+    return cache, zeros, prompt, first
+
+
+def test_hits_at_a_shared_prefix_share_one_prefix_tuple_and_a_write_below_it_drops_it():
+    """A hit at the system prompt's length from an entry that extended that very hit takes the
+    entry's kept prefix tuple (``Context._base``), not a slice; a write or a truncate below the
+    prefix's end makes a later fork slice the context's own pages again."""
+    cache, zeros, prompt, first = _retained_prompt()
     hits = []
     for turn in range(3):
         hit, matched = cache.match(prompt + [20 + turn])
@@ -257,12 +263,7 @@ def test_hits_at_a_shared_prefix_share_its_slots_as_one_range():
     """The prefix's refcount slots are kept beside it (``Context._base_slots``): a hit that takes
     the kept prefix tuple shares a range, so the count it leaves pending is one slice add, where
     a view of the entry's joined slot array made it a scatter over every page."""
-    cache = Cache(TINY, page_tokens=1, max_entries=8, match="token")
-    zeros = np.zeros((12, *TINY.position_shape), np.float32)
-    prompt = list(range(4))
-    first = cache.allocate()
-    first.extend(prompt + [10, 11], zeros[:6])
-    cache.retain(first)
+    cache, zeros, prompt, first = _retained_prompt()
     blocker = cache.allocate()
     blocker.extend([7], zeros[:1])          # takes the next slot: an extend of a hit starts a new run
     for turn in range(3):
