@@ -191,7 +191,7 @@ class Cache:
             ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
             if len(base) > n:         # a base left longer than the pages (a test's planted truncate)
                 base, base_ids = pages, ids
-        self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids are a view
+        self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids: a view, or the base's own
         self._next_context_id += 1    # ``_new_context`` spelled out
         child = Context(self, self._next_context_id, pages, length, ids, ctx._key, base, base_ids)
         if register:

@@ -63,7 +63,7 @@ class Context:
         self._busy = False
         # The refcount slots of ``_pages`` (a prefix of them at least: see ``_ref_slots``), for the
         # pool's vectorised refcount steps: a range or an int array (``pages.ref_slots``). Never
-        # written in place: a fork's is a slice of its parent's.
+        # written in place: a fork's is a slice of its parent's, or its parent's ``_base_slots`` itself.
         self._slots = ids if ids is not None else ref_slots(pages) if pages else range(0)
         # The refcount slots of ``_base``, kept beside it: a hit that takes the base whole shares
         # these, a range where the base was one extend's pages, so the count it leaves pending is

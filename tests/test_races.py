@@ -12,6 +12,8 @@ semantics code, and how reliably.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import sys
 import threading
@@ -127,12 +129,12 @@ def test_watch_checks_each_new_state_and_never_takes_an_aliased_one_for_old():
     races.extend(ctx, config, [1, 2, 3, 4])
     assert watch.look() is True and watch.changes == 2
 
-    class InPlace:              # hands out one observation, changing its pages dict in place
+    class InPlace:              # a new Observation each time, sharing one pages dict changed in place
         def __init__(self):
             self.obs = cache.observe()
 
         def observe(self):
-            return self.obs
+            return dataclasses.replace(self.obs)
 
     in_place = InPlace()
     watch = races.Watch(in_place, config)

@@ -143,7 +143,17 @@ def page_counters(cache) -> dict[str, int]:
 
 _KV_MADE: dict[tuple, np.ndarray] = {}     # kv_for's results: 93% of its calls in conform's races check repeat one
 _READS_MADE: dict[tuple, np.ndarray] = {}  # expected_read's values, by (precision, layout, tokens)
-_KV_MADE_MAX = 50_000
+_KV_MADE_MAX = 50_000                      # entries a cache keeps before it starts again
+_KEPT_VALUES_MAX = 1024                    # values an array may have to be kept: at most 50,000 x 4 KiB a cache
+
+
+def _keep(made: dict, key: tuple, values: np.ndarray) -> None:
+    """Keep ``values`` under ``key`` if small (a conform run at a backend's real layout writes arrays
+    of megabytes: those are made afresh each time rather than held for the process's life)."""
+    if values.size <= _KEPT_VALUES_MAX:
+        if len(made) >= _KV_MADE_MAX:
+            made.clear()
+        made[key] = values
 
 
 def kv_for(layout: Layout, tokens, start: int) -> np.ndarray:
@@ -154,9 +164,7 @@ def kv_for(layout: Layout, tokens, start: int) -> np.ndarray:
     made = _KV_MADE.get(key)
     if made is None:
         made = _make_kv(layout, tokens, start)
-        if len(_KV_MADE) >= _KV_MADE_MAX:
-            _KV_MADE.clear()
-        _KV_MADE[key] = made
+        _keep(_KV_MADE, key, made)
     return made.copy()
 
 
@@ -179,9 +187,7 @@ def expected_read(config: Config, tokens) -> tuple[np.ndarray, np.ndarray]:
     made = _READS_MADE.get(key)
     if made is None:
         made = precisions.roundtrip(config.precision, kv_for(config.layout, tokens, 0))
-        if len(_READS_MADE) >= _KV_MADE_MAX:
-            _READS_MADE.clear()
-        _READS_MADE[key] = made
+        _keep(_READS_MADE, key, made)
     return made.copy(), tokens
 
 
