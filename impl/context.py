@@ -37,8 +37,7 @@ class Context:
     # (no per-instance dict). A subclass that swaps ``__class__`` in (a test's planted bug)
     # declares ``__slots__ = ()``.
     __slots__ = ("_cache", "context_id", "_pages", "_base", "_length", "_closed", "_busy", "_slots", "_key",
-                 "_base_slots",
-                 "__weakref__")
+                 "_base_slots", "__weakref__")
 
     def __init__(self, cache: "Cache", context_id: int, pages: tuple[Page, ...], length: int,
                  ids: np.ndarray | None = None, key: bytes | None = None, base: tuple[Page, ...] | None = None,

@@ -7,8 +7,9 @@ another record (a bool ``b'T'``/``b'F'``, a float ``b'g'``, a bigger int ``b'l'`
 digits) or raises (a NumPy scalar or array, an int subclass). So an output of exactly
 5 + 5n bytes whose every fifth byte from the sixth is ``b'i'`` proves every token is a plain
 int that fits in int32, and its payload, read with a stride of 5, is the packed key; a
-negative id is a top payload byte with its high bit set, which ``isascii`` finds. That is one pass over the list where a type scan plus a conversion
-(``countOf(map(type, ...))`` + ``np.fromiter`` or ``array('i')``) take two, each as long.
+negative id is a top payload byte with its high bit set, which ``isascii`` finds. That is one
+pass over the list where a type scan plus a conversion (``countOf(map(type, ...))`` +
+``np.fromiter`` or ``array('i')``) take two, each as long.
 The format is CPython's own and stable since version 2, and checked once at import: where
 it differs, lists take the two-pass route. Whatever a route does not accept (any bad token,
 a NumPy integer, an int subclass) takes the general route (``check_tokens`` then ``pack``),

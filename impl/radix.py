@@ -115,17 +115,10 @@ class RadixTree:
         """Where packed ``query`` leaves the tree, possibly mid-edge: the node whose subtree holds
         exactly the entries sharing the longest common prefix with the query, and that prefix's
         length in tokens. ``(None, 0)`` when no entry shares even the first token."""
-        # ``_walk``'s loop inline, keeping only where it ends: a lookup's walk, with no path list
-        # and no call a step (every call costs several times its warm price on a lookup's cold caches).
-        node, depth, end = self.root, 0, len(query)
-        while depth < end:
-            child = node.children.get(query[depth:depth + TOKEN_BYTES])
-            if child is None:
-                break
-            if not query.startswith(child.edge, depth):     # the walk stops inside the child's edge
-                return child, depth // TOKEN_BYTES + shared_tokens(child.edge, query[depth:])
-            depth += len(child.edge)
-            node = child
+        node, depth = self._descend(query)
+        child = node.children.get(query[depth:depth + TOKEN_BYTES])
+        if child is not None:     # the walk stopped inside the child's edge
+            return child, depth // TOKEN_BYTES + shared_tokens(child.edge, query[depth:])
         return (node, depth // TOKEN_BYTES) if node is not self.root else (None, 0)
 
     def newest_below(self, top: Node) -> Node:
@@ -219,7 +212,8 @@ class RadixTree:
     def _descend(self, key: bytes) -> tuple[Node, int]:
         """The deepest node whose full path is a prefix of ``key``, and that path's length in bytes.
 
-        ``_walk`` without the path list or a call a step, as in ``deepest``: a retain's walk."""
+        ``_walk`` without the path list or a call a step (every call costs several times its warm
+        price on the cold caches a lookup or a retain meets after the caller's ``extend``)."""
         node, depth, end = self.root, 0, len(key)
         while depth < end:
             child = node.children.get(key[depth:depth + TOKEN_BYTES])

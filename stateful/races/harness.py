@@ -22,6 +22,7 @@ replay cannot know, so the replay applies exactly the writes that happened.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -141,31 +142,24 @@ def page_counters(cache) -> dict[str, int]:
 
 # -- self-verifying values -------------------------------------------------------------
 
-_KV_MADE: dict[tuple, np.ndarray] = {}     # kv_for's results: 93% of its calls in conform's races check repeat one
-_READS_MADE: dict[tuple, np.ndarray] = {}  # expected_read's values, by (precision, layout, tokens)
-_KV_MADE_MAX = 50_000                      # entries a cache keeps before it starts again
-_KEPT_VALUES_MAX = 1024                    # values an array may have to be kept: at most 50,000 x 4 KiB a cache
-
-
-def _keep(made: dict, key: tuple, values: np.ndarray) -> None:
-    """Keep ``values`` under ``key`` if small (a conform run at a backend's real layout writes arrays
-    of megabytes: those are made afresh each time rather than held for the process's life)."""
-    if values.size <= _KEPT_VALUES_MAX:
-        if len(made) >= _KV_MADE_MAX:
-            made.clear()
-        made[key] = values
+# Values are made once per input and handed out as copies (a verify re-reads what was written):
+# 93% of ``kv_for``'s calls and 95% of ``expected_read``'s in conform's races check repeat one.
+# Only small arrays are kept, as ``ops.values_for`` keeps them: a run at a backend's real layout
+# writes megabytes a call, which are made afresh rather than held for the process's life.
+_KEPT_VALUES = 1024         # values a kept array has at most: 4 KiB as float32
 
 
 def kv_for(layout: Layout, tokens, start: int) -> np.ndarray:
-    """The K/V every test writes for ``tokens`` at positions ``start, start + 1, ...``: a function of (token, position).
+    """The K/V every test writes for ``tokens`` at positions ``start, start + 1, ...``: a function of (token, position)."""
+    tokens = tuple(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens)
+    if len(tokens) * layout.values_per_position <= _KEPT_VALUES:
+        return _kept_kv(layout, tokens, start).copy()
+    return _make_kv(layout, tokens, start)
 
-    Made once per (layout, tokens, start) and copied after (a verify re-reads what was written)."""
-    key = (layout, tuple(tokens.tolist() if isinstance(tokens, np.ndarray) else tokens), start)
-    made = _KV_MADE.get(key)
-    if made is None:
-        made = _make_kv(layout, tokens, start)
-        _keep(_KV_MADE, key, made)
-    return made.copy()
+
+@functools.lru_cache(maxsize=16_384)
+def _kept_kv(layout: Layout, tokens: tuple[int, ...], start: int) -> np.ndarray:
+    return _read_only(_make_kv(layout, tokens, start))
 
 
 def _make_kv(layout: Layout, tokens, start: int) -> np.ndarray:
@@ -183,12 +177,20 @@ def expected_read(config: Config, tokens) -> tuple[np.ndarray, np.ndarray]:
     tokens = np.asarray(tokens, dtype=np.int64)
     if len(tokens) == 0:
         return np.zeros(config.layout.batch_shape(0), np.float32), tokens
-    key = (config.precision, config.layout, tuple(tokens.tolist()))
-    made = _READS_MADE.get(key)
-    if made is None:
-        made = precisions.roundtrip(config.precision, kv_for(config.layout, tokens, 0))
-        _keep(_READS_MADE, key, made)
-    return made.copy(), tokens
+    ids = tuple(tokens.tolist())
+    if len(ids) * config.layout.values_per_position <= _KEPT_VALUES:
+        return _kept_read(config.precision, config.layout, ids).copy(), tokens
+    return precisions.roundtrip(config.precision, kv_for(config.layout, ids, 0)), tokens
+
+
+@functools.lru_cache(maxsize=16_384)
+def _kept_read(precision: str, layout: Layout, tokens: tuple[int, ...]) -> np.ndarray:
+    return _read_only(precisions.roundtrip(precision, kv_for(layout, tokens, 0)))
+
+
+def _read_only(values: np.ndarray) -> np.ndarray:
+    values.setflags(write=False)       # kept: handed out only as copies
+    return values
 
 
 def read_numpy(ctx) -> tuple[np.ndarray, np.ndarray]:
