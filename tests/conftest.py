@@ -1,7 +1,5 @@
 import pytest
 
-from kvstate.stateful.configs import machine_configs
-
 # Scheduling only, never correctness: the longest tests (whole conform runs, lockstep machines
 # over several configurations, exhaustive scopes, CrossHair and other subprocesses) go first, so
 # that under ``--dist worksteal`` (pyproject.toml) the suite ends on short tests that the two
@@ -55,6 +53,11 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
-@pytest.fixture(params=machine_configs(), ids=lambda c: c.name)
-def machine_config(request):
-    return request.param
+def pytest_generate_tests(metafunc):
+    # ``machine_config``: one test per machine configuration. Imported here, not at the top: the
+    # xdist controller loads this file too, before it starts the workers, and never collects, so
+    # it need not import (and assertion-rewrite) Hypothesis and the suite first (~1.2 s CPU).
+    if "machine_config" in metafunc.fixturenames:
+        from kvstate.stateful.configs import machine_configs
+
+        metafunc.parametrize("machine_config", machine_configs(), ids=lambda c: c.name)

@@ -332,7 +332,10 @@ def test_a_server_that_dies_mid_upload_leaves_the_old_object_intact(s3, monkeypa
         old.snapshot(s3.url(key))
     old_bytes = s3.fs.cat(f"{s3.bucket}/{key}")
     proxy = DyingProxy(int(s3.endpoint.rsplit(":", 1)[1]))
-    via_proxy = dict(s3.options, endpoint_url=f"http://127.0.0.1:{proxy.port}")
+    # botocore's own retries of a refused connection slept rand * 2**k s each (8 of this test's
+    # 10 s): one botocore attempt here; our ATTEMPTS and s3fs's retries are what is tested
+    via_proxy = dict(s3.options, endpoint_url=f"http://127.0.0.1:{proxy.port}",
+                     config_kwargs={**s3.options["config_kwargs"], "retries": {"total_max_attempts": 1}})
     fsspec.filesystem("s3", **via_proxy).retries = 2     # the cached instance remote_io gets: s3fs's own retries, fewer
     monkeypatch.setattr(remote_io, "ATTEMPTS", 2)
     with filled(cache, 2500, seed=8) as new:

@@ -102,6 +102,20 @@ def factory(config):
 '''
 CRASHING_SEED = 2
 
+SLOW_BACKEND = '''"""The NumPy engine, each cache built a quarter of a second late where KVSTATE_TEST_SLOW_CACHES
+is set: in an interrupted sweep's processes, not in its resume in the test's own process."""
+import os
+import time
+
+from kvstate.impl.numpy import factory as _engine
+
+
+def factory(config):
+    if os.environ.get("KVSTATE_TEST_SLOW_CACHES"):
+        time.sleep(0.25)
+    return _engine(config)
+'''
+
 
 def _on_path(folder: Path) -> Path:
     """A Dask preload script putting ``folder`` first on a worker's sys.path."""
@@ -389,14 +403,20 @@ def _ctrl_c_as_a_shell_gives_it() -> None:
 
 def test_ctrl_c_stops_the_local_pool_and_resume_finishes(tmp_path):
     out = tmp_path / "out"
+    backend = tmp_path / "sweep_slow.py"
+    backend.write_text(SLOW_BACKEND)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                      os.environ.get("PYTHONPATH")]))}
-    # 500 steps a run: long enough that the pool cannot finish all 40 runs while a loaded machine
-    # keeps this test's watcher from sending the signal (at 150 it sometimes did, at load 11)
+                                                                      os.environ.get("PYTHONPATH")])),
+           "KVSTATE_TEST_SLOW_CACHES": "1"}
+    # Runs slowed by sleeping, not by steps: the pool cannot finish all 40 runs (5 s of sleep on
+    # two workers) while a loaded machine keeps this test's watcher from sending the signal, however
+    # loaded (at 150 steps a run and no sleep it sometimes did, at load 11); the resume, in this
+    # process, runs the rest at full speed (at 500 steps a run it cost 10 s of CPU).
     # The child starts with Ctrl-C as a user's shell gives it (default action, unblocked), whatever
     # this test process inherited: in a full run the sweep once ignored the signal and finished.
-    sweep = subprocess.Popen([sys.executable, "-m", "kvstate", "sweep", "--seeds", "40", "--steps", "500",
-                              "--configs", "f32-heap", "--workers", "2", "--out", str(out)],
+    sweep = subprocess.Popen([sys.executable, "-m", "kvstate", "sweep", "--seeds", "40", "--steps", "20",
+                              "--configs", "f32-heap", "--backend", str(backend), "--workers", "2",
+                              "--out", str(out)],
                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                              preexec_fn=_ctrl_c_as_a_shell_gives_it)
     inherited = (signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))
@@ -408,7 +428,7 @@ def test_ctrl_c_stops_the_local_pool_and_resume_finishes(tmp_path):
     assert "interrupted" in err and f"--resume {out}" in err and "Traceback" not in err
     finished = len(_journal_runs(out))
     assert 2 <= json.loads((out / "report.json").read_text())["runs"] == finished < 40
-    assert main(["sweep", "--resume", str(out), "--workers", "1"]) == 0
+    assert main(["sweep", "--resume", str(out), "--workers", "1", "--trust-backend"]) == 0
     done = json.loads((out / "report.json").read_text())
     assert (done["runs"], done["runs_resumed"], done["partial"]) == (40, finished, False)
 
