@@ -19,6 +19,8 @@ New operation kinds (snapshot, restore) join with ``register_generator``.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 from dataclasses import dataclass
 from typing import Callable
@@ -40,14 +42,12 @@ MAX_LIVE = 8                # caps the live contexts: every step's check reads e
 
 
 class RunState:
-    """What the generators may look at: the reference side of a lockstep run."""
+    """What the generators may look at: the reference side of a lockstep run, as it is while
+    one operation is chosen (nothing is applied meanwhile, so the handles are listed once)."""
 
     def __init__(self, lockstep: Lockstep):
         self.lockstep = lockstep
-
-    @property
-    def handles(self) -> list[str]:
-        return list(self.lockstep.live)
+        self.handles: list[str] = list(lockstep.live)
 
     def length(self, handle: str) -> int:
         return len(self.lockstep.live[handle][1])
@@ -77,6 +77,14 @@ def register_generator(kind: str, make: OpGenerator, weight: float = 1.0) -> Non
     """Add (or replace) the generator for an operation kind. Order of registration is part of
     the sequence a seed gives, so register new kinds after the core ones, never in between."""
     GENERATORS[kind] = Entry(make, weight)
+    _cumulative_weights.cache_clear()
+
+
+@functools.lru_cache(maxsize=None)
+def _cumulative_weights(kinds: tuple[str, ...]) -> list[float]:
+    """What ``random.choices(kinds, weights)`` accumulates at every call, made once per set of
+    kinds still open: passed as ``cum_weights``, the draw is the same."""
+    return list(itertools.accumulate(GENERATORS[kind].weight for kind in kinds))
 
 
 def _tokens(rng: random.Random, low: int, high: int) -> tuple[int, ...]:
@@ -195,14 +203,13 @@ class Generator:
         if self._opening:
             return self._opening.pop(0)
         state = RunState(lockstep)
-        kinds = list(GENERATORS)
+        kinds = tuple(GENERATORS)
         while kinds:
-            weights = [GENERATORS[k].weight for k in kinds]
-            kind = self.rng.choices(kinds, weights)[0]
+            kind = self.rng.choices(kinds, cum_weights=_cumulative_weights(kinds))[0]
             op = GENERATORS[kind].make(self.rng, state)
             if op is not None:
                 return op
-            kinds.remove(kind)
+            kinds = tuple(k for k in kinds if k != kind)
         raise RuntimeError("no operation applies; allocate always should")   # pragma: no cover
 
 

@@ -8,8 +8,11 @@ position by position like any other context.
 
 from __future__ import annotations
 
+import atexit
 import io
+import multiprocessing.util
 import os
+import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
@@ -36,18 +39,70 @@ class Restore(O.Op):
 
 
 # RAM-backed where there is one: thousands of snapshots per run, each fsynced twice,
-# would otherwise spend the run waiting on the disk.
-_SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+# would otherwise spend the run waiting on the disk. KVSTATE_SCRATCH names another folder.
+_SCRATCH = os.environ.get("KVSTATE_SCRATCH") or (
+    "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
+_PREFIX = "kvstate-lockstep-"
+_own: tuple[int, Path, object] | None = None     # this process's (pid, scratch folder, held lock file)
 
 
 def _folder(lockstep: Lockstep) -> Path:
-    # The TemporaryDirectory removes itself when the run's Lockstep is collected; so do its URLs.
-    if not hasattr(lockstep, "_snapshot_folder"):
-        lockstep._snapshot_folder = tempfile.TemporaryDirectory(prefix="kvstate-lockstep-", dir=_SCRATCH)
-        lockstep._reference_snapshots = {}
-        if _URLS:
-            weakref.finalize(lockstep, _forget_urls, f"/kvstate-lockstep/{id(lockstep)}")
-    return Path(lockstep._snapshot_folder.name)
+    """The run's folder for snapshot files, inside this process's (``_process_folder``). It goes
+    when the run's Lockstep is collected; a run still alive at exit goes with the process's."""
+    path = lockstep.__dict__.get("_snapshot_path")
+    if path is None:
+        lockstep._snapshot_folder = tempfile.TemporaryDirectory(prefix="run-", dir=_process_folder())
+        path = lockstep._snapshot_path = Path(lockstep._snapshot_folder.name)
+    return path
+
+
+def _url(lockstep: Lockstep, name: str) -> str:
+    """A ``memory://`` URL for snapshot ``name``; the run's URLs go when its Lockstep is collected."""
+    prefix = f"/kvstate-lockstep/{id(lockstep)}"
+    if "_urls_finalizer" not in lockstep.__dict__:
+        lockstep._urls_finalizer = weakref.finalize(lockstep, _forget_urls, prefix)
+    return f"memory:/{prefix}/{name}.kvs"
+
+
+def _process_folder() -> Path:
+    """This process's scratch folder, made at its first snapshot file and removed when the process
+    exits. Not at garbage collection: a pool worker leaves through ``os._exit``, which runs no
+    finalizer and no ``atexit`` (only multiprocessing's exit hook), so runs still referenced then
+    (a check's last run) used to leave their folders behind. A process killed outright removes
+    nothing: it holds a lock on its folder's ``owner`` file while it lives, and each new folder's
+    maker first removes the folders whose lock is free."""
+    global _own
+    pid = os.getpid()
+    if _own is None or _own[0] != pid:          # a forked child makes its own
+        _remove_orphans()
+        making = Path(tempfile.mkdtemp(prefix=".making-", dir=_SCRATCH))
+        lock = open(making / "owner", "w")
+        if fcntl is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        folder = making.with_name(f"{_PREFIX}{pid}-{making.name[len('.making-'):]}")
+        making.rename(folder)                   # only locked folders ever carry the prefix
+        _own = (pid, folder, lock)
+        atexit.register(_remove, pid, folder)
+        multiprocessing.util.Finalize(None, _remove, args=(pid, folder), exitpriority=0)
+    return _own[1]
+
+
+def _remove(pid: int, folder: Path) -> None:
+    if os.getpid() == pid:                      # never a parent's folder, from a forked child's exit
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove_orphans() -> None:
+    """Remove the scratch folders of processes that are gone (their ``owner`` lock is free)."""
+    if fcntl is None:
+        return
+    for folder in Path(_SCRATCH or tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        try:
+            with open(folder / "owner") as owner:
+                fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:                         # held (its process lives), gone, or not ours
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _forget_urls(prefix: str) -> None:
@@ -70,7 +125,7 @@ def _target(lockstep: Lockstep, name: str):
         if turn == 3:
             targets[name] = io.BytesIO()
         elif turn == 1 and _URLS:
-            targets[name] = f"memory://kvstate-lockstep/{id(lockstep)}/{name}.kvs"
+            targets[name] = _url(lockstep, name)
         else:
             targets[name] = _folder(lockstep) / f"{name}.kvs"
     target = targets[name]
@@ -84,22 +139,25 @@ def _speaks_urls(engine) -> bool:
 
 
 def _snapshot(lockstep: Lockstep, op: Snapshot, side: int, cache, ctx):
-    _folder(lockstep)
     if side == 0:
         target = _target(lockstep, op.name)
         if isinstance(target, io.BytesIO):
             target.truncate()       # a name a refused snapshot left unused is written afresh
         return ctx.snapshot(target)
-    lockstep._reference_snapshots[op.name] = ctx.snapshot()
+    lockstep.__dict__.setdefault("_reference_snapshots", {})[op.name] = ctx.snapshot()
     return None
 
 
 def _restore(lockstep: Lockstep, op: Restore, side: int, cache, ctx):
-    _folder(lockstep)
     if side == 0:
         return cache.restore(_target(lockstep, op.name))
-    return cache.restore(lockstep._reference_snapshots[op.name])
+    return cache.restore(lockstep.__dict__.get("_reference_snapshots", {})[op.name])
 
+
+try:
+    import fcntl
+except ImportError:         # not on Windows: folders of killed processes stay there
+    fcntl = None
 
 try:
     import fsspec  # noqa: F401   (only whether it is there)

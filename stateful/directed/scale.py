@@ -80,7 +80,12 @@ def _run(factory: Factory, config: Config, fallback: Config | None) -> Lockstep 
         if fallback is None:
             return None
         config = fallback
-    return start(factory, config)
+    run = start(factory, config)
+    # Every operation goes through ``_step``: a check reads only the contexts an operation could
+    # have changed (the others hold thousands of pages, read again at every step), and ``finish``
+    # reads them all.
+    run.reads_changed_only = True
+    return run
 
 
 def _tokens(n: int, first: int) -> tuple[int, ...]:

@@ -1,0 +1,58 @@
+"""The lockstep's snapshot files leave no folder behind, whichever way a process ends."""
+
+import os
+import subprocess
+import sys
+
+# A pool worker that ran a lockstep with snapshot files and still references it (as a check
+# keeps its last run) when it exits: a worker leaves through os._exit, which runs no finalizer.
+POOL_WORKER = """
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+from kvstate.impl.numpy import factory
+from kvstate.stateful import ops as O, snapshots as S
+from kvstate.stateful.configs import config_named
+from kvstate.stateful.lockstep import Lockstep
+
+kept = []
+
+def run():
+    lockstep = Lockstep(factory, config_named("f32-heap"))
+    for op in (O.Allocate(), O.Extend("c1", (0, 1, 2), seed=1), S.Snapshot("c1", "s1"), S.Restore("s1")):
+        lockstep.apply(op)
+    kept.append(lockstep)
+    return len(lockstep.live)
+
+if __name__ == "__main__":
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork")) as pool:
+        assert pool.submit(run).result() == 2
+"""
+
+# A process that makes its scratch folder, says where, and waits to be told to end (or killed).
+WAITS = ("import sys; from kvstate.stateful import snapshots as S; "
+         "print(S._process_folder(), flush=True); sys.stdin.read()")
+
+
+def test_a_pool_worker_leaves_no_scratch_folder(tmp_path):
+    env = {**os.environ, "KVSTATE_SCRATCH": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", POOL_WORKER], env=env, check=True, capture_output=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_folder_of_a_killed_process_goes_with_the_next_one(tmp_path):
+    # A process killed outright runs no exit hook at all: the next process to make its folder
+    # removes those whose owner is gone, and never one whose owner still lives.
+    env = {**os.environ, "KVSTATE_SCRATCH": str(tmp_path)}
+    killed, alive = (subprocess.Popen([sys.executable, "-c", WAITS], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      env=env, text=True) for _ in range(2))
+    try:
+        killed_folder, alive_folder = killed.stdout.readline().strip(), alive.stdout.readline().strip()
+        killed.kill()
+        killed.wait()
+        assert os.path.isdir(killed_folder)
+        subprocess.run([sys.executable, "-c", WAITS], input="", env=env, check=True, capture_output=True)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [os.path.basename(alive_folder)]
+    finally:
+        alive.communicate("")
+    assert sorted(tmp_path.iterdir()) == []
