@@ -212,7 +212,10 @@ _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (n
          "C pass packs a list and bytes methods check it, an int64 array is checked by one cast (read as uint64, "
          "so the cast refuses negative ids too; no OR-reduce: NumPy reductions cost most of a lookup run cold, "
          "after an extend), the walk loops inline, and a page keeps no token view (an extend at page 1 touches "
-         "~40% less fresh memory before the next lookup); what remains: pages as slabs (one Python "
+         "~40% less fresh memory before the next lookup), an extend packs its key with the lookup's own cast "
+         "(impl/query.py packed_ids: the cast a lookup runs right after an extend is then warm; it cost ~3x its warm "
+         "time cold), and a token hit, its stamp and a retain take fewer calls (token_hit, one-call stamp, retain "
+         "whole under one lock hold); what remains: pages as slabs (one Python "
          "object per extend, not ~4 per token at page 1: the extend between two lookups then stops leaving the "
          "tree, entry and context cold for the next one) and fewer Python calls per lookup (match, find, stamp "
          "and fork in one function)")

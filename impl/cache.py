@@ -220,20 +220,35 @@ class Cache:
         """Keep a fork of ``ctx`` under the key ``ctx.tokens``; evict the LRU entry past ``max_entries``."""
         if not isinstance(ctx, Context) or ctx._cache is not self:
             raise ForeignContextError(f"retain needs a context of this cache, got {ctx!r}")
-        with ctx._owned():
+        # ``fork``'s way when the context keeps its key (every write keeps it): the whole retain
+        # under the cache lock, so the busy flag is only tested, no ``_owned`` taken and dropped.
+        with self.lock:
+            if ctx._busy or ctx._closed:
+                ctx._refuse_use()
+            if ctx._length == 0:
+                raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
+            key = ctx._kept_key()
+            if key is not None:
+                self._keep(ctx, key)
+                return
+        with ctx._owned():       # the key is read from the pages: outside the lock, the context held
             if len(ctx) == 0:
                 raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
-            key = ctx._packed_key()      # kept by every write: no page's token ids re-read
+            key = ctx._packed_key()
             with self.lock:
-                entry = self._fork(ctx, register=False)
-                replaced = self.tree.insert(key, entry)
-                if replaced is not None:
-                    self._release(replaced)
-                while self.bounds.exceeded(self.tree):
-                    victim = self.tree.pop_oldest(spare=entry)
-                    if victim is None:
-                        break      # only the entry just retained is left: it stays
-                    self._release(victim)
+                self._keep(ctx, key)
+
+    def _keep(self, ctx: Context, key: bytes) -> None:
+        """``retain``'s change to the tree, under the cache lock: the entry in, evictions past the bounds."""
+        entry = self._fork(ctx, register=False)
+        replaced = self.tree.insert(key, entry)
+        if replaced is not None:
+            self._release(replaced)
+        while self.bounds.exceeded(self.tree):
+            victim = self.tree.pop_oldest(spare=entry)
+            if victim is None:
+                break      # only the entry just retained is left: it stays
+            self._release(victim)
 
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and

@@ -23,6 +23,7 @@ from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionEr
 from kvstate.spec.layout import check_tokens, check_values
 
 from .pages import Page, joined_slots, ref_slots
+from .query import packed_ids
 from .snapshot import write_snapshot
 
 if TYPE_CHECKING:
@@ -78,6 +79,13 @@ class Context:
         """Hold this context for one operation; refuse a second concurrent user by name."""
         return _Ownership(self)
 
+    def _refuse_use(self) -> None:
+        """Raise what a use of this busy or closed context gets (under the cache lock). Callers that
+        test the flags inline (``fork``, ``Cache.retain``: the hottest paths) and ``_owned`` share it."""
+        if self._busy:
+            raise ContextBusyError(f"context {self.context_id} is in use by another thread")
+        raise ContextClosedError(f"context {self.context_id} is closed")
+
     def __enter__(self) -> "Context":
         return self
 
@@ -116,9 +124,14 @@ class Context:
 
     def _packed_key(self) -> bytes:
         """``radix.pack(self._tokens())``, from the kept key when there is one."""
+        key = self._kept_key()
+        return self._tokens().astype(_KEY).tobytes() if key is None else key
+
+    def _kept_key(self) -> bytes | None:
+        """``radix.pack(self._tokens())`` from the kept key, reading no page; None when no key is kept."""
         key, size = self._key, 4 * self._length
         if key is None or len(key) < size:
-            return self._tokens().astype(_KEY).tobytes()
+            return None
         return key if len(key) == size else key[:size]
 
     def _tokens(self) -> np.ndarray:
@@ -289,7 +302,7 @@ class Context:
                for index in range(*pages_touched(start, stop, self.page_tokens))):
             with self._cache.lock:
                 self._raise_filled(start, stop)
-        key, packed = self._key, tokens[:stop - start].astype(_KEY).tobytes()
+        key, packed = self._key, packed_ids(tokens[:stop - start])
         if start == 0 and stop >= self._length:
             key = packed
         elif key is not None and len(key) >= 4 * self._length:
@@ -318,10 +331,8 @@ class Context:
         # delivered between the two would leave the cache lock held for good.
         cache = self._cache
         with cache.lock:
-            if self._busy:
-                raise ContextBusyError(f"context {self.context_id} is in use by another thread")
-            if self._closed:
-                raise ContextClosedError(f"context {self.context_id} is closed")
+            if self._busy or self._closed:
+                self._refuse_use()
             return cache._fork(self)
 
     def truncate(self, n: int) -> None:
@@ -380,10 +391,8 @@ class _Ownership:
     def __enter__(self) -> None:
         ctx = self.ctx
         with ctx._cache.lock:       # ``with``: see ``Context.fork``
-            if ctx._busy:
-                raise ContextBusyError(f"context {ctx.context_id} is in use by another thread")
-            if ctx._closed:
-                raise ContextClosedError(f"context {ctx.context_id} is closed")
+            if ctx._busy or ctx._closed:
+                ctx._refuse_use()
             ctx._busy = True
 
     def __exit__(self, *exc) -> None:

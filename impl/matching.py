@@ -22,6 +22,13 @@ def entry_hit(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
     return tree.longest_key(query)
 
 
+def token_hit(tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
+    """``prefix_hit`` for ``token``, whose hit is the whole common prefix (``hit_length``'s identity
+    case): no rounding to test, no second walk, two calls fewer on the path every lookup takes."""
+    below, common = tree.deepest(query)
+    return (None, 0) if below is None else (tree.newest_below(below), common)
+
+
 def prefix_hit(match: str, block_tokens: int, tree: RadixTree, query: bytes) -> tuple[Node | None, int]:
     """``token``: the longest common prefix with any key; ``block``: that, rounded down to whole
     blocks. Taken from the most recently used entry of those sharing the hit's positions (under
@@ -38,4 +45,6 @@ def prefix_hit(match: str, block_tokens: int, tree: RadixTree, query: bytes) -> 
 def finder_for(match: str, block_tokens: int) -> Finder:
     # a partial of a module-level function, not a closure: a cache stays picklable (the exhaustive
     # checker keeps each state it explores as a pickle)
-    return entry_hit if match == "entry" else partial(prefix_hit, match, block_tokens)
+    if match == "entry":
+        return entry_hit
+    return token_hit if match == "token" else partial(prefix_hit, match, block_tokens)

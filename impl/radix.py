@@ -98,7 +98,7 @@ class RadixTree:
         replaced, node.value = node.value, value
         if self.weigh is not None:
             self.weight += self.weigh(value) - (0 if replaced is None else self.weigh(replaced))
-        self._stamp(node)
+        self.stamp(node)
         return replaced
 
     def longest_key(self, query: bytes) -> tuple[Node | None, int]:
@@ -126,8 +126,16 @@ class RadixTree:
         return top.newest
 
     def stamp(self, node: Node) -> None:
-        """Mark ``node``'s entry as used now (a ``match`` hit)."""
-        self._stamp(node)
+        """Mark ``node``'s entry as used now (a ``match`` hit, an ``insert``)."""
+        self.clock += 1
+        node.tick = self.clock
+        recency = self.recency
+        recency[node] = None
+        recency.move_to_end(node)
+        stamped = node
+        while node is not None:          # the newest stamp of all: the newest of every subtree holding it
+            node.newest = stamped
+            node = node.parent
 
     def pop_oldest(self, spare: Any = None, where: Callable[[Any], bool] | None = None) -> Any:
         """Remove the least recently used entry (never the one holding ``spare``; only one whose
@@ -171,16 +179,6 @@ class RadixTree:
         return _view(self.root, key_of)
 
     # -- helpers named after the tree operation they perform -------------------------
-
-    def _stamp(self, node: Node) -> None:
-        self.clock += 1
-        node.tick = self.clock
-        self.recency[node] = None
-        self.recency.move_to_end(node)
-        stamped = node
-        while node is not None:          # the newest stamp of all: the newest of every subtree holding it
-            node.newest = stamped
-            node = node.parent
 
     def _forget_newest(self, node: Node | None, victim: Node) -> None:
         """``victim``'s entry is gone: re-elect the newest entry of ``node`` and its ancestors

@@ -278,7 +278,7 @@ def test_prefix_edges_catch_a_retain_that_keeps_the_older_entry(monkeypatch):
     def insert(tree, key, value):
         node, depth = tree._descend(key)
         if depth == len(key) and node.value is not None:
-            tree._stamp(node)
+            tree.stamp(node)
             return value                       # "already cached": the new fork is released instead
         return original(tree, key, value)
     monkeypatch.setattr(radix_module.RadixTree, "insert", insert)
