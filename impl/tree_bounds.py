@@ -11,7 +11,6 @@ the bound after every eviction, and a sum there made each retain O(entries).
 
 from __future__ import annotations
 
-
 from .radix import RadixTree
 
 
