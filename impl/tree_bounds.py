@@ -11,6 +11,8 @@ the bound after every eviction, and a sum there made each retain O(entries).
 
 from __future__ import annotations
 
+from kvstate.spec.semantics import entry_pages
+
 from .radix import RadixTree
 
 
@@ -22,9 +24,7 @@ class TreeBounds:
 
     def entry_pages(self, entry) -> int:
         """What one entry (the tree's fork of a context) counts against ``max_pages``; the tree's ``weigh``."""
-        # ``spec.semantics.entry_pages`` (``pages_needed``) spelled out: two calls fewer on every retain;
-        # ``tests/test_tree_pages.py`` holds the two equal
-        return (entry._length + self.page_tokens - 1) // self.page_tokens
+        return entry_pages(entry._length, self.page_tokens)
 
     def pages_held(self, tree: RadixTree) -> int:
         return tree.weight
@@ -34,6 +34,6 @@ class TreeBounds:
         return sum(self.entry_pages(node.value) for node in tree.entries())
 
     def exceeded(self, tree: RadixTree) -> bool:
-        if len(tree.recency) > self.max_entries:     # ``len(tree)`` without the call
+        if len(tree) > self.max_entries:
             return True
         return bool(self.max_pages) and tree.weight > self.max_pages
