@@ -13,11 +13,10 @@ import argparse
 import json
 import time
 
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful.configs import PROFILES, machine_configs
-from kvstate.stateful.machine import machine_for
+from kvstate.stateful.machine import machine_for, run_machine
 
 
 def bench_machine(profile: str = "ci") -> list[dict]:
@@ -25,7 +24,7 @@ def bench_machine(profile: str = "ci") -> list[dict]:
     for config in machine_configs():
         machine = machine_for(numpy_factory, config)
         started = time.perf_counter()
-        run_state_machine_as_test(machine, settings=PROFILES[profile])
+        run_machine(machine, PROFILES[profile])
         seconds = time.perf_counter() - started
         rows.append({"config": config.name, "steps": machine.stats.steps, "seconds": seconds,
                      "steps_per_s": machine.stats.steps / seconds})

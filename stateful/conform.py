@@ -23,7 +23,6 @@ from typing import Callable
 
 from hypothesis import Phase, settings as Settings
 from hypothesis.errors import FailedHealthCheck
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.spec.invariants import tiers
 from kvstate.spec.protocol import Config, Factory
@@ -33,7 +32,7 @@ from .configs import PROFILES, configs_for, seeded_size
 from .deadline import Overran, in_daemon_thread
 from .directed import checks as directed
 from .directed.checks import DIRECTED
-from .machine import machine_for
+from .machine import machine_for, run_machine
 from .replay import Failure, execute
 from .seeded import run_seeds
 from .shrink import shrink
@@ -101,7 +100,7 @@ def lockstep_check(factory: Factory, config: Config, settings: Settings) -> Outc
     finding = Settings(settings, report_multiple_bugs=False,
                        phases=[phase for phase in settings.phases if phase is not Phase.shrink])
     try:
-        run_state_machine_as_test(machine, settings=finding)
+        run_machine(machine, finding)
     except BaseException as error:   # a failing backend may raise anything; report it, never hang
         if isinstance(error, (KeyboardInterrupt, SystemExit)):
             raise

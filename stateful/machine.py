@@ -11,13 +11,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 from hypothesis import strategies as st
+from hypothesis import settings as Settings
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
-                                 precondition, rule)
+                                 precondition, rule, run_state_machine_as_test)
 
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 from .configs import PAGE_TOKENS_RANGE, page_sizes
+from .fixed_constants import without_local_constants
 from .lockstep import Lockstep
 from .snapshots import Restore, Snapshot, supports_snapshots
 
@@ -196,3 +198,10 @@ def machine_for(factory: Factory, config: Config) -> type[LockstepMachine]:
     return type(f"Lockstep_{config.name.replace('-', '_')}", (LockstepMachine,),
                 {"factory": staticmethod(factory), "config": config, "page_sizes": page_sizes(factory, config),
                  "stats": RunStats()})
+
+
+def run_machine(machine: type[LockstepMachine], settings: Settings) -> None:
+    """Run ``machine`` under ``settings``; a derandomized run draws the same sequences in every
+    process, whatever it imported before (``fixed_constants``)."""
+    with without_local_constants():
+        run_state_machine_as_test(machine, settings=settings)

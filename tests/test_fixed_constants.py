@@ -1,0 +1,70 @@
+"""A derandomized lockstep run draws the same operations whatever the process imported before.
+
+Hypothesis answers some integer draws with literals harvested from every local module loaded;
+``stateful/fixed_constants.py`` empties that pool while the machine runs. The control shows the
+harvest really moves an unpinned run, so the pinned comparison could fail.
+"""
+
+import hashlib
+import importlib.util
+import sys
+
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.stateful.configs import PROFILES, config_named
+from kvstate.stateful.fixed_constants import patchable
+from kvstate.stateful.machine import machine_for, run_machine
+
+pytestmark = pytest.mark.skipif(not patchable(), reason="this Hypothesis harvests no local constants")
+
+SMALL = settings(PROFILES["ci"], max_examples=15)
+
+
+def _operations(run) -> str:
+    """A digest of every operation the machine's runs applied, in order."""
+    machine = machine_for(numpy_factory, config_named("q8-heap"))
+    digest, do = hashlib.sha256(), machine._do
+
+    def recording(self, op):
+        digest.update(repr(op).encode())
+        return do(self, op)
+    machine._do = recording
+    run(machine, SMALL)
+    return digest.hexdigest()
+
+
+def _import_constants(tmp_path, name: str) -> None:
+    """Load a local module full of integer literals, as a backend or another test module might.
+    Hypothesis keeps what it harvested for the process's life, so each name brings literals of its own."""
+    path = tmp_path / f"{name}.py"
+    first = 3 + sum(name.encode()) % 500
+    path.write_text("LITERALS = [" + ", ".join(str(n) for n in range(first, 70_000, 997)) + "]\n")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+@pytest.fixture
+def imports(tmp_path):
+    names = []
+    yield lambda name: (names.append(name), _import_constants(tmp_path, name))
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def test_a_pinned_run_draws_the_same_operations_after_new_imports(imports):
+    before = _operations(run_machine)
+    imports("kvstate_test_constants_pinned")
+    assert _operations(run_machine) == before
+
+
+def test_control_an_unpinned_run_moves_with_the_imports(imports):
+    def unpinned(machine, profile):
+        run_state_machine_as_test(machine, settings=profile)
+    before = _operations(unpinned)
+    imports("kvstate_test_constants_unpinned")
+    assert _operations(unpinned) != before
