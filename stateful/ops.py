@@ -128,7 +128,8 @@ def op_from_json(data: dict) -> Op:
 def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     """Deterministic K/V values for ``n`` positions: the same seed gives the same bytes everywhere.
 
-    Mixes magnitudes, and zeroes some head vectors so q8's zero-scale path is exercised.
+    Mixes magnitudes, and zeroes some head vectors so q8's zero-scale path is exercised; one
+    seed in four gives q8 rounding ties instead (``_q8_ties``).
 
     A negative seed picks from a tiny value set instead (the exhaustive checker's):
     position i of the write gets a vector fixed by ``(seed, i)`` whatever the write's
@@ -159,10 +160,22 @@ def _values(layout: Layout, n: int, seed: int) -> np.ndarray:
             values[i] = np.random.default_rng([-seed, i]).standard_normal(layout.position_shape)
         return values
     rng = np.random.default_rng(seed)
+    if seed % 4 == 3:
+        return _q8_ties(rng, layout.batch_shape(n))
     scale = np.float32([1e-3, 1.0, 30.0][seed % 3])
     values = (rng.standard_normal(layout.batch_shape(n)) * scale).astype(np.float32)
     zero = rng.random(layout.batch_shape(n)[:-1]) < 0.1
     values[zero] = 0.0
+    return values
+
+
+def _q8_ties(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Half-integers in each head vector with one element at +-127: q8's scale is exactly 1, so
+    most codes are ties, and a rounding rule other than half-to-even reads back other values
+    (random normal values almost never land on a tie). Exact in f16 and f32 too."""
+    values = (rng.integers(-127, 127, shape) + 0.5).astype(np.float32)
+    peak = rng.integers(0, shape[-1], shape[:-1])
+    np.put_along_axis(values, peak[..., None], np.float32(127.0), axis=-1)
     return values
 
 
