@@ -139,12 +139,16 @@ def _retain(rng, state):
 
 def _match(rng, state):
     # Queries built from a live context's tokens hit the tree far more often than random ones.
+    # Half of them carry the context's whole token list: a retained context, or a hit, is then
+    # matched again in full, so one entry gets several live hits and an extended hit retained
+    # again nests keys (a cut at random would hit a whole entry key about once per key length).
     if not _room(state):
         return None
     prefix: list[int] = []
     if state.handles:
         tokens = state.tokens(rng.choice(state.handles))
-        prefix = tokens[:rng.randint(0, len(tokens))]
+        whole = rng.random() < 0.5
+        prefix = tokens if whole else tokens[:rng.randint(0, len(tokens))]
     return O.Match(tuple(prefix) + _tokens(rng, 0, MAX_EXTRA))
 
 

@@ -31,11 +31,11 @@ def test_lockstep_machine(machine_config, monkeypatch):
     machine = machine_for(numpy_factory, machine_config)
     run_machine(machine, PROFILES["ci"])
     # The run really exercised the engine: many runs, many checked steps, snapshots restored (the
-    # ci profile's 50 examples: 53-73 runs, 1,854-2,236 steps, 52-347 snapshots and 33-167 restores
-    # per configuration; the same in every process, ``stateful/fixed_constants.py``).
+    # ci profile's 50 examples: 54-70 runs, 2,000-2,350 steps, 160-487 snapshots and 55-153
+    # restores per configuration; the same in every process, ``stateful/fixed_constants.py``).
     assert machine.stats.runs >= PROFILES["ci"].max_examples
     assert machine.stats.steps >= 1000
     assert machine.stats.snapshots >= 20 and machine.stats.restores >= 20
-    # Pages really came back dirty from the spares (the heap configurations reuse 15-141 pages;
-    # with an arena the heap holds only what the arena does not, 13-118).
+    # Pages really came back dirty from the spares (the heap configurations reuse 35-71 pages;
+    # with an arena the heap holds only what the arena does not, 9-39).
     assert sum(reused) >= (10 if machine_config.arena_pages == 0 else 1)
