@@ -1,0 +1,95 @@
+"""Where each planted bug is first caught, per check: the measure behind the profiles' budgets.
+
+    python tests/catch_points.py [--examples N] [--seeds N] [--json OUT]
+
+For every bug of ``stateful/planted.py`` (in the configurations ``test_planted_bugs.py`` runs it
+in) and of the bug zoo (``tests/foreign/bugs.py``, in its one configuration), each check of
+``conform`` runs alone, without shrinking: a directed check answers caught or not; ``lockstep``
+prints the run that first failed (Hypothesis, ``hunt`` at ``--examples``); ``seeded`` the seed
+(of ``--seeds``). A bug a random engine catches only late is one a smaller budget would lose.
+The last lines count the bugs each engine catches in some configuration. Minutes of CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from hypothesis import settings  # noqa: E402
+
+from kvstate.impl.numpy import factory as numpy_factory  # noqa: E402
+from kvstate.stateful.configs import PROFILES, seeded_size  # noqa: E402
+from kvstate.stateful.conform import CHECKS, conform  # noqa: E402
+from kvstate.stateful.planted import PLANTED  # noqa: E402
+from kvstate.stateful.sweeps.runs import run_seed  # noqa: E402
+
+import test_bug_zoo as zoo  # noqa: E402
+import test_planted_bugs as planted  # noqa: E402
+from foreign.bugs import BUGS  # noqa: E402
+
+RANDOM = ("lockstep", "seeded")
+
+
+def cases():
+    """(kind, bug, factory, configurations, checks, planting context manager)."""
+    for bug in sorted(set(PLANTED) - planted.EXHAUSTIVE_ONLY):
+        checks = ["scale"] if bug in planted.SCALE_BUGS else list(CHECKS)
+        yield "planted", bug, numpy_factory, planted._configs(bug), checks, PLANTED[bug]
+    for bug in sorted(zoo.ZOO):
+        factory = BUGS[bug]
+        yield "zoo", bug, factory, [zoo._config(zoo.ZOO[bug].config, factory)], list(CHECKS), contextlib.nullcontext
+
+
+def first_seed(factory, config, seeds: int, steps: int) -> int | None:
+    for seed in range(seeds):
+        if run_seed(factory, config, seed, steps).failure is not None:
+            return seed + 1
+    return None
+
+
+def catch_points(examples: int, seeds: int) -> list[dict]:
+    hunt = settings(PROFILES["hunt"], max_examples=examples)
+    _, steps = seeded_size(PROFILES["ci"])
+    rows = []
+    for kind, bug, factory, configs, checks, plant in cases():
+        caught = {}
+        with plant():
+            for config in configs:
+                found = {}
+                for name in checks:
+                    if name == "seeded":
+                        found[name] = first_seed(factory, config, seeds, steps)
+                        continue
+                    (result,) = conform(factory, settings=hunt, configs=[config], checks=[name])
+                    outcome = result.outcomes[name]
+                    found[name] = (outcome.runs or 1) if outcome.status in ("FAIL", "TIMEOUT") else None
+                caught[config.name] = {name: at for name, at in found.items() if at}
+        rows.append({"kind": kind, "bug": bug, "caught": caught})
+        print(kind, bug, {c: at for c, at in caught.items()}, flush=True)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--examples", type=int, default=PROFILES["hunt"].max_examples)
+    parser.add_argument("--seeds", type=int, default=seeded_size(PROFILES["ci"])[0])
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = catch_points(args.examples, args.seeds)
+    for engine in RANDOM:
+        bugs = [r for r in rows if any(engine in found for found in r["caught"].values())]
+        pairs = sum(engine in found for r in rows for found in r["caught"].values())
+        print(f"{engine}: catches {len(bugs)} of {len(rows)} bugs, in {pairs} bug-configuration pairs")
+    missed = [r["bug"] for r in rows if not any(r["caught"].values())]
+    print(f"caught by some check: {len(rows) - len(missed)} of {len(rows)}" + (f"; missed: {missed}" if missed else ""))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
