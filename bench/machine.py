@@ -13,7 +13,6 @@ import argparse
 import json
 import time
 
-
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful.configs import PROFILES, machine_configs
 from kvstate.stateful.machine import machine_for, run_machine

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from hypothesis import strategies as st
-from hypothesis import settings as Settings
+from hypothesis import settings as Settings, strategies as st
 from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initialize, invariant, multiple,
                                  precondition, rule, run_state_machine_as_test)
 

@@ -179,7 +179,6 @@ def _q8_ties(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     return values
 
 
-
 @functools.lru_cache(maxsize=1 << 16)
 def _position_values(layout: Layout, position: int, token: int) -> np.ndarray:
     rng = np.random.default_rng([position, token % (1 << 62), 23])

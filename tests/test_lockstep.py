@@ -10,7 +10,6 @@ semantics configurations of tests/test_planted_bugs.py's control, and under the 
 all thirteen.
 """
 
-
 from kvstate.impl import numpy_store
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful.configs import PROFILES
