@@ -105,7 +105,7 @@ _common = dict(
 )
 
 # Hypothesis settings of the lockstep machine per profile. The seeded check (stateful/seeded.py)
-# sizes itself from the same settings: 2 * max_examples // 3 seeds of max(200, step count) operations.
+# sizes itself from the same settings: max_examples // 3 seeds of max(200, step count) operations.
 PROFILES = {
     # Default, before every commit and in CI: derandomized so a red run is a reproducible one.
     "ci": settings(max_examples=50, stateful_step_count=50, derandomize=True, **_common),
@@ -119,4 +119,4 @@ PROFILES = {
 
 def seeded_size(profile_settings: settings) -> tuple[int, int]:
     """(seeds, steps) of the seeded check under these settings."""
-    return max(1, 2 * profile_settings.max_examples // 3), max(200, profile_settings.stateful_step_count)
+    return max(1, profile_settings.max_examples // 3), max(200, profile_settings.stateful_step_count)
