@@ -170,7 +170,7 @@ def _values(layout: Layout, n: int, seed: int) -> np.ndarray:
 
 
 def _q8_ties(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    """Half-integers in each head vector with one element at +-127: q8's scale is exactly 1, so
+    """Half-integers in each head vector with one element at 127: q8's scale is exactly 1, so
     most codes are ties, and a rounding rule other than half-to-even reads back other values
     (random normal values almost never land on a tie). Exact in f16 and f32 too."""
     values = (rng.integers(-127, 127, shape) + 0.5).astype(np.float32)

@@ -26,7 +26,7 @@ from kvstate.impl.numpy import factory as numpy_factory  # noqa: E402
 from kvstate.stateful.configs import PROFILES, seeded_size  # noqa: E402
 from kvstate.stateful.conform import CHECKS, conform  # noqa: E402
 from kvstate.stateful.planted import PLANTED  # noqa: E402
-from kvstate.stateful.sweeps.runs import run_seed  # noqa: E402
+from kvstate.stateful.seeded import run_seeds  # noqa: E402
 
 import test_bug_zoo as zoo  # noqa: E402
 import test_planted_bugs as planted  # noqa: E402
@@ -46,10 +46,9 @@ def cases():
 
 
 def first_seed(factory, config, seeds: int, steps: int) -> int | None:
-    for seed in range(seeds):
-        if run_seed(factory, config, seed, steps).failure is not None:
-            return seed + 1
-    return None
+    """The seeded check's own loop, unhurried and unshrunk: the 1-based seed that first failed."""
+    found = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=0.0).failure
+    return None if found is None else found.seed + 1
 
 
 def catch_points(examples: int, seeds: int) -> list[dict]:
