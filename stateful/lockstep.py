@@ -95,6 +95,8 @@ class Lockstep:
             self.history[-1] += f"    # refused: {type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)
             return None
+        if before is not None and op.kind in ("extend", "overwrite") and not op.tokens:
+            self._unchanged_by_nothing(op, before)
         if op.kind == "match" and engine_result[1] != ref_result[1]:
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
         if op.kind == "close":
@@ -164,13 +166,24 @@ class Lockstep:
         """A refused operation changes nothing observable: every tier of the observation, the
         counters (but those counting refusals), and the length of every live context. Without
         ``before`` (an unwatched step) only the lengths."""
-        changed = None if before is None else observable_change(before, self.engine.observe())
-        lengths = {handle: (len(engine), len(ref)) for handle, (engine, ref) in self.live.items()}
-        changed = changed or next((f"{handle} has {mine} positions, {theirs} before"
-                                   for handle, (mine, theirs) in lengths.items() if mine != theirs), None)
+        changed = self._change_since(before)
         if changed:
             raise self._violation("refusal", f"{op} was refused ({type(error).__name__}) but changed the "
                                              f"cache: {self._our_names(changed)}")
+
+    def _unchanged_by_nothing(self, op: O.Op, before) -> None:
+        """README's zero-length writes row: a write of zero positions is accepted and changes
+        nothing, so it may not allocate, copy or move a page any more than a refusal may."""
+        changed = self._change_since(before)
+        if changed:
+            raise self._violation("zero-length write", f"{op} writes nothing but changed the cache: "
+                                                       f"{self._our_names(changed)}")
+
+    def _change_since(self, before) -> str | None:
+        changed = None if before is None else observable_change(before, self.engine.observe())
+        lengths = {handle: (len(engine), len(ref)) for handle, (engine, ref) in self.live.items()}
+        return changed or next((f"{handle} has {mine} positions, {theirs} before"
+                                for handle, (mine, theirs) in lengths.items() if mine != theirs), None)
 
     # -- invariants ------------------------------------------------------------------
 
@@ -225,7 +238,7 @@ class Lockstep:
         engine_reads, reference_reads = {}, {}
         last = self._observed[1] if self._observed is not None else None
         skip = self._unchanged_since(last, obs) if self.reads_changed_only else set()
-        self._touched = set()
+        touched, self._touched = self._touched, set()
         for handle, (engine, ref) in self.live.items():
             if handle in skip:
                 continue
@@ -233,6 +246,8 @@ class Lockstep:
             engine_reads[handle] = (to_numpy(values), np.asarray(tokens))
             reference_reads[handle] = ref.contents()
         invariants.check_values(engine_reads, reference_reads)
+        for handle in touched & engine_reads.keys():
+            self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
         invariants.check_tree(obs, self.reference.eviction_order())
         if obs.entries is None:
             self._probe_entries()
@@ -240,6 +255,21 @@ class Lockstep:
         self.checks += 1
         self._observed = (self.steps, obs)
         self._verified = set(self.live)
+
+    def _read_is_a_copy(self, handle: str, values: np.ndarray, expected) -> None:
+        """What ``read`` returned is the caller's: scribbling over it must leave the context as it was.
+        Done for the contexts the last operations named (a read each), so a read that returns a view
+        of storage is caught at the step it is made, not only by the directed ``no aliasing`` check."""
+        if not values.size or not values.flags.writeable:
+            return
+        values.fill(np.nan if values.dtype.kind == "f" else -1)
+        again, tokens = self.live[handle][0].read()
+        try:
+            invariants.check_values({handle: (to_numpy(again), np.asarray(tokens))}, {handle: expected})
+        except InvariantViolation as differs:
+            raise InvariantViolation(4, f"writing into the array read() returned for {handle} changed the "
+                                        f"context: the read aliases storage instead of copying it: "
+                                        f"{differs.detail}") from None
 
     def _unchanged_since(self, last, obs) -> set[str]:
         """The live handles whose values no operation since the last check can have changed, by the
