@@ -37,6 +37,7 @@ MAX_RUN = 9                 # up to a page or two at page size 1-8, as the machi
 MAX_FIRST = 12              # the first context's tokens, as the machine's initialize rule
 MAX_EXTRA = 4               # tokens a match query adds past a live context's prefix
 SEED_LIMIT = 2**16          # K/V value seeds, as the machine's SEEDS
+PREFILL_AFTER_MATCH = 0.5   # how often a match is followed by its hit's prefill (``Generator._prefill``)
 MAX_LIVE = 8                # caps the live contexts: every step's check reads each of them,
                             # and a few contexts touched often share more pages than many touched once
 
@@ -45,9 +46,18 @@ class RunState:
     """What the generators may look at: the reference side of a lockstep run, as it is while
     one operation is chosen (nothing is applied meanwhile, so the handles are listed once)."""
 
-    def __init__(self, lockstep: Lockstep):
+    def __init__(self, lockstep: Lockstep, hits: "set[str] | frozenset[str]" = frozenset()):
         self.lockstep = lockstep
         self.handles: list[str] = list(lockstep.live)
+        self.hits: list[str] = [handle for handle in self.handles if handle in hits]
+
+    def pick(self, rng: random.Random) -> str:
+        """A live handle: half the time a hit's, where there is one. Hits are where the tree's pages
+        and a context's meet, so writes, snapshots and forks of them are where sharing is tested;
+        among all handles they would be a small share of the choices."""
+        if self.hits and rng.random() < 0.5:
+            return rng.choice(self.hits)
+        return rng.choice(self.handles)
 
     def length(self, handle: str) -> int:
         return len(self.lockstep.live[handle][1])
@@ -58,6 +68,9 @@ class RunState:
     @property
     def has_entries(self) -> bool:
         return bool(self.lockstep.reference.entries)
+
+    def entry_keys(self) -> list[tuple[int, ...]]:
+        return [entry[0] for entry in self.lockstep.reference.entries]
 
 
 # A generator returns an operation valid in ``state``, or None when its kind does not apply now.
@@ -108,7 +121,7 @@ def _extend(rng, state):
 def _overwrite(rng, state):
     if not state.handles:
         return None
-    ctx = rng.choice(state.handles)
+    ctx = state.pick(rng)
     length = state.length(ctx)
     start = rng.randint(0, length)
     return O.Overwrite(ctx, start, _tokens(rng, 0, min(MAX_RUN, length - start)), rng.randint(0, SEED_LIMIT))
@@ -142,10 +155,16 @@ def _match(rng, state):
     # Half of them carry the context's whole token list: a retained context, or a hit, is then
     # matched again in full, so one entry gets several live hits and an extended hit retained
     # again nests keys (a cut at random would hit a whole entry key about once per key length).
+    # A third start from an entry's own key instead: most live contexts have moved on from every
+    # key (extended, overwritten, truncated), so without these only about one match in sixteen hit,
+    # and the paths a hit opens (its writes, its snapshot, a second hit of one entry) ran rarely.
     if not _room(state):
         return None
-    prefix: list[int] = []
-    if state.handles:
+    prefix: tuple[int, ...] | list[int] = ()
+    keys = state.entry_keys()
+    if keys and rng.random() < 1 / 3:
+        prefix = rng.choice(keys)
+    elif state.handles:
         tokens = state.tokens(rng.choice(state.handles))
         whole = rng.random() < 0.5
         prefix = tokens if whole else tokens[:rng.randint(0, len(tokens))]
@@ -177,7 +196,7 @@ def _register_snapshots() -> None:
     def snapshot(rng, state):
         if not state.handles or not snapshots.supports_snapshots(state.lockstep.engine):
             return None
-        return snapshots.Snapshot(rng.choice(state.handles), f"s{len(taken(state)) + 1}")
+        return snapshots.Snapshot(state.pick(rng), f"s{len(taken(state)) + 1}")
 
     def restore(rng, state):
         names = taken(state)
@@ -199,6 +218,8 @@ class Generator:
         self.rng = random.Random(seed)
         self.page_tokens = self.rng.choice(sizes)    # for 1-8, the very draw randint(1, 8) makes
         self._opening = [O.Allocate()]
+        self._matched: tuple[tuple[int, ...], int, bool] | None = None    # (query, contexts made before it, prefill?)
+        self._hits: set[str] = set()            # handles a match made with positions in them
         first = _tokens(self.rng, 0, MAX_FIRST)
         if first:       # as the machine's initialize: one context to share pages with from step 1
             self._opening.append(O.Extend("c1", first, self.rng.randint(0, SEED_LIMIT)))
@@ -206,15 +227,38 @@ class Generator:
     def next_op(self, lockstep: Lockstep) -> O.Op:
         if self._opening:
             return self._opening.pop(0)
-        state = RunState(lockstep)
+        prefill = self._prefill(lockstep)
+        if prefill is not None:
+            return prefill
+        state = RunState(lockstep, self._hits)
         kinds = tuple(GENERATORS)
         while kinds:
             kind = self.rng.choices(kinds, cum_weights=_cumulative_weights(kinds))[0]
             op = GENERATORS[kind].make(self.rng, state)
             if op is not None:
+                if op.kind == "match":
+                    self._matched = (op.tokens, lockstep.created, self.rng.random() < PREFILL_AFTER_MATCH)
                 return op
             kinds = tuple(k for k in kinds if k != kind)
         raise RuntimeError("no operation applies; allocate always should")   # pragma: no cover
+
+    def _prefill(self, lockstep: Lockstep) -> O.Op | None:
+        """Notes the hit the last match made, and returns what a server does next with it half the
+        time: extend it by the query's unmatched suffix (or, if the whole query matched, by a
+        decode's new tokens). Two hits of one entry then both write past its key."""
+        if self._matched is None:
+            return None
+        (query, created_before, prefill), self._matched = self._matched, None
+        handle = f"c{created_before + 1}"
+        if lockstep.created != created_before + 1 or handle not in lockstep.live:
+            return None                          # the match was refused: nothing to note or prefill
+        matched = len(lockstep.live[handle][1])
+        if matched:
+            self._hits.add(handle)
+        if not prefill:
+            return None
+        rest = tuple(query[matched:]) or _tokens(self.rng, 1, MAX_RUN)
+        return O.Extend(handle, rest, self.rng.randint(0, SEED_LIMIT))
 
 
 def generate(seed: int, steps: int, config: Config | None = None,

@@ -76,6 +76,7 @@ class LockstepMachine(RuleBasedStateMachine):
         super().__init__()
         self.lockstep: Lockstep | None = None
         self.snapshots_taken = 0
+        self.hits: list[str] = []       # handles a match made with positions in them (``_or_a_hit``)
 
     @initialize(target=contexts, page_tokens=st.integers(*PAGE_TOKENS_RANGE),
                 tokens=st.lists(TOKENS, max_size=12), seed=SEEDS)
@@ -113,8 +114,18 @@ class LockstepMachine(RuleBasedStateMachine):
     def extend(self, ctx, tokens, seed):
         self._do(O.Extend(ctx, tuple(tokens), seed))
 
+    def _or_a_hit(self, ctx: str, data) -> str:
+        """``ctx``, or half the time a live hit where there is one. Hits are where the tree's pages
+        and a context's meet, so their writes and snapshots are where sharing is tested; drawn among
+        all contexts they would be a small share of the choices."""
+        hits = [handle for handle in self.hits if handle in self.lockstep.live]
+        if hits and data.draw(st.booleans(), label="a hit"):
+            return data.draw(st.sampled_from(hits), label="hit")
+        return ctx
+
     @rule(ctx=contexts, data=st.data(), seed=SEEDS)
     def overwrite(self, ctx, data, seed):
+        ctx = self._or_a_hit(ctx, data)
         length = self._length(ctx)
         start = data.draw(up_to(length), label="start")
         tokens = data.draw(token_runs_up_to(min(9, length - start)), label="tokens")
@@ -141,10 +152,24 @@ class LockstepMachine(RuleBasedStateMachine):
         # Queries built from a live context's tokens hit the tree far more often than random ones,
         # and whole ones hit whole entries: one entry gets several live hits, and an extended hit
         # retained again nests keys (a cut at random reaches a key's end once per key length).
-        tokens = self.lockstep.live[ctx][1].tokens
-        whole = data.draw(st.booleans(), label="whole")
-        cut = len(tokens) if whole else data.draw(up_to(len(tokens)), label="cut")
-        return self._do(O.Match(tuple(tokens[:cut]) + tuple(extra)))
+        # Queries from an entry's own key always hit: most live contexts have moved on from every
+        # key. Half the hits are then extended at once by the query's unmatched suffix (or a
+        # decode's tokens), as a server prefills: two hits of one entry both write past its key.
+        keys = [entry[0] for entry in self.lockstep.reference.entries]
+        source = data.draw(st.sampled_from(("whole", "cut", "entry") if keys else ("whole", "cut")), label="query")
+        if source == "entry":
+            prefix = data.draw(st.sampled_from(keys), label="key")
+        else:
+            tokens = self.lockstep.live[ctx][1].tokens
+            prefix = tokens if source == "whole" else tokens[:data.draw(up_to(len(tokens)), label="cut")]
+        query = tuple(prefix) + tuple(extra)
+        hit = self._do(O.Match(query))
+        if isinstance(hit, str) and self._length(hit):
+            self.hits.append(hit)
+        if isinstance(hit, str) and data.draw(st.booleans(), label="prefill"):
+            rest = query[self._length(hit):] or tuple(data.draw(TOKEN_RUNS, label="decoded"))
+            self._do(O.Extend(hit, rest, data.draw(SEEDS, label="seed")))
+        return hit
 
     @precondition(lambda self: self.lockstep is not None and self.lockstep.reference.entries)
     @rule()
@@ -152,8 +177,9 @@ class LockstepMachine(RuleBasedStateMachine):
         self._do(O.Clear())
 
     @precondition(lambda self: self.lockstep is not None and supports_snapshots(self.lockstep.engine))
-    @rule(target=snapshots, ctx=contexts)
-    def snapshot(self, ctx):
+    @rule(target=snapshots, ctx=contexts, data=st.data())
+    def snapshot(self, ctx, data):
+        ctx = self._or_a_hit(ctx, data)
         self.snapshots_taken += 1
         name = f"s{self.snapshots_taken}"
         self._do(Snapshot(ctx, name))
