@@ -34,7 +34,7 @@ from .directed import checks as directed
 from .directed.checks import DIRECTED
 from .machine import machine_for, run_machine
 from .replay import Failure, execute
-from .seeded import run_seeds
+from .seeded import first_seed, run_seeds
 from .shrink import shrink
 
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
@@ -153,7 +153,8 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
     """Seeded sequences of ``stateful/generate.py`` (the sweep's), shrunk by delta debugging."""
     seeds, steps = seeded_size(settings)
     started = time.perf_counter()
-    runs = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=SHRINK_BUDGET_S)
+    runs = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=SHRINK_BUDGET_S,
+                     first=first_seed(config))
     detail = None
     if runs.failure is not None:
         found = runs.failure

@@ -9,6 +9,7 @@ replays with ``kvstate replay`` exactly as a sweep's does.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 
 from kvstate.spec.protocol import Config, Factory
@@ -36,12 +37,21 @@ class SeededRuns:
     failure: SeededFailure | None = None
 
 
+def first_seed(config: Config) -> int:
+    """Where a configuration's seeds start in conform: a thousand-seed block picked by its name.
+    The standard configurations differ only in precision and arena, so from one start they ran
+    the same sequences; a bug in the sequences, not in the storage, then had 16 tries in all where
+    six starts give it 96, at no cost."""
+    return zlib.crc32(config.name.encode()) % 1000 * 1000
+
+
 def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s: float,
-              shrink_budget_s: float) -> SeededRuns:
-    """Seeds 0, 1, ... until ``seeds`` ran, ``budget_s`` passed, or one failed (then shrunk)."""
+              shrink_budget_s: float, first: int = 0) -> SeededRuns:
+    """Seeds ``first``, ``first + 1``, ... until ``seeds`` ran, ``budget_s`` passed, or one failed
+    (then shrunk)."""
     result = SeededRuns()
     deadline = time.monotonic() + budget_s
-    for seed in range(seeds):
+    for seed in range(first, first + seeds):
         if result.runs and time.monotonic() > deadline:
             break
         run = run_seed(factory, config, seed, steps)
