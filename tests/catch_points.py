@@ -1,13 +1,14 @@
 """Where each planted bug is first caught, per check: the measure behind the profiles' budgets.
 
-    python tests/catch_points.py [--examples N] [--seeds N] [--json OUT]
+    python tests/catch_points.py [--examples N] [--seeds N] [--json OUT] [--bug NAME ...] [--check NAME ...]
 
 For every bug of ``stateful/planted.py`` (in the configurations ``test_planted_bugs.py`` runs it
 in) and of the bug zoo (``tests/foreign/bugs.py``, in its one configuration), each check of
 ``conform`` runs alone, without shrinking: a directed check answers caught or not; ``lockstep``
 prints the run that first failed (Hypothesis, ``hunt`` at ``--examples``); ``seeded`` the seed
 (of ``--seeds``). A bug a random engine catches only late is one a smaller budget would lose.
-The last lines count the bugs each engine catches in some configuration. Minutes of CPU.
+The last lines count the bugs each engine catches in some configuration. Minutes of CPU
+(``--bug`` and ``--check`` narrow it to some bugs and checks).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from kvstate.impl.numpy import factory as numpy_factory  # noqa: E402
 from kvstate.stateful.configs import PROFILES, seeded_size  # noqa: E402
 from kvstate.stateful.conform import CHECKS, conform  # noqa: E402
 from kvstate.stateful.planted import PLANTED  # noqa: E402
-from kvstate.stateful.seeded import run_seeds  # noqa: E402
+from kvstate.stateful.seeded import first_seed as seed_base, run_seeds  # noqa: E402
 
 import test_bug_zoo as zoo  # noqa: E402
 import test_planted_bugs as planted  # noqa: E402
@@ -46,16 +47,20 @@ def cases():
 
 
 def first_seed(factory, config, seeds: int, steps: int) -> int | None:
-    """The seeded check's own loop, unhurried and unshrunk: the 1-based seed that first failed."""
-    found = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=0.0).failure
-    return None if found is None else found.seed + 1
+    """The seeded check's own loop, unhurried and unshrunk: which of its seeds first failed (1-based)."""
+    base = seed_base(config)
+    found = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=0.0, first=base).failure
+    return None if found is None else found.seed - base + 1
 
 
-def catch_points(examples: int, seeds: int) -> list[dict]:
+def catch_points(examples: int, seeds: int, bugs=None, only_checks=None) -> list[dict]:
     hunt = settings(PROFILES["hunt"], max_examples=examples)
     _, steps = seeded_size(PROFILES["ci"])
     rows = []
     for kind, bug, factory, configs, checks, plant in cases():
+        if bugs and bug not in bugs:
+            continue
+        checks = [name for name in checks if not only_checks or name in only_checks]
         caught = {}
         with plant():
             for config in configs:
@@ -78,8 +83,10 @@ def main(argv=None) -> None:
     parser.add_argument("--examples", type=int, default=PROFILES["hunt"].max_examples)
     parser.add_argument("--seeds", type=int, default=seeded_size(PROFILES["ci"])[0])
     parser.add_argument("--json")
+    parser.add_argument("--bug", action="append", help="only this bug (planted or zoo); repeatable")
+    parser.add_argument("--check", action="append", choices=CHECKS, help="only this check; repeatable")
     args = parser.parse_args(argv)
-    rows = catch_points(args.examples, args.seeds)
+    rows = catch_points(args.examples, args.seeds, args.bug, args.check)
     for engine in RANDOM:
         bugs = [r for r in rows if any(engine in found for found in r["caught"].values())]
         pairs = sum(engine in found for r in rows for found in r["caught"].values())
