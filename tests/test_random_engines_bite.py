@@ -1,0 +1,57 @@
+"""Bugs that once only a directed check caught, each caught by a random engine alone.
+
+``tests/catch_points.py`` measures every bug against every check; these are the cheap witnesses
+that the random engines keep biting where they used to miss: a read that aliases storage and a
+zero-length write that allocates (``Lockstep``'s own checks), two hits of one entry writing past its
+key, nested keys, and the snapshot of an overwritten hit (queries from entries' keys, a hit's
+prefill, writes and snapshots steered to hits). Each is caught within the first runs or seeds.
+The same runs pass without the bug: they are the first of the ``ci`` runs that
+``test_planted_bugs.py``'s control and ``test_bug_zoo.py``'s correct backends pass.
+"""
+
+import contextlib
+
+import pytest
+from hypothesis import settings
+
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.stateful.configs import PROFILES, config_named, seeded_size
+from kvstate.stateful.conform import conform
+from kvstate.stateful.planted import PLANTED
+from kvstate.stateful.seeded import first_seed, run_seeds
+
+import test_bug_zoo as zoo
+from foreign.bugs import BUGS
+
+# (engine, where the bug is from, bug, the runs or seeds it may take: a few past where it is caught today)
+CASES = [
+    ("lockstep", "zoo", "read_aliases_storage", 10),
+    ("seeded", "zoo", "zero_length_write_allocates", 4),
+    ("seeded", "zoo", "snapshot_stale_tokens", 4),
+    ("lockstep", "planted", "hits_append_in_place", 10),
+    ("lockstep", "planted", "match_shortest_key", 10),
+    ("seeded", "planted", "split_node_evicted", 4),
+]
+
+
+def _subject(kind: str, bug: str):
+    """(factory, configuration, planting context manager)."""
+    if kind == "planted":
+        return numpy_factory, config_named("f32-heap"), PLANTED[bug]
+    factory = BUGS[bug]
+    return factory, zoo._config(zoo.ZOO[bug].config, factory), contextlib.nullcontext
+
+
+@pytest.mark.parametrize("engine,kind,bug,budget", CASES, ids=[f"{e}-{k}-{b}" for e, k, b, _ in CASES])
+def test_a_random_engine_alone_catches_it(engine, kind, bug, budget):
+    factory, config, plant = _subject(kind, bug)
+    with plant():
+        if engine == "seeded":
+            _, steps = seeded_size(PROFILES["ci"])
+            found = run_seeds(factory, config, budget, steps, budget_s=float("inf"), shrink_budget_s=0.0,
+                              first=first_seed(config)).failure
+            assert found is not None, f"{bug}: no seeded failure in {budget} seeds of {config.name}"
+        else:
+            hunt = settings(PROFILES["hunt"], max_examples=budget)
+            (result,) = conform(factory, settings=hunt, configs=[config], checks=["lockstep"])
+            assert not result.passed, f"{bug}: lockstep passed {budget} examples of {config.name}"
