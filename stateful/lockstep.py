@@ -96,7 +96,7 @@ class Lockstep:
             self._unchanged_by_refusal(op, before, engine_error)
             return None
         if before is not None and op.kind in ("extend", "overwrite") and not op.tokens:
-            self._unchanged_by_nothing(op, before)
+            self._zero_length_write_changed_nothing(op, before)
         if op.kind == "match" and engine_result[1] != ref_result[1]:
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
         if op.kind == "close":
@@ -171,7 +171,7 @@ class Lockstep:
             raise self._violation("refusal", f"{op} was refused ({type(error).__name__}) but changed the "
                                              f"cache: {self._our_names(changed)}")
 
-    def _unchanged_by_nothing(self, op: O.Op, before) -> None:
+    def _zero_length_write_changed_nothing(self, op: O.Op, before) -> None:
         """README's zero-length writes row: a write of zero positions is accepted and changes
         nothing, so it may not allocate, copy or move a page any more than a refusal may."""
         changed = self._change_since(before)
@@ -180,6 +180,8 @@ class Lockstep:
                                                        f"{self._our_names(changed)}")
 
     def _change_since(self, before) -> str | None:
+        """The first observable difference from ``before`` (or, without it, in a live context's
+        length), in words; None if there is none."""
         changed = None if before is None else observable_change(before, self.engine.observe())
         lengths = {handle: (len(engine), len(ref)) for handle, (engine, ref) in self.live.items()}
         return changed or next((f"{handle} has {mine} positions, {theirs} before"

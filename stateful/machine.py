@@ -164,10 +164,13 @@ class LockstepMachine(RuleBasedStateMachine):
             prefix = tokens if source == "whole" else tokens[:data.draw(up_to(len(tokens)), label="cut")]
         query = tuple(prefix) + tuple(extra)
         hit = self._do(O.Match(query))
-        if isinstance(hit, str) and self._length(hit):
+        if not isinstance(hit, str):        # refused by both sides (a full pool)
+            return hit
+        matched = self._length(hit)
+        if matched:
             self.hits.append(hit)
-        if isinstance(hit, str) and data.draw(st.booleans(), label="prefill"):
-            rest = query[self._length(hit):] or tuple(data.draw(TOKEN_RUNS, label="decoded"))
+        if data.draw(st.booleans(), label="prefill"):
+            rest = query[matched:] or tuple(data.draw(TOKEN_RUNS, label="decoded"))
             self._do(O.Extend(hit, rest, data.draw(SEEDS, label="seed")))
         return hit
 

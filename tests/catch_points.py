@@ -27,7 +27,7 @@ from kvstate.impl.numpy import factory as numpy_factory  # noqa: E402
 from kvstate.stateful.configs import PROFILES, seeded_size  # noqa: E402
 from kvstate.stateful.conform import CHECKS, conform  # noqa: E402
 from kvstate.stateful.planted import PLANTED  # noqa: E402
-from kvstate.stateful.seeded import first_seed as seed_base, run_seeds  # noqa: E402
+from kvstate.stateful.seeded import first_seed, run_seeds  # noqa: E402
 
 import test_bug_zoo as zoo  # noqa: E402
 import test_planted_bugs as planted  # noqa: E402
@@ -46,9 +46,9 @@ def cases():
         yield "zoo", bug, factory, [zoo._config(zoo.ZOO[bug].config, factory)], list(CHECKS), contextlib.nullcontext
 
 
-def first_seed(factory, config, seeds: int, steps: int) -> int | None:
+def first_failing_seed(factory, config, seeds: int, steps: int) -> int | None:
     """The seeded check's own loop, unhurried and unshrunk: which of its seeds first failed (1-based)."""
-    base = seed_base(config)
+    base = first_seed(config)
     found = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=0.0, first=base).failure
     return None if found is None else found.seed - base + 1
 
@@ -67,7 +67,7 @@ def catch_points(examples: int, seeds: int, bugs=None, only_checks=None) -> list
                 found = {}
                 for name in checks:
                     if name == "seeded":
-                        found[name] = first_seed(factory, config, seeds, steps)
+                        found[name] = first_failing_seed(factory, config, seeds, steps)
                         continue
                     (result,) = conform(factory, settings=hunt, configs=[config], checks=[name])
                     outcome = result.outcomes[name]
