@@ -382,27 +382,34 @@ def explore(factory: Factory, scope: Scope = Scope(), time_limit: float | None =
             if scope.max_depth is not None and depth >= scope.max_depth:
                 return _done(result, started)
             next_frontier: deque = deque()
+            # The last level's states are checked but never expanded: they need no frozen copy.
+            expanded_later = scope.max_depth is None or depth + 1 < scope.max_depth
             for frozen, path in frontier:
-                for op in operations(states.thaw(frozen, path), scope):
+                unused = states.thaw(frozen, path)      # lists the operations, then runs the first
+                for op in operations(unused, scope):
                     if time_limit is not None and time.perf_counter() - started > time_limit:
                         return _done(result, started)
                     result.transitions += 1
                     child_path = path + [op]
-                    child = states.thaw(frozen, path)
+                    child = unused if unused is not None else states.thaw(frozen, path)
+                    unused = None
                     try:
                         child.apply(op)
                         form = canonical(child, intern)
                         if form in seen:     # an isomorphic state was checked already
                             continue
                         child.check()
-                        frozen_child = states.freeze(child)
+                        frozen_child = states.freeze(child) if expanded_later else None
                         child.finish()                        # invariant 6; the frozen copy lives on
                     except Exception as error:     # noqa: BLE001 - any failure is a finding
                         result.violation = Violation(child_path, _describe(error))
                         result.depth = depth + 1
                         return _done(result, started)
                     seen.add(form)
-                    next_frontier.append((frozen_child, child_path))
+                    if expanded_later:
+                        next_frontier.append((frozen_child, child_path))
+                    else:
+                        next_frontier.append(None)          # counted in per_depth, never expanded
             depth += 1
             result.depth = depth
             result.states = len(seen)
