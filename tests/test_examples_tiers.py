@@ -117,7 +117,7 @@ def factory(config):
 factory.configs = working.configs[:1]
 factory.any_page_size = True
 """)
-    (result,) = conform(factory, settings=SMALL, checks=["lockstep"])
+    (result,) = conform(factory, profile="hunt", checks=["lockstep"])     # the default's sequences
     assert not result.passed and "CapacityError" in result.outcomes["lockstep"].detail
 
 
