@@ -129,7 +129,8 @@ def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     """Deterministic K/V values for ``n`` positions: the same seed gives the same bytes everywhere.
 
     Mixes magnitudes, and zeroes some head vectors so q8's zero-scale path is exercised; one
-    seed in four gives q8 rounding ties instead (``_q8_ties``).
+    seed in four gives q8 rounding ties instead (``_q8_ties``), and one in 256 one value past
+    f16's range (``_past_f16``).
 
     A negative seed picks from a tiny value set instead (the exhaustive checker's):
     position i of the write gets a vector fixed by ``(seed, i)`` whatever the write's
@@ -160,12 +161,29 @@ def _values(layout: Layout, n: int, seed: int) -> np.ndarray:
             values[i] = np.random.default_rng([-seed, i]).standard_normal(layout.position_shape)
         return values
     rng = np.random.default_rng(seed)
+    if seed % PAST_F16_EVERY == PAST_F16_EVERY - 1:
+        return _past_f16(rng, layout.batch_shape(n))
     if seed % 4 == 3:
         return _q8_ties(rng, layout.batch_shape(n))
     scale = np.float32([1e-3, 1.0, 30.0][seed % 3])
     values = (rng.standard_normal(layout.batch_shape(n)) * scale).astype(np.float32)
     zero = rng.random(layout.batch_shape(n)[:-1]) < 0.1
     values[zero] = 0.0
+    return values
+
+
+# One seed in 256 (255, 511, ...): the random engines' writes then include bad input, which at f16
+# both sides must refuse (``PrecisionRangeError``) leaving everything as it was, in whatever state
+# the sequence has reached; f32 and q8 store it.
+PAST_F16_EVERY = 256
+PAST_F16 = 1e5          # f16's largest finite value is 65504
+
+
+def _past_f16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    """Unit-scale values, one of them (at a drawn place and sign) beyond f16's range."""
+    values = rng.standard_normal(shape).astype(np.float32)
+    if values.size:
+        values.flat[rng.integers(values.size)] = np.float32(PAST_F16 if rng.random() < 0.5 else -PAST_F16)
     return values
 
 

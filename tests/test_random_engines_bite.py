@@ -5,7 +5,8 @@ that the random engines keep biting where they used to miss: a read that aliases
 zero-length write that allocates (``Lockstep``'s own checks), two hits of one entry writing past its
 key, nested keys, and the snapshot of an overwritten hit (queries from entries' keys, a context
 retained before a query, a hit's prefill, writes and snapshots steered to hits, checkpoints
-restored at once). Each is caught within the first runs or seeds.
+restored at once), and f16 overflow accepted (one write seed in 256 carries a value past f16's
+range). Each is caught within the first runs or seeds.
 The same runs pass without the bug: they are the first of the ``ci`` runs that
 ``test_planted_bugs.py``'s control and ``test_bug_zoo.py``'s correct backends pass.
 """
@@ -35,6 +36,8 @@ CASES = [
     ("lockstep", "planted", "match_shortest_key", 12),
     ("lockstep", "planted", "snapshot_of_hit_stale_tokens", 12),
     ("seeded", "planted", "split_node_evicted", 4),
+    ("seeded", "zoo", "f16_overflow_accepted", 4),
+    ("lockstep", "zoo", "f16_overflow_accepted", 12),
 ]
 
 

@@ -461,7 +461,10 @@ class DictCache:
                            arena_free=tuple(self.arena.free), tree=self.tree.view(), entries=tuple(views))
 
     def dirty_tail(self, page: Page) -> bool:
-        """Whether anything past the page's high-water mark reads non-zero."""
+        """Whether anything past the page's high-water mark reads non-zero (a full page has no tail:
+        at one-token pages that is every page, thousands of them in ``scale``, observed every step)."""
+        if page.filled >= len(page.tokens):
+            return False
         return bool(any(part[page.filled:].any() for part in page.parts) or page.tokens[page.filled:].any())
 
     # -- snapshots

@@ -262,7 +262,9 @@ class ListEngine:
             views.append(EntryView(entry.key, entry.tick, f"entry:{i}"))
         pages = {}
         for pid, record in self.table.records.items():
-            dirty = bool(record.values[record.written:].any() or record.tokens[record.written:].any())
+            # only a page not yet full has a tail that can be dirty
+            dirty = record.written < len(record.tokens) and bool(
+                record.values[record.written:].any() or record.tokens[record.written:].any())
             pages[pid] = PageView(pid, record.refcount, record.slot, dirty_tail=dirty)
         return Observation(pages=pages, holders=holders, lengths=lengths,
                            pages_allocated=self.table.allocated, pages_freed=self.table.freed,
