@@ -150,7 +150,22 @@ class TorchStore:
             dst[:, :, offset:offset + hi - lo] = src[:, :, lo:hi]
 
     def read(self, buffer: TorchBuffer, start: int, stop: int) -> torch.Tensor:
-        parts = tuple(tensor[:, :, start:stop] for tensor in buffer.tensors)
+        return self._decoded(tuple(tensor[:, :, start:stop] for tensor in buffer.tensors))
+
+    def read_spans(self, spans: list[tuple[TorchBuffer, int, int]]) -> torch.Tensor:
+        """What ``concat`` of ``read`` over ``spans`` (each ``(buffer, start, stop)``) returns: the pages'
+        rows joined per part (one ``cat``), then decoded and moved once, where a read page by page
+        paid four tensor operations a page (at one-token pages, thousands of them a read)."""
+        if len(spans) == 1:
+            return self.read(*spans[0])
+        whole = self.page_tokens
+        return self._decoded(tuple(
+            torch.cat([buffer.tensors[i] if hi - lo == whole else buffer.tensors[i][:, :, lo:hi]
+                       for buffer, lo, hi in spans], dim=2)
+            for i in range(len(spans[0][0].tensors))))
+
+    def _decoded(self, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Layer-major rows (slices of pages, or rows joined from several) as fresh position-major float32."""
         if self.precision == "q8":
             codes, scales = parts
             values = codes.to(torch.float32) * scales.unsqueeze(-1)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kvstate.bench import agent_traffic, fork_copy
+from kvstate.bench import agent_traffic, fork_copy, read_pages
 from kvstate.bench.yardstick import TokenRadixTree
 from kvstate.demo import Demo
 
@@ -127,3 +127,11 @@ def test_extend_bench_times_the_floor_and_another_checkout_beside_extend():
         assert row["extend_over_floor"] == pytest.approx(row["extend_ms"] / row["floor_ms"])
         assert row["speedup"] == pytest.approx(row["against_ms"] / row["extend_ms"])
     assert result["command"] == f"python -m kvstate.bench.extend --tokens 64 100 --rounds 1 --against {checkout}"
+
+
+def test_read_pages_times_every_store_precision_and_page_size():
+    rows = read_pages.run(tokens=40, repeat=1)
+    cases = {(row["store"], row["precision"], row["page_tokens"]) for row in rows}
+    assert cases == {(store, precision, page) for store in read_pages.stores()
+                     for precision in ("f32", "f16", "q8") for page in read_pages.PAGE_SIZES}
+    assert all(row["read_ms"] > 0 and row["tokens"] == 40 for row in rows)

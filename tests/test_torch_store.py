@@ -60,6 +60,24 @@ def test_reads_are_bit_identical_to_the_numpy_store(device, precision, seed):
     assert_bit_identical(roundtrip(torch_store, x), roundtrip(numpy_store, x))
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("page_tokens", [1, 3])
+def test_a_read_across_pages_is_bit_identical_to_the_numpy_store(device, precision, page_tokens):
+    """A read of many pages joins their rows and decodes them once (``read_spans``): the same bits as
+    the NumPy store's, for whole contexts and for ranges that start and end inside a page."""
+    x = tricky_batch(7, n=20)
+    reads = {}
+    for store in ("numpy", "torch"):
+        cache = Cache(LAYOUT, page_tokens=page_tokens, precision=precision, store=store,
+                      **({"device": device} if store == "torch" else {}))
+        ctx = cache.allocate()
+        ctx.extend(list(range(20)), x)
+        reads[store] = [ctx.read(start, stop)[0] for start, stop in [(0, 20), (1, 19), (4, 5), (2, 14)]]
+    for ours, theirs in zip(reads["torch"], reads["numpy"]):
+        assert_bit_identical(ours.cpu().numpy(), theirs)
+
+
 @pytest.mark.parametrize("store", ["numpy", "torch"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_a_read_is_a_copy_not_a_view_of_the_page(store, precision):
