@@ -382,6 +382,7 @@ def explore(factory: Factory, scope: Scope = Scope(), time_limit: float | None =
             if scope.max_depth is not None and depth >= scope.max_depth:
                 return _done(result, started)
             next_frontier: deque = deque()
+            new_states = 0
             # The last level's states are checked but never expanded: they need no frozen copy.
             expanded_later = scope.max_depth is None or depth + 1 < scope.max_depth
             for frozen, path in frontier:
@@ -406,14 +407,15 @@ def explore(factory: Factory, scope: Scope = Scope(), time_limit: float | None =
                         result.depth = depth + 1
                         return _done(result, started)
                     seen.add(form)
+                    new_states += 1
                     if expanded_later:
                         next_frontier.append((frozen_child, child_path))
-                    else:
-                        next_frontier.append(None)          # counted in per_depth, never expanded
             depth += 1
             result.depth = depth
             result.states = len(seen)
-            result.per_depth.append(len(next_frontier))
+            result.per_depth.append(new_states)
+            if new_states and not expanded_later:      # cut at max_depth, new states left unexpanded
+                return _done(result, started)
             frontier = next_frontier
     result.complete = True
     return _done(result, started)
