@@ -129,9 +129,12 @@ def test_extend_bench_times_the_floor_and_another_checkout_beside_extend():
     assert result["command"] == f"python -m kvstate.bench.extend --tokens 64 100 --rounds 1 --against {checkout}"
 
 
-def test_read_pages_times_every_store_precision_and_page_size():
-    rows = read_pages.run(tokens=40, repeat=1)
+def test_read_pages_times_every_store_precision_and_page_size_here_and_in_a_checkout():
+    from pathlib import Path
+
+    checkout = Path(read_pages.__file__).resolve().parents[1]
+    rows = read_pages.run(tokens=40, rounds=1, against=checkout)
     cases = {(row["store"], row["precision"], row["page_tokens"]) for row in rows}
     assert cases == {(store, precision, page) for store in read_pages.stores()
                      for precision in ("f32", "f16", "q8") for page in read_pages.PAGE_SIZES}
-    assert all(row["read_ms"] > 0 and row["tokens"] == 40 for row in rows)
+    assert all(row["read_ms"] > 0 and row["against_ms"] > 0 and row["tokens"] == 40 for row in rows)
