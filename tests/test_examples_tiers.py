@@ -40,23 +40,40 @@ def _factory(name):
     return load_factory(str(EXAMPLES / f"{name}.py"))
 
 
-@pytest.mark.parametrize("name", sorted(TIERS))
-def test_example_passes_with_the_tiers_it_lacks_reported_na(name):
+# Configurations each example passes in the default suite: every semantics it declares and every
+# precision among the three examples; the rest of each example's configurations (the same code at
+# another precision or arena size, 7 of 14) are ``-m slow``.
+DEFAULT_SUITE = {"blackbox_backend": ("f16-heap", "q8-arena6", "token-f32-heap", "block2-q8-heap"),
+                 "pages_tier_backend": ("f32-heap", "f16-heap"),
+                 "token_pool_backend": ("token-q8-pool10-refuse",)}
+
+
+def _example_configs():
+    for name in sorted(TIERS):
+        for config in configs_for(_factory(name)):
+            slow = config.name not in DEFAULT_SUITE[name]
+            yield pytest.param(name, config, id=f"{name}-{config.name}", marks=[pytest.mark.slow] if slow else [])
+
+
+def test_the_default_suite_names_only_declared_configurations():
+    for name, chosen in DEFAULT_SUITE.items():
+        assert set(chosen) <= {config.name for config in configs_for(_factory(name))}, name
+
+
+@pytest.mark.parametrize("name,config", _example_configs())
+def test_example_passes_with_the_tiers_it_lacks_reported_na(name, config):
     factory = _factory(name)
     exposed, missing = TIERS[name]
-    configs = configs_for(factory)
-    assert all(tiers(factory(config).observe()) == exposed for config in configs)
-    results = conform(factory, settings=SMALL)
-    assert [r.config for r in results] == configs
-    assert all(r.passed for r in results), [r.failure for r in results]
-    for result in results:
-        assert result.outcomes["lockstep"].steps > 100
-        for check in PAGE_CHECKS:
-            outcome = result.outcomes[check]
-            if check in missing:
-                assert outcome.status == "n/a" and missing[check] in outcome.detail, (check, outcome)
-            else:
-                assert outcome.status == "pass", (check, outcome)
+    assert tiers(factory(config).observe()) == exposed
+    (result,) = conform(factory, settings=SMALL, configs=[config])
+    assert result.config == config and result.passed, result.failure
+    assert result.outcomes["lockstep"].steps > 100
+    for check in PAGE_CHECKS:
+        outcome = result.outcomes[check]
+        if check in missing:
+            assert outcome.status == "n/a" and missing[check] in outcome.detail, (check, outcome)
+        else:
+            assert outcome.status == "pass", (check, outcome)
 
 
 def test_blackbox_example_is_checked_under_the_semantics_it_declares():
