@@ -1,9 +1,12 @@
 """A benchmark's serving loop run in another checkout's code, in its own process, round by round.
 
-How ``--against DIR`` works in ``one_token_pages`` and ``extend``: the benchmark's own file is run
-by path (the other checkout may not have it) with ``--serve ROUNDS`` and its arguments, importing
-kvstate from DIR; each line written to it starts one round, and it answers with that round's
-figures as one line of JSON, so the two checkouts' rounds interleave and load hits both alike.
+How ``--against DIR`` works in ``one_token_pages``, ``extend`` and ``read_pages``: the benchmark's
+own file is run by path (the other checkout may not have it) with ``--serve ROUNDS`` and its
+arguments, importing kvstate from DIR; each line written to it starts one round, and it answers
+with that round's figures as one line of JSON, so the two checkouts' rounds interleave and load
+hits both alike. Each benchmark declares ``--against`` and ``--serve`` itself, and imports this
+module only on the side that starts the child: the child's ``kvstate`` is DIR's, whose
+``checkouts`` may be older than this one or missing.
 """
 
 from __future__ import annotations

@@ -195,6 +195,10 @@ class RefCache:
         self.labels_issued += 1
         return self.labels_issued
 
+    def keys(self) -> list[tuple[int, ...]]:
+        """The entries' keys, in the order they were last retained."""
+        return [entry[0] for entry in self.entries]
+
     def _holders(self) -> list[RefContext]:
         return self.contexts + [entry[1] for entry in self.entries]
 

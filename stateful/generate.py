@@ -70,7 +70,7 @@ class RunState:
         return bool(self.lockstep.reference.entries)
 
     def entry_keys(self) -> list[tuple[int, ...]]:
-        return [entry[0] for entry in self.lockstep.reference.entries]
+        return self.lockstep.reference.keys()
 
 
 # A generator returns an operation valid in ``state``, or None when its kind does not apply now.

@@ -161,7 +161,7 @@ class LockstepMachine(RuleBasedStateMachine):
         # off in some runs), only one match in sixteen found an entry to hit.
         if data.draw(st.booleans(), label="retain first"):
             self._do(O.Retain(ctx))
-        keys = [entry[0] for entry in self.lockstep.reference.entries]
+        keys = self.lockstep.reference.keys()
         source = data.draw(st.sampled_from(("whole", "cut", "entry") if keys else ("whole", "cut")), label="query")
         if source == "entry":
             prefix = data.draw(st.sampled_from(keys), label="key")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvstate import Cache, Layout
 from kvstate.reference import RefCache
@@ -38,3 +39,10 @@ def assert_empty_after_closing(cache, contexts) -> None:
             ctx.close()
     cache.clear()
     invariants.check_empty(cache.observe())
+
+
+def by_default_or_slow(name: str, config: Config, default: dict[str, tuple[str, ...]]):
+    """``(name, config)`` as a test parameter, in the default suite if ``default[name]`` lists the
+    configuration, else ``-m slow``: for tests that run a whole backend per configuration."""
+    slow = config.name not in default[name]
+    return pytest.param(name, config, id=f"{name}-{config.name}", marks=[pytest.mark.slow] if slow else [])

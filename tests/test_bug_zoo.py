@@ -38,6 +38,7 @@ from kvstate.stateful.ops import values_for
 
 from foreign import block_pool, dict_pages, no_arena, no_tree
 from foreign.bugs import BUGS
+from helpers import by_default_or_slow
 
 FOREIGN = {"dict_pages": dict_pages.factory, "no_tree": no_tree.factory, "no_arena": no_arena.factory,
            "block_pool": block_pool.factory, "block_pool_pages": block_pool.pages_factory}
@@ -423,8 +424,7 @@ DEFAULT_SUITE = {"dict_pages": ("f32-heap", "q8-arena6"), "no_tree": ("f16-heap"
 def _backend_configs():
     for name, factory in FOREIGN.items():
         for config in getattr(factory, "configs", None) or machine_configs():
-            slow = config.name not in DEFAULT_SUITE[name]
-            yield pytest.param(name, config, id=f"{name}-{config.name}", marks=[pytest.mark.slow] if slow else [])
+            yield by_default_or_slow(name, config, DEFAULT_SUITE)
 
 
 @pytest.mark.parametrize("backend,config", _backend_configs())

@@ -23,6 +23,8 @@ from kvstate.stateful.conform import conform, load_factory
 from kvstate.stateful.exhaustive import Scope, explore, semantics_scope
 from kvstate.stateful.lockstep import Lockstep
 
+from helpers import by_default_or_slow
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL = settings(max_examples=25, stateful_step_count=15, derandomize=True, deadline=None, database=None)
 
@@ -51,8 +53,7 @@ DEFAULT_SUITE = {"blackbox_backend": ("f16-heap", "q8-arena6", "token-f32-heap",
 def _example_configs():
     for name in sorted(TIERS):
         for config in configs_for(_factory(name)):
-            slow = config.name not in DEFAULT_SUITE[name]
-            yield pytest.param(name, config, id=f"{name}-{config.name}", marks=[pytest.mark.slow] if slow else [])
+            yield by_default_or_slow(name, config, DEFAULT_SUITE)
 
 
 def test_the_default_suite_names_only_declared_configurations():
