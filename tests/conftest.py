@@ -12,7 +12,7 @@ LONGEST_FIRST = (
     "tests/test_conform.py::test_torch_backend_conforms_on_cpu",
     "tests/test_bug_zoo.py::test_correct_foreign_backend_passes_with_nothing_rejected",
     "tests/test_examples_tiers.py::test_example_passes_with_the_tiers_it_lacks_reported_na",
-    "tests/test_planted_bugs.py::test_unplanted_engine_passes_the_hunt_profile",
+    "tests/test_planted_bugs.py::test_engine_passes_what_conform_runs",
     "tests/test_spec_arithmetic.py::test_property_crosshair_backend",
     "tests/test_exhaustive.py::test_engine_passes_the_default_scope",
     "tests/test_exhaustive.py::test_planted_semantics_bug_is_found_with_a_minimal_trace",

@@ -6,8 +6,8 @@ pages of 2 MiB or more go through the NumPy store's spares). Here every page goe
 spares, dirty from its last holder, at every precision, with and without an arena: one run checks
 both the engine's semantics and page recycling (a fresh page is still made whenever no spare is
 kept, as at every run's start). The malloc path runs under the lockstep machine in the seven
-semantics configurations of tests/test_planted_bugs.py's control, and under the seeded runs in
-all thirteen.
+semantics configurations of tests/test_planted_bugs.py (and under -m slow the seeded engine in
+all thirteen).
 """
 
 from kvstate.impl import numpy_store

@@ -1,4 +1,6 @@
-"""The suite is tested too: each planted bug must be caught by the lockstep machine's ci profile."""
+"""The suite is tested too: each planted bug is caught by conform's hunt profile (the ci runs,
+unshrunk) and the check that caught it passes without the bug; the engine itself passes what
+conform runs, in every configuration it declares."""
 
 import re
 
@@ -38,17 +40,33 @@ def test_planted_bug_is_caught(bug):
     # slotted Context refuses once made two planted bugs "caught" by their own AttributeError).
     for result in failures:
         assert not re.search(r"raised (AttributeError|NameError|TypeError)\b", str(result.failure)), result.failure
+    # The control: the check that caught it passes the same configuration without the bug, so
+    # the catch is the bug's and not the check's.
+    (caught,) = failures
+    (check,) = [name for name, outcome in caught.outcomes.items() if not outcome.passed]
+    (clean,) = conform(numpy_factory, profile="hunt", configs=[caught.config], checks=[check])
+    assert clean.passed, clean.failure
+
+
+def _engine_checks(config) -> list[str]:
+    """What ``kvstate conform`` runs, less the races (tests/test_races.py's scenarios, in every
+    semantics, at more iterations than conform's races check), the seeded engine (the slow test
+    below) and, in the six standard configurations, the lockstep machine (tests/test_lockstep.py's:
+    the ci profile, with every page recycled and the snapshots and restores counted)."""
+    standard = config in machine_configs()
+    return [name for name in CHECKS if name not in ("races", "seeded") and not (standard and name == "lockstep")]
 
 
 @pytest.mark.parametrize("config", configs_for(numpy_factory), ids=lambda config: config.name)
-def test_unplanted_engine_passes_the_hunt_profile(config):
-    """The control: without a planted bug the same runs pass, so the catches above are real. (The
-    lockstep machine in the six standard configurations is tests/test_lockstep.py's: the same
-    derandomized runs, with every page recycled and their snapshots and restores counted; the
-    race scenarios in every semantics are tests/test_races.py's, at more iterations than
-    conform's races check runs.)"""
-    checks = [name for name in CHECKS
-              if name != "races" and not (name == "lockstep" and config in machine_configs())]
-    (result,) = conform(numpy_factory, profile="hunt", configs=[config], checks=checks)
+def test_engine_passes_what_conform_runs(config):
+    """In the seven semantics configurations this is the lockstep machine's run of each declared semantics."""
+    (result,) = conform(numpy_factory, profile="hunt", configs=[config], checks=_engine_checks(config))
     assert result.passed, result.failure
     assert len(configs_for(numpy_factory)) > len(machine_configs())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", configs_for(numpy_factory), ids=lambda config: config.name)
+def test_engine_passes_the_seeded_check(config):
+    (result,) = conform(numpy_factory, profile="hunt", configs=[config], checks=["seeded"])
+    assert result.passed, result.failure

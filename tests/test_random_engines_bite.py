@@ -6,9 +6,8 @@ zero-length write that allocates (``Lockstep``'s own checks), two hits of one en
 key, nested keys, and the snapshot of an overwritten hit (queries from entries' keys, a context
 retained before a query, a hit's prefill, writes and snapshots steered to hits, checkpoints
 restored at once), and f16 overflow accepted (one write seed in 256 carries a value past f16's
-range). Each is caught within the first runs or seeds.
-The same runs pass without the bug: they are the first of the ``ci`` runs that
-``test_planted_bugs.py``'s control and ``test_bug_zoo.py``'s correct backends pass.
+range). Each is caught within the first runs or seeds, and the same runs pass without the bug (on
+our engine unplanted, or on the zoo bug's correct base backend).
 """
 
 import contextlib
@@ -42,23 +41,30 @@ CASES = [
 
 
 def _subject(kind: str, bug: str):
-    """(factory, configuration, planting context manager)."""
+    """(factory with the bug, the same backend without it, configuration, planting context manager)."""
     if kind == "planted":
-        return numpy_factory, config_named("q8-heap"), PLANTED[bug]
+        return numpy_factory, numpy_factory, config_named("q8-heap"), PLANTED[bug]
     factory = BUGS[bug]
-    return factory, zoo._config(zoo.ZOO[bug].config, factory), contextlib.nullcontext
+    return factory, zoo.FOREIGN[zoo.ZOO[bug].base], zoo._config(zoo.ZOO[bug].config, factory), contextlib.nullcontext
+
+
+def _failure(engine: str, factory, config, budget: int) -> str | None:
+    """What the engine's first ``budget`` runs (or seeds) found in ``config``, unshrunk; None if they passed."""
+    if engine == "seeded":
+        _, steps = seeded_size(PROFILES["ci"])
+        found = run_seeds(factory, config, budget, steps, budget_s=float("inf"), shrink_budget_s=0.0,
+                          first=first_seed(config)).failure
+        return None if found is None else str(found)
+    hunt = settings(PROFILES["hunt"], max_examples=budget)
+    (result,) = conform(factory, settings=hunt, configs=[config], checks=["lockstep"])
+    return result.failure
 
 
 @pytest.mark.parametrize("engine,kind,bug,budget", CASES, ids=[f"{e}-{k}-{b}" for e, k, b, _ in CASES])
 def test_a_random_engine_alone_catches_it(engine, kind, bug, budget):
-    factory, config, plant = _subject(kind, bug)
+    buggy, clean, config, plant = _subject(kind, bug)
     with plant():
-        if engine == "seeded":
-            _, steps = seeded_size(PROFILES["ci"])
-            found = run_seeds(factory, config, budget, steps, budget_s=float("inf"), shrink_budget_s=0.0,
-                              first=first_seed(config)).failure
-            assert found is not None, f"{bug}: no seeded failure in {budget} seeds of {config.name}"
-        else:
-            hunt = settings(PROFILES["hunt"], max_examples=budget)
-            (result,) = conform(factory, settings=hunt, configs=[config], checks=["lockstep"])
-            assert not result.passed, f"{bug}: lockstep passed {budget} examples of {config.name}"
+        assert _failure(engine, buggy, config, budget) is not None, \
+            f"{bug}: {engine} passed its first {budget} runs of {config.name}"
+    control = _failure(engine, clean, config, budget)      # the same runs without the bug
+    assert control is None, control

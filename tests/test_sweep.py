@@ -173,8 +173,8 @@ def test_a_sweep_covers_every_configuration_the_backend_declares(tmp_path, capsy
     from kvstate.stateful.configs import configs_for
 
     # Two short seeds: what is tested here is the sweep covering the configurations. Finding bugs
-    # in them is the seeded check's (tests/test_planted_bugs.py's control runs seeds 0-32 at 200
-    # steps in all 13, and a sweep's seed at fewer steps is the prefix of the same seed's run).
+    # in them is the seeded check's (tests/test_planted_bugs.py runs its 16 seeds at 200 steps in
+    # all 13 under -m slow; a sweep's seed at fewer steps is the prefix of the same seed's run).
     assert main(["sweep", "--seeds", "2", "--steps", "25", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert [row["config"] for row in report["summary"]] == [c.name for c in configs_for(factory)]
