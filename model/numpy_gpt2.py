@@ -21,6 +21,9 @@ or the ``ContiguousKV`` baseline.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
 import numpy as np
 
 from kvstate.spec.errors import ConfigError, PositionError, TokenError
@@ -35,8 +38,11 @@ ATTENTION_BLOCK = 64     # keys per block; None in ``GPT2.block`` attends over t
 
 
 class GPT2:
-    def __init__(self, config: GPT2Config, weights: dict[str, np.ndarray]):
+    def __init__(self, config: GPT2Config, weights: dict[str, np.ndarray], threads: int = 1):
+        """``threads``: how many threads a prefill's attention splits its heads over (as BLAS
+        threads split the other products); each head's arithmetic is the same at any count."""
         check_weights(config, weights)
+        self.threads = threads
         self.config = config
         self.layout = config.layout
         self.wte = weights["wte.weight"]
@@ -47,8 +53,8 @@ class GPT2:
         self.block = ATTENTION_BLOCK
 
     @classmethod
-    def random(cls, config: GPT2Config, seed: int = 0) -> "GPT2":
-        return cls(config, random_weights(config, seed))
+    def random(cls, config: GPT2Config, seed: int = 0, threads: int = 1) -> "GPT2":
+        return cls(config, random_weights(config, seed), threads)
 
     # -- the two calls ---------------------------------------------------------------
 
@@ -73,7 +79,7 @@ class GPT2:
             qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon) @ w_qkv + b_qkv
             q, k, v = (part.reshape(n, H, D) for part in np.split(qkv, 3, axis=1))
             kv[:, layer, 0], kv[:, layer, 1] = k, v
-            x = x + attend(q, self._key_value_blocks(ctx, layer, start, k, v), start) @ w_o + b_o
+            x = x + attend(q, self._key_value_blocks(ctx, layer, start, k, v), start, self.threads) @ w_o + b_o
             h = layer_norm(x, g2, b2, cfg.layer_norm_epsilon)
             x = x + gelu(h @ w_fc + b_fc) @ w_out + b_out
         ctx.extend(tokens, kv)
@@ -152,7 +158,7 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return inner
 
 
-def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: int) -> np.ndarray:
+def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: int, threads: int = 1) -> np.ndarray:
     """Causal attention of queries at positions ``start..start+n-1`` over key/value ``blocks`` ``(t, H, D)``.
 
     The blocks cover positions ``0..start+n-1`` in order. Returns ``(n, H * D)``.
@@ -164,6 +170,10 @@ def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: in
     woke the BLAS threads, which on a busy machine cost more than the products
     (a 512-token GPT-2-small prefill: 0.2 s of attention a layer at 2 threads).
     A decode (one query) takes the same path as before: one chunk over every block.
+
+    With ``threads`` > 1, a pass of more than one chunk splits the heads between that many
+    threads, each running the same chunks over its heads (NumPy lets go of the GIL in the
+    products and the softmax): a head's numbers are the same bits at any thread count.
     """
     n, H, D = q.shape
     scale = np.float32(1 / np.sqrt(D))
@@ -172,30 +182,60 @@ def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: in
     for k, _ in blocks:
         offsets.append(offsets[-1] + len(k))
     out = np.empty((H, n, D), np.float32)
+    groups = min(threads, H) if n > QUERY_ROWS else 1
+    if groups == 1:
+        _attend_heads(qh, blocks, offsets, start, scale, out)
+    else:
+        cuts = [H * g // groups for g in range(groups + 1)]
+        heads = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+        done = _pool(groups).map(lambda h: _attend_heads(qh[h], [(k[:, h], v[:, h]) for k, v in blocks],
+                                                         offsets, start, scale, out[h]), heads)
+        list(done)                                     # re-raises what a thread raised
+    return out.transpose(1, 0, 2).reshape(n, H * D)
+
+
+@lru_cache(maxsize=None)
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="kvstate-attention")
+
+
+def _attend_heads(qh, blocks, offsets, start: int, scale, out) -> None:
+    """``attend`` for the heads of ``qh`` ``(h, n, D)``, chunk by chunk, into ``out`` ``(h, n, D)``."""
+    n = qh.shape[1]
     for b in range(len(blocks)):
         for lo in range(max(start, offsets[b]), min(start + n, offsets[b + 1]), QUERY_ROWS):
             hi = min(start + n, offsets[b + 1], lo + QUERY_ROWS)      # absolute positions of the chunk's rows
             out[:, lo - start:hi - start] = _attend_chunk(qh[:, lo - start:hi - start], blocks[:b + 1],
                                                           offsets, lo, hi, scale)
-    return out.transpose(1, 0, 2).reshape(n, H * D)
+
+
+@lru_cache(maxsize=256)
+def _hidden(rows: int, width: int, first: int) -> np.ndarray:
+    """Row i of a chunk may not see keys of its own block from column ``first + i`` on."""
+    return np.triu(np.ones((rows, width), bool), first)
 
 
 def _attend_chunk(rows, blocks, offsets, lo: int, hi: int, scale) -> np.ndarray:
-    """Rows at positions ``lo..hi-1``, all inside the last of ``blocks``; keys past ``hi - 1`` are never read."""
+    """Rows at positions ``lo..hi-1``, all inside the last of ``blocks``; keys past ``hi - 1`` are never read.
+
+    Three passes over the scores besides their products: the row maxima, the exponent (in
+    place) and the row sums. The scale goes into the rows before the products and the
+    normalisation into the ``(h, rows, D)`` output after them, both far smaller than the
+    ``(h, rows, keys)`` scores; each block's products are written straight into the scores."""
+    h, m, _ = rows.shape
     widths = [len(k) for k, _ in blocks[:-1]] + [hi - offsets[len(blocks) - 1]]
-    scores = [rows @ k[:w].transpose(1, 2, 0) for (k, _), w in zip(blocks, widths)]
-    scores = scores[0] if len(scores) == 1 else np.concatenate(scores, axis=-1)
-    scores *= scale
-    if hi - lo > 1:
-        # blocks before the last are visible to every row; in the last, row i sees keys up to position lo + i
-        last = offsets[len(blocks) - 1]
-        diagonal = scores[:, :, last:]
-        diagonal[:, np.triu(np.ones((hi - lo, widths[-1]), bool), lo - last + 1)] = -np.inf
+    last = offsets[len(blocks) - 1]
+    scores = np.empty((h, m, last + widths[-1]), np.float32)
+    rows = rows * scale
+    for b, ((k, _), w) in enumerate(zip(blocks, widths)):
+        np.matmul(rows, k[:w].transpose(1, 2, 0), out=scores[:, :, offsets[b]:offsets[b] + w])
+    if m > 1:       # blocks before the last are visible to every row; in the last, row i sees keys up to lo + i
+        scores[:, :, last:][:, _hidden(m, widths[-1], lo - last + 1)] = -np.inf
     scores -= scores.max(-1, keepdims=True)
     weights = np.exp(scores, out=scores)
-    weights /= weights.sum(-1, keepdims=True)
     total = None
     for b, ((_, v), w) in enumerate(zip(blocks, widths)):
         part = weights[:, :, offsets[b]:offsets[b] + w] @ v[:w].transpose(1, 0, 2)
         total = part if total is None else total + part
+    total /= weights.sum(-1, keepdims=True)
     return total

@@ -45,3 +45,32 @@ def test_no_chunk_spans_more_than_one_key_block_or_query_rows(monkeypatch):
     attend(rng.standard_normal((290, 2, 4), dtype=np.float32), list(rechunk([(k, v)], 64)), 10)
     assert sum(rows for rows, *_ in seen) == 290
     assert all(rows <= QUERY_ROWS and last <= lo and hi <= last + 64 for rows, last, lo, hi in seen)
+
+
+def test_threads_split_the_heads_and_change_no_bit():
+    rng = np.random.default_rng(1)
+    H, D, start, n = 5, 8, 40, 300
+    k, v = (rng.standard_normal((start + n, H, D), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((n, H, D), dtype=np.float32)
+    blocks = list(rechunk([(k[:start], v[:start]), (k[start:], v[start:])], 64))
+    alone = attend(q, blocks, start)
+    for threads in (2, 3, 8):
+        assert np.array_equal(attend(q, blocks, start, threads), alone)
+    assert np.allclose(alone, dense_attention(q, k, v, start), atol=1e-5)
+
+
+def test_a_thread_split_runs_each_head_once_on_the_pool(monkeypatch):
+    """The split is real: with 2 threads the chunks run on the pool's threads, each head once."""
+    import threading
+    seen, chunk = [], numpy_gpt2._attend_chunk
+
+    def recording(rows, blocks, offsets, lo, hi, scale):
+        seen.append((threading.current_thread().name, rows.shape[0], lo))
+        return chunk(rows, blocks, offsets, lo, hi, scale)
+
+    monkeypatch.setattr(numpy_gpt2, "_attend_chunk", recording)
+    rng = np.random.default_rng(2)
+    k = v = rng.standard_normal((200, 4, 8), dtype=np.float32)
+    attend(rng.standard_normal((200, 4, 8), dtype=np.float32), list(rechunk([(k, v)], 64)), 0, threads=2)
+    assert {name.startswith("kvstate-attention") for name, _, _ in seen} == {True}
+    assert sorted((heads, lo) for _, heads, lo in seen) == sorted((2, lo) for lo in (0, 64, 128, 192) for _ in range(2))
