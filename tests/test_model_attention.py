@@ -47,7 +47,8 @@ def test_no_chunk_spans_more_than_one_key_block_or_query_rows(monkeypatch):
     assert all(rows <= QUERY_ROWS and last <= lo and hi <= last + 64 for rows, last, lo, hi in seen)
 
 
-def test_threads_split_the_heads_and_change_no_bit():
+def test_threads_split_the_heads_and_change_no_bit(monkeypatch):
+    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 100)      # split this small pass too
     rng = np.random.default_rng(1)
     H, D, start, n = 5, 8, 40, 300
     k, v = (rng.standard_normal((start + n, H, D), dtype=np.float32) for _ in range(2))
@@ -69,8 +70,31 @@ def test_a_thread_split_runs_each_head_once_on_the_pool(monkeypatch):
         return chunk(rows, blocks, offsets, lo, hi, scale)
 
     monkeypatch.setattr(numpy_gpt2, "_attend_chunk", recording)
+    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 100)
     rng = np.random.default_rng(2)
     k = v = rng.standard_normal((200, 4, 8), dtype=np.float32)
     attend(rng.standard_normal((200, 4, 8), dtype=np.float32), list(rechunk([(k, v)], 64)), 0, threads=2)
     assert {name.startswith("kvstate-attention") for name, _, _ in seen} == {True}
     assert sorted((heads, lo) for _, heads, lo in seen) == sorted((2, lo) for lo in (0, 64, 128, 192) for _ in range(2))
+
+
+def test_the_prefill_is_the_same_bits_at_any_thread_count(monkeypatch):
+    """Attention's heads and GELU's rows split over threads: the logits and the stored K/V do not move."""
+    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 100)
+    split = []
+    pool = numpy_gpt2._pool
+    monkeypatch.setattr(numpy_gpt2, "_pool", lambda threads: split.append(threads) or pool(threads))
+    from kvstate.impl import Cache
+    from kvstate.model import GPT2Config
+
+    config = GPT2Config(vocab_size=97, n_positions=300, n_embd=32, n_layer=2, n_head=4)
+    tokens = np.random.default_rng(3).integers(0, 97, 260)
+    results = []
+    for threads in (1, 2, 3):
+        model = numpy_gpt2.GPT2.random(config, threads=threads)
+        with Cache(config.layout, page_tokens=16).allocate() as ctx:
+            logits = model.prefill(ctx, tokens)
+            results.append((logits, ctx.read()[0]))
+    for logits, values in results[1:]:
+        assert np.array_equal(logits, results[0][0]) and np.array_equal(values, results[0][1])
+    assert set(split) == {2, 3}       # the passes at 2 and 3 threads really split
