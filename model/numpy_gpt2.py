@@ -21,6 +21,7 @@ or the ``ContiguousKV`` baseline.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
@@ -44,8 +45,11 @@ SPLIT_FROM_ROWS = 1024
 
 class GPT2:
     def __init__(self, config: GPT2Config, weights: dict[str, np.ndarray], threads: int = 1):
-        """``threads``: how many threads a prefill's attention splits its heads over (as BLAS
-        threads split the other products); each head's arithmetic is the same at any count."""
+        """``threads``: how many threads a pass of ``SPLIT_FROM_ROWS`` tokens or more splits its
+        attention heads and its GELU rows over (as BLAS threads split the products); every number
+        is the same bits at any count."""
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"threads must be a positive int, got {threads!r}")
         check_weights(config, weights)
         self.threads = threads
         self.config = config
@@ -206,6 +210,10 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="kvstate-attention")
 
 
+# A forked child inherits the pools but not their threads: it makes its own.
+os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def _by_rows(elementwise, x: np.ndarray, threads: int) -> np.ndarray:
     """``elementwise(x)``, its rows split over ``threads`` threads when there are enough of them:
     NumPy's element-by-element loops run on one thread (the products' BLAS splits itself), and
@@ -233,8 +241,10 @@ def _attend_heads(qh, blocks, offsets, start: int, scale, out) -> None:
 
 @lru_cache(maxsize=256)
 def _hidden(rows: int, width: int, first: int) -> np.ndarray:
-    """Row i of a chunk may not see keys of its own block from column ``first + i`` on."""
-    return np.triu(np.ones((rows, width), bool), first)
+    """Row i of a chunk may not see keys of its own block from column ``first + i`` on (read-only: shared)."""
+    hidden = np.triu(np.ones((rows, width), bool), first)
+    hidden.flags.writeable = False
+    return hidden
 
 
 def _attend_chunk(rows, blocks, offsets, lo: int, hi: int, scale) -> np.ndarray:

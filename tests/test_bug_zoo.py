@@ -372,6 +372,7 @@ def _catch(name: str, profile: str) -> None:
     # The control: the check that caught it passes the correct base in the same configuration.
     (caught,) = failed
     (check,) = [check for check, outcome in caught.outcomes.items() if not outcome.passed]
+    assert caught.outcomes[check].status == "FAIL", caught.failure      # a failure, not a timeout
     (clean,) = conform(FOREIGN[planted.base], profile=profile, configs=[caught.config], checks=[check])
     assert clean.passed, clean.failure
 

@@ -47,13 +47,15 @@ def test_no_chunk_spans_more_than_one_key_block_or_query_rows(monkeypatch):
     assert all(rows <= QUERY_ROWS and last <= lo and hi <= last + 64 for rows, last, lo, hi in seen)
 
 
-def test_threads_split_the_heads_and_change_no_bit(monkeypatch):
-    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 100)      # split this small pass too
-    rng = np.random.default_rng(1)
-    H, D, start, n = 5, 8, 40, 300
+@pytest.mark.parametrize("start,n,block", [(40, 300, 64), (0, 130, 6), (37, 150, None), (200, 1, 64)])
+def test_threads_split_the_heads_and_change_no_bit(monkeypatch, start, n, block):
+    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 1)      # split these small passes (a decode too)
+    rng = np.random.default_rng(start + n)
+    H, D = 5, 8
     k, v = (rng.standard_normal((start + n, H, D), dtype=np.float32) for _ in range(2))
     q = rng.standard_normal((n, H, D), dtype=np.float32)
-    blocks = list(rechunk([(k[:start], v[:start]), (k[start:], v[start:])], 64))
+    parts = [(k[:start], v[:start]), (k[start:], v[start:])] if start else [(k, v)]
+    blocks = parts if block is None else list(rechunk(parts, block))
     alone = attend(q, blocks, start)
     for threads in (2, 3, 8):
         assert np.array_equal(attend(q, blocks, start, threads), alone)
@@ -98,3 +100,34 @@ def test_the_prefill_is_the_same_bits_at_any_thread_count(monkeypatch):
     for logits, values in results[1:]:
         assert np.array_equal(logits, results[0][0]) and np.array_equal(values, results[0][1])
     assert set(split) == {2, 3}       # the passes at 2 and 3 threads really split
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
+def test_a_thread_count_that_is_not_a_positive_int_is_refused_by_name(threads):
+    from kvstate.model import GPT2Config
+    from kvstate.spec.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="threads must be a positive int"):
+        numpy_gpt2.GPT2.random(GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2), threads=threads)
+
+
+def test_a_forked_child_splits_on_threads_of_its_own(monkeypatch):
+    """The pools are per process: a child forked after the parent split a pass gets new threads
+    (the inherited pool has none and would never run the work)."""
+    import multiprocessing
+
+    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 1)
+    rng = np.random.default_rng(4)
+    k = v = rng.standard_normal((130, 4, 8), dtype=np.float32)
+    q = rng.standard_normal((130, 4, 8), dtype=np.float32)
+    blocks = list(rechunk([(k, v)], 64))
+    expected = attend(q, blocks, 0, threads=2)          # the parent's pool now exists
+
+    def child():
+        raise SystemExit(0 if np.array_equal(attend(q, blocks, 0, threads=2), expected) else 3)
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    process.join(60)
+    if process.is_alive():
+        process.kill()
+    assert process.exitcode == 0, process.exitcode
