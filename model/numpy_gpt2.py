@@ -197,10 +197,8 @@ def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: in
     if groups == 1:
         _attend_heads(qh, blocks, offsets, start, scale, out)
     else:
-        cuts = [H * g // groups for g in range(groups + 1)]
-        heads = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
         done = _pool(groups).map(lambda h: _attend_heads(qh[h], [(k[:, h], v[:, h]) for k, v in blocks],
-                                                         offsets, start, scale, out[h]), heads)
+                                                         offsets, start, scale, out[h]), _even_slices(H, groups))
         list(done)                                     # re-raises what a thread raised
     return out.transpose(1, 0, 2).reshape(n, H * D)
 
@@ -221,12 +219,17 @@ def _by_rows(elementwise, x: np.ndarray, threads: int) -> np.ndarray:
     if threads < 2 or len(x) < SPLIT_FROM_ROWS:
         return elementwise(x)
     out = np.empty_like(x)
-    cuts = [len(x) * t // threads for t in range(threads + 1)]
 
     def part(rows: slice) -> None:
         out[rows] = elementwise(x[rows])
-    list(_pool(threads).map(part, [slice(a, b) for a, b in zip(cuts, cuts[1:])]))
+    list(_pool(threads).map(part, _even_slices(len(x), threads)))
     return out
+
+
+def _even_slices(n: int, parts: int) -> list[slice]:
+    """``range(n)`` in ``parts`` consecutive slices whose lengths differ by at most one."""
+    cuts = [n * i // parts for i in range(parts + 1)]
+    return [slice(a, b) for a, b in zip(cuts, cuts[1:])]
 
 
 def _attend_heads(qh, blocks, offsets, start: int, scale, out) -> None:

@@ -1,4 +1,4 @@
-"""Small shared builders for the directed tests."""
+"""Small shared builders for the directed tests, and the control every conform catch carries."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from kvstate import Cache, Layout
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.protocol import Config
+from kvstate.stateful.conform import conform
 from kvstate.stateful.ops import values_for
 
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
@@ -46,3 +47,14 @@ def by_default_or_slow(name: str, config: Config, default: dict[str, tuple[str, 
     configuration, else ``-m slow``: for tests that run a whole backend per configuration."""
     slow = config.name not in default[name]
     return pytest.param(name, config, id=f"{name}-{config.name}", marks=[pytest.mark.slow] if slow else [])
+
+
+def assert_the_catch_is_the_bugs(results, clean_factory, profile: str) -> None:
+    """The control for a ``conform(..., first_failure=True)`` catch: its one failing check failed
+    (not timed out), and passes the same configuration on ``clean_factory``, the same backend
+    without the bug; so the catch is the bug's, not the check's."""
+    (caught,) = [result for result in results if not result.passed]
+    (check,) = [name for name, outcome in caught.outcomes.items() if not outcome.passed]
+    assert caught.outcomes[check].status == "FAIL", caught.failure
+    (clean,) = conform(clean_factory, profile=profile, configs=[caught.config], checks=[check])
+    assert clean.passed, clean.failure

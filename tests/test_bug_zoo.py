@@ -38,7 +38,7 @@ from kvstate.stateful.ops import values_for
 
 from foreign import block_pool, dict_pages, no_arena, no_tree
 from foreign.bugs import BUGS
-from helpers import by_default_or_slow
+from helpers import assert_the_catch_is_the_bugs, by_default_or_slow
 
 FOREIGN = {"dict_pages": dict_pages.factory, "no_tree": no_tree.factory, "no_arena": no_arena.factory,
            "block_pool": block_pool.factory, "block_pool_pages": block_pool.pages_factory}
@@ -369,12 +369,7 @@ def _catch(name: str, profile: str) -> None:
     expected = (planted.expect,) if isinstance(planted.expect, str) else planted.expect
     if not any(name in report for name in expected):
         raise ReportMisnames(f"{name} was caught, but the report does not say {planted.expect!r}:\n{report}")
-    # The control: the check that caught it passes the correct base in the same configuration.
-    (caught,) = failed
-    (check,) = [check for check, outcome in caught.outcomes.items() if not outcome.passed]
-    assert caught.outcomes[check].status == "FAIL", caught.failure      # a failure, not a timeout
-    (clean,) = conform(FOREIGN[planted.base], profile=profile, configs=[caught.config], checks=[check])
-    assert clean.passed, clean.failure
+    assert_the_catch_is_the_bugs(results, FOREIGN[planted.base], profile)     # the correct base
 
 
 @pytest.mark.parametrize("name", _zoo_params())

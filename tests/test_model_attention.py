@@ -21,14 +21,19 @@ def dense_attention(q, k, v, start):
     return np.einsum("hnt,thd->nhd", weights, v.astype(np.float64)).reshape(n, H * D)
 
 
+def attention_case(start: int, n: int, block, heads: int):
+    """Random (q, k, v, blocks) for ``n`` queries after ``start`` past positions: the past and the new
+    keys as two parts, regrouped into ``block``-position blocks (``None``: the parts as they are)."""
+    rng = np.random.default_rng(start + n)
+    k, v = (rng.standard_normal((start + n, heads, 8), dtype=np.float32) for _ in range(2))
+    q = rng.standard_normal((n, heads, 8), dtype=np.float32)
+    parts = [(k[:start], v[:start]), (k[start:], v[start:])] if start else [(k, v)]
+    return q, k, v, parts if block is None else list(rechunk(parts, block))
+
+
 @pytest.mark.parametrize("start,n,block", [(0, 200, 64), (37, 150, 64), (5, 1, 64), (0, 70, 6), (10, 90, None)])
 def test_chunked_attention_equals_dense_attention(start, n, block):
-    rng = np.random.default_rng(start + n)
-    H, D = 3, 8
-    k, v = (rng.standard_normal((start + n, H, D), dtype=np.float32) for _ in range(2))
-    q = rng.standard_normal((n, H, D), dtype=np.float32)
-    parts = [(k[:start], v[:start]), (k[start:], v[start:])] if start else [(k, v)]
-    blocks = parts if block is None else list(rechunk(parts, block))
+    q, k, v, blocks = attention_case(start, n, block, heads=3)
     assert np.allclose(attend(q, blocks, start), dense_attention(q, k, v, start), atol=1e-5)
 
 
@@ -50,12 +55,7 @@ def test_no_chunk_spans_more_than_one_key_block_or_query_rows(monkeypatch):
 @pytest.mark.parametrize("start,n,block", [(40, 300, 64), (0, 130, 6), (37, 150, None), (200, 1, 64)])
 def test_threads_split_the_heads_and_change_no_bit(monkeypatch, start, n, block):
     monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 1)      # split these small passes (a decode too)
-    rng = np.random.default_rng(start + n)
-    H, D = 5, 8
-    k, v = (rng.standard_normal((start + n, H, D), dtype=np.float32) for _ in range(2))
-    q = rng.standard_normal((n, H, D), dtype=np.float32)
-    parts = [(k[:start], v[:start]), (k[start:], v[start:])] if start else [(k, v)]
-    blocks = parts if block is None else list(rechunk(parts, block))
+    q, k, v, blocks = attention_case(start, n, block, heads=5)
     alone = attend(q, blocks, start)
     for threads in (2, 3, 8):
         assert np.array_equal(attend(q, blocks, start, threads), alone)

@@ -12,6 +12,8 @@ from kvstate.stateful.configs import all_configs, configs_for, machine_configs
 from kvstate.stateful.conform import CHECKS, conform
 from kvstate.stateful.planted import PLANTED
 
+from helpers import assert_the_catch_is_the_bugs
+
 ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
 Q8_BUGS = {"q8_rounds_half_away_from_zero"}      # the bug is in the q8 encoding: only q8 configurations
 POOL_BUGS = {"refused_extend_keeps_pages"}       # only a pool that refuses shows it
@@ -40,13 +42,7 @@ def test_planted_bug_is_caught(bug):
     # slotted Context refuses once made two planted bugs "caught" by their own AttributeError).
     for result in failures:
         assert not re.search(r"raised (AttributeError|NameError|TypeError)\b", str(result.failure)), result.failure
-    # The control: the check that caught it passes the same configuration without the bug, so
-    # the catch is the bug's and not the check's.
-    (caught,) = failures
-    (check,) = [name for name, outcome in caught.outcomes.items() if not outcome.passed]
-    assert caught.outcomes[check].status == "FAIL", caught.failure      # a failure, not a timeout
-    (clean,) = conform(numpy_factory, profile="hunt", configs=[caught.config], checks=[check])
-    assert clean.passed, clean.failure
+    assert_the_catch_is_the_bugs(results, numpy_factory, "hunt")     # our engine, unplanted
 
 
 def _engine_checks(config) -> list[str]:
