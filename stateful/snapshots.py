@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import atexit
 import io
+import itertools
 import multiprocessing.util
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,9 @@ _SCRATCH = os.environ.get("KVSTATE_SCRATCH") or (
     "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None)
 _PREFIX = "kvstate-lockstep-"
 _own: tuple[int, Path, object] | None = None     # this process's (pid, scratch folder, held lock file)
+_run_numbers = itertools.count()
+_collected_prefixes: list[str] = []     # URL prefixes of collected runs (list.append: safe in a finalizer)
+_forgetting = threading.Lock()
 
 
 def _folder(lockstep: Lockstep) -> Path:
@@ -57,10 +62,15 @@ def _folder(lockstep: Lockstep) -> Path:
 
 
 def _url(lockstep: Lockstep, name: str) -> str:
-    """A ``memory://`` URL for snapshot ``name``; the run's URLs go when its Lockstep is collected."""
-    prefix = f"/kvstate-lockstep/{id(lockstep)}"
-    if "_urls_finalizer" not in lockstep.__dict__:
-        lockstep._urls_finalizer = weakref.finalize(lockstep, _forget_urls, prefix)
+    """A ``memory://`` URL for snapshot ``name``. A run's URLs go after its Lockstep is collected,
+    at the next run's first URL (``_forget_collected_runs``)."""
+    prefix = lockstep.__dict__.get("_url_prefix")
+    if prefix is None:
+        _forget_collected_runs()
+        # A number, not id(lockstep): an id comes back once its run is collected, and a new run
+        # under a collected run's prefix would lose its snapshots when that prefix is forgotten.
+        prefix = lockstep._url_prefix = f"/kvstate-lockstep/{os.getpid()}-{next(_run_numbers)}"
+        weakref.finalize(lockstep, _collected_prefixes.append, prefix)
     return f"memory:/{prefix}/{name}.kvs"
 
 
@@ -105,10 +115,19 @@ def _remove_orphans() -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _forget_urls(prefix: str) -> None:
+def _forget_collected_runs() -> None:
+    """Remove the URLs of the runs collected so far. Never from the finalizer itself: a collection
+    can run it while fsspec walks the memory store (its ``find`` copies ``store.items()``, and
+    each item it copies can set off a collection), and removing keys there made that walk raise
+    "dictionary changed size during iteration" in whichever code was walking."""
+    if not _collected_prefixes:
+        return
     memory = fsspec.filesystem("memory")
-    if memory.exists(prefix):
-        memory.rm(prefix, recursive=True)
+    with _forgetting:
+        while _collected_prefixes:
+            prefix = _collected_prefixes.pop()
+            if memory.exists(prefix):
+                memory.rm(prefix, recursive=True)
 
 
 def _target(lockstep: Lockstep, name: str):
