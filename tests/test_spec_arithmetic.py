@@ -36,7 +36,10 @@ MUST_CONFIRM = ("page_of", "offset_in_page", "pages_needed", "pages_touched", "s
                 "truncate_keep", "split_edge", "walk_step", "q8_code")
 
 
-def crosshair_check(target: Path, timeout: float = 1.5) -> subprocess.CompletedProcess:
+def crosshair_check(target: Path, timeout: float = 0.75) -> subprocess.CompletedProcess:
+    # Seconds of CPU a condition: every integer function confirms within 0.5, and the six
+    # conditions of the two tuple functions spend the whole budget, so it sets the test's length
+    # (the check took 11 s at 1.5 s a condition, 7 s at 0.75).
     return subprocess.run(
         [CROSSHAIR, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={timeout}", "--report_all",
          str(target)],
