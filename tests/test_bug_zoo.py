@@ -29,10 +29,11 @@ from typing import Callable
 
 import numpy as np
 import pytest
+from hypothesis import settings as Settings
 
 from kvstate.spec import errors, invariants, precision as precisions
 from kvstate.spec.protocol import Config
-from kvstate.stateful.configs import configs_named, machine_configs
+from kvstate.stateful.configs import PROFILES, configs_named, machine_configs
 from kvstate.stateful.conform import CHECKS, conform
 from kvstate.stateful.ops import values_for
 
@@ -415,12 +416,15 @@ def print_measurements():
 
 # -- the correct backends ---------------------------------------------------------------------
 
-# Each configuration is a whole conform run (about 7 s of CPU): every backend runs one of its
-# configurations in the default suite (bounded where the backend takes an arena or a pool; f32,
-# f16 and q8 among them), the rest under -m slow. Each catch above carries its own control: the
-# check that caught it, on the correct base, in the bug's configuration.
+# Each configuration is a whole conform run: every backend runs one of its configurations in the
+# default suite (bounded where the backend takes an arena or a pool; f32, f16 and q8 among them),
+# at the ci profile with 25 examples (so 8 seeds), as our engine's lockstep runs in the default
+# suite: 20 CPU s for the five, not 33. The rest, and the whole ci budget, are -m slow. Each catch
+# above carries its own control: the check that caught it, on the correct base, in the bug's
+# configuration, at the whole ci budget.
 DEFAULT_SUITE = {"dict_pages": ("q8-arena6",), "no_tree": ("f16-arena6",), "no_arena": ("f32-heap",),
                  "block_pool": ("block4-q8-heap",), "block_pool_pages": (POOL,)}
+DEFAULT_BUDGET = Settings(PROFILES["ci"], max_examples=25)
 
 
 def _backend_configs():
@@ -435,14 +439,27 @@ def test_the_default_suite_runs_each_backend_once():
     assert set(DEFAULT_SUITE) == set(FOREIGN)
 
 
-@pytest.mark.parametrize("backend,config", _backend_configs())
-def test_correct_foreign_backend_passes_with_nothing_rejected(backend, config):
-    results = conform(FOREIGN[backend], configs=[config])
-    statuses = {name: o.status for name, o in results[0].outcomes.items()}
+def _passes_every_check(backend, config, settings):
+    (result,) = conform(FOREIGN[backend], settings=settings, configs=[config])
+    statuses = {name: o.status for name, o in result.outcomes.items()}
     assert set(statuses) == set(CHECKS)
-    assert all(o.passed for o in results[0].outcomes.values()), results[0].failure
+    assert all(o.passed for o in result.outcomes.values()), result.failure
+    assert result.outcomes["lockstep"].steps >= 500
     if backend == "dict_pages":      # the one with snapshots: the snapshot checks really ran
         assert all(statuses[name] == "pass" for name in SNAPSHOT_CHECKS), statuses
+
+
+@pytest.mark.parametrize("backend,config", _backend_configs())
+def test_correct_foreign_backend_passes_with_nothing_rejected(backend, config):
+    _passes_every_check(backend, config, DEFAULT_BUDGET)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", sorted(DEFAULT_SUITE))
+def test_correct_foreign_backend_passes_the_whole_ci_budget(backend):
+    (config,) = [c for c in getattr(FOREIGN[backend], "configs", None) or machine_configs()
+                 if c.name == DEFAULT_SUITE[backend][0]]
+    _passes_every_check(backend, config, PROFILES["ci"])
 
 
 def test_no_arena_declares_arena_free_standard_configs_and_refuses_an_arena():
