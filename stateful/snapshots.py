@@ -70,7 +70,9 @@ def _url(lockstep: Lockstep, name: str) -> str:
         # A number, not id(lockstep): an id comes back once its run is collected, and a new run
         # under a collected run's prefix would lose its snapshots when that prefix is forgotten.
         prefix = lockstep._url_prefix = f"/kvstate-lockstep/{os.getpid()}-{next(_run_numbers)}"
-        weakref.finalize(lockstep, _collected_prefixes.append, prefix)
+        # Kept on the run, as before: a run holding URLs still refuses to be pickled, so no copy
+        # of it can outlive the run under the same prefix.
+        lockstep._urls_finalizer = weakref.finalize(lockstep, _collected_prefixes.append, prefix)
     return f"memory:/{prefix}/{name}.kvs"
 
 
