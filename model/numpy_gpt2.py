@@ -150,14 +150,20 @@ def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) ->
     return centred / np.sqrt(var + np.float32(eps)) * gain + bias
 
 
+# gelu's -2z = x * (_GELU_LINEAR + _GELU_CUBE * x * x)
+_GELU_LINEAR = np.float32(-2 * np.sqrt(2 / np.pi))
+_GELU_CUBE = np.float32(-2 * np.sqrt(2 / np.pi) * 0.044715)
+
+
 def gelu(x: np.ndarray) -> np.ndarray:
     """GPT-2's tanh approximation ("gelu_new"), ``0.5 * x * (1 + tanh(z))`` with
     ``z = c * (x + 0.044715 * x**3)``, computed as ``x / (1 + exp(-2 * z))``, the same function
     (``(1 + tanh(z)) / 2`` is the logistic of ``2z``): NumPy's float32 ``exp`` takes about half
-    the time of its ``tanh``, and the form takes seven passes over one temporary, not nine (a
-    GELU of 512 x 3,072 values: 10.5 ms, was 17.9; within 5.2e-7 of the float64 formula, as the
-    tanh form's 4.7e-7). Far below zero ``exp`` overflows to inf and the value is -0.0, as in the
-    tanh form.
+    the time of its ``tanh``, and the form takes seven passes over one temporary, not nine
+    (``python -m kvstate.bench.prefill --against DIR`` times a prefill beside another checkout's).
+    It is also the more accurate form down the negative tail, where ``1 + tanh(z)`` cancels
+    (``tests/test_model_gelu.py``). Far below zero ``exp`` overflows to inf and the value is -0.0,
+    as in the tanh form.
     """
     minus_two_z = x * x
     minus_two_z *= _GELU_CUBE
@@ -168,10 +174,6 @@ def gelu(x: np.ndarray) -> np.ndarray:
     minus_two_z += 1
     return np.divide(x, minus_two_z, out=minus_two_z)
 
-
-# -2z = x * (_GELU_LINEAR + _GELU_CUBE * x * x)
-_GELU_LINEAR = np.float32(-2 * np.sqrt(2 / np.pi))
-_GELU_CUBE = np.float32(-2 * np.sqrt(2 / np.pi) * 0.044715)
 
 
 def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: int, threads: int = 1) -> np.ndarray:

@@ -9,6 +9,9 @@ from kvstate import Cache, Layout
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.protocol import Config
+from hypothesis import settings as Settings
+
+from kvstate.stateful.configs import PROFILES
 from kvstate.stateful.conform import conform
 from kvstate.stateful.ops import values_for
 
@@ -40,6 +43,13 @@ def assert_empty_after_closing(cache, contexts) -> None:
             ctx.close()
     cache.clear()
     invariants.check_empty(cache.observe())
+
+
+def default_suite_budget(profile: str) -> Settings:
+    """``profile`` at 25 examples: what the default suite runs a whole lockstep machine at, where
+    ``kvstate conform`` runs 50 (Hypothesis plans a smaller budget's runs differently, so they are
+    not the first 25 of the 50); the whole budget runs under ``-m slow``."""
+    return Settings(PROFILES[profile], max_examples=25)
 
 
 def by_default_or_slow(name: str, config: Config, default: dict[str, tuple[str, ...]]):

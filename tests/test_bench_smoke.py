@@ -1,6 +1,7 @@
 """The benchmarks and the demo run, and their counts (never their timings) say what the engine promises."""
 
 import numpy as np
+import pytest
 
 from kvstate.bench import agent_traffic, fork_copy, read_pages
 from kvstate.bench.yardstick import TokenRadixTree
@@ -100,7 +101,6 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
 
 
 def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
-    import pytest
 
     from kvstate.bench import token_input
 
@@ -115,7 +115,6 @@ def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
 def test_extend_bench_times_the_floor_and_another_checkout_beside_extend():
     from pathlib import Path
 
-    import pytest
 
     from kvstate.bench import extend
 
@@ -138,3 +137,16 @@ def test_read_pages_times_every_store_precision_and_page_size_here_and_in_a_chec
     assert cases == {(store, precision, page) for store in read_pages.stores()
                      for precision in ("f32", "f16", "q8") for page in read_pages.PAGE_SIZES}
     assert all(row["read_ms"] > 0 and row["against_ms"] > 0 and row["tokens"] == 40 for row in rows)
+
+
+def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from kvstate.bench import prefill
+
+    checkout = Path(prefill.__file__).resolve().parents[1]
+    rows = prefill.run([5, 9], threads=1, rounds=1, against=checkout, tiny=True)
+    assert [row["tokens"] for row in rows] == [5, 9]
+    for row in rows:
+        assert row["prefill_s"] > 0 and row["hf_s"] > 0 and row["against_s"] > 0 and row["threads"] == 1

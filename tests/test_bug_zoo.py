@@ -29,7 +29,6 @@ from typing import Callable
 
 import numpy as np
 import pytest
-from hypothesis import settings as Settings
 
 from kvstate.spec import errors, invariants, precision as precisions
 from kvstate.spec.protocol import Config
@@ -39,7 +38,7 @@ from kvstate.stateful.ops import values_for
 
 from foreign import block_pool, dict_pages, no_arena, no_tree
 from foreign.bugs import BUGS
-from helpers import assert_the_catch_is_the_bugs, by_default_or_slow
+from helpers import assert_the_catch_is_the_bugs, by_default_or_slow, default_suite_budget
 
 FOREIGN = {"dict_pages": dict_pages.factory, "no_tree": no_tree.factory, "no_arena": no_arena.factory,
            "block_pool": block_pool.factory, "block_pool_pages": block_pool.pages_factory}
@@ -424,12 +423,16 @@ def print_measurements():
 # configuration, at the whole ci budget.
 DEFAULT_SUITE = {"dict_pages": ("q8-arena6",), "no_tree": ("f16-arena6",), "no_arena": ("f32-heap",),
                  "block_pool": ("block4-q8-heap",), "block_pool_pages": (POOL,)}
-DEFAULT_BUDGET = Settings(PROFILES["ci"], max_examples=25)
+DEFAULT_BUDGET = default_suite_budget("ci")
+
+
+def _declared(backend: str) -> list[Config]:
+    return getattr(FOREIGN[backend], "configs", None) or machine_configs()
 
 
 def _backend_configs():
-    for name, factory in FOREIGN.items():
-        for config in getattr(factory, "configs", None) or machine_configs():
+    for name in FOREIGN:
+        for config in _declared(name):
             yield by_default_or_slow(name, config, DEFAULT_SUITE)
 
 
@@ -457,8 +460,7 @@ def test_correct_foreign_backend_passes_with_nothing_rejected(backend, config):
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", sorted(DEFAULT_SUITE))
 def test_correct_foreign_backend_passes_the_whole_ci_budget(backend):
-    (config,) = [c for c in getattr(FOREIGN[backend], "configs", None) or machine_configs()
-                 if c.name == DEFAULT_SUITE[backend][0]]
+    (config,) = [c for c in _declared(backend) if c.name == DEFAULT_SUITE[backend][0]]
     _passes_every_check(backend, config, PROFILES["ci"])
 
 

@@ -11,17 +11,17 @@ all thirteen).
 """
 
 import pytest
-from hypothesis import settings
 
 from kvstate.impl import numpy_store
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful.configs import PROFILES
 from kvstate.stateful.machine import machine_for, run_machine
 
-# The ci profile at half its examples (25, derandomized; Hypothesis plans a smaller budget's runs
-# differently, so they are not the first 25 of the 50): the six configurations at 11.5 CPU seconds,
+from helpers import default_suite_budget
+
+# The ci profile at the default suite's 25 examples: the six configurations at 11.5 CPU seconds,
 # not 20; the whole ci budget runs in ``kvstate conform`` and under -m slow below.
-BUDGET = settings(PROFILES["ci"], max_examples=25)
+BUDGET = default_suite_budget("ci")
 
 
 def _run_recycling(machine_config, monkeypatch, budget):

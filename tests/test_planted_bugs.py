@@ -5,15 +5,14 @@ conform runs, in every configuration it declares."""
 import re
 
 import pytest
-from hypothesis import settings as Settings
 
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.semantics import may_refuse
-from kvstate.stateful.configs import PROFILES, all_configs, configs_for, machine_configs
+from kvstate.stateful.configs import all_configs, configs_for, machine_configs
 from kvstate.stateful.conform import CHECKS, conform
 from kvstate.stateful.planted import PLANTED
 
-from helpers import assert_the_catch_is_the_bugs
+from helpers import assert_the_catch_is_the_bugs, default_suite_budget
 
 ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
 Q8_BUGS = {"q8_rounds_half_away_from_zero"}      # the bug is in the q8 encoding: only q8 configurations
@@ -58,7 +57,7 @@ def _engine_checks(config) -> list[str]:
 # The lockstep machine in the seven semantics configurations at 25 examples, as tests/test_lockstep.py
 # runs the six standard ones: 818-1,225 steps each, 13 CPU s for the seven, not 26 at the hunt
 # profile's 50 (which ``kvstate conform`` runs, and the slow test below).
-ENGINE_BUDGET = Settings(PROFILES["hunt"], max_examples=25)
+ENGINE_BUDGET = default_suite_budget("hunt")
 
 
 @pytest.mark.parametrize("config", configs_for(numpy_factory), ids=lambda config: config.name)

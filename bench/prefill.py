@@ -1,0 +1,129 @@
+"""The NumPy GPT-2's prefill beside transformers', optionally beside another checkout's model too.
+
+    OPENBLAS_NUM_THREADS=T OMP_NUM_THREADS=T MKL_NUM_THREADS=T \\
+        python -m kvstate.bench.prefill --threads T [--tokens 512 2048] [--rounds 3] [--against DIR]
+
+GPT-2 small with random weights (seed 0), ``n`` random tokens into an empty context; each figure
+is the best of ``--rounds``. ``prefill/HF`` is the NumPy prefill over ``GPT2LMHeadModel``'s on the
+same tokens, in the same process (HF's time moves 10-20% between runs on a shared machine, so a
+change to the model is judged by ``--against``: the other checkout's model runs in its own
+process, ``bench/checkouts.py``, its rounds interleaved with ours and HF's). BLAS reads its thread
+count at import, hence the variables; ``--threads`` sets torch's and the model's own (``GPT2(threads=)``).
+Timings are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+class Prefiller:
+    """Times the NumPy model's prefill of each length, one length after another per round."""
+
+    def __init__(self, lengths: list[int], threads: int, tiny: bool):
+        from kvstate.impl import Cache      # absolute: a checkout served by path imports its own
+        from kvstate.model import GPT2, GPT2Config
+
+        self.config = GPT2Config.tiny() if tiny else GPT2Config.small(n_positions=max(lengths))
+        try:
+            self.model = GPT2.random(self.config, threads=threads)
+        except TypeError:                   # a checkout from before GPT2(threads=)
+            self.model = GPT2.random(self.config)
+        self.cache = Cache(self.config.layout, page_tokens=64)
+        rng = np.random.default_rng(0)
+        self.tokens = {n: rng.integers(0, self.config.vocab_size, n) for n in lengths}
+
+    def round(self) -> dict[str, float]:
+        seconds = {}
+        for n, tokens in self.tokens.items():
+            with self.cache.allocate() as ctx:
+                start = time.perf_counter()
+                self.model.prefill(ctx, tokens)
+                seconds[str(n)] = time.perf_counter() - start
+        return seconds
+
+
+def serve_rounds(rounds: int, lengths: list[int], threads: int, tiny: bool) -> None:
+    """The child's loop: one round per line on stdin, its seconds per length as JSON on stdout."""
+    prefiller = Prefiller(lengths, threads, tiny)
+    for _ in range(rounds):
+        sys.stdin.readline()
+        print(json.dumps(prefiller.round()), flush=True)
+
+
+def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | None = None,
+        tiny: bool = False) -> list[dict]:
+    # not at the top: the child runs this file by path, on a checkout that may lack them
+    import torch
+
+    from .checkouts import finish, next_round, serve_in
+    from .restore import hf_prefill_timer
+
+    torch.set_num_threads(threads)
+    prefiller = Prefiller(lengths, threads, tiny)
+    hf_prefill = hf_prefill_timer(prefiller.config, threads)
+    best = {kind: dict.fromkeys(map(str, lengths), float("inf")) for kind in ("prefill", "against", "hf")}
+    with tempfile.TemporaryDirectory() as scratch:
+        arguments = ["--serve", str(rounds), "--threads", str(threads), "--tokens", *map(str, lengths)]
+        arguments += ["--tiny"] if tiny else []
+        children = [serve_in(against, Path(__file__), arguments, Path(scratch) / "against")] if against else []
+        for _ in range(rounds):               # interleaved: ours, the checkout's, HF's, in turn
+            timed = {"prefill": prefiller.round()}
+            for child in children:
+                timed["against"] = next_round(child)
+            timed["hf"] = {}
+            for n, tokens in prefiller.tokens.items():
+                start = time.perf_counter()
+                hf_prefill(tokens)
+                timed["hf"][str(n)] = time.perf_counter() - start
+            for kind, seconds in timed.items():
+                for n, s in seconds.items():
+                    best[kind][n] = min(best[kind][n], s)
+        finish(children)
+    rows = []
+    for n in map(str, lengths):
+        row = dict(tokens=int(n), threads=threads, prefill_s=round(best["prefill"][n], 4),
+                   hf_s=round(best["hf"][n], 4), prefill_over_hf=round(best["prefill"][n] / best["hf"][n], 3))
+        if against is not None:
+            row["against_s"] = round(best["against"][n], 4)
+            row["against_over_hf"] = round(best["against"][n] / best["hf"][n], 3)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.prefill", description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--against", type=Path, help="another checkout whose model to time beside this one")
+    parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)     # the smoke test's model
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve_rounds(args.serve, args.tokens, args.threads, args.tiny)
+        return
+    rows = run(args.tokens, args.threads, args.rounds, args.against, args.tiny)
+    against = args.against is not None
+    print(f"{'tokens':>6} {'threads':>7} {'prefill s':>9} {'HF s':>7} {'prefill/HF':>10}"
+          + (f" {'against s':>9} {'against/HF':>10}" * against))
+    for row in rows:
+        print(f"{row['tokens']:>6} {row['threads']:>7} {row['prefill_s']:>9.3f} {row['hf_s']:>7.3f}"
+              f" {row['prefill_over_hf']:>10.3f}"
+              + (f" {row['against_s']:>9.3f} {row['against_over_hf']:>10.3f}" if against else ""))
+    from .restore import THREAD_VARS
+
+    env = " ".join(f"{var}={args.threads}" for var in THREAD_VARS)
+    print(f"reproduce: {env} python -m kvstate.bench.prefill --threads {args.threads} --rounds {args.rounds}"
+          f" --tokens {' '.join(map(str, args.tokens))}" + (f" --against {args.against}" if against else ""))
+
+
+if __name__ == "__main__":
+    main()
