@@ -210,9 +210,9 @@ class Cache:
         return {page.page_id for ctx in self._contexts.values() for page in ctx._pages}
 
     def _close(self, ctx: Context) -> None:
-        with self.lock:
-            self._release(ctx)
-            del self._contexts[ctx.context_id]
+        """``ctx`` released and forgotten (the caller holds the cache lock)."""
+        self._release(ctx)
+        del self._contexts[ctx.context_id]
 
     # -- the prefix tree -------------------------------------------------------------
 

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from .cache import Cache
 
 
+_new_context = object.__new__    # ``fork`` builds a child without ``__init__``
 _KEY = np.dtype("<i4")      # radix.pack's packing: the key ``retain`` stores
 
 
@@ -333,7 +334,29 @@ class Context:
         with cache.lock:
             if self._busy or self._closed:
                 self._refuse_use()
-            return cache._fork(self)
+            pages, ids, n = self._pages, self._slots, len(self._pages)
+            if len(ids) != n or len(self._base) > n or -(-self._length // cache.page_tokens) != n:
+                return cache._fork(self)        # slots to rebuild, a base to reset, pages to drop: the general path
+            # ``Cache._fork`` at full length, spelled out: the pending count (``PagePool.share``),
+            # then the child built slot by slot (a quarter cheaper than ``__init__``'s call).
+            books = cache.pool.books
+            entry = books.pending.get(id(ids))
+            if entry is not None and entry[0] is ids:
+                entry[1] += 1
+            else:
+                books.share(ids)
+            child = _new_context(Context)
+            child._cache = cache
+            child.context_id = context_id = cache._next_context_id = cache._next_context_id + 1
+            child._pages = pages
+            child._slots = ids
+            child._base = self._base
+            child._base_slots = self._base_slots
+            child._length = self._length
+            child._key = self._key
+            child._closed = child._busy = False
+            cache._contexts[context_id] = child
+            return child
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
@@ -368,8 +391,11 @@ class Context:
 
     def close(self) -> None:
         """Release every page. Any later use raises ``ContextClosedError``."""
-        with self._owned():
-            self._cache._close(self)
+        cache = self._cache
+        with cache.lock:        # all of it under the cache lock, as in ``fork``: no busy flag to set
+            if self._busy or self._closed:
+                self._refuse_use()
+            cache._close(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self._length} positions in {len(self._pages)} pages"

@@ -163,6 +163,29 @@ def test_a_fork_of_32_pages_bumps_their_refcounts_in_the_array():
     assert cache.pool.refcounts[slots].tolist() == [0] * 32 and cache.stats()["live_pages"] == 0
 
 
+@pytest.mark.parametrize("planted", ["slots short of the pages", "pages past the length", "base past the pages"])
+def test_a_fork_of_a_context_whose_books_disagree_takes_the_general_path(planted):
+    """``Context.fork`` builds a whole fork inline only while the page list, its refcount slots,
+    the kept base and the length agree; a context a test's planted bug has bent gets the general
+    path (``Cache._fork``), which rebuilds the slots, drops a stale base and holds only the pages
+    the length needs. Either way the child's counts and slots are exact."""
+    cache = Cache(TINY, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))      # 4 pages
+    if planted == "slots short of the pages":
+        ctx._slots = ctx._slots[:2]
+    elif planted == "pages past the length":
+        ctx._length = 5                                     # 3 pages needed, 4 held
+    else:
+        ctx._base = ctx._pages + ctx._pages[:1]
+    fork = ctx.fork()
+    kept = 3 if planted == "pages past the length" else 4
+    assert fork._pages == ctx._pages[:kept] and len(fork._base) <= kept
+    assert list(fork._slots) == [page.ref for page in fork._pages]
+    assert [page.refcount for page in ctx._pages] == [2] * kept + [1] * (4 - kept)
+    assert [page.refcount for page in fork._pages] == [2] * kept
+
+
 def test_forks_closed_before_any_count_is_read_touch_no_refcount_and_reads_are_exact(monkeypatch):
     """A fork is one pending count on its run (``pages.Refcounts``); closing a fork of the same run
     takes it back; anything reading a count gets every pending share added first."""
