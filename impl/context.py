@@ -335,6 +335,7 @@ class Context:
             if self._busy or self._closed:
                 self._refuse_use()
             pages, ids, n = self._pages, self._slots, len(self._pages)
+            # the last test is ``pages_needed(self._length) != n``, spelled out
             if len(ids) != n or len(self._base) > n or -(-self._length // cache.page_tokens) != n:
                 return cache._fork(self)        # slots to rebuild, a base to reset, pages to drop: the general path
             # ``Cache._fork`` at full length, spelled out: the pending count (``PagePool.share``),
