@@ -96,10 +96,11 @@ def run(quick: bool = False) -> dict:
 
 FORK_DESIGN = ("built: a slotted context whose owner is a flag under the cache lock (no lock per context), "
                "and a fork that builds its child slot by slot (no __init__ call) and leaves one pending count "
-               "per run; what remains over the floor: that count's dict step, the checks that the page list, "
-               "slots and length agree (the general path takes over where they do not), the id and the "
-               "registration. What would pass: contexts found through the runs they hold rather than a "
-               "registry, and the count kept on the run object itself, not in a dict keyed by it")
+               "per run; what remains over the floor, each part timed by leaving it out (2026-12-04): the "
+               "count's dict step ~0.25 us, the tests that the page list, slots, base and length agree "
+               "~0.25 us (where they do not, the general path takes over), the registration ~0.02 us. "
+               "What would pass: the page list, slots and length in one object replaced whole, so that a "
+               "fork takes it by reference with nothing to test, and the pending count kept on that object")
 
 
 def bare_forks(ctx) -> list:
