@@ -96,9 +96,9 @@ def run(quick: bool = False) -> dict:
 
 FORK_DESIGN = ("built: a slotted context whose owner is a flag under the cache lock (no lock per context), "
                "and a fork that builds its child slot by slot (no __init__ call) and leaves one pending count "
-               "per run; what remains over the floor, each part timed by leaving it out (2026-12-05): the "
-               "count's dict step ~0.25 us, the tests that the page list, slots, base and length agree "
-               "~0.25 us (where they do not, the general path takes over), the registration ~0.02 us. "
+               "per run; what remains over the floor: the count's dict step and the tests that the page "
+               "list, slots, base and length agree (where they do not, the general path takes over), "
+               "about equal shares, and the registration, next to nothing. "
                "What would pass: the page list, slots and length in one object replaced whole, so that a "
                "fork takes it by reference with nothing to test, and the pending count kept on that object")
 

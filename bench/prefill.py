@@ -9,7 +9,10 @@ same tokens, in the same process (HF's time moves 10-20% between runs on a share
 change to the model is judged by ``--against``: the other checkout's model runs in its own
 process, ``bench/checkouts.py``, its rounds interleaved with ours and HF's). BLAS reads its thread
 count at import, hence the variables; ``--threads`` sets torch's and the model's own (``GPT2(threads=)``).
-Timings are printed, never asserted.
+``attention s`` and ``HF attention s`` are the parts of those best rounds spent in attention: the
+model's ``attend`` and the ``torch.nn.functional.scaled_dot_product_attention`` that transformers'
+GPT-2 calls (its default ``sdpa`` attention; "-" where it called none). Timings are printed, never
+asserted.
 """
 
 from __future__ import annotations
@@ -41,13 +44,38 @@ class Prefiller:
         self.tokens = {n: rng.integers(0, self.config.vocab_size, n) for n in lengths}
 
     def round(self) -> dict[str, float]:
-        seconds = {}
-        for n, tokens in self.tokens.items():
-            with self.cache.allocate() as ctx:
-                start = time.perf_counter()
-                self.model.prefill(ctx, tokens)
-                seconds[str(n)] = time.perf_counter() - start
-        return seconds
+        return {str(n): self.prefill(n) for n in self.tokens}
+
+    def prefill(self, n: int) -> float:
+        with self.cache.allocate() as ctx:
+            start = time.perf_counter()
+            self.model.prefill(ctx, self.tokens[n])
+            return time.perf_counter() - start
+
+
+class TimeIn:
+    """``with TimeIn(module, name) as spent:`` -- ``spent.seconds`` is the time the block spends in
+    ``spent.calls`` calls of ``module.name``, a function its callers look up on the module at each call."""
+
+    def __init__(self, module, name: str):
+        self.module, self.name = module, name
+
+    def __enter__(self) -> "TimeIn":
+        self.seconds, self.calls = 0.0, 0
+        self.original = original = getattr(self.module, self.name)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+        setattr(self.module, self.name, timed)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.module, self.name, self.original)
 
 
 def serve_rounds(rounds: int, lengths: list[int], threads: int, tiny: bool) -> None:
@@ -66,31 +94,43 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
     from .checkouts import finish, next_round, serve_in
     from .restore import hf_prefill_timer
 
+    from kvstate.model import numpy_gpt2
+
     torch.set_num_threads(threads)
     prefiller = Prefiller(lengths, threads, tiny)
     hf_prefill = hf_prefill_timer(prefiller.config, threads)
     best = {kind: dict.fromkeys(map(str, lengths), float("inf")) for kind in ("prefill", "against", "hf")}
+    attention = {kind: {} for kind in ("prefill", "hf")}     # the best round's seconds in attention
     with tempfile.TemporaryDirectory() as scratch:
         arguments = ["--serve", str(rounds), "--threads", str(threads), "--tokens", *map(str, lengths)]
         arguments += ["--tiny"] if tiny else []
         children = [serve_in(against, Path(__file__), arguments, Path(scratch) / "against")] if against else []
         for _ in range(rounds):               # interleaved: ours, the checkout's, HF's, in turn
-            timed = {"prefill": prefiller.round()}
+            timed, spent = {"prefill": {}, "hf": {}}, {"prefill": {}, "hf": {}}
+            for n in prefiller.tokens:
+                with TimeIn(numpy_gpt2, "attend") as inside:
+                    timed["prefill"][str(n)] = prefiller.prefill(n)
+                spent["prefill"][str(n)] = inside.seconds
             for child in children:
                 timed["against"] = next_round(child)
-            timed["hf"] = {}
             for n, tokens in prefiller.tokens.items():
-                start = time.perf_counter()
-                hf_prefill(tokens)
-                timed["hf"][str(n)] = time.perf_counter() - start
+                with TimeIn(torch.nn.functional, "scaled_dot_product_attention") as inside:
+                    start = time.perf_counter()
+                    hf_prefill(tokens)
+                    timed["hf"][str(n)] = time.perf_counter() - start
+                spent["hf"][str(n)] = inside.seconds if inside.calls else None
             for kind, seconds in timed.items():
                 for n, s in seconds.items():
+                    if s < best[kind][n] and kind in attention:
+                        attention[kind][n] = spent[kind][n]
                     best[kind][n] = min(best[kind][n], s)
         finish(children)
     rows = []
     for n in map(str, lengths):
         row = dict(tokens=int(n), threads=threads, prefill_s=round(best["prefill"][n], 4),
-                   hf_s=round(best["hf"][n], 4), prefill_over_hf=round(best["prefill"][n] / best["hf"][n], 3))
+                   hf_s=round(best["hf"][n], 4), prefill_over_hf=round(best["prefill"][n] / best["hf"][n], 3),
+                   attention_s=round(attention["prefill"][n], 6),
+                   hf_attention_s=None if attention["hf"][n] is None else round(attention["hf"][n], 6))
         if against is not None:
             row["against_s"] = round(best["against"][n], 4)
             row["against_over_hf"] = round(best["against"][n] / best["hf"][n], 3)
@@ -113,10 +153,11 @@ def main(argv=None) -> None:
     rows = run(args.tokens, args.threads, args.rounds, args.against, args.tiny)
     against = args.against is not None
     print(f"{'tokens':>6} {'threads':>7} {'prefill s':>9} {'HF s':>7} {'prefill/HF':>10}"
-          + (f" {'against s':>9} {'against/HF':>10}" * against))
+          f" {'attention s':>11} {'HF attention s':>14}" + (f" {'against s':>9} {'against/HF':>10}" * against))
     for row in rows:
+        hf_attention = "-" if row["hf_attention_s"] is None else f"{row['hf_attention_s']:.3f}"
         print(f"{row['tokens']:>6} {row['threads']:>7} {row['prefill_s']:>9.3f} {row['hf_s']:>7.3f}"
-              f" {row['prefill_over_hf']:>10.3f}"
+              f" {row['prefill_over_hf']:>10.3f} {row['attention_s']:>11.3f} {hf_attention:>14}"
               + (f" {row['against_s']:>9.3f} {row['against_over_hf']:>10.3f}" if against else ""))
     from .restore import THREAD_VARS
 

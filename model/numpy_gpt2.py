@@ -175,7 +175,6 @@ def gelu(x: np.ndarray) -> np.ndarray:
     return np.divide(x, minus_two_z, out=minus_two_z)
 
 
-
 def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: int, threads: int = 1) -> np.ndarray:
     """Causal attention of queries at positions ``start..start+n-1`` over key/value ``blocks`` ``(t, H, D)``.
 

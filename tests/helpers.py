@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import settings as Settings
 
 from kvstate import Cache, Layout
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.protocol import Config
-from hypothesis import settings as Settings
-
 from kvstate.stateful.configs import PROFILES
 from kvstate.stateful.conform import conform
 from kvstate.stateful.ops import values_for

@@ -101,7 +101,6 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
 
 
 def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
-
     from kvstate.bench import token_input
 
     result = token_input.run(quick=True)
@@ -114,7 +113,6 @@ def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
 
 def test_extend_bench_times_the_floor_and_another_checkout_beside_extend():
     from pathlib import Path
-
 
     from kvstate.bench import extend
 
@@ -150,3 +148,5 @@ def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
     assert [row["tokens"] for row in rows] == [5, 9]
     for row in rows:
         assert row["prefill_s"] > 0 and row["hf_s"] > 0 and row["against_s"] > 0 and row["threads"] == 1
+        # the attention inside each: transformers' GPT-2 runs torch's fused attention by default
+        assert 0 < row["attention_s"] < row["prefill_s"] and 0 < row["hf_attention_s"] < row["hf_s"]
