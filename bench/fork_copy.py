@@ -11,7 +11,7 @@ import copy
 import numpy as np
 
 from kvstate.impl import Cache
-from kvstate.impl.context import Context
+from kvstate.impl.context import FREE, Context
 from kvstate.impl.context import _new_context as new_context
 from kvstate.model import GPT2Config
 
@@ -94,33 +94,26 @@ def run(quick: bool = False) -> dict:
     }
 
 
-FORK_DESIGN = ("built: a slotted context whose owner is a flag under the cache lock (no lock per context), "
-               "and a fork that builds its child slot by slot (no __init__ call) and leaves one pending count "
-               "per run; what remains over the floor: the count's dict step and the tests that the page "
-               "list, slots, base and length agree (where they do not, the general path takes over), "
-               "about equal shares, and the registration, next to nothing. "
-               "What would pass: the page list, slots and length in one object replaced whole, so that a "
-               "fork takes it by reference with nothing to test, and the pending count kept on that object")
+FORK_DESIGN = ("built: a slotted context whose owner is a flag under the cache lock (no lock per context); "
+               "its page list, slots, length, key and base in one Holding that every change replaces whole, "
+               "so a fork's child holds the very same object (one reference copied, nothing to test) and the "
+               "fork's pending count is an int on it; the child built slot by slot (no __init__ call). "
+               "What remains over the floor: that count and the child's registration in the cache")
 
 
 def bare_forks(ctx) -> list:
     """What a fork cannot do without, ``WAYS`` times: the cache lock, the busy-flag test and a new
-    context object holding the parent's page tuple, slots and key; no refcount step. Never closed
+    context object holding its parent's holding; no refcount step, no registration. Never closed
     (nothing was counted): the caller drops them."""
     cache, out = ctx._cache, []
     for _ in range(WAYS):
         with cache.lock:
-            if ctx._busy or ctx._closed:
+            if ctx._use:
                 raise RuntimeError("the bench's context is in use")
             child = new_context(Context)          # as ``Context.fork`` builds its child
             child._cache = cache
             child.context_id = cache._next_context_id = cache._next_context_id + 1
-            child._pages = ctx._pages
-            child._slots = ctx._slots
-            child._base = ctx._base
-            child._base_slots = ctx._base_slots
-            child._length = ctx._length
-            child._key = ctx._key
-            child._closed = child._busy = False
+            child._holding = ctx._holding
+            child._use = FREE
             out.append(child)
     return out

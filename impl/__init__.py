@@ -3,6 +3,7 @@
 Where things live:
 - ``cache.py``    the cache: store, pool, tree, live contexts, the lock
 - ``context.py``  contexts; ``Context.writable`` is the only place a page is copied
+- ``holding.py``  what a context holds (pages, refcount slots, length, key), replaced whole on every change
 - ``pages.py``    pages, refcounts, and the one release path
 - ``radix.py``    the radix prefix tree (match, retain, eviction)
 - ``arena.py``    slot books for a preallocated arena

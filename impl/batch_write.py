@@ -72,7 +72,7 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
             raise
         with cache.lock:
             for ctx, start in zip(contexts, starts):
-                ctx._length = start + n
+                ctx._holding = ctx._holding.with_length(start + n)
 
 
 def _rows(values, rows: int, what: str) -> list:

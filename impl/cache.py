@@ -2,7 +2,7 @@
 
 Concurrency: one lock, and one busy flag per context.
 
-1. ``Context._busy`` (``Context._owned``): a flag tested and set under the cache
+1. ``Context._use`` (``Context._owned``): a flag (BUSY) tested and set under the cache
    lock, never waited for: a second thread using the same context at the same
    time gets ``ContextBusyError``, a closed one ``ContextClosedError``. Every
    public operation on a context takes it, readers too (``tokens``, ``read``,
@@ -17,7 +17,7 @@ Concurrency: one lock, and one busy flag per context.
    the radix tree and its clock, the arena's slot books, the page pool and the
    store counters. Nothing waits for a busy flag, so nothing can deadlock.
 
-Outside the cache lock, under the context's ``_busy`` only: validating and
+Outside the cache lock, while the context is ``BUSY`` only: validating and
 encoding the caller's values, writing value bytes and token ids into pages
 (``Context._write``), reading them back (``read``, ``tokens``, the key of
 ``retain``), and a snapshot's file I/O. This is safe because a write goes only
@@ -60,10 +60,11 @@ from kvstate.spec.precision import check_precision
 from kvstate.spec.protocol import Config
 from kvstate.spec.snapshot_format import body_size
 
-from .context import Context
+from .context import CLOSED, Context
+from .holding import RELEASED, Holding
 from .matching import finder_for
 from .observing import PageViews, page_ids
-from .pages import PagePool
+from .pages import PagePool, ref_slots
 from .pool_policy import PoolPolicy
 from .query import packed_query, unpacked
 from .radix import RadixTree
@@ -160,9 +161,13 @@ class Cache:
 
     # -- contexts ------------------------------------------------------------------
 
-    def _new_context(self, pages, length: int, register: bool = True, ids=None, key=None) -> Context:
+    def _new_context(self, pages, length: int, register: bool = True) -> Context:
+        """A context holding ``pages`` (new, held once) and the first ``length`` positions in them."""
+        pages = tuple(pages)        # a tuple stays itself
+        slots = ref_slots(pages) if pages else range(0)
         self._next_context_id += 1
-        ctx = Context(self, self._next_context_id, tuple(pages), length, ids, key)    # a tuple stays itself
+        ctx = Context(self, self._next_context_id, Holding(pages, slots, length, b"" if length == 0 else None,
+                                                            pages, slots))
         if register:
             self._contexts[ctx.context_id] = ctx
         return ctx
@@ -176,34 +181,33 @@ class Cache:
         """A context holding ``ctx``'s first ``length`` positions (all by default): the pages
         that hold them, shared, nothing copied. A partly used last page stays shared until a
         write makes it private through ``writable``. The caller holds the cache lock."""
-        if length is None:
-            length = ctx._length
-        n = (length + self.page_tokens - 1) // self.page_tokens     # pages_needed, spelled out: the hottest path
-        pages, base, base_ids = ctx._pages, ctx._base, ctx._base_slots
-        if n != len(pages):           # a prefix: the kept base tuple and its slots when it is that prefix, else a slice
-            if len(base) == n and len(base_ids) == n:
-                pages = base
-                ids = base_ids
-            else:
-                pages = base = pages[:n]
-                ids = base_ids = ctx._ref_slots(n)
+        held = ctx._holding
+        if length is None or length == held.length:     # all of it: ``Context.fork``'s way, the same holding
+            self.pool.books.share_holding(held)
+            holding = held
         else:
-            ids = ctx._slots if len(ctx._slots) == n else ctx._ref_slots(n)     # the call only when it slices
-            if len(base) > n:         # a base left longer than the pages (a test's planted truncate)
-                base, base_ids = pages, ids
-        self.pool.share(ids)          # one pending count for the run (pages.Refcounts); the child's ids: a view, or the base's own
-        self._next_context_id += 1    # ``_new_context`` spelled out
-        child = Context(self, self._next_context_id, pages, length, ids, ctx._key, base, base_ids)
+            n = (length + self.page_tokens - 1) // self.page_tokens     # pages_needed, spelled out: the hottest path
+            if n == len(held.pages):    # inside the last page: every page, and the base kept
+                holding = Holding(held.pages, held.slots, length, held.key, held.base, held.base_slots)
+            elif len(held.base) == n:   # the kept base tuple and its slots: no slice of the page list
+                holding = Holding(held.base, held.base_slots, length, held.key, held.base, held.base_slots)
+            else:
+                pages, slots = held.pages[:n], held.slots[:n]
+                holding = Holding(pages, slots, length, held.key, pages, slots)
+            self.pool.books.share(holding.slots)    # one pending count on the run (pages.Refcounts): hits at one prefix share it
+        self._next_context_id += 1
+        child = Context(self, self._next_context_id, holding)
         if register:
             self._contexts[child.context_id] = child
         return child
 
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
-        self.pool.release_slots(ctx._pages, ctx._ref_slots(len(ctx._pages)))
-        ctx._pages = ctx._base = ()
-        ctx._slots = ctx._base_slots = ctx._slots[:0]
-        ctx._closed = True
+        holding = ctx._holding
+        if not self.pool.books.withdraw_holding(holding):     # a holder not counted yet: no count to touch
+            self.pool.release_slots(holding.pages, holding.slots)
+        ctx._holding = RELEASED
+        ctx._use = CLOSED
 
     def _context_page_ids(self) -> set[int]:
         """Live pages some context lists (under the lock): what evicting every entry would leave."""
@@ -223,7 +227,7 @@ class Cache:
         # ``fork``'s way when the context keeps its key (every write keeps it): the whole retain
         # under the cache lock, so the busy flag is only tested, no ``_owned`` taken and dropped.
         with self.lock:
-            if ctx._busy or ctx._closed:
+            if ctx._use:
                 ctx._refuse_use()
             if ctx._length == 0:
                 raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")

@@ -1,6 +1,8 @@
 """A context: an ordered list of page references and a length.
 
-``fork`` copies the list and bumps refcounts; nothing else. ``writable`` is the
+Both live in the context's ``Holding`` (``impl/holding.py``), one object that every change
+replaces whole. ``fork`` hands the child that very object and counts one more holder of its
+pages (pending until a count is read: ``pages.Refcounts``); nothing else. ``writable`` is the
 only place in kvstate where a page is copied, and it copies only a page that
 another holder shares. Every write path goes through it.
 
@@ -22,6 +24,7 @@ from kvstate.spec.arithmetic import pages_touched, span_in_page, truncate_keep
 from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionError
 from kvstate.spec.layout import check_tokens, check_values
 
+from .holding import Holding
 from .pages import Page, joined_slots, ref_slots
 from .query import packed_ids
 from .snapshot import write_snapshot
@@ -31,6 +34,9 @@ if TYPE_CHECKING:
 
 
 _new_context = object.__new__    # ``fork`` builds a child without ``__init__``
+
+# ``Context._use``: one field, not a busy and a closed flag, so the hottest paths test one slot.
+FREE, BUSY, CLOSED = 0, 1, 2
 _KEY = np.dtype("<i4")      # radix.pack's packing: the key ``retain`` stores
 
 
@@ -38,41 +44,43 @@ class Context:
     # Slots: a fork builds one of these on the hottest path, and a slotted object is built faster
     # (no per-instance dict). A subclass that swaps ``__class__`` in (a test's planted bug)
     # declares ``__slots__ = ()``.
-    __slots__ = ("_cache", "context_id", "_pages", "_base", "_length", "_closed", "_busy", "_slots", "_key",
-                 "_base_slots", "__weakref__")
+    __slots__ = ("_cache", "context_id", "_holding", "_use", "__weakref__")
 
-    def __init__(self, cache: "Cache", context_id: int, pages: tuple[Page, ...], length: int,
-                 ids: np.ndarray | None = None, key: bytes | None = None, base: tuple[Page, ...] | None = None,
-                 base_ids=None):
+    def __init__(self, cache: "Cache", context_id: int, holding: Holding):
         self._cache = cache
         self.context_id = context_id
-        # A tuple, replaced on every change and never changed in place: a fork holding all of
-        # its parent's pages shares the very same tuple (``pages[:n]`` of a tuple with n pages
-        # is that tuple), so a fork or match hit of k pages copies no list of k references.
-        self._pages = pages
-        # A tuple that is a prefix of ``_pages`` (the very objects, in order): the page list this
-        # context was forked with, kept through appends. A fork at exactly its length takes it
-        # whole instead of slicing ``_pages``: requests hitting at a shared system prompt fork
-        # entries that each extended that same tuple, so the hit copies no list of page
-        # references (a slice increfs every page: the cost of a one-token-page hit). Whatever
-        # replaces a page below its end resets it (``writable``, ``_keep_first``, release).
-        self._base = pages if base is None else base
-        self._length = length
-        self._closed = False
-        # True while one operation holds this context (``_owned``); set and tested only under the
-        # cache lock, so a flag does what a lock per context did, and a fork builds no lock.
-        self._busy = False
-        # The refcount slots of ``_pages`` (a prefix of them at least: see ``_ref_slots``), for the
-        # pool's vectorised refcount steps: a range or an int array (``pages.ref_slots``). Never
-        # written in place: a fork's is a slice of its parent's, or its parent's ``_base_slots`` itself.
-        self._slots = ids if ids is not None else ref_slots(pages) if pages else range(0)
-        # The refcount slots of ``_base``, kept beside it: a hit that takes the base whole shares
-        # these, a range where the base was one extend's pages, so the count it leaves pending is
-        # one slice add (``pages.Refcounts.flush``), not a scatter over an array view of ``_slots``.
-        self._base_slots = self._slots if base is None else base_ids
-        # The packed tokens (``radix.pack``) of positions [0, _length) at least, or None when
-        # unknown; kept by ``_write`` so ``retain`` need not re-read every page's token ids.
-        self._key = b"" if length == 0 else key
+        # The pages, their refcount slots, the length, the key and the base, in one object that
+        # every change replaces whole (``impl/holding.py``): a fork's child holds the same one.
+        self._holding = holding
+        # BUSY while one operation holds this context (``_owned``), CLOSED once closed, else FREE;
+        # set and tested only under the cache lock, so a flag does what a lock per context did,
+        # and a fork builds no lock.
+        self._use = FREE
+
+    # The holding's parts, read-only: every change builds a new ``Holding``.
+    @property
+    def _pages(self) -> tuple[Page, ...]:
+        return self._holding.pages
+
+    @property
+    def _slots(self):
+        return self._holding.slots
+
+    @property
+    def _length(self) -> int:
+        return self._holding.length
+
+    @property
+    def _key(self) -> bytes | None:
+        return self._holding.key
+
+    @property
+    def _base(self) -> tuple[Page, ...]:
+        return self._holding.base
+
+    @property
+    def _base_slots(self):
+        return self._holding.base_slots
 
     # -- ownership ---------------------------------------------------------------
 
@@ -82,8 +90,8 @@ class Context:
 
     def _refuse_use(self) -> None:
         """Raise what a use of this busy or closed context gets (under the cache lock). Callers that
-        test the flags inline (``fork``, ``Cache.retain``: the hottest paths) and ``_owned`` share it."""
-        if self._busy:
+        test the flag inline (``fork``, ``Cache.retain``: the hottest paths) and ``_owned`` share it."""
+        if self._use == BUSY:
             raise ContextBusyError(f"context {self.context_id} is in use by another thread")
         raise ContextClosedError(f"context {self.context_id} is closed")
 
@@ -91,17 +99,17 @@ class Context:
         return self
 
     def __exit__(self, *exc) -> None:
-        if not self._closed:
+        if self._use != CLOSED:
             self.close()
 
     # -- reading -------------------------------------------------------------------
 
     def __len__(self) -> int:
-        return self._length
+        return self._holding.length
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._use == CLOSED
 
     @property
     def page_tokens(self) -> int:
@@ -112,16 +120,10 @@ class Context:
         with self._owned():
             return self._tokens().tolist()
 
-    def _ref_slots(self, n: int) -> np.ndarray:
-        """The refcount slots of the first ``n`` pages. The engine keeps ``_slots`` in step with ``_pages``
-        (``writable``, ``extend``, ``truncate``, release); a list grown behind its back (a test's
-        planted bug) is still a prefix of it, so a short array is rebuilt rather than trusted."""
-        ids = self._slots
-        if len(ids) == n:
-            return ids
-        if len(ids) < n:
-            ids = self._slots = ref_slots(self._pages)
-        return ids[:n]
+    def _ref_slots(self, n: int):
+        """The refcount slots of the first ``n`` pages."""
+        slots = self._holding.slots
+        return slots if len(slots) == n else slots[:n]
 
     def _packed_key(self) -> bytes:
         """``radix.pack(self._tokens())``, from the kept key when there is one."""
@@ -130,7 +132,8 @@ class Context:
 
     def _kept_key(self) -> bytes | None:
         """``radix.pack(self._tokens())`` from the kept key, reading no page; None when no key is kept."""
-        key, size = self._key, 4 * self._length
+        holding = self._holding
+        key, size = holding.key, 4 * holding.length
         if key is None or len(key) < size:
             return None
         return key if len(key) == size else key[:size]
@@ -220,13 +223,11 @@ class Context:
                 return page
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
-            self._pages = (*self._pages[:index], private, *self._pages[index + 1:])
-            ids = np.array(self._ref_slots(len(self._pages)), np.intp)     # a copy: a fork may view the old one
-            ids[index] = private.ref
-            self._slots = ids
-            if index < len(self._base):
-                self._base = self._pages
-                self._base_slots = ids
+            holding = self._holding
+            pages = (*holding.pages[:index], private, *holding.pages[index + 1:])
+            slots = np.array(holding.slots, np.intp)     # a copy: a fork may hold the old one
+            slots[index] = private.ref
+            self._holding = holding.replaced(pages, slots, keep_base=index >= len(holding.base))
             return private
 
     def extend(self, tokens, kv) -> None:
@@ -243,7 +244,7 @@ class Context:
                 self._grow(start, stop)
             self._write(start, stop, tokens, encoded)
             with self._cache.lock:
-                self._length = stop
+                self._holding = self._holding.with_length(stop)
 
     def _pages_to_grow(self, start: int, stop: int) -> int:
         """Pages an append of ``[start, stop)`` takes from the pool: the new ones, plus a copy of the
@@ -257,9 +258,11 @@ class Context:
         first, end = pages_touched(start, stop, self.page_tokens)
         if first < len(self._pages):
             self.writable(first)           # the partly filled last page
-        held = len(self._pages)
-        self._pages += tuple(self._cache.pool.new_pages(end - held, room_made=True))
-        self._slots = joined_slots(self._ref_slots(held), ref_slots(self._pages[held:]))
+        holding = self._holding
+        if end > len(holding.pages):
+            grown = tuple(self._cache.pool.new_pages(end - len(holding.pages), room_made=True))
+            self._holding = holding.replaced(holding.pages + grown, joined_slots(holding.slots, ref_slots(grown)),
+                                             keep_base=True)
         self._raise_filled(start, stop)
 
     def overwrite(self, start: int, tokens, kv) -> None:
@@ -310,7 +313,7 @@ class Context:
             key = key[:4 * start] + packed + key[4 * stop:4 * self._length]
         else:
             key = None
-        self._key = None        # unknown while the pages are half written
+        self._holding = self._holding.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
         raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
         for index in range(*pages_touched(start, stop, self.page_tokens)):
@@ -319,7 +322,7 @@ class Context:
             page = self._pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
             page.token_bytes[8 * lo:8 * hi] = raw[8 * row:8 * (row + hi - lo)]
-        self._key = key
+        self._holding = self._holding.with_key(key)
 
     # -- structure -------------------------------------------------------------------
 
@@ -332,30 +335,21 @@ class Context:
         # delivered between the two would leave the cache lock held for good.
         cache = self._cache
         with cache.lock:
-            if self._busy or self._closed:
+            if self._use:
                 self._refuse_use()
-            pages, ids, n = self._pages, self._slots, len(self._pages)
-            # the last test is ``pages_needed(self._length) != n``, spelled out
-            if len(ids) != n or len(self._base) > n or -(-self._length // cache.page_tokens) != n:
-                return cache._fork(self)        # slots to rebuild, a base to reset, pages to drop: the general path
-            # ``Cache._fork`` at full length, spelled out: the pending count (``PagePool.share``),
-            # then the child built slot by slot (a quarter cheaper than ``__init__``'s call).
-            books = cache.pool.books
-            entry = books.pending.get(id(ids))
-            if entry is not None and entry[0] is ids:
-                entry[1] += 1
+            # The child holds this very holding, its count pending on it (``Refcounts.share_holding``,
+            # spelled out after the first fork since a flush), and is built slot by slot: a quarter
+            # cheaper than ``__init__``'s call.
+            holding = self._holding
+            if holding.forks:
+                holding.forks += 1
             else:
-                books.share(ids)
+                cache.pool.books.share_holding(holding)
             child = _new_context(Context)
             child._cache = cache
             child.context_id = context_id = cache._next_context_id = cache._next_context_id + 1
-            child._pages = pages
-            child._slots = ids
-            child._base = self._base
-            child._base_slots = self._base_slots
-            child._length = self._length
-            child._key = self._key
-            child._closed = child._busy = False
+            child._holding = holding
+            child._use = FREE
             cache._contexts[context_id] = child
             return child
 
@@ -371,15 +365,12 @@ class Context:
 
     def _keep_first(self, n: int) -> None:
         """Keep the first ``n`` positions and release the pages past them (under the cache lock)."""
-        keep, _released = truncate_keep(self._length, n, self.page_tokens)
-        for page in self._pages[keep:]:
+        holding = self._holding
+        keep, _released = truncate_keep(holding.length, n, self.page_tokens)
+        for page in holding.pages[keep:]:
             self._cache.pool.release(page)
-        self._pages = self._pages[:keep]
-        self._slots = self._slots[:keep]
-        if len(self._base) > keep:
-            self._base = self._pages
-            self._base_slots = self._slots
-        self._length = n
+        kept = holding.replaced(holding.pages[:keep], holding.slots[:keep], keep_base=len(holding.base) <= keep)
+        self._holding = kept.with_length(n)
 
     def snapshot(self, target, deadline_s: float | None = None) -> None:
         """Write tokens and values, in the cache's own precision, to a path or URL (atomically) or binary stream.
@@ -394,12 +385,12 @@ class Context:
         """Release every page. Any later use raises ``ContextClosedError``."""
         cache = self._cache
         with cache.lock:        # all of it under the cache lock, as in ``fork``: no busy flag to set
-            if self._busy or self._closed:
+            if self._use:
                 self._refuse_use()
             cache._close(self)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"{self._length} positions in {len(self._pages)} pages"
+        state = "closed" if self._use == CLOSED else f"{self._length} positions in {len(self._pages)} pages"
         return f"<Context {self.context_id}: {state}>"
 
 
@@ -418,12 +409,14 @@ class _Ownership:
     def __enter__(self) -> None:
         ctx = self.ctx
         with ctx._cache.lock:       # ``with``: see ``Context.fork``
-            if ctx._busy or ctx._closed:
+            if ctx._use:
                 ctx._refuse_use()
-            ctx._busy = True
+            ctx._use = BUSY
 
     def __exit__(self, *exc) -> None:
-        self.ctx._busy = False
+        ctx = self.ctx
+        if ctx._use == BUSY:        # still: nothing closes a context another operation holds
+            ctx._use = FREE
 
 
 def _position(value) -> int | None:

@@ -35,7 +35,7 @@ class LayerReader:
         (``2 * part + kind``: K then V of the store's first array, then of its second, q8's scales):
         the pages after the first ``skip``. Empty for an empty context."""
         ctx = self.context
-        if ctx._closed:
+        if ctx.closed:
             raise ContextClosedError(f"context {ctx.context_id} is closed")
         if ctx._pages is not self._pages:
             self._rebuild(ctx._pages)

@@ -33,45 +33,51 @@ class Refcounts:
     page reaching it through the box rather than through the pool makes no reference cycle
     (the pool's live set holds the pages), so a dropped cache is freed at once.
 
-    Shares are deferred per run: a fork records "one more holder of the run ``ids``" as one
-    count on the run (``pending``: ``id(ids) -> [ids, holders]``) instead of one increment per
-    page, and a holder of the same run letting go takes such a count back (``withdraw``), so a
-    fork closed again touches no page's count. Whoever reads or writes ``counts`` gets them
-    exact: the pending counts are added first (``flush``), one vectorised step per run. So a
-    page's refcount is exact whenever anything looks at it (``Page.refcount``, ``observe``,
-    ``writable``, a release that may free a page).
+    Shares are deferred: a fork records "one more holder of these pages" as one count instead
+    of one increment per page, and a holder of the same pages letting go takes such a count
+    back, so a fork closed again touches no page's count. Two places keep such counts:
+
+    - a fork at full length (``Context.fork``), whose child holds the very same ``Holding`` as
+      its parent, counts on that holding (``Holding.forks``; ``share_holding``);
+    - a fork at a shorter length (a match hit) counts on its run of slots (``pending``:
+      ``id(ids) -> [ids, holders]``; ``share``, ``withdraw``): hits at one shared prefix get
+      different holdings but the same run.
+
+    Whoever reads or writes ``counts`` gets them exact: the pending counts are added first
+    (``flush``), one vectorised step per run or holding. So a page's refcount is exact whenever
+    anything looks at it (``Page.refcount``, ``observe``, ``writable``, a release that may free
+    a page).
     """
 
-    __slots__ = ("_counts", "pending")
+    __slots__ = ("_counts", "pending", "forked")
 
-    FLUSH_AT = 64       # runs pending before a share adds them anyway: bounds the dict and a late flush
+    FLUSH_AT = 64       # runs (or holdings) pending before a share adds them anyway: bounds a late flush
 
     def __init__(self, size: int):
         self._counts = np.zeros(size, np.int64)    # refcount of the page holding slot i; 0 for free slots
         self.pending: dict[int, list] = {}
+        self.forked: dict = {}      # id(holding) -> holding (impl/holding.py), for each with forks counted on it
 
     @property
     def counts(self) -> np.ndarray:
-        if self.pending:
+        if self.pending or self.forked:
             self.flush()
         return self._counts
 
     @counts.setter
     def counts(self, value: np.ndarray) -> None:
-        if self.pending:
+        if self.pending or self.forked:
             self.flush()
         self._counts = value
 
     def flush(self) -> None:
-        counts, pending = self._counts, self.pending
-        self.pending = {}
+        counts, pending, forked = self._counts, self.pending, self.forked
+        self.pending, self.forked = {}, {}
         for ids, holders in pending.values():
-            if type(ids) is range:
-                counts[ids.start:ids.stop] += holders
-            elif len(ids) > 96:      # ufunc.at: faster than fancy indexing on long arrays, slower on short
-                np.add.at(counts, ids, holders)
-            else:
-                counts[ids] += holders
+            _add(counts, ids, holders)
+        for holding in forked.values():
+            _add(counts, holding.slots, holding.forks)
+            holding.forks = 0
 
     def share(self, ids) -> None:
         """One more holder of every slot of ``ids`` (one holder's list: distinct slots), as one pending count."""
@@ -83,6 +89,28 @@ class Refcounts:
         if len(pending) >= self.FLUSH_AT:
             self.flush()
         self.pending[id(ids)] = [ids, 1]
+
+    def share_holding(self, holding) -> None:
+        """One more holder of ``holding``'s pages, counted on it (``Context.fork`` adds to a count
+        already there itself: this is the first count since the last flush)."""
+        if holding.forks:
+            holding.forks += 1
+            return
+        if len(self.forked) >= self.FLUSH_AT:
+            self.flush()
+        holding.forks = 1
+        self.forked[id(holding)] = holding
+
+    def withdraw_holding(self, holding) -> bool:
+        """Take back one holder of ``holding`` counted on it, if there is one; True if taken.
+        Safe for any holder of it, as ``withdraw`` is for any holder of a run."""
+        forks = holding.forks
+        if not forks:
+            return False
+        holding.forks = forks - 1
+        if forks == 1:
+            del self.forked[id(holding)]
+        return True
 
     def withdraw(self, ids) -> bool:
         """Take back one pending holder of the run ``ids``, if there is one; True if taken.
@@ -100,10 +128,20 @@ class Refcounts:
         return True
 
     def __getstate__(self):
-        return {"_counts": self.counts, "pending": {}}     # flushed: id() keys mean nothing in a copy
+        return {"_counts": self.counts}     # flushed: id() keys mean nothing in a copy, and holdings copy no count
 
     def __setstate__(self, state) -> None:
-        self._counts, self.pending = state["_counts"], state["pending"]
+        self._counts, self.pending, self.forked = state["_counts"], {}, {}
+
+
+def _add(counts: np.ndarray, ids, holders: int) -> None:
+    """``holders`` more on each refcount slot of ``ids`` (distinct slots: a range or an int array)."""
+    if type(ids) is range:
+        counts[ids.start:ids.stop] += holders
+    elif len(ids) > 96:      # ufunc.at: faster than fancy indexing on long arrays, slower on short
+        np.add.at(counts, ids, holders)
+    else:
+        counts[ids] += holders
 
 
 class Page:
@@ -225,17 +263,6 @@ class PagePool:
     def refcounts(self) -> np.ndarray:
         """The refcount of the page holding slot i (``Page.ref``) at [i]."""
         return self.books.counts
-
-    def share(self, ids: "np.ndarray | range") -> None:
-        """One more holder for each page of refcount slots ``ids`` (one holder's list: distinct).
-
-        ``Refcounts.share`` spelled out (fork's hottest step): a count on the run, pending."""
-        books = self.books
-        entry = books.pending.get(id(ids))
-        if entry is not None and entry[0] is ids:
-            entry[1] += 1
-        else:
-            books.share(ids)
 
     def _ones(self, n: int) -> np.ndarray:
         """n int64 ones, a view of one kept array: adding an array to a run of refcounts costs a

@@ -108,5 +108,5 @@ def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
     if n:
         ctx._write(0, n, tokens, encoded)
     with cache.lock:
-        ctx._length = n
+        ctx._holding = ctx._holding.with_length(n)
     return ctx

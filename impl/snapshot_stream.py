@@ -77,7 +77,7 @@ def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) 
             page.tokens[lo:hi] = tokens[index * page_tokens:index * page_tokens + hi - lo]
             page.filled = hi
         ctx = cache._new_context(pages, 0)
-        ctx._length = n
+        ctx._holding = ctx._holding.with_length(n)
     return ctx
 
 

@@ -15,6 +15,7 @@ import numpy as np
 
 from kvstate.impl import cache as cache_module
 from kvstate.impl import context as context_module
+from kvstate.impl import holding as holding_module
 from kvstate.impl import numpy_store as numpy_module
 from kvstate.impl import pages as pages_module
 from kvstate.impl import radix as radix_module
@@ -56,8 +57,8 @@ def refcount_kept_on_close() -> ContextManager:
     """``close`` forgets its pages without decrementing their refcounts."""
     def close_without_release(cache, ctx):
         with cache.lock:
-            ctx._pages = ()
-            ctx._closed = True
+            ctx._holding = holding_module.RELEASED
+            ctx._use = context_module.CLOSED
             del cache._contexts[ctx.context_id]
     return _patched(cache_module.Cache, "_close", close_without_release)
 
@@ -92,8 +93,8 @@ def truncate_shared_boundary() -> ContextManager:
                     first = keep - 1
                 for page in self._pages[first:]:
                     self._cache.pool.release(page)
-                self._pages = self._pages[:keep]
-                self._length = n
+                held = self._holding
+                self._holding = held.replaced(held.pages[:keep], held.slots[:keep], keep_base=False).with_length(n)
     return _patched(context_module.Context, "truncate", truncate)
 
 
@@ -274,8 +275,8 @@ def refused_extend_keeps_pages() -> ContextManager:
             with ctx._cache.lock:
                 first, end = arithmetic.pages_touched(start, stop, ctx.page_tokens)
                 held = len(ctx._pages)
-                ctx._pages += tuple(ctx._cache.pool.new_pages(end - held, room_made=True))
-                ctx._slots = pages_module.ref_slots(ctx._pages)
+                pages = ctx._pages + tuple(ctx._cache.pool.new_pages(end - held, room_made=True))
+                ctx._holding = ctx._holding.replaced(pages, pages_module.ref_slots(pages), keep_base=True)
                 partial_shared = first < held and ctx._pages[first].refcount > 1
                 ctx._cache.pool.make_room(partial_shared + end - held)     # too late: the pages are taken
                 if first < held:
@@ -283,7 +284,7 @@ def refused_extend_keeps_pages() -> ContextManager:
                 ctx._raise_filled(start, stop)
             ctx._write(start, stop, tokens, encoded)
             with ctx._cache.lock:
-                ctx._length = stop
+                ctx._holding = ctx._holding.with_length(stop)
     return _patched(context_module.Context, "extend", extend)
 
 

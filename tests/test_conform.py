@@ -238,7 +238,7 @@ def test_races_check_passes_the_engine_and_catches_a_planted_race_bug(monkeypatc
     config = [c for c in machine_configs() if c.name == "f32-arena6"]
     results = conform(numpy_factory, checks=["races"], configs=config)
     assert [r.outcomes["races"].status for r in results] == ["pass"]
-    monkeypatch.setattr(pages.PagePool, "share", lambda self, shared: None)   # fork forgets its refcounts
+    monkeypatch.setattr(pages.Refcounts, "share_holding", lambda self, holding: None)   # fork forgets its refcounts
     outcome = conform(numpy_factory, checks=["races"], configs=config)[0].outcomes["races"]
     assert outcome.status == "FAIL" and "seed=0" in outcome.detail
 

@@ -22,6 +22,7 @@ from kvstate.impl import snapshot_files
 from kvstate.impl import snapshot_read
 from kvstate.impl import snapshot_write
 from kvstate.impl.arena import SlotArena
+from kvstate.impl.pages import ref_slots
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec import precision as precisions
 from kvstate.stateful.directed import precision as directed_precision
@@ -157,7 +158,8 @@ def test_boundaries_catch_a_zero_length_extend_that_allocates_a_page(monkeypatch
     def extend(ctx, tokens, kv):
         if len(tokens) == 0:
             with ctx._cache.lock:                       # "make room for what comes next"
-                ctx._pages += tuple(ctx._cache.pool.new_pages(1))
+                pages = ctx._pages + tuple(ctx._cache.pool.new_pages(1))
+                ctx._holding = ctx._holding.replaced(pages, ref_slots(pages), keep_base=True)
         return original(ctx, tokens, kv)
     monkeypatch.setattr(context_module.Context, "extend", extend)
     failure = fails("boundaries", numpy_factory, "f32-heap")

@@ -163,27 +163,48 @@ def test_a_fork_of_32_pages_bumps_their_refcounts_in_the_array():
     assert cache.pool.refcounts[slots].tolist() == [0] * 32 and cache.stats()["live_pages"] == 0
 
 
-@pytest.mark.parametrize("planted", ["slots short of the pages", "pages past the length", "base past the pages"])
-def test_a_fork_of_a_context_whose_books_disagree_takes_the_general_path(planted):
-    """``Context.fork`` builds a whole fork inline only while the page list, its refcount slots,
-    the kept base and the length agree; a context a test's planted bug has bent gets the general
-    path (``Cache._fork``), which rebuilds the slots, drops a stale base and holds only the pages
-    the length needs. Either way the child's counts and slots are exact."""
-    cache = Cache(TINY, page_tokens=2)
+def _holding_agrees(ctx) -> None:
+    """A holding's parts agree: the slots are its pages' slots, the base a prefix of the pages (the
+    very objects) with its own slots, and the pages exactly the ones the length needs."""
+    held = ctx._holding
+    assert list(held.slots) == [page.ref for page in held.pages]
+    assert held.pages[:len(held.base)] == held.base and all(a is b for a, b in zip(held.base, held.pages))
+    assert list(held.base_slots) == [page.ref for page in held.base]
+    assert len(held.pages) == -(-held.length // ctx.page_tokens)
+
+
+def test_a_fork_holds_its_parents_holding_and_every_change_replaces_it_whole():
+    """``Context.fork`` copies one reference: the child holds the very same ``Holding``, which
+    nothing changes in place but its pending fork count. Whatever either of them does next builds
+    a new holding for itself and leaves the other's as it was, each agreeing with itself."""
+    cache = Cache(TINY, page_tokens=2, match="token")
+    values = np.zeros((8, *TINY.position_shape), np.float32)
     ctx = cache.allocate()
-    ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))      # 4 pages
-    if planted == "slots short of the pages":
-        ctx._slots = ctx._slots[:2]
-    elif planted == "pages past the length":
-        ctx._length = 5                                     # 3 pages needed, 4 held
-    else:
-        ctx._base = ctx._pages + ctx._pages[:1]
+    ctx.extend(list(range(5)), values[:5])                     # 3 pages, the last half full
     fork = ctx.fork()
-    kept = 3 if planted == "pages past the length" else 4
-    assert fork._pages == ctx._pages[:kept] and len(fork._base) <= kept
-    assert list(fork._slots) == [page.ref for page in fork._pages]
-    assert [page.refcount for page in ctx._pages] == [2] * kept + [1] * (4 - kept)
-    assert [page.refcount for page in fork._pages] == [2] * kept
+    assert fork._holding is ctx._holding and ctx._holding.forks == 1
+    before = ctx._holding
+    parts = (before.pages, before.slots, before.length, before.key)
+    ctx.extend([5], values[:1])                                 # a write into the shared last page: copied
+    fork.truncate(3)
+    ctx.overwrite(0, [9], values[:1])                           # the shared first page: copied
+    assert (before.pages, before.slots, before.length, before.key) == parts
+    assert fork._holding is not before and ctx._holding is not before
+    for context in (ctx, fork):
+        _holding_agrees(context)
+    assert ctx.tokens == [9, 1, 2, 3, 4, 5] and fork.tokens == [0, 1, 2]
+    assert [page.refcount for page in ctx._pages] == [1, 2, 1]
+    cache.retain(fork)
+    hit, matched = cache.match([0, 1, 2, 3])                    # the entry's whole length: its holding too
+    short, short_matched = cache.match([0, 1, 7])               # a prefix of it: a holding of its own
+    assert (matched, short_matched) == (3, 2) and hit._holding is fork._holding
+    assert short._holding is not fork._holding and short._pages == fork._pages[:1]
+    for context in (hit, short, fork):
+        _holding_agrees(context)
+    for context in (ctx, fork, hit, short):
+        context.close()
+    cache.clear()
+    assert cache.stats()["live_pages"] == 0 and not cache.pool.refcounts.any()
 
 
 def test_forks_closed_before_any_count_is_read_touch_no_refcount_and_reads_are_exact(monkeypatch):

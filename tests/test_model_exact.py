@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvstate.impl import Cache
+from kvstate.impl import context as context_module
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec.errors import ConfigError, PositionError, TokenError
 from kvstate.spec.precision import PRECISIONS
@@ -143,7 +144,7 @@ def test_read_layer_gathers_while_it_owns_the_context(cache, monkeypatch):
     gather, owned = cache.store.gather, []
 
     def watching_gather(parts, shape):
-        owned.append(ctx._busy)
+        owned.append(ctx._use == context_module.BUSY)
         return gather(parts, shape)
 
     monkeypatch.setattr(cache.store, "gather", watching_gather)
