@@ -194,10 +194,10 @@ class Context:
         if index is None or not 0 <= index < self._cache.layout.layers:
             raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
         layer = index
-        store, parts = self._cache.store, []
-        for index in range(*pages_touched(start, stop, self.page_tokens)):
-            lo, hi = span_in_page(index, start, stop, self.page_tokens)
-            parts.append(store.read_layer(self._pages[index].buffer, layer, lo, hi))
+        store, parts, pages, page_tokens = self._cache.store, [], self._holding.pages, self.page_tokens
+        for index in range(*pages_touched(start, stop, page_tokens)):
+            lo, hi = span_in_page(index, start, stop, page_tokens)
+            parts.append(store.read_layer(pages[index].buffer, layer, lo, hi))
         return parts
 
     @property
@@ -290,9 +290,10 @@ class Context:
         """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,
         before the bytes land outside it: an ``observe()`` in between must never find written
         bytes past ``filled`` (it would report a dirty tail that is not there)."""
-        for index in range(*pages_touched(start, stop, self.page_tokens)):
-            page = self._pages[index]
-            page.filled = max(page.filled, span_in_page(index, start, stop, self.page_tokens)[1])
+        pages, page_tokens = self._holding.pages, self.page_tokens     # read once: a loop over every page
+        for index in range(*pages_touched(start, stop, page_tokens)):
+            page = pages[index]
+            page.filled = max(page.filled, span_in_page(index, start, stop, page_tokens)[1])
 
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
@@ -302,24 +303,26 @@ class Context:
         here, under the lock, before a byte is written. Reading the marks unlocked is safe:
         only this context's owner changes the marks of its private pages.
         """
-        if any(self._pages[index].filled < span_in_page(index, start, stop, self.page_tokens)[1]
-               for index in range(*pages_touched(start, stop, self.page_tokens))):
+        held, page_tokens = self._holding, self.page_tokens     # read once: loops over every page
+        pages = held.pages
+        if any(pages[index].filled < span_in_page(index, start, stop, page_tokens)[1]
+               for index in range(*pages_touched(start, stop, page_tokens))):
             with self._cache.lock:
                 self._raise_filled(start, stop)
-        key, packed = self._key, packed_ids(tokens[:stop - start])
-        if start == 0 and stop >= self._length:
+        key, packed = held.key, packed_ids(tokens[:stop - start])
+        if start == 0 and stop >= held.length:
             key = packed
-        elif key is not None and len(key) >= 4 * self._length:
-            key = key[:4 * start] + packed + key[4 * stop:4 * self._length]
+        elif key is not None and len(key) >= 4 * held.length:
+            key = key[:4 * start] + packed + key[4 * stop:4 * held.length]
         else:
             key = None
-        self._holding = self._holding.with_key(None)        # unknown while the pages are half written
+        self._holding = held.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
         raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
-        for index in range(*pages_touched(start, stop, self.page_tokens)):
-            lo, hi = span_in_page(index, start, stop, self.page_tokens)
-            row = index * self.page_tokens + lo - start
-            page = self._pages[index]
+        for index in range(*pages_touched(start, stop, page_tokens)):
+            lo, hi = span_in_page(index, start, stop, page_tokens)
+            row = index * page_tokens + lo - start
+            page = pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
             page.token_bytes[8 * lo:8 * hi] = raw[8 * row:8 * (row + hi - lo)]
         self._holding = self._holding.with_key(key)
