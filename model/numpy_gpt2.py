@@ -92,7 +92,7 @@ class GPT2:
             h = layer_norm(x, g2, b2, cfg.layer_norm_epsilon)
             hidden = h @ w_fc
             hidden += b_fc
-            x = x + _by_rows(gelu, hidden, self.threads) @ w_out + b_out
+            x = x + _in_row_slices(gelu_in_place, hidden, self.threads) @ w_out + b_out
         ctx.extend(tokens, kv)
         return layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
 
@@ -165,14 +165,35 @@ def gelu(x: np.ndarray) -> np.ndarray:
     (``tests/test_model_gelu.py``). Far below zero ``exp`` overflows to inf and the value is -0.0,
     as in the tanh form.
     """
-    minus_two_z = x * x
+    minus_two_z = np.empty_like(x)
+    return _gelu(x, minus_two_z, out=minus_two_z)
+
+
+GELU_ROWS = 16      # rows per block of ``gelu_in_place``: 16 x 3072 float32 (192 KiB) stay in L2
+
+
+def gelu_in_place(x: np.ndarray) -> np.ndarray:
+    """``x[...] = gelu(x)``, the same bits, ``GELU_ROWS`` rows at a time through one small temporary:
+    the seven passes then run over rows in cache, where over a whole (2048, 3072) activation each
+    pass went out to memory (a GPT-2-small layer's gelu 50 -> 39 ms on this VM), and no activation-
+    sized temporary is allocated (fresh memory costs its page faults)."""
+    minus_two_z = np.empty((min(GELU_ROWS, len(x)), *x.shape[1:]), x.dtype)
+    for lo in range(0, len(x), GELU_ROWS):
+        rows = x[lo:lo + GELU_ROWS]
+        _gelu(rows, minus_two_z[:len(rows)], out=rows)
+    return x
+
+
+def _gelu(x: np.ndarray, minus_two_z: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``gelu(x)`` into ``out`` (``x`` itself or the scratch ``minus_two_z``, both ``x``'s shape)."""
+    np.multiply(x, x, out=minus_two_z)
     minus_two_z *= _GELU_CUBE
     minus_two_z += _GELU_LINEAR
     minus_two_z *= x
     with np.errstate(over="ignore"):
         np.exp(minus_two_z, out=minus_two_z)
     minus_two_z += 1
-    return np.divide(x, minus_two_z, out=minus_two_z)
+    return np.divide(x, minus_two_z, out=out)
 
 
 def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: int, threads: int = 1) -> np.ndarray:
@@ -218,18 +239,14 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_pool.cache_clear)
 
 
-def _by_rows(elementwise, x: np.ndarray, threads: int) -> np.ndarray:
-    """``elementwise(x)``, its rows split over ``threads`` threads when there are enough of them:
-    NumPy's element-by-element loops run on one thread (the products' BLAS splits itself), and
-    each element's numbers are the same bits wherever its row ran."""
+def _in_row_slices(in_place, x: np.ndarray, threads: int) -> np.ndarray:
+    """``in_place(x)`` (an element-by-element change of ``x`` itself), its rows split over ``threads``
+    threads when there are enough of them: NumPy's element-by-element loops run on one thread (the
+    products' BLAS splits itself), and each element's numbers are the same bits wherever its row ran."""
     if threads < 2 or len(x) < SPLIT_FROM_ROWS:
-        return elementwise(x)
-    out = np.empty_like(x)
-
-    def part(rows: slice) -> None:
-        out[rows] = elementwise(x[rows])
-    list(_pool(threads).map(part, _even_slices(len(x), threads)))
-    return out
+        return in_place(x)
+    list(_pool(threads).map(lambda rows: in_place(x[rows]), _even_slices(len(x), threads)))
+    return x
 
 
 def _even_slices(n: int, parts: int) -> list[slice]:
