@@ -1,10 +1,9 @@
 """What one context holds, as one value that every change replaces whole.
 
 A context's page list, the pages' refcount slots, its length, its packed key and its base
-(see ``Holding``) used to be separate fields, changed one by one. A fork then had to copy each
-and test that they agreed before it could trust them. As one object that is never changed in
-place, they agree by construction, and a fork takes the object itself: the child holds the
-very same ``Holding`` as its parent, and the fork copies one reference.
+(see ``Holding``) are one object that nothing changes in place: every change builds a new one
+from parts that agree. So a fork takes the object itself, with nothing to copy or test: the
+child holds the very same ``Holding`` as its parent.
 
 The one field that does change in place is ``forks``: the holders of these pages whose
 refcounts are still pending (``pages.Refcounts``). A fork adds one; a holder letting go takes

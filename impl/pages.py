@@ -10,8 +10,8 @@ Refcounts live in one int64 array (``PagePool.refcounts``), each live page ownin
 slot of it (``Page.ref``); ``Page.refcount`` reads and writes that slot. Why: a fork or a
 match of k pages then bumps k refcounts in one vectorised step over the holder's array of
 slots instead of k Python attribute updates (at one-token pages k is in the thousands);
-and that step is itself deferred, one count per run of slots, until a count is looked at
-(``Refcounts``): a fork closed before anything reads a count costs no step at all.
+and that step is itself deferred, one count per holding or run of slots, until a count is
+looked at (``Refcounts``): a fork closed before anything reads a count costs no step at all.
 Slots are recycled, smallest first, so the array is as long as the most pages ever live at
 once, not as the pages ever allocated (page ids only grow: they are identities), and the
 pages of one ``extend`` still get consecutive slots in the common case.

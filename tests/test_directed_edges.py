@@ -22,8 +22,8 @@ from kvstate.impl import snapshot_files
 from kvstate.impl import snapshot_read
 from kvstate.impl import snapshot_write
 from kvstate.impl.arena import SlotArena
-from kvstate.impl.pages import ref_slots
 from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.impl.pages import ref_slots
 from kvstate.spec import precision as precisions
 from kvstate.stateful.directed import precision as directed_precision
 from kvstate.stateful.configs import config_named, machine_configs
