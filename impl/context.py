@@ -57,30 +57,13 @@ class Context:
         # and a fork builds no lock.
         self._use = FREE
 
-    # The holding's parts, read-only: every change builds a new ``Holding``.
-    @property
-    def _pages(self) -> tuple[Page, ...]:
-        return self._holding.pages
-
-    @property
-    def _slots(self):
-        return self._holding.slots
-
-    @property
-    def _length(self) -> int:
-        return self._holding.length
-
-    @property
-    def _key(self) -> bytes | None:
-        return self._holding.key
-
-    @property
-    def _base(self) -> tuple[Page, ...]:
-        return self._holding.base
-
-    @property
-    def _base_slots(self):
-        return self._holding.base_slots
+    # The holding's parts, read-only (every change builds a new ``Holding``), for readers that want one.
+    _pages = property(operator.attrgetter("_holding.pages"))
+    _slots = property(operator.attrgetter("_holding.slots"))
+    _length = property(operator.attrgetter("_holding.length"))
+    _key = property(operator.attrgetter("_holding.key"))
+    _base = property(operator.attrgetter("_holding.base"))
+    _base_slots = property(operator.attrgetter("_holding.base_slots"))
 
     # -- ownership ---------------------------------------------------------------
 
