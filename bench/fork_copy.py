@@ -51,9 +51,9 @@ def run(quick: bool = False) -> dict:
     for group in held:
         for f in group:
             f.close()
-    # Shares are deferred per run until a count is looked at (impl/pages.py ``Refcounts``): a fork
-    # alone says little on its own, so a fork closed again and a fork whose counts are then
-    # read (a flush: one vectorised step per run) are measured too.
+    # Shares are deferred, one count on the holding the forks share, until a count is looked at
+    # (impl/pages.py ``Refcounts``): a fork alone says little on its own, so a fork closed again and
+    # a fork whose counts are then read (a flush: one vectorised step) are measured too.
     cycle_s = best_of(lambda: [ctx.fork().close() for _ in range(WAYS)], repeat=REPEAT)
 
     def fork_then_flush():

@@ -188,7 +188,7 @@ class Cache:
         else:
             n = (length + self.page_tokens - 1) // self.page_tokens     # pages_needed, spelled out: the hottest path
             if n == len(held.pages):    # inside the last page: every page, and the base kept
-                holding = Holding(held.pages, held.slots, length, held.key, held.base, held.base_slots)
+                holding = held.with_length(length)
             elif len(held.base) == n:   # the kept base tuple and its slots: no slice of the page list
                 holding = Holding(held.base, held.base_slots, length, held.key, held.base, held.base_slots)
             else:

@@ -103,11 +103,6 @@ class Context:
         with self._owned():
             return self._tokens().tolist()
 
-    def _ref_slots(self, n: int):
-        """The refcount slots of the first ``n`` pages."""
-        slots = self._holding.slots
-        return slots if len(slots) == n else slots[:n]
-
     def _packed_key(self) -> bytes:
         """``radix.pack(self._tokens())``, from the kept key when there is one."""
         key = self._kept_key()

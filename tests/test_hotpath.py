@@ -95,7 +95,7 @@ def _check_books(cache: Cache) -> None:
     refcount array agrees with the holders (invariants 1-2 through ``observe``)."""
     holders = list(cache._contexts.values()) + [node.value for node in cache.tree.entries()]
     for ctx in holders:
-        assert list(ctx._ref_slots(len(ctx._pages))) == [page.ref for page in ctx._pages]
+        assert list(ctx._slots) == [page.ref for page in ctx._pages]
         assert list(ctx._base_slots) == [page.ref for page in ctx._base]
         assert ctx._packed_key() == pack(ctx._tokens())
     check_structure(cache.observe())
@@ -208,8 +208,8 @@ def test_a_fork_holds_its_parents_holding_and_every_change_replaces_it_whole():
 
 
 def test_forks_closed_before_any_count_is_read_touch_no_refcount_and_reads_are_exact(monkeypatch):
-    """A fork is one pending count on its run (``pages.Refcounts``); closing a fork of the same run
-    takes it back; anything reading a count gets every pending share added first."""
+    """A fork is one pending count on the holding it shares (``pages.Refcounts``); closing a fork of
+    it takes that count back; anything reading a count gets every pending share added first."""
     from kvstate.impl.pages import Refcounts
 
     cache = Cache(TINY, page_tokens=2)
@@ -223,7 +223,7 @@ def test_forks_closed_before_any_count_is_read_touch_no_refcount_and_reads_are_e
     assert flushes == []
     forks = [ctx.fork() for _ in range(5)]
     hit = ctx.fork()
-    assert [p.refcount for p in ctx._pages] == [7] * 32 and len(flushes) == 1      # one flush for the run
+    assert [p.refcount for p in ctx._pages] == [7] * 32 and len(flushes) == 1      # one flush for the holding
     for fork in forks + [hit]:
         fork.close()
     ctx.close()
