@@ -4,7 +4,8 @@ The scenarios live in ``kvstate.stateful.races.scenarios``; each checks the inva
 reference itself and raises ``RaceFailure`` naming store, seed and iteration. At CI size
 each runs once under every configuration of ``race_configs()`` (the six standard ones
 and every declared semantics), ``pressure_vs_match`` under every ``pressure_configs()``.
-Stores: ``available_stores()`` -- ``numpy``, plus ``torch`` once ``impl/torch.py`` exists.
+Stores: ``available_stores()`` -- ``numpy``, plus ``torch`` once ``impl/torch.py`` exists; the three
+scenarios racing over the tree and the books alone run the torch store under ``-m slow`` (``BOOKS_STORES``).
 
 The planted bugs at the end show which scenario catches which concurrency defect of the
 semantics code, and how reliably.
@@ -32,6 +33,10 @@ from kvstate.stateful.races import scenarios as races
 
 STORES = races.available_stores()
 SEED = int(os.environ.get("KVSTATE_RACE_SEED", "20261129"))
+# The scenarios whose threads race over the tree and the pool's books (under the cache lock, the
+# same engine code for every store) run on the NumPy store by default and on the others under
+# ``-m slow``; the scenarios whose threads write, read and copy page data run on every store.
+BOOKS_STORES = [pytest.param(store, marks=[] if store == "numpy" else [pytest.mark.slow]) for store in STORES]
 
 
 def _run(name: str, store: str):
@@ -73,7 +78,7 @@ def test_sixteen_threads_fork_one_parent_then_write_their_own_branch(store):
     assert report.counts["observations"] > 0
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", BOOKS_STORES)
 def test_eviction_races_allocation(store):
     report = _run("eviction_vs_allocation", store)
     assert report.counts["retains"] > 0 and report.counts["allocations"] > 0
@@ -81,7 +86,7 @@ def test_eviction_races_allocation(store):
     assert report.counts["refusals"] > 0          # the refusing pools did refuse, and nothing changed
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", BOOKS_STORES)
 def test_pressure_eviction_and_refusal_race_allocation_and_match(store):
     report = _run("pressure_vs_match", store)
     assert report.counts["pressure_evictions"] > 0     # the pools that evict did, while others matched
@@ -90,7 +95,7 @@ def test_pressure_eviction_and_refusal_race_allocation_and_match(store):
     assert report.counts["observations"] > 0
 
 
-@pytest.mark.parametrize("store", STORES)
+@pytest.mark.parametrize("store", BOOKS_STORES)
 def test_match_and_close_race_clear(store):
     report = _run("match_close_vs_clear", store)
     assert report.counts["clears"] > 0 and report.counts["match_hits"] > 0
