@@ -59,20 +59,28 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
             return
         encoded = cache.store.encode(flat)      # one validation and encoding for every row
         starts = [ctx._length for ctx in contexts]
-        with cache.lock:
-            _make_pages(cache, contexts, starts, n)
         try:
-            for row, ctx in enumerate(contexts):
-                part = tuple(p[:, :, row * n:(row + 1) * n] for p in encoded)
-                ctx._write(starts[row], starts[row] + n, ids[row], part)
-        except BaseException:
             with cache.lock:
-                for ctx, start in zip(contexts, starts):
-                    ctx._keep_first(start)
-            raise
+                _make_pages(cache, contexts, starts, n)
+            _write_rows(cache, contexts, starts, ids, encoded, n)
+        finally:
+            cache.store.recycle(encoded)
         with cache.lock:
             for ctx, start in zip(contexts, starts):
                 ctx._holding = ctx._holding.with_length(start + n)
+
+
+def _write_rows(cache, contexts: list[Context], starts: list[int], ids: list, encoded, n: int) -> None:
+    """Each row's bytes into its pages, outside the lock; a failure truncates every row back."""
+    try:
+        for row, ctx in enumerate(contexts):
+            part = tuple(p[:, :, row * n:(row + 1) * n] for p in encoded)
+            ctx._write(starts[row], starts[row] + n, ids[row], part)
+    except BaseException:
+        with cache.lock:
+            for ctx, start in zip(contexts, starts):
+                ctx._keep_first(start)
+        raise
 
 
 def _rows(values, rows: int, what: str) -> list:

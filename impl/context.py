@@ -215,12 +215,16 @@ class Context:
         with self._owned():
             if len(tokens) == 0:
                 return
-            encoded = self._cache.store.encode(kv)
-            start, stop = self._length, self._length + len(tokens)
-            with self._cache.lock:
-                self._cache.pool.make_room(self._pages_to_grow(start, stop))
-                self._grow(start, stop)
-            self._write(start, stop, tokens, encoded)
+            store = self._cache.store
+            encoded = store.encode(kv)
+            try:
+                start, stop = self._length, self._length + len(tokens)
+                with self._cache.lock:
+                    self._cache.pool.make_room(self._pages_to_grow(start, stop))
+                    self._grow(start, stop)
+                self._write(start, stop, tokens, encoded)
+            finally:
+                store.recycle(encoded)      # the pages hold copies: nothing reads it after this
             with self._cache.lock:
                 self._holding = self._holding.with_length(stop)
 
@@ -256,13 +260,17 @@ class Context:
             start = first
             if start == stop:
                 return
-            encoded = self._cache.store.encode(kv)
-            with self._cache.lock:
-                touched = range(*pages_touched(start, stop, self.page_tokens))
-                self._cache.pool.make_room(sum(self._pages[index].refcount > 1 for index in touched))
-                for index in touched:
-                    self.writable(index)
-            self._write(start, stop, tokens, encoded)
+            store = self._cache.store
+            encoded = store.encode(kv)
+            try:
+                with self._cache.lock:
+                    touched = range(*pages_touched(start, stop, self.page_tokens))
+                    self._cache.pool.make_room(sum(self._pages[index].refcount > 1 for index in touched))
+                    for index in touched:
+                        self.writable(index)
+                self._write(start, stop, tokens, encoded)
+            finally:
+                store.recycle(encoded)
 
     def _raise_filled(self, start: int, stop: int) -> None:
         """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,

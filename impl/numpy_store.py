@@ -73,6 +73,12 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
 SPARE_BYTES = 256 << 20
 # Pages from this size on are recycled by allocations and clones too (a restore recycles any size).
 RECYCLE_FROM_BYTES = HUGE_PAGE
+# ``encode``'s private copy of a batch from this size on goes into scratch memory the store keeps
+# for the next encode (one block, up to ``STAGING_BYTES``; smaller copies come from malloc, which
+# recycles them itself). Fresh memory pays a fault per 4 KiB on first touch: the 150 MB copy of a
+# 2,048-token GPT-2-small prefill took 0.28 s into fresh memory and 0.035 s into kept memory.
+STAGE_FROM_BYTES = HUGE_PAGE
+STAGING_BYTES = 256 << 20
 
 
 def _owner(array: np.ndarray) -> np.ndarray:
@@ -100,6 +106,11 @@ class NumpyBuffer:
         self.slot = slot
 
 
+class _Staged(tuple):
+    """``encode``'s result for f32 when its rows are views of the store's scratch block
+    (``staging``): ``recycle`` hands the block on to the next encode."""
+
+
 class NumpyStore:
     def __init__(self, layout: Layout, page_tokens: int, precision: str, arena_pages: int = 0):
         self.layout = layout
@@ -118,6 +129,9 @@ class NumpyStore:
         self._prepared: list[tuple[np.ndarray, ...]] = []     # filled by ``prepare``, handed out by ``adopting``
         # Freed heap pages that ``prepare`` hands out again (already faulted in: see ``free``).
         self._spares: list[tuple[np.ndarray, ...]] = []
+        # Scratch for ``encode``'s private copies (``STAGE_FROM_BYTES`` on): flat float32 blocks,
+        # each taken by one encode at a time (list.pop and append are atomic; encodes run concurrently).
+        self._staging: list[np.ndarray] = []
         try:
             self._blocks = [np.zeros((arena_pages, *s), d) for s, d in zip(self._shapes, self._dtypes)]
         except (MemoryError, ValueError) as error:
@@ -135,12 +149,49 @@ class NumpyStore:
         elif not isinstance(kv, np.ndarray):
             raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
         # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.
-        kv = np.array(kv, dtype=np.float32, copy=True, subok=False)
+        staging, kv = self._private_copy(kv)
         if not all_finite(kv):      # one read of the copy; only a refusal pays for naming the bad value
-            require_finite(kv)
-        encoded = (kv,) if self.precision == "f32" else precisions.encode(self.precision, kv)
+            try:
+                require_finite(kv)
+            finally:
+                self._keep_staging(staging)
+        if self.precision != "f32":
+            try:
+                encoded = precisions.encode(self.precision, kv)     # new arrays: the copy is done with
+            finally:
+                self._keep_staging(staging)
+            return tuple(np.moveaxis(part, 0, 2) for part in encoded)
         # position-major batch -> layer-major rows, the page's own order
-        return tuple(np.moveaxis(part, 0, 2) for part in encoded)
+        rows = np.moveaxis(kv, 0, 2)
+        if staging is None:
+            return (rows,)
+        staged = _Staged((rows,))
+        staged.staging = staging
+        return staged
+
+    def recycle(self, encoded) -> None:
+        """``encode``'s scratch back for the next encode; the caller reads ``encoded`` no more."""
+        if type(encoded) is _Staged:
+            self._keep_staging(encoded.staging)
+
+    def _private_copy(self, kv: np.ndarray) -> tuple[np.ndarray | None, np.ndarray]:
+        """(the scratch block it lies in or None, a float32 copy of ``kv``)."""
+        size = kv.size
+        if size * 4 < STAGE_FROM_BYTES:
+            return None, np.array(kv, dtype=np.float32, copy=True, subok=False)
+        try:
+            staging = self._staging.pop()
+        except IndexError:
+            staging = None
+        if staging is None or staging.size < size:
+            staging = np.empty(size, np.float32)      # a smaller kept block is dropped: this one is kept after
+        copy = staging[:size].reshape(kv.shape)
+        np.copyto(copy, kv, casting="unsafe")          # what np.array(kv, float32) converts, without a temporary
+        return staging, copy
+
+    def _keep_staging(self, staging: np.ndarray | None) -> None:
+        if staging is not None and staging.nbytes <= STAGING_BYTES and not self._staging:
+            self._staging.append(staging)
 
     # -- memory ----------------------------------------------------------------------
 
@@ -221,9 +272,9 @@ class NumpyStore:
         if buffer.slot is None and len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(arrays):
             self._spares.append(arrays)
 
-    # Spares are memory this process may reuse, not state: a clone of the store starts without them.
+    # Spares and scratch are memory this process may reuse, not state: a clone of the store starts without them.
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_spares": [], "_prepared": []}
+        return {**self.__dict__, "_spares": [], "_prepared": [], "_staging": []}
 
     def copy(self, source: NumpyBuffer, page_id: int) -> NumpyBuffer:
         target = self._take(page_id, zero=False)   # every byte is overwritten below

@@ -8,7 +8,7 @@ snapshots), and copies a whole page.
 and nowhere else.
 
 Threads: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books`` and
-the counters run under the cache lock; ``encode``, ``write``, ``read``,
+the counters run under the cache lock; ``encode``, ``recycle``, ``write``, ``read``,
 ``read_layer``, ``gather``, ``read_encoded``, ``from_encoded``, ``read_empty`` and
 ``concat`` run outside it, concurrently on different pages, so they must not
 share scratch buffers or other mutable state.
@@ -48,6 +48,9 @@ class PageStore(Protocol):
 
     def encode(self, kv: Any) -> Any:
         """Validate (finite, representable) and encode a position-major batch; writes nothing."""
+
+    def recycle(self, encoded: Any) -> None:
+        """``encode``'s result is read no more: scratch memory behind it may serve the next encode."""
 
     def allocate(self, page_id: int) -> Buffer:
         """A zeroed page for ``page_id``: an arena slot if one is free, else ordinary storage."""

@@ -114,6 +114,9 @@ class TorchStore:
         # position-major batch -> layer-major rows, the page's own order
         return tuple(part.movedim(0, 2) for part in encoded)
 
+    def recycle(self, encoded) -> None:
+        """Nothing to hand on: each encode's tensors are the caching allocator's to reuse."""
+
     # -- memory ----------------------------------------------------------------------
 
     def _take(self, page_id: int, zero: bool) -> TorchBuffer:
