@@ -140,13 +140,18 @@ def backends(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster(backends):
+    import dask
     from distributed import Client, LocalCluster
 
     # dashboard_address None would still serve HTTP on port 8787; "127.0.0.1:0" takes a free one.
-    with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local:
-        with Client(local, set_as_default=False) as client:
-            yield local, client
+    # A result read from a worker that has just died is retried until the connect timeout (30 s by
+    # default: one test once took 30 s in a loaded full suite, 1.2-1.8 s alone); on the loopback
+    # interface 10 s is ample for any live peer. The workers get this config from their nannies.
+    with dask.config.set({"distributed.comm.timeouts.connect": "10s"}):
+        with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
+                          dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local:
+            with Client(local, set_as_default=False) as client:
+                yield local, client
 
 
 def _free_port() -> int:
