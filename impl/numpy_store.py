@@ -150,22 +150,21 @@ class NumpyStore:
             raise DTypeError(f"the numpy store takes NumPy arrays or torch tensors, got {type(kv).__name__}")
         # One private copy first, checked and stored: a caller changing its array meanwhile changes nothing.
         staging, kv = self._private_copy(kv)
-        if not all_finite(kv):      # one read of the copy; only a refusal pays for naming the bad value
-            try:
+        try:
+            if not all_finite(kv):      # one read of the copy; only a refusal pays for naming the bad value
                 require_finite(kv)
-            finally:
-                self._keep_staging(staging)
-        if self.precision != "f32":
-            try:
-                encoded = precisions.encode(self.precision, kv)     # new arrays: the copy is done with
-            finally:
-                self._keep_staging(staging)
-            return tuple(np.moveaxis(part, 0, 2) for part in encoded)
+            encoded = (kv,) if self.precision == "f32" else precisions.encode(self.precision, kv)
+        except BaseException:
+            self._keep_staging(staging)      # refused: nothing reads the copy any more
+            raise
         # position-major batch -> layer-major rows, the page's own order
-        rows = np.moveaxis(kv, 0, 2)
+        rows = tuple(np.moveaxis(part, 0, 2) for part in encoded)
         if staging is None:
-            return (rows,)
-        staged = _Staged((rows,))
+            return rows
+        if self.precision != "f32":          # new arrays: the copy is done with
+            self._keep_staging(staging)
+            return rows
+        staged = _Staged(rows)
         staged.staging = staging
         return staged
 

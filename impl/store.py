@@ -10,8 +10,9 @@ and nowhere else.
 Threads: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books`` and
 the counters run under the cache lock; ``encode``, ``recycle``, ``write``, ``read``,
 ``read_layer``, ``gather``, ``read_encoded``, ``from_encoded``, ``read_empty`` and
-``concat`` run outside it, concurrently on different pages, so they must not
-share scratch buffers or other mutable state.
+``concat`` run outside it, concurrently on different pages, so no two calls may
+use one scratch buffer or other mutable state at once (the NumPy store's encode
+scratch is taken by one encode until ``recycle`` hands it back).
 """
 
 from __future__ import annotations
