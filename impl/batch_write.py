@@ -22,6 +22,7 @@ from kvstate.spec.errors import ForeignContextError, ShapeError
 from kvstate.spec.layout import check_tokens, check_values
 
 from .context import Context, _Ownership
+from .store import recycle
 
 
 def extend_rows(contexts: list[Context], tokens, kv) -> None:
@@ -64,7 +65,7 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
                 _make_pages(cache, contexts, starts, n)
             _write_rows(cache, contexts, starts, ids, encoded, n)
         finally:
-            cache.store.recycle(encoded)
+            recycle(cache.store, encoded)
         with cache.lock:
             for ctx, start in zip(contexts, starts):
                 ctx._holding = ctx._holding.with_length(start + n)

@@ -28,6 +28,7 @@ from .holding import Holding
 from .pages import Page, joined_slots, ref_slots
 from .query import packed_ids
 from .snapshot import write_snapshot
+from .store import recycle
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -224,7 +225,7 @@ class Context:
                     self._grow(start, stop)
                 self._write(start, stop, tokens, encoded)
             finally:
-                store.recycle(encoded)      # the pages hold copies: nothing reads it after this
+                recycle(store, encoded)      # the pages hold copies: nothing reads it after this
             with self._cache.lock:
                 self._holding = self._holding.with_length(stop)
 
@@ -270,7 +271,7 @@ class Context:
                         self.writable(index)
                 self._write(start, stop, tokens, encoded)
             finally:
-                store.recycle(encoded)
+                recycle(store, encoded)
 
     def _raise_filled(self, start: int, stop: int) -> None:
         """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,

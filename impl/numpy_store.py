@@ -189,8 +189,15 @@ class NumpyStore:
         return staging, copy
 
     def _keep_staging(self, staging: np.ndarray | None) -> None:
-        if staging is not None and staging.nbytes <= STAGING_BYTES and not self._staging:
-            self._staging.append(staging)
+        if staging is None or staging.nbytes > STAGING_BYTES:
+            return
+        kept = self._staging
+        kept.append(staging)
+        while len(kept) > 1:        # hand-backs at once: each drops the oldest until one is left
+            try:
+                kept.pop(0)
+            except IndexError:      # another thread dropped it, or an encode took it
+                break
 
     # -- memory ----------------------------------------------------------------------
 

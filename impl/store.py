@@ -51,7 +51,8 @@ class PageStore(Protocol):
         """Validate (finite, representable) and encode a position-major batch; writes nothing."""
 
     def recycle(self, encoded: Any) -> None:
-        """``encode``'s result is read no more: scratch memory behind it may serve the next encode."""
+        """``encode``'s result is read no more: scratch memory behind it may serve the next encode.
+        Optional: the engine calls it through ``recycle`` below, which skips a store without it."""
 
     def allocate(self, page_id: int) -> Buffer:
         """A zeroed page for ``page_id``: an arena slot if one is free, else ordinary storage."""
@@ -104,3 +105,11 @@ class PageStore(Protocol):
 
     def arena_books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
         """(arena size, slot -> page id for issued slots, free slots)."""
+
+
+def recycle(store: PageStore, encoded: Any) -> None:
+    """``store.recycle(encoded)`` where the store has it: a third-party page store written before
+    ``recycle`` existed keeps no scratch, so it has nothing to take back."""
+    hand_back = getattr(store, "recycle", None)
+    if hand_back is not None:
+        hand_back(encoded)
