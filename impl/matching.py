@@ -12,7 +12,7 @@ from typing import Callable
 
 from kvstate.spec.semantics import hit_length
 
-from .radix import TOKEN_BYTES, Node, RadixTree
+from .radix import Node, RadixTree
 
 Finder = Callable[[RadixTree, bytes], "tuple[Node | None, int]"]
 
@@ -38,7 +38,7 @@ def prefix_hit(match: str, block_tokens: int, tree: RadixTree, query: bytes) -> 
     if below is None or length == 0:
         return None, 0
     if length < common:      # the subtree of entries sharing just the hit's positions
-        below, _ = tree.deepest(query[:length * TOKEN_BYTES])
+        below = tree.covering(below, length)
     return tree.newest_below(below), length
 
 

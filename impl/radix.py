@@ -54,10 +54,13 @@ def shared_tokens(a: bytes, b: bytes) -> int:
 
 
 class Node:
-    __slots__ = ("edge", "children", "parent", "value", "tick", "newest")
+    __slots__ = ("edge", "children", "parent", "value", "tick", "newest", "depth")
 
     def __init__(self, edge: bytes, parent: "Node | None"):
         self.edge = edge            # packed tokens
+        # Bytes from the root to the end of ``edge``. A split puts a node above with the same
+        # end; a collapse gives the child the parent's edge too, with the same end: set once.
+        self.depth = len(edge) if parent is None else parent.depth + len(edge)
         self.children: dict[bytes, Node] = {}    # keyed by the packed first token of the child's edge
         self.parent = parent
         self.value: Any = None      # None: no entry at this node
@@ -120,6 +123,17 @@ class RadixTree:
         if child is not None:     # the walk stopped inside the child's edge
             return child, depth // TOKEN_BYTES + shared_tokens(child.edge, query[depth:])
         return (node, depth // TOKEN_BYTES) if node is not self.root else (None, 0)
+
+    def covering(self, below: Node, length: int) -> Node:
+        """The node whose subtree holds exactly the entries sharing a query's first ``length``
+        tokens, given ``below`` from ``deepest`` of that query (``1 <= length <=`` its common prefix):
+        the ancestor of ``below`` (or itself) whose edge holds the cut. A few steps up, where a
+        second walk down from the root would test every edge again (a block hit did that)."""
+        cut = length * TOKEN_BYTES
+        node = below
+        while node.parent.depth >= cut:
+            node = node.parent
+        return node
 
     def newest_below(self, top: Node) -> Node:
         """The most recently stamped entry node in ``top``'s subtree (``top`` included)."""

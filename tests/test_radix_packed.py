@@ -38,3 +38,25 @@ def test_shared_tokens_is_the_specs_common_prefix_length(a, b):
 
     packed_a, packed_b = pack(np.array(a, np.int64)), pack(np.array(b, np.int64))
     assert shared_tokens(packed_a, packed_b) == common_prefix_length(tuple(a), tuple(b))
+
+
+@given(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=6), min_size=1, max_size=6),
+       st.integers(0, 3), st.lists(st.integers(0, 2), min_size=1, max_size=8), st.data())
+def test_covering_is_deepest_of_the_cut_query(keys, evicted, query, data):
+    """``covering`` (a block hit's subtree, found by climbing from ``deepest``'s node) is ``deepest``
+    of the query cut at any length up to the common prefix: whose subtree holds the entries sharing the cut."""
+    tree = RadixTree()
+    for i, key in enumerate(keys):
+        tree.insert(pack(np.array(key, np.int64)), i)
+    for _ in range(evicted):      # prunes and collapses: edges change, every node's depth must not
+        tree.pop_oldest()
+    stack = [(child, 0) for child in tree.root.children.values()]
+    while stack:
+        node, above = stack.pop()
+        assert node.depth == above + len(node.edge)
+        stack.extend((child, node.depth) for child in node.children.values())
+    packed = pack(np.array(query, np.int64))
+    below, common = tree.deepest(packed)
+    if common:
+        length = data.draw(st.integers(1, common))
+        assert tree.covering(below, length) is tree.deepest(packed[:4 * length])[0]
