@@ -60,3 +60,21 @@ def test_every_missed_cell_gets_its_floor_and_a_design_beside_it():
     assert lookup.startswith("floor 2.00x") and "1.43x with this run" in lookup and "BELOW" in lookup
     insert = notes["divergent @1 kvstate token, int64 array: insert 0.50 MISSED"]
     assert insert.startswith("floor 10.00x (one pass over the key") and "above" in insert and "slabs" in insert
+
+
+def test_block_rows_are_judged_like_token_rows():
+    """``block`` is SGLang's own semantics past page 1: its rows meet the target or miss beside a floor."""
+    from kvstate.bench import versus_sglang
+
+    def row(engine, given, lookup, matched=10):
+        return {"workload": "shared", "page": 16, "engine": engine, "input": given, "matched": matched,
+                "lookup_us": 10.0, "insert_us": 10.0, "lookup_speedup": lookup, "insert_speedup": 3.0,
+                "lookup_floor_us": 1.0, "lookup_floor_speedup": 10.0}
+
+    rows = [row("SGLang RadixCache", "array('q')", 1), row("kvstate block", "int64 array", 1.2),
+            row("kvstate token", "int64 array", 2.0, matched=12)]
+    out = versus_sglang.verdict(rows, timed=True)
+    assert out["shared @16 kvstate block, int64 array: min(lookup, insert speedup) >= 1.5"] == "1.20 MISSED"
+    assert "floor 10.00x" in out["shared @16 kvstate block, int64 array: lookup 1.20 MISSED"]
+    assert out["shared @16 kvstate token, int64 array: min(lookup, insert speedup) >= 1.5"] == "2.00 met"
+    assert out["shared @16 kvstate block, int64 array: hit = SGLang's"] is True
