@@ -296,13 +296,6 @@ class Context:
                for index in range(*pages_touched(start, stop, page_tokens))):
             with self._cache.lock:
                 self._raise_filled(start, stop)
-        key, packed = held.key, packed_ids(tokens[:stop - start])
-        if start == 0 and stop >= held.length:
-            key = packed
-        elif key is not None and len(key) >= 4 * held.length:
-            key = key[:4 * start] + packed + key[4 * stop:4 * held.length]
-        else:
-            key = None
         self._holding = held.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
         raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
@@ -312,6 +305,15 @@ class Context:
             page = pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
             page.token_bytes[8 * lo:8 * hi] = raw[8 * row:8 * (row + hi - lo)]
+        # The key last, after the page-by-page loop: the cast it runs is the one the caller's next
+        # lookup runs (``packed_ids``), and at one-token pages the loop would evict it again.
+        key, packed = held.key, packed_ids(tokens[:stop - start])
+        if start == 0 and stop >= held.length:
+            key = packed
+        elif key is not None and len(key) >= 4 * held.length:
+            key = key[:4 * start] + packed + key[4 * stop:4 * held.length]
+        else:
+            key = None
         self._holding = self._holding.with_key(key)
 
     # -- structure -------------------------------------------------------------------
