@@ -58,8 +58,9 @@ class Node:
 
     def __init__(self, edge: bytes, parent: "Node | None"):
         self.edge = edge            # packed tokens
-        # Bytes from the root to the end of ``edge``. A split puts a node above with the same
-        # end; a collapse gives the child the parent's edge too, with the same end: set once.
+        # Bytes from the root to the end of ``edge``, set once: a split makes a new node for the
+        # upper part (its own depth, here) and the lower keeps its end; a collapse prepends the
+        # parent's edge to the child's, whose end stays where it was.
         self.depth = len(edge) if parent is None else parent.depth + len(edge)
         self.children: dict[bytes, Node] = {}    # keyed by the packed first token of the child's edge
         self.parent = parent
