@@ -128,8 +128,8 @@ class RadixTree:
     def covering(self, below: Node, length: int) -> Node:
         """The node whose subtree holds exactly the entries sharing a query's first ``length``
         tokens, given ``below`` from ``deepest`` of that query (``1 <= length <=`` its common prefix):
-        the ancestor of ``below`` (or itself) whose edge holds the cut. A few steps up, where a
-        second walk down from the root would test every edge again (a block hit did that)."""
+        the ancestor of ``below`` (or itself) whose edge holds the cut: a few steps up, not a second
+        walk down from the root that would test every edge and measure the prefix again."""
         cut = length * TOKEN_BYTES
         node = below
         while node.parent.depth >= cut:
