@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 
@@ -85,14 +85,15 @@ class GPT2:
         x = self.wte[tokens] + self.wpe[start:start + n]
         kv = np.empty(self.layout.batch_shape(n), np.float32)
         for layer, (g1, b1, w_qkv, b_qkv, w_o, b_o, g2, b2, w_fc, b_fc, w_out, b_out) in enumerate(self.blocks):
-            qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon) @ w_qkv + b_qkv
+            qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon) @ w_qkv
+            qkv += b_qkv
             q, k, v = (part.reshape(n, H, D) for part in np.split(qkv, 3, axis=1))
             kv[:, layer, 0], kv[:, layer, 1] = k, v
-            x = x + attend(q, self._key_value_blocks(ctx, layer, start, k, v), start, self.threads) @ w_o + b_o
-            h = layer_norm(x, g2, b2, cfg.layer_norm_epsilon)
-            hidden = h @ w_fc
-            hidden += b_fc
-            x = x + _in_row_slices(gelu_in_place, hidden, self.threads) @ w_out + b_out
+            attended = attend(q, self._key_value_blocks(ctx, layer, start, k, v), start, self.threads)
+            x = residual(x, attended @ w_o, b_o)
+            hidden = layer_norm(x, g2, b2, cfg.layer_norm_epsilon) @ w_fc
+            activated = _in_row_slices(partial(gelu_in_place, bias=b_fc), hidden, self.threads)
+            x = residual(x, activated @ w_out, b_out)
         ctx.extend(tokens, kv)
         return layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
 
@@ -143,11 +144,32 @@ def check_call(config: GPT2Config, ctx, tokens) -> np.ndarray:
     return tokens
 
 
+def residual(x: np.ndarray, update: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """``x + update + bias``, the same bits, summed into ``update`` (a product's fresh output, which no
+    one else holds): no activation-sized temporary is allocated."""
+    np.add(x, update, out=update)
+    update += bias
+    return update
+
+
+NORM_ROWS = 32      # rows per block of ``layer_norm``: its passes stay in L2 (3 x 32 x 768 float32)
+
+
 def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
-    mean = x.mean(-1, keepdims=True)
-    centred = x - mean
-    var = (centred * centred).mean(-1, keepdims=True)
-    return centred / np.sqrt(var + np.float32(eps)) * gain + bias
+    """``(x - mean) / sqrt(var + eps) * gain + bias`` over the last axis, ``NORM_ROWS`` rows at a time:
+    each row's numbers are the same bits as over the whole array (a row's mean is its own pairwise
+    sum), and the six passes run over rows in cache, not over the whole activation each."""
+    out = np.empty_like(x)
+    squares = np.empty((min(NORM_ROWS, len(x)), *x.shape[1:]), x.dtype)
+    eps = np.float32(eps)
+    for lo in range(0, len(x), NORM_ROWS):
+        rows, normed = x[lo:lo + NORM_ROWS], out[lo:lo + NORM_ROWS]
+        np.subtract(rows, rows.mean(-1, keepdims=True), out=normed)
+        square = np.multiply(normed, normed, out=squares[:len(rows)])
+        normed /= np.sqrt(square.mean(-1, keepdims=True) + eps)
+        normed *= gain
+        normed += bias
+    return out
 
 
 # gelu's -2z = x * (_GELU_LINEAR + _GELU_CUBE * x * x)
@@ -172,14 +194,17 @@ def gelu(x: np.ndarray) -> np.ndarray:
 GELU_ROWS = 16      # rows per block of ``gelu_in_place``: 16 x 3072 float32 (192 KiB) stay in L2
 
 
-def gelu_in_place(x: np.ndarray) -> np.ndarray:
-    """``x[...] = gelu(x)``, the same bits, ``GELU_ROWS`` rows at a time through one small temporary:
-    the seven passes then run over rows in cache, where over a whole (2048, 3072) activation each
-    pass went out to memory (a GPT-2-small layer's gelu 50 -> 39 ms on this VM), and no activation-
-    sized temporary is allocated (fresh memory costs its page faults)."""
+def gelu_in_place(x: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """``x[...] = gelu(x + bias)`` (``gelu(x)`` without a bias), the same bits, ``GELU_ROWS`` rows at a
+    time through one small temporary: the bias and the seven passes then run over rows in cache, where
+    over a whole (2048, 3072) activation each pass went out to memory (a GPT-2-small layer's gelu
+    50 -> 39 ms on this VM), and no activation-sized temporary is allocated (fresh memory costs its
+    page faults)."""
     minus_two_z = np.empty((min(GELU_ROWS, len(x)), *x.shape[1:]), x.dtype)
     for lo in range(0, len(x), GELU_ROWS):
         rows = x[lo:lo + GELU_ROWS]
+        if bias is not None:
+            rows += bias
         _gelu(rows, minus_two_z[:len(rows)], out=rows)
     return x
 
@@ -219,15 +244,15 @@ def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: in
     offsets = [0]
     for k, _ in blocks:
         offsets.append(offsets[-1] + len(k))
-    out = np.empty((H, n, D), np.float32)
+    out = np.empty((n, H, D), np.float32)              # laid out as the (n, H * D) result: no copy at the end
     groups = min(threads, H) if n >= SPLIT_FROM_ROWS else 1
     if groups == 1:
         _attend_heads(qh, blocks, offsets, start, scale, out)
     else:
         done = _pool(groups).map(lambda h: _attend_heads(qh[h], [(k[:, h], v[:, h]) for k, v in blocks],
-                                                         offsets, start, scale, out[h]), _even_slices(H, groups))
+                                                         offsets, start, scale, out[:, h]), _even_slices(H, groups))
         list(done)                                     # re-raises what a thread raised
-    return out.transpose(1, 0, 2).reshape(n, H * D)
+    return out.reshape(n, H * D)
 
 
 @lru_cache(maxsize=None)
@@ -256,13 +281,13 @@ def _even_slices(n: int, parts: int) -> list[slice]:
 
 
 def _attend_heads(qh, blocks, offsets, start: int, scale, out) -> None:
-    """``attend`` for the heads of ``qh`` ``(h, n, D)``, chunk by chunk, into ``out`` ``(h, n, D)``."""
+    """``attend`` for the heads of ``qh`` ``(h, n, D)``, chunk by chunk, into ``out`` ``(n, h, D)``."""
     n = qh.shape[1]
     for b in range(len(blocks)):
         for lo in range(max(start, offsets[b]), min(start + n, offsets[b + 1]), QUERY_ROWS):
             hi = min(start + n, offsets[b + 1], lo + QUERY_ROWS)      # absolute positions of the chunk's rows
-            out[:, lo - start:hi - start] = _attend_chunk(qh[:, lo - start:hi - start], blocks[:b + 1],
-                                                          offsets, lo, hi, scale)
+            chunk = _attend_chunk(qh[:, lo - start:hi - start], blocks[:b + 1], offsets, lo, hi, scale)
+            out[lo - start:hi - start] = chunk.transpose(1, 0, 2)
 
 
 @lru_cache(maxsize=256)
@@ -291,9 +316,12 @@ def _attend_chunk(rows, blocks, offsets, lo: int, hi: int, scale) -> np.ndarray:
         scores[:, :, last:][:, _hidden(m, widths[-1], lo - last + 1)] = -np.inf
     scores -= scores.max(-1, keepdims=True)
     weights = np.exp(scores, out=scores)
-    total = None
+    total = part = None
     for b, ((_, v), w) in enumerate(zip(blocks, widths)):
-        part = weights[:, :, offsets[b]:offsets[b] + w] @ v[:w].transpose(1, 0, 2)
-        total = part if total is None else total + part
+        part = np.matmul(weights[:, :, offsets[b]:offsets[b] + w], v[:w].transpose(1, 0, 2), out=part)
+        if total is None:
+            total, part = part, None
+        else:
+            total += part
     total /= weights.sum(-1, keepdims=True)
     return total

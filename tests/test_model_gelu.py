@@ -61,3 +61,14 @@ def test_gelu_in_place_is_gelu_bit_for_bit_over_blocks_of_rows():
         warnings.simplefilter("error")
         got = gelu_in_place(x)
     assert got is x and np.array_equal(x, expected)
+
+
+def test_gelu_in_place_adds_the_bias_first_bit_for_bit():
+    """The forward pass hands the MLP's bias to ``gelu_in_place``, which adds it row block by row block:
+    the same bits as adding it to the whole activation and then taking ``gelu``."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((2 * GELU_ROWS + 5, 9)) * 4).astype(np.float32)
+    bias = rng.standard_normal(9).astype(np.float32)
+    expected = gelu(x + bias)
+    got = gelu_in_place(x, bias)
+    assert got is x and np.array_equal(x, expected)
