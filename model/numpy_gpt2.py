@@ -152,7 +152,9 @@ def residual(x: np.ndarray, update: np.ndarray, bias: np.ndarray) -> np.ndarray:
     return update
 
 
-NORM_ROWS = 32      # rows per block of ``layer_norm``: its passes stay in L2 (3 x 32 x 768 float32)
+# Rows per block of ``layer_norm``. A (2048, 768) activation on this VM: 11.3 ms over the whole array,
+# 7.4 ms in blocks of 32 rows, 5.9 of 64, 5.2 of 128 (fewer calls, passes still in cache).
+NORM_ROWS = 128
 
 
 def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
