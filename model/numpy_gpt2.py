@@ -160,7 +160,7 @@ NORM_ROWS = 128
 def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
     """``(x - mean) / sqrt(var + eps) * gain + bias`` over the last axis, ``NORM_ROWS`` rows at a time:
     each row's numbers are the same bits as over the whole array (a row's mean is its own pairwise
-    sum), and the six passes run over rows in cache, not over the whole activation each."""
+    sum), and its passes run over rows in cache, not over the whole activation each."""
     out = np.empty_like(x)
     squares = np.empty((min(NORM_ROWS, len(x)), *x.shape[1:]), x.dtype)
     eps = np.float32(eps)
@@ -318,12 +318,10 @@ def _attend_chunk(rows, blocks, offsets, lo: int, hi: int, scale) -> np.ndarray:
         scores[:, :, last:][:, _hidden(m, widths[-1], lo - last + 1)] = -np.inf
     scores -= scores.max(-1, keepdims=True)
     weights = np.exp(scores, out=scores)
-    total = part = None
-    for b, ((_, v), w) in enumerate(zip(blocks, widths)):
-        part = np.matmul(weights[:, :, offsets[b]:offsets[b] + w], v[:w].transpose(1, 0, 2), out=part)
-        if total is None:
-            total, part = part, None
-        else:
-            total += part
+    values = [v[:w].transpose(1, 0, 2) for (_, v), w in zip(blocks, widths)]
+    total = weights[:, :, :widths[0]] @ values[0]
+    part = np.empty_like(total)                       # each later block's product, summed in left to right
+    for b in range(1, len(blocks)):
+        total += np.matmul(weights[:, :, offsets[b]:offsets[b] + widths[b]], values[b], out=part)
     total /= weights.sum(-1, keepdims=True)
     return total
