@@ -77,8 +77,8 @@ def decode(precision: str, encoded: tuple[np.ndarray, ...]) -> np.ndarray:
 
 def roundtrip(precision: str, x: np.ndarray) -> np.ndarray:
     """What reading back ``x`` returns after it was written at ``precision``."""
-    if precision == "f32":      # decode(encode(x)), in one copy instead of two
-        return np.array(x, dtype=np.float32)
+    if precision == "f32":      # decode(encode(x)) in one copy, not two; always fresh memory, callers keep it
+        return np.array(x, dtype=np.float32, copy=True)
     return decode(precision, encode(precision, x))
 
 
