@@ -7,7 +7,12 @@ GPT-2 small with random weights (seed 0), ``n`` random tokens into an empty cont
 is the best of ``--rounds``. ``prefill/HF`` is the NumPy prefill over ``GPT2LMHeadModel``'s on the
 same tokens, in the same process (HF's time moves 10-20% between runs on a shared machine, so a
 change to the model is judged by ``--against``: the other checkout's model runs in its own
-process, ``bench/checkouts.py``, its rounds interleaved with ours and HF's). BLAS reads its thread
+process, ``bench/checkouts.py``, its rounds interleaved with ours and HF's). So does this
+checkout's model, in a second child (``here s``): ``against/here`` compares two models that ran
+alike, each in a process of its own with nothing else loaded. Ours in the bench's process, beside
+torch and a model it has just run, is not alike: with the same code in both, one run measured
+20.11 s in the process and 20.41 s in a child, and another A/B read one model 5% slower against
+the other that, alternating in one process, was 4% faster. BLAS reads its thread
 count at import, hence the variables; ``--threads`` sets torch's and the model's own (``GPT2(threads=)``).
 ``attention s`` and ``HF attention s`` are the parts of those best rounds spent in attention: the
 model's ``attend`` and the ``torch.nn.functional.scaled_dot_product_attention`` that transformers'
@@ -99,20 +104,22 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
     torch.set_num_threads(threads)
     prefiller = Prefiller(lengths, threads, tiny)
     hf_prefill = hf_prefill_timer(prefiller.config, threads)
-    best = {kind: dict.fromkeys(map(str, lengths), float("inf")) for kind in ("prefill", "against", "hf")}
+    best = {kind: dict.fromkeys(map(str, lengths), float("inf")) for kind in ("prefill", "here", "against", "hf")}
     attention = {kind: {} for kind in ("prefill", "hf")}     # the best round's seconds in attention
     with tempfile.TemporaryDirectory() as scratch:
         arguments = ["--serve", str(rounds), "--threads", str(threads), "--tokens", *map(str, lengths)]
         arguments += ["--tiny"] if tiny else []
-        children = [serve_in(against, Path(__file__), arguments, Path(scratch) / "against")] if against else []
-        for _ in range(rounds):               # interleaved: ours, the checkout's, HF's, in turn
+        here = Path(__file__).resolve().parents[1]          # this checkout's root
+        children = {kind: serve_in(checkout, Path(__file__), arguments, Path(scratch) / kind)
+                    for kind, checkout in (("here", here), ("against", against))} if against else {}
+        for _ in range(rounds):               # interleaved: ours, this checkout's child, the other's, HF's
             timed, spent = {"prefill": {}, "hf": {}}, {"prefill": {}, "hf": {}}
             for n in prefiller.tokens:
                 with TimeIn(numpy_gpt2, "attend") as inside:
                     timed["prefill"][str(n)] = prefiller.prefill(n)
                 spent["prefill"][str(n)] = inside.seconds
-            for child in children:
-                timed["against"] = next_round(child)
+            for kind, child in children.items():
+                timed[kind] = next_round(child)
             for n, tokens in prefiller.tokens.items():
                 with TimeIn(torch.nn.functional, "scaled_dot_product_attention") as inside:
                     start = time.perf_counter()
@@ -124,7 +131,7 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
                     if s < best[kind][n] and kind in attention:
                         attention[kind][n] = spent[kind][n]
                     best[kind][n] = min(best[kind][n], s)
-        finish(children)
+        finish(children.values())
     rows = []
     for n in map(str, lengths):
         row = dict(tokens=int(n), threads=threads, prefill_s=round(best["prefill"][n], 4),
@@ -132,8 +139,10 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
                    attention_s=round(attention["prefill"][n], 6),
                    hf_attention_s=None if attention["hf"][n] is None else round(attention["hf"][n], 6))
         if against is not None:
+            row["here_s"] = round(best["here"][n], 4)
             row["against_s"] = round(best["against"][n], 4)
             row["against_over_hf"] = round(best["against"][n] / best["hf"][n], 3)
+            row["against_over_here"] = round(best["against"][n] / best["here"][n], 3)
         rows.append(row)
     return rows
 
@@ -153,12 +162,14 @@ def main(argv=None) -> None:
     rows = run(args.tokens, args.threads, args.rounds, args.against, args.tiny)
     against = args.against is not None
     print(f"{'tokens':>6} {'threads':>7} {'prefill s':>9} {'HF s':>7} {'prefill/HF':>10}"
-          f" {'attention s':>11} {'HF attention s':>14}" + (f" {'against s':>9} {'against/HF':>10}" * against))
+          f" {'attention s':>11} {'HF attention s':>14}"
+          + (f" {'here s':>7} {'against s':>9} {'against/HF':>10} {'against/here':>12}" * against))
     for row in rows:
         hf_attention = "-" if row["hf_attention_s"] is None else f"{row['hf_attention_s']:.3f}"
         print(f"{row['tokens']:>6} {row['threads']:>7} {row['prefill_s']:>9.3f} {row['hf_s']:>7.3f}"
               f" {row['prefill_over_hf']:>10.3f} {row['attention_s']:>11.3f} {hf_attention:>14}"
-              + (f" {row['against_s']:>9.3f} {row['against_over_hf']:>10.3f}" if against else ""))
+              + (f" {row['here_s']:>7.3f} {row['against_s']:>9.3f} {row['against_over_hf']:>10.3f}"
+                 f" {row['against_over_here']:>12.3f}" if against else ""))
     from .restore import THREAD_VARS
 
     env = " ".join(f"{var}={args.threads}" for var in THREAD_VARS)

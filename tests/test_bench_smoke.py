@@ -148,5 +148,7 @@ def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
     assert [row["tokens"] for row in rows] == [5, 9]
     for row in rows:
         assert row["prefill_s"] > 0 and row["hf_s"] > 0 and row["against_s"] > 0 and row["threads"] == 1
+        # this checkout in a child of its own too, so the A/B compares models that ran alike
+        assert row["here_s"] > 0 and row["against_over_here"] > 0
         # the attention inside each: transformers' GPT-2 runs torch's fused attention by default
         assert 0 < row["attention_s"] < row["prefill_s"] and 0 < row["hf_attention_s"] < row["hf_s"]
