@@ -10,9 +10,8 @@ change to the model is judged by ``--against``: the other checkout's model runs 
 process, ``bench/checkouts.py``, its rounds interleaved with ours and HF's). So does this
 checkout's model, in a second child (``here s``): ``against/here`` compares two models that ran
 alike, each in a process of its own with nothing else loaded. Ours in the bench's process, beside
-torch and a model it has just run, is not alike: with the same code in both, one run measured
-20.11 s in the process and 20.41 s in a child, and another A/B read one model 5% slower against
-the other that, alternating in one process, was 4% faster. BLAS reads its thread
+torch and a model it has just run, is not alike: with this checkout on both sides (``--against``
+its own root), one run measured 20.11 s in the process and 20.41 s in the child. BLAS reads its thread
 count at import, hence the variables; ``--threads`` sets torch's and the model's own (``GPT2(threads=)``).
 ``attention s`` and ``HF attention s`` are the parts of those best rounds spent in attention: the
 model's ``attend`` and the ``torch.nn.functional.scaled_dot_product_attention`` that transformers'
