@@ -195,6 +195,8 @@ class SnapshotStore:
     def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int,
                deadline: Deadline) -> list[tuple[int, str]]:
         """Stored (length, url) candidates, longest first, from the first batch that holds any."""
+        if isinstance(longer_than, bool) or not isinstance(longer_than, int) or longer_than < 0:
+            raise InvalidInputError(f"longer_than must be an int >= 0, got {longer_than!r}")
         candidates = self._candidates(cache, tokens, longer_than)
         if not candidates:
             return []

@@ -41,6 +41,9 @@ class Lockstep:
     # Operation kinds beyond the core ones (snapshot, restore) add a handler here:
     # handler(lockstep, op, side, cache, ctx) -> result
     extra_ops: ClassVar[dict[str, Callable]] = {}
+    # ... and, where an operation names something a run makes (a snapshot), a check here:
+    # check(lockstep, op) -> why the sequence, not the backend, is at fault (see ``sequence_fault``), or None
+    sequence_faults: ClassVar[dict[str, Callable]] = {}
 
     def __init__(self, factory: Factory, config: Config):
         self.config = config
@@ -68,6 +71,16 @@ class Lockstep:
         self._holder_of: dict[str, str] = {}     # live handle -> the backend's holder name (``holder_names``)
 
     # -- operations ----------------------------------------------------------------
+
+    def sequence_fault(self, op: O.Op) -> str | None:
+        """Why ``op`` cannot run here through the sequence's own fault (it names a context that is not
+        live, or a snapshot never taken), or None. A sequence read from data (a replay file, a
+        journal, a shrinker's candidate) can be malformed; that is not a finding against a backend."""
+        ctx = getattr(op, "ctx", None)
+        if ctx is not None and ctx not in self.live:
+            return f"names {ctx!r}, which is not live (live: {sorted(self.live)})"
+        check = self.sequence_faults.get(op.kind)
+        return None if check is None else check(self, op)
 
     def apply(self, op: O.Op, watched: bool = True) -> str | None:
         """Perform ``op`` on both sides. Returns the new handle for operations that create one.

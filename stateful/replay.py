@@ -88,18 +88,18 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
     """Apply ``ops`` in lockstep, checking invariants 1-5 after every step and 6 at the end.
 
     Returns the first failure (None when every check holds) and the lockstep, left as it was
-    when the run stopped. An operation naming a context that is not live is the sequence's
-    fault, not the backend's: ``ReplayFileError``. ``ops`` may be a generator that reads
-    ``lockstep`` (passed in, already built) to choose each next operation. ``watch(step, op,
-    lockstep)``, when given, decides which steps are checked (``spaced_checks``); every
-    step's errors are still compared.
+    when the run stopped. An operation naming a context that is not live, or a snapshot the run
+    has not taken, is the sequence's fault, not the backend's: ``ReplayFileError``. ``ops`` may be
+    a generator that reads ``lockstep`` (passed in, already built) to choose each next operation.
+    ``watch(step, op, lockstep)``, when given, decides which steps are checked
+    (``spaced_checks``); every step's errors are still compared.
     """
     lockstep = lockstep or Lockstep(factory, config)
     step = 0
     for step, op in enumerate(ops, start=1):
-        ctx = getattr(op, "ctx", None)
-        if ctx is not None and ctx not in lockstep.live:
-            raise ReplayFileError(f"step {step} {op} names {ctx!r}, which is not live (live: {sorted(lockstep.live)})")
+        fault = lockstep.sequence_fault(op)
+        if fault is not None:
+            raise ReplayFileError(f"step {step} {op} {fault}")
         phase = "apply"
         try:
             watched = watch is None or watch(step, op, lockstep)

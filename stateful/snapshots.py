@@ -13,6 +13,7 @@ import io
 import itertools
 import multiprocessing.util
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -24,12 +25,27 @@ from . import ops as O
 from .lockstep import Lockstep
 
 
+# What a snapshot may be called: the names runs give (s1, s2, ..., hit). Operations also come
+# from data (a replay file, a sweep's journal), and the engine's snapshot is written to the run's
+# folder under this name: a name that is a path ("/home/u/session", "../x") would write, or
+# read, a file outside it.
+SNAPSHOT_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def _check_name(name) -> None:
+    if not isinstance(name, str) or not SNAPSHOT_NAME.fullmatch(name):
+        raise ValueError(f"snapshot name {name!r} is not 1 to 64 letters, digits, '_' or '-'")
+
+
 @O.register
 @dataclass(frozen=True)
 class Snapshot(O.Op):
     ctx: str
     name: str
     kind = "snapshot"
+
+    def __post_init__(self):
+        _check_name(self.name)
 
 
 @O.register
@@ -38,6 +54,15 @@ class Restore(O.Op):
     name: str
     kind = "restore"
     creates = True
+
+    def __post_init__(self):
+        _check_name(self.name)
+
+
+def _never_taken(lockstep: Lockstep, op: Restore) -> str | None:
+    """A restore of a name this run has not snapshotted is the sequence's fault, not the backend's."""
+    taken = lockstep.__dict__.get("_reference_snapshots", {})
+    return None if op.name in taken else f"restores {op.name!r}, which this run has not snapshotted (taken: {sorted(taken)})"
 
 
 # RAM-backed where there is one: thousands of snapshots per run, each fsynced twice,
@@ -193,3 +218,4 @@ def supports_snapshots(engine) -> bool:
 
 
 Lockstep.extra_ops.update(snapshot=_snapshot, restore=_restore)
+Lockstep.sequence_faults.update(restore=_never_taken)

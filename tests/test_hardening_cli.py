@@ -71,6 +71,35 @@ def test_bad_replay_fields_are_file_errors(tmp_path, capsys, edit):
     one_line_exit_2(capsys, ["replay", replay_file(tmp_path, edit=edit)])
 
 
+def _snapshot_ops(name: str, restore: str | None = None):
+    def edit(data):
+        data["ops"].append({"op": "snapshot", "ctx": "c1", "name": name})
+        if restore is not None:
+            data["ops"].append({"op": "restore", "name": restore})
+    return edit
+
+
+@pytest.mark.parametrize("how", ["absolute", "up", "separator", "empty", "nul", "long"])
+def test_a_snapshot_name_that_is_not_a_plain_name_is_a_file_error_and_writes_nothing(tmp_path, capsys, how):
+    # The engine's snapshot goes to the run's folder under its name: a replay file (data) must not
+    # make it write, or read, a file elsewhere, such as a user's own snapshot.
+    victim = tmp_path / "mine" / "session.kvs"
+    victim.parent.mkdir()
+    victim.write_bytes(b"the user's snapshot")
+    name = {"absolute": str(victim)[:-len(".kvs")], "up": "../../mine/session", "separator": "mine/session",
+            "empty": "", "nul": "s\x001", "long": "s" * 65}[how]
+    assert "snapshot name" in one_line_exit_2(capsys, ["replay", replay_file(tmp_path, edit=_snapshot_ops(name))])
+    assert victim.read_bytes() == b"the user's snapshot"
+    with pytest.raises(ValueError, match="snapshot name"):   # the ops refuse it, wherever they come from
+        O.op_from_json({"op": "restore", "name": name})
+
+
+def test_a_restore_of_a_name_never_snapshotted_is_a_file_error_not_a_finding(tmp_path, capsys):
+    line = one_line_exit_2(capsys, ["replay", replay_file(tmp_path, edit=_snapshot_ops("s1", restore="s2"))])
+    assert "'s2', which this run has not snapshotted" in line
+    assert main(["replay", replay_file(tmp_path, edit=_snapshot_ops("s1", restore="s1"), name="ok.json")]) == 0
+
+
 @pytest.mark.parametrize("content", [b"\xff\xfe\x00garbage", b"[" * 100_000, b"{}", b""],
                          ids=["not utf-8", "deeply nested", "empty object", "empty"])
 def test_unreadable_replay_files(tmp_path, capsys, content):

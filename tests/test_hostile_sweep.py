@@ -84,9 +84,11 @@ def test_a_journal_number_past_the_int_parsing_limit_is_refused_with_its_line(tm
 
 
 @pytest.mark.parametrize("change", [{"ops": None}, {"ops": [{"op": "Nope"}]}, {"ops": [{"op": "extend"}]},
-                                    {"ops": [7]}, {"page_tokens": 0}, {"ops": [{"op": "truncate", "ctx": 1, "n": 0}]}],
+                                    {"ops": [7]}, {"page_tokens": 0}, {"ops": [{"op": "truncate", "ctx": 1, "n": 0}]},
+                                    {"ops": [{"op": "allocate"}, {"op": "snapshot", "ctx": "c1", "name": "/tmp/mine"}]},
+                                    {"ops": [{"op": "restore", "name": "../mine"}]}],
                          ids=["no ops", "unknown op", "op lacking fields", "op not an object", "page_tokens 0",
-                              "op field mistyped"])
+                              "op field mistyped", "snapshot name a path", "restore name a path"])
 def test_a_recorded_failure_the_resume_cannot_replay_is_refused_with_its_line(tmp_path, capsys, change):
     plan, run0, run1, _ = HS._base_lines()
     out = _journal(tmp_path / "out", plan, run0, {**run1, **change})

@@ -429,6 +429,17 @@ def test_a_cache_deadline_must_be_positive_seconds(seconds):
         Cache(SMALL, page_tokens=2, remote_deadline_s=seconds)
 
 
+@pytest.mark.parametrize("longer_than", [None, "3", -1, 1.5, True])
+def test_longer_than_must_be_a_count(longer_than):
+    from kvstate import remote
+    from kvstate.spec.errors import InvalidInputError
+    store, cache = remote.SnapshotStore("memory://kv-longer-than"), Cache(SMALL, page_tokens=2)
+    for ask in (store.lookup, store.get):
+        with pytest.raises(InvalidInputError, match="longer_than must be an int >= 0"):
+            ask(cache, [1, 2, 3], longer_than=longer_than)
+    assert store.lookup(cache, [1, 2, 3], longer_than=0) == 0      # a count is taken: nothing stored, a miss
+
+
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
 def test_deadlines_must_be_positive_seconds(seconds):
     from kvstate import remote
