@@ -96,6 +96,11 @@ class Context:
         return self._use == CLOSED
 
     @property
+    def cache(self):
+        """The ``Cache`` whose pages this context holds (where its forks, retains and restores go)."""
+        return self._cache
+
+    @property
     def page_tokens(self) -> int:
         return self._cache.page_tokens
 

@@ -55,7 +55,8 @@ from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 from kvstate.impl import Cache  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, common_prefix, state_token  # noqa: E402
-from kvstate.spec.errors import PositionError, ShapeError, TokenError, UnsupportedModelError  # noqa: E402
+from kvstate.spec.errors import (ConfigError, ForeignContextError, PositionError, ShapeError,  # noqa: E402
+                                 TokenError, UnsupportedModelError)
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
@@ -123,6 +124,7 @@ class KVStateCache(_HFCache):
         self._pending: list = [None] * layout.layers      # raw float32 (batch, kv_heads, n, head_dim) K and V
         self._ids: np.ndarray | None = None                # (batch, n)
         self._new_pads: list[int] = [0] * len(self.rows)
+        self._before_grow = None        # (rows, pads, readers) a feed grew from: undone if its forward fails
         self._zeros = None
         self._shared = None             # (the rows' page tuples, how many leading pages they share)
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
@@ -163,8 +165,17 @@ class KVStateCache(_HFCache):
                   **cache_args) -> "KVStateCache":
         """A cache for ``model``: checks the model (refusing by name what it cannot hold),
         builds a kvstate ``Cache`` with ``cache_args`` unless ``kv`` is given, attaches the
-        token-id hook and allocates a context unless one is given."""
+        token-id hook and allocates a context unless one is given. A given ``context`` brings its
+        own kvstate cache: ``kv``, if given too, must be that one, and ``cache_args`` are refused
+        (a cache built from them would not hold the context's pages)."""
         layout = layout_of(model)
+        if context is not None:
+            if cache_args:
+                raise ConfigError(f"cache arguments {sorted(cache_args)} build a new kvstate cache, but the "
+                                  "context given already belongs to one")
+            if kv is not None and kv is not context.cache:
+                raise ForeignContextError(f"the context belongs to another kvstate cache than kv: {context!r}")
+            kv = context.cache
         if kv is None:
             kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
@@ -192,9 +203,11 @@ class KVStateCache(_HFCache):
         ``None`` forgets them (a forward from ``inputs_embeds``: its K/V are then refused).
         A forward that stopped part-way left K/V of some layers buffered: they are dropped.
         A one-row cache fed a batch grows to it: an empty row becomes fresh contexts, a row
-        that holds tokens is forked (every row continues the same held prefix).
+        that holds tokens is forked (every row continues the same held prefix); a forward that
+        then fails shrinks it back (``end_forward``).
         """
         self._pending = [None] * self.layout.layers
+        self._undo_grow()
         if ids is None:
             self._ids = None
             return self
@@ -212,30 +225,62 @@ class KVStateCache(_HFCache):
     def _grow(self, batch: int) -> None:
         first = self.rows[0]
         extra = [first.fork() if len(first) else self.kv.allocate() for _ in range(batch - 1)]
+        self._before_grow = (self.rows, self.pads, self._readers)
         self._set_rows([first, *extra], self.pads * batch)
 
+    def _undo_grow(self) -> None:
+        """Back to the one row a feed grew from, the rows it added closed (their forward never committed)."""
+        if self._before_grow is None:
+            return
+        rows, pads, readers = self._before_grow
+        self._before_grow = None
+        for ctx in self.rows[len(rows):]:
+            ctx.close()
+        self._set_rows(rows, pads, readers)
+        self._new_pads = [0] * len(rows)
+
+    def end_forward(self) -> None:
+        """After a forward, whether it returned or raised (``attach`` runs it): one that stopped before
+        its last layer leaves the cache as it was before it. Its buffered K/V and ids are dropped and
+        a batch its feed grew to is undone, so ``fork``, ``truncate``, ``snapshot`` and the length
+        transformers reads work again at once. After a forward that committed, nothing to do."""
+        self._pending = [None] * self.layout.layers
+        self._ids = None
+        self._undo_grow()
+
     def check_prefix_of(self, input_ids, attention_mask=None) -> None:
-        """Refuse (``TokenError``, naming the row and first differing position) a prompt that the
-        ids this cache holds do not begin."""
+        """Refuse (``TokenError``, naming the row) a prompt that the cache does not begin.
+
+        ``generate`` takes the prompt's first ``get_seq_length()`` columns as held and feeds only
+        the rest, so in each row those columns must be exactly what the row holds: its padding
+        (attention mask 0), then its tokens. A prompt padded otherwise (a conversation
+        re-tokenized with new padding; a batch row continued with its padding from a one-row
+        cache) would skip tokens the row never held, or feed held ones twice."""
         prompts = as_ids(input_ids)
         mask = None if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 \
             else attention_mask.detach().cpu().numpy() != 0
         if len(self.rows) not in (1, len(prompts)):
             raise ShapeError(f"the prompt has {len(prompts)} rows, but this cache holds {len(self.rows)}")
-        held_by_row = [ctx.tokens if len(ctx) else [] for ctx in self.rows]
+        length = self._length()
+        if not length:
+            return
         for r, prompt in enumerate(prompts):
-            held = held_by_row[r if len(self.rows) > 1 else 0]
-            if not held:
-                continue
-            real = (prompt[mask[r]] if mask is not None else prompt).tolist()
-            for position, (mine, theirs) in enumerate(zip(held, real)):
+            i = r if len(self.rows) > 1 else 0
+            pad, held = self.pads[i], (self.rows[i].tokens if len(self.rows[i]) else [])
+            if len(prompt) <= length:
+                raise TokenError(f"row {r}: the cache holds {length} positions, but the prompt has only "
+                                 f"{len(prompt)}: nothing is left to compute the next token from (truncate first)")
+            real = mask[r, :length] if mask is not None else np.ones(length, bool)
+            if real[:pad].any() or not real[pad:].all():
+                raise TokenError(f"row {r}: the prompt's first {length} columns, which generate takes as held, "
+                                 f"hold {int(real.sum())} tokens, but this row holds {pad} padding then "
+                                 f"{len(held)} tokens there: keep the padding the cache was built with (or "
+                                 "continue a row from cache.row(i) with its real tokens only)")
+            for position, (mine, theirs) in enumerate(zip(held, prompt[pad:length].tolist())):
                 if mine != theirs:
                     raise TokenError(f"row {r}: the cache holds token {mine} at position {position}, but the prompt "
                                      f"has {theirs} there: the cache is not a prefix of this prompt "
                                      "(match() or a fresh cache)")
-            if len(real) <= len(held):
-                raise TokenError(f"row {r}: the cache holds {len(held)} positions, but the prompt has only "
-                                 f"{len(real)}: nothing is left to compute the next token from (truncate first)")
 
     # -- the transformers Cache API --------------------------------------------------
 
@@ -302,6 +347,8 @@ class KVStateCache(_HFCache):
         return tuple((id(ctx), state_token(ctx), len(ctx), pad) for ctx, pad in zip(self.rows, self.pads))
 
     def _gathered(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            return self._gathered_for_autograd(layer, k, v)
         batch, heads, n, dim = k.shape
         shape = (batch, heads, self._length() + n, dim)
         keys = torch.empty(shape, dtype=torch.float32, device=k.device)
@@ -319,6 +366,20 @@ class KVStateCache(_HFCache):
             for out in (keys, values):
                 out[1:, :, :shared_end] = out[:1, :, :shared_end]
         return keys, values
+
+    def _gathered_for_autograd(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """``_gathered``'s tensors for a forward that records a graph (a loss to backpropagate): the same
+        values, each row joined by a ``torch.cat`` of its own and the rows stacked, since a ``cat``
+        into a given output records no graph. The held past is data, as in ``DynamicCache`` after
+        a ``no_grad`` step: gradients reach the new positions' K/V."""
+        joined = []
+        for kind, new in ((0, k), (1, v)):
+            rows = []
+            for row, reader in enumerate(self._readers):
+                pad = [self._zero_run(self.pads[row], k)] if self.pads[row] else []
+                rows.append(torch.cat(pad + self._past(reader, layer, kind, k.device) + [new[row]], dim=1))
+            joined.append(torch.stack(rows))
+        return joined[0], joined[1]
 
     def _shared_past(self) -> tuple[int, int]:
         """The leading pages every row holds in common (the very same pages: the prompt under beams or
@@ -404,6 +465,7 @@ class KVStateCache(_HFCache):
             raise
         self.pads = [p + q for p, q in zip(self.pads, pads)]
         self._new_pads = [0] * len(self.rows)
+        self._before_grow = None           # the rows a feed grew to now hold this step
         if self.layer_views:
             self._view_state = self._row_state()     # the views now cover exactly what the rows hold
 
@@ -451,7 +513,14 @@ class KVStateCache(_HFCache):
         self.truncate(self._length() + tokens_to_remove)
 
     def reset(self) -> None:
-        self.truncate(0)
+        """Empty the cache: row 0's context truncated to no positions, every other row closed, the
+        padding dropped (a new prompt, of any batch size, then starts as in a new cache)."""
+        self._refuse_mid_forward("reset")
+        for ctx in self.rows[1:]:
+            ctx.close()
+        self.rows[0].truncate(0)
+        self._set_rows(self.rows[:1], [0], self._readers[:1])
+        self._new_pads = [0]
 
     # -- batch reorders: forks and closes of row contexts, no K/V copied ------------------
 
@@ -592,12 +661,20 @@ def _feed_hook(module, args, kwargs):
     return None
 
 
+def _end_hook(module, args, kwargs, output):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, KVStateCache):
+        cache.end_forward()
+    return None
+
+
 def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
     ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``). Checks the model first."""
     model._kvstate_layout = layout_of(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
+        model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
         model.prepare_inputs_for_generation = _prefix_checked(model.prepare_inputs_for_generation)
     return model
 

@@ -27,7 +27,8 @@ from kvstate import Cache, Layout  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")   # skips, naming pip install 'kvstate[hf]', without transformers 5.x
-from kvstate.spec.errors import ShapeError, TokenError, UnsupportedModelError  # noqa: E402
+from kvstate.spec.errors import (ConfigError, ForeignContextError, ShapeError, TokenError,  # noqa: E402
+                                 UnsupportedModelError)
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
 VOCAB = 97
@@ -662,3 +663,124 @@ def test_shared_rows_truncated_inside_their_last_page_read_only_what_they_hold(l
         ours.truncate(crop), theirs.crop(crop - 11)
         assert ours._shared_past() == (3, 9)
         assert_equal_runs([llama(step, cache=ours).logits], [llama(step, cache=theirs).logits])
+
+
+# -- what an audit found: forwards that fail or record a graph, reset, re-padded prompts ------
+
+def test_a_forward_that_records_a_graph_equals_dynamic_cache_and_backpropagates(model):
+    """Outside ``torch.no_grad`` (a loss to train on): the same logits and the same gradients."""
+    x = ids(9, 60)
+    grads = []
+    for cache in (hf.KVStateCache.for_model(model, page_tokens=4), reference(model),
+                  hf.KVStateCache.for_model(model, page_tokens=4, layer_views=True)):
+        model.zero_grad()
+        logits = model(x, cache=cache).logits
+        logits.square().mean().backward()
+        grads.append((logits.detach(), [p.grad.clone() for p in model.parameters()]))
+    for logits, grad in (grads[0], grads[2]):
+        assert torch.equal(logits, grads[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(grad, grads[1][1]))
+    model.zero_grad()
+
+
+def _fail_in_layer(model, layer: int):
+    blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+
+    def boom(*_):
+        raise RuntimeError("a user's hook failed")
+    return blocks[layer].register_forward_pre_hook(boom)
+
+
+def test_a_forward_that_fails_part_way_leaves_the_cache_as_it_was(model, tmp_path):
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    first = ids(5, 61)
+    run(model, cache, [first])
+    hook = _fail_in_layer(model, 1)                     # layer 0 has buffered its K/V by then
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="user's hook"):
+            model(ids(2, 62), cache=cache)
+    finally:
+        hook.remove()
+    assert cache.get_seq_length() == 5 and cache.tokens == first[0].tolist()
+    cache.fork().close(), cache.retain(), cache.snapshot(tmp_path / "after.kvs")     # no "during a forward"
+    cache.truncate(4)
+    expected = reference(model)
+    run(model, expected, [first[:, :4]])
+    assert_equal_runs(run(model, cache, [ids(3, 63)]), run(model, expected, [ids(3, 63)]))
+
+
+def test_a_batch_forward_that_fails_does_not_grow_a_one_row_cache(llama):
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4)
+    run(llama, cache, [ids(5, 64)])
+    before = cache.kv.observe()
+    bad = torch.cat([ids(2, 65), torch.tensor([[1, VOCAB + 5]])])    # row 1 holds an id past the vocabulary
+    with torch.no_grad(), pytest.raises(IndexError):
+        llama(bad, cache=cache)
+    after = cache.kv.observe()
+    assert cache.batch_size == 1 and len(cache.context) == 5
+    assert after.holders == before.holders and after.pages == before.pages      # the forks it grew to are closed
+    run(llama, cache, [ids(1, 66)])                     # a one-row forward goes on
+    assert len(cache.context) == 6
+
+
+@pytest.mark.parametrize("lengths", [[3, 6], [6, 6, 6]], ids=["padded", "unpadded"])
+def test_reset_empties_a_batch_for_any_next_prompt(llama, lengths):
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4)
+    prompt, mask = left_padded(lengths, 67)
+    with torch.no_grad():
+        llama(prompt, attention_mask=mask, cache=cache)
+    rows = list(cache.rows)
+    cache.reset()
+    assert cache.batch_size == 1 and cache.get_seq_length() == 0 and cache.pads == [0]
+    assert all(ctx.closed for ctx in rows[1:]) and not rows[0].closed
+    again, mask = left_padded([2, 5], 68)               # another batch size, other padding
+    with torch.no_grad():
+        ours = llama(again, attention_mask=mask, cache=cache).logits
+        theirs = llama(again, attention_mask=mask, cache=reference(llama)).logits
+    assert torch.equal(ours, theirs)
+
+
+def test_a_prompt_padded_otherwise_than_the_cache_is_refused(llama):
+    """generate takes the prompt's first get_seq_length() columns as held: padded otherwise, they
+    would skip tokens a row never held (a re-tokenized conversation), or feed held ones twice (a
+    row continued from cache.row(i) with its padding)."""
+    prompt, mask = left_padded([3, 7], 69)
+    out, cache = generate_both(llama, prompt, mask, max_new_tokens=2, do_sample=False)
+    held = out.sequences[:, :-1]                        # the last token was never fed: 8 columns
+    assert cache.pads == [4, 0] and [len(ctx) for ctx in cache.rows] == [4, 8]
+    # The conversation re-tokenized without row 0's padding, one more turn each (both rows 10 long).
+    repadded = torch.cat([torch.cat([held[0:1, 4:], ids(6, 70)], dim=1), torch.cat([held[1:2], ids(2, 71)], dim=1)])
+    with torch.no_grad(), pytest.raises(TokenError, match="row 0: the prompt's first 8 columns"):
+        llama.generate(repadded, attention_mask=torch.ones_like(repadded), cache=cache, max_new_tokens=1,
+                       pad_token_id=0)
+    assert [len(ctx) for ctx in cache.rows] == [4, 8] and cache.get_seq_length() == 8       # nothing added
+    alone = cache.row(0)                                # row 0's 4 real tokens, no padding
+    more = ids(2, 72)
+    with torch.no_grad(), pytest.raises(TokenError, match="row 0: the prompt's first 4 columns"):
+        llama.generate(torch.cat([held[0:1], more], dim=1), cache=alone, max_new_tokens=1, pad_token_id=0,
+                       attention_mask=torch.cat([mask[0:1], torch.ones((1, 3), dtype=torch.long)], dim=1))
+    real = torch.cat([held[0:1, 4:], more], dim=1)      # its real tokens only: goes on, as a fresh run
+    with torch.no_grad():
+        ours = llama.generate(real, cache=alone, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        theirs = llama.generate(real, cache=reference(llama), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+
+
+def test_a_context_given_without_kv_brings_its_own_cache(llama):
+    kv = Cache(hf.layout_of(llama), page_tokens=4, store="torch")
+    base = hf.KVStateCache.for_model(llama, kv)
+    run(llama, base, [ids(6, 74)])
+    ours = hf.KVStateCache.for_model(llama, context=base.context.fork())
+    assert ours.kv is kv
+    ours.retain()                                       # a context of its own cache, not a foreign one
+    with torch.no_grad():
+        out = llama.generate(torch.cat([ids(6, 74), ids(2, 75)], dim=1), cache=ours, max_new_tokens=2,
+                             do_sample=False, pad_token_id=0, num_beams=3)
+        expected = llama.generate(torch.cat([ids(6, 74), ids(2, 75)], dim=1), cache=reference(llama),
+                                  max_new_tokens=2, do_sample=False, pad_token_id=0, num_beams=3)
+    assert torch.equal(out, expected)
+    other = Cache(hf.layout_of(llama), page_tokens=4, store="torch")
+    with pytest.raises(ForeignContextError, match="another kvstate cache"):
+        hf.KVStateCache.for_model(llama, other, context=base.context)
+    with pytest.raises(ConfigError, match="page_tokens"):
+        hf.KVStateCache.for_model(llama, context=base.context, page_tokens=64)
