@@ -13,7 +13,8 @@ positions (``PositionError``); the K/V values (``NonFiniteError``,
 operation's need is known: valid tokens and array, an open context, positions
 inside it). The reference raises the first of these in that order and names every
 one that applies (``refuse_with_all``); a backend is checked against that set
-(``applicable_errors``): a class outside it, or no error, is wrong.
+(``applicable_errors``): a class outside it, or no error, is wrong. A backend's own
+subclass of one of these is judged as the class it derives from (``spec_class``).
 """
 
 from __future__ import annotations
@@ -210,6 +211,13 @@ def refuse_with_all(*checks: Callable[[], None]) -> None:
         first = refusals[0]
         first.applicable = tuple(dict.fromkeys(type(error) for error in refusals))
         raise first
+
+
+def spec_class(error: BaseException) -> type:
+    """The class of this module that ``error`` is: its own, or, for a backend's own subclass (``class
+    MyPositionError(PositionError)``), the nearest one it derives from. A backend is judged by that
+    one, as a caller's ``except PositionError`` would catch it."""
+    return next((cls for cls in type(error).__mro__ if cls.__module__ == __name__), type(error))
 
 
 def applicable_errors(error: BaseException) -> tuple[type, ...]:

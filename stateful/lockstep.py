@@ -16,7 +16,7 @@ import numpy as np
 
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
-from kvstate.spec.errors import InvariantViolation, KVStateError, applicable_errors
+from kvstate.spec.errors import InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
@@ -419,10 +419,11 @@ def _difference(was, now) -> str:
 
 
 def same_refusal(engine_error: BaseException | None, ref_error: BaseException | None) -> bool:
-    """Both accepted, or the engine raised one of the errors that apply (``spec.errors.applicable_errors``)."""
+    """Both accepted, or the engine raised one of the errors that apply (``spec.errors.applicable_errors``),
+    or a subclass of its own deriving from one (``spec.errors.spec_class``)."""
     if engine_error is None or ref_error is None:
         return engine_error is None and ref_error is None
-    return type(engine_error) in applicable_errors(ref_error)
+    return spec_class(engine_error) in applicable_errors(ref_error)
 
 
 def describe_refusal(ref_error: BaseException | None) -> str:

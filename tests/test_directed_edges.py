@@ -31,6 +31,9 @@ from kvstate.stateful.directed.checks import DIRECTED
 from kvstate.stateful.directed.common import BrokenPromise, NotApplicable
 from kvstate.stateful.planted import dirty_recycled_slot
 
+from foreign import dict_pages, no_tree
+from foreign.bugs import DIRECTED_CATCHES
+
 NEW_CHECKS = ["no aliasing", "boundaries", "precision edges", "prefix edges", "snapshot writes", "arena evidence"]
 
 
@@ -445,3 +448,33 @@ def test_all_new_checks_report_through_conform_with_the_promise_first():
 def test_the_six_machine_configs_are_the_ones_checked():
     assert [c.name for c in machine_configs()] == ["f32-heap", "f32-arena6", "f16-heap", "f16-arena6",
                                                    "q8-heap", "q8-arena6"]
+
+
+# -- what random sequences cannot reach: wide token ids, the token limit, portable snapshots -----------
+
+@pytest.mark.parametrize("name", sorted(DIRECTED_CATCHES))
+def test_one_directed_check_catches_what_the_sequences_cannot(name):
+    """Sequences draw token ids 0-2 and restore into the cache that wrote the file: each of these
+    bugs passes them, and one directed check catches it (its correct base passes the same check)."""
+    factory, check, config_name, said = DIRECTED_CATCHES[name]
+    try:
+        DIRECTED[check](factory, config_named(config_name))
+    except (BrokenPromise, AssertionError) as caught:
+        assert said in str(caught), str(caught)
+    else:
+        raise AssertionError(f"{check} passed {name}")
+    base = {"token_ids_in_16_bits": no_tree, "token_limit_accepted": no_tree,
+            "restore_keeps_the_file_precision": dict_pages}[name]
+    DIRECTED[check](base.factory, config_named(config_name))
+
+
+def test_portable_snapshots_pass_on_the_torch_engine(machine_config):
+    DIRECTED["portable snapshots"](torch_factory(), machine_config)
+
+
+def test_portable_snapshots_is_not_applicable_at_one_precision_and_page_size():
+    def factory(config):
+        return numpy_factory(config)
+    factory.configs = [config_named("f32-heap")]
+    with pytest.raises(NotApplicable):
+        DIRECTED["portable snapshots"](factory, config_named("f32-heap"))

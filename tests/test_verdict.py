@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvstate.spec.errors import ConfigError, PositionError
+from kvstate.spec.errors import ConfigError, ContextClosedError, PositionError
 from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec import precision as precisions
 from kvstate.stateful.configs import page_sizes
@@ -146,3 +146,80 @@ def test_a_failure_still_shrinking_at_the_limit_is_a_failure_not_a_timeout():
     outcome = result.outcomes["lockstep"]
     assert outcome.status == "FAIL", outcome
     assert "shrinking it ran out of the 3 s limit" in outcome.detail and "invariant 4" in outcome.detail
+
+
+# -- built otherwise, found by an audit: another memory order, errors of its own ------------------
+
+class FortranOrderRead(listcache.ListContext):
+    """``read`` returns a private float32 copy in Fortran order (as a torch ``.clone()`` of a permuted
+    tensor is), its tokens as int32: the values are the promise, not a memory order."""
+
+    def read(self, start=0, stop=None):
+        values, tokens = super().read(start, stop)
+        return np.asfortranarray(values), np.asarray(tokens, np.int32)
+
+
+class FortranOrderCache(listcache.ListCache):
+    context_class = FortranOrderRead
+
+
+class OwnPositionError(PositionError):
+    """A backend's own, more specific error: a caller's ``except PositionError`` catches it."""
+
+
+class OwnClosedError(ContextClosedError):
+    pass
+
+
+class OwnErrors(listcache.ListContext):
+    """Raises its own subclasses of the spec's position and closed-context errors."""
+
+    def _open(self):
+        try:
+            super()._open()
+        except ContextClosedError as error:
+            raise OwnClosedError(str(error)) from None
+
+    def read(self, start=0, stop=None):
+        try:
+            return super().read(start, stop)
+        except PositionError as error:
+            raise OwnPositionError(str(error)) from None
+
+    def truncate(self, n):
+        try:
+            return super().truncate(n)
+        except PositionError as error:
+            raise OwnPositionError(str(error)) from None
+
+
+class OwnErrorsCache(listcache.ListCache):
+    context_class = OwnErrors
+
+
+def _like_listcache(cache_class):
+    def factory(config):
+        return cache_class(config)
+    factory.configs, factory.any_page_size = listcache_factory.configs, True
+    return factory
+
+
+@pytest.mark.parametrize("cache_class,checks", [
+    (FortranOrderCache, ["no aliasing", "boundaries"]),
+    (OwnErrorsCache, ["boundaries", "pinned semantics", "bad input"]),
+], ids=["fortran-order-read", "own-error-subclasses"])
+def test_a_correct_backend_built_otherwise_passes_the_checks_it_once_failed(cache_class, checks):
+    from kvstate.stateful.directed.checks import DIRECTED
+    factory = _like_listcache(cache_class)
+    for config in factory.configs:
+        for check in checks:
+            DIRECTED[check](factory, config)
+
+
+def test_an_own_subclass_is_judged_as_the_spec_class_it_derives_from():
+    from kvstate.stateful.lockstep import same_refusal
+    from kvstate.spec.errors import TokenError, spec_class
+    assert spec_class(OwnPositionError("x")) is PositionError and spec_class(PositionError("x")) is PositionError
+    assert same_refusal(OwnPositionError("x"), PositionError("y"))
+    assert not same_refusal(OwnPositionError("x"), TokenError("y"))       # still the wrong class
+    assert not same_refusal(ValueError("x"), PositionError("y"))

@@ -30,6 +30,7 @@ from .common import Check, NotApplicable, current, filled as _filled, require_ti
 from .edges import boundaries, no_aliasing
 from .evidence import arena_evidence
 from .precision import precision_edges
+from .portable import portable_snapshots
 from .prefix import prefix_edges
 from .scale import scale
 from .semantics import pinned_semantics
@@ -116,6 +117,7 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
         ("extend with a wrong shape", errors.ShapeError, lambda: ctx.extend([1, 2], good)),
         ("extend with float64", errors.DTypeError, lambda: ctx.extend([1], good.astype(np.float64))),
         ("extend with a negative token", errors.TokenError, lambda: ctx.extend([-1], good)),
+        ("extend with the token 2**31", errors.TokenError, lambda: ctx.extend([2**31], good)),
         ("overwrite past the end", errors.PositionError, lambda: ctx.overwrite(n, [1], good)),
         ("read past the end", errors.PositionError, lambda: ctx.read(0, n + 1)),
         ("truncate past the end", errors.PositionError, lambda: ctx.truncate(n + 1)),
@@ -218,4 +220,6 @@ DIRECTED: dict[str, Check] = {
     "pinned semantics": pinned_semantics,
     # the sizes where a backend's internals grow (scale)
     "scale": scale,
+    # a snapshot read by a cache of another precision or page size (portable)
+    "portable snapshots": portable_snapshots,
 }

@@ -7,7 +7,8 @@
 - ``boundaries``: a zero-length ``extend``/``overwrite`` and a ``truncate`` to the
   current length allocate, copy and change nothing; every method that takes bounds,
   called at each boundary, returns what the reference returns or refuses with the
-  same error class.
+  same error class; token ids at the edges of every narrower width (up to 2**31 - 1)
+  read back, are retained and match exactly (random sequences draw ids 0-2 only).
 
 Both compare with the reference through ``Lockstep``, so they hold a backend to
 whatever semantics its configuration declares.
@@ -31,6 +32,9 @@ NOT_ALIASED = ("what a backend returns, and what it is given, belongs to the cal
                "nothing in the cache, and later writes to the cache do not change it")
 ZERO_LENGTH = ("an extend or overwrite of zero positions, or a truncate to the current length, "
                "allocates, copies and changes nothing")
+WIDE_IDS = ("a token id is any int in [0, 2**31): ids at each width a store might narrow them to (8, 16 "
+            "and 31 bits) read back, are retained and match exactly")
+WIDE_TOKENS = (0, 255, 256, 65_535, 65_536, 2**31 - 1)      # each just inside or past a narrower width
 BOUNDS = ("a call at a boundary (start = stop, stop = 0, stop = length, stop omitted, truncate to 0 or "
           "to the length, a write at the length) returns what the reference returns, or refuses with "
           "the same error class")
@@ -147,8 +151,8 @@ def _returned_arrays_stay(run: Lockstep, config: Config, n: int) -> None:
     run.apply(O.Extend(handle, tuple(range(20, 20 + n)), seed=7))
     for call, returned, frozen in kept:
         for part, was in zip(returned, frozen):
-            now = _frozen(part)
-            if now.shape != was.shape or not np.array_equal(now.view(np.uint8), was.view(np.uint8)):
+            now = _frozen(part)      # compared as bytes in C order: a copy in another memory order is as good
+            if now.shape != was.shape or now.dtype != was.dtype or now.tobytes() != was.tobytes():
                 raise BrokenPromise(NOT_ALIASED, call, "what it returned changed when the context was "
                                     "overwritten, truncated and extended afterwards")
     run.apply(O.Close(handle))
@@ -163,7 +167,9 @@ def _frozen(part: Any) -> np.ndarray:
 # -- boundaries ------------------------------------------------------------------------------
 
 def boundaries(factory: Factory, config: Config) -> None:
-    """Zero-length writes change nothing; bounds at each edge agree with the reference."""
+    """Zero-length writes change nothing; bounds at each edge agree with the reference; wide token ids
+    read back exactly."""
+    _wide_token_ids(Lockstep(factory, config))      # first, on a run of its own: a failure's sequence is short
     run, n = filled(factory, config)
     page = config.page_tokens
     run.apply(O.Fork("c1"))                                   # c2: every page shared
@@ -174,6 +180,25 @@ def boundaries(factory: Factory, config: Config) -> None:
     for handle, length in (("c1", n), (empty, 0), (aligned, page)):
         _read_bounds(run, handle, length)
         _write_bounds(run, handle, length)
+    run.finish()
+
+
+def _wide_token_ids(run: Lockstep) -> None:
+    """A context of ``WIDE_TOKENS``, retained, then matched and read back through the lockstep, which
+    compares tokens, the matched count and the hit with the reference after every step."""
+    handle = run.apply(O.Allocate())
+    for op in (O.Extend(handle, WIDE_TOKENS, seed=12), O.Retain(handle), O.Match(WIDE_TOKENS + (7,)),
+               O.Match(WIDE_TOKENS[:3] + (65_535 + 2**16,))):
+        with keeping(WIDE_IDS, run):
+            made = run.apply(op)
+            run.check()
+        if made is not None and op.kind == "match":
+            run.apply(O.Close(made))
+    with keeping(WIDE_IDS, run, f"{handle}.tokens"):
+        got = as_list(run.live[handle][0].tokens)
+        if got != list(WIDE_TOKENS):
+            raise AssertionError(f"tokens {got}, written {list(WIDE_TOKENS)}")
+    run.apply(O.Close(handle))
     run.finish()
 
 

@@ -353,6 +353,53 @@ class RefcountsLostOnGrowth(block_pool.BlockPoolCache):
     table_class = RefcountsDroppedTable
 
 
+# -- caught by one directed check (tests/test_directed_edges.py runs it alone: DIRECTED_CATCHES) ------
+
+class NarrowTokenContext(no_tree.PlainContext):
+    def _prepare(self, tokens, kv, start=None):
+        tokens, values = super()._prepare(tokens, kv, start)
+        return tokens.astype(np.uint16).astype(np.int64), values
+
+
+class TokenIdsIn16Bits(no_tree.ListEngine):
+    """Token ids are stored in 16 bits: an id from 65,536 up reads back wrapped (invariant 4),
+    where random sequences draw ids 0-2 only."""
+
+    context_class = NarrowTokenContext
+
+
+class TokenLimitContext(no_tree.PlainContext):
+    def _prepare(self, tokens, kv, start=None):
+        ids = np.array(tokens, dtype=np.int64)
+        return super()._prepare(np.where(ids == 2**31, 2**31 - 1, ids), kv, start)
+
+
+class TokenLimitAccepted(no_tree.ListEngine):
+    """The token id 2**31, the first past the limit, is accepted (stored as 2**31 - 1) instead of
+    refused with ``TokenError``."""
+
+    context_class = TokenLimitContext
+
+
+class RestoreKeepsTheFilePrecision(dict_pages.DictCache):
+    """``restore`` of a snapshot written at another precision keeps the file's numbers as they are
+    (q8 codes, unscaled, become values) instead of converting them (ARCHITECTURE.md: restore into
+    another precision converts by the precision rules)."""
+
+    def restore(self, source):
+        from kvstate.spec import snapshot_format as fmt
+        data = source.read()
+        header = fmt.parse_header(data[:fmt.HEADER_SIZE])
+        arrays = fmt.check_body(header, memoryview(data)[fmt.HEADER_SIZE:fmt.HEADER_SIZE + header.body_bytes])
+        parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
+        if header.precision != self.precision:
+            parts = self.encode(np.asarray(parts[0], np.float32))        # PLANTED: not decoded first
+        ctx = self.allocate()
+        ctx._write(0, arrays["tokens"].astype(np.int64), parts)
+        ctx.length = header.positions
+        return ctx
+
+
 def _is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
@@ -393,3 +440,13 @@ _PLANTED = {
     "refcounts_lost_on_growth": (RefcountsLostOnGrowth, block_pool.factory),
 }
 BUGS = {name: _factory_for(cls, base) for name, (cls, base) in _PLANTED.items()}
+
+# name: (factory, the directed check that catches it, the configuration, what its report says)
+DIRECTED_CATCHES = {
+    "token_ids_in_16_bits": (_factory_for(TokenIdsIn16Bits, no_tree.factory), "boundaries", "f32-heap",
+                             "token 0 != reference 65536"),
+    "token_limit_accepted": (_factory_for(TokenLimitAccepted, no_tree.factory), "bad input", "f16-heap",
+                             "extend with the token 2**31: accepted"),
+    "restore_keeps_the_file_precision": (_factory_for(RestoreKeepsTheFilePrecision, dict_pages.factory),
+                                         "portable snapshots", "q8-heap", "values differ from the q8 snapshot's"),
+}

@@ -1,0 +1,78 @@
+"""Directed check: a snapshot restores into a cache of another precision or page size.
+
+ARCHITECTURE.md: a snapshot is position-major, so a cache of any page size restores it, and it
+holds its cache's own precision losslessly; restored into another precision it converts by the
+precision rules, so the new cache holds what a write of the snapshot's values would hold there
+(``spec.precision.roundtrip``). Random sequences and the other snapshot checks restore into the
+cache that wrote the file; this one writes a context of the configuration under test and
+restores it into a new engine of each other precision the backend is run at and, where it may be
+run at any page size, of another page size. Each restored context must read back the written
+tokens, and values equal bit for bit to the snapshot's (same precision) or to their round trip.
+
+n/a for a backend without ``snapshot``/``restore``.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+
+from kvstate.spec.precision import PRECISIONS, roundtrip
+from kvstate.spec.protocol import Config, Factory
+
+from .common import NotApplicable, as_list, filled, keeping, record
+from ..lockstep import to_numpy
+
+PORTABLE = ("a snapshot restores into a cache of another page size as it was, and into a cache of another "
+            "precision as a write of its values there would hold them")
+
+
+def portable_snapshots(factory: Factory, config: Config) -> None:
+    """The context written under ``config``, restored into engines of the other precisions and page size."""
+    run, _ = filled(factory, config)
+    source = run.live["c1"][0]
+    if not (hasattr(run.engine, "restore") and hasattr(source, "snapshot")):
+        raise NotApplicable("the cache has no snapshot/restore")
+    stream = io.BytesIO()
+    source.snapshot(stream)
+    record(run, "c1.snapshot(stream)")
+    values, tokens = source.read()
+    values, tokens = to_numpy(values).copy(), as_list(tokens)
+    targets = _targets(factory, config)
+    if not targets:
+        raise NotApplicable("the backend is run at one precision and one page size")
+    for target in targets:
+        call = (f"restore(stream) into a new {target.precision} cache of {target.page_tokens}-token pages "
+                f"({target.name})")
+        record(run, call)
+        engine = factory(target)
+        with keeping(PORTABLE, run, call):
+            restored = engine.restore(io.BytesIO(stream.getvalue()))
+            got_values, got_tokens = restored.read()
+            got_values = to_numpy(got_values)
+            want = values if target.precision == config.precision else roundtrip(target.precision, values)
+            if as_list(got_tokens) != tokens:
+                raise AssertionError(f"tokens {as_list(got_tokens)}, written {tokens}")
+            if got_values.shape != want.shape or not np.array_equal(got_values.view(np.uint32), want.view(np.uint32)):
+                worst = float(np.abs(got_values.astype(np.float64) - want).max()) if got_values.shape == want.shape \
+                    else "shape"
+                raise AssertionError(f"values differ from the {config.precision} snapshot's "
+                                     f"{'own' if target.precision == config.precision else 'round trip to ' + target.precision}"
+                                     f" (largest difference {worst})")
+            restored.close()
+    run.finish()
+
+
+def _targets(factory: Factory, config: Config) -> list[Config]:
+    """One configuration per other precision the backend is run at, and one of another page size
+    (1-8) where the backend may be run at any page size."""
+    declared = getattr(factory, "configs", None)
+    if declared is None:
+        others = [config.with_(precision=p) for p in PRECISIONS if p != config.precision]
+    else:
+        by_precision = {c.precision: c for c in declared if c.layout == config.layout}
+        others = [c for p, c in by_precision.items() if p != config.precision]
+    if declared is None or getattr(factory, "any_page_size", False):
+        others.append(config.with_(page_tokens=config.page_tokens % 8 + 1))
+    return others
