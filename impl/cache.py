@@ -87,6 +87,8 @@ def make_store(store: str, layout: Layout, page_tokens: int, precision: str, are
             raise ConfigError(f"store='torch' needs torch (pip install 'kvstate[torch]'): {error}") from None
 
         return TorchStore(layout, page_tokens, precision, arena_pages, device)
+    if isinstance(store, type):
+        raise ConfigError(f"store takes a page store object, not the class {store.__name__}: pass an instance")
     if not isinstance(store, str) and hasattr(store, "allocate"):
         return store    # a third-party page store instance
     raise ConfigError(f"store must be 'numpy', 'torch' or a page store object, got {store!r}")
@@ -269,8 +271,11 @@ class Cache:
         if self.second_tier is not None:
             try:
                 found = self.second_tier.consult(self, unpacked(query) if tokens is None else tokens, found)
-            except Exception as error:     # noqa: BLE001 - SnapshotStore never raises here; a duck tier may
+            except BaseException as error:     # noqa: BLE001 - SnapshotStore never raises here; a duck tier may
                 if found[0].closed:
+                    raise
+                if not isinstance(error, Exception):     # an interrupt: the hit no caller will hold is let go
+                    found[0].close()
                     raise
                 warnings.warn(SecondTierWarning(f"second tier {type(self.second_tier).__name__} raised "
                                                 f"{type(error).__name__}; the local hit was used"), stacklevel=2)

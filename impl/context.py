@@ -74,10 +74,14 @@ class Context:
 
     def _refuse_use(self) -> None:
         """Raise what a use of this busy or closed context gets (under the cache lock). Callers that
-        test the flag inline (``fork``, ``Cache.retain``: the hottest paths) and ``_owned`` share it."""
-        if self._use == BUSY:
-            raise ContextBusyError(f"context {self.context_id} is in use by another thread")
-        raise ContextClosedError(f"context {self.context_id} is closed")
+        test the flag inline (``fork``, ``Cache.retain``: the hottest paths) and ``_owned`` share it.
+
+        The caller saw the flag set; it may have been cleared since (the thread that held the context
+        clears it without the lock), but a closed context never opens again: so anything but CLOSED
+        now is "busy" (a retry goes through), never "closed"."""
+        if self._use == CLOSED:
+            raise ContextClosedError(f"context {self.context_id} is closed")
+        raise ContextBusyError(f"context {self.context_id} is in use by another thread")
 
     def __enter__(self) -> "Context":
         return self

@@ -88,7 +88,9 @@ class TorchStore:
         """
         if isinstance(kv, torch.Tensor):
             try:
-                return kv.detach().to(device=self.device, dtype=torch.float32, copy=True)
+                # a plain tensor: a subclass's hooks (``__torch_function__``) must not run again inside
+                # the write, after pages have been taken, where an exception would leave it half done
+                return kv.detach().to(device=self.device, dtype=torch.float32, copy=True).as_subclass(torch.Tensor)
             except (RuntimeError, NotImplementedError) as error:    # a meta or sparse tensor holds no values
                 raise DTypeError(f"cannot take K/V values from a {kv.layout} tensor on {kv.device}: {error}") from None
         if not isinstance(kv, np.ndarray):

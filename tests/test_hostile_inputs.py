@@ -73,3 +73,16 @@ def test_hostile_replay_files_long(document):
     with tempfile.TemporaryDirectory() as folder:
         H.cli_replay(tally, document, folder)
     assert not tally.findings
+
+
+@pytest.mark.parametrize("store", ["numpy", "torch"])
+def test_a_page_store_class_is_refused_where_an_instance_goes(store):
+    if store == "torch":
+        pytest.importorskip("torch")
+        from kvstate.impl.torch_store import TorchStore as cls
+    else:
+        from kvstate.impl.numpy_store import NumpyStore as cls
+    from kvstate import Cache, Layout
+    from kvstate.spec.errors import ConfigError
+    with pytest.raises(ConfigError, match=f"not the class {cls.__name__}"):
+        Cache(Layout(1, 1, 2), page_tokens=2, store=cls)

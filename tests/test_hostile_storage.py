@@ -101,6 +101,19 @@ def test_a_tier_whose_consult_raises_costs_match_nothing_but_a_warning(error):
     ctx.close()
 
 
+def test_a_tier_interrupted_in_consult_lets_the_local_hit_go():
+    """An interrupt (not an Exception) from a duck tier propagates, and the hit match had forked for
+    the caller, who never receives it, is closed: nothing is left live after a clear."""
+    cache = Cache(HS.LAYOUT, page_tokens=HS.PAGE_TOKENS, second_tier=HS.Raising(KeyboardInterrupt("^C")))
+    with HS._filled(cache, [1, 2, 3], 0) as local:
+        cache.retain(local)
+    with pytest.raises(KeyboardInterrupt):
+        cache.match([1, 2, 3, 4])
+    cache.clear()
+    after = cache.observe()
+    assert after.pages == {} and after.holders == {}
+
+
 # -- each target can fail -------------------------------------------------------------------------
 
 def test_the_url_target_reports_a_secret_in_a_message(tmp_path, monkeypatch):

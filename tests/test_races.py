@@ -468,3 +468,15 @@ def test_match_stamping_its_entry_outside_the_lock_is_caught(monkeypatch):
     monkeypatch.setattr(Cache, "match", match)
     with pytest.raises(races.RaceFailure, match=r"match_close_vs_clear\[numpy, "):
         races.match_close_vs_clear("numpy", seed=SEED, iterations=len(races.race_configs()), yields=True)
+
+
+def test_a_context_freed_between_the_check_and_the_refusal_is_busy_not_closed():
+    """A caller saw the busy flag set; the thread that held the context clears it without the lock.
+    What the caller is told must not be "closed" for a context that is open (a retry goes through)."""
+    cache = races.make_cache("numpy", races.race_configs()[1])
+    ctx = cache.allocate()
+    with pytest.raises(ContextBusyError):
+        ctx._refuse_use()               # the flag already cleared (FREE) by the time it is read again
+    ctx.close()
+    with pytest.raises(ContextClosedError):
+        ctx._refuse_use()

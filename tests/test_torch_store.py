@@ -188,3 +188,32 @@ def test_bad_device_is_a_config_error():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA"):
             Cache(LAYOUT, store="torch", device="cuda")
+
+
+class _HookedTensor(torch.Tensor):
+    """A K/V tensor subclass whose ``__torch_function__`` raises on indexing while armed."""
+
+    armed = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if cls.armed and func is torch.Tensor.__getitem__:
+            raise RuntimeError("a user's hook")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_a_tensor_subclass_hook_never_runs_inside_a_write(precision):
+    """The store writes a plain copy: a subclass's hook cannot interrupt a write half done."""
+    cache = Cache(LAYOUT, page_tokens=2, store="torch", precision=precision)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3, 4], torch.zeros(LAYOUT.batch_shape(4)))
+    _HookedTensor.armed = True
+    try:
+        ctx.overwrite(1, [7, 8], torch.ones(LAYOUT.batch_shape(2)).as_subclass(_HookedTensor))
+        ctx.extend([5, 6, 7], torch.ones(LAYOUT.batch_shape(3)).as_subclass(_HookedTensor))
+    finally:
+        _HookedTensor.armed = False
+    values, tokens = ctx.read()
+    assert list(tokens) == [1, 7, 8, 4, 5, 6, 7] and len(ctx._pages) == 4
+    assert torch.equal(torch.as_tensor(values)[:, 0, 0, 0, 0], torch.tensor([0., 1, 1, 0, 1, 1, 1]))
