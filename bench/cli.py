@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from .args import positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .run import BENCHMARKS  # no NumPy import
@@ -21,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"benchmarks to run (default: all of {', '.join(BENCHMARKS)})")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run of under a minute)")
     parser.add_argument("--full", action="store_true", help="add the 8,192-token restore/prefill size")
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="BLAS/torch threads (default: all cores)")
+    parser.add_argument("--threads", type=positive_int, default=os.cpu_count(), help="BLAS/torch threads (default: all cores)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for results.json and PNGs")
 
 

@@ -118,11 +118,15 @@ def run(against: Path | None = None, rounds: int = 3, conversations: int = 200) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        from .args import positive_int      # run as a module (the parent), counts are checked here
+    except ImportError:
+        positive_int = int                  # the child another checkout runs by path: the parent checked them
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.one_token_pages", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", type=Path, help="another checkout to measure beside this one")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--conversations", type=int, default=200)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--conversations", type=positive_int, default=200)
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:

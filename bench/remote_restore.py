@@ -37,6 +37,7 @@ import numpy as np
 from kvstate.impl import Cache
 from kvstate.model import GPT2, GPT2Config
 
+from .args import positive_int
 from .restore import hf_prefill_timer
 from .timing import best_of
 
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.remote_restore", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="128 and 512 tokens instead of 512 and 2,048")
-    parser.add_argument("--threads", type=int, default=None, help="HF/torch threads (default: all cores)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="HF/torch threads (default: all cores)")
     args = parser.parse_args(argv)
     print(report(run(quick=args.quick, threads=args.threads)))
     return 0

@@ -62,6 +62,7 @@ from kvstate.model import GPT2, GPT2Config
 from kvstate.spec.arithmetic import pages_touched, span_in_page
 from kvstate.spec.snapshot_format import HEADER_SIZE
 
+from .args import positive_int
 from .timing import best_of
 
 def drop_from_page_cache(path: Path) -> bool:
@@ -340,9 +341,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="128 and 512 tokens only")
     parser.add_argument("--full", action="store_true", help="add 8,192 tokens")
-    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="these context lengths instead")
+    parser.add_argument("--tokens", type=positive_int, nargs="+", default=None, help="these context lengths instead")
     parser.add_argument("--no-prefill", action="store_true", help="the I/O rows only (no model, much faster)")
-    parser.add_argument("--repeat", type=int, default=None, help="rounds; each figure is the best of them")
+    parser.add_argument("--repeat", type=positive_int, default=None, help="rounds; each figure is the best of them")
     parser.add_argument("--threads", type=thread_counts, default=[1, 2],
                         help="thread counts, one set of rows each (default 1,2)")
     parser.add_argument("--worker", choices=("auto", "always"), default="auto",

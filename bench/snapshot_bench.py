@@ -39,6 +39,8 @@ from kvstate.impl.snapshot import read_snapshot
 from kvstate.spec.snapshot_format import check_body
 from kvstate.spec.layout import Layout
 
+from .args import positive_int
+
 LAYOUT = Layout(layers=12, kv_heads=12, head_dim=64)
 PAGE_TOKENS = 64
 
@@ -173,9 +175,9 @@ def format_rows(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.snapshot_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--positions", type=int, nargs="+", default=[512, 2048, 8192])
+    parser.add_argument("--positions", type=positive_int, nargs="+", default=[512, 2048, 8192])
     parser.add_argument("--precision", nargs="+", default=["f32", "f16", "q8"], choices=["f32", "f16", "q8"])
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--dir", default=None, help="folder for the files (default: a temporary one)")
     parser.add_argument("--out", default="bench/results/snapshot.json")
     args = parser.parse_args(argv)

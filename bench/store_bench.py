@@ -17,6 +17,8 @@ import numpy as np
 
 from kvstate import Cache, Layout
 
+from .args import positive_int
+
 LAYOUT = Layout(layers=8, kv_heads=8, head_dim=64)    # 16 KiB per position at f32
 PAGE_TOKENS = 64
 CONTEXT = 1024 + 17                                    # 17 pages, the last partly filled
@@ -80,7 +82,7 @@ class Subject:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--repeat", type=positive_int, default=300)
     parser.add_argument("--precision", default="f32", choices=["f32", "f16", "q8"])
     args = parser.parse_args(argv)
     import torch

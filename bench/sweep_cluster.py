@@ -34,6 +34,8 @@ from pathlib import Path
 from kvstate.stateful.sweeps import sweep as S
 from kvstate.stateful.configs import machine_configs
 
+from .args import positive_int
+
 
 def simulated_run(seconds: float, index: int) -> int:
     """A run that takes ``seconds`` of wall time and no CPU."""
@@ -152,9 +154,9 @@ def scaling(run_seconds: float, worker_counts: list[int], runs_per_worker: int) 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=int, default=36, help="real runs per measurement (default 36)")
-    parser.add_argument("--steps", type=int, default=400, help="operations per run (default 400)")
-    parser.add_argument("--repeats", type=int, default=2, help="measurements of each; the best counts")
+    parser.add_argument("--runs", type=positive_int, default=36, help="real runs per measurement (default 36)")
+    parser.add_argument("--steps", type=positive_int, default=400, help="operations per run (default 400)")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="measurements of each; the best counts")
     parser.add_argument("--workers", default="1,2,4,8,16", help="worker processes for the simulation")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)

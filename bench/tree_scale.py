@@ -34,6 +34,8 @@ import numpy as np
 from kvstate.impl import Cache
 from kvstate.spec.layout import Layout
 
+from .args import positive_int
+
 TINY = Layout(1, 1, 1)
 PAGE = 16
 PREFIX, OWN = 64, 32
@@ -165,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="trees of 100 and 1,000 entries")
-    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--sizes", type=lambda text: tuple(int(n) for n in text.split(",")),
                         help="entries of each tree, comma-separated (default: 1000,10000,100000)")
     args = parser.parse_args(argv)

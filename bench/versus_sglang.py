@@ -38,6 +38,7 @@ from array import array
 
 import numpy as np
 
+from .args import positive_int
 from .traffic_workload import FULL, PAGE_SIZES, QUICK, TINY, WORKLOADS, workload
 from .one_token_pages import serve_requests
 
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
     parser.add_argument("--page", type=int, choices=PAGE_SIZES, action="append", help="default: 1, 16 and 64")
-    parser.add_argument("--rounds", type=int)
+    parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)
     missing = sglang_missing()

@@ -84,12 +84,13 @@ class Demo:
             self.parent.snapshot(path)
             next_start = Cache(CONFIG.layout, page_tokens=PAGE)
             restored, restore_s = timed(lambda: next_start.restore(path))
+            positions = len(restored)
             with self.parent.fork() as original:
                 same = np.array_equal(self.model.decode(restored, 1), self.model.decode(original, 1))
             restored.close()
-            self.out(f"   restored {len(restored)} positions in {restore_s * 1e3:.1f} ms "
+            self.out(f"   restored {positions} positions in {restore_s * 1e3:.1f} ms "
                      f"(re-prefill {self.prefill_s * 1e3:.0f} ms); next-token logits identical: {same}")
-            self.out(f"   tokens not re-prefilled {len(restored)}, time saved ~{(self.prefill_s - restore_s) * 1e3:.0f} ms")
+            self.out(f"   tokens not re-prefilled {positions}, time saved ~{(self.prefill_s - restore_s) * 1e3:.0f} ms")
 
     def prefix_hit(self, history: int = 500, turn: int = 40) -> None:
         self.out(f"4. a conversation of {history} tokens is re-sent with a new {turn}-token turn")

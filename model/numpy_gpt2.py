@@ -1,7 +1,7 @@
 """The GPT-2 forward pass in NumPy, reading and writing its K/V through a context.
 
 Each call appends every new position's K/V (all layers) with one ``ctx.extend``,
-after the pass. Attention reads the past positions back from the context with
+after the pass, logits included: a pass that fails leaves the context as it was. Attention reads the past positions back from the context with
 ``ctx.read_layer_pages``, so it sees exactly what the cache stores at its precision.
 The new positions' K/V are not in the context yet while later layers run; they
 are passed through ``spec.precision.roundtrip``, which is by definition what a
@@ -96,8 +96,9 @@ class GPT2:
             hidden = layer_norm(x, g2, b2, cfg.layer_norm_epsilon) @ w_fc
             _in_row_slices(partial(gelu_in_place, bias=b_fc), hidden, self.threads)      # in place
             x = residual(x, hidden @ w_out, b_out)
-        ctx.extend(tokens, kv)
-        return layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
+        logits = layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
+        ctx.extend(tokens, kv)          # last: a pass that fails leaves the context as it was
+        return logits
 
     def _key_value_blocks(self, ctx, layer: int, start: int, k: np.ndarray, v: np.ndarray):
         """Past K/V read from the context, then the new ones as the context will store them, in blocks."""

@@ -1,10 +1,10 @@
 """The GPT-2 forward pass in torch: the same contract as ``numpy_gpt2.GPT2``.
 
-Same weights dict, same calls (``prefill``, ``decode``), same exactness rule:
-past K/V are read back from the context, new K/V pass through the precision's
-round trip before later layers use them, and one ``ctx.extend`` appends every
-layer's K/V after the pass (as a float32 NumPy batch, which every page store
-accepts). ``device`` may be ``"cuda"``; values cross to the CPU only for the
+Same weights dict, same calls (``prefill``, ``decode``), same contexts (a kvstate
+``Context`` or ``ContiguousKV``), same exactness rule: past K/V are read back from
+the context, new K/V pass through the precision's round trip before later layers
+use them, and one ``ctx.extend`` appends every layer's K/V after the pass, logits
+included (as a float32 NumPy batch, which every page store accepts). ``device`` may be ``"cuda"``; values cross to the CPU only for the
 round trip and the extend.
 """
 
@@ -29,7 +29,9 @@ class TorchGPT2:
         self.config = config
         self.layout = config.layout
         self.device = torch.device(device)
-        w = {name: torch.from_numpy(np.ascontiguousarray(array)).to(self.device) for name, array in weights.items()}
+        # float32, as the NumPy model computes: a float64 or integer weight would meet float32 K/V
+        w = {name: torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(self.device)
+             for name, array in weights.items()}
         self.wte, self.wpe = w["wte.weight"], w["wpe.weight"]
         self.ln_f = (w["ln_f.weight"], w["ln_f.bias"])
         self.blocks = block_weights(w, config.n_layer)
@@ -67,13 +69,19 @@ class TorchGPT2:
             x = x + attended @ w_o + b_o
             h = F.layer_norm(x, (cfg.n_embd,), g2, b2, eps)
             x = x + F.gelu(h @ w_fc + b_fc, approximate="tanh") @ w_out + b_out
-        ctx.extend(tokens, kv)
-        return (F.layer_norm(x, (cfg.n_embd,), *self.ln_f, eps) @ self.wte.T).cpu().numpy()
+        logits = (F.layer_norm(x, (cfg.n_embd,), *self.ln_f, eps) @ self.wte.T).cpu().numpy()
+        ctx.extend(tokens, kv)          # last: a pass that fails leaves the context as it was
+        return logits
 
     def _keys_values(self, ctx, layer: int, start: int, k: np.ndarray, v: np.ndarray):
         """Past K/V read from the context, then the new ones as the context will store them."""
         new = [roundtrip(ctx.precision, part) for part in (k, v)]
-        if start:
-            past = ctx.read_layer(layer)
-            new = [np.concatenate([np.asarray(p.cpu() if torch.is_tensor(p) else p), n]) for p, n in zip(past, new)]
+        if start:        # ``read_layer_pages``: the one read every context of the contract has
+            parts = ctx.read_layer_pages(layer)
+            new = [np.concatenate([_host(page[side]) for page in parts] + [n]) for side, n in enumerate(new)]
         return tuple(torch.from_numpy(part).to(self.device) for part in new)
+
+
+def _host(part) -> np.ndarray:
+    """A page's K or V as a NumPy array (a torch store's pages may be tensors, on any device)."""
+    return part.cpu().numpy() if torch.is_tensor(part) else np.asarray(part)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvstate.spec.errors import ConfigError
+from kvstate.spec.errors import ConfigError, UnsupportedModelError
 
 from .config import GPT2Config
 
@@ -65,7 +65,8 @@ def load_safetensors(path, n_head: int | None = None) -> tuple[GPT2Config, dict[
 
     ``n_head`` is not recorded in the weights: it is taken from the argument, else
     from a ``config.json`` beside the file, else ``n_embd // 64`` (every GPT-2 size
-    uses 64-wide heads).
+    uses 64-wide heads). That file's ``layer_norm_epsilon`` is honoured; an activation or
+    attention scaling this model does not compute is refused (``check_computed``).
     """
     from safetensors.numpy import load_file
 
@@ -81,19 +82,47 @@ def load_safetensors(path, n_head: int | None = None) -> tuple[GPT2Config, dict[
         raise ConfigError(f"{path} holds no GPT-2 embeddings (wte.weight, wpe.weight)")
     vocab, d = weights["wte.weight"].shape
     layers = 1 + max((int(m.group(1)) for m in map(re.compile(r"h\.(\d+)\.").match, weights) if m), default=-1)
+    beside = path.with_name("config.json")
+    hf_config = json.loads(beside.read_text()) if beside.exists() else {}
+    check_computed(hf_config, beside)
     if n_head is None:
-        beside = path.with_name("config.json")
-        n_head = json.loads(beside.read_text()).get("n_head") if beside.exists() else None
+        n_head = hf_config.get("n_head")
     config = GPT2Config(vocab_size=vocab, n_positions=weights["wpe.weight"].shape[0], n_embd=d,
-                        n_layer=layers, n_head=n_head or d // 64)
+                        n_layer=layers, n_head=n_head or d // 64,
+                        layer_norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
     check_weights(config, weights)
     return config, weights
 
 
+# What an HF GPT-2 config.json may say that this model does not compute, and what it computes.
+COMPUTED = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "scale_attn_weights": (True,),
+            "scale_attn_by_inverse_layer_idx": (False,)}
+
+
+def check_computed(hf_config: dict, where) -> None:
+    """``UnsupportedModelError`` for a config.json whose model computes otherwise than this one (another
+    activation, unscaled or layer-scaled attention): its logits would differ, silently."""
+    for field, computed in COMPUTED.items():
+        if field in hf_config and hf_config[field] not in computed:
+            raise UnsupportedModelError(f"{where}: {field} is {hf_config[field]!r}; this GPT-2 computes "
+                                        f"{computed[0]!r} only")
+
+
 def check_weights(config: GPT2Config, weights: dict[str, np.ndarray]) -> None:
-    """``ConfigError`` naming the first missing or misshapen weight."""
+    """``ConfigError`` naming the first weight that is missing, not an array of real floating-point
+    numbers (a complex weight would lose its imaginary part in the float32 cast), misshapen, or not
+    finite (a NaN in the final layer norm never reaches the K/V a store screens: only the logits)."""
     for name, shape in weight_shapes(config).items():
         if name not in weights:
             raise ConfigError(f"weight {name} is missing")
-        if weights[name].shape != shape:
-            raise ConfigError(f"weight {name} has shape {weights[name].shape}, expected {shape}")
+        try:
+            array = np.asarray(weights[name])
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ConfigError(f"weight {name} is not an array: {error}") from None
+        if array.dtype.kind != "f":
+            raise ConfigError(f"weight {name} has dtype {array.dtype}, expected a floating-point array")
+        if array.shape != shape:
+            raise ConfigError(f"weight {name} has shape {array.shape}, expected {shape}")
+        if not np.isfinite(array).all():
+            where = tuple(int(i) for i in np.argwhere(~np.isfinite(array))[0])
+            raise ConfigError(f"weight {name} holds {array[where]} at {where}")

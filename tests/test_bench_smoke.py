@@ -81,6 +81,7 @@ def test_demo_shows_exact_backtracking_and_prefix_hits():
     assert "bit-identical next-token logits: True" in text
     assert "match found 500 of 540 tokens" in text
     assert "next-token logits identical: True" in text      # the snapshot/restore section ran
+    assert "restored 600 positions" in text and "tokens not re-prefilled 600" in text      # read before the close
 
 
 def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
@@ -152,3 +153,18 @@ def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
         assert row["here_s"] > 0 and row["against_over_here"] > 0
         # the attention inside each: transformers' GPT-2 runs torch's fused attention by default
         assert 0 < row["attention_s"] < row["prefill_s"] and 0 < row["hf_attention_s"] < row["hf_s"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["kvstate.bench.prefill", "--rounds", "0"], ["kvstate.bench.one_token_pages", "--conversations", "0"],
+    ["kvstate.bench.restore", "--repeat", "-1"], ["kvstate.bench.restore", "--tokens", "0"],
+    ["kvstate.bench.extend", "--rounds", "0"], ["kvstate.bench.read_pages", "--tokens", "x"],
+    ["kvstate.bench.tree_scale", "--rounds", "0"], ["kvstate.bench.versus_sglang", "--rounds", "-2"],
+], ids=lambda argv: " ".join(argv[1:]) + " " + argv[0].rsplit(".", 1)[1])
+def test_a_count_that_is_not_a_count_is_refused_by_argparse(argv, capsys):
+    """Before, --rounds 0 printed inf and nan, or a KeyError far from the argument."""
+    import importlib
+    module = importlib.import_module(argv[0])
+    with pytest.raises(SystemExit) as stopped:
+        module.main(argv[1:])
+    assert stopped.value.code == 2 and "not" in capsys.readouterr().err

@@ -5,7 +5,7 @@ import pytest
 
 from kvstate.impl import Cache
 from kvstate.model import GPT2, load_safetensors
-from kvstate.spec.errors import ConfigError
+from kvstate.spec.errors import ConfigError, UnsupportedModelError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install -e .[test])")
 torch = pytest.importorskip("torch")
@@ -71,3 +71,77 @@ def test_loader_refuses_a_file_without_embeddings(tmp_path):
     save_file({"something.weight": np.zeros((2, 2), np.float32)}, str(tmp_path / "x.safetensors"))
     with pytest.raises(ConfigError, match="embeddings"):
         load_safetensors(tmp_path / "x.safetensors")
+
+
+def test_the_torch_twin_runs_on_a_contiguous_cache_as_the_numpy_model_does(hf_pair):
+    from kvstate.model.contiguous import ContiguousKV
+    from kvstate.model.torch_gpt2 import TorchGPT2
+    hf, config, weights = hf_pair
+    tokens = [int(t) for t in np.random.default_rng(5).integers(0, 101, 12)]
+    ctx = ContiguousKV(config.layout, 16)
+    model = TorchGPT2(config, weights)
+    logits = [model.prefill(ctx, tokens[:8])[-1]] + [model.decode(ctx, t) for t in tokens[8:11]]
+    np.testing.assert_allclose(np.stack(logits), hf_logits(hf, tokens[:11])[7:11], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_float64_weights_give_the_float32_models_logits(hf_pair, kind):
+    from kvstate.model.torch_gpt2 import TorchGPT2
+    _, config, weights = hf_pair
+    build = GPT2 if kind == "numpy" else TorchGPT2
+    wide = {name: w.astype(np.float64) for name, w in weights.items()}
+    tokens = [3, 1, 4, 1, 5]
+    narrow_logits = build(config, weights).prefill(Cache(config.layout).allocate(), tokens)
+    assert np.array_equal(build(config, wide).prefill(Cache(config.layout).allocate(), tokens), narrow_logits)
+
+
+@pytest.mark.parametrize("bad,said", [("a string", "dtype <U"), (np.complex64(1), "dtype complex"),
+                                      (np.int64(1), "dtype int64"), (np.nan, "holds nan"),
+                                      (np.inf, "holds inf")], ids=["str", "complex", "int", "nan", "inf"])
+def test_a_weight_that_is_not_finite_real_numbers_is_refused_by_name(hf_pair, bad, said):
+    from kvstate.model.torch_gpt2 import TorchGPT2
+    _, config, weights = hf_pair
+    broken = dict(weights)
+    gain = weights["ln_f.weight"]
+    if isinstance(bad, str):
+        broken["ln_f.weight"] = np.full(gain.shape, bad)
+    elif isinstance(bad, float):
+        broken["ln_f.weight"] = gain.copy()
+        broken["ln_f.weight"][3] = bad
+    else:
+        broken["ln_f.weight"] = np.full(gain.shape, bad)
+    for build in (GPT2, TorchGPT2):
+        with pytest.raises(ConfigError, match=f"weight ln_f.weight .*{said}"):
+            build(config, broken)
+
+
+def test_a_pass_that_fails_leaves_the_context_as_it_was(hf_pair):
+    _, config, weights = hf_pair
+    model = GPT2(config, weights)
+    ctx = Cache(config.layout, page_tokens=4).allocate()
+    model.prefill(ctx, [1, 2, 3])
+    model.head = np.zeros((3, 3), np.float32)        # the output product now fails, after every layer ran
+    with pytest.raises(ValueError):
+        model.prefill(ctx, [4, 5])
+    assert len(ctx) == 3 and ctx.tokens == [1, 2, 3]
+
+
+def test_the_loader_honours_the_epsilon_and_refuses_what_it_does_not_compute(tmp_path):
+    import json
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=101, n_positions=32, n_embd=48, n_layer=2, n_head=4,
+                                     layer_norm_epsilon=1e-2)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    ours_config, weights = load_safetensors(tmp_path / "model.safetensors")
+    assert ours_config.layer_norm_epsilon == 1e-2
+    tokens = [5, 9, 2, 7]
+    got = GPT2(ours_config, weights).prefill(Cache(ours_config.layout).allocate(), tokens)
+    np.testing.assert_allclose(got, hf_logits(hf, tokens), rtol=1e-4, atol=1e-4)
+    for field, value in (("activation_function", "relu"), ("scale_attn_weights", False),
+                         ("scale_attn_by_inverse_layer_idx", True)):
+        saved = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**saved, field: value}))
+        with pytest.raises(UnsupportedModelError, match=field):
+            load_safetensors(tmp_path / "model.safetensors")
+        (tmp_path / "config.json").write_text(json.dumps(saved))
