@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstate.spec import Config
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import ContextClosedError, KVStateError, PositionError
+from kvstate.spec.errors import ContextClosedError, ForeignContextError, KVStateError, PositionError
 from kvstate.spec.layout import check_tokens, check_values, require_finite
 
 ENTRY_BOUND = 1 << 30         # no entry bound: the engines' prefix caches evict only for memory
@@ -59,6 +59,14 @@ class EngineCache:
     def values_at(self, slots: list[int]) -> np.ndarray:
         self._grow(slots)            # rows never written (a block copied whole) read as zeros
         return self.values[np.asarray(slots, np.int64)].copy()
+
+    def own(self, ctx) -> "EngineContext":
+        """``ctx`` if it is an open context of this cache, else the named refusal: another cache's
+        request would put that cache's slot ids or blocks in this engine's tree."""
+        if not isinstance(ctx, EngineContext) or ctx.cache is not self:
+            raise ForeignContextError(f"retain needs a context of this cache, got {ctx!r}")
+        ctx._open()
+        return ctx
 
     def register(self, ctx: "EngineContext") -> "EngineContext":
         ctx.serial = next(self._serials)         # a stable holder name for observe()

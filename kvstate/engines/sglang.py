@@ -109,12 +109,22 @@ class SGLangContext(EngineContext):
     def _detach(self, boundary: int, copy_to: int) -> None:
         """Own positions [boundary, copy_to) privately (copies of the tree's slots) and hold the
         tree only up to ``boundary`` (page-aligned), through the node that ends there."""
-        cache, page = self.cache, self.cache.page
-        count = copy_to - boundary
-        if count > 0:
-            fresh = cache.alloc_pages(-(-count // page))[:count]
-            cache.store(fresh, cache.values_at(self.slots[boundary:copy_to]))
-            self.slots[boundary:copy_to] = fresh
+        self._hold_to(boundary, self._copies(boundary, copy_to))
+
+    def _copies(self, boundary: int, copy_to: int) -> list[int]:
+        """Fresh private slots holding copies of positions [boundary, copy_to). Taken before anything
+        changes: the allocation is the one step that can be refused."""
+        cache, count = self.cache, copy_to - boundary
+        if count <= 0:
+            return []
+        fresh = cache.alloc_pages(-(-count // cache.page))[:count]
+        cache.store(fresh, cache.values_at(self.slots[boundary:copy_to]))
+        return fresh
+
+    def _hold_to(self, boundary: int, fresh: list[int]) -> None:
+        """Positions from ``boundary`` on in the ``fresh`` private slots; the tree held up to ``boundary``."""
+        cache = self.cache
+        self.slots[boundary:boundary + len(fresh)] = fresh
         node = cache.node_for(self._tokens[:boundary]) if boundary else None
         if node is not None:
             cache.tree.inc_lock_ref(node)
@@ -125,14 +135,14 @@ class SGLangContext(EngineContext):
     def fork(self) -> "SGLangContext":
         self._open()
         cache = self.cache
-        if self.node is not None:
-            cache.tree.inc_lock_ref(self.node)
         private = len(self) - self.protected
         slots = list(self.slots[:self.protected])
-        if private:
+        if private:          # first: a refused fork changes nothing (no lock taken yet)
             fresh = cache.alloc_pages(-(-private // cache.page))[:private]
             cache.store(fresh, cache.values_at(self.slots[self.protected:]))
             slots += fresh
+        if self.node is not None:
+            cache.tree.inc_lock_ref(self.node)
         return cache.register(cache.context_class(cache, list(self._tokens), slots, self.protected, self.node))
 
     def _free_private_from(self, position: int) -> None:
@@ -143,11 +153,14 @@ class SGLangContext(EngineContext):
 
     def truncate(self, n: int) -> None:
         self._check_truncate(n)
+        boundary = n - n % self.cache.page
+        # Into the tree's part: the copies of [boundary, n) first, so a refusal changes nothing.
+        fresh = self._copies(boundary, n) if n < self.protected else None
         self._free_private_from(n)
         del self.slots[n:]
         del self._tokens[n:]
-        if n < self.protected:
-            self._detach(n - n % self.cache.page, n)
+        if fresh is not None:
+            self._hold_to(boundary, fresh)
 
     def close(self) -> None:
         self._open()
@@ -203,7 +216,7 @@ class SGLangCache(EngineCache):
         return self.register(self.context_class(self, [], [], 0, None))
 
     def retain(self, ctx: SGLangContext) -> None:
-        ctx._open()
+        self.own(ctx)
         if len(ctx) == 0:
             raise EmptyContextError("cannot retain an empty context")
         aligned = len(ctx) - len(ctx) % self.page

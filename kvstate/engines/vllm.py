@@ -195,7 +195,7 @@ class VLLMCache(EngineCache):
         return self.register(self.context_class(self, [], []))
 
     def retain(self, ctx: VLLMContext) -> None:
-        ctx._open()
+        self.own(ctx)
         if len(ctx) == 0:
             raise EmptyContextError("cannot retain an empty context")
         hashes = self.block_hashes(ctx._tokens)

@@ -77,3 +77,58 @@ def test_sglang_passes_the_ci_profile_in_every_configuration():
     assert [r.config.name for r in results] == [c.name for c in sglang.factory.configs]
     assert all(r.passed for r in results), [r.failure for r in results]
     assert sglang_loader.STAND_IN_USES == []
+
+
+# -- found by an audit: another cache's context, refusals half done -----------------------------
+
+def test_retain_refuses_another_caches_context_by_name():
+    from kvstate.spec.errors import ForeignContextError
+    import numpy as np
+    config = _config("block16-f32-heap-prefixkv")
+    mine, theirs = sglang.factory(config), sglang.factory(config)
+    ctx = theirs.allocate()
+    ctx.extend(list(range(32)), np.ones(config.layout.batch_shape(32), np.float32))
+    for stranger in (ctx, None):
+        with pytest.raises(ForeignContextError):
+            mine.retain(stranger)
+    assert mine.match(list(range(32)))[1] == 0            # nothing of theirs entered this tree
+
+
+@pytest.fixture
+def small_pool(monkeypatch):
+    monkeypatch.setattr(sglang, "POOL_PAGES", 64)         # the suite's pool, shrunk so a filler can run it out
+
+
+def _full(cache, config):
+    """A filler context holding every free slot: the next allocation is refused."""
+    import numpy as np
+    free = cache.allocator.available_size()
+    filler = cache.allocate()
+    filler.extend([7] * free, np.zeros(config.layout.batch_shape(free), np.float32))
+    return filler
+
+
+def test_a_refused_fork_or_truncate_changes_nothing(small_pool):
+    """At 16-token pages: a fork copies the private partial page, a truncate into the tree's part
+    copies what it keeps of a tree page; with the pool full both are refused, and must change nothing."""
+    import numpy as np
+    from kvstate.engines.context_base import PoolExhausted
+    config = _config("block16-f32-heap-prefixkv")
+    cache = sglang.factory(config)
+    key, values = list(range(32)), np.ones(config.layout.batch_shape(34), np.float32)
+    ctx = cache.allocate()
+    ctx.extend(key + [1, 2], values)                      # the tree takes the key, two positions stay private
+    cache.retain(ctx)
+    filler = _full(cache, config)
+    for refused in (ctx.fork, lambda: ctx.truncate(20)):
+        with pytest.raises(PoolExhausted):
+            refused()
+        assert len(ctx) == 34 and np.array_equal(ctx.read()[0], values)
+    filler.close()
+    ctx.extend([9] * 4, np.full(config.layout.batch_shape(4), 5, np.float32))
+    ctx.close()
+    probe, hit = cache.match(key)
+    assert hit == 32 and np.array_equal(probe.read()[0], values[:32])     # the tree's values untouched
+    probe.close()
+    cache.clear()
+    assert cache.match(key)[1] == 0 and cache.tree.protected_size() == 0    # no lock left behind

@@ -165,3 +165,15 @@ def test_the_adapter_refuses_rather_than_let_the_pool_evict_a_cached_block():
     """The declared pool never evicts: where get_new_blocks would take a cached block, PoolExhausted."""
     with pytest.raises(vllm.PoolExhausted, match="would evict cached block 2"):
         _per_block(_FourBlocks(_config("block16-f32-heap-prefixkv")))
+
+
+def test_retain_refuses_another_caches_context_by_name():
+    from kvstate.spec.errors import ForeignContextError
+    config = vllm.factory.configs[0]
+    mine, theirs = vllm.factory(config), vllm.factory(config)
+    ctx = theirs.allocate()
+    ctx.extend(list(range(32)), np.ones(config.layout.batch_shape(32), np.float32))
+    for stranger in (ctx, None):
+        with pytest.raises(ForeignContextError):
+            mine.retain(stranger)
+    assert mine.match(list(range(32)))[1] == 0
