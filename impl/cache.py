@@ -2,7 +2,7 @@
 
 Concurrency: one lock, and one busy flag per context.
 
-1. ``Context._use`` (``Context._owned``): a flag (BUSY) tested and set under the cache
+1. ``Context._use`` (``Context._owned``): a flag (the holder's thread id) tested and set under the cache
    lock, never waited for: a second thread using the same context at the same
    time gets ``ContextBusyError``, a closed one ``ContextClosedError``. Every
    public operation on a context takes it, readers too (``tokens``, ``read``,
@@ -17,7 +17,7 @@ Concurrency: one lock, and one busy flag per context.
    the radix tree and its clock, the arena's slot books, the page pool and the
    store counters. Nothing waits for a busy flag, so nothing can deadlock.
 
-Outside the cache lock, while the context is ``BUSY`` only: validating and
+Outside the cache lock, while an operation holds the context only: validating and
 encoding the caller's values, writing value bytes and token ids into pages
 (``Context._write``), reading them back (``read``, ``tokens``, the key of
 ``retain``), and a snapshot's file I/O. This is safe because a write goes only

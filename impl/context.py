@@ -16,6 +16,7 @@ it, and a context has one owner at a time (enforced by ``_owned``).
 from __future__ import annotations
 
 import operator
+from threading import get_ident
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,8 +37,10 @@ if TYPE_CHECKING:
 
 _new_context = object.__new__    # ``fork`` builds a child without ``__init__``
 
-# ``Context._use``: one field, not a busy and a closed flag, so the hottest paths test one slot.
-FREE, BUSY, CLOSED = 0, 1, 2
+# ``Context._use``: one field, not a busy and a closed flag, so the hottest paths test one slot:
+# FREE, CLOSED, or while an operation holds the context the holding thread's id (never 0 nor
+# negative), so ``writable`` can tell its holder's own calls from another thread's.
+FREE, CLOSED = 0, -1
 _KEY = np.dtype("<i4")      # radix.pack's packing: the key ``retain`` stores
 
 
@@ -53,9 +56,9 @@ class Context:
         # The pages, their refcount slots, the length, the key and the base, in one object that
         # every change replaces whole (``impl/holding.py``): a fork's child holds the same one.
         self._holding = holding
-        # BUSY while one operation holds this context (``_owned``), CLOSED once closed, else FREE;
-        # set and tested only under the cache lock, so a flag does what a lock per context did,
-        # and a fork builds no lock.
+        # The holder's thread id while one operation holds this context (``_owned``), CLOSED once
+        # closed, else FREE; set and tested only under the cache lock, so a flag does what a lock per
+        # context did, and a fork builds no lock.
         self._use = FREE
 
     # The holding's parts, read-only (every change builds a new ``Holding``), for readers that want one.
@@ -203,9 +206,15 @@ class Context:
         """Page ``index``, made private to this context first if another holder shares it.
 
         The only place a page is copied. Runs under the cache lock (re-entered here,
-        cheaply, so a direct call cannot swap pages and refcounts unlocked).
+        cheaply, so a direct call cannot swap pages and refcounts unlocked). Called by the
+        thread that holds this context (its own writes), or on a free one; a call from another
+        thread while an operation holds it is refused, as every other use is: that operation
+        replaces the page list it read before this call, and would undo the copy's refcounts.
         """
         with self._cache.lock:
+            use = self._use
+            if use and use != get_ident():
+                self._refuse_use()
             page = self._pages[index]
             if page.refcount == 1:
                 return page
@@ -398,9 +407,9 @@ class Context:
 class _Ownership:
     """``with ctx._owned():`` -- a plain class rather than a generator: it is on every operation.
 
-    The busy flag is tested and set under the cache lock, so two threads cannot both take it;
-    clearing it is one store, which needs no lock (the flag only ever goes from set to clear
-    in the thread that set it)."""
+    The flag is tested and set (to this thread's id) under the cache lock, so two threads cannot
+    both take it; clearing it is one store, which needs no lock (the flag only ever goes from set
+    to clear in the thread that set it)."""
 
     __slots__ = ("ctx",)
 
@@ -412,11 +421,11 @@ class _Ownership:
         with ctx._cache.lock:       # ``with``: see ``Context.fork``
             if ctx._use:
                 ctx._refuse_use()
-            ctx._use = BUSY
+            ctx._use = get_ident()
 
     def __exit__(self, *exc) -> None:
         ctx = self.ctx
-        if ctx._use == BUSY:        # still: nothing closes a context another operation holds
+        if ctx._use != CLOSED:      # still held: nothing closes a context another operation holds
             ctx._use = FREE
 
 

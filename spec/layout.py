@@ -152,9 +152,10 @@ def check_values(layout: Layout, kv, n: int):
 
 
 def is_torch_tensor(value) -> bool:
-    """Whether ``value`` is a torch tensor, without importing torch (a tensor's module is loaded already)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
+    """Whether ``value`` is a torch tensor, without importing torch (a tensor's module is loaded already).
+    While another thread is still importing torch its module has no ``Tensor`` yet, and no value is one."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(value, tensor)
 
 
 def require_finite(array: np.ndarray) -> None:

@@ -5,6 +5,7 @@ precision, with forks at a page boundary and one position either side of it.
 """
 
 import importlib.util
+import threading
 
 import numpy as np
 import pytest
@@ -144,7 +145,7 @@ def test_read_layer_gathers_while_it_owns_the_context(cache, monkeypatch):
     gather, owned = cache.store.gather, []
 
     def watching_gather(parts, shape):
-        owned.append(ctx._use == context_module.BUSY)
+        owned.append(ctx._use == threading.get_ident())      # held, by this thread
         return gather(parts, shape)
 
     monkeypatch.setattr(cache.store, "gather", watching_gather)

@@ -480,3 +480,38 @@ def test_a_context_freed_between_the_check_and_the_refusal_is_busy_not_closed():
     ctx.close()
     with pytest.raises(ContextClosedError):
         ctx._refuse_use()
+
+
+def test_writable_from_another_thread_while_an_operation_holds_the_context_is_refused():
+    """``writable`` replaces the page list under the lock, but the holding operation replaces it again
+    from the one it read before: a copy made between would lose its refcounts. So it is refused by
+    name, like every other use of a held context; the holder's own calls (its writes) go through."""
+    cache = races.make_cache("numpy", races.race_configs()[1])
+    ctx = cache.allocate()
+    races.extend(ctx, races.race_configs()[1], [1, 2, 3, 4])
+    sibling = ctx.fork()                                  # every page shared: writable would copy
+    release, thread = _holding(ctx)
+    try:
+        before = cache.observe()
+        with pytest.raises(ContextBusyError, match=f"context {ctx.context_id}"):
+            ctx.writable(0)                               # this thread is not the holder
+        assert cache.observe() == before
+    finally:
+        release.set()
+        thread.join()
+    assert ctx.writable(0) is not None                    # free again: the copy is made
+    for c in (ctx, sibling):
+        c.close()
+
+
+
+def test_a_numpy_write_while_another_thread_imports_torch(monkeypatch):
+    """Another thread's ``import torch`` leaves a module without ``Tensor`` in sys.modules for a while:
+    a write of a NumPy array must not read ``torch.Tensor`` from it (AttributeError before)."""
+    import types
+    cache = races.make_cache("numpy", races.race_configs()[1])
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))       # partly initialised
+    ctx = cache.allocate()
+    races.extend(ctx, races.race_configs()[1], [1, 2, 3])
+    assert ctx.tokens == [1, 2, 3]
+    ctx.close()
