@@ -73,7 +73,7 @@ def _check_backend(factory: Factory, configs: list[Config]) -> None:
     config = configs[0]
     try:
         cache = factory(config)
-    except Exception as error:
+    except (Exception, SystemExit) as error:       # a backend's sys.exit is its failure, not the caller's exit
         raise FactoryError(f"the factory raised {error!r} building {config.name}") from error
     _require(cache, CacheProtocol, "the factory's cache")
     try:
@@ -83,7 +83,7 @@ def _check_backend(factory: Factory, configs: list[Config]) -> None:
         ctx.close()
     except FactoryError:
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise FactoryError(f"the backend raised {error!r} on allocate/observe/close") from error
     if not isinstance(observation, Observation):
         raise FactoryError(f"cache.observe() returned {type(observation).__name__}, not kvstate.spec.Observation")

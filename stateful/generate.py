@@ -262,15 +262,17 @@ class Generator:
 
 
 def generate(seed: int, steps: int, config: Config | None = None,
-             factory: Factory | None = None) -> tuple[int, list[O.Op]]:
+             factory: Factory | None = None, sizes: tuple[int, ...] | None = None) -> tuple[int, list[O.Op]]:
     """The page size and exactly ``steps`` operations seed ``seed`` gives (no invariant checks).
 
     Operations are chosen from the reference side, so any backend that supports the same
-    operation kinds gets the same sequence; ``factory`` defaults to the NumPy engine.
+    operation kinds gets the same sequence; ``factory`` defaults to the NumPy engine. The page
+    size is drawn from ``sizes`` (default: those ``factory`` is run at), as a run of a backend
+    that declares other sizes draws it.
     """
     config = config or machine_configs()[0]
     factory = factory or numpy_factory
-    generator = Generator(seed, page_sizes(factory, config))
+    generator = Generator(seed, sizes or page_sizes(factory, config))
     lockstep = Lockstep(factory, config.with_(page_tokens=generator.page_tokens))
     sequence = []
     for _ in range(steps):

@@ -81,6 +81,11 @@ StepHook = Callable[[int, O.Op, "str | None", Lockstep], None]
 
 Watch = Callable[[int, O.Op, Lockstep], bool]
 
+# What a backend raising during a step is, for the run: a finding. ``SystemExit`` too: a backend
+# that calls ``sys.exit`` would otherwise end the whole sweep, with exit status 0 and no report.
+# An interrupt (Ctrl-C) is the user's, and still stops everything.
+FINDINGS = (Exception, SystemExit)
+
 
 def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             on_step: StepHook | None = None, lockstep: Lockstep | None = None,
@@ -109,11 +114,11 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             phase = "check"
             if watched:
                 lockstep.check()
-        except Exception as error:      # a broken backend may raise anything; that is a finding
+        except FINDINGS as error:       # a broken backend may raise anything; that is a finding
             return _failure(step, phase, op, error), lockstep
     try:
         lockstep.finish()
-    except Exception as error:
+    except FINDINGS as error:
         return _failure(step + 1, "finish", None, error), lockstep
     return None, lockstep
 
@@ -374,10 +379,14 @@ def as_pytest(replay: Replay) -> str:
     name = f"test_sweep_{replay.config.name}_seed_{replay.seed}".replace("-", "_")
     module, _, attribute = replay.backend.partition(":")
     ops = ",\n".join(f"    {json.dumps(op.to_json())}" for op in replay.ops)
-    return f'''from {module} import {attribute or "factory"} as factory
+    if all(part.isidentifier() for part in module.split(".")):
+        load, bind = f"from {module} import {attribute or 'factory'} as factory", ""
+    else:           # a file path (``--backend path/backend.py``): no import statement names it
+        load, bind = "from kvstate.stateful.backends import load_factory", f"\nfactory = load_factory({replay.backend!r})\n"
+    return f'''{load}
 from kvstate.stateful.replay import config_from_json, execute
 from kvstate.stateful.ops import op_from_json
-
+{bind}
 OPS = [
 {ops},
 ]

@@ -21,10 +21,11 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
-from kvstate.spec.errors import ReplayFileError
+from kvstate.spec.errors import ReplayFileError, RunTimeout
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
+from .deadline import Deadline
 from .replay import Failure, execute
 
 
@@ -79,9 +80,12 @@ class Shrinker:
     def fails(self, ops: list[O.Op]) -> bool:
         """Whether ``ops`` still fails the same way; remembers the failure it shows."""
         self.tries += 1
-        try:
-            failure, _ = execute(self.factory, self.config, ops)
-        except ReplayFileError:
+        try:        # a candidate can hang a backend (a loop at truncate 0): each try ends with the budget
+            with Deadline(max(self.deadline - time.monotonic(), 0.01)) as deadline:
+                failure, _ = execute(self.factory, self.config, ops)
+        except (ReplayFileError, RunTimeout):
+            return False
+        if deadline.fired:
             return False
         if failure is not None and failure.signature == self.signature:
             self.failure = failure

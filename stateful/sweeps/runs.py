@@ -89,11 +89,13 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
                      [op.to_json() for op in ran] if failure else None)
 
 
-def crashed(config: Config, seed: int, steps: int, error: BaseException) -> RunResult:
+def crashed(config: Config, seed: int, steps: int, error: BaseException, sizes: tuple[int, ...]) -> RunResult:
     """A run that took its worker down with it (Dask gives up on a task after its worker died
-    ``allowed-failures`` times running it): a failure of that seed, kept with the whole
-    generated sequence so that its replay file reproduces the crash."""
-    page_tokens, ops = generate(seed, steps, config)
+    ``allowed-failures`` times running it), or raised outside any step: a failure of that seed,
+    kept with the whole generated sequence so that its replay file reproduces the crash. The
+    sequence is drawn again at the page ``sizes`` the backend's run drew from (its declared one),
+    with the NumPy engine beside the reference, since the backend itself may crash again."""
+    page_tokens, ops = generate(seed, steps, config, sizes=sizes)
     failure = Failure(steps, "crash", None, type(error).__name__, None, str(error) or repr(error))
     return RunResult(config.name, seed, page_tokens, steps, 0.0, 0.0, failure, [op.to_json() for op in ops])
 
@@ -132,7 +134,7 @@ def save_replay(backend: str, config: Config, result: RunResult, replays: Path) 
     ops = [O.op_from_json(op) for op in result.ops]
     replay = Replay(backend, config, result.seed, ops, result.failure, minimised=result.minimised,
                     original_steps=result.steps)
-    result.replay_file = str(save(replay, replays / f"{config.name}-seed{result.seed}.json"))
+    result.replay_file = str(save(replay, replays / f"{result.config}-seed{result.seed}.json"))
     return result
 
 

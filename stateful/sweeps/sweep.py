@@ -37,7 +37,8 @@ from kvstate.spec.protocol import Config
 
 from . import journal as J
 from .fingerprint import describe, differences, fingerprint
-from ..replay import as_pytest, load
+from ..configs import page_sizes
+from ..replay import FINDINGS, as_pytest, load
 from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
                    save_replay, shrink_result, to_shrink)
 
@@ -170,11 +171,12 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     """
     seeds, out_dir = list(seeds), Path(out_dir)
     factory_for(backend)        # a bad backend path fails here, before any pool starts
-    by_name = {c.name: c for c in configs}
+    by_name = config_labels(configs)
+    label_of = {config: label for label, config in by_name.items()}
     plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend))
     runs, shrunk, log = _open_journal(out_dir, plan, resume)
     resumed = len(runs)
-    order = [(c.name, seed) for c in configs for seed in seeds]
+    order = [(label, seed) for label in by_name for seed in seeds]
     todo = [(backend, by_name[name], seed, steps, run_timeout) for name, seed in order if (name, seed) not in runs]
     meter = (Progress(len(order), progress, already=resumed, failures=sum(not r.passed for r in runs.values()))
              if progress is not None else None)
@@ -194,8 +196,9 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
 
     try:
         for job, result in _map(pool, run_seed, todo, window):
-            if isinstance(result, Exception):
-                result = crashed(job[1], job[2], steps, result)
+            if isinstance(result, FINDINGS):
+                result = crashed(job[1], job[2], steps, result, page_sizes(factory_for(backend), job[1]))
+            result.config = label_of[job[1]]        # the name, or the name and page size where it is declared twice
             key = (result.config, result.seed)
             if key in runs:
                 continue        # counted once, whatever the executor delivers twice
@@ -230,6 +233,14 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
         if executor is None and pool is not None:
             pool.shutdown(wait=completed, cancel_futures=True)
     return report(partial=False)
+
+
+def config_labels(configs: Sequence[Config]) -> dict[str, Config]:
+    """Each configuration under the label its runs, journal lines and replay files carry: its name,
+    or, where a backend declares one name at several page sizes (``configs_named`` gives them all),
+    the name and ``-pageN``, so that no two are run, counted or saved as one."""
+    names = [c.name for c in configs]
+    return {(c.name if names.count(c.name) == 1 else f"{c.name}-page{c.page_tokens}"): c for c in configs}
 
 
 def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
@@ -272,7 +283,11 @@ def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
     """
     if pool is None:
         for job in jobs:
-            yield job, function(*job)
+            try:
+                result = function(*job)
+            except FINDINGS as error:       # as from a pool: the job's own failure, not the sweep's
+                result = error
+            yield job, result
         return
     finished: SimpleQueue = SimpleQueue()
     pending: dict = {}
@@ -297,7 +312,7 @@ def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
                 result = future.result()
             except (CancelledError, BrokenExecutor):
                 raise ClusterLostError() from None
-            except Exception as error:
+            except FINDINGS as error:
                 result = error
             del future
             yield job, result

@@ -1,0 +1,139 @@
+"""A backend's own failures during a sweep are findings, found the same way at any worker count.
+
+Found by an audit: a backend calling ``sys.exit`` ended the sweep with status 0 and no report; a
+backend raising outside a step aborted ``--workers 1`` where a pool recorded a crash; a crash's
+replay file was drawn at a page size the backend never ran; a name declared at two page sizes was
+swept at one of them and counted twice; a shrinking try that hung held the sweep past its budget;
+the pasteable test of a backend given by path did not compile.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import threading
+
+import pytest
+
+from kvstate.cli import main
+from kvstate.stateful import ops as O
+from kvstate.stateful.configs import config_named
+from kvstate.stateful.replay import Replay, as_pytest, execute
+from kvstate.stateful.shrink import Shrinker
+from kvstate.stateful.sweeps.runs import crashed
+
+PLANTED = '''
+import sys, time
+from kvstate.impl.context import Context
+from kvstate.impl.numpy import factory as _engine
+from kvstate.stateful.configs import configs_named
+
+
+class Copyless(Context):
+    __slots__ = ()
+
+    def writable(self, index):          # the missing copy-on-write
+        return self._pages[index]
+
+    def overwrite(self, start, tokens, kv):
+        while SPIN and len(self) >= 3:  # a walk that never ends, on a sequence only a shrinker makes
+            time.sleep(0.01)
+        return super().overwrite(start, tokens, kv)
+
+
+class Exits(Context):
+    __slots__ = ()
+
+    def extend(self, tokens, kv):       # a helper of the backend's that ends the process
+        sys.exit(0)
+
+
+SPIN = {spin}
+
+
+def factory(config):
+    cache = _engine(config)
+    if {when}:
+        {act}
+    return cache
+
+
+def _planted(cache, context_class=Copyless):
+    engine = type(cache)
+
+    def new_context(self, *args, **kwargs):
+        ctx = engine._new_context(self, *args, **kwargs)
+        ctx.__class__ = context_class
+        return ctx
+    cache.__class__ = type("Planted", (engine,), {{"_new_context": new_context}})
+
+
+_f32, _f16 = configs_named(["f32-heap", "f16-heap"])
+factory.configs = {configs}
+'''
+
+
+def _backend(tmp_path, when="False", act="pass", spin=False, configs="[_f32]") -> str:
+    path = tmp_path / "planted_backend.py"
+    path.write_text(PLANTED.format(when=when, act=act, spin=spin, configs=configs))
+    return str(path)
+
+
+def _sweep(tmp_path, backend, *extra) -> tuple[int, dict]:
+    out = tmp_path / "out"
+    status = main(["sweep", "--seeds", "3", "--steps", "40", "--backend", backend, "--out", str(out), *extra])
+    return status, json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_backend_that_calls_sys_exit_is_a_finding_with_a_report(tmp_path, workers):
+    backend = _backend(tmp_path, when="True", act="_planted(cache, Exits)")
+    status, report = _sweep(tmp_path, backend, "--workers", workers, "--shrink-limit", "0")
+    assert status == 1 and report["runs"] == 3 and len(report["failures"]) == 3
+    assert {f["failure"]["error"] for f in report["failures"]} == {"SystemExit"}
+
+
+def test_a_backend_raising_outside_a_step_is_a_crash_at_any_worker_count(tmp_path):
+    backend = _backend(tmp_path, when="config.precision == 'f16'", act="raise RuntimeError('cannot build')",
+                       configs="[_f32, _f16]")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--shrink-limit", "0")
+    assert status == 1 and report["runs"] == 6 and len(report["failures"]) == 3      # f16's three, as crashes
+    assert {(f["config"], f["failure"]["error"]) for f in report["failures"]} == {("f16-heap", "RuntimeError")}
+
+
+def test_a_crash_is_replayed_at_the_page_size_the_backend_runs_at():
+    config = config_named("f32-heap").with_(page_tokens=4)
+    result = crashed(config, 5, 20, RuntimeError("worker died"), (4,))
+    assert result.page_tokens == 4 and len(result.ops) == 20
+
+
+def test_a_name_declared_at_two_page_sizes_is_swept_at_both_and_counted_once(tmp_path):
+    backend = _backend(tmp_path, when="config.page_tokens == 4", act="_planted(cache)",
+                       configs="[_f32.with_(page_tokens=4), _f32.with_(page_tokens=8)]")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--shrink-limit", "0")
+    assert status == 1                                   # the bug lives at page size 4 only
+    assert report["runs"] == report["runs_expected"] == 6
+    assert sorted(report["configs"]) == ["f32-heap-page4", "f32-heap-page8"]
+    assert {(f["config"], f["page_tokens"]) for f in report["failures"]} == {("f32-heap-page4", 4)}
+
+
+def test_a_shrinking_try_that_hangs_ends_with_the_budget(tmp_path):
+    from kvstate.stateful.backends import load_factory
+    factory = load_factory(_backend(tmp_path, when="True", act="_planted(cache)", spin=True))
+    config = config_named("f32-heap").with_(page_tokens=4)
+    ops = [O.Allocate(), O.Extend("c1", (1, 2, 3), 1), O.Truncate("c1", 2), O.Fork("c1"),
+           O.Overwrite("c1", 0, (9,), 2)]
+    failure, _ = execute(factory, config, ops)
+    assert failure is not None                        # the missing copy shows in the fork
+    shrinking = threading.Thread(target=Shrinker(factory, config, failure, budget_s=1.0).shrink, args=(ops,),
+                                 daemon=True)      # it tries the sequence without the truncate, which spins
+    shrinking.start()
+    shrinking.join(10)
+    assert not shrinking.is_alive(), "a shrinking try outlived the 1 s budget by 9 s"
+
+
+def test_the_pasteable_test_of_a_backend_given_by_path_compiles():
+    replay = Replay("backends/cow and spin.py", config_named("f32-heap"), 3, [O.Allocate()], None)
+    source = as_pytest(replay)
+    ast.parse(source)
+    assert "load_factory('backends/cow and spin.py')" in source
