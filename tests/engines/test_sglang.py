@@ -82,16 +82,8 @@ def test_sglang_passes_the_ci_profile_in_every_configuration():
 # -- found by an audit: another cache's context, refusals half done -----------------------------
 
 def test_retain_refuses_another_caches_context_by_name():
-    from kvstate.spec.errors import ForeignContextError
-    import numpy as np
-    config = _config("block16-f32-heap-prefixkv")
-    mine, theirs = sglang.factory(config), sglang.factory(config)
-    ctx = theirs.allocate()
-    ctx.extend(list(range(32)), np.ones(config.layout.batch_shape(32), np.float32))
-    for stranger in (ctx, None):
-        with pytest.raises(ForeignContextError):
-            mine.retain(stranger)
-    assert mine.match(list(range(32)))[1] == 0            # nothing of theirs entered this tree
+    from .adapter_checks import foreign_retain_is_refused
+    foreign_retain_is_refused(sglang.factory, _config("block16-f32-heap-prefixkv"))
 
 
 @pytest.fixture

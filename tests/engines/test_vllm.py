@@ -168,12 +168,5 @@ def test_the_adapter_refuses_rather_than_let_the_pool_evict_a_cached_block():
 
 
 def test_retain_refuses_another_caches_context_by_name():
-    from kvstate.spec.errors import ForeignContextError
-    config = vllm.factory.configs[0]
-    mine, theirs = vllm.factory(config), vllm.factory(config)
-    ctx = theirs.allocate()
-    ctx.extend(list(range(32)), np.ones(config.layout.batch_shape(32), np.float32))
-    for stranger in (ctx, None):
-        with pytest.raises(ForeignContextError):
-            mine.retain(stranger)
-    assert mine.match(list(range(32)))[1] == 0
+    from .adapter_checks import foreign_retain_is_refused
+    foreign_retain_is_refused(vllm.factory, vllm.factory.configs[0])
