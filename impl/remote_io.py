@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import io
+import os
 import random
 import re
 import time
@@ -55,6 +56,7 @@ from kvstate.spec.errors import (KVStateError, SnapshotDeadlineError, SnapshotEr
                                  SnapshotReadError, SnapshotWriteError)
 
 from .remote_deadline import Bounded, Deadline, Worker, resolve
+from .snapshot_files import write_atomic
 
 T = TypeVar("T")
 
@@ -347,6 +349,16 @@ def publish(url: str, fill: Callable[[object], None], storage_options: dict | No
             deadline: Deadline | float | None = None) -> None:
     """Replace the object at ``url`` with what ``fill(stream)`` writes, atomically; retried on transient
     failures, all within ``deadline`` (as for ``read``)."""
+    if url.startswith("file://"):
+        # a local folder (a ``file://`` store): the local writer's temp file, fsyncs and rename, so a
+        # reader sees the old file or the whole new one; fsspec's local copy would write in place
+        path = local_path(url)
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        except OSError as error:
+            raise SnapshotWriteError(f"cannot make the folder of {path!r}: {error}") from None
+        write_atomic(path, fill)
+        return
     deadline = resolve(deadline)
 
     def attempt() -> None:
@@ -401,6 +413,10 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
             raise
         except KVStateError as error:
             cause = error.__cause__
+            if error_class is SnapshotReadError and isinstance(error, SnapshotReadError) \
+                    and isinstance(cause, FileNotFoundError) and _outage_behind(cause) is None:
+                # gone after the read opened it (a lifecycle rule, a replacement): absent, as before the open
+                raise SnapshotNotFoundError(f"no snapshot at {redact(url)}: it went while it was read") from error
             if attempt < ATTEMPTS and isinstance(error, (SnapshotReadError, SnapshotWriteError)) \
                     and cause is not None and is_transient(cause):
                 _sleep_before(attempt, deadline)

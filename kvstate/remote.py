@@ -64,8 +64,8 @@ from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
 from kvstate.impl.remote_deadline import CACHE, CALL, STORE, Deadline, check_seconds, first_set, resolve
 from kvstate.impl.remote_deadline import within as deadline
-from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotError,
-                                 SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
+from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotDeadlineError,
+                                 SnapshotError, SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
 from kvstate.spec.semantics import hit_length
 from kvstate.spec.layout import check_tokens
 
@@ -80,8 +80,9 @@ class SnapshotStore:
 
     def __init__(self, url_prefix: str, stride: int = DEFAULT_STRIDE, probe_batch: int = DEFAULT_PROBE_BATCH,
                  storage_options: dict | None = None, deadline_s: float | None = None):
-        if not isinstance(url_prefix, str) or "://" not in url_prefix:
-            raise InvalidInputError(f"url_prefix must be a URL such as 's3://bucket/kv', got {url_prefix!r}")
+        if not isinstance(url_prefix, str) or "://" not in url_prefix or not url_prefix.partition("://")[2].strip("/"):
+            raise InvalidInputError(f"url_prefix must be a URL naming a bucket or folder, such as 's3://bucket/kv', "
+                                    f"got {url_prefix!r}")
         remote_io.refuse_credentials(url_prefix, InvalidInputError)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -146,7 +147,13 @@ class SnapshotStore:
         written = []
         for n in sorted({len(tokens), aligned} - {0}, reverse=True):
             url = self.url(cache, tokens[:n])
-            if remote_io.exists(url, self.storage_options, deadline):
+            try:
+                stored = remote_io.exists(url, self.storage_options, deadline)
+            except SnapshotDeadlineError:
+                raise
+            except SnapshotReadError as error:       # the lookup before the write: a put's failure is a write's
+                raise SnapshotWriteError(f"put: {error}") from error
+            if stored:
                 continue
             with ctx.fork() as part:
                 part.truncate(n)

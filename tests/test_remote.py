@@ -8,6 +8,7 @@ group skips cleanly when its extra is missing.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ from kvstate.impl import Cache, remote_io
 from kvstate.impl import snapshot_write
 from kvstate.model import GPT2, GPT2Config
 from kvstate.spec import Layout
-from kvstate.spec.errors import (SnapshotError, SnapshotNotFoundError, SnapshotReadError,
+from kvstate.spec.errors import (InvalidInputError, SnapshotError, SnapshotNotFoundError, SnapshotReadError,
                                  SnapshotTruncatedError, SnapshotWriteError)
 from kvstate.spec.precision import PRECISIONS
 
@@ -649,3 +650,62 @@ def test_s3_publication_lands_at_the_exact_key_for_every_character_class(s3):
                 assert bits(back) == bits(new)
     keys = [item["Key"] for item in s3.client().list_objects_v2(Bucket=s3.bucket, Prefix=folder + "/")["Contents"]]
     assert sorted(keys) == sorted(f"{folder}/{name}" for name in AWKWARD_NAMES)
+
+
+# -- found by an audit: an object gone mid-read, put's lookup, file:// stores, scheme-only prefixes ---
+
+def test_an_object_removed_after_the_read_opened_it_is_a_miss_and_the_shorter_prefix_serves(s3, monkeypatch):
+    store = SnapshotStore(f"s3://{s3.bucket}/gone-{uuid.uuid4().hex}", stride=4)
+    cache = Cache(SMALL, page_tokens=2)
+    for n in (8, 4):
+        with filled(cache, n) as ctx:
+            store.put(ctx)
+    tokens = list(range(8))
+    longest = store.url(cache, tokens).removeprefix("s3://")
+    opened = remote_io.open_read
+
+    @contextlib.contextmanager
+    def open_then_expire(url, options=None, worker=None):
+        with opened(url, options, worker) as file:
+            if url.endswith(longest) and s3.fs.exists(longest):
+                s3.fs.rm(longest)          # a lifecycle rule, between the open and the first read
+            yield file
+    monkeypatch.setattr(remote_io, "open_read", open_then_expire)
+    got, n = store.get(cache, tokens)
+    assert n == 4 and list(got.tokens) == tokens[:4]
+    got.close()
+    with filled(cache, 8) as ctx:
+        store.put(ctx)
+    with pytest.raises(SnapshotNotFoundError, match="went while it was read"):
+        cache.restore(f"s3://{longest}")
+    cache.clear()
+    assert cache.observe().pages == {}
+
+
+def test_a_put_that_cannot_look_up_its_key_is_a_write_error():
+    store = SnapshotStore("s3://bucket/kv", storage_options={"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}},
+                          deadline_s=30)
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 4) as ctx, pytest.raises(SnapshotWriteError, match="put: looking up"):
+        store.put(ctx)
+
+
+def test_a_file_store_makes_its_folders_and_publishes_by_rename(tmp_path, monkeypatch):
+    store = SnapshotStore(f"file://{tmp_path}/new/kv")
+    cache = Cache(SMALL, page_tokens=2)
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda a, b: (renamed.append(b), real_replace(a, b))[1])
+    with filled(cache, 5) as ctx:
+        assert store.put(ctx) == [5]
+        want = bits(ctx)
+    assert renamed and all(name.endswith(".kvs") for name in renamed)      # never a copy in place
+    got, n = store.get(cache, list(range(5)))
+    assert n == 5 and bits(got) == want
+    got.close()
+
+
+@pytest.mark.parametrize("prefix", ["memory://", "s3://", "s3:///", "file://"])
+def test_a_prefix_that_names_no_bucket_or_folder_is_refused(prefix):
+    with pytest.raises(InvalidInputError, match="naming a bucket or folder"):
+        SnapshotStore(prefix)
