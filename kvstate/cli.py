@@ -381,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--resume", metavar="OUT",
                        help="finish the stopped sweep whose journal is in OUT, running only what it lacks")
     sweep.add_argument("--steps", type=int, help="operations per run (default 400)")
-    sweep.add_argument("--configs", help="comma-separated configuration names (default: all six)")
+    sweep.add_argument("--configs", help="comma-separated configuration names (default: every one the "
+                                             "backend is checked in)")
     sweep.add_argument("--backend", help="package.module[:factory] (default kvstate.impl.numpy)")
     sweep.add_argument("--trust-backend", action="store_true",
                        help="with --resume: import the backend the journal names even if it is not built in")
