@@ -20,7 +20,6 @@ import hashlib
 import json
 
 from distributed import WorkerPlugin
-from distributed.core import Status
 
 from .fingerprint import differences, fingerprint
 
@@ -47,17 +46,4 @@ class BackendGate(WorkerPlugin):
                                          "differs": {key: list(pair) for key, pair in differs.items()}})
             return
         await worker.set_resources(**{self.name: worker.state.nthreads})
-        _offer_waiting_runs(worker)
         worker.log_event(self.name, {"worker": worker.address, "accepted": True})
-
-
-def _offer_waiting_runs(worker) -> None:
-    """Have the scheduler look again at the runs waiting for a worker that holds the resource.
-
-    It does that when a worker joins or starts running, not when a worker gains a resource:
-    runs left waiting ("no-worker") when their worker died, before this replacement was
-    granted the resource, would wait for ever. A worker that goes from paused to running
-    again makes the scheduler send it every waiting run it can take."""
-    if worker.status == Status.running:
-        worker.status = Status.paused
-        worker.status = Status.running
