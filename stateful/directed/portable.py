@@ -16,13 +16,10 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
-
 from kvstate.spec.precision import PRECISIONS, roundtrip
 from kvstate.spec.protocol import Config, Factory
 
-from .common import NotApplicable, as_list, filled, keeping, record
-from ..lockstep import to_numpy
+from .common import NotApplicable, as_array, as_list, filled, keeping, record, same_read
 
 PORTABLE = ("a snapshot restores into a cache of another page size as it was, and into a cache of another "
             "precision as a write of its values there would hold them")
@@ -38,7 +35,7 @@ def portable_snapshots(factory: Factory, config: Config) -> None:
     source.snapshot(stream)
     record(run, "c1.snapshot(stream)")
     values, tokens = source.read()
-    values, tokens = to_numpy(values).copy(), as_list(tokens)
+    values, tokens = as_array(values), as_list(tokens)
     targets = _targets(factory, config)
     if not targets:
         raise NotApplicable("the backend is run at one precision and one page size")
@@ -49,17 +46,8 @@ def portable_snapshots(factory: Factory, config: Config) -> None:
         engine = factory(target)
         with keeping(PORTABLE, run, call):
             restored = engine.restore(io.BytesIO(stream.getvalue()))
-            got_values, got_tokens = restored.read()
-            got_values = to_numpy(got_values)
             want = values if target.precision == config.precision else roundtrip(target.precision, values)
-            if as_list(got_tokens) != tokens:
-                raise AssertionError(f"tokens {as_list(got_tokens)}, written {tokens}")
-            if got_values.shape != want.shape or not np.array_equal(got_values.view(np.uint32), want.view(np.uint32)):
-                worst = float(np.abs(got_values.astype(np.float64) - want).max()) if got_values.shape == want.shape \
-                    else "shape"
-                raise AssertionError(f"values differ from the {config.precision} snapshot's "
-                                     f"{'own' if target.precision == config.precision else 'round trip to ' + target.precision}"
-                                     f" (largest difference {worst})")
+            same_read(PORTABLE, call, restored.read(), (want, tokens))
             restored.close()
     run.finish()
 

@@ -441,12 +441,13 @@ _PLANTED = {
 }
 BUGS = {name: _factory_for(cls, base) for name, (cls, base) in _PLANTED.items()}
 
-# name: (factory, the directed check that catches it, the configuration, what its report says)
+# name: (factory, its correct base's, the directed check that catches it, the configuration, what its report says)
 DIRECTED_CATCHES = {
-    "token_ids_in_16_bits": (_factory_for(TokenIdsIn16Bits, no_tree.factory), "boundaries", "f32-heap",
-                             "token 0 != reference 65536"),
-    "token_limit_accepted": (_factory_for(TokenLimitAccepted, no_tree.factory), "bad input", "f16-heap",
-                             "extend with the token 2**31: accepted"),
+    "token_ids_in_16_bits": (_factory_for(TokenIdsIn16Bits, no_tree.factory), no_tree.factory, "boundaries",
+                             "f32-heap", "token 0 != reference 65536"),
+    "token_limit_accepted": (_factory_for(TokenLimitAccepted, no_tree.factory), no_tree.factory, "bad input",
+                             "f16-heap", "extend with the token 2**31: accepted"),
     "restore_keeps_the_file_precision": (_factory_for(RestoreKeepsTheFilePrecision, dict_pages.factory),
-                                         "portable snapshots", "q8-heap", "values differ from the q8 snapshot's"),
+                                         dict_pages.factory, "portable snapshots", "q8-heap",
+                                         "restore(stream) into a new f32 cache"),
 }
