@@ -25,6 +25,7 @@ import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cache
 
 import numpy as np
 from hypothesis import strategies as st
@@ -76,6 +77,7 @@ class SubArray(np.ndarray):
     pass
 
 
+@cache
 def python_objects() -> st.SearchStrategy:
     leaves = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(min_value=2**31 - 2, max_value=2**70),
                        st.integers(min_value=-(2**70), max_value=-1), st.floats(allow_nan=True),
@@ -86,6 +88,7 @@ def python_objects() -> st.SearchStrategy:
                         max_leaves=6).map(lambda value: ("python", value))
 
 
+@cache
 def numpy_scalars() -> st.SearchStrategy:
     def make(kind, raw):
         try:
@@ -95,6 +98,7 @@ def numpy_scalars() -> st.SearchStrategy:
     return st.builds(make, st.sampled_from(NUMPY_SCALARS), st.integers(min_value=-300, max_value=300))
 
 
+@cache
 def positions() -> st.SearchStrategy:
     """Things passed where a position goes: mostly ints near the context's length, in odd wrappers."""
     small = st.integers(min_value=-3, max_value=40)
@@ -113,6 +117,7 @@ def positions() -> st.SearchStrategy:
     )
 
 
+@cache
 def token_arguments(n: int) -> st.SearchStrategy:
     valid = st.lists(st.integers(min_value=0, max_value=9), min_size=n, max_size=n)
     return st.one_of(
@@ -139,6 +144,7 @@ def _token_array(pair):
         return (f"token array {dtype}", np.array(tokens, np.int64))
 
 
+@cache
 def kv_arguments(n: int) -> st.SearchStrategy:
     shape = LAYOUT.batch_shape(n)
 
@@ -161,10 +167,11 @@ def kv_arguments(n: int) -> st.SearchStrategy:
         seeds.map(lambda s: ("float32 max", np.full(shape, np.finfo(np.float32).max, np.float32))),
         seeds.map(lambda s: ("f16 overflow", np.full(shape, 1e6, np.float32))),
         seeds.map(lambda s: ("subnormal", np.full(shape, 1e-45, np.float32))),
-        st.just(("zero-size", np.zeros((0, *shape[1:]), np.float32))),
-        st.just(("0-d array", np.array(1.0, np.float32))),
-        st.just(("wrong shape", np.zeros((n, 1), np.float32))),
-        st.just(("duck array", Weird())),
+        # built at each draw, as every kind here is: a strategy is kept for the whole run (``cache``)
+        st.builds(lambda: ("zero-size", np.zeros((0, *shape[1:]), np.float32))),
+        st.builds(lambda: ("0-d array", np.array(1.0, np.float32))),
+        st.builds(lambda: ("wrong shape", np.zeros((n, 1), np.float32))),
+        st.builds(lambda: ("duck array", Weird())),
         python_objects(),
         numpy_scalars(),
     ]
@@ -176,7 +183,7 @@ def kv_arguments(n: int) -> st.SearchStrategy:
             seeds.map(lambda s: ("bool tensor", torch.from_numpy(base(s)) > 0)),
             seeds.map(lambda s: ("complex tensor", torch.from_numpy(base(s)).to(torch.complex64))),
             seeds.map(lambda s: ("float64 tensor", torch.from_numpy(base(s)).double())),
-            st.just(("meta tensor", torch.empty(shape, device="meta"))),
+            st.builds(lambda: ("meta tensor", torch.empty(shape, device="meta"))),
             seeds.map(lambda s: ("tensor with NaN", torch.from_numpy(_poison(base(s), np.nan)))),
         ]
     return st.one_of(*kinds)
@@ -392,6 +399,7 @@ def restore_sources(folder: str) -> st.SearchStrategy:
     )
 
 
+@cache
 def cache_arguments() -> st.SearchStrategy:
     return st.tuples(positions(), st.one_of(st.sampled_from(["f32", "f16", "q8"]).map(lambda p: ("precision", p)),
                                             python_objects()),
@@ -421,15 +429,19 @@ def construct(tally: Tally, args) -> None:
     invariants.check_empty(cache.observe())
 
 
+ENTRIES = st.sampled_from(["extend", "overwrite", "read", "read_layer", "read_layer_pages", "truncate", "fork",
+                           "retain", "match", "snapshot", "restore"])
+LENGTHS = st.integers(min_value=0, max_value=5)
+
+
 def drive(data, harness: Harness, steps: int) -> None:
     """``steps`` hostile calls drawn by Hypothesis ``data`` against ``harness``."""
     folder = harness.folder
     for _ in range(steps):
         live = [c for c in harness.contexts if not c.closed] or [harness.cache.allocate()]
         ctx = data.draw(st.sampled_from(live))
-        entry = data.draw(st.sampled_from(["extend", "overwrite", "read", "read_layer", "read_layer_pages",
-                                           "truncate", "fork", "retain", "match", "snapshot", "restore"]))
-        n = data.draw(st.integers(min_value=0, max_value=5))
+        entry = data.draw(ENTRIES)
+        n = data.draw(LENGTHS)
         if entry == "extend":
             harness.extend(ctx, data.draw(token_arguments(n)), data.draw(kv_arguments(n)))
         elif entry == "overwrite":
