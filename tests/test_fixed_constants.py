@@ -20,7 +20,8 @@ from kvstate.stateful.machine import machine_for, run_machine
 
 pytestmark = pytest.mark.skipif(not patchable(), reason="this Hypothesis harvests no local constants")
 
-SMALL = settings(PROFILES["ci"], max_examples=15)
+# Enough runs for the harvest to move an unpinned run (the control below moves at 4 already).
+SMALL = settings(PROFILES["ci"], max_examples=6)
 
 
 def _operations(run) -> str:

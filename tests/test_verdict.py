@@ -21,6 +21,8 @@ from kvstate.spec import precision as precisions
 from kvstate.stateful.configs import page_sizes
 from kvstate.stateful.conform import conform, load_factory
 
+from helpers import default_suite_budget
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 listcache_factory = load_factory(str(EXAMPLES / "listcache.py"))
 listcache = sys.modules[listcache_factory.__module__]
@@ -72,6 +74,15 @@ four_token_pages.configs = listcache_factory.configs[1:2]
 
 @pytest.mark.parametrize("factory", [context_first, four_token_pages], ids=lambda f: f.__name__)
 def test_a_correct_backend_built_otherwise_passes_the_default_profile(factory):
+    """At the default suite's budget (25 examples); the profile's whole budget is the slow test below."""
+    (result,) = conform(factory, settings=default_suite_budget("ci"))
+    assert result.passed, result.failure
+    assert result.outcomes["lockstep"].steps > 500 and result.outcomes["seeded"].steps > 1000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factory", [context_first, four_token_pages], ids=lambda f: f.__name__)
+def test_a_correct_backend_built_otherwise_passes_the_whole_default_profile(factory):
     (result,) = conform(factory, profile="ci")
     assert result.passed, result.failure
     assert result.outcomes["lockstep"].steps > 1000 and result.outcomes["seeded"].steps > 1000
