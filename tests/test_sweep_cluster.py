@@ -138,6 +138,15 @@ def backends(tmp_path_factory):
     sys.path.remove(str(folder))
 
 
+# LocalCluster closes a worker's nanny for good when, lost-worker-timeout (15 s) after that worker
+# died, no worker of its name is registered: a worker that dies again, and is still restarting,
+# 15 s after an earlier death of the same name is never restarted. The kill and crash tests kill
+# workers a few seconds apart, so now and then the cluster was left one worker short and the next
+# test waited 60 s for it and failed. The nannies restart every worker here, so the cluster never
+# needs to give up on one.
+KEEP_NANNIES = {"distributed.deploy.lost-worker-timeout": "1 hour"}
+
+
 @pytest.fixture(scope="module")
 def cluster(backends):
     import dask
@@ -147,7 +156,7 @@ def cluster(backends):
     # A result read from a worker that has just died is retried until the connect timeout (30 s by
     # default: one test once took 30 s in a loaded full suite, 1.2-1.8 s alone); on the loopback
     # interface 10 s is ample for any live peer. The workers get this config from their nannies.
-    with dask.config.set({"distributed.comm.timeouts.connect": "10s"}):
+    with dask.config.set({"distributed.comm.timeouts.connect": "10s", **KEEP_NANNIES}):
         with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
                           dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local:
             with Client(local, set_as_default=False) as client:
@@ -280,6 +289,38 @@ def test_a_run_that_kills_its_worker_is_a_crash_failure_of_its_seed(cluster, tmp
     # Dask blames every run its dead worker held: the window keeps that to one more per thread.
     assert len(crashes) <= 2 and all(r.failure.error == "KilledWorker" for r in crashes.values())
     assert len(report.results) == 6 and all(r.passed for r in report.results if r.seed not in crashes)
+
+
+DASK_LOST_WORKER_TIMEOUT_S = 15       # distributed.deploy.lost-worker-timeout's default
+
+
+@needs_distributed
+@pytest.mark.slow       # it waits out Dask's 15 s timer
+def test_a_worker_killed_again_while_restarting_keeps_its_nanny(cluster):
+    """The race KEEP_NANNIES closes: without it this cluster is left one worker short, for good."""
+    local, client = cluster
+    client.wait_for_workers(2, timeout=30)
+    first = client.run(os.getpid)
+    address = sorted(first)[0]
+    name = client.scheduler_info(n_workers=-1)["workers"][address]["name"]
+
+    def pid_of_replacement() -> int | None:
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        again = [a for a, w in workers.items() if w["name"] == name and a != address]
+        return client.run(os.getpid, workers=again).popitem()[1] if again else None
+
+    killed = time.monotonic()
+    os.kill(first[address], signal.SIGKILL)
+    deadline = killed + 30
+    while not (replacement := pid_of_replacement()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert replacement, f"worker {name!r} was not restarted"
+    # Dead again, and restarting, when the cluster looks for it after the first death.
+    time.sleep(max(0.0, killed + DASK_LOST_WORKER_TIMEOUT_S - 0.5 - time.monotonic()))
+    os.kill(replacement, signal.SIGKILL)
+    time.sleep(2.0)         # past the look
+    client.wait_for_workers(2, timeout=30)
+    assert sorted(local.workers) == [0, 1] and len(client.scheduler_info(n_workers=-1)["workers"]) == 2
 
 
 @needs_distributed

@@ -11,6 +11,12 @@ plugin says so on an event topic, which the submitting client prints.
 A resource rather than a list of worker addresses: restrictions to addresses are fixed at
 submission, so the runs of a worker that dies could only wait for it, while any worker
 holding the resource (the dead one's replacement included) can take them.
+
+Dask looks again at runs waiting for a worker ("no-worker") when a worker registers or its
+status becomes running, not when a worker gains a resource; and a plugin's ``setup`` runs
+only after its worker has registered and started running. So a grant is followed by a
+pause and resume of the worker (``offer_waiting_runs``): without it, the runs of a worker
+that died before any other held the resource would wait for ever, its replacement idle.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import hashlib
 import json
 
 from distributed import WorkerPlugin
+from distributed.core import Status
 
 from .fingerprint import differences, fingerprint
 
@@ -45,5 +52,16 @@ class BackendGate(WorkerPlugin):
             worker.log_event(self.name, {"worker": worker.address, "accepted": False,
                                          "differs": {key: list(pair) for key, pair in differs.items()}})
             return
-        await worker.set_resources(**{self.name: worker.state.nthreads})
+        await worker.set_resources(**{self.name: worker.state.nthreads})      # awaited: the scheduler holds it now
+        offer_waiting_runs(worker)
         worker.log_event(self.name, {"worker": worker.address, "accepted": True})
+
+
+def offer_waiting_runs(worker) -> None:
+    """Have the scheduler send ``worker`` the waiting runs it can now take: a status change to
+    running is what makes Dask look at them (``handle_worker_status_change``). Both changes go, in
+    order, on the worker's stream, with nothing between them on this event loop. A worker paused
+    for memory is left alone: Dask looks again when it resumes."""
+    if worker.status == Status.running:
+        worker.status = Status.paused
+        worker.status = Status.running
