@@ -12,7 +12,10 @@ SGLang's scheduler does it and as kvstate's users do:
   ``array('q')``, the ``RadixKey`` type, built outside the timing; ``dec_lock_ref`` untimed.
 - kvstate: *lookup* = ``match`` (a fork of the hit); *insert* = ``retain``. ``extend`` of the
   rest and ``close`` are untimed. The tokens come as an int64 array and, in their own rows, as
-  a Python list (what users pass).
+  a Python list (what users pass) and as ``TokenIds`` (``TokenIds + turn``: the caller holds each
+  conversation's ids checked once and grows them by the request's new ids, a list; the lookup's
+  time includes that growing, from the request the conversation made before, else from the
+  system prompt's ids).
 
 Page sizes 1, 16, 64. SGLang matches whole pages past page size 1, so kvstate's ``block``
 semantics (``block_tokens`` = page size) is its like; ``token`` (any common prefix) is timed
@@ -25,7 +28,8 @@ is SGLang's time / kvstate's time on the same requests in the same run: above 1,
 Floors, measured in the same rounds on the same requests (``replay_floors``): the part of a lookup no
 design can skip for each input (an array: one pass that range-checks and packs it; a list: the type
 scan and conversion that give each bad token its named error). ``lookup_floor_speedup`` is SGLang's
-lookup time over that floor: the best ratio any design doing that work could show. Every missed cell
+lookup time over that floor: the best ratio any design doing that work could show (for
+``TokenIds + turn``: checking the ids the request adds). Every missed cell
 prints its floor beside the ratio, whether the target sits below it, and the design that would pass.
 """
 
@@ -44,6 +48,8 @@ from .one_token_pages import serve_requests
 
 TARGET = 1.5          # issue 26: lookups and inserts at least this many times SGLang's speed
 FLOOR = "floor (no design skips it)"     # a pseudo-contender: see ``replay_floors``
+TOKEN_IDS = "TokenIds + turn"            # a conversation's ids checked once, grown by each request's new list
+FLOOR_TURN = "floor of TokenIds + turn"  # a pseudo-contender: checking each request's new ids alone
 COMMAND = "python -m kvstate.bench.versus_sglang"
 
 
@@ -96,6 +102,40 @@ def replay_kvstate(queries: list, match: str, page: int) -> tuple[np.ndarray, np
     return serve_requests(cache, queries)
 
 
+def conversation_bases(requests: list[np.ndarray], system_tokens: int) -> list[int]:
+    """For each request, the earlier one it extends (its conversation's last request), or -1 where it
+    extends none and shares only the system prompt: what a caller holding ``TokenIds`` grows it from."""
+    last: dict[bytes, int] = {}
+    bases = []
+    for i, tokens in enumerate(requests):
+        key = tokens[system_tokens:system_tokens + 8].tobytes()     # the first ids after the system prompt
+        j = last.get(key, -1)
+        if j >= 0 and not (len(requests[j]) <= len(tokens) and np.array_equal(requests[j], tokens[:len(requests[j])])):
+            j = -1
+        bases.append(j)
+        last[key] = i
+    return bases
+
+
+def replay_token_ids(requests: list[np.ndarray], bases: list[int], system_tokens: int, match: str,
+                     page: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """As ``replay_kvstate``, the caller holding each conversation as ``TokenIds``: a lookup's time
+    includes growing the ids it extends (the system prompt's, made once) by the request's new
+    tokens, a Python list, checked there."""
+    from kvstate.impl import Cache, TokenIds
+
+    cache = Cache(TINY, page_tokens=page, max_entries=len(requests) + 1, match=match,
+                  block_tokens=page if match == "block" else 0)
+    system = TokenIds(requests[0][:system_tokens].tolist())
+    new = [tokens[len(requests[b]) if b >= 0 else system_tokens:].tolist() for tokens, b in zip(requests, bases)]
+    held: list = [None] * len(requests)
+
+    def grown(i: int):
+        held[i] = (held[bases[i]] if bases[i] >= 0 else system) + new[i]
+        return held[i]
+    return serve_requests(cache, requests, lookup_key=grown)
+
+
 def replay_floors(requests: list[np.ndarray], lists: list[list]) -> tuple[np.ndarray, np.ndarray]:
     """Seconds per request of the part of a lookup no design can skip, for each input.
 
@@ -125,23 +165,39 @@ def replay_floors(requests: list[np.ndarray], lists: list[list]) -> tuple[np.nda
     return array_s, list_s
 
 
-def contenders(requests: list[np.ndarray], page: int):
+def replay_turn_floor(turns: list[list]) -> np.ndarray:
+    """Seconds per request of checking the ids it adds to its ``TokenIds`` (a list: ``marshal``'s one
+    C pass, as for a whole list in ``replay_floors``): what growing the ids cannot skip."""
+    clock = time.perf_counter
+    turn_s = np.zeros(len(turns))
+    for i, items in enumerate(turns):
+        t0 = clock()
+        marshal.dumps(items, 2)
+        turn_s[i] = clock() - t0
+    return turn_s
+
+
+def contenders(requests: list[np.ndarray], page: int, system_tokens: int):
     """(engine, input, replay) at one page size, SGLang first; inputs converted here, untimed."""
     keys = [array("q", tokens.tolist()) for tokens in requests]
     lists = [tokens.tolist() for tokens in requests]
+    bases = conversation_bases(requests, system_tokens)
     yield "SGLang RadixCache", "array('q')", lambda: replay_sglang(keys, page)
     yield FLOOR, "-", lambda: (*replay_floors(requests, lists), 0)
+    turns = [lists[i][len(requests[b]) if b >= 0 else system_tokens:] for i, b in enumerate(bases)]
+    yield FLOOR_TURN, "-", lambda: (replay_turn_floor(turns), np.zeros(len(turns)), 0)
     for match in ("token", "block") if page > 1 else ("token",):
         yield f"kvstate {match}", "int64 array", lambda m=match: replay_kvstate(requests, m, page)
         yield f"kvstate {match}", "Python list", lambda m=match: replay_kvstate(lists, m, page)
+        yield f"kvstate {match}", TOKEN_IDS, lambda m=match: replay_token_ids(requests, bases, system_tokens, m, page)
 
 
-def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bool) -> list[dict]:
+def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bool, system_tokens: int) -> list[dict]:
     """Every contender at every page size on ``requests``, ``rounds`` rounds interleaved."""
     best: dict[tuple, list] = {}
     for _ in range(rounds):
         for page in pages:
-            for engine, given, replay in contenders(requests, page):
+            for engine, given, replay in contenders(requests, page, system_tokens):
                 match_s, insert_s, matched = replay()
                 old = best.get((page, engine, given))
                 if old is not None:
@@ -152,11 +208,12 @@ def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bo
     rows = []
     for (page, engine, given), (match_s, insert_s, matched) in best.items():
         peer = best[(page, "SGLang RadixCache", "array('q')")]
-        if engine == FLOOR:
+        if engine in (FLOOR, FLOOR_TURN):
             continue
         floor = None
-        if engine.startswith("kvstate"):      # the floor of this input: best[..][0] arrays, [1] lists
-            floor_s = best[(page, FLOOR, "-")][0 if given == "int64 array" else 1]
+        if engine.startswith("kvstate"):      # the floor of this input
+            floor_s = (best[(page, FLOOR_TURN, "-")][0] if given == TOKEN_IDS
+                       else best[(page, FLOOR, "-")][0 if given == "int64 array" else 1])
             floor = {"lookup_floor_us": 1e6 * floor_s.mean(), "lookup_floor_speedup": peer[0].sum() / floor_s.sum()}
         rows.append({"workload": kind, "page": page, "engine": engine, "input": given,
                      "hit_rate": matched / query_tokens, "matched": matched,
@@ -194,7 +251,7 @@ def miss_note(row: dict, op: str, peers: dict, rows: list[dict]) -> str:
     if op == "lookup":
         floor, what = row["lookup_floor_speedup"], FLOOR_PART[row["input"]]
         below = floor < TARGET
-        if row["input"] == "Python list":   # the validation comes on top of a lookup: this run's array one
+        if row["input"] != "int64 array":   # the validation comes on top of a lookup: this run's array one
             with_array = peer["lookup_us"] / (row["lookup_floor_us"] + array_row["lookup_us"])
             also = f", {with_array:.2f}x with this run's int64-array lookup on top"
             below = with_array < TARGET
@@ -208,7 +265,8 @@ def miss_note(row: dict, op: str, peers: dict, rows: list[dict]) -> str:
 
 
 FLOOR_PART = {"int64 array": "one pass over the query: range check and packing",
-              "Python list": "validating the list: one C pass over types and values"}
+              "Python list": "validating the list: one C pass over types and values",
+              TOKEN_IDS: "validating the ids the request adds, a list: one C pass over types and values"}
 _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (no per-page slice) and its "
          "refcount slots as one range (the count it leaves pending flushes as one slice add, not a scatter), one "
          "C pass packs a list and bytes methods check it, an int64 array is checked by one cast (read as uint64, "
@@ -236,8 +294,13 @@ DESIGN = {
                                        "retain stops leaving its tree node, entry and context cold, and the "
                                        "collector's scans stop growing with the pages held"),
 }
-DESIGN["insert", "Python list", False] = DESIGN["insert", "int64 array", False]
+DESIGN["lookup", TOKEN_IDS, False] = _RUNS
+DESIGN["lookup", TOKEN_IDS, True] = ("none that is handed each request's new ids as a Python list: where only the "
+                                     "system prompt is shared, most of every request is new and checking it is "
+                                     "this floor; a caller holding them as an int64 array gets the array row")
+DESIGN["insert", "Python list", False] = DESIGN["insert", TOKEN_IDS, False] = DESIGN["insert", "int64 array", False]
 DESIGN["insert", "int64 array", True] = DESIGN["insert", "Python list", True] = DESIGN["lookup", "Python list", True]
+DESIGN["insert", TOKEN_IDS, True] = DESIGN["insert", "Python list", True]
 
 
 def run(quick: bool = False, rounds: int | None = None, workloads=WORKLOADS, pages=PAGE_SIZES) -> dict:
@@ -245,7 +308,7 @@ def run(quick: bool = False, rounds: int | None = None, workloads=WORKLOADS, pag
     rounds = rounds or (1 if quick else 2)
     rows = []
     for kind in workloads:
-        rows += measure(kind, workload(kind, **size), pages, rounds, quick)
+        rows += measure(kind, workload(kind, **size), pages, rounds, quick, size["system_tokens"])
     from kvstate.engines.sglang_loader import SUPPORTED_VERSION
 
     return {

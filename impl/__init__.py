@@ -8,6 +8,7 @@ Where things live:
 - ``radix.py``    the radix prefix tree (match, retain, eviction)
 - ``arena.py``    slot books for a preallocated arena
 - ``matching.py``    what a ``match`` hit returns, per declared semantics (entry, token, block)
+- ``query.py``   a lookup's token ids checked and packed; ``TokenIds``, ids checked once as a conversation grows
 - ``tree_bounds.py``  the tree's bounds (``max_entries``, the page budget ``max_pages``)
 - ``pool_policy.py``  what a full pool does (``on_full``: fall back, evict, refuse)
 - ``store.py``    what a page store provides (the ``PageStore`` protocol, counters)
@@ -21,5 +22,6 @@ Imports run one way: a factory module -> ``cache.py`` -> the rest (tests/test_im
 
 from .cache import Cache
 from .context import Context
+from .query import TokenIds
 
-__all__ = ["Cache", "Context"]
+__all__ = ["Cache", "Context", "TokenIds"]

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvstate.spec.layout import TOKEN_LIMIT, check_tokens
 
-from .radix import pack
+from .radix import TOKEN_BYTES, pack, unpack
 
 _I4 = np.dtype("<i4")
 _I8 = np.dtype(np.int64)
@@ -74,6 +74,8 @@ def packed_query(tokens) -> tuple[bytes, "np.ndarray | None"]:
 
     Raises what ``check_tokens`` raises, and nothing else, for every input."""
     kind = type(tokens)
+    if kind is TokenIds:
+        return tokens.packed, None         # checked when it was made
     if kind is np.ndarray and tokens.dtype == _I8 and tokens.ndim == 1:
         packed = _from_int64(tokens)
         if packed is not None:
@@ -155,3 +157,69 @@ def _from_array(items: list) -> bytes | None:
 def unpacked(packed: bytes) -> np.ndarray:
     """The int64 token ids of a packed key (for a second tier, which takes arrays)."""
     return np.frombuffer(packed, _I4).astype(np.int64)
+
+
+class TokenIds:
+    """Token ids checked once, as they are added: a conversation's ids, grown turn by turn.
+
+    A lookup checks every id it is given (a bad one gets its named error before anything
+    changes), so a list holding a whole conversation is read in full at every ``match``; at a
+    few thousand ids that reading is most of the lookup (``bench/versus_sglang.py``).
+    ``TokenIds`` holds ids already checked, packed as the tree's keys are, and never changes:
+    ``ids + turn`` checks ``turn`` alone and makes a new ``TokenIds``; ``match(ids)`` takes the
+    packed key as it is. Anywhere else it reads as a sequence of ints.
+    """
+
+    __slots__ = ("_packed",)
+
+    def __init__(self, tokens=()) -> None:
+        self._packed = _packed_of(tokens)
+
+    @classmethod
+    def _of(cls, packed: bytes) -> "TokenIds":
+        made = object.__new__(cls)
+        made._packed = packed
+        return made
+
+    @property
+    def packed(self) -> bytes:
+        """The ids as the tree's packed key (int32, little-endian)."""
+        return self._packed
+
+    def __add__(self, more) -> "TokenIds":
+        return TokenIds._of(self._packed + _packed_of(more))     # ``more`` checked before anything is made
+
+    def __len__(self) -> int:
+        return len(self._packed) // TOKEN_BYTES
+
+    def __iter__(self):
+        return iter(unpack(self._packed))
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, step = index.indices(len(self))
+            if step != 1:
+                return TokenIds(unpack(self._packed)[index])
+            return TokenIds._of(self._packed[start * TOKEN_BYTES:max(start, stop) * TOKEN_BYTES])
+        return unpack(self._packed)[index]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TokenIds) and other._packed == self._packed
+
+    def __hash__(self) -> int:
+        return hash(self._packed)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return unpacked(self._packed) if dtype is None else unpacked(self._packed).astype(dtype)
+
+    def __repr__(self) -> str:
+        ids = unpack(self._packed)
+        shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
+        return f"TokenIds([{shown}], {len(ids)} ids)"
+
+
+def _packed_of(tokens) -> bytes:
+    """Checked and packed, as a lookup checks them: ``TokenError``/``DTypeError``/``ShapeError`` naming a bad id."""
+    if type(tokens) is TokenIds:
+        return tokens.packed
+    return packed_query(tokens)[0]

@@ -5,9 +5,9 @@
     ctx = cache.allocate()
 """
 
-from kvstate.impl import Cache, Context
+from kvstate.impl import Cache, Context, TokenIds
 from kvstate.spec import Config, Layout
 from kvstate.spec.errors import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
-__all__ = ["Cache", "Context", "Config", "Layout", "__version__"]
+__all__ = ["Cache", "Context", "TokenIds", "Config", "Layout", "__version__"]

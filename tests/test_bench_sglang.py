@@ -3,7 +3,7 @@ row with its command, and the hit rates agree where the semantics do (no timing 
 
 import pytest
 
-from kvstate.bench import agent_traffic
+from kvstate.bench import agent_traffic, versus_sglang
 from kvstate.bench.run import format_result
 from kvstate.engines.sglang_loader import SUPPORTED_VERSION, installed_version
 
@@ -18,14 +18,14 @@ def test_agent_traffic_runs_against_sglang_and_prints_each_row_with_its_command(
     for kind in agent_traffic.WORKLOADS:
         for page in agent_traffic.PAGE_SIZES:
             assert (kind, page, "SGLang RadixCache", "array('q')") in seen
-            for given in ("int64 array", "Python list"):
+            for given in ("int64 array", "Python list", versus_sglang.TOKEN_IDS):
                 assert (kind, page, "kvstate token", given) in seen
                 assert page == 1 or (kind, page, "kvstate block", given) in seen
             assert f"python -m kvstate.bench.versus_sglang --workload {kind} --page {page} --quick" in text
     assert all(row["lookup_speedup"] > 0 and row["insert_speedup"] > 0 for row in result["rows"])
     # token at page 1, block at 16 and 64: each workload, each input
     hits = {name: value for name, value in result["targets"].items() if "hit = SGLang's" in name}
-    assert len(hits) == 2 * 3 * 2 and all(value is True for value in hits.values())
+    assert len(hits) == 2 * 3 * 3 and all(value is True for value in hits.values())
 
 
 def test_agent_traffic_falls_back_to_the_labelled_yardstick():
@@ -60,6 +60,11 @@ def test_every_missed_cell_gets_its_floor_and_a_design_beside_it():
     assert lookup.startswith("floor 2.00x") and "1.43x with this run" in lookup and "BELOW" in lookup
     insert = notes["divergent @1 kvstate token, int64 array: insert 0.50 MISSED"]
     assert insert.startswith("floor 10.00x (one pass over the key") and "above" in insert and "slabs" in insert
+    # TokenIds + turn: its floor is checking the ids a request adds, with the array lookup on top
+    rows.append(row("kvstate token", versus_sglang.TOKEN_IDS, 0.8, 2.0, floor_us=10.0, floor_x=1.0))
+    ids = versus_sglang.verdict(rows, timed=True)[f"divergent @1 kvstate token, {versus_sglang.TOKEN_IDS}: lookup 0.80 MISSED"]
+    assert ids.startswith("floor 1.00x (validating the ids the request adds") and "0.83x with this run" in ids
+    assert "BELOW" in ids and "most of every request is new" in ids
 
 
 def test_block_rows_are_judged_like_token_rows():
