@@ -201,7 +201,8 @@ class TokenIds:
             if step != 1:
                 return TokenIds(unpack(self._packed)[index])
             return TokenIds._of(self._packed[start * TOKEN_BYTES:max(start, stop) * TOKEN_BYTES])
-        return unpack(self._packed)[index]
+        i = range(len(self))[index]      # IndexError past either end, as any sequence
+        return int.from_bytes(self._packed[i * TOKEN_BYTES:(i + 1) * TOKEN_BYTES], "little")
 
     def __eq__(self, other) -> bool:
         return isinstance(other, TokenIds) and other._packed == self._packed
@@ -220,6 +221,4 @@ class TokenIds:
 
 def _packed_of(tokens) -> bytes:
     """Checked and packed, as a lookup checks them: ``TokenError``/``DTypeError``/``ShapeError`` naming a bad id."""
-    if type(tokens) is TokenIds:
-        return tokens.packed
     return packed_query(tokens)[0]

@@ -35,7 +35,9 @@ def test_a_bad_id_is_refused_when_added_as_match_refuses_it(bad):
 
 def test_reads_as_a_sequence_of_ints():
     ids = TokenIds([1, 2, 3]) + np.array([4, 5], np.int64) + TokenIds([6])
-    assert len(ids) == 6 and list(ids) == [1, 2, 3, 4, 5, 6] and ids[0] == 1 and ids[-1] == 6
+    assert len(ids) == 6 and list(ids) == [1, 2, 3, 4, 5, 6] and ids[0] == 1 and ids[-1] == 6 and ids[4] == 5
+    with pytest.raises(IndexError):
+        ids[6]
     assert ids[2:4] == TokenIds([3, 4]) and ids[::2] == TokenIds([1, 3, 5]) and len(ids[4:2]) == 0
     assert np.asarray(ids).dtype == np.int64 and np.asarray(ids).tolist() == list(ids)
     assert ids == TokenIds(range(1, 7)) and hash(ids) == hash(TokenIds(range(1, 7))) and ids != list(ids)
