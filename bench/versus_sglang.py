@@ -105,33 +105,30 @@ def replay_kvstate(queries: list, match: str, page: int) -> tuple[np.ndarray, np
 def conversation_bases(requests: list[np.ndarray], system_tokens: int) -> list[int]:
     """For each request, the earlier one it extends (its conversation's last request), or -1 where it
     extends none and shares only the system prompt: what a caller holding ``TokenIds`` grows it from."""
-    last: dict[bytes, int] = {}
+    by_first: dict[int, list[int]] = {}       # the first id after the system prompt -> requests, oldest first
     bases = []
     for i, tokens in enumerate(requests):
-        key = tokens[system_tokens:system_tokens + 8].tobytes()     # the first ids after the system prompt
-        j = last.get(key, -1)
-        if j >= 0 and not (len(requests[j]) <= len(tokens) and np.array_equal(requests[j], tokens[:len(requests[j])])):
-            j = -1
-        bases.append(j)
-        last[key] = i
+        seen = by_first.setdefault(int(tokens[system_tokens]), [])
+        bases.append(next((j for j in reversed(seen) if len(requests[j]) < len(tokens)
+                           and np.array_equal(requests[j], tokens[:len(requests[j])])), -1))
+        seen.append(i)
     return bases
 
 
-def replay_token_ids(requests: list[np.ndarray], bases: list[int], system_tokens: int, match: str,
-                     page: int) -> tuple[np.ndarray, np.ndarray, int]:
+def replay_token_ids(requests: list[np.ndarray], bases: list[int], turns: list[list], system_tokens: int,
+                     match: str, page: int) -> tuple[np.ndarray, np.ndarray, int]:
     """As ``replay_kvstate``, the caller holding each conversation as ``TokenIds``: a lookup's time
-    includes growing the ids it extends (the system prompt's, made once) by the request's new
-    tokens, a Python list, checked there."""
+    includes growing the ids of request ``bases[i]`` (or the system prompt's, made once) by
+    ``turns[i]``, a Python list, checked there."""
     from kvstate.impl import Cache, TokenIds
 
     cache = Cache(TINY, page_tokens=page, max_entries=len(requests) + 1, match=match,
                   block_tokens=page if match == "block" else 0)
     system = TokenIds(requests[0][:system_tokens].tolist())
-    new = [tokens[len(requests[b]) if b >= 0 else system_tokens:].tolist() for tokens, b in zip(requests, bases)]
     held: list = [None] * len(requests)
 
     def grown(i: int):
-        held[i] = (held[bases[i]] if bases[i] >= 0 else system) + new[i]
+        held[i] = (held[bases[i]] if bases[i] >= 0 else system) + turns[i]
         return held[i]
     return serve_requests(cache, requests, lookup_key=grown)
 
@@ -184,12 +181,13 @@ def contenders(requests: list[np.ndarray], page: int, system_tokens: int):
     bases = conversation_bases(requests, system_tokens)
     yield "SGLang RadixCache", "array('q')", lambda: replay_sglang(keys, page)
     yield FLOOR, "-", lambda: (*replay_floors(requests, lists), 0)
-    turns = [lists[i][len(requests[b]) if b >= 0 else system_tokens:] for i, b in enumerate(bases)]
+    turns = [lists[i][len(requests[b]) if b >= 0 else system_tokens:] for i, b in enumerate(bases)]   # what each adds
     yield FLOOR_TURN, "-", lambda: (replay_turn_floor(turns), np.zeros(len(turns)), 0)
     for match in ("token", "block") if page > 1 else ("token",):
         yield f"kvstate {match}", "int64 array", lambda m=match: replay_kvstate(requests, m, page)
         yield f"kvstate {match}", "Python list", lambda m=match: replay_kvstate(lists, m, page)
-        yield f"kvstate {match}", TOKEN_IDS, lambda m=match: replay_token_ids(requests, bases, system_tokens, m, page)
+        yield f"kvstate {match}", TOKEN_IDS, lambda m=match: replay_token_ids(requests, bases, turns, system_tokens,
+                                                                              m, page)
 
 
 def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bool, system_tokens: int) -> list[dict]:

@@ -83,3 +83,17 @@ def test_block_rows_are_judged_like_token_rows():
     assert "floor 10.00x" in out["shared @16 kvstate block, int64 array: lookup 1.20 MISSED"]
     assert out["shared @16 kvstate token, int64 array: min(lookup, insert speedup) >= 1.5"] == "2.00 met"
     assert out["shared @16 kvstate block, int64 array: hit = SGLang's"] is True
+
+
+def test_token_ids_rows_grow_each_conversation_from_its_last_request_only():
+    """What ``TokenIds + turn`` takes as already checked: the request's conversation's previous one
+    (shared) or the system prompt alone (divergent, where nothing else repeats); never more."""
+    from kvstate.bench.traffic_workload import QUICK, workload
+
+    for kind, extended in (("shared", QUICK["conversations"] * (QUICK["turns"] - 1)), ("divergent", 0)):
+        requests = workload(kind, **QUICK)
+        bases = versus_sglang.conversation_bases(requests, QUICK["system_tokens"])
+        assert sum(b >= 0 for b in bases) == extended
+        for i, b in enumerate(bases):
+            held = requests[b] if b >= 0 else requests[i][:QUICK["system_tokens"]]
+            assert b < i and len(held) < len(requests[i]) and (requests[i][:len(held)] == held).all()
