@@ -171,15 +171,27 @@ class TokenIds:
     """
 
     __slots__ = ("_packed",)
+    __array_ufunc__ = None      # ``array + ids`` is a TypeError, not element-wise sums of token ids
 
     def __init__(self, tokens=()) -> None:
-        self._packed = _packed_of(tokens)
+        if hasattr(self, "_packed"):
+            raise TypeError("TokenIds never change: make new ones (ids + turn)")
+        object.__setattr__(self, "_packed", _packed_of(tokens))
 
     @classmethod
     def _of(cls, packed: bytes) -> "TokenIds":
         made = object.__new__(cls)
-        made._packed = packed
+        object.__setattr__(made, "_packed", packed)
         return made
+
+    def __setattr__(self, name, value) -> None:
+        raise AttributeError("TokenIds never change: make new ones (ids + turn)")
+
+    def __delattr__(self, name) -> None:
+        raise AttributeError("TokenIds never change: make new ones (ids + turn)")
+
+    def __reduce__(self):
+        return TokenIds, (list(self),)       # checked again when loaded: a pickle is only bytes
 
     @property
     def packed(self) -> bytes:
@@ -211,6 +223,8 @@ class TokenIds:
         return hash(self._packed)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        if copy is False:
+            raise ValueError("TokenIds hold packed int32 ids: an array of them is always a copy")
         return unpacked(self._packed) if dtype is None else unpacked(self._packed).astype(dtype)
 
     def __repr__(self) -> str:

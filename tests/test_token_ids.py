@@ -45,6 +45,26 @@ def test_reads_as_a_sequence_of_ints():
     assert "6 ids" in repr(ids)
 
 
+def test_token_ids_never_change_and_a_pickle_is_checked_again():
+    import pickle
+
+    ids = TokenIds([5, 6])
+    for change in (lambda: ids.__init__([7]), lambda: setattr(ids, "_packed", b"\xff\xff\xff\xff"),
+                   lambda: delattr(ids, "_packed")):
+        with pytest.raises((TypeError, AttributeError)):
+            change()
+    assert list(ids) == [5, 6] and pickle.loads(pickle.dumps(ids)) == ids
+    honest = pickle.dumps(ids, 2)                          # protocol 2: no frame lengths to mend
+    forged = honest.replace(b"K\x05", b"J\xff\xff\xff\xff")    # the id 5 made -1 in the pickle
+    assert forged != honest
+    with pytest.raises(TokenError):
+        pickle.loads(forged)
+    with pytest.raises(TypeError):
+        np.array([4, 5]) + ids                   # not element-wise sums of ids
+    with pytest.raises(ValueError):
+        np.asarray(ids, copy=False)
+
+
 def _entry(cache, tokens):
     ctx = cache.allocate()
     ctx.extend(tokens, np.full(LAYOUT.batch_shape(len(tokens)), len(tokens), np.float32))
