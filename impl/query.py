@@ -176,7 +176,7 @@ class TokenIds:
     def __init__(self, tokens=()) -> None:
         if hasattr(self, "_packed"):
             raise TypeError("TokenIds never change: make new ones (ids + turn)")
-        object.__setattr__(self, "_packed", _packed_of(tokens))
+        object.__setattr__(self, "_packed", packed_query(tokens)[0])     # checked as a lookup checks them
 
     @classmethod
     def _of(cls, packed: bytes) -> "TokenIds":
@@ -199,7 +199,7 @@ class TokenIds:
         return self._packed
 
     def __add__(self, more) -> "TokenIds":
-        return TokenIds._of(self._packed + _packed_of(more))     # ``more`` checked before anything is made
+        return TokenIds._of(self._packed + packed_query(more)[0])     # ``more`` checked before anything is made
 
     def __len__(self) -> int:
         return len(self._packed) // TOKEN_BYTES
@@ -231,8 +231,3 @@ class TokenIds:
         ids = unpack(self._packed)
         shown = ", ".join(map(str, ids[:8])) + (", ..." if len(ids) > 8 else "")
         return f"TokenIds([{shown}], {len(ids)} ids)"
-
-
-def _packed_of(tokens) -> bytes:
-    """Checked and packed, as a lookup checks them: ``TokenError``/``DTypeError``/``ShapeError`` naming a bad id."""
-    return packed_query(tokens)[0]
