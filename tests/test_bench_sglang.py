@@ -18,11 +18,28 @@ def test_agent_traffic_runs_against_sglang_and_prints_each_row_with_its_command(
     for kind in agent_traffic.WORKLOADS:
         for page in agent_traffic.PAGE_SIZES:
             assert (kind, page, "SGLang RadixCache", "array('q')") in seen
+            assert (kind, page, "SGLang RadixCache", "Python list") in seen
+            assert (kind, page, "SGLang RadixCache", "array('q') + turn") in seen
             for given in ("int64 array", "Python list", versus_sglang.TOKEN_IDS):
                 assert (kind, page, "kvstate token", given) in seen
                 assert page == 1 or (kind, page, "kvstate block", given) in seen
             assert f"python -m kvstate.bench.versus_sglang --workload {kind} --page {page} --quick" in text
     assert all(row["lookup_speedup"] > 0 and row["insert_speedup"] > 0 for row in result["rows"])
+    # each kvstate row against SGLang handed the same: a list, ids grown by each turn, else array('q')
+    sglang = {(r["workload"], r["page"], r["input"]): r for r in result["rows"] if r["engine"] == "SGLang RadixCache"}
+    for row in result["rows"]:
+        if row["engine"].startswith("kvstate"):
+            given = {"Python list": "Python list", versus_sglang.TOKEN_IDS: "array('q') + turn"}.get(row["input"],
+                                                                                                 "array('q')")
+            peer = sglang[row["workload"], row["page"], given]
+            assert row["peer"] == f"SGLang, {given}"
+            assert row["lookup_speedup"] == pytest.approx(peer["lookup_us"] / row["lookup_us"], rel=1e-9)
+            assert row["insert_speedup"] == pytest.approx(peer["insert_us"] / row["insert_us"], rel=1e-9)
+            if given != "array('q')":
+                own = sglang[row["workload"], row["page"], "array('q')"]
+                assert row["lookup_speedup_vs_array_q"] == pytest.approx(own["lookup_us"] / row["lookup_us"], rel=1e-9)
+    handed = {name: value for name, value in result["targets"].items() if "hit = its array('q') row's" in name}
+    assert len(handed) == 2 * 3 * 2 and all(value is True for value in handed.values())     # the same tree work
     # token at page 1, block at 16 and 64: each workload, each input
     hits = {name: value for name, value in result["targets"].items() if "hit = SGLang's" in name}
     assert len(hits) == 2 * 3 * 3 and all(value is True for value in hits.values())
@@ -66,6 +83,36 @@ def test_every_missed_cell_gets_its_floor_and_a_design_beside_it():
     ids = versus_sglang.verdict(rows, timed=True)[f"divergent @1 kvstate token, {versus_sglang.TOKEN_IDS}: lookup 0.80 MISSED"]
     assert ids.startswith("floor 1.00x (validating the ids the request adds") and "0.91x with this run" in ids
     assert "BELOW" in ids and "most of every request is new" in ids
+
+
+def test_list_and_token_ids_rows_are_judged_against_sglang_handed_the_same():
+    """SGLang handed a Python list converts it (``array("q", ids)``) in its lookup, as its released code
+    does, and grows a session's ids by the converted turn: a kvstate list or ``TokenIds`` row's miss
+    note measures its floor against that lookup, not against keys made before the timing."""
+    from kvstate.bench import versus_sglang
+
+    def row(engine, given, lookup_us, lookup=1.0, floor_us=None, floor_x=None):
+        return {"workload": "divergent", "page": 1, "engine": engine, "input": given, "matched": 10,
+                "lookup_us": lookup_us, "insert_us": 10.0, "lookup_speedup": lookup, "insert_speedup": 2.0,
+                "lookup_floor_us": floor_us, "lookup_floor_speedup": floor_x}
+
+    rows = [row("SGLang RadixCache", "array('q')", 10.0), row("SGLang RadixCache", "Python list", 20.0),
+            row("kvstate token", "int64 array", 10.0, lookup=2.0, floor_us=1.0, floor_x=10.0),
+            row("kvstate token", "Python list", 40.0, lookup=0.5, floor_us=15.0, floor_x=20.0 / 15.0)]
+    out = versus_sglang.verdict(rows, timed=True)
+    note = out["divergent @1 kvstate token, Python list: lookup 0.50 MISSED"]
+    assert "vs SGLang's whole lookup of a Python list, converted in its timing" in note
+    assert "0.80x with this run's int64-array lookup on top" in note       # 20 us / (15 + 10)
+    assert out["divergent @1 SGLang RadixCache, Python list: hit = its array('q') row's"] is True
+    rows[1]["matched"] = 9
+    assert versus_sglang.verdict(rows, timed=True)[
+        "divergent @1 SGLang RadixCache, Python list: hit = its array('q') row's"] is False
+    # TokenIds + turn against SGLang growing its array('q') by the same turn: 30 / (10 + 10 - 1) = 1.58
+    rows += [row("SGLang RadixCache", "array('q') + turn", 30.0),
+             row("kvstate token", versus_sglang.TOKEN_IDS, 25.0, lookup=1.2, floor_us=10.0, floor_x=3.0)]
+    note = versus_sglang.verdict(rows, timed=True)[f"divergent @1 kvstate token, {versus_sglang.TOKEN_IDS}: lookup 1.20 MISSED"]
+    assert "of ids grown by each request's new ones, converted in its timing" in note
+    assert "1.58x with this run's int64-array lookup on top" in note and "the target is above this floor" in note
 
 
 def test_block_rows_are_judged_like_token_rows():
