@@ -349,7 +349,12 @@ DESIGN = {
                                        "retain stops leaving its tree node, entry and context cold, and the "
                                        "collector's scans stop growing with the pages held"),
 }
-DESIGN["lookup", TOKEN_IDS, False] = _RUNS
+DESIGN["lookup", TOKEN_IDS, False] = (
+    "built: the ids come packed, so the lookup itself runs no pass over them (the array row's walk, stamp and "
+    "fork); the growth checks the turn with one marshal pass and packs it as a list lookup does; what remains: "
+    "the growth's work past that pass (bytes checks of marshal's records, NumPy's gather of their payloads and "
+    "the concatenation onto the held ids, each a fresh allocation that the extend before leaves cold: "
+    "impl/query.py TokenIds.__add__), and pages as slabs, as for the array row")
 DESIGN["lookup", TOKEN_IDS, True] = ("none that is handed each request's new ids as a Python list: where only the "
                                      "system prompt is shared, most of every request is new and checking it is "
                                      "this floor; a caller holding them as an int64 array gets the array row")

@@ -106,6 +106,11 @@ def test_rows_handed_a_list_are_judged_against_sglang_with_pre_built_keys():
     note = out[f"divergent @1 kvstate token, {versus_sglang.TOKEN_IDS}: lookup 0.40 MISSED"]
     assert "0.53x with this run's int64-array lookup on top" in note       # 10 / (10 + 10 - 1), not 30 / ...
     assert out["divergent @1 SGLang RadixCache, Python list: hit = its array('q') row's"] is True
+    # a TokenIds miss above its floor names the growth's own work, not the array row's design
+    rows[3]["lookup_us"], rows[5]["lookup_floor_us"] = 2.0, 3.0          # 10 / (3 + 2 - 1) = 2.5
+    note = versus_sglang.verdict(rows, timed=True)[f"divergent @1 kvstate token, {versus_sglang.TOKEN_IDS}: lookup 0.40 MISSED"]
+    assert "2.50x with this run's int64-array lookup on top" in note and "above" in note
+    assert "TokenIds.__add__" in note and "one C pass packs a list" not in note
     rows[0]["matched"] = 9
     assert versus_sglang.verdict(rows, timed=True)[
         "divergent @1 SGLang RadixCache, Python list: hit = its array('q') row's"] is False
