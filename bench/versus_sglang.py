@@ -53,6 +53,7 @@ import argparse
 import marshal
 import time
 from array import array
+from functools import partial
 
 import numpy as np
 
@@ -68,6 +69,9 @@ SESSION = "array('q') + turn"            # SGLang growing a conversation's ids a
 FLOOR = "floor (no design skips it)"     # a pseudo-contender: see ``replay_floors``
 TOKEN_IDS = "TokenIds + turn"            # a conversation's ids checked once, grown by each request's new list
 FLOOR_TURN = "floor of TokenIds + turn"  # a pseudo-contender: checking each request's new ids alone
+ARRAY = "int64 array"
+# kvstate's input -> SGLang's row handed the same, for ``request_path_speedup`` (context, not the target)
+HANDED_THE_SAME = {LIST: LIST, TOKEN_IDS: SESSION}
 COMMAND = "python -m kvstate.bench.versus_sglang"
 
 
@@ -153,12 +157,7 @@ def replay_token_ids(requests: list[np.ndarray], bases: list[int], turns: list[l
     cache = Cache(TINY, page_tokens=page, max_entries=len(requests) + 1, match=match,
                   block_tokens=page if match == "block" else 0)
     system = TokenIds(requests[0][:system_tokens].tolist())
-    held: list = [None] * len(requests)
-
-    def grown(i: int):
-        held[i] = (held[bases[i]] if bases[i] >= 0 else system) + turns[i]
-        return held[i]
-    return serve_requests(cache, requests, lookup_key=grown)
+    return serve_requests(cache, requests, lookup_key=grown_keys(system, bases, turns))
 
 
 def replay_sglang_session(requests: list[np.ndarray], bases: list[int], turns: list[list], system_tokens: int,
@@ -169,12 +168,20 @@ def replay_sglang_session(requests: list[np.ndarray], bases: list[int], turns: l
     prompt's, made once), standing for ``SessionController._concat_token_arrays``'s copying path
     (which copies twice; a streaming session extends in place instead)."""
     system = array("q", requests[0][:system_tokens].tolist())
-    held: list = [None] * len(requests)
+    return replay_sglang(requests, page, lookup_key=grown_keys(system, bases, turns, partial(array, "q")))
+
+
+def grown_keys(system, bases: list[int], turns: list[list], convert=None):
+    """``lookup_key`` for a caller holding each conversation's ids: request ``i``'s are those of request
+    ``bases[i]`` (or ``system``'s) + ``turns[i]`` (``convert``-ed first, where given), kept for the
+    requests that extend it."""
+    held: list = [None] * len(bases)
 
     def grown(i: int):
-        held[i] = (held[bases[i]] if bases[i] >= 0 else system) + array("q", turns[i])
+        turn = turns[i] if convert is None else convert(turns[i])
+        held[i] = (held[bases[i]] if bases[i] >= 0 else system) + turn
         return held[i]
-    return replay_sglang(requests, page, lookup_key=grown)
+    return grown
 
 
 def replay_floors(requests: list[np.ndarray], lists: list[list]) -> tuple[np.ndarray, np.ndarray]:
@@ -230,7 +237,7 @@ def contenders(requests: list[np.ndarray], page: int, system_tokens: int):
     yield FLOOR, "-", lambda: (*replay_floors(requests, lists), 0)
     yield FLOOR_TURN, "-", lambda: (replay_turn_floor(turns), np.zeros(len(turns)), 0)
     for match in ("token", "block") if page > 1 else ("token",):
-        yield f"kvstate {match}", "int64 array", lambda m=match: replay_kvstate(requests, m, page)
+        yield f"kvstate {match}", ARRAY, lambda m=match: replay_kvstate(requests, m, page)
         yield f"kvstate {match}", LIST, lambda m=match: replay_kvstate(lists, m, page)
         yield f"kvstate {match}", TOKEN_IDS, lambda m=match: replay_token_ids(requests, bases, turns, system_tokens,
                                                                               m, page)
@@ -257,7 +264,7 @@ def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bo
         extra = {}
         if engine.startswith("kvstate"):      # the floor of this input; where handed a list, SGLang handed the same
             floor_s = (best[(page, FLOOR_TURN, "-")][0] if given == TOKEN_IDS
-                       else best[(page, FLOOR, "-")][0 if given == "int64 array" else 1])
+                       else best[(page, FLOOR, "-")][0 if given == ARRAY else 1])
             extra = {"lookup_floor_us": 1e6 * floor_s.mean(), "lookup_floor_speedup": peer[0].sum() / floor_s.sum()}
             if given in HANDED_THE_SAME:
                 extra["request_path_speedup"] = best[(page, SGLANG, HANDED_THE_SAME[given])][0].sum() / match_s.sum()
@@ -268,10 +275,6 @@ def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bo
                      **extra,
                      "command": f"{COMMAND} --workload {kind} --page {page}" + " --quick" * quick})
     return rows
-
-
-# kvstate's input -> SGLang's row handed the same, for ``request_path_speedup`` (context, not the target)
-HANDED_THE_SAME = {LIST: LIST, TOKEN_IDS: SESSION}
 
 
 def verdict(rows: list[dict], timed: bool) -> dict:
@@ -298,12 +301,12 @@ def miss_note(row: dict, op: str, peer: dict, rows: list[dict]) -> str:
     """The floor measured in the same run beside a missed ratio (against ``peer``, SGLang's row with
     pre-built keys), and the design that would pass it."""
     array_row = next(r for r in rows if r["engine"] == row["engine"] and r["page"] == row["page"]
-                     and r["workload"] == row["workload"] and r["input"] == "int64 array")
+                     and r["workload"] == row["workload"] and r["input"] == ARRAY)
     also = ""
     if op == "lookup":
         floor, what = row["lookup_floor_speedup"], FLOOR_PART[row["input"]]
         below = floor < TARGET
-        if row["input"] != "int64 array":   # the validation comes on top of a lookup: this run's array one
+        if row["input"] != ARRAY:   # the validation comes on top of a lookup: this run's array one
             rest_us = array_row["lookup_us"]
             if row["input"] == TOKEN_IDS:    # which takes the ids packed: the array's own pass is not on top
                 rest_us -= array_row["lookup_floor_us"]
@@ -319,7 +322,7 @@ def miss_note(row: dict, op: str, peer: dict, rows: list[dict]) -> str:
             f"design that passes: {DESIGN[op, row['input'], below]}")
 
 
-FLOOR_PART = {"int64 array": "one pass over the query: range check and packing",
+FLOOR_PART = {ARRAY: "one pass over the query: range check and packing",
               LIST: "validating the list: one C pass over types and values",
               TOKEN_IDS: "validating the ids the request adds, a list: one C pass over types and values"}
 _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (no per-page slice) and its "
@@ -335,19 +338,19 @@ _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (n
          "tree, entry and context cold for the next one) and fewer Python calls per lookup (match, find, stamp "
          "and fork in one function)")
 DESIGN = {
-    ("lookup", "int64 array", False): _RUNS,
+    ("lookup", ARRAY, False): _RUNS,
     ("lookup", LIST, False): _RUNS,
-    ("lookup", "int64 array", True): "none that takes a fresh array per lookup: keep the query packed by the caller",
+    ("lookup", ARRAY, True): "none that takes a fresh array per lookup: keep the query packed by the caller",
     ("lookup", LIST, True): ("callers hand over tokens validated once (an int64 array, or a token buffer "
-                                      "a conversation grows turn by turn, validating only the new turn), so a "
-                                      "lookup never revalidates the history"),
-    ("insert", "int64 array", False): ("built: the retain's fork shares the context's slots and the close hands "
-                                       "that count over (no refcount touched); hits leave ranges pending, not "
-                                       "arrays, so the flush a fork meets is slice adds; the walk loops inline; "
-                                       "what remains: pages as slabs: one Python object per extend instead of "
-                                       "one per page (~4 objects a token at page 1), so the extend before a "
-                                       "retain stops leaving its tree node, entry and context cold, and the "
-                                       "collector's scans stop growing with the pages held"),
+                             "a conversation grows turn by turn, validating only the new turn), so a "
+                             "lookup never revalidates the history"),
+    ("insert", ARRAY, False): ("built: the retain's fork shares the context's slots and the close hands "
+                               "that count over (no refcount touched); hits leave ranges pending, not "
+                               "arrays, so the flush a fork meets is slice adds; the walk loops inline; "
+                               "what remains: pages as slabs: one Python object per extend instead of "
+                               "one per page (~4 objects a token at page 1), so the extend before a "
+                               "retain stops leaving its tree node, entry and context cold, and the "
+                               "collector's scans stop growing with the pages held"),
 }
 DESIGN["lookup", TOKEN_IDS, False] = (
     "built: the ids come packed, so the lookup itself runs no pass over them (the array row's walk, stamp and "
@@ -358,8 +361,8 @@ DESIGN["lookup", TOKEN_IDS, False] = (
 DESIGN["lookup", TOKEN_IDS, True] = ("none that is handed each request's new ids as a Python list: where only the "
                                      "system prompt is shared, most of every request is new and checking it is "
                                      "this floor; a caller holding them as an int64 array gets the array row")
-DESIGN["insert", LIST, False] = DESIGN["insert", TOKEN_IDS, False] = DESIGN["insert", "int64 array", False]
-DESIGN["insert", "int64 array", True] = DESIGN["insert", LIST, True] = DESIGN["lookup", LIST, True]
+DESIGN["insert", LIST, False] = DESIGN["insert", TOKEN_IDS, False] = DESIGN["insert", ARRAY, False]
+DESIGN["insert", ARRAY, True] = DESIGN["insert", LIST, True] = DESIGN["lookup", LIST, True]
 DESIGN["insert", TOKEN_IDS, True] = DESIGN["insert", LIST, True]
 
 
