@@ -333,10 +333,10 @@ _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (n
          "~40% less fresh memory before the next lookup), an extend packs its key with the lookup's own cast, "
          "after its page-by-page write (impl/query.py packed_ids: the cast a lookup runs right after an extend is then warm; it cost ~3x its warm "
          "time cold), and a token hit, its stamp and a retain take fewer calls (token_hit, one-call stamp, retain "
-         "whole under one lock hold); what remains: pages as slabs (one Python "
-         "object per extend, not ~4 per token at page 1: the extend between two lookups then stops leaving the "
-         "tree, entry and context cold for the next one) and fewer Python calls per lookup (match, find, stamp "
-         "and fork in one function)")
+         "whole under one lock hold); what remains: pages as slabs (one allocation per extend, not 8 memory "
+         "blocks per token at page 1: the extend between two lookups then stops leaving the tree, entry and "
+         "context cold for the next one; python -m kvstate.bench.page_churn measures what that buys) and fewer "
+         "Python calls per lookup (match, find, stamp and fork in one function)")
 DESIGN = {
     ("lookup", ARRAY, False): _RUNS,
     ("lookup", LIST, False): _RUNS,
@@ -347,10 +347,11 @@ DESIGN = {
     ("insert", ARRAY, False): ("built: the retain's fork shares the context's slots and the close hands "
                                "that count over (no refcount touched); hits leave ranges pending, not "
                                "arrays, so the flush a fork meets is slice adds; the walk loops inline; "
-                               "what remains: pages as slabs: one Python object per extend instead of "
-                               "one per page (~4 objects a token at page 1), so the extend before a "
+                               "what remains: pages as slabs: one allocation per extend instead of "
+                               "several per page (8 memory blocks a token at page 1), so the extend before a "
                                "retain stops leaving its tree node, entry and context cold, and the "
-                               "collector's scans stop growing with the pages held"),
+                               "collector's scans stop growing with the pages held (python -m "
+                               "kvstate.bench.page_churn measures what that buys)"),
 }
 DESIGN["lookup", TOKEN_IDS, False] = (
     "built: the ids come packed, so the lookup itself runs no pass over them (the array row's walk, stamp and "
