@@ -7,7 +7,7 @@
 keeping its fastest round:
 
 - ``page 1``: one-token pages, as SGLang runs by default. An ``extend`` makes one ``Page`` per
-  token, each with its own small allocations (``PER_PAGE_ALLOCATIONS`` counts them).
+  token, each with its own small allocations (``per_page_allocations`` counts them).
 - ``page 64``: the same requests at 64-token pages, 64 times fewer of them.
 - ``page 64 + churn``: page 64, with every request followed by allocations made by hand, as
   many and as large as a one-token-page ``extend`` of its new tokens makes (``churn``), and kept
@@ -46,11 +46,11 @@ class _PageLike:
             page_id, ref, None, buffer, token_bytes, 1
 
 
-def per_page_allocations(cache_page_tokens: int = 1, positions: int = 700) -> float:
+def per_page_allocations(page_tokens: int = 1, positions: int = 700) -> float:
     """Memory blocks a one-token-page ``extend`` allocates per page, counted (``sys.getallocatedblocks``)."""
     from kvstate.impl import Cache
 
-    cache = Cache(TINY, page_tokens=cache_page_tokens, max_entries=4)
+    cache = Cache(TINY, page_tokens=page_tokens, max_entries=4)
     kv = np.zeros((positions, *TINY.position_shape), np.float32)
     warm = cache.allocate()
     warm.extend(np.arange(positions), kv)      # the pool's arrays grown once, outside the count
@@ -102,26 +102,11 @@ def measure(queries: list[np.ndarray], rounds: int) -> list[dict]:
 
 
 def serve_with_churn(cache, queries: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, int]:
-    """``serve_requests`` on ``cache``, each ``extend`` followed by ``churn`` of the positions it added."""
+    """``serve_requests`` on ``cache``, each ``extend`` followed by ``churn`` of the positions it added
+    (where a one-token-page extend makes them)."""
     kept: list = []
     next_id = [1 << 20]
-    zeros = np.zeros((max(map(len, queries)), *cache.layout.position_shape), np.float32)
-    match_s, retain_s = np.zeros(len(queries)), np.zeros(len(queries))
-    matched_tokens = 0
-    clock = time.perf_counter
-    for i, tokens in enumerate(queries):
-        t0 = clock()
-        ctx, matched = cache.match(tokens)
-        t1 = clock()
-        ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
-        churn(len(tokens) - matched, kept, next_id)      # where a one-token-page extend makes them
-        t2 = clock()
-        cache.retain(ctx)
-        t3 = clock()
-        ctx.close()
-        match_s[i], retain_s[i] = t1 - t0, t3 - t2
-        matched_tokens += matched
-    return match_s, retain_s, matched_tokens
+    return serve_requests(cache, queries, after_extend=lambda added: churn(added, kept, next_id))
 
 
 def run(rounds: int = 2, quick: bool = False) -> dict:
