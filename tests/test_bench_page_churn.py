@@ -13,7 +13,9 @@ from kvstate.bench import page_churn
 
 def test_the_churn_allocates_what_a_one_token_page_extend_allocates():
     per_page = page_churn.per_page_allocations()
-    assert per_page >= 1          # an extend at one-token pages allocates something per page today
+    # Per page today; once pages are slabs (under one a page) the bench's churn stands for nothing that
+    # exists, and the bench has done its job.
+    assert per_page >= 1, f"{per_page} blocks a page: pages are slabs now, retire bench/page_churn.py"
     kept: list = []
     page_churn.churn(10, kept, [0])
     gc.collect()

@@ -160,6 +160,7 @@ def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
     ["kvstate.bench.restore", "--repeat", "-1"], ["kvstate.bench.restore", "--tokens", "0"],
     ["kvstate.bench.extend", "--rounds", "0"], ["kvstate.bench.read_pages", "--tokens", "x"],
     ["kvstate.bench.tree_scale", "--rounds", "0"], ["kvstate.bench.versus_sglang", "--rounds", "-2"],
+    ["kvstate.bench.page_churn", "--rounds", "0"],
 ], ids=lambda argv: " ".join(argv[1:]) + " " + argv[0].rsplit(".", 1)[1])
 def test_a_count_that_is_not_a_count_is_refused_by_argparse(argv, capsys):
     """Before, --rounds 0 printed inf and nan, or a KeyError far from the argument."""
