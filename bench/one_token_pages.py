@@ -44,13 +44,13 @@ def requests(conversations: int = 200, turns: int = 4, system: int = 1000, seed:
     return out
 
 
-def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, after_extend=None
+def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, before_extend=None
                    ) -> tuple[np.ndarray, np.ndarray, int]:
     """Each request matched, the rest extended (zeros), retained and closed: seconds per request
     in ``match`` and in ``retain``, and the tokens matched. Only API every version has (this
     file runs in older checkouts too); ``agent_traffic`` serves its requests with it as well.
     ``lookup_key(i)``, where given, makes what request ``i`` is matched by, inside its timing;
-    ``after_extend(added)``, where given, runs untimed after each extend of ``added`` positions."""
+    ``before_extend(new_tokens)``, where given, runs untimed right before each extend, with its tokens."""
     zeros = np.zeros((max(map(len, queries)), *cache.layout.position_shape), np.float32)
     match_s, retain_s = np.zeros(len(queries)), np.zeros(len(queries))
     matched_tokens = 0
@@ -59,9 +59,9 @@ def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, after_exte
         t0 = clock()
         ctx, matched = cache.match(tokens if lookup_key is None else lookup_key(i))
         t1 = clock()
+        if before_extend is not None:
+            before_extend(tokens[matched:])
         ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
-        if after_extend is not None:
-            after_extend(len(tokens) - matched)
         t2 = clock()
         cache.retain(ctx)
         t3 = clock()

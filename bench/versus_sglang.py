@@ -335,7 +335,7 @@ _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (n
          "time cold), and a token hit, its stamp and a retain take fewer calls (token_hit, one-call stamp, retain "
          "whole under one lock hold); what remains: pages as slabs (one allocation per extend, not 8 memory "
          "blocks per token at page 1: the extend between two lookups then stops leaving the tree, entry and "
-         "context cold for the next one; python -m kvstate.bench.page_churn measures what that buys) and fewer "
+         "context cold for the next one; python -m kvstate.bench.page_churn splits page 1's cost) and fewer "
          "Python calls per lookup (match, find, stamp and fork in one function)")
 DESIGN = {
     ("lookup", ARRAY, False): _RUNS,
@@ -351,7 +351,7 @@ DESIGN = {
                                "several per page (8 memory blocks a token at page 1), so the extend before a "
                                "retain stops leaving its tree node, entry and context cold, and the "
                                "collector's scans stop growing with the pages held (python -m "
-                               "kvstate.bench.page_churn measures what that buys)"),
+                               "kvstate.bench.page_churn splits page 1's cost)"),
 }
 DESIGN["lookup", TOKEN_IDS, False] = (
     "built: the ids come packed, so the lookup itself runs no pass over them (the array row's walk, stamp and "
