@@ -14,14 +14,15 @@ keeping its fastest round:
   extend into a second cache of one-token pages, kept alive: all of a page-1 extend's per-page
   work, its allocations and its page-by-page writes, with no one-token page in the cache looked up.
 - ``page 64 + allocations alone``: page 64, each extend preceded by allocations made by hand, as
-  many and as large as a page-1 extend of its tokens makes (``churn``), kept alive as pages are.
+  many and as large as a page-1 extend of its tokens leaves (``churn``), kept alive as pages are.
 
 A lookup makes the same Python calls at both page sizes (the walk compares packed tokens, a hit's
 pages are shared as one run of refcount slots), and so does a retain; what page 1 adds is the
 extend before them leaving the caches cold, and the page-1 cache's own state being per page (not
 timed apart here: the refcount runs a hit leaves pending cover a thousand slots, not sixteen, when
-they are added up; the pool's live set and the holders' page tuples are 64 times longer). ``lookup_share`` and
-``retain_share`` are each row's part of page 1's excess: (row - page 64) / (page 1 - page 64).
+they are added up; the pool's live set and the holders' page tuples are 64 times longer).
+``lookup_share`` and ``retain_share`` are each row's part of page 1's excess:
+(row - page 64) / (page 1 - page 64).
 The extend beside gives the extend's part, the allocations alone the part that pages made lighter,
 but still one per token, could recover; the rest is the per-page state. Pages as slabs remove all
 three: one allocation, one write and one refcount slot per ``extend``.
@@ -71,7 +72,7 @@ def _counted(make) -> tuple[float, int]:
     try:
         blocks, tracked = sys.getallocatedblocks(), len(gc.get_objects())
         make()
-        return sys.getallocatedblocks() - blocks, len(gc.get_objects()) - tracked - 1    # less the list just made
+        return sys.getallocatedblocks() - blocks, len(gc.get_objects()) - tracked
     finally:
         gc.enable()
 
@@ -171,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=positive_int, default=3)
-    parser.add_argument("--quick", action="store_true", help="the small workload: a smoke run, too small to show the effect")
+    parser.add_argument("--quick", action="store_true",
+                        help="the small workload: a smoke run, too small to show the effect")
     args = parser.parse_args(argv)
     from .run import format_result
 
