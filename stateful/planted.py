@@ -152,7 +152,7 @@ def dirty_recycled_slot() -> ContextManager:
 
 def release_skips_last_page() -> ContextManager:
     """The release path decrements refcounts but never frees a page."""
-    return _patched(pages_module.PagePool, "_free", lambda pool, page: None)     # what both release paths call
+    return _patched(pages_module.PagePool, "_free", lambda pool, pages: None)     # what both release paths call
 
 
 def restore_drops_partial_page() -> ContextManager:

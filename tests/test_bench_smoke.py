@@ -99,6 +99,16 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
     assert all(row["match_us"] > 0 and row["retain_us"] > 0 for row in result["rows"])
     assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
     assert "--against" in result["command"]
+    assert here["pages_freed_per_request"] == there["pages_freed_per_request"] == 0     # the tree keeps every request
+
+
+def test_one_token_pages_with_a_bounded_tree_frees_evicted_pages_in_the_retains():
+    from kvstate.bench import one_token_pages
+
+    result = one_token_pages.run(rounds=1, conversations=6, max_entries=3)
+    (row,) = result["rows"]
+    assert row["pages_freed_per_request"] > 0        # evictions free pages (the unbounded tree above frees none)
+    assert result["command"].endswith("--max-entries 3") and "targets" not in result
 
 
 def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():

@@ -73,3 +73,21 @@ def test_small_pages_are_left_to_malloc():
 
 # The lockstep machine with every page recycled is tests/test_lockstep.py's (one run per
 # configuration checks the semantics and the recycling together).
+
+
+def test_small_pages_are_let_go_without_a_sharing_test_and_a_restores_are_still_kept(monkeypatch, tmp_path):
+    """A small heap page owns its arrays (``np.zeros``, no ``base``): it can never be a spare, and its
+    free skips ``_unshared`` (most of a free at one-token pages). A restore's pages of any size are
+    views of a block, so they are still tested, and kept."""
+    tested = []
+    real = numpy_store._unshared
+    monkeypatch.setattr(numpy_store, "_unshared", lambda arrays: tested.append(arrays) or real(arrays))
+    small = Layout(1, 1, 1)
+    cache = Cache(small, page_tokens=1)
+    ctx = cache.allocate()
+    ctx.extend(list(range(300)), values(small, 300))
+    ctx.snapshot(tmp_path / "small.kvs")
+    ctx.close()
+    assert cache.pool.freed == 300 and tested == [] and cache.store._spares == []
+    cache.restore(tmp_path / "small.kvs").close()
+    assert cache.pool.freed == 600 and len(tested) == 300 and len(cache.store._spares) == 300
