@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import operator
 from threading import get_ident
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import numpy as np
 
@@ -295,10 +295,11 @@ class Context:
         """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,
         before the bytes land outside it: an ``observe()`` in between must never find written
         bytes past ``filled`` (it would report a dirty tail that is not there)."""
-        pages, page_tokens = self._holding.pages, self.page_tokens     # read once: a loop over every page
-        for index in range(*pages_touched(start, stop, page_tokens)):
+        pages = self._holding.pages     # read once: a loop over every page
+        for index, _lo, hi in _page_spans(start, stop, self.page_tokens):
             page = pages[index]
-            page.filled = max(page.filled, span_in_page(index, start, stop, page_tokens)[1])
+            if page.filled < hi:
+                page.filled = hi
 
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
@@ -310,15 +311,13 @@ class Context:
         """
         held, page_tokens = self._holding, self.page_tokens     # read once: loops over every page
         pages = held.pages
-        if any(pages[index].filled < span_in_page(index, start, stop, page_tokens)[1]
-               for index in range(*pages_touched(start, stop, page_tokens))):
+        if any(pages[index].filled < hi for index, _lo, hi in _page_spans(start, stop, page_tokens)):
             with self._cache.lock:
                 self._raise_filled(start, stop)
         self._holding = held.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
         raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
-        for index in range(*pages_touched(start, stop, page_tokens)):
-            lo, hi = span_in_page(index, start, stop, page_tokens)
+        for index, lo, hi in _page_spans(start, stop, page_tokens):
             row = index * page_tokens + lo - start
             page = pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
@@ -427,6 +426,20 @@ class _Ownership:
         ctx = self.ctx
         if ctx._use != CLOSED:      # still held: nothing closes a context another operation holds
             ctx._use = FREE
+
+
+def _page_spans(start: int, stop: int, page_tokens: int) -> Iterator[tuple[int, int, int]]:
+    """``(index, lo, hi)`` for each page that positions ``[start, stop)`` touch, in order:
+    ``span_in_page`` of the first and the last, the only ones that may be covered in part; the
+    pages between are covered whole, ``(0, page_tokens)``. At one-token pages an extend touches
+    hundreds of pages, where a ``span_in_page`` call a page was ~7% of the extend. A generator, not
+    a list: each span is let go once read, so an extend leaves no tuple per page behind."""
+    first, end = pages_touched(start, stop, page_tokens)
+    yield (first, *span_in_page(first, start, stop, page_tokens))
+    for index in range(first + 1, end - 1):
+        yield index, 0, page_tokens
+    if end - first > 1:
+        yield (end - 1, *span_in_page(end - 1, start, stop, page_tokens))
 
 
 def _position(value) -> int | None:

@@ -96,8 +96,10 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
     here, there = result["rows"]
     assert here["checkout"] == there["checkout"] == str(checkout)
     assert result["params"]["requests"] == 24
-    assert all(row["match_us"] > 0 and row["retain_us"] > 0 for row in result["rows"])
+    assert all(row["match_us"] > 0 and row["retain_us"] > 0 and row["extend_us"] > 0 for row in result["rows"])
     assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
+    assert result["ratio"]["extend_speedup"] == there["extend_us"] / here["extend_us"]
+    assert set(result["targets"]) == {"match_speedup >= 3x", "retain_speedup >= 3x"}
     assert "--against" in result["command"]
     assert here["pages_freed_per_request"] == there["pages_freed_per_request"] == 0     # the tree keeps every request
 

@@ -1,0 +1,18 @@
+"""``Context``'s page loops take each page's span from ``_page_spans``: ``span_in_page`` (the spec's
+checked arithmetic) for the first and the last page, whole pages between. Every case of small
+writes must give exactly what ``span_in_page`` gives for every page ``pages_touched`` names."""
+
+from kvstate.impl.context import _page_spans
+from kvstate.spec.arithmetic import pages_touched, span_in_page
+
+
+def test_page_spans_are_span_in_page_for_every_page_touched():
+    cases = 0
+    for page_tokens in (1, 2, 3, 4, 7, 64):
+        for start in range(0, 3 * page_tokens + 2):
+            for stop in range(start + 1, start + 4 * page_tokens + 3):
+                want = [(index, *span_in_page(index, start, stop, page_tokens))
+                        for index in range(*pages_touched(start, stop, page_tokens))]
+                assert list(_page_spans(start, stop, page_tokens)) == want, (start, stop, page_tokens)
+                cases += 1
+    assert cases > 10_000
