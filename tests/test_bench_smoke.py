@@ -172,7 +172,8 @@ def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
     ["kvstate.bench.restore", "--repeat", "-1"], ["kvstate.bench.restore", "--tokens", "0"],
     ["kvstate.bench.extend", "--rounds", "0"], ["kvstate.bench.read_pages", "--tokens", "x"],
     ["kvstate.bench.tree_scale", "--rounds", "0"], ["kvstate.bench.versus_sglang", "--rounds", "-2"],
-    ["kvstate.bench.page_churn", "--rounds", "0"],
+    ["kvstate.bench.page_churn", "--rounds", "0"], ["kvstate.bench.bounded_vs_sglang", "--budget", "0"],
+    ["kvstate.bench.one_token_pages", "--max-entries", "0"],
 ], ids=lambda argv: " ".join(argv[1:]) + " " + argv[0].rsplit(".", 1)[1])
 def test_a_count_that_is_not_a_count_is_refused_by_argparse(argv, capsys):
     """Before, --rounds 0 printed inf and nan, or a KeyError far from the argument."""
@@ -181,3 +182,31 @@ def test_a_count_that_is_not_a_count_is_refused_by_argparse(argv, capsys):
     with pytest.raises(SystemExit) as stopped:
         module.main(argv[1:])
     assert stopped.value.code == 2 and "not" in capsys.readouterr().err
+
+
+def test_bounded_trees_evict_on_both_sides_and_keep_the_same_hits():
+    from kvstate.bench import bounded_vs_sglang
+    from kvstate.bench.versus_sglang import sglang_missing
+
+    if sglang_missing():
+        pytest.skip(f"SGLang's RadixCache cannot be loaded: {sglang_missing()}")
+
+    result = bounded_vs_sglang.run(quick=True)
+    sglang, kvstate = result["rows"]
+    assert (sglang["engine"], kvstate["engine"]) == (bounded_vs_sglang.SGLANG, bounded_vs_sglang.KVSTATE)
+    assert sglang["freed_per_request"] > 0 and kvstate["freed_per_request"] > 0     # both really evicted
+    assert all(result["targets"].values()), result["targets"]
+    unbounded = bounded_vs_sglang.run(quick=True, budget=10**9)                    # the control: nothing evicted
+    assert [row["freed_per_request"] for row in unbounded["rows"]] == [0, 0]
+    assert unbounded["rows"][1]["matched"] >= kvstate["matched"]
+
+
+def test_the_bounded_verdict_names_what_a_missed_insert_pays_per_page():
+    from kvstate.bench.bounded_vs_sglang import SLABS, speed_verdict
+
+    peer = {"insert_us_per_freed": 0.27}
+    missed = speed_verdict(peer, {"lookup_speedup": 1.7, "insert_speedup": 0.2, "insert_us_per_freed": 1.26})
+    assert missed.startswith("0.20 MISSED: ") and "1.26 µs a page freed against SGLang's 0.27" in missed
+    assert missed.endswith(SLABS)
+    assert speed_verdict(peer, {"lookup_speedup": 1.4, "insert_speedup": 1.9, "insert_us_per_freed": 0.1}) == "1.40 MISSED"
+    assert speed_verdict(peer, {"lookup_speedup": 1.6, "insert_speedup": 1.5, "insert_us_per_freed": 0.1}) == "1.50 met"
