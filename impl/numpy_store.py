@@ -274,14 +274,21 @@ class NumpyStore:
         arrays[part][:, :, offset:offset + len(rows)] = np.moveaxis(rows, 0, 2)
 
     def free(self, buffer: NumpyBuffer) -> None:
-        self._arena.give_back(buffer.slot)
-        arrays, buffer.arrays = buffer.arrays, ()
-        # Only a view of a block (``huge_page_array``: big pages, a restore's) can be kept. A small
-        # heap page's ``np.zeros`` arrays own their memory (no ``base``): tested first, they are let
-        # go without ``_unshared``, whose test was ~60% of a free at one-token pages (1.8 of 3.0 µs).
-        if (buffer.slot is None and arrays and arrays[0].base is not None
-                and len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(arrays)):
-            self._spares.append(arrays)
+        self.free_all((buffer,))
+
+    def free_all(self, buffers) -> None:
+        """``free`` of each buffer, in one call: an eviction at one-token pages frees hundreds."""
+        for buffer in buffers:
+            slot = buffer.slot
+            arrays, buffer.arrays = buffer.arrays, ()
+            if slot is not None:
+                self._arena.give_back(slot)
+            # Only a view of a block (``huge_page_array``: big pages, a restore's) can be kept. A small
+            # heap page's ``np.zeros`` arrays own their memory (no ``base``): tested first, they are let
+            # go without ``_unshared``, whose test was ~60% of a free at one-token pages (1.8 of 3.0 µs).
+            elif (arrays and arrays[0].base is not None
+                  and len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(arrays)):
+                self._spares.append(arrays)
 
     # Spares and scratch are memory this process may reuse, not state: a clone of the store starts without them.
     def __getstate__(self) -> dict:

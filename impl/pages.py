@@ -298,9 +298,9 @@ class PagePool:
         """Pages nobody holds: out of the live set, their memory back to the store. One call for
         all of a release's pages, its lookups hoisted: an eviction at one-token pages frees
         hundreds of pages at once."""
-        live, free_refs, free = self.live, self._free_refs, self.store.free
+        live, free_refs, heappush = self.live, self._free_refs, heapq.heappush
         for page in pages:
             del live[page.page_id]
-            heapq.heappush(free_refs, page.ref)
-            free(page.buffer)
+            heappush(free_refs, page.ref)
+        self.store.free_all([page.buffer for page in pages])
         self.freed += len(pages)

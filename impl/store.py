@@ -60,6 +60,9 @@ class PageStore(Protocol):
     def free(self, buffer: Buffer) -> None:
         """Return the page's memory (its arena slot, if it has one)."""
 
+    def free_all(self, buffers: list[Buffer]) -> None:
+        """``free`` of each of ``buffers`` (a release's pages: hundreds at one-token pages), in one call."""
+
     def copy(self, source: Buffer, page_id: int) -> Buffer:
         """A new page for ``page_id`` holding the same bytes as ``source``."""
 

@@ -136,6 +136,10 @@ class TorchStore:
     def allocate(self, page_id: int) -> TorchBuffer:
         return self._take(page_id, zero=True)
 
+    def free_all(self, buffers) -> None:
+        for buffer in buffers:
+            self.free(buffer)
+
     def free(self, buffer: TorchBuffer) -> None:
         self._arena.give_back(buffer.slot)
         buffer.tensors = ()
