@@ -144,19 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)
-    from .versus_sglang import sglang_missing
+    from .versus_sglang import print_beside_sglang
 
-    missing = sglang_missing()
-    if missing:
-        print(f"SGLang's RadixCache cannot be loaded: {missing}")
-        return 1
-    from .run import format_result
-
-    start = time.perf_counter()
-    result = run(args.quick, args.rounds, args.budget)
-    result["wall_s"] = time.perf_counter() - start
-    print(format_result(result))
-    return 0
+    return print_beside_sglang(lambda: run(args.quick, args.rounds, args.budget))
 
 
 if __name__ == "__main__":

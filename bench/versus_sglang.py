@@ -394,6 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)
+    command = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
+        f" --page {p}" for p in args.page or ()) + " --quick" * args.quick
+    return print_beside_sglang(lambda: {**run(args.quick, args.rounds, args.workload or WORKLOADS,
+                                              args.page or PAGE_SIZES), "command": command})
+
+
+def print_beside_sglang(make_result) -> int:
+    """A command line's end: ``make_result()`` timed and printed (0), or why SGLang's RadixCache cannot
+    be loaded here (1)."""
     missing = sglang_missing()
     if missing:
         print(f"SGLang's RadixCache cannot be loaded: {missing}")
@@ -401,10 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     from .run import format_result
 
     start = time.perf_counter()
-    result = run(args.quick, args.rounds, args.workload or WORKLOADS, args.page or PAGE_SIZES)
+    result = make_result()
     result["wall_s"] = time.perf_counter() - start
-    result["command"] = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
-        f" --page {p}" for p in args.page or ()) + " --quick" * args.quick
     print(format_result(result))
     return 0
 
