@@ -12,8 +12,9 @@ tokens (default 71,000: the prompt and about a hundred requests' own tokens):
 
 - SGLang 0.5.23's own ``RadixCache`` and token allocator (``kvstate.engines.sglang_loader``):
   *lookup* = ``match_prefix`` + ``inc_lock_ref``; *insert* = ``evict`` of what the budget lacks for
-  the request's new tokens (``evictable_size`` + ``protected_size`` held), ``alloc`` of them, and
-  ``insert`` of the key; ``dec_lock_ref`` untimed.
+  the request's new tokens (``evictable_size`` + ``protected_size`` held) and ``insert`` of the key;
+  the ``alloc`` of the new tokens' slots between them, and ``dec_lock_ref``, untimed, as kvstate's
+  allocation (in ``extend``) is. At the end every slot is in the tree or back in the allocator (checked).
 - kvstate ``token`` semantics, ``max_pages`` = the budget: *lookup* = ``match``; *insert* =
   ``retain``, which evicts; ``extend`` and ``close`` untimed (``one_token_pages.serve_requests``).
 
@@ -23,8 +24,9 @@ Where only the system prompt is shared both keep every hit on it, so the hit rat
 within 0.01% of the tokens looked up; the trees differ at their edges, where a request's first new
 token happens to match a kept one), and each request evicts about one request's own tokens on
 either side (``freed_per_request``: tokens SGLang's ``evict`` returned, pages kvstate freed;
-``insert_us_per_freed`` divides an insert's time by them). On ``shared`` traffic the two rules keep
-different trees, so it is not run here. Rounds interleaved; each request keeps its fastest round.
+``insert_us_per_freed`` divides an insert's time by them; ``held_at_end``: tokens in SGLang's tree,
+pages live in kvstate's, which holds fewer). On ``shared`` traffic the two rules keep different
+trees, so it is not run here. Rounds interleaved; each request keeps its fastest round.
 """
 
 from __future__ import annotations
@@ -50,15 +52,17 @@ SLABS = ("each page is its own objects (the Page, its buffer and arrays, its tok
          "in one step, as SGLang frees a node's token slots in one tensor op")
 
 
-def replay_sglang(keys: list[array], budget: int) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """Seconds per request in lookup and in evict + alloc + insert, tokens matched, tokens evicted a request."""
+def replay_sglang(keys: list[array], budget: int) -> tuple[np.ndarray, np.ndarray, int, float, int]:
+    """Seconds per request in lookup and in evict + insert, tokens matched, tokens evicted a request,
+    and the tokens the tree holds at the end."""
     import torch
 
     from kvstate.engines.sglang_loader import load_allocators, load_radix_cache
 
     rc = load_radix_cache()
     token_allocator, _paged = load_allocators()
-    allocator = token_allocator(budget + max(map(len, keys)), torch.float32, "cpu", None, False)
+    size = budget + max(map(len, keys))
+    allocator = token_allocator(size, torch.float32, "cpu", None, False)
     tree = rc.RadixCache.create_simulated(mock_allocator=allocator, page_size=1)
     match_s, insert_s = np.zeros(len(keys)), np.zeros(len(keys))
     matched_tokens = evicted = 0
@@ -73,24 +77,30 @@ def replay_sglang(keys: list[array], budget: int) -> tuple[np.ndarray, np.ndarra
         new = len(key) - matched
         if held + new > budget:
             evicted += tree.evict(rc.EvictParams(num_tokens=held + new - budget)).num_tokens_evicted
-        slots = allocator.alloc(new)
-        # The hit's part of the value is the tree's own (it keeps what it holds): any ids stand there.
-        tree.insert(rc.InsertParams(key=rc.RadixKey(key), value=torch.cat([torch.zeros(matched, dtype=torch.int64),
-                                                                            slots])))
         t2 = clock()
+        # Untimed, as kvstate's page allocation (in ``extend``) is: the slots for the new tokens, in
+        # the value of the whole key, whose hit part the tree keeps as its own (any ids stand there).
+        value = torch.cat([torch.zeros(matched, dtype=torch.int64), allocator.alloc(new)])
+        t3 = clock()
+        tree.insert(rc.InsertParams(key=rc.RadixKey(key), value=value))
+        t4 = clock()
         tree.dec_lock_ref(hit.last_device_node)
-        match_s[i], insert_s[i] = t1 - t0, t2 - t1
+        match_s[i], insert_s[i] = t1 - t0, (t2 - t1) + (t4 - t3)
         matched_tokens += matched
-    return match_s, insert_s, matched_tokens, evicted / len(keys)
+    held = tree.evictable_size() + tree.protected_size()
+    # Every slot the allocator handed out is in the tree or was evicted back: the values were right.
+    assert allocator.available_size() + held == size, (allocator.available_size(), held, size)
+    return match_s, insert_s, matched_tokens, evicted / len(keys), held
 
 
-def replay_kvstate(requests: list[np.ndarray], budget: int) -> tuple[np.ndarray, np.ndarray, int, float]:
-    """Seconds per request in ``match`` and ``retain``, tokens matched, pages freed a request."""
+def replay_kvstate(requests: list[np.ndarray], budget: int) -> tuple[np.ndarray, np.ndarray, int, float, int]:
+    """Seconds per request in ``match`` and ``retain``, tokens matched, pages freed a request, and the
+    pages live at the end."""
     from kvstate.impl import Cache
 
     cache = Cache(TINY, page_tokens=1, match="token", max_pages=budget, max_entries=len(requests) + 1)
     match_s, retain_s, matched = serve_requests(cache, requests)
-    return match_s, retain_s, matched, cache.pool.freed / len(requests)
+    return match_s, retain_s, matched, cache.pool.freed / len(requests), len(cache.pool.live)
 
 
 def run(quick: bool = False, rounds: int | None = None, budget: int | None = None) -> dict:
@@ -103,19 +113,20 @@ def run(quick: bool = False, rounds: int | None = None, budget: int | None = Non
     best: dict[str, list] = {}
     for _ in range(rounds):
         for name, replay in contenders:
-            match_s, insert_s, matched, freed = replay()
+            match_s, insert_s, *counts = replay()
             old = best.get(name)
             if old is not None:
-                assert (matched, freed) == (old[2], old[3])      # counts do not depend on the round
+                assert counts == old[2:]      # counts do not depend on the round
                 match_s, insert_s = np.minimum(match_s, old[0]), np.minimum(insert_s, old[1])
-            best[name] = [match_s, insert_s, matched, freed]
+            best[name] = [match_s, insert_s, *counts]
     peer = best[SGLANG]
     query_tokens = sum(map(len, requests))
-    rows = [{"engine": name, "hit_rate": matched / query_tokens, "matched": matched, "freed_per_request": freed,
+    rows = [{"engine": name, "hit_rate": matched / query_tokens, "matched": matched, "held_at_end": held,
+             "freed_per_request": freed,
              "lookup_us": 1e6 * match_s.mean(), "insert_us": 1e6 * insert_s.mean(),
              "insert_us_per_freed": 1e6 * insert_s.mean() / freed if freed else None,
              "lookup_speedup": peer[0].sum() / match_s.sum(), "insert_speedup": peer[1].sum() / insert_s.sum()}
-            for name, (match_s, insert_s, matched, freed) in best.items()]
+            for name, (match_s, insert_s, matched, freed, held) in best.items()]
     targets = {"hit rate = SGLang's, within 0.01%": abs(best[KVSTATE][2] - peer[2]) <= 1e-4 * query_tokens,
                "evictions on both sides": peer[3] > 0 and best[KVSTATE][3] > 0}
     if not quick:       # a smoke run's timings judge nothing

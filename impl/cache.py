@@ -206,10 +206,12 @@ class Cache:
     def _release(self, ctx: Context) -> None:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
         holding = ctx._holding
-        if not self.pool.books.withdraw_holding(holding):     # a holder not counted yet: no count to touch
-            self.pool.release_slots(holding.pages, holding.slots)
-        ctx._holding = RELEASED
-        ctx._use = CLOSED
+        try:
+            if not self.pool.books.withdraw_holding(holding):     # a holder not counted yet: no count to touch
+                self.pool.release_slots(holding.pages, holding.slots)
+        finally:        # an interrupt part way leaves a released holder, never one listing freed pages
+            ctx._holding = RELEASED
+            ctx._use = CLOSED
 
     def _context_page_ids(self) -> set[int]:
         """Live pages some context lists (under the lock): what evicting every entry would leave."""
@@ -217,8 +219,10 @@ class Cache:
 
     def _close(self, ctx: Context) -> None:
         """``ctx`` released and forgotten (the caller holds the cache lock)."""
-        self._release(ctx)
-        del self._contexts[ctx.context_id]
+        try:
+            self._release(ctx)
+        finally:
+            del self._contexts[ctx.context_id]
 
     # -- the prefix tree -------------------------------------------------------------
 

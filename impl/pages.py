@@ -296,11 +296,21 @@ class PagePool:
 
     def _free(self, pages) -> None:
         """Pages nobody holds: out of the live set, their memory back to the store. One call for
-        all of a release's pages, its lookups hoisted: an eviction at one-token pages frees
-        hundreds of pages at once."""
-        live, free_refs, heappush = self.live, self._free_refs, heapq.heappush
-        for page in pages:
-            del live[page.page_id]
-            heappush(free_refs, page.ref)
-        self.store.free_all([page.buffer for page in pages])
-        self.freed += len(pages)
+        all of a release's pages, and one to the store (``PageStore.free_all``, where it has one):
+        an eviction at one-token pages frees hundreds of pages, and a call a page cost a fifth of it.
+        The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
+        what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
+        was handed stays in the live set as if still held."""
+        free_all = getattr(self.store, "free_all", None)
+        try:
+            if free_all is not None:
+                free_all([page.buffer for page in pages])
+            else:       # a store written to the protocol before ``free_all``
+                for page in pages:
+                    self.store.free(page.buffer)
+        finally:
+            live, free_refs, heappush = self.live, self._free_refs, heapq.heappush
+            for page in pages:
+                del live[page.page_id]
+                heappush(free_refs, page.ref)
+            self.freed += len(pages)

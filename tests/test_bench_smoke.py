@@ -195,6 +195,7 @@ def test_bounded_trees_evict_on_both_sides_and_keep_the_same_hits():
     sglang, kvstate = result["rows"]
     assert (sglang["engine"], kvstate["engine"]) == (bounded_vs_sglang.SGLANG, bounded_vs_sglang.KVSTATE)
     assert sglang["freed_per_request"] > 0 and kvstate["freed_per_request"] > 0     # both really evicted
+    assert 0 < kvstate["held_at_end"] <= sglang["held_at_end"]      # each entry's pages counted as unshared
     assert all(result["targets"].values()), result["targets"]
     unbounded = bounded_vs_sglang.run(quick=True, budget=10**9)                    # the control: nothing evicted
     assert [row["freed_per_request"] for row in unbounded["rows"]] == [0, 0]

@@ -3,9 +3,11 @@
 zeroed page is promised, instead of faulting fresh memory in. Smaller pages are left to malloc."""
 
 import numpy as np
+import pytest
 
 from kvstate.impl import numpy_store
 from kvstate.impl.cache import Cache
+from kvstate.spec.invariants import check_empty, check_liveness, check_refcounts
 from kvstate.spec.layout import Layout
 
 BIG = Layout(layers=2, kv_heads=16, head_dim=64)     # 16 KiB a position at f32: 2 MiB pages at 128 tokens
@@ -91,3 +93,64 @@ def test_small_pages_are_let_go_without_a_sharing_test_and_a_restores_are_still_
     assert cache.pool.freed == 300 and tested == [] and cache.store._spares == []
     cache.restore(tmp_path / "small.kvs").close()
     assert cache.pool.freed == 600 and len(tested) == 300 and len(cache.store._spares) == 300
+
+
+class _StoreBeforeFreeAll:
+    """A page store written to the protocol before ``free_all``: the NumPy store without it."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        if name == "free_all":
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_page_store_without_free_all_still_frees_every_page():
+    small = Layout(1, 1, 1)
+    cache = Cache(small, page_tokens=2, store=_StoreBeforeFreeAll(numpy_store.NumpyStore(small, 2, "f32", 4)))
+    assert not hasattr(cache.store, "free_all")
+    ctx = cache.allocate()
+    ctx.extend(list(range(11)), values(small, 11))       # 6 pages: 4 in the arena, 2 on the heap
+    ctx.close()
+    obs = cache.observe()
+    check_empty(obs)
+    assert obs.pages_freed == 6
+
+
+def test_an_interrupt_part_way_through_a_free_costs_at_most_the_slot_it_hit(monkeypatch):
+    """The store fails on the third of ten pages (as an asynchronous exception would): the context is
+    closed, every page let go (the store frees the rest before re-raising) and the pool's books agree;
+    only the slot whose give-back was cut short stays out, as a free cut short always could."""
+    small = Layout(1, 1, 1)
+    cache = Cache(small, page_tokens=1, arena_pages=64)
+    ctx = cache.allocate()
+    ctx.extend(list(range(10)), values(small, 10))
+    arena, calls = cache.store._arena, []
+    real = arena.give_back
+
+    def give_back(slot):
+        calls.append(slot)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        real(slot)
+    monkeypatch.setattr(arena, "give_back", give_back)
+    with pytest.raises(KeyboardInterrupt):
+        ctx.close()
+    monkeypatch.undo()
+    obs = cache.observe()
+    check_refcounts(obs)
+    check_liveness(obs)
+    assert ctx.closed and len(calls) == 10 and obs.pages_freed == 10 and not obs.pages and not obs.holders
+    assert sorted(obs.arena_out) == [calls[2]]      # the one slot whose give-back was interrupted
+    assert len(obs.arena_free) == 63
+
+
+def test_a_heap_page_freed_twice_is_never_kept_as_an_empty_spare(monkeypatch):
+    monkeypatch.setattr(numpy_store, "RECYCLE_FROM_BYTES", 0)       # every page is a candidate spare
+    store = numpy_store.NumpyStore(BIG, BIG_PAGE, "f32")
+    buffer = store.allocate(1)
+    store.free(buffer)
+    store.free(buffer)
+    assert [len(arrays) for arrays in store._spares] == [1]
