@@ -137,8 +137,14 @@ class TorchStore:
         return self._take(page_id, zero=True)
 
     def free_all(self, buffers) -> None:
-        for buffer in buffers:
-            self.free(buffer)
+        """``free`` of each buffer; failing part way, the rest are freed before re-raising (as the NumPy store)."""
+        pending = iter(buffers)
+        try:
+            for buffer in pending:
+                self.free(buffer)
+        except BaseException:
+            self.free_all(list(pending))
+            raise
 
     def free(self, buffer: TorchBuffer) -> None:
         self._arena.give_back(buffer.slot)

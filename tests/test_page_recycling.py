@@ -119,12 +119,15 @@ def test_a_page_store_without_free_all_still_frees_every_page():
     assert obs.pages_freed == 6
 
 
-def test_an_interrupt_part_way_through_a_free_costs_at_most_the_slot_it_hit(monkeypatch):
+@pytest.mark.parametrize("store", ["numpy", "torch"])
+def test_an_interrupt_part_way_through_a_free_costs_at_most_the_slot_it_hit(monkeypatch, store):
     """The store fails on the third of ten pages (as an asynchronous exception would): the context is
     closed, every page let go (the store frees the rest before re-raising) and the pool's books agree;
     only the slot whose give-back was cut short stays out, as a free cut short always could."""
     small = Layout(1, 1, 1)
-    cache = Cache(small, page_tokens=1, arena_pages=64)
+    if store == "torch":
+        pytest.importorskip("torch")
+    cache = Cache(small, page_tokens=1, arena_pages=64, store=store)
     ctx = cache.allocate()
     ctx.extend(list(range(10)), values(small, 10))
     arena, calls = cache.store._arena, []
