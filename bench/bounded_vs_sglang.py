@@ -40,12 +40,12 @@ import numpy as np
 from .args import positive_int
 from .one_token_pages import serve_requests
 from .traffic_workload import FULL, QUICK, TINY, workload
+# TARGET: issue 26's, whose workloads keep every request (this one evicts)
+from .versus_sglang import SGLANG, TARGET, print_beside_sglang
 
-SGLANG = "SGLang RadixCache"
 KVSTATE = "kvstate token"
 BUDGET, QUICK_BUDGET = 71_000, 400
 COMMAND = "python -m kvstate.bench.bounded_vs_sglang"
-TARGET = 1.5        # issue 26's, for lookups and inserts (its workloads keep every request; this one evicts)
 # What a page-1 free still does per page (impl/pages.py PagePool._free), and what would pass.
 SLABS = ("each page is its own objects (the Page, its buffer and arrays, its token bytes) and its own live-set "
          "entry, let go one by one; design that passes: pages as slabs, an entry's pages a run of slots freed "
@@ -155,8 +155,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)
-    from .versus_sglang import print_beside_sglang
-
     return print_beside_sglang(lambda: run(args.quick, args.rounds, args.budget))
 
 

@@ -17,6 +17,19 @@ from kvstate.stateful.ops import values_for
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 
 
+class StoreWithout:
+    """A page store written to the protocol before some of it existed: ``inner`` with the methods
+    named in ``missing`` hidden, so the engine's fallback for them is what runs."""
+
+    def __init__(self, inner, *missing: str):
+        self._inner, self._missing = inner, missing
+
+    def __getattr__(self, name):
+        if name in self._missing:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
 def make_cache(page_tokens=4, precision="f32", arena_pages=0, max_entries=4, **kw) -> Cache:
     return Cache(LAYOUT, page_tokens=page_tokens, precision=precision, arena_pages=arena_pages,
                  max_entries=max_entries, **kw)

@@ -15,6 +15,8 @@ from kvstate.impl.context import Context
 from kvstate.spec.errors import NonFiniteError, PrecisionRangeError
 from kvstate.spec.layout import Layout
 
+from helpers import StoreWithout
+
 LAYOUT = Layout(layers=2, kv_heads=8, head_dim=64)     # 8 KiB a position at f32: 256 positions fill 2 MiB
 STAGED = 256
 
@@ -176,21 +178,9 @@ def test_no_write_reads_a_block_another_encode_has_taken(monkeypatch, call):
         ctx.close()
 
 
-class _StoreBeforeRecycle:
-    """A third-party page store written before ``recycle`` existed: the NumPy store without it."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):
-        if name == "recycle":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-
 def test_a_page_store_without_recycle_still_extends_and_overwrites():
     inner = numpy_store.NumpyStore(LAYOUT, 64, "f32")
-    cache = Cache(LAYOUT, page_tokens=64, store=_StoreBeforeRecycle(inner))
+    cache = Cache(LAYOUT, page_tokens=64, store=StoreWithout(inner, "recycle"))
     assert not hasattr(cache.store, "recycle")
     with cache.allocate() as ctx:
         ctx.extend(list(range(STAGED)), values(STAGED, seed=30))

@@ -10,6 +10,8 @@ from kvstate.impl.cache import Cache
 from kvstate.spec.invariants import check_empty, check_liveness, check_refcounts
 from kvstate.spec.layout import Layout
 
+from helpers import StoreWithout
+
 BIG = Layout(layers=2, kv_heads=16, head_dim=64)     # 16 KiB a position at f32: 2 MiB pages at 128 tokens
 BIG_PAGE = 128
 
@@ -95,21 +97,9 @@ def test_small_pages_are_let_go_without_a_sharing_test_and_a_restores_are_still_
     assert cache.pool.freed == 600 and len(tested) == 300 and len(cache.store._spares) == 300
 
 
-class _StoreBeforeFreeAll:
-    """A page store written to the protocol before ``free_all``: the NumPy store without it."""
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):
-        if name == "free_all":
-            raise AttributeError(name)
-        return getattr(self._inner, name)
-
-
 def test_a_page_store_without_free_all_still_frees_every_page():
     small = Layout(1, 1, 1)
-    cache = Cache(small, page_tokens=2, store=_StoreBeforeFreeAll(numpy_store.NumpyStore(small, 2, "f32", 4)))
+    cache = Cache(small, page_tokens=2, store=StoreWithout(numpy_store.NumpyStore(small, 2, "f32", 4), "free_all"))
     assert not hasattr(cache.store, "free_all")
     ctx = cache.allocate()
     ctx.extend(list(range(11)), values(small, 11))       # 6 pages: 4 in the arena, 2 on the heap
