@@ -47,8 +47,8 @@ KVSTATE = "kvstate token"
 BUDGET, QUICK_BUDGET = 71_000, 400
 COMMAND = "python -m kvstate.bench.bounded_vs_sglang"
 # What a page-1 free still does per page (impl/pages.py PagePool._free), and what would pass.
-SLABS = ("each page is its own objects (the Page, its buffer and arrays, its token bytes) and its own live-set "
-         "entry, let go one by one; design that passes: pages as slabs, an entry's pages a run of slots freed "
+SLABS = ("each page is its own objects (the Page and its token bytes; the store keeps its buffer for the next "
+         "extend), its own refcount slot and live-set entry, let go one by one; design that passes: pages as slabs, an entry's pages a run of slots freed "
          "in one step, as SGLang frees a node's token slots in one tensor op")
 
 

@@ -9,7 +9,7 @@ With an arena, those arrays are views into one preallocated block per component.
 from __future__ import annotations
 
 import math
-import sys
+from sys import getrefcount
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -71,7 +71,8 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
 # bytes: a write into them copies at memory speed instead of faulting fresh memory in (and the
 # kernel zeroing it).
 SPARE_BYTES = 256 << 20
-# Pages from this size on are recycled by allocations and clones too (a restore recycles any size).
+# New heap pages from this size on are made on huge-page boundaries (``huge_page_array``); smaller
+# ones by ``np.zeros``. Pages of any size are recycled (``free_all``).
 RECYCLE_FROM_BYTES = HUGE_PAGE
 # ``encode``'s private copy of a batch from this size on goes into scratch memory the store keeps
 # for the next encode (one block, up to ``STAGING_BYTES``; smaller copies come from malloc, which
@@ -81,24 +82,45 @@ STAGE_FROM_BYTES = HUGE_PAGE
 STAGING_BYTES = 256 << 20
 
 
-def _owner(array: np.ndarray) -> np.ndarray:
-    return array if array.base is None else array.base
-
-
 def _unshared(arrays: tuple[np.ndarray, ...]) -> bool:
-    """Whether nothing but these arrays references their memory: only made by ``huge_page_array``
-    (so its owner is a separate uint8 block) and with no view of it alive anywhere (a view holds
-    the owner). A page some caller still sees through a view is never reused: it is just dropped."""
-    return all(isinstance(array.base, np.ndarray) and array.base.base is None
-               and sys.getrefcount(_owner(array)) <= _OWNER_REFS for array in arrays)
+    """Whether nothing but ``arrays`` references their memory, so a new page may take it over: each
+    array owns its memory (``np.zeros``: no ``base``) and only the tuple holds it, or is the only
+    view of a uint8 block (``huge_page_array``). A page some caller still sees through a view (the
+    view holds the array, or the block) is never reused: it is just dropped."""
+    for array in arrays:
+        owner = array.base
+        if owner is None:
+            if getrefcount(array) > _ARRAY_REFS:
+                return False
+        elif type(owner) is not np.ndarray or owner.base is not None or getrefcount(owner) > _OWNER_REFS:
+            return False
+    return True
 
 
-def _baseline_refs() -> int:
-    probe = (huge_page_array((HUGE_PAGE // 4 + 1,), np.float32),)
-    return sys.getrefcount(_owner(probe[0]))
+def _baseline_refs() -> tuple[int, int, int, int]:
+    """The references ``_spare`` and ``_unshared`` count where nothing else holds what they test
+    (interpreter-specific), read as they read them: (a kept buffer's, popped from the spares; an
+    owning array's, held by its tuple, as ``_spare`` and ``_unshared`` read it; a block's, held by its
+    one view)."""
+    spares = [NumpyBuffer((np.zeros(1, np.float32),), SPARE)]
+    buffer = spares.pop()
+    kept = getrefcount(buffer)
+    arrays = buffer.arrays
+    sole = getrefcount(arrays[0])
+    for array in (np.zeros(1, np.float32),):
+        owning = getrefcount(array)
+    for array in (huge_page_array((HUGE_PAGE // 4 + 1,), np.float32),):
+        owner = array.base
+        viewed = getrefcount(owner)
+    return kept, sole, owning, viewed
+
+
+SPARE = -1       # a ``NumpyBuffer.slot`` while the store keeps the buffer for reuse (no page holds it)
 
 
 class NumpyBuffer:
+    """A page's arrays, and its arena slot: None on the heap, ``SPARE`` once freed and kept."""
+
     __slots__ = ("arrays", "slot")
 
     def __init__(self, arrays: tuple[np.ndarray, ...], slot: int | None):
@@ -128,7 +150,7 @@ class NumpyStore:
         self._arena = SlotArena(arena_pages, self.counters)
         self._prepared: list[tuple[np.ndarray, ...]] = []     # filled by ``prepare``, handed out by ``adopting``
         # Freed heap pages that ``prepare`` hands out again (already faulted in: see ``free``).
-        self._spares: list[tuple[np.ndarray, ...]] = []
+        self._spares: list[NumpyBuffer] = []
         # Scratch for ``encode``'s private copies (``STAGE_FROM_BYTES`` on): flat float32 blocks,
         # each taken by one encode at a time (list.pop and append are atomic; encodes run concurrently).
         self._staging: list[np.ndarray] = []
@@ -208,11 +230,11 @@ class NumpyStore:
             arrays = tuple(block[slot] for block in self._blocks)
             for dst, src in zip(arrays, prepared):     # the arena keeps its slots: one more copy, into them
                 np.copyto(dst, src)
-            if len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(prepared):
-                self._spares.append(prepared)
+            if len(self._spares) * self.page_bytes < SPARE_BYTES:
+                self._spares.append(NumpyBuffer(prepared, SPARE))
             return NumpyBuffer(arrays, slot)
         if slot is None:
-            return NumpyBuffer(self._heap_arrays(zero), None)
+            return self._heap_buffer(zero)
         arrays = tuple(block[slot] for block in self._blocks)
         if zero:
             # A recycled slot still holds the last page's bytes: zero it on issue.
@@ -220,25 +242,44 @@ class NumpyStore:
                 array.fill(0)
         return NumpyBuffer(arrays, slot)
 
-    def _heap_arrays(self, zero: bool) -> tuple[np.ndarray, ...]:
-        """Arrays for a page outside the arena. A page of ``RECYCLE_FROM_BYTES`` or more reuses a
-        freed page's arrays where one is kept (``free``), or gets new ones on huge-page boundaries,
-        which ``free`` can keep in turn: a fresh page's first touch faults in every 4 KiB of it,
-        which cost a 512-position ``extend`` three times its copy (measured). Smaller pages come
-        from ``np.zeros``: malloc recycles those itself."""
-        if self.page_bytes < RECYCLE_FROM_BYTES:     # one-token pages make hundreds an extend: spelled out
+    def _heap_buffer(self, zero: bool) -> NumpyBuffer:
+        """A page outside the arena: a freed page's buffer, where one is kept (``free_all``), else new
+        arrays. Reuse skips what a new page costs: at one-token pages, an ``np.zeros`` and a buffer a
+        page and their release (a third of an eviction's frees, ``bench/bounded_vs_sglang.py``); from
+        2 MiB, a fault per 4 KiB on first touch, which cost a 512-position ``extend`` three times its
+        copy. So new arrays of 2 MiB or more come on huge-page boundaries (``huge_page_array``)."""
+        buffer = self._spare()
+        if buffer is not None:
+            buffer.slot = None
+        elif self.page_bytes < RECYCLE_FROM_BYTES:     # ``np.zeros``: zeroed already, by calloc
             shapes, dtypes = self._shapes, self._dtypes
             if len(shapes) == 1:        # f32, f16: 0.8 µs, where ``tuple(map(...))`` took 1.6 and a generator 2.5
-                return (np.zeros(shapes[0], dtypes[0]),)
-            return tuple(map(np.zeros, shapes, dtypes))
-        try:
-            arrays = self._spares.pop()      # list.pop is atomic: ``free`` may run meanwhile
-        except IndexError:
-            arrays = tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes))
-        if zero:
-            for array in arrays:
+                return NumpyBuffer((np.zeros(shapes[0], dtypes[0]),), None)
+            return NumpyBuffer(tuple(map(np.zeros, shapes, dtypes)), None)
+        else:
+            buffer = NumpyBuffer(tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
+        if zero:        # a spare holds its last page's bytes; a huge-page array, whatever malloc left
+            for array in buffer.arrays:
                 array.fill(0)
-        return arrays
+        return buffer
+
+    def _spare(self) -> NumpyBuffer | None:
+        """A kept buffer (``free_all``) that nothing else holds, or None. One that something still holds
+        (a freed page still listed somewhere, a view of its arrays) is dropped, never reused. Inlined
+        checks: at one-token pages a call here costs as much as the ``np.zeros`` it saves."""
+        spares = self._spares
+        while spares:
+            try:
+                buffer = spares.pop()      # list.pop is atomic: ``prepare`` may run meanwhile
+            except IndexError:
+                return None
+            arrays = buffer.arrays
+            if getrefcount(buffer) <= _BUFFER_REFS and (
+                    getrefcount(arrays[0]) <= _SOLE_REFS and arrays[0].base is None and len(arrays) == 1
+                    or _unshared(arrays)):
+                return buffer
+            buffer.arrays = ()
+        return None
 
     def allocate(self, page_id: int) -> NumpyBuffer:
         return self._take(page_id, zero=True)
@@ -249,10 +290,9 @@ class NumpyStore:
         last page's offsets from ``last_filled`` on, which nothing will write and must read zero."""
         prepared = []
         while len(prepared) < count:
-            try:
-                prepared.append(self._spares.pop())       # list.pop is atomic: ``free`` may run meanwhile
-            except IndexError:
-                prepared.append(tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes)))
+            spare = self._spare()
+            prepared.append(tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes))
+                            if spare is None else spare.arrays)
         if prepared:
             for array in prepared[-1]:
                 array[:, :, last_filled:] = 0
@@ -278,24 +318,29 @@ class NumpyStore:
 
     def free_all(self, buffers) -> None:
         """``free`` of each buffer, in one call: an eviction at one-token pages frees hundreds, and a
-        call a buffer was a fifth of it. Failing part way (an interrupt, a slot given back twice), it
+        call a buffer was a fifth of it. A heap page's buffer is kept whole as a spare for the next
+        allocation, clone or restore (``_spare``), up to ``SPARE_BYTES``; its slot marks it kept, so a
+        buffer freed twice is kept once. Failing part way (an interrupt, a slot given back twice), it
         frees the rest before re-raising: the pool has let go of every page it handed over."""
+        kept = []
         pending = iter(buffers)
         try:
             for buffer in pending:
-                if buffer.slot is not None:
-                    self._arena.give_back(buffer.slot)      # first: a slot given back twice raises before any change
-                arrays, buffer.arrays = buffer.arrays, ()
-                # Only a view of a block (``huge_page_array``: big pages, a restore's) can be kept. A small
-                # heap page's ``np.zeros`` arrays own their memory (no ``base``): tested first, they are let
-                # go without ``_unshared``, whose test was most of a free at one-token pages. A buffer freed
-                # twice has no arrays left, and ``()`` is never kept as a page.
-                if (buffer.slot is None and arrays and arrays[0].base is not None
-                        and len(self._spares) * self.page_bytes < SPARE_BYTES and _unshared(arrays)):
-                    self._spares.append(arrays)
+                slot = buffer.slot
+                if slot is None:
+                    buffer.slot = SPARE
+                    kept.append(buffer)
+                elif slot != SPARE:
+                    self._arena.give_back(slot)      # first: a slot given back twice raises before any change
+                    buffer.arrays = ()
         except BaseException:
             self.free_all(list(pending))
             raise
+        finally:
+            room = SPARE_BYTES // self.page_bytes - len(self._spares)
+            for buffer in kept[max(room, 0):]:
+                buffer.arrays = ()       # past the budget: let go
+            self._spares += kept[:max(room, 0)]
 
     # Spares and scratch are memory this process may reuse, not state: a clone of the store starts without them.
     def __getstate__(self) -> dict:
@@ -366,4 +411,4 @@ class NumpyStore:
 
 
 _POSITIONS_FIRST = (2, 0, 1, 3, 4)     # (layers, 2, positions, heads, dim) -> (positions, layers, 2, heads, dim)
-_OWNER_REFS = _baseline_refs()      # the owner's references when only its array holds it (interpreter-specific)
+_BUFFER_REFS, _SOLE_REFS, _ARRAY_REFS, _OWNER_REFS = _baseline_refs()

@@ -304,11 +304,10 @@ def refcounts_split_on_growth() -> ContextManager:
 
 
 def dirty_recycled_heap_page() -> ContextManager:
-    """Freed heap pages kept for reuse (pages of ``numpy_store.RECYCLE_FROM_BYTES``, 2 MiB, or more)
-    come back unzeroed: a new page reads the last page's bytes where nothing was written. Only
-    pages that large take this path."""
-    original = numpy_module.NumpyStore._heap_arrays
-    return _patched(numpy_module.NumpyStore, "_heap_arrays", lambda store, zero: original(store, False))
+    """Freed heap pages are kept for reuse (``NumpyStore.free_all``, at every page size) and come
+    back unzeroed: a new page reads the last page's bytes where nothing was written."""
+    original = numpy_module.NumpyStore._heap_buffer
+    return _patched(numpy_module.NumpyStore, "_heap_buffer", lambda store, zero: original(store, False))
 
 
 PLANTED: dict[str, Callable[[], ContextManager]] = {

@@ -25,17 +25,15 @@ BUDGET = default_suite_budget("ci")
 
 
 def _run_recycling(machine_config, monkeypatch, budget):
-    """The machine's runs with every page through the spares: (its stats, how many pages came back dirty)."""
-    monkeypatch.setattr(numpy_store, "RECYCLE_FROM_BYTES", 0)
+    """The machine's runs: (its stats, how many heap pages were a freed page's, back dirty)."""
     reused = []
-    take = numpy_store.NumpyStore._heap_arrays
+    spare = numpy_store.NumpyStore._spare
 
-    def counting(store, zero):
-        spares = len(store._spares)
-        arrays = take(store, zero)
-        reused.append(len(store._spares) < spares)
-        return arrays
-    monkeypatch.setattr(numpy_store.NumpyStore, "_heap_arrays", counting)
+    def counting(store):
+        buffer = spare(store)
+        reused.append(buffer is not None)
+        return buffer
+    monkeypatch.setattr(numpy_store.NumpyStore, "_spare", counting)
     machine = machine_for(numpy_factory, machine_config)
     run_machine(machine, budget)
     return machine.stats, sum(reused)

@@ -1,6 +1,7 @@
-"""Heap pages of 2 MiB or more are recycled: a freed page's arrays go to the NumPy store's spares
-(up to ``SPARE_BYTES``) and the next allocation or copy-on-write clone takes them, zeroed where a
-zeroed page is promised, instead of faulting fresh memory in. Smaller pages are left to malloc."""
+"""Heap pages are recycled: a freed page's buffer goes to the NumPy store's spares (up to
+``SPARE_BYTES``) and the next allocation, copy-on-write clone or restore takes it, zeroed where a
+zeroed page is promised, instead of faulting fresh memory in (pages of 2 MiB or more) or making
+and dropping arrays a page (one-token pages). A buffer something still holds is never reused."""
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ def test_a_freed_page_is_the_next_allocation_and_comes_back_zeroed():
     with cache.allocate() as first:
         first.extend(list(range(BIG_PAGE)), values(BIG, BIG_PAGE))
         old = first._pages[0].buffer.arrays[0]
-    assert [arrays[0] is old for arrays in cache.store._spares] == [True]
+    assert [buffer.arrays[0] is old for buffer in cache.store._spares] == [True]
     with cache.allocate() as second:
         second.extend([7], values(BIG, 1, seed=1))
         assert second._pages[0].buffer.arrays[0] is old          # reused, not faulted in anew
@@ -38,7 +39,7 @@ def test_a_copy_on_write_clone_takes_a_spare_and_holds_its_sources_bytes():
     cache = Cache(BIG, page_tokens=BIG_PAGE)
     with cache.allocate() as scratch:
         scratch.extend(list(range(2 * BIG_PAGE)), values(BIG, 2 * BIG_PAGE, seed=2))
-    spares = [arrays[0] for arrays in cache.store._spares]
+    spares = [buffer.arrays[0] for buffer in cache.store._spares]
     assert len(spares) == 2
     parent = cache.allocate()
     parent.extend(list(range(10)), values(BIG, 10))
@@ -67,34 +68,65 @@ def test_spares_stay_within_their_byte_budget(monkeypatch):
     assert len(cache.store._spares) == 3
 
 
-def test_small_pages_are_left_to_malloc():
+def test_small_pages_are_recycled_too_and_come_back_zeroed():
     small = Layout(layers=2, kv_heads=2, head_dim=8)
     cache = Cache(small, page_tokens=4)
     with cache.allocate() as ctx:
         ctx.extend(list(range(9)), values(small, 9))
-    assert cache.store._spares == []
+        first = [id(page.buffer) for page in ctx._pages]      # ids: a buffer held here would not be reused
+    assert list(map(id, cache.store._spares)) == first    # three pages' buffers, kept whole
+    with cache.allocate() as ctx:
+        ctx.extend([5, 6], values(small, 2, seed=1))
+        (page,) = ctx._pages
+        assert id(page.buffer) == first[-1]       # the last freed, taken first
+        assert cache.store.is_zero_from(page.buffer, 2)        # the old bytes from 2 on are gone
+        np.testing.assert_array_equal(ctx.read()[0], values(small, 2, seed=1))
 
 
-# The lockstep machine with every page recycled is tests/test_lockstep.py's (one run per
-# configuration checks the semantics and the recycling together).
-
-
-def test_small_pages_are_let_go_without_a_sharing_test_and_a_restores_are_still_kept(monkeypatch, tmp_path):
-    """A small heap page owns its arrays (``np.zeros``, no ``base``): it can never be a spare, and its
-    free skips ``_unshared`` (most of a free at one-token pages). A restore's pages of any size are
-    views of a block, so they are still tested, and kept."""
-    tested = []
-    real = numpy_store._unshared
-    monkeypatch.setattr(numpy_store, "_unshared", lambda arrays: tested.append(arrays) or real(arrays))
+def test_one_token_pages_reuse_every_freed_buffer():
+    """At one-token pages an eviction frees hundreds of pages and the next extend makes as many: the
+    extend takes the freed buffers instead of making new arrays (``bench/bounded_vs_sglang.py``)."""
     small = Layout(1, 1, 1)
     cache = Cache(small, page_tokens=1)
+    made = []
+    heap = numpy_store.NumpyStore._heap_buffer
+
+    def counting(store, zero):
+        spares = len(store._spares)
+        buffer = heap(store, zero)
+        made.append(len(store._spares) == spares)       # no spare taken: new arrays
+        return buffer
+    cache.store._heap_buffer = counting.__get__(cache.store)
     ctx = cache.allocate()
     ctx.extend(list(range(300)), values(small, 300))
-    ctx.snapshot(tmp_path / "small.kvs")
     ctx.close()
-    assert cache.pool.freed == 300 and tested == [] and cache.store._spares == []
-    cache.restore(tmp_path / "small.kvs").close()
-    assert cache.pool.freed == 600 and len(tested) == 300 and len(cache.store._spares) == 300
+    ctx = cache.allocate()
+    ctx.extend(list(range(200)), values(small, 200, seed=1))
+    assert made == [True] * 300 + [False] * 200 and len(cache.store._spares) == 100
+    np.testing.assert_array_equal(ctx.read()[0], values(small, 200, seed=1))
+    ctx.close()
+
+
+def test_a_buffer_something_still_holds_is_dropped_not_reused():
+    """A freed page still listed somewhere (a caller kept the ``Page``), or whose arrays a view still
+    sees, keeps its buffer: the next allocation makes a new one, and what the holder sees stays put."""
+    small = Layout(1, 1, 1)
+    cache = Cache(small, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3], values(small, 3))
+    kept_page = ctx._pages[0]
+    view = ctx._pages[1].buffer.arrays[0][:, :, :1]
+    seen = kept_page.buffer.arrays[0].copy(), view.copy()
+    ctx.close()
+    assert len(cache.store._spares) == 2
+    ctx = cache.allocate()
+    ctx.extend([4, 5, 6], values(small, 3, seed=1))
+    assert not {id(page.buffer) for page in ctx._pages} & {id(kept_page.buffer)}
+    assert cache.store._spares == []
+    np.testing.assert_array_equal(kept_page.buffer.arrays, ())          # dropped, as a freed page always was
+    np.testing.assert_array_equal(view, seen[1])
+    np.testing.assert_array_equal(ctx.read()[0], values(small, 3, seed=1))
+    ctx.close()
 
 
 def test_a_page_store_without_free_all_still_frees_every_page():
@@ -140,10 +172,11 @@ def test_an_interrupt_part_way_through_a_free_costs_at_most_the_slot_it_hit(monk
     assert len(obs.arena_free) == 63
 
 
-def test_a_heap_page_freed_twice_is_never_kept_as_an_empty_spare(monkeypatch):
-    monkeypatch.setattr(numpy_store, "RECYCLE_FROM_BYTES", 0)       # every page is a candidate spare
+def test_a_heap_page_freed_twice_is_kept_once():
     store = numpy_store.NumpyStore(BIG, BIG_PAGE, "f32")
     buffer = store.allocate(1)
     store.free(buffer)
     store.free(buffer)
-    assert [len(arrays) for arrays in store._spares] == [1]
+    assert store._spares == [buffer]
+    kept, buffer = id(buffer), None       # held here, it would not be reused
+    assert id(store.allocate(2)) == kept and store._spares == []
