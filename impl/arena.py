@@ -29,6 +29,11 @@ class SlotArena:
         self.counters.arena_issued += 1
         return slot
 
+    def count_heap(self, pages: int) -> None:
+        """``pages`` went to ordinary storage with no slot free: ``issue``'s counts for each, at once."""
+        self.counters.heap_pages += pages
+        self.counters.heap_fallbacks += pages if self.size > 0 else 0
+
     def give_back(self, slot: int | None) -> None:
         """Return a page's slot; None (a heap page) returns nothing."""
         if slot is None:

@@ -284,6 +284,27 @@ class NumpyStore:
     def allocate(self, page_id: int) -> NumpyBuffer:
         return self._take(page_id, zero=True)
 
+    def allocate_all(self, first_page_id: int, count: int) -> list[NumpyBuffer]:
+        """``allocate`` of ``count`` pages numbered from ``first_page_id``, all or none: failing part
+        way (memory ran out), it frees what it made before the error propagates. Where no arena slot
+        is free and no restore's arrays wait, the pages go straight to ``_heap_buffer``: at one-token
+        pages an ``extend`` makes hundreds, and ``_take``'s call and slot lookup a page were a tenth
+        of it (``python -m kvstate.bench.one_token_pages``)."""
+        made: list[NumpyBuffer] = []
+        try:
+            if self._prepared or self._arena.free:     # page by page, as ``allocate`` takes them
+                for page_id in range(first_page_id, first_page_id + count):
+                    made.append(self.allocate(page_id))
+            else:
+                self._arena.count_heap(count)     # counted before the memory is made, as ``issue`` counts
+                heap = self._heap_buffer
+                for _ in range(count):
+                    made.append(heap(True))
+        except BaseException:
+            self.free_all(made)
+            raise
+        return made
+
     def prepare(self, count: int, last_filled: int) -> list[tuple[np.ndarray, ...]]:
         """Arrays for ``count`` pages that a restore fills before any page exists (nothing in the
         cache changes): unzeroed, so the restore's copy is each byte's first touch, except the

@@ -215,43 +215,77 @@ class PagePool:
         # will take, before it takes any; the cache sets it.
         self.make_room: Callable[[int], None] = lambda needed: None
 
-    def _register(self, page_id: int, buffer, token_bytes: bytearray, filled: int) -> Page:
-        books = self.books
+    def _next_slot(self) -> int:
+        """A free refcount slot, the smallest; the array doubles when none is left below its end."""
         if self._free_refs:
-            ref = heapq.heappop(self._free_refs)
-        else:
-            ref, self._next_ref = self._next_ref, self._next_ref + 1
-            if ref >= len(books._counts):
-                grown = np.zeros(2 * len(books._counts), np.int64)
-                grown[:len(books._counts)] = books._counts
-                books._counts = grown       # pending shares name slots, which the grown array keeps
-        books._counts[ref] = 1              # a free slot: no pending share names it, so no flush
-        page = Page(books, page_id, ref, buffer, token_bytes, filled)
+            return heapq.heappop(self._free_refs)
+        books = self.books
+        ref, self._next_ref = self._next_ref, self._next_ref + 1
+        if ref >= len(books._counts):
+            grown = np.zeros(2 * len(books._counts), np.int64)
+            grown[:len(books._counts)] = books._counts
+            books._counts = grown       # pending shares name slots, which the grown array keeps
+        return ref
+
+    def _register(self, page_id: int, buffer, token_bytes: bytearray, filled: int) -> Page:
+        ref = self._next_slot()
+        self.books._counts[ref] = 1         # a free slot: no pending share names it, so no flush
+        page = Page(self.books, page_id, ref, buffer, token_bytes, filled)
         self.live[page_id] = page
         self.allocated += 1
         return page
-
-    def new_page(self) -> Page:
-        page_id = self.allocated + 1
-        return self._register(page_id, self.store.allocate(page_id), bytearray(8 * self.store.page_tokens), 0)
 
     def new_pages(self, count: int, room_made: bool = False) -> list[Page]:
         """``count`` new pages, or none: if one allocation fails (memory ran out), the ones
         already made are released before the error propagates, so no page is left unheld.
 
         The full-pool policy is consulted once per operation, before it changes anything:
-        here, unless the caller already made room for everything it will take (``extend``)."""
+        here, unless the caller already made room for everything it will take (``extend``).
+        The store makes the memory of all of them in one call (``PageStore.allocate_all``, where it
+        has one) and the pages are registered in one loop: at one-token pages an ``extend`` makes
+        hundreds, and a call or two a page was a tenth of it."""
         if not room_made:
             self.make_room(count)
+        first = self.allocated + 1
+        allocate_all = getattr(self.store, "allocate_all", None)
+        buffers = (self._allocate_each(first, count) if allocate_all is None else allocate_all(first, count))
         pages: list[Page] = []
         try:
-            while len(pages) < count:
-                pages.append(self.new_page())
-        except BaseException:
+            token_bytes = 8 * self.store.page_tokens
+            books, live, next_slot = self.books, self.live, self._next_slot
+            for page_id, buffer in enumerate(buffers, first):
+                tokens = bytearray(token_bytes)     # first: running out of memory here takes no slot
+                ref = next_slot()
+                books._counts[ref] = 1      # a free slot: no pending share names it, so no flush
+                pages.append(page := Page(books, page_id, ref, buffer, tokens, 0))
+                live[page_id] = page
+                self.allocated = page_id
+        except BaseException:       # e.g. memory ran out making a page's token bytes
+            self._free_buffers(buffers[len(pages):])
             for page in pages:
                 self.release(page)
             raise
         return pages
+
+    def _allocate_each(self, first: int, count: int) -> list:
+        """``allocate_all`` for a store written to the protocol before it: ``allocate`` a page."""
+        buffers = []
+        try:
+            for page_id in range(first, first + count):
+                buffers.append(self.store.allocate(page_id))
+        except BaseException:
+            self._free_buffers(buffers)
+            raise
+        return buffers
+
+    def _free_buffers(self, buffers: list) -> None:
+        """The store's ``free_all`` of ``buffers``, or its ``free`` of each (a store written before it)."""
+        free_all = getattr(self.store, "free_all", None)
+        if free_all is not None:
+            free_all(buffers)
+        else:
+            for buffer in buffers:
+                self.store.free(buffer)
 
     def clone(self, page: Page) -> Page:
         """A private copy of ``page``. Only ``Context.writable`` calls this, inside an operation
@@ -301,13 +335,8 @@ class PagePool:
         The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
         what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
         was handed stays in the live set as if still held."""
-        free_all = getattr(self.store, "free_all", None)
         try:
-            if free_all is not None:
-                free_all([page.buffer for page in pages])
-            else:       # a store written to the protocol before ``free_all``
-                for page in pages:
-                    self.store.free(page.buffer)
+            self._free_buffers([page.buffer for page in pages])
         finally:
             live, free_refs, heappush = self.live, self._free_refs, heapq.heappush
             for page in pages:

@@ -57,6 +57,11 @@ class PageStore(Protocol):
     def allocate(self, page_id: int) -> Buffer:
         """A zeroed page for ``page_id``: an arena slot if one is free, else ordinary storage."""
 
+    def allocate_all(self, first_page_id: int, count: int) -> list[Buffer]:
+        """``allocate`` of pages ``first_page_id`` to ``first_page_id + count - 1``, all or none (what
+        it made is freed before an error propagates). Optional: the pool calls ``allocate`` a page
+        where a store has none."""
+
     def free(self, buffer: Buffer) -> None:
         """Return the page's memory (its arena slot, if it has one)."""
 

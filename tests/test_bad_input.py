@@ -116,6 +116,43 @@ def test_an_extend_that_runs_out_of_memory_keeps_no_page(cache, monkeypatch):
     assert len(ctx) == 9 and cache.stats()["live_pages"] == 3
 
 
+@pytest.mark.parametrize("fails", ["store", "pool"])
+def test_an_extend_on_the_heap_that_runs_out_of_memory_keeps_no_page(monkeypatch, fails):
+    """With no arena slot free, the store makes an extend's pages in one call (``allocate_all``) and
+    the pool registers them in one loop: memory running out on the second page, in the store or in
+    the pool (a page's token bytes), leaves no page, no buffer and no count behind."""
+    from kvstate.impl import pages as pages_module
+
+    cache = make_cache(page_tokens=4, precision="f16")
+    ctx = filled(cache, 3)
+    before = cache.observe()
+    calls = {"n": 0}
+
+    def second_fails(make):
+        def failing(*args):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise MemoryError("out of memory")
+            return make(*args)
+        return failing
+    if fails == "store":
+        monkeypatch.setattr(cache.store, "_heap_buffer", second_fails(cache.store._heap_buffer))
+    else:
+        monkeypatch.setattr(pages_module, "bytearray", second_fails(bytearray), raising=False)
+    with pytest.raises(MemoryError):
+        ctx.extend(list(range(6)), kv(6))
+    assert calls["n"] == 2
+    after = cache.observe()
+    assert (after.pages, after.holders, after.lengths) == (before.pages, before.holders, before.lengths)
+    assert after.pages_allocated - after.pages_freed == before.pages_allocated - before.pages_freed
+    assert cache.pool._next_ref - len(cache.pool._free_refs) == len(after.pages)     # no refcount slot taken
+    # Every buffer made before the failure is freed (and kept as a spare): the store's one, or the pool's two.
+    assert len(cache.store._spares) == (2 if fails == "pool" else 1)
+    monkeypatch.undo()
+    ctx.extend(list(range(6)), kv(6))
+    assert len(ctx) == 9 and cache.stats()["live_pages"] == 3
+
+
 def test_retain_of_an_empty_context_is_refused(cache):
     ctx = cache.allocate()
     refused(cache, ctx, errors.EmptyContextError, lambda: cache.retain(ctx))

@@ -141,6 +141,32 @@ def test_a_page_store_without_free_all_still_frees_every_page():
     assert obs.pages_freed == 6
 
 
+def test_a_page_store_without_allocate_all_still_makes_every_page():
+    small = Layout(1, 1, 1)
+    cache = Cache(small, page_tokens=2, store=StoreWithout(numpy_store.NumpyStore(small, 2, "f32", 4), "allocate_all"))
+    assert not hasattr(cache.store, "allocate_all")
+    ctx = cache.allocate()
+    ctx.extend(list(range(11)), values(small, 11))       # 6 pages: 4 in the arena, 2 on the heap
+    np.testing.assert_array_equal(ctx.read()[0], values(small, 11))
+    assert cache.store.counters.heap_pages == 2 and cache.stats()["live_pages"] == 6
+    ctx.close()
+    check_empty(cache.observe())
+
+
+def test_pages_made_in_one_call_past_a_full_arena_are_counted_as_page_by_page():
+    """``allocate_all`` skips ``_take`` a page where no slot is free; the counters say what ``issue``
+    would have said of each page (a heap page, and a fallback since there is an arena)."""
+    small = Layout(1, 1, 1)
+    cache = Cache(small, page_tokens=1, arena_pages=2)
+    ctx = cache.allocate()
+    ctx.extend([1, 2], values(small, 2))       # the arena's two slots, page by page
+    ctx.extend([3, 4, 5], values(small, 3, seed=1))     # the arena full: one call for three heap pages
+    counters = cache.store.counters
+    assert (counters.arena_issued, counters.heap_pages, counters.heap_fallbacks) == (2, 3, 3)
+    assert [page.buffer.slot for page in ctx._pages] == [0, 1, None, None, None]
+    ctx.close()
+
+
 @pytest.mark.parametrize("store", ["numpy", "torch"])
 def test_an_interrupt_part_way_through_a_free_costs_at_most_the_slot_it_hit(monkeypatch, store):
     """The store fails on the third of ten pages (as an asynchronous exception would): the context is

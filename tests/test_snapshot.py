@@ -256,15 +256,15 @@ def test_restore_that_runs_out_of_memory_leaves_no_page(monkeypatch):
     cache, ctx, _ = filled("f32", page_tokens=4, n=11)     # 3 pages
     stream = io.BytesIO()
     ctx.snapshot(stream)
-    allocate, calls = cache.store.allocate, []
+    make_page, calls = cache.store._heap_buffer, []      # where the store makes a page's memory, no arena slot free
 
-    def failing_allocate(page_id):
-        calls.append(page_id)
+    def failing(zero):
+        calls.append(zero)
         if len(calls) == 3:
             raise MemoryError("out of device memory")
-        return allocate(page_id)
+        return make_page(zero)
 
-    monkeypatch.setattr(cache.store, "allocate", failing_allocate)
+    monkeypatch.setattr(cache.store, "_heap_buffer", failing)
     live_before = cache.stats()["live_pages"]
     stream.seek(0)
     with pytest.raises(MemoryError):
