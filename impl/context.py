@@ -16,6 +16,7 @@ it, and a context has one owner at a time (enforced by ``_owned``).
 from __future__ import annotations
 
 import operator
+from itertools import chain
 from threading import get_ident
 from typing import TYPE_CHECKING, Iterator
 
@@ -317,11 +318,19 @@ class Context:
         self._holding = held.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
         raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
-        for index, lo, hi in _page_spans(start, stop, page_tokens):
+        write_whole = getattr(store, "write_whole", None)
+        whole = _whole_pages(start, stop, page_tokens) if write_whole is not None else range(0)
+        for index, lo, hi in _page_spans(start, stop, page_tokens, skip=whole):
             row = index * page_tokens + lo - start
             page = pages[index]
             store.write(page.buffer, lo, encoded, row, row + hi - lo)
             page.token_bytes[8 * lo:8 * hi] = raw[8 * row:8 * (row + hi - lo)]
+        if whole:       # the pages between, covered whole: one store call, one row of ids each
+            row = whole.start * page_tokens - start
+            covered = pages[whole.start:whole.stop]
+            write_whole([page.buffer for page in covered], encoded, row)
+            for at, page in zip(range(8 * row, len(raw), 8 * page_tokens), covered):     # byte offsets
+                page.token_bytes[:] = raw[at:at + 8 * page_tokens]
         # The key last, after the page-by-page loop: the cast it runs is the one the caller's next
         # lookup runs (``packed_ids``), and at one-token pages the loop would evict it again.
         key, packed = held.key, packed_ids(tokens[:stop - start])
@@ -428,20 +437,31 @@ class _Ownership:
             ctx._use = FREE
 
 
-def _page_spans(start: int, stop: int, page_tokens: int) -> Iterator[tuple[int, int, int]]:
-    """``(index, lo, hi)`` for each page that positions ``[start, stop)`` touch, in order:
-    ``span_in_page`` of the first and the last, the only ones that may be covered in part; the
-    pages between are covered whole, ``(0, page_tokens)``. At one-token pages an extend touches
-    hundreds of pages, and the loops' ``span_in_page`` calls, three a page, were about a fifth of its
-    time. A generator, not a list: each span is let go once read, so an extend leaves no tuple per
-    page behind. ``start < stop``, as ``pages_touched`` requires (every caller returns before an
-    empty write)."""
+def _page_spans(start: int, stop: int, page_tokens: int, skip: range = range(0)) -> Iterator[tuple[int, int, int]]:
+    """``(index, lo, hi)`` for each page that positions ``[start, stop)`` touch, in order, less the
+    pages ``skip`` (whole ones, written by the caller in one call): ``span_in_page`` of the first and
+    the last, the only ones that may be covered in part; the pages between are covered whole,
+    ``(0, page_tokens)``. At one-token pages an extend touches hundreds of pages, and the loops'
+    ``span_in_page`` calls, three a page, were about a fifth of its time. A generator, not a list:
+    each span is let go once read, so an extend leaves no tuple per page behind. ``start < stop``,
+    as ``pages_touched`` requires (every caller returns before an empty write)."""
     first, end = pages_touched(start, stop, page_tokens)
-    yield (first, *span_in_page(first, start, stop, page_tokens))
-    for index in range(first + 1, end - 1):
+    if first not in skip:
+        yield (first, *span_in_page(first, start, stop, page_tokens))
+    between = range(first + 1, end - 1)      # less ``skip``, a run of them: what lies either side of it
+    for index in (chain(range(between.start, skip.start), range(max(skip.stop, between.start), between.stop))
+                  if skip else between):
         yield index, 0, page_tokens
-    if end - first > 1:
+    if end - first > 1 and end - 1 not in skip:
         yield (end - 1, *span_in_page(end - 1, start, stop, page_tokens))
+
+
+def _whole_pages(start: int, stop: int, page_tokens: int) -> range:
+    """The pages that positions ``[start, stop)`` cover whole, where they are two or more (one is
+    written as a part is), else none: the first page starting at or after ``start`` to the last
+    ending at or before ``stop``."""
+    whole = range(-(-start // page_tokens), stop // page_tokens)
+    return whole if len(whole) > 1 else range(0)
 
 
 def _position(value) -> int | None:

@@ -381,6 +381,17 @@ class NumpyStore:
         for dst, src in zip(buffer.arrays, encoded):
             dst[:, :, offset:offset + hi - lo] = src[:, :, lo:hi]
 
+    def write_whole(self, buffers: list[NumpyBuffer], encoded: tuple[np.ndarray, ...], row: int) -> None:
+        """``write`` of whole pages: rows ``[row, row + len(buffers) * page_tokens)`` of ``encoded``,
+        one page's rows each, in order. The rows are cut into pages by one reshape, not a slice a
+        page: at one-token pages a write's two 5-d slices were three quarters of its time."""
+        pages, page_tokens = len(buffers), self.page_tokens
+        for part, rows in enumerate(encoded):
+            rows = rows[:, :, row:row + pages * page_tokens]
+            by_page = np.moveaxis(rows.reshape(*rows.shape[:2], pages, page_tokens, *rows.shape[3:]), 2, 0)
+            for buffer, page_rows in zip(buffers, by_page):
+                buffer.arrays[part][...] = page_rows
+
     def read(self, buffer: NumpyBuffer, start: int, stop: int) -> np.ndarray:
         parts = tuple(array[:, :, start:stop] for array in buffer.arrays)
         # layer-major rows -> position-major; transpose, not moveaxis: a quarter of the cost at one page

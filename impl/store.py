@@ -74,6 +74,10 @@ class PageStore(Protocol):
     def write(self, buffer: Buffer, offset: int, encoded: Any, lo: int, hi: int) -> None:
         """Store rows ``[lo, hi)`` of ``encoded`` at page offsets ``[offset, offset + hi - lo)``."""
 
+    def write_whole(self, buffers: list[Buffer], encoded: Any, row: int) -> None:
+        """``write`` of whole pages, one page's rows each from ``row`` on, in order. Optional: a
+        context writes page by page where a store has none."""
+
     def read(self, buffer: Buffer, start: int, stop: int) -> Any:
         """Positions ``[start, stop)`` of the page, position-major float32: a fresh array, never a view
         of the page (the caller may keep or change it)."""
