@@ -249,16 +249,23 @@ class NumpyStore:
         2 MiB, a fault per 4 KiB on first touch, which cost a 512-position ``extend`` three times its
         copy. So new arrays of 2 MiB or more come on huge-page boundaries (``huge_page_array``)."""
         buffer = self._spare()
-        if buffer is not None:
-            buffer.slot = None
-        elif self.page_bytes < RECYCLE_FROM_BYTES:     # ``np.zeros``: zeroed already, by calloc
+        if buffer is None:
+            return self._fresh_buffer(zero)
+        buffer.slot = None
+        if zero:        # a spare holds its last page's bytes
+            for array in buffer.arrays:
+                array.fill(0)
+        return buffer
+
+    def _fresh_buffer(self, zero: bool) -> NumpyBuffer:
+        """New arrays for a page outside the arena, zeroed where ``zero``."""
+        if self.page_bytes < RECYCLE_FROM_BYTES:     # ``np.zeros``: zeroed already, by calloc
             shapes, dtypes = self._shapes, self._dtypes
             if len(shapes) == 1:        # f32, f16: 0.8 µs, where ``tuple(map(...))`` took 1.6 and a generator 2.5
                 return NumpyBuffer((np.zeros(shapes[0], dtypes[0]),), None)
             return NumpyBuffer(tuple(map(np.zeros, shapes, dtypes)), None)
-        else:
-            buffer = NumpyBuffer(tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
-        if zero:        # a spare holds its last page's bytes; a huge-page array, whatever malloc left
+        buffer = NumpyBuffer(tuple(huge_page_array(s, d) for s, d in zip(self._shapes, self._dtypes)), None)
+        if zero:        # whatever malloc left there
             for array in buffer.arrays:
                 array.fill(0)
         return buffer
@@ -297,9 +304,9 @@ class NumpyStore:
                     made.append(self.allocate(page_id))
             else:
                 self._arena.count_heap(count)     # counted before the memory is made, as ``issue`` counts
-                heap = self._heap_buffer
-                for _ in range(count):
-                    made.append(heap(True))
+                heap, fresh, spares = self._heap_buffer, self._fresh_buffer, self._spares
+                for _ in range(count):      # once the spares run out, new arrays without asking for one
+                    made.append(heap(True) if spares else fresh(True))
         except BaseException:
             self.free_all(made)
             raise

@@ -135,8 +135,9 @@ def test_an_extend_on_the_heap_that_runs_out_of_memory_keeps_no_page(monkeypatch
                 raise MemoryError("out of memory")
             return make(*args)
         return failing
-    if fails == "store":
-        monkeypatch.setattr(cache.store, "_heap_buffer", second_fails(cache.store._heap_buffer))
+    assert cache.store._spares == []
+    if fails == "store":        # where the store makes a page's memory, none kept
+        monkeypatch.setattr(cache.store, "_fresh_buffer", second_fails(cache.store._fresh_buffer))
     else:
         monkeypatch.setattr(pages_module, "bytearray", second_fails(bytearray), raising=False)
     with pytest.raises(MemoryError):

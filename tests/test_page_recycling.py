@@ -89,20 +89,16 @@ def test_one_token_pages_reuse_every_freed_buffer():
     small = Layout(1, 1, 1)
     cache = Cache(small, page_tokens=1)
     made = []
-    heap = numpy_store.NumpyStore._heap_buffer
-
-    def counting(store, zero):
-        spares = len(store._spares)
-        buffer = heap(store, zero)
-        made.append(len(store._spares) == spares)       # no spare taken: new arrays
-        return buffer
-    cache.store._heap_buffer = counting.__get__(cache.store)
+    fresh = numpy_store.NumpyStore._fresh_buffer
+    cache.store._fresh_buffer = lambda zero: made.append(zero) or fresh(cache.store, zero)     # new arrays
     ctx = cache.allocate()
     ctx.extend(list(range(300)), values(small, 300))
+    assert len(made) == 300 and cache.store._spares == []
     ctx.close()
+    assert len(cache.store._spares) == 300
     ctx = cache.allocate()
     ctx.extend(list(range(200)), values(small, 200, seed=1))
-    assert made == [True] * 300 + [False] * 200 and len(cache.store._spares) == 100
+    assert len(made) == 300 and len(cache.store._spares) == 100      # every page a freed one
     np.testing.assert_array_equal(ctx.read()[0], values(small, 200, seed=1))
     ctx.close()
 

@@ -256,7 +256,8 @@ def test_restore_that_runs_out_of_memory_leaves_no_page(monkeypatch):
     cache, ctx, _ = filled("f32", page_tokens=4, n=11)     # 3 pages
     stream = io.BytesIO()
     ctx.snapshot(stream)
-    make_page, calls = cache.store._heap_buffer, []      # where the store makes a page's memory, no arena slot free
+    make_page, calls = cache.store._fresh_buffer, []     # where the store makes a page's memory, none kept
+    assert cache.store._spares == []
 
     def failing(zero):
         calls.append(zero)
@@ -264,7 +265,7 @@ def test_restore_that_runs_out_of_memory_leaves_no_page(monkeypatch):
             raise MemoryError("out of device memory")
         return make_page(zero)
 
-    monkeypatch.setattr(cache.store, "_heap_buffer", failing)
+    monkeypatch.setattr(cache.store, "_fresh_buffer", failing)
     live_before = cache.stats()["live_pages"]
     stream.seek(0)
     with pytest.raises(MemoryError):
