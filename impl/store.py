@@ -7,8 +7,8 @@ snapshots), and copies a whole page.
 ``copy`` is the copy primitive; the engine calls it from ``Context.writable``
 and nowhere else.
 
-Threads: ``allocate``, ``free``, ``copy``, ``is_zero_from``, ``arena_books`` and
-the counters run under the cache lock; ``encode``, ``recycle``, ``write``, ``read``,
+Threads: ``allocate``, ``allocate_all``, ``free``, ``free_all``, ``copy``, ``is_zero_from``,
+``arena_books`` and the counters run under the cache lock; ``encode``, ``recycle``, ``write``, ``write_whole``, ``read``,
 ``read_layer``, ``gather``, ``read_encoded``, ``from_encoded``, ``read_empty`` and
 ``concat`` run outside it, concurrently on different pages, so no two calls may
 use one scratch buffer or other mutable state at once (the NumPy store's encode
