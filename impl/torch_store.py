@@ -164,6 +164,16 @@ class TorchStore:
         for dst, src in zip(buffer.tensors, encoded):
             dst[:, :, offset:offset + hi - lo] = src[:, :, lo:hi]
 
+    def write_whole(self, buffers: list[TorchBuffer], encoded: tuple[torch.Tensor, ...], row: int) -> None:
+        """``write`` of whole pages, one page's rows each from ``row`` on: the rows cut into pages by
+        one reshape and ``unbind``, not two slices a page (as the NumPy store)."""
+        pages, page_tokens = len(buffers), self.page_tokens
+        for part, rows in enumerate(encoded):
+            rows = rows[:, :, row:row + pages * page_tokens]
+            by_page = rows.reshape(*rows.shape[:2], pages, page_tokens, *rows.shape[3:]).movedim(2, 0)
+            for buffer, page_rows in zip(buffers, by_page.unbind(0)):
+                buffer.tensors[part].copy_(page_rows)
+
     def read(self, buffer: TorchBuffer, start: int, stop: int) -> torch.Tensor:
         return self._decoded(tuple(tensor[:, :, start:stop] for tensor in buffer.tensors))
 
