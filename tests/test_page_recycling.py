@@ -125,28 +125,21 @@ def test_a_buffer_something_still_holds_is_dropped_not_reused():
     ctx.close()
 
 
-def test_a_page_store_without_free_all_still_frees_every_page():
+@pytest.mark.parametrize("missing", ["free_all", "allocate_all", "write_whole"])
+def test_a_page_store_without_a_batch_method_still_makes_writes_and_frees_every_page(missing):
+    """The pool and contexts call a store's batch methods where it has them, and its per-page ones
+    (``free``, ``allocate``, ``write``) where it was written before them."""
     small = Layout(1, 1, 1)
-    cache = Cache(small, page_tokens=2, store=StoreWithout(numpy_store.NumpyStore(small, 2, "f32", 4), "free_all"))
-    assert not hasattr(cache.store, "free_all")
-    ctx = cache.allocate()
-    ctx.extend(list(range(11)), values(small, 11))       # 6 pages: 4 in the arena, 2 on the heap
-    ctx.close()
-    obs = cache.observe()
-    check_empty(obs)
-    assert obs.pages_freed == 6
-
-
-def test_a_page_store_without_allocate_all_still_makes_every_page():
-    small = Layout(1, 1, 1)
-    cache = Cache(small, page_tokens=2, store=StoreWithout(numpy_store.NumpyStore(small, 2, "f32", 4), "allocate_all"))
-    assert not hasattr(cache.store, "allocate_all")
+    cache = Cache(small, page_tokens=2, store=StoreWithout(numpy_store.NumpyStore(small, 2, "f32", 4), missing))
+    assert not hasattr(cache.store, missing)
     ctx = cache.allocate()
     ctx.extend(list(range(11)), values(small, 11))       # 6 pages: 4 in the arena, 2 on the heap
     np.testing.assert_array_equal(ctx.read()[0], values(small, 11))
     assert cache.store.counters.heap_pages == 2 and cache.stats()["live_pages"] == 6
     ctx.close()
-    check_empty(cache.observe())
+    obs = cache.observe()
+    check_empty(obs)
+    assert obs.pages_freed == 6
 
 
 def test_pages_made_in_one_call_past_a_full_arena_are_counted_as_page_by_page():
