@@ -9,6 +9,7 @@ With an arena, those arrays are views into one preallocated block per component.
 from __future__ import annotations
 
 import math
+import sys
 from sys import getrefcount
 from contextlib import contextmanager
 from typing import Iterator
@@ -71,6 +72,7 @@ def huge_page_array(shape: tuple[int, ...], dtype) -> np.ndarray:
 # bytes: a write into them copies at memory speed instead of faulting fresh memory in (and the
 # kernel zeroing it).
 SPARE_BYTES = 256 << 20
+SPARE_OVERHEAD = 512     # bytes a kept buffer costs beyond its arrays (buffer, tuple, array objects: ~400 measured)
 # New heap pages from this size on are made on huge-page boundaries (``huge_page_array``); smaller
 # ones by ``np.zeros``. Pages of any size are recycled (``free_all``).
 RECYCLE_FROM_BYTES = HUGE_PAGE
@@ -92,27 +94,29 @@ def _unshared(arrays: tuple[np.ndarray, ...]) -> bool:
         if owner is None:
             if getrefcount(array) > _ARRAY_REFS:
                 return False
-        elif type(owner) is not np.ndarray or owner.base is not None or getrefcount(owner) > _OWNER_REFS:
+        elif (type(owner) is not np.ndarray or owner.base is not None or getrefcount(owner) > _OWNER_REFS
+              or getrefcount(array) > _ARRAY_REFS):      # a view shows in the block's count; the array, in its own
             return False
     return True
 
 
-def _baseline_refs() -> tuple[int, int, int, int]:
+def _baseline_refs() -> tuple[int, int, int, int, int]:
     """The references ``_spare`` and ``_unshared`` count where nothing else holds what they test
-    (interpreter-specific), read as they read them: (a kept buffer's, popped from the spares; an
-    owning array's, held by its tuple, as ``_spare`` and ``_unshared`` read it; a block's, held by its
-    one view)."""
+    (interpreter-specific), read as they read them: (a kept buffer's, popped from the spares; its
+    arrays tuple's; an owning array's, held by its tuple, as ``_spare`` reads it; as ``_unshared``
+    reads one; a block's, held by its one view). ``_reuse_is_safe`` checks them in use."""
     spares = [NumpyBuffer((np.zeros(1, np.float32),), SPARE)]
     buffer = spares.pop()
     kept = getrefcount(buffer)
     arrays = buffer.arrays
+    tupled = getrefcount(arrays)
     sole = getrefcount(arrays[0])
     for array in (np.zeros(1, np.float32),):
         owning = getrefcount(array)
     for array in (huge_page_array((HUGE_PAGE // 4 + 1,), np.float32),):
         owner = array.base
         viewed = getrefcount(owner)
-    return kept, sole, owning, viewed
+    return kept, tupled, sole, owning, viewed
 
 
 SPARE = -1       # a ``NumpyBuffer.slot`` while the store keeps the buffer for reuse (no page holds it)
@@ -230,7 +234,7 @@ class NumpyStore:
             arrays = tuple(block[slot] for block in self._blocks)
             for dst, src in zip(arrays, prepared):     # the arena keeps its slots: one more copy, into them
                 np.copyto(dst, src)
-            if len(self._spares) * self.page_bytes < SPARE_BYTES:
+            if _RECYCLE and self._spare_room() > 0:
                 self._spares.append(NumpyBuffer(prepared, SPARE))
             return NumpyBuffer(arrays, slot)
         if slot is None:
@@ -270,6 +274,11 @@ class NumpyStore:
                 array.fill(0)
         return buffer
 
+    def _spare_room(self) -> int:
+        """How many more freed buffers the spares may keep: ``SPARE_BYTES`` of them, each counted at
+        ``SPARE_OVERHEAD`` at least (its objects, where a one-token page's arrays are a few bytes)."""
+        return SPARE_BYTES // max(self.page_bytes, SPARE_OVERHEAD) - len(self._spares)
+
     def _spare(self) -> NumpyBuffer | None:
         """A kept buffer (``free_all``) that nothing else holds, or None. One that something still holds
         (a freed page still listed somewhere, a view of its arrays) is dropped, never reused. Inlined
@@ -281,7 +290,7 @@ class NumpyStore:
             except IndexError:
                 return None
             arrays = buffer.arrays
-            if getrefcount(buffer) <= _BUFFER_REFS and (
+            if arrays and getrefcount(buffer) <= _BUFFER_REFS and getrefcount(arrays) <= _TUPLE_REFS and (
                     getrefcount(arrays[0]) <= _SOLE_REFS and arrays[0].base is None and len(arrays) == 1
                     or _unshared(arrays)):
                 return buffer
@@ -303,10 +312,12 @@ class NumpyStore:
                 for page_id in range(first_page_id, first_page_id + count):
                     made.append(self.allocate(page_id))
             else:
-                self._arena.count_heap(count)     # counted before the memory is made, as ``issue`` counts
                 heap, fresh, spares = self._heap_buffer, self._fresh_buffer, self._spares
-                for _ in range(count):      # once the spares run out, new arrays without asking for one
-                    made.append(heap(True) if spares else fresh(True))
+                try:
+                    for _ in range(count):      # once the spares run out, new arrays without asking for one
+                        made.append(heap(True) if spares else fresh(True))
+                finally:
+                    self._arena.count_heap(len(made))     # each page made a heap page, as ``issue`` counts it
         except BaseException:
             self.free_all(made)
             raise
@@ -365,10 +376,10 @@ class NumpyStore:
             self.free_all(list(pending))
             raise
         finally:
-            room = SPARE_BYTES // self.page_bytes - len(self._spares)
-            for buffer in kept[max(room, 0):]:
+            room = max(self._spare_room(), 0) if _RECYCLE else 0
+            for buffer in kept[room:]:
                 buffer.arrays = ()       # past the budget: let go
-            self._spares += kept[:max(room, 0)]
+            self._spares += kept[:room]
 
     # Spares and scratch are memory this process may reuse, not state: a clone of the store starts without them.
     def __getstate__(self) -> dict:
@@ -450,4 +461,31 @@ class NumpyStore:
 
 
 _POSITIONS_FIRST = (2, 0, 1, 3, 4)     # (layers, 2, positions, heads, dim) -> (positions, layers, 2, heads, dim)
-_BUFFER_REFS, _SOLE_REFS, _ARRAY_REFS, _OWNER_REFS = _baseline_refs()
+_BUFFER_REFS, _TUPLE_REFS, _SOLE_REFS, _ARRAY_REFS, _OWNER_REFS = _baseline_refs()
+_RECYCLE = True     # ``_reuse_is_safe`` probes with it on
+
+
+def _reuse_is_safe() -> bool:
+    """Whether ``_spare``, run hot as an extend runs it, takes back a free buffer and refuses one that a
+    caller still holds (the buffer, its arrays tuple, an array, a view of one). Its counts are read
+    once above, cold; an interpreter that counts a reference fewer in specialised code, or a build
+    without the GIL (where ``getrefcount`` is not exact), would reuse a held buffer: recycling is then
+    off, and freed heap pages are let go as they were before it."""
+    if not getattr(sys, "_is_gil_enabled", lambda: True)():
+        return False
+    store = NumpyStore(Layout(1, 1, 1), 1, "f32")
+    for round_ in range(64):      # past the adaptive interpreter's warm-up: ``_spare`` specialised
+        store.free(store.allocate(0))
+        if len(store._spares) != 1 or store._spare() is None:
+            return False          # a free buffer refused: safe, but the probe is broken
+        held = store.allocate(0)
+        keep = (held, held.arrays, held.arrays[0], held.arrays[0][:, :1])[round_ % 4]
+        store.free(held)
+        del held
+        if store._spare() is not None:
+            return False          # a held buffer handed out again
+        del keep
+    return True
+
+
+_RECYCLE = _reuse_is_safe()

@@ -176,6 +176,7 @@ class Page:
 
 
 _ref = attrgetter("ref")
+_page_id = attrgetter("page_id")
 
 
 def ref_slots(pages: list[Page]) -> "np.ndarray | range":
@@ -236,8 +237,9 @@ class PagePool:
         return page
 
     def new_pages(self, count: int, room_made: bool = False) -> list[Page]:
-        """``count`` new pages, or none: if one allocation fails (memory ran out), the ones
-        already made are released before the error propagates, so no page is left unheld.
+        """``count`` new pages, or none: if making one fails (memory ran out, an interrupt), what was
+        made is given back before the error propagates: no page is left unheld, no slot taken. The
+        pages go live (``live``) only once all are made, in one step.
 
         The full-pool policy is consulted once per operation, before it changes anything:
         here, unless the caller already made room for everything it will take (``extend``).
@@ -246,25 +248,25 @@ class PagePool:
         hundreds, and a call or two a page was a tenth of it."""
         if not room_made:
             self.make_room(count)
-        first = self.allocated + 1
-        allocate_all = getattr(self.store, "allocate_all", None)
-        buffers = (self._allocate_each(first, count) if allocate_all is None else allocate_all(first, count))
-        pages: list[Page] = []
+        first, buffers, pages = self.allocated + 1, [], []
         try:
+            allocate_all = getattr(self.store, "allocate_all", None)
+            buffers = self._allocate_each(first, count) if allocate_all is None else allocate_all(first, count)
             token_bytes = 8 * self.store.page_tokens
-            books, live, next_slot = self.books, self.live, self._next_slot
+            books, next_slot = self.books, self._next_slot
             for page_id, buffer in enumerate(buffers, first):
                 tokens = bytearray(token_bytes)     # first: running out of memory here takes no slot
                 ref = next_slot()
                 books._counts[ref] = 1      # a free slot: no pending share names it, so no flush
-                pages.append(page := Page(books, page_id, ref, buffer, tokens, 0))
-                live[page_id] = page
-                self.allocated = page_id
-        except BaseException:       # e.g. memory ran out making a page's token bytes
-            self._free_buffers(buffers[len(pages):])
-            for page in pages:
-                self.release(page)
+                pages.append(Page(books, page_id, ref, buffer, tokens, 0))
+        except BaseException:       # memory ran out (the store frees what it made), or an interrupt
+            for page in pages:      # made but not live yet: their slots back, as ``_free`` gives them
+                self.books._counts[page.ref] = 0
+                heapq.heappush(self._free_refs, page.ref)
+            self._free_buffers(buffers)
             raise
+        self.allocated = first + len(pages) - 1     # before the pages go live: no id is ever handed out twice
+        self.live.update(zip(map(_page_id, pages), pages))     # keyed by the pages' own ids: no int a page more
         return pages
 
     def _allocate_each(self, first: int, count: int) -> list:

@@ -125,7 +125,7 @@ def test_an_extend_on_the_heap_that_runs_out_of_memory_keeps_no_page(monkeypatch
 
     cache = make_cache(page_tokens=4, precision="f16")
     ctx = filled(cache, 3)
-    before = cache.observe()
+    before, heap_pages = cache.observe(), cache.store.counters.heap_pages
     calls = {"n": 0}
 
     def second_fails(make):
@@ -147,6 +147,7 @@ def test_an_extend_on_the_heap_that_runs_out_of_memory_keeps_no_page(monkeypatch
     assert (after.pages, after.holders, after.lengths) == (before.pages, before.holders, before.lengths)
     assert after.pages_allocated - after.pages_freed == before.pages_allocated - before.pages_freed
     assert cache.pool._next_ref - len(cache.pool._free_refs) == len(after.pages)     # no refcount slot taken
+    assert cache.store.counters.heap_pages - heap_pages == (2 if fails == "pool" else 1)    # the pages made
     # Every buffer made before the failure is freed (and kept as a spare): the store's one, or the pool's two.
     assert len(cache.store._spares) == (2 if fails == "pool" else 1)
     monkeypatch.undo()

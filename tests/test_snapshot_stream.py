@@ -74,15 +74,17 @@ def test_a_page_still_seen_through_a_view_is_not_reused():
     seen = first[0][0, 0]                                    # a caller's view of the first page
     store.free(numpy_store.NumpyBuffer(first, None))
     store.free(numpy_store.NumpyBuffer(second, None))
+    block, kept = id(first[0].base), id(second[0])           # ids: what is held here is never reused
+    del first, second
     before = seen.copy()
     (again,) = store.prepare(1, 512)
-    assert again[0] is second[0]                             # the last freed, nothing else sees it
+    assert id(again[0]) == kept                              # the last freed, nothing else sees it
     (fresh,) = store.prepare(1, 512)
-    assert fresh[0].base is not first[0].base and store._spares == []    # the seen one was dropped
+    assert id(fresh[0].base) != block and store._spares == []    # the seen one was dropped
     again[0].fill(1)
     fresh[0].fill(1)
     np.testing.assert_array_equal(seen, before)
-    assert seen.base is first[0].base
+    assert id(seen.base) == block
 
 
 def test_page_arrays_of_two_mib_and_more_start_on_a_huge_page_boundary():
