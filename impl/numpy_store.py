@@ -153,7 +153,8 @@ class NumpyStore:
         check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
         self._prepared: list[tuple[np.ndarray, ...]] = []     # filled by ``prepare``, handed out by ``adopting``
-        # Freed heap pages that ``prepare`` hands out again (already faulted in: see ``free``).
+        # Freed heap pages' buffers, handed out again by the next allocation, clone or restore
+        # (``free_all``, ``_spare``): memory already faulted in, and no arrays made or dropped a page.
         self._spares: list[NumpyBuffer] = []
         # Scratch for ``encode``'s private copies (``STAGE_FROM_BYTES`` on): flat float32 blocks,
         # each taken by one encode at a time (list.pop and append are atomic; encodes run concurrently).
@@ -251,7 +252,7 @@ class NumpyStore:
         arrays. Reuse skips what a new page costs: at one-token pages, an ``np.zeros`` and a buffer a
         page and their release (a third of an eviction's frees, ``bench/bounded_vs_sglang.py``); from
         2 MiB, a fault per 4 KiB on first touch, which cost a 512-position ``extend`` three times its
-        copy. So new arrays of 2 MiB or more come on huge-page boundaries (``huge_page_array``)."""
+        copy."""
         buffer = self._spare()
         if buffer is None:
             return self._fresh_buffer(zero)
@@ -262,7 +263,8 @@ class NumpyStore:
         return buffer
 
     def _fresh_buffer(self, zero: bool) -> NumpyBuffer:
-        """New arrays for a page outside the arena, zeroed where ``zero``."""
+        """New arrays for a page outside the arena, zeroed where ``zero``: from 2 MiB on huge-page
+        boundaries (``huge_page_array``), so that a page is faulted in by 2 MiB, not 4 KiB."""
         if self.page_bytes < RECYCLE_FROM_BYTES:     # ``np.zeros``: zeroed already, by calloc
             shapes, dtypes = self._shapes, self._dtypes
             if len(shapes) == 1:        # f32, f16: 0.8 µs, where ``tuple(map(...))`` took 1.6 and a generator 2.5
@@ -281,7 +283,8 @@ class NumpyStore:
 
     def _spare(self) -> NumpyBuffer | None:
         """A kept buffer (``free_all``) that nothing else holds, or None. One that something still holds
-        (a freed page still listed somewhere, a view of its arrays) is dropped, never reused. Inlined
+        (a freed page still listed somewhere, its arrays tuple, an array, a view of one) is dropped,
+        never reused (``_reuse_is_safe`` checks at import that these counts hold here). Inlined
         checks: at one-token pages a call here costs as much as the ``np.zeros`` it saves."""
         spares = self._spares
         while spares:
