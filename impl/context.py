@@ -16,7 +16,6 @@ it, and a context has one owner at a time (enforced by ``_owned``).
 from __future__ import annotations
 
 import operator
-from itertools import chain
 from threading import get_ident
 from typing import TYPE_CHECKING, Iterator
 
@@ -438,20 +437,21 @@ class _Ownership:
 
 
 def _page_spans(start: int, stop: int, page_tokens: int, skip: range = range(0)) -> Iterator[tuple[int, int, int]]:
-    """``(index, lo, hi)`` for each page that positions ``[start, stop)`` touch, in order, less the
-    pages ``skip`` (whole ones, written by the caller in one call): ``span_in_page`` of the first and
-    the last, the only ones that may be covered in part; the pages between are covered whole,
-    ``(0, page_tokens)``. At one-token pages an extend touches hundreds of pages, and the loops'
-    ``span_in_page`` calls, three a page, were about a fifth of its time. A generator, not a list:
-    each span is let go once read, so an extend leaves no tuple per page behind. ``start < stop``,
-    as ``pages_touched`` requires (every caller returns before an empty write)."""
+    """``(index, lo, hi)`` for each page that positions ``[start, stop)`` touch, in order:
+    ``span_in_page`` of the first and the last, the only ones that may be covered in part; the
+    pages between are covered whole, ``(0, page_tokens)``. ``skip``, where given, is
+    ``_whole_pages(start, stop, page_tokens)``, written by the caller in one call: it holds every
+    page between, so only a first or last page outside it is yielded. At one-token pages an extend
+    touches hundreds of pages, and the loops' ``span_in_page`` calls, three a page, were about a
+    fifth of its time. A generator, not a list: each span is let go once read, so an extend leaves
+    no tuple per page behind. ``start < stop``, as ``pages_touched`` requires (every caller returns
+    before an empty write)."""
     first, end = pages_touched(start, stop, page_tokens)
     if first not in skip:
         yield (first, *span_in_page(first, start, stop, page_tokens))
-    between = range(first + 1, end - 1)      # less ``skip``, a run of them: what lies either side of it
-    for index in (chain(range(between.start, skip.start), range(max(skip.stop, between.start), between.stop))
-                  if skip else between):
-        yield index, 0, page_tokens
+    if not skip:
+        for index in range(first + 1, end - 1):
+            yield index, 0, page_tokens
     if end - first > 1 and end - 1 not in skip:
         yield (end - 1, *span_in_page(end - 1, start, stop, page_tokens))
 

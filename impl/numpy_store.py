@@ -75,7 +75,7 @@ SPARE_BYTES = 256 << 20
 SPARE_OVERHEAD = 512     # bytes a kept buffer costs beyond its arrays (buffer, tuple, array objects: ~400 measured)
 # New heap pages from this size on are made on huge-page boundaries (``huge_page_array``); smaller
 # ones by ``np.zeros``. Pages of any size are recycled (``free_all``).
-RECYCLE_FROM_BYTES = HUGE_PAGE
+HUGE_PAGE_ARRAYS_FROM_BYTES = HUGE_PAGE
 # ``encode``'s private copy of a batch from this size on goes into scratch memory the store keeps
 # for the next encode (one block, up to ``STAGING_BYTES``; smaller copies come from malloc, which
 # recycles them itself). Fresh memory pays a fault per 4 KiB on first touch (``bench.extend``
@@ -265,7 +265,7 @@ class NumpyStore:
     def _fresh_buffer(self, zero: bool) -> NumpyBuffer:
         """New arrays for a page outside the arena, zeroed where ``zero``: from 2 MiB on huge-page
         boundaries (``huge_page_array``), so that a page is faulted in by 2 MiB, not 4 KiB."""
-        if self.page_bytes < RECYCLE_FROM_BYTES:     # ``np.zeros``: zeroed already, by calloc
+        if self.page_bytes < HUGE_PAGE_ARRAYS_FROM_BYTES:     # ``np.zeros``: zeroed already, by calloc
             shapes, dtypes = self._shapes, self._dtypes
             if len(shapes) == 1:        # f32, f16: 0.8 µs, where ``tuple(map(...))`` took 1.6 and a generator 2.5
                 return NumpyBuffer((np.zeros(shapes[0], dtypes[0]),), None)
