@@ -58,11 +58,10 @@ class _BufferLike:
 class _PageLike:
     """A slotted object of ``impl.pages.Page``'s size."""
 
-    __slots__ = ("page_id", "ref", "books", "buffer", "token_bytes", "filled")
+    __slots__ = ("page_id", "ref", "books", "table", "buffer", "filled")
 
-    def __init__(self, page_id: int, ref: int, buffer, token_bytes: bytearray):
-        self.page_id, self.ref, self.books, self.buffer, self.token_bytes, self.filled = \
-            page_id, ref, None, buffer, token_bytes, 1
+    def __init__(self, page_id: int, ref: int, buffer):
+        self.page_id, self.ref, self.books, self.table, self.buffer, self.filled = page_id, ref, None, None, buffer, 1
 
 
 def _counted(make) -> tuple[float, int]:
@@ -97,11 +96,12 @@ def per_page_allocations(positions: int = 700) -> tuple[float, float]:
 def churn(positions: int, kept: list, next_id: list) -> None:
     """Allocations like those a one-token-page ``extend`` of ``positions`` tokens leaves, kept alive:
     per position a ``Page``-sized object, a page id and a refcount slot past the small-int cache,
-    its token bytes, and a one-position values array in a tuple in a buffer object."""
+    and a one-position values array in a tuple in a buffer object (its token ids are a row of the
+    pool's table, made in one step)."""
     made = []
     start = next_id[0]
     for i in range(start, start + positions):
-        made.append(_PageLike(i + 1000, i + 2000, _BufferLike((np.zeros((1, 2, 1, 1), np.float32),)), bytearray(8)))
+        made.append(_PageLike(i + 1000, i + 2000, _BufferLike((np.zeros((1, 2, 1, 1), np.float32),))))
     next_id[0] = start + positions
     kept.append(made)
 

@@ -347,7 +347,7 @@ class Cache:
         with self.lock:
             counters = self.store.counters.as_dict()
             counters.update(pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
-                            live_pages=len(self.pool.live), live_contexts=len(self._contexts),
+                            live_pages=self.pool.live_count, live_contexts=len(self._contexts),
                             entries=len(self.tree), tree_pages=self.tree.weight,
                             tree_bytes=self.tree.weight * self.store_page_bytes(),
                             pressure_evictions=self.policy.evictions)

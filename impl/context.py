@@ -132,11 +132,9 @@ class Context:
     def _tokens(self) -> np.ndarray:
         if not self._pages:
             return np.zeros(0, np.int64)
-        # One join of the pages' token bytearrays (``Page.token_bytes``): at small pages (one
-        # token each, thousands per context) np.concatenate of the int64 views costs ten times
-        # as much. A fresh, writable copy.
-        joined = np.frombuffer(bytearray().join([page.token_bytes for page in self._pages]), np.int64)
-        return joined[:self._length]
+        # One gather from the pool's token table (``pages.TokenTable``): a fresh, writable copy.
+        holding = self._holding
+        return self._cache.pool.table.gather(holding.slots)[:holding.length]
 
     def read(self, start: int = 0, stop: int | None = None):
         """Values ``(n, layers, 2, kv_heads, head_dim)`` float32 and tokens of ``[start, stop)``."""
@@ -153,8 +151,8 @@ class Context:
             read_spans = getattr(store, "read_spans", None)     # one decode for every page, where the store can
             values = (read_spans(spans) if read_spans is not None
                       else store.concat([store.read(*span) for span in spans]))
-            skip = first * self.page_tokens     # one join of the token bytes, as ``_tokens``
-            tokens = np.frombuffer(bytearray().join([page.token_bytes for page in pages]), np.int64)
+            skip = first * self.page_tokens     # one gather of their rows, as ``_tokens``
+            tokens = self._cache.pool.table.gather(self._holding.slots[first:end])
             return values, tokens[start - skip:stop - skip]
 
     def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
@@ -304,32 +302,28 @@ class Context:
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
 
-        Runs outside the cache lock. ``extend`` raised the ``filled`` marks in its own
-        critical section; any other caller (a restore filling fresh pages) gets them raised
-        here, under the lock, before a byte is written. Reading the marks unlocked is safe:
-        only this context's owner changes the marks of its private pages.
+        The values are copied outside the cache lock; the token ids go into the pool's table
+        inside it (``pages.TokenTable``), a short critical section. ``extend`` raised the
+        ``filled`` marks in its own; any other caller (a restore filling fresh pages) gets them
+        raised in this one, before a byte is written. Reading the marks unlocked is safe: only
+        this context's owner changes the marks of its private pages.
         """
         held, page_tokens = self._holding, self.page_tokens     # read once: loops over every page
         pages = held.pages
-        if any(pages[index].filled < hi for index, _lo, hi in _page_spans(start, stop, page_tokens)):
-            with self._cache.lock:
+        ids = np.ascontiguousarray(tokens[:stop - start], np.int64)
+        with self._cache.lock:      # the token table is written under it only (``pages.TokenTable``)
+            if any(pages[index].filled < hi for index, _lo, hi in _page_spans(start, stop, page_tokens)):
                 self._raise_filled(start, stop)
+            self._cache.pool.table.write(held.slots, start, ids)
         self._holding = held.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
-        raw = memoryview(np.ascontiguousarray(tokens[:stop - start], np.int64)).cast("B")   # 8 bytes a token
         write_whole = getattr(store, "write_whole", None)
         whole = _whole_pages(start, stop, page_tokens) if write_whole is not None else range(0)
         for index, lo, hi in _page_spans(start, stop, page_tokens, skip=whole):
             row = index * page_tokens + lo - start
-            page = pages[index]
-            store.write(page.buffer, lo, encoded, row, row + hi - lo)
-            page.token_bytes[8 * lo:8 * hi] = raw[8 * row:8 * (row + hi - lo)]
-        if whole:       # the pages between, covered whole: one store call, one row of ids each
-            row = whole.start * page_tokens - start
-            covered = pages[whole.start:whole.stop]
-            write_whole([page.buffer for page in covered], encoded, row)
-            for at, page in zip(range(8 * row, len(raw), 8 * page_tokens), covered):     # byte offsets
-                page.token_bytes[:] = raw[at:at + 8 * page_tokens]
+            store.write(pages[index].buffer, lo, encoded, row, row + hi - lo)
+        if whole:       # the pages between, covered whole: one store call
+            write_whole([page.buffer for page in pages[whole.start:whole.stop]], encoded, whole.start * page_tokens - start)
         # The key last, after the page-by-page loop: the cast it runs is the one the caller's next
         # lookup runs (``packed_ids``), and at one-token pages the loop would evict it again.
         key, packed = held.key, packed_ids(tokens[:stop - start])

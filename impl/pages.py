@@ -12,14 +12,16 @@ match of k pages then bumps k refcounts in one vectorised step over the holder's
 slots instead of k Python attribute updates (at one-token pages k is in the thousands);
 and that step is itself deferred, one count per holding or run of slots, until a count is
 looked at (``Refcounts``): a fork closed before anything reads a count costs no step at all.
-Slots are recycled, smallest first, so the array is as long as the most pages ever live at
-once, not as the pages ever allocated (page ids only grow: they are identities), and the
-pages of one ``extend`` still get consecutive slots in the common case.
+Slots are recycled before the array grows, so it is as long as the most pages ever live at
+once, not as the pages ever allocated (page ids only grow: they are identities). They go
+back in the runs they were freed in and are taken back as runs, the last freed first, so a
+release costs one step whatever its pages, and the pages of one ``extend`` still get
+consecutive slots in the common case.
 """
 
 from __future__ import annotations
 
-import heapq
+from itertools import repeat
 from operator import attrgetter
 from typing import Callable
 
@@ -144,27 +146,58 @@ def _add(counts: np.ndarray, ids, holders: int) -> None:
         counts[ids] += holders
 
 
-class Page:
-    __slots__ = ("page_id", "ref", "books", "buffer", "token_bytes", "filled")
+class TokenTable:
+    """The token ids of the pool's pages, row i for the page on refcount slot i, in a box the pages
+    share (``Page.table``): the pool replaces ``ids`` with a longer copy when it grows, as it does
+    the refcount array. Why one table and not a small array a page: at one-token pages an extend
+    made, and an eviction freed, two allocations a token; here an extend writes its ids in one
+    step and a context's ids are one gather.
 
-    def __init__(self, books: Refcounts, page_id: int, ref: int, buffer, token_bytes: bytearray, filled: int):
+    Written under the cache lock only (``Context._write``, a restore's pages): a write outside it
+    could land in the old copy while the pool grows, and be lost. Read without it by the context
+    whose pages they are: the table in the box always holds every write made before it was put there."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self, size: int, page_tokens: int):
+        self.ids = np.zeros((size, page_tokens), np.int64)
+
+    def gather(self, slots: "range | np.ndarray") -> np.ndarray:
+        """The ids of the pages on ``slots``, in order, as one fresh flat array."""
+        if type(slots) is range:
+            return self.ids[slots.start:slots.stop].reshape(-1).copy()     # a view of the rows: copied
+        return self.ids[slots].reshape(-1)      # a gather: a copy already
+
+    def write(self, slots: "range | np.ndarray", start: int, ids: np.ndarray) -> None:
+        """``ids`` at positions ``start..`` of the pages on ``slots`` (position p in page p // page_tokens)."""
+        page_tokens = self.ids.shape[1]
+        stop = start + len(ids)
+        first, end = start // page_tokens, -(-stop // page_tokens)
+        pages = slots[first:end]
+        if type(pages) is range:        # consecutive rows: one slice of their flat view
+            skip = first * page_tokens
+            self.ids[pages.start:pages.stop].reshape(-1)[start - skip:stop - skip] = ids
+        else:
+            positions = np.arange(start, stop)
+            self.ids[np.asarray(slots)[positions // page_tokens], positions % page_tokens] = ids
+
+
+class Page:
+    __slots__ = ("page_id", "ref", "books", "table", "buffer", "filled")
+
+    def __init__(self, books: Refcounts, table: TokenTable, page_id: int, ref: int, buffer, filled: int):
         self.page_id = page_id
-        self.ref = ref            # this page's slot in the refcount array
+        self.ref = ref            # this page's slot in the refcount array, and its row of the token table
         self.books = books
+        self.table = table
         self.buffer = buffer
-        # Token ids live in a bytearray (``tokens`` is an int64 view of it, made when asked for):
-        # a context's token list is one ``join`` of its pages' bytearrays, which at one-token
-        # pages costs a quarter of joining (or concatenating) thousands of NumPy arrays.
-        self.token_bytes = token_bytes
         self.filled = filled      # high-water mark: offsets >= filled were never written
 
     @property
     def tokens(self) -> np.ndarray:
-        """The int64 token id per position slot: a view of ``token_bytes`` (writes land in it).
-        Made on demand, not kept: a kept view was ~400 of the ~1,000 bytes each page allocates,
-        and at one-token pages an ``extend`` of a turn's tokens left that much more memory
-        freshly touched, the caches colder for the lookup and the retain after it."""
-        return np.frombuffer(self.token_bytes, np.int64)
+        """The int64 token id per position slot: a view of the page's row of the token table, made
+        on demand and valid until the pool next grows (writes land in it, under the cache lock)."""
+        return self.table.ids[self.ref]
 
     @property
     def refcount(self) -> int:
@@ -176,7 +209,6 @@ class Page:
 
 
 _ref = attrgetter("ref")
-_page_id = attrgetter("page_id")
 
 
 def ref_slots(pages: list[Page]) -> "np.ndarray | range":
@@ -205,9 +237,16 @@ def joined_slots(head: "np.ndarray | range", tail: "np.ndarray | range") -> "np.
 class PagePool:
     def __init__(self, store: PageStore):
         self.store = store
-        self.live: dict[int, Page] = {}
+        # The live page on refcount slot i at [i], None where the slot is free: pages go live and
+        # are freed a run of slots at a time (a slice), not one dictionary entry each.
+        self._by_slot: list[Page | None] = []
         self.books = Refcounts(256)      # grown by doubling
-        self._free_refs: list[int] = []  # a heap of free refcount slots below ``_next_ref``
+        self.table = TokenTable(256, store.page_tokens)     # as long as the refcount array
+        # Free refcount slots below ``_next_ref``, as the runs they were freed in (a range or an int
+        # array each), the last freed on top: a release gives back all its pages' slots in one step,
+        # and an extend takes a run back whole (``_take_slots``).
+        self._free_runs: list = []
+        self._free_slots = 0             # slots in ``_free_runs``
         self._next_ref = 0
         self._ones_kept = np.ones(256, np.int64)    # see ``_ones``
         self.allocated = 0
@@ -216,23 +255,52 @@ class PagePool:
         # will take, before it takes any; the cache sets it.
         self.make_room: Callable[[int], None] = lambda needed: None
 
-    def _next_slot(self) -> int:
-        """A free refcount slot, the smallest; the array doubles when none is left below its end."""
-        if self._free_refs:
-            return heapq.heappop(self._free_refs)
-        books = self.books
-        ref, self._next_ref = self._next_ref, self._next_ref + 1
-        if ref >= len(books._counts):
-            grown = np.zeros(2 * len(books._counts), np.int64)
-            grown[:len(books._counts)] = books._counts
-            books._counts = grown       # pending shares name slots, which the grown array keeps
-        return ref
+    def _take_slots(self, count: int) -> "range | np.ndarray":
+        """``count`` free refcount slots, their counts still 0: the last freed runs first, then new
+        slots past ``_next_ref``. A range where they are consecutive, as they are when an extend
+        takes back the run an eviction freed (an entry's pages, made by one extend, have one)."""
+        runs, taken, need = self._free_runs, [], count
+        while need and runs:
+            run = runs.pop()
+            if len(run) > need:
+                runs.append(run[need:])
+                run = run[:need]
+            taken.append(run)
+            need -= len(run)
+        self._free_slots -= count - need
+        if need:
+            taken.append(self._grow(need))
+        slots = taken[0] if len(taken) == 1 else range(0)
+        if len(taken) > 1:
+            for run in taken:
+                slots = joined_slots(slots, run)
+        return slots if type(slots) is range else as_run(slots)
 
-    def _register(self, page_id: int, buffer, token_bytes: bytearray, filled: int) -> Page:
-        ref = self._next_slot()
+    def _grow(self, count: int) -> range:
+        """``count`` slots never used yet; the refcount array doubles until it holds them."""
+        books, table, first = self.books, self.table, self._next_ref
+        size = len(books._counts)
+        if first + count > size:
+            while size < first + count:
+                size *= 2
+            counts, ids = np.zeros(size, np.int64), np.zeros((size, table.ids.shape[1]), np.int64)
+            counts[:len(books._counts)], ids[:len(table.ids)] = books._counts, table.ids
+            books._counts, table.ids = counts, ids      # pending shares name slots, which the grown array keeps
+        self._next_ref = first + count
+        self._by_slot += [None] * count
+        return range(first, self._next_ref)
+
+    def _give_back(self, slots: "range | np.ndarray") -> None:
+        """Slots whose pages were freed (or never made), their counts 0, back for the next ``_take_slots``."""
+        if len(slots):
+            self._free_runs.append(slots)
+            self._free_slots += len(slots)
+
+    def _register(self, page_id: int, buffer, filled: int) -> Page:
+        (ref,) = self._take_slots(1)
         self.books._counts[ref] = 1         # a free slot: no pending share names it, so no flush
-        page = Page(self.books, page_id, ref, buffer, token_bytes, filled)
-        self.live[page_id] = page
+        page = Page(self.books, self.table, page_id, ref, buffer, filled)
+        self._by_slot[ref] = page
         self.allocated += 1
         return page
 
@@ -248,25 +316,24 @@ class PagePool:
         hundreds, and a call or two a page was a tenth of it."""
         if not room_made:
             self.make_room(count)
-        first, buffers, pages = self.allocated + 1, [], []
+        first, buffers, slots = self.allocated + 1, [], range(0)
         try:
             allocate_all = getattr(self.store, "allocate_all", None)
             buffers = self._allocate_each(first, count) if allocate_all is None else allocate_all(first, count)
-            token_bytes = 8 * self.store.page_tokens
-            books, next_slot = self.books, self._next_slot
-            for page_id, buffer in enumerate(buffers, first):
-                tokens = bytearray(token_bytes)     # first: running out of memory here takes no slot
-                ref = next_slot()
-                books._counts[ref] = 1      # a free slot: no pending share names it, so no flush
-                pages.append(Page(books, page_id, ref, buffer, tokens, 0))
+            slots = self._take_slots(len(buffers))
+            books, table = self.books, self.table
+            _set(books._counts, slots, 1)       # free slots: no pending share names them, so no flush
+            _set(table.ids, slots, 0)           # the last pages' ids
+            refs = slots if type(slots) is range else slots.tolist()
+            pages = list(map(Page, repeat(books), repeat(table), range(first, first + len(buffers)), refs, buffers,
+                             repeat(0)))
         except BaseException:       # memory ran out (the store frees what it made), or an interrupt
-            for page in pages:      # made but not live yet: their slots back, as ``_free`` gives them
-                self.books._counts[page.ref] = 0
-                heapq.heappush(self._free_refs, page.ref)
+            _set(self.books._counts, slots, 0)      # taken but no page live on them: back, as ``_free`` gives them
+            self._give_back(slots)
             self._free_buffers(buffers)
             raise
         self.allocated = first + len(pages) - 1     # before the pages go live: no id is ever handed out twice
-        self.live.update(zip(map(_page_id, pages), pages))     # keyed by the pages' own ids: no int a page more
+        _place(self._by_slot, slots, pages)
         return pages
 
     def _allocate_each(self, first: int, count: int) -> list:
@@ -293,7 +360,20 @@ class PagePool:
         """A private copy of ``page``. Only ``Context.writable`` calls this, inside an operation
         that has already made room for its copies (``extend``, ``overwrite``)."""
         page_id = self.allocated + 1
-        return self._register(page_id, self.store.copy(page.buffer, page_id), bytearray(page.token_bytes), page.filled)
+        private = self._register(page_id, self.store.copy(page.buffer, page_id), page.filled)
+        self.table.ids[private.ref] = self.table.ids[page.ref]
+        return private
+
+    @property
+    def live(self) -> dict[int, Page]:
+        """The live pages by id, in the order they were made: a new dict, for observation and
+        tests (the pool itself keeps them by slot)."""
+        return dict(sorted((page.page_id, page) for page in self._by_slot if page is not None))
+
+    @property
+    def live_count(self) -> int:
+        """How many pages are live: every page id handed out and not freed."""
+        return self.allocated - self.freed
 
     @property
     def refcounts(self) -> np.ndarray:
@@ -313,7 +393,7 @@ class PagePool:
         left = counts[page.ref] - 1
         counts[page.ref] = left
         if left == 0:
-            self._free((page,))
+            self._free((page,), range(page.ref, page.ref + 1))
 
     def release_slots(self, pages: list[Page], ids: np.ndarray) -> None:
         """``release`` for each of one holder's ``pages`` (``ids`` their refcount slots), the decrements in one step."""
@@ -326,22 +406,43 @@ class PagePool:
         else:
             left = counts[ids] - 1
             counts[ids] = left
-        freed = np.flatnonzero(left == 0).tolist()
-        if freed:
-            self._free([pages[index] for index in freed])
+        freed = np.flatnonzero(left == 0)
+        if not len(freed):
+            return
+        first, last = int(freed[0]), int(freed[-1]) + 1
+        if last - first == len(freed):      # one stretch of the list (an evicted entry's own pages): slices
+            self._free(pages[first:last], ids[first:last])
+        else:
+            self._free([pages[index] for index in freed.tolist()], ids[freed] if type(ids) is not range else freed + ids.start)
 
-    def _free(self, pages) -> None:
-        """Pages nobody holds: out of the live set, their memory back to the store. One call for
-        all of a release's pages, and one to the store (``PageStore.free_all``, where it has one):
-        an eviction at one-token pages frees hundreds of pages, and a call a page cost a fifth of it.
+    def _free(self, pages, slots: "range | np.ndarray") -> None:
+        """Pages nobody holds (``slots`` their refcount slots, all at 0): out of the live set, their
+        memory back to the store, their slots back as one run. One call for all of a release's pages,
+        and one to the store (``PageStore.free_all``, where it has one): an eviction at one-token
+        pages frees hundreds of pages, and a call a page cost a fifth of it.
         The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
         what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
         was handed stays in the live set as if still held."""
         try:
             self._free_buffers([page.buffer for page in pages])
         finally:
-            live, free_refs, heappush = self.live, self._free_refs, heapq.heappush
-            for page in pages:
-                del live[page.page_id]
-                heappush(free_refs, page.ref)
+            _place(self._by_slot, slots, [None] * len(pages))
+            self._give_back(slots)
             self.freed += len(pages)
+
+
+def _place(by_slot: list, slots: "range | np.ndarray", items: list) -> None:
+    """``items[i]`` at ``by_slot[slots[i]]``: one slice assignment for a range of slots."""
+    if type(slots) is range:
+        by_slot[slots.start:slots.stop] = items
+    else:
+        for slot, item in zip(slots.tolist(), items):
+            by_slot[slot] = item
+
+
+def _set(counts: np.ndarray, slots: "range | np.ndarray", value: int) -> None:
+    """Every refcount slot (or token-table row) of ``slots`` set to ``value``."""
+    if type(slots) is range:
+        counts[slots.start:slots.stop] = value
+    else:
+        counts[slots] = value

@@ -31,13 +31,13 @@ class PoolPolicy:
         self.evictions = 0
 
     def fits(self, needed: int) -> bool:
-        return not self.limit or len(self.pool.live) + needed <= self.limit
+        return not self.limit or self.pool.live_count + needed <= self.limit
 
     def make_room(self, needed: int) -> None:
         if needed <= 0 or self.fits(needed):
             return
         if self.on_full == "refuse":
-            raise CapacityError(f"{len(self.pool.live)} live pages + {needed} needed > pool of {self.limit} pages")
+            raise CapacityError(f"{self.pool.live_count} live pages + {needed} needed > pool of {self.limit} pages")
         if self.on_full == "evict-then-refuse" and len(self.context_page_ids()) + needed > self.limit:
             raise CapacityError(f"{len(self.context_page_ids())} pages held by contexts + {needed} needed > pool "
                                 f"of {self.limit} pages, even with every entry evicted")

@@ -152,7 +152,7 @@ def dirty_recycled_slot() -> ContextManager:
 
 def release_skips_last_page() -> ContextManager:
     """The release path decrements refcounts but never frees a page."""
-    return _patched(pages_module.PagePool, "_free", lambda pool, pages: None)     # what both release paths call
+    return _patched(pages_module.PagePool, "_free", lambda pool, pages, slots: None)     # what both release paths call
 
 
 def restore_drops_partial_page() -> ContextManager:
@@ -292,18 +292,15 @@ def refcounts_split_on_growth() -> ContextManager:
     """When the refcount array fills up, the pool moves to a new, larger array, but pages made
     before keep reading the old one: a shared page then looks private to ``writable`` and a fork's
     write lands in place. Only a cache that passes the array's first size (256 live pages) shows it."""
-    original = pages_module.PagePool._next_slot
+    original = pages_module.PagePool._grow
 
-    def next_slot(pool):
+    def grow(pool, count):
         books = pool.books
-        if not pool._free_refs and pool._next_ref >= len(books.counts):
+        if pool._next_ref + count > len(books.counts):
             pool.books = pages_module.Refcounts(2 * len(books.counts))   # the old pages keep ``books``
             pool.books.counts[:len(books.counts)] = books.counts
-            # The pages of the batch being made hold the old one too (``new_pages`` reads the pool's
-            # once): it grows, as a stale copy, so that they can be made.
-            books.counts = np.concatenate([books.counts, np.zeros(len(books.counts), np.int64)])
-        return original(pool)
-    return _patched(pages_module.PagePool, "_next_slot", next_slot)
+        return original(pool, count)
+    return _patched(pages_module.PagePool, "_grow", grow)
 
 
 def dirty_recycled_heap_page() -> ContextManager:

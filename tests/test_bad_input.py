@@ -120,7 +120,7 @@ def test_an_extend_that_runs_out_of_memory_keeps_no_page(cache, monkeypatch):
 def test_an_extend_on_the_heap_that_runs_out_of_memory_keeps_no_page(monkeypatch, fails):
     """With no arena slot free, the store makes an extend's pages in one call (``allocate_all``) and
     the pool registers them in one loop: memory running out on the second page, in the store or in
-    the pool (a page's token bytes), leaves no page, no buffer and no count behind."""
+    the pool (a ``Page``, once the slots are taken), leaves no page, no buffer, no count and no slot behind."""
     from kvstate.impl import pages as pages_module
 
     cache = make_cache(page_tokens=4, precision="f16")
@@ -139,14 +139,14 @@ def test_an_extend_on_the_heap_that_runs_out_of_memory_keeps_no_page(monkeypatch
     if fails == "store":        # where the store makes a page's memory, none kept
         monkeypatch.setattr(cache.store, "_fresh_buffer", second_fails(cache.store._fresh_buffer))
     else:
-        monkeypatch.setattr(pages_module, "bytearray", second_fails(bytearray), raising=False)
+        monkeypatch.setattr(pages_module, "Page", second_fails(pages_module.Page))     # after its slots are taken
     with pytest.raises(MemoryError):
         ctx.extend(list(range(6)), kv(6))
     assert calls["n"] == 2
     after = cache.observe()
     assert (after.pages, after.holders, after.lengths) == (before.pages, before.holders, before.lengths)
     assert after.pages_allocated - after.pages_freed == before.pages_allocated - before.pages_freed
-    assert cache.pool._next_ref - len(cache.pool._free_refs) == len(after.pages)     # no refcount slot taken
+    assert cache.pool._next_ref - cache.pool._free_slots == len(after.pages)     # no refcount slot taken
     assert cache.store.counters.heap_pages - heap_pages == (2 if fails == "pool" else 1)    # the pages made
     # Every buffer made before the failure is freed (and kept as a spare): the store's one, or the pool's two.
     assert len(cache.store._spares) == (2 if fails == "pool" else 1)

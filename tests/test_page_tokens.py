@@ -52,4 +52,4 @@ def test_writable_copies_token_ids_into_memory_of_their_own():
     ctx.extend([9], _zeros(1))              # the shared half page is copied by writable first
     (entry,) = [node.value for node in cache.tree.entries()]
     assert entry.tokens == [7] and ctx.tokens == [7, 9]
-    assert ctx._pages[0].token_bytes is not entry._pages[0].token_bytes
+    assert ctx._pages[0].ref != entry._pages[0].ref      # a row of the token table of its own
