@@ -5,6 +5,7 @@ Where things live:
 - ``context.py``  contexts; ``Context.writable`` is the only place a page is copied
 - ``holding.py``  what a context holds (pages, refcount slots, length, key), replaced whole on every change
 - ``pages.py``    pages, refcounts, and the one release path
+- ``page_table.py``  each page's token ids and ``filled`` mark, in arrays by refcount slot
 - ``radix.py``    the radix prefix tree (match, retain, eviction)
 - ``arena.py``    slot books for a preallocated arena
 - ``matching.py``    what a ``match`` hit returns, per declared semantics (entry, token, block)

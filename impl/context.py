@@ -132,7 +132,7 @@ class Context:
     def _tokens(self) -> np.ndarray:
         if not self._pages:
             return np.zeros(0, np.int64)
-        # One gather from the pool's token table (``pages.TokenTable``): a fresh, writable copy.
+        # One gather from the pool's table (``page_table.PageTable``): a fresh, writable copy.
         holding = self._holding
         return self._cache.pool.table.gather(holding.slots)[:holding.length]
 
@@ -293,28 +293,24 @@ class Context:
         """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,
         before the bytes land outside it: an ``observe()`` in between must never find written
         bytes past ``filled`` (it would report a dirty tail that is not there)."""
-        pages = self._holding.pages     # read once: a loop over every page
-        for index, _lo, hi in _page_spans(start, stop, self.page_tokens):
-            page = pages[index]
-            if page.filled < hi:
-                page.filled = hi
+        self._cache.pool.table.raise_filled(self._holding.slots, start, stop)
 
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
 
-        The values are copied outside the cache lock; the token ids go into the pool's table
-        inside it (``pages.TokenTable``), a short critical section. ``extend`` raised the
-        ``filled`` marks in its own; any other caller (a restore filling fresh pages) gets them
-        raised in this one, before a byte is written. Reading the marks unlocked is safe: only
-        this context's owner changes the marks of its private pages.
+        The values are copied outside the cache lock. Inside it, first, the pages' ``filled``
+        marks are raised (``extend`` raised them already; another caller, a restore filling
+        fresh pages, gets them raised here before a byte is written) and the token ids go into
+        the pool's table (``page_table.PageTable``, written under the lock only): one short
+        critical section.
         """
         held, page_tokens = self._holding, self.page_tokens     # read once: loops over every page
         pages = held.pages
         ids = np.ascontiguousarray(tokens[:stop - start], np.int64)
-        with self._cache.lock:      # the token table is written under it only (``pages.TokenTable``)
-            if any(pages[index].filled < hi for index, _lo, hi in _page_spans(start, stop, page_tokens)):
-                self._raise_filled(start, stop)
-            self._cache.pool.table.write(held.slots, start, ids)
+        with self._cache.lock:
+            table = self._cache.pool.table
+            table.raise_filled(held.slots, start, stop)
+            table.write(held.slots, start, ids)
         self._holding = held.with_key(None)        # unknown while the pages are half written
         store = self._cache.store
         write_whole = getattr(store, "write_whole", None)

@@ -27,6 +27,7 @@ from typing import Callable
 
 import numpy as np
 
+from .page_table import PageTable
 from .store import PageStore
 
 
@@ -146,58 +147,33 @@ def _add(counts: np.ndarray, ids, holders: int) -> None:
         counts[ids] += holders
 
 
-class TokenTable:
-    """The token ids of the pool's pages, row i for the page on refcount slot i, in a box the pages
-    share (``Page.table``): the pool replaces ``ids`` with a longer copy when it grows, as it does
-    the refcount array. Why one table and not a small array a page: at one-token pages an extend
-    made, and an eviction freed, two allocations a token; here an extend writes its ids in one
-    step and a context's ids are one gather.
-
-    Written under the cache lock only (``Context._write``, a restore's pages): a write outside it
-    could land in the old copy while the pool grows, and be lost. Read without it by the context
-    whose pages they are: the table in the box always holds every write made before it was put there."""
-
-    __slots__ = ("ids",)
-
-    def __init__(self, size: int, page_tokens: int):
-        self.ids = np.zeros((size, page_tokens), np.int64)
-
-    def gather(self, slots: "range | np.ndarray") -> np.ndarray:
-        """The ids of the pages on ``slots``, in order, as one fresh flat array."""
-        if type(slots) is range:
-            return self.ids[slots.start:slots.stop].reshape(-1).copy()     # a view of the rows: copied
-        return self.ids[slots].reshape(-1)      # a gather: a copy already
-
-    def write(self, slots: "range | np.ndarray", start: int, ids: np.ndarray) -> None:
-        """``ids`` at positions ``start..`` of the pages on ``slots`` (position p in page p // page_tokens)."""
-        page_tokens = self.ids.shape[1]
-        stop = start + len(ids)
-        first, end = start // page_tokens, -(-stop // page_tokens)
-        pages = slots[first:end]
-        if type(pages) is range:        # consecutive rows: one slice of their flat view
-            skip = first * page_tokens
-            self.ids[pages.start:pages.stop].reshape(-1)[start - skip:stop - skip] = ids
-        else:
-            positions = np.arange(start, stop)
-            self.ids[np.asarray(slots)[positions // page_tokens], positions % page_tokens] = ids
-
-
 class Page:
-    __slots__ = ("page_id", "ref", "books", "table", "buffer", "filled")
+    """A page: its id, its slot (``ref``: its refcount and its row of the ``PageTable``) and its
+    memory in the store (``buffer``)."""
 
-    def __init__(self, books: Refcounts, table: TokenTable, page_id: int, ref: int, buffer, filled: int):
+    __slots__ = ("page_id", "ref", "books", "table", "buffer")
+
+    def __init__(self, books: Refcounts, table: PageTable, page_id: int, ref: int, buffer):
         self.page_id = page_id
-        self.ref = ref            # this page's slot in the refcount array, and its row of the token table
+        self.ref = ref
         self.books = books
         self.table = table
         self.buffer = buffer
-        self.filled = filled      # high-water mark: offsets >= filled were never written
 
     @property
     def tokens(self) -> np.ndarray:
-        """The int64 token id per position slot: a view of the page's row of the token table, made
-        on demand and valid until the pool next grows (writes land in it, under the cache lock)."""
+        """The int64 token id per position slot: a view of the page's row of the table, made on
+        demand and valid until the pool next grows (writes land in it, under the cache lock)."""
         return self.table.ids[self.ref]
+
+    @property
+    def filled(self) -> int:
+        """The high-water mark: offsets from it on were never written."""
+        return int(self.table.filled[self.ref])
+
+    @filled.setter
+    def filled(self, value: int) -> None:
+        self.table.filled[self.ref] = value
 
     @property
     def refcount(self) -> int:
@@ -241,7 +217,7 @@ class PagePool:
         # are freed a run of slots at a time (a slice), not one dictionary entry each.
         self._by_slot: list[Page | None] = []
         self.books = Refcounts(256)      # grown by doubling
-        self.table = TokenTable(256, store.page_tokens)     # as long as the refcount array
+        self.table = PageTable(256, store.page_tokens)      # as long as the refcount array
         # Free refcount slots below ``_next_ref``, as the runs they were freed in (a range or an int
         # array each), the last freed on top: a release gives back all its pages' slots in one step,
         # and an extend takes a run back whole (``_take_slots``).
@@ -283,9 +259,10 @@ class PagePool:
         if first + count > size:
             while size < first + count:
                 size *= 2
-            counts, ids = np.zeros(size, np.int64), np.zeros((size, table.ids.shape[1]), np.int64)
-            counts[:len(books._counts)], ids[:len(table.ids)] = books._counts, table.ids
-            books._counts, table.ids = counts, ids      # pending shares name slots, which the grown array keeps
+            counts = np.zeros(size, np.int64)
+            counts[:len(books._counts)] = books._counts
+            table.grow(size)
+            books._counts = counts      # pending shares name slots, which the grown array keeps
         self._next_ref = first + count
         self._by_slot += [None] * count
         return range(first, self._next_ref)
@@ -296,10 +273,10 @@ class PagePool:
             self._free_runs.append(slots)
             self._free_slots += len(slots)
 
-    def _register(self, page_id: int, buffer, filled: int) -> Page:
+    def _register(self, page_id: int, buffer) -> Page:
         (ref,) = self._take_slots(1)
         self.books._counts[ref] = 1         # a free slot: no pending share names it, so no flush
-        page = Page(self.books, self.table, page_id, ref, buffer, filled)
+        page = Page(self.books, self.table, page_id, ref, buffer)
         self._by_slot[ref] = page
         self.allocated += 1
         return page
@@ -323,10 +300,9 @@ class PagePool:
             slots = self._take_slots(len(buffers))
             books, table = self.books, self.table
             _set(books._counts, slots, 1)       # free slots: no pending share names them, so no flush
-            _set(table.ids, slots, 0)           # the last pages' ids
+            table.clear(slots)                  # the last pages' ids and marks
             refs = slots if type(slots) is range else slots.tolist()
-            pages = list(map(Page, repeat(books), repeat(table), range(first, first + len(buffers)), refs, buffers,
-                             repeat(0)))
+            pages = list(map(Page, repeat(books), repeat(table), range(first, first + len(buffers)), refs, buffers))
         except BaseException:       # memory ran out (the store frees what it made), or an interrupt
             _set(self.books._counts, slots, 0)      # taken but no page live on them: back, as ``_free`` gives them
             self._give_back(slots)
@@ -360,8 +336,8 @@ class PagePool:
         """A private copy of ``page``. Only ``Context.writable`` calls this, inside an operation
         that has already made room for its copies (``extend``, ``overwrite``)."""
         page_id = self.allocated + 1
-        private = self._register(page_id, self.store.copy(page.buffer, page_id), page.filled)
-        self.table.ids[private.ref] = self.table.ids[page.ref]
+        private = self._register(page_id, self.store.copy(page.buffer, page_id))
+        self.table.copy_row(page.ref, private.ref)
         return private
 
     @property
@@ -441,7 +417,7 @@ def _place(by_slot: list, slots: "range | np.ndarray", items: list) -> None:
 
 
 def _set(counts: np.ndarray, slots: "range | np.ndarray", value: int) -> None:
-    """Every refcount slot (or token-table row) of ``slots`` set to ``value``."""
+    """Every refcount slot of ``slots`` set to ``value``."""
     if type(slots) is range:
         counts[slots.start:slots.stop] = value
     else:
