@@ -47,9 +47,10 @@ KVSTATE = "kvstate token"
 BUDGET, QUICK_BUDGET = 71_000, 400
 COMMAND = "python -m kvstate.bench.bounded_vs_sglang"
 # What a page-1 free still does per page (impl/pages.py PagePool._free), and what would pass.
-SLABS = ("each page is its own objects (the Page and its token bytes; the store keeps its buffer for the next "
-         "extend), its own refcount slot and live-set entry, let go one by one; design that passes: pages as slabs, an entry's pages a run of slots freed "
-         "in one step, as SGLang frees a node's token slots in one tensor op")
+SLABS = ("each page is still its own objects, let go one by one (the Page, its id and slot, and its buffer, which "
+         "the store keeps for the next extend); its refcount slot, token ids and filled mark go back with the "
+         "entry's others as one run; design that passes: pages as slabs, no object a page, an entry's pages a run "
+         "of slots freed in one step, as SGLang frees a node's token slots in one tensor op")
 
 
 def replay_sglang(keys: list[array], budget: int) -> tuple[np.ndarray, np.ndarray, int, float, int]:
