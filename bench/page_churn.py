@@ -58,10 +58,10 @@ class _BufferLike:
 class _PageLike:
     """A slotted object of ``impl.pages.Page``'s size."""
 
-    __slots__ = ("page_id", "ref", "books", "table", "buffer", "filled")
+    __slots__ = ("page_id", "ref", "books", "table", "buffer")
 
     def __init__(self, page_id: int, ref: int, buffer):
-        self.page_id, self.ref, self.books, self.table, self.buffer, self.filled = page_id, ref, None, None, buffer, 1
+        self.page_id, self.ref, self.books, self.table, self.buffer = page_id, ref, None, None, buffer
 
 
 def _counted(make) -> tuple[float, int]:

@@ -14,13 +14,14 @@ Concurrency: one lock, and one busy flag per context.
    ``observe``, ``stats``, by ``_owned`` for the flag, and inside every context
    operation that changes a page list, a length or a refcount. It guards
    refcounts, page lists and lengths, the busy flags, the live-context table,
-   the radix tree and its clock, the arena's slot books, the page pool and the
-   store counters. Nothing waits for a busy flag, so nothing can deadlock.
+   the radix tree and its clock, the arena's slot books, the page pool and its
+   page table (token ids, ``filled`` marks) and the store counters. Nothing waits for a busy flag, so nothing can deadlock.
 
 Outside the cache lock, while an operation holds the context only: validating and
-encoding the caller's values, writing value bytes and token ids into pages
-(``Context._write``), reading them back (``read``, ``tokens``, the key of
-``retain``), and a snapshot's file I/O. This is safe because a write goes only
+encoding the caller's values, writing value bytes into pages (``Context._write``;
+the token ids go into the pool's page table under the lock, as growing it copies it),
+reading them back (``read``, ``tokens``, the key of ``retain``), and a snapshot's
+file I/O. This is safe because a write goes only
 into a page that ``writable`` or allocation made private (refcount 1) under the
 lock, and no second holder can appear until this context's owner forks or
 retains it, which it cannot do mid-write. A page that is shared is never written,

@@ -374,8 +374,8 @@ class Context:
         """Keep the first ``n`` positions and release the pages past them (under the cache lock)."""
         holding = self._holding
         keep, _released = truncate_keep(holding.length, n, self.page_tokens)
-        for page in holding.pages[keep:]:
-            self._cache.pool.release(page)
+        if keep < len(holding.pages):       # one step for all of them, as a close releases its pages
+            self._cache.pool.release_slots(holding.pages[keep:], holding.slots[keep:])
         kept = holding.replaced(holding.pages[:keep], holding.slots[:keep], keep_base=len(holding.base) <= keep)
         self._holding = kept.with_length(n)
 

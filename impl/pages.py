@@ -235,43 +235,55 @@ class PagePool:
         """``count`` free refcount slots, their counts still 0: the last freed runs first, then new
         slots past ``_next_ref``. A range where they are consecutive, as they are when an extend
         takes back the run an eviction freed (an entry's pages, made by one extend, have one)."""
-        runs, taken, need = self._free_runs, [], count
-        while need and runs:
+        # The new slots first, the arrays grown for them: running out of memory there takes nothing.
+        fresh = self._grow(count - self._free_slots) if count > self._free_slots else range(0)
+        runs, taken, need = self._free_runs, [], count - len(fresh)
+        self._free_slots -= need
+        while need:
             run = runs.pop()
             if len(run) > need:
                 runs.append(run[need:])
                 run = run[:need]
             taken.append(run)
             need -= len(run)
-        self._free_slots -= count - need
-        if need:
-            taken.append(self._grow(need))
-        slots = taken[0] if len(taken) == 1 else range(0)
-        if len(taken) > 1:
-            for run in taken:
-                slots = joined_slots(slots, run)
-        return slots if type(slots) is range else as_run(slots)
+        if fresh:
+            taken.append(fresh)
+        if len(taken) < 2:
+            return taken[0] if taken else range(0)
+        return as_run(np.concatenate([np.asarray(run, np.intp) for run in taken]))
 
     def _grow(self, count: int) -> range:
-        """``count`` slots never used yet; the refcount array doubles until it holds them."""
+        """``count`` slots never used yet. The refcount array and the page table double until they
+        hold them, each made before anything is replaced: running out of memory changes nothing."""
         books, table, first = self.books, self.table, self._next_ref
-        size = len(books._counts)
-        if first + count > size:
-            while size < first + count:
-                size *= 2
-            counts = np.zeros(size, np.int64)
+        end = first + count
+        counts = books._counts
+        if end > len(counts):
+            counts = np.zeros(_doubled(len(counts), end), np.int64)
             counts[:len(books._counts)] = books._counts
-            table.grow(size)
-            books._counts = counts      # pending shares name slots, which the grown array keeps
-        self._next_ref = first + count
+        if end > len(table.ids):
+            table.grow(_doubled(len(table.ids), end))
         self._by_slot += [None] * count
-        return range(first, self._next_ref)
+        books._counts = counts      # pending shares name slots, which the grown array keeps
+        self._next_ref = end
+        return range(first, end)
 
     def _give_back(self, slots: "range | np.ndarray") -> None:
-        """Slots whose pages were freed (or never made), their counts 0, back for the next ``_take_slots``."""
-        if len(slots):
-            self._free_runs.append(slots)
-            self._free_slots += len(slots)
+        """Slots whose pages were freed (or never made), their counts 0, back for the next ``_take_slots``:
+        joined to the last run given back where the two meet (a truncate's pages, freed one by one)."""
+        if not len(slots):
+            return
+        runs = self._free_runs
+        if type(slots) is not range:
+            slots = as_run(slots)
+        if runs and type(slots) is range and type(runs[-1]) is range:
+            last = runs[-1]
+            if last.stop == slots.start or slots.stop == last.start:
+                runs[-1] = range(min(last.start, slots.start), max(last.stop, slots.stop))
+                self._free_slots += len(slots)
+                return
+        runs.append(slots)
+        self._free_slots += len(slots)
 
     def _register(self, page_id: int, buffer) -> Page:
         (ref,) = self._take_slots(1)
@@ -340,6 +352,15 @@ class PagePool:
         self.table.copy_row(page.ref, private.ref)
         return private
 
+    def _check_live(self, pages, slots: "range | np.ndarray") -> None:
+        """Raise unless each of ``pages`` is the live page on its slot: a second free of a page would
+        give its slot back twice, and two pages would share it."""
+        by_slot = self._by_slot
+        held = by_slot[slots.start:slots.stop] if type(slots) is range else [by_slot[slot] for slot in slots.tolist()]
+        if held != list(pages):
+            stale = [page.page_id for page, live in zip(pages, held) if page is not live]
+            raise RuntimeError(f"pages {stale[:8]} freed but not live (a second free): nothing was changed")
+
     @property
     def live(self) -> dict[int, Page]:
         """The live pages by id, in the order they were made: a new dict, for observation and
@@ -399,12 +420,19 @@ class PagePool:
         The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
         what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
         was handed stays in the live set as if still held."""
+        self._check_live(pages, slots)      # a page freed twice: refused before anything changes
         try:
             self._free_buffers([page.buffer for page in pages])
         finally:
             _place(self._by_slot, slots, [None] * len(pages))
             self._give_back(slots)
             self.freed += len(pages)
+
+
+def _doubled(size: int, at_least: int) -> int:
+    while size < at_least:
+        size *= 2
+    return size
 
 
 def _place(by_slot: list, slots: "range | np.ndarray", items: list) -> None:

@@ -242,7 +242,7 @@ def test_the_refcount_array_is_as_long_as_the_most_pages_ever_live_not_as_pages_
     assert len(cache.pool.refcounts) <= 256          # its first size: 4 pages were ever live at once
     ctx = cache.allocate()
     ctx.extend(list(range(8)), np.zeros((8, *TINY.position_shape), np.float32))
-    assert [page.ref for page in ctx._pages] == [0, 1, 2, 3]     # smallest free slots first: a run
+    assert [page.ref for page in ctx._pages] == [0, 1, 2, 3]     # the run the close freed, taken back whole
 
 
 def test_a_whole_fork_or_hit_shares_its_source_page_tuple_and_a_write_replaces_only_its_own():

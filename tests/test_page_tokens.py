@@ -1,5 +1,6 @@
-"""A page's token ids are one bytearray with an int64 view (``impl/pages.py``): the two must stay
-one memory through every way a page is made, including a pickled or deep-copied cache."""
+"""A page's token ids are its row of the pool's page table (``impl/page_table.py``), read through
+``Page.tokens`` and ``Context.tokens``: what is written must read back through every way a page is
+made, including a pickled or deep-copied cache, and a copy-on-write page gets a row of its own."""
 
 import copy
 import pickle

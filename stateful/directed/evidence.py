@@ -173,14 +173,15 @@ def _stored_pages(cache: Any) -> list[tuple[str, list[bytes]]] | None:
                           for page_id in pages])
                 for holder, pages in (cache.observe().holders or {}).items()]
     store, pool = getattr(cache, "store", None), getattr(cache, "pool", None)
-    if not (callable(getattr(store, "read_encoded", None)) and isinstance(getattr(pool, "live", None), dict)):
+    live = getattr(pool, "live", None)      # read once: an engine may build it on each read
+    if not (callable(getattr(store, "read_encoded", None)) and isinstance(live, dict)):
         return None
     obs = cache.observe()
     pages = []
     for holder, ids in obs.holders.items():
         stored = []
         for page_id in ids:
-            parts = store.read_encoded(pool.live[page_id].buffer, 0, store.page_tokens)
+            parts = store.read_encoded(live[page_id].buffer, 0, store.page_tokens)
             stored.append(b"".join(np.ascontiguousarray(part).tobytes() for part in parts))
         pages.append((holder, stored))
     return pages

@@ -1,0 +1,99 @@
+"""Refcount slots go back to the pool as the runs they were freed in and are taken back as runs
+(``PagePool._take_slots``, ``_give_back``, ``_grow``): every slot is free or holds one live page,
+never both, never two; a failure part way takes none; a truncate's pages come back consecutive."""
+
+import numpy as np
+import pytest
+
+from kvstate.impl import page_table
+from kvstate.impl.cache import Cache
+from kvstate.spec.layout import Layout
+
+TINY = Layout(1, 1, 1)
+
+
+def _zeros(n: int) -> np.ndarray:
+    return np.zeros(TINY.batch_shape(n), np.float32)
+
+
+def _accounted(pool) -> None:
+    """Live pages' slots and the free runs split ``range(_next_ref)`` exactly."""
+    live = sorted(page.ref for page in pool.live.values())
+    free = sorted(int(slot) for run in pool._free_runs for slot in run)
+    assert sorted(live + free) == list(range(pool._next_ref)), (live, free)
+    assert pool._free_slots == len(free) and pool.live_count == len(live)
+    assert not pool.refcounts[free].any()
+
+
+def test_a_pool_that_cannot_grow_takes_no_free_slot(monkeypatch):
+    """250 slots free, 300 wanted: growing the arrays for the other 50 fails before a free slot is taken."""
+    cache = Cache(TINY, page_tokens=1)
+    first, second = cache.allocate(), cache.allocate()
+    first.extend(list(range(250)), _zeros(250))
+    second.extend(list(range(5)), _zeros(5))
+    first.close()
+    runs, free = list(cache.pool._free_runs), cache.pool._free_slots
+
+    def no_memory(table, size):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(page_table.PageTable, "grow", no_memory)
+    with pytest.raises(MemoryError):
+        second.extend(list(range(300)), _zeros(300))
+    assert cache.pool._free_runs == runs and cache.pool._free_slots == free == 250
+    _accounted(cache.pool)
+    monkeypatch.undo()
+    second.extend(list(range(300)), _zeros(300))
+    assert len(second) == 305
+    _accounted(cache.pool)
+
+
+def test_a_truncated_context_extended_again_gets_consecutive_slots():
+    """A truncate frees its pages in one step and gives their slots back as one run: the next extend
+    takes it back as a range (refcount steps on a range are slices), not as scattered slots."""
+    cache = Cache(TINY, page_tokens=1)
+    ctx = cache.allocate()
+    ctx.extend(list(range(1000)), _zeros(1000))
+    ctx.truncate(1)
+    assert cache.pool._free_runs == [range(1, 1000)]
+    ctx.extend(list(range(500)), _zeros(500))
+    assert ctx._holding.slots == range(0, 501)
+    _accounted(cache.pool)
+
+
+def test_single_page_frees_next_to_each_other_join_into_one_run():
+    cache = Cache(TINY, page_tokens=1)
+    ctx = cache.allocate()
+    ctx.extend(list(range(6)), _zeros(6))
+    pages = ctx._pages
+    for page in pages[2:]:        # as copy-on-write lets go of the shared pages it replaced, one by one
+        cache.pool.release(page)
+    assert cache.pool._free_runs == [range(2, 6)]
+
+
+def test_a_page_freed_twice_is_refused_and_nothing_changes():
+    """A second free would give the slot back twice, and the next two pages would share it."""
+    cache = Cache(TINY, page_tokens=1)
+    ctx = cache.allocate()
+    ctx.extend(list(range(3)), _zeros(3))
+    page = ctx._pages[2]
+    one = range(page.ref, page.ref + 1)
+    cache.pool.books.counts[page.ref] = 0
+    cache.pool._free((page,), one)
+    runs, freed, spares = list(cache.pool._free_runs), cache.pool.freed, len(cache.store._spares)
+    with pytest.raises(RuntimeError, match="freed but not live"):
+        cache.pool._free((page,), one)
+    assert (cache.pool._free_runs, cache.pool.freed, len(cache.store._spares)) == (runs, freed, spares)
+
+
+def test_runs_taken_together_are_one_sorted_run_where_they_meet():
+    """Slots from several runs and the pool's end come back in one array (or a range where they join)."""
+    cache = Cache(TINY, page_tokens=1)
+    contexts = [cache.allocate() for _ in range(3)]
+    for ctx in contexts:
+        ctx.extend(list(range(4)), _zeros(4))
+    contexts[0].close()         # slots 0-3
+    contexts[2].close()         # slots 8-11
+    ctx = cache.allocate()
+    ctx.extend(list(range(10)), _zeros(10))      # both runs, then two new slots
+    assert sorted(np.asarray(ctx._holding.slots).tolist()) == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13]
+    _accounted(cache.pool)
