@@ -13,10 +13,10 @@ slots instead of k Python attribute updates (at one-token pages k is in the thou
 and that step is itself deferred, one count per holding or run of slots, until a count is
 looked at (``Refcounts``): a fork closed before anything reads a count costs no step at all.
 Slots are recycled before the array grows, so it is as long as the most pages ever live at
-once, not as the pages ever allocated (page ids only grow: they are identities). They go
-back in the runs they were freed in and are taken back as runs, the last freed first, so a
-release costs one step whatever its pages, and the pages of one ``extend`` still get
-consecutive slots in the common case.
+once, not as the pages ever allocated (page ids only grow: they are identities). A release
+marks all its pages' slots free in one step, and an extend takes the lowest free ones, so
+the free slots stay packed and the pages of one ``extend`` get a few stretches of consecutive
+slots (one, in the common case).
 """
 
 from __future__ import annotations
@@ -218,11 +218,11 @@ class PagePool:
         self._by_slot: list[Page | None] = []
         self.books = Refcounts(256)      # grown by doubling
         self.table = PageTable(256, store.page_tokens)      # as long as the refcount array
-        # Free refcount slots below ``_next_ref``, as the runs they were freed in (a range or an int
-        # array each), the last freed on top: a release gives back all its pages' slots in one step,
-        # and an extend takes a run back whole (``_take_slots``).
-        self._free_runs: list = []
-        self._free_slots = 0             # slots in ``_free_runs``
+        # Which refcount slots below ``_next_ref`` are free: a release marks all its pages' in one
+        # step, an extend takes the lowest (``_take_slots``, scanning from ``_lowest_free``).
+        self._free_mask = np.zeros(256, np.bool_)
+        self._free_slots = 0             # how many are marked
+        self._lowest_free = 0            # no free slot below it
         self._next_ref = 0
         self._ones_kept = np.ones(256, np.int64)    # see ``_ones``
         self.allocated = 0
@@ -232,25 +232,29 @@ class PagePool:
         self.make_room: Callable[[int], None] = lambda needed: None
 
     def _take_slots(self, count: int) -> "range | np.ndarray":
-        """``count`` free refcount slots, their counts still 0: the last freed runs first, then new
-        slots past ``_next_ref``. A range where they are consecutive, as they are when an extend
-        takes back the run an eviction freed (an entry's pages, made by one extend, have one)."""
+        """``count`` free refcount slots, their counts still 0: the lowest free ones, then new slots past
+        ``_next_ref``. Lowest first keeps the free slots packed: what one eviction frees and the holes
+        beside it are taken back together, so an extend's slots are a few stretches (a range, often),
+        and the array is as long as the most pages ever live at once."""
         # The new slots first, the arrays grown for them: running out of memory there takes nothing.
         fresh = self._grow(count - self._free_slots) if count > self._free_slots else range(0)
-        runs, taken, need = self._free_runs, [], count - len(fresh)
-        self._free_slots -= need
-        while need:
-            run = runs.pop()
-            if len(run) > need:
-                runs.append(run[need:])
-                run = run[:need]
-            taken.append(run)
-            need -= len(run)
+        need = count - len(fresh)
+        if not need:
+            return fresh
+        free, start, found = self._free_mask, self._lowest_free, []
+        while need:     # scan from the lowest free slot, a window at a time, until enough are found
+            width = max(4 * need, 4096)
+            window = np.flatnonzero(free[start:start + width])[:need] + start
+            found.append(window)
+            need -= len(window)
+            start += width
+        taken = found[0] if len(found) == 1 else np.concatenate(found)
+        free[taken] = False
+        self._free_slots -= len(taken)
+        self._lowest_free = int(taken[-1]) + 1
         if fresh:
-            taken.append(fresh)
-        if len(taken) < 2:
-            return taken[0] if taken else range(0)
-        return as_run(np.concatenate([np.asarray(run, np.intp) for run in taken]))
+            taken = np.concatenate([taken, np.arange(fresh.start, fresh.stop)])
+        return as_run(taken)
 
     def _grow(self, count: int) -> range:
         """``count`` slots never used yet. The refcount array and the page table double until they
@@ -263,27 +267,27 @@ class PagePool:
             counts[:len(books._counts)] = books._counts
         if end > len(table.ids):
             table.grow(_doubled(len(table.ids), end))
+        if end > len(self._free_mask):
+            mask = np.zeros(_doubled(len(self._free_mask), end), np.bool_)
+            mask[:len(self._free_mask)] = self._free_mask
+            self._free_mask = mask
         self._by_slot += [None] * count
         books._counts = counts      # pending shares name slots, which the grown array keeps
         self._next_ref = end
         return range(first, end)
 
     def _give_back(self, slots: "range | np.ndarray") -> None:
-        """Slots whose pages were freed (or never made), their counts 0, back for the next ``_take_slots``:
-        joined to the last run given back where the two meet (a truncate's pages, freed one by one)."""
+        """Slots whose pages were freed (or never made), their counts 0, back for the next ``_take_slots``."""
         if not len(slots):
             return
-        runs = self._free_runs
-        if type(slots) is not range:
-            slots = as_run(slots)
-        if runs and type(slots) is range and type(runs[-1]) is range:
-            last = runs[-1]
-            if last.stop == slots.start or slots.stop == last.start:
-                runs[-1] = range(min(last.start, slots.start), max(last.stop, slots.stop))
-                self._free_slots += len(slots)
-                return
-        runs.append(slots)
+        if type(slots) is range:
+            self._free_mask[slots.start:slots.stop] = True
+            lowest = slots.start
+        else:
+            self._free_mask[slots] = True
+            lowest = int(slots.min())
         self._free_slots += len(slots)
+        self._lowest_free = min(self._lowest_free, lowest)
 
     def _register(self, page_id: int, buffer) -> Page:
         (ref,) = self._take_slots(1)
@@ -321,7 +325,7 @@ class PagePool:
             self._free_buffers(buffers)
             raise
         self.allocated = first + len(pages) - 1     # before the pages go live: no id is ever handed out twice
-        _place(self._by_slot, slots, pages)
+        _place(self._by_slot, _stretches(slots), pages)
         return pages
 
     def _allocate_each(self, first: int, count: int) -> list:
@@ -352,14 +356,16 @@ class PagePool:
         self.table.copy_row(page.ref, private.ref)
         return private
 
-    def _check_live(self, pages, slots: "range | np.ndarray") -> None:
-        """Raise unless each of ``pages`` is the live page on its slot: a second free of a page would
-        give its slot back twice, and two pages would share it."""
-        by_slot = self._by_slot
-        held = by_slot[slots.start:slots.stop] if type(slots) is range else [by_slot[slot] for slot in slots.tolist()]
-        if held != list(pages):
-            stale = [page.page_id for page, live in zip(pages, held) if page is not live]
-            raise RuntimeError(f"pages {stale[:8]} freed but not live (a second free): nothing was changed")
+    def _check_live(self, pages, stretches: list[tuple[int, int, int]]) -> None:
+        """Raise unless each of ``pages`` is the live page on its slot (``stretches``: their slots, as
+        ``_stretches`` gives them): a second free of a page would give its slot back twice, and two
+        pages would share it."""
+        by_slot, pages = self._by_slot, list(pages)
+        if all(by_slot[first:stop] == pages[at:at + stop - first] for first, stop, at in stretches):
+            return
+        held = [page for first, stop, _at in stretches for page in by_slot[first:stop]]
+        stale = [page.page_id for page, live in zip(pages, held) if page is not live]
+        raise RuntimeError(f"pages {stale[:8]} freed but not live (a second free): nothing was changed")
 
     @property
     def live(self) -> dict[int, Page]:
@@ -420,11 +426,12 @@ class PagePool:
         The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
         what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
         was handed stays in the live set as if still held."""
-        self._check_live(pages, slots)      # a page freed twice: refused before anything changes
+        stretches = _stretches(slots)
+        self._check_live(pages, stretches)      # a page freed twice: refused before anything changes
         try:
             self._free_buffers([page.buffer for page in pages])
         finally:
-            _place(self._by_slot, slots, [None] * len(pages))
+            _place(self._by_slot, stretches, [None] * len(pages))
             self._give_back(slots)
             self.freed += len(pages)
 
@@ -435,13 +442,26 @@ def _doubled(size: int, at_least: int) -> int:
     return size
 
 
-def _place(by_slot: list, slots: "range | np.ndarray", items: list) -> None:
-    """``items[i]`` at ``by_slot[slots[i]]``: one slice assignment for a range of slots."""
+def _place(by_slot: list, stretches: list[tuple[int, int, int]], items: list) -> None:
+    """``items[i]`` at ``by_slot[slot i]``, the slots as ``_stretches`` gives them: a slice assignment each."""
+    if len(stretches) == 1:
+        first, stop, _at = stretches[0]
+        by_slot[first:stop] = items
+        return
+    for first, stop, at in stretches:
+        by_slot[first:stop] = items[at:at + stop - first]
+
+
+def _stretches(slots: "range | np.ndarray") -> list[tuple[int, int, int]]:
+    """``slots`` as its stretches of consecutive slots, ``(first slot, stop, index in slots)`` each: a
+    few, where an extend took its slots from a few freed runs, so a loop over them is short."""
     if type(slots) is range:
-        by_slot[slots.start:slots.stop] = items
-    else:
-        for slot, item in zip(slots.tolist(), items):
-            by_slot[slot] = item
+        return [(slots.start, slots.stop, 0)]
+    if not len(slots):
+        return []
+    breaks = (np.flatnonzero(slots[1:] - slots[:-1] != 1) + 1).tolist()
+    starts, ends = [0, *breaks], [*breaks, len(slots)]
+    return [(first, first + end - start, start) for first, start, end in zip(slots[starts].tolist(), starts, ends)]
 
 
 def _set(counts: np.ndarray, slots: "range | np.ndarray", value: int) -> None:

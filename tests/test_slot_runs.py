@@ -1,6 +1,6 @@
-"""Refcount slots go back to the pool as the runs they were freed in and are taken back as runs
-(``PagePool._take_slots``, ``_give_back``, ``_grow``): every slot is free or holds one live page,
-never both, never two; a failure part way takes none; a truncate's pages come back consecutive."""
+"""Refcount slots go back to the pool in one step a release (``PagePool._give_back``: a mask) and an
+extend takes the lowest free ones (``_take_slots``, ``_grow``): every slot is free or holds one live
+page, never both, never two; a failure part way takes none; freed slots come back consecutive."""
 
 import numpy as np
 import pytest
@@ -19,7 +19,7 @@ def _zeros(n: int) -> np.ndarray:
 def _accounted(pool) -> None:
     """Live pages' slots and the free runs split ``range(_next_ref)`` exactly."""
     live = sorted(page.ref for page in pool.live.values())
-    free = sorted(int(slot) for run in pool._free_runs for slot in run)
+    free = np.flatnonzero(pool._free_mask[:pool._next_ref]).tolist()
     assert sorted(live + free) == list(range(pool._next_ref)), (live, free)
     assert pool._free_slots == len(free) and pool.live_count == len(live)
     assert not pool.refcounts[free].any()
@@ -32,14 +32,14 @@ def test_a_pool_that_cannot_grow_takes_no_free_slot(monkeypatch):
     first.extend(list(range(250)), _zeros(250))
     second.extend(list(range(5)), _zeros(5))
     first.close()
-    runs, free = list(cache.pool._free_runs), cache.pool._free_slots
+    mask, free = cache.pool._free_mask.copy(), cache.pool._free_slots
 
     def no_memory(table, size):
         raise MemoryError("out of memory")
     monkeypatch.setattr(page_table.PageTable, "grow", no_memory)
     with pytest.raises(MemoryError):
         second.extend(list(range(300)), _zeros(300))
-    assert cache.pool._free_runs == runs and cache.pool._free_slots == free == 250
+    assert (cache.pool._free_mask == mask).all() and cache.pool._free_slots == free == 250
     _accounted(cache.pool)
     monkeypatch.undo()
     second.extend(list(range(300)), _zeros(300))
@@ -48,26 +48,27 @@ def test_a_pool_that_cannot_grow_takes_no_free_slot(monkeypatch):
 
 
 def test_a_truncated_context_extended_again_gets_consecutive_slots():
-    """A truncate frees its pages in one step and gives their slots back as one run: the next extend
-    takes it back as a range (refcount steps on a range are slices), not as scattered slots."""
+    """A truncate frees its pages in one step: the next extend takes their slots back as a range
+    (refcount steps on a range are slices), not as scattered slots."""
     cache = Cache(TINY, page_tokens=1)
     ctx = cache.allocate()
     ctx.extend(list(range(1000)), _zeros(1000))
     ctx.truncate(1)
-    assert cache.pool._free_runs == [range(1, 1000)]
+    assert np.flatnonzero(cache.pool._free_mask).tolist() == list(range(1, 1000))
     ctx.extend(list(range(500)), _zeros(500))
     assert ctx._holding.slots == range(0, 501)
     _accounted(cache.pool)
 
 
-def test_single_page_frees_next_to_each_other_join_into_one_run():
+def test_slots_freed_one_by_one_in_any_order_come_back_as_one_range():
     cache = Cache(TINY, page_tokens=1)
     ctx = cache.allocate()
-    ctx.extend(list(range(6)), _zeros(6))
-    pages = ctx._pages
-    for page in pages[2:]:        # as copy-on-write lets go of the shared pages it replaced, one by one
-        cache.pool.release(page)
-    assert cache.pool._free_runs == [range(2, 6)]
+    ctx.extend(list(range(8)), _zeros(8))
+    for index in (5, 3, 4, 2):        # as copy-on-write lets go of the shared pages it replaced, one by one
+        cache.pool.release(ctx._pages[index])
+    other = cache.allocate()
+    other.extend(list(range(4)), _zeros(4))
+    assert other._holding.slots == range(2, 6)
 
 
 def test_a_page_freed_twice_is_refused_and_nothing_changes():
@@ -79,14 +80,14 @@ def test_a_page_freed_twice_is_refused_and_nothing_changes():
     one = range(page.ref, page.ref + 1)
     cache.pool.books.counts[page.ref] = 0
     cache.pool._free((page,), one)
-    runs, freed, spares = list(cache.pool._free_runs), cache.pool.freed, len(cache.store._spares)
+    mask, freed, spares = cache.pool._free_mask.copy(), cache.pool.freed, len(cache.store._spares)
     with pytest.raises(RuntimeError, match="freed but not live"):
         cache.pool._free((page,), one)
-    assert (cache.pool._free_runs, cache.pool.freed, len(cache.store._spares)) == (runs, freed, spares)
+    assert (cache.pool._free_mask == mask).all() and (cache.pool.freed, len(cache.store._spares)) == (freed, spares)
 
 
-def test_runs_taken_together_are_one_sorted_run_where_they_meet():
-    """Slots from several runs and the pool's end come back in one array (or a range where they join)."""
+def test_an_extend_takes_the_lowest_free_slots_then_new_ones():
+    """Slots from several holes and the pool's end come back in one sorted array (a range where they join)."""
     cache = Cache(TINY, page_tokens=1)
     contexts = [cache.allocate() for _ in range(3)]
     for ctx in contexts:
