@@ -242,19 +242,24 @@ class PagePool:
         if not need:
             return fresh
         free, start, found = self._free_mask, self._lowest_free, []
-        while need:     # scan from the lowest free slot, a window at a time, until enough are found
-            width = max(4 * need, 4096)
-            window = np.flatnonzero(free[start:start + width])[:need] + start
-            found.append(window)
-            need -= len(window)
-            start += width
-        taken = found[0] if len(found) == 1 else np.concatenate(found)
+        try:        # everything made first; the books change after, in plain assignments
+            while need:     # scan from the lowest free slot, a window at a time, until enough are found
+                if start >= self._next_ref:     # the count and the mask disagree: a pool bug, not a hang
+                    raise RuntimeError(f"{self._free_slots} free slots counted, {need} short of that in the mask")
+                width = max(4 * need, 4096)
+                window = np.flatnonzero(free[start:start + width])[:need] + start
+                found.append(window)
+                need -= len(window)
+                start += width
+            taken = found[0] if len(found) == 1 else np.concatenate(found)
+            slots = as_run(np.concatenate([taken, np.arange(fresh.start, fresh.stop)]) if fresh else taken)
+        except BaseException:
+            self._give_back(fresh)      # the new slots, never handed out
+            raise
         free[taken] = False
         self._free_slots -= len(taken)
         self._lowest_free = int(taken[-1]) + 1
-        if fresh:
-            taken = np.concatenate([taken, np.arange(fresh.start, fresh.stop)])
-        return as_run(taken)
+        return slots
 
     def _grow(self, count: int) -> range:
         """``count`` slots never used yet. The refcount array and the page table double until they
@@ -365,7 +370,8 @@ class PagePool:
             return
         held = [page for first, stop, _at in stretches for page in by_slot[first:stop]]
         stale = [page.page_id for page, live in zip(pages, held) if page is not live]
-        raise RuntimeError(f"pages {stale[:8]} freed but not live (a second free): nothing was changed")
+        raise RuntimeError(f"pages {stale[:8]} freed but not live (freed before): their buffers, slots and "
+                           f"the live list are left as they were")
 
     @property
     def live(self) -> dict[int, Page]:
@@ -420,14 +426,14 @@ class PagePool:
 
     def _free(self, pages, slots: "range | np.ndarray") -> None:
         """Pages nobody holds (``slots`` their refcount slots, all at 0): out of the live set, their
-        memory back to the store, their slots back as one run. One call for all of a release's pages,
+        memory back to the store, their slots marked free in one step. One call for all of a release's pages,
         and one to the store (``PageStore.free_all``, where it has one): an eviction at one-token
         pages frees hundreds of pages, and a call a page cost a fifth of it.
         The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
         what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
         was handed stays in the live set as if still held."""
         stretches = _stretches(slots)
-        self._check_live(pages, stretches)      # a page freed twice: refused before anything changes
+        self._check_live(pages, stretches)      # a page freed before: refused before its buffer or slot changes
         try:
             self._free_buffers([page.buffer for page in pages])
         finally:

@@ -17,7 +17,7 @@ def _zeros(n: int) -> np.ndarray:
 
 
 def _accounted(pool) -> None:
-    """Live pages' slots and the free runs split ``range(_next_ref)`` exactly."""
+    """Live pages' slots and the slots the mask marks free split ``range(_next_ref)`` exactly."""
     live = sorted(page.ref for page in pool.live.values())
     free = np.flatnonzero(pool._free_mask[:pool._next_ref]).tolist()
     assert sorted(live + free) == list(range(pool._next_ref)), (live, free)
@@ -97,4 +97,27 @@ def test_an_extend_takes_the_lowest_free_slots_then_new_ones():
     ctx = cache.allocate()
     ctx.extend(list(range(10)), _zeros(10))      # both runs, then two new slots
     assert sorted(np.asarray(ctx._holding.slots).tolist()) == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13]
+    _accounted(cache.pool)
+
+
+def test_a_failure_after_the_pool_grew_gives_the_new_slots_back(monkeypatch):
+    """10 slots free, 20 wanted: the pool grows by 10, then making the slots' list fails; the new slots
+    are marked free, the old ones were never taken."""
+    from kvstate.impl import pages as pages_module
+
+    cache = Cache(TINY, page_tokens=1)
+    first, second = cache.allocate(), cache.allocate()
+    first.extend(list(range(10)), _zeros(10))
+    second.extend(list(range(1)), _zeros(1))
+    first.close()
+
+    def no_memory(ids):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(pages_module, "as_run", no_memory)
+    with pytest.raises(MemoryError):
+        second.extend(list(range(20)), _zeros(20))
+    assert cache.pool._free_slots == 20 and len(second) == 1
+    _accounted(cache.pool)
+    monkeypatch.undo()
+    second.extend(list(range(20)), _zeros(20))
     _accounted(cache.pool)
