@@ -214,7 +214,7 @@ class PagePool:
     def __init__(self, store: PageStore):
         self.store = store
         # The live page on refcount slot i at [i], None where the slot is free: pages go live and
-        # are freed a run of slots at a time (a slice), not one dictionary entry each.
+        # are freed a stretch of slots at a time (a slice), not one dictionary entry each.
         self._by_slot: list[Page | None] = []
         self.books = Refcounts(256)      # grown by doubling
         self.table = PageTable(256, store.page_tokens)      # as long as the refcount array
@@ -295,7 +295,7 @@ class PagePool:
         self._lowest_free = min(self._lowest_free, lowest)
 
     def _register(self, page_id: int, buffer) -> Page:
-        (ref,) = self._take_slots(1)
+        ref = int(self._take_slots(1)[0])
         self.books._counts[ref] = 1         # a free slot: no pending share names it, so no flush
         page = Page(self.books, self.table, page_id, ref, buffer)
         self._by_slot[ref] = page
