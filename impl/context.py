@@ -26,7 +26,7 @@ from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionEr
 from kvstate.spec.layout import check_tokens, check_values
 
 from .holding import Holding
-from .pages import Page, joined_slots, ref_slots
+from .pages import Page, joined_slots
 from .query import packed_ids
 from .snapshot import write_snapshot
 from .store import recycle
@@ -253,16 +253,16 @@ class Context:
         return partial_shared + end - len(self._pages)
 
     def _grow(self, start: int, stop: int) -> None:
-        """Make every page ``[start, stop)`` lands in this context's own (under the cache lock, room made)."""
+        """Make every page ``[start, stop)`` lands in this context's own (under the cache lock, room made).
+        Their ``filled`` marks are raised by ``_write``, under the lock, before a byte lands."""
         first, end = pages_touched(start, stop, self.page_tokens)
         if first < len(self._pages):
             self.writable(first)           # the partly filled last page
         holding = self._holding
         if end > len(holding.pages):
-            grown = tuple(self._cache.pool.new_pages(end - len(holding.pages), room_made=True))
-            self._holding = holding.replaced(holding.pages + grown, joined_slots(holding.slots, ref_slots(grown)),
+            grown, slots = self._cache.pool.new_run(end - len(holding.pages), room_made=True)
+            self._holding = holding.replaced(holding.pages + tuple(grown), joined_slots(holding.slots, slots),
                                              keep_base=True)
-        self._raise_filled(start, stop)
 
     def overwrite(self, start: int, tokens, kv) -> None:
         """Rewrite positions ``[start, start + n)``, all inside the current length."""
@@ -289,20 +289,14 @@ class Context:
             finally:
                 recycle(store, encoded)
 
-    def _raise_filled(self, start: int, stop: int) -> None:
-        """Raise the ``filled`` mark of each page ``[start, stop)`` lands in. Under the cache lock,
-        before the bytes land outside it: an ``observe()`` in between must never find written
-        bytes past ``filled`` (it would report a dirty tail that is not there)."""
-        self._cache.pool.table.raise_filled(self._holding.slots, start, stop)
-
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
 
         The values are copied outside the cache lock. Inside it, first, the pages' ``filled``
-        marks are raised (``extend`` raised them already; another caller, a restore filling
-        fresh pages, gets them raised here before a byte is written) and the token ids go into
-        the pool's table (``page_table.PageTable``, written under the lock only): one short
-        critical section.
+        marks are raised, before a byte lands: an ``observe()`` in between must never find written
+        bytes past ``filled`` (it would report a dirty tail that is not there). The token ids go
+        into the pool's table (``page_table.PageTable``, written under the lock only) in the same
+        short critical section.
         """
         held, page_tokens = self._holding, self.page_tokens     # read once: loops over every page
         pages = held.pages

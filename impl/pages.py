@@ -303,7 +303,12 @@ class PagePool:
         return page
 
     def new_pages(self, count: int, room_made: bool = False) -> list[Page]:
-        """``count`` new pages, or none: if making one fails (memory ran out, an interrupt), what was
+        """``count`` new pages (``new_run``'s pages)."""
+        return self.new_run(count, room_made)[0]
+
+    def new_run(self, count: int, room_made: bool = False) -> "tuple[list[Page], range | np.ndarray]":
+        """``count`` new pages and their refcount slots (a range or an int array, as ``ref_slots``
+        gives them: a holder extended by them takes the slots as they are), or none: if making one fails (memory ran out, an interrupt), what was
         made is given back before the error propagates: no page is left unheld, no slot taken. The
         pages go live (``live``) only once all are made, in one step.
 
@@ -331,7 +336,7 @@ class PagePool:
             raise
         self.allocated = first + len(pages) - 1     # before the pages go live: no id is ever handed out twice
         _place(self._by_slot, _stretches(slots), pages)
-        return pages
+        return pages, slots
 
     def _allocate_each(self, first: int, count: int) -> list:
         """``allocate_all`` for a store written to the protocol before it: ``allocate`` a page."""

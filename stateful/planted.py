@@ -281,7 +281,6 @@ def refused_extend_keeps_pages() -> ContextManager:
                 ctx._cache.pool.make_room(partial_shared + end - held)     # too late: the pages are taken
                 if first < held:
                     ctx.writable(first)
-                ctx._raise_filled(start, stop)
             ctx._write(start, stop, tokens, encoded)
             with ctx._cache.lock:
                 ctx._holding = ctx._holding.with_length(stop)
