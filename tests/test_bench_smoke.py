@@ -5,6 +5,7 @@ import pytest
 
 from kvstate.bench import agent_traffic, fork_copy, read_pages
 from kvstate.bench.yardstick import TokenRadixTree
+from kvstate.spec import Layout
 from kvstate.demo import Demo
 
 
@@ -192,22 +193,42 @@ def test_bounded_trees_evict_on_both_sides_and_keep_the_same_hits():
         pytest.skip(f"SGLang's RadixCache cannot be loaded: {sglang_missing()}")
 
     result = bounded_vs_sglang.run(quick=True)
-    sglang, kvstate = result["rows"]
-    assert (sglang["engine"], kvstate["engine"]) == (bounded_vs_sglang.SGLANG, bounded_vs_sglang.KVSTATE)
+    sglang, kvstate, floor = result["rows"]
+    assert [row["engine"] for row in result["rows"]] == [bounded_vs_sglang.SGLANG, bounded_vs_sglang.KVSTATE,
+                                                         bounded_vs_sglang.FLOOR]
     assert sglang["freed_per_request"] > 0 and kvstate["freed_per_request"] > 0     # both really evicted
     assert 0 < kvstate["held_at_end"] <= sglang["held_at_end"]      # each entry's pages counted as unshared
+    assert floor["held_at_end"] is None and floor["freed_per_request"] == kvstate["freed_per_request"]
     assert all(result["targets"].values()), result["targets"]
     unbounded = bounded_vs_sglang.run(quick=True, budget=10**9)                    # the control: nothing evicted
-    assert [row["freed_per_request"] for row in unbounded["rows"]] == [0, 0]
+    assert [row["freed_per_request"] for row in unbounded["rows"]] == [0, 0, 0]
     assert unbounded["rows"][1]["matched"] >= kvstate["matched"]
+
+
+def test_the_floor_row_frees_nothing_and_keeps_every_page_it_was_handed():
+    from kvstate.bench.bounded_vs_sglang import skip_frees
+    from kvstate.impl import Cache
+
+    layout = Layout(layers=1, kv_heads=1, head_dim=2)
+    cache = Cache(layout, page_tokens=1, max_pages=3)
+    kept = skip_frees(cache.pool)
+    for first in (0, 10):       # the second entry pushes the first out of the 3-page budget
+        ctx = cache.allocate()
+        ctx.extend(np.arange(first, first + 3), np.zeros(layout.batch_shape(3), np.float32))
+        cache.retain(ctx)
+        ctx.close()
+    assert cache.pool.freed == 3 and [len(pages) for pages in kept] == [3]
+    assert cache.pool.live_count == 6 - 3 and len(cache.pool.live) == 6     # counted freed, never let go
 
 
 def test_the_bounded_verdict_names_what_a_missed_insert_pays_per_page():
     from kvstate.bench.bounded_vs_sglang import SLABS, speed_verdict
 
     peer = {"insert_us_per_freed": 0.27}
-    missed = speed_verdict(peer, {"lookup_speedup": 1.7, "insert_speedup": 0.2, "insert_us_per_freed": 1.26})
+    floor = {"insert_speedup": 1.08}
+    missed = speed_verdict(peer, {"lookup_speedup": 1.7, "insert_speedup": 0.2, "insert_us_per_freed": 1.26}, floor)
     assert missed.startswith("0.20 MISSED: ") and "1.26 µs a page freed against SGLang's 0.27" in missed
-    assert missed.endswith(SLABS)
-    assert speed_verdict(peer, {"lookup_speedup": 1.4, "insert_speedup": 1.9, "insert_us_per_freed": 0.1}) == "1.40 MISSED"
-    assert speed_verdict(peer, {"lookup_speedup": 1.6, "insert_speedup": 1.5, "insert_us_per_freed": 0.1}) == "1.50 met"
+    assert "skipped (kvstate, frees skipped (floor)) inserts run at 1.08x" in missed and missed.endswith(SLABS)
+    lookups_short = {"lookup_speedup": 1.4, "insert_speedup": 1.9, "insert_us_per_freed": 0.1}
+    assert speed_verdict(peer, lookups_short, floor) == "1.40 MISSED"
+    assert speed_verdict(peer, {"lookup_speedup": 1.6, "insert_speedup": 1.5, "insert_us_per_freed": 0.1}, floor) == "1.50 met"
