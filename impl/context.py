@@ -260,9 +260,15 @@ class Context:
             self.writable(first)           # the partly filled last page
         holding = self._holding
         if end > len(holding.pages):
-            grown, slots = self._cache.pool.new_run(end - len(holding.pages), room_made=True)
-            self._holding = holding.replaced(holding.pages + tuple(grown), joined_slots(holding.slots, slots),
-                                             keep_base=True)
+            pool = self._cache.pool
+            grown, slots = pool.new_run(end - len(holding.pages), room_made=True)
+            try:        # the new pages' one holder is this context only once its holding lists them
+                grown_holding = holding.replaced(holding.pages + tuple(grown), joined_slots(holding.slots, slots),
+                                                 keep_base=True)
+            except BaseException:       # memory ran out joining the lists (or an interrupt): no page left unheld
+                pool.release_slots(grown, slots)
+                raise
+            self._holding = grown_holding
 
     def overwrite(self, start: int, tokens, kv) -> None:
         """Rewrite positions ``[start, start + n)``, all inside the current length."""

@@ -121,3 +121,29 @@ def test_a_failure_after_the_pool_grew_gives_the_new_slots_back(monkeypatch):
     monkeypatch.undo()
     second.extend(list(range(20)), _zeros(20))
     _accounted(cache.pool)
+
+
+@pytest.mark.parametrize("page_tokens", [1, 4])
+def test_an_extend_failing_after_its_pages_are_made_frees_them(monkeypatch, page_tokens):
+    """Memory running out between making an extend's pages and listing them in the context's holding
+    (joining the slot lists) leaves no page live and no slot taken: the context is as it was."""
+    from kvstate.impl import context as context_module
+
+    cache = Cache(TINY, page_tokens=page_tokens)
+    ctx = cache.allocate()
+    ctx.extend(list(range(6)), _zeros(6))
+    before = (cache.pool.live_count, cache.pool._free_slots, cache.pool._next_ref, ctx._holding)
+
+    def no_memory(head, tail):
+        raise MemoryError("out of memory")
+    monkeypatch.setattr(context_module, "joined_slots", no_memory)
+    with pytest.raises(MemoryError):
+        ctx.extend(list(range(20)), _zeros(20))
+    live, free, next_ref, holding = before
+    assert ctx._holding is holding and len(ctx) == 6 and list(ctx.tokens) == list(range(6))
+    assert cache.pool.live_count == live and cache.pool._free_slots == free + (cache.pool._next_ref - next_ref)
+    _accounted(cache.pool)
+    monkeypatch.undo()
+    ctx.extend(list(range(20)), _zeros(20))
+    assert len(ctx) == 26
+    _accounted(cache.pool)
