@@ -52,7 +52,7 @@ def run(quick: bool = False) -> dict:
         for f in group:
             f.close()
     # Shares are deferred, one count on the holding the forks share, until a count is looked at
-    # (impl/pages.py ``Refcounts``): a fork alone says little on its own, so a fork closed again and
+    # (impl/refcounts.py ``Refcounts``): a fork alone says little on its own, so a fork closed again and
     # a fork whose counts are then read (a flush: one vectorised step) are measured too.
     cycle_s = best_of(lambda: [ctx.fork().close() for _ in range(WAYS)], repeat=REPEAT)
 

@@ -4,7 +4,8 @@ Where things live:
 - ``cache.py``    the cache: store, pool, tree, live contexts, the lock
 - ``context.py``  contexts; ``Context.writable`` is the only place a page is copied
 - ``holding.py``  what a context holds (pages, refcount slots, length, key), replaced whole on every change
-- ``pages.py``    pages, refcounts, and the one release path
+- ``pages.py``    pages, their refcount slots, and the one release path
+- ``refcounts.py``  the refcount array, and the shares a fork or hit leaves pending until a count is read
 - ``page_table.py``  each page's token ids and ``filled`` mark, in arrays by refcount slot
 - ``radix.py``    the radix prefix tree (match, retain, eviction)
 - ``arena.py``    slot books for a preallocated arena

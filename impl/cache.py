@@ -197,7 +197,7 @@ class Cache:
             else:
                 pages, slots = held.pages[:n], held.slots[:n]
                 holding = Holding(pages, slots, length, held.key, pages, slots)
-            self.pool.books.share(holding.slots)    # one pending count on the run (pages.Refcounts): hits at one prefix share it
+            self.pool.books.share(holding.slots)    # one pending count on the run (refcounts.Refcounts): hits at one prefix share it
         self._next_context_id += 1
         child = Context(self, self._next_context_id, holding)
         if register:

@@ -2,7 +2,7 @@
 
 Both live in the context's ``Holding`` (``impl/holding.py``), one object that every change
 replaces whole. ``fork`` hands the child that very object and counts one more holder of its
-pages (pending until a count is read: ``pages.Refcounts``); nothing else. ``writable`` is the
+pages (pending until a count is read: ``refcounts.Refcounts``); nothing else. ``writable`` is the
 only place in kvstate where a page is copied, and it copies only a page that
 another holder shares. Every write path goes through it.
 

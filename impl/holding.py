@@ -6,7 +6,7 @@ from parts that agree. So a fork takes the object itself, with nothing to copy o
 child holds the very same ``Holding`` as its parent.
 
 The one field that does change in place is ``forks``: the holders of these pages whose
-refcounts are still pending (``pages.Refcounts``). A fork adds one; a holder letting go takes
+refcounts are still pending (``refcounts.Refcounts``). A fork adds one; a holder letting go takes
 one back while any is left; a flush adds them to the pages' counts and sets it to 0.
 All of it under the cache lock.
 """
@@ -34,7 +34,7 @@ class Holding:
         # that each extended that same tuple, so the hit copies no list of page references (a
         # slice increfs every page: the cost of a one-token-page hit). ``base_slots`` are its
         # slots, a range where the base was one extend's pages, so the count a hit leaves pending
-        # is one slice add (``pages.Refcounts.flush``), not a scatter.
+        # is one slice add (``refcounts.Refcounts.flush``), not a scatter.
         self.base = base
         self.base_slots = base_slots
         self.forks = 0

@@ -11,7 +11,7 @@ slot of it (``Page.ref``); ``Page.refcount`` reads and writes that slot. Why: a 
 match of k pages then bumps k refcounts in one vectorised step over the holder's array of
 slots instead of k Python attribute updates (at one-token pages k is in the thousands);
 and that step is itself deferred, one count per holding or run of slots, until a count is
-looked at (``Refcounts``): a fork closed before anything reads a count costs no step at all.
+looked at (``refcounts.Refcounts``): a fork closed before anything reads a count costs no step at all.
 Slots are recycled before the array grows, so it is as long as the most pages ever live at
 once, not as the pages ever allocated (page ids only grow: they are identities). A release
 marks all its pages' slots free in one step, and an extend takes the lowest free ones, so
@@ -28,123 +28,8 @@ from typing import Callable
 import numpy as np
 
 from .page_table import PageTable
+from .refcounts import Refcounts
 from .store import PageStore
-
-
-class Refcounts:
-    """The pool's refcount array, in a box the pages share: it is replaced when it grows, and a
-    page reaching it through the box rather than through the pool makes no reference cycle
-    (the pool's live set holds the pages), so a dropped cache is freed at once.
-
-    Shares are deferred: a fork records "one more holder of these pages" as one count instead
-    of one increment per page, and a holder of the same pages letting go takes such a count
-    back, so a fork closed again touches no page's count. Two places keep such counts:
-
-    - a fork at full length (``Context.fork``), whose child holds the very same ``Holding`` as
-      its parent, counts on that holding (``Holding.forks``; ``share_holding``);
-    - a fork at a shorter length (a match hit) counts on its run of slots (``pending``:
-      ``id(ids) -> [ids, holders]``; ``share``, ``withdraw``): hits at one shared prefix get
-      different holdings but the same run.
-
-    Whoever reads or writes ``counts`` gets them exact: the pending counts are added first
-    (``flush``), one vectorised step per run or holding. So a page's refcount is exact whenever
-    anything looks at it (``Page.refcount``, ``observe``, ``writable``, a release that may free
-    a page).
-    """
-
-    __slots__ = ("_counts", "pending", "forked")
-
-    FLUSH_AT = 64       # runs (or holdings) pending before a share adds them anyway: bounds a late flush
-
-    def __init__(self, size: int):
-        self._counts = np.zeros(size, np.int64)    # refcount of the page holding slot i; 0 for free slots
-        self.pending: dict[int, list] = {}
-        self.forked: dict = {}      # id(holding) -> holding (impl/holding.py), for each with forks counted on it
-
-    @property
-    def counts(self) -> np.ndarray:
-        if self.pending or self.forked:
-            self.flush()
-        return self._counts
-
-    @counts.setter
-    def counts(self, value: np.ndarray) -> None:
-        if self.pending or self.forked:
-            self.flush()
-        self._counts = value
-
-    def flush(self) -> None:
-        counts, pending, forked = self._counts, self.pending, self.forked
-        self.pending, self.forked = {}, {}
-        for ids, holders in pending.values():
-            _add(counts, ids, holders)
-        for holding in forked.values():
-            _add(counts, holding.slots, holding.forks)
-            holding.forks = 0
-
-    def share(self, ids) -> None:
-        """One more holder of every slot of ``ids`` (one holder's list: distinct slots), as one pending count."""
-        pending = self.pending
-        entry = pending.get(id(ids))
-        if entry is not None and entry[0] is ids:
-            entry[1] += 1
-            return
-        if len(pending) >= self.FLUSH_AT:
-            self.flush()
-        self.pending[id(ids)] = [ids, 1]
-
-    def share_holding(self, holding) -> None:
-        """One more holder of ``holding``'s pages, counted on it (``Context.fork`` adds to a count
-        already there itself: this is the first count since the last flush)."""
-        if holding.forks:
-            holding.forks += 1
-            return
-        if len(self.forked) >= self.FLUSH_AT:
-            self.flush()
-        holding.forks = 1
-        self.forked[id(holding)] = holding
-
-    def withdraw_holding(self, holding) -> bool:
-        """Take back one holder of ``holding`` counted on it, if there is one; True if taken.
-        Safe for any holder of it, as ``withdraw`` is for any holder of a run."""
-        forks = holding.forks
-        if not forks:
-            return False
-        holding.forks = forks - 1
-        if forks == 1:
-            del self.forked[id(holding)]
-        return True
-
-    def withdraw(self, ids) -> bool:
-        """Take back one pending holder of the run ``ids``, if there is one; True if taken.
-
-        Safe without looking at any page: every holder of ``ids`` holds the same pages, so
-        which of them lets go does not matter; and while a count is pending for ``ids`` the
-        holder it was forked from holds them too, so no page can reach 0 here."""
-        entry = self.pending.get(id(ids))
-        if entry is None or entry[0] is not ids:
-            return False
-        if entry[1] == 1:
-            del self.pending[id(ids)]
-        else:
-            entry[1] -= 1
-        return True
-
-    def __getstate__(self):
-        return {"_counts": self.counts}     # flushed: id() keys mean nothing in a copy, and holdings copy no count
-
-    def __setstate__(self, state) -> None:
-        self._counts, self.pending, self.forked = state["_counts"], {}, {}
-
-
-def _add(counts: np.ndarray, ids, holders: int) -> None:
-    """``holders`` more on each refcount slot of ``ids`` (distinct slots: a range or an int array)."""
-    if type(ids) is range:
-        counts[ids.start:ids.stop] += holders
-    elif len(ids) > 96:      # ufunc.at: faster than fancy indexing on long arrays, slower on short
-        np.add.at(counts, ids, holders)
-    else:
-        counts[ids] += holders
 
 
 class Page:

@@ -19,6 +19,7 @@ from kvstate.impl import holding as holding_module
 from kvstate.impl import numpy_store as numpy_module
 from kvstate.impl import pages as pages_module
 from kvstate.impl import radix as radix_module
+from kvstate.impl import refcounts as refcounts_module
 from kvstate.spec import arithmetic
 from kvstate.spec import precision as precisions
 from kvstate.spec.errors import PositionError
@@ -296,7 +297,7 @@ def refcounts_split_on_growth() -> ContextManager:
     def grow(pool, count):
         books = pool.books
         if pool._next_ref + count > len(books.counts):
-            pool.books = pages_module.Refcounts(2 * len(books.counts))   # the old pages keep ``books``
+            pool.books = refcounts_module.Refcounts(2 * len(books.counts))   # the old pages keep ``books``
             pool.books.counts[:len(books.counts)] = books.counts
         return original(pool, count)
     return _patched(pages_module.PagePool, "_grow", grow)

@@ -246,12 +246,12 @@ def test_damaged_snapshot_check_is_not_applicable_without_snapshots():
 
 
 def test_races_check_passes_the_engine_and_catches_a_planted_race_bug(monkeypatch):
-    from kvstate.impl import pages
+    from kvstate.impl import refcounts
 
     config = [c for c in machine_configs() if c.name == "f32-arena6"]
     results = conform(numpy_factory, checks=["races"], configs=config)
     assert [r.outcomes["races"].status for r in results] == ["pass"]
-    monkeypatch.setattr(pages.Refcounts, "share_holding", lambda self, holding: None)   # fork forgets its refcounts
+    monkeypatch.setattr(refcounts.Refcounts, "share_holding", lambda self, holding: None)   # fork forgets its refcounts
     outcome = conform(numpy_factory, checks=["races"], configs=config)[0].outcomes["races"]
     assert outcome.status == "FAIL" and "seed=0" in outcome.detail
 

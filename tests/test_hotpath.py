@@ -208,9 +208,9 @@ def test_a_fork_holds_its_parents_holding_and_every_change_replaces_it_whole():
 
 
 def test_forks_closed_before_any_count_is_read_touch_no_refcount_and_reads_are_exact(monkeypatch):
-    """A fork is one pending count on the holding it shares (``pages.Refcounts``); closing a fork of
+    """A fork is one pending count on the holding it shares (``refcounts.Refcounts``); closing a fork of
     it takes that count back; anything reading a count gets every pending share added first."""
-    from kvstate.impl.pages import Refcounts
+    from kvstate.impl.refcounts import Refcounts
 
     cache = Cache(TINY, page_tokens=2)
     ctx = cache.allocate()

@@ -337,9 +337,9 @@ def test_a_refused_write_must_leave_its_context_unchanged():
 
 def test_reports_name_the_seed_and_iteration_of_a_failure(monkeypatch):
     """A planted race bug (fork forgets its refcount increments) is caught and reported rerunnably."""
-    from kvstate.impl import pages
+    from kvstate.impl import refcounts
 
-    monkeypatch.setattr(pages.Refcounts, "share_holding", lambda self, holding: None)
+    monkeypatch.setattr(refcounts.Refcounts, "share_holding", lambda self, holding: None)
     with pytest.raises(races.RaceFailure, match=r"fork_storm\[numpy, f32-heap\] seed=7 iteration=0"):
         races.fork_storm("numpy", seed=7, iterations=1, threads=4)
 
