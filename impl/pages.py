@@ -1,4 +1,4 @@
-"""Pages, their refcounts, and the one path that frees them.
+"""Pages, their refcount slots, and the one path that frees them.
 
 A page is shared by every holder (context or tree entry) in its refcount;
 ``release`` (one page) and ``release_slots`` (a holder's whole list) are the ways a
@@ -6,17 +6,14 @@ holder lets go, whoever the holder is, and both free through ``_free``, so the
 arena, the counters and the live set can never disagree about a page.
 The pool is used under the cache lock.
 
-Refcounts live in one int64 array (``PagePool.refcounts``), each live page owning one
-slot of it (``Page.ref``); ``Page.refcount`` reads and writes that slot. Why: a fork or a
-match of k pages then bumps k refcounts in one vectorised step over the holder's array of
-slots instead of k Python attribute updates (at one-token pages k is in the thousands);
-and that step is itself deferred, one count per holding or run of slots, until a count is
-looked at (``refcounts.Refcounts``): a fork closed before anything reads a count costs no step at all.
-Slots are recycled before the array grows, so it is as long as the most pages ever live at
-once, not as the pages ever allocated (page ids only grow: they are identities). A release
-marks all its pages' slots free in one step, and an extend takes the lowest free ones, so
-the free slots stay packed and the pages of one ``extend`` get a few stretches of consecutive
-slots (one, in the common case).
+Each live page owns one slot (``Page.ref``) of the pool's refcount array
+(``refcounts.Refcounts``, which also keeps the counts a fork leaves pending) and of its
+``PageTable``. Slots are recycled before the arrays grow, so they are as long as the most pages
+ever live at once, not as the pages ever allocated (page ids only grow: they are identities).
+A release marks all its pages' slots free in one step, and an extend takes the lowest free
+ones, so the free slots stay packed and the pages of one ``extend`` get a few stretches of
+consecutive slots (one, in the common case): such a holder's slots are a range
+(``ref_slots``), and the vectorised steps over them are slices, not gathers.
 """
 
 from __future__ import annotations
