@@ -12,6 +12,7 @@ from typing import Iterable, Mapping
 
 import numpy as np
 
+from .arithmetic import pages_needed
 from .errors import InvariantViolation
 from .observation import NodeView, Observation
 
@@ -60,6 +61,28 @@ def check_liveness(obs: Observation) -> None:
         raise InvariantViolation(
             2, f"pages allocated {obs.pages_allocated} - freed {obs.pages_freed} "
                f"!= {len(obs.pages)} live pages")
+
+
+def check_page_counts(obs: Observation, page_tokens: int) -> None:
+    """2, for each holder: it lists exactly the pages its length needs at ``page_tokens`` a page.
+    A page past them is one that ``truncate`` should have released (or an ``extend`` made and
+    never used): held until the holder closes, it is memory nothing can read, which a bounded
+    pool would evict or refuse over while the reference has room."""
+    if obs.holders is None or obs.lengths is None:
+        return
+    for holder, pages in obs.holders.items():
+        length = obs.lengths.get(holder)
+        if length is None:
+            continue
+        needed = pages_needed(length, page_tokens)
+        if len(pages) != needed:
+            raise InvariantViolation(
+                2, f"{holder} lists {_pages(len(pages))} for its {length} positions, which need {needed} at "
+                   f"{page_tokens} a page: {'pages past its length are still held' if len(pages) > needed else 'positions without a page'}")
+
+
+def _pages(n: int) -> str:
+    return f"{n} page" + "s" * (n != 1)
 
 
 def check_arena(obs: Observation) -> None:

@@ -250,6 +250,7 @@ class Lockstep:
             raise InvariantViolation(3, f"the arena has {obs.arena_size} slots, the configuration "
                                         f"{self.config.arena_pages} (arena_pages)")
         invariants.check_structure(obs)
+        invariants.check_page_counts(obs, self.config.page_tokens)
         engine_reads, reference_reads = {}, {}
         last = self._observed[1] if self._observed is not None else None
         skip = self._unchanged_since(last, obs) if self.reads_changed_only else set()

@@ -72,6 +72,15 @@ def truncate_off_by_one() -> ContextManager:
     return _patched(context_module, "truncate_keep", keep_floor)
 
 
+def truncate_releases_nothing() -> ContextManager:
+    """``truncate`` shortens the context but releases none of the pages past its new length: they
+    stay listed, and held, until it closes. Every read is right (a later extend writes over them),
+    and closing frees them all; only the holder's page count against its length shows it."""
+    def keep_first(self, n):
+        self._holding = self._holding.with_length(n)
+    return _patched(context_module.Context, "_keep_first", keep_first)
+
+
 def truncate_shared_boundary() -> ContextManager:
     """A fast path for "drop the lone position on a shared second page": ``truncate`` to
     exactly one full page, from one position more, while a fork shares the second page,
@@ -314,6 +323,7 @@ PLANTED: dict[str, Callable[[], ContextManager]] = {
     "missing_copy_on_write": missing_copy_on_write,
     "refcount_kept_on_close": refcount_kept_on_close,
     "truncate_off_by_one": truncate_off_by_one,
+    "truncate_releases_nothing": truncate_releases_nothing,
     "truncate_shared_boundary": truncate_shared_boundary,
     "split_node_evicted": split_node_evicted,
     "arena_slot_kept_on_eviction": arena_slot_kept_on_eviction,

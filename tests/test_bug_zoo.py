@@ -126,6 +126,14 @@ def truncate_inside_page(factory, config):
     return None if len(ctx.read()[1]) == 1 else f"truncate to 1 reads {len(ctx.read()[1])} positions"
 
 
+def truncate_releases(factory, config):
+    cache = factory(config)
+    ctx = _filled(cache, config, list(range(2 * config.page_tokens)))
+    ctx.truncate(0)
+    held = [pages for holder, pages in cache.observe().holders.items()]
+    return f"an empty context still lists pages {held}" if any(held) else None
+
+
 def eviction_order(factory, config):
     cache = factory(config)
     for token in (1, 2, 3):                          # max_entries 2: the third evicts (1,)
@@ -303,6 +311,8 @@ ZOO = {
     "refcount_kept_on_close": Planted(
         "no_arena", "f32-heap", "invariant 6: not empty", close_releases),
     "truncate_off_by_one": Planted("no_tree", "f32-heap", "invariant 4", truncate_inside_page),
+    "truncate_releases_nothing": Planted("no_arena", "f32-heap", "pages past its length are still held",
+                                         truncate_releases),
     "evicts_most_recent": Planted(
         "no_arena", "f32-heap", "invariant 5", eviction_order),
     "retain_keeps_old_entry": Planted("dict_pages", "f32-heap", "replaces its entry", retain_twice),

@@ -35,6 +35,8 @@ MINIMAL = {
     "release_skips_last_page": (Scope(), 2),
     # allocate, extend 1; truncate to 1 keeps floor(1/2) = 0 pages of a 1-position context
     "truncate_off_by_one": (Scope(), 3),
+    # allocate, extend 1; truncate to 0 still lists the page (invariant 2: a page past the length)
+    "truncate_releases_nothing": (Scope(), 3),
     # allocate, extend, fork, overwrite: the first write to a shared page
     "missing_copy_on_write": (Scope(), 4),
     # allocate, extend 2 (slot 0 full), truncate 0 (slot freed dirty), extend 1 (slot 0 reissued)

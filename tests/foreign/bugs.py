@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvstate.spec import precision as precisions
+from kvstate.spec.errors import PositionError
 from kvstate.spec.layout import check_tokens
 
 from . import block_pool, dict_pages, no_arena, no_tree
@@ -253,6 +254,22 @@ class RefcountKeptOnClose(no_arena.HeapEngine):
     block_class = KeepRefsBlock
 
 
+class KeepPagesBlock(no_arena.Block):
+    def truncate(self, n: int) -> None:
+        self._alive()
+        if not (_is_int(n) and 0 <= n <= self.length):
+            raise PositionError(f"truncate to {n} but the context has {self.length} positions")
+        self.length = n       # the pages past ``n`` stay listed and held
+
+
+class TruncateReleasesNothing(no_arena.HeapEngine):
+    """``truncate`` shortens the context but keeps every page past its new length, held until it
+    closes: every read is right and closing frees them all, so only a holder's page count against
+    its length shows it (invariant 2; README: ``truncate(n)`` releases the pages past n)."""
+
+    block_class = KeepPagesBlock
+
+
 class EvictsMostRecent(no_arena.HeapEngine):
     """When the tree is full, eviction drops the *most* recently used entry (other than the one
     just retained) instead of the least (invariant 5: eviction order)."""
@@ -425,6 +442,7 @@ _PLANTED = {
     "missing_copy_on_write": (MissingCopyOnWrite, no_tree.factory),
     "refcount_kept_on_close": (RefcountKeptOnClose, no_arena.factory),
     "truncate_off_by_one": (TruncateOffByOne, no_tree.factory),
+    "truncate_releases_nothing": (TruncateReleasesNothing, no_arena.factory),
     "evicts_most_recent": (EvictsMostRecent, no_arena.factory),
     "retain_keeps_old_entry": (RetainKeepsOldEntry, dict_pages.factory),
     "f16_overflow_accepted": (F16OverflowAccepted, no_arena.factory),
