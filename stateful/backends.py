@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import weakref
 from pathlib import Path
 
 from kvstate.spec.errors import KVStateError
@@ -40,7 +41,25 @@ def load_factory(path: str) -> Factory:
     factory = getattr(module, attribute, None)
     if not callable(factory):
         raise FactoryError(f"{module_name!r} has no callable {attribute!r} (a backend factory)")
+    try:
+        _LOADED_AS[factory] = path
+    except TypeError:       # a callable no weak reference can name (a builtin): ``backend_name`` guesses
+        pass
     return factory
+
+
+# How each factory ``load_factory`` returned was named, so a report's command names it the same way.
+_LOADED_AS: "weakref.WeakKeyDictionary[Factory, str]" = weakref.WeakKeyDictionary()
+
+
+def backend_name(factory: Factory) -> str:
+    """What ``--backend`` takes to load ``factory`` again: the name it was loaded by (a file path
+    included), else its ``module:name``."""
+    try:
+        named = _LOADED_AS.get(factory)
+    except TypeError:
+        named = None
+    return named or f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', '?')}"
 
 
 def _load_file(path: Path):

@@ -14,6 +14,7 @@ plug in with ``register_check``.
 from __future__ import annotations
 
 import os
+import shlex
 import threading
 import time
 import traceback
@@ -27,7 +28,7 @@ from hypothesis.errors import FailedHealthCheck
 from kvstate.spec.invariants import tiers
 from kvstate.spec.protocol import Config, Factory
 
-from .backends import FactoryError, check_backend, load_factory  # noqa: F401  (conform's API, as before)
+from .backends import FactoryError, backend_name, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
 from .deadline import Overran, in_daemon_thread
 from .directed import checks as directed
@@ -161,7 +162,8 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
         _, lockstep = execute(factory, found.config, found.ops)
         what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
                 f"{'shrinking stopped at its time budget, so it may not be minimal; ' if found.shrink_timed_out else ''}"
-                f"replay: kvstate sweep --seed-range {found.seed}:{found.seed + 1} --steps {steps})")
+                f"replay: kvstate sweep --seed-range {found.seed}:{found.seed + 1} --steps {steps} "
+                f"--configs {shlex.quote(config.name)} --backend {shlex.quote(backend_name(factory))})")
         head = (f"{found.failure.error}: {found.failure.message}" if found.failure.invariant is not None
                 else f"the backend raised {found.failure.error}: {found.failure.message}")
         detail = _report(head, found.config, lockstep.history[:lockstep.failed_at], what)

@@ -1,5 +1,7 @@
 """Conformance as a product: the example backend passes, broken ones are rejected by name, nothing hangs."""
 
+import re
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -52,6 +54,19 @@ def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
     assert len(operations) <= 8, operations
     assert any(" = fork(" in op or " = match(" in op for op in operations)
     assert any(op.startswith(("overwrite(", "extend(")) for op in operations[-1:])
+
+
+def test_a_seeded_failure_prints_a_replay_that_reproduces_it(capsys, tmp_path):
+    """The seeded check's replay command names the backend as it was given and the configuration:
+    pasted as printed, it fails again (without them it swept the built-in engine and passed)."""
+    assert main(["conform", str(EXAMPLES / "broken_sharing.py"), "--config", "f32-heap", "--check", "seeded"]) == 1
+    out = capsys.readouterr().out
+    seeded = out[out.index("f32-heap / seeded: FAIL"):]
+    command = re.search(r"replay: (kvstate sweep [^)]*)\)", seeded).group(1)
+    assert f"--configs f32-heap --backend {EXAMPLES / 'broken_sharing.py'}" in command
+    argv = shlex.split(command)[1:] + ["--out", str(tmp_path / "replay")]
+    assert main(argv) == 1
+    assert "FAIL f32-heap seed" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("path,message", [
