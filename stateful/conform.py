@@ -17,7 +17,6 @@ import os
 import shlex
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -34,7 +33,7 @@ from .deadline import Overran, in_daemon_thread
 from .directed import checks as directed
 from .directed.checks import DIRECTED
 from .machine import machine_for, run_machine
-from .replay import Failure, execute
+from .replay import Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
 from .shrink import shrink
 
@@ -125,9 +124,7 @@ def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool
     if shrunk:
         replayed, lines = _reshrink(factory, last.config, last.ops[:len(history)], stop)
         if replayed is not None:
-            return _report(f"{replayed.error}: {replayed.message}" if replayed.invariant is not None
-                           else f"the backend raised {replayed.error}: {replayed.message}",
-                           last.config, lines, "minimised failing sequence")
+            return _report(replayed.headline, last.config, lines, "minimised failing sequence")
     return describe(error, history, minimised=False, config=last.config)
 
 
@@ -164,9 +161,7 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
                 f"{'shrinking stopped at its time budget, so it may not be minimal; ' if found.shrink_timed_out else ''}"
                 f"replay: kvstate sweep --seed-range {found.seed}:{found.seed + 1} --steps {steps} "
                 f"--configs {shlex.quote(config.name)} --backend {shlex.quote(backend_name(factory))})")
-        head = (f"{found.failure.error}: {found.failure.message}" if found.failure.invariant is not None
-                else f"the backend raised {found.failure.error}: {found.failure.message}")
-        detail = _report(head, found.config, lockstep.history[:lockstep.failed_at], what)
+        detail = _report(found.failure.headline, found.config, lockstep.history[:lockstep.failed_at], what)
     return Outcome("pass" if detail is None else "FAIL", time.perf_counter() - started, detail,
                    runs.runs, runs.steps, runs.steps + runs.runs)
 
@@ -207,9 +202,7 @@ def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
         return None
     promise = getattr(error, "promise", None)
     head = f'"{promise}" -- broken: ' if promise else ""
-    what = (f"{replayed.error}: {replayed.message}" if replayed.invariant is not None
-            else f"the backend raised {replayed.error}: {replayed.message}")
-    return _report(head + what, run.config, lines, "minimised failing sequence")
+    return _report(head + replayed.headline, run.config, lines, "minimised failing sequence")
 
 
 def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
@@ -264,9 +257,7 @@ def describe(error: BaseException, history: list[str] | None, minimised: bool = 
     elif isinstance(error, AssertionError):
         head = f"{type(error).__name__}: {error}"
     else:
-        where = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
-        place = f" at {Path(where.filename).name}:{where.lineno} in {where.name}" if where else ""
-        head = f"the backend raised {type(error).__name__}: {error}{place}"
+        head = f"the backend raised {type(error).__name__}: {error}{raised_at(error)}"
     if history:
         what = "minimised failing sequence" if minimised else "failing sequence (not shrunk)"
         return _report(head, config, history, what)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import traceback
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable
@@ -51,6 +52,14 @@ class Failure:
     error: str                      # the exception's class name
     invariant: int | str | None     # set for InvariantViolation
     message: str
+    where: str = ""                 # where an exception other than an assertion was raised (``raised_at``)
+
+    @property
+    def headline(self) -> str:
+        """A report's first line: the broken invariant, or what the backend raised and where."""
+        if self.invariant is not None:
+            return f"{self.error}: {self.message}"
+        return f"the backend raised {self.error}: {self.message}{self.where}"
 
     @property
     def signature(self) -> tuple[str, int | str | None]:
@@ -59,7 +68,7 @@ class Failure:
 
     def __str__(self) -> str:
         where = "at finish" if self.phase == "finish" else f"at step {self.step} ({self.phase} {self.op})"
-        return f"{self.error} {where}: {self.message}"
+        return f"{self.error} {where}: {self.message}{self.where}"
 
 
 @dataclass
@@ -183,7 +192,17 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
 
 def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failure:
     invariant = error.invariant if isinstance(error, InvariantViolation) else None
-    return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error))
+    return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error),
+                   raised_at(error))
+
+
+def raised_at(error: BaseException) -> str:
+    """`` at FILE:LINE in FUNCTION`` of the innermost frame that raised ``error``; "" for an
+    assertion (the suite's own check, not the backend's code) or an error with no traceback."""
+    if isinstance(error, AssertionError) or error.__traceback__ is None:
+        return ""
+    where = traceback.extract_tb(error.__traceback__)[-1]
+    return f" at {Path(where.filename).name}:{where.lineno} in {where.name}"
 
 
 # -- the file format ---------------------------------------------------------------------

@@ -148,6 +148,10 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
     out = capsys.readouterr().out
     assert "the backend raised RuntimeError: fork is not implemented" in out
     assert "fork(ctx='c1')" in out
+    # Every check's report says where: the random engines' (shrunk by replaying) as the directed ones'.
+    for check in ("lockstep", "seeded"):
+        report = out[out.index(f"/ {check}: FAIL"):]
+        assert report.split("\n")[1].endswith("fork is not implemented at fork_raises.py:8 in fork"), report
 
 
 def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):

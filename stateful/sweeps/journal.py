@@ -85,7 +85,7 @@ _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "se
                "cpu_seconds": _NUMBER, "failure": (dict, type(None)), "ops": (list, type(None)),
                "replay_file": (str, type(None)), "minimised": bool}
 _FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
-                   "invariant": (int, str, type(None)), "message": str}
+                   "invariant": (int, str, type(None)), "message": str, "where": str}
 _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
                 "fingerprint": dict}
 
@@ -137,6 +137,8 @@ def read(out_dir: Path) -> Recorded:
             raise ResumeError(f"{path}: line {number}: an entry of unknown kind {kind!r}")
         _check_fields(entry, _RUN_FIELDS, path, number, kind)
         if entry["failure"] is not None:
+            if isinstance(entry["failure"], dict):      # journals from before failures said where
+                entry["failure"].setdefault("where", "")
             _check_fields(entry["failure"], _FAILURE_FIELDS, path, number, f"{kind}'s failure")
             _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
         if entry["page_tokens"] < 1:
