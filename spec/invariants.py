@@ -76,9 +76,10 @@ def check_page_counts(obs: Observation, page_tokens: int) -> None:
             continue
         needed = pages_needed(length, page_tokens)
         if len(pages) != needed:
+            why = "pages past its length are still held" if len(pages) > needed else "positions without a page"
             raise InvariantViolation(
                 2, f"{holder} lists {_pages(len(pages))} for its {length} positions, which need {needed} at "
-                   f"{page_tokens} a page: {'pages past its length are still held' if len(pages) > needed else 'positions without a page'}")
+                   f"{page_tokens} a page: {why}")
 
 
 def _pages(n: int) -> str:

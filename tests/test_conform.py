@@ -171,6 +171,30 @@ def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
     rc = main(["conform", path, "--check", "fork isolation", "--time-limit", "2"])
     out = capsys.readouterr().out
     assert rc == 1 and "TIMEOUT" in out and "no result after 2 s" in out
+    assert "its thread is at threading.py:" in out and ", called from hangs.py:8 in clear" in out   # off its stack
+
+
+def test_a_hang_inside_an_operation_names_the_operation(tmp_path, capsys):
+    path = _backend(tmp_path, "fork_hangs", f"""
+        import sys, threading
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as working
+
+        class Context(ListContext):
+            def fork(self):
+                threading.Event().wait()    # never returns
+
+        class Cache(ListCache):
+            context_class = Context
+
+        def factory(config):
+            return Cache(config)
+        factory.configs = working.configs[:1]
+    """)
+    assert main(["conform", path, "--check", "lockstep", "--time-limit", "2"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"no result after 2 s: .*; its thread is at threading.py:\d+ in wait, "
+                     r"called from fork_hangs.py:8 in fork, applying fork\(ctx='c\d+'\)", out), out
 
 
 def test_check_backend_wants_config_objects():
