@@ -84,6 +84,9 @@ def _conform(args: argparse.Namespace) -> int:
         _at_least("--time-limit", args.time_limit, 0.001)
         _at_least("--examples", args.examples, 1)
         _at_least("--steps", args.steps, 1)
+        _workers(args.workers, 1)           # its form, before the backend is loaded
+        if args.check:
+            conform_checks_known(args.check)
         factory, configs = _load_backend(args.backend, args.time_limit)
         if args.config:
             try:
@@ -98,8 +101,6 @@ def _conform(args: argparse.Namespace) -> int:
         use_cache_folder_for_hypothesis()
         progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
         workers = _workers(args.workers, len(configs))
-        if args.check:
-            conform_checks_known(args.check)
         if workers > 1 and len(configs) > 1:
             from kvstate.stateful.conform_pool import conform_in_processes
 

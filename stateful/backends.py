@@ -36,7 +36,10 @@ def load_factory(path: str) -> Factory:
         else:
             module = importlib.import_module(module_name)
     except Exception as error:   # any import failure is the user's to read, by name
-        raise FactoryError(f"cannot import backend module {module_name!r}: {error!r}") from error
+        hint = ""
+        if isinstance(error, ModuleNotFoundError) and error.name == module_name and Path(f"{module_name}.py").is_file():
+            hint = f" (a file here: pass it as ./{module_name}.py)"
+        raise FactoryError(f"cannot import backend module {module_name!r}: {error!r}{hint}") from error
     attribute = attribute or "factory"
     factory = getattr(module, attribute, None)
     if not callable(factory):

@@ -81,6 +81,22 @@ def test_bad_factory_paths_exit_2_with_a_named_error(path, message, capsys):
     assert "FactoryError" in err and message in err
 
 
+@pytest.mark.parametrize("option,message", [(["--check", "nope"], "no conformance checks ['nope']"),
+                                            (["--workers", "0"], "--workers must be")])
+def test_a_bad_option_is_refused_before_the_backend_is_loaded(option, message, capsys):
+    """Refused by name before the import: the backend named here would be the import's error."""
+    assert main(["conform", "no_such_backend_module", *option]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "cannot import" not in err
+
+
+def test_a_module_name_that_is_a_file_here_gets_a_hint(tmp_path, monkeypatch, capsys):
+    (tmp_path / "mybackend.py").write_text("def factory(config):\n    raise NotImplementedError\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["conform", "mybackend"]) == 2
+    assert "No module named 'mybackend'\") (a file here: pass it as ./mybackend.py)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv", [
     ["conform", "kvstate.impl.numpy", "--config", "f32-heap", "--config", "f32-typo"],
     ["sweep", "--seeds", "1", "--steps", "1", "--configs", "f32-heap,f32-typo"],
