@@ -170,6 +170,32 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
         assert report.split("\n")[1].endswith("fork is not implemented at fork_raises.py:8 in fork"), report
 
 
+def test_a_wrong_error_class_is_reported_with_the_call_that_raised_it_and_where(tmp_path, capsys):
+    path = _backend(tmp_path, "read_raises", f"""
+        import sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as working
+
+        class Context(ListContext):
+            def read(self, start=0, stop=None):
+                if stop is not None and stop > self.length:
+                    raise IndexError("past the end")
+                return super().read(start, stop)
+
+        class Cache(ListCache):
+            context_class = Context
+
+        def factory(config):
+            return Cache(config)
+        factory.configs = working.configs[:1]
+    """)
+    assert main(["conform", path, "--check", "bad input"]) == 1
+    report = capsys.readouterr().out.split("/ bad input: FAIL\n", 1)[1].splitlines()
+    assert report[0] == ("AssertionError: read past the end: raised IndexError at read_raises.py:9 in read, "
+                         "expected PositionError")
+    assert re.fullmatch(r"failing call: c1\.read\(0, \d+\)", report[1]), report[:4]
+
+
 def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
     path = _backend(tmp_path, "hangs", f"""
         import sys, threading

@@ -26,7 +26,7 @@ from kvstate.spec.protocol import Config, Factory
 from .. import ops as O
 # ``current`` and ``NotApplicable`` are re-exported: conform reads ``directed.current.run`` for a
 # failure's history and reports ``directed.NotApplicable`` as n/a.
-from .common import Check, NotApplicable, current, filled as _filled, require_tier  # noqa: F401
+from .common import Check, NotApplicable, current, filled as _filled, record, require_tier  # noqa: F401
 from .edges import boundaries, no_aliasing
 from .evidence import arena_evidence
 from .precision import precision_edges
@@ -36,6 +36,7 @@ from .scale import scale
 from .semantics import pinned_semantics
 from .snapshot_writes import snapshot_writes
 from ..lockstep import to_numpy
+from ..replay import raised_at
 
 
 def _context_pages(obs: Observation) -> list[tuple[int, ...]]:
@@ -111,32 +112,42 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     good = O.values_for(layout, 1, 5)
     nan = good.copy()
     nan[0, 0, 0, 0, 0] = np.nan
+    # (what, the error it must raise, the call as a report lists it, the call)
     cases = [
-        ("extend with NaN", errors.NonFiniteError, lambda: ctx.extend([1], nan)),
-        ("overwrite with NaN", errors.NonFiniteError, lambda: ctx.overwrite(0, [1], nan)),
-        ("extend with a wrong shape", errors.ShapeError, lambda: ctx.extend([1, 2], good)),
-        ("extend with float64", errors.DTypeError, lambda: ctx.extend([1], good.astype(np.float64))),
-        ("extend with a negative token", errors.TokenError, lambda: ctx.extend([-1], good)),
-        ("extend with the token 2**31", errors.TokenError, lambda: ctx.extend([2**31], good)),
-        ("overwrite past the end", errors.PositionError, lambda: ctx.overwrite(n, [1], good)),
-        ("read past the end", errors.PositionError, lambda: ctx.read(0, n + 1)),
-        ("truncate past the end", errors.PositionError, lambda: ctx.truncate(n + 1)),
+        ("extend with NaN", errors.NonFiniteError, "c1.extend([1], one position with a NaN)",
+         lambda: ctx.extend([1], nan)),
+        ("overwrite with NaN", errors.NonFiniteError, "c1.overwrite(0, [1], one position with a NaN)",
+         lambda: ctx.overwrite(0, [1], nan)),
+        ("extend with a wrong shape", errors.ShapeError, "c1.extend([1, 2], values for one position)",
+         lambda: ctx.extend([1, 2], good)),
+        ("extend with float64", errors.DTypeError, "c1.extend([1], float64 values)",
+         lambda: ctx.extend([1], good.astype(np.float64))),
+        ("extend with a negative token", errors.TokenError, "c1.extend([-1], values)", lambda: ctx.extend([-1], good)),
+        ("extend with the token 2**31", errors.TokenError, "c1.extend([2**31], values)",
+         lambda: ctx.extend([2**31], good)),
+        ("overwrite past the end", errors.PositionError, f"c1.overwrite({n}, [1], values)",
+         lambda: ctx.overwrite(n, [1], good)),
+        ("read past the end", errors.PositionError, f"c1.read(0, {n + 1})", lambda: ctx.read(0, n + 1)),
+        ("truncate past the end", errors.PositionError, f"c1.truncate({n + 1})", lambda: ctx.truncate(n + 1)),
     ]
     if config.precision == "f16":
         big = good.copy()
         big[0, 0, 0, 0, 0] = 1e6
-        cases.append(("extend past f16 range", errors.PrecisionRangeError, lambda: ctx.extend([1], big)))
+        cases.append(("extend past f16 range", errors.PrecisionRangeError, "c1.extend([1], a value of 1e6)",
+                      lambda: ctx.extend([1], big)))
     before = run.engine.observe()
     values, tokens = ctx.read()
     values = to_numpy(values).copy()
-    for what, error, call in cases:
+    for what, error, said, call in cases:
+        record(run, said)       # a failure's report then ends with this call
         try:
             with np.errstate(over="ignore"):   # the f16 case overflows on purpose
                 call()
         except error:
             pass
         except Exception as other:
-            raise AssertionError(f"{what}: raised {type(other).__name__}, expected {error.__name__}") from other
+            raise AssertionError(f"{what}: raised {type(other).__name__}{raised_at(other)}, "
+                                 f"expected {error.__name__}") from other
         else:
             raise AssertionError(f"{what}: accepted, expected {error.__name__}")
         after = run.engine.observe()
@@ -152,6 +163,7 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     run.check()
     closed = run.live["c1"][0]
     run.apply(O.Close("c1"))
+    record(run, "c1.extend([1], values) after its close")
     try:
         closed.extend([1], good)
     except errors.ContextClosedError:
