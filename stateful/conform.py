@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import sys
-import sysconfig
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,11 +32,11 @@ from .configs import PROFILES, configs_for, seeded_size
 from .deadline import Overran, in_daemon_thread
 from .directed import checks as directed
 from .directed.checks import DIRECTED
-from .lockstep import Lockstep
 from .machine import machine_for, run_machine
 from .replay import Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
 from .shrink import shrink
+from .stuck import stuck_at
 
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
 
@@ -307,40 +305,6 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
         return Outcome("TIMEOUT", time.perf_counter() - started,
                        f"no result after {time_limit:.0f} s: the backend hangs or is far too slow"
                        f"{stuck_at(overran.ident)}")
-
-
-def stuck_at(ident: int | None) -> str:
-    """Where the abandoned check's thread is now (``sys._current_frames``): its innermost frame, the
-    innermost frame of the backend's own code where that is further out (not the standard library,
-    an installed package or the suite), and the operation the lockstep driver was applying, where
-    one is on its stack. "" once the thread is gone."""
-    frame = sys._current_frames().get(ident) if ident is not None else None
-    if frame is None:
-        return ""
-    found = f"; its thread is at {_place(frame)}"
-    caller, op = frame, None
-    while caller is not None and _outside_the_backend(caller):
-        caller = caller.f_back
-    if caller is not None and caller is not frame:
-        found += f", called from {_place(caller)}"
-    while frame is not None and op is None:
-        op = frame.f_locals.get("op") if frame.f_code is Lockstep.apply.__code__ else None
-        frame = frame.f_back
-    return found if op is None else f"{found}, applying {op}"
-
-
-def _place(frame) -> str:
-    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-# Code that is not the backend's: the standard library, installed packages, and this suite.
-_NOT_THE_BACKEND = tuple(os.path.realpath(path) + os.sep for path in {
-    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
-    str(Path(__file__).resolve().parent)})
-
-
-def _outside_the_backend(frame) -> bool:
-    return os.path.realpath(frame.f_code.co_filename).startswith(_NOT_THE_BACKEND)
 
 
 # -- the suite --------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+"""Where a check abandoned past its time limit is stuck: read off its thread's stack.
+
+``run_with_limit`` (``conform.py``) cannot stop a check whose backend hangs, only stop waiting for
+it; the thread is still there, stuck, and its frames say where (``sys._current_frames``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from .lockstep import Lockstep
+
+
+def stuck_at(ident: int | None) -> str:
+    """Where the abandoned check's thread is now (``sys._current_frames``): its innermost frame, the
+    innermost frame of the backend's own code where that is further out (not the standard library,
+    an installed package or the suite), and the operation the lockstep driver was applying, where
+    one is on its stack. "" once the thread is gone."""
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return ""
+    found = f"; its thread is at {_place(frame)}"
+    caller, op = frame, None
+    while caller is not None and _outside_the_backend(caller):
+        caller = caller.f_back
+    if caller is not None and caller is not frame:
+        found += f", called from {_place(caller)}"
+    while frame is not None and op is None:
+        op = frame.f_locals.get("op") if frame.f_code is Lockstep.apply.__code__ else None
+        frame = frame.f_back
+    return found if op is None else f"{found}, applying {op}"
+
+
+def _place(frame) -> str:
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+# Code that is not the backend's: the standard library, installed packages, and this suite.
+_NOT_THE_BACKEND = tuple(os.path.realpath(path) + os.sep for path in {
+    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    str(Path(__file__).resolve().parent)})
+
+
+def _outside_the_backend(frame) -> bool:
+    return os.path.realpath(frame.f_code.co_filename).startswith(_NOT_THE_BACKEND)
