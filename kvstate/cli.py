@@ -11,10 +11,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
-
-BUILTIN_BACKENDS = ("kvstate.impl.numpy", "kvstate.impl.torch")
-"""Modules ``kvstate replay`` imports when a replay file names them; any other needs ``--backend``."""
 
 LOAD_TIME_LIMIT = 60.0
 
@@ -180,6 +178,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from kvstate.spec.errors import ClusterLostError, SweepError
+    from kvstate.stateful.backends import backend_option, canonical_backend
     from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.configs import configs_named
     from kvstate.stateful.conform import FactoryError
@@ -203,7 +202,7 @@ def _sweep(args: argparse.Namespace) -> int:
                 k, n = S.parse_shard(args.shard)
                 seeds, label = S.shard(seeds, k, n), args.shard
         args.steps = 400 if args.steps is None else args.steps
-        args.backend = args.backend or S.DEFAULT_BACKEND
+        args.backend = canonical_backend(args.backend or S.DEFAULT_BACKEND)
         args.out = args.out or out_default
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise UsageError(f"--out {args.out!r} is a file; it must name a folder")
@@ -240,7 +239,8 @@ def _sweep(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out = args.out or out_default
         print(f"\nkvstate sweep: interrupted; partial report in {Path(out) / 'report.json'}; "
-              f"finish with: kvstate sweep --resume {out}", file=sys.stderr)
+              f"finish with: kvstate sweep --resume {shlex.quote(str(out))}{backend_option(args.backend)}",
+              file=sys.stderr)
         return 130
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
         print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
@@ -260,6 +260,7 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     from pathlib import Path
 
     from kvstate.spec.errors import ResumeError
+    from kvstate.stateful.backends import canonical_backend
     from kvstate.stateful.sweeps import journal
 
     plan = journal.read(Path(args.resume)).plan
@@ -269,6 +270,8 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     clash = {}
     for name, want in recorded.items():
         given = getattr(args, name)
+        if name == "backend" and given is not None:
+            given = canonical_backend(given)        # the same file, however it is spelled
         same = given is None or (Path(given).resolve() == Path(want).resolve() if name == "out" else given == want)
         if not same:
             clash[name] = given
@@ -285,6 +288,8 @@ def _refuse_untrusted(backend: str, source: str) -> None:
     """A journal, replay or report is data (from CI, a colleague, a download): the backend it names
     is imported only if built in or if the user names it (``--backend``) or trusts it (``--trust-backend``).
     Checked before any import."""
+    from kvstate.stateful.backends import BUILTIN_BACKENDS
+
     if not isinstance(backend, str) or backend.partition(":")[0] not in BUILTIN_BACKENDS:
         raise UsageError(f"{source} names backend {backend!r}; pass --backend {backend!r} "
                          f"(or --trust-backend) to import it: a file you did not write must not run code")
@@ -293,6 +298,7 @@ def _refuse_untrusted(backend: str, source: str) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from kvstate.spec.errors import ReplayFileError, RunTimeout
     from kvstate.stateful import replay as R
+    from kvstate.stateful.configs import undeclared_by
     from kvstate.stateful.conform import FactoryError
 
     try:
@@ -301,6 +307,10 @@ def _replay(args: argparse.Namespace) -> int:
         if not args.backend and not args.trust_backend:
             _refuse_untrusted(recorded.backend, args.file)
         factory, _ = _load_backend(backend, args.time_limit, configs_default=[recorded.config])
+        undeclared = undeclared_by(factory, recorded.config)
+        if undeclared:
+            raise UsageError(f"{args.file} holds configuration {recorded.config.name}, which backend {backend!r} "
+                             f"does not declare ({undeclared}): nothing a backend does not declare is held against it")
         print(f"{args.file}: seed {recorded.seed}, backend {backend}"
               + (f" (found with {recorded.backend})" if backend != recorded.backend else ""))
         if recorded.failure is not None:

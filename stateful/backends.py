@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import shlex
 import sys
 import weakref
 from pathlib import Path
@@ -21,6 +22,27 @@ from .deadline import Overran, in_daemon_thread
 
 class FactoryError(KVStateError):
     """A backend factory could not be loaded or does not speak the protocol."""
+
+
+BUILTIN_BACKENDS = ("kvstate.impl.numpy", "kvstate.impl.torch")
+"""Modules a replay file, journal or report may name and have imported unasked; any other needs ``--backend``."""
+
+
+def canonical_backend(name: str) -> str:
+    """``name`` as a journal, replay file or printed command keeps it: a file's path made absolute
+    (``path/to/file.py[:callable]``), so the command works from any folder; a module name unchanged."""
+    module, colon, attribute = name.partition(":")
+    if not module.endswith(".py"):
+        return name
+    return str(Path(module).resolve()) + colon + attribute
+
+
+def backend_option(name: str) -> str:
+    """`` --backend NAME`` for a printed replay or resume command, "" where the backend is built in
+    (those commands import only built-in backends unasked)."""
+    if name.partition(":")[0] in BUILTIN_BACKENDS:
+        return ""
+    return f" --backend {shlex.quote(canonical_backend(name))}"
 
 
 def load_factory(path: str) -> Factory:
@@ -45,7 +67,7 @@ def load_factory(path: str) -> Factory:
     if not callable(factory):
         raise FactoryError(f"{module_name!r} has no callable {attribute!r} (a backend factory)")
     try:
-        _LOADED_AS[factory] = path
+        _LOADED_AS[factory] = canonical_backend(path)
     except TypeError:       # a callable no weak reference can name (a builtin): ``backend_name`` guesses
         pass
     return factory

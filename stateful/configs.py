@@ -67,6 +67,26 @@ def page_sizes(factory, config: Config) -> tuple[int, ...]:
     return DRAWN_PAGE_SIZES if drawn else (config.page_tokens,)
 
 
+def undeclared_by(factory, config: Config) -> str | None:
+    """Why ``factory`` is not checked under ``config`` (a replay file's, say), or None where it is.
+
+    A factory that lists its ``configs`` is checked under those, each at its own page size or
+    at drawn ones (``page_sizes``); one that lists none, under any configuration whose declared
+    semantics (``Config.tags``) its ``semantics`` names: the built-in engine, which takes any
+    layout or arena, replays an exhaustive search's files of another scope."""
+    declared = getattr(factory, "configs", None)
+    if declared is None:
+        missing = config.tags - frozenset(getattr(factory, "semantics", ()))
+        return f"semantics {sorted(missing)}" if missing else None
+    for listed in declared:
+        if config.with_(page_tokens=listed.page_tokens) == listed and config.page_tokens in page_sizes(factory, listed):
+            return None
+    same_name = [listed for listed in declared if listed.name == config.name]
+    if same_name:
+        return f"it declares {config.name} with other fields or page sizes"
+    return f"it declares {', '.join(listed.name for listed in declared)}"
+
+
 def describe_page_sizes(sizes: tuple[int, ...]) -> str:
     return (f"page_tokens {sizes[0]}" if len(sizes) == 1
             else f"page_tokens drawn per run from {sizes[0]}-{sizes[-1]}")

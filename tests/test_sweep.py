@@ -1,7 +1,11 @@
 """Sweeps, shrinking and replay files: distinct full-length runs, shards, and the planted-bug round trip."""
 
 import json
+import os
+import re
+import shlex
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 
@@ -163,6 +167,44 @@ def test_a_bad_replay_file_is_refused(tmp_path):
     ops = [O.Allocate(), O.Extend("c9", (1,), 0)]
     with pytest.raises(ReplayFileError, match="c9"):
         R.execute(numpy_factory, config_named("f32-heap"), ops)
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def test_a_sweep_of_a_file_backend_prints_replays_that_work_pasted_from_anywhere(tmp_path, monkeypatch, capsys):
+    """The backend as a relative path: the journal and every printed replay hold it made absolute,
+    with ``--backend`` (a replay imports only built-in backends unasked)."""
+    monkeypatch.chdir(EXAMPLES)
+    argv = ["sweep", "--seeds", "3", "--steps", "60", "--configs", "f32-heap", "--backend", "broken_sharing.py",
+            "--out", str(tmp_path / "out"), "--shrink-limit", "0"]
+    assert main(argv) == 1
+    replays = re.findall(r"replay: (kvstate replay .*)", capsys.readouterr().out)
+    assert replays and all(line.endswith(f" --backend {EXAMPLES / 'broken_sharing.py'}") for line in replays)
+    monkeypatch.chdir(tmp_path)
+    assert main(shlex.split(replays[0])[1:]) == 1
+    spelled_otherwise = os.path.relpath(EXAMPLES / "broken_sharing.py")      # from here: the same file
+    assert main(["sweep", "--resume", str(tmp_path / "out"), "--backend", spelled_otherwise]) == 1
+
+
+def test_a_replay_of_a_configuration_the_backend_does_not_declare_is_refused(tmp_path, capsys):
+    listcache = str(EXAMPLES / "listcache.py")       # declares f32-heap, f16-heap and q8-heap only
+    for name in ("f32-arena6", "token-f32-heap"):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(R.to_json(R.Replay(listcache, config_named(name), 0, [O.Allocate()]))))
+        assert main(["replay", str(path), "--backend", listcache]) == 2
+        assert f"holds configuration {name}, which backend" in capsys.readouterr().err
+    path.write_text(json.dumps(R.to_json(R.Replay(listcache, config_named("f32-heap"), 0, [O.Allocate()]))))
+    assert main(["replay", str(path), "--backend", listcache]) == 0
+    # The built-in engine lists no configurations: any layout or arena, its declared semantics.
+    arena = config_named("f32-arena6").with_(arena_pages=3, layout=config_named("f32-arena6").layout)
+    path.write_text(json.dumps(R.to_json(R.Replay("kvstate.impl.numpy", arena, 0, [O.Allocate()]))))
+    assert main(["replay", str(path)]) == 0
+
+
+def test_workers_that_are_not_a_number_are_refused_by_name(tmp_path, capsys):
+    assert main(["sweep", "--seeds", "1", "--workers", "abc", "--out", str(tmp_path)]) == 2
+    assert "--workers wants a positive number or 'auto', got 'abc'" in capsys.readouterr().err
 
 
 # -- the CI share: a sweep of every configuration -----------------------------------------

@@ -37,6 +37,7 @@ from kvstate.spec.protocol import Config
 
 from . import journal as J
 from .fingerprint import describe, differences, fingerprint
+from ..backends import backend_option
 from ..configs import page_sizes
 from ..replay import FINDINGS, as_pytest, load
 from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
@@ -146,7 +147,10 @@ class SweepReport:
 def resolve_workers(workers: str | int) -> int:
     if workers == "auto":
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    workers = int(workers)
+    try:
+        workers = int(workers)
+    except ValueError:
+        raise ValueError(f"--workers wants a positive number or 'auto', got {workers!r}") from None
     if workers < 1:
         raise ValueError(f"--workers wants a positive number or 'auto', got {workers}")
     return workers
@@ -222,7 +226,8 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
         write_reports(report(partial=True), out_dir)
         where = f"the Dask scheduler {scheduler}" if scheduler else "the local process pool"
         raise ClusterLostError(f"lost {where} after {len(runs)} of {len(order)} runs; partial report in "
-                               f"{out_dir / 'report.json'}; finish with: kvstate sweep --resume {out_dir}") from None
+                               f"{out_dir / 'report.json'}; finish with: kvstate sweep --resume {out_dir}"
+                               f"{backend_option(backend)}") from None
     except KeyboardInterrupt:
         if meter:
             meter.close()
@@ -395,7 +400,7 @@ def to_junit(report: SweepReport) -> ET.ElementTree:
                                  name=f"seed {r.seed}", time=f"{r.seconds:.3f}")
             if not r.passed:
                 failure = ET.SubElement(case, "failure", message=str(r.failure), type=r.failure.error)
-                failure.text = f"replay: kvstate replay {r.replay_file}\n"
+                failure.text = f"replay: kvstate replay {r.replay_file}{backend_option(report.backend)}\n"
     return ET.ElementTree(root)
 
 
@@ -412,7 +417,8 @@ def failure_notes(report: SweepReport) -> str:
     """Each failure: where it is saved, how to replay it, and (for shrunk ones) a pytest test."""
     notes = []
     for r in report.failures:
-        notes.append(f"FAIL {r.config} seed {r.seed}: {r.failure}\n  replay: kvstate replay {r.replay_file}")
+        notes.append(f"FAIL {r.config} seed {r.seed}: {r.failure}\n"
+                     f"  replay: kvstate replay {r.replay_file}{backend_option(report.backend)}")
         if r.minimised:
             notes.append(f"  minimised to {len(r.ops)} of {r.steps} steps; as a pytest test:\n")
             notes.append(as_pytest(load(Path(r.replay_file))))
