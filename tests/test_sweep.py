@@ -202,6 +202,25 @@ def test_a_replay_of_a_configuration_the_backend_does_not_declare_is_refused(tmp
     assert main(["replay", str(path)]) == 0
 
 
+def test_a_new_sweep_does_not_overwrite_an_unfinished_one_and_replaces_a_finished_one(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--out", str(out)]
+    assert main(argv) == 0
+    (out / "replays").mkdir(exist_ok=True)
+    (out / "replays" / "f32-heap-seed9.json").write_text("{}")      # an earlier sweep's failure
+    assert main(argv) == 0                                            # a finished sweep: replaced
+    assert not (out / "replays" / "f32-heap-seed9.json").exists()
+    journal = out / "runs.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:-1]))                          # as if stopped before its last run
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert f"holds a sweep that stopped after 1 of its 2 runs: finish it with kvstate sweep --resume {out}" \
+        in capsys.readouterr().err
+    assert journal.read_text() == "".join(lines[:-1])                 # nothing of it lost
+    assert main(["sweep", "--resume", str(out)]) == 0
+
+
 def test_workers_that_are_not_a_number_are_refused_by_name(tmp_path, capsys):
     assert main(["sweep", "--seeds", "1", "--workers", "abc", "--out", str(tmp_path)]) == 2
     assert "--workers wants a positive number or 'auto', got 'abc'" in capsys.readouterr().err

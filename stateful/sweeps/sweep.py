@@ -32,7 +32,7 @@ from pathlib import Path
 from queue import SimpleQueue
 from typing import Callable, Iterable, Iterator, Sequence, TextIO
 
-from kvstate.spec.errors import BackendMismatchError, ClusterLostError, ResumeError
+from kvstate.spec.errors import BackendMismatchError, ClusterLostError, ResumeError, SweepError
 from kvstate.spec.protocol import Config
 
 from . import journal as J
@@ -251,6 +251,9 @@ def config_labels(configs: Sequence[Config]) -> dict[str, Config]:
 def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     """The runs and shrinks already done (none for a new sweep) and the journal to add to."""
     if not resume:
+        _refuse_unfinished(out_dir)
+        for stale in (out_dir / "replays").glob("*.json"):     # an earlier sweep's: the folder holds this one's
+            stale.unlink()
         return {}, {}, J.Journal.start(out_dir, plan)
     recorded = J.read(out_dir)
     mine, theirs = asdict(plan), asdict(recorded.plan)
@@ -265,6 +268,21 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     runs = {key: result_from_json(entry) for key, entry in recorded.runs.items()}
     shrunk = {key: result_from_json(entry) for key, entry in recorded.shrunk.items()}
     return runs, shrunk, J.Journal.reopen(out_dir)
+
+
+def _refuse_unfinished(out_dir: Path) -> None:
+    """A new sweep into a folder whose sweep stopped part way would throw away the runs it finished:
+    refused, naming ``--resume``. A finished sweep there (or a journal nothing could resume) is replaced."""
+    if not (out_dir / J.FILE).is_file():
+        return
+    try:
+        recorded = J.read(out_dir)
+    except (ResumeError, OSError):
+        return
+    planned = len(recorded.plan.seeds) * len(recorded.plan.configs)
+    if len(recorded.runs) < planned:
+        raise SweepError(f"{out_dir} holds a sweep that stopped after {len(recorded.runs)} of its {planned} runs: "
+                         f"finish it with kvstate sweep --resume {out_dir}, or pick another --out")
 
 
 def _leave_interrupts_to_parent() -> None:
