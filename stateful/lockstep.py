@@ -21,6 +21,8 @@ from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 
+REFUSED = "    # refused: "      # what a history line ends with when both sides refused it, then the error class
+
 
 def _length(ctx: Any) -> int:
     """A reference context's length, 0 where there is none (an operation on a closed context)."""
@@ -105,7 +107,7 @@ class Lockstep:
         if not same_refusal(engine_error, ref_error):
             raise self._violation("errors", f"{op}: engine {engine_error!r}, reference {describe_refusal(ref_error)}")
         if engine_error is not None:
-            self.history[-1] += f"    # refused: {type(engine_error).__name__}"
+            self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)
             return None
         if before is not None and op.kind in ("extend", "overwrite") and not op.tokens:

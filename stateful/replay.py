@@ -31,7 +31,7 @@ from . import generate as _generate  # noqa: F401  (imports optional op kinds, s
 from . import ops as O
 from . import replay_bounds as bounds
 from .deadline import Deadline
-from .lockstep import Lockstep, to_numpy
+from .lockstep import REFUSED, Lockstep, to_numpy
 
 FORMAT = "kvstate-replay/1"
 MAX_REPLAY_BYTES = 64 << 20
@@ -316,7 +316,8 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     ``RunTimeout`` (a backend stuck inside C is not interrupted)."""
     def show(step, op, handle, lockstep):
         made = f"  -> {handle}" if handle else ""
-        out(f"  {step:>4}  {op}{made}")
+        _, marked, refused = lockstep.history[-1].partition(REFUSED)     # as a counterexample marks it
+        out(f"  {step:>4}  {op}{made}" + (f"{REFUSED}{refused}" if marked else ""))
     out(f"replaying {len(replay.ops)} operations, {replay.config.name}, page_tokens {replay.config.page_tokens}")
     recorded = getattr(replay.failure, "step", None)
     always = (recorded,) if type(recorded) is int else ()

@@ -221,6 +221,16 @@ def test_a_new_sweep_does_not_overwrite_an_unfinished_one_and_replaces_a_finishe
     assert main(["sweep", "--resume", str(out)]) == 0
 
 
+def test_a_replay_marks_the_steps_both_sides_refused_as_a_counterexample_does(tmp_path, capsys):
+    path = tmp_path / "refused.json"
+    ops = [O.Allocate(), O.Retain("c1"), O.Extend("c1", (1,), 0)]
+    path.write_text(json.dumps(R.to_json(R.Replay("kvstate.impl.numpy", config_named("f32-heap"), 0, ops))))
+    assert main(["replay", str(path), "--every-step"]) == 0
+    steps = [line.strip() for line in capsys.readouterr().out.splitlines() if line.startswith("  ")]
+    assert steps == ["1  allocate()  -> c1", "2  retain(ctx='c1')    # refused: EmptyContextError",
+                     "3  extend(ctx='c1', tokens=(1,), seed=0)"]
+
+
 def test_workers_that_are_not_a_number_are_refused_by_name(tmp_path, capsys):
     assert main(["sweep", "--seeds", "1", "--workers", "abc", "--out", str(tmp_path)]) == 2
     assert "--workers wants a positive number or 'auto', got 'abc'" in capsys.readouterr().err

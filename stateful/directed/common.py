@@ -23,7 +23,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from ..lockstep import Lockstep, describe_refusal, same_refusal, to_numpy
+from ..lockstep import REFUSED, Lockstep, describe_refusal, same_refusal, to_numpy
 
 Check = Callable[[Factory, Config], None]
 
@@ -100,7 +100,7 @@ def both(run: Lockstep, promise: str, call: str, engine: Callable[[], Any], refe
         raise BrokenPromise(promise, call, f"engine {_said(got_error, 'accepted')}, "
                                            f"reference {describe_refusal(want_error)}")
     if got_error is not None:
-        run.history[-1] += f"    # refused: {type(got_error).__name__}"
+        run.history[-1] += f"{REFUSED}{type(got_error).__name__}"
     return got, want, got_error
 
 
