@@ -116,10 +116,16 @@ def register(cls: type[Op]) -> type[Op]:
 
 
 def op_from_json(data: dict) -> Op:
+    """An operation from its JSON object; ``ValueError`` naming an unknown kind or a missing field."""
     data = dict(data)
-    cls = OPS[data.pop("op")]
+    kind = data.pop("op", None)
+    cls = OPS.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"an operation of unknown kind {kind!r} (known: {', '.join(sorted(OPS))})")
     kwargs = {}
     for f in fields(cls):
+        if f.name not in data:
+            raise ValueError(f"operation {kind!r} without its {f.name!r} field")
         value = data[f.name]
         kwargs[f.name] = tuple(value) if isinstance(value, list) else value
     return cls(**kwargs)

@@ -274,7 +274,9 @@ def from_json(data: dict) -> Replay:
                       data.get("minimised", False), data.get("original_steps"))
     except ReplayFileError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as error:
+    except KeyError as error:
+        raise ReplayFileError(f"malformed replay file: it has no {error.args[0]!r} field") from error
+    except (TypeError, ValueError, AttributeError, ConfigError) as error:
         raise ReplayFileError(f"malformed replay file: {error!r}") from error
 
 
