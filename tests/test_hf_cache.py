@@ -232,8 +232,11 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_restore_in_a_new_process(tmp_path):
-    """Llama only (GQA and rotary positions): a second interpreter costs seconds of imports."""
+    """Llama only (GQA and rotary positions): a second interpreter costs seconds of imports (16 s of
+    the default suite's 4 minutes, where ``test_snapshot_and_restore_then_continue`` restores the same
+    way in this process)."""
     if "llama" not in MODELS:
         MODELS["llama"] = build("llama")
     model = MODELS["llama"]
