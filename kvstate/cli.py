@@ -202,7 +202,9 @@ def _sweep(args: argparse.Namespace) -> int:
                 k, n = S.parse_shard(args.shard)
                 seeds, label = S.shard(seeds, k, n), args.shard
         args.steps = 400 if args.steps is None else args.steps
-        args.backend = canonical_backend(args.backend or S.DEFAULT_BACKEND)
+        args.backend = args.backend or S.DEFAULT_BACKEND
+        if not scheduler:       # a file backend, absolute: its commands work from any folder (a cluster's
+            args.backend = canonical_backend(args.backend)      # workers resolve the name as given)
         args.out = args.out or out_default
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise UsageError(f"--out {args.out!r} is a file; it must name a folder")
@@ -239,7 +241,8 @@ def _sweep(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         out = args.out or out_default
         print(f"\nkvstate sweep: interrupted; partial report in {Path(out) / 'report.json'}; "
-              f"finish with: kvstate sweep --resume {shlex.quote(str(out))}{backend_option(args.backend)}",
+              f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
+              f"{backend_option(args.backend) if args.backend else ''}",
               file=sys.stderr)
         return 130
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
@@ -270,8 +273,8 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     clash = {}
     for name, want in recorded.items():
         given = getattr(args, name)
-        if name == "backend" and given is not None:
-            given = canonical_backend(given)        # the same file, however it is spelled
+        if name == "backend" and given is not None:     # the same file, however either is spelled
+            given, want = canonical_backend(given), canonical_backend(want)
         same = given is None or (Path(given).resolve() == Path(want).resolve() if name == "out" else given == want)
         if not same:
             clash[name] = given

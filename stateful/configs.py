@@ -67,24 +67,34 @@ def page_sizes(factory, config: Config) -> tuple[int, ...]:
     return DRAWN_PAGE_SIZES if drawn else (config.page_tokens,)
 
 
-def undeclared_by(factory, config: Config) -> str | None:
-    """Why ``factory`` is not checked under ``config`` (a replay file's, say), or None where it is.
+# What a declared configuration fixes beyond its layout and bounds: how pages are stored, and the
+# declared semantics. A backend is held to no other value of these; any layout or entry limit it takes.
+DECLARED_FIELDS = ("precision", "arena_pages", "match", "block_tokens", "max_pages", "pool_pages", "on_full", "values")
 
-    A factory that lists its ``configs`` is checked under those, each at its own page size or
-    at drawn ones (``page_sizes``); one that lists none, under any configuration whose declared
-    semantics (``Config.tags``) its ``semantics`` names: the built-in engine, which takes any
-    layout or arena, replays an exhaustive search's files of another scope."""
+
+def undeclared_by(factory, config: Config) -> str | None:
+    """Why ``factory`` is not to be held to ``config`` (a replay file's, say), or None where it may be.
+
+    A factory that lists its ``configs`` is held to the ``DECLARED_FIELDS`` of one of them, at one of
+    the page sizes it is run at (``page_sizes``); one that lists none, to any configuration whose
+    declared semantics (``Config.tags``) its ``semantics`` names."""
     declared = getattr(factory, "configs", None)
     if declared is None:
         missing = config.tags - frozenset(getattr(factory, "semantics", ()))
         return f"semantics {sorted(missing)}" if missing else None
+    differences = []
     for listed in declared:
-        if config.with_(page_tokens=listed.page_tokens) == listed and config.page_tokens in page_sizes(factory, listed):
+        differ = [name for name in DECLARED_FIELDS if getattr(config, name) != getattr(listed, name)]
+        if config.page_tokens not in page_sizes(factory, listed):
+            differ.append("page_tokens")
+        if not differ:
             return None
-    same_name = [listed for listed in declared if listed.name == config.name]
-    if same_name:
-        return f"it declares {config.name} with other fields or page sizes"
-    return f"it declares {', '.join(listed.name for listed in declared)}"
+        differences.append((len(differ), listed, differ))
+    if not differences:
+        return "it declares no configurations"
+    _, nearest, differ = min(differences, key=lambda found: found[0])
+    return (f"its nearest, {nearest.name}, has " + ", ".join(f"{name} {getattr(nearest, name)!r}" for name in differ)
+            + " where the file has " + ", ".join(f"{getattr(config, name)!r}" for name in differ))
 
 
 def describe_page_sizes(sizes: tuple[int, ...]) -> str:

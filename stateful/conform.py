@@ -296,6 +296,7 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
         outcome.cpu_seconds = time.process_time() - cpu_started
         return outcome
     except Overran as overran:
+        stuck = stuck_at(overran.ident)         # read before the run is told to stop and unwinds
         partial = _partial.get(overran.ident, lambda: None)()
         _abandon.get(overran.ident, lambda: None)()
         if partial is not None:
@@ -303,8 +304,7 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
                            f"a failure was found, but shrinking it ran out of the {time_limit:.0f} s limit: "
                            f"the sequence below is not minimal\n{partial}")
         return Outcome("TIMEOUT", time.perf_counter() - started,
-                       f"no result after {time_limit:.0f} s: the backend hangs or is far too slow"
-                       f"{stuck_at(overran.ident)}")
+                       f"no result after {time_limit:.0f} s: the backend hangs or is far too slow{stuck}")
 
 
 # -- the suite --------------------------------------------------------------------------

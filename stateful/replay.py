@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import traceback
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable
@@ -32,6 +31,7 @@ from . import ops as O
 from . import replay_bounds as bounds
 from .deadline import Deadline
 from .lockstep import REFUSED, Lockstep, to_numpy
+from .stuck import not_the_backends
 
 FORMAT = "kvstate-replay/1"
 MAX_REPLAY_BYTES = 64 << 20
@@ -197,12 +197,22 @@ def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failur
 
 
 def raised_at(error: BaseException) -> str:
-    """`` at FILE:LINE in FUNCTION`` of the innermost frame that raised ``error``; "" for an
-    assertion (the suite's own check, not the backend's code) or an error with no traceback."""
+    """`` at FILE:LINE in FUNCTION`` of the innermost frame that raised ``error``, and the backend's
+    own line that called it where that frame is library code (``stuck.not_the_backends``); "" for
+    an assertion (the suite's own check, not the backend's code) or an error with no traceback."""
     if isinstance(error, AssertionError) or error.__traceback__ is None:
         return ""
-    where = traceback.extract_tb(error.__traceback__)[-1]
-    return f" at {Path(where.filename).name}:{where.lineno} in {where.name}"
+    frames, tb = [], error.__traceback__
+    while tb is not None:
+        frames.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    (inner, line), found = frames[-1], ""
+    where = f" at {Path(inner.f_code.co_filename).name}:{line} in {inner.f_code.co_name}"
+    if not_the_backends(inner):
+        caller = next(((frame, at) for frame, at in reversed(frames) if not not_the_backends(frame)), None)
+        if caller is not None:
+            found = f", called from {Path(caller[0].f_code.co_filename).name}:{caller[1]} in {caller[0].f_code.co_name}"
+    return where + found
 
 
 # -- the file format ---------------------------------------------------------------------

@@ -22,19 +22,19 @@ def stuck_at(ident: int | None) -> str:
     frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return ""
-    found = f"; its thread is at {_place(frame)}"
+    found = f"; its thread is at {frame_place(frame)}"
     caller, op = frame, None
-    while caller is not None and _outside_the_backend(caller):
+    while caller is not None and not_the_backends(caller):
         caller = caller.f_back
     if caller is not None and caller is not frame:
-        found += f", called from {_place(caller)}"
+        found += f", called from {frame_place(caller)}"
     while frame is not None and op is None:
         op = frame.f_locals.get("op") if frame.f_code is Lockstep.apply.__code__ else None
         frame = frame.f_back
     return found if op is None else f"{found}, applying {op}"
 
 
-def _place(frame) -> str:
+def frame_place(frame) -> str:
     return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
 
 
@@ -44,5 +44,5 @@ _NOT_THE_BACKEND = tuple(os.path.realpath(path) + os.sep for path in {
     str(Path(__file__).resolve().parent)})
 
 
-def _outside_the_backend(frame) -> bool:
+def not_the_backends(frame) -> bool:
     return os.path.realpath(frame.f_code.co_filename).startswith(_NOT_THE_BACKEND)

@@ -12,6 +12,7 @@ import pytest
 from kvstate.cli import main
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import ReplayFileError
+from kvstate.spec.layout import Layout
 from kvstate.stateful import ops as O
 from kvstate.stateful import replay as R
 from kvstate.stateful.sweeps import sweep as S
@@ -193,14 +194,35 @@ def test_a_sweep_of_a_file_backend_prints_replays_that_work_pasted_from_anywhere
     assert main(["sweep", "--resume", str(tmp_path / "out"), "--backend", spelled_otherwise]) == 1
 
 
+def test_a_journal_that_names_its_file_backend_relatively_still_resumes(tmp_path, monkeypatch):
+    """Journals from before file backends were kept absolute: resumed from their folder, by either spelling."""
+    monkeypatch.chdir(EXAMPLES)
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--backend", "listcache.py",
+                 "--out", str(out)]) == 0
+    journal = out / "runs.jsonl"
+    plan, *runs = journal.read_text().splitlines(keepends=True)
+    plan = json.loads(plan)
+    plan["backend"] = "listcache.py"
+    journal.write_text(json.dumps(plan) + "\n" + "".join(runs[:-1]))
+    for spelled in ("listcache.py", str(EXAMPLES / "listcache.py")):
+        assert main(["sweep", "--resume", str(out), "--backend", spelled]) == 0
+
+
 def test_a_replay_of_a_configuration_the_backend_does_not_declare_is_refused(tmp_path, capsys):
     listcache = str(EXAMPLES / "listcache.py")       # declares f32-heap, f16-heap and q8-heap only
-    for name in ("f32-arena6", "token-f32-heap"):
+    for name, differs in (("f32-arena6", "its nearest, f32-heap, has arena_pages 0 where the file has 6"),
+                          ("token-f32-heap", "its nearest, f32-heap, has match 'entry' where the file has 'token'")):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(R.to_json(R.Replay(listcache, config_named(name), 0, [O.Allocate()]))))
         assert main(["replay", str(path), "--backend", listcache]) == 2
-        assert f"holds configuration {name}, which backend" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert f"holds configuration {name}, which backend" in err and differs in err
     path.write_text(json.dumps(R.to_json(R.Replay(listcache, config_named("f32-heap"), 0, [O.Allocate()]))))
+    assert main(["replay", str(path), "--backend", listcache]) == 0
+    # Layout and entry limit are the backend's to take as given (an exhaustive search's scope is its own).
+    other = config_named("f32-heap").with_(layout=Layout(1, 1, 2), max_entries=1)
+    path.write_text(json.dumps(R.to_json(R.Replay(listcache, other, 0, [O.Allocate()]))))
     assert main(["replay", str(path), "--backend", listcache]) == 0
     # The built-in engine lists no configurations: any layout or arena, its declared semantics.
     arena = config_named("f32-arena6").with_(arena_pages=3, layout=config_named("f32-arena6").layout)
@@ -213,9 +235,10 @@ def test_a_new_sweep_does_not_overwrite_an_unfinished_one_and_replaces_a_finishe
     argv = ["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--out", str(out)]
     assert main(argv) == 0
     (out / "replays").mkdir(exist_ok=True)
-    (out / "replays" / "f32-heap-seed9.json").write_text("{}")      # an earlier sweep's failure
+    (out / "replays" / "f32-heap-seed1.json").write_text("{}")      # as the earlier sweep's failure
+    (out / "replays" / "my-regression.json").write_text("{}")       # a file no sweep writes
     assert main(argv) == 0                                            # a finished sweep: replaced
-    assert not (out / "replays" / "f32-heap-seed9.json").exists()
+    assert sorted(path.name for path in (out / "replays").iterdir()) == ["my-regression.json"]
     journal = out / "runs.jsonl"
     lines = journal.read_text().splitlines(keepends=True)
     journal.write_text("".join(lines[:-1]))                          # as if stopped before its last run

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import sys
 import time
@@ -37,7 +38,7 @@ from kvstate.spec.protocol import Config
 
 from . import journal as J
 from .fingerprint import describe, differences, fingerprint
-from ..backends import backend_option
+from ..backends import backend_option, canonical_backend
 from ..configs import page_sizes
 from ..replay import FINDINGS, as_pytest, load
 from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
@@ -226,7 +227,7 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
         write_reports(report(partial=True), out_dir)
         where = f"the Dask scheduler {scheduler}" if scheduler else "the local process pool"
         raise ClusterLostError(f"lost {where} after {len(runs)} of {len(order)} runs; partial report in "
-                               f"{out_dir / 'report.json'}; finish with: kvstate sweep --resume {out_dir}"
+                               f"{out_dir / 'report.json'}; finish with: kvstate sweep --resume {shlex.quote(str(out_dir))}"
                                f"{backend_option(backend)}") from None
     except KeyboardInterrupt:
         if meter:
@@ -251,12 +252,15 @@ def config_labels(configs: Sequence[Config]) -> dict[str, Config]:
 def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     """The runs and shrinks already done (none for a new sweep) and the journal to add to."""
     if not resume:
-        _refuse_unfinished(out_dir)
-        for stale in (out_dir / "replays").glob("*.json"):     # an earlier sweep's: the folder holds this one's
-            stale.unlink()
+        earlier = _finished_sweep_in(out_dir)
+        if earlier is not None:         # its failures' replay files, and only those: the folder holds this sweep's
+            for label in earlier.configs:
+                for seed in earlier.seeds:
+                    (out_dir / "replays" / f"{label}-seed{seed}.json").unlink(missing_ok=True)
         return {}, {}, J.Journal.start(out_dir, plan)
     recorded = J.read(out_dir)
     mine, theirs = asdict(plan), asdict(recorded.plan)
+    theirs["backend"] = canonical_backend(theirs["backend"])    # a journal from before paths were kept absolute
     changed = [key for key in mine if key != "fingerprint" and mine[key] != theirs[key]]
     if changed:
         raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
@@ -270,19 +274,22 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     return runs, shrunk, J.Journal.reopen(out_dir)
 
 
-def _refuse_unfinished(out_dir: Path) -> None:
-    """A new sweep into a folder whose sweep stopped part way would throw away the runs it finished:
-    refused, naming ``--resume``. A finished sweep there (or a journal nothing could resume) is replaced."""
+def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
+    """The plan of the finished sweep whose journal is in ``out_dir`` (a new sweep there replaces it),
+    or None where there is none, or none that could be resumed. One that stopped part way is
+    refused, naming ``--resume``: a new sweep would throw away the runs it finished."""
     if not (out_dir / J.FILE).is_file():
-        return
+        return None
     try:
         recorded = J.read(out_dir)
     except (ResumeError, OSError):
-        return
+        return None
     planned = len(recorded.plan.seeds) * len(recorded.plan.configs)
     if len(recorded.runs) < planned:
         raise SweepError(f"{out_dir} holds a sweep that stopped after {len(recorded.runs)} of its {planned} runs: "
-                         f"finish it with kvstate sweep --resume {out_dir}, or pick another --out")
+                         f"finish it with kvstate sweep --resume {shlex.quote(str(out_dir))}"
+                         f"{backend_option(recorded.plan.backend)}, or pick another --out")
+    return recorded.plan
 
 
 def _leave_interrupts_to_parent() -> None:
