@@ -20,6 +20,7 @@ from kvstate.spec.errors import InvariantViolation, KVStateError, applicable_err
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
+from .frames import raised_at
 
 REFUSED = "    # refused: "      # what a history line ends with when both sides refused it, then the error class
 
@@ -105,7 +106,9 @@ class Lockstep:
                                                None if values is None else values.copy())
         ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
         if not same_refusal(engine_error, ref_error):
-            raise self._violation("errors", f"{op}: engine {engine_error!r}, reference {describe_refusal(ref_error)}")
+            said = "" if engine_error is None else raised_at(engine_error)
+            raise self._violation("errors", f"{op}: engine {engine_error!r}{said}, "
+                                            f"reference {describe_refusal(ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)

@@ -31,7 +31,7 @@ from . import ops as O
 from . import replay_bounds as bounds
 from .deadline import Deadline
 from .lockstep import REFUSED, Lockstep, to_numpy
-from .stuck import not_the_backends
+from .frames import raised_at  # noqa: F401  (conform and the checks import it from here too)
 
 FORMAT = "kvstate-replay/1"
 MAX_REPLAY_BYTES = 64 << 20
@@ -194,25 +194,6 @@ def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failur
     invariant = error.invariant if isinstance(error, InvariantViolation) else None
     return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error),
                    raised_at(error))
-
-
-def raised_at(error: BaseException) -> str:
-    """`` at FILE:LINE in FUNCTION`` of the innermost frame that raised ``error``, and the backend's
-    own line that called it where that frame is library code (``stuck.not_the_backends``); "" for
-    an assertion (the suite's own check, not the backend's code) or an error with no traceback."""
-    if isinstance(error, AssertionError) or error.__traceback__ is None:
-        return ""
-    frames, tb = [], error.__traceback__
-    while tb is not None:
-        frames.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    (inner, line), found = frames[-1], ""
-    where = f" at {Path(inner.f_code.co_filename).name}:{line} in {inner.f_code.co_name}"
-    if not_the_backends(inner):
-        caller = next(((frame, at) for frame, at in reversed(frames) if not not_the_backends(frame)), None)
-        if caller is not None:
-            found = f", called from {Path(caller[0].f_code.co_filename).name}:{caller[1]} in {caller[0].f_code.co_name}"
-    return where + found
 
 
 # -- the file format ---------------------------------------------------------------------

@@ -6,11 +6,9 @@ it; the thread is still there, stuck, and its frames say where (``sys._current_f
 
 from __future__ import annotations
 
-import os
 import sys
-import sysconfig
-from pathlib import Path
 
+from .frames import frame_place, not_the_backends
 from .lockstep import Lockstep
 
 
@@ -32,17 +30,3 @@ def stuck_at(ident: int | None) -> str:
         op = frame.f_locals.get("op") if frame.f_code is Lockstep.apply.__code__ else None
         frame = frame.f_back
     return found if op is None else f"{found}, applying {op}"
-
-
-def frame_place(frame) -> str:
-    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} in {frame.f_code.co_name}"
-
-
-# Code that is not the backend's: the standard library, installed packages, and this suite.
-_NOT_THE_BACKEND = tuple(os.path.realpath(path) + os.sep for path in {
-    *(sysconfig.get_paths()[key] for key in ("stdlib", "platstdlib", "purelib", "platlib")),
-    str(Path(__file__).resolve().parent)})
-
-
-def not_the_backends(frame) -> bool:
-    return os.path.realpath(frame.f_code.co_filename).startswith(_NOT_THE_BACKEND)

@@ -196,6 +196,38 @@ def test_a_wrong_error_class_is_reported_with_the_call_that_raised_it_and_where(
     assert re.fullmatch(r"failing call: c1\.read\(0, \d+\)", report[1]), report[:4]
 
 
+def test_the_lockstep_driver_says_where_a_wrong_error_class_was_raised(tmp_path):
+    from kvstate.spec.errors import InvariantViolation
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.lockstep import Lockstep
+
+    path = _backend(tmp_path, "truncate_raises", f"""
+        import sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as working
+        from kvstate.spec.errors import TokenError
+
+        class Context(ListContext):
+            def truncate(self, n):
+                if n > self.length:
+                    raise TokenError("past the end")
+                return super().truncate(n)
+
+        class Cache(ListCache):
+            context_class = Context
+
+        def factory(config):
+            return Cache(config)
+        factory.configs = working.configs[:1]
+    """)
+    factory = load_factory(path)
+    run = Lockstep(factory, factory.configs[0])
+    run.apply(O.Allocate())
+    with pytest.raises(InvariantViolation, match=r"engine TokenError\('past the end'\) at truncate_raises.py:10 in "
+                                                 r"truncate, reference PositionError"):
+        run.apply(O.Truncate("c1", 5))
+
+
 def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
     path = _backend(tmp_path, "hangs", f"""
         import sys, threading
