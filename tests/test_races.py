@@ -515,3 +515,27 @@ def test_a_numpy_write_while_another_thread_imports_torch(monkeypatch):
     races.extend(ctx, races.race_configs()[1], [1, 2, 3])
     assert ctx.tokens == [1, 2, 3]
     ctx.close()
+
+
+def test_stress_ends_within_one_scenario_past_its_deadline_and_each_round_starts_further_on(monkeypatch):
+    """``kvstate stress --minutes M`` is a bound: the deadline is checked after each scenario on each
+    store (a whole round at scale 10 took minutes past a 12 s run); rounds rotate where they start."""
+    from kvstate.stateful.races import scenarios
+
+    ran = []
+
+    def fake(name):
+        def run(store, seed, iterations, yields=False):
+            ran.append((name, seed))
+            return scenarios.RaceReport(name, store, seed, threads=1)
+        return run
+    for name in ("fork_storm", "close_races"):
+        monkeypatch.setitem(scenarios.SCENARIOS, name, fake(name))
+    totals = scenarios.stress(0, stores=["numpy"], scenarios=["fork_storm", "close_races"], out=lambda line: None)
+    assert ran == [("fork_storm", 0)] and list(totals) == ["fork_storm[numpy]"]
+    clock = iter(range(0, 10**6, 1))      # one second a call: the deadline at 60 s, after a few rounds
+    monkeypatch.setattr(scenarios.time, "monotonic", lambda: next(clock))
+    ran.clear()
+    scenarios.stress(1, stores=["numpy"], scenarios=["fork_storm", "close_races"], out=lambda line: None)
+    assert ran[:4] == [("fork_storm", 0), ("close_races", 0), ("close_races", 1), ("fork_storm", 1)]
+    assert 50 <= len(ran) <= 61       # one call a pair (and one at the start): stopped at the deadline

@@ -718,25 +718,29 @@ CI_ITERATIONS["pressure_vs_match"] = len(pressure_configs())
 def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scenarios: list[str] | None = None,
            scale: int = 10, out=print) -> dict[str, dict[str, int]]:
     """Run every scenario on every store, ``scale`` times the CI iterations, round after round with
-    seeds ``seed, seed + 1, ...``, until ``minutes`` have passed; every other round with ``yields``
-    for all scenarios. Stops at the first ``RaceFailure`` (which propagates, naming store, seed and
-    iteration). Returns totals per scenario."""
+    seeds ``seed, seed + 1, ...``, every other round with ``yields`` for all scenarios, until
+    ``minutes`` have passed: the deadline is checked after each scenario on each store, so a run
+    ends within one of them past it (a whole round at scale 10 takes minutes). Each round starts one
+    pair further on, so runs shorter than a round still reach every scenario in turn. Stops at the
+    first ``RaceFailure`` (which propagates, naming store, seed and iteration). Returns totals per
+    scenario and store that ran."""
     stores = stores or available_stores()
     names = scenarios or list(SCENARIOS)
+    pairs = [(name, store) for name in names for store in stores]
     totals: dict[str, dict[str, int]] = {}
     deadline = time.monotonic() + minutes * 60
     round_seed = seed
     while True:
-        for name in names:
-            for store in stores:
-                options = {"yields": True} if (round_seed - seed) % 2 else {}
-                report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale, **options)
-                total = totals.setdefault(f"{name}[{store}]", {"rounds": 0, "iterations": 0})
-                total["rounds"] += 1
-                total["iterations"] += report.iterations
-                for key, value in report.counts.items():
-                    total[key] = total.get(key, 0) + value
-                out(str(report))
+        first = (round_seed - seed) % len(pairs)
+        for name, store in pairs[first:] + pairs[:first]:
+            options = {"yields": True} if (round_seed - seed) % 2 else {}
+            report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale, **options)
+            total = totals.setdefault(f"{name}[{store}]", {"rounds": 0, "iterations": 0})
+            total["rounds"] += 1
+            total["iterations"] += report.iterations
+            for key, value in report.counts.items():
+                total[key] = total.get(key, 0) + value
+            out(str(report))
+            if time.monotonic() >= deadline:
+                return totals
         round_seed += 1
-        if time.monotonic() >= deadline:
-            return totals
