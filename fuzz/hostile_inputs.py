@@ -563,6 +563,10 @@ def run_and_report(tally: Tally, runs) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstate.fuzz.hostile_inputs [EXAMPLES]``: a longer run, printing what was tried."""
+    from kvstate.stateful.conform import use_cache_folder_for_hypothesis
+
+    use_cache_folder_for_hypothesis()       # Hypothesis's files in the user's cache, never the working folder
+
     from hypothesis import HealthCheck, given, settings
 
     examples = int((argv or sys.argv[1:] or ["500"])[0])

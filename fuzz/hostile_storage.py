@@ -420,6 +420,10 @@ def tier_queries() -> st.SearchStrategy:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstate.fuzz.hostile_storage [EXAMPLES]``: a longer run, printing what was tried."""
+    from kvstate.stateful.conform import use_cache_folder_for_hypothesis
+
+    use_cache_folder_for_hypothesis()       # Hypothesis's files in the user's cache, never the working folder
+
     from hypothesis import HealthCheck, given, settings
 
     examples = int((argv or sys.argv[1:] or ["300"])[0])

@@ -397,6 +397,10 @@ def _write_resume(out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvstate.fuzz.hostile_sweep [EXAMPLES] [--schedulers]``: a longer run, printing what was
     tried; ``--schedulers`` also connects to each hostile scheduler address for real (minutes)."""
+    from kvstate.stateful.conform import use_cache_folder_for_hypothesis
+
+    use_cache_folder_for_hypothesis()       # Hypothesis's files in the user's cache, never the working folder
+
     from hypothesis import HealthCheck, given, settings
 
     numbers = [arg for arg in (argv or sys.argv[1:]) if arg.isdigit()]

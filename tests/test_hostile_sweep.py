@@ -3,6 +3,8 @@ as regression tests; and planted faults it must report, so each target is shown 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 
@@ -177,3 +179,17 @@ def test_the_arguments_target_reports_an_unrunnable_accepted_value(tmp_path, mon
     monkeypatch.setattr(cli, "_at_least", lambda name, value, low, high=None: None)
     with pytest.raises(Finding, match="steps -1"):
         HS.check_arguments(Tally(), ("--seeds", [("--steps", "-1")], False), str(tmp_path))
+
+
+@pytest.mark.slow
+def test_a_fuzzer_run_by_hand_leaves_nothing_in_the_working_folder(tmp_path):
+    """Hypothesis's own files go to the user's cache folder, as ``kvstate conform``'s do (README).
+    Slow: a new interpreter's imports are most of its 5-10 s."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvstate.fuzz.hostile_sweep", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cache"]
