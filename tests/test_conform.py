@@ -143,56 +143,48 @@ def test_factory_that_never_returns_is_refused(tmp_path, capsys):
     assert "did not answer within 1 s" in capsys.readouterr().err
 
 
+def _listcache_with(tmp_path, name: str, context: str = "", cache: str = ""):
+    """``examples/listcache.py`` in its first configuration, with the methods ``context`` and ``cache``
+    (source, unindented) added to its context and cache classes: a backend with one planted
+    behaviour. Returns its path, and a function giving the line of the first one holding a text."""
+    def methods(source: str) -> list[str]:
+        return ["    " + line for line in textwrap.dedent(source).strip().splitlines()]
+    lines = ["import sys, threading", f"sys.path.insert(0, {str(EXAMPLES)!r})",
+             "from listcache import ListCache, ListContext, factory as working",
+             "from kvstate.spec.errors import TokenError", "",
+             "class Context(ListContext):", *methods(context), "    pass", "",
+             "class Cache(ListCache):", "    context_class = Context", *methods(cache), "",
+             "def factory(config):", "    return Cache(config)", "factory.configs = working.configs[:1]", ""]
+    path = tmp_path / f"{name}.py"
+    path.write_text("\n".join(lines))
+    return str(path), lambda text: next(i for i, line in enumerate(lines, 1) if text in line)
+
+
 def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsys):
-    path = _backend(tmp_path, "fork_raises", f"""
-        import sys
-        sys.path.insert(0, {str(EXAMPLES)!r})
-        from listcache import ListCache, ListContext, factory as working
-
-        class Context(ListContext):
-            def fork(self):
-                raise RuntimeError("fork is not implemented")
-
-        class Cache(ListCache):
-            context_class = Context
-
-        def factory(config):
-            return Cache(config)
-        factory.configs = working.configs[:1]
-    """)
+    path, line = _listcache_with(tmp_path, "fork_raises", context="""
+        def fork(self):
+            raise RuntimeError("fork is not implemented")""")
     assert main(["conform", path, "--examples", "20", "--steps", "6"]) == 1
     out = capsys.readouterr().out
     assert "the backend raised RuntimeError: fork is not implemented" in out
     assert "fork(ctx='c1')" in out
     # Every check's report says where: the random engines' (shrunk by replaying) as the directed ones'.
+    where = f"fork is not implemented at fork_raises.py:{line('raise RuntimeError')} in fork"
     for check in ("lockstep", "seeded"):
         report = out[out.index(f"/ {check}: FAIL"):]
-        assert report.split("\n")[1].endswith("fork is not implemented at fork_raises.py:8 in fork"), report
+        assert report.split("\n")[1].endswith(where), report
 
 
 def test_a_wrong_error_class_is_reported_with_the_call_that_raised_it_and_where(tmp_path, capsys):
-    path = _backend(tmp_path, "read_raises", f"""
-        import sys
-        sys.path.insert(0, {str(EXAMPLES)!r})
-        from listcache import ListCache, ListContext, factory as working
-
-        class Context(ListContext):
-            def read(self, start=0, stop=None):
-                if stop is not None and stop > self.length:
-                    raise IndexError("past the end")
-                return super().read(start, stop)
-
-        class Cache(ListCache):
-            context_class = Context
-
-        def factory(config):
-            return Cache(config)
-        factory.configs = working.configs[:1]
-    """)
+    path, line = _listcache_with(tmp_path, "read_raises", context="""
+        def read(self, start=0, stop=None):
+            if stop is not None and stop > self.length:
+                raise IndexError("past the end")
+            return super().read(start, stop)""")
     assert main(["conform", path, "--check", "bad input"]) == 1
     report = capsys.readouterr().out.split("/ bad input: FAIL\n", 1)[1].splitlines()
-    assert report[0] == ("AssertionError: read past the end: raised IndexError at read_raises.py:9 in read, "
-                         "expected PositionError")
+    assert report[0] == (f"AssertionError: read past the end: raised IndexError at "
+                         f"read_raises.py:{line('raise IndexError')} in read, expected PositionError")
     assert re.fullmatch(r"failing call: c1\.read\(0, \d+\)", report[1]), report[:4]
 
 
@@ -201,74 +193,39 @@ def test_the_lockstep_driver_says_where_a_wrong_error_class_was_raised(tmp_path)
     from kvstate.stateful import ops as O
     from kvstate.stateful.lockstep import Lockstep
 
-    path = _backend(tmp_path, "truncate_raises", f"""
-        import sys
-        sys.path.insert(0, {str(EXAMPLES)!r})
-        from listcache import ListCache, ListContext, factory as working
-        from kvstate.spec.errors import TokenError
-
-        class Context(ListContext):
-            def truncate(self, n):
-                if n > self.length:
-                    raise TokenError("past the end")
-                return super().truncate(n)
-
-        class Cache(ListCache):
-            context_class = Context
-
-        def factory(config):
-            return Cache(config)
-        factory.configs = working.configs[:1]
-    """)
+    path, line = _listcache_with(tmp_path, "truncate_raises", context="""
+        def truncate(self, n):
+            if n > self.length:
+                raise TokenError("past the end")
+            return super().truncate(n)""")
     factory = load_factory(path)
     run = Lockstep(factory, factory.configs[0])
     run.apply(O.Allocate())
-    with pytest.raises(InvariantViolation, match=r"engine TokenError\('past the end'\) at truncate_raises.py:10 in "
-                                                 r"truncate, reference PositionError"):
+    where = f"at truncate_raises.py:{line('raise TokenError')} in truncate"
+    wanted = rf"engine TokenError\('past the end'\) {where}, reference PositionError"
+    with pytest.raises(InvariantViolation, match=wanted):
         run.apply(O.Truncate("c1", 5))
 
 
 def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
-    path = _backend(tmp_path, "hangs", f"""
-        import sys, threading
-        sys.path.insert(0, {str(EXAMPLES)!r})
-        from listcache import ListCache, factory as working
-
-        class Cache(ListCache):
-            def clear(self):
-                threading.Event().wait()    # never returns
-
-        def factory(config):
-            return Cache(config)
-        factory.configs = working.configs[:1]
-    """)
+    path, line = _listcache_with(tmp_path, "hangs", cache="""
+        def clear(self):
+            threading.Event().wait()    # never returns""")
     rc = main(["conform", path, "--check", "fork isolation", "--time-limit", "2"])
     out = capsys.readouterr().out
     assert rc == 1 and "TIMEOUT" in out and "no result after 2 s" in out
-    assert "its thread is at threading.py:" in out and ", called from hangs.py:8 in clear" in out   # off its stack
+    # where it is stuck, read off its stack
+    assert "its thread is at threading.py:" in out and f", called from hangs.py:{line('wait()')} in clear" in out
 
 
 def test_a_hang_inside_an_operation_names_the_operation(tmp_path, capsys):
-    path = _backend(tmp_path, "fork_hangs", f"""
-        import sys, threading
-        sys.path.insert(0, {str(EXAMPLES)!r})
-        from listcache import ListCache, ListContext, factory as working
-
-        class Context(ListContext):
-            def fork(self):
-                threading.Event().wait()    # never returns
-
-        class Cache(ListCache):
-            context_class = Context
-
-        def factory(config):
-            return Cache(config)
-        factory.configs = working.configs[:1]
-    """)
+    path, line = _listcache_with(tmp_path, "fork_hangs", context="""
+        def fork(self):
+            threading.Event().wait()    # never returns""")
     assert main(["conform", path, "--check", "lockstep", "--time-limit", "2"]) == 1
     out = capsys.readouterr().out
-    assert re.search(r"no result after 2 s: .*; its thread is at threading.py:\d+ in wait, "
-                     r"called from fork_hangs.py:8 in fork, applying fork\(ctx='c\d+'\)", out), out
+    assert re.search(rf"no result after 2 s: .*; its thread is at threading.py:\d+ in wait, "
+                     rf"called from fork_hangs.py:{line('wait()')} in fork, applying fork\(ctx='c\d+'\)", out), out
 
 
 def test_check_backend_wants_config_objects():

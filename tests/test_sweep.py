@@ -166,7 +166,8 @@ def test_a_bad_replay_file_is_refused(tmp_path):
         with pytest.raises(ReplayFileError):
             R.load(path)
     for broken, named in (({**good, "ops": [{"op": "rm -rf"}]}, "an operation of unknown kind 'rm -rf'"),
-                          ({**good, "ops": [{"op": "extend", "ctx": "c1"}]}, "operation 'extend' without its 'tokens' field"),
+                          ({**good, "ops": [{"op": "extend", "ctx": "c1"}]},
+                           "operation 'extend' without its 'tokens' field"),
                           ({k: v for k, v in good.items() if k != "ops"}, "it has no 'ops' field")):
         path.write_text(json.dumps(broken))
         with pytest.raises(ReplayFileError, match=re.escape(named)):
