@@ -260,7 +260,8 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
         return {}, {}, J.Journal.start(out_dir, plan)
     recorded = J.read(out_dir)
     mine, theirs = asdict(plan), asdict(recorded.plan)
-    theirs["backend"] = canonical_backend(theirs["backend"])    # a journal from before paths were kept absolute
+    for side in (mine, theirs):     # the same file however it was named (journals from before paths were absolute)
+        side["backend"] = canonical_backend(side["backend"])
     changed = [key for key in mine if key != "fingerprint" and mine[key] != theirs[key]]
     if changed:
         raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
