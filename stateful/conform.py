@@ -201,8 +201,10 @@ def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
     replayed, lines = _reshrink(factory, run.config, list(run.ops))
     if replayed is None:
         return None
+    # Replayed, the failure is whatever the checks after every step meet first, which may be another
+    # promise than the one this check tests: that one is said as what was being checked.
     promise = getattr(error, "promise", None)
-    head = f'"{promise}" -- broken: ' if promise else ""
+    head = f'while checking "{promise}": ' if promise else ""
     return _report(head + replayed.headline, run.config, lines, "minimised failing sequence")
 
 

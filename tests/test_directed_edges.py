@@ -475,3 +475,17 @@ def test_portable_snapshots_is_not_applicable_at_one_precision_and_page_size():
     factory.configs = [config_named("f32-heap")]
     with pytest.raises(NotApplicable):
         DIRECTED["portable snapshots"](factory, config_named("f32-heap"))
+
+
+def test_a_shrunk_directed_failure_names_the_promise_as_what_was_being_checked():
+    """Shrunk by replaying its operations, a directed check's failure is whatever the checks after every
+    step meet first, which may break another promise than the check's: the report says "while checking"
+    that promise, then what broke, rather than claiming the check's own promise broken."""
+    from kvstate.stateful.conform import conform
+    from kvstate.stateful.planted import PLANTED
+
+    with PLANTED["match_shortest_key"]():
+        (result,) = conform(numpy_factory, configs=[config_named("f32-heap")], checks=["prefix edges"])
+    head = result.outcomes["prefix edges"].detail.splitlines()[0]
+    assert head.startswith('while checking "match answers with the longest retained key') and \
+        '": InvariantViolation: invariant 5: match(' in head, head
