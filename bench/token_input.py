@@ -10,11 +10,12 @@ then matched (and its hit closed) as an array and as a list, rounds interleaved,
 round kept. Page size 64: the layout's own default, where ``match`` is cheapest and so
 the conversion weighs most.
 
-``python3 -m kvstate.bench.token_input``.
+``python3 -m kvstate.bench.token_input [--quick] [--page P] [--rounds N]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ import numpy as np
 from kvstate.impl import Cache
 
 from .agent_traffic import TINY, workload
+from .args import positive_int
 
 LIST_OVER_ARRAY = 1.2       # issue 15's target
 
@@ -69,12 +71,24 @@ def run(quick: bool = False, page_tokens: int = 64, rounds: int = 5) -> dict:
                  {"input": "np.fromiter of the list alone", "us_per_match": 1e6 * convert_s / n}],
         # No list can do better than an array match plus its bare conversion to int64.
         "ratio": {"list_over_array": ratio, "floor_of_list_over_array": (array_s + convert_s) / array_s},
-        "command": "python -m kvstate.bench.token_input",
+        "command": "python -m kvstate.bench.token_input" + " --quick" * quick
+                   + (f" --page {page_tokens}" if page_tokens != 64 else "") + (f" --rounds {rounds}" if rounds != 5 else ""),
         "targets": {f"list_over_array <= {LIST_OVER_ARRAY:g}": f"{ratio:.2f} {'met' if ratio <= LIST_OVER_ARRAY else 'MISSED'}"},
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.token_input", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
+    parser.add_argument("--page", type=positive_int, default=64, help="page size (default 64)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds, best kept (default 5)")
+    args = parser.parse_args(argv)
     from .run import format_result
 
-    print(format_result(run()))
+    print(format_result(run(args.quick, args.page, args.rounds)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

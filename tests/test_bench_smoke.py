@@ -114,6 +114,16 @@ def test_one_token_pages_with_a_bounded_tree_frees_evicted_pages_in_the_retains(
     assert result["command"].endswith("--max-entries 3") and "targets" not in result
 
 
+def test_token_input_takes_its_options_and_refuses_a_bad_one(capsys):
+    from kvstate.bench import token_input
+
+    with pytest.raises(SystemExit) as stopped:
+        token_input.main(["--rounds", "0"])
+    assert stopped.value.code == 2 and "0 is not at least 1" in capsys.readouterr().err
+    assert token_input.main(["--quick", "--rounds", "1", "--page", "16"]) == 0
+    assert "reproduce: python -m kvstate.bench.token_input --quick --page 16 --rounds 1" in capsys.readouterr().out
+
+
 def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
     from kvstate.bench import token_input
 
@@ -122,7 +132,7 @@ def test_token_input_matches_lists_and_arrays_and_prints_the_conversion_floor():
     assert set(rows) == {"int64 array", "Python list", "np.fromiter of the list alone"}
     array, conversion = rows["int64 array"], rows["np.fromiter of the list alone"]
     assert result["ratio"]["floor_of_list_over_array"] == pytest.approx((array + conversion) / array)
-    assert result["command"] == "python -m kvstate.bench.token_input"
+    assert result["command"] == "python -m kvstate.bench.token_input --quick"
 
 
 def test_extend_bench_times_the_floor_and_another_checkout_beside_extend():
