@@ -239,7 +239,12 @@ class Context:
                 with self._cache.lock:
                     self._cache.pool.make_room(self._pages_to_grow(start, stop))
                     self._grow(start, stop)
-                self._write(start, stop, tokens, encoded)
+                try:
+                    self._write(start, stop, tokens, encoded)
+                except BaseException:       # the store failed, or an interrupt: the pages made for it go back
+                    with self._cache.lock:
+                        self._keep_first(start)
+                    raise
             finally:
                 recycle(store, encoded)      # the pages hold copies: nothing reads it after this
             with self._cache.lock:

@@ -147,3 +147,29 @@ def test_an_extend_failing_after_its_pages_are_made_frees_them(monkeypatch, page
     ctx.extend(list(range(20)), _zeros(20))
     assert len(ctx) == 26
     _accounted(cache.pool)
+
+
+@pytest.mark.parametrize("page_tokens", [1, 4])
+def test_an_extend_whose_write_fails_gives_back_the_pages_it_made(monkeypatch, page_tokens):
+    """The store failing mid-write (or an interrupt) after the pages are made: they are released as a
+    truncate would, so the context lists exactly the pages its length needs and nothing is held."""
+    from kvstate.impl import context as context_module
+    from kvstate.spec.invariants import check_page_counts, check_structure
+
+    cache = Cache(TINY, page_tokens=page_tokens)
+    ctx = cache.allocate()
+    ctx.extend(list(range(6)), _zeros(6))
+    live = cache.pool.live_count
+
+    def failing_write(self, start, stop, tokens, encoded):
+        raise MemoryError("the store ran out")
+    monkeypatch.setattr(context_module.Context, "_write", failing_write)
+    with pytest.raises(MemoryError):
+        ctx.extend(list(range(20)), _zeros(20))
+    monkeypatch.undo()
+    assert len(ctx) == 6 and list(ctx.tokens) == list(range(6)) and cache.pool.live_count == live
+    check_page_counts(cache.observe(), page_tokens)
+    check_structure(cache.observe())
+    _accounted(cache.pool)
+    ctx.extend(list(range(20)), _zeros(20))
+    assert len(ctx) == 26 and list(ctx.tokens) == list(range(6)) + list(range(20))
