@@ -144,20 +144,14 @@ class PagePool:
         return slots
 
     def _grow(self, count: int) -> range:
-        """``count`` slots never used yet. The refcount array and the page table double until they
-        hold them, each made before anything is replaced: running out of memory changes nothing."""
+        """``count`` slots never used yet. The refcount array, the page table and the free mask double
+        until they hold them, each made before anything is replaced: running out of memory changes nothing."""
         books, table, first = self.books, self.table, self._next_ref
         end = first + count
-        counts = books._counts
-        if end > len(counts):
-            counts = np.zeros(_doubled(len(counts), end), np.int64)
-            counts[:len(books._counts)] = books._counts
+        counts, mask = _at_least(books._counts, end), _at_least(self._free_mask, end)
         if end > len(table.ids):
             table.grow(_doubled(len(table.ids), end))
-        if end > len(self._free_mask):
-            mask = np.zeros(_doubled(len(self._free_mask), end), np.bool_)
-            mask[:len(self._free_mask)] = self._free_mask
-            self._free_mask = mask
+        self._free_mask = mask
         self._by_slot += [None] * count
         books._counts = counts      # pending shares name slots, which the grown array keeps
         self._next_ref = end
@@ -167,14 +161,9 @@ class PagePool:
         """Slots whose pages were freed (or never made), their counts 0, back for the next ``_take_slots``."""
         if not len(slots):
             return
-        if type(slots) is range:
-            self._free_mask[slots.start:slots.stop] = True
-            lowest = slots.start
-        else:
-            self._free_mask[slots] = True
-            lowest = int(slots.min())
+        _set(self._free_mask, slots, True)
         self._free_slots += len(slots)
-        self._lowest_free = min(self._lowest_free, lowest)
+        self._lowest_free = min(self._lowest_free, slots.start if type(slots) is range else int(slots.min()))
 
     def _register(self, page_id: int, buffer) -> Page:
         ref = int(self._take_slots(1)[0])
@@ -335,6 +324,15 @@ def _doubled(size: int, at_least: int) -> int:
     return size
 
 
+def _at_least(array: np.ndarray, length: int) -> np.ndarray:
+    """``array`` if it holds ``length`` items, else a copy doubled until it does, zeros past the old end."""
+    if length <= len(array):
+        return array
+    grown = np.zeros(_doubled(len(array), length), array.dtype)
+    grown[:len(array)] = array
+    return grown
+
+
 def _place(by_slot: list, stretches: list[tuple[int, int, int]], items: list) -> None:
     """``items[i]`` at ``by_slot[slot i]``, the slots as ``_stretches`` gives them: a slice assignment each."""
     if len(stretches) == 1:
@@ -357,8 +355,8 @@ def _stretches(slots: "range | np.ndarray") -> list[tuple[int, int, int]]:
     return [(first, first + end - start, start) for first, start, end in zip(slots[starts].tolist(), starts, ends)]
 
 
-def _set(counts: np.ndarray, slots: "range | np.ndarray", value: int) -> None:
-    """Every refcount slot of ``slots`` set to ``value``."""
+def _set(counts: np.ndarray, slots: "range | np.ndarray", value) -> None:
+    """Every slot of ``slots`` in ``counts`` (or any array indexed by refcount slot) set to ``value``."""
     if type(slots) is range:
         counts[slots.start:slots.stop] = value
     else:

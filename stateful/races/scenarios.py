@@ -716,7 +716,7 @@ CI_ITERATIONS["pressure_vs_match"] = len(pressure_configs())
 
 
 def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scenarios: list[str] | None = None,
-           scale: int = 10, out=print) -> dict[str, dict[str, int]]:
+           scale: int = 10, out=print, clock: Callable[[], float] = time.monotonic) -> dict[str, dict[str, int]]:
     """Run every scenario on every store, ``scale`` times the CI iterations, round after round with
     seeds ``seed, seed + 1, ...``, every other round with ``yields`` for all scenarios, until
     ``minutes`` have passed: the deadline is checked after each scenario on each store, so a run
@@ -728,7 +728,7 @@ def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scena
     names = scenarios or list(SCENARIOS)
     pairs = [(name, store) for name in names for store in stores]
     totals: dict[str, dict[str, int]] = {}
-    deadline = time.monotonic() + minutes * 60
+    deadline = clock() + minutes * 60
     round_seed = seed
     while True:
         first = (round_seed - seed) % len(pairs)
@@ -741,6 +741,6 @@ def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scena
             for key, value in report.counts.items():
                 total[key] = total.get(key, 0) + value
             out(str(report))
-            if time.monotonic() >= deadline:
+            if clock() >= deadline:
                 return totals
         round_seed += 1
