@@ -291,3 +291,25 @@ def test_a_sharded_sweep_in_a_process_pool(tmp_path):
     report = S.sweep(S.shard(range(6), 2, 2), 30, configs, workers=2, out_dir=tmp_path, progress=None)
     assert sorted(r.seed for r in report.results) == [1, 3, 5]
     assert all(r.passed and r.steps == 30 for r in report.results)
+
+
+def test_a_resume_runs_with_as_many_workers_as_the_sweep_it_finishes(tmp_path, capsys):
+    """The journal records the local pool's size; ``--resume`` alone uses it, ``--workers`` overrides it."""
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--out", str(out),
+                 "--workers", "2"]) == 0
+    journal = out / "runs.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    assert json.loads(lines[0])["workers"] == 2
+    journal.write_text("".join(lines[:-1]))                          # as if stopped before its last run
+    capsys.readouterr()
+    assert main(["sweep", "--resume", str(out)]) == 0
+    assert "2 worker(s), resuming" in capsys.readouterr().err
+    journal.write_text("".join(lines[:-1]))
+    assert main(["sweep", "--resume", str(out), "--workers", "1"]) == 0
+    assert "1 worker(s), resuming" in capsys.readouterr().err
+    plan = json.loads(lines[0])
+    del plan["workers"]                                               # a journal from before it was recorded
+    journal.write_text(json.dumps(plan) + "\n" + "".join(lines[1:-1]))
+    assert main(["sweep", "--resume", str(out)]) == 0
+    assert "1 worker(s), resuming" in capsys.readouterr().err

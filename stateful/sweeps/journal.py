@@ -30,6 +30,7 @@ class Plan:
     configs: tuple[str, ...]
     shard: str | None
     fingerprint: dict
+    workers: int | None = None      # the local pool's size (None on a cluster): what a resume runs with
 
 
 @dataclass
@@ -87,7 +88,7 @@ _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "se
 _FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
                    "invariant": (int, str, type(None)), "message": str, "where": str}
 _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
-                "fingerprint": dict}
+                "fingerprint": dict, "workers": (int, type(None))}
 
 
 def read(out_dir: Path) -> Recorded:
@@ -121,12 +122,15 @@ def read(out_dir: Path) -> Recorded:
             or entries[0][1].get("format") != FORMAT:
         raise ResumeError(f"{path} does not start with a {FORMAT} plan")
     head = {key: value for key, value in entries[0][1].items() if key not in ("kind", "format")}
+    head.setdefault("workers", None)        # journals from before it was recorded have none
     _check_fields(head, _PLAN_FIELDS, path, 1, "plan")
     if not all(_is_int(seed) for seed in head["seeds"]) or not all(isinstance(c, str) for c in head["configs"]) \
             or head["steps"] < 1:
         raise ResumeError(f"{path}: line 1: malformed plan (seeds must be ints, configs names, steps >= 1)")
+    if head["workers"] is not None and head["workers"] < 1:
+        raise ResumeError(f"{path}: line 1: malformed plan (workers must be at least 1, got {head['workers']})")
     plan = Plan(head["backend"], head["steps"], tuple(head["seeds"]), tuple(head["configs"]),
-                head["shard"], head["fingerprint"])
+                head["shard"], head["fingerprint"], head["workers"])
     planned_seeds, planned_configs = set(plan.seeds), set(plan.configs)
     runs: dict[tuple[str, int], dict] = {}
     shrunk: dict[tuple[str, int], dict] = {}

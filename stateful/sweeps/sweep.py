@@ -178,7 +178,8 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     factory_for(backend)        # a bad backend path fails here, before any pool starts
     by_name = config_labels(configs)
     label_of = {config: label for label, config in by_name.items()}
-    plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend))
+    plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend),
+                  None if executor is not None else workers)
     runs, shrunk, log = _open_journal(out_dir, plan, resume)
     resumed = len(runs)
     order = [(label, seed) for label in by_name for seed in seeds]
@@ -262,7 +263,7 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     mine, theirs = asdict(plan), asdict(recorded.plan)
     for side in (mine, theirs):     # the same file however it was named (journals from before paths were absolute)
         side["backend"] = canonical_backend(side["backend"])
-    changed = [key for key in mine if key != "fingerprint" and mine[key] != theirs[key]]
+    changed = [key for key in mine if key not in ("fingerprint", "workers") and mine[key] != theirs[key]]
     if changed:
         raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
                           + "; ".join(f"{key} {theirs[key]!r}, not {mine[key]!r}" for key in changed))
