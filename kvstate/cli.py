@@ -194,7 +194,9 @@ def _sweep(args: argparse.Namespace) -> int:
         _at_least("--time-limit", args.time_limit, 0.001)
         _at_least("--run-timeout", args.run_timeout, 0.001)
         if args.resume:
-            seeds, label = _resume_arguments(args)
+            seeds, label, recorded_workers = _resume_arguments(args)
+            if not scheduler and args.workers is None and recorded_workers:
+                args.workers = str(recorded_workers)        # as many as the sweep it finishes had
         else:
             seeds = S.parse_seed_range(args.seed_range) if args.seed_range else range(args.seeds)
             label = None
@@ -257,9 +259,10 @@ def _sweep(args: argparse.Namespace) -> int:
     return 1 if report.failures else 0
 
 
-def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
-    """The seeds and shard of the sweep in ``--resume OUT``; its backend, steps, configurations
-    and folder go into ``args``. Arguments given as well must agree with the journal."""
+def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, int | None]:
+    """The seeds, shard and local worker count of the sweep in ``--resume OUT``; its backend, steps,
+    configurations and folder go into ``args``. Arguments given as well must agree with the journal
+    (``--workers`` may differ)."""
     from pathlib import Path
 
     from kvstate.spec.errors import ResumeError
@@ -284,7 +287,7 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None]:
     if clash:
         raise ResumeError(f"{args.resume} holds a sweep with " + "; ".join(
             f"--{name} {recorded.get(name, plan.shard)}, not {value}" for name, value in clash.items()))
-    return list(plan.seeds), plan.shard
+    return list(plan.seeds), plan.shard, plan.workers
 
 
 def _refuse_untrusted(backend: str, source: str) -> None:
@@ -438,8 +441,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options whose value may start with "-" ("--seed-range -3:2"): argparse would read such a value as
+# an option and say only "expected one argument"; joined to its option, the value gets its named error.
+DASHED_VALUES = ("--seed-range", "--shard")
+
+
+def _join_dashed_values(argv: list[str]) -> list[str]:
+    joined, rest = [], iter(argv)
+    for token in rest:
+        value = next(rest, None) if token in DASHED_VALUES else None
+        if value is not None and value.startswith("-") and value[1:2].isdigit():
+            joined.append(f"{token}={value}")
+        else:
+            joined += [token] if value is None else [token, value]
+    return joined
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
     try:
         return args.run(args)
     except UsageError as error:

@@ -114,6 +114,14 @@ def test_more_seeds_than_a_sweep_can_list_are_refused_by_name(tmp_path, capsys, 
     assert "seed" in line and "Error" not in line
 
 
+@pytest.mark.parametrize("argv, named", [(["--seed-range", "-3:2"], "--seed-range wants A:B with 0 <= A < B"),
+                                         (["--seeds", "4", "--shard", "-1/2"], "--shard wants K/N")])
+def test_a_negative_range_or_shard_gets_its_named_error_not_argparses(tmp_path, capsys, argv, named):
+    """argparse reads "-3:2" as an option ("expected one argument"); joined to its option, it is checked."""
+    assert main(["sweep", *argv, "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    assert named in _one_line(capsys)
+
+
 @pytest.mark.parametrize("option, value", [
     *[(option, "--") for option in ("--shrink-limit", "--shrink-budget", "--time-limit", "--run-timeout", "--seeds")],
     *[(option, value) for option in ("--shrink-budget", "--time-limit", "--run-timeout") for value in ("nan", "inf")],
