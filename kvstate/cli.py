@@ -354,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="only this check (lockstep, 'fork isolation', ...); repeatable")
     conform.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
                          help="per configuration and check (default 300); past it the check is reported as "
-                              "TIMEOUT, with where it was stuck")
+                              "TIMEOUT, with where it was stuck, and the configuration's later checks are skipped")
     conform.add_argument("--examples", type=int, metavar="N", help="lockstep runs per configuration (overrides the profile)")
     conform.add_argument("--steps", type=int, metavar="N", help="operations per lockstep run (overrides the profile)")
     conform.add_argument("-v", "--verbose", action="store_true", help="print each check as it finishes")

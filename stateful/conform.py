@@ -6,8 +6,10 @@ and returns one ``ConfigResult`` per configuration; ``format_table`` prints them
 as configuration x check, followed by each failure with its minimised sequence.
 
 Every check runs in a worker thread under a time limit: a backend that hangs is
-reported as ``TIMEOUT`` and the run moves on (the stuck daemon thread is
-abandoned), so conformance never hangs. Other suites (snapshot fuzzing, races)
+reported as ``TIMEOUT`` and the run moves on to the next configuration (the stuck
+daemon thread is abandoned; the configuration's later checks are reported as
+``skipped``, each of which would likely wait out its limit too), so conformance
+never hangs. Other suites (snapshot fuzzing, races)
 plug in with ``register_check``.
 """
 
@@ -61,7 +63,8 @@ def use_cache_folder_for_hypothesis() -> Path:
 
 @dataclass
 class Outcome:
-    status: str                  # pass, FAIL, TIMEOUT, or n/a (the backend lacks what the check needs)
+    status: str                  # pass, FAIL, TIMEOUT, n/a (the backend lacks what the check needs), or
+                                 # skipped (an earlier check of its configuration hung)
     seconds: float
     detail: str | None = None    # what failed, and the minimised sequence where there is one
     runs: int = 0
@@ -71,7 +74,7 @@ class Outcome:
 
     @property
     def passed(self) -> bool:
-        return self.status in ("pass", "n/a")
+        return self.status in ("pass", "n/a", "skipped")
 
 
 Check = Callable[[Factory, Config, Settings], Outcome]
@@ -363,8 +366,13 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
     results = []
     for config in configs:
         result = ConfigResult(config)
+        hung = None
         for name in names:
-            result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
+            if hung:        # each later check would most likely wait out its whole limit as well
+                result.outcomes[name] = Outcome("skipped", 0.0, f"not run: {hung!r} hung in this configuration")
+            else:
+                result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
+                hung = name if result.outcomes[name].status == "TIMEOUT" else None
             if progress:
                 progress(progress_line(config, name, result.outcomes[name]))
             if first_failure and not result.outcomes[name].passed:
@@ -380,7 +388,7 @@ def progress_line(config: Config, name: str, outcome: Outcome) -> str:
 
 
 def format_table(results: list[ConfigResult]) -> str:
-    """Configuration x check, pass/FAIL/TIMEOUT; then every failure with its sequence."""
+    """Configuration x check, pass/FAIL/TIMEOUT/n/a/skipped; then every failure with its sequence."""
     if not results:
         return "no configurations"
     names = list(results[0].outcomes)
@@ -395,4 +403,8 @@ def format_table(results: list[ConfigResult]) -> str:
         for name, outcome in r.outcomes.items():
             if not outcome.passed:
                 lines.append(f"\n{r.config.name} / {name}: {outcome.status}\n{outcome.detail}")
+                skipped = [n for n, o in r.outcomes.items() if o.status == "skipped"]
+                if outcome.status == "TIMEOUT" and skipped:
+                    lines.append(f"(not run after it, each of which would likely have waited out its limit too: "
+                                 f"{', '.join(skipped)})")
     return "\n".join(lines)

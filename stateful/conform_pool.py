@@ -11,7 +11,7 @@ interpreter) is that configuration's failure, by name.
 from __future__ import annotations
 
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable
 
@@ -51,13 +51,23 @@ def conform_in_processes(backend: str, configs: list[Config], workers: int, prof
         submitted = [(configs.index(config), part,
                       pool.submit(_one_configuration, backend, config, profile, part, time_limit, sizes))
                      for config, part in tasks(configs, names)]
-        for index, part, future in submitted:
+        hung: dict[int, str] = {}           # configuration -> its check that timed out
+        for at, (index, part, future) in enumerate(submitted):
             config = configs[index]
             try:
                 got = future.result().outcomes
+            except CancelledError:
+                got = {name: Outcome("skipped", 0.0, f"not run: {hung[index]!r} hung in this configuration")
+                       for name in part}
             except BrokenProcessPool as error:
                 got = {"worker": Outcome("FAIL", 0.0, f"the worker process running this configuration died "
                                                       f"(checks: {', '.join(part)}): {error}")}
+            timed_out = [name for name, outcome in got.items() if outcome.status == "TIMEOUT"]
+            if timed_out and index not in hung:     # as in one process: its later checks are not started
+                hung[index] = timed_out[0]
+                for other, _, waiting in submitted[at + 1:]:
+                    if other == index:
+                        waiting.cancel()            # a task already started runs on; only queued ones stop
             outcomes[index].update(got)
             if progress:
                 for name, outcome in got.items():

@@ -218,6 +218,19 @@ def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
     assert "its thread is at threading.py:" in out and f", called from hangs.py:{line('wait()')} in clear" in out
 
 
+def test_after_a_check_hangs_the_configurations_later_checks_are_skipped_not_waited_out(tmp_path, capsys):
+    path, _ = _listcache_with(tmp_path, "fork_hangs_too", context="""
+        def fork(self):
+            threading.Event().wait()    # never returns""")
+    assert main(["conform", path, "--check", "lockstep", "--check", "fork isolation", "--time-limit", "2",
+                 "--config", "f32-heap", "--workers", "1"]) == 1
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("f32-heap "))
+    assert row.split()[1:3] == ["TIMEOUT", "skipped"], out
+    assert "(not run after it, each of which would likely have waited out its limit too: fork isolation)" in out
+    assert "f32-heap / fork isolation" not in out          # a skipped check is no failure of its own
+
+
 def test_a_hang_inside_an_operation_names_the_operation(tmp_path, capsys):
     path, line = _listcache_with(tmp_path, "fork_hangs", context="""
         def fork(self):
