@@ -15,8 +15,11 @@ its own root), one run measured 20.11 s in the process and 20.41 s in the child.
 count at import, hence the variables; ``--threads`` sets torch's and the model's own (``GPT2(threads=)``).
 ``attention s`` and ``HF attention s`` are the parts of those best rounds spent in attention: the
 model's ``attend`` and the ``torch.nn.functional.scaled_dot_product_attention`` that transformers'
-GPT-2 calls (its default ``sdpa`` attention; "-" where it called none). Timings are printed, never
-asserted.
+GPT-2 calls (its default ``sdpa`` attention; "-" where it called none). ``floor s`` is what no NumPy
+prefill can skip, run alone in the same rounds (``bench/prefill_floor.py``: the weights' products,
+attention's products, NumPy's ``exp``; each part at its fastest round, printed below the table), and
+``floor/HF`` that over HF's best: where it is above 1.0, no NumPy prefill on this BLAS and CPU meets
+the target. Timings are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
     import torch
 
     from .checkouts import finish, next_round, serve_in
+    from .prefill_floor import PARTS, PrefillFloor, best_parts
     from .restore import hf_prefill_timer
 
     from kvstate.model import numpy_gpt2
@@ -105,6 +109,8 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
     hf_prefill = hf_prefill_timer(prefiller.config, threads)
     best = {kind: dict.fromkeys(map(str, lengths), float("inf")) for kind in ("prefill", "here", "against", "hf")}
     attention = {kind: {} for kind in ("prefill", "hf")}     # the best round's seconds in attention
+    floors = {str(n): PrefillFloor(prefiller.model, n) for n in lengths}
+    floor_runs = {n: [] for n in floors}                      # each round's parts of the floor
     with tempfile.TemporaryDirectory() as scratch:
         arguments = ["--serve", str(rounds), "--threads", str(threads), "--tokens", *map(str, lengths)]
         arguments += ["--tiny"] if tiny else []
@@ -119,6 +125,8 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
                 spent["prefill"][str(n)] = inside.seconds
             for kind, child in children.items():
                 timed[kind] = next_round(child)
+            for n, work in floors.items():
+                floor_runs[n].append(work.run())
             for n, tokens in prefiller.tokens.items():
                 with TimeIn(torch.nn.functional, "scaled_dot_product_attention") as inside:
                     start = time.perf_counter()
@@ -131,12 +139,15 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
                         attention[kind][n] = spent[kind][n]
                     best[kind][n] = min(best[kind][n], s)
         finish(children.values())
+    floor = {n: best_parts(runs) for n, runs in floor_runs.items()}
     rows = []
     for n in map(str, lengths):
         row = dict(tokens=int(n), threads=threads, prefill_s=round(best["prefill"][n], 4),
                    hf_s=round(best["hf"][n], 4), prefill_over_hf=round(best["prefill"][n] / best["hf"][n], 3),
                    attention_s=round(attention["prefill"][n], 6),
-                   hf_attention_s=None if attention["hf"][n] is None else round(attention["hf"][n], 6))
+                   hf_attention_s=None if attention["hf"][n] is None else round(attention["hf"][n], 6),
+                   floor_s=round(floor[n]["total"], 4), floor_over_hf=round(floor[n]["total"] / best["hf"][n], 3),
+                   floor_parts_s={part: round(floor[n][part], 6) for part in PARTS})
         if against is not None:
             row["here_s"] = round(best["here"][n], 4)
             row["against_s"] = round(best["against"][n], 4)
@@ -165,14 +176,18 @@ def main(argv=None) -> None:
     rows = run(args.tokens, args.threads, args.rounds, args.against, args.tiny)
     against = args.against is not None
     print(f"{'tokens':>6} {'threads':>7} {'prefill s':>9} {'HF s':>7} {'prefill/HF':>10}"
-          f" {'attention s':>11} {'HF attention s':>14}"
+          f" {'attention s':>11} {'HF attention s':>14} {'floor s':>7} {'floor/HF':>8}"
           + (f" {'here s':>7} {'against s':>9} {'against/HF':>10} {'against/here':>12}" * against))
     for row in rows:
         hf_attention = "-" if row["hf_attention_s"] is None else f"{row['hf_attention_s']:.3f}"
         print(f"{row['tokens']:>6} {row['threads']:>7} {row['prefill_s']:>9.3f} {row['hf_s']:>7.3f}"
               f" {row['prefill_over_hf']:>10.3f} {row['attention_s']:>11.3f} {hf_attention:>14}"
+              f" {row['floor_s']:>7.3f} {row['floor_over_hf']:>8.3f}"
               + (f" {row['here_s']:>7.3f} {row['against_s']:>9.3f} {row['against_over_hf']:>10.3f}"
                  f" {row['against_over_here']:>12.3f}" if against else ""))
+    for row in rows:
+        parts = ", ".join(f"{part} {seconds:.3f} s" for part, seconds in row["floor_parts_s"].items())
+        print(f"floor at {row['tokens']} tokens: {parts}")
     from .restore import THREAD_VARS
 
     env = " ".join(f"{var}={args.threads}" for var in THREAD_VARS)

@@ -87,16 +87,16 @@ class GPT2:
         x = self.wte[tokens] + self.wpe[start:start + n]
         kv = np.empty(self.layout.batch_shape(n), np.float32)
         for layer, (g1, b1, w_qkv, b_qkv, w_o, b_o, g2, b2, w_fc, b_fc, w_out, b_out) in enumerate(self.blocks):
-            qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon) @ w_qkv
+            qkv = layer_norm(x, g1, b1, cfg.layer_norm_epsilon, self.threads) @ w_qkv
             qkv += b_qkv
             q, k, v = (part.reshape(n, H, D) for part in np.split(qkv, 3, axis=1))
             kv[:, layer, 0], kv[:, layer, 1] = k, v
             attended = attend(q, self._key_value_blocks(ctx, layer, start, k, v), start, self.threads)
             x = residual(x, attended @ w_o, b_o)
-            hidden = layer_norm(x, g2, b2, cfg.layer_norm_epsilon) @ w_fc
-            _in_row_slices(partial(gelu_in_place, bias=b_fc), hidden, self.threads)      # in place
+            hidden = layer_norm(x, g2, b2, cfg.layer_norm_epsilon, self.threads) @ w_fc
+            in_row_slices(partial(gelu_in_place, bias=b_fc), hidden, self.threads)      # in place
             x = residual(x, hidden @ w_out, b_out)
-        logits = layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon) @ self.head
+        logits = layer_norm(x, *self.ln_f, cfg.layer_norm_epsilon, self.threads) @ self.head
         ctx.extend(tokens, kv)          # last: a pass that fails leaves the context as it was
         return logits
 
@@ -160,14 +160,22 @@ def residual(x: np.ndarray, update: np.ndarray, bias: np.ndarray) -> np.ndarray:
 NORM_ROWS = 128
 
 
-def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) -> np.ndarray:
+def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float, threads: int = 1) -> np.ndarray:
     """``(x - mean) / sqrt(var + eps) * gain + bias`` along the rows of a C-ordered ``(n, d)`` ``x``,
     ``NORM_ROWS`` rows at a time: each row's numbers are the same bits as over the whole array (a
     row's mean is its own pairwise sum), and the passes run over rows in cache, not over the whole
-    activation each."""
+    activation each. Its rows split over ``threads`` as ``in_row_slices`` splits them."""
     out = np.empty_like(x)
+    if threads < 2 or len(x) < SPLIT_FROM_ROWS:
+        _layer_norm_into(out, x, gain, bias, np.float32(eps))
+    else:
+        list(thread_pool(threads).map(lambda rows: _layer_norm_into(out[rows], x[rows], gain, bias, np.float32(eps)),
+                                      even_slices(len(x), threads)))
+    return out
+
+
+def _layer_norm_into(out: np.ndarray, x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: np.float32) -> None:
     squares = np.empty((min(NORM_ROWS, len(x)), *x.shape[1:]), x.dtype)
-    eps = np.float32(eps)
     for lo in range(0, len(x), NORM_ROWS):
         rows, normed = x[lo:lo + NORM_ROWS], out[lo:lo + NORM_ROWS]
         np.subtract(rows, rows.mean(-1, keepdims=True), out=normed)
@@ -175,7 +183,6 @@ def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float) ->
         normed /= np.sqrt(square.mean(-1, keepdims=True) + eps)
         normed *= gain
         normed += bias
-    return out
 
 
 # gelu's -2z = x * (_GELU_LINEAR + _GELU_CUBE * x * x)
@@ -255,32 +262,32 @@ def attend(q: np.ndarray, blocks: list[tuple[np.ndarray, np.ndarray]], start: in
     if groups == 1:
         _attend_heads(qh, blocks, offsets, start, scale, out)
     else:
-        done = _pool(groups).map(lambda h: _attend_heads(qh[h], [(k[:, h], v[:, h]) for k, v in blocks],
-                                                         offsets, start, scale, out[:, h]), _even_slices(H, groups))
+        done = thread_pool(groups).map(lambda h: _attend_heads(qh[h], [(k[:, h], v[:, h]) for k, v in blocks],
+                                                         offsets, start, scale, out[:, h]), even_slices(H, groups))
         list(done)                                     # re-raises what a thread raised
     return out.reshape(n, H * D)
 
 
 @lru_cache(maxsize=None)
-def _pool(threads: int) -> ThreadPoolExecutor:
+def thread_pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="kvstate-attention")
 
 
 # A forked child inherits the pools but not their threads: it makes its own.
-os.register_at_fork(after_in_child=_pool.cache_clear)
+os.register_at_fork(after_in_child=thread_pool.cache_clear)
 
 
-def _in_row_slices(in_place, x: np.ndarray, threads: int) -> np.ndarray:
+def in_row_slices(in_place, x: np.ndarray, threads: int) -> np.ndarray:
     """``in_place(x)`` (an element-by-element change of ``x`` itself), its rows split over ``threads``
     threads when there are enough of them: NumPy's element-by-element loops run on one thread (the
     products' BLAS splits itself), and each element's numbers are the same bits wherever its row ran."""
     if threads < 2 or len(x) < SPLIT_FROM_ROWS:
         return in_place(x)
-    list(_pool(threads).map(lambda rows: in_place(x[rows]), _even_slices(len(x), threads)))
+    list(thread_pool(threads).map(lambda rows: in_place(x[rows]), even_slices(len(x), threads)))
     return x
 
 
-def _even_slices(n: int, parts: int) -> list[slice]:
+def even_slices(n: int, parts: int) -> list[slice]:
     """``range(n)`` in ``parts`` consecutive slices whose lengths differ by at most one."""
     cuts = [n * i // parts for i in range(parts + 1)]
     return [slice(a, b) for a, b in zip(cuts, cuts[1:])]

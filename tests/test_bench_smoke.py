@@ -176,6 +176,9 @@ def test_prefill_times_the_model_beside_transformers_here_and_in_a_checkout():
         assert row["here_s"] > 0 and row["against_over_here"] > 0
         # the attention inside each: transformers' GPT-2 runs torch's fused attention by default
         assert 0 < row["attention_s"] < row["prefill_s"] and 0 < row["hf_attention_s"] < row["hf_s"]
+        # the floor beside them, part by part (bench/prefill_floor.py)
+        assert row["floor_s"] == pytest.approx(sum(row["floor_parts_s"].values()), abs=1e-3)
+        assert row["floor_over_hf"] > 0 and all(s > 0 for s in row["floor_parts_s"].values())
 
 
 @pytest.mark.parametrize("argv", [

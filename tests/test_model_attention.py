@@ -84,8 +84,8 @@ def test_the_prefill_is_the_same_bits_at_any_thread_count(monkeypatch):
     """Attention's heads and GELU's rows split over threads: the logits and the stored K/V do not move."""
     monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 100)
     split = []
-    pool = numpy_gpt2._pool
-    monkeypatch.setattr(numpy_gpt2, "_pool", lambda threads: split.append(threads) or pool(threads))
+    pool = numpy_gpt2.thread_pool
+    monkeypatch.setattr(numpy_gpt2, "thread_pool", lambda threads: split.append(threads) or pool(threads))
     from kvstate.impl import Cache
     from kvstate.model import GPT2Config
 

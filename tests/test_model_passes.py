@@ -18,16 +18,23 @@ def whole_array_layer_norm(x, gain, bias, eps):
     return centred / np.sqrt(var + np.float32(eps)) * gain + bias
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("rows", [1, NORM_ROWS, 3 * NORM_ROWS + 5])
-def test_layer_norm_in_row_blocks_is_the_whole_array_formula_bit_for_bit(rows):
+def test_layer_norm_in_row_blocks_is_the_whole_array_formula_bit_for_bit(rows, threads, monkeypatch):
+    """Also split over threads (from 2 rows here): each row's numbers do not depend on where it ran."""
+    monkeypatch.setattr(numpy_gpt2, "SPLIT_FROM_ROWS", 2)
+    split = []
+    pool = numpy_gpt2.thread_pool
+    monkeypatch.setattr(numpy_gpt2, "thread_pool", lambda count: split.append(count) or pool(count))
     rng = np.random.default_rng(rows)
     # a large common offset makes the centring's rounding matter, so a change of order would show
     x = (rng.standard_normal((rows, 768)) * 3 + 40).astype(np.float32)
     gain, bias = (rng.standard_normal(768).astype(np.float32) for _ in range(2))
     before = x.copy()
-    got = layer_norm(x, gain, bias, 1e-5)
+    got = layer_norm(x, gain, bias, 1e-5, threads)
     assert got.dtype == np.float32 and np.array_equal(got, whole_array_layer_norm(x, gain, bias, 1e-5))
     assert np.array_equal(x, before)                     # the input is left alone
+    assert split == ([threads] if threads > 1 and rows >= 2 else [])
 
 
 def test_residual_is_x_plus_update_plus_bias_bit_for_bit_in_the_updates_memory():
