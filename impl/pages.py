@@ -25,8 +25,13 @@ from typing import Callable
 import numpy as np
 
 from .page_table import PageTable
-from .refcounts import Refcounts
+from .refcounts import Refcounts, add_holders
 from .store import PageStore
+
+
+class PageAccountingError(RuntimeError):
+    """The engine's own books disagree: a page released or freed once more than it was held. Raised
+    before anything changes; it means a bug in kvstate, never bad input."""
 
 
 class Page:
@@ -246,8 +251,8 @@ class PagePool:
             return
         held = [page for first, stop, _at in stretches for page in by_slot[first:stop]]
         stale = [page.page_id for page, live in zip(pages, held) if page is not live]
-        raise RuntimeError(f"pages {stale[:8]} freed but not live (freed before): their buffers, slots and "
-                           f"the live list are left as they were")
+        raise PageAccountingError(f"pages {stale[:8]} freed but not live (freed before): their buffers, slots "
+                                  f"and the live list are left as they were")
 
     @property
     def live(self) -> dict[int, Page]:
@@ -276,6 +281,9 @@ class PagePool:
         """Drop one holder's reference; the last one frees the page and its memory."""
         counts = self.books.counts
         left = counts[page.ref] - 1
+        if left < 0:
+            raise PageAccountingError(f"page {page.page_id} released with no holder left (released twice); "
+                                      f"its count stays 0")
         counts[page.ref] = left
         if left == 0:
             self._free((page,), range(page.ref, page.ref + 1))
@@ -291,14 +299,21 @@ class PagePool:
         else:
             left = counts[ids] - 1
             counts[ids] = left
-        freed = np.flatnonzero(left == 0)
+        # At or below 0: a page released once more than it was held goes to ``_free`` too, whose
+        # check refuses it (its slot is free or another page's), and the decrements are undone.
+        freed = np.flatnonzero(left <= 0)
         if not len(freed):
             return
         first, last = int(freed[0]), int(freed[-1]) + 1
-        if last - first == len(freed):      # one stretch of the list (an evicted entry's own pages): slices
-            self._free(pages[first:last], ids[first:last])
-        else:
-            self._free([pages[index] for index in freed.tolist()], ids[freed] if type(ids) is not range else freed + ids.start)
+        try:
+            if last - first == len(freed):      # one stretch of the list (an evicted entry's own pages): slices
+                self._free(pages[first:last], ids[first:last])
+            else:
+                self._free([pages[index] for index in freed.tolist()],
+                           ids[freed] if type(ids) is not range else freed + ids.start)
+        except PageAccountingError:
+            add_holders(counts, ids, 1)
+            raise
 
     def _free(self, pages, slots: "range | np.ndarray") -> None:
         """Pages nobody holds (``slots`` their refcount slots, all at 0): out of the live set, their

@@ -59,9 +59,9 @@ class Refcounts:
         counts, pending, forked = self._counts, self.pending, self.forked
         self.pending, self.forked = {}, {}
         for ids, holders in pending.values():
-            _add(counts, ids, holders)
+            add_holders(counts, ids, holders)
         for holding in forked.values():
-            _add(counts, holding.slots, holding.forks)
+            add_holders(counts, holding.slots, holding.forks)
             holding.forks = 0
 
     def share(self, ids) -> None:
@@ -119,7 +119,7 @@ class Refcounts:
         self._counts, self.pending, self.forked = state["_counts"], {}, {}
 
 
-def _add(counts: np.ndarray, ids, holders: int) -> None:
+def add_holders(counts: np.ndarray, ids, holders: int) -> None:
     """``holders`` more on each refcount slot of ``ids`` (distinct slots: a range or an int array)."""
     if type(ids) is range:
         counts[ids.start:ids.stop] += holders

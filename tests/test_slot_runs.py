@@ -7,6 +7,7 @@ import pytest
 
 from kvstate.impl import page_table
 from kvstate.impl.cache import Cache
+from kvstate.impl.pages import PageAccountingError
 from kvstate.spec.layout import Layout
 
 TINY = Layout(1, 1, 1)
@@ -173,3 +174,21 @@ def test_an_extend_whose_write_fails_gives_back_the_pages_it_made(monkeypatch, p
     _accounted(cache.pool)
     ctx.extend(list(range(20)), _zeros(20))
     assert len(ctx) == 26 and list(ctx.tokens) == list(range(6)) + list(range(20))
+
+
+@pytest.mark.parametrize("how", ["one page", "a holder's pages"])
+def test_a_release_of_a_page_nobody_holds_is_refused_and_its_count_stays_zero(how):
+    """Its slot free, a release once too many used to take the count to -1 with no error."""
+    cache = Cache(TINY, page_tokens=1)
+    ctx = cache.allocate()
+    ctx.extend(list(range(3)), _zeros(3))
+    pages, slots = list(ctx._pages), ctx._holding.slots
+    ctx.close()                                          # every page freed, every count 0
+    counts = cache.pool.books.counts.copy()
+    with pytest.raises(PageAccountingError, match="released twice|freed before"):
+        if how == "one page":
+            cache.pool.release(pages[1])
+        else:
+            cache.pool.release_slots(pages, slots)
+    assert (cache.pool.books.counts == counts).all() and counts[list(slots)].tolist() == [0, 0, 0]
+    _accounted(cache.pool)
