@@ -137,7 +137,7 @@ def _run(quick: bool, full: bool, threads: int, prefill: bool, repeat: int | Non
             cache = Cache(config.layout, page_tokens=64)
             row = {"tokens": n, "threads": threads}
             if prefill:
-                prefill_repeat = 1 if n >= 2048 else 2
+                prefill_repeat = 1 if quick or n >= 2048 else 2     # --quick: a smoke run, one of each
 
                 def ours():
                     with cache.allocate() as ctx:
