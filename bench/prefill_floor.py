@@ -42,7 +42,7 @@ class PrefillFloor:
         # scaled as the model scales them: scores of about unit size, as a softmax sees
         self.queries = rng.standard_normal((heads, n, width), dtype=np.float32) / np.float32(np.sqrt(width))
         self.keys, self.values = (rng.standard_normal((n, heads, width), dtype=np.float32) for _ in range(2))
-        self.gelu_inputs = rng.standard_normal((n, model.blocks[0][8].shape[1]), dtype=np.float32)
+        self.gelu_inputs = rng.standard_normal((n, 4 * config.n_embd), dtype=np.float32)     # GPT-2's MLP width
 
     def run(self) -> dict[str, float]:
         """Seconds spent in each of ``PARTS``."""

@@ -196,7 +196,9 @@ def _sweep(args: argparse.Namespace) -> int:
         if args.resume:
             seeds, label, recorded_workers = _resume_arguments(args)
             if not scheduler and args.workers is None and recorded_workers:
-                args.workers = str(recorded_workers)        # as many as the sweep it finishes had
+                # as many as the sweep it finishes had, no more than this machine's cores: a journal
+                # is data, and may come from a bigger machine or a hostile hand
+                args.workers = str(min(recorded_workers, S.resolve_workers("auto")))
         else:
             seeds = S.parse_seed_range(args.seed_range) if args.seed_range else range(args.seeds)
             label = None

@@ -294,7 +294,10 @@ def test_a_sharded_sweep_in_a_process_pool(tmp_path):
 
 
 def test_a_resume_runs_with_as_many_workers_as_the_sweep_it_finishes(tmp_path, capsys):
-    """The journal records the local pool's size; ``--resume`` alone uses it, ``--workers`` overrides it."""
+    """The journal records the local pool's size; ``--resume`` alone uses it (no more than this
+    machine's cores), ``--workers`` overrides it."""
+    from kvstate.stateful.sweeps.sweep import resolve_workers
+
     out = tmp_path / "out"
     assert main(["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--out", str(out),
                  "--workers", "2"]) == 0
@@ -304,11 +307,14 @@ def test_a_resume_runs_with_as_many_workers_as_the_sweep_it_finishes(tmp_path, c
     journal.write_text("".join(lines[:-1]))                          # as if stopped before its last run
     capsys.readouterr()
     assert main(["sweep", "--resume", str(out)]) == 0
-    assert "2 worker(s), resuming" in capsys.readouterr().err
+    assert f"{min(2, resolve_workers('auto'))} worker(s), resuming" in capsys.readouterr().err
+    plan = json.loads(lines[0])
+    journal.write_text(json.dumps({**plan, "workers": 10**6}) + "\n" + "".join(lines[1:-1]))
+    assert main(["sweep", "--resume", str(out)]) == 0                # a journal cannot ask for a million
+    assert f"{resolve_workers('auto')} worker(s), resuming" in capsys.readouterr().err
     journal.write_text("".join(lines[:-1]))
     assert main(["sweep", "--resume", str(out), "--workers", "1"]) == 0
     assert "1 worker(s), resuming" in capsys.readouterr().err
-    plan = json.loads(lines[0])
     del plan["workers"]                                               # a journal from before it was recorded
     journal.write_text(json.dumps(plan) + "\n" + "".join(lines[1:-1]))
     assert main(["sweep", "--resume", str(out)]) == 0
