@@ -165,11 +165,11 @@ def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float, th
     ``NORM_ROWS`` rows at a time: each row's numbers are the same bits as over the whole array (a
     row's mean is its own pairwise sum), and the passes run over rows in cache, not over the whole
     activation each. Its rows split over ``threads`` as ``in_row_slices`` splits them."""
-    out = np.empty_like(x)
+    out, eps = np.empty_like(x), np.float32(eps)
     if threads < 2 or len(x) < SPLIT_FROM_ROWS:
-        _layer_norm_into(out, x, gain, bias, np.float32(eps))
+        _layer_norm_into(out, x, gain, bias, eps)
     else:
-        list(thread_pool(threads).map(lambda rows: _layer_norm_into(out[rows], x[rows], gain, bias, np.float32(eps)),
+        list(thread_pool(threads).map(lambda rows: _layer_norm_into(out[rows], x[rows], gain, bias, eps),
                                       even_slices(len(x), threads)))
     return out
 
