@@ -197,18 +197,19 @@ def _directed(check) -> Check:
 def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
     """A directed check's failure as a minimised sequence, where its operations replay it: the same
     ``execute`` as replay files (every invariant after every step) finds the failure again, and delta
-    debugging shrinks it. The promise the check quotes stays the report's first line. None when the
+    debugging shrinks it. What broke is the first line, the promise the check tests the next. None when the
     failure came from a call outside the run's operations (it is then reported as it happened)."""
     if not isinstance(error, AssertionError) or not run.ops or len(run.ops) != len(run.history):
         return None
     replayed, lines = _reshrink(factory, run.config, list(run.ops))
     if replayed is None:
         return None
-    # Replayed, the failure is whatever the checks after every step meet first, which may be another
-    # promise than the one this check tests: that one is said as what was being checked.
+    # Replayed, the failure is whatever the checks after every step meet first, which may break another
+    # promise than the one this check tests: what broke leads, and that promise follows as what was
+    # being checked (quoted first, it read as the rule the backend broke).
     promise = getattr(error, "promise", None)
-    head = f'while checking "{promise}": ' if promise else ""
-    return _report(head + replayed.headline, run.config, lines, "minimised failing sequence")
+    head = replayed.headline + (f'\nfound while checking: "{promise}"' if promise else "")
+    return _report(head, run.config, lines, "minimised failing sequence")
 
 
 def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:

@@ -69,6 +69,10 @@ class Lockstep:
         # could have changed (``_unchanged_since``); set by runs whose every operation goes through
         # ``apply`` (the machine, seeded runs), never by checks that call a backend directly.
         self.reads_changed_only = False
+        # ``check_each_apply``: every ``apply`` is followed by ``check``, so an invariant is reported at
+        # the operation that broke it; set for the directed checks, whose own checks come only where
+        # their scenario needs one (the machine and replays check after every step themselves).
+        self.check_each_apply = False
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
         self._holder_of: dict[str, str] = {}     # live handle -> the backend's holder name (``holder_names``)
@@ -92,6 +96,12 @@ class Lockstep:
         A refusal must change nothing: ``watched`` compares whole observations before and after
         (a cost that grows with the cache); unwatched, only the live contexts' lengths.
         """
+        handle = self._apply(op, watched)
+        if self.check_each_apply:
+            self.check()
+        return handle
+
+    def _apply(self, op: O.Op, watched: bool) -> str | None:
         before = self._observation_now() if watched else None
         self.steps += 1
         self.history.append(str(op))

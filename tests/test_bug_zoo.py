@@ -308,9 +308,12 @@ ZOO = {
     "read_aliases_storage": Planted(
         "dict_pages", "f32-heap", "alias", read_aliasing),
     "missing_copy_on_write": Planted("no_tree", "f32-heap", "invariant 4", fork_write),
+    # Directed checks verify after every step: a close or truncate that breaks the books is named
+    # at that step (invariants 1 and 2), before a later read or teardown meets the damage.
     "refcount_kept_on_close": Planted(
-        "no_arena", "f32-heap", "invariant 6: not empty", close_releases),
-    "truncate_off_by_one": Planted("no_tree", "f32-heap", "invariant 4", truncate_inside_page),
+        "no_arena", "f32-heap", ("invariant 1: page", "invariant 6: not empty"), close_releases),
+    "truncate_off_by_one": Planted("no_tree", "f32-heap", ("positions without a page", "invariant 4"),
+                                   truncate_inside_page),
     "truncate_releases_nothing": Planted("no_arena", "f32-heap", "pages past its length are still held",
                                          truncate_releases),
     "evicts_most_recent": Planted(

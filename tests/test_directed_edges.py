@@ -479,13 +479,25 @@ def test_portable_snapshots_is_not_applicable_at_one_precision_and_page_size():
 
 def test_a_shrunk_directed_failure_names_the_promise_as_what_was_being_checked():
     """Shrunk by replaying its operations, a directed check's failure is whatever the checks after every
-    step meet first, which may break another promise than the check's: the report says "while checking"
-    that promise, then what broke, rather than claiming the check's own promise broken."""
+    step meet first, which may break another promise than the check's: the report leads with what broke,
+    then says which promise was being checked, rather than claiming the check's own promise broken."""
     from kvstate.stateful.conform import conform
     from kvstate.stateful.planted import PLANTED
 
     with PLANTED["match_shortest_key"]():
         (result,) = conform(numpy_factory, configs=[config_named("f32-heap")], checks=["prefix edges"])
-    head = result.outcomes["prefix edges"].detail.splitlines()[0]
-    assert head.startswith('while checking "match answers with the longest retained key') and \
-        '": InvariantViolation: invariant 5: match(' in head, head
+    head, checking = result.outcomes["prefix edges"].detail.splitlines()[:2]
+    assert head.startswith("InvariantViolation: invariant 5: match("), head
+    assert checking.startswith('found while checking: "match answers with the longest retained key'), checking
+
+
+def test_a_directed_checks_setup_that_breaks_an_invariant_is_reported_at_that_step():
+    """A fork that counts no holder breaks invariant 1 while "no aliasing" sets up its scenario; the
+    report names the fork and invariant 1, not the read the check goes on to scribble over."""
+    from kvstate.stateful.conform import conform
+    from tests.foreign.bugs import BUGS
+
+    (result,) = conform(BUGS["fork_without_refcount"], configs=[config_named("f32-heap")], checks=["no aliasing"])
+    detail = result.outcomes["no aliasing"].detail
+    assert detail.startswith("InvariantViolation: invariant 1: page "), detail
+    assert "failing call: c2 = fork(ctx='c1')" in detail and "BrokenPromise" not in detail, detail

@@ -53,8 +53,11 @@ class BrokenPromise(AssertionError):
 
 
 def start(factory: Factory, config: Config) -> Lockstep:
-    """A new lockstep run, registered as this thread's current run (conform prints its history)."""
+    """A new lockstep run, registered as this thread's current run (conform prints its history),
+    checked after every ``apply``: a scenario's setup that breaks an invariant is reported at the
+    operation that broke it, not later as the promise the scenario goes on to test."""
     run = current.run = Lockstep(factory, config)
+    run.check_each_apply = True
     return run
 
 
