@@ -495,7 +495,7 @@ def test_a_directed_checks_setup_that_breaks_an_invariant_is_reported_at_that_st
     """A fork that counts no holder breaks invariant 1 while "no aliasing" sets up its scenario; the
     report names the fork and invariant 1, not the read the check goes on to scribble over."""
     from kvstate.stateful.conform import conform
-    from tests.foreign.bugs import BUGS
+    from foreign.bugs import BUGS
 
     (result,) = conform(BUGS["fork_without_refcount"], configs=[config_named("f32-heap")], checks=["no aliasing"])
     detail = result.outcomes["no aliasing"].detail
