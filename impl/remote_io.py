@@ -68,6 +68,8 @@ READ_BLOCK_BYTES = 8 << 20      # bytes fetched per ranged GET while streaming a
 
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
                      errno.ECONNABORTED, errno.EPIPE, errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO)}
+# HTTP answers worth another try: timeout, too many requests, and the server's or a gateway's failures
+_TRANSIENT_STATUSES = {408, 429, 500, 502, 503, 504}
 
 
 # -- URLs --------------------------------------------------------------------------------
@@ -211,7 +213,7 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
             call(fs.invalidate_cache, path)     # size and ETag from the server, not from an earlier listing
             file = call(fs.open, path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
     except FileNotFoundError as error:
-        _raise_if_outage(error, url)
+        _raise_if_not_absent(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
     try:
         yield file if worker is None else Bounded(file, worker)
@@ -294,24 +296,37 @@ def _unknown_outcome(error: SnapshotDeadlineError) -> SnapshotDeadlineError:
                                                     "or the whole new one"), deadline=error.deadline)
 
 
-def _outage_behind(error: BaseException) -> BaseException | None:
-    """The transient failure a ``FileNotFoundError`` stands for, if any: fsspec's HTTP filesystem
-    reports a refused connection as "not found", with the real error as its cause."""
+def _failure_behind(error: BaseException) -> BaseException | None:
+    """The failure a ``FileNotFoundError`` stands for, if it is no absence: fsspec's HTTP filesystem
+    reports a refused connection, and any error status of its HEAD-then-GET probe (a 403, a 500),
+    as "not found", with the real error as its cause. Only a 404, or no cause at all, is absence."""
     seen = []
     link = error.__cause__ or error.__context__
     while link is not None and link not in seen:
-        if not isinstance(link, FileNotFoundError) and is_transient(link):
+        if not isinstance(link, FileNotFoundError) and (is_transient(link) or _http_status(link) not in (None, 404)):
             return link
         seen.append(link)
         link = link.__cause__ or link.__context__
     return None
 
 
-def _raise_if_outage(error: FileNotFoundError, url: str) -> None:
-    """An outage disguised as absence becomes ``SnapshotReadError`` (with the real cause, so it is retried)."""
-    outage = _outage_behind(error)
-    if outage is not None:
-        raise SnapshotReadError(f"cannot reach {redact(url)}: {_describe(outage)}") from outage
+def _raise_if_not_absent(error: FileNotFoundError, url: str) -> None:
+    """An outage or a refusal disguised as absence becomes ``SnapshotReadError``, with the real cause
+    (so an outage is retried and a 403 is not)."""
+    failure = _failure_behind(error)
+    if failure is None:
+        return
+    status = _http_status(failure)
+    said = (f"the server answered {status} {getattr(failure, 'message', '')}".rstrip() if status is not None
+            else f"cannot reach it: {_describe(failure)}")
+    raise SnapshotReadError(f"{redact(url)}: {said}") from failure
+
+
+def _http_status(error: BaseException) -> int | None:
+    """The HTTP status of an aiohttp response error (fsspec's HTTP filesystem), else None."""
+    status = getattr(error, "status", None)
+    from_aiohttp = any(cls.__module__.split(".")[0] == "aiohttp" for cls in type(error).__mro__)
+    return status if from_aiohttp and isinstance(status, int) else None
 
 
 def _remove_quietly(fs, path: str) -> None:
@@ -390,7 +405,7 @@ def exists(url: str, storage_options: dict | None = None, deadline: Deadline | f
         try:
             fs.info(path)       # not fs.exists: over HTTP it answers False for a refused connection
         except FileNotFoundError as error:
-            _raise_if_outage(error, url)
+            _raise_if_not_absent(error, url)
             return False
         return True
 
@@ -414,7 +429,7 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
         except KVStateError as error:
             cause = error.__cause__
             if error_class is SnapshotReadError and isinstance(error, SnapshotReadError) \
-                    and isinstance(cause, FileNotFoundError) and _outage_behind(cause) is None:
+                    and isinstance(cause, FileNotFoundError) and _failure_behind(cause) is None:
                 # gone after the read opened it (a lifecycle rule, a replacement): absent, as before the open
                 raise SnapshotNotFoundError(f"no snapshot at {redact(url)}: it went while it was read") from error
             if attempt < ATTEMPTS and isinstance(error, (SnapshotReadError, SnapshotWriteError)) \
@@ -426,8 +441,8 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
                 raise
             raise named from error
         except Exception as error:     # noqa: BLE001 - translated into a named error below
-            if isinstance(error, FileNotFoundError) and _outage_behind(error) is not None:
-                error = _outage_behind(error)     # an outage reported as absence: retried, then named as one
+            if isinstance(error, FileNotFoundError) and _failure_behind(error) is not None:
+                error = _failure_behind(error)    # a failure reported as absence: retried if transient, then named
             elif isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
                 raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error
             if attempt < ATTEMPTS and is_transient(error):
@@ -465,6 +480,8 @@ def is_transient(error: BaseException) -> bool:
                 cls.__name__ in ("ConnectionError", "HTTPClientError", "ClientConnectionError",
                                  "ClientPayloadError", "ServerDisconnectedError", "ProtocolError"):
             return True
+    if _http_status(error) in _TRANSIENT_STATUSES:
+        return True
     text = str(error)
     return any(mark in text for mark in ("SlowDown", "ServiceUnavailable", "RequestTimeout", "InternalError",
                                          "503", "500 Internal"))

@@ -8,6 +8,7 @@ its moto server.
 
 from __future__ import annotations
 
+import types
 import uuid
 
 import numpy as np
@@ -285,6 +286,57 @@ def test_a_refused_connection_is_a_read_error_with_its_cause_and_is_retried(monk
     with pytest.raises(SnapshotNotFoundError):
         cache.restore(f"{base}/absent.kvs")
     assert remote_io.exists(f"{base}/x.kvs") and not remote_io.exists(f"{base}/absent.kvs")
+
+
+@pytest.fixture
+def http_status():
+    """A real HTTP server on 127.0.0.1 answering every HEAD and GET with ``answer.status``; yields
+    (base URL, answer, requests seen)."""
+    import http.server
+    import threading
+    pytest.importorskip("aiohttp")
+    answer, seen = types.SimpleNamespace(status=500), []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _answer(self):
+            seen.append(self.command)
+            self.send_response(answer.status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        do_GET = do_HEAD = _answer
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", answer, seen
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("status, retried", [(403, False), (500, True), (502, True), (504, True)])
+def test_an_error_status_over_http_is_a_read_error_not_an_absence(monkeypatch, http_status, status, retried):
+    """fsspec's HTTP filesystem reports any failed probe as FileNotFoundError: only a 404 is absence.
+    A 403 is refused at once, a server's or gateway's failure is retried; a store counts either."""
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SecondTierWarning, SnapshotReadError
+    retries = []
+    monkeypatch.setattr(remote_io, "_sleep_before", lambda attempt, *_: retries.append(attempt))
+    base, answer, _ = http_status
+    answer.status = status
+    cache = Cache(SMALL, page_tokens=2, second_tier=SnapshotStore(f"{base}/kv", stride=4))
+    with pytest.raises(SnapshotReadError, match=f"the server answered {status}") as caught:
+        cache.restore(f"{base}/x.kvs")
+    assert not isinstance(caught.value, SnapshotNotFoundError)
+    assert retries == (list(range(1, remote_io.ATTEMPTS)) if retried else [])
+    with pytest.warns(SecondTierWarning, match=f"answered {status}"):      # was a silent miss
+        got, n = cache.match([1, 2, 3, 4, 5])
+    with got:
+        assert n == 0
+    assert cache.second_tier.failures == 1
+    answer.status = 404
+    with pytest.raises(SnapshotNotFoundError):
+        cache.restore(f"{base}/x.kvs")
 
 
 def test_through_a_store_an_outage_is_counted_not_a_silent_miss(monkeypatch):
