@@ -424,35 +424,60 @@ def _retried(action: Callable[[], T], url: str, verb: str, error_class: type[Sna
     for attempt in range(1, ATTEMPTS + 1):
         try:
             return action()
-        except SnapshotDeadlineError:
-            raise
+        except SnapshotDeadlineError as error:
+            failure = error
         except KVStateError as error:
             cause = error.__cause__
             if error_class is SnapshotReadError and isinstance(error, SnapshotReadError) \
                     and isinstance(cause, FileNotFoundError) and _failure_behind(cause) is None:
                 # gone after the read opened it (a lifecycle rule, a replacement): absent, as before the open
-                raise SnapshotNotFoundError(f"no snapshot at {redact(url)}: it went while it was read") from error
-            if attempt < ATTEMPTS and isinstance(error, (SnapshotReadError, SnapshotWriteError)) \
+                failure = _caused(SnapshotNotFoundError(f"no snapshot at {redact(url)}: it went while it was read"),
+                                  error)
+            elif attempt < ATTEMPTS and isinstance(error, (SnapshotReadError, SnapshotWriteError)) \
                     and cause is not None and is_transient(cause):
                 _sleep_before(attempt, deadline)
                 continue
-            named = _naming(error, url)
-            if named is error:
-                raise
-            raise named from error
+            else:
+                named = _naming(error, url)
+                failure = named if named is error else _caused(named, error)
         except Exception as error:     # noqa: BLE001 - translated into a named error below
-            if isinstance(error, FileNotFoundError) and _failure_behind(error) is not None:
-                error = _failure_behind(error)    # a failure reported as absence: retried if transient, then named
-            elif isinstance(error, FileNotFoundError) and error_class is SnapshotReadError:
-                raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from error
-            if attempt < ATTEMPTS and is_transient(error):
-                _sleep_before(attempt, deadline)
-                continue
-            tries = f" after {attempt} attempts" if attempt > 1 else ""
-            raise error_class(f"{verb} {redact(url)} failed{tries}: {_describe(error)}"
-                              + ("; the previous object there is intact" if error_class is SnapshotWriteError
-                                 else "; nothing was changed")) from error
+            behind = _failure_behind(error) if isinstance(error, FileNotFoundError) else None
+            if isinstance(error, FileNotFoundError) and behind is None and error_class is SnapshotReadError:
+                failure = _caused(SnapshotNotFoundError(f"no snapshot at {redact(url)}"), error)
+            else:
+                error = behind or error     # a failure reported as absence: retried if transient, then named
+                if attempt < ATTEMPTS and is_transient(error):
+                    _sleep_before(attempt, deadline)
+                    continue
+                tries = f" after {attempt} attempts" if attempt > 1 else ""
+                failure = _caused(error_class(f"{verb} {redact(url)} failed{tries}: {_describe(error)}"
+                                              + ("; the previous object there is intact"
+                                                 if error_class is SnapshotWriteError else "; nothing was changed")),
+                                  error)
+        raise _without_secrets(failure)     # out of the handler: no context but the chain it names
     raise AssertionError("unreachable")
+
+
+def _caused(error: BaseException, cause: BaseException) -> BaseException:
+    error.__cause__ = cause
+    return error
+
+
+def _without_secrets(error: BaseException) -> BaseException:
+    """``error`` with its chain cut at the first error not ours, which a stand-in replaces: the same
+    kind for ``is_transient`` (``ConnectionError`` or ``OSError``) carrying only its ``_describe``.
+    fsspec's and aiohttp's errors quote whole URLs, a presigned one's signature included; ours name
+    them ``redact``-ed. Nor does any link keep an implicit context (the error being handled when it was
+    raised): the chain holds what our messages say, and nothing else."""
+    link = error
+    while link is not None:
+        link.__context__, link.__suppress_context__ = None, True
+        cause = link.__cause__
+        if cause is not None and not isinstance(cause, KVStateError):
+            link.__cause__ = (ConnectionError if is_transient(cause) else OSError)(_describe(cause))
+            break
+        link = cause
+    return error
 
 
 def _naming(error: KVStateError, url: str) -> KVStateError:

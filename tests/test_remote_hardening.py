@@ -16,7 +16,7 @@ import pytest
 
 from kvstate.impl import Cache, remote_io
 from kvstate.spec import Layout
-from kvstate.spec.errors import SnapshotNotFoundError, SnapshotWriteError
+from kvstate.spec.errors import SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -337,6 +337,27 @@ def test_an_error_status_over_http_is_a_read_error_not_an_absence(monkeypatch, h
     answer.status = 404
     with pytest.raises(SnapshotNotFoundError):
         cache.restore(f"{base}/x.kvs")
+
+
+@pytest.mark.parametrize("status", [404, 403, 500])
+def test_a_presigned_urls_signature_is_in_no_link_of_the_errors_chain(monkeypatch, http_status, status):
+    """fsspec's and aiohttp's errors quote the whole URL; the chain a restore raises holds only our
+    redacted messages and stand-ins for theirs, with no implicit context left behind."""
+    import traceback
+    monkeypatch.setattr(remote_io, "_sleep_before", lambda *_: None)
+    base, answer, _ = http_status
+    answer.status = status
+    signature = "X-Amz-Signature=0f1e2d3c4b5a69788796a5b4c3d2e1f0"
+    with pytest.raises(SnapshotError) as caught:
+        Cache(SMALL, page_tokens=2).restore(f"{base}/bucket/x.kvs?{signature}")
+    links = []
+    link = caught.value
+    while link is not None:        # every cause and every context, suppressed or not
+        links.append(link)
+        link = link.__cause__ if link.__cause__ is not None else link.__context__
+    assert all(signature not in repr(link) and signature not in str(link) for link in links), links
+    assert signature not in "".join(traceback.format_exception(caught.value))
+    assert isinstance(caught.value, SnapshotNotFoundError) == (status == 404)
 
 
 def test_through_a_store_an_outage_is_counted_not_a_silent_miss(monkeypatch):
