@@ -15,8 +15,8 @@ import numpy as np
 
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import (SnapshotCorruptError, SnapshotError, SnapshotLayoutError, SnapshotNotFoundError,
-                                 SnapshotTooLargeError, SnapshotTruncatedError)
+from kvstate.spec.errors import (InvalidInputError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
+                                 SnapshotNotFoundError, SnapshotTooLargeError, SnapshotTruncatedError)
 
 from . import snapshot_tuning as tuning
 from .memory import physical_memory
@@ -76,7 +76,7 @@ def cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | Non
         if max_bytes is None:
             return None
     if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
-        raise SnapshotError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+        raise InvalidInputError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
 
     def check(header: fmt.Header) -> None:
         cost = restore_cost(cache, header)

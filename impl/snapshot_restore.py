@@ -37,10 +37,10 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     a ``SnapshotError``. ``deadline`` (seconds or a ``Deadline``) bounds a restore from a URL in all
     (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
     """
+    limit = cost_limit(cache, max_bytes)       # a bad max_bytes is refused before any file or server is opened
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
         return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes), deadline=deadline)
     source = remote_io.local_path(source)
-    limit = cost_limit(cache, max_bytes)
     try:
         if hasattr(source, "read"):
             return _restore_from(cache, source, remaining(source), limit)

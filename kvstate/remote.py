@@ -105,6 +105,7 @@ class SnapshotStore:
 
     def url(self, cache: Cache, tokens) -> str:
         """Where the context holding exactly ``tokens`` is stored for caches like ``cache``."""
+        _check_cache(cache, "url")
         tokens = check_tokens(tokens)
         return self._url(cache, len(tokens), hashlib.sha256(_token_bytes(tokens)).hexdigest())
 
@@ -163,6 +164,7 @@ class SnapshotStore:
 
     def lookup(self, cache: Cache, tokens, longer_than: int = 0, deadline_s: float | None = None) -> int:
         """The longest stored prefix length of ``tokens`` above ``longer_than``, or 0: existence checks only."""
+        _check_cache(cache, "lookup")
         found = self._probe(cache, check_tokens(tokens), longer_than, self._deadline(deadline_s, cache))
         return found[0][0] if found else 0
 
@@ -175,6 +177,7 @@ class SnapshotStore:
         subclass, naming the URL, and changes nothing in ``cache``; so does the deadline running
         out (``SnapshotDeadlineError``), one deadline for the probes and reads together.
         """
+        _check_cache(cache, "get")
         tokens = check_tokens(tokens)
         deadline = self._deadline(deadline_s, cache)
         damaged: SnapshotError | None = None
@@ -276,9 +279,19 @@ def second_tier_match(cache: Cache, store: SnapshotStore, tokens) -> tuple[Conte
     The returned context is the caller's, as from ``match``. On a cache built with
     ``second_tier=store`` this is just ``cache.match(tokens)``.
     """
+    _check_cache(cache, "second_tier_match")
+    if not isinstance(store, SnapshotStore):
+        raise InvalidInputError(f"second_tier_match wants a SnapshotStore, got {type(store).__name__}")
     if getattr(cache, "second_tier", None) is store:
         return cache.match(tokens)
     return store.consult(cache, tokens, cache.match(tokens))
+
+
+def _check_cache(cache, call: str) -> None:
+    """A named error for what is not a kvstate ``Cache`` (a context, a path), before any request is sent."""
+    if not isinstance(cache, Cache):
+        raise InvalidInputError(f"{call} wants the kvstate Cache to look in or restore into, "
+                                f"got {type(cache).__name__}")
 
 
 def _token_bytes(tokens: np.ndarray) -> bytes:

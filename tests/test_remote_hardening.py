@@ -522,3 +522,29 @@ def test_deadlines_must_be_positive_seconds(seconds):
     with pytest.raises(InvalidInputError):
         with remote.deadline(seconds):
             pass
+
+
+@pytest.mark.parametrize("call", ["get", "lookup", "url", "second_tier_match", "a context for the cache"])
+def test_a_store_given_no_cache_or_no_store_names_it_before_any_request(monkeypatch, call):
+    """It was a bare AttributeError, after HEAD requests where a context stood for the cache."""
+    from kvstate.remote import SnapshotStore, second_tier_match
+    from kvstate.spec.errors import InvalidInputError
+    requests = []
+    monkeypatch.setattr(remote_io, "exists", lambda *args, **kwargs: requests.append(args) or False)
+    store, cache = SnapshotStore("memory://kv", stride=4), Cache(SMALL, page_tokens=2)
+    with cache.allocate() as ctx:
+        attempt = {"get": lambda: store.get(None, [1, 2]), "lookup": lambda: store.lookup("x", [1, 2]),
+                   "url": lambda: store.url("x", [1, 2]), "second_tier_match": lambda: second_tier_match(cache, "s", [1]),
+                   "a context for the cache": lambda: store.get(ctx, [1, 2, 3, 4])}[call]
+        with pytest.raises(InvalidInputError, match="wants (the kvstate Cache|a SnapshotStore)"):
+            attempt()
+    assert requests == []
+
+
+def test_a_bad_max_bytes_is_refused_before_the_object_is_opened(monkeypatch):
+    from kvstate.spec.errors import InvalidInputError
+    opened = []
+    monkeypatch.setattr(remote_io, "read", lambda *args, **kwargs: opened.append(args))
+    with pytest.raises(InvalidInputError, match="max_bytes must be a non-negative int"):
+        Cache(SMALL, page_tokens=2).restore("s3://bucket/x.kvs", max_bytes="x")
+    assert opened == []
