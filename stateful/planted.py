@@ -18,11 +18,12 @@ from kvstate.impl import context as context_module
 from kvstate.impl import holding as holding_module
 from kvstate.impl import numpy_store as numpy_module
 from kvstate.impl import pages as pages_module
+from kvstate.impl import pool_policy as pool_policy_module
 from kvstate.impl import radix as radix_module
 from kvstate.impl import refcounts as refcounts_module
 from kvstate.spec import arithmetic
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import PositionError
+from kvstate.spec.errors import CapacityError, PositionError
 from kvstate.spec.layout import require_finite
 
 
@@ -297,6 +298,25 @@ def refused_extend_keeps_pages() -> ContextManager:
     return _patched(context_module.Context, "extend", extend)
 
 
+def evicts_before_refusing() -> ContextManager:
+    """Under ``on_full="evict-then-refuse"`` the pool evicts entries first and refuses only when that
+    did not make room: the refusal has changed the cache (the entries it evicted are gone), where
+    the rule refuses at once when even evicting every entry would not make room (found by an audit:
+    conform missed it in a configuration with a tree bound)."""
+    def make_room(self, needed):
+        if needed <= 0 or self.fits(needed) or self.on_full != "evict-then-refuse":
+            return original(self, needed)
+        held = self.context_page_ids()
+        while not self.fits(needed):
+            victim = self.tree.pop_oldest(where=lambda entry: pool_policy_module._keeps_a_page(entry, held))
+            if victim is None:
+                raise CapacityError(f"{self.pool.live_count} live pages + {needed} needed > pool of {self.limit}")
+            self.release_entry(victim)
+            self.evictions += 1
+    original = pool_policy_module.PoolPolicy.make_room
+    return _patched(pool_policy_module.PoolPolicy, "make_room", make_room)
+
+
 def refcounts_split_on_growth() -> ContextManager:
     """When the refcount array fills up, the pool moves to a new, larger array, but pages made
     before keep reading the old one: a shared page then looks private to ``writable`` and a fork's
@@ -336,5 +356,6 @@ PLANTED: dict[str, Callable[[], ContextManager]] = {
     "snapshot_of_hit_stale_tokens": snapshot_of_hit_stale_tokens,
     "refused_extend_keeps_pages": refused_extend_keeps_pages,
     "refcounts_split_on_growth": refcounts_split_on_growth,
+    "evicts_before_refusing": evicts_before_refusing,
     "dirty_recycled_heap_page": dirty_recycled_heap_page,
 }

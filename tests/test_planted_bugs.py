@@ -17,6 +17,7 @@ from helpers import assert_the_catch_is_the_bugs, default_suite_budget
 ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
 Q8_BUGS = {"q8_rounds_half_away_from_zero"}      # the bug is in the q8 encoding: only q8 configurations
 POOL_BUGS = {"refused_extend_keeps_pages"}       # only a pool that refuses shows it
+EVICT_THEN_REFUSE_BUGS = {"evicts_before_refusing"}      # only a pool that evicts and refuses shows it
 SCALE_BUGS = {"refcounts_split_on_growth"}    # behind a size: the scale check
 # Planted to show what random runs miss: the hunt profile does not reach it in any of the
 # six configurations; tests/test_exhaustive.py finds it with a minimal trace.
@@ -24,6 +25,8 @@ EXHAUSTIVE_ONLY = {"truncate_shared_boundary"}
 
 
 def _configs(bug):
+    if bug in EVICT_THEN_REFUSE_BUGS:
+        return [c for c in all_configs() if c.on_full == "evict-then-refuse"]
     if bug in POOL_BUGS:
         return [c for c in all_configs() if may_refuse(c.on_full)]
     return [c for c in machine_configs()

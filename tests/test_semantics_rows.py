@@ -183,3 +183,18 @@ def test_keeping_the_older_copy_of_a_prefix_is_granted_only_under_prefix_values(
     row.check(numpy_factory, config_named("f32-heap").with_(values="prefix"), row.text)
     with pytest.raises(AssertionError):
         row.check(numpy_factory, config_named("f32-heap"), row.text)
+
+
+@pytest.mark.parametrize("max_pages", [0, 6])
+def test_the_full_pool_row_catches_a_pool_that_evicts_then_refuses(max_pages):
+    """Evicting every entry would free a page, not the two asked for: `evict-then-refuse` refuses
+    with the entries still there. A pool that evicted first and then refused passed every check in a
+    configuration with a tree bound (an audit's backend); the row's own scenario now shows it."""
+    from kvstate.stateful.planted import PLANTED
+
+    config = config_named("block2-f16-pool10-evict-then-refuse").with_(max_pages=max_pages)
+    with PLANTED["evicts_before_refusing"]():
+        (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
+    assert "was refused (CapacityError) but changed the cache" in result.outcomes["pinned semantics"].detail
+    (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
+    assert result.passed, result.failure

@@ -87,7 +87,8 @@ def _clear(factory: Factory, config: Config, promise: str) -> None:
 
 def _full_pool(factory: Factory, config: Config, promise: str) -> None:
     """Grow a retained context past the pool: each step either fits, falls back, evicts or is
-    refused, as declared; the reference (which counts pages) decides which."""
+    refused, as declared; the reference (which counts pages) decides which. Then the case where
+    evicting every entry would free some pages but not enough."""
     run, _ = filled(factory, config, pages=1)
     limit = config.pool_limit or 4
     with keeping(promise, run):
@@ -95,6 +96,27 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
         for step in range(limit + 2):
             run.apply(O.Extend("c1", tuple([step % 3] * config.page_tokens), seed=10 + step))
             run.check()
+        run.finish()
+    if config.pool_limit:
+        _short_even_after_evicting(factory, config, promise)
+
+
+def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -> None:
+    """An entry keeps one page no context holds; a context holds the rest of the pool and asks for
+    two more. Evicting the entry would free one: not enough, so `refuse` and `evict-then-refuse`
+    refuse with the entry still there (evicting first, then refusing, changed the cache), and
+    `evict` evicts it and falls back."""
+    page, limit = config.page_tokens, config.pool_limit
+    run = start(factory, config)
+    with keeping(promise, run):
+        kept = run.apply(O.Allocate())
+        run.apply(O.Extend(kept, tuple([1] * page), seed=41))
+        run.apply(O.Retain(kept))
+        run.apply(O.Close(kept))
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=42))    # the pool, to the last page
+        run.apply(O.Extend(filler, tuple([2] * (2 * page)), seed=43))
+        run.apply(O.Match(tuple([1] * page)))      # the entry, if the pool's rule kept it
         run.finish()
 
 
