@@ -103,26 +103,51 @@ def within(seconds: float) -> Iterator[Deadline]:
         _BLOCK.reset(token)
 
 
+# Calls abandoned at their deadline whose threads still wait on a server, in this process. Past this
+# many, no new call is sent until one returns: a server that stays hung would otherwise collect a
+# thread and a socket for every lookup made against it (an audit counted 40 after five lookups).
+MAX_STUCK_CALLS = 16
+_stuck = {"calls": 0}
+_stuck_lock = threading.Lock()
+
+
+def stuck_calls() -> int:
+    """How many abandoned calls are still waiting on a server."""
+    return _stuck["calls"]
+
+
 class Worker:
     """A daemon thread running one operation's blocking calls in order; the caller waits for each at
     most the deadline's time left. Once a call overran, the worker is stuck: further ``call``\\s fail
-    at once and ``later`` queues clean-up to run if the stuck call ever returns."""
+    at once and ``later`` queues clean-up to run if the stuck call ever returns. While
+    ``MAX_STUCK_CALLS`` abandoned calls still wait, a new call fails at once, sending nothing."""
 
     def __init__(self, deadline: Deadline, doing: str):
         self.deadline, self.doing = deadline, doing
         self.stuck = False
+        self._counted = False            # this worker's abandoned call is in its tally
+        self._tally = _stuck             # the tally it counts in, and uncounts from
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def call(self, function: Callable[..., T], *args, **kwargs) -> T:
         if self.stuck or self.deadline.left() <= 0:
             raise self.deadline.error(self.doing)
+        waiting = self._tally["calls"]
+        if waiting >= MAX_STUCK_CALLS:
+            raise SnapshotDeadlineError(f"{self.doing}: {waiting} earlier calls still wait on servers that have not "
+                                        f"answered (at most {MAX_STUCK_CALLS}); nothing was sent and nothing was "
+                                        f"changed here", deadline=self.deadline.name)
         box: dict = {}
         done = threading.Event()
         self._put((function, args, kwargs, box, done))
         if not done.wait(self.deadline.left()):
-            self.stuck = True
-            raise self.deadline.error(self.doing)
+            with _stuck_lock:           # against the call finishing now: counted once, uncounted once
+                if not done.is_set():
+                    self.stuck = self._counted = True
+                    self._tally["calls"] += 1
+            if self.stuck:
+                raise self.deadline.error(self.doing)
         if "error" in box:
             raise box["error"]
         return box["result"]
@@ -148,7 +173,11 @@ class Worker:
                 box["result"] = function(*args, **kwargs)
             except BaseException as error:      # handed to the waiting caller, whatever it is
                 box["error"] = error
-            done.set()
+            with _stuck_lock:
+                done.set()
+                if self._counted:               # the abandoned call returned at last
+                    self._counted = False
+                    self._tally["calls"] -= 1
 
 
 class Bounded:

@@ -8,6 +8,7 @@ its moto server.
 
 from __future__ import annotations
 
+import time
 import types
 import uuid
 
@@ -417,6 +418,46 @@ def test_a_restore_from_a_silent_endpoint_ends_at_its_deadline_and_names_it(sile
     with pytest.raises(SnapshotDeadlineError, match="deadline_s of this call"):
         restore_snapshot(cache, url, deadline=0.3)
     assert cache.observe().pages == {}          # nothing was changed
+
+
+def test_calls_abandoned_on_a_hung_server_are_capped_and_freed_when_it_answers(monkeypatch):
+    """Each call past its deadline leaves a thread waiting on the server; past MAX_STUCK_CALLS of
+    them a call fails at once, sending nothing, until the server answers (here: closes)."""
+    import socket
+    import threading
+
+    from kvstate.impl import remote_deadline
+    from kvstate.spec.errors import SnapshotDeadlineError
+    pytest.importorskip("aiohttp")
+    monkeypatch.setattr(remote_deadline, "MAX_STUCK_CALLS", 3)
+    monkeypatch.setattr(remote_deadline, "_stuck", {"calls": 0})     # calls other tests abandoned count apart
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(64)
+    held = []
+    def accept():
+        try:
+            while True:
+                held.append(listener.accept()[0])
+        except OSError:                  # the listener closed
+            return
+    threading.Thread(target=accept, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}/x.kvs"
+    for _ in range(3):
+        with pytest.raises(SnapshotDeadlineError, match="ran out"):
+            remote_io.exists(url, deadline=0.3)
+    assert remote_deadline.stuck_calls() == 3
+    threads, connections = threading.active_count(), len(held)
+    with pytest.raises(SnapshotDeadlineError, match="3 earlier calls still wait on servers"):
+        remote_io.exists(url, deadline=0.3)
+    assert threading.active_count() == threads and len(held) == connections     # no thread, no connection more
+    listener.close()                     # the server goes away at last: the waiting calls return
+    deadline = time.monotonic() + 10
+    while remote_deadline.stuck_calls() > 0 and time.monotonic() < deadline:
+        for conn in list(held):          # a retry may have connected just before the listener closed
+            conn.close()
+        time.sleep(0.05)
+    assert remote_deadline.stuck_calls() == 0
 
 
 def test_a_write_to_a_silent_s3_endpoint_ends_at_its_deadline(silent_server):
