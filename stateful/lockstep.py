@@ -69,9 +69,9 @@ class Lockstep:
         # could have changed (``_unchanged_since``); set by runs whose every operation goes through
         # ``apply`` (the machine, seeded runs), never by checks that call a backend directly.
         self.reads_changed_only = False
-        # ``check_each_apply``: every ``apply`` is followed by ``check``, so an invariant is reported at
-        # the operation that broke it; set for the directed checks, whose own checks come only where
-        # their scenario needs one (the machine and replays check after every step themselves).
+        # ``check_each_apply``: every ``apply`` is followed by ``check_books``, so broken books are
+        # reported at the operation that broke them; set for the directed checks, whose full checks
+        # come only where their scenario needs one (the machine and replays check every step in full).
         self.check_each_apply = False
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
@@ -98,7 +98,7 @@ class Lockstep:
         """
         handle = self._apply(op, watched)
         if self.check_each_apply:
-            self.check()
+            self.check_books()
         return handle
 
     def _apply(self, op: O.Op, watched: bool) -> str | None:
@@ -239,6 +239,17 @@ class Lockstep:
             self._failed(error)
             raise
 
+    def check_books(self) -> None:
+        """The books alone, from one observation and no reads: refcounts against holders, nothing
+        held that is freed, the arena's size, and each holder's page count for its length."""
+        try:
+            self._check_books(self.engine.observe())
+        except InvariantViolation as violation:
+            raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
+        except BaseException as error:
+            self._failed(error)
+            raise
+
     def _learn_holder_names(self, obs) -> None:
         """Which of the backend's holder names is which handle: the context holder that first
         appears right after an operation created a handle is that handle's."""
@@ -258,14 +269,17 @@ class Lockstep:
             message = re.sub(rf"(?<![\w:]){re.escape(holder)}(?![\w:])", f"{holder} ({handle})", message)
         return message
 
-    def _check(self) -> None:
-        obs = self.engine.observe()
+    def _check_books(self, obs) -> None:
         self._learn_holder_names(obs)
         if obs.arena_size is not None and obs.arena_size != self.config.arena_pages:
             raise InvariantViolation(3, f"the arena has {obs.arena_size} slots, the configuration "
                                         f"{self.config.arena_pages} (arena_pages)")
         invariants.check_structure(obs)
         invariants.check_page_counts(obs, self.config.page_tokens)
+
+    def _check(self) -> None:
+        obs = self.engine.observe()
+        self._check_books(obs)
         engine_reads, reference_reads = {}, {}
         last = self._observed[1] if self._observed is not None else None
         skip = self._unchanged_since(last, obs) if self.reads_changed_only else set()

@@ -54,8 +54,9 @@ class BrokenPromise(AssertionError):
 
 def start(factory: Factory, config: Config) -> Lockstep:
     """A new lockstep run, registered as this thread's current run (conform prints its history),
-    checked after every ``apply``: a scenario's setup that breaks an invariant is reported at the
-    operation that broke it, not later as the promise the scenario goes on to test."""
+    its books checked after every ``apply`` (``Lockstep.check_books``): a scenario's setup that
+    breaks them is reported at the operation that broke them, not later as the promise the scenario
+    goes on to test."""
     run = current.run = Lockstep(factory, config)
     run.check_each_apply = True
     return run
