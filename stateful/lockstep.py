@@ -231,19 +231,17 @@ class Lockstep:
 
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
-        try:
-            self._check()
-        except InvariantViolation as violation:
-            raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
-        except BaseException as error:
-            self._failed(error)
-            raise
+        self._reported(self._check)
 
     def check_books(self) -> None:
         """The books alone, from one observation and no reads: refcounts against holders, nothing
         held that is freed, the arena's size, and each holder's page count for its length."""
+        self._reported(lambda: self._check_books(self.engine.observe()))
+
+    def _reported(self, check: Callable[[], None]) -> None:
+        """``check()``; what it raises is recorded as the run's failure, a violation in our handles' names."""
         try:
-            self._check_books(self.engine.observe())
+            check()
         except InvariantViolation as violation:
             raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
         except BaseException as error:
@@ -407,13 +405,7 @@ class Lockstep:
         self.engine.clear()
         self.reference.clear()
         self.history.append("clear()    # teardown, then invariant 6")
-        try:
-            invariants.check_empty(self.engine.observe())
-        except InvariantViolation as violation:
-            raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
-        except BaseException as error:
-            self._failed(error)
-            raise
+        self._reported(lambda: invariants.check_empty(self.engine.observe()))
         self.checks += 1
 
     def run(self, sequence, check_every_step: bool = True) -> None:
