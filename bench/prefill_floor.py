@@ -4,13 +4,15 @@ The work of an ``n``-token prefill into an empty context, at GPT-2's shapes, spl
 ``GPT2(threads=)`` splits it, in three parts:
 
 - ``weights``: the products of the weights (Q/K/V, the attention's output, both MLP layers, the
-  output head);
+  output head: for every new position, as ``prefill`` returns every position's logits, as
+  transformers' forward does; about a third of these products at 2,048 tokens);
 - ``attention``: attention's products, each chunk of queries against every block of keys it sees,
   queries by keys and then weights by values block by block, summed left to right. Queries by
   keys is a contraction over a head's 64 numbers however it is grouped, and OpenBLAS runs such
   products at about half the rate of the weights'. The groupings tried instead were no faster and
   changed the bits (``bench/RESULTS.md``);
-- ``exp``: NumPy's float32 ``exp``, once per attention score and once per GELU input. It is NumPy's
+- ``exp``: NumPy's float32 ``exp``, once per attention score (the masked ones in a chunk's own block
+  included, as the model runs it) and once per GELU input. It is NumPy's
   cheapest transcendental (its ``tanh`` takes about twice as long), and on this VM's CPU (AVX2, no
   AVX-512) it takes about 3.9 ns an element, some twenty times a multiply.
 

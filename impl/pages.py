@@ -286,7 +286,11 @@ class PagePool:
                                       f"its count stays 0")
         counts[page.ref] = left
         if left == 0:
-            self._free((page,), range(page.ref, page.ref + 1))
+            try:
+                self._free((page,), range(page.ref, page.ref + 1))
+            except PageAccountingError:     # its slot is another page's now: that page's count stands
+                counts[page.ref] = left + 1
+                raise
 
     def release_slots(self, pages: list[Page], ids: np.ndarray) -> None:
         """``release`` for each of one holder's ``pages`` (``ids`` their refcount slots), the decrements in one step."""

@@ -120,7 +120,9 @@ class Worker:
     """A daemon thread running one operation's blocking calls in order; the caller waits for each at
     most the deadline's time left. Once a call overran, the worker is stuck: further ``call``\\s fail
     at once and ``later`` queues clean-up to run if the stuck call ever returns. While
-    ``MAX_STUCK_CALLS`` abandoned calls still wait, a new call fails at once, sending nothing."""
+    ``MAX_STUCK_CALLS`` abandoned calls still wait, a new operation's first call fails at once,
+    sending nothing; the calls of one under way (its reads, its publishing call, its clean-up) go
+    on. Clean-up queued with ``later`` that hangs in its turn is not counted."""
 
     def __init__(self, deadline: Deadline, doing: str):
         self.deadline, self.doing = deadline, doing
@@ -134,7 +136,7 @@ class Worker:
         if self.stuck or self.deadline.left() <= 0:
             raise self.deadline.error(self.doing)
         waiting = self._tally["calls"]
-        if waiting >= MAX_STUCK_CALLS:
+        if self._thread is None and waiting >= MAX_STUCK_CALLS:     # a new operation, not one under way
             raise SnapshotDeadlineError(f"{self.doing}: {waiting} earlier calls still wait on servers that have not "
                                         f"answered (at most {MAX_STUCK_CALLS}); nothing was sent and nothing was "
                                         f"changed here", deadline=self.deadline.name)

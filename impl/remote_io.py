@@ -317,8 +317,8 @@ def _raise_if_not_absent(error: FileNotFoundError, url: str) -> None:
     if failure is None:
         return
     status = _http_status(failure)
-    said = (f"the server answered {status} {getattr(failure, 'message', '')}".rstrip() if status is not None
-            else f"cannot reach it: {_describe(failure)}")
+    said = f"the server answered {status}" if status is not None else "cannot reach it"
+    said += f": {_describe(failure)}"        # redacted: a server may quote the signed URL back
     raise SnapshotReadError(f"{redact(url)}: {said}") from failure
 
 
@@ -474,7 +474,9 @@ def _without_secrets(error: BaseException) -> BaseException:
         link.__context__, link.__suppress_context__ = None, True
         cause = link.__cause__
         if cause is not None and not isinstance(cause, KVStateError):
-            link.__cause__ = (ConnectionError if is_transient(cause) else OSError)(_describe(cause))
+            stand_in = (ConnectionError if is_transient(cause) else OSError)(_describe(cause))
+            stand_in.__traceback__ = cause.__traceback__     # its frames, for a bug's report (no locals print)
+            link.__cause__ = stand_in
             break
         link = cause
     return error
@@ -505,8 +507,9 @@ def is_transient(error: BaseException) -> bool:
                 cls.__name__ in ("ConnectionError", "HTTPClientError", "ClientConnectionError",
                                  "ClientPayloadError", "ServerDisconnectedError", "ProtocolError"):
             return True
-    if _http_status(error) in _TRANSIENT_STATUSES:
-        return True
+    status = _http_status(error)
+    if status is not None:          # the status decides: the text quotes the URL, whose key may hold "503"
+        return status in _TRANSIENT_STATUSES
     text = str(error)
     return any(mark in text for mark in ("SlowDown", "ServiceUnavailable", "RequestTimeout", "InternalError",
                                          "503", "500 Internal"))

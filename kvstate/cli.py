@@ -195,7 +195,7 @@ def _sweep(args: argparse.Namespace) -> int:
         _at_least("--run-timeout", args.run_timeout, 0.001)
         if args.resume:
             seeds, label, recorded_workers = _resume_arguments(args)
-            if not scheduler and args.workers is None and recorded_workers:
+            if not scheduler and args.workers is None and recorded_workers:     # a local resume
                 # as many as the sweep it finishes had, no more than this machine's cores: a journal
                 # is data, and may come from a bigger machine or a hostile hand
                 args.workers = str(min(recorded_workers, S.resolve_workers("auto")))
@@ -399,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--seeds", type=int, help="seeds 0..N-1")
     which.add_argument("--seed-range", help="seeds A..B-1, as A:B")
     which.add_argument("--resume", metavar="OUT",
-                       help="finish the stopped sweep whose journal is in OUT, running only what it lacks")
+                       help="finish the stopped sweep whose journal is in OUT, running only what it lacks "
+                            "(locally with as many workers as it had, at most one per core, unless --workers)")
     sweep.add_argument("--steps", type=int, help="operations per run (default 400)")
     sweep.add_argument("--configs", help="comma-separated configuration names (default: every one the "
                                              "backend is checked in)")

@@ -340,6 +340,33 @@ def test_an_error_status_over_http_is_a_read_error_not_an_absence(monkeypatch, h
         cache.restore(f"{base}/x.kvs")
 
 
+def test_a_404_whose_url_holds_503_is_an_absence_not_an_outage(monkeypatch, http_status):
+    """A store key is ``{length}-{sha256}.kvs``: "503" in the quoted URL is no status."""
+    retries = []
+    monkeypatch.setattr(remote_io, "_sleep_before", lambda attempt, *_: retries.append(attempt))
+    base, answer, _ = http_status
+    answer.status = 404
+    with pytest.raises(SnapshotNotFoundError):
+        Cache(SMALL, page_tokens=2).restore(f"{base}/kv/503-ab503c.kvs")
+    assert retries == []
+
+
+def test_the_stuck_call_cap_stops_new_operations_not_the_calls_of_one_under_way(monkeypatch):
+    """A write's later calls (its publishing call, its clean-up) go on: refused, they would leave
+    a temporary object behind, the refusal queued nothing."""
+    from kvstate.impl import remote_deadline
+    from kvstate.spec.errors import SnapshotDeadlineError
+    monkeypatch.setattr(remote_deadline, "_stuck", {"calls": 0})
+    under_way = remote_deadline.Worker(remote_deadline.resolve(5), "writing")
+    assert under_way.call(lambda: 1) == 1
+    monkeypatch.setattr(remote_deadline, "_stuck", {"calls": remote_deadline.MAX_STUCK_CALLS})
+    under_way._tally = remote_deadline._stuck
+    assert under_way.call(lambda: 2) == 2
+    with pytest.raises(SnapshotDeadlineError, match="still wait on servers"):
+        remote_deadline.Worker(remote_deadline.resolve(5), "reading").call(lambda: 3)
+    under_way.close()
+
+
 @pytest.mark.parametrize("status", [404, 403, 500])
 def test_a_presigned_urls_signature_is_in_no_link_of_the_errors_chain(monkeypatch, http_status, status):
     """fsspec's and aiohttp's errors quote the whole URL; the chain a restore raises holds only our

@@ -177,6 +177,26 @@ def test_an_extend_whose_write_fails_gives_back_the_pages_it_made(monkeypatch, p
 
 
 @pytest.mark.parametrize("how", ["one page", "a holder's pages"])
+def test_a_release_of_a_page_whose_slot_another_page_took_leaves_that_pages_count(how):
+    cache = Cache(TINY, page_tokens=1)
+    ctx = cache.allocate()
+    ctx.extend([1], _zeros(1))
+    pages, slots = list(ctx._pages), ctx._holding.slots
+    ctx.close()
+    other = cache.allocate()
+    other.extend([2], _zeros(1))                          # takes the freed slot
+    assert other._holding.slots == slots
+    with pytest.raises(PageAccountingError, match="freed before"):
+        if how == "one page":
+            cache.pool.release(pages[0])
+        else:
+            cache.pool.release_slots(pages, slots)
+    assert cache.pool.books.counts[slots[0]] == 1 and other._pages[0].refcount == 1
+    other.close()
+    _accounted(cache.pool)
+
+
+@pytest.mark.parametrize("how", ["one page", "a holder's pages"])
 def test_a_release_of_a_page_nobody_holds_is_refused_and_its_count_stays_zero(how):
     """Its slot free, a release once too many used to take the count to -1 with no error."""
     cache = Cache(TINY, page_tokens=1)
