@@ -602,7 +602,8 @@ def test_a_store_given_no_cache_or_no_store_names_it_before_any_request(monkeypa
     store, cache = SnapshotStore("memory://kv", stride=4), Cache(SMALL, page_tokens=2)
     with cache.allocate() as ctx:
         attempt = {"get": lambda: store.get(None, [1, 2]), "lookup": lambda: store.lookup("x", [1, 2]),
-                   "url": lambda: store.url("x", [1, 2]), "second_tier_match": lambda: second_tier_match(cache, "s", [1]),
+                   "url": lambda: store.url("x", [1, 2]),
+                   "second_tier_match": lambda: second_tier_match(cache, "s", [1]),
                    "a context for the cache": lambda: store.get(ctx, [1, 2, 3, 4])}[call]
         with pytest.raises(InvalidInputError, match="wants (the kvstate Cache|a SnapshotStore)"):
             attempt()
