@@ -164,13 +164,9 @@ def layer_norm(x: np.ndarray, gain: np.ndarray, bias: np.ndarray, eps: float, th
     """``(x - mean) / sqrt(var + eps) * gain + bias`` along the rows of a C-ordered ``(n, d)`` ``x``,
     ``NORM_ROWS`` rows at a time: each row's numbers are the same bits as over the whole array (a
     row's mean is its own pairwise sum), and the passes run over rows in cache, not over the whole
-    activation each. Its rows split over ``threads`` as ``in_row_slices`` splits them."""
+    activation each. Its rows split over ``threads`` as ``by_row_slices`` splits them."""
     out, eps = np.empty_like(x), np.float32(eps)
-    if threads < 2 or len(x) < SPLIT_FROM_ROWS:
-        _layer_norm_into(out, x, gain, bias, eps)
-    else:
-        list(thread_pool(threads).map(lambda rows: _layer_norm_into(out[rows], x[rows], gain, bias, eps),
-                                      even_slices(len(x), threads)))
+    by_row_slices(lambda rows: _layer_norm_into(out[rows], x[rows], gain, bias, eps), len(x), threads)
     return out
 
 
@@ -278,13 +274,20 @@ os.register_at_fork(after_in_child=thread_pool.cache_clear)
 
 
 def in_row_slices(in_place, x: np.ndarray, threads: int) -> np.ndarray:
-    """``in_place(x)`` (an element-by-element change of ``x`` itself), its rows split over ``threads``
-    threads when there are enough of them: NumPy's element-by-element loops run on one thread (the
-    products' BLAS splits itself), and each element's numbers are the same bits wherever its row ran."""
-    if threads < 2 or len(x) < SPLIT_FROM_ROWS:
-        return in_place(x)
-    list(thread_pool(threads).map(lambda rows: in_place(x[rows]), even_slices(len(x), threads)))
+    """``in_place(x)`` (an element-by-element change of ``x`` itself), its rows split as
+    ``by_row_slices`` splits them; returns ``x``."""
+    by_row_slices(lambda rows: in_place(x[rows]), len(x), threads)
     return x
+
+
+def by_row_slices(work, n: int, threads: int) -> None:
+    """``work(rows)`` for ``rows`` = ``slice(0, n)``, or for ``threads`` consecutive slices of it on as
+    many threads when there are enough rows: NumPy's element-by-element loops run on one thread (the
+    products' BLAS splits itself), and each row's numbers are the same bits wherever it ran."""
+    if threads < 2 or n < SPLIT_FROM_ROWS:
+        work(slice(0, n))
+    else:
+        list(thread_pool(threads).map(work, even_slices(n, threads)))
 
 
 def even_slices(n: int, parts: int) -> list[slice]:
