@@ -262,6 +262,10 @@ class Lockstep:
         self._context_holders = now
         self._created_last = None
 
+    def holder_of(self, handle: str) -> str | None:
+        """The backend's holder name of live ``handle`` (learnt at the check after it was made), or None."""
+        return self._holder_of.get(handle)
+
     def _our_names(self, message: str) -> str:
         for holder, handle in self.holder_names.items():
             message = re.sub(rf"(?<![\w:]){re.escape(holder)}(?![\w:])", f"{holder} ({handle})", message)

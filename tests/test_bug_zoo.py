@@ -85,6 +85,14 @@ def recycled_slot_bytes(factory, config):
     return f"recycled slot {page.slot} holds old bytes past row 1" if dirty else None
 
 
+def recycled_heap_page_bytes(factory, config):
+    cache = factory(config)
+    _filled(cache, config, range(config.page_tokens)).close()     # a whole page written, then freed
+    page = _filled(cache, config, [1]).pages[0]                   # a new page, one row written
+    dirty = any(part[1:].any() for part in page.parts)
+    return "a new page holds old bytes past row 1" if dirty else None
+
+
 def arena_size_reported(factory, config):
     size = factory(config).observe().arena_size
     return None if size == config.arena_pages else f"arena_size {size}, configuration {config.arena_pages}"
@@ -301,6 +309,8 @@ ZOO = {
         "no_tree", "f32-heap", "matched", nested_keys),
     "dirty_slot_reported_clean": Planted(
         "dict_pages", "f32-arena6", "arena evidence", recycled_slot_bytes),
+    "heap_page_reused_dirty": Planted(
+        "dict_pages", "f32-heap", "a page handed out again after frees", recycled_heap_page_bytes),
     "ignores_arena_pages": Planted(
         "dict_pages", "f32-arena6", "the arena has 0 slots, the configuration 6", arena_size_reported),
     "match_count_in_pages": Planted(

@@ -12,7 +12,10 @@ Self-reported evidence cannot convict, so this check looks for itself:
   configuration and on the same configuration with ``arena_pages=0``; both must read
   byte-identical values at every step and write byte-identical snapshots, and, for a
   backend built on kvstate's ``PageStore`` (``cache.store``/``cache.pool``, whose pages
-  can be read whole), store byte-identical pages, positions never written included.
+  can be read whole), store byte-identical pages, positions never written included;
+- without an arena there is no twin, so a page the handcrafted program takes back after frees
+  is compared with the page the same ``extend`` makes in a new cache: a heap page recycled
+  unzeroed shows there (through ``read_page`` or ``cache.store``, where the backend has either).
 
 Both runs are lockstep runs, so each is also compared with the reference. Should the
 two runs disagree on whether a step is refused (a configuration that refuses rather
@@ -35,6 +38,8 @@ from ..lockstep import Lockstep
 
 SIZE = "observe() reports arena_size equal to the configuration's arena_pages"
 ISSUED = "while the arena has a free slot, a new page takes one"
+RECYCLED_LIKE_FRESH = ("without an arena, a page handed out again after frees stores what a new cache's page "
+                       "stores: zeros wherever nothing was written")
 SAME_BYTES = ("one program run with an arena and without one reads, snapshots and stores byte-identical "
               "values: a recycled slot holds zeros wherever nothing was written")
 
@@ -53,7 +58,7 @@ def arena_evidence(factory: Factory, config: Config) -> None:
     # The twin keeps the pool's limit (as pool_pages) so its declared semantics stay the same.
     heap = (Lockstep(factory, config.with_(arena_pages=0, pool_pages=config.pool_limit))
             if config.arena_pages else None)
-    twins = _Twins(arena, heap)
+    twins = _Twins(arena, heap, factory)
     generator = Generator(PROGRAM_SEED)
     for _ in range(PROGRAM_STEPS):
         twins.step(generator.next_op(arena))
@@ -71,8 +76,8 @@ def arena_evidence(factory: Factory, config: Config) -> None:
 class _Twins:
     """The arena run and its heap twin (None for a heap configuration), stepped together."""
 
-    def __init__(self, arena: Lockstep, heap: Lockstep | None):
-        self.arena, self.heap = arena, heap
+    def __init__(self, arena: Lockstep, heap: Lockstep | None, factory: Factory):
+        self.arena, self.heap, self.factory = arena, heap, factory
         self.comparing = heap is not None
 
     def step(self, op: O.Op) -> str | None:
@@ -116,6 +121,31 @@ class _Twins:
                                         f"{heap_holder} without an arena (first at stored byte {offset}): "
                                         "an arena slot was handed out holding old bytes")
 
+    def like_fresh(self, handle: str, extend: O.Extend) -> None:
+        """Without a twin (a heap configuration): ``handle``'s stored pages, made by ``extend`` on a new
+        context after pages were freed, against those the same ``extend`` makes in a new cache, whose
+        pages were never anything else's."""
+        if self.heap is not None:
+            return          # the twin compares every page at every step
+        fresh = Lockstep(self.factory, self.arena.config)
+        fresh.check_each_apply = True       # its books checked, and the new context's holder name learnt
+        made = fresh.apply(O.Allocate())
+        fresh.apply(O.Extend(made, extend.tokens, extend.seed))
+        fresh.check()
+        names = self.arena.holder_of(handle), fresh.holder_of(made)
+        mine, theirs = (None, None) if None in names else (_stored_pages(self.arena.engine, names[0]),
+                                                           _stored_pages(fresh.engine, names[1]))
+        fresh.finish()
+        if not mine or not theirs:
+            return          # holders not observed, or pages not readable raw
+        for index, (page, new_page) in enumerate(zip(mine[0][1], theirs[0][1])):
+            if page != new_page:
+                offset = next(i for i, (a, b) in enumerate(zip(page, new_page)) if a != b)
+                raise BrokenPromise(RECYCLED_LIKE_FRESH, str(extend),
+                                    f"page {index} of {handle} is stored with other bytes than the same extend "
+                                    f"stores in a new cache (first at stored byte {offset}): a freed page was "
+                                    "handed out again holding old bytes")
+
     def snapshots(self) -> None:
         if not self.comparing or not hasattr(self.arena.engine, "restore"):
             return
@@ -146,10 +176,12 @@ def _slot_reuse(twins: _Twins, config: Config) -> None:
     fork = twins.step(O.Fork(single))
     twins.step(O.Extend(fork, (6,), seed=73))                    # copy-on-write of that page
     grown = twins.step(O.Allocate())
-    twins.step(O.Extend(grown, tuple(range(2 * page + 1)), seed=74))
-    twins.step(O.Truncate(grown, 1))                             # frees written pages again
+    twins.step(O.Extend(grown, tuple(range(3 * page)), seed=74))
+    twins.step(O.Truncate(grown, 1))                             # frees two whole written pages again
     again = twins.step(O.Allocate())
-    twins.step(O.Extend(again, (7,), seed=75))
+    reuse = O.Extend(again, (7,), seed=75)                       # a page freed just now, one position written
+    twins.step(reuse)
+    twins.like_fresh(again, reuse)
     twins.step(O.Close(single))
 
 
@@ -163,22 +195,26 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
-def _stored_pages(cache: Any) -> list[tuple[str, list[bytes]]] | None:
+def _stored_pages(cache: Any, only: str | None = None) -> list[tuple[str, list[bytes]]] | None:
     """Each holder's pages as stored, whole (every position, written or not), in the observation's
-    holder order; None unless the backend reads pages raw: through the protocol's optional
+    holder order (``only``: that holder's alone, where it is one); None unless the backend reads pages raw: through the protocol's optional
     ``cache.read_page(page_id)`` (the stored parts of every row), or, built on kvstate's
     ``PageStore``, through ``cache.store.read_encoded`` of the pages in ``cache.pool.live``."""
+    def held(holders: dict | None) -> dict:
+        holders = holders or {}
+        return holders if only is None else {only: holders[only]} if only in holders else {}
+
     if callable(getattr(cache, "read_page", None)):
         return [(holder, [b"".join(np.ascontiguousarray(part).tobytes() for part in cache.read_page(page_id))
                           for page_id in pages])
-                for holder, pages in (cache.observe().holders or {}).items()]
+                for holder, pages in held(cache.observe().holders).items()]
     store, pool = getattr(cache, "store", None), getattr(cache, "pool", None)
     live = getattr(pool, "live", None)      # read once: an engine may build it on each read
     if not (callable(getattr(store, "read_encoded", None)) and isinstance(live, dict)):
         return None
     obs = cache.observe()
     pages = []
-    for holder, ids in obs.holders.items():
+    for holder, ids in held(obs.holders).items():
         stored = []
         for page_id in ids:
             parts = store.read_encoded(live[page_id].buffer, 0, store.page_tokens)

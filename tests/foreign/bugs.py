@@ -50,6 +50,33 @@ class DirtySlotReportedClean(dict_pages.DictCache):
         return False
 
 
+class HeapPageReusedDirty(dict_pages.DictCache):
+    """Without an arena, freed pages' arrays are kept and handed to the next new page as they are,
+    not zeroed (the promise of invariant 3 for a recycled slot, kept by every page), and
+    ``observe()`` reports ``dirty_tail=False``: no arena twin to compare with, no flag to convict."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.spares: list[dict_pages.Page] = []
+
+    def release(self, page) -> None:
+        super().release(page)
+        if page.refcount == 0 and page.slot is None:
+            self.spares.append(page)
+
+    def new_page(self):
+        if self.spares and not self.arena.free:
+            spare = self.spares.pop()
+            self.allocated += 1
+            page = dict_pages.Page(self.allocated, None, spare.parts, spare.tokens)     # PLANTED: not zeroed
+            self.pages[page.page_id] = page
+            return page
+        return super().new_page()
+
+    def dirty_tail(self, page) -> bool:
+        return False
+
+
 class IgnoresArenaPages(dict_pages.DictCache):
     """``config.arena_pages`` is ignored: every page lives in ordinary memory and the observation
     reports ``arena_size`` 0 in an arena configuration."""
@@ -437,6 +464,7 @@ _PLANTED = {
     "match_shortest_key": (ShortestMatch, no_tree.factory),
     "dirty_slot_reported_clean": (DirtySlotReportedClean, dict_pages.factory),
     "ignores_arena_pages": (IgnoresArenaPages, dict_pages.factory),
+    "heap_page_reused_dirty": (HeapPageReusedDirty, dict_pages.factory),
     "match_count_in_pages": (PageGranularMatch, no_arena.factory),
     "read_aliases_storage": (ReadAliasesStorage, dict_pages.factory),
     "missing_copy_on_write": (MissingCopyOnWrite, no_tree.factory),
