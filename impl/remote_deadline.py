@@ -122,7 +122,8 @@ class Worker:
     at once and ``later`` queues clean-up to run if the stuck call ever returns. While
     ``MAX_STUCK_CALLS`` abandoned calls still wait, a new operation's first call fails at once,
     sending nothing; the calls of one under way (its reads, its publishing call, its clean-up) go
-    on. Clean-up queued with ``later`` that hangs in its turn is not counted."""
+    on. A stuck worker counts as one abandoned call until its queue is done, not only until the
+    call that overran returns: clean-up queued behind it with ``later`` may hang on the same server."""
 
     def __init__(self, deadline: Deadline, doing: str):
         self.deadline, self.doing = deadline, doing
@@ -177,9 +178,16 @@ class Worker:
                 box["error"] = error
             with _stuck_lock:
                 done.set()
-                if self._counted:               # the abandoned call returned at last
-                    self._counted = False
-                    self._tally["calls"] -= 1
+                if self._jobs.empty():          # nothing queued behind it: an abandoned call is over
+                    self._uncount()
+        with _stuck_lock:                       # closed: whatever ran last has returned
+            self._uncount()
+
+    def _uncount(self) -> None:
+        """This worker's abandoned call out of the tally, once (under ``_stuck_lock``)."""
+        if self._counted:
+            self._counted = False
+            self._tally["calls"] -= 1
 
 
 class Bounded:

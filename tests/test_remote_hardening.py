@@ -367,6 +367,36 @@ def test_the_stuck_call_cap_stops_new_operations_not_the_calls_of_one_under_way(
     under_way.close()
 
 
+def test_clean_up_queued_behind_a_stuck_call_counts_until_it_returns(monkeypatch):
+    """The abandoned call returns, then the clean-up queued behind it hangs on the same server: the
+    worker still holds a thread, so it still counts against MAX_STUCK_CALLS until the clean-up ends."""
+    import threading
+
+    from kvstate.impl import remote_deadline
+    from kvstate.spec.errors import SnapshotDeadlineError
+    monkeypatch.setattr(remote_deadline, "_stuck", {"calls": 0})
+    call_held, clean_up_held, clean_up_started = threading.Event(), threading.Event(), threading.Event()
+
+    def clean_up():
+        clean_up_started.set()
+        clean_up_held.wait(10)
+
+    worker = remote_deadline.Worker(remote_deadline.resolve(0.2), "writing")
+    with pytest.raises(SnapshotDeadlineError, match="ran out"):
+        worker.call(call_held.wait, 10)
+    worker.later(clean_up)
+    worker.close()
+    assert remote_deadline.stuck_calls() == 1
+    call_held.set()                     # the abandoned call returns; the clean-up now hangs
+    assert clean_up_started.wait(5)
+    assert remote_deadline.stuck_calls() == 1
+    clean_up_held.set()
+    deadline = time.monotonic() + 5
+    while remote_deadline.stuck_calls() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert remote_deadline.stuck_calls() == 0
+
+
 @pytest.mark.parametrize("status", [404, 403, 500])
 def test_a_presigned_urls_signature_is_in_no_link_of_the_errors_chain(monkeypatch, http_status, status):
     """fsspec's and aiohttp's errors quote the whole URL; the chain a restore raises holds only our
