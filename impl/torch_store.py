@@ -31,6 +31,25 @@ from .memory import check_store_size
 from .store import StoreCounters
 
 VALUE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
+
+
+def _ordinary(make):
+    """``make`` (a method that makes or hands out page memory) run outside ``torch.inference_mode``.
+
+    Under inference mode torch makes *inference tensors*, and views made there of ordinary
+    tensors are marked too: neither may be written in place once inference mode is off. A page is
+    written long after it is made (the next decode fills its free rows; a restore's pages are
+    written by the next turn), so a cache filled under ``inference_mode`` and continued under
+    ``no_grad`` failed on its first write. Page memory and its views are therefore always
+    ordinary tensors, which may be written in place in either mode."""
+    def outside_inference_mode(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return make(*args, **kwargs)
+        with torch.inference_mode(False):
+            return make(*args, **kwargs)
+    outside_inference_mode.__name__, outside_inference_mode.__doc__ = make.__name__, make.__doc__
+    outside_inference_mode.__wrapped__ = make
+    return outside_inference_mode
 _Q8_MAX = float(precisions.Q8_MAX)
 _Q8_SCALE_MAX = float(precisions.Q8_SCALE_MAX)      # exactly representable in float32
 
@@ -71,8 +90,8 @@ class TorchStore:
             check_store_size(self.page_bytes, arena_pages)
         self._arena = SlotArena(arena_pages, self.counters)
         try:
-            self._blocks = [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
-                            for s, d in zip(self._shapes, self._dtypes)]
+            self._blocks = _ordinary(lambda: [torch.zeros((arena_pages, *s), dtype=d, device=self.device)
+                                              for s, d in zip(self._shapes, self._dtypes)])()
         except (MemoryError, RuntimeError, ValueError, TypeError) as error:   # out of memory; a size past int64 (TypeError)
             raise ConfigError(f"an arena of {arena_pages} pages of {self.page_bytes} bytes cannot be allocated "
                               f"on {self.device}: {error!r}") from None
@@ -121,6 +140,7 @@ class TorchStore:
 
     # -- memory ----------------------------------------------------------------------
 
+    @_ordinary
     def _take(self, page_id: int, zero: bool) -> TorchBuffer:
         slot = self._arena.issue(page_id)
         if slot is None:
@@ -206,6 +226,7 @@ class TorchStore:
         # Snapshots are host files: this is the one deliberate device-to-host copy.
         return tuple(t[:, :, start:stop].movedim(2, 0).cpu().numpy() for t in buffer.tensors)
 
+    @_ordinary
     def from_encoded(self, parts: tuple[np.ndarray, ...]) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(np.ascontiguousarray(p)).to(self.device).movedim(0, 2) for p in parts)
 

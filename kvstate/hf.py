@@ -127,6 +127,7 @@ class KVStateCache(_HFCache):
         self._before_grow = None        # (rows, pads, readers) a feed grew from: undone if its forward fails
         self._zeros = None
         self._shared = None             # (the rows' page tuples, how many leading pages they share)
+        self._prompt_checked = False    # a chunked prefill under way, its whole prompt checked (``attach``)
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
     def _set_rows(self, rows: list, pads: list[int] | None = None, readers: list | None = None) -> None:
@@ -628,10 +629,17 @@ class KVStateCache(_HFCache):
         self.context.snapshot(target)
 
     def close(self) -> None:
-        """Release every row's pages."""
+        """Release every row's pages. Nothing else does: a cache dropped unclosed keeps its pages for as
+        long as the kvstate cache lives (a finalizer could run inside the cache's own critical sections)."""
         for ctx in self.rows:
             if not ctx.closed:
                 ctx.close()
+
+    def __enter__(self) -> "KVStateCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _refuse_mid_forward(self, what: str) -> None:
         if any(p is not None for p in self._pending):
@@ -676,6 +684,8 @@ def attach(model):
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
         model.prepare_inputs_for_generation = _prefix_checked(model.prepare_inputs_for_generation)
+        if callable(getattr(model, "_prefill", None)):
+            model._prefill = _chunks_checked(model._prefill)
     return model
 
 
@@ -694,8 +704,29 @@ def _prefix_checked(prepare):
     as the cache holds without looking at them)."""
     def checked(input_ids, *args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
-        if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None:
+        if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None \
+                and not cache._prompt_checked:
             cache.check_prefix_of(input_ids, kwargs.get("attention_mask"))
         return prepare(input_ids, *args, **kwargs)
     checked.__wrapped__ = prepare
+    return checked
+
+
+def _chunks_checked(prefill):
+    """``generate``'s prefill (transformers' ``_prefill``), checked once for the whole prompt where it
+    goes in chunks (``prefill_chunk_size``): each chunk then reaches ``prepare_inputs_for_generation``
+    alone, as its "first iteration", and is not a prompt that the cache begins."""
+    def checked(input_ids, generation_config, model_kwargs, *args, **kwargs):
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        first = kwargs.get("is_first_iteration", args[0] if args else True)
+        if not (isinstance(cache, KVStateCache) and first and input_ids is not None
+                and getattr(generation_config, "prefill_chunk_size", None) is not None):
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.check_prefix_of(input_ids, model_kwargs.get("attention_mask"))
+        cache._prompt_checked = True
+        try:
+            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+        finally:
+            cache._prompt_checked = False
+    checked.__wrapped__ = prefill
     return checked

@@ -787,3 +787,69 @@ def test_a_context_given_without_kv_brings_its_own_cache(llama):
         hf.KVStateCache.for_model(llama, other, context=base.context)
     with pytest.raises(ConfigError, match="page_tokens"):
         hf.KVStateCache.for_model(llama, context=base.context, page_tokens=64)
+
+
+# -- generation modes a server uses -------------------------------------------------------------
+
+@pytest.mark.parametrize("resume", [False, True], ids=["fresh", "resumed"])
+def test_chunked_prefill_equals_dynamic_cache(llama, resume):
+    """``prefill_chunk_size`` hands each chunk alone to ``prepare_inputs_for_generation`` as a first
+    iteration; the whole prompt is checked once instead, and the chunks go in as they are."""
+    model, prompt = llama, ids(11, 41)
+    args = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, prefill_chunk_size=4)
+    ours, theirs = hf.KVStateCache.for_model(model, page_tokens=4), reference(model)
+    with torch.no_grad():
+        if resume:                      # a held turn, then a prompt that continues it, in chunks
+            for cache in (ours, theirs):
+                model.generate(prompt[:, :5], cache=cache, **args)
+            prompt = torch.cat([prompt[:, :5], torch.tensor([ours.tokens[5:]]), prompt[:, 5:]], dim=1)
+        assert torch.equal(model.generate(prompt, cache=ours, **args), model.generate(prompt, cache=theirs, **args))
+    assert ours.tokens == prompt[0].tolist() + ours.tokens[prompt.shape[1]:]
+
+
+def test_chunked_prefill_refuses_a_prompt_the_cache_does_not_begin(llama):
+    model = llama
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    held = ids(6, 42)
+    run(model, cache, [held])
+    other = held.clone()
+    other[0, 2] = (other[0, 2] % (VOCAB - 1)) + 1
+    with torch.no_grad(), pytest.raises(TokenError, match="position 2"):
+        model.generate(torch.cat([other, ids(9, 43)], dim=1), cache=cache, max_new_tokens=2, do_sample=False,
+                       pad_token_id=0, prefill_chunk_size=4)
+    assert cache.tokens == held[0].tolist()               # refused before the first chunk
+
+
+@pytest.mark.parametrize("arena_pages", [0, 8])
+def test_a_turn_under_inference_mode_continues_outside_it(llama, arena_pages):
+    """Pages made under ``torch.inference_mode`` are ordinary tensors: the next turn, under ``no_grad``,
+    writes into the last page's free rows (an inference tensor refuses that outside inference mode)."""
+    model, prompt = llama, ids(6, 44)
+    args = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    outputs = []
+    for make in (lambda: hf.KVStateCache.for_model(model, page_tokens=4, arena_pages=arena_pages),
+                 lambda: reference(model)):
+        with torch.inference_mode():        # the cache made there too: an arena's blocks are made with it
+            cache = make()
+            first = model.generate(prompt, cache=cache, **args)
+        with torch.no_grad():
+            outputs.append(model.generate(first, cache=cache, **args))
+    assert len(outputs[0][0]) == 6 + 5 + 5 and torch.equal(outputs[0], outputs[1])
+
+
+def test_a_fork_in_a_with_block_gives_its_pages_back(llama):
+    """README's drafts: each fork generates in a ``with`` block, and the pages it made go back at its end."""
+    model = llama
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    with torch.no_grad():
+        out = model.generate(ids(6, 45), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        live = len(cache.kv.observe().pages)
+        for seed in range(3):
+            torch.manual_seed(seed)
+            with cache.fork() as branch:
+                model.generate(out, cache=branch, do_sample=True, max_new_tokens=9, pad_token_id=0)
+                assert len(cache.kv.observe().pages) > live
+            assert branch.rows[0].closed
+            assert len(cache.kv.observe().pages) == live
+    cache.close()
+    assert cache.kv.observe().pages == {}

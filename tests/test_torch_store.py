@@ -217,3 +217,24 @@ def test_a_tensor_subclass_hook_never_runs_inside_a_write(precision):
     values, tokens = ctx.read()
     assert list(tokens) == [1, 7, 8, 4, 5, 6, 7] and len(ctx._pages) == 4
     assert torch.equal(torch.as_tensor(values)[:, 0, 0, 0, 0], torch.tensor([0., 1, 1, 0, 1, 1, 1]))
+
+
+@pytest.mark.parametrize("arena_pages", [0, 4])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_pages_made_under_inference_mode_are_written_outside_it(precision, arena_pages, tmp_path):
+    """A cache made, filled and restored into under ``torch.inference_mode`` is written in place
+    afterwards (a page's free rows, a fork's copy-on-write): its pages are never inference tensors."""
+    x = tricky_batch(3, 9)
+    with torch.inference_mode():
+        cache = Cache(LAYOUT, page_tokens=4, precision=precision, store="torch", arena_pages=arena_pages)
+        ctx = cache.allocate()
+        ctx.extend(list(range(5)), torch.from_numpy(x[:5]))          # its second page holds 1 of 4 rows
+        ctx.snapshot(tmp_path / "five.kvs")
+        restored = cache.restore(tmp_path / "five.kvs")
+    ctx.extend([5, 6], torch.from_numpy(x[5:7]))                     # into that page's free rows
+    restored.extend([5, 6], torch.from_numpy(x[5:7]))
+    branch = ctx.fork()
+    branch.overwrite(1, [9], torch.from_numpy(x[7:8]))               # copy-on-write of the first page
+    assert torch.equal(ctx.read()[0], restored.read()[0])
+    assert not torch.equal(branch.read()[0], ctx.read()[0])
+    assert ctx.tokens == restored.tokens == list(range(7))
