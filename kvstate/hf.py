@@ -217,6 +217,9 @@ class KVStateCache(_HFCache):
         if batch != len(self.rows) and len(self.rows) != 1:
             raise ShapeError(f"input_ids has batch size {batch}, but this cache holds {len(self.rows)} rows")
         held = [len(self.rows[0])] * batch if len(self.rows) == 1 else [len(ctx) for ctx in self.rows]
+        if attention_mask is None and any(self.pads):
+            raise ShapeError(f"this cache's rows hold left padding ({self.pads} positions), which only an attention "
+                             "mask hides from attention: pass the forward its attention_mask")
         pads = new_padding(attention_mask, batch, n, held)
         if len(self.rows) == 1 and batch > 1:
             self._grow(batch)

@@ -853,3 +853,20 @@ def test_a_fork_in_a_with_block_gives_its_pages_back(llama):
             assert len(cache.kv.observe().pages) == live
     cache.close()
     assert cache.kv.observe().pages == {}
+
+
+def test_a_forward_without_a_mask_on_padded_rows_is_refused(llama):
+    """Padded positions read as zeros, which only the attention mask hides: a forward without one
+    would attend to them (wrong logits), so it is refused, the cache left as it was."""
+    model = llama
+    prompt, mask = left_padded([3, 6], 47)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    with torch.no_grad():
+        model(prompt, attention_mask=mask, cache=cache)
+        held = [ctx.tokens for ctx in cache.rows]
+        with pytest.raises(ShapeError, match="attention_mask"):
+            model(ids(2, 48).repeat(2, 1)[:, :1], cache=cache)
+        assert [ctx.tokens for ctx in cache.rows] == held and cache.pads == [3, 0]
+        step = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], dim=1)
+        model(ids(1, 48).repeat(2, 1), attention_mask=step, cache=cache)     # with its mask it runs
+    assert [len(ctx) for ctx in cache.rows] == [4, 7]
