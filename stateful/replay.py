@@ -315,11 +315,14 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     recorded = getattr(replay.failure, "step", None)
     always = (recorded,) if type(recorded) is int else ()
     schedule = SpacedChecks(math.inf if every_step else CHECK_BUDGET, always)
+    lockstep = None
     with Deadline(time_limit) as deadline:
         try:
             failure, lockstep = spaced_checks(factory, replay.config, replay.ops, show, schedule)
         except RunTimeout:
             failure = None
+        except FINDINGS as error:       # the factory failed to build the cache: a finding, as in a sweep
+            failure = _failure(0, "build", None, error)
     if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):
         raise RunTimeout(f"the replay did not finish within {time_limit:g} s (--time-limit)")
     if failure is None:
@@ -328,6 +331,8 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
         return None
     out("")
     out(f"FAILED {failure}")
+    if lockstep is None:
+        return failure
     out("contexts, engine vs reference:")
     for line in describe(lockstep):
         out(line)
@@ -344,7 +349,7 @@ def describe(lockstep: Lockstep) -> list[str]:
         try:
             values, tokens = engine.read()
             values, tokens = to_numpy(values), list(np.asarray(tokens))
-        except Exception as error:       # the engine may be too broken to read
+        except FINDINGS as error:       # the engine may be too broken to read (or exit)
             lines.append(f"  {handle}: engine read raised {error!r}")
             continue
         want_values, want_tokens = ref.read()
@@ -365,7 +370,7 @@ def describe_pages(lockstep: Lockstep) -> list[str]:
     """Each page the engine reports: refcount, the holders that point at it, arena slot."""
     try:
         obs = lockstep.engine.observe()
-    except Exception as error:
+    except FINDINGS as error:
         return [f"  observe() raised {error!r}"]
     if obs is None or obs.pages is None or obs.holders is None:     # a black box: no 'pages' tier
         return ["  (the backend does not report its pages: it exposes no 'pages' tier)"]

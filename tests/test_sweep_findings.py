@@ -48,6 +48,13 @@ class Exits(Context):
         sys.exit(0)
 
 
+class ExitsOnRead(Context):
+    __slots__ = ()
+
+    def read(self, *args, **kwargs):    # a read that ends the process
+        sys.exit(0)
+
+
 SPIN = {spin}
 
 
@@ -137,3 +144,27 @@ def test_the_pasteable_test_of_a_backend_given_by_path_compiles():
     source = as_pytest(replay)
     ast.parse(source)
     assert "load_factory('backends/cow and spin.py')" in source
+
+
+@pytest.mark.parametrize("act", ["sys.exit(0)", "raise RuntimeError('cannot build')"])
+def test_the_replay_of_a_factory_that_fails_to_build_fails_too(tmp_path, act, capsys):
+    """A factory that exits (status 0) or raises while building the cache: the sweep records a crash,
+    and its replay reports it and exits 1. Its ``SystemExit`` escaped the replay as the exit status 0."""
+    backend = _backend(tmp_path, when="config.precision == 'f16'", act=act, configs="[_f32, _f16]")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--shrink-limit", "0")
+    assert status == 1 and {f["config"] for f in report["failures"]} == {"f16-heap"}
+    replay_file = report["failures"][0]["replay_file"]
+    capsys.readouterr()
+    assert main(["replay", replay_file, "--backend", backend]) == 1
+    assert "FAILED " in capsys.readouterr().out
+
+
+def test_the_replay_of_a_backend_that_exits_while_read_fails(tmp_path, capsys):
+    """Describing the contexts after a failure reads them: a read that calls sys.exit is shown, not obeyed."""
+    backend = _backend(tmp_path, when="True", act="_planted(cache, ExitsOnRead)")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--shrink-limit", "0")
+    assert status == 1
+    capsys.readouterr()
+    assert main(["replay", report["failures"][0]["replay_file"], "--backend", backend]) == 1
+    shown = capsys.readouterr().out
+    assert "FAILED SystemExit" in shown and "engine read raised SystemExit" in shown
