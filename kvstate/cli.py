@@ -180,7 +180,6 @@ def _sweep(args: argparse.Namespace) -> int:
     from kvstate.spec.errors import ClusterLostError, SweepError
     from kvstate.stateful.backends import backend_option, canonical_backend
     from kvstate.stateful.sweeps import sweep as S
-    from kvstate.stateful.configs import configs_named
     from kvstate.stateful.conform import FactoryError
 
     # --scheduler, else KVSTATE_SCHEDULER unless --workers asks for the local pool.
@@ -218,7 +217,7 @@ def _sweep(args: argparse.Namespace) -> int:
             check_address(scheduler)
         # Every configuration the backend declares (ours: each semantics too); a broken factory: exit 2 now.
         _, declared = _load_backend(args.backend, args.time_limit)
-        configs = configs_named(args.configs.split(","), declared) if args.configs else declared
+        configs = S.configs_labelled(args.configs.split(","), declared) if args.configs else declared
         if scheduler and args.workers:
             raise ValueError("--workers sizes the local pool; with --scheduler the cluster's workers run the sweep")
         if scheduler:
@@ -234,25 +233,27 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"sweep: {len(seeds)} seeds x {len(configs)} configurations x {args.steps} steps "
                   f"against {args.backend}, {where}{', shard ' + label if label else ''}"
                   f"{', resuming ' + args.out if args.resume else ''}", file=sys.stderr)
-            report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
-                             args.shrink_limit, args.shrink_budget, shard_label=label,
-                             executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
-                             resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
-                             window=cluster.window if cluster else None)
+            with S.terminated_as_interrupt():
+                report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
+                                 args.shrink_limit, args.shrink_budget, shard_label=label,
+                                 executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
+                                 resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
+                                 window=cluster.window if cluster else None)
     except ClusterLostError as error:
         print(f"kvstate sweep: {error}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         out = args.out or out_default
-        print(f"\nkvstate sweep: interrupted; partial report in {Path(out) / 'report.json'}; "
+        how = "terminated" if isinstance(stop, S.Terminated) else "interrupted"
+        print(f"\nkvstate sweep: {how}; partial report in {Path(out) / 'report.json'}; "
               f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
               f"{backend_option(args.backend) if args.backend else ''}",
               file=sys.stderr)
-        return 130
+        return 143 if isinstance(stop, S.Terminated) else 130
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
         print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 2
-    json_path, junit_path = S.write_reports(report, Path(args.out))
+    json_path, junit_path = S.report_paths(Path(args.out))      # the sweep wrote them, its folder still locked
     print(S.format_summary(report))
     print(f"reports: {json_path}, {junit_path}")
     if report.failures:

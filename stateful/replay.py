@@ -321,6 +321,8 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
             failure, lockstep = spaced_checks(factory, replay.config, replay.ops, show, schedule)
         except RunTimeout:
             failure = None
+        except ReplayFileError:         # the file's own fault (an operation naming what the run lacks)
+            raise
         except FINDINGS as error:       # the factory failed to build the cache: a finding, as in a sweep
             failure = _failure(0, "build", None, error)
     if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):

@@ -80,8 +80,8 @@ factory.configs = {configs}
 '''
 
 
-def _backend(tmp_path, when="False", act="pass", spin=False, configs="[_f32]") -> str:
-    path = tmp_path / "planted_backend.py"
+def _backend(tmp_path, when="False", act="pass", spin=False, configs="[_f32]", name="planted_backend") -> str:
+    path = tmp_path / f"{name}.py"         # a module is loaded once per path: another backend, another name
     path.write_text(PLANTED.format(when=when, act=act, spin=spin, configs=configs))
     return str(path)
 
@@ -168,3 +168,70 @@ def test_the_replay_of_a_backend_that_exits_while_read_fails(tmp_path, capsys):
     assert main(["replay", report["failures"][0]["replay_file"], "--backend", backend]) == 1
     shown = capsys.readouterr().out
     assert "FAILED SystemExit" in shown and "engine read raised SystemExit" in shown
+
+
+# -- the folder a sweep writes to (an audit's findings) ---------------------------------------
+
+def test_a_sigterm_stops_a_sweep_as_ctrl_c_does_and_no_earlier_report_survives(tmp_path):
+    """A CI job's timeout sends SIGTERM: the sweep writes its partial report (exit 143). Killed
+    outright, it left the last sweep's green report.json and junit.xml in its folder."""
+    status, report = _sweep(tmp_path, _backend(tmp_path), "--workers", "1")      # a passing sweep first
+    assert status == 0 and report["failures"] == []
+    backend = _backend(tmp_path, when="config.precision == 'f16'",
+                       act="__import__('os').kill(__import__('os').getpid(), 15)", configs="[_f32, _f16]",
+                       name="terminated_backend")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--shrink-limit", "0")
+    assert status == 143
+    assert report["partial"] and report["runs"] == 3 and report["backend"] == backend
+    assert 'tests="3"' in (tmp_path / "out" / "junit.xml").read_text()
+
+
+def test_a_sweep_refused_in_a_busy_folder_changes_nothing_there(tmp_path, capsys):
+    """Two sweeps on one folder interleaved their journal lines: the second is refused at once."""
+    from kvstate.stateful.sweeps import sweep as S
+    backend = _backend(tmp_path)
+    status, _ = _sweep(tmp_path, backend, "--workers", "1")
+    out = tmp_path / "out"
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    with S._only_sweep_in(out):          # another sweep holds it
+        capsys.readouterr()
+        assert main(["sweep", "--resume", str(out), "--backend", backend]) == 2
+        assert main(["sweep", "--seeds", "2", "--backend", backend, "--out", str(out)]) == 2
+        assert capsys.readouterr().err.count("another sweep is running in") == 2
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+
+
+def test_a_journal_cannot_name_a_file_outside_its_folder(tmp_path):
+    """A journal is data: a configuration label holding a path made a new sweep there delete
+    ``replays/{label}-seed{seed}.json`` wherever that led."""
+    from kvstate.spec.errors import ResumeError
+    from kvstate.stateful.sweeps import journal
+    out, victim = tmp_path / "out", tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep-seed0.json").write_text("precious")
+    plan = {"kind": "plan", "format": journal.FORMAT, "backend": "kvstate.impl.numpy", "steps": 5, "seeds": [0],
+            "configs": ["../../victim/keep"], "shard": None, "fingerprint": {}, "workers": 1}
+    run = {"kind": "run", "config": "../../victim/keep", "seed": 0, "page_tokens": 4, "steps": 5, "seconds": 0.1,
+           "cpu_seconds": 0.1, "failure": None, "ops": None, "replay_file": None, "minimised": False}
+    out.mkdir()
+    (out / journal.FILE).write_text(json.dumps(plan) + "\n" + json.dumps(run) + "\n")
+    with pytest.raises(ResumeError, match="no configuration label"):
+        journal.read(out)
+    assert main(["sweep", "--seeds", "1", "--steps", "5", "--configs", "f32-heap", "--out", str(out)]) == 0
+    assert (victim / "keep-seed0.json").read_text() == "precious"
+
+
+def test_a_sweep_of_a_name_at_two_page_sizes_resumes_with_the_command_it_prints(tmp_path):
+    """Its journal holds the labels ``f32-heap-page4`` and ``-page8``, which ``--configs`` refused."""
+    backend = _backend(tmp_path, configs="[_f32.with_(page_tokens=4), _f32.with_(page_tokens=8)]")
+    status, _ = _sweep(tmp_path, backend, "--workers", "1")
+    out = tmp_path / "out"
+    lines = (out / "runs.jsonl").read_text().splitlines(keepends=True)
+    (out / "runs.jsonl").write_text("".join(lines[:-2]))        # stopped two runs short
+    assert main(["sweep", "--resume", str(out), "--backend", backend]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["runs"] == report["runs_expected"] == 6 and report["runs_resumed"] == 4
+    assert main(["sweep", "--seeds", "1", "--configs", "f32-heap,f32-heap-page8,f32-heap", "--backend", backend,
+                 "--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "report.json").read_text())
+    assert sorted(again["configs"]) == ["f32-heap-page4", "f32-heap-page8"] and again["runs"] == 2

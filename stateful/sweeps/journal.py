@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
@@ -82,6 +83,7 @@ MAX_BYTES = 256 << 20          # a journal past this is refused before it is rea
 MAX_LINES = 2_000_000
 
 _NUMBER = (int, float)
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")      # what ``Config.name`` and ``sweep.config_labels`` make
 _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "seconds": _NUMBER,
                "cpu_seconds": _NUMBER, "failure": (dict, type(None)), "ops": (list, type(None)),
                "replay_file": (str, type(None)), "minimised": bool}
@@ -127,6 +129,10 @@ def read(out_dir: Path) -> Recorded:
     if not all(_is_int(seed) for seed in head["seeds"]) or not all(isinstance(c, str) for c in head["configs"]) \
             or head["steps"] < 1:
         raise ResumeError(f"{path}: line 1: malformed plan (seeds must be ints, configs names, steps >= 1)")
+    for label in head["configs"]:       # labels name files (replays/{label}-seed{seed}.json): no path in them
+        if not _LABEL.fullmatch(label):
+            raise ResumeError(f"{path}: line 1: malformed plan: {label[:60]!r} is no configuration label "
+                              "(letters, digits and '-' only)")
     if head["workers"] is not None and head["workers"] < 1:
         raise ResumeError(f"{path}: line 1: malformed plan (workers must be at least 1, got {head['workers']})")
     plan = Plan(head["backend"], head["steps"], tuple(head["seeds"]), tuple(head["configs"]),

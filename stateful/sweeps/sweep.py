@@ -25,13 +25,20 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import BrokenExecutor, CancelledError, Executor, ProcessPoolExecutor
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from queue import SimpleQueue
 from typing import Callable, Iterable, Iterator, Sequence, TextIO
+
+try:
+    import fcntl
+except ImportError:          # not POSIX: sweeps run, without the folder lock
+    fcntl = None  # type: ignore[assignment]
 
 from kvstate.spec.errors import BackendMismatchError, ClusterLostError, ResumeError, SweepError
 from kvstate.spec.protocol import Config
@@ -39,7 +46,7 @@ from kvstate.spec.protocol import Config
 from . import journal as J
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
-from ..configs import page_sizes
+from ..configs import configs_named, page_sizes
 from ..replay import FINDINGS, as_pytest, load
 from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
                    save_replay, shrink_result, to_shrink)
@@ -177,10 +184,23 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     seeds, out_dir = list(seeds), Path(out_dir)
     factory_for(backend)        # a bad backend path fails here, before any pool starts
     by_name = config_labels(configs)
-    label_of = {config: label for label, config in by_name.items()}
     plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend),
                   None if executor is not None else workers)
+    with _only_sweep_in(out_dir):
+        return _run_plan(plan, by_name, out_dir, resume, run_timeout, shrink_limit, shrink_budget_s, workers,
+                         executor, progress, scheduler, window)
+
+
+def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: bool, run_timeout: float | None,
+              shrink_limit: int, shrink_budget_s: float, workers: int, executor: Executor | None,
+              progress: TextIO | None, scheduler: str | None, window: Callable[[], int] | None) -> SweepReport:
+    """``sweep``'s runs and shrinks, ``out_dir`` locked to it: the journal opened (or started), the runs it
+    lacks, the shrinks, the reports written."""
+    backend, steps, seeds = plan.backend, plan.steps, list(plan.seeds)
+    label_of = {config: label for label, config in by_name.items()}
     runs, shrunk, log = _open_journal(out_dir, plan, resume)
+    for name in REPORTS:        # an earlier sweep's: stale from now on, whatever stops this one
+        (out_dir / name).unlink(missing_ok=True)
     resumed = len(runs)
     order = [(label, seed) for label in by_name for seed in seeds]
     todo = [(backend, by_name[name], seed, steps, run_timeout) for name, seed in order if (name, seed) not in runs]
@@ -197,7 +217,7 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
         for r in results:
             if not r.passed:
                 save_replay(backend, by_name[r.config], r, out_dir / "replays")
-        return SweepReport(backend, steps, seeds, list(by_name), workers, shard_label,
+        return SweepReport(backend, steps, seeds, list(by_name), workers, plan.shard,
                            time.perf_counter() - started, results, scheduler, partial, resumed)
 
     try:
@@ -239,7 +259,9 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
         log.close()
         if executor is None and pool is not None:
             pool.shutdown(wait=completed, cancel_futures=True)
-    return report(partial=False)
+    final = report(partial=False)
+    write_reports(final, out_dir)
+    return final
 
 
 def config_labels(configs: Sequence[Config]) -> dict[str, Config]:
@@ -248,6 +270,38 @@ def config_labels(configs: Sequence[Config]) -> dict[str, Config]:
     the name and ``-pageN``, so that no two are run, counted or saved as one."""
     names = [c.name for c in configs]
     return {(c.name if names.count(c.name) == 1 else f"{c.name}-page{c.page_tokens}"): c for c in configs}
+
+
+def configs_labelled(names: Sequence[str], declared: Sequence[Config]) -> list[Config]:
+    """The configurations ``--configs`` (or a journal's plan) names, each once, in order: a name
+    (``configs_named``: every page size a backend declares it at) or a label ``config_labels`` made
+    (``NAME-pageN``, one of them). A sweep of such a backend journals its labels, so its own
+    ``--resume`` command names them."""
+    labelled = config_labels(declared)
+    chosen: list[Config] = []
+    for name in names:
+        chosen += [labelled[name]] if name in labelled else configs_named([name], declared)
+    return list(dict.fromkeys(chosen))
+
+
+LOCK = ".sweep.lock"
+
+
+@contextmanager
+def _only_sweep_in(out_dir: Path) -> Iterator[None]:
+    """``out_dir`` held by this sweep alone while it runs: a second sweep or resume there (another
+    process, another terminal) is refused at once, naming the folder. Two writers interleaved
+    their journal lines and lost each other's runs. The lock (``flock`` on ``OUT/.sweep.lock``)
+    goes with the process, however it ends; where ``fcntl`` is missing (Windows) there is none."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK, "a") as lock:
+        if fcntl is not None:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise SweepError(f"another sweep is running in {out_dir} (it holds {out_dir / LOCK}): wait for "
+                                 "it to end, or pick another --out") from None
+        yield
 
 
 def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
@@ -295,8 +349,32 @@ def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
 
 
 def _leave_interrupts_to_parent() -> None:
-    """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished."""
+    """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished. A
+    SIGTERM sent to one of them ends it (not the handler it inherited from ``terminated_as_interrupt``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+class Terminated(KeyboardInterrupt):
+    """A SIGTERM (a CI job's timeout, ``kill``), taken as Ctrl-C is: the partial report written, the
+    pool's processes stopped, the journal left to resume. Killed outright, the sweep left last
+    night's reports in place and its pool processes running with nobody to stop them."""
+
+
+@contextmanager
+def terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` in this (the main) thread while the block runs; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated()
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
@@ -431,10 +509,18 @@ def to_junit(report: SweepReport) -> ET.ElementTree:
     return ET.ElementTree(root)
 
 
+REPORTS = ("report.json", "junit.xml")
+
+
+def report_paths(out_dir: Path) -> tuple[Path, Path]:
+    """Where a sweep's reports are written: ``report.json`` and ``junit.xml`` in its folder."""
+    return Path(out_dir) / REPORTS[0], Path(out_dir) / REPORTS[1]
+
+
 def write_reports(report: SweepReport, out_dir: Path) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    json_path, junit_path = out_dir / "report.json", out_dir / "junit.xml"
+    json_path, junit_path = report_paths(out_dir)
     json_path.write_text(json.dumps(to_json(report), indent=2) + "\n")
     to_junit(report).write(junit_path, encoding="unicode", xml_declaration=True)
     return json_path, junit_path
