@@ -126,16 +126,29 @@ def run_spec_check(args: argparse.Namespace) -> int:
     except (KeyError, ConfigError) as error:
         print(f"kvstate spec-check: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    started = time.perf_counter()
-    for scope in scopes:
+    started, cut = time.perf_counter(), []
+    for index, scope in enumerate(scopes):
         config = scope.config()
         print(f"exhaustive: {config.name} ({config.semantics}): {scope}")
-        left = None if args.time_limit is None else max(0.0, args.time_limit - (time.perf_counter() - started))
-        result = explore(factory, scope, time_limit=left)
+        result = explore(factory, scope, time_limit=_share(args.time_limit, started, len(scopes) - index))
         print(f"exhaustive: {config.name}: {result.summary()}")
         print(f"exhaustive: {config.name}: new states per depth {result.per_depth}")
         if result.violation is not None:
             write_replay(args.replay_out, scope, result.violation, factory, args.backend)
             print(f"exhaustive: shortest trace written to {args.replay_out}")
             return status or 1
+        if not result.complete:
+            cut.append(config.name)
+    if cut:
+        print(f"exhaustive: no violation, but {len(cut)} of {len(scopes)} searches stopped at the depth or time "
+              f"bound before the space was covered ({', '.join(cut)}): a bound, not a proof past it")
     return status
+
+
+def _share(time_limit: float | None, started: float, searches_left: int) -> float | None:
+    """This search's part of ``--time-limit``: what is left of it, split evenly over the searches
+    left (time one did not use goes to those after it). The first search used to get all of it,
+    and every later one none."""
+    if time_limit is None:
+        return None
+    return max(0.0, time_limit - (time.perf_counter() - started)) / searches_left

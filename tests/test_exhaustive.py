@@ -415,3 +415,23 @@ def test_spec_check_finds_a_semantics_bug_with_its_shortest_trace(tmp_path):
     document = json.loads(out.read_text())
     assert len(document["ops"]) == SEMANTICS_MINIMAL["evict_frees_nothing"][2]
     assert document["config"]["on_full"] == "evict" and document["config"]["match"] == "token"
+
+
+def test_a_time_limit_is_shared_by_every_semantics_searched(capsys, monkeypatch):
+    """``--time-limit`` was the first search's alone: the four after it got what it left, nothing,
+    and passed at one state each. Each now gets its share, and the last line names the cut ones."""
+    from kvstate.cli import main
+    from kvstate.stateful import spec_check
+
+    given = []
+    real = spec_check.explore
+
+    def explore(factory, scope, time_limit=None):
+        given.append(time_limit)
+        return real(factory, scope, time_limit=time_limit)
+    monkeypatch.setattr(spec_check, "explore", explore)
+    assert main(["spec-check", "--no-crosshair", "--depth", "0", "--time-limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert len(given) == len(SEMANTICS) and all(0.2 < limit <= 0.41 for limit in given), given
+    assert "states, 0 transitions" not in out
+    assert f"{len(SEMANTICS)} of {len(SEMANTICS)} searches stopped at the depth or time bound" in out
