@@ -41,7 +41,7 @@ from .args import positive_int
 from .one_token_pages import serve_requests
 from .traffic_workload import FULL, QUICK, TINY, workload
 # TARGET: issue 26's, whose workloads keep every request (this one evicts)
-from .versus_sglang import SGLANG, TARGET, print_beside_sglang
+from .versus_sglang import SGLANG, TARGET, print_beside_sglang, rounds_option
 
 KVSTATE = "kvstate token"
 FLOOR = "kvstate, frees skipped (floor)"
@@ -158,7 +158,8 @@ def run(quick: bool = False, rounds: int | None = None, budget: int | None = Non
                "the floor evicts as kvstate does": best[FLOOR][2:4] == best[KVSTATE][2:4]}
     if not quick:       # a smoke run's timings judge nothing
         targets[f"min(lookup, insert speedup) >= {TARGET:g}"] = speed_verdict(*rows)
-    command = COMMAND + " --quick" * quick + (f" --budget {budget}" if budget not in (BUDGET, QUICK_BUDGET) else "")
+    command = (COMMAND + " --quick" * quick + (f" --budget {budget}" if budget not in (BUDGET, QUICK_BUDGET) else "")
+               + rounds_option(rounds, quick))
     return {"name": "bounded_vs_sglang",
             "params": {**size, "workload": "divergent", "page_tokens": 1, "budget_tokens": budget, "rounds": rounds,
                        "speedup": "kvstate speed / SGLang's = SGLang time / kvstate time, same run"},

@@ -125,7 +125,9 @@ def run(against: Path | None = None, rounds: int = 3, conversations: int = 200, 
     rows = [{"checkout": str(contenders[name]), "match_us": 1e6 * m.mean(), "retain_us": 1e6 * r.mean(),
              "extend_us": 1e6 * e.mean(), "pages_freed_per_request": freed[name]}
             for name, (m, r, e) in best.items()]
-    command = "python -m kvstate.bench.one_token_pages" + (f" --against {against}" if against else "")
+    command = ("python -m kvstate.bench.one_token_pages" + (f" --against {against}" if against else "")
+               + (f" --rounds {rounds}" if rounds != 3 else "")
+               + (f" --conversations {conversations}" if conversations != 200 else ""))
     result = {"name": "one_token_pages",
               "params": {"page_tokens": 1, "requests": 4 * conversations, "rounds": rounds, "max_entries": max_entries},
               "rows": rows, "command": command + (f" --max-entries {max_entries}" if max_entries else "")}

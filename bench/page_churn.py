@@ -166,7 +166,8 @@ def run(rounds: int = 3, quick: bool = False) -> dict:
     params = {**sizes, "requests": len(queries), "rounds": rounds, "blocks_per_page": round(blocks, 2),
               "tracked_objects_per_page": round(tracked, 2)}
     return {"name": "page_churn", "wall_s": time.perf_counter() - started, "params": params, "rows": rows,
-            "pages_made_beside": side_pages, "command": COMMAND + (" --quick" if quick else "")}
+            "pages_made_beside": side_pages,
+            "command": COMMAND + (f" --rounds {rounds}" if rounds != 3 else "") + (" --quick" if quick else "")}
 
 
 def main(argv: list[str] | None = None) -> int:

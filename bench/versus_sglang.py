@@ -273,7 +273,8 @@ def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bo
                      "lookup_us": 1e6 * match_s.mean(), "insert_us": 1e6 * insert_s.mean(),
                      "lookup_speedup": peer[0].sum() / match_s.sum(), "insert_speedup": peer[1].sum() / insert_s.sum(),
                      **extra,
-                     "command": f"{COMMAND} --workload {kind} --page {page}" + " --quick" * quick})
+                     "command": f"{COMMAND} --workload {kind} --page {page}" + rounds_option(rounds, quick)
+                                + " --quick" * quick})
     return rows
 
 
@@ -395,9 +396,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)
     command = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
-        f" --page {p}" for p in args.page or ()) + " --quick" * args.quick
+        f" --page {p}" for p in args.page or ()) + rounds_option(args.rounds, args.quick) + " --quick" * args.quick
     return print_beside_sglang(lambda: {**run(args.quick, args.rounds, args.workload or WORKLOADS,
                                               args.page or PAGE_SIZES), "command": command})
+
+
+def rounds_option(rounds: int | None, quick: bool) -> str:
+    """`` --rounds N`` where ``rounds`` is not the default of ``run`` (1 quick, 2 else), for a reproducing command."""
+    return f" --rounds {rounds}" if rounds and rounds != (1 if quick else 2) else ""
 
 
 def print_beside_sglang(make_result) -> int:

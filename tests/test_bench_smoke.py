@@ -101,7 +101,7 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
     assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
     assert result["ratio"]["extend_speedup"] == there["extend_us"] / here["extend_us"]
     assert set(result["targets"]) == {f"{op}_speedup >= 3x (issue 15, against 9766fa8)" for op in ("match", "retain")}
-    assert "--against" in result["command"]
+    assert result["command"] == f"python -m kvstate.bench.one_token_pages --against {checkout} --rounds 1 --conversations 6"
     assert here["pages_freed_per_request"] == there["pages_freed_per_request"] == 0     # the tree keeps every request
 
 
@@ -111,7 +111,15 @@ def test_one_token_pages_with_a_bounded_tree_frees_evicted_pages_in_the_retains(
     result = one_token_pages.run(rounds=1, conversations=6, max_entries=3)
     (row,) = result["rows"]
     assert row["pages_freed_per_request"] > 0        # evictions free pages (the unbounded tree above frees none)
-    assert result["command"].endswith("--max-entries 3") and "targets" not in result
+    assert result["command"] == ("python -m kvstate.bench.one_token_pages --rounds 1 --conversations 6 "
+                                 "--max-entries 3") and "targets" not in result
+
+
+def test_reproducing_commands_carry_the_rounds_that_are_not_the_default():
+    from kvstate.bench.versus_sglang import rounds_option
+
+    assert rounds_option(None, False) == rounds_option(2, False) == rounds_option(1, True) == ""
+    assert rounds_option(3, False) == " --rounds 3" and rounds_option(2, True) == " --rounds 2"
 
 
 def test_token_input_takes_its_options_and_refuses_a_bad_one(capsys):
