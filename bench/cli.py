@@ -49,6 +49,14 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         print(f"kvstate bench: unknown benchmark {', '.join(unknown)}; choose from {', '.join(known)}", file=sys.stderr)
         return 2
+    try:        # before the benchmarks run, not after them
+        args.out.mkdir(parents=True, exist_ok=True)
+        probe = args.out / f".write-check-{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except OSError as error:
+        print(f"kvstate bench: cannot write results to {str(args.out)!r}: {error.strerror or error}", file=sys.stderr)
+        return 2
     pin_threads(args)
     from .plots import draw
     from .run import BENCHMARKS, run_all, save

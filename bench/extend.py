@@ -115,14 +115,14 @@ def run(lengths=LENGTHS, rounds: int = 7, against: Path | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from .args import positive_int      # run as a module (the parent), counts are checked here
-    except ImportError:
-        positive_int = int                  # the child another checkout runs by path: the parent checked them
+        from .args import checkout, positive_int     # run as a module (the parent), arguments are checked here
+    except ImportError:                              # the child another checkout runs by path: the parent checked them
+        positive_int, checkout = int, Path
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.extend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--rounds", type=positive_int, default=7)
-    parser.add_argument("--against", type=Path, help="another checkout to time beside this one")
+    parser.add_argument("--against", type=checkout, help="another checkout to time beside this one")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:

@@ -144,12 +144,12 @@ def run(against: Path | None = None, rounds: int = 3, conversations: int = 200, 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        from .args import positive_int      # run as a module (the parent), counts are checked here
-    except ImportError:
-        positive_int = int                  # the child another checkout runs by path: the parent checked them
+        from .args import checkout, positive_int     # run as a module (the parent), arguments are checked here
+    except ImportError:                              # the child another checkout runs by path: the parent checked them
+        positive_int, checkout = int, Path
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.one_token_pages", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--against", type=Path, help="another checkout to measure beside this one")
+    parser.add_argument("--against", type=checkout, help="another checkout to measure beside this one")
     parser.add_argument("--rounds", type=positive_int, default=3)
     parser.add_argument("--conversations", type=positive_int, default=200)
     parser.add_argument("--max-entries", type=positive_int, help="entries the tree keeps; past them each retain evicts")

@@ -159,14 +159,14 @@ def run(lengths: list[int], threads: int = 1, rounds: int = 3, against: Path | N
 
 def main(argv=None) -> None:
     try:
-        from .args import positive_int      # run as a module (the parent), counts are checked here
-    except ImportError:
-        positive_int = int                  # the child another checkout runs by path: the parent checked them
+        from .args import checkout, positive_int     # run as a module (the parent), arguments are checked here
+    except ImportError:                              # the child another checkout runs by path: the parent checked them
+        positive_int, checkout = int, Path
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.prefill", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=positive_int, nargs="+", default=[512, 2048])
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--rounds", type=positive_int, default=3)
-    parser.add_argument("--against", type=Path, help="another checkout whose model to time beside this one")
+    parser.add_argument("--against", type=checkout, help="another checkout whose model to time beside this one")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)     # the smoke test's model
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -101,13 +101,13 @@ def run(tokens: int = 2048, rounds: int = 5, against: Path | None = None) -> lis
 
 def main(argv=None) -> None:
     try:
-        from .args import positive_int      # run as a module (the parent), counts are checked here
-    except ImportError:
-        positive_int = int                  # the child another checkout runs by path: the parent checked them
+        from .args import checkout, positive_int     # run as a module (the parent), arguments are checked here
+    except ImportError:                              # the child another checkout runs by path: the parent checked them
+        positive_int, checkout = int, Path
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.read_pages", description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=positive_int, default=2048)
     parser.add_argument("--rounds", type=positive_int, default=5)
-    parser.add_argument("--against", type=Path, help="another checkout to time beside this one")
+    parser.add_argument("--against", type=checkout, help="another checkout to time beside this one")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:

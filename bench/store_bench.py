@@ -87,6 +87,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda asked for, but torch sees no CUDA device")
     torch.set_num_threads(1)   # like numpy's single-threaded copies: compare per-op overhead, not cores
     subjects = {"numpy": Subject("numpy", "cpu", args.precision), "torch": Subject("torch", args.device, args.precision)}
     times = {(store, op): [] for store in subjects for op in ("fork", "extend", "writable")}

@@ -34,7 +34,7 @@ import numpy as np
 from kvstate.impl import Cache
 from kvstate.spec.layout import Layout
 
-from .args import positive_int
+from .args import positive_int, positive_ints
 
 TINY = Layout(1, 1, 1)
 PAGE = 16
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="trees of 100 and 1,000 entries")
     parser.add_argument("--rounds", type=positive_int)
-    parser.add_argument("--sizes", type=lambda text: tuple(int(n) for n in text.split(",")),
+    parser.add_argument("--sizes", type=positive_ints,
                         help="entries of each tree, comma-separated (default: 1000,10000,100000)")
     args = parser.parse_args(argv)
     result = run(args.quick, args.rounds, args.sizes)

@@ -253,3 +253,19 @@ def test_the_bounded_verdict_names_what_a_missed_insert_pays_per_page():
     lookups_short = {"lookup_speedup": 1.4, "insert_speedup": 1.9, "insert_us_per_freed": 0.1}
     assert speed_verdict(peer, lookups_short, floor) == "1.40 MISSED"
     assert speed_verdict(peer, {"lookup_speedup": 1.6, "insert_speedup": 1.5, "insert_us_per_freed": 0.1}, floor) == "1.50 met"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--out", "/proc/no-such-folder", "fork_copy"], "cannot write results to '/proc/no-such-folder'"),
+    (["kvstate.bench.extend", "--against", "/no/such/checkout"], "is no kvstate checkout"),
+    (["kvstate.bench.tree_scale", "--sizes", "0"], "0 is not at least 1"),
+    (["kvstate.bench.tree_scale", "--sizes", "10,abc"], "'abc' is not a whole number"),
+], ids=["out", "against", "sizes-0", "sizes-abc"])
+def test_bad_bench_arguments_are_one_line_and_exit_2_before_anything_runs(argv, message):
+    """They ran the benchmark, then ended in a traceback (--out), or ended in one (--against, --sizes)."""
+    import subprocess
+    import sys
+    command = [sys.executable, "-m", "kvstate", *argv] if argv[0] == "bench" else [sys.executable, "-m", *argv]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not run.stdout.strip()
