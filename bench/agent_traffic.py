@@ -167,7 +167,17 @@ def run(quick: bool = False, repeat: int | None = None, peer: str | None = None)
     }
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from .run import format_result
 
-    print(format_result(run()))
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.agent_traffic", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
+    print(format_result(run(quick=parser.parse_args(argv).quick)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
