@@ -86,6 +86,10 @@ def main(argv=None) -> None:
     parser.add_argument("--bug", action="append", help="only this bug (planted or zoo); repeatable")
     parser.add_argument("--check", action="append", choices=CHECKS, help="only this check; repeatable")
     args = parser.parse_args(argv)
+    known = {bug for _, bug, *_ in cases()}
+    unknown = sorted(set(args.bug or ()) - known)
+    if unknown:
+        parser.error(f"no planted bug {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
     rows = catch_points(args.examples, args.seeds, args.bug, args.check)
     for engine in RANDOM:
         bugs = [r for r in rows if any(engine in found for found in r["caught"].values())]
