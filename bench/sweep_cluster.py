@@ -154,7 +154,9 @@ def scaling(run_seconds: float, worker_counts: list[int], runs_per_worker: int) 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", type=positive_int, default=36, help="real runs per measurement (default 36)")
+    parser.add_argument("--runs", type=positive_int, default=36,
+                        help="real runs per measurement (default 36), in whole seeds: a multiple of the six "
+                             "standard configurations, at least six")
     parser.add_argument("--steps", type=positive_int, default=400, help="operations per run (default 400)")
     parser.add_argument("--repeats", type=positive_int, default=2, help="measurements of each; the best counts")
     parser.add_argument("--workers", default="1,2,4,8,16", help="worker processes for the simulation")
