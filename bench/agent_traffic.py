@@ -170,12 +170,12 @@ def run(quick: bool = False, repeat: int | None = None, peer: str | None = None)
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from .run import format_result
+    from .run import format_result, timed
 
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.agent_traffic", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
-    print(format_result(run(quick=parser.parse_args(argv).quick)))
+    print(format_result(timed(lambda: run(quick=parser.parse_args(argv).quick))))
     return 0
 
 

@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         serve_rounds(args.serve, args.tokens)
         return 0
-    from .run import format_result
+    from .run import format_result, timed
 
-    print(format_result(run(args.tokens, args.rounds, args.against)))
+    print(format_result(timed(lambda: run(args.tokens, args.rounds, args.against))))
     return 0
 
 

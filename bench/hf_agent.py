@@ -403,14 +403,14 @@ def run(quick: bool = False, full: bool = False, threads: int | None = None, mod
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from kvstate.bench.run import format_result
+    from kvstate.bench.run import format_result, timed
 
     parser = argparse.ArgumentParser(prog="python -m kvstate.bench.hf_agent", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller sizes (a smoke run)")
     parser.add_argument("--full", action="store_true", help="the largest sizes too")
     args = parser.parse_args(argv)
-    print(format_result(run(quick=args.quick, full=args.full)))
+    print(format_result(timed(lambda: run(quick=args.quick, full=args.full))))
     return 0
 
 

@@ -177,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="the small workload: a smoke run, too small to show the effect")
     args = parser.parse_args(argv)
-    from .run import format_result
+    from .run import format_result, timed
 
-    print(format_result(run(args.rounds, args.quick)))
+    print(format_result(timed(lambda: run(args.rounds, args.quick))))
     return 0
 
 

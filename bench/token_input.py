@@ -84,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--page", type=positive_int, default=64, help="page size (default 64)")
     parser.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds, best kept (default 5)")
     args = parser.parse_args(argv)
-    from .run import format_result
+    from .run import format_result, timed
 
-    print(format_result(run(args.quick, args.page, args.rounds)))
+    print(format_result(timed(lambda: run(args.quick, args.page, args.rounds))))
     return 0
 
 
