@@ -584,7 +584,9 @@ def test_a_model_with_another_layer_count_is_refused_before_any_work(layers):
     assert len(cache.context) == 0 and cache.get_seq_length() == 0
 
 
-def test_generate_refuses_a_prompt_the_cache_does_not_begin(llama):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
+def test_generate_refuses_a_prompt_the_cache_does_not_begin(llama, chunk):
+    """Checked before anything is computed; in a chunked prefill, once for the whole prompt."""
     model = llama
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     first = ids(9, 31)
@@ -592,12 +594,12 @@ def test_generate_refuses_a_prompt_the_cache_does_not_begin(llama):
     prompt = first.clone()
     prompt[0, 5] = (prompt[0, 5] % (VOCAB - 1)) + 1      # another token at position 5
     prompt = torch.cat([prompt, ids(3, 32)], dim=1)
+    args = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, prefill_chunk_size=chunk)
     with torch.no_grad(), pytest.raises(TokenError, match="position 5"):
-        model.generate(prompt, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        model.generate(prompt, cache=cache, **args)
     assert cache.tokens == first[0].tolist()              # nothing was added
     with torch.no_grad():                                 # the true continuation still runs
-        model.generate(torch.cat([first, ids(3, 32)], dim=1), cache=cache, max_new_tokens=2, do_sample=False,
-                       pad_token_id=0)
+        model.generate(torch.cat([first, ids(3, 32)], dim=1), cache=cache, **args)
     assert len(cache.tokens) == 9 + 3 + 1
 
 
@@ -805,19 +807,6 @@ def test_chunked_prefill_equals_dynamic_cache(llama, resume):
             prompt = torch.cat([prompt[:, :5], torch.tensor([ours.tokens[5:]]), prompt[:, 5:]], dim=1)
         assert torch.equal(model.generate(prompt, cache=ours, **args), model.generate(prompt, cache=theirs, **args))
     assert ours.tokens == prompt[0].tolist() + ours.tokens[prompt.shape[1]:]
-
-
-def test_chunked_prefill_refuses_a_prompt_the_cache_does_not_begin(llama):
-    model = llama
-    cache = hf.KVStateCache.for_model(model, page_tokens=4)
-    held = ids(6, 42)
-    run(model, cache, [held])
-    other = held.clone()
-    other[0, 2] = (other[0, 2] % (VOCAB - 1)) + 1
-    with torch.no_grad(), pytest.raises(TokenError, match="position 2"):
-        model.generate(torch.cat([other, ids(9, 43)], dim=1), cache=cache, max_new_tokens=2, do_sample=False,
-                       pad_token_id=0, prefill_chunk_size=4)
-    assert cache.tokens == held[0].tolist()               # refused before the first chunk
 
 
 @pytest.mark.parametrize("arena_pages", [0, 8])
