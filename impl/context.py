@@ -213,9 +213,15 @@ class Context:
             use = self._use
             if use and use != get_ident():
                 self._refuse_use()
-            page = self._pages[index]
+            at = _position(index)
+            if at is None or not 0 <= at < len(self._pages):      # a negative index kept every old page
+                raise PositionError(f"page index {index!r} is outside context {self.context_id}'s "
+                                    f"{len(self._pages)} pages")
+            index, page = at, self._pages[at]
             if page.refcount == 1:
                 return page
+            if not use:     # a direct call: no operation around it has made room for its copy
+                self._cache.pool.make_room(1)
             private = self._cache.pool.clone(page)
             self._cache.pool.release(page)
             holding = self._holding
@@ -394,7 +400,8 @@ class Context:
             write_snapshot(self, target, self._cache.remote_deadline(deadline_s))
 
     def close(self) -> None:
-        """Release every page. Any later use raises ``ContextClosedError``."""
+        """Release every page. Any later use raises ``ContextClosedError``; ``len()`` (which takes no
+        lock) reads 0, as the protocol leaves it free to."""
         cache = self._cache
         with cache.lock:        # all of it under the cache lock, as in ``fork``: no busy flag to set
             if self._use:

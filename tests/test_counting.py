@@ -113,3 +113,35 @@ def test_arena_falls_back_to_heap_when_full_and_counts_it():
     ctx.close()
     assert cache.stats()["arena_returned"] == 2
     assert len(cache.observe().arena_free) == 2
+
+
+@pytest.mark.parametrize("index", [-1, 2, 1.0, True, "0"])
+def test_a_direct_writable_of_no_page_is_refused_and_changes_nothing(index):
+    """``writable`` is public: ``writable(-1)`` kept every old page beside the copy (the page list
+    doubled, refcounts broke, close failed)."""
+    from kvstate.spec.errors import PositionError
+    cache = make_cache(PAGE)
+    ctx = filled(cache, 2 * PAGE)
+    branch = ctx.fork()
+    before = cache.observe()
+    with pytest.raises(PositionError, match="page index"):
+        ctx.writable(index)
+    assert cache.observe() == before and len(ctx._pages) == 2
+    assert ctx.writable(1) is not branch._pages[1]          # a page that exists: copied, as ever
+    for c in (ctx, branch):
+        c.close()
+    assert cache.stats()["live_pages"] == 0
+
+
+def test_a_direct_writable_asks_the_pool_for_room_for_its_copy():
+    """Called by itself, no operation around it made room: on a full refusing pool it refuses."""
+    from kvstate.spec.errors import CapacityError
+    cache = make_cache(PAGE, pool_pages=2, on_full="refuse")
+    ctx = filled(cache, 2 * PAGE)
+    branch = ctx.fork()
+    before = cache.observe()
+    with pytest.raises(CapacityError):
+        ctx.writable(0)
+    assert cache.observe() == before
+    branch.close()
+    assert ctx.writable(0) is ctx._pages[0]                 # private now: nothing to copy, nothing asked
