@@ -123,7 +123,8 @@ class Worker:
     ``MAX_STUCK_CALLS`` abandoned calls still wait, a new operation's first call fails at once,
     sending nothing; the calls of one under way (its reads, its publishing call, its clean-up) go
     on. A stuck worker counts as one abandoned call until its queue is done, not only until the
-    call that overran returns: clean-up queued behind it with ``later`` may hang on the same server."""
+    call that overran returns: clean-up queued behind it with ``later`` may hang on the same server.
+    (Clean-up queued after that call has already returned runs uncounted: by then the server answered.)"""
 
     def __init__(self, deadline: Deadline, doing: str):
         self.deadline, self.doing = deadline, doing

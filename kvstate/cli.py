@@ -245,7 +245,9 @@ def _sweep(args: argparse.Namespace) -> int:
     except KeyboardInterrupt as stop:
         out = args.out or out_default
         how = "terminated" if isinstance(stop, S.Terminated) else "interrupted"
-        print(f"\nkvstate sweep: {how}; partial report in {Path(out) / 'report.json'}; "
+        written = S.report_paths(Path(out))[0]
+        where = f"partial report in {written}" if written.is_file() else "no report written"
+        print(f"\nkvstate sweep: {how}; {where}; "
               f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
               f"{backend_option(args.backend) if args.backend else ''}",
               file=sys.stderr)
@@ -253,7 +255,7 @@ def _sweep(args: argparse.Namespace) -> int:
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
         print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 2
-    json_path, junit_path = S.report_paths(Path(args.out))      # the sweep wrote them, its folder still locked
+    json_path, junit_path = S.report_paths(Path(args.out))      # the sweep wrote them before it let the folder go
     print(S.format_summary(report))
     print(f"reports: {json_path}, {junit_path}")
     if report.failures:

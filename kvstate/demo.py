@@ -104,8 +104,9 @@ class Demo:
         _, rest_s = timed(lambda: self.model.prefill(ctx, request[matched:]))
         self.out(f"   match found {matched} of {len(request)} tokens; prefilled only {len(request) - matched} "
                  f"({rest_s * 1e3:.0f} ms; the {history} took {full_s * 1e3:.0f} ms)")
-        # what the hit skipped is the matched tokens' prefill, timed above; the turn's own prefill
-        # happens either way (taking one from the other made a single noisy sample go negative)
+        # what the hit skipped is the history's prefill, timed above (the match is the whole history);
+        # the turn's own prefill happens either way (taking one from the other made a single noisy
+        # sample go negative)
         self.report(before, shared=matched // PAGE, not_prefilled=matched, saved_s=full_s)
         ctx.close()
 

@@ -318,13 +318,11 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     lockstep = None
     with Deadline(time_limit) as deadline:
         try:
-            failure, lockstep = spaced_checks(factory, replay.config, replay.ops, show, schedule)
+            failure, lockstep = spaced_checks(_building(factory), replay.config, replay.ops, show, schedule)
         except RunTimeout:
             failure = None
-        except ReplayFileError:         # the file's own fault (an operation naming what the run lacks)
-            raise
-        except FINDINGS as error:       # the factory failed to build the cache: a finding, as in a sweep
-            failure = _failure(0, "build", None, error)
+        except _BuildFailed as failed:      # the factory failed to build the cache: a finding, as in a sweep
+            failure = _failure(0, "build", None, failed.error)
     if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):
         raise RunTimeout(f"the replay did not finish within {time_limit:g} s (--time-limit)")
     if failure is None:
@@ -342,6 +340,25 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     for line in describe_pages(lockstep):
         out(line)
     return failure
+
+
+class _BuildFailed(Exception):
+    """The factory raised (or exited) while building a replay's cache: ``error``, a finding."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(repr(error))
+        self.error = error
+
+
+def _building(factory: Factory) -> Factory:
+    """``factory``, whose failures to build a cache come out as ``_BuildFailed``: told apart from
+    whatever else may raise around a replay's steps (the file's faults, a hook's bugs)."""
+    def build(config: Config):
+        try:
+            return factory(config)
+        except FINDINGS as error:
+            raise _BuildFailed(error) from error
+    return build
 
 
 def describe(lockstep: Lockstep) -> list[str]:

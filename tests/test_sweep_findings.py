@@ -186,19 +186,61 @@ def test_a_sigterm_stops_a_sweep_as_ctrl_c_does_and_no_earlier_report_survives(t
     assert 'tests="3"' in (tmp_path / "out" / "junit.xml").read_text()
 
 
+HOLDER = """
+import sys
+from pathlib import Path
+from kvstate.stateful.sweeps import sweep as S
+with S._only_sweep_in(Path(sys.argv[1])):
+    print("held", flush=True)
+    sys.stdin.read()
+"""
+
+
 def test_a_sweep_refused_in_a_busy_folder_changes_nothing_there(tmp_path, capsys):
     """Two sweeps on one folder interleaved their journal lines: the second is refused at once."""
-    from kvstate.stateful.sweeps import sweep as S
+    import subprocess
+    import sys
     backend = _backend(tmp_path)
     status, _ = _sweep(tmp_path, backend, "--workers", "1")
     out = tmp_path / "out"
     before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
-    with S._only_sweep_in(out):          # another sweep holds it
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)      # another sweep, in another process
+    try:
+        assert holder.stdout.readline().strip() == "held"
         capsys.readouterr()
         assert main(["sweep", "--resume", str(out), "--backend", backend]) == 2
         assert main(["sweep", "--seeds", "2", "--backend", backend, "--out", str(out)]) == 2
         assert capsys.readouterr().err.count("another sweep is running in") == 2
+    finally:
+        holder.communicate("", timeout=30)
     assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+    assert main(["sweep", "--resume", str(out), "--backend", backend]) == 0      # let go with its process
+
+
+def test_a_forked_worker_does_not_hold_the_folder_after_its_sweep(tmp_path):
+    """A pool's workers are forked while the sweep holds its folder, and outlive a sweep killed with
+    SIGKILL: an ``flock`` they inherited kept the folder locked, and every ``--resume`` was refused."""
+    import os
+    import subprocess
+    import sys
+
+    from kvstate.stateful.sweeps import sweep as S
+    read_end, write_end = os.pipe()
+    with S._only_sweep_in(tmp_path):
+        worker = os.fork()
+        if worker == 0:                      # the orphan-to-be: it holds every descriptor it inherited
+            os.close(write_end)
+            os.read(read_end, 1)
+            os._exit(0)
+    os.close(read_end)
+    try:                                     # the sweep is gone, its worker is not: another sweep may start
+        other = subprocess.run([sys.executable, "-c", HOLDER, str(tmp_path)], input="", capture_output=True,
+                               text=True, timeout=60)
+        assert other.returncode == 0 and other.stdout.strip() == "held", other.stderr
+    finally:
+        os.close(write_end)
+        os.waitpid(worker, 0)
 
 
 def test_a_journal_cannot_name_a_file_outside_its_folder(tmp_path):
@@ -235,3 +277,16 @@ def test_a_sweep_of_a_name_at_two_page_sizes_resumes_with_the_command_it_prints(
                  "--out", str(tmp_path / "again")]) == 0
     again = json.loads((tmp_path / "again" / "report.json").read_text())
     assert sorted(again["configs"]) == ["f32-heap-page4", "f32-heap-page8"] and again["runs"] == 2
+
+
+def test_one_page_size_of_a_name_swept_alone_keeps_its_label_and_resumes(tmp_path):
+    """Labelled against the chosen configurations alone, ``--configs f32-heap-page8`` was journaled as
+    ``f32-heap``, which a resume reads as both page sizes (and refused)."""
+    backend = _backend(tmp_path, configs="[_f32.with_(page_tokens=4), _f32.with_(page_tokens=8)]")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--configs", "f32-heap-page8")
+    assert status == 0 and report["configs"] == ["f32-heap-page8"] and report["runs"] == 3
+    out = tmp_path / "out"
+    lines = (out / "runs.jsonl").read_text().splitlines(keepends=True)
+    (out / "runs.jsonl").write_text("".join(lines[:-1]))
+    assert main(["sweep", "--resume", str(out), "--backend", backend]) == 0
+    assert json.loads((out / "report.json").read_text())["runs_resumed"] == 2

@@ -20,6 +20,7 @@ folder the user ran the command in.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -46,7 +47,7 @@ from kvstate.spec.protocol import Config
 from . import journal as J
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
-from ..configs import configs_named, page_sizes
+from ..configs import configs_for, configs_named, page_sizes
 from ..replay import FINDINGS, as_pytest, load
 from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
                    save_replay, shrink_result, to_shrink)
@@ -182,8 +183,8 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     ``out_dir`` before the error propagates.
     """
     seeds, out_dir = list(seeds), Path(out_dir)
-    factory_for(backend)        # a bad backend path fails here, before any pool starts
-    by_name = config_labels(configs)
+    declared = configs_for(factory_for(backend))     # a bad backend path fails here, before any pool starts
+    by_name = config_labels(configs, declared)
     plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend),
                   None if executor is not None else workers)
     with _only_sweep_in(out_dir):
@@ -199,8 +200,6 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
     backend, steps, seeds = plan.backend, plan.steps, list(plan.seeds)
     label_of = {config: label for label, config in by_name.items()}
     runs, shrunk, log = _open_journal(out_dir, plan, resume)
-    for name in REPORTS:        # an earlier sweep's: stale from now on, whatever stops this one
-        (out_dir / name).unlink(missing_ok=True)
     resumed = len(runs)
     order = [(label, seed) for label in by_name for seed in seeds]
     todo = [(backend, by_name[name], seed, steps, run_timeout) for name, seed in order if (name, seed) not in runs]
@@ -208,8 +207,6 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
              if progress is not None else None)
     started = time.perf_counter()
     pool = executor
-    if pool is None and workers > 1:
-        pool = ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
     completed = False
 
     def report(partial: bool) -> SweepReport:
@@ -220,7 +217,13 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         return SweepReport(backend, steps, seeds, list(by_name), workers, plan.shard,
                            time.perf_counter() - started, results, scheduler, partial, resumed)
 
+    # From the old reports' removal to the new ones written, an interrupt or SIGTERM (``Terminated``)
+    # anywhere leaves the partial report the handlers below write, never none.
     try:
+        for name in REPORTS:        # an earlier sweep's: stale from now on, whatever stops this one
+            (out_dir / name).unlink(missing_ok=True)
+        if pool is None and workers > 1:
+            pool = ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
         for job, result in _map(pool, run_seed, todo, window):
             if isinstance(result, FINDINGS):
                 result = crashed(job[1], job[2], steps, result, page_sizes(factory_for(backend), job[1]))
@@ -242,6 +245,8 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             shrunk[(result.config, result.seed)] = result
             log.record_shrunk(result_to_json(result))
         completed = True
+        final = report(partial=False)
+        write_reports(final, out_dir)
     except ClusterLostError:
         if meter:
             meter.close()
@@ -259,16 +264,15 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         log.close()
         if executor is None and pool is not None:
             pool.shutdown(wait=completed, cancel_futures=True)
-    final = report(partial=False)
-    write_reports(final, out_dir)
     return final
 
 
-def config_labels(configs: Sequence[Config]) -> dict[str, Config]:
+def config_labels(configs: Sequence[Config], declared: Sequence[Config] = ()) -> dict[str, Config]:
     """Each configuration under the label its runs, journal lines and replay files carry: its name,
-    or, where a backend declares one name at several page sizes (``configs_named`` gives them all),
-    the name and ``-pageN``, so that no two are run, counted or saved as one."""
-    names = [c.name for c in configs]
+    or, where the backend declares one name at several page sizes (``declared``: all it declares;
+    ``configs_named`` gives them all), the name and ``-pageN``, so that no two are run, counted or
+    saved as one, and one of them swept alone keeps the label its ``--resume`` names."""
+    names = [c.name for c in dict.fromkeys([*declared, *configs])]
     return {(c.name if names.count(c.name) == 1 else f"{c.name}-page{c.page_tokens}"): c for c in configs}
 
 
@@ -291,14 +295,18 @@ LOCK = ".sweep.lock"
 def _only_sweep_in(out_dir: Path) -> Iterator[None]:
     """``out_dir`` held by this sweep alone while it runs: a second sweep or resume there (another
     process, another terminal) is refused at once, naming the folder. Two writers interleaved
-    their journal lines and lost each other's runs. The lock (``flock`` on ``OUT/.sweep.lock``)
-    goes with the process, however it ends; where ``fcntl`` is missing (Windows) there is none."""
+    their journal lines and lost each other's runs. The lock is a POSIX record lock (``lockf`` on
+    ``OUT/.sweep.lock``): it goes with the process, however it ends, and a pool's forked workers do
+    not inherit it (an ``flock`` they shared outlived a killed sweep in its orphaned workers). Where
+    ``fcntl`` is missing (Windows) there is none."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / LOCK, "a") as lock:
         if fcntl is not None:
             try:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+                fcntl.lockf(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                if error.errno not in (errno.EACCES, errno.EAGAIN):
+                    raise
                 raise SweepError(f"another sweep is running in {out_dir} (it holds {out_dir / LOCK}): wait for "
                                  "it to end, or pick another --out") from None
         yield
@@ -373,8 +381,8 @@ def terminated_as_interrupt() -> Iterator[None]:
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    finally:        # None: a handler installed from C, which Python cannot put back; the default instead
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
@@ -521,9 +529,19 @@ def write_reports(report: SweepReport, out_dir: Path) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, junit_path = report_paths(out_dir)
-    json_path.write_text(json.dumps(to_json(report), indent=2) + "\n")
-    to_junit(report).write(junit_path, encoding="unicode", xml_declaration=True)
+    # each whole or not at all (written aside, then renamed over): an interrupt mid-write leaves no half file
+    _write_whole(json_path, lambda path: path.write_text(json.dumps(to_json(report), indent=2) + "\n"))
+    _write_whole(junit_path, lambda path: to_junit(report).write(path, encoding="unicode", xml_declaration=True))
     return json_path, junit_path
+
+
+def _write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    aside = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(aside)
+        os.replace(aside, path)
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 def failure_notes(report: SweepReport) -> str:
