@@ -30,4 +30,4 @@ def test_quick_run_extends_every_new_token_beside_at_one_token_pages():
     queries = page_churn.workload("divergent", **page_churn.QUICK)
     assert result["pages_made_beside"] == sum(map(len, queries)) - matched     # one page per new token
     assert rows[page_churn.PAGE_1]["lookup_share"] == 1 and rows[page_churn.PAGE_64]["retain_share"] == 0
-    assert result["command"] == "python -m kvstate.bench.page_churn --quick"
+    assert result["command"] == "python -m kvstate.bench.page_churn --rounds 1 --quick"     # the rounds it ran

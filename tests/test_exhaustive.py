@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from contextlib import contextmanager
 from dataclasses import replace
+from threading import get_ident
 
 import pytest
 
@@ -284,7 +285,11 @@ def _copy_before_asking(original):
         with self._cache.lock:
             index, offset = divmod(len(self), self.page_tokens)
             if offset and self._pages[index].refcount > 1:
-                self.writable(index)        # the bug: copied before the pool was asked
+                self._use = get_ident()     # as inside extend's own call, which a direct call is not
+                try:
+                    self.writable(index)    # the bug: copied before the pool was asked
+                finally:
+                    self._use = 0
         return original(self, tokens, kv)
     return extend
 
