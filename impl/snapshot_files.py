@@ -32,12 +32,16 @@ def write_atomic(path: str, fill: Callable) -> None:
     """Replace ``path`` with what ``fill(file)`` writes: temp file, fsync, rename, fsync of the folder.
 
     On any failure the temporary file is removed, whatever was at ``path`` is
-    untouched, and ``SnapshotWriteError`` says what failed. The temporary file is
-    created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path``
-    rather than following it. The writer holds an exclusive ``flock`` on its
-    temporary file while writing, so ``clean_stale_partials`` (run first) never
-    removes a live writer's file, only those of writers that died.
+    untouched, and ``SnapshotWriteError`` says what failed; the one exception is the folder's
+    sync after the rename, whose failure says that the new file is in place. The temporary file
+    is created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path`` rather than
+    following it. Anything at ``path`` other than a regular file or a symlink (a FIFO, a device
+    such as ``/dev/null``, a socket) is refused, before anything is written: a rename would put a
+    file in its place. The writer holds an exclusive ``flock`` on its temporary file while
+    writing, so ``clean_stale_partials`` (run first) never removes a live writer's file, only
+    those of writers that died.
     """
+    _refuse_special(path)
     folder = os.path.dirname(os.path.abspath(path))
     prefix = fmt.TEMP_PREFIX + os.path.basename(path) + "."
     clean_stale_partials(folder, prefix)
@@ -65,6 +69,20 @@ def write_atomic(path: str, fill: Callable) -> None:
         fsync_folder(folder)
     except OSError as error:
         raise SnapshotWriteError(f"snapshot {path!r} was written but its folder could not be synced: {error}") from error
+
+
+def _refuse_special(path: str) -> None:
+    """``SnapshotWriteError`` if ``path`` is something a snapshot must not replace (not a regular file,
+    a symlink or nothing). A folder is left to ``os.replace``, which refuses it by name."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (OSError, ValueError):       # nothing there (or a name the write itself will refuse)
+        return
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
+        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+        raise SnapshotWriteError(f"{path!r} is {kind}, not a regular file: a snapshot would replace it; "
+                                 "write to a file's path, or pass an open binary stream")
 
 
 def hold_partial(fd: int) -> int:

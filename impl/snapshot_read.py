@@ -5,6 +5,7 @@ size checks, the cost bound (``max_bytes``), and a body read whole with its chec
 from __future__ import annotations
 
 import io
+import math
 import os
 import queue
 import stat
@@ -64,10 +65,16 @@ def _file_kind(mode: int) -> str:
 
 def restore_cost(cache: "Cache", header: fmt.Header) -> int:
     """Bytes a restore of ``header``'s file allocates at its peak: the body read whole, and the pages
-    it fills (their stored bytes, token ids and per-page objects)."""
+    it fills (their stored bytes, token ids and per-page objects); into another precision also the
+    values decoded to float32 and their encoding at the cache's precision (``_adopt_body``), which
+    live beside the body until the pages are written."""
     pages = pages_needed(header.positions, cache.page_tokens)
     page_bytes = getattr(cache.store, "page_bytes", 0) + cache.page_tokens * 8 + tuning.PAGE_OVERHEAD_BYTES
-    return header.body_bytes + pages * page_bytes
+    cost = header.body_bytes + pages * page_bytes
+    if header.precision != cache.precision:
+        numbers = header.positions * math.prod(header.layout.position_shape)
+        cost += numbers * tuning.CONVERSION_BYTES[cache.precision]
+    return cost
 
 
 def cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | None":
@@ -95,7 +102,7 @@ def read_snapshot(file, layout, size: int | None,
     streams); otherwise the body is read in bounded chunks so a lying header
     cannot make the reader allocate more than the stream really holds. ``limit(header)``
     raises when the restore would cost more than its caller allows: checked after the real
-    size, before the body is allocated (for a stream of unknown size, once its body is read).
+    size (where known), before the body is allocated or read, for streams of unknown size too.
     """
     header = read_header(file, layout, size, limit)
     return read_body(file, header, size, limit)
@@ -113,8 +120,8 @@ def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], N
                 f"file holds {size} bytes; its header declares {total} ({header.positions} positions)")
         if size > total:
             raise SnapshotCorruptError(f"{size - total} unexpected bytes after the body, from offset {total}")
-        if limit is not None:
-            limit(header)
+    if limit is not None:       # what the restore would take depends on the header alone, whatever the size
+        limit(header)
     return header
 
 
@@ -147,8 +154,6 @@ def read_body(file, header: fmt.Header, size: int | None,
                 body += chunk
         if checked_read(file, 1):
             raise SnapshotCorruptError(f"unexpected bytes after the body, from offset {total}")
-    if size is None and limit is not None:
-        limit(header)      # a stream of unknown size: its body is what it really held; the pages are next
     return header, memoryview(body), crc
 
 

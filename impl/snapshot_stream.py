@@ -67,17 +67,22 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
 def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) -> "Context":
     """Pages made of ``prepared``'s filled arrays (``store.adopting``) for ``n`` validated positions,
     as a new context, in one critical section: the full-pool policy is consulted first, as for any
-    allocation, and nothing else can be refused."""
+    allocation, and nothing else can be refused. The context holds the pages from the moment they
+    are made: an interrupt while their token ids go in closes it (no caller holds it yet)."""
     page_tokens = cache.page_tokens
     with cache.lock:
         with cache.store.adopting(prepared):
             pages = cache.pool.new_pages(pages_needed(n, page_tokens))
-        for index, page in enumerate(pages):
-            lo, hi = span_in_page(index, 0, n, page_tokens)
-            page.tokens[lo:hi] = tokens[index * page_tokens:index * page_tokens + hi - lo]
-            page.filled = hi
         ctx = cache._new_context(pages, 0)
-        ctx._holding = ctx._holding.with_length(n)
+        try:
+            for index, page in enumerate(pages):
+                lo, hi = span_in_page(index, 0, n, page_tokens)
+                page.tokens[lo:hi] = tokens[index * page_tokens:index * page_tokens + hi - lo]
+                page.filled = hi
+            ctx._holding = ctx._holding.with_length(n)
+        except BaseException:
+            ctx.close()
+            raise
     return ctx
 
 

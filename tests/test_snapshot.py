@@ -191,7 +191,8 @@ def test_huge_declarations_are_refused_without_allocating():
         # At the limit, the header is legal and declares ~10^18 bytes: the real size refuses it.
         with pytest.raises(SnapshotTruncatedError, match="declares"):
             cache.restore(io.BytesIO(signed_header("f32", big, fmt.MAX_POSITIONS)))
-        with pytest.raises(SnapshotTruncatedError, match="stream ended"):
+        # A stream of unknown size: refused by what its header declares, before its body is read.
+        with pytest.raises(SnapshotTooLargeError, match="above max_bytes"):
             cache.restore(Pipe(signed_header("f32", big, fmt.MAX_POSITIONS) + b"\x00" * 1000))
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -378,3 +379,101 @@ def test_threaded_checksum_refuses_damage_and_stops_its_worker(threaded_checksum
     assert cache.stats() == before
     assert threading.active_count() == threads
     assert True in threaded_checksum
+
+
+# -- found by an audit of local snapshots ----------------------------------------------------------
+
+@pytest.mark.parametrize("source", PRECISIONS)
+@pytest.mark.parametrize("target", PRECISIONS)
+def test_max_bytes_bounds_a_restore_into_any_precision(source, target):
+    """``max_bytes`` at exactly the estimated cost lets the restore through, and the restore allocates
+    no more than it: the float32 decoding and the new encoding of another precision are counted
+    (they took up to 5.9 times the estimate)."""
+    import tracemalloc
+
+    from kvstate.impl.snapshot_read import restore_cost
+    layout = Layout(layers=2, kv_heads=4, head_dim=64)
+    cache, ctx, _ = filled(source, page_tokens=16, n=256, layout=layout)
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    data = stream.getvalue()
+    into = Cache(layout, page_tokens=16, precision=target)
+    cost = restore_cost(into, fmt.parse_header(data[:fmt.HEADER_SIZE]))
+    with pytest.raises(SnapshotTooLargeError):
+        into.restore(io.BytesIO(data), max_bytes=cost - 1)
+    tracemalloc.start()
+    try:
+        restored = into.restore(io.BytesIO(data), max_bytes=cost)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(restored) == 256 and peak <= cost, (peak, cost)
+
+
+def test_max_bytes_refuses_a_stream_of_unknown_size_before_reading_its_body():
+    class Counted:
+        def __init__(self, data):
+            self.inner, self.read_bytes = io.BytesIO(data), 0
+
+        def read(self, n=-1):
+            chunk = self.inner.read(n)
+            self.read_bytes += len(chunk)
+            return chunk
+
+    cache, ctx, _ = filled("f32", n=64)
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    source = Counted(stream.getvalue())
+    before = state_of(cache)
+    with pytest.raises(SnapshotTooLargeError, match="above max_bytes=1000"):
+        cache.restore(source, max_bytes=1000)
+    assert source.read_bytes == fmt.HEADER_SIZE and state_of(cache) == before
+
+
+@pytest.mark.parametrize("kind", ["fifo", "socket"])
+def test_a_snapshot_never_replaces_a_special_file(tmp_path, kind):
+    """A rename would have put a regular file where a FIFO, a socket or a device was (as root, the
+    audit's first try replaced /dev/null); refused by name, the special file left as it was."""
+    import socket
+    import stat
+    path = tmp_path / kind
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+    cache, ctx, _ = filled("f32")
+    with pytest.raises(SnapshotWriteError, match="not a regular file"):
+        ctx.snapshot(path)
+    mode = os.lstat(path).st_mode
+    assert (stat.S_ISFIFO(mode) if kind == "fifo" else stat.S_ISSOCK(mode))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kind]          # no temporary left either
+
+
+@pytest.mark.parametrize("how", ["own precision, from a file", "another precision"])
+def test_an_interrupt_while_a_restore_fills_its_pages_leaves_no_context(monkeypatch, tmp_path, how):
+    """The restore's pages are held by a context no caller has yet: an interrupt while they are
+    filled (a file's token ids going in; another precision's values being written) closed nothing,
+    and the pages stayed held by a context nobody could reach."""
+    import sys
+    from kvstate.impl import context as context_module
+    from kvstate.impl import snapshot_stream
+    cache, ctx, _ = filled("f16")
+    path = tmp_path / "ctx.kvs"
+    ctx.snapshot(path)
+    into = Cache(LAYOUT, page_tokens=4, precision="f16" if how.startswith("own") else "f32")
+    if how.startswith("own"):       # the streamed restore: interrupted once its pages exist
+        real = snapshot_stream.span_in_page
+
+        def span_in_page(*args):
+            if sys._getframe(1).f_code.co_name == "_adopt_prepared":
+                raise KeyboardInterrupt
+            return real(*args)
+        monkeypatch.setattr(snapshot_stream, "span_in_page", span_in_page)
+    else:
+        def interrupted(*args, **kwargs):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(context_module.Context, "_write", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        into.restore(path)
+    assert into.observe().holders == {} and into.stats()["live_pages"] == 0
