@@ -380,8 +380,11 @@ class Lockstep:
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched:
+                    pool = ("; or its pool evicted the entry to make room where the reference's had room (pages "
+                            "held past their use: a close, truncate or release that kept some)"
+                            if "evict" in self.config.on_full and engine_matched < ref_matched else "")
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
-                                                f"the reference's {ref_matched}")
+                                                f"the reference's {ref_matched}{pool}")
                 values, tokens = engine_hit.read()
                 try:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},

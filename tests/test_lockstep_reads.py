@@ -110,3 +110,19 @@ def test_a_write_no_observation_shows_is_caught_before_the_run_ends(monkeypatch)
     with pytest.raises(InvariantViolation) as failed:
         run.finish()
     assert failed.value.invariant == 4 and "c1 position" in str(failed.value)
+
+
+@pytest.mark.parametrize("on_full, hinted", [("evict", True), ("fallback", False)])
+def test_a_black_box_entry_missing_from_an_evicting_pool_names_the_pool_as_a_cause(on_full, hinted):
+    """Without the tree tier an entry is probed through match: a hit shorter than the reference's, in
+    a pool that evicts for room, may be an eviction forced by pages the engine held past their use
+    (an audit's truncate that kept its pages was reported as an entry, recency or content fault)."""
+    config = config_named("f32-arena6").with_(on_full=on_full)
+    run = Lockstep(numpy_factory, config)
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, (1, 2, 3), seed=1))
+    run.apply(O.Retain(handle))
+    run.engine.match = lambda tokens: (run.engine.allocate(), 0)      # as if the entry were evicted
+    with pytest.raises(InvariantViolation, match="invariant 5") as caught:
+        run._probe_entries()
+    assert ("its pool evicted the entry" in str(caught.value)) == hinted
