@@ -35,9 +35,10 @@ def write_atomic(path: str, fill: Callable) -> None:
     untouched, and ``SnapshotWriteError`` says what failed; the one exception is the folder's
     sync after the rename, whose failure says that the new file is in place. The temporary file
     is created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path`` rather than
-    following it. Anything at ``path`` other than a regular file or a symlink (a FIFO, a device
-    such as ``/dev/null``, a socket) is refused, before anything is written: a rename would put a
-    file in its place. The writer holds an exclusive ``flock`` on its temporary file while
+    following it. A FIFO, a device such as ``/dev/null`` or a socket at ``path`` is refused, before
+    anything is written and again just before the rename (one made in between the two checks and
+    the rename is still replaced: the check cannot be atomic with it); a rename would put a file in
+    its place. A folder at ``path`` is refused by the rename itself. The writer holds an exclusive ``flock`` on its temporary file while
     writing, so ``clean_stale_partials`` (run first) never removes a live writer's file, only
     those of writers that died.
     """
@@ -55,6 +56,7 @@ def write_atomic(path: str, fill: Callable) -> None:
             fill(file)
             file.flush()
             os.fsync(file.fileno())
+            _refuse_special(path)       # again: one made while the body was written (a window remains)
             os.replace(temp, path)      # still open, so still locked: no cleaner can take it first
     except BaseException as error:
         try:

@@ -73,7 +73,8 @@ def restore_cost(cache: "Cache", header: fmt.Header) -> int:
     cost = header.body_bytes + pages * page_bytes
     if header.precision != cache.precision:
         numbers = header.positions * math.prod(header.layout.position_shape)
-        cost += numbers * tuning.CONVERSION_BYTES[cache.precision]
+        per_number = getattr(cache.store, "conversion_bytes", tuning.CONVERSION_BYTES)
+        cost += numbers * per_number[cache.precision]
     return cost
 
 
@@ -105,7 +106,7 @@ def read_snapshot(file, layout, size: int | None,
     size (where known), before the body is allocated or read, for streams of unknown size too.
     """
     header = read_header(file, layout, size, limit)
-    return read_body(file, header, size, limit)
+    return read_body(file, header, size)
 
 
 def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], None] | None" = None) -> fmt.Header:
@@ -125,8 +126,7 @@ def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], N
     return header
 
 
-def read_body(file, header: fmt.Header, size: int | None,
-               limit: "Callable[[fmt.Header], None] | None" = None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
+def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
     total = fmt.HEADER_SIZE + header.body_bytes
     crc = BodyChecksum(header.version, threaded=size is not None and header.body_bytes >= tuning.THREADED_CRC_BYTES)
     with crc:

@@ -32,8 +32,9 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
 
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
-    fills, ``restore_cost``; default: the machine's physical memory); a file past it is
-    ``SnapshotTooLargeError`` before anything is allocated. Every refusal of the source is
+    fills, and a conversion's arrays from another precision: ``restore_cost``; default: the
+    machine's physical memory); a file past it is ``SnapshotTooLargeError`` before anything is
+    allocated, judged from the header. Every refusal of the source is
     a ``SnapshotError``. ``deadline`` (seconds or a ``Deadline``) bounds a restore from a URL in all
     (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
     """

@@ -69,6 +69,11 @@ staging = StagingPool()
 
 # Bytes each stored number costs a restore into another precision, beside the body and the pages
 # (``snapshot_read.restore_cost``): its float32 decoding and the target encoding's own arrays and
-# temporaries, by target precision. Measured with tracemalloc on the NumPy store, from every other
-# precision: 4.0-4.1, 6.0-6.1 and 15.0 bytes (``tests/test_snapshot.py``).
+# temporaries, by target precision. The NumPy store's, measured with tracemalloc from every other
+# precision: 4.0-4.1, 6.0-6.1 and 15.0 bytes (``tests/test_snapshot.py``). A store may say its own
+# (``conversion_bytes``): the torch store copies the decoded values again and keeps more of its
+# q8 encoding's temporaries alive at once.
 CONVERSION_BYTES = {"f32": 5, "f16": 7, "q8": 16}
+# The torch store's on the CPU, from peak resident memory (4x8x128, 2,048 positions, every pair of
+# precisions, 2026-12-06): up to about 13, 16 and 23 bytes a number.
+TORCH_CONVERSION_BYTES = {"f32": 14, "f16": 16, "q8": 24}

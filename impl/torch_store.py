@@ -28,6 +28,7 @@ from kvstate.spec.layout import Layout
 
 from .arena import SlotArena
 from .memory import check_store_size
+from .snapshot_tuning import TORCH_CONVERSION_BYTES
 from .store import StoreCounters
 
 VALUE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "q8": torch.int8}
@@ -67,6 +68,8 @@ class TorchBuffer:
 
 
 class TorchStore:
+    conversion_bytes = TORCH_CONVERSION_BYTES      # what a restore from another precision costs a number here
+
     def __init__(self, layout: Layout, page_tokens: int, precision: str, arena_pages: int = 0,
                  device: str | torch.device = "cpu"):
         try:
