@@ -31,14 +31,14 @@ STALE_PARTIAL_SECONDS = 10.0    # an unlocked partial file this old has no live 
 def write_atomic(path: str, fill: Callable) -> None:
     """Replace ``path`` with what ``fill(file)`` writes: temp file, fsync, rename, fsync of the folder.
 
-    On any failure the temporary file is removed, whatever was at ``path`` is
-    untouched, and ``SnapshotWriteError`` says what failed; the one exception is the folder's
-    sync after the rename, whose failure says that the new file is in place. The temporary file
-    is created 0600 (``mkstemp``) and ``os.replace`` replaces a symlink at ``path`` rather than
-    following it. A FIFO, a device such as ``/dev/null`` or a socket at ``path`` is refused, before
-    anything is written and again just before the rename (one made in between the two checks and
-    the rename is still replaced: the check cannot be atomic with it); a rename would put a file in
-    its place. A folder at ``path`` is refused by the rename itself. The writer holds an exclusive ``flock`` on its temporary file while
+    On any failure the temporary file is removed, whatever was at ``path`` is untouched, and
+    ``SnapshotWriteError`` says what failed; the one exception is the folder's sync after the
+    rename, whose failure says that the new file is in place. The temporary file is created 0600
+    (``mkstemp``) and ``os.replace`` replaces a symlink at ``path`` rather than following it. A
+    FIFO, a device such as ``/dev/null`` or a socket at ``path`` is refused, before anything is
+    written and again just before the rename (one made in between the second check and the
+    rename is still replaced: the check cannot be atomic with it); a folder at ``path`` is refused
+    by the rename itself. The writer holds an exclusive ``flock`` on its temporary file while
     writing, so ``clean_stale_partials`` (run first) never removes a live writer's file, only
     those of writers that died.
     """
@@ -82,7 +82,8 @@ def _refuse_special(path: str) -> None:
         return
     if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
         kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
-                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode) else "a special file")
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "a special file")
         raise SnapshotWriteError(f"{path!r} is {kind}, not a regular file: a snapshot would replace it; "
                                  "write to a file's path, or pass an open binary stream")
 

@@ -101,7 +101,8 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
     assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
     assert result["ratio"]["extend_speedup"] == there["extend_us"] / here["extend_us"]
     assert set(result["targets"]) == {f"{op}_speedup >= 3x (issue 15, against 9766fa8)" for op in ("match", "retain")}
-    assert result["command"] == f"python -m kvstate.bench.one_token_pages --against {checkout} --rounds 1 --conversations 6"
+    assert result["command"] == (f"python -m kvstate.bench.one_token_pages --against {checkout} --rounds 1 "
+                                 "--conversations 6")
     assert here["pages_freed_per_request"] == there["pages_freed_per_request"] == 0     # the tree keeps every request
 
 

@@ -197,9 +197,10 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
 
 def _stored_pages(cache: Any, only: str | None = None) -> list[tuple[str, list[bytes]]] | None:
     """Each holder's pages as stored, whole (every position, written or not), in the observation's
-    holder order (``only``: that holder's alone, where it is one); None unless the backend reads pages raw: through the protocol's optional
-    ``cache.read_page(page_id)`` (the stored parts of every row), or, built on kvstate's
-    ``PageStore``, through ``cache.store.read_encoded`` of the pages in ``cache.pool.live``."""
+    holder order (``only``: that holder's alone, where it is one); None unless the backend reads
+    pages raw: through the protocol's optional ``cache.read_page(page_id)`` (the stored parts of
+    every row), or, built on kvstate's ``PageStore``, through ``cache.store.read_encoded`` of the
+    pages in ``cache.pool.live``."""
     def held(holders: dict | None) -> dict:
         holders = holders or {}
         return holders if only is None else {only: holders[only]} if only in holders else {}
