@@ -7,14 +7,14 @@ The work of an ``n``-token prefill into an empty context, at GPT-2's shapes, spl
   output head: for every new position, as ``prefill`` returns every position's logits, as
   transformers' forward does; about a third of these products at 2,048 tokens);
 - ``attention``: attention's products, each chunk of queries against every block of keys it sees,
-  queries by keys and then weights by values block by block, summed left to right. Queries by
-  keys is a contraction over a head's 64 numbers however it is grouped, and OpenBLAS runs such
-  products at about half the rate of the weights'. The groupings tried instead were no faster and
-  changed the bits (``bench/RESULTS.md``);
-- ``exp``: NumPy's float32 ``exp``, once per attention score (the masked ones in a chunk's own block
-  included, as the model runs it) and once per GELU input. It is NumPy's
-  cheapest transcendental (its ``tanh`` takes about twice as long), and on this VM's CPU (AVX2, no
-  AVX-512) it takes about 3.9 ns an element, some twenty times a multiply.
+  queries by keys and then weights by values block by block, summed left to right, and between
+  them NumPy's float32 ``exp`` of every score (the masked ones in a chunk's own block included, as
+  the model runs it). Queries by keys is a contraction over a head's 64 numbers however it is
+  grouped, and OpenBLAS runs such products at about half the rate of the weights'. The groupings
+  tried instead were no faster and changed the bits (``bench/RESULTS.md``);
+- ``gelu_exp``: the same ``exp`` once per GELU input. It is NumPy's cheapest transcendental (its
+  ``tanh`` takes about twice as long), and on this VM's CPU (AVX2, no AVX-512) it takes about
+  3.9 ns an element, some twenty times a multiply.
 
 Left out, because a better pass could make them cheaper: the layer norms, the softmax's other
 passes, bias adds and residuals, and the copy of the K/V into pages.
@@ -29,7 +29,7 @@ import numpy as np
 from kvstate.model import numpy_gpt2      # its sizes read at each call, as the model reads them
 from kvstate.model.numpy_gpt2 import GPT2, even_slices, in_row_slices, thread_pool
 
-PARTS = ("weights", "attention", "exp")
+PARTS = ("weights", "attention", "gelu_exp")
 
 
 class PrefillFloor:
@@ -61,7 +61,7 @@ class PrefillFloor:
             in_row_slices(exp_by_rows, self.gelu_inputs, model.threads)
             spent["weights"] += weights_done - start
             spent["attention"] += attention_done - weights_done
-            spent["exp"] += time.perf_counter() - attention_done
+            spent["gelu_exp"] += time.perf_counter() - attention_done
         start = time.perf_counter()
         x @ model.head
         spent["weights"] += time.perf_counter() - start

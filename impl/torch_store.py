@@ -17,6 +17,7 @@ This module is named ``torch`` inside ``kvstate.impl``; absolute imports make
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -43,13 +44,12 @@ def _ordinary(make):
     written by the next turn), so a cache filled under ``inference_mode`` and continued under
     ``no_grad`` failed on its first write. Page memory and its views are therefore always
     ordinary tensors, which may be written in place in either mode."""
+    @functools.wraps(make)
     def outside_inference_mode(*args, **kwargs):
         if not torch.is_inference_mode_enabled():
             return make(*args, **kwargs)
         with torch.inference_mode(False):
             return make(*args, **kwargs)
-    outside_inference_mode.__name__, outside_inference_mode.__doc__ = make.__name__, make.__doc__
-    outside_inference_mode.__wrapped__ = make
     return outside_inference_mode
 _Q8_MAX = float(precisions.Q8_MAX)
 _Q8_SCALE_MAX = float(precisions.Q8_SCALE_MAX)      # exactly representable in float32

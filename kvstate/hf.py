@@ -661,8 +661,13 @@ def _defaults(model, cache_args: dict) -> dict:
     return args
 
 
+def _cache_given(kwargs: dict):
+    """The cache a forward or ``generate`` was handed: ``cache=``, or by its older name ``past_key_values=``."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
 def _feed_hook(module, args, kwargs):
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = _cache_given(kwargs)
     if isinstance(cache, KVStateCache):
         check_model_fits(module._kvstate_layout, cache)
         ids = kwargs.get("input_ids")
@@ -673,7 +678,7 @@ def _feed_hook(module, args, kwargs):
 
 
 def _end_hook(module, args, kwargs, output):
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    cache = _cache_given(kwargs)
     if isinstance(cache, KVStateCache):
         cache.end_forward()
     return None
@@ -706,7 +711,7 @@ def _prefix_checked(prepare):
     continue, or ``generate`` would continue another conversation (it slices off as many prompt ids
     as the cache holds without looking at them)."""
     def checked(input_ids, *args, **kwargs):
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = _cache_given(kwargs)
         if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None \
                 and not cache._prompt_checked:
             cache.check_prefix_of(input_ids, kwargs.get("attention_mask"))
@@ -720,7 +725,7 @@ def _chunks_checked(prefill):
     goes in chunks (``prefill_chunk_size``): each chunk then reaches ``prepare_inputs_for_generation``
     alone, as its "first iteration", and is not a prompt that the cache begins."""
     def checked(input_ids, generation_config, model_kwargs, *args, **kwargs):
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+        cache = _cache_given(model_kwargs)
         first = kwargs.get("is_first_iteration", args[0] if args else True)
         if not (isinstance(cache, KVStateCache) and first and input_ids is not None
                 and getattr(generation_config, "prefill_chunk_size", None) is not None):

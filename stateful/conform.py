@@ -76,6 +76,11 @@ class Outcome:
     def passed(self) -> bool:
         return self.status in ("pass", "n/a", "skipped")
 
+    @classmethod
+    def skipped_after(cls, hung: str) -> "Outcome":
+        """A check not run because ``hung``, an earlier check of its configuration, timed out."""
+        return cls("skipped", 0.0, f"not run: {hung!r} hung in this configuration")
+
 
 Check = Callable[[Factory, Config, Settings], Outcome]
 
@@ -370,7 +375,7 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
         hung = None
         for name in names:
             if hung:        # each later check would most likely wait out its whole limit as well
-                result.outcomes[name] = Outcome("skipped", 0.0, f"not run: {hung!r} hung in this configuration")
+                result.outcomes[name] = Outcome.skipped_after(hung)
             else:
                 result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
                 hung = name if result.outcomes[name].status == "TIMEOUT" else None

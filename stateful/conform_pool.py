@@ -57,8 +57,7 @@ def conform_in_processes(backend: str, configs: list[Config], workers: int, prof
             try:
                 got = future.result().outcomes
             except CancelledError:
-                got = {name: Outcome("skipped", 0.0, f"not run: {hung[index]!r} hung in this configuration")
-                       for name in part}
+                got = {name: Outcome.skipped_after(hung[index]) for name in part}
             except BrokenProcessPool as error:
                 got = {"worker": Outcome("FAIL", 0.0, f"the worker process running this configuration died "
                                                       f"(checks: {', '.join(part)}): {error}")}

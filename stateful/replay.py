@@ -322,7 +322,7 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
         except RunTimeout:
             failure = None
         except _BuildFailed as failed:      # the factory failed to build the cache: a finding, as in a sweep
-            failure = _failure(0, "build", None, failed.error)
+            failure = _failure(0, "build", None, failed.__cause__)
     if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):
         raise RunTimeout(f"the replay did not finish within {time_limit:g} s (--time-limit)")
     if failure is None:
@@ -343,11 +343,7 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
 
 
 class _BuildFailed(Exception):
-    """The factory raised (or exited) while building a replay's cache: ``error``, a finding."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(repr(error))
-        self.error = error
+    """The factory raised (or exited) while building a replay's cache: its ``__cause__``, a finding."""
 
 
 def _building(factory: Factory) -> Factory:
@@ -357,7 +353,7 @@ def _building(factory: Factory) -> Factory:
         try:
             return factory(config)
         except FINDINGS as error:
-            raise _BuildFailed(error) from error
+            raise _BuildFailed() from error
     return build
 
 
