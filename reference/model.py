@@ -6,10 +6,18 @@ linearly, once per declared match semantics (``spec/semantics.py``). Recency use
 a logical clock, so entry sets and eviction order compare exactly.
 
 The page pool (``on_full``) is modelled by counting, not by sharing: every holder
-keeps a list of page *labels*, integers naming the pages an engine would hold. A
-fork copies the labels; a write into a page whose label another holder lists takes
-a fresh label (the copy ``writable`` would make); new pages take fresh labels. Live
-pages are the distinct labels. No value is ever shared.
+keeps a list of page *labels* naming the pages an engine would hold. A fork copies
+the labels; a write into a page whose label another holder lists takes a fresh label
+(the copy ``writable`` would make); new pages take fresh labels. Live pages are the
+distinct labels. No value is ever shared.
+
+A label is a pair, one name per way an engine may share pages (``SHARINGS``): [0] as forks,
+hits and retains share them; [1] as well as that, as an engine keying K/V by prefix shares them
+under ``values="prefix"``: its retain keeps the page an older entry holds for each whole page of
+the key it already has, and the context and the new entry hold that page instead of their own
+(SGLang's insert, which frees the request's slots the tree already held). Under ``values="seeded"``
+the two names always agree. Where the two counts disagree on whether a full pool has room, either
+answer is right, and the reference does what the engine under test did (``check_room``).
 """
 
 from __future__ import annotations
@@ -23,6 +31,10 @@ from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContext
 from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, hit_length
+
+# The two ways a page label names pages (see the module docstring): as forks share them, and as
+# an engine that also shares a retained context's whole pages with an older entry's.
+FORKS, PREFIXES = SHARINGS = (0, 1)
 
 
 def _is_int(value) -> bool:
@@ -45,11 +57,11 @@ def _numbers(kv) -> np.ndarray | None:
 
 
 class RefContext:
-    def __init__(self, cache: "RefCache", values: np.ndarray, tokens: list[int], labels: list[int]):
+    def __init__(self, cache: "RefCache", values: np.ndarray, tokens: list[int], labels: list[tuple[int, int]]):
         self.cache = cache
         self.values = values      # (n, layers, 2, kv_heads, head_dim) float32, as reads return it
         self.token_list = tokens
-        self.labels = labels      # the pages an engine would hold, by label (see the module docstring)
+        self.labels = labels      # the pages an engine would hold, by label pair (see the module docstring)
         self.closed = False
 
     def __len__(self) -> int:
@@ -98,19 +110,23 @@ class RefContext:
 
         def pool():
             if {"tokens", "kv", "positions"} <= ok.keys() and not self.closed:
-                self.cache.check_room(sum(self._pages_to_write(len(self) if start is None else start,
-                                                               count(), extend=start is None)))
+                self.cache.check_room(self._needs(len(self) if start is None else start, count(), start is None))
 
         refuse_with_all(token_ids, dtype_and_shape, self._require_open, positions, values, pool)
         return ok["tokens"], ok["values"]
 
-    def _pages_to_write(self, start: int, n: int, extend: bool) -> tuple[int, int]:
-        """(shared pages the write must copy, new pages it appends) for positions [start, start + n)."""
+    def _needs(self, start: int, n: int, extend: bool) -> list[int]:
+        """The pages a write of positions [start, start + n) takes (its copies and new pages), per sharing."""
+        return [sum(self._pages_to_write(start, n, extend, sharing)) for sharing in SHARINGS]
+
+    def _pages_to_write(self, start: int, n: int, extend: bool, sharing: int) -> tuple[int, int]:
+        """(shared pages the write must copy, new pages it appends) for positions [start, start + n),
+        pages shared as ``sharing`` shares them."""
         if not n:
             return 0, 0
         page_tokens = self.cache.config.page_tokens
         first, end = pages_touched(start, start + n, page_tokens)
-        copies = sum(self.cache.shared(self.labels[i]) for i in range(first, min(end, len(self.labels))))
+        copies = sum(self.cache.shared(self.labels[i], sharing) for i in range(first, min(end, len(self.labels))))
         return copies, (pages_needed(start + n, page_tokens) - len(self.labels) if extend else 0)
 
     def extend(self, tokens, kv) -> None:
@@ -118,8 +134,8 @@ class RefContext:
         if not tokens:
             return
         start, stop = len(self), len(self) + len(tokens)
-        copies, fresh = self._pages_to_write(start, len(tokens), extend=True)
-        self.cache.make_room(copies + fresh)
+        self.cache.make_room(self._needs(start, len(tokens), True))
+        fresh = self._pages_to_write(start, len(tokens), True, FORKS)[1]
         self._relabel(range(*pages_touched(start, stop, self.cache.config.page_tokens)))
         self.labels = self.labels + [self.cache.new_label() for _ in range(fresh)]
         self.values = np.concatenate([self.values, values])
@@ -129,17 +145,20 @@ class RefContext:
         tokens, values = self._checked_write(tokens, kv, start)
         if not tokens:
             return
-        self.cache.make_room(sum(self._pages_to_write(start, len(tokens), extend=False)))
+        self.cache.make_room(self._needs(start, len(tokens), False))
         self._relabel(range(*pages_touched(start, start + len(tokens), self.cache.config.page_tokens)))
         self.values = self.values.copy()
         self.values[start:start + len(tokens)] = values
         self.token_list = self.token_list[:start] + tokens + self.token_list[start + len(tokens):]
 
     def _relabel(self, indexes) -> None:
-        """The copy ``writable`` makes: a page another holder lists gets a label of its own."""
+        """The copy ``writable`` makes: a page another holder lists gets a name of its own, in each
+        sharing where another holder lists it."""
         for i in indexes:
-            if i < len(self.labels) and self.cache.shared(self.labels[i]):
-                self.labels = self.labels[:i] + [self.cache.new_label()] + self.labels[i + 1:]
+            if i < len(self.labels):
+                label = tuple(self.cache.new_label()[sharing] if self.cache.shared(self.labels[i], sharing)
+                              else self.labels[i][sharing] for sharing in SHARINGS)
+                self.labels = self.labels[:i] + [label] + self.labels[i + 1:]
 
     def read(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         stop = len(self) if stop is None else stop
@@ -188,12 +207,16 @@ class RefCache:
         self.entries: list[list] = []    # [key tuple, private RefContext, tick]
         self.clock = 0
         self.labels_issued = 0
+        # Whether the engine under test refused the operation now being checked for a full pool: set by
+        # the lockstep before the reference runs it (None: no engine), read only where either answer is right.
+        self.engine_refused: bool | None = None
 
     # -- page labels: the pool, counted ------------------------------------------------
 
-    def new_label(self) -> int:
+    def new_label(self) -> tuple[int, int]:
+        """A page no holder lists yet, by both names."""
         self.labels_issued += 1
-        return self.labels_issued
+        return self.labels_issued, self.labels_issued
 
     def keys(self) -> list[tuple[int, ...]]:
         """The entries' keys, in the order they were last retained."""
@@ -202,45 +225,54 @@ class RefCache:
     def _holders(self) -> list[RefContext]:
         return self.contexts + [entry[1] for entry in self.entries]
 
-    def holders_of(self, label: int) -> int:
-        return sum(holder.labels.count(label) for holder in self._holders())
+    def holders_of(self, label: tuple[int, int], sharing: int = FORKS) -> int:
+        return sum(1 for holder in self._holders() for mine in holder.labels if mine[sharing] == label[sharing])
 
-    def shared(self, label: int) -> bool:
-        return self.holders_of(label) > 1
+    def shared(self, label: tuple[int, int], sharing: int = FORKS) -> bool:
+        return self.holders_of(label, sharing) > 1
 
-    def live_pages(self) -> int:
-        return len({label for holder in self._holders() for label in holder.labels})
+    def live_pages(self, sharing: int = FORKS) -> int:
+        return _pages(self._holders(), sharing)
 
-    def context_pages(self) -> int:
+    def context_pages(self, sharing: int = FORKS) -> int:
         """Pages that would stay live if every tree entry were evicted: those contexts list."""
-        return len({label for ctx in self.contexts for label in ctx.labels})
+        return _pages(self.contexts, sharing)
 
-    def check_room(self, needed: int) -> None:
-        """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages; changes nothing."""
-        limit, on_full = self.config.pool_limit, self.config.on_full
-        if not needed or not limit or on_full not in ("refuse", "evict-then-refuse"):
+    def check_room(self, needed: int | list[int]) -> None:
+        """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages (a count,
+        or one count per sharing where they differ); changes nothing."""
+        limit, on_full, needs = self.config.pool_limit, self.config.on_full, _per_sharing(needed)
+        if not any(needs) or not limit or on_full not in ("refuse", "evict-then-refuse"):
             return
-        held = self.live_pages() if on_full == "refuse" else self.context_pages()
-        if held + needed > limit:
-            what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
-            raise CapacityError(f"{held} {what} + {needed} needed > pool of {limit}")
+        counted = self._holders() if on_full == "refuse" else self.contexts
+        sharings = SHARINGS if self.config.values == "prefix" else (FORKS,)
+        full = [_pages(counted, sharing) + needs[sharing] > limit for sharing in sharings]
+        if not any(full) or (not all(full) and self.engine_refused is False):
+            return      # room, or room one way of sharing and none the other: the engine's answer stands
+        what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
+        if PREFIXES in sharings:
+            raise CapacityError(f"pool of {limit}: {_pages(counted, FORKS)} {what} + {needs[FORKS]} needed as forks "
+                                f"share pages, {_pages(counted, PREFIXES)} + {needs[PREFIXES]} where retains share "
+                                f"them by prefix")
+        raise CapacityError(f"{_pages(counted, FORKS)} {what} + {needs[FORKS]} needed > pool of {limit}")
 
-    def make_room(self, needed: int) -> None:
-        """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py)."""
-        limit = self.config.pool_limit
-        if not needed or not limit or self.live_pages() + needed <= limit:
+    def make_room(self, needed: int | list[int]) -> None:
+        """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
+        one count per sharing. Evictions count pages as forks share them."""
+        limit, needs = self.config.pool_limit, _per_sharing(needed)
+        if not any(needs) or not limit:
             return
-        self.check_room(needed)
-        while self.config.on_full in ("evict", "evict-then-refuse") and self.live_pages() + needed > limit:
-            held = {label for ctx in self.contexts for label in ctx.labels}
-            keeps = [entry for entry in self.entries if any(label not in held for label in entry[1].labels)]
+        self.check_room(needs)
+        while self.config.on_full in ("evict", "evict-then-refuse") and self.live_pages() + needs[FORKS] > limit:
+            held = {label[FORKS] for ctx in self.contexts for label in ctx.labels}
+            keeps = [entry for entry in self.entries if any(label[FORKS] not in held for label in entry[1].labels)]
             if not keeps:
                 break
             self.entries.remove(min(keeps, key=lambda entry: entry[2]))
 
     # -- contexts ------------------------------------------------------------------------
 
-    def _adopt(self, values: np.ndarray, tokens: list[int], labels: list[int]) -> RefContext:
+    def _adopt(self, values: np.ndarray, tokens: list[int], labels: list[tuple[int, int]]) -> RefContext:
         ctx = RefContext(self, values, tokens, labels)
         self.contexts.append(ctx)
         return ctx
@@ -272,6 +304,8 @@ class RefCache:
                 raise EmptyContextError("cannot retain an empty context")
         refuse_with_all(ctx._require_open, not_empty)
         key = tuple(ctx.token_list)
+        if self.config.values == "prefix":
+            ctx.labels = self._kept_by_older_entries(key, ctx.labels)
         self.entries = [entry for entry in self.entries if entry[0] != key]
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), list(ctx.labels))
         newest = [key, private, self._tick()]
@@ -281,6 +315,17 @@ class RefCache:
             if not older:
                 break
             self.entries.remove(min(older, key=lambda entry: entry[2]))
+
+    def _kept_by_older_entries(self, key: tuple[int, ...], labels: list) -> list:
+        """``labels`` with the prefix-sharing name of each whole page of ``key`` that an entry's key
+        shares up to that page's end replaced by the entry's (any such entry: they all hold one page there)."""
+        size, kept = self.config.page_tokens, list(labels)
+        for i in range(len(key) // size):
+            end = (i + 1) * size
+            older = next((entry for entry in self.entries if entry[0][:end] == key[:end]), None)
+            if older is not None:
+                kept[i] = (kept[i][FORKS], older[1].labels[i][PREFIXES])
+        return kept
 
     def _over_page_budget(self) -> bool:
         budget = self.config.max_pages
@@ -320,6 +365,16 @@ class RefCache:
     def eviction_order(self) -> list[tuple[tuple[int, ...], int]]:
         """Entries as (key, tick), least recently used first."""
         return sorted(((entry[0], entry[2]) for entry in self.entries), key=lambda pair: pair[1])
+
+
+def _per_sharing(needed: int | list[int]) -> list[int]:
+    """A need of pages, one count per sharing (the same count where only one is given)."""
+    return needed if isinstance(needed, list) else [needed] * len(SHARINGS)
+
+
+def _pages(holders: list[RefContext], sharing: int) -> int:
+    """How many pages ``holders`` hold between them, named as ``sharing`` names them."""
+    return len({label[sharing] for holder in holders for label in holder.labels})
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

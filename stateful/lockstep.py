@@ -16,7 +16,7 @@ import numpy as np
 
 from kvstate.reference import RefCache
 from kvstate.spec import invariants
-from kvstate.spec.errors import InvariantViolation, KVStateError, applicable_errors, spec_class
+from kvstate.spec.errors import CapacityError, InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
@@ -114,7 +114,12 @@ class Lockstep:
             self._touched.add(op.ctx)
         engine_result, engine_error = _attempt(self._perform, op, 0, self.engine,
                                                None if values is None else values.copy())
-        ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
+        # Where the declared semantics let a full pool go either way, the reference follows the engine.
+        self.reference.engine_refused = isinstance(engine_error, CapacityError)
+        try:
+            ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
+        finally:
+            self.reference.engine_refused = None
         if not same_refusal(engine_error, ref_error):
             said = "" if engine_error is None else raised_at(engine_error)
             raise self._violation("errors", f"{op}: engine {engine_error!r}{said}, "

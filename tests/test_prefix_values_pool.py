@@ -1,0 +1,171 @@
+"""A full pool under ``values="prefix"``: an engine that shares equal pages on retain is judged in a band.
+
+SGLang's insert keeps the slots the tree already holds for a prefix and frees the request's own, so
+such an engine can hold fewer pages than forks and retains alone would share, or, once the entry
+whose pages it took is gone, more. The reference counts pages both ways (``reference.model``'s label
+pairs); with a pool that refuses, where the two counts disagree on whether there is room, either
+answer is right (``RefCache.check_room``), and where they agree the reference decides alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import settings
+
+from kvstate.reference import RefCache
+from kvstate.reference.model import FORKS, PREFIXES
+from kvstate.spec import Config, Layout
+from kvstate.spec.errors import CapacityError
+from kvstate.stateful import ops as O
+from kvstate.stateful.conform import conform, load_factory
+from kvstate.stateful.lockstep import Lockstep
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SMALL = settings(max_examples=40, stateful_step_count=20, derandomize=True, deadline=None, database=None)
+PAGE, POOL = 2, 6
+
+
+def _pool_module():
+    return sys.modules[load_factory(str(EXAMPLES / "token_pool_backend.py")).__module__]
+
+
+def _sharing_pool(limit_slack: int = 0):
+    """The example's refusing token pool, retaining as SGLang inserts: each whole page of a retained
+    context whose tokens up to the page's end an older entry's key begins with is given back, and
+    the context and its new entry hold the entry's page instead (an entry of the same key included:
+    the tree keeps its old slots). ``limit_slack`` > 0 plants a bug: the pool takes that many pages
+    past its limit."""
+    base = _pool_module().TokenPoolCache
+
+    class SharingPool(base):
+        def retain(self, ctx) -> None:
+            key, size = tuple(ctx.tokens), self.page_tokens
+            kept = {}
+            for i in range(len(key) // size):
+                end = (i + 1) * size
+                older = next((e for e in self.entries if e[0][:end] == key[:end]), None)
+                if older is not None and older[1].pages[i] is not ctx.pages[i]:
+                    kept[i] = older[1].pages[i]
+                    kept[i].refcount += 1       # held through the retain, which may drop that entry
+            super().retain(ctx)
+            entry = self.entries[-1][1]
+            for i, page in kept.items():
+                own = ctx.pages[i]
+                page.refcount += 1              # the context's and the new entry's hold
+                ctx.pages[i] = entry.pages[i] = page
+                self.release(own)
+                self.release(own)
+
+        def make_room(self, needed: int) -> None:
+            if len(self.live) + needed <= self.config.pool_limit + limit_slack:
+                return
+            raise CapacityError(f"{len(self.live)} live pages + {needed} needed > pool")
+
+    def factory(config: Config):
+        return SharingPool(config)
+
+    factory.configs = [Config(Layout(layers=1, kv_heads=1, head_dim=2), page_tokens=PAGE, precision="f32",
+                              max_entries=3, match="token", pool_pages=POOL, on_full="refuse", values="prefix")]
+    return factory
+
+
+def _lockstep(factory) -> Lockstep:
+    return Lockstep(factory, factory.configs[0])
+
+
+def _two_equal_entries(run: Lockstep) -> str:
+    """Two contexts written apart, (1, 2, 3, 4, 9) and (1, 2, 3, 4), both retained: the engine now holds
+    the 2 pages they share once (3 pages), the reference's labels twice (5). Returns the second
+    context's handle."""
+    first = run.apply(O.Allocate())
+    run.apply(O.Extend(first, (1, 2, 3, 4, 9), seed=1))
+    run.apply(O.Retain(first))
+    second = run.apply(O.Allocate())
+    run.apply(O.Extend(second, (1, 2, 3, 4), seed=2))
+    run.apply(O.Retain(second))
+    return second
+
+
+def test_the_engine_holds_the_pages_the_reference_counts_as_prefixes_share_them():
+    run = _lockstep(_sharing_pool())
+    _two_equal_entries(run)
+    assert len(run.engine.live) == 3
+    assert run.reference.live_pages(FORKS) == 5 and run.reference.live_pages(PREFIXES) == 3
+
+
+def test_inside_the_band_the_reference_follows_an_engine_that_had_room():
+    """5 pages by the labels + 2 needed > 6, but 3 + 2 <= 6: the engine's answer (room) stands."""
+    run = _lockstep(_sharing_pool())
+    second = _two_equal_entries(run)
+    run.apply(O.Extend(second, (5, 6, 7, 8), seed=3))
+    run.check()
+    assert len(run.engine.live) == 5
+
+
+def test_the_engine_may_hold_more_pages_than_forks_share_and_refuse_for_it():
+    """A retained fork moved onto an older entry's page leaves its own page to its parent: once that
+    entry's other holders are gone the engine holds 2 pages where forks alone would share 1, and it
+    refuses an extend the fork count has room for. Either answer is right there."""
+    run = _lockstep(_sharing_pool())
+    parent = run.apply(O.Allocate())
+    run.apply(O.Extend(parent, (2, 2), seed=1))
+    child = run.apply(O.Fork(parent))
+    other = run.apply(O.Allocate())
+    run.apply(O.Extend(other, (2, 2), seed=2))
+    run.apply(O.Retain(other))
+    run.apply(O.Retain(child))          # the same key: the tree keeps the page ``other`` wrote
+    run.apply(O.Close(other))
+    assert (len(run.engine.live), run.reference.live_pages(FORKS), run.reference.live_pages(PREFIXES)) == (2, 1, 2)
+    filler = run.apply(O.Allocate())
+    run.apply(O.Extend(filler, tuple(range(8)), seed=3))        # 4 pages: the pool's 6 are all live
+    last = run.apply(O.Allocate())
+    run.apply(O.Extend(last, (7, 7), seed=4))
+    assert run.history[-1].endswith("refused: CapacityError")
+    run.check()
+
+
+def test_the_reference_alone_still_refuses_by_its_labels():
+    """Without an engine's answer (``engine_refused`` None) the band is closed: the labels decide."""
+    config = _sharing_pool().configs[0]
+    reference = RefCache(config)
+    for tokens in ([1, 2, 3, 4, 9], [1, 2, 3, 4]):
+        ctx = reference.allocate()
+        ctx.extend(tokens, np.zeros((len(tokens), 1, 2, 1, 2), np.float32))
+        reference.retain(ctx)
+    with pytest.raises(CapacityError):
+        ctx.extend([5, 6, 7, 8], np.zeros((4, 1, 2, 1, 2), np.float32))
+
+
+def test_past_the_band_a_pool_taking_more_than_its_limit_is_caught():
+    """Counted either way (5 or 3 pages), the pages held plus the need (4) pass the pool of 6: a pool
+    that takes them anyway is over its limit however it shares, and the lockstep names the disagreement."""
+    run = _lockstep(_sharing_pool(limit_slack=2))
+    second = _two_equal_entries(run)
+    with pytest.raises(AssertionError, match="errors"):
+        run.apply(O.Extend(second, tuple(range(5, 13)), seed=3))
+
+
+def test_conform_passes_the_sharing_pool_and_rejects_its_overfull_twin():
+    passed = conform(_sharing_pool(), settings=SMALL, checks=["lockstep", "seeded"])
+    assert all(result.passed for result in passed), [result.failure for result in passed]
+    failed = conform(_sharing_pool(limit_slack=1), settings=SMALL, checks=["lockstep", "seeded"])
+    assert not any(result.passed for result in failed)
+
+
+def test_seeded_values_keep_the_band_closed():
+    """The band is for ``values="prefix"`` only: with seeded values equal tokens are not equal K/V, and an
+    engine sharing them would be wrong, so an extend past the labels' count is refused there as before."""
+    config = dataclasses.replace(_sharing_pool().configs[0], values="seeded")
+    reference = RefCache(config)
+    reference.engine_refused = False
+    for tokens in ([1, 2, 3, 4, 9], [1, 2, 3, 4]):
+        ctx = reference.allocate()
+        ctx.extend(tokens, np.zeros((len(tokens), 1, 2, 1, 2), np.float32))
+        reference.retain(ctx)
+    with pytest.raises(CapacityError):
+        ctx.extend([5, 6, 7, 8], np.zeros((4, 1, 2, 1, 2), np.float32))
