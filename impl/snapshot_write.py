@@ -8,7 +8,10 @@ written header first (two passes)."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
+import lzma
 import math
 import os
 import queue
@@ -33,6 +36,10 @@ from .snapshot_read import seekable
 
 if TYPE_CHECKING:
     from .context import Context
+
+# Compressing writers say they can seek, but only forward while writing ("Negative seek in write
+# mode"): they get the header-first order, as a stream that cannot seek does.
+_FORWARD_ONLY = (gzip.GzipFile, bz2.BZ2File, lzma.LZMAFile)
 
 
 def body_chunks(ctx: "Context") -> Iterator[np.ndarray]:
@@ -146,9 +153,10 @@ def _write_to(file, ctx: "Context") -> None:
     """Header and body into ``file``. A seekable file gets one pass (header patched last), others two.
 
     A stream that appends (mode "a", or a descriptor opened with ``O_APPEND``) ignores
-    seeks, so it gets the two-pass order too: header first, then the body, in order.
+    seeks, and a compressing writer seeks only forward, so they get the two-pass order too: header
+    first, then the body, in order.
     """
-    if seekable(file) and not _appends(file):
+    if seekable(file) and not _appends(file) and not isinstance(file, _FORWARD_ONLY):
         start = file.tell()
         _put(file, bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
         crc = fmt.BodyHash(fmt.FORMAT_VERSION)

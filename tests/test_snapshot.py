@@ -326,6 +326,20 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
     assert_reads_equal(restored, ref_ctx)
 
 
+@pytest.mark.parametrize("compressor", ["gzip", "bz2", "lzma"])
+def test_snapshot_into_a_compressing_writer_restores_through_it(tmp_path, compressor):
+    """A compressing writer says it can seek but goes only forward while writing: the snapshot is
+    written header first, in order, not patched, which used to leave a zeroed header."""
+    opener = __import__(compressor).open
+    cache, ctx, ref_ctx = filled("f16")
+    path = tmp_path / f"snapshot.{compressor}"
+    with opener(path, "wb") as file:
+        ctx.snapshot(file)
+    with opener(path, "rb") as file:
+        restored = Cache(LAYOUT, precision="f16").restore(file)
+    assert_reads_equal(restored, ref_ctx)
+
+
 # -- the checksum thread that large restores use ------------------------------------------
 
 @pytest.fixture
