@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -283,7 +284,12 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, 
         given = getattr(args, name)
         if name == "backend" and given is not None:     # the same file, however either is spelled
             given, want = canonical_backend(given), canonical_backend(want)
-        same = given is None or (Path(given).resolve() == Path(want).resolve() if name == "out" else given == want)
+        if given is None:
+            same = True
+        elif name == "out":
+            same = Path(given).resolve() == Path(want).resolve()
+        else:
+            same = _names_the_same_configs(given, plan.configs) if name == "configs" else given == want
         if not same:
             clash[name] = given
         setattr(args, name, want)
@@ -293,6 +299,19 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, 
         raise ResumeError(f"{args.resume} holds a sweep with " + "; ".join(
             f"--{name} {recorded.get(name, plan.shard)}, not {value}" for name, value in clash.items()))
     return list(plan.seeds), plan.shard, plan.workers
+
+
+def _names_the_same_configs(given: str, labels) -> bool:
+    """Whether ``--configs`` names the journal's configurations, in any order: each name one of its
+    labels, or a configuration name that stands for its labels at several page sizes (``NAME-pageN``,
+    ``sweep.config_labels``), together all of them and nothing else."""
+    covered: set[str] = set()
+    for name in given.split(","):
+        meant = {label for label in labels if label == name or re.fullmatch(re.escape(name) + r"-page\d+", label)}
+        if not meant:
+            return False
+        covered |= meant
+    return covered == set(labels)
 
 
 def _refuse_untrusted(backend: str, source: str) -> None:

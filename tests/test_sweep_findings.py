@@ -279,6 +279,25 @@ def test_a_sweep_of_a_name_at_two_page_sizes_resumes_with_the_command_it_prints(
     assert sorted(again["configs"]) == ["f32-heap-page4", "f32-heap-page8"] and again["runs"] == 2
 
 
+def test_a_resume_given_configs_compares_the_configurations_they_name_not_the_spelling(tmp_path, capsys):
+    """The journal holds ``f32-heap-page4,f32-heap-page8``: ``--configs f32-heap`` (the name the sweep
+    was started with) and the labels in another order name the same two and resume it; one of them
+    alone is a different sweep, refused by name before anything runs."""
+    backend = _backend(tmp_path, configs="[_f32.with_(page_tokens=4), _f32.with_(page_tokens=8)]")
+    _sweep(tmp_path, backend, "--workers", "1", "--configs", "f32-heap")
+    out = tmp_path / "out"
+    journal = out / "runs.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:-1]))
+    assert main(["sweep", "--resume", str(out), "--backend", backend, "--configs", "f32-heap-page8"]) == 2
+    assert "--configs f32-heap-page4,f32-heap-page8, not f32-heap-page8" in capsys.readouterr().err
+    assert journal.read_text() == "".join(lines[:-1])
+    for configs in ("f32-heap", "f32-heap-page8,f32-heap-page4"):
+        journal.write_text("".join(lines[:-1]))
+        assert main(["sweep", "--resume", str(out), "--backend", backend, "--configs", configs]) == 0
+        assert json.loads((out / "report.json").read_text())["runs_resumed"] == 5
+
+
 def test_one_page_size_of_a_name_swept_alone_keeps_its_label_and_resumes(tmp_path):
     """Labelled against the chosen configurations alone, ``--configs f32-heap-page8`` was journaled as
     ``f32-heap``, which a resume reads as both page sizes (and refused)."""
