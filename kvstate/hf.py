@@ -41,6 +41,9 @@ memory on top of the pages).
 
 from __future__ import annotations
 
+import hashlib
+import weakref
+
 import numpy as np
 
 from .hf_config import check_layout, layout_of, require_transformers
@@ -183,6 +186,7 @@ class KVStateCache(_HFCache):
         if context is not None:
             check_layout(layout, context.layout, "the context")
         attach(model)
+        bind_model(model, kv)
         return cls(layout, kv, context if context is not None else kv.allocate(), layer_views=layer_views)
 
     @classmethod
@@ -193,6 +197,8 @@ class KVStateCache(_HFCache):
         if kv is None:
             kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
+        attach(model)
+        bind_model(model, kv)       # before the restore allocates anything
         return cls.for_model(model, kv, kv.restore(source), layer_views=layer_views)
 
     # -- token ids ------------------------------------------------------------------
@@ -670,6 +676,7 @@ def _feed_hook(module, args, kwargs):
     cache = _cache_given(kwargs)
     if isinstance(cache, KVStateCache):
         check_model_fits(module._kvstate_layout, cache)
+        bind_model(module, cache.kv)
         ids = kwargs.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
@@ -684,10 +691,42 @@ def _end_hook(module, args, kwargs, output):
     return None
 
 
+# Which model's K/V each kvstate cache holds, by ``model_fingerprint``: another model of the same
+# layout computes other K/V, and a hit or a continuation would read them as its own.
+_MODEL_OF: "weakref.WeakKeyDictionary[Cache, str]" = weakref.WeakKeyDictionary()
+
+
+def model_fingerprint(model) -> str:
+    """What tells a model's weights from another's of the same shape, cheaply: a hash of each
+    parameter's name, shape and first values, taken once per model object (``attach``). Two
+    loads of the same checkpoint agree; a model trained further in place keeps its first one."""
+    digest = hashlib.blake2b(digest_size=16)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            if not param.is_meta:       # offloaded weights have no values here: their names and shapes stand
+                digest.update(param.detach().reshape(-1)[:4].float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def bind_model(model, kv: Cache) -> None:
+    """``kv`` holds ``model``'s K/V from now on: the first model to use a kvstate cache keeps it, and
+    another one (its fingerprint differs) is refused by name before its forward computes anything."""
+    mine = model._kvstate_fingerprint
+    held = _MODEL_OF.setdefault(kv, mine)
+    if held != mine:
+        raise UnsupportedModelError(
+            f"this kvstate cache holds K/V another model computed ({type(model).__name__} has the same layout "
+            "but other weights): its contexts and prefix hits are not this model's; build a cache for this "
+            "model with KVStateCache.for_model(model)")
+
+
 def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
     ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``). Checks the model first."""
     model._kvstate_layout = layout_of(model)
+    if getattr(model, "_kvstate_fingerprint", None) is None:
+        model._kvstate_fingerprint = model_fingerprint(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)

@@ -584,6 +584,31 @@ def test_a_model_with_another_layer_count_is_refused_before_any_work(layers):
     assert len(cache.context) == 0 and cache.get_seq_length() == 0
 
 
+def test_a_model_with_the_same_layout_but_other_weights_is_refused_before_any_work(tmp_path):
+    """Its K/V are not the cache's: a forward, a new cache over the same kvstate cache and a restore
+    into it are refused by name, and nothing is added or left allocated. The same weights loaded
+    again into another model object are the same model."""
+    first, other = _llama(2), _llama(2)
+    with torch.no_grad():
+        for param in other.parameters():
+            param.add_(0.5)
+    cache = hf.KVStateCache.for_model(first, page_tokens=4)
+    run(first, cache, [ids(5, 33)])
+    cache.context.snapshot(tmp_path / "turn.kvs")
+    pages = cache.kv.stats()["live_pages"]
+    hf.attach(other)
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
+        other.generate(ids(7, 33), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        hf.KVStateCache.for_model(other, kv=cache.kv)
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        hf.KVStateCache.restore(other, tmp_path / "turn.kvs", kv=cache.kv)
+    assert len(cache.context) == 5 and cache.kv.stats()["live_pages"] == pages
+    again = _llama(2)                       # the same seed: the same weights, another object
+    resumed = hf.KVStateCache.restore(again, tmp_path / "turn.kvs", kv=cache.kv)
+    assert resumed.tokens == cache.tokens
+
+
 @pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
 def test_generate_refuses_a_prompt_the_cache_does_not_begin(llama, chunk):
     """Checked before anything is computed; in a chunked prefill, once for the whole prompt."""
