@@ -7,6 +7,7 @@ all six machine configurations.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import tempfile
@@ -431,6 +432,40 @@ def test_arena_evidence_catches_a_torch_dirty_slot_the_backend_does_not_report(m
     monkeypatch.setattr(torch_module.TorchStore, "is_zero_from", lambda store, buffer, offset: True)
     failure = fails("arena evidence", torch_factory(), "f16-arena6")
     assert "old bytes" in failure.saw
+
+
+def _without_arena_tier(cache_class):
+    """A factory of ``cache_class`` whose observation leaves the arena tier out (pages and holders stay)."""
+    def factory(config):
+        cache = cache_class(config)
+        observe = cache.observe
+        cache.observe = lambda: dataclasses.replace(observe(), arena_size=None, arena_out=None, arena_free=None)
+        return cache
+    return factory
+
+
+def test_arena_evidence_without_the_arena_tier_still_compares_a_recycled_heap_page():
+    """A heap backend that reads its pages raw but reports no arena: the page it hands out again after
+    frees is compared with a new cache's (it was "n/a"). Clean, it passes; recycling pages unzeroed
+    (and reporting them clean) is caught; an arena configuration still needs the tier."""
+    from foreign import dict_pages
+    from foreign.bugs import HeapPageReusedDirty
+
+    clean = _without_arena_tier(dict_pages.DictCache)
+    DIRECTED["arena evidence"](clean, config_named("f32-heap"))
+    with pytest.raises(NotApplicable, match="arena"):
+        DIRECTED["arena evidence"](clean, config_named("f32-arena6"))
+    failure = fails("arena evidence", _without_arena_tier(HeapPageReusedDirty), "f32-heap")
+    assert "handed out again" in failure.promise and "old bytes" in failure.saw
+
+
+def test_arena_evidence_without_the_arena_tier_or_raw_pages_is_not_applicable():
+    def factory(config):
+        cache = _without_arena_tier(lambda c: numpy_factory(c))(config)
+        return types.SimpleNamespace(**{name: getattr(cache, name)
+                                        for name in ("allocate", "retain", "match", "clear", "observe")})
+    with pytest.raises(NotApplicable, match="read_page"):
+        DIRECTED["arena evidence"](factory, config_named("f32-heap"))
 
 
 def test_all_new_checks_report_through_conform_with_the_promise_first():

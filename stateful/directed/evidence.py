@@ -16,6 +16,8 @@ Self-reported evidence cannot convict, so this check looks for itself:
 - without an arena there is no twin, so a page the handcrafted program takes back after frees
   is compared with the page the same ``extend`` makes in a new cache: a heap page recycled
   unzeroed shows there (through ``read_page`` or ``cache.store``, where the backend has either).
+  A backend without the arena tier gets this part alone, in a configuration without an arena,
+  where it reads its pages raw and names their holders (the pages tier).
 
 Both runs are lockstep runs, so each is also compared with the reference. Should the
 two runs disagree on whether a step is refused (a configuration that refuses rather
@@ -29,10 +31,11 @@ from typing import Any
 
 import numpy as np
 
+from kvstate.spec.invariants import tiers
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from .common import BrokenPromise, as_array, as_list, keeping, require_tier, start
+from .common import BrokenPromise, NotApplicable, as_array, as_list, keeping, require_tier, start
 from ..generate import Generator
 from ..lockstep import Lockstep
 
@@ -50,6 +53,8 @@ PROGRAM_STEPS = 120
 def arena_evidence(factory: Factory, config: Config) -> None:
     """arena_size is the configuration's, slots are issued, and an arena changes no byte anywhere."""
     arena = start(factory, config)
+    if "arena" not in tiers(arena.engine.observe()) and not config.arena_pages:
+        return _heap_pages_like_fresh(arena, factory, config)
     require_tier(arena.engine.observe(), "arena", "observe().arena_size")
     size = arena.engine.observe().arena_size
     if size != config.arena_pages:
@@ -73,11 +78,24 @@ def arena_evidence(factory: Factory, config: Config) -> None:
         heap.finish()
 
 
-class _Twins:
-    """The arena run and its heap twin (None for a heap configuration), stepped together."""
+def _heap_pages_like_fresh(run: Lockstep, factory: Factory, config: Config) -> None:
+    """Without the arena tier: only the page taken back after frees, against a new cache's, and only
+    where the backend reads pages raw and names their holders (else ``NotApplicable``, as before)."""
+    if "pages" not in tiers(run.engine.observe()) or _stored_pages(run.engine) is None:
+        raise NotApplicable("the observation has no 'arena' tier (observe().arena_size is None); a page handed "
+                            "out again after frees is compared only where the backend names pages' holders (the "
+                            "'pages' tier) and reads them raw (cache.read_page)")
+    twins = _Twins(run, None, factory, sized=False)
+    _slot_reuse(twins, config)
+    run.finish()
 
-    def __init__(self, arena: Lockstep, heap: Lockstep | None, factory: Factory):
-        self.arena, self.heap, self.factory = arena, heap, factory
+
+class _Twins:
+    """The arena run and its heap twin (None for a heap configuration), stepped together; ``sized``:
+    the backend reports its arena (the arena tier), checked at every step."""
+
+    def __init__(self, arena: Lockstep, heap: Lockstep | None, factory: Factory, sized: bool = True):
+        self.arena, self.heap, self.factory, self.sized = arena, heap, factory, sized
         self.comparing = heap is not None
 
     def step(self, op: O.Op) -> str | None:
@@ -85,7 +103,7 @@ class _Twins:
             made = self.arena.apply(op)
             self.arena.check()
         size = self.arena.engine.observe().arena_size
-        if size != self.arena.config.arena_pages:
+        if self.sized and size != self.arena.config.arena_pages:
             raise BrokenPromise(SIZE, str(op), f"arena_size {size}, configuration arena_pages "
                                                f"{self.arena.config.arena_pages}")
         if self.heap is None or not self.comparing:
@@ -164,7 +182,7 @@ def _slot_reuse(twins: _Twins, config: Config) -> None:
     full = twins.step(O.Allocate())
     twins.step(O.Extend(full, tuple(range(2 * page)), seed=71))
     obs = twins.arena.engine.observe()
-    if not _refusal(twins.arena.history[-1]):
+    if twins.sized and not _refusal(twins.arena.history[-1]):
         wanted = min(len(obs.pages), config.arena_pages)
         if len(obs.arena_out) != wanted:
             raise BrokenPromise(ISSUED, twins.arena.history[-1],
