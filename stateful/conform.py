@@ -35,6 +35,7 @@ from .deadline import Overran, in_daemon_thread
 from .directed import checks as directed
 from .directed.checks import DIRECTED
 from .machine import machine_for, run_machine
+from .frames import suite_assertion
 from .replay import Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
 from .shrink import shrink
@@ -266,7 +267,7 @@ def describe(error: BaseException, history: list[str] | None, minimised: bool = 
     if isinstance(error, FailedHealthCheck):
         head = (f"suite error, not a finding about the backend: Hypothesis could not generate test cases "
                 f"({type(error).__name__}: {str(error).splitlines()[0]})")
-    elif isinstance(error, AssertionError):
+    elif suite_assertion(error):
         head = f"{type(error).__name__}: {error}"
     else:
         head = f"the backend raised {type(error).__name__}: {error}{raised_at(error)}"

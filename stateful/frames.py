@@ -27,11 +27,29 @@ def not_the_backends(frame) -> bool:
     return os.path.realpath(frame.f_code.co_filename).startswith(_NOT_THE_BACKEND)
 
 
+# Where the suite's own checks raise their assertions (invariants, the lockstep, directed checks, fuzzers).
+_THE_SUITES = tuple(os.path.realpath(Path(__file__).resolve().parent.parent / part) + os.sep
+                    for part in ("stateful", "spec", "fuzz"))
+
+
+def suite_assertion(error: BaseException) -> bool:
+    """Whether ``error`` is one of the suite's own checks failing: an ``AssertionError`` raised in the
+    suite's code. A backend's own ``assert`` (real engines assert a lot) is the backend raising."""
+    if not isinstance(error, AssertionError):
+        return False
+    tb = error.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return os.path.realpath(tb.tb_frame.f_code.co_filename).startswith(_THE_SUITES)
+
+
 def raised_at(error: BaseException) -> str:
     """`` at FILE:LINE in FUNCTION`` of the innermost frame that raised ``error``, and the backend's
     own line that called it where that frame is library code (``not_the_backends``); "" for
-    an assertion (the suite's own check, not the backend's code) or an error with no traceback."""
-    if isinstance(error, AssertionError) or error.__traceback__ is None:
+    the suite's own assertion (``suite_assertion``) or an error with no traceback."""
+    if suite_assertion(error) or error.__traceback__ is None:
         return ""
     frames, tb = [], error.__traceback__
     while tb is not None:

@@ -18,6 +18,7 @@ from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.errors import CapacityError, InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import evicts_for_room
 
 from . import ops as O
 from .frames import raised_at
@@ -121,9 +122,8 @@ class Lockstep:
         finally:
             self.reference.engine_refused = None
         if not same_refusal(engine_error, ref_error):
-            said = "" if engine_error is None else raised_at(engine_error)
-            raise self._violation("errors", f"{op}: engine {engine_error!r}{said}, "
-                                            f"reference {describe_refusal(ref_error)}")
+            engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
+            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)
@@ -300,7 +300,12 @@ class Lockstep:
         invariants.check_values(engine_reads, reference_reads)
         for handle in touched & engine_reads.keys():
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
-        invariants.check_tree(obs, self.reference.eviction_order())
+        try:
+            invariants.check_tree(obs, self.reference.eviction_order())
+        except InvariantViolation as differs:
+            if differs.invariant != 5 or not self._prefix_eviction_note():
+                raise
+            raise InvariantViolation(5, f"{differs.detail}{self._prefix_eviction_note()}") from None
         if obs.entries is None:
             self._probe_entries()
             obs = self.engine.observe()      # the probes' hits came and went: observe what is left
@@ -374,6 +379,15 @@ class Lockstep:
                     suspect.add(pid)
         return {handle for handle, pages in candidates.items() if suspect.isdisjoint(pages)}
 
+    def _prefix_eviction_note(self) -> str:
+        """Where a report of the entries a backend keeps can be a known false rejection, the note that
+        says so: an evicting pool under ``values="prefix"`` (README, Full pools under values="prefix")."""
+        if self.config.values != "prefix" or not evicts_for_room(self.config.on_full) or not self.config.pool_limit:
+            return ""
+        return (". Under values='prefix' the reference counts pages for eviction as forks share them: a "
+                "backend whose retain shares the tree's pages evicts less, so this can be a false rejection "
+                "(README: Full pools under values='prefix')")
+
     def _probe_entries(self) -> None:
         """Without the tree tier, entries and their eviction order are seen through ``match``: each
         entry the reference holds is matched by its own key on both sides, oldest first, and the
@@ -385,11 +399,13 @@ class Lockstep:
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched:
-                    pool = ("; or its pool evicted the entry to make room where the reference's had room (pages "
-                            "held past their use: a close, truncate or release that kept some)"
-                            if "evict" in self.config.on_full and engine_matched < ref_matched else "")
+                    pool = ""
+                    if evicts_for_room(self.config.on_full) and engine_matched < ref_matched:
+                        pool = ("; or its pool evicted for room: another entry than the least recently used one "
+                                "that frees a page, or before the pool was full (pages held past their use, a "
+                                "close, truncate or release that kept some, fill it early)")
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
-                                                f"the reference's {ref_matched}{pool}")
+                                                f"the reference's {ref_matched}{pool}{self._prefix_eviction_note()}")
                 values, tokens = engine_hit.read()
                 try:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},

@@ -175,6 +175,22 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
         assert report.split("\n")[1].endswith(where), report
 
 
+def test_a_backends_own_assert_is_reported_as_the_backend_raising_and_where(tmp_path, capsys):
+    """Real engines assert a lot: an ``AssertionError`` raised in the backend's code is not one of the
+    suite's checks failing, in the random engines' reports and the directed checks' alike."""
+    path, line = _listcache_with(tmp_path, "fork_asserts", context="""
+        def fork(self):
+            assert self.length < 0, "lock_ref went negative"
+            return super().fork()""")
+    assert main(["conform", path, "--examples", "20", "--steps", "6"]) == 1
+    out = capsys.readouterr().out
+    where = f"lock_ref went negative at fork_asserts.py:{line('assert self.length')} in fork"
+    for check in ("lockstep", "seeded", "fork isolation"):
+        report = out[out.index(f"/ {check}: FAIL"):].split("\n")
+        assert any(row.startswith("the backend raised AssertionError") and row.endswith(where)
+                   for row in report[:3]), (check, report[:3])
+
+
 def test_a_wrong_error_class_is_reported_with_the_call_that_raised_it_and_where(tmp_path, capsys):
     path, line = _listcache_with(tmp_path, "read_raises", context="""
         def read(self, start=0, stop=None):

@@ -23,6 +23,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
+from ..frames import suite_assertion
 from ..lockstep import REFUSED, Lockstep, describe_refusal, same_refusal, to_numpy
 
 Check = Callable[[Factory, Config], None]
@@ -81,6 +82,8 @@ def keeping(promise: str, run: Lockstep, call: str | None = None) -> Iterator[No
     except (BrokenPromise, NotApplicable):
         raise
     except AssertionError as error:
+        if not suite_assertion(error):
+            raise           # the backend's own assert: reported as the backend raising, not as this promise
         where = call or (run.history[-1] if run.history else "the first operation")
         broken = BrokenPromise(promise, where, str(error))
         broken.invariant = getattr(error, "invariant", None)    # the invariant number, where one broke
