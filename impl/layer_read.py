@@ -86,6 +86,13 @@ def _arrays(buffer) -> tuple:
 
 
 
+def written_token(context):
+    """A token that changes (``is not``) whenever ``context`` is written, cut or moved to other pages:
+    its ``Holding``, which every change replaces whole. Unlike ``state_token`` it changes on an
+    overwrite inside a page only this context holds (which keeps the page tuple)."""
+    return context._holding
+
+
 def state_token(context):
     """A token equal (``is``) for two contexts exactly when they hold the very same pages: two
     forks that neither has written since. What one would store next, the other would too."""

@@ -41,7 +41,9 @@ memory on top of the pages).
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import threading
 import weakref
 
 import numpy as np
@@ -57,9 +59,9 @@ from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 
 from kvstate.impl import Cache  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
-from kvstate.impl.layer_read import LayerReader, common_prefix, state_token  # noqa: E402
-from kvstate.spec.errors import (ConfigError, ForeignContextError, PositionError, ShapeError,  # noqa: E402
-                                 TokenError, UnsupportedModelError)
+from kvstate.impl.layer_read import LayerReader, common_prefix, state_token, written_token  # noqa: E402
+from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedError, ForeignContextError,  # noqa: E402
+                                 PositionError, ShapeError, TokenError, UnsupportedModelError)
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
@@ -131,6 +133,10 @@ class KVStateCache(_HFCache):
         self._zeros = None
         self._shared = None             # (the rows' page tuples, how many leading pages they share)
         self._prompt_checked = False    # a chunked prefill under way, its whole prompt checked (``attach``)
+        # The thread whose forward pass is under way (None: none): one cache is one sequence of forwards,
+        # and another thread's forward or operation meanwhile is refused (``_claim_forward``).
+        self._forward_thread: int | None = None
+        self._forward_guard = threading.Lock()
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
     def _set_rows(self, rows: list, pads: list[int] | None = None, readers: list | None = None) -> None:
@@ -170,13 +176,14 @@ class KVStateCache(_HFCache):
         """A cache for ``model``: checks the model (refusing by name what it cannot hold),
         builds a kvstate ``Cache`` with ``cache_args`` unless ``kv`` is given, attaches the
         token-id hook and allocates a context unless one is given. A given ``context`` brings its
-        own kvstate cache: ``kv``, if given too, must be that one, and ``cache_args`` are refused
-        (a cache built from them would not hold the context's pages)."""
+        own kvstate cache: ``kv``, if given too, must be that one. ``cache_args`` with ``kv`` or a
+        ``context`` are refused (``ConfigError``): they build a new kvstate cache, and one is given. A
+        closed ``context`` is refused (``ContextClosedError``)."""
         layout = layout_of(model)
+        _no_cache_args_with(cache_args, kv, context)
         if context is not None:
-            if cache_args:
-                raise ConfigError(f"cache arguments {sorted(cache_args)} build a new kvstate cache, but the "
-                                  "context given already belongs to one")
+            if context.closed:
+                raise ContextClosedError(f"the context given is closed: {context!r}")
             if kv is not None and kv is not context.cache:
                 raise ForeignContextError(f"the context belongs to another kvstate cache than kv: {context!r}")
             kv = context.cache
@@ -192,8 +199,10 @@ class KVStateCache(_HFCache):
     @classmethod
     def restore(cls, model, source, kv: Cache | None = None, layer_views: bool = False,
                 **cache_args) -> "KVStateCache":
-        """A cache holding the snapshot at ``source``, ready to continue generating."""
+        """A cache holding the snapshot at ``source``, ready to continue generating (``cache_args``
+        build its kvstate cache; with ``kv`` given they are refused, as in ``for_model``)."""
         layout = layout_of(model)
+        _no_cache_args_with(cache_args, kv, None)
         if kv is None:
             kv = Cache(layout, **_defaults(model, cache_args))
         check_layout(layout, kv.layout, "the kvstate cache")
@@ -213,6 +222,7 @@ class KVStateCache(_HFCache):
         that holds tokens is forked (every row continues the same held prefix); a forward that
         then fails shrinks it back (``end_forward``).
         """
+        self._claim_forward()
         self._pending = [None] * self.layout.layers
         self._undo_grow()
         if ids is None:
@@ -253,10 +263,24 @@ class KVStateCache(_HFCache):
         """After a forward, whether it returned or raised (``attach`` runs it): one that stopped before
         its last layer leaves the cache as it was before it. Its buffered K/V and ids are dropped and
         a batch its feed grew to is undone, so ``fork``, ``truncate``, ``snapshot`` and the length
-        transformers reads work again at once. After a forward that committed, nothing to do."""
+        transformers reads work again at once. After a forward that committed, nothing to do.
+        Run by a thread whose forward was refused (another thread's is under way), it changes nothing."""
+        if self._forward_thread not in (None, threading.get_ident()):
+            return
         self._pending = [None] * self.layout.layers
         self._ids = None
         self._undo_grow()
+        self._forward_thread = None
+
+    def _claim_forward(self) -> None:
+        """This thread's forward starts: ``ContextBusyError`` while another thread's is under way (their
+        K/V and ids would mix in one step), checked and set under a lock of this cache's own."""
+        me = threading.get_ident()
+        with self._forward_guard:
+            if self._forward_thread not in (None, me):
+                raise ContextBusyError("this KVStateCache is in a forward pass on another thread: one cache is "
+                                       "one sequence of forwards (give each thread its own, cache.fork())")
+            self._forward_thread = me
 
     def check_prefix_of(self, input_ids, attention_mask=None) -> None:
         """Refuse (``TokenError``, naming the row) a prompt that the cache does not begin.
@@ -353,8 +377,9 @@ class KVStateCache(_HFCache):
         return keys, values
 
     def _row_state(self) -> tuple:
-        """What the views were filled from: each row's context, pages and length."""
-        return tuple((id(ctx), state_token(ctx), len(ctx), pad) for ctx, pad in zip(self.rows, self.pads))
+        """What the views were filled from: each row's context, what it holds (``written_token``, which
+        an overwrite in place changes too) and its length."""
+        return tuple((id(ctx), written_token(ctx), len(ctx), pad) for ctx, pad in zip(self.rows, self.pads))
 
     def _gathered(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
@@ -623,12 +648,24 @@ class KVStateCache(_HFCache):
         """
         self._refuse_mid_forward("match")
         self._one_row("match")
-        tokens = check_tokens(tokens.reshape(-1).tolist() if isinstance(tokens, torch.Tensor) else tokens)
+        current = self.rows[0]
+        if current.closed:      # checked first: the hit would have no cache to go to
+            raise ContextClosedError("this cache is closed: match with a new one, "
+                                     "KVStateCache.for_model(model, cache.kv)")
+        if isinstance(tokens, torch.Tensor):
+            if tokens.ndim > 2 or (tokens.ndim == 2 and tokens.shape[0] != 1):
+                raise ShapeError(f"match takes one sequence of token ids, not a tensor of shape {tuple(tokens.shape)}")
+            tokens = tokens.reshape(-1).tolist()
+        tokens = check_tokens(tokens)
         found, matched = self.kv.match(tokens)
-        if matched >= len(tokens) > 0:
-            found.truncate(len(tokens) - 1)
-            matched = len(tokens) - 1
-        self.rows[0].close()
+        try:
+            if matched >= len(tokens) > 0:
+                found.truncate(len(tokens) - 1)
+                matched = len(tokens) - 1
+            current.close()
+        except BaseException:       # the hit is nobody's: let it go (an interrupt, a context busy elsewhere)
+            found.close()
+            raise
         self.context = found
         return matched
 
@@ -651,12 +688,22 @@ class KVStateCache(_HFCache):
         self.close()
 
     def _refuse_mid_forward(self, what: str) -> None:
+        if self._forward_thread not in (None, threading.get_ident()):
+            raise ContextBusyError(f"{what} while this KVStateCache is in a forward pass on another thread")
         if any(p is not None for p in self._pending):
             raise PositionError(f"{what} during a forward pass: some layers' K/V are not yet in the context")
 
     def __repr__(self) -> str:
         rows = self.rows[0] if len(self.rows) == 1 else f"{len(self.rows)} rows"
         return f"KVStateCache({self.layout}, {rows!r}, precision={self.kv.precision!r})"
+
+
+def _no_cache_args_with(cache_args: dict, kv, context) -> None:
+    """``ConfigError`` for cache arguments beside a kvstate cache or context given: they would build a
+    new kvstate cache, and were silently ignored (a restore asked for q8 into an f32 cache got f32)."""
+    if cache_args and (kv is not None or context is not None):
+        given = "the context given already belongs to one" if context is not None else "kv is given"
+        raise ConfigError(f"cache arguments {sorted(cache_args)} build a new kvstate cache, but {given}")
 
 
 def _defaults(model, cache_args: dict) -> dict:
@@ -730,10 +777,41 @@ def attach(model):
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
-        model.prepare_inputs_for_generation = _prefix_checked(model.prepare_inputs_for_generation)
+        model.prepare_inputs_for_generation = _Wrapped(model.prepare_inputs_for_generation, _prefix_checked)
         if callable(getattr(model, "_prefill", None)):
-            model._prefill = _chunks_checked(model._prefill)
+            model._prefill = _Wrapped(model._prefill, _chunks_checked)
+        model.forward = _Wrapped(model.forward, _ended_on_interrupt)
     return model
+
+
+class _Wrapped:
+    """A model's bound method, called through ``through(method, *args, **kwargs)``: an object holding
+    the method, which a deep copy of the model rebinds to the copy. A closure over the bound method
+    kept calling the original model's from a copy (``copy.deepcopy`` keeps functions as they are):
+    a copied model generated with the original's weights."""
+
+    def __init__(self, method, through):
+        self.method, self.through = method, through
+        functools.update_wrapper(self, method)      # its name, and __wrapped__ for inspect.signature
+
+    def __call__(self, *args, **kwargs):
+        return self.through(self.method, *args, **kwargs)
+
+
+def _ended_on_interrupt(forward, *args, **kwargs):
+    """The model's forward, ending a ``KVStateCache``'s forward if an interrupt (Ctrl-C, a run's deadline)
+    stops it: torch runs the ``always_call`` end hook after an ``Exception`` only, and the K/V of the
+    layers that ran stayed buffered, counted by ``get_seq_length``, so the next ``generate`` took that
+    many prompt columns as held and skipped them."""
+    try:
+        return forward(*args, **kwargs)
+    except Exception:
+        raise           # the end hook runs
+    except BaseException:
+        cache = _cache_given(kwargs)
+        if isinstance(cache, KVStateCache):
+            cache.end_forward()
+        raise
 
 
 def check_model_fits(layout, cache: "KVStateCache") -> None:
@@ -745,35 +823,29 @@ def check_model_fits(layout, cache: "KVStateCache") -> None:
             "(layers, kv_heads, head_dim): build the cache with KVStateCache.for_model(model)")
 
 
-def _prefix_checked(prepare):
+def _prefix_checked(prepare, input_ids, *args, **kwargs):
     """``generate``'s first step, checked: the ids a cache holds must begin the prompt it is asked to
     continue, or ``generate`` would continue another conversation (it slices off as many prompt ids
     as the cache holds without looking at them)."""
-    def checked(input_ids, *args, **kwargs):
-        cache = _cache_given(kwargs)
-        if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None \
-                and not cache._prompt_checked:
-            cache.check_prefix_of(input_ids, kwargs.get("attention_mask"))
-        return prepare(input_ids, *args, **kwargs)
-    checked.__wrapped__ = prepare
-    return checked
+    cache = _cache_given(kwargs)
+    if isinstance(cache, KVStateCache) and kwargs.get("is_first_iteration") and input_ids is not None \
+            and not cache._prompt_checked:
+        cache.check_prefix_of(input_ids, kwargs.get("attention_mask"))
+    return prepare(input_ids, *args, **kwargs)
 
 
-def _chunks_checked(prefill):
+def _chunks_checked(prefill, input_ids, generation_config, model_kwargs, *args, **kwargs):
     """``generate``'s prefill (transformers' ``_prefill``), checked once for the whole prompt where it
     goes in chunks (``prefill_chunk_size``): each chunk then reaches ``prepare_inputs_for_generation``
     alone, as its "first iteration", and is not a prompt that the cache begins."""
-    def checked(input_ids, generation_config, model_kwargs, *args, **kwargs):
-        cache = _cache_given(model_kwargs)
-        first = kwargs.get("is_first_iteration", args[0] if args else True)
-        if not (isinstance(cache, KVStateCache) and first and input_ids is not None
-                and getattr(generation_config, "prefill_chunk_size", None) is not None):
-            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
-        cache.check_prefix_of(input_ids, model_kwargs.get("attention_mask"))
-        cache._prompt_checked = True
-        try:
-            return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
-        finally:
-            cache._prompt_checked = False
-    checked.__wrapped__ = prefill
-    return checked
+    cache = _cache_given(model_kwargs)
+    first = kwargs.get("is_first_iteration", args[0] if args else True)
+    if not (isinstance(cache, KVStateCache) and first and input_ids is not None
+            and getattr(generation_config, "prefill_chunk_size", None) is not None):
+        return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+    cache.check_prefix_of(input_ids, model_kwargs.get("attention_mask"))
+    cache._prompt_checked = True
+    try:
+        return prefill(input_ids, generation_config, model_kwargs, *args, **kwargs)
+    finally:
+        cache._prompt_checked = False

@@ -27,8 +27,8 @@ from kvstate import Cache, Layout  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")   # skips, naming pip install 'kvstate[hf]', without transformers 5.x
-from kvstate.spec.errors import (ConfigError, ForeignContextError, ShapeError, TokenError,  # noqa: E402
-                                 UnsupportedModelError)
+from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedError, ForeignContextError, ShapeError,  # noqa: E402
+                                 TokenError, UnsupportedModelError)
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
 VOCAB = 97
@@ -884,3 +884,144 @@ def test_a_forward_without_a_mask_on_padded_rows_is_refused(llama):
         step = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], dim=1)
         model(ids(1, 48).repeat(2, 1), attention_mask=step, cache=cache)     # with its mask it runs
     assert [len(ctx) for ctx in cache.rows] == [4, 7]
+
+
+# -- from an audit acting as an agent runtime ---------------------------------------------------------------
+
+def test_an_interrupt_inside_a_forward_leaves_nothing_buffered_and_generate_stays_exact(llama):
+    """torch runs ``always_call`` end hooks after an ``Exception`` only: after Ctrl-C in a layer, layer 0's K/V
+    stayed buffered and counted, and the next ``generate`` skipped as many prompt tokens."""
+    prompt = ids(7, 40)
+    cache, dynamic = hf.KVStateCache.for_model(llama, page_tokens=4), DynamicCache(config=llama.config)
+    args = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    out = llama.generate(prompt, cache=cache, **args)
+    assert torch.equal(out, llama.generate(prompt, cache=dynamic, **args))
+
+    def interrupt(module, args, output):
+        raise KeyboardInterrupt
+    handle = llama.model.layers[0].register_forward_hook(interrupt)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        llama(ids(3, 41), cache=cache)
+    handle.remove()
+    assert cache.get_seq_length() == len(cache.context) == dynamic.get_seq_length()
+    cache.fork().close()                    # no longer "during a forward pass"
+    turn = torch.cat([out, ids(6, 42)], dim=1)
+    args.update(max_new_tokens=5, output_logits=True, return_dict_in_generate=True)
+    mine, theirs = llama.generate(turn, cache=cache, **args), llama.generate(turn, cache=dynamic, **args)
+    assert torch.equal(mine.sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(mine.logits, theirs.logits))
+    cache.close()
+
+
+def test_layer_views_follow_an_overwrite_in_place_through_the_context():
+    """An overwrite inside a page only the context holds keeps its page tuple: the views were not refilled."""
+    model = _llama(2)
+    views = hf.KVStateCache.for_model(model, page_tokens=4, layer_views=True)
+    run(model, views, [ids(6, 43), ids(1, 44)])
+    values = np.full((1, *views.kv.layout.position_shape), 0.5, np.float32)
+    views.context.overwrite(5, [7], values)
+    gathered = hf.KVStateCache.for_model(model, context=views.context.fork())
+    step = ids(1, 45)
+    assert torch.equal(run(model, views, [step])[0], run(model, gathered, [step])[0])
+    views.close()
+    gathered.close()
+
+
+def test_match_on_a_closed_cache_is_refused_before_it_takes_a_hit():
+    model = _llama(2)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, [ids(9, 46)])
+    cache.retain()
+    tokens = cache.tokens + [3]
+    kv = cache.kv
+    cache.close()
+    stale = hf.KVStateCache.for_model(model, kv)
+    stale.close()
+    with pytest.raises(ContextClosedError):
+        stale.match(tokens)
+    assert kv.stats()["live_contexts"] == 0
+    fresh = hf.KVStateCache.for_model(model, kv)
+    with pytest.raises(ShapeError, match="one sequence"):
+        fresh.match(torch.tensor([tokens, tokens]))         # two rows, not one sequence of both
+    assert fresh.match(torch.tensor([tokens])) == 9
+    fresh.close()
+    kv.clear()
+    assert kv.stats()["live_pages"] == 0
+
+
+def test_a_deep_copy_of_an_attached_model_generates_with_its_own_weights():
+    """``attach`` wraps some of the model's methods; a closure over a bound method kept calling the
+    original model's from a copy, whose ``generate`` then ran the original's weights."""
+    import copy
+
+    model = hf.attach(_llama(2))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for param in twin.parameters():
+            param.mul_(-1)
+    plain = _llama(2)
+    plain.load_state_dict(twin.state_dict())        # the same weights, never attached
+    args = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    prompt = ids(5, 47)
+    mine, theirs = twin.generate(prompt, **args), plain.generate(prompt, **args)
+    assert all(torch.equal(a, b) for a, b in zip(mine.logits, theirs.logits))
+    cache = hf.KVStateCache.for_model(twin, page_tokens=4)
+    assert torch.equal(twin.generate(prompt, cache=cache, **args).sequences, theirs.sequences)
+    cache.close()
+
+
+def test_a_second_threads_forward_on_one_cache_is_refused_and_the_first_completes_exactly(llama):
+    """One cache is one sequence of forwards: another thread's forward while one is under way mixed their
+    K/V and ids in one step (K/V committed under the other thread's tokens). Now it is refused by
+    name, its refused forward ends nothing of the first's, and the first completes as DynamicCache's."""
+    import threading
+
+    cache, dynamic = hf.KVStateCache.for_model(llama, page_tokens=2), DynamicCache(config=llama.config)
+    run(llama, cache, [ids(3, 48)])
+    run(llama, dynamic, [ids(3, 48)])
+    inside, go_on, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(module, args, output):
+        if threading.current_thread().name == "first":
+            inside.set()
+            go_on.wait(10)
+
+    def first():
+        outcome["first"] = run(llama, cache, [ids(2, 49)])[0]
+    handle = llama.model.layers[0].register_forward_hook(hold)
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    assert inside.wait(10)
+    with torch.no_grad(), pytest.raises(ContextBusyError, match="another thread"):
+        llama(ids(2, 50), cache=cache)
+    with pytest.raises(ContextBusyError):
+        cache.fork()
+    go_on.set()
+    thread.join(10)
+    handle.remove()
+    assert torch.equal(outcome["first"], run(llama, dynamic, [ids(2, 49)])[0])
+    assert cache.get_seq_length() == 5
+    cache.close()
+
+
+def test_cache_arguments_beside_a_given_kvstate_cache_and_a_closed_context_are_refused(tmp_path):
+    """They build a new kvstate cache and were silently ignored: a restore asked for q8 into an f32 cache
+    got f32 pages of 4 tokens. A closed context was taken as the cache's row."""
+    model = _llama(2)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, [ids(5, 51)])
+    cache.context.snapshot(tmp_path / "turn.kvs")
+    before = cache.kv.stats()
+    with pytest.raises(ConfigError, match="kv is given"):
+        hf.KVStateCache.for_model(model, cache.kv, precision="f16")
+    with pytest.raises(ConfigError, match="kv is given"):
+        hf.KVStateCache.restore(model, tmp_path / "turn.kvs", kv=cache.kv, precision="q8", page_tokens=16)
+    closed = cache.context.fork()
+    closed.close()
+    with pytest.raises(ContextClosedError):
+        hf.KVStateCache.for_model(model, context=closed)
+    assert cache.kv.stats()["live_pages"] == before["live_pages"]
+    restored = hf.KVStateCache.restore(model, tmp_path / "turn.kvs", precision="q8", page_tokens=16)
+    assert restored.kv.precision == "q8" and restored.kv.page_tokens == 16
+    restored.close()
+    cache.close()
