@@ -11,13 +11,19 @@ the labels; a write into a page whose label another holder lists takes a fresh l
 (the copy ``writable`` would make); new pages take fresh labels. Live pages are the
 distinct labels. No value is ever shared.
 
-A label is a pair, one name per way an engine may share pages (``SHARINGS``): [0] as forks,
-hits and retains share them; [1] as well as that, as an engine keying K/V by prefix shares them
-under ``values="prefix"``: its retain keeps the page an older entry holds for each whole page of
-the key it already has, and the context and the new entry hold that page instead of their own
-(SGLang's insert, which frees the request's slots the tree already held). Under ``values="seeded"``
-the two names always agree. Where the two counts disagree on whether a full pool has room, either
-answer is right, and the reference does what the engine under test did (``check_room``).
+A label is a tuple of names, one per way an engine may share pages (``SHARINGS``):
+
+- ``FORKS``: as forks, hits and retains share them;
+- ``WHOLE_PAGES``: as well as that, as an engine keying K/V by prefix shares them under
+  ``values="prefix"``: its retain keeps the page an older entry holds for each whole page of the
+  key it already has, and the context and the new entry hold that page instead of their own
+  (SGLang's insert, which frees the request's slots the tree already held);
+- ``SAME_KEY``: as ``WHOLE_PAGES``, and a retain of a key the tree holds already keeps that
+  entry's partly filled last page too.
+
+Under ``values="seeded"`` the names always agree. Where the counts disagree on whether a full pool
+has room, either answer is right, and the reference does what the engine under test did
+(``check_room``).
 """
 
 from __future__ import annotations
@@ -32,9 +38,8 @@ from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, hit_length
 
-# The two ways a page label names pages (see the module docstring): as forks share them, and as
-# an engine that also shares a retained context's whole pages with an older entry's.
-FORKS, PREFIXES = SHARINGS = (0, 1)
+# The ways a page label names pages, its positions (see the module docstring).
+FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
 
 
 def _is_int(value) -> bool:
@@ -57,11 +62,11 @@ def _numbers(kv) -> np.ndarray | None:
 
 
 class RefContext:
-    def __init__(self, cache: "RefCache", values: np.ndarray, tokens: list[int], labels: list[tuple[int, int]]):
+    def __init__(self, cache: "RefCache", values: np.ndarray, tokens: list[int], labels: list[tuple[int, ...]]):
         self.cache = cache
         self.values = values      # (n, layers, 2, kv_heads, head_dim) float32, as reads return it
         self.token_list = tokens
-        self.labels = labels      # the pages an engine would hold, by label pair (see the module docstring)
+        self.labels = labels      # the pages an engine would hold, by label (see the module docstring)
         self.closed = False
 
     def __len__(self) -> int:
@@ -213,10 +218,10 @@ class RefCache:
 
     # -- page labels: the pool, counted ------------------------------------------------
 
-    def new_label(self) -> tuple[int, int]:
-        """A page no holder lists yet, by both names."""
+    def new_label(self) -> tuple[int, ...]:
+        """A page no holder lists yet, by every name."""
         self.labels_issued += 1
-        return self.labels_issued, self.labels_issued
+        return (self.labels_issued,) * len(SHARINGS)
 
     def keys(self) -> list[tuple[int, ...]]:
         """The entries' keys, in the order they were last retained."""
@@ -225,10 +230,10 @@ class RefCache:
     def _holders(self) -> list[RefContext]:
         return self.contexts + [entry[1] for entry in self.entries]
 
-    def holders_of(self, label: tuple[int, int], sharing: int = FORKS) -> int:
+    def holders_of(self, label: tuple[int, ...], sharing: int = FORKS) -> int:
         return sum(1 for holder in self._holders() for mine in holder.labels if mine[sharing] == label[sharing])
 
-    def shared(self, label: tuple[int, int], sharing: int = FORKS) -> bool:
+    def shared(self, label: tuple[int, ...], sharing: int = FORKS) -> bool:
         return self.holders_of(label, sharing) > 1
 
     def live_pages(self, sharing: int = FORKS) -> int:
@@ -250,10 +255,11 @@ class RefCache:
         if not any(full) or (not all(full) and self.engine_refused is False):
             return      # room, or room one way of sharing and none the other: the engine's answer stands
         what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
-        if PREFIXES in sharings:
-            raise CapacityError(f"pool of {limit}: {_pages(counted, FORKS)} {what} + {needs[FORKS]} needed as forks "
-                                f"share pages, {_pages(counted, PREFIXES)} + {needs[PREFIXES]} where retains share "
-                                f"them by prefix")
+        if len(sharings) > 1:
+            raise CapacityError(
+                f"pool of {limit}: {_pages(counted, FORKS)} {what} + {needs[FORKS]} needed as forks share pages, "
+                f"{_pages(counted, WHOLE_PAGES)} + {needs[WHOLE_PAGES]} where retains share whole pages by prefix, "
+                f"{_pages(counted, SAME_KEY)} + {needs[SAME_KEY]} where a retained key keeps its last page too")
         raise CapacityError(f"{_pages(counted, FORKS)} {what} + {needs[FORKS]} needed > pool of {limit}")
 
     def make_room(self, needed: int | list[int]) -> None:
@@ -272,7 +278,7 @@ class RefCache:
 
     # -- contexts ------------------------------------------------------------------------
 
-    def _adopt(self, values: np.ndarray, tokens: list[int], labels: list[tuple[int, int]]) -> RefContext:
+    def _adopt(self, values: np.ndarray, tokens: list[int], labels: list[tuple[int, ...]]) -> RefContext:
         ctx = RefContext(self, values, tokens, labels)
         self.contexts.append(ctx)
         return ctx
@@ -317,15 +323,21 @@ class RefCache:
             self.entries.remove(min(older, key=lambda entry: entry[2]))
 
     def _kept_by_older_entries(self, key: tuple[int, ...], labels: list) -> list:
-        """``labels`` with the prefix-sharing name of each whole page of ``key`` that an entry's key
-        shares up to that page's end replaced by the entry's (any such entry: they all hold one page there)."""
-        size, kept = self.config.page_tokens, list(labels)
-        for i in range(len(key) // size):
-            end = (i + 1) * size
-            older = next((entry for entry in self.entries if entry[0][:end] == key[:end]), None)
-            if older is not None:
-                kept[i] = (kept[i][FORKS], older[1].labels[i][PREFIXES])
-        return kept
+        """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them:
+        under ``WHOLE_PAGES`` and ``SAME_KEY``, each whole page of ``key`` whose tokens up to its end an
+        entry's key begins with takes that entry's name (any such entry's: they all hold one page
+        there); under ``SAME_KEY``, an entry of this very key gives its partly filled last page too."""
+        size, kept = self.config.page_tokens, [list(label) for label in labels]
+        for i, label in enumerate(kept):
+            end = min((i + 1) * size, len(key))
+            for sharing in (WHOLE_PAGES, SAME_KEY):
+                whole = end == (i + 1) * size
+                older = next((entry for entry in self.entries
+                              if (entry[0][:end] == key[:end] if whole else sharing == SAME_KEY and entry[0] == key)),
+                             None)
+                if older is not None:
+                    label[sharing] = older[1].labels[i][sharing]
+        return [tuple(label) for label in kept]
 
     def _over_page_budget(self) -> bool:
         budget = self.config.max_pages

@@ -234,13 +234,14 @@ def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
                       pages, ref_ctx.labels))
     named.sort(key=lambda item: item[0])
     renamed: dict[int, int] = {}
-    relabelled: tuple[dict[int, int], ...] = ({}, {})   # a reference label is a pair of names, each its own
+    relabelled: dict[int, dict[int, int]] = {}   # a reference label is a tuple of names, each renamed on its own
 
     def rename(pages):
         return tuple(renamed.setdefault(pid, len(renamed)) for pid in pages)
 
     def relabel(labels):
-        return tuple(tuple(names.setdefault(name, len(names)) for names, name in zip(relabelled, label))
+        return tuple(tuple(relabelled.setdefault(at, {}).setdefault(name, len(relabelled[at]))
+                           for at, name in enumerate(label))
                      for label in labels)
 
     context_form = tuple((key, rename(pages), relabel(labels)) for key, pages, labels in named)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import settings
 
 from kvstate.reference import RefCache
-from kvstate.reference.model import FORKS, PREFIXES
+from kvstate.reference.model import FORKS, SAME_KEY, WHOLE_PAGES
 from kvstate.spec import Config, Layout
 from kvstate.spec.errors import CapacityError
 from kvstate.stateful import ops as O
@@ -34,21 +34,25 @@ def _pool_module():
     return sys.modules[load_factory(str(EXAMPLES / "token_pool_backend.py")).__module__]
 
 
-def _sharing_pool(limit_slack: int = 0):
+def _sharing_pool(limit_slack: int = 0, same_key_last_page: bool = False):
     """The example's refusing token pool, retaining as SGLang inserts: each whole page of a retained
     context whose tokens up to the page's end an older entry's key begins with is given back, and
     the context and its new entry hold the entry's page instead (an entry of the same key included:
-    the tree keeps its old slots). ``limit_slack`` > 0 plants a bug: the pool takes that many pages
-    past its limit."""
+    the tree keeps its old slots). ``same_key_last_page``: from an entry of the same key, its partly
+    filled last page too. ``limit_slack`` > 0 plants a bug: the pool takes that many pages past its
+    limit."""
     base = _pool_module().TokenPoolCache
 
     class SharingPool(base):
         def retain(self, ctx) -> None:
             key, size = tuple(ctx.tokens), self.page_tokens
             kept = {}
-            for i in range(len(key) // size):
-                end = (i + 1) * size
-                older = next((e for e in self.entries if e[0][:end] == key[:end]), None)
+            for i in range(len(ctx.pages)):
+                end = min((i + 1) * size, len(key))
+                if end == (i + 1) * size:
+                    older = next((e for e in self.entries if e[0][:end] == key[:end]), None)
+                else:
+                    older = next((e for e in self.entries if e[0] == key), None) if same_key_last_page else None
                 if older is not None and older[1].pages[i] is not ctx.pages[i]:
                     kept[i] = older[1].pages[i]
                     kept[i].refcount += 1       # held through the retain, which may drop that entry
@@ -91,11 +95,11 @@ def _two_equal_entries(run: Lockstep) -> str:
     return second
 
 
-def test_the_engine_holds_the_pages_the_reference_counts_as_prefixes_share_them():
+def test_the_engine_holds_the_pages_the_reference_counts_as_retains_share_them():
     run = _lockstep(_sharing_pool())
     _two_equal_entries(run)
     assert len(run.engine.live) == 3
-    assert run.reference.live_pages(FORKS) == 5 and run.reference.live_pages(PREFIXES) == 3
+    assert run.reference.live_pages(FORKS) == 5 and run.reference.live_pages(WHOLE_PAGES) == run.reference.live_pages(SAME_KEY) == 3
 
 
 def test_inside_the_band_the_reference_follows_an_engine_that_had_room():
@@ -120,13 +124,38 @@ def test_the_engine_may_hold_more_pages_than_forks_share_and_refuse_for_it():
     run.apply(O.Retain(other))
     run.apply(O.Retain(child))          # the same key: the tree keeps the page ``other`` wrote
     run.apply(O.Close(other))
-    assert (len(run.engine.live), run.reference.live_pages(FORKS), run.reference.live_pages(PREFIXES)) == (2, 1, 2)
+    assert (len(run.engine.live), run.reference.live_pages(FORKS), run.reference.live_pages(WHOLE_PAGES)) == (2, 1, 2)
     filler = run.apply(O.Allocate())
     run.apply(O.Extend(filler, tuple(range(8)), seed=3))        # 4 pages: the pool's 6 are all live
     last = run.apply(O.Allocate())
     run.apply(O.Extend(last, (7, 7), seed=4))
     assert run.history[-1].endswith("refused: CapacityError")
     run.check()
+
+
+def test_a_retain_of_a_key_held_already_may_keep_its_partly_filled_last_page_too():
+    """(1, 2, 3) written twice apart and retained twice: an engine keeping the old entry's last page
+    (half full, page size 2) holds 2 pages, one keeping whole pages only holds 3, forks alone 4. An
+    extend of 2 pages into a pool of 6 is either answer's to give, as long as the engine has room."""
+    for same_key_last_page, held in ((True, 2), (False, 3)):
+        run = _lockstep(_sharing_pool(same_key_last_page=same_key_last_page))
+        first = run.apply(O.Allocate())
+        run.apply(O.Extend(first, (1, 2, 3), seed=1))
+        run.apply(O.Retain(first))
+        second = run.apply(O.Allocate())
+        run.apply(O.Extend(second, (1, 2, 3), seed=2))
+        run.apply(O.Retain(second))
+        counts = [run.reference.live_pages(sharing) for sharing in (FORKS, WHOLE_PAGES, SAME_KEY)]
+        assert (len(run.engine.live), counts) == (held, [4, 3, 2])
+        third = run.apply(O.Allocate())
+        run.apply(O.Extend(third, (4, 5, 6, 7), seed=3))         # 2 more pages: room for 2 or 3 held, not 4
+        assert "refused" not in run.history[-1]
+        run.check()
+
+
+def test_conform_passes_a_pool_that_keeps_a_held_keys_last_page():
+    results = conform(_sharing_pool(same_key_last_page=True), settings=SMALL, checks=["lockstep", "seeded"])
+    assert all(result.passed for result in results), [result.failure for result in results]
 
 
 def test_the_reference_alone_still_refuses_by_its_labels():
