@@ -287,8 +287,10 @@ class Context:
         kv = check_values(self._cache.layout, kv, len(tokens))
         with self._owned():
             first = _position(start)
-            stop = first + len(tokens) if first is not None else None
-            if stop is None or not 0 <= first <= stop <= self._length:
+            if first is None:
+                raise PositionError(_not_a_position("overwrite", start))
+            stop = first + len(tokens)
+            if not 0 <= first <= stop <= self._length:
                 raise PositionError(
                     f"overwrite of [{start}, {stop}) is outside context {self.context_id} of length {self._length}")
             start = first
@@ -375,7 +377,9 @@ class Context:
         """Keep the first ``n`` positions; pages past them are released."""
         with self._owned():
             keep_positions = _position(n)
-            if keep_positions is None or not 0 <= keep_positions <= self._length:
+            if keep_positions is None:
+                raise PositionError(_not_a_position("truncate", n))
+            if not 0 <= keep_positions <= self._length:
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             n = keep_positions
             with self._cache.lock:
@@ -480,9 +484,16 @@ def _position(value) -> int | None:
     return operator.index(value)
 
 
+def _not_a_position(what: str, value) -> str:
+    """A refusal's words for a position that is no integer (a float, a bool, a 0-d array)."""
+    return f"{what} takes integer positions, not {value!r} ({type(value).__name__})"
+
+
 def _check_range(what: str, start, stop, length: int) -> tuple[int, int]:
     first, end = _position(start), _position(stop)
-    if first is None or end is None or not 0 <= first <= end <= length:
+    if first is None or end is None:
+        raise PositionError(_not_a_position(what, start if first is None else stop))
+    if not 0 <= first <= end <= length:
         raise PositionError(f"{what} of [{start}, {stop}) is outside length {length}")
     return first, end
 

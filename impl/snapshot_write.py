@@ -231,4 +231,6 @@ def write_snapshot(ctx: "Context", target, deadline=None) -> None:
     except TypeError:
         raise SnapshotWriteError(
             f"a snapshot goes to a path or a binary stream, not {type(target).__name__}") from None
+    if not os.path.basename(path):      # "" or a folder's path: the temporary file went to the wrong folder
+        raise SnapshotWriteError(f"the snapshot path {path!r} names no file")
     write_atomic(path, lambda file: _write_to(file, ctx))

@@ -220,3 +220,17 @@ def test_numpy_integer_positions_are_accepted_and_stored_as_int(cache):
     ctx.overwrite(np.int32(1), [7], kv(1))
     assert ctx.tokens == [0, 7, 2]
     assert type(cache.observe().lengths[f"ctx:{ctx.context_id}"]) is int
+
+
+@pytest.mark.parametrize("call, position", [
+    (lambda ctx: ctx.truncate(2.0), "2.0 (float)"),
+    (lambda ctx: ctx.overwrite(True, [1], kv(1)), "True (bool)"),
+    (lambda ctx: ctx.read(np.float32(0.5), 2), "float32"),
+])
+def test_a_position_that_is_no_integer_is_named_as_such_not_as_out_of_range(cache, call, position):
+    """``truncate(2.0)`` said "truncate to 2.0 is outside context 1 of length 8": its type is what is wrong."""
+    ctx = filled(cache, 8)
+    with pytest.raises(errors.PositionError, match="integer positions") as refused_with:
+        call(ctx)
+    assert position in str(refused_with.value) and "outside" not in str(refused_with.value)
+    assert len(ctx) == 8

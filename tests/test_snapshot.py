@@ -326,6 +326,18 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
     assert_reads_equal(restored, ref_ctx)
 
 
+@pytest.mark.parametrize("target", ["", "folder" + os.sep])
+def test_a_path_naming_no_file_is_refused_by_name_before_anything_is_written(tmp_path, monkeypatch, target):
+    """An empty path wrote its body to a temporary file in the working folder's parent, then failed to
+    rename it with "No such file or directory", naming nothing."""
+    (tmp_path / "work" / "folder").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "work")        # its parent, tmp_path, is where the body went
+    cache, ctx, _ = filled("f32")
+    with pytest.raises(SnapshotWriteError, match="names no file"):
+        ctx.snapshot(target)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["work", os.path.join("work", "folder")]
+
+
 @pytest.mark.parametrize("compressor", ["gzip", "bz2", "lzma"])
 def test_snapshot_into_a_compressing_writer_restores_through_it(tmp_path, compressor):
     """A compressing writer says it can seek but goes only forward while writing: the snapshot is
