@@ -38,7 +38,7 @@ from kvstate.spec.layout import check_tokens, check_values, require_finite
 from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, hit_length
 
-# The ways a page label names pages, its positions (see the module docstring).
+# Which name of a page label is which: one per way of sharing pages (see the module docstring).
 FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
 
 
@@ -330,12 +330,14 @@ class RefCache:
         size, kept = self.config.page_tokens, [list(label) for label in labels]
         for i, label in enumerate(kept):
             end = min((i + 1) * size, len(key))
-            for sharing in (WHOLE_PAGES, SAME_KEY):
-                whole = end == (i + 1) * size
-                older = next((entry for entry in self.entries
-                              if (entry[0][:end] == key[:end] if whole else sharing == SAME_KEY and entry[0] == key)),
-                             None)
-                if older is not None:
+            if end == (i + 1) * size:       # a whole page: from any entry whose key begins with key[:end]
+                older = next((entry for entry in self.entries if entry[0][:end] == key[:end]), None)
+                sharings = (WHOLE_PAGES, SAME_KEY)
+            else:                           # the partly filled last page: from an entry of this very key
+                older = next((entry for entry in self.entries if entry[0] == key), None)
+                sharings = (SAME_KEY,)
+            if older is not None:
+                for sharing in sharings:
                     label[sharing] = older[1].labels[i][sharing]
         return [tuple(label) for label in kept]
 
