@@ -175,6 +175,17 @@ class Cache:
             self._contexts[ctx.context_id] = ctx
         return ctx
 
+    def _new_pages_context(self, count: int) -> Context:
+        """``count`` new pages (``PagePool.new_pages``) held by a new empty context, or neither: an
+        interrupt between the two lets the pages go, which no holder would ever release. The caller
+        holds the cache lock (a restore, before it writes the pages)."""
+        pages = self.pool.new_pages(count)
+        try:
+            return self._new_context(pages, 0)
+        except BaseException:
+            self.pool.release_slots(pages, ref_slots(pages))
+            raise
+
     def allocate(self) -> Context:
         """A new empty context."""
         with self.lock:

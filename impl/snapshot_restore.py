@@ -105,8 +105,7 @@ def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
     (running out of memory while allocating leaves no page behind: ``PagePool.new_pages``); an
     interrupt while the values are copied closes the context, which no caller holds yet."""
     with cache.lock:
-        pages = cache.pool.new_pages(pages_needed(n, cache.page_tokens))
-        ctx = cache._new_context(pages, 0)
+        ctx = cache._new_pages_context(pages_needed(n, cache.page_tokens))
     try:
         if n:
             ctx._write(0, n, tokens, encoded)

@@ -72,10 +72,9 @@ def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) 
     page_tokens = cache.page_tokens
     with cache.lock:
         with cache.store.adopting(prepared):
-            pages = cache.pool.new_pages(pages_needed(n, page_tokens))
-        ctx = cache._new_context(pages, 0)
+            ctx = cache._new_pages_context(pages_needed(n, page_tokens))
         try:
-            for index, page in enumerate(pages):
+            for index, page in enumerate(ctx._pages):
                 lo, hi = span_in_page(index, 0, n, page_tokens)
                 page.tokens[lo:hi] = tokens[index * page_tokens:index * page_tokens + hi - lo]
                 page.filled = hi

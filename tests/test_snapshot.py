@@ -504,3 +504,23 @@ def test_an_interrupt_while_a_restore_fills_its_pages_leaves_no_context(monkeypa
     with pytest.raises(KeyboardInterrupt):
         into.restore(path)
     assert into.observe().holders == {} and into.stats()["live_pages"] == 0
+
+
+@pytest.mark.parametrize("how", ["own precision, from a file", "another precision"])
+def test_an_interrupt_between_a_restores_pages_and_their_context_lets_the_pages_go(monkeypatch, tmp_path, how):
+    """The window between ``new_pages`` and the context that holds them: pages made and held by no one."""
+    cache, ctx, _ = filled("f16")
+    path = tmp_path / "ctx.kvs"
+    ctx.snapshot(path)
+    into = Cache(LAYOUT, page_tokens=4, precision="f16" if how.startswith("own") else "f32")
+    real = Cache._new_context
+
+    def new_context(self, pages, length, register=True):
+        if pages:
+            raise KeyboardInterrupt         # as if delivered right after the pages were made
+        return real(self, pages, length, register)
+    monkeypatch.setattr(Cache, "_new_context", new_context)
+    with pytest.raises(KeyboardInterrupt):
+        into.restore(path)
+    stats = into.stats()
+    assert stats["live_pages"] == 0 and into.observe().holders == {} and not into.pool.refcounts.any()
