@@ -23,7 +23,8 @@ A label is a tuple of names, one per way an engine may share pages (``SHARINGS``
 
 Under ``values="seeded"`` the names always agree. Where the counts disagree on whether a full pool
 has room, either answer is right, and the reference does what the engine under test did
-(``check_room``).
+(``check_room``); where they disagree on which entries a pool that evicts lets go, the reference
+keeps the entries the engine kept, where it can see them (``make_room``).
 """
 
 from __future__ import annotations
@@ -215,6 +216,9 @@ class RefCache:
         # Whether the engine under test refused the operation now being checked for a full pool: set by
         # the lockstep before the reference runs it (None: no engine), read only where either answer is right.
         self.engine_refused: bool | None = None
+        # The keys of the entries the engine kept after that operation, where its evictions may go several ways
+        # (set by the lockstep: values="prefix", a pool that evicts, the tree tier; None: unknown).
+        self.engine_keys: set[tuple[int, ...]] | None = None
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -264,17 +268,31 @@ class RefCache:
 
     def make_room(self, needed: int | list[int]) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
-        one count per sharing. Evictions count pages as forks share them."""
+        one count per sharing. Evictions count pages as forks share them, unless another way of
+        sharing evicts otherwise and leaves the very entries the engine kept (``engine_keys``)."""
         limit, needs = self.config.pool_limit, _per_sharing(needed)
         if not any(needs) or not limit:
             return
         self.check_room(needs)
-        while self.config.on_full in ("evict", "evict-then-refuse") and self.live_pages() + needs[FORKS] > limit:
-            held = {label[FORKS] for ctx in self.contexts for label in ctx.labels}
-            keeps = [entry for entry in self.entries if any(label[FORKS] not in held for label in entry[1].labels)]
+        if self.config.on_full not in ("evict", "evict-then-refuse"):
+            return
+        sharings = SHARINGS if self.config.values == "prefix" else (FORKS,)
+        kept = [self._kept_after_evicting(needs[sharing], sharing) for sharing in sharings]
+        self.entries = next((entries for entries in kept
+                             if self.engine_keys == {entry[0] for entry in entries}), kept[FORKS])
+
+    def _kept_after_evicting(self, needed: int, sharing: int) -> list:
+        """The entries left once the least recently used of those keeping a page no context lists are
+        evicted, oldest first, until ``needed`` more pages fit or none is left; pages named as
+        ``sharing`` names them."""
+        entries, limit = list(self.entries), self.config.pool_limit
+        held = {label[sharing] for ctx in self.contexts for label in ctx.labels}
+        while _pages(self.contexts + [entry[1] for entry in entries], sharing) + needed > limit:
+            keeps = [entry for entry in entries if any(label[sharing] not in held for label in entry[1].labels)]
             if not keeps:
                 break
-            self.entries.remove(min(keeps, key=lambda entry: entry[2]))
+            entries.remove(min(keeps, key=lambda entry: entry[2]))
+        return entries
 
     # -- contexts ------------------------------------------------------------------------
 

@@ -34,16 +34,21 @@ def _pool_module():
     return sys.modules[load_factory(str(EXAMPLES / "token_pool_backend.py")).__module__]
 
 
-def _sharing_pool(limit_slack: int = 0, same_key_last_page: bool = False):
+def _sharing_pool(limit_slack: int = 0, same_key_last_page: bool = False, on_full: str = "refuse"):
     """The example's refusing token pool, retaining as SGLang inserts: each whole page of a retained
     context whose tokens up to the page's end an older entry's key begins with is given back, and
     the context and its new entry hold the entry's page instead (an entry of the same key included:
     the tree keeps its old slots). ``same_key_last_page``: from an entry of the same key, its partly
     filled last page too. ``limit_slack`` > 0 plants a bug: the pool takes that many pages past its
-    limit."""
+    limit. ``on_full="evict"``: a full pool evicts instead, least recently used entries keeping a
+    page no context holds first, and past that takes ordinary memory."""
     base = _pool_module().TokenPoolCache
 
     class SharingPool(base):
+        def __init__(self, config: Config):
+            base.__mro__[1].__init__(self, config)      # the list cache's: the example refuses evicting pools
+            self.config = config
+
         def retain(self, ctx) -> None:
             key, size = tuple(ctx.tokens), self.page_tokens
             kept = {}
@@ -66,7 +71,13 @@ def _sharing_pool(limit_slack: int = 0, same_key_last_page: bool = False):
                 self.release(own)
 
         def make_room(self, needed: int) -> None:
-            if len(self.live) + needed <= self.config.pool_limit + limit_slack:
+            while on_full == "evict" and needed and len(self.live) + needed > self.config.pool_limit:
+                held = {id(page) for ctx in self.contexts for page in ctx.pages}
+                keeps = [e for e in self.entries if any(id(page) not in held for page in e[1].pages)]
+                if not keeps:
+                    return
+                self._drop(min(keeps, key=lambda e: e[2]))
+            if on_full == "evict" or len(self.live) + needed <= self.config.pool_limit + limit_slack:
                 return
             raise CapacityError(f"{len(self.live)} live pages + {needed} needed > pool")
 
@@ -74,7 +85,7 @@ def _sharing_pool(limit_slack: int = 0, same_key_last_page: bool = False):
         return SharingPool(config)
 
     factory.configs = [Config(Layout(layers=1, kv_heads=1, head_dim=2), page_tokens=PAGE, precision="f32",
-                              max_entries=3, match="token", pool_pages=POOL, on_full="refuse", values="prefix")]
+                              max_entries=3, match="token", pool_pages=POOL, on_full=on_full, values="prefix")]
     return factory
 
 
@@ -155,6 +166,26 @@ def test_a_retain_of_a_key_held_already_may_keep_its_partly_filled_last_page_too
 
 def test_conform_passes_a_pool_that_keeps_a_held_keys_last_page():
     results = conform(_sharing_pool(same_key_last_page=True), settings=SMALL, checks=["lockstep", "seeded"])
+    assert all(result.passed for result in results), [result.failure for result in results]
+
+
+def test_an_evicting_pool_that_shares_on_retain_evicts_less_and_the_reference_keeps_what_it_kept():
+    """The two entries alone hold 5 pages as forks share them, 3 as the engine holds them: an extend of 2
+    pages into a pool of 6 makes the reference evict the oldest entry by the first count, and the engine
+    nothing. The engine's entries (its tree tier) tell which way of sharing it follows, and the
+    reference keeps those."""
+    run = _lockstep(_sharing_pool(on_full="evict"))
+    second = _two_equal_entries(run)
+    run.apply(O.Close("c1"))
+    run.apply(O.Close(second))
+    third = run.apply(O.Allocate())
+    run.apply(O.Extend(third, (5, 6, 7, 8), seed=3))
+    run.check()
+    assert len(run.engine.entries) == len(run.reference.entries) == 2
+
+
+def test_conform_passes_an_evicting_pool_that_shares_on_retain():
+    results = conform(_sharing_pool(on_full="evict"), settings=SMALL, checks=["lockstep", "seeded"])
     assert all(result.passed for result in results), [result.failure for result in results]
 
 
