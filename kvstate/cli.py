@@ -180,6 +180,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
     from kvstate.spec.errors import ClusterLostError, SweepError
     from kvstate.stateful.backends import backend_option, canonical_backend
+    from kvstate.stateful.sweeps import journal as J
     from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.conform import FactoryError
 
@@ -206,6 +207,8 @@ def _sweep(args: argparse.Namespace) -> int:
                 k, n = S.parse_shard(args.shard)
                 seeds, label = S.shard(seeds, k, n), args.shard
         args.steps = 400 if args.steps is None else args.steps
+        args.shrink_limit = J.DEFAULT_SHRINK_LIMIT if args.shrink_limit is None else args.shrink_limit
+        args.shrink_budget = J.DEFAULT_SHRINK_BUDGET if args.shrink_budget is None else args.shrink_budget
         args.backend = args.backend or S.DEFAULT_BACKEND
         if not scheduler:       # a file backend, absolute: its commands work from any folder (a cluster's
             args.backend = canonical_backend(args.backend)      # workers resolve the name as given)
@@ -295,9 +298,15 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, 
         setattr(args, name, want)
     if args.shard is not None and args.shard != plan.shard:
         clash["shard"] = args.shard
+    for name in ("run_timeout", "shrink_limit", "shrink_budget"):       # how it ran: kept unless given
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(plan, name))
     if clash:
+        def held(name: str) -> str:
+            value = recorded.get(name, plan.shard)
+            return f"no --{name}" if value is None else f"--{name} {value}"
         raise ResumeError(f"{args.resume} holds a sweep with " + "; ".join(
-            f"--{name} {recorded.get(name, plan.shard)}, not {value}" for name, value in clash.items()))
+            f"{held(name)}, not {value}" for name, value in clash.items()))
     return list(plan.seeds), plan.shard, plan.workers
 
 
@@ -434,11 +443,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run on this Dask scheduler's workers (default: $KVSTATE_SCHEDULER unless --workers "
                             "is given); needs the cluster extra: pip install 'kvstate[cluster]'")
     sweep.add_argument("--run-timeout", type=float, metavar="SECONDS",
-                       help="a run still going after this long is a timeout failure of its seed")
+                       help="a run still going after this long is a timeout failure of its seed "
+                            "(a resume: the sweep's, unless given)")
     sweep.add_argument("--shard", help="K/N: run only the K-th of N disjoint shards of the seeds")
     sweep.add_argument("--out", help="folder for report.json, junit.xml, replays/, runs.jsonl (default sweep-out)")
-    sweep.add_argument("--shrink-limit", type=int, default=5, help="failures to shrink (default 5)")
-    sweep.add_argument("--shrink-budget", type=float, default=60.0, help="seconds per shrink (default 60)")
+    sweep.add_argument("--shrink-limit", type=int, help="failures to shrink (default 5; a resume: the sweep's)")
+    sweep.add_argument("--shrink-budget", type=float,
+                       help="seconds per shrink (default 60; a resume: the sweep's)")
     sweep.add_argument("--time-limit", type=float, default=LOAD_TIME_LIMIT, metavar="SECONDS",
                        help="for importing the backend and building its first cache (default 60)")
     sweep.set_defaults(run=_sweep)

@@ -29,6 +29,7 @@ from kvstate.spec.protocol import Config, Factory
 from . import generate as _generate  # noqa: F401  (imports optional op kinds, so their files load)
 from . import ops as O
 from . import replay_bounds as bounds
+from .data_files import read_regular
 from .deadline import Deadline
 from .lockstep import REFUSED, Lockstep, to_numpy
 from .frames import raised_at  # noqa: F401  (conform and the checks import it from here too)
@@ -287,8 +288,7 @@ def load(path: Path) -> Replay:
     """A replay file, or ``ReplayFileError`` naming what is wrong with it (also past ``MAX_REPLAY_BYTES``,
     not UTF-8, nested too deeply to parse, or past a bound of ``replay_bounds``), before anything runs."""
     try:
-        with open(path, "rb") as file:
-            raw = file.read(MAX_REPLAY_BYTES + 1)
+        raw = read_regular(path, MAX_REPLAY_BYTES)         # a FIFO given as the file blocked for good
         if len(raw) > MAX_REPLAY_BYTES:
             raise ReplayFileError(f"replay file {str(path)!r} is larger than {MAX_REPLAY_BYTES} bytes (MAX_REPLAY_BYTES)")
         data = json.loads(raw.decode("utf-8"))

@@ -201,3 +201,54 @@ def test_a_fuzzer_run_by_hand_leaves_nothing_in_the_working_folder(tmp_path):
                           env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
     assert done.returncode == 0, done.stdout + done.stderr
     assert sorted(path.name for path in tmp_path.iterdir()) == ["cache"]
+
+
+def test_a_fifo_as_a_replay_file_or_a_journal_is_refused_not_waited_on(tmp_path, capsys):
+    """From an audit: each blocked in open() or read() for good; --time-limit does not reach a read."""
+    import os
+
+    fifo = tmp_path / "replay.json"
+    os.mkfifo(fifo)
+    assert main(["replay", str(fifo)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    out = tmp_path / "sweep"
+    out.mkdir()
+    os.mkfifo(out / "runs.jsonl")
+    assert main(["sweep", "--resume", str(out)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+    assert main(["sweep", "--seeds", "1", "--steps", "5", "--configs", "f32-heap", "--out", str(out)]) == 2
+    assert "not a regular file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc (Linux)")
+def test_a_pool_process_ends_itself_once_the_sweep_that_made_it_is_gone():
+    """From an audit: after ``kill -9`` of a 2-worker sweep its pool processes lived on, holding the
+    sweep's output open, and a CI step piping it waited for good. A pool process's watch of its
+    parent, run by a stand-in parent that dies at once without stopping it."""
+    import subprocess
+    import sys
+    import textwrap
+    import time
+
+    script = textwrap.dedent("""
+        import os
+        from kvstate.stateful.sweeps import sweep as S
+        S.PARENT_POLL_S = 0.05
+        child = os.fork()
+        if child == 0:
+            S._end_with_parent(os.getppid())
+        print(child, flush=True)
+        os._exit(0)
+    """)
+    child = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout)
+
+    def alive() -> bool:
+        try:
+            with open(f"/proc/{child}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] != "Z"     # a zombie has ended
+        except FileNotFoundError:
+            return False
+    deadline = time.monotonic() + 10
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive()

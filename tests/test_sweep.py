@@ -319,3 +319,27 @@ def test_a_resume_runs_with_as_many_workers_as_the_sweep_it_finishes(tmp_path, c
     journal.write_text(json.dumps(plan) + "\n" + "".join(lines[1:-1]))
     assert main(["sweep", "--resume", str(out)]) == 0
     assert "1 worker(s), resuming" in capsys.readouterr().err
+
+
+def test_a_resume_runs_with_the_run_timeout_and_shrinking_the_sweep_was_started_with(tmp_path, monkeypatch):
+    """The journal records them; a resume without them used none and the defaults: a sweep started with
+    --run-timeout and resumed with the command it printed hung for good on the seed that hangs."""
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--out", str(out),
+                 "--run-timeout", "30", "--shrink-limit", "0", "--shrink-budget", "7"]) == 0
+    journal = out / "runs.jsonl"
+    plan, *runs = journal.read_text().splitlines(keepends=True)
+    assert {key: json.loads(plan)[key] for key in ("run_timeout", "shrink_limit", "shrink_budget")} == \
+        {"run_timeout": 30.0, "shrink_limit": 0, "shrink_budget": 7.0}
+    journal.write_text(plan + runs[0])
+    seen = []
+    real = S.sweep
+
+    def sweep(*args, **kwargs):
+        seen.append((kwargs["run_timeout"], args[6], args[7]))      # shrink_limit, shrink_budget_s
+        return real(*args, **kwargs)
+    monkeypatch.setattr(S, "sweep", sweep)
+    assert main(["sweep", "--resume", str(out)]) == 0
+    journal.write_text(plan + runs[0])
+    assert main(["sweep", "--resume", str(out), "--run-timeout", "5", "--shrink-limit", "3"]) == 0
+    assert seen == [(30.0, 0, 7.0), (5.0, 3, 7.0)]

@@ -48,6 +48,13 @@ class Exits(Context):
         sys.exit(0)
 
 
+class Raises(Context):
+    __slots__ = ()
+
+    def extend(self, tokens, kv):       # a CUDA-style message: a colour code, a NUL, a form feed
+        raise RuntimeError("\\x1b[31mCUDA error\\x00\\x0c")
+
+
 class ExitsOnRead(Context):
     __slots__ = ()
 
@@ -309,3 +316,38 @@ def test_one_page_size_of_a_name_swept_alone_keeps_its_label_and_resumes(tmp_pat
     (out / "runs.jsonl").write_text("".join(lines[:-1]))
     assert main(["sweep", "--resume", str(out), "--backend", backend]) == 0
     assert json.loads((out / "report.json").read_text())["runs_resumed"] == 2
+
+
+def test_junit_holds_a_backends_message_with_control_characters_and_a_partial_sweep_is_an_error(tmp_path):
+    """From an audit as a nightly CI engineer: an ANSI colour code or a NUL in a backend's message made
+    junit.xml no XML at all; a partial sweep's junit.xml read green (tests=6 failures=0)."""
+    import xml.etree.ElementTree as ET
+
+    from kvstate.stateful.sweeps import sweep as S
+    from kvstate.stateful.sweeps.runs import RunResult
+
+    backend = _backend(tmp_path, when="True", act="_planted(cache, Raises)")
+    status, report = _sweep(tmp_path, backend, "--workers", "1", "--shrink-limit", "0")
+    assert status == 1 and report["failures"]
+    junit = ET.parse(tmp_path / "out" / "junit.xml").getroot()       # well-formed
+    message = junit.find(".//failure").get("message")
+    assert "\\x1b[31mCUDA error\\x00\\x0c" in message
+    assert all(path.startswith(str(tmp_path)) for path in (f["replay_file"] for f in report["failures"]))
+    passed = RunResult("f32-heap", 0, 4, 10, 0.1, 0.1, None)
+    partial = S.SweepReport("b", 10, [0, 1, 2], ["f32-heap"], 1, None, 1.0, [passed], partial=True)
+    root = S.to_junit(partial).getroot()
+    assert (root.get("errors"), root.get("failures")) == ("1", "0")
+    assert "2 of its 3 runs not run" in root.find(".//error").get("message")
+    assert S.to_junit(S.SweepReport("b", 10, [0], ["f32-heap"], 1, None, 1.0, [passed])).getroot().get("errors") == "0"
+
+
+def test_a_sparse_shards_seeds_are_listed_without_spanning_them():
+    """``--seed-range 0:10000000 --shard 1/5000000`` holds 2 seeds; the report spanned 10 million to say so."""
+    import tracemalloc
+
+    from kvstate.stateful.sweeps.sweep import _compact
+
+    tracemalloc.start()
+    assert _compact([0, 20_000_000]) == [0, 20_000_000] and _compact([3, 4, 5]) == "3:6"
+    assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    tracemalloc.stop()

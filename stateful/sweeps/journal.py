@@ -1,7 +1,7 @@
 """A sweep's journal: the plan and every finished run, one JSON line each, as they finish.
 
-``OUT/runs.jsonl`` starts with the plan (backend, steps, seeds, configurations, shard, and
-the submitting machine's fingerprint), then gets one ``run`` line per finished
+``OUT/runs.jsonl`` starts with the plan (backend, steps, seeds, configurations, shard, the
+submitting machine's fingerprint, and how runs are run: workers, run timeout, shrinking), then gets one ``run`` line per finished
 (configuration, seed) and one ``shrunk`` line per shrunk failure, flushed as each arrives.
 Whatever stops a sweep (Ctrl-C, a lost scheduler, a killed machine) leaves the runs that
 finished on disk, and ``kvstate sweep --resume OUT`` runs only the rest. A last line cut
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,8 +20,11 @@ from typing import TextIO
 
 from kvstate.spec.errors import ResumeError
 
+from ..data_files import read_regular
+
 FILE = "runs.jsonl"
 FORMAT = "kvstate-sweep-journal/1"
+DEFAULT_SHRINK_LIMIT, DEFAULT_SHRINK_BUDGET = 5, 60.0      # failures shrunk, seconds a shrink
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,11 @@ class Plan:
     shard: str | None
     fingerprint: dict
     workers: int | None = None      # the local pool's size (None on a cluster): what a resume runs with
+    # How runs are run and failures shrunk: a resume keeps them unless told otherwise (a resume
+    # without the run timeout hung for good on the seed that hangs).
+    run_timeout: float | None = None
+    shrink_limit: int = DEFAULT_SHRINK_LIMIT
+    shrink_budget: float = DEFAULT_SHRINK_BUDGET
 
 
 @dataclass
@@ -51,7 +60,10 @@ class Journal:
     @classmethod
     def start(cls, out_dir: Path, plan: Plan) -> "Journal":
         out_dir.mkdir(parents=True, exist_ok=True)
-        journal = cls(open(out_dir / FILE, "w", encoding="utf-8"))
+        path = out_dir / FILE
+        if path.is_symlink() or (path.exists() and not path.is_file()):     # a FIFO there blocked the open for good
+            raise ResumeError(f"{path} is not a regular file: remove it, or pick another --out")
+        journal = cls(open(path, "w", encoding="utf-8"))
         journal._write({"kind": "plan", "format": FORMAT, **asdict(plan)})
         return journal
 
@@ -90,7 +102,8 @@ _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "se
 _FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
                    "invariant": (int, str, type(None)), "message": str, "where": str}
 _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
-                "fingerprint": dict, "workers": (int, type(None))}
+                "fingerprint": dict, "workers": (int, type(None)), "run_timeout": (int, float, type(None)),
+                "shrink_limit": int, "shrink_budget": _NUMBER}
 
 
 def read(out_dir: Path) -> Recorded:
@@ -102,12 +115,14 @@ def read(out_dir: Path) -> Recorded:
     """
     path = Path(out_dir) / FILE
     try:
-        size = path.stat().st_size
-        if size > MAX_BYTES:
-            raise ResumeError(f"{path} holds {size} bytes, above the journal limit MAX_BYTES={MAX_BYTES}")
-        lines = path.read_bytes().split(b"\n")
+        content = read_regular(path, MAX_BYTES)     # a FIFO there blocked the resume for good
     except OSError as error:
         raise ResumeError(f"no sweep to resume in {str(out_dir)!r}: {error.strerror} ({path})") from None
+    except ValueError as error:
+        raise ResumeError(f"no sweep to resume in {str(out_dir)!r}: {error}") from None
+    if len(content) > MAX_BYTES:
+        raise ResumeError(f"{path} holds more than the journal limit MAX_BYTES={MAX_BYTES} bytes")
+    lines = content.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     if len(lines) > MAX_LINES:
@@ -124,7 +139,10 @@ def read(out_dir: Path) -> Recorded:
             or entries[0][1].get("format") != FORMAT:
         raise ResumeError(f"{path} does not start with a {FORMAT} plan")
     head = {key: value for key, value in entries[0][1].items() if key not in ("kind", "format")}
-    head.setdefault("workers", None)        # journals from before it was recorded have none
+    head.setdefault("workers", None)        # journals from before these were recorded have none
+    head.setdefault("run_timeout", None)
+    head.setdefault("shrink_limit", DEFAULT_SHRINK_LIMIT)
+    head.setdefault("shrink_budget", DEFAULT_SHRINK_BUDGET)
     _check_fields(head, _PLAN_FIELDS, path, 1, "plan")
     if not all(_is_int(seed) for seed in head["seeds"]) or not all(isinstance(c, str) for c in head["configs"]) \
             or head["steps"] < 1:
@@ -135,8 +153,14 @@ def read(out_dir: Path) -> Recorded:
                               "(letters, digits and '-' only)")
     if head["workers"] is not None and head["workers"] < 1:
         raise ResumeError(f"{path}: line 1: malformed plan (workers must be at least 1, got {head['workers']})")
+    timeout = head["run_timeout"]
+    if (timeout is not None and not (math.isfinite(timeout) and timeout > 0)) or head["shrink_limit"] < 0 \
+            or not (math.isfinite(head["shrink_budget"]) and head["shrink_budget"] >= 0):
+        raise ResumeError(f"{path}: line 1: malformed plan (run_timeout must be a positive number or null, "
+                          "shrink_limit and shrink_budget at least 0)")
     plan = Plan(head["backend"], head["steps"], tuple(head["seeds"]), tuple(head["configs"]),
-                head["shard"], head["fingerprint"], head["workers"])
+                head["shard"], head["fingerprint"], head["workers"], timeout, head["shrink_limit"],
+                head["shrink_budget"])
     planned_seeds, planned_configs = set(plan.seeds), set(plan.configs)
     runs: dict[tuple[str, int], dict] = {}
     shrunk: dict[tuple[str, int], dict] = {}
@@ -153,6 +177,9 @@ def read(out_dir: Path) -> Recorded:
             _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
         if entry["page_tokens"] < 1:
             raise ResumeError(f"{path}: line {number}: the {kind}'s page_tokens is {entry['page_tokens']}, not >= 1")
+        if not all(math.isfinite(entry[name]) and entry[name] >= 0 for name in ("seconds", "cpu_seconds")):
+            raise ResumeError(f"{path}: line {number}: the {kind}'s seconds are not finite numbers >= 0 "
+                              "(a report holding NaN is no JSON)")
         if entry["config"] not in planned_configs or entry["seed"] not in planned_seeds:
             raise ResumeError(f"{path}: line {number}: a {kind} of configuration {entry['config']!r}, "
                               f"seed {entry['seed']}, which the plan does not hold")

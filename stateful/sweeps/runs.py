@@ -8,6 +8,7 @@ files (``save_replay``): a worker on another machine has no place to write them 
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -129,12 +130,13 @@ def shrink_result(backend: str, config: Config, result: RunResult, budget_s: flo
 
 
 def save_replay(backend: str, config: Config, result: RunResult, replays: Path) -> RunResult:
-    """Write a failing run's replay file (shrunk or not) into ``replays`` and note where."""
+    """Write a failing run's replay file (shrunk or not) into ``replays`` and note where, as an absolute
+    path: the printed ``kvstate replay`` commands and the reports' paths work from any folder."""
     config = config.with_(page_tokens=result.page_tokens)
     ops = [O.op_from_json(op) for op in result.ops]
     replay = Replay(backend, config, result.seed, ops, result.failure, minimised=result.minimised,
                     original_steps=result.steps)
-    result.replay_file = str(save(replay, replays / f"{result.config}-seed{result.seed}.json"))
+    result.replay_file = os.path.abspath(save(replay, replays / f"{result.config}-seed{result.seed}.json"))
     return result
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -186,7 +187,7 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     declared = configs_for(factory_for(backend))     # a bad backend path fails here, before any pool starts
     by_name = config_labels(configs, declared)
     plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend),
-                  None if executor is not None else workers)
+                  None if executor is not None else workers, run_timeout, shrink_limit, shrink_budget_s)
     with _only_sweep_in(out_dir):
         return _run_plan(plan, by_name, out_dir, resume, run_timeout, shrink_limit, shrink_budget_s, workers,
                          executor, progress, scheduler, window)
@@ -325,7 +326,8 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     mine, theirs = asdict(plan), asdict(recorded.plan)
     for side in (mine, theirs):     # the same file however it was named (journals from before paths were absolute)
         side["backend"] = canonical_backend(side["backend"])
-    changed = [key for key in mine if key not in ("fingerprint", "workers") and mine[key] != theirs[key]]
+    how = ("fingerprint", "workers", "run_timeout", "shrink_limit", "shrink_budget")    # a resume may change these
+    changed = [key for key in mine if key not in how and mine[key] != theirs[key]]
     if changed:
         raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
                           + "; ".join(f"{key} {theirs[key]!r}, not {mine[key]!r}" for key in changed))
@@ -358,9 +360,25 @@ def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
 
 def _leave_interrupts_to_parent() -> None:
     """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished. A
-    SIGTERM sent to one of them ends it (not the handler it inherited from ``terminated_as_interrupt``)."""
+    SIGTERM sent to one of them ends it (not the handler it inherited from ``terminated_as_interrupt``).
+    A sweep killed outright (SIGKILL) stops nobody: each process then ends itself once its parent is
+    gone (``_end_with_parent``), where it used to live on, holding the sweep's output open (a CI step
+    piping it waited for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="kvstate-parent-watch",
+                     daemon=True).start()
+
+
+PARENT_POLL_S = 0.5
+
+
+def _end_with_parent(parent: int) -> None:
+    """Exit this pool process once ``parent`` is no longer its parent (it died and the process was
+    handed to another), polling ``getppid``: portable, and a pool process has nothing to save."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)
 
 
 class Terminated(KeyboardInterrupt):
@@ -493,16 +511,36 @@ def to_json(report: SweepReport) -> dict:
 
 
 def _compact(seeds: list[int]) -> str | list[int]:
-    """A contiguous run of seeds as ``A:B``; anything else (a shard) as the list."""
-    if seeds and seeds == list(range(seeds[0], seeds[-1] + 1)):
+    """A contiguous run of seeds as ``A:B``; anything else (a shard) as the list. Judged pairwise: a
+    range from the first seed to the last of a sparse list (a shard of a wide range) took gigabytes."""
+    if seeds and all(b == a + 1 for a, b in zip(seeds, seeds[1:])):
         return f"{seeds[0]}:{seeds[-1] + 1}"
     return seeds
 
 
+# Characters XML 1.0 cannot hold, even escaped: a backend's message with a colour code (ESC) or a NUL made
+# the file no XML at all, which CI parsers reject.
+_NOT_XML = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
+def _xml_text(text: str) -> str:
+    """``text`` with every character XML cannot hold written as its escape, ``\\x1b``."""
+    return _NOT_XML.sub(lambda found: f"\\x{ord(found.group()):02x}", text)
+
+
 def to_junit(report: SweepReport) -> ET.ElementTree:
-    """One testsuite per configuration, one testcase per seed: what CI systems list and count."""
-    root = ET.Element("testsuites", name="kvstate sweep", tests=str(len(report.results)),
-                      failures=str(len(report.failures)), time=f"{report.wall_seconds:.3f}")
+    """One testsuite per configuration, one testcase per seed: what CI systems list and count. A partial
+    sweep (stopped, or its pool lost) has one more testsuite holding an error, so it never reads as green."""
+    missing = report.expected - len(report.results)
+    root = ET.Element("testsuites", name="kvstate sweep", tests=str(len(report.results) + bool(report.partial)),
+                      failures=str(len(report.failures)), errors=str(int(report.partial)),
+                      time=f"{report.wall_seconds:.3f}")
+    if report.partial:
+        suite = ET.SubElement(root, "testsuite", name="sweep.incomplete", tests="1", failures="0", errors="1")
+        case = ET.SubElement(suite, "testcase", classname="kvstate.sweep", name="every planned run")
+        ET.SubElement(case, "error", type="SweepIncomplete",
+                      message=f"the sweep stopped with {missing} of its {report.expected} runs not run: "
+                              "finish it with kvstate sweep --resume")
     for name in report.configs:
         mine = [r for r in report.results if r.config == name]
         suite = ET.SubElement(root, "testsuite", name=f"sweep.{name}", tests=str(len(mine)),
@@ -512,8 +550,8 @@ def to_junit(report: SweepReport) -> ET.ElementTree:
             case = ET.SubElement(suite, "testcase", classname=f"kvstate.sweep.{name}",
                                  name=f"seed {r.seed}", time=f"{r.seconds:.3f}")
             if not r.passed:
-                failure = ET.SubElement(case, "failure", message=str(r.failure), type=r.failure.error)
-                failure.text = f"replay: kvstate replay {r.replay_file}{backend_option(report.backend)}\n"
+                failure = ET.SubElement(case, "failure", message=_xml_text(str(r.failure)), type=r.failure.error)
+                failure.text = _xml_text(f"replay: kvstate replay {r.replay_file}{backend_option(report.backend)}\n")
     return ET.ElementTree(root)
 
 
