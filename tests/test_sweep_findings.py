@@ -23,7 +23,7 @@ from kvstate.stateful.shrink import Shrinker
 from kvstate.stateful.sweeps.runs import crashed
 
 PLANTED = '''
-import sys, time
+import os, sys, time
 from kvstate.impl.context import Context
 from kvstate.impl.numpy import factory as _engine
 from kvstate.stateful.configs import configs_named
@@ -53,6 +53,13 @@ class Raises(Context):
 
     def extend(self, tokens, kv):       # a CUDA-style message: a colour code, a NUL, a form feed
         raise RuntimeError("\\x1b[31mCUDA error\\x00\\x0c")
+
+
+class Dies(Context):
+    __slots__ = ()
+
+    def extend(self, tokens, kv):       # a crash in C code, as far as the sweep can tell
+        os._exit(3)
 
 
 class ExitsOnRead(Context):
@@ -351,3 +358,15 @@ def test_a_sparse_shards_seeds_are_listed_without_spanning_them():
     assert _compact([0, 20_000_000]) == [0, 20_000_000] and _compact([3, 4, 5]) == "3:6"
     assert tracemalloc.get_traced_memory()[1] < 1 << 20
     tracemalloc.stop()
+
+
+def test_a_run_that_ends_its_pool_process_is_a_finding_of_its_seed_and_the_sweep_goes_on(tmp_path):
+    """From an audit: ``os._exit`` in a run (as a segfault) broke the local pool; the sweep stopped as if
+    the machine were lost, naming no seed, and every resume stopped the same way."""
+    backend = _backend(tmp_path, when="config.precision == 'f16'", act="_planted(cache, Dies)",
+                       configs="[_f32, _f16]")
+    status, report = _sweep(tmp_path, backend, "--workers", "2", "--shrink-limit", "0")
+    assert status == 1 and not report["partial"] and report["runs"] == report["runs_expected"] == 6
+    assert {(f["config"], f["failure"]["error"], f["failure"]["phase"]) for f in report["failures"]} == \
+        {("f16-heap", "ProcessDied", "crash")}
+    assert len(report["failures"]) == 3

@@ -224,7 +224,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         for name in REPORTS:        # an earlier sweep's: stale from now on, whatever stops this one
             (out_dir / name).unlink(missing_ok=True)
         if pool is None and workers > 1:
-            pool = ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
+            pool = LocalPool(workers)
         for job, result in _map(pool, run_seed, todo, window):
             if isinstance(result, FINDINGS):
                 result = crashed(job[1], job[2], steps, result, page_sizes(factory_for(backend), job[1]))
@@ -403,11 +403,54 @@ def terminated_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
-def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
+class ProcessDied(RuntimeError):
+    """A run ended the process it ran in without a result (``os._exit``, a fatal signal, a crash in C
+    code): a finding about its seed, recorded as a crash. A ``--workers 1`` sweep runs in its own
+    process, which such a run ends with it."""
+
+
+class LocalPool:
+    """The sweep's local process pool, made anew when a run takes one down (``_map``): a dead pool
+    process broke the whole pool, the sweep stopped as if the machine were lost, and every resume
+    stopped at the same seed, which no report named."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.executor = self._new(workers)
+
+    @staticmethod
+    def _new(workers: int) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
+
+    def renew(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        self.executor = self._new(self.workers)
+
+    def alone(self, function: Callable, job: tuple) -> object:
+        """``function(*job)`` in a pool process of its own: its result, the exception it raised, or
+        ``ProcessDied`` where it took that process down."""
+        solo = self._new(1)
+        try:
+            return solo.submit(function, *job).result()
+        except BrokenExecutor:
+            return ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
+                               "crash in C code)")
+        except FINDINGS as error:
+            return error
+        finally:
+            solo.shutdown(wait=True)
+
+    def shutdown(self, wait: bool, cancel_futures: bool) -> None:
+        self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tuple],
          window: Callable[[], int] | None = None) -> Iterator[tuple[tuple, object]]:
     """(job, result) in completion order, in a pool or one by one here. A job whose task raised
     gets the exception as its result; a pool that went away (its futures cancelled under us,
-    or broken) is ``ClusterLostError``.
+    or broken) is ``ClusterLostError``, except a ``LocalPool`` broken by a process that died: each
+    job it held runs again alone (``LocalPool.alone``), which names the one that takes its process
+    down (``ProcessDied``), and the rest go on in a new pool.
 
     ``window()`` caps the jobs submitted and not yet read (None: submit them all at once).
     On a cluster, tasks the scheduler cannot hold back (ours ask for a resource) go to a
@@ -435,7 +478,7 @@ def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
             job = next(waiting, None)
             if job is None:
                 return
-            future = pool.submit(function, *job)
+            future = (pool.executor if isinstance(pool, LocalPool) else pool).submit(function, *job)
             pending[future] = job
             future.add_done_callback(finished.put)
 
@@ -443,10 +486,22 @@ def _map(pool: Executor | None, function: Callable, jobs: list[tuple],
         top_up()
         while pending:
             future = finished.get()
-            job = pending.pop(future)
+            job = pending.pop(future, None)
+            if job is None:
+                continue        # a future of a pool broken before: its job ran again alone
             try:
                 result = future.result()
-            except (CancelledError, BrokenExecutor):
+            except BrokenExecutor:
+                if not isinstance(pool, LocalPool):
+                    raise ClusterLostError() from None
+                suspects = [job, *pending.values()]       # one of them took its process down
+                pending.clear()
+                pool.renew()
+                for suspect in suspects:
+                    yield suspect, pool.alone(function, suspect)
+                top_up()
+                continue
+            except CancelledError:
                 raise ClusterLostError() from None
             except FINDINGS as error:
                 result = error
