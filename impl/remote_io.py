@@ -45,6 +45,7 @@ import io
 import os
 import random
 import re
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -102,9 +103,14 @@ def has_credentials(url: str) -> bool:
 
 
 def redact(url: str) -> str:
-    """``url`` safe for messages and logs: no ``user:password@`` (also a secret holding ``/``), no query
-    string or fragment (presigned keys)."""
+    """``url`` safe for messages and logs: no ``user:password@`` (also a secret holding ``/``), and over
+    HTTP no query string or fragment (presigned keys). Elsewhere ``?`` and ``#`` can be part of an
+    object's key (``s3://b/conv#turn-2``), and cutting there named another key: only a query of
+    ``name=value`` parameters (a signature's shape) is cut."""
     url = _CREDENTIALS.sub(r"\1", url) if isinstance(url, str) else url
+    if isinstance(url, str) and "://" in url and not url.lower().startswith(("http://", "https://")):
+        key, _, query = url.partition("?")
+        return key if "=" in query else url
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -215,6 +221,9 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
     except FileNotFoundError as error:
         _raise_if_not_absent(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
+    if getattr(file, "details", {}).get("type") == "directory":      # s3fs opens a prefix as an empty file
+        (worker.later if worker is not None else (lambda close: close()))(file.close)
+        raise SnapshotNotFoundError(f"no snapshot at {redact(url)}: it names a folder (other keys begin with it)")
     try:
         yield file if worker is None else Bounded(file, worker)
     finally:
@@ -235,11 +244,12 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
     """
     call = worker.call if worker is not None else (lambda function, *args, **kwargs: function(*args, **kwargs))
 
-    def clean_up(function, *args):
-        """Abort or remove now, within the deadline; a worker stuck (or out of time) does it later."""
+    def clean_up(function, *args, wait: bool = True):
+        """Abort or remove now, within the deadline; a worker stuck (or out of time) does it later, and so
+        does one interrupted (``wait`` False: Ctrl-C waited out the deadline behind a held upload)."""
         if worker is None:
             function(*args)
-        elif worker.stuck or worker.deadline.left() <= 0:
+        elif not wait or worker.stuck or worker.deadline.left() <= 0:
             worker.later(function, *args)
         else:
             try:
@@ -256,16 +266,20 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
         file = call(fs.open, path, "wb", block_size=PART_BYTES)
         try:
             yield file if worker is None else Bounded(file, worker)
-        except BaseException:
-            clean_up(_abandon, file)
+        except BaseException as error:
+            clean_up(_abandon, file, wait=isinstance(error, Exception))
             raise
         try:
             call(file.close)    # CompleteMultipartUpload (or the one PUT): the object appears whole
         except SnapshotDeadlineError as error:
             clean_up(_abandon, file)
+            _may_land(url, worker)
             raise _unknown_outcome(error) from None
-        except BaseException:
-            clean_up(_abandon, file)  # an upload that did not complete is aborted, not left for the lifecycle rule
+        except BaseException as error:
+            # an upload that did not complete is aborted, not left for the lifecycle rule
+            clean_up(_abandon, file, wait=isinstance(error, Exception))
+            if not isinstance(error, Exception):
+                _may_land(url, worker)      # interrupted with its publishing call sent
             raise
         return
     folder, _, name = path.rpartition("/")
@@ -284,9 +298,40 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
         # (``*``, ``?``, ``[``) in it, so a name holding them published nothing or left the temp.
         call(fs.cp_file, temp, path)
     except SnapshotDeadlineError as error:
+        _may_land(url, worker)
         raise _unknown_outcome(error) from None
     finally:
         clean_up(_remove_quietly, fs, temp)
+
+
+# Objects whose publishing call was given up on (its deadline ran out, or an interrupt came) after it
+# was sent: the server may still complete it, and a later write to the key would then be replaced by
+# the older snapshot. Writes there are refused until that call returns (``_may_land``).
+_landing: set[str] = set()
+_landing_lock = threading.Lock()
+
+
+def _may_land(url: str, worker: Worker | None) -> None:
+    """``url``'s abandoned publishing call may still land: refuse writes there until ``worker`` is done."""
+    if worker is None:
+        return
+    with _landing_lock:
+        _landing.add(url)
+    worker.later(_landed, url)
+
+
+def _landed(url: str) -> None:
+    with _landing_lock:
+        _landing.discard(url)
+
+
+def _refuse_if_landing(url: str) -> None:
+    with _landing_lock:
+        pending = url in _landing
+    if pending:
+        raise SnapshotWriteError(f"an earlier write to {redact(url)} was given up on after its publishing call "
+                                 "was sent, and the server has not answered it: it may still land and would "
+                                 "replace this one, so nothing was sent (write again once it has answered)")
 
 
 def _unknown_outcome(error: SnapshotDeadlineError) -> SnapshotDeadlineError:
@@ -375,6 +420,7 @@ def publish(url: str, fill: Callable[[object], None], storage_options: dict | No
         write_atomic(path, fill)
         return
     deadline = resolve(deadline)
+    _refuse_if_landing(url)
 
     def attempt() -> None:
         worker = _worker_for(url, deadline, f"writing a snapshot to {redact(url)}")
@@ -397,19 +443,26 @@ def _worker_for(url: str, deadline: Deadline, doing: str) -> Worker | None:
 def exists(url: str, storage_options: dict | None = None, deadline: Deadline | float | None = None) -> bool:
     """Whether an object is stored at ``url`` (one HEAD on S3), retried on transient failures, within
     ``deadline`` (as for ``read``)."""
+    return stored_size(url, storage_options, deadline) is not None
+
+
+def stored_size(url: str, storage_options: dict | None = None,
+                deadline: Deadline | float | None = None) -> int | None:
+    """The size of the object stored at ``url``, or None where there is none (a "folder", a prefix other
+    keys begin with, is none): one HEAD on S3, retried on transient failures, within ``deadline``."""
     deadline = resolve(deadline)
 
-    def look() -> bool:
+    def look() -> int | None:
         fs, path = _filesystem(url, storage_options, SnapshotReadError)
         fs.invalidate_cache(path)
         try:
-            fs.info(path)       # not fs.exists: over HTTP it answers False for a refused connection
+            info = fs.info(path)       # not fs.exists: over HTTP it answers False for a refused connection
         except FileNotFoundError as error:
             _raise_if_not_absent(error, url)
-            return False
-        return True
+            return None
+        return None if info.get("type") == "directory" else int(info.get("size") or 0)
 
-    def attempt() -> bool:
+    def attempt() -> int | None:
         worker = Worker(deadline, f"looking up {redact(url)}")
         try:
             return worker.call(look)

@@ -83,8 +83,9 @@ def cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | Non
         max_bytes = physical_memory()      # a file that cannot fit in RAM is refused, not swapped into
         if max_bytes is None:
             return None
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+    if isinstance(max_bytes, (bool, np.bool_)) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 0:
         raise InvalidInputError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+    max_bytes = int(max_bytes)          # a NumPy integer too, as positions are taken
 
     def check(header: fmt.Header) -> None:
         cost = restore_cost(cache, header)

@@ -66,6 +66,7 @@ from kvstate.impl.remote_deadline import CACHE, CALL, STORE, Deadline, check_sec
 from kvstate.impl.remote_deadline import within as deadline
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotDeadlineError,
                                  SnapshotError, SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
+from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.semantics import hit_length
 from kvstate.spec.layout import check_tokens
 
@@ -136,7 +137,8 @@ class SnapshotStore:
     def put(self, ctx: Context, deadline_s: float | None = None) -> list[int]:
         """Store ``ctx`` at its length and at its longest multiple of ``stride``; the lengths written.
 
-        A key already present is skipped (same tokens, same key). ``ctx`` is read,
+        A key already holding an object of the snapshot's size is skipped (same tokens, same key);
+        one of another size (cut short, or another layout's) is written again. ``ctx`` is read,
         never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
         was stored before is intact; past the deadline, ``SnapshotDeadlineError``.
         """
@@ -149,13 +151,13 @@ class SnapshotStore:
         for n in sorted({len(tokens), aligned} - {0}, reverse=True):
             url = self.url(cache, tokens[:n])
             try:
-                stored = remote_io.exists(url, self.storage_options, deadline)
+                stored = remote_io.stored_size(url, self.storage_options, deadline)
             except SnapshotDeadlineError:
                 raise
             except SnapshotReadError as error:       # the lookup before the write: a put's failure is a write's
                 raise SnapshotWriteError(f"put: {error}") from error
-            if stored:
-                continue
+            if stored == fmt.HEADER_SIZE + fmt.body_size(cache.layout, cache.precision, n):
+                continue        # there already (a damaged object, cut short, was skipped and never mended)
             with ctx.fork() as part:
                 part.truncate(n)
                 remote_io.publish(url, part.snapshot, self.storage_options, deadline)
@@ -259,8 +261,10 @@ class SnapshotStore:
                     pass
             self._failed(error)
             return found
-        except BaseException:
+        except BaseException:          # an interrupt: neither the local hit nor the tier's has a holder now
             ctx.close()
+            if deeper is not None and not deeper.closed:
+                deeper.close()
             raise
         ctx.close()
         return deeper, n

@@ -709,3 +709,16 @@ def test_a_file_store_makes_its_folders_and_publishes_by_rename(tmp_path, monkey
 def test_a_prefix_that_names_no_bucket_or_folder_is_refused(prefix):
     with pytest.raises(InvalidInputError, match="naming a bucket or folder"):
         SnapshotStore(prefix)
+
+
+def test_a_key_that_names_a_folder_is_no_snapshot_not_a_damaged_one(s3):
+    """From an audit: restoring ``s3://b/sessions``, where keys begin with ``sessions/``, said the file ended
+    inside its header (a damaged snapshot), where a runtime treats "not found" as "start fresh"."""
+    cache = Cache(BIG, page_tokens=16)
+    with filled(cache, 5, seed=3) as ctx:
+        ctx.snapshot(s3.url("sessions/one.kvs"))
+    s3.fs.pipe(f"{s3.bucket}/markers/", b"")          # a console's folder marker
+    for name in ("sessions", "markers"):
+        with pytest.raises(SnapshotNotFoundError, match="folder|no snapshot"):
+            cache.restore(s3.url(name))
+    assert cache.stats()["live_pages"] == 0

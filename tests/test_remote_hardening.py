@@ -647,3 +647,124 @@ def test_a_bad_max_bytes_is_refused_before_the_object_is_opened(monkeypatch):
     with pytest.raises(InvalidInputError, match="max_bytes must be a non-negative int"):
         Cache(SMALL, page_tokens=2).restore("s3://bucket/x.kvs", max_bytes="x")
     assert opened == []
+
+
+# -- from an audit acting as an agent runtime parking state in object storage ----------------------------
+
+def test_a_write_given_up_on_after_its_publishing_call_was_sent_holds_back_later_writes_there():
+    """Its deadline ran out with the PUT sent: landing late, it replaced a newer snapshot written since
+    (a lost write). Later writes to that key are refused, sending nothing, until the call returns."""
+    import threading
+
+    from kvstate.impl.remote_deadline import Deadline, Worker
+
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/late.kvs"
+    held = threading.Event()
+    worker = Worker(Deadline(0.05, "deadline_s of this call"), "writing")
+    with pytest.raises(Exception, match="ran out"):
+        worker.call(held.wait, 10)                   # the publishing call, held by the server
+    remote_io._may_land(url, worker)
+    cache = Cache(SMALL, page_tokens=4)
+    with filled(cache, 5) as ctx:
+        with pytest.raises(SnapshotWriteError, match="may still land"):
+            ctx.snapshot(url)
+        assert not remote_io.exists(url)             # nothing was sent
+        held.set()                                   # the server answers the old call
+        deadline = time.monotonic() + 10
+        while url in remote_io._landing and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ctx.snapshot(url)
+        with cache.restore(url) as back:
+            assert tokens_of(back) == tokens_of(ctx)
+    worker.close()
+
+
+def test_a_store_puts_again_over_a_damaged_object_at_its_key():
+    """``put`` skipped any key already there: an object cut short was never mended, and every later
+    ``get`` fell back to a shorter prefix with a warning."""
+    store = memory_store(stride=4)
+    source = Cache(SMALL, page_tokens=4)
+    with filled(source, 8, seed=2) as ctx:
+        assert store.put(ctx) == [8]
+        url = store.url(source, ctx.tokens)
+        path = url.removeprefix("memory://")
+        fs = fsspec.filesystem("memory")
+        fs.pipe(path, fs.cat(path)[:-7])             # cut short
+        assert store.put(ctx) == [8]                 # written again
+        assert store.put(ctx) == []                  # whole now: skipped
+        with store.get(source, ctx.tokens)[0] as back:
+            assert tokens_of(back) == tokens_of(ctx)
+
+
+def test_an_interrupt_while_the_tier_retains_its_hit_leaves_no_page_held():
+    store = memory_store(stride=4)
+    tokens = stored(store, 12, seed=3)
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+
+    def interrupted(ctx):
+        raise KeyboardInterrupt
+    cache.retain = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        cache.match(tokens)
+    cache.clear()
+    assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
+
+
+def test_keys_holding_a_hash_or_a_question_mark_are_named_whole_in_messages():
+    """Legal in object keys; hiding presigned signatures cut messages there, naming another key."""
+    base = f"memory://kvstate-test/{uuid.uuid4().hex}"
+    assert remote_io.redact(f"{base}/conv#turn-2.kvs") == f"{base}/conv#turn-2.kvs"
+    assert remote_io.redact(f"{base}/what?.kvs") == f"{base}/what?.kvs"
+    assert remote_io.redact("s3://b/k.kvs?X-Amz-Signature=secret") == "s3://b/k.kvs"
+    with pytest.raises(SnapshotNotFoundError, match="conv#turn-2.kvs"):
+        Cache(SMALL, page_tokens=4).restore(f"{base}/conv#turn-2.kvs")
+
+
+def test_max_bytes_takes_a_numpy_integer_as_positions_do(tmp_path):
+    cache = Cache(SMALL, page_tokens=4)
+    with filled(cache, 5) as ctx:
+        ctx.snapshot(tmp_path / "s.kvs")
+    with cache.restore(tmp_path / "s.kvs", max_bytes=np.int64(10**9)) as back:
+        assert len(back) == 5
+
+
+def test_an_interrupt_while_the_publishing_call_is_held_surfaces_at_once(monkeypatch):
+    """Ctrl-C during a small snapshot whose one PUT a server held took effect only when the rest of the
+    deadline ran out: the clean-up waited behind the held call. It is now queued instead, and the key
+    is held back from later writes (the PUT was sent and may still land)."""
+    import os
+    import signal
+    import threading
+
+    held = threading.Event()
+
+    class HeldUpload:
+        closed = False
+
+        def write(self, data):
+            return len(data)
+
+        def close(self):                 # the publishing call: the server holds it
+            held.wait(20)
+
+    class FakeS3:
+        protocol = ("s3",)
+
+        def open(self, path, mode, **kwargs):
+            return HeldUpload()
+
+    url = f"s3://bucket/{uuid.uuid4().hex}.kvs"
+    monkeypatch.setattr(remote_io, "_filesystem", lambda url, options, error: (FakeS3(), url.removeprefix("s3://")))
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))     # a real Ctrl-C: it wakes the wait
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            remote_io.publish(url, lambda file: file.write(b"snapshot"), deadline=10)
+        took = time.monotonic() - started
+    finally:
+        timer.cancel()
+        held.set()
+    assert took < 5, took
+    with pytest.raises(SnapshotWriteError, match="may still land"):
+        remote_io.publish(url, lambda file: file.write(b"newer"), deadline=10)
