@@ -343,3 +343,22 @@ def test_a_resume_runs_with_the_run_timeout_and_shrinking_the_sweep_was_started_
     journal.write_text(plan + runs[0])
     assert main(["sweep", "--resume", str(out), "--run-timeout", "5", "--shrink-limit", "3"]) == 0
     assert seen == [(30.0, 0, 7.0), (5.0, 3, 7.0)]
+
+
+def test_every_saved_failure_replays_at_the_step_and_with_the_error_it_records(tmp_path):
+    """From an audit: a sweep's run reads only the contexts an operation could have changed, so a backend
+    that damages another (broken_sharing) was recorded a step late, and 6 of 15 unshrunk replay files
+    failed earlier than they said. A failing run is pinned again, reading every context."""
+    out = tmp_path / "out"
+    backend = str(EXAMPLES / "broken_sharing.py")
+    assert main(["sweep", "--seeds", "12", "--steps", "60", "--configs", "f32-heap", "--backend", backend,
+                 "--out", str(out), "--shrink-limit", "0"]) == 1
+    from kvstate.stateful.backends import load_factory
+
+    factory = load_factory(backend)
+    files = sorted((out / "replays").glob("*.json"))
+    assert len(files) >= 4
+    for path in files:
+        recorded = R.load(path)
+        replayed, _ = R.execute(factory, recorded.config, recorded.ops)
+        assert (replayed.step, replayed.error) == (recorded.failure.step, recorded.failure.error), path.name

@@ -85,9 +85,27 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     if deadline.fired:
         failure = Failure(len(ran), "apply", str(ran[-1]) if ran else None, RunTimeout.__name__, None,
                           f"the run took longer than --run-timeout {timeout_s:g} s")
+    elif failure is not None and failure.phase != "finish":
+        failure, ran = _pinned(factory, config, failure, ran, timeout_s)
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure,
                      [op.to_json() for op in ran] if failure else None)
+
+
+def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: float | None) -> tuple[Failure, list]:
+    """The failure where it first shows with every live context read at every step (a replay's reading):
+    a run reads only the contexts an operation could have changed (``Lockstep.reads_changed_only``), so
+    a backend that damages another one is seen a step or more late, and its replay file, which a
+    replay fails earlier, did not reproduce it exactly. Run again on failure only; the operations
+    after the step it pins are dropped."""
+    try:
+        with Deadline(timeout_s):
+            again, _ = execute(factory, config, list(ran))
+    except RunTimeout:
+        return failure, ran
+    if again is None or again.phase == "finish" or again.step >= failure.step:
+        return failure, ran
+    return again, ran[:again.step]
 
 
 def crashed(config: Config, seed: int, steps: int, error: BaseException, sizes: tuple[int, ...]) -> RunResult:
