@@ -106,8 +106,13 @@ def within(seconds: float) -> Iterator[Deadline]:
 # Calls abandoned at their deadline whose threads still wait on a server, in this process. Past this
 # many, no new call is sent until one returns: a server that stays hung would otherwise collect a
 # thread and a socket for every lookup made against it (an audit counted 40 after five lookups).
-MAX_STUCK_CALLS = 16
+# Each server has a cap of its own below the process's, so one that stays hung (a second tier's)
+# cannot stop every call to healthy ones (an audit's parking on a healthy bucket was refused for
+# minutes once a hung tier had filled one shared cap).
+MAX_STUCK_CALLS = 64
+MAX_STUCK_PER_SERVER = 16
 _stuck = {"calls": 0}
+_stuck_by_server: dict[str, int] = {}
 _stuck_lock = threading.Lock()
 
 
@@ -126,8 +131,8 @@ class Worker:
     call that overran returns: clean-up queued behind it with ``later`` may hang on the same server.
     (Clean-up queued after that call has already returned runs uncounted: by then the server answered.)"""
 
-    def __init__(self, deadline: Deadline, doing: str):
-        self.deadline, self.doing = deadline, doing
+    def __init__(self, deadline: Deadline, doing: str, server: str = ""):
+        self.deadline, self.doing, self.server = deadline, doing, server
         self.stuck = False
         self._counted = False            # this worker's abandoned call is in its tally
         self._tally = _stuck             # the tally it counts in, and uncounts from
@@ -137,11 +142,13 @@ class Worker:
     def call(self, function: Callable[..., T], *args, **kwargs) -> T:
         if self.stuck or self.deadline.left() <= 0:
             raise self.deadline.error(self.doing)
-        waiting = self._tally["calls"]
-        if self._thread is None and waiting >= MAX_STUCK_CALLS:     # a new operation, not one under way
-            raise SnapshotDeadlineError(f"{self.doing}: {waiting} earlier calls still wait on servers that have not "
-                                        f"answered (at most {MAX_STUCK_CALLS}); nothing was sent and nothing was "
-                                        f"changed here", deadline=self.deadline.name)
+        waiting, here = self._tally["calls"], _stuck_by_server.get(self.server, 0)
+        if self._thread is None and (waiting >= MAX_STUCK_CALLS or here >= MAX_STUCK_PER_SERVER):    # a new operation
+            where = (f"{here} earlier calls still wait on this server (at most {MAX_STUCK_PER_SERVER} a server)"
+                     if here >= MAX_STUCK_PER_SERVER else
+                     f"{waiting} earlier calls still wait on servers that have not answered (at most {MAX_STUCK_CALLS})")
+            raise SnapshotDeadlineError(f"{self.doing}: {where}; nothing was sent and nothing was changed here",
+                                        deadline=self.deadline.name)
         box: dict = {}
         done = threading.Event()
         self._put((function, args, kwargs, box, done))
@@ -150,6 +157,7 @@ class Worker:
                 if not done.is_set():
                     self.stuck = self._counted = True
                     self._tally["calls"] += 1
+                    _stuck_by_server[self.server] = _stuck_by_server.get(self.server, 0) + 1
             if self.stuck:
                 raise self.deadline.error(self.doing)
         if "error" in box:
@@ -189,6 +197,7 @@ class Worker:
         if self._counted:
             self._counted = False
             self._tally["calls"] -= 1
+            _stuck_by_server[self.server] -= 1
 
 
 class Bounded:

@@ -129,6 +129,13 @@ def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
                           f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
 
 
+def server_of(url: str) -> str:
+    """Whom a URL's calls wait on, for the cap on calls abandoned there (``remote_deadline``): its scheme
+    and host or bucket, without credentials."""
+    parts = redact(url).partition("://")
+    return f"{parts[0]}://{parts[2].split('/', 1)[0]}"
+
+
 def _describe(error: BaseException) -> str:
     text = re.sub(r"//[^\s@'\"]*@", "//", str(error))          # credentials embedded in a URL (secrets may hold /)
     text = re.sub(r"[^\s'\"/]*:[^\s'\"]*@", "", text)          # a quoted user:secret@bucket (botocore)
@@ -437,7 +444,7 @@ def _worker_for(url: str, deadline: Deadline, doing: str) -> Worker | None:
     """The thread an operation's blocking calls run on, or None for ``memory://``: its bytes are in
     this process, nothing there can block, and a thread per operation cost the lockstep machine
     (half its snapshots go to ``memory://``) a thread start and two hand-offs each."""
-    return None if url.startswith("memory://") else Worker(deadline, doing)
+    return None if url.startswith("memory://") else Worker(deadline, doing, server_of(url))
 
 
 def exists(url: str, storage_options: dict | None = None, deadline: Deadline | float | None = None) -> bool:
@@ -463,7 +470,7 @@ def stored_size(url: str, storage_options: dict | None = None,
         return None if info.get("type") == "directory" else int(info.get("size") or 0)
 
     def attempt() -> int | None:
-        worker = Worker(deadline, f"looking up {redact(url)}")
+        worker = Worker(deadline, f"looking up {redact(url)}", server_of(url))
         try:
             return worker.call(look)
         finally:

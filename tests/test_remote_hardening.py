@@ -768,3 +768,30 @@ def test_an_interrupt_while_the_publishing_call_is_held_surfaces_at_once(monkeyp
     assert took < 5, took
     with pytest.raises(SnapshotWriteError, match="may still land"):
         remote_io.publish(url, lambda file: file.write(b"newer"), deadline=10)
+
+
+def test_calls_abandoned_on_one_hung_server_do_not_stop_calls_to_another(monkeypatch):
+    """From an audit: two lookups on a hung second tier filled the one process-wide cap on abandoned
+    calls, and parking on a healthy bucket was refused for minutes. Each server has its own cap now."""
+    import threading
+
+    from kvstate.impl import remote_deadline
+    from kvstate.impl.remote_deadline import Deadline, Worker
+    from kvstate.spec.errors import SnapshotDeadlineError
+
+    monkeypatch.setattr(remote_deadline, "MAX_STUCK_PER_SERVER", 1)
+    monkeypatch.setattr(remote_deadline, "_stuck", {"calls": 0})
+    monkeypatch.setattr(remote_deadline, "_stuck_by_server", {})
+    hung, healthy = remote_io.server_of("s3://hung-tier/k.kvs"), remote_io.server_of("s3://sessions/k.kvs")
+    assert hung != healthy == "s3://sessions"
+    held = threading.Event()
+    stuck = Worker(Deadline(0.05, "deadline_s of this call"), "looking up", hung)
+    with pytest.raises(SnapshotDeadlineError, match="ran out"):
+        stuck.call(held.wait, 10)
+    with pytest.raises(SnapshotDeadlineError, match="wait on this server"):
+        Worker(Deadline(5, "deadline_s of this call"), "looking up", hung).call(lambda: 1)
+    other = Worker(Deadline(5, "deadline_s of this call"), "writing", healthy)
+    assert other.call(lambda: 7) == 7
+    held.set()
+    other.close()
+    stuck.close()
