@@ -285,10 +285,10 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, 
     clash = {}
     for name, want in recorded.items():
         given = getattr(args, name)
-        if name == "backend" and given is not None:     # the same file, however either is spelled
-            given, want = canonical_backend(given), canonical_backend(want)
         if given is None:
             same = True
+        elif name == "backend":     # the same file, however either is spelled
+            same = _factory_named(canonical_backend(given)) == _factory_named(canonical_backend(want))
         elif name == "out":
             same = Path(given).resolve() == Path(want).resolve()
         else:
@@ -308,6 +308,11 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, 
         raise ResumeError(f"{args.resume} holds a sweep with " + "; ".join(
             f"{held(name)}, not {value}" for name, value in clash.items()))
     return list(plan.seeds), plan.shard, plan.workers
+
+
+def _factory_named(backend: str) -> str:
+    """``backend`` with its callable named: ``file.py`` and ``file.py:factory`` load the same factory."""
+    return backend if ":" in backend else f"{backend}:factory"
 
 
 def _names_the_same_configs(given: str, labels) -> bool:

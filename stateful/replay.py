@@ -256,6 +256,9 @@ def from_json(data: dict) -> Replay:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ReplayFileError(f"not a {FORMAT} file (format {found!r})")
+    for name, kind, what in (("backend", str, "a string (a module or a .py file)"), ("ops", list, "a list of operations")):
+        if name in data and not isinstance(data[name], kind):
+            raise ReplayFileError(f"malformed replay file: its {name!r} is a {type(data[name]).__name__}, not {what}")
     try:
         bounds.check_op_count(len(data["ops"]))
         ops = [_check_op(i, O.op_from_json(op)) for i, op in enumerate(data["ops"], start=1)]

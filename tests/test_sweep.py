@@ -362,3 +362,25 @@ def test_every_saved_failure_replays_at_the_step_and_with_the_error_it_records(t
         recorded = R.load(path)
         replayed, _ = R.execute(factory, recorded.config, recorded.ops)
         assert (replayed.step, replayed.error) == (recorded.failure.step, recorded.failure.error), path.name
+
+
+def test_a_resume_takes_a_file_backend_named_with_or_without_its_factory(tmp_path, monkeypatch):
+    monkeypatch.chdir(EXAMPLES)
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "2", "--steps", "10", "--configs", "f32-heap", "--backend", "listcache.py",
+                 "--out", str(out)]) == 0
+    journal = out / "runs.jsonl"
+    plan, *runs = journal.read_text().splitlines(keepends=True)
+    for spelled in ("listcache.py:factory", str(EXAMPLES / "listcache.py")):
+        journal.write_text(plan + runs[0])
+        assert main(["sweep", "--resume", str(out), "--backend", spelled]) == 0
+
+
+@pytest.mark.parametrize("field, value, said", [("ops", {"op": "allocate"}, "'ops' is a dict, not a list"),
+                                                ("backend", ["os", "system"], "'backend' is a list, not a string")])
+def test_a_replay_file_whose_fields_have_the_wrong_shape_is_refused_by_name(tmp_path, capsys, field, value, said):
+    path = tmp_path / "r.json"
+    data = R.to_json(R.Replay("kvstate.impl.numpy", config_named("f32-heap"), 0, [O.Allocate()]))
+    path.write_text(json.dumps({**data, field: value}))
+    assert main(["replay", str(path)]) == 2
+    assert said in capsys.readouterr().err
