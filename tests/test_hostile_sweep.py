@@ -234,9 +234,12 @@ def test_a_pool_process_ends_itself_once_the_sweep_that_made_it_is_gone():
         import os
         from kvstate.stateful.sweeps import sweep as S
         S.PARENT_POLL_S = 0.05
+        parent = os.getpid()
         child = os.fork()
         if child == 0:
-            S._end_with_parent(os.getppid())
+            os.close(1)             # the test reads the parent's output to its end, not the child's
+            os.close(2)
+            S._end_with_parent(parent)
         print(child, flush=True)
         os._exit(0)
     """)

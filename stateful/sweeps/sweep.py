@@ -358,7 +358,7 @@ def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
     return recorded.plan
 
 
-def _leave_interrupts_to_parent() -> None:
+def _leave_interrupts_to_parent(sweep_pid: int) -> None:
     """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished. A
     SIGTERM sent to one of them ends it (not the handler it inherited from ``terminated_as_interrupt``).
     A sweep killed outright (SIGKILL) stops nobody: each process then ends itself once its parent is
@@ -366,7 +366,7 @@ def _leave_interrupts_to_parent() -> None:
     piping it waited for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threading.Thread(target=_end_with_parent, args=(os.getppid(),), name="kvstate-parent-watch",
+    threading.Thread(target=_end_with_parent, args=(sweep_pid,), name="kvstate-parent-watch",
                      daemon=True).start()
 
 
@@ -374,8 +374,9 @@ PARENT_POLL_S = 0.5
 
 
 def _end_with_parent(parent: int) -> None:
-    """Exit this pool process once ``parent`` is no longer its parent (it died and the process was
-    handed to another), polling ``getppid``: portable, and a pool process has nothing to save."""
+    """Exit this pool process once ``parent`` (the sweep's pid, taken in the sweep: one read here could
+    already be a new parent's) is no longer its parent (it died and the process was handed to
+    another), polling ``getppid``: portable, and a pool process has nothing to save."""
     while os.getppid() == parent:
         time.sleep(PARENT_POLL_S)
     os._exit(1)
@@ -420,7 +421,7 @@ class LocalPool:
 
     @staticmethod
     def _new(workers: int) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
+        return ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent, initargs=(os.getpid(),))
 
     def renew(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
