@@ -326,6 +326,12 @@ class Cache:
 
     # -- observation -------------------------------------------------------------------
 
+    def __copy__(self):
+        # A shallow copy shared the pool, tree and lock but counted context ids on its own: the two
+        # handed out one id twice, and a close through one broke the other (an audit).
+        raise TypeError("a Cache is not copied: share the object itself (it is thread-safe); for an "
+                        "independent one, build a new Cache and restore snapshots into it")
+
     def observe(self) -> Observation:
         """Pages, holders, arena books, counters and the tree, for the invariants."""
         with self.lock:

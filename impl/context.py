@@ -416,6 +416,13 @@ class Context:
         state = "closed" if self._use == CLOSED else f"{self._length} positions in {len(self._pages)} pages"
         return f"<Context {self.context_id}: {state}>"
 
+    def __copy__(self):
+        # A shallow copy held the pages uncounted under the same id: closing it freed pages this
+        # context still read, and its cache's books broke (an audit). A pickle or deep copy copies
+        # the cache with it, so stays consistent.
+        raise TypeError("a Context is not copied: fork() gives a context holding the same pages, counted "
+                        "(a shallow copy would hold them behind the cache's back)")
+
 
 class _Ownership:
     """``with ctx._owned():`` -- a plain class rather than a generator: it is on every operation.

@@ -104,7 +104,9 @@ class PagePool:
         # are freed a stretch of slots at a time (a slice), not one dictionary entry each.
         self._by_slot: list[Page | None] = []
         self.books = Refcounts(256)      # grown by doubling
-        self.table = PageTable(256, store.page_tokens)      # as long as the refcount array
+        # Grown with the refcount array (``_grow``), from at most 8 MiB of ids: a first 256 rows of
+        # 10**8-token pages asked for 191 GiB in the constructor, before any page existed.
+        self.table = PageTable(max(1, min(256, (8 << 20) // (8 * store.page_tokens))), store.page_tokens)
         # Which refcount slots below ``_next_ref`` are free: a release marks all its pages' in one
         # step, an extend takes the lowest (``_take_slots``, scanning from ``_lowest_free``).
         self._free_mask = np.zeros(256, np.bool_)

@@ -234,3 +234,48 @@ def test_a_position_that_is_no_integer_is_named_as_such_not_as_out_of_range(cach
         call(ctx)
     assert position in str(refused_with.value) and "outside" not in str(refused_with.value)
     assert len(ctx) == 8
+
+
+def test_a_shallow_copy_of_a_context_or_a_cache_is_refused(cache):
+    """From an audit: ``copy.copy(ctx)`` held the pages uncounted under the same id, and closing it freed
+    pages the original still read; ``copy.copy(cache)`` shared the pool but counted ids on its own."""
+    import copy
+
+    ctx = filled(cache, 6)
+    before = cache.stats()
+    with pytest.raises(TypeError, match="fork"):
+        copy.copy(ctx)
+    with pytest.raises(TypeError, match="not copied"):
+        copy.copy(cache)
+    assert cache.stats() == before and len(ctx) == 6
+    ctx.close()
+    assert cache.stats()["live_pages"] == 0
+
+
+@pytest.mark.parametrize("tokens", [{1, 2, 3}, {1: 0, 2: 0, 3: 0}])
+def test_token_ids_in_an_unordered_container_are_refused(cache, tokens):
+    ctx = cache.allocate()
+    with pytest.raises(errors.DTypeError, match="ordered sequence"):
+        ctx.extend(tokens, kv(3))
+    with pytest.raises(errors.DTypeError, match="ordered sequence"):
+        make_reference().allocate().extend(tokens, kv(3))
+    assert len(ctx) == 0 and cache.stats()["live_pages"] == 0
+
+
+def test_token_ids_as_a_torch_tensor_are_read_as_an_arrays_are(cache):
+    torch = pytest.importorskip("torch")
+    ctx = cache.allocate()
+    ctx.extend(torch.tensor([5, 6, 7]), kv(3))
+    assert ctx.tokens == [5, 6, 7] and cache.match(torch.tensor([5, 6, 7, 8]))[1] == 0
+    for bad, error in ((torch.tensor([1.5]), errors.DTypeError), (torch.tensor([-1]), errors.TokenError),
+                       (torch.tensor([1], dtype=torch.bfloat16), errors.DTypeError)):
+        with pytest.raises(error):
+            ctx.extend(bad, kv(1))
+    assert len(ctx) == 3
+
+
+def test_a_cache_of_huge_pages_is_built_without_reserving_their_ids():
+    """256 rows of 10**8-token ids were asked for in the constructor: 191 GiB, a raw MemoryError."""
+    big = Cache(Layout(1, 1, 2), page_tokens=10**8)
+    assert big.pool.table.ids.shape == (1, 10**8)            # one row, untouched until a page takes it
+    assert Cache(Layout(1, 1, 2), page_tokens=64).pool.table.ids.shape == (256, 64)
