@@ -66,14 +66,15 @@ def check_tokens(tokens, private: bool = True) -> np.ndarray:
     began cannot change what is stored. ``private=False`` skips that copy where it
     can (an int64 array comes back as itself), for a lookup that stores nothing.
     """
-    if isinstance(tokens, (set, frozenset, dict)):      # their order is not the sequence's
-        raise DTypeError(f"token ids must be an ordered sequence of ints, got a {type(tokens).__name__}")
-    if is_torch_tensor(tokens):         # a tokenizer's tensor: its values, as an array's (K/V take tensors too)
-        try:
-            tokens = tokens.detach().cpu().numpy()
-        except (TypeError, RuntimeError, NotImplementedError):     # bfloat16, meta: no values to read
-            raise DTypeError(f"token ids must be integers, got a tensor of {tokens.dtype}") from None
-        private = True      # the array shares the tensor's memory: copied below
+    if not isinstance(tokens, np.ndarray):     # an array first: the common case pays nothing for these
+        if isinstance(tokens, (set, frozenset, dict)):      # their order is not the sequence's
+            raise DTypeError(f"token ids must be an ordered sequence of ints, got a {type(tokens).__name__}")
+        if is_torch_tensor(tokens):         # a tokenizer's tensor: its values, as an array's (K/V take tensors too)
+            try:
+                tokens = tokens.detach().cpu().numpy()
+            except (TypeError, RuntimeError, NotImplementedError):     # bfloat16, meta: no values to read
+                raise DTypeError(f"token ids must be integers, got a tensor of {tokens.dtype}") from None
+            private = True      # the array shares the tensor's memory: copied below
     if isinstance(tokens, np.ndarray):
         array = np.array(tokens, copy=True if private else None, subok=False)   # masked or subclassed: the data itself
         if array.dtype.kind not in "iu":
