@@ -73,6 +73,12 @@ class RefContext:
     def __len__(self) -> int:
         return len(self.token_list)
 
+    def _held(self) -> int:
+        """The length positions are judged against: none for a closed context, which holds nothing (a
+        backend that frees everything at close reports 0, and its ``PositionError`` for a position of
+        a closed context is as right as ``ContextClosedError``; both apply, ``refuse_with_all``)."""
+        return 0 if self.closed else len(self)
+
     def _require_open(self) -> None:
         if self.closed:
             raise ContextClosedError("reference context is closed")
@@ -103,8 +109,8 @@ class RefContext:
                 ok["kv"] = check_values(layout, kv, count())
 
         def positions():
-            if start is not None and (not _is_int(start) or start < 0 or start + (count() or 0) > len(self)):
-                raise PositionError(f"overwrite of {count()} positions at {start!r} is outside length {len(self)}")
+            if start is not None and (not _is_int(start) or start < 0 or start + (count() or 0) > self._held()):
+                raise PositionError(f"overwrite of {count()} positions at {start!r} is outside length {self._held()}")
             ok["positions"] = True
 
         def values():
@@ -170,8 +176,8 @@ class RefContext:
         stop = len(self) if stop is None else stop
 
         def positions():
-            if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= len(self)):
-                raise PositionError(f"read of [{start}, {stop}) outside length {len(self)}")
+            if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= self._held()):
+                raise PositionError(f"read of [{start}, {stop}) outside length {self._held()}")
         refuse_with_all(self._require_open, positions)
         return self.values[start:stop].copy(), np.array(self.token_list[start:stop], dtype=np.int64)
 
@@ -187,8 +193,8 @@ class RefContext:
 
     def truncate(self, n: int) -> None:
         def positions():
-            if not (_is_int(n) and 0 <= n <= len(self)):
-                raise PositionError(f"truncate to {n} outside length {len(self)}")
+            if not (_is_int(n) and 0 <= n <= self._held()):
+                raise PositionError(f"truncate to {n} outside length {self._held()}")
         refuse_with_all(self._require_open, positions)
         self.values = self.values[:n].copy()
         self.token_list = self.token_list[:n]

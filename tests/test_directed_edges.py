@@ -119,6 +119,25 @@ def test_no_aliasing_catches_a_read_that_returns_a_view_of_the_page(monkeypatch)
     assert "read(" in failure.call and "invariant 4" in failure.saw
 
 
+def test_no_aliasing_catches_a_read_that_refills_a_buffer_an_earlier_read_returned(monkeypatch):
+    """From an audit: an engine keeping a host mirror of a context, refilled in place at every read and
+    sliced for the caller, passed: the kept arrays were compared after writes, with no read between."""
+    original = context_module.Context.read
+    mirrors: dict = {}
+
+    def read(ctx, start=0, stop=None):
+        values, tokens = original(ctx, start, stop)
+        whole, _ = original(ctx)
+        mirror = mirrors.get(ctx.context_id)
+        if mirror is None or len(mirror) < len(whole):
+            mirror = mirrors[ctx.context_id] = np.empty((2 * len(whole) + 8, *whole.shape[1:]), whole.dtype)
+        mirror[:len(whole)] = whole                                        # refilled in place
+        return mirror[start:len(whole) if stop is None else stop], tokens  # the caller gets a view of it
+    monkeypatch.setattr(context_module.Context, "read", read)
+    failure = fails("no aliasing", numpy_factory, "f32-heap")
+    assert "read again" in failure.saw
+
+
 def test_no_aliasing_catches_tokens_handed_out_from_the_page(monkeypatch):
     original = context_module.Context.read
 

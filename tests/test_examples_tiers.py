@@ -185,3 +185,38 @@ def test_the_exhaustive_search_runs_on_fewer_tiers(name, semantics):
     result = explore(_factory(name), semantics_scope(semantics, Scope(max_depth=4)))
     assert result.passed, str(result.violation)
     assert result.depth == 4 and result.states > 100
+
+
+def test_a_backend_that_frees_at_close_and_checks_positions_first_passes():
+    """From an audit: ``len()`` of a closed context is free (a backend freeing everything says 0) and any
+    applicable error is right: ``overwrite(0, ...)`` on a closed context raising ``PositionError`` was
+    rejected by ``pinned semantics``. Positions of a closed context are judged against length 0 too."""
+    import sys
+
+    from kvstate.spec.errors import PositionError
+    from kvstate.stateful.conform import conform, load_factory
+
+    box = sys.modules[load_factory(str(EXAMPLES / "blackbox_backend.py")).__module__]
+
+    class FreeOnClose(box.BoxContext):
+        def close(self):
+            super().close()
+            self.values, self.token_list = self.values[:0].copy(), []      # storage freed: len() is 0
+
+        def overwrite(self, start, tokens, kv):
+            if not box._is_int(start) or start < 0 or start + len(tokens) > len(self):   # positions first
+                raise PositionError(f"overwrite at {start!r} is outside length {len(self)}")
+            super().overwrite(start, tokens, kv)
+
+    class Cache(box.BoxCache):
+        def adopt(self, values, tokens):
+            ctx = FreeOnClose(self, values, tokens)
+            self.contexts.append(ctx)
+            return ctx
+
+    factory = lambda config: Cache(config)      # noqa: E731
+    from kvstate.stateful.configs import config_named
+
+    (result,) = conform(factory, settings=SMALL, configs=[config_named("f32-heap")],
+                        checks=["pinned semantics", "bad input"])
+    assert result.passed, result.failure

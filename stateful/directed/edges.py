@@ -149,13 +149,21 @@ def _returned_arrays_stay(run: Lockstep, config: Config, n: int) -> None:
     run.apply(O.Overwrite(handle, 0, tuple(range(10, 10 + n)), seed=6))
     run.apply(O.Truncate(handle, 1))
     run.apply(O.Extend(handle, tuple(range(20, 20 + n)), seed=7))
+    _kept_as_they_were(kept, "overwritten, truncated and extended")
+    for call, _ in _returned_arrays(run, handle):       # a read refilling a buffer an earlier one returned
+        record(run, call)
+    _kept_as_they_were(kept, "overwritten, truncated, extended and read again")
+    run.apply(O.Close(handle))
+
+
+def _kept_as_they_were(kept: list, since: str) -> None:
+    """Each kept result's parts byte for byte as when they were returned; else the promise is broken."""
     for call, returned, frozen in kept:
         for part, was in zip(returned, frozen):
             now = _frozen(part)      # compared as bytes in C order: a copy in another memory order is as good
             if now.shape != was.shape or now.dtype != was.dtype or now.tobytes() != was.tobytes():
-                raise BrokenPromise(NOT_ALIASED, call, "what it returned changed when the context was "
-                                    "overwritten, truncated and extended afterwards")
-    run.apply(O.Close(handle))
+                raise BrokenPromise(NOT_ALIASED, call, f"what it returned changed when the context was {since} "
+                                                       "afterwards")
 
 
 def _frozen(part: Any) -> np.ndarray:
