@@ -555,3 +555,19 @@ def test_a_directed_checks_setup_that_breaks_an_invariant_is_reported_at_that_st
     detail = result.outcomes["no aliasing"].detail
     assert detail.startswith("InvariantViolation: invariant 1: page "), detail
     assert "failing call: c2 = fork(ctx='c1')" in detail and "BrokenPromise" not in detail, detail
+
+
+def test_prefix_edges_catches_a_page_budget_that_counts_shared_pages_once(monkeypatch):
+    """From an audit: ``max_pages`` counts each entry's own pages as if nothing were shared; an engine
+    counting the pages its entries share once kept entries the reference evicts, and passed at the
+    ci budget (the scenario's keys shared no page). Entries now share pages through hits."""
+    from kvstate.impl import tree_bounds
+
+    def exceeded(bounds, tree):
+        if len(tree) > bounds.max_entries:
+            return True
+        pages = {id(page) for node in tree.entries() for page in node.value._pages}     # shared ones once
+        return bool(bounds.max_pages) and len(pages) > bounds.max_pages
+    monkeypatch.setattr(tree_bounds.TreeBounds, "exceeded", exceeded)
+    failure = fails("prefix edges", numpy_factory, "token-f16-heap-pages5")
+    assert "as if nothing were shared" in str(failure)
