@@ -124,7 +124,11 @@ class Lockstep:
             self.reference.engine_refused = self.reference.engine_keys = None
         if not same_refusal(engine_error, ref_error):
             engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
-            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}")
+            hint = ""
+            if isinstance(engine_error, CapacityError) and ref_error is None:
+                hint = ("; its pool is fuller than the reference's: pages held past their use (an earlier "
+                        "refused operation, a close or truncate that kept some) fill it early")
+            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}{hint}")
         if engine_error is not None:
             self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)
@@ -132,7 +136,10 @@ class Lockstep:
         if before is not None and op.kind in ("extend", "overwrite") and not op.tokens:
             self._zero_length_write_changed_nothing(op, before)
         if op.kind == "match" and engine_result[1] != ref_result[1]:
-            raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}")
+            budget = (f"; with max_pages {self.config.max_pages}, the entries that stay are the budget's, each "
+                      "counting its own pages as if nothing were shared" if self.config.max_pages else "")
+            raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}"
+                                     f"{budget}")
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)

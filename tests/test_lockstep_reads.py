@@ -153,3 +153,28 @@ def test_the_tree_tiers_entries_report_under_prefix_values_claims_no_false_rejec
     with pytest.raises(InvariantViolation, match="entry keys in eviction order") as caught:
         run.check()
     assert "false rejection" not in str(caught.value)
+
+
+def test_an_early_refusal_and_a_budget_mismatch_name_their_likely_causes(monkeypatch):
+    """From an audit: a refused operation that kept a page showed only later, as "engine CapacityError,
+    reference accepted", and a page budget counting shared pages once as a bare matched count."""
+    from kvstate.impl import context as engine_context
+    from kvstate.spec.errors import CapacityError
+
+    run = Lockstep(numpy_factory, config_named("f32-arena10-refuse"))
+    handle = run.apply(O.Allocate())
+
+    def refused(self, tokens, kv):
+        raise CapacityError("full")
+    monkeypatch.setattr(engine_context.Context, "extend", refused)
+    with pytest.raises(InvariantViolation, match="fuller than the reference's"):
+        run.apply(O.Extend(handle, (1, 2), seed=1))
+    monkeypatch.undo()
+
+    run = Lockstep(numpy_factory, config_named("token-f16-heap-pages5"))
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, (1, 2, 3), seed=1))
+    run.apply(O.Retain(handle))
+    run.engine.match = lambda tokens: (run.engine.allocate(), 0)
+    with pytest.raises(InvariantViolation, match="as if nothing were shared"):
+        run.apply(O.Match((1, 2, 3)))
