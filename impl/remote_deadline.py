@@ -136,13 +136,14 @@ class Worker:
         self.stuck = False
         self._counted = False            # this worker's abandoned call is in its tally
         self._tally = _stuck             # the tally it counts in, and uncounts from
+        self._by_server = _stuck_by_server      # and its server's
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def call(self, function: Callable[..., T], *args, **kwargs) -> T:
         if self.stuck or self.deadline.left() <= 0:
             raise self.deadline.error(self.doing)
-        waiting, here = self._tally["calls"], _stuck_by_server.get(self.server, 0)
+        waiting, here = self._tally["calls"], self._by_server.get(self.server, 0)
         if self._thread is None and (waiting >= MAX_STUCK_CALLS or here >= MAX_STUCK_PER_SERVER):    # a new operation
             where = (f"{here} earlier calls still wait on this server (at most {MAX_STUCK_PER_SERVER} a server)"
                      if here >= MAX_STUCK_PER_SERVER else
@@ -157,7 +158,7 @@ class Worker:
                 if not done.is_set():
                     self.stuck = self._counted = True
                     self._tally["calls"] += 1
-                    _stuck_by_server[self.server] = _stuck_by_server.get(self.server, 0) + 1
+                    self._by_server[self.server] = self._by_server.get(self.server, 0) + 1
             if self.stuck:
                 raise self.deadline.error(self.doing)
         if "error" in box:
@@ -197,7 +198,11 @@ class Worker:
         if self._counted:
             self._counted = False
             self._tally["calls"] -= 1
-            _stuck_by_server[self.server] -= 1
+            left = self._by_server[self.server] - 1
+            if left:
+                self._by_server[self.server] = left
+            else:
+                del self._by_server[self.server]        # servers that answered leave no entry behind
 
 
 class Bounded:

@@ -228,7 +228,10 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
     except FileNotFoundError as error:
         _raise_if_not_absent(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
-    if getattr(file, "details", {}).get("type") == "directory":      # s3fs opens a prefix as an empty file
+    # s3fs opens a prefix as an empty file. Its details were fetched at the open; ``vars``, since on
+    # another filesystem ``details`` may be a property asking the server again, unbounded.
+    known = vars(file)
+    if (known.get("_details") or known.get("details") or {}).get("type") == "directory":
         (worker.later if worker is not None else (lambda close: close()))(file.close)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}: it names a folder (other keys begin with it)")
     try:
@@ -295,20 +298,30 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
     file = call(fs.open, temp, "wb")
     try:
         yield file if worker is None else Bounded(file, worker)
-    except BaseException:
-        clean_up(_abandon, file)
-        clean_up(_remove_quietly, fs, temp)
+    except BaseException as error:
+        clean_up(_abandon, file, wait=isinstance(error, Exception))
+        clean_up(_remove_quietly, fs, temp, wait=isinstance(error, Exception))
         raise
+    copying = False
     try:
         call(file.close)
+        copying = True
         # cp_file and rm_file take one exact key; mv, cp and rm expand glob characters
         # (``*``, ``?``, ``[``) in it, so a name holding them published nothing or left the temp.
         call(fs.cp_file, temp, path)
+        copying = False
     except SnapshotDeadlineError as error:
+        clean_up(_remove_quietly, fs, temp)
+        if not copying:
+            raise               # the temporary key's upload: nothing at ``path`` changed
         _may_land(url, worker)
         raise _unknown_outcome(error) from None
-    finally:
-        clean_up(_remove_quietly, fs, temp)
+    except BaseException as error:
+        if copying and not isinstance(error, Exception):
+            _may_land(url, worker)          # interrupted with the copy sent
+        clean_up(_remove_quietly, fs, temp, wait=isinstance(error, Exception))
+        raise
+    clean_up(_remove_quietly, fs, temp)
 
 
 # Objects whose publishing call was given up on (its deadline ran out, or an interrupt came) after it

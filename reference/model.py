@@ -24,7 +24,9 @@ A label is a tuple of names, one per way an engine may share pages (``SHARINGS``
 Under ``values="seeded"`` the names always agree. Where the counts disagree on whether a full pool
 has room, either answer is right, and the reference does what the engine under test did
 (``check_room``); where they disagree on which entries a pool that evicts lets go, the reference
-keeps the entries the engine kept, where it can see them (``make_room``).
+keeps the entries the engine kept, where it can see them (``make_room``). An engine shares one way
+for the whole run: each such answer narrows the ways still open (``viable``) to those it agrees
+with, and later answers are judged by those alone.
 """
 
 from __future__ import annotations
@@ -35,9 +37,9 @@ from kvstate.spec import precision as precisions
 from kvstate.spec.arithmetic import pages_needed, pages_touched
 from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContextError, PositionError,
                                  PrecisionRangeError, SnapshotPrecisionError, refuse_with_all)
-from kvstate.spec.layout import check_tokens, check_values, require_finite
+from kvstate.spec.layout import check_tokens, check_values, is_torch_tensor, require_finite
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import entry_pages, hit_length
+from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length
 
 # Which name of a page label is which: one per way of sharing pages (see the module docstring).
 FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
@@ -49,7 +51,7 @@ def _is_int(value) -> bool:
 
 def _count(tokens) -> int | None:
     """How many token ids ``tokens`` holds, judged without judging them (None: cannot tell)."""
-    if isinstance(tokens, np.ndarray):
+    if isinstance(tokens, np.ndarray) or is_torch_tensor(tokens):
         return len(tokens) if tokens.ndim == 1 else None
     return len(tokens) if isinstance(tokens, (list, tuple)) else None
 
@@ -173,7 +175,7 @@ class RefContext:
                 self.labels = self.labels[:i] + [label] + self.labels[i + 1:]
 
     def read(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        stop = len(self) if stop is None else stop
+        stop = self._held() if stop is None else stop
 
         def positions():
             if not (_is_int(start) and _is_int(stop) and 0 <= start <= stop <= self._held()):
@@ -225,6 +227,9 @@ class RefCache:
         # The keys of the entries the engine kept after that operation, where its evictions may go several ways
         # (set by the lockstep: values="prefix", a pool that evicts, the tree tier; None: unknown).
         self.engine_keys: set[tuple[int, ...]] | None = None
+        # The ways of sharing (``SHARINGS``) the engine's answers so far agree with, narrowed at each
+        # answer only some of them give: the run is judged by one engine, sharing one way.
+        self.viable: tuple[int, ...] = SHARINGS if config.values == "prefix" else (FORKS,)
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -260,12 +265,17 @@ class RefCache:
         if not any(needs) or not limit or on_full not in ("refuse", "evict-then-refuse"):
             return
         counted = self._holders() if on_full == "refuse" else self.contexts
-        sharings = SHARINGS if self.config.values == "prefix" else (FORKS,)
-        full = [_pages(counted, sharing) + needs[sharing] > limit for sharing in sharings]
-        if not any(full) or (not all(full) and self.engine_refused is False):
-            return      # room, or room one way of sharing and none the other: the engine's answer stands
+        full = {sharing: _pages(counted, sharing) + needs[sharing] > limit for sharing in self.viable}
+        if not any(full.values()):
+            return
+        if not all(full.values()) and self.engine_refused is not None:
+            # room one way of sharing and none another: the engine's answer stands, and the ways that
+            # gave another answer are closed for the rest of the run
+            self.viable = tuple(sharing for sharing in self.viable if full[sharing] == self.engine_refused)
+            if not self.engine_refused:
+                return
         what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
-        if len(sharings) > 1:
+        if self.config.values == "prefix":
             raise CapacityError(
                 f"pool of {limit}: {_pages(counted, FORKS)} {what} + {needs[FORKS]} needed as forks share pages, "
                 f"{_pages(counted, WHOLE_PAGES)} + {needs[WHOLE_PAGES]} where retains share whole pages by prefix, "
@@ -274,18 +284,21 @@ class RefCache:
 
     def make_room(self, needed: int | list[int]) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
-        one count per sharing. Evictions count pages as forks share them, unless another way of
-        sharing evicts otherwise and leaves the very entries the engine kept (``engine_keys``)."""
+        one count per sharing. Evictions count pages as the first way of sharing still open does
+        (forks', while it is), unless the ways open would keep different entries and the engine's
+        are known (``engine_keys``): then as the ways that kept the very entries the engine kept."""
         limit, needs = self.config.pool_limit, _per_sharing(needed)
         if not any(needs) or not limit:
             return
         self.check_room(needs)
-        if self.config.on_full not in ("evict", "evict-then-refuse"):
+        if not evicts_for_room(self.config.on_full):
             return
-        sharings = SHARINGS if self.config.values == "prefix" else (FORKS,)
-        kept = [self._kept_after_evicting(needs[sharing], sharing) for sharing in sharings]
-        self.entries = next((entries for entries in kept
-                             if self.engine_keys == {entry[0] for entry in entries}), kept[FORKS])
+        kept = {sharing: self._kept_after_evicting(needs[sharing], sharing) for sharing in self.viable}
+        agreeing = tuple(sharing for sharing, entries in kept.items()
+                         if self.engine_keys == {entry[0] for entry in entries})
+        if agreeing and len(agreeing) < len(kept):
+            self.viable = agreeing          # the engine evicted as these ways of sharing do: the others close
+        self.entries = kept[(agreeing or self.viable)[0]]
 
     def _kept_after_evicting(self, needed: int, sharing: int) -> list:
         """The entries left once the least recently used of those keeping a page no context lists are

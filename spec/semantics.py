@@ -45,8 +45,9 @@ per configuration (``Config``), and the reference and the engine implement all o
               tokens always mean equal values, an overwrite included, and such an engine is never
               asked to hold two values for one prefix. The rules of the cache are unchanged. Such
               an engine may hold fewer or more pages than forks and retains share, so where a full
-              pool refuses, the reference allows either answer wherever the two ways of counting
-              disagree (``reference.model``).
+              pool refuses, the reference allows either answer wherever the ways of counting
+              disagree, follows an evicting pool through its tree tier, and holds the rest of the
+              run to the ways the engine's answers agreed with (``reference.model``).
   An operation's need is counted before it starts: ``extend`` needs its new pages plus a copy of
   a partly filled last page that another holder shares; ``overwrite`` a copy of each shared
   page it touches; ``restore`` every page of the snapshot; nothing else allocates.

@@ -257,7 +257,7 @@ def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
     page_form = tuple(
         sorted((renamed[pid], p.refcount, p.slot, p.dirty_tail, p.cached) for pid, p in pages.items()))
     arena_form = (obs.arena_free, tuple(sorted((s, renamed.get(pid, -1)) for s, pid in obs.arena_out.items())))
-    return (context_form, entry_form, reference_entries, page_form, arena_form,
+    return (context_form, entry_form, reference_entries, lockstep.reference.viable, page_form, arena_form,
             obs.pages_allocated - obs.pages_freed, obs.tree,
             _engine_memory(lockstep.engine, renamed, intern))
 

@@ -115,8 +115,10 @@ class Lockstep:
             self._touched.add(op.ctx)
         engine_result, engine_error = _attempt(self._perform, op, 0, self.engine,
                                                None if values is None else values.copy())
-        # Where the declared semantics let a full pool go several ways, the reference follows the engine.
-        self.reference.engine_refused = isinstance(engine_error, CapacityError)
+        # Where the declared semantics let a full pool go several ways, the reference follows the engine:
+        # whether it refused for a full pool (None where it refused for another reason, no answer on room).
+        self.reference.engine_refused = (isinstance(engine_error, CapacityError)
+                                         if engine_error is None or isinstance(engine_error, CapacityError) else None)
         self.reference.engine_keys = self._kept_by_the_engine(op)
         try:
             ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
@@ -152,12 +154,15 @@ class Lockstep:
             return handle
         return None
 
+    def _evictions_may_differ(self) -> bool:
+        """Whether ways of sharing may evict differently here: values="prefix" with a pool that evicts."""
+        return self.config.values == "prefix" and evicts_for_room(self.config.on_full) and bool(self.config.pool_limit)
+
     def _kept_by_the_engine(self, op: O.Op) -> set | None:
         """The keys of the engine's entries after ``op``, where the reference may need them to follow its
         evictions: an operation that allocates, under values="prefix" with a pool that evicts (ways of
         sharing pages that evict differently), and a backend with the tree tier; else None."""
-        if op.kind not in ("extend", "overwrite", "restore") or self.config.values != "prefix" \
-                or not evicts_for_room(self.config.on_full) or not self.config.pool_limit:
+        if op.kind not in ("extend", "overwrite", "restore") or not self._evictions_may_differ():
             return None
         entries = self.engine.observe().entries
         return None if entries is None else {tuple(entry.key) for entry in entries}
@@ -396,7 +401,7 @@ class Lockstep:
         """Where a black-box report of the entries a backend keeps can be a known false rejection, the note
         that says so: an evicting pool under ``values="prefix"``, whose evictions the reference follows
         only through the tree tier (``_kept_by_the_engine``; README, Full pools under values="prefix")."""
-        if self.config.values != "prefix" or not evicts_for_room(self.config.on_full) or not self.config.pool_limit:
+        if not self._evictions_may_differ():
             return ""
         return (". Under values='prefix' a backend whose retain shares the tree's pages may evict less than the "
                 "reference counts, which follows its evictions only through the tree tier (observe().entries): "

@@ -221,29 +221,27 @@ def test_a_fifo_as_a_replay_file_or_a_journal_is_refused_not_waited_on(tmp_path,
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc (Linux)")
-def test_a_pool_process_ends_itself_once_the_sweep_that_made_it_is_gone():
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_pool_process_ends_itself_once_the_sweep_that_made_it_is_gone(method):
     """From an audit: after ``kill -9`` of a 2-worker sweep its pool processes lived on, holding the
-    sweep's output open, and a CI step piping it waited for good. A pool process's watch of its
-    parent, run by a stand-in parent that dies at once without stopping it."""
+    sweep's output open, and a CI step piping it waited for good. A stand-in sweep starts a real
+    pool, reads its process's pid, and dies at once without stopping it. Under ``forkserver``
+    (Python 3.14's default on Linux) a process's parent is the fork server, not the sweep."""
     import subprocess
     import sys
     import textwrap
     import time
 
-    script = textwrap.dedent("""
-        import os
+    script = textwrap.dedent(f"""
+        import multiprocessing, os
         from kvstate.stateful.sweeps import sweep as S
-        S.PARENT_POLL_S = 0.05
-        parent = os.getpid()
-        child = os.fork()
-        if child == 0:
-            os.close(1)             # the test reads the parent's output to its end, not the child's
-            os.close(2)
-            S._end_with_parent(parent)
-        print(child, flush=True)
+        multiprocessing.set_start_method({method!r})
+        pool = S.LocalPool(1)
+        print(pool.executor.submit(os.getpid).result(), flush=True)
         os._exit(0)
     """)
-    child = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout)
+    child = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                               stdin=subprocess.DEVNULL).stdout.split()[0])
 
     def alive() -> bool:
         try:

@@ -2,9 +2,10 @@
 
 SGLang's insert keeps the slots the tree already holds for a prefix and frees the request's own, so
 such an engine can hold fewer pages than forks and retains alone would share, or, once the entry
-whose pages it took is gone, more. The reference counts pages both ways (``reference.model``'s label
-pairs); with a pool that refuses, where the two counts disagree on whether there is room, either
-answer is right (``RefCache.check_room``), and where they agree the reference decides alone.
+whose pages it took is gone, more. The reference counts pages each way (``reference.model``'s page
+labels, one name a way of sharing); with a pool that refuses, where the counts disagree on whether
+there is room, either answer is right (``RefCache.check_room``), and where they agree the reference
+decides alone. Each such answer narrows the ways the rest of the run may follow.
 """
 
 from __future__ import annotations
@@ -229,3 +230,18 @@ def test_seeded_values_keep_the_band_closed():
         reference.retain(ctx)
     with pytest.raises(CapacityError):
         ctx.extend([5, 6, 7, 8], np.zeros((4, 1, 2, 1, 2), np.float32))
+
+
+def test_an_engine_sharing_one_way_then_another_is_caught():
+    """Each answer inside the band narrows the ways of sharing the run may still follow: a pool that had
+    room as a sharing engine, then refuses where only forks' count is full, shares no one way."""
+    run = _lockstep(_sharing_pool())
+    second = _two_equal_entries(run)
+    run.apply(O.Extend(second, (5, 6, 7, 8), seed=3))            # room as retains share: 5 pages live
+    assert run.reference.viable == (WHOLE_PAGES, SAME_KEY)
+
+    def full(needed: int) -> None:
+        raise CapacityError("counted as forks share pages")
+    run.engine.make_room = full
+    with pytest.raises(AssertionError, match="errors"):
+        run.apply(O.Extend(second, (9,), seed=4))                # 5 + 1 fit the pool of 6 as it shares

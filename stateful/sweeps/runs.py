@@ -96,15 +96,17 @@ def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: flo
     """The failure where it first shows with every live context read at every step (a replay's reading):
     a run reads only the contexts an operation could have changed (``Lockstep.reads_changed_only``), so
     a backend that damages another one is seen a step or more late, and its replay file, which a
-    replay fails earlier, did not reproduce it exactly. Run again on failure only; the operations
-    after the step it pins are dropped."""
+    replay fails earlier, did not reproduce it exactly. Run again on failure only, under a run timeout
+    of its own (a failing seed may so take twice ``--run-timeout``); the operations after the step it
+    pins are dropped. A re-run that times out (it reads more) keeps the run's own failure."""
     try:
-        with Deadline(timeout_s):
+        with Deadline(timeout_s) as deadline:
             again, _ = execute(factory, config, list(ran))
     except RunTimeout:
         return failure, ran
-    if again is None or again.phase == "finish" or again.step >= failure.step:
-        return failure, ran
+    if deadline.fired or again is None or again.error == RunTimeout.__name__ or again.phase == "finish" \
+            or again.step >= failure.step:
+        return failure, ran         # the run again took too long (it reads more), or pinned nothing earlier
     return again, ran[:again.step]
 
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import errno
 import json
+import multiprocessing
+import multiprocessing.connection
 import os
 import re
 import shlex
@@ -358,7 +360,7 @@ def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
     return recorded.plan
 
 
-def _leave_interrupts_to_parent(sweep_pid: int) -> None:
+def _leave_interrupts_to_parent() -> None:
     """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished. A
     SIGTERM sent to one of them ends it (not the handler it inherited from ``terminated_as_interrupt``).
     A sweep killed outright (SIGKILL) stops nobody: each process then ends itself once its parent is
@@ -366,19 +368,17 @@ def _leave_interrupts_to_parent(sweep_pid: int) -> None:
     piping it waited for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    threading.Thread(target=_end_with_parent, args=(sweep_pid,), name="kvstate-parent-watch",
-                     daemon=True).start()
+    sweep = multiprocessing.parent_process()
+    if sweep is not None:
+        threading.Thread(target=_end_with, args=(sweep.sentinel,), name="kvstate-sweep-watch", daemon=True).start()
 
 
-PARENT_POLL_S = 0.5
-
-
-def _end_with_parent(parent: int) -> None:
-    """Exit this pool process once ``parent`` (the sweep's pid, taken in the sweep: one read here could
-    already be a new parent's) is no longer its parent (it died and the process was handed to
-    another), polling ``getppid``: portable, and a pool process has nothing to save."""
-    while os.getppid() == parent:
-        time.sleep(PARENT_POLL_S)
+def _end_with(sentinel) -> None:
+    """Exit this pool process once the sweep that started it is gone: ``sentinel`` (the sweep process's,
+    ``multiprocessing.parent_process``) becomes ready when it ends, however pool processes are
+    started (under ``forkserver``, Python 3.14's default on Linux, ``getppid`` is the fork server, not
+    the sweep). A pool process has nothing to save."""
+    multiprocessing.connection.wait([sentinel])
     os._exit(1)
 
 
@@ -421,28 +421,47 @@ class LocalPool:
 
     @staticmethod
     def _new(workers: int) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent, initargs=(os.getpid(),))
+        return ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
 
     def renew(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.executor = self._new(self.workers)
 
+    def window(self) -> int:
+        """Jobs kept submitted: a few a process, so the jobs a dead process leaves in doubt (each run
+        again alone) are those that could have been running, not every job of the sweep."""
+        return 2 * self.workers
+
     def alone(self, function: Callable, job: tuple) -> object:
         """``function(*job)`` in a pool process of its own: its result, the exception it raised, or
-        ``ProcessDied`` where it took that process down."""
+        ``ProcessDied`` where it took that process down. An interrupt stops that process at once."""
         solo = self._new(1)
         try:
-            return solo.submit(function, *job).result()
+            result = solo.submit(function, *job).result()
         except BrokenExecutor:
-            return ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
-                               "crash in C code)")
+            result = ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
+                                 "crash in C code)")
         except FINDINGS as error:
-            return error
-        finally:
-            solo.shutdown(wait=True)
+            result = error
+        except BaseException:           # Ctrl-C, SIGTERM: pool processes ignore SIGINT, so end it here
+            _stop(solo)
+            raise
+        solo.shutdown(wait=True)
+        return result
 
     def shutdown(self, wait: bool, cancel_futures: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _stop(executor: ProcessPoolExecutor) -> None:
+    """Shut ``executor`` down without waiting, its processes sent SIGTERM (their default action)."""
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        try:
+            process.terminate()
+        except (OSError, ValueError):
+            pass            # gone already
 
 
 def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tuple],
@@ -473,6 +492,9 @@ def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tup
     pending: dict = {}
     waiting = iter(jobs)
 
+    if window is None and isinstance(pool, LocalPool):
+        window = pool.window
+
     def top_up() -> None:
         limit = window() if window else len(jobs)
         while len(pending) < limit:
@@ -495,7 +517,13 @@ def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tup
             except BrokenExecutor:
                 if not isinstance(pool, LocalPool):
                     raise ClusterLostError() from None
-                suspects = [job, *pending.values()]       # one of them took its process down
+                # One of the jobs in flight took its process down; those that finished keep their results.
+                suspects = [job]
+                for other, other_job in list(pending.items()):
+                    if other.done() and not other.cancelled() and other.exception() is None:
+                        yield other_job, other.result()
+                    else:
+                        suspects.append(other_job)
                 pending.clear()
                 pool.renew()
                 for suspect in suspects:
