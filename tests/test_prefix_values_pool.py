@@ -190,14 +190,19 @@ def test_conform_passes_an_evicting_pool_that_shares_on_retain():
     assert all(result.passed for result in results), [result.failure for result in results]
 
 
-def test_the_reference_alone_still_refuses_by_its_labels():
-    """Without an engine's answer (``engine_refused`` None) the band is closed: the labels decide."""
-    config = _sharing_pool().configs[0]
+def _reference_with_two_entries(config: Config):
+    """A reference alone holding ``_two_equal_entries``' entries; the second context, still open."""
     reference = RefCache(config)
     for tokens in ([1, 2, 3, 4, 9], [1, 2, 3, 4]):
         ctx = reference.allocate()
         ctx.extend(tokens, np.zeros((len(tokens), 1, 2, 1, 2), np.float32))
         reference.retain(ctx)
+    return reference, ctx
+
+
+def test_the_reference_alone_still_refuses_by_its_labels():
+    """Without an engine's answer (``engine_refused`` None) the band is closed: the labels decide."""
+    _, ctx = _reference_with_two_entries(_sharing_pool().configs[0])
     with pytest.raises(CapacityError):
         ctx.extend([5, 6, 7, 8], np.zeros((4, 1, 2, 1, 2), np.float32))
 
@@ -221,13 +226,8 @@ def test_conform_passes_the_sharing_pool_and_rejects_its_overfull_twin():
 def test_seeded_values_keep_the_band_closed():
     """The band is for ``values="prefix"`` only: with seeded values equal tokens are not equal K/V, and an
     engine sharing them would be wrong, so an extend past the labels' count is refused there as before."""
-    config = dataclasses.replace(_sharing_pool().configs[0], values="seeded")
-    reference = RefCache(config)
+    reference, ctx = _reference_with_two_entries(dataclasses.replace(_sharing_pool().configs[0], values="seeded"))
     reference.engine_refused = False
-    for tokens in ([1, 2, 3, 4, 9], [1, 2, 3, 4]):
-        ctx = reference.allocate()
-        ctx.extend(tokens, np.zeros((len(tokens), 1, 2, 1, 2), np.float32))
-        reference.retain(ctx)
     with pytest.raises(CapacityError):
         ctx.extend([5, 6, 7, 8], np.zeros((4, 1, 2, 1, 2), np.float32))
 

@@ -195,14 +195,21 @@ def test_a_sweep_of_a_file_backend_prints_replays_that_work_pasted_from_anywhere
     assert main(["sweep", "--resume", str(tmp_path / "out"), "--backend", spelled_otherwise]) == 1
 
 
-def test_a_journal_that_names_its_file_backend_relatively_still_resumes(tmp_path, monkeypatch):
-    """Journals from before file backends were kept absolute: resumed from their folder, by either spelling."""
+def _listcache_sweep(tmp_path, monkeypatch) -> tuple[Path, Path, str, list[str]]:
+    """A finished 2-run sweep of ``examples/listcache.py``, run from the examples folder: its folder, its
+    journal, the journal's plan line and run lines."""
     monkeypatch.chdir(EXAMPLES)
     out = tmp_path / "out"
     assert main(["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--backend", "listcache.py",
                  "--out", str(out)]) == 0
     journal = out / "runs.jsonl"
     plan, *runs = journal.read_text().splitlines(keepends=True)
+    return out, journal, plan, runs
+
+
+def test_a_journal_that_names_its_file_backend_relatively_still_resumes(tmp_path, monkeypatch):
+    """Journals from before file backends were kept absolute: resumed from their folder, by either spelling."""
+    out, journal, plan, runs = _listcache_sweep(tmp_path, monkeypatch)
     plan = json.loads(plan)
     plan["backend"] = "listcache.py"
     journal.write_text(json.dumps(plan) + "\n" + "".join(runs[:-1]))
@@ -365,12 +372,7 @@ def test_every_saved_failure_replays_at_the_step_and_with_the_error_it_records(t
 
 
 def test_a_resume_takes_a_file_backend_named_with_or_without_its_factory(tmp_path, monkeypatch):
-    monkeypatch.chdir(EXAMPLES)
-    out = tmp_path / "out"
-    assert main(["sweep", "--seeds", "2", "--steps", "10", "--configs", "f32-heap", "--backend", "listcache.py",
-                 "--out", str(out)]) == 0
-    journal = out / "runs.jsonl"
-    plan, *runs = journal.read_text().splitlines(keepends=True)
+    out, journal, plan, runs = _listcache_sweep(tmp_path, monkeypatch)
     for spelled in ("listcache.py:factory", str(EXAMPLES / "listcache.py")):
         journal.write_text(plan + runs[0])
         assert main(["sweep", "--resume", str(out), "--backend", spelled]) == 0
