@@ -727,7 +727,12 @@ def _feed_hook(module, args, kwargs):
         ids = kwargs.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
-        cache.feed(ids, kwargs.get("attention_mask"))
+        try:
+            cache.feed(ids, kwargs.get("attention_mask"))
+        except BaseException as error:
+            if not isinstance(error, Exception):
+                cache.end_forward()     # an interrupt here: no hook after it runs, and the forward it claimed is over
+            raise
     return None
 
 

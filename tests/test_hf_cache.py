@@ -1025,3 +1025,19 @@ def test_cache_arguments_beside_a_given_kvstate_cache_and_a_closed_context_are_r
     assert restored.kv.precision == "q8" and restored.kv.page_tokens == 16
     restored.close()
     cache.close()
+
+
+def test_an_interrupt_while_a_forward_is_fed_leaves_no_forward_claimed(llama, monkeypatch):
+    """From a review: an interrupt in the pre-hook, after the cache took the forward as this thread's,
+    met no hook that ends it: every other thread was refused from then on."""
+    cache = hf.KVStateCache.for_model(llama, page_tokens=4)
+    run(llama, cache, [ids(4, 52)])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(hf, "new_padding", interrupted)
+    with torch.no_grad(), pytest.raises(KeyboardInterrupt):
+        llama(ids(2, 53), cache=cache)
+    monkeypatch.undo()
+    assert cache._forward_thread is None and cache.get_seq_length() == 4
+    cache.close()
