@@ -31,6 +31,8 @@ with, and later answers are judged by those alone.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from kvstate.spec import precision as precisions
@@ -224,9 +226,10 @@ class RefCache:
         # Whether the engine under test refused the operation now being checked for a full pool: set by
         # the lockstep before the reference runs it (None: no engine), read only where either answer is right.
         self.engine_refused: bool | None = None
-        # The keys of the entries the engine kept after that operation, where its evictions may go several ways
-        # (set by the lockstep: values="prefix", a pool that evicts, the tree tier; None: unknown).
-        self.engine_keys: set[tuple[int, ...]] | None = None
+        # What gives the keys of the entries the engine kept after that operation, where its evictions may
+        # go several ways (set by the lockstep: values="prefix", a pool that evicts, the tree tier; None:
+        # unknown). Called only where the ways of sharing still open would keep different entries.
+        self.engine_keys: Callable[[], set[tuple[int, ...]] | None] | None = None
         # The ways of sharing (``SHARINGS``) the engine's answers so far agree with, narrowed at each
         # answer only some of them give: the run is judged by one engine, sharing one way.
         self.viable: tuple[int, ...] = SHARINGS if config.values == "prefix" else (FORKS,)
@@ -294,8 +297,10 @@ class RefCache:
         if not evicts_for_room(self.config.on_full):
             return
         kept = {sharing: self._kept_after_evicting(needs[sharing], sharing) for sharing in self.viable}
-        agreeing = tuple(sharing for sharing, entries in kept.items()
-                         if self.engine_keys == {entry[0] for entry in entries})
+        keys = {sharing: {entry[0] for entry in entries} for sharing, entries in kept.items()}
+        engine = self.engine_keys() if self.engine_keys is not None and len(set(map(frozenset, keys.values()))) > 1 \
+            else None
+        agreeing = tuple(sharing for sharing in kept if keys[sharing] == engine)
         if agreeing and len(agreeing) < len(kept):
             self.viable = agreeing          # the engine evicted as these ways of sharing do: the others close
         self.entries = kept[(agreeing or self.viable)[0]]

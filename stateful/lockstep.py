@@ -158,14 +158,18 @@ class Lockstep:
         """Whether ways of sharing may evict differently here: values="prefix" with a pool that evicts."""
         return self.config.values == "prefix" and evicts_for_room(self.config.on_full) and bool(self.config.pool_limit)
 
-    def _kept_by_the_engine(self, op: O.Op) -> set | None:
-        """The keys of the engine's entries after ``op``, where the reference may need them to follow its
-        evictions: an operation that allocates, under values="prefix" with a pool that evicts (ways of
-        sharing pages that evict differently), and a backend with the tree tier; else None."""
+    def _kept_by_the_engine(self, op: O.Op) -> Callable[[], set | None] | None:
+        """What reads the keys of the engine's entries after ``op`` (its tree tier; None without it), where
+        the reference may need them to follow its evictions: an operation that allocates, under
+        values="prefix" with a pool that evicts (ways of sharing pages that evict differently); else None.
+        The reference calls it only where the ways still open would keep different entries."""
         if op.kind not in ("extend", "overwrite", "restore") or not self._evictions_may_differ():
             return None
-        entries = self.engine.observe().entries
-        return None if entries is None else {tuple(entry.key) for entry in entries}
+
+        def keys() -> set | None:
+            entries = self.engine.observe().entries
+            return None if entries is None else {tuple(entry.key) for entry in entries}
+        return keys
 
     def _values_of(self, op: O.Op):
         """The K/V an extend or overwrite writes: its seed's (``ops.values_for``), or under
