@@ -4,6 +4,7 @@ as regression tests; and planted faults it must report, so each target is shown 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -253,3 +254,15 @@ def test_a_pool_process_ends_itself_once_the_sweep_that_made_it_is_gone(method):
     while alive() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive()
+
+
+@pytest.mark.parametrize("seconds", ["NaN", "Infinity", "-1"])
+def test_a_journal_run_with_seconds_no_report_can_hold_is_refused_by_name(tmp_path, capsys, seconds):
+    """From an audit: ``"seconds": NaN`` in a journal made report.json hold NaN, which strict JSON refuses."""
+    out = tmp_path / "out"
+    assert main(["sweep", "--seeds", "2", "--steps", "5", "--configs", "f32-heap", "--out", str(out)]) == 0
+    journal = out / J.FILE
+    plan, first, *_ = journal.read_text().splitlines(keepends=True)
+    journal.write_text(plan + re.sub(r'"seconds": [^,]+', f'"seconds": {seconds}', first, count=1))
+    assert main(["sweep", "--resume", str(out)]) == 2
+    assert "seconds are not finite numbers" in capsys.readouterr().err
