@@ -62,6 +62,13 @@ class Dies(Context):
         os._exit(3)
 
 
+class StuckInC(Context):
+    __slots__ = ()
+
+    def extend(self, tokens, kv):       # blocked in C, where no deadline reaches
+        time.sleep(3600)
+
+
 class ExitsOnRead(Context):
     __slots__ = ()
 
@@ -370,3 +377,30 @@ def test_a_run_that_ends_its_pool_process_is_a_finding_of_its_seed_and_the_sweep
     assert {(f["config"], f["failure"]["error"], f["failure"]["phase"]) for f in report["failures"]} == \
         {("f16-heap", "ProcessDied", "crash")}
     assert len(report["failures"]) == 3
+
+
+def test_a_run_stuck_in_c_past_its_timeout_is_a_timeout_of_its_seed_in_a_pool(tmp_path, monkeypatch):
+    """From an audit: a run blocked inside C ignored --run-timeout (the deadline reaches Python code only)
+    and held its pool process, and every resume, for good. In a pool process it now ends the process
+    ``STUCK_GRACE_S`` past the timeout, and the seed is a RunTimeout."""
+    from kvstate.stateful.sweeps import runs
+
+    monkeypatch.setattr(runs, "STUCK_GRACE_S", 0.2)      # inherited by the pool's forked processes
+    backend = _backend(tmp_path, when="config.precision == 'f16'", act="_planted(cache, StuckInC)",
+                       configs="[_f32, _f16]")
+    from kvstate.stateful.backends import load_factory
+    from kvstate.stateful.configs import configs_for
+    from kvstate.stateful.sweeps import sweep as S
+
+    done: dict = {}
+
+    def sweep():        # in a thread of its own: without the fix it never returns, and the test fails at once
+        done["report"] = S.sweep(range(3), 40, configs_for(load_factory(backend)), backend, workers=2,
+                                 out_dir=tmp_path / "out", shrink_limit=0, run_timeout=0.5, progress=None)
+    thread = threading.Thread(target=sweep, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the sweep waited on the stuck run"
+    report = done["report"]
+    assert len(report.results) == report.expected == 6
+    assert {(r.config, r.failure.error) for r in report.failures} == {("f16-heap", "RunTimeout")}

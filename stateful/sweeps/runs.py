@@ -9,10 +9,12 @@ files (``save_replay``): a worker on another machine has no place to write them 
 from __future__ import annotations
 
 import os
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 from kvstate.spec.errors import RunTimeout
 from kvstate.spec.protocol import Config, Factory
@@ -47,6 +49,29 @@ class RunResult:
 
 _factories: dict[str, Callable] = {}
 
+# A run stuck past its timeout in code the deadline cannot interrupt (C: a lock, a sleep) held its pool
+# process, and every resume, for good. In a pool process of the sweep's own (``hard_timeouts``, set by
+# ``sweep.LocalPool``'s initializer) it ends that process this long after the timeout, with
+# ``STUCK_EXIT``: the pool records the seed as a ``RunTimeout``. Never in the sweep's own process.
+STUCK_GRACE_S = 2.0
+STUCK_EXIT = 124
+hard_timeouts = False
+
+
+@contextmanager
+def _ended_if_stuck(timeout_s: float | None) -> Iterator[None]:
+    """Within the block, end this process ``STUCK_GRACE_S`` after ``timeout_s`` (where ``hard_timeouts``)."""
+    if not hard_timeouts or timeout_s is None:
+        yield
+        return
+    timer = threading.Timer(timeout_s + STUCK_GRACE_S, os._exit, (STUCK_EXIT,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+
 
 def factory_for(backend: str):
     """The backend's factory, imported once per process (a pool process or a worker imports it
@@ -68,7 +93,7 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     failure = None
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
-        with Deadline(timeout_s) as deadline:
+        with _ended_if_stuck(timeout_s), Deadline(timeout_s) as deadline:
             lockstep = Lockstep(factory, config)
             lockstep.reads_changed_only = True     # every operation goes through ``execute``
 
@@ -100,7 +125,7 @@ def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: flo
     of its own (a failing seed may so take twice ``--run-timeout``); the operations after the step it
     pins are dropped. A re-run that times out (it reads more) keeps the run's own failure."""
     try:
-        with Deadline(timeout_s) as deadline:
+        with _ended_if_stuck(timeout_s), Deadline(timeout_s) as deadline:
             again, _ = execute(factory, config, list(ran))
     except RunTimeout:
         return failure, ran

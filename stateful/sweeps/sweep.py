@@ -44,16 +44,17 @@ try:
 except ImportError:          # not POSIX: sweeps run, without the folder lock
     fcntl = None  # type: ignore[assignment]
 
-from kvstate.spec.errors import BackendMismatchError, ClusterLostError, ResumeError, SweepError
+from kvstate.spec.errors import BackendMismatchError, ClusterLostError, ResumeError, RunTimeout, SweepError
 from kvstate.spec.protocol import Config
 
 from . import journal as J
+from . import runs
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
 from ..configs import configs_for, configs_named, page_sizes
 from ..replay import FINDINGS, as_pytest, load
-from .runs import (RunResult, crashed, factory_for, result_from_json, result_to_json, run_seed,
-                   save_replay, shrink_result, to_shrink)
+from .runs import (STUCK_EXIT, STUCK_GRACE_S, RunResult, crashed, factory_for, result_from_json, result_to_json,
+                   run_seed, save_replay, shrink_result, to_shrink)
 
 DEFAULT_BACKEND = "kvstate.impl.numpy"
 MAX_SEEDS = 10_000_000     # the plan line lists every seed: this many keep the journal under J.MAX_BYTES
@@ -368,6 +369,7 @@ def _leave_interrupts_to_parent() -> None:
     piping it waited for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    runs.hard_timeouts = True        # a run stuck in C past its timeout ends this process, not the sweep
     sweep = multiprocessing.parent_process()
     if sweep is not None:
         threading.Thread(target=_end_with, args=(sweep.sentinel,), name="kvstate-sweep-watch", daemon=True).start()
@@ -437,10 +439,18 @@ class LocalPool:
         ``ProcessDied`` where it took that process down. An interrupt stops that process at once."""
         solo = self._new(1)
         try:
-            result = solo.submit(function, *job).result()
+            future = solo.submit(function, *job)
+            processes = list((getattr(solo, "_processes", None) or {}).values())     # started by the submit
+            result = future.result()
         except BrokenExecutor:
-            result = ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
-                                 "crash in C code)")
+            for process in processes:
+                process.join(5)
+            if any(process.exitcode == STUCK_EXIT for process in processes):
+                result = RunTimeout(f"the run was still running {STUCK_GRACE_S:g} s past --run-timeout, in code the "
+                                    "deadline cannot interrupt (C code: a lock, a sleep), and its process was ended")
+            else:
+                result = ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
+                                     "crash in C code)")
         except FINDINGS as error:
             result = error
         except BaseException:           # Ctrl-C, SIGTERM: pool processes ignore SIGINT, so end it here
