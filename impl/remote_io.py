@@ -232,7 +232,10 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
     # another filesystem ``details`` may be a property asking the server again, unbounded.
     known = vars(file)
     if (known.get("_details") or known.get("details") or {}).get("type") == "directory":
-        (worker.later if worker is not None else (lambda close: close()))(file.close)
+        if worker is None:
+            file.close()
+        else:
+            worker.later(file.close)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}: it names a folder (other keys begin with it)")
     try:
         yield file if worker is None else Bounded(file, worker)

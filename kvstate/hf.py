@@ -652,10 +652,10 @@ class KVStateCache(_HFCache):
         if current.closed:      # checked first: the hit would have no cache to go to
             raise ContextClosedError("this cache is closed: match with a new one, "
                                      "KVStateCache.for_model(model, cache.kv)")
-        if isinstance(tokens, torch.Tensor):
+        if isinstance(tokens, torch.Tensor):        # a prompt as generate takes it, (1, n), is one sequence
             if tokens.ndim > 2 or (tokens.ndim == 2 and tokens.shape[0] != 1):
                 raise ShapeError(f"match takes one sequence of token ids, not a tensor of shape {tuple(tokens.shape)}")
-            tokens = tokens.reshape(-1).tolist()
+            tokens = tokens.reshape(-1)
         tokens = check_tokens(tokens)
         found, matched = self.kv.match(tokens)
         try:

@@ -31,6 +31,7 @@ with, and later answers are judged by those alone.
 
 from __future__ import annotations
 
+from operator import countOf, itemgetter
 from typing import Callable
 
 import numpy as np
@@ -41,10 +42,12 @@ from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContext
                                  PrecisionRangeError, SnapshotPrecisionError, refuse_with_all)
 from kvstate.spec.layout import check_tokens, check_values, is_torch_tensor, require_finite
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length
+from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse
 
 # Which name of a page label is which: one per way of sharing pages (see the module docstring).
 FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
+_COUNTED = {FORKS: "as forks share pages", WHOLE_PAGES: "where retains share whole pages by prefix",
+            SAME_KEY: "where a retained key keeps its last page too"}      # a refusal's words for each
 
 
 def _is_int(value) -> bool:
@@ -131,9 +134,10 @@ class RefContext:
         refuse_with_all(token_ids, dtype_and_shape, self._require_open, positions, values, pool)
         return ok["tokens"], ok["values"]
 
-    def _needs(self, start: int, n: int, extend: bool) -> list[int]:
-        """The pages a write of positions [start, start + n) takes (its copies and new pages), per sharing."""
-        return [sum(self._pages_to_write(start, n, extend, sharing)) for sharing in SHARINGS]
+    def _needs(self, start: int, n: int, extend: bool) -> dict[int, int]:
+        """The pages a write of positions [start, start + n) takes (its copies and new pages), per way of
+        sharing still open (one, under ``values="seeded"``: every step pays for the ways it counts)."""
+        return {sharing: sum(self._pages_to_write(start, n, extend, sharing)) for sharing in self.cache.viable}
 
     def _pages_to_write(self, start: int, n: int, extend: bool, sharing: int) -> tuple[int, int]:
         """(shared pages the write must copy, new pages it appends) for positions [start, start + n),
@@ -168,13 +172,18 @@ class RefContext:
         self.token_list = self.token_list[:start] + tokens + self.token_list[start + len(tokens):]
 
     def _relabel(self, indexes) -> None:
-        """The copy ``writable`` makes: a page another holder lists gets a name of its own, in each
-        sharing where another holder lists it."""
+        """The copy ``writable`` makes: a page another holder lists gets a name of its own, in each way of
+        sharing still open where another holder lists it (the closed ways follow the first open one:
+        nothing counts them again)."""
+        viable = self.cache.viable
         for i in indexes:
             if i < len(self.labels):
-                label = tuple(self.cache.new_label()[sharing] if self.cache.shared(self.labels[i], sharing)
-                              else self.labels[i][sharing] for sharing in SHARINGS)
-                self.labels = self.labels[:i] + [label] + self.labels[i + 1:]
+                copied = {sharing: self.cache.shared(self.labels[i], sharing) for sharing in viable}
+                if any(copied.values()):
+                    fresh = self.cache.new_label()
+                    label = tuple(fresh[sharing] if copied.get(sharing, copied[viable[0]]) else self.labels[i][sharing]
+                                  for sharing in SHARINGS)
+                    self.labels = self.labels[:i] + [label] + self.labels[i + 1:]
 
     def read(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         stop = self._held() if stop is None else stop
@@ -249,7 +258,8 @@ class RefCache:
         return self.contexts + [entry[1] for entry in self.entries]
 
     def holders_of(self, label: tuple[int, ...], sharing: int = FORKS) -> int:
-        return sum(1 for holder in self._holders() for mine in holder.labels if mine[sharing] == label[sharing])
+        name, named = label[sharing], itemgetter(sharing)
+        return sum(countOf(map(named, holder.labels), name) for holder in self._holders())
 
     def shared(self, label: tuple[int, ...], sharing: int = FORKS) -> bool:
         return self.holders_of(label, sharing) > 1
@@ -261,11 +271,11 @@ class RefCache:
         """Pages that would stay live if every tree entry were evicted: those contexts list."""
         return _pages(self.contexts, sharing)
 
-    def check_room(self, needed: int | list[int]) -> None:
+    def check_room(self, needed: int | dict[int, int]) -> None:
         """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages (a count,
-        or one count per sharing where they differ); changes nothing."""
-        limit, on_full, needs = self.config.pool_limit, self.config.on_full, _per_sharing(needed)
-        if not any(needs) or not limit or on_full not in ("refuse", "evict-then-refuse"):
+        or one count per way of sharing still open, ``RefContext._needs``); changes nothing."""
+        limit, on_full, needs = self.config.pool_limit, self.config.on_full, self._per_sharing(needed)
+        if not any(needs.values()) or not limit or not may_refuse(on_full):
             return
         counted = self._holders() if on_full == "refuse" else self.contexts
         full = {sharing: _pages(counted, sharing) + needs[sharing] > limit for sharing in self.viable}
@@ -278,32 +288,34 @@ class RefCache:
             if not self.engine_refused:
                 return
         what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
-        if self.config.values == "prefix":
-            raise CapacityError(
-                f"pool of {limit}: {_pages(counted, FORKS)} {what} + {needs[FORKS]} needed as forks share pages, "
-                f"{_pages(counted, WHOLE_PAGES)} + {needs[WHOLE_PAGES]} where retains share whole pages by prefix, "
-                f"{_pages(counted, SAME_KEY)} + {needs[SAME_KEY]} where a retained key keeps its last page too")
-        raise CapacityError(f"{_pages(counted, FORKS)} {what} + {needs[FORKS]} needed > pool of {limit}")
+        counts = ", ".join(f"{_pages(counted, sharing)} {what} + {needs[sharing]} needed"
+                           + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
+                           for sharing in self.viable)
+        raise CapacityError(f"{counts} > pool of {limit}")
 
-    def make_room(self, needed: int | list[int]) -> None:
+    def make_room(self, needed: int | dict[int, int]) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
         one count per sharing. Evictions count pages as the first way of sharing still open does
         (forks', while it is), unless the ways open would keep different entries and the engine's
         are known (``engine_keys``): then as the ways that kept the very entries the engine kept."""
-        limit, needs = self.config.pool_limit, _per_sharing(needed)
-        if not any(needs) or not limit:
+        limit, needs = self.config.pool_limit, self._per_sharing(needed)
+        if not any(needs.values()) or not limit:
             return
         self.check_room(needs)
         if not evicts_for_room(self.config.on_full):
             return
         kept = {sharing: self._kept_after_evicting(needs[sharing], sharing) for sharing in self.viable}
-        keys = {sharing: {entry[0] for entry in entries} for sharing, entries in kept.items()}
-        engine = self.engine_keys() if self.engine_keys is not None and len(set(map(frozenset, keys.values()))) > 1 \
-            else None
+        keys = {sharing: frozenset(entry[0] for entry in entries) for sharing, entries in kept.items()}
+        differ = len(set(keys.values())) > 1
+        engine = self.engine_keys() if differ and self.engine_keys is not None else None
         agreeing = tuple(sharing for sharing in kept if keys[sharing] == engine)
         if agreeing and len(agreeing) < len(kept):
             self.viable = agreeing          # the engine evicted as these ways of sharing do: the others close
         self.entries = kept[(agreeing or self.viable)[0]]
+
+    def _per_sharing(self, needed: int | dict[int, int]) -> dict[int, int]:
+        """A need of pages per way of sharing still open (the same count where only one is given)."""
+        return needed if isinstance(needed, dict) else {sharing: needed for sharing in self.viable}
 
     def _kept_after_evicting(self, needed: int, sharing: int) -> list:
         """The entries left once the least recently used of those keeping a page no context lists are
@@ -421,11 +433,6 @@ class RefCache:
     def eviction_order(self) -> list[tuple[tuple[int, ...], int]]:
         """Entries as (key, tick), least recently used first."""
         return sorted(((entry[0], entry[2]) for entry in self.entries), key=lambda pair: pair[1])
-
-
-def _per_sharing(needed: int | list[int]) -> list[int]:
-    """A need of pages, one count per sharing (the same count where only one is given)."""
-    return needed if isinstance(needed, list) else [needed] * len(SHARINGS)
 
 
 def _pages(holders: list[RefContext], sharing: int) -> int:

@@ -365,7 +365,7 @@ def _leave_interrupts_to_parent() -> None:
     """Pool processes ignore Ctrl-C: the sweep process stops them, after writing what finished. A
     SIGTERM sent to one of them ends it (not the handler it inherited from ``terminated_as_interrupt``).
     A sweep killed outright (SIGKILL) stops nobody: each process then ends itself once its parent is
-    gone (``_end_with_parent``), where it used to live on, holding the sweep's output open (a CI step
+    gone (``_end_with``), where it used to live on, holding the sweep's output open (a CI step
     piping it waited for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -440,7 +440,7 @@ class LocalPool:
         solo = self._new(1)
         try:
             future = solo.submit(function, *job)
-            processes = list((getattr(solo, "_processes", None) or {}).values())     # started by the submit
+            processes = _processes_of(solo)     # started by the submit: their exit codes are read below
             result = future.result()
         except BrokenExecutor:
             for process in processes:
@@ -463,9 +463,14 @@ class LocalPool:
         self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
+def _processes_of(executor: ProcessPoolExecutor) -> list:
+    """The executor's processes (CPython keeps them in ``_processes``; none where it does not)."""
+    return list((getattr(executor, "_processes", None) or {}).values())
+
+
 def _stop(executor: ProcessPoolExecutor) -> None:
     """Shut ``executor`` down without waiting, its processes sent SIGTERM (their default action)."""
-    processes = list((getattr(executor, "_processes", None) or {}).values())
+    processes = _processes_of(executor)
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         try:
