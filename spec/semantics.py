@@ -69,6 +69,27 @@ def hit_length(match: str, block_tokens: int, common: int) -> int:
     return common
 
 
+def hit_rule(match: str, block_tokens: int, matched: int, query_length: int,
+             key_lengths: "list[int] | None" = None) -> str:
+    """The rule a hit of ``matched`` positions for a query of ``query_length`` tokens is held to, for a
+    report of a hit that differs from the reference's. Where ``matched`` is no hit at all under the
+    rule (longer than the query, not whole blocks, no retained key of that length prefixing the
+    query: ``key_lengths``), it says so: that is the promise broken, whatever check was running."""
+    if match == "block":
+        rule = (f'match="block" (blocks of {block_tokens}): a hit is the longest common prefix with a retained '
+                f"key, rounded down to whole blocks")
+        wrong = f"{matched} is not a whole number of blocks" if matched % block_tokens else ""
+    elif match == "entry":
+        rule = 'match="entry": a hit holds the whole of the longest retained key that prefixes the query'
+        wrong = (f"the reference retains no key of {matched} tokens that prefixes it"
+                 if key_lengths is not None and matched and matched not in key_lengths else "")
+    else:
+        rule, wrong = 'match="token": a hit is the longest common prefix with any retained key, token by token', ""
+    if matched > query_length:      # first: whatever the semantics, a hit is a prefix of the query
+        wrong = f"{matched} positions for a query of {query_length} tokens: a hit is a prefix of the query"
+    return f"{rule}; {wrong}" if wrong else rule
+
+
 def entry_pages(key_length: int, page_tokens: int) -> int:
     """What one entry counts against ``max_pages``."""
     return pages_needed(key_length, page_tokens)

@@ -18,7 +18,7 @@ from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.errors import CapacityError, InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import evicts_for_room
+from kvstate.spec.semantics import evicts_for_room, hit_rule
 
 from . import ops as O
 from .frames import raised_at
@@ -140,8 +140,8 @@ class Lockstep:
         if op.kind == "match" and engine_result[1] != ref_result[1]:
             budget = (f"; with max_pages {self.config.max_pages}, the entries that stay are the budget's, each "
                       "counting its own pages as if nothing were shared" if self.config.max_pages else "")
-            raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]}"
-                                     f"{budget}")
+            raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]} "
+                                     f"({self._hit_rule(engine_result[1], tuple(op.tokens))}){budget}")
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)
@@ -401,6 +401,11 @@ class Lockstep:
                     suspect.add(pid)
         return {handle for handle, pages in candidates.items() if suspect.isdisjoint(pages)}
 
+    def _hit_rule(self, matched: int, query: tuple) -> str:
+        """The declared rule a hit of ``matched`` positions for ``query`` breaks or is held to (``hit_rule``)."""
+        keys = [len(key) for key, _tick in self.reference.eviction_order() if tuple(query[:len(key)]) == tuple(key)]
+        return hit_rule(self.config.match, self.config.block_tokens, matched, len(query), keys)
+
     def _prefix_eviction_note(self) -> str:
         """Where a black-box report of the entries a backend keeps can be a known false rejection, the note
         that says so: an evicting pool under ``values="prefix"``, whose evictions the reference follows
@@ -428,7 +433,8 @@ class Lockstep:
                                 "that frees a page, or before the pool was full (pages held past their use, a "
                                 "close, truncate or release that kept some, fill it early)")
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
-                                                f"the reference's {ref_matched}{pool}{self._prefix_eviction_note()}")
+                                                f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
+                                                f"{pool}{self._prefix_eviction_note()}")
                 values, tokens = engine_hit.read()
                 try:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},
