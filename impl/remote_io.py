@@ -129,6 +129,33 @@ def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
                           f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
 
 
+# botocore's own rule for a region name (``validate_region_name``), checked before botocore sees one.
+_REGION_NAME = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
+
+
+def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStateError]) -> None:
+    """``storage_options`` whose ``endpoint_url`` carries ``user:secret@``, or whose ``region_name`` is no
+    region name (a secret pasted into the wrong field), refused before any use, top level or in
+    ``client_kwargs``: botocore quotes both in its messages and its debug log, where no redaction of
+    ours reaches. The message quotes neither value."""
+    if storage_options is None:
+        return
+    if not isinstance(storage_options, dict):
+        raise error_class(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+    places = [("storage_options", storage_options)]
+    client = storage_options.get("client_kwargs")
+    if isinstance(client, dict):
+        places.append(("storage_options['client_kwargs']", client))
+    for where, options in places:
+        if has_credentials(options.get("endpoint_url")):
+            raise error_class(f"{where}['endpoint_url'] carries credentials (user:secret@): pass them as "
+                              f"storage_options key and secret, or in the environment, never in the URL")
+        region = options.get("region_name")
+        if region is not None and not (isinstance(region, str) and _REGION_NAME.match(region)):
+            raise error_class(f"{where}['region_name'] is no region name (such as us-east-1); not quoted here, "
+                              f"in case it is a secret in the wrong field")
+
+
 def server_of(url: str) -> str:
     """Whom a URL's calls wait on, for the cap on calls abandoned there (``remote_deadline``): its scheme
     and host or bucket, without credentials."""
@@ -147,6 +174,7 @@ def _describe(error: BaseException) -> str:
 
 def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
     refuse_credentials(url, error_class)
+    refuse_unsafe_options(storage_options, error_class)
     try:
         import fsspec
     except ImportError:

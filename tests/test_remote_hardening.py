@@ -121,6 +121,54 @@ def test_a_url_with_credentials_is_refused_and_no_message_cause_or_log_carries_t
     assert cache.stats()["live_contexts"] == 0
 
 
+def _unsafe_options(secret: str) -> list[dict]:
+    """A secret where botocore would quote it: in an endpoint's userinfo, or pasted as the region."""
+    endpoint = f"http://AKIAEXAMPLE:{secret}@127.0.0.1:9"
+    return [{"endpoint_url": endpoint}, {"client_kwargs": {"endpoint_url": endpoint}},
+            {"client_kwargs": {"region_name": secret}, "endpoint_url": "http://127.0.0.1:9"},
+            {"region_name": secret, "endpoint_url": "http://127.0.0.1:9"}]
+
+
+@pytest.mark.parametrize("secret", SECRETS)
+def test_options_carrying_a_secret_where_botocore_quotes_it_are_refused_before_use(secret, caplog):
+    """Refused by name before fsspec or botocore sees them: no message, cause or debug log line (botocore
+    logs its endpoint and quotes a bad region) carries the secret, and nothing is left behind."""
+    import logging
+
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import InvalidInputError, SnapshotReadError
+    caplog.set_level(logging.DEBUG)
+    cache = Cache(SMALL, page_tokens=2)
+    caught = []
+    url = "s3://bucket/kv/ctx.kvs"
+    for options in _unsafe_options(secret):
+        with filled(cache, 3) as ctx:
+            with pytest.raises(SnapshotWriteError, match="endpoint_url|region_name") as error:
+                remote_io.publish(url, ctx.snapshot, options)
+            caught.append(error.value)
+        for action in (lambda: remote_io.read(url, cache.restore, options), lambda: remote_io.exists(url, options)):
+            with pytest.raises(SnapshotReadError, match="endpoint_url|region_name") as error:
+                action()
+            caught.append(error.value)
+        with pytest.raises(InvalidInputError, match="endpoint_url|region_name") as error:
+            SnapshotStore(url.rpartition("/")[0], storage_options=options)
+        caught.append(error.value)
+    for error in caught:
+        for link in chain(error):
+            assert secret not in str(link) and secret not in repr(link)
+    assert secret not in caplog.text
+    assert cache.stats()["live_contexts"] == 0
+
+
+def test_ordinary_endpoints_and_regions_pass_the_option_check():
+    for options in (None, {}, {"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s"},
+                    {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "https://s3.example.com"}},
+                    {"region_name": "eu-central-1"}):
+        remote_io.refuse_unsafe_options(options, SnapshotWriteError)
+    with pytest.raises(SnapshotWriteError, match="must be a dict"):
+        remote_io.refuse_unsafe_options(["endpoint_url"], SnapshotWriteError)
+
+
 @pytest.mark.parametrize("secret", SECRETS)
 def test_redact_and_error_descriptions_drop_secrets_that_hold_slashes_and_signs(secret):
     assert remote_io.redact(f"s3://KEY:{secret}@bucket/k.kvs?X-Amz-Signature=sig") == "s3://bucket/k.kvs"
