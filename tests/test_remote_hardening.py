@@ -843,3 +843,80 @@ def test_calls_abandoned_on_one_hung_server_do_not_stop_calls_to_another(monkeyp
     held.set()
     other.close()
     stuck.close()
+
+
+def _held_copy_filesystem(hold: str):
+    """A filesystem that publishes by a temporary key and a copy (neither S3 nor memory: gs, http, ...),
+    whose ``hold`` call ("upload": the temporary key's close, "copy": ``cp_file``) the server holds
+    until the returned event is set. The objects it holds are in ``fs.objects``."""
+    import threading
+
+    released = threading.Event()
+
+    class Upload:
+        closed = False
+
+        def __init__(self, fs, path):
+            self.fs, self.path, self.data = fs, path, b""
+
+        def write(self, data):
+            self.data += data
+            return len(data)
+
+        def close(self):
+            if hold == "upload":
+                released.wait(20)
+            self.fs.objects[self.path] = self.data
+
+    class HeldCopyFS:
+        protocol = ("gs",)
+
+        def __init__(self):
+            self.objects = {}
+
+        def open(self, path, mode, **kwargs):
+            return Upload(self, path)
+
+        def cp_file(self, source, target):
+            if hold == "copy":
+                released.wait(20)
+            self.objects[target] = self.objects[source]
+
+        def exists(self, path):
+            return path in self.objects
+
+        def rm_file(self, path):
+            self.objects.pop(path, None)
+
+    return HeldCopyFS(), released
+
+
+@pytest.mark.parametrize("hold", ["upload", "copy"])
+def test_a_temporary_key_publish_past_its_deadline_says_whether_the_object_may_still_change(monkeypatch, hold):
+    """Past the deadline in the temporary key's upload, nothing at the key changed: later writes go ahead.
+    Past it in the copy onto the key, the copy was sent and may land: the error says so, later writes there
+    are held back until it returns, and the temporary key is removed once it does."""
+    from kvstate.spec.errors import SnapshotDeadlineError
+
+    fs, released = _held_copy_filesystem(hold)
+    url = f"gs://bucket/{uuid.uuid4().hex}.kvs"
+    monkeypatch.setattr(remote_io, "_filesystem", lambda url, options, error: (fs, url.removeprefix("gs://")))
+    try:
+        with pytest.raises(SnapshotDeadlineError) as error:
+            remote_io.publish(url, lambda file: file.write(b"old"), deadline=0.3)
+        assert ("may still complete" in str(error.value)) == (hold == "copy")
+        assert (url in remote_io._landing) == (hold == "copy")
+        if hold == "copy":
+            with pytest.raises(SnapshotWriteError, match="may still land"):
+                remote_io.publish(url, lambda file: file.write(b"newer"), deadline=5)
+    finally:
+        released.set()
+    deadline = time.monotonic() + 10
+    while url in remote_io._landing and time.monotonic() < deadline:
+        time.sleep(0.01)
+    remote_io.publish(url, lambda file: file.write(b"newest"), deadline=5)
+    key = url.removeprefix("gs://")
+    assert fs.objects.pop(key) == b"newest"
+    while fs.objects and time.monotonic() < deadline:      # the held call's clean-up runs when it returns
+        time.sleep(0.01)
+    assert fs.objects == {}, "a temporary key was left behind"
