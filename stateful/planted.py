@@ -332,6 +332,24 @@ def refcounts_split_on_growth() -> ContextManager:
     return _patched(pages_module.PagePool, "_grow", grow)
 
 
+def pool_evicts_newest() -> ContextManager:
+    """A full pool that evicts (``evict``, ``evict-then-refuse``) makes room from the most recently used
+    entry keeping a page no context lists, not the least recently used one; the tree's own bound
+    (``max_entries``) still evicts the oldest."""
+    original = radix_module.RadixTree.pop_oldest
+
+    def pop_oldest(tree, spare=None, where=None):
+        if where is None:
+            return original(tree, spare, where)
+        for node in reversed(tree.recency):
+            if node.value is not spare and where(node.value):
+                value = node.value
+                tree.remove(node)
+                return value
+        return None
+    return _patched(radix_module.RadixTree, "pop_oldest", pop_oldest)
+
+
 def dirty_recycled_heap_page() -> ContextManager:
     """Freed heap pages are kept for reuse (``NumpyStore.free_all``, at every page size) and come
     back unzeroed: a new page reads the last page's bytes where nothing was written."""
@@ -357,5 +375,6 @@ PLANTED: dict[str, Callable[[], ContextManager]] = {
     "refused_extend_keeps_pages": refused_extend_keeps_pages,
     "refcounts_split_on_growth": refcounts_split_on_growth,
     "evicts_before_refusing": evicts_before_refusing,
+    "pool_evicts_newest": pool_evicts_newest,
     "dirty_recycled_heap_page": dirty_recycled_heap_page,
 }

@@ -62,6 +62,7 @@ OUTSIDE_SCOPE = {
     "snapshot_of_hit_stale_tokens": "snapshot/restore are not operations of the exhaustive scope",
     "refused_extend_keeps_pages": "the default scope's arena falls back when full; nothing is refused",
     "evicts_before_refusing": "the default scope's arena falls back when full; nothing is refused",
+    "pool_evicts_newest": "the default scope's arena falls back when full; nothing is evicted for room",
     "refcounts_split_on_growth": "needs 257 live pages; the scope holds a few (the scale check finds it)",
     "dirty_recycled_heap_page": ("a reached state is resumed from a pickle, and a store's spares are memory, not "
                                  "state: no copy keeps one to reuse (the lockstep machine and the scale check find it)"),

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from kvstate.impl.numpy import factory as numpy_factory
-from kvstate.spec.semantics import may_refuse
+from kvstate.spec.semantics import evicts_for_room, may_refuse
 from kvstate.stateful.configs import all_configs, configs_for, machine_configs
 from kvstate.stateful.conform import CHECKS, conform
 from kvstate.stateful.planted import PLANTED
@@ -18,6 +18,7 @@ ARENA_BUGS = {"arena_slot_kept_on_eviction", "dirty_recycled_slot"}
 Q8_BUGS = {"q8_rounds_half_away_from_zero"}      # the bug is in the q8 encoding: only q8 configurations
 POOL_BUGS = {"refused_extend_keeps_pages"}       # only a pool that refuses shows it
 EVICT_THEN_REFUSE_BUGS = {"evicts_before_refusing"}      # only a pool that evicts and refuses shows it
+EVICTING_POOL_BUGS = {"pool_evicts_newest"}      # only a pool that evicts for room shows it
 SCALE_BUGS = {"refcounts_split_on_growth"}    # behind a size: the scale check
 # Planted to show what random runs miss: the hunt profile does not reach it in any of the
 # six configurations; tests/test_exhaustive.py finds it with a minimal trace.
@@ -27,6 +28,8 @@ EXHAUSTIVE_ONLY = {"truncate_shared_boundary"}
 def _configs(bug):
     if bug in EVICT_THEN_REFUSE_BUGS:
         return [c for c in all_configs() if c.on_full == "evict-then-refuse"]
+    if bug in EVICTING_POOL_BUGS:
+        return [c for c in all_configs() if evicts_for_room(c.on_full)]
     if bug in POOL_BUGS:
         return [c for c in all_configs() if may_refuse(c.on_full)]
     return [c for c in machine_configs()
