@@ -15,6 +15,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  precondition, rule, run_state_machine_as_test)
 
 from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import evicts_for_room
 
 from . import ops as O
 from .configs import PAGE_TOKENS_RANGE, page_sizes
@@ -251,9 +252,25 @@ class LockstepMachine(RuleBasedStateMachine):
             type(self).stats.shortest_failure = run
 
 
+class EvictingPoolMachine(LockstepMachine):
+    """The machine where a full pool evicts entries for room: one rule more."""
+
+    @rule(ctx=consumes(LockstepMachine.contexts))
+    def retain_and_close(self, ctx):
+        # A server caches a finished request and lets it go: entries whose pages no context lists are
+        # what such a pool evicts, and which one it picks shows only where two or more of them wait (a
+        # pool evicting the newest passed 50 examples of both evicting configurations without this).
+        # A rule of this class alone: the other configurations' runs stay the ones their catches were
+        # measured on (a rule added to all shifts every draw after it).
+        if self._length(ctx):
+            self._do(O.Retain(ctx))
+        self._do(O.Close(ctx))
+
+
 def machine_for(factory: Factory, config: Config) -> type[LockstepMachine]:
     """A machine class bound to one backend factory and one configuration."""
-    return type(f"Lockstep_{config.name.replace('-', '_')}", (LockstepMachine,),
+    base = EvictingPoolMachine if config.pool_limit and evicts_for_room(config.on_full) else LockstepMachine
+    return type(f"Lockstep_{config.name.replace('-', '_')}", (base,),
                 {"factory": staticmethod(factory), "config": config, "page_sizes": page_sizes(factory, config),
                  "stats": RunStats()})
 
