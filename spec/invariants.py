@@ -165,9 +165,14 @@ def check_tree(obs: Observation, expected: Iterable[tuple[tuple[int, ...], int]]
     if actual != expected:
         raise InvariantViolation(5, f"entry keys in eviction order (oldest first) {actual} != reference {expected}")
     for entry in obs.entries:
-        if obs.lengths is not None and obs.lengths.get(entry.holder) != len(entry.key):
+        if obs.lengths is None or entry.holder is None:     # an entry that holds no pages (EntryView)
+            continue
+        if entry.holder not in obs.lengths:
+            raise InvariantViolation(5, f"entry {entry.key} names holder {entry.holder!r}, which lengths does not "
+                                        f"list (an entry holding no pages, as a cached-page engine's, names None)")
+        if obs.lengths[entry.holder] != len(entry.key):
             raise InvariantViolation(
-                5, f"entry {entry.key} holds {obs.lengths.get(entry.holder)} positions, key has {len(entry.key)}")
+                5, f"entry {entry.key} holds {obs.lengths[entry.holder]} positions, key has {len(entry.key)}")
     if obs.tree is None:
         return
     keys = _check_nodes(obs.tree)

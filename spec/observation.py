@@ -33,7 +33,9 @@ class NodeView:
 class EntryView:
     key: tuple[int, ...]
     tick: int
-    holder: str               # the holder name under which its pages appear
+    # The holder name under which its pages appear; None where entries hold no reference to their
+    # pages (a cached-page engine: vLLM's hash map counts in no block's ref_cnt, its pages are cached).
+    holder: str | None
 
 
 @dataclass(frozen=True)

@@ -35,10 +35,13 @@ xxhash): a collision would be a wrong hit, a risk vLLM takes too. Rows are not z
 reused (no read reaches an unwritten row; no ``read_page``); no snapshots.
 
 ``factory`` observes as a black box; ``pages_factory`` exposes the pages tier (pages with
-refcounts and ``cached``, context holders and lengths, pages allocated and freed).
+refcounts and ``cached``, context holders and lengths, pages allocated and freed); ``tree_factory``
+the pages tier and the entries (keys in eviction order, each with no holder).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -48,7 +51,7 @@ from kvstate.spec.arithmetic import pages_needed, pages_touched
 from kvstate.spec.errors import (CapacityError, ConfigError, ContextClosedError, EmptyContextError,
                                  ForeignContextError, PositionError)
 from kvstate.spec.layout import check_tokens, check_values, require_finite
-from kvstate.spec.observation import black_box
+from kvstate.spec.observation import EntryView, black_box
 
 INITIAL_PAGES = 64      # rows the page table starts with; it doubles past them (the growth path)
 ROOT_HASH = 0           # the parent hash of a context's first block
@@ -426,12 +429,26 @@ class PagesTierCache(BlockPoolCache):
                            entries=None)
 
 
+class TreeTierCache(PagesTierCache):
+    """The pages tier and the tree tier's entries: each entry's key in eviction order, oldest first,
+    with no holder (``EntryView.holder`` None), since entries here hold no reference to their pages."""
+
+    def observe(self) -> Observation:
+        obs = super().observe()
+        entries = tuple(EntryView(entry.key, entry.tick, None) for entry in self.entries.values())
+        return dataclasses.replace(obs, entries=entries)
+
+
 def factory(config: Config) -> BlockPoolCache:
     return BlockPoolCache(config)
 
 
 def pages_factory(config: Config) -> PagesTierCache:
     return PagesTierCache(config)
+
+
+def tree_factory(config: Config) -> TreeTierCache:
+    return TreeTierCache(config)
 
 
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)   # the standard layout of the conformance machine
@@ -444,6 +461,6 @@ CONFIGS = [Config(LAYOUT, page_tokens=4, precision=p, max_entries=2, match="bloc
            for p in precisions.PRECISIONS] + \
           [Config(LAYOUT, page_tokens=4, precision=p, max_entries=8, match="block", block_tokens=4,
                   pool_pages=POOL_PAGES, on_full="evict-then-refuse") for p in precisions.PRECISIONS]
-for _factory in (factory, pages_factory):
+for _factory in (factory, pages_factory, tree_factory):
     _factory.configs = CONFIGS
     _factory.any_page_size = False     # its block is its page: run at the declared page size only
