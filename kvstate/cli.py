@@ -184,8 +184,9 @@ def _sweep(args: argparse.Namespace) -> int:
     from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.conform import FactoryError
 
-    # --scheduler, else KVSTATE_SCHEDULER unless --workers asks for the local pool.
-    scheduler = args.scheduler or (None if args.workers else os.environ.get("KVSTATE_SCHEDULER") or None)
+    # --scheduler, else KVSTATE_SCHEDULER unless --workers or --in-process asks for a local sweep.
+    scheduler = args.scheduler or (None if args.workers or args.in_process else os.environ.get("KVSTATE_SCHEDULER")
+                                   or None)
     out_default = args.resume or "sweep-out"
     try:
         _at_least("--seeds", args.seeds, 1, S.MAX_SEEDS)
@@ -196,7 +197,7 @@ def _sweep(args: argparse.Namespace) -> int:
         _at_least("--run-timeout", args.run_timeout, 0.001)
         if args.resume:
             seeds, label, recorded_workers = _resume_arguments(args)
-            if not scheduler and args.workers is None and recorded_workers:     # a local resume
+            if not scheduler and args.workers is None and recorded_workers and not args.in_process:  # a local resume
                 # as many as the sweep it finishes had, no more than this machine's cores: a journal
                 # is data, and may come from a bigger machine or a hostile hand
                 args.workers = str(min(recorded_workers, S.resolve_workers("auto")))
@@ -224,6 +225,8 @@ def _sweep(args: argparse.Namespace) -> int:
         configs = S.configs_labelled(args.configs.split(","), declared) if args.configs else declared
         if scheduler and args.workers:
             raise ValueError("--workers sizes the local pool; with --scheduler the cluster's workers run the sweep")
+        if args.in_process and (scheduler or S.resolve_workers(args.workers or "1") > 1):
+            raise ValueError("--in-process runs the sweep in this process: it takes --workers 1 and no --scheduler")
         if scheduler:
             from kvstate.stateful.sweeps.cluster import connect
 
@@ -242,7 +245,7 @@ def _sweep(args: argparse.Namespace) -> int:
                                  args.shrink_limit, args.shrink_budget, shard_label=label,
                                  executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
                                  resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
-                                 window=cluster.window if cluster else None)
+                                 window=cluster.window if cluster else None, in_process=args.in_process)
     except ClusterLostError as error:
         print(f"kvstate sweep: {error}", file=sys.stderr)
         return 2
@@ -443,7 +446,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--backend", help="package.module[:factory] (default kvstate.impl.numpy)")
     sweep.add_argument("--trust-backend", action="store_true",
                        help="with --resume: import the backend the journal names even if it is not built in")
-    sweep.add_argument("--workers", help="local processes, or 'auto' for one per core (default 1)")
+    sweep.add_argument("--workers", help="local processes, or 'auto' for one per core (default 1); a run that "
+                                         "crashes its process or hangs in C is a finding of its seed")
+    sweep.add_argument("--in-process", action="store_true",
+                       help="run every run in this process, for a debugger (a crash or a hang in C then ends or "
+                            "holds the whole sweep)")
     sweep.add_argument("--scheduler", metavar="tcp://HOST:PORT",
                        help="run on this Dask scheduler's workers (default: $KVSTATE_SCHEDULER unless --workers "
                             "is given); needs the cluster extra: pip install 'kvstate[cluster]'")

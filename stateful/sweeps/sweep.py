@@ -9,7 +9,9 @@ Parallelism is a ``ProcessPoolExecutor`` rather than pytest-xdist: a sweep is a
 command, not a test session; it needs its own progress line, its own report
 and a shrink phase that runs after the runs, and each task is one small
 picklable (backend path, config, seed). Under xdist all of that would go
-through pytest's collection, fixtures and plugins.
+through pytest's collection, fixtures and plugins. One worker is a pool of one
+process too: a run that crashes its process or hangs in C is a finding of its
+seed there, where in the sweep's own process it ended or held the whole sweep.
 
 The pool is any ``concurrent.futures.Executor``: a ``ProcessPoolExecutor`` here, or Dask's
 ``ClientExecutor`` over a cluster (cluster.py). Everything else is one code path: the runs
@@ -25,6 +27,7 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import re
 import shlex
 import signal
@@ -174,18 +177,31 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
           shrink_budget_s: float = 60.0, progress: TextIO | None = sys.stderr,
           shard_label: str | None = None, *, executor: Executor | None = None,
           run_timeout: float | None = None, resume: bool = False, scheduler: str | None = None,
-          window: Callable[[], int] | None = None) -> SweepReport:
+          window: Callable[[], int] | None = None, in_process: bool = False) -> SweepReport:
     """Run every (seed, configuration), then shrink up to ``shrink_limit`` failures (the first of
     each configuration and failure kind) and save every failure as a replay file.
 
     ``executor`` runs the tasks (a Dask ``ClientExecutor``; ``scheduler`` names it in the
-    report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one,
-    ``workers`` 1 runs in this process (planted bugs and debuggers see it) and more use a
-    process pool. Each finished run is journaled in ``out_dir`` as it arrives;
-    ``resume`` runs only what the journal there lacks. When the pool or scheduler goes away
-    (``ClusterLostError``) or on Ctrl-C, a partial report of what finished is written to
-    ``out_dir`` before the error propagates.
+    report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one, a
+    local pool of ``workers`` processes does (``LocalPool``), one worker included: a run that
+    ends its process (``os._exit``, a crash in C) is a ``ProcessDied`` failure of its seed, and one
+    still blocked in C ``runs.STUCK_GRACE_S`` past ``run_timeout`` a ``RunTimeout``, and the sweep
+    goes on. A pool process is forked from this one, so in-process patches (``planted.PLANTED``)
+    reach its runs.
+
+    The runs go in this process instead, one after another, with ``in_process`` (``workers`` must
+    be 1: a debugger sees them) or where the tasks cannot be sent to a process (``run_seed`` or
+    ``shrink_result`` replaced by a function pickle cannot name, as tests do): there a run that
+    ends its process ends the sweep, and one blocked in C holds it past any ``run_timeout``.
+
+    Each finished run is journaled in ``out_dir`` as it arrives; ``resume`` runs only what the
+    journal there lacks. When the pool or scheduler goes away (``ClusterLostError``) or on
+    Ctrl-C, a partial report of what finished is written to ``out_dir`` before the error
+    propagates. A full disk (``ENOSPC``) is a ``SweepError`` naming the ``--resume`` command
+    that finishes the sweep once there is room.
     """
+    if in_process and (workers > 1 or executor is not None):
+        raise ValueError("in_process runs the sweep in this process: it takes workers=1 and no executor")
     seeds, out_dir = list(seeds), Path(out_dir)
     declared = configs_for(factory_for(backend))     # a bad backend path fails here, before any pool starts
     by_name = config_labels(configs, declared)
@@ -193,12 +209,22 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
                   None if executor is not None else workers, run_timeout, shrink_limit, shrink_budget_s)
     with _only_sweep_in(out_dir):
         return _run_plan(plan, by_name, out_dir, resume, run_timeout, shrink_limit, shrink_budget_s, workers,
-                         executor, progress, scheduler, window)
+                         executor, progress, scheduler, window, in_process)
+
+
+def _sendable(*objects: object) -> bool:
+    """Whether a pool process can be sent ``objects`` (a task function is sent by its module and name)."""
+    try:
+        pickle.dumps(objects)
+    except Exception:       # noqa: BLE001 -- PicklingError, or the AttributeError/TypeError of a local function
+        return False
+    return True
 
 
 def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: bool, run_timeout: float | None,
               shrink_limit: int, shrink_budget_s: float, workers: int, executor: Executor | None,
-              progress: TextIO | None, scheduler: str | None, window: Callable[[], int] | None) -> SweepReport:
+              progress: TextIO | None, scheduler: str | None, window: Callable[[], int] | None,
+              in_process: bool = False) -> SweepReport:
     """``sweep``'s runs and shrinks, ``out_dir`` locked to it: the journal opened (or started), the runs it
     lacks, the shrinks, the reports written."""
     backend, steps, seeds = plan.backend, plan.steps, list(plan.seeds)
@@ -226,8 +252,9 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
     try:
         for name in REPORTS:        # an earlier sweep's: stale from now on, whatever stops this one
             (out_dir / name).unlink(missing_ok=True)
-        if pool is None and workers > 1:
-            pool = LocalPool(workers)
+        if pool is None and (workers > 1 or not in_process and _sendable(run_seed, shrink_result, backend,
+                                                                         list(by_name.values()))):
+            pool = LocalPool(workers)       # one worker too: a run that crashes or hangs in C is its seed's finding
         for job, result in _map(pool, run_seed, todo, window):
             if isinstance(result, FINDINGS):
                 result = crashed(job[1], job[2], steps, result, page_sizes(factory_for(backend), job[1]))
@@ -235,8 +262,8 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             key = (result.config, result.seed)
             if key in runs:
                 continue        # counted once, whatever the executor delivers twice
+            log.record_run(result_to_json(result))      # first: ``runs`` holds what a resume will find
             runs[key] = result
-            log.record_run(result_to_json(result))
             if meter:
                 meter.update(result)
         if meter:
@@ -246,8 +273,8 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         for job, result in _map(pool, shrink_result, jobs, window):
             if isinstance(result, Exception):
                 continue        # the failure stays, unshrunk; the shrinker's own trouble is no finding
-            shrunk[(result.config, result.seed)] = result
             log.record_shrunk(result_to_json(result))
+            shrunk[(result.config, result.seed)] = result
         completed = True
         final = report(partial=False)
         write_reports(final, out_dir)
@@ -264,11 +291,34 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             meter.close()
         write_reports(report(partial=True), out_dir)
         raise
+    except OSError as error:
+        if error.errno not in DISK_FULL:
+            raise
+        if meter:
+            meter.close()
+        try:        # most likely there is no room for it either
+            write_reports(report(partial=True), out_dir)
+            written = f"partial report in {out_dir / 'report.json'}"
+        except OSError:
+            written = "no report written"
+        raise SweepError(f"no space left on the disk of {out_dir} ({error.strerror}) after {len(runs)} of "
+                         f"{len(order)} runs; {written}; free some space, then finish with: "
+                         f"kvstate sweep --resume {shlex.quote(str(out_dir))}{backend_option(backend)}") from error
     finally:
-        log.close()
-        if executor is None and pool is not None:
+        try:
+            log.close()     # flushes nothing new: each line was flushed as written, or failed to be
+        except OSError:
+            if completed:
+                raise
+        if executor is None and isinstance(pool, LocalPool) and not completed:
+            pool.stop()     # stopped part way: its processes ended now, not after the runs they hold
+        elif executor is None and pool is not None:
             pool.shutdown(wait=completed, cancel_futures=True)
     return final
+
+
+# The errors of a write that found the disk full: the sweep stops and says how to finish it.
+DISK_FULL = frozenset(code for code in (errno.ENOSPC, getattr(errno, "EDQUOT", None)) if code is not None)
 
 
 def config_labels(configs: Sequence[Config], declared: Sequence[Config] = ()) -> dict[str, Config]:
@@ -408,14 +458,18 @@ def terminated_as_interrupt() -> Iterator[None]:
 
 class ProcessDied(RuntimeError):
     """A run ended the process it ran in without a result (``os._exit``, a fatal signal, a crash in C
-    code): a finding about its seed, recorded as a crash. A ``--workers 1`` sweep runs in its own
-    process, which such a run ends with it."""
+    code): a finding about its seed, recorded as a crash, its exit status or signal in the message.
+    Every local sweep runs in pool processes, one worker's too; only ``sweep(..., in_process=True)``
+    (or tasks no process can be sent) runs in the sweep's own process, which such a run ends with it."""
 
 
 class LocalPool:
     """The sweep's local process pool, made anew when a run takes one down (``_map``): a dead pool
     process broke the whole pool, the sweep stopped as if the machine were lost, and every resume
-    stopped at the same seed, which no report named."""
+    stopped at the same seed, which no report named. ``--workers 1`` is a pool of one process: the
+    sweep's own process only reads results and writes files, so a run that crashes or hangs in C
+    takes nothing of the sweep with it. Starting it costs about 30 ms (a fork); each run, no more
+    than in the sweep's own process (the next job is already queued as one finishes)."""
 
     def __init__(self, workers: int):
         self.workers = workers
@@ -443,14 +497,16 @@ class LocalPool:
             processes = _processes_of(solo)     # started by the submit: their exit codes are read below
             result = future.result()
         except BrokenExecutor:
-            for process in processes:
-                process.join(5)
-            if any(process.exitcode == STUCK_EXIT for process in processes):
+            # Its exit status read once the pool's own thread has reaped it: read while that thread did,
+            # it was lost now and then (both ``waitpid``, one gets ECHILD), and a timeout read as a crash.
+            solo.shutdown(wait=True)
+            codes = [process.exitcode for process in processes]
+            if STUCK_EXIT in codes:
                 result = RunTimeout(f"the run was still running {STUCK_GRACE_S:g} s past --run-timeout, in code the "
                                     "deadline cannot interrupt (C code: a lock, a sleep), and its process was ended")
             else:
                 result = ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
-                                     "crash in C code)")
+                                     f"crash in C code){_how_ended(codes)}")
         except FINDINGS as error:
             result = error
         except BaseException:           # Ctrl-C, SIGTERM: pool processes ignore SIGINT, so end it here
@@ -461,6 +517,24 @@ class LocalPool:
 
     def shutdown(self, wait: bool, cancel_futures: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    def stop(self) -> None:
+        """Shut down without waiting, the runs in progress ended (SIGTERM): a sweep stopped by Ctrl-C
+        otherwise waited, on its way out, for the runs its pool processes held (a stuck one for good)."""
+        _stop(self.executor)
+
+
+def _how_ended(codes: list) -> str:
+    """``": exit status 3"``, ``": signal SIGSEGV"``, or nothing where no status is known."""
+    code = next((code for code in codes if code is not None), None)
+    if code is None:
+        return ""
+    if code >= 0:
+        return f": exit status {code}"
+    try:
+        return f": signal {signal.Signals(-code).name}"
+    except ValueError:
+        return f": signal {-code}"
 
 
 def _processes_of(executor: ProcessPoolExecutor) -> list:
@@ -510,13 +584,26 @@ def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tup
     if window is None and isinstance(pool, LocalPool):
         window = pool.window
 
+    held_back: list[tuple] = []      # jobs a broken ``LocalPool`` refused: they never ran, and go first
+
     def top_up() -> None:
         limit = window() if window else len(jobs)
         while len(pending) < limit:
-            job = next(waiting, None)
+            job = held_back.pop() if held_back else next(waiting, None)
             if job is None:
                 return
-            future = (pool.executor if isinstance(pool, LocalPool) else pool).submit(function, *job)
+            try:
+                future = (pool.executor if isinstance(pool, LocalPool) else pool).submit(function, *job)
+            except BrokenExecutor:
+                # A run took its process down between two submissions (with one process, a run that
+                # dies at once did, now and then, and the sweep ended with BrokenProcessPool).
+                if not isinstance(pool, LocalPool):
+                    raise ClusterLostError() from None
+                held_back.append(job)
+                if pending:
+                    return          # read below: its runs are run again alone, then the pool is made anew
+                pool.renew()        # no run in flight to blame: a fresh pool (its first submission succeeds)
+                continue
             pending[future] = job
             future.add_done_callback(finished.put)
 
