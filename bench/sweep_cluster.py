@@ -98,7 +98,7 @@ def real_runs(runs: int, steps: int, repeats: int) -> dict:
     local, remote = [], []
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder)
-        one = _measured(seeds[:1], steps, out / "one", workers=1)       # CPU of a run, in one process
+        one = _measured(seeds[:1], steps, out / "one", workers=1, in_process=True)    # CPU of a run, in this process
         with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool, _local_cluster(2) as cluster, \
                 connect(cluster.scheduler_address, S.DEFAULT_BACKEND, out=None) as session:
             on_cluster = dict(workers=session.workers, executor=session.executor, window=session.window,
