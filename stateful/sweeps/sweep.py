@@ -186,8 +186,9 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     local pool of ``workers`` processes does (``LocalPool``), one worker included: a run that
     ends its process (``os._exit``, a crash in C) is a ``ProcessDied`` failure of its seed, and one
     still blocked in C ``runs.STUCK_GRACE_S`` past ``run_timeout`` a ``RunTimeout``, and the sweep
-    goes on. A pool process is forked from this one, so in-process patches (``planted.PLANTED``)
-    reach its runs.
+    goes on. Where processes start by ``fork`` (Linux, up to Python 3.13) a pool process is a copy of
+    this one, so in-process patches (``planted.PLANTED``) reach its runs; under ``spawn`` or
+    ``forkserver`` (macOS; Python 3.14 on Linux) they do not: pass ``in_process``.
 
     The runs go in this process instead, one after another, with ``in_process`` (``workers`` must
     be 1: a debugger sees them) or where the tasks cannot be sent to a process (``run_seed`` or
