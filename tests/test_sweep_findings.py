@@ -522,6 +522,14 @@ def test_a_full_disk_stops_the_sweep_naming_the_resume_command(tmp_path, monkeyp
     report = json.loads((out / "report.json").read_text())
     assert (report["runs"], report["runs_resumed"], report["partial"]) == (4, 2, False)
 
+    def full_from_the_start(cls, out_dir, plan):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(J.Journal, "start", classmethod(full_from_the_start))
+    capsys.readouterr()
+    assert main(["sweep", "--seeds", "1", "--steps", "5", "--configs", "f32-heap", "--out", str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err          # no journal begun: nothing to resume
+    assert "no space left on the disk of" in err and err.rstrip().endswith("run the same command again"), err
+
 
 def test_a_pool_broken_between_two_submissions_loses_no_run():
     """With one process a run that dies at once could break the pool before the sweep's next submission,

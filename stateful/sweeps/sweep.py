@@ -230,7 +230,13 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
     lacks, the shrinks, the reports written."""
     backend, steps, seeds = plan.backend, plan.steps, list(plan.seeds)
     label_of = {config: label for label, config in by_name.items()}
-    runs, shrunk, log = _open_journal(out_dir, plan, resume)
+    try:
+        runs, shrunk, log = _open_journal(out_dir, plan, resume)
+    except OSError as error:
+        if error.errno not in DISK_FULL:
+            raise
+        raise SweepError(f"no space left on the disk of {out_dir} ({error.strerror}) for the sweep's journal: "
+                         "free some space, then run the same command again") from error
     resumed = len(runs)
     order = [(label, seed) for label in by_name for seed in seeds]
     todo = [(backend, by_name[name], seed, steps, run_timeout) for name, seed in order if (name, seed) not in runs]
