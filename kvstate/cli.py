@@ -447,13 +447,13 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--trust-backend", action="store_true",
                        help="with --resume: import the backend the journal names even if it is not built in")
     sweep.add_argument("--workers", help="local processes, or 'auto' for one per core (default 1); a run that "
-                                         "crashes its process or hangs in C is a finding of its seed")
+                                         "crashes its process, or hangs in C past --run-timeout, is a finding of its seed")
     sweep.add_argument("--in-process", action="store_true",
                        help="run every run in this process, for a debugger (a crash or a hang in C then ends or "
                             "holds the whole sweep)")
     sweep.add_argument("--scheduler", metavar="tcp://HOST:PORT",
                        help="run on this Dask scheduler's workers (default: $KVSTATE_SCHEDULER unless --workers "
-                            "is given); needs the cluster extra: pip install 'kvstate[cluster]'")
+                            "or --in-process is given); needs the cluster extra: pip install 'kvstate[cluster]'")
     sweep.add_argument("--run-timeout", type=float, metavar="SECONDS",
                        help="a run still going after this long is a timeout failure of its seed "
                             "(a resume: the sweep's, unless given)")
