@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import operator
+import secrets
 import threading
 import weakref
 
@@ -743,42 +745,138 @@ def _end_hook(module, args, kwargs, output):
     return None
 
 
-# Which model's K/V each kvstate cache holds, by ``model_fingerprint``: another model of the same
-# layout computes other K/V, and a hit or a continuation would read them as its own.
-_MODEL_OF: "weakref.WeakKeyDictionary[Cache, str]" = weakref.WeakKeyDictionary()
+# Which model's K/V each kvstate cache holds, by ``model_fingerprint``, and the model object that bound
+# it (weakly): another model of the same layout computes other K/V, and a hit or a continuation would
+# read them as its own; the same model given other weights since is refused as well.
+_MODEL_OF: "weakref.WeakKeyDictionary[Cache, tuple]" = weakref.WeakKeyDictionary()
+
+# Each model object's fingerprint and what it was taken from (``_Weights``). Kept here, not on the model:
+# a ``copy.deepcopy`` of the model copied an attribute, and a copy loaded with other weights passed for
+# the original.
+_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# A token per model object whose weights cannot be read (``meta``): it then matches itself only.
+_UNREADABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_WEIGHTS_LOCK = threading.Lock()
+# Bumped whenever any module anywhere registers a parameter or a submodule (``setattr``,
+# ``load_state_dict(assign=True)``, adapters injected into a model): every model's parameter list is
+# then walked again. Writes into ``module._parameters`` itself are caught by the per-forward key.
+_STRUCTURE = [0]
+SAMPLES = 64        # values hashed per parameter, spread over it (its first ones too)
+_version_of = operator.attrgetter("_version")
 
 
-def model_fingerprint(model) -> str:
+def _structure_changed(*args) -> None:
+    _STRUCTURE[0] += 1
+
+
+torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed)
+torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
+
+
+class _Weights:
+    """A model's fingerprint and the cheap key of the weights it was taken from: each parameter's data
+    pointer and version counter (bumped by every in-place write through the tensor: ``load_state_dict``,
+    optimizer steps, ``param.add_``), read through the module dicts that hold them, so a parameter
+    replaced in place is seen too. Taken again when the key or the modules' structure changes."""
+
+    __slots__ = ("structure", "holders", "names", "versions", "key", "fingerprint")
+
+    def __init__(self, model):
+        self.structure = _STRUCTURE[0]
+        slots = [(module._parameters, name) for module in model.modules()
+                 for name, param in module._parameters.items() if param is not None]
+        self.holders, self.names = [holder for holder, _ in slots], [name for _, name in slots]
+        params = [holder[name] for holder, name in slots]
+        # An inference tensor (made under ``torch.inference_mode``) has no version counter; it cannot be
+        # written outside inference mode either.
+        self.versions = not any(param.is_inference() for param in params)
+        self.key = self.read_key()
+        self.fingerprint = model_fingerprint(model, _UNREADABLE)
+
+    def read_key(self):
+        params = list(map(dict.__getitem__, self.holders, self.names))
+        pointers = list(map(torch.Tensor.data_ptr, params))
+        return (pointers, list(map(_version_of, params))) if self.versions else pointers
+
+    def current(self) -> bool:
+        if self.structure != _STRUCTURE[0]:
+            return False
+        try:
+            return self.read_key() == self.key
+        except (KeyError, AttributeError, RuntimeError):       # a parameter removed or set to None
+            return False
+
+
+def fingerprint_of(model) -> str:
+    """``model_fingerprint(model)``, taken again only when the weights may have changed (see ``_Weights``):
+    per forward this reads each parameter's data pointer and version counter, never its values."""
+    known = _WEIGHTS.get(model)
+    if known is not None and known.current():
+        return known.fingerprint
+    with _WEIGHTS_LOCK:
+        known = _Weights(model)
+        _WEIGHTS[model] = known
+    return known.fingerprint
+
+
+def model_fingerprint(model, unreadable=None) -> str:
     """What tells a model's weights from another's of the same shape, cheaply: a hash of each
-    parameter's name, shape and first values, taken once per model object (``attach``). Two
-    loads of the same checkpoint agree; a model trained further in place keeps its first one."""
+    parameter's name, shape, dtype and ``SAMPLES`` values spread over it (its first and last
+    included). Two loads of the same checkpoint agree. Weights whose values cannot be read here
+    (the ``meta`` device of an offloaded model) are hashed with a token of this model object
+    (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
+    matches no other, not even another load of the same checkpoint."""
     digest = hashlib.blake2b(digest_size=16)
+    samples: dict = {}
     with torch.no_grad():
         for name, param in model.named_parameters():
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            if not param.is_meta:       # offloaded weights have no values here: their names and shapes stand
-                digest.update(param.detach().reshape(-1)[:4].float().cpu().numpy().tobytes())
+            sample = None if param.is_meta else _sample(param)
+            if sample is None:
+                token = (unreadable if unreadable is not None else {}).setdefault(model, secrets.token_bytes(16))
+                digest.update(b"unreadable" + token)
+            else:
+                samples.setdefault(sample.device, []).append(sample)
+        for parts in samples.values():         # one copy to the host per device
+            digest.update(torch.cat(parts).cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+def _sample(param):
+    """``SAMPLES`` values spread over ``param`` and its last one, as float32; None if unreadable."""
+    try:
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLES)
+        return torch.cat([flat[::step][:SAMPLES], flat[-1:]]).to(torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):      # a packed or quantized tensor kvstate cannot read
+        return None
 
 
 def bind_model(model, kv: Cache) -> None:
     """``kv`` holds ``model``'s K/V from now on: the first model to use a kvstate cache keeps it, and
-    another one (its fingerprint differs) is refused by name before its forward computes anything."""
-    mine = model._kvstate_fingerprint
-    held = _MODEL_OF.setdefault(kv, mine)
-    if held != mine:
+    another one (its fingerprint differs), or the same model given other weights since, is refused by
+    name before its forward computes anything."""
+    mine = fingerprint_of(model)
+    held, bound = _MODEL_OF.setdefault(kv, (mine, weakref.ref(model)))
+    if held == mine:
+        return
+    if bound() is model:
         raise UnsupportedModelError(
-            f"this kvstate cache holds K/V another model computed ({type(model).__name__} has the same layout "
-            "but other weights): its contexts and prefix hits are not this model's; build a cache for this "
-            "model with KVStateCache.for_model(model)")
+            f"this model's weights changed since it computed the K/V this kvstate cache holds ({type(model).__name__}: "
+            "load_state_dict, an optimizer step or an in-place edit): its contexts and prefix hits hold the old "
+            "weights' K/V; load those weights back, or build a cache for the new ones with "
+            "KVStateCache.for_model(model)")
+    raise UnsupportedModelError(
+        f"this kvstate cache holds K/V another model computed ({type(model).__name__} has the same layout "
+        "but other weights): its contexts and prefix hits are not this model's; build a cache for this "
+        "model with KVStateCache.for_model(model)")
 
 
 def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
-    ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``). Checks the model first."""
+    ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``) and checks, per forward, that the
+    cache holds this model's K/V (``bind_model``). Checks the model first."""
     model._kvstate_layout = layout_of(model)
-    if getattr(model, "_kvstate_fingerprint", None) is None:
-        model._kvstate_fingerprint = model_fingerprint(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
