@@ -70,6 +70,22 @@ from kvstate.spec.precision import roundtrip  # noqa: E402
 __all__ = ["KVStateCache", "attach", "layout_of"]
 
 
+def _owned(what: str):
+    """A ``KVStateCache`` method that holds the cache while it runs: refused (``ContextBusyError``) while
+    another thread holds it, and released however it ends."""
+    def wrap(method):
+        @functools.wraps(method)
+        def owned(self, *args, **kwargs):
+            holds = self._held_here()
+            try:
+                self._hold(what)
+                return method(self, *args, **kwargs)
+            finally:
+                self._release_to(holds)
+        return owned
+    return wrap
+
+
 class _Layer(CacheLayerMixin):
     """One model layer's view of the shared context; the cache does the work."""
 
@@ -135,9 +151,13 @@ class KVStateCache(_HFCache):
         self._zeros = None
         self._shared = None             # (the rows' page tuples, how many leading pages they share)
         self._prompt_checked = False    # a chunked prefill under way, its whole prompt checked (``attach``)
-        # The thread whose forward pass is under way (None: none): one cache is one sequence of forwards,
-        # and another thread's forward or operation meanwhile is refused (``_claim_forward``).
+        # The thread that holds this cache (None: none): one cache is one sequence of forwards, and while
+        # a thread's generate, forward or operation is under way another thread's is refused by name
+        # (``ContextBusyError``). ``_holds``: that thread's generates and operations under way (nested);
+        # ``_in_forward``: its forward fed and not yet committed or ended. Changed under the lock only.
         self._forward_thread: int | None = None
+        self._holds = 0
+        self._in_forward = False
         self._forward_guard = threading.Lock()
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
@@ -223,8 +243,18 @@ class KVStateCache(_HFCache):
         A one-row cache fed a batch grows to it: an empty row becomes fresh contexts, a row
         that holds tokens is forked (every row continues the same held prefix); a forward that
         then fails shrinks it back (``end_forward``).
+        The forward it starts holds the cache for this thread until its last layer's K/V are in (or
+        ``end_forward``): another thread's forward, ``generate`` or operation meanwhile is refused
+        (``ContextBusyError``), and so is this feed while another thread holds the cache.
         """
         self._claim_forward()
+        try:
+            return self._feed(ids, attention_mask)
+        except BaseException:
+            self.end_forward()      # the forward it claimed never starts
+            raise
+
+    def _feed(self, ids, attention_mask) -> "KVStateCache":
         self._pending = [None] * self.layout.layers
         self._undo_grow()
         if ids is None:
@@ -266,24 +296,71 @@ class KVStateCache(_HFCache):
         its last layer leaves the cache as it was before it. Its buffered K/V and ids are dropped and
         a batch its feed grew to is undone, so ``fork``, ``truncate``, ``snapshot`` and the length
         transformers reads work again at once. After a forward that committed, nothing to do.
-        Run by a thread whose forward was refused (another thread's is under way), it changes nothing."""
-        if self._forward_thread not in (None, threading.get_ident()):
-            return
-        self._pending = [None] * self.layout.layers
-        self._ids = None
-        self._undo_grow()
-        self._forward_thread = None
-
-    def _claim_forward(self) -> None:
-        """This thread's forward starts: ``ContextBusyError`` while another thread's is under way (their
-        K/V and ids would mix in one step), checked and set under a lock of this cache's own."""
+        Run by a thread whose forward was refused (another thread holds the cache), it changes nothing."""
         me = threading.get_ident()
         with self._forward_guard:
             if self._forward_thread not in (None, me):
-                raise ContextBusyError("this KVStateCache is in a forward pass on another thread: one cache is "
-                                       "one sequence of forwards (give each thread its own, cache.fork())")
-            self._forward_thread = me
+                return
+            self._forward_thread = me       # held while it cleans up, so no other thread's feed is dropped
+        try:
+            self._pending = [None] * self.layout.layers
+            self._ids = None
+            self._undo_grow()
+        finally:
+            self._forward_done()
 
+    def _forward_done(self) -> None:
+        """This thread's forward is over (committed or ended): the cache stays held by its generate or
+        operation under way, if any, else it is free."""
+        with self._forward_guard:
+            if self._forward_thread == threading.get_ident():
+                self._in_forward = False
+                if not self._holds:
+                    self._forward_thread = None
+
+    def _busy(self, what: str) -> ContextBusyError:
+        return ContextBusyError(
+            f"{what} while this KVStateCache is in use by another thread (its generate, forward or operation "
+            "is under way): one cache is one sequence of forwards, so a generate holds it from start to end; "
+            "give each thread its own (cache.fork()), or wait for the other to finish")
+
+    def _claim_forward(self) -> None:
+        """This thread's forward starts: ``ContextBusyError`` while another thread holds the cache (their
+        K/V and ids would mix in one step, or its generate's sequence would take this forward's
+        tokens), checked and set under a lock of this cache's own."""
+        me = threading.get_ident()
+        with self._forward_guard:
+            if self._forward_thread not in (None, me):
+                raise self._busy("a forward")
+            self._forward_thread = me
+            self._in_forward = True
+
+    def _held_here(self) -> int:
+        """How many generates and operations this thread has under way on the cache (0 if it holds none)."""
+        return self._holds if self._forward_thread == threading.get_ident() else 0
+
+    def _hold(self, what: str) -> None:
+        """This thread's generate or operation starts: ``ContextBusyError`` while another thread holds
+        the cache; nested ones on the holding thread go on. Undone by ``_release_to``."""
+        me = threading.get_ident()
+        with self._forward_guard:
+            if self._forward_thread not in (None, me):
+                raise self._busy(what)
+            self._forward_thread = me
+            self._holds += 1
+
+    def _release_to(self, holds: int) -> None:
+        """Back to ``holds`` (what ``_held_here`` said before the ``_hold``), whatever ran or stopped in
+        between (an exception, an interrupt before or after the ``_hold`` took it); the cache is free
+        when nothing of this thread's is left under way."""
+        with self._forward_guard:
+            if self._forward_thread != threading.get_ident():
+                return
+            self._holds = holds
+            if not holds and not self._in_forward:
+                self._forward_thread = None
+
+    @_owned("check_prefix_of")
     def check_prefix_of(self, input_ids, attention_mask=None) -> None:
         """Refuse (``TokenError``, naming the row) a prompt that the cache does not begin.
 
@@ -331,6 +408,8 @@ class KVStateCache(_HFCache):
         if (heads, head_dim) != (self.layout.kv_heads, self.layout.head_dim):
             raise UnsupportedModelError(
                 f"layer {layer} produced K/V with {heads} heads of {head_dim}, but the layout is {self.layout}")
+        if self._forward_thread not in (None, threading.get_ident()):
+            raise self._busy(f"K/V for layer {layer}")      # a forward no hook fed, beside a thread's that was
         if self._ids is None:
             raise TokenError(f"K/V for {n} new positions arrived at layer {layer}, but their token ids are unknown: "
                              "attach(model) or call cache.feed(input_ids) before the forward")
@@ -505,6 +584,7 @@ class KVStateCache(_HFCache):
         self._before_grow = None           # the rows a feed grew to now hold this step
         if self.layer_views:
             self._view_state = self._row_state()     # the views now cover exactly what the rows hold
+        self._forward_done()               # the step is in: the cache is consistent for any thread again
 
     def _extend(self, plain: list[int], ids, kv, pads: list[int], before: list[int]) -> list[int]:
         """Extend the rows ``plain`` by their new positions; the rows extended. A decode step (no
@@ -549,6 +629,7 @@ class KVStateCache(_HFCache):
             raise PositionError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
         self.truncate(self._length() + tokens_to_remove)
 
+    @_owned("reset")
     def reset(self) -> None:
         """Empty the cache: row 0's context truncated to no positions, every other row closed, the
         padding dropped (a new prompt, of any batch size, then starts as in a new cache)."""
@@ -561,6 +642,7 @@ class KVStateCache(_HFCache):
 
     # -- batch reorders: forks and closes of row contexts, no K/V copied ------------------
 
+    @_owned("reorder_cache")
     def reorder_cache(self, beam_idx) -> None:
         """Beam search's reorder: row ``i`` becomes row ``beam_idx[i]``. A row picked once moves, a row
         picked again is forked (its pages shared), a row not picked is closed."""
@@ -570,6 +652,7 @@ class KVStateCache(_HFCache):
             raise ShapeError(f"beam_idx has {len(plan)} rows, but this cache holds {len(self.rows)}")
         self._regroup(plan)
 
+    @_owned("batch_repeat_interleave")
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times, in place (``num_return_sequences``): forks."""
         self._refuse_mid_forward("batch_repeat_interleave")
@@ -577,6 +660,7 @@ class KVStateCache(_HFCache):
             raise ShapeError(f"repeats must be at least 1, got {repeats}")
         self._regroup(reorder_plan([r for r in range(len(self.rows)) for _ in range(int(repeats))], len(self.rows)))
 
+    @_owned("batch_select_indices")
     def batch_select_indices(self, indices) -> None:
         """Keep the rows at ``indices`` (finished rows dropped): the others are closed."""
         self._refuse_mid_forward("batch_select_indices")
@@ -606,6 +690,7 @@ class KVStateCache(_HFCache):
         """The token ids of the positions the (one row's) context holds."""
         return self.context.tokens
 
+    @_owned("row")
     def row(self, index: int) -> "KVStateCache":
         """Row ``index`` as its own one-row cache, on a fork of its context (pages shared): retain it,
         snapshot it, continue it. Its padding stays behind: it holds the row's real tokens only."""
@@ -614,6 +699,7 @@ class KVStateCache(_HFCache):
             raise ShapeError(f"row {index} is not a row of a batch of {len(self.rows)}")
         return type(self)(self.layout, self.kv, self.rows[index].fork(), layer_views=self.layer_views)
 
+    @_owned("fork")
     def fork(self) -> "KVStateCache":
         """A new cache on forks of every row's context: every page shared, nothing copied."""
         self._refuse_mid_forward("fork")
@@ -624,6 +710,7 @@ class KVStateCache(_HFCache):
     def __deepcopy__(self, memo) -> "KVStateCache":
         return self.fork()      # a fork is an independent copy that shares pages until written
 
+    @_owned("truncate")
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions of every row, padding included (backtrack to a checkpoint)."""
         self._refuse_mid_forward("truncate")
@@ -636,11 +723,13 @@ class KVStateCache(_HFCache):
         for ctx, pad in zip(self.rows, self.pads):
             ctx.truncate(n - pad)
 
+    @_owned("retain")
     def retain(self) -> None:
         """Keep a fork of this context in the prefix tree under its token ids."""
         self._refuse_mid_forward("retain")
         self.kv.retain(self.context)
 
+    @_owned("match")
     def match(self, tokens) -> int:
         """Replace this cache's context with the longest retained prefix of ``tokens``; the matched length.
 
@@ -671,11 +760,13 @@ class KVStateCache(_HFCache):
         self.context = found
         return matched
 
+    @_owned("snapshot")
     def snapshot(self, target) -> None:
         """Write the context (tokens and K/V) to a path, atomically, or a binary stream."""
         self._refuse_mid_forward("snapshot")
         self.context.snapshot(target)
 
+    @_owned("close")
     def close(self) -> None:
         """Release every row's pages. Nothing else does: a cache dropped unclosed keeps its pages for as
         long as the kvstate cache lives (a finalizer could run inside the cache's own critical sections)."""
@@ -691,7 +782,7 @@ class KVStateCache(_HFCache):
 
     def _refuse_mid_forward(self, what: str) -> None:
         if self._forward_thread not in (None, threading.get_ident()):
-            raise ContextBusyError(f"{what} while this KVStateCache is in a forward pass on another thread")
+            raise self._busy(what)
         if any(p is not None for p in self._pending):
             raise PositionError(f"{what} during a forward pass: some layers' K/V are not yet in the context")
 
@@ -875,12 +966,15 @@ def bind_model(model, kv: Cache) -> None:
 def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
     ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``) and checks, per forward, that the
-    cache holds this model's K/V (``bind_model``). Checks the model first."""
+    cache holds this model's K/V (``bind_model``); wrap ``generate`` so that it holds such a cache from
+    start to end (``_generating``). Checks the model first."""
     model._kvstate_layout = layout_of(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
         model.prepare_inputs_for_generation = _Wrapped(model.prepare_inputs_for_generation, _prefix_checked)
+        if callable(getattr(model, "generate", None)):
+            model.generate = _Wrapped(model.generate, _generating)
         if callable(getattr(model, "_prefill", None)):
             model._prefill = _Wrapped(model._prefill, _chunks_checked)
         model.forward = _Wrapped(model.forward, _ended_on_interrupt)
@@ -899,6 +993,21 @@ class _Wrapped:
 
     def __call__(self, *args, **kwargs):
         return self.through(self.method, *args, **kwargs)
+
+
+def _generating(generate, *args, **kwargs):
+    """The model's ``generate``, holding a ``KVStateCache`` it is given from start to end: each forward
+    was guarded, but another thread's forward (or generate) ran between two of its forwards and put
+    its tokens into the middle of this one's sequence. Released however it ends (an interrupt too)."""
+    cache = _cache_given(kwargs)
+    if not isinstance(cache, KVStateCache):
+        return generate(*args, **kwargs)
+    holds = cache._held_here()
+    try:
+        cache._hold("generate")
+        return generate(*args, **kwargs)
+    finally:
+        cache._release_to(holds)
 
 
 def _ended_on_interrupt(forward, *args, **kwargs):

@@ -1,12 +1,16 @@
-"""kvstate.hf's guards, from an audit acting as an agent runtime.
+"""kvstate.hf's two guards, from an audit acting as an agent runtime.
 
 Which model's K/V a kvstate cache holds: a model whose weights changed (a deep copy loaded with
 others, the bound model itself reloaded or edited in place, weights differing only past their first
 values) is refused by name, and weights kvstate cannot read (the ``meta`` device) make a model match
-no other.
+no other. Which thread a ``KVStateCache`` belongs to: a ``generate`` owns it from start to end, and
+an operation for its duration, so another thread's use in between is refused by name instead of
+interleaving with it. Races are made deterministic with events, never with sleeps.
 """
 
 import copy
+import io
+import threading
 
 import numpy as np
 import pytest
@@ -14,14 +18,15 @@ import pytest
 transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'kvstate[hf]')")
 torch = pytest.importorskip("torch")
 
-from transformers import DynamicCache  # noqa: E402
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 from kvstate import Cache  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")
-from kvstate.spec.errors import UnsupportedModelError  # noqa: E402
+from kvstate.spec.errors import ContextBusyError, UnsupportedModelError  # noqa: E402
 
 VOCAB = 97
+WAIT = 20           # seconds an event may take before the test fails (never slept)
 
 
 def config(layers=2):
@@ -152,4 +157,132 @@ def test_weights_on_the_meta_device_match_no_other_model():
     twin = hf.KVStateCache.for_model(frozen, kv=cache.kv)   # the same weights as ``real``
     assert run(frozen, twin, ids(2, 70))[0].shape == (1, 2, VOCAB)
     twin.close()
+    cache.close()
+
+
+# -- which thread ----------------------------------------------------------------------------------
+
+class Pause(LogitsProcessor):
+    """Holds the thread named ``name`` after its first forward, between two forwards of its generate."""
+
+    def __init__(self, name):
+        self.name, self.inside, self.go_on, self.calls = name, threading.Event(), threading.Event(), 0
+
+    def __call__(self, input_ids, scores):
+        if threading.current_thread().name == self.name:
+            self.calls += 1
+            if self.calls == 1:
+                self.inside.set()
+                assert self.go_on.wait(WAIT)
+        return scores
+
+
+class Interrupt(LogitsProcessor):
+    def __call__(self, input_ids, scores):
+        raise KeyboardInterrupt
+
+
+def in_thread(name, target):
+    box = {}
+
+    def body():
+        try:
+            box["value"] = target()
+        except BaseException as error:      # reported to the test, never lost in the thread
+            box["error"] = error
+    thread = threading.Thread(target=body, name=name)
+    thread.start()
+    return thread, box
+
+
+def test_a_generate_owns_its_cache_until_it_ends(tmp_path):
+    """Each forward was guarded, but not the gaps between a generate's forwards: another thread's forward
+    or generate ran there and put its tokens into the middle of the first's sequence. Now a generate
+    owns the cache from start to end: the other thread's forward, generate and operations are refused
+    by name, and the first generate equals DynamicCache's. An interrupt, inside a forward or between
+    two, leaves the cache to any thread."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=2)
+    prompt, pause = ids(5, 71), Pause("first")
+    args = dict(max_new_tokens=4, output_logits=True, return_dict_in_generate=True, **GREEDY)
+    thread, box = in_thread("first", lambda: model.generate(
+        prompt, cache=cache, logits_processor=LogitsProcessorList([pause]), **args))
+    assert pause.inside.wait(WAIT)
+    held = len(cache.context)
+    with pytest.raises(ContextBusyError, match="another thread"):
+        run(model, cache, ids(1, 72))
+    with pytest.raises(ContextBusyError, match="another thread"):
+        model.generate(torch.cat([prompt, ids(1, 73)], dim=1), cache=cache, max_new_tokens=1, **GREEDY)
+    for operation in (cache.fork, lambda: cache.truncate(2), lambda: cache.snapshot(tmp_path / "x.kvs"),
+                      cache.retain, cache.close):
+        with pytest.raises(ContextBusyError, match="another thread"):
+            operation()
+    plain = llama()                     # never attached: no hook feeds its ids or checks the cache
+    with pytest.raises(ContextBusyError, match="another thread"):
+        run(plain, cache, ids(1, 74))
+    assert len(cache.context) == held
+    pause.go_on.set()
+    thread.join(WAIT)
+    assert not thread.is_alive() and "error" not in box, box.get("error")
+    theirs = model.generate(prompt, cache=DynamicCache(config=model.config), **args)
+    assert torch.equal(box["value"].sequences, theirs.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(box["value"].logits, theirs.logits))
+
+    turn = torch.cat([box["value"].sequences, ids(2, 74)], dim=1)
+    with pytest.raises(KeyboardInterrupt):                  # between two forwards
+        model.generate(turn, cache=cache, logits_processor=LogitsProcessorList([Interrupt()]), **args)
+
+    def interrupt(module, inputs, output):
+        raise KeyboardInterrupt
+    handle = model.model.layers[0].register_forward_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt):                  # inside one (the first turn's prefill is in)
+        model.generate(torch.cat([turn, ids(2, 75)], dim=1), cache=cache, **args)
+    handle.remove()
+    assert cache._forward_thread is None
+    thread, box = in_thread("second", lambda: cache.fork())
+    thread.join(WAIT)
+    assert "error" not in box, box.get("error")
+    box["value"].close()
+    cache.close()
+
+
+class Gate(io.RawIOBase):
+    """A snapshot target that stops its writer inside ``snapshot`` until told to go on."""
+
+    def __init__(self):
+        self.inside, self.go_on, self.data = threading.Event(), threading.Event(), bytearray()
+
+    def writable(self):
+        return True
+
+    def write(self, chunk):
+        self.inside.set()
+        assert self.go_on.wait(WAIT)
+        self.data += bytes(chunk)
+        return len(chunk)
+
+
+def test_an_operation_owns_the_cache_while_it_runs():
+    """An operation checked that no forward was under way and went on without taking the cache: a
+    forward begun by another thread meanwhile ran beside it. Now the operation holds the cache, and
+    the forward is refused before any layer runs."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=2)
+    run(model, cache, ids(5, 75))
+    tokens, gate, layers = cache.tokens, Gate(), []
+    thread, box = in_thread("snapshotting", lambda: cache.snapshot(gate))
+    assert gate.inside.wait(WAIT)
+    handle = model.model.layers[0].register_forward_pre_hook(lambda module, inputs: layers.append(1))
+    try:
+        with pytest.raises(ContextBusyError, match="another thread"):
+            run(model, cache, ids(1, 76))
+    finally:
+        handle.remove()
+        gate.go_on.set()
+        thread.join(WAIT)
+    assert "error" not in box, box.get("error")
+    assert layers == [] and cache.tokens == tokens
+    restored = hf.KVStateCache.restore(model, io.BytesIO(bytes(gate.data)), kv=cache.kv)
+    assert restored.tokens == tokens
+    restored.close()
     cache.close()
