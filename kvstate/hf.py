@@ -860,8 +860,19 @@ def _structure_changed(*args) -> None:
     _STRUCTURE[0] += 1
 
 
-torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed)
-torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)
+_watching: list = []       # the two registration hooks, once registered (``_watch_structure``)
+
+
+def _watch_structure() -> None:
+    """Register the process-wide hooks behind ``_STRUCTURE`` once, when a model's fingerprint is first
+    taken, not at import: a process that imports kvstate.hf and never uses it keeps torch's hooks as
+    they were."""
+    if _watching:
+        return
+    with _WEIGHTS_LOCK:
+        if not _watching:
+            _watching.extend((torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed),
+                              torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)))
 
 
 class _Weights:
@@ -904,6 +915,7 @@ def fingerprint_of(model) -> str:
     known = _WEIGHTS.get(model)
     if known is not None and known.current():
         return known.fingerprint
+    _watch_structure()      # before the weights are read: a change from then on bumps ``_STRUCTURE``
     with _WEIGHTS_LOCK:
         known = _Weights(model)
         _WEIGHTS[model] = known
