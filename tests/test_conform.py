@@ -377,3 +377,26 @@ def test_the_nightly_profile_runs_at_400_steps(capsys):
     row = next(line for line in out.splitlines() if line.startswith("f32-heap "))
     assert row.split()[1:3] == ["pass", "pass"]
     assert int(row.split()[3]) >= 3 * 400      # the seeded runs alone make 400-step sequences
+
+
+def test_damaged_snapshot_check_holds_a_file_cut_short_to_its_error_class():
+    """From an audit: a restore that refused a cut file as SnapshotCorruptError passed, as any SnapshotError
+    did; the format names SnapshotTruncatedError for it (rule 4), which a caller may retry (an upload still
+    being written) where a damaged file it may not."""
+    from kvstate.spec.errors import SnapshotCorruptError, SnapshotTruncatedError
+    from foreign import dict_pages
+
+    class CutFilesAreCorrupt(dict_pages.DictCache):
+        def restore(self, source):
+            try:
+                return super().restore(source)
+            except SnapshotTruncatedError as error:
+                raise SnapshotCorruptError(str(error)) from None
+
+    config = [c for c in machine_configs() if c.name == "f32-heap"]
+    (good,) = conform(dict_pages.factory, checks=["damaged snapshots"], configs=config)
+    assert good.outcomes["damaged snapshots"].status == "pass"
+    (bad,) = conform(CutFilesAreCorrupt, checks=["damaged snapshots"], configs=config)
+    outcome = bad.outcomes["damaged snapshots"]
+    assert outcome.status == "FAIL" and "raised SnapshotCorruptError" in outcome.detail, outcome.detail
+    assert "SnapshotTruncatedError (spec/snapshot_format.py, rule 4)" in outcome.detail, outcome.detail

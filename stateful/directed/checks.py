@@ -176,8 +176,8 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
 
 
 def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
-    """Every truncation and a change of every byte of a snapshot is refused with a ``SnapshotError``,
-    and no refusal changes the cache; the intact file restores to the same values."""
+    """Every truncation of a snapshot is refused with ``SnapshotTruncatedError`` and a change of every byte
+    with a ``SnapshotError``, and no refusal changes the cache; the intact file restores to the same values."""
     run, n = _filled(factory, config)
     cache, ctx = run.engine, run.live["c1"][0]
     if not (hasattr(cache, "restore") and hasattr(ctx, "snapshot")):
@@ -186,18 +186,24 @@ def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
     stream = io.BytesIO()
     ctx.snapshot(stream)
     data = stream.getvalue()
-    cases = [(f"truncated to {size} of {len(data)} bytes", data[:size]) for size in range(len(data))]
-    cases += [(f"byte {offset} xor 0x01", data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:])
-              for offset in range(len(data))]
+    # A file cut short is SnapshotTruncatedError, whatever byte it ends at (spec/snapshot_format.py, rule 4;
+    # a caller may retry an upload still being written, never a damaged file); other damage any SnapshotError.
+    cases = [(f"truncated to {size} of {len(data)} bytes", data[:size], errors.SnapshotTruncatedError)
+             for size in range(len(data))]
+    cases += [(f"byte {offset} xor 0x01", data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:],
+               errors.SnapshotError) for offset in range(len(data))]
 
     def state(obs: Observation):
         return obs.pages_allocated, obs.pages_freed, obs.holders, obs.lengths, obs.entries
     before = state(cache.observe())
-    for what, damaged in cases:
+    for what, damaged, expected in cases:
         try:
             restored = cache.restore(io.BytesIO(damaged))
-        except errors.SnapshotError:
+        except expected:
             pass
+        except errors.SnapshotError as other:
+            raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}; a file cut short is "
+                                 f"{expected.__name__} (spec/snapshot_format.py, rule 4)") from other
         except Exception as other:
             raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}") from other
         else:
