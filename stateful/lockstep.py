@@ -141,7 +141,8 @@ class Lockstep:
             budget = (f"; with max_pages {self.config.max_pages}, the entries that stay are the budget's, each "
                       "counting its own pages as if nothing were shared" if self.config.max_pages else "")
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]} "
-                                     f"({self._hit_rule(engine_result[1], tuple(op.tokens))}){budget}")
+                                     f"({self._hit_rule(engine_result[1], tuple(op.tokens))})"
+                                     f"{_not_the_querys(engine_result[0], tuple(op.tokens))}{budget}")
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)
@@ -526,6 +527,18 @@ def _attempt(perform, op, side, cache, values=None):
         return perform(op, side, cache, values), None
     except KVStateError as error:
         return None, error
+
+
+def _not_the_querys(hit, query: tuple) -> str:
+    """Where the engine's hit holds other tokens than the query's first ones, a note that says so."""
+    try:
+        held = tuple(int(token) for token in hit.tokens)
+    except Exception:      # noqa: BLE001 - a report's detail: the mismatch above is the finding
+        return ""
+    if held == query[:len(held)]:
+        return ""
+    shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
+    return f"; the engine's hit holds tokens ({shown}), not the query's first {len(held)}"
 
 
 def _context_of(result):

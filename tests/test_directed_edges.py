@@ -573,3 +573,20 @@ def test_prefix_edges_catches_a_page_budget_that_counts_shared_pages_once(monkey
     monkeypatch.setattr(tree_bounds.TreeBounds, "exceeded", exceeded)
     failure = fails("prefix edges", numpy_factory, "token-f16-heap-pages5")
     assert "as if nothing were shared" in str(failure)
+
+
+def test_prefix_edges_catches_block_hashes_that_leave_out_their_parent(monkeypatch):
+    """From an audit: a block cache whose chain hashed each block alone found a retained key's second block
+    at a query's start, and passed every check (300 lockstep examples too); its hit held the key's first
+    block. A key of two blocks matched by queries that begin with its second one now shows it."""
+    from kvstate.stateful.conform import conform
+    from foreign import block_pool
+
+    config = next(c for c in block_pool.CONFIGS if not c.pool_pages and c.precision == "f32")
+    (good,) = conform(block_pool.factory, configs=[config], checks=["prefix edges"])
+    assert good.passed, good.failure
+    monkeypatch.setattr(block_pool, "block_hash", lambda parent, block: hash(block))
+    (bad,) = conform(block_pool.factory, configs=[config], checks=["prefix edges"])
+    detail = bad.outcomes["prefix edges"].detail
+    assert not bad.passed and "invariant 5" in detail and "taken from its start" in detail, detail
+    assert "the engine's hit holds tokens (150, 151, 152, 153), not the query's first 4" in detail, detail

@@ -30,6 +30,8 @@ HITS = ("hits of one entry are contexts like any other: a write through one, int
 HIT_SNAPSHOT = "a snapshot of a hit holds what the hit reads, after the hit was overwritten too"
 TIES = ("among entries sharing the longest prefix with the query, the most recently used gives the hit, "
         "and only it is stamped")
+ELSEWHERE = ("a hit is a prefix of a retained key, taken from its start: a block of the query equal to a block "
+             "a key holds further on (a block hash that leaves out its parent's) is no hit")
 BUDGET = ("the tree's bounds: past max_entries entries or max_pages pages (each entry's own pages, as if "
           "nothing were shared), retain evicts the least recently used entries, never the one just retained")
 
@@ -40,7 +42,7 @@ def prefix_edges(factory: Factory, config: Config) -> None:
     """Nested keys, eviction past max_entries, a key retained twice, eviction that collapses a
     split, and truncation of a retained fork at every point around its page boundaries."""
     run = start(factory, config)
-    for scenario in (ties, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries,
+    for scenario in (ties, _blocks_elsewhere, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries,
                      _retained_twice, _eviction_collapses, _truncation_around_pages):
         scenario(run)
         run.apply(O.Clear())
@@ -105,6 +107,20 @@ def ties(run: Lockstep) -> None:
         _match(run, first)                                # now the first is newer
         _match(run, shared + (3,) * block)
         _match(run, shared[:block])
+
+
+def _blocks_elsewhere(run: Lockstep) -> None:
+    """A key of two whole blocks, matched by queries that hold its second block first: no hit there,
+    and a hit of one block where only the first agrees (a chain of block hashes that leaves out each
+    block's parent finds the second block at the query's start)."""
+    block = run.config.block_tokens or run.config.page_tokens
+    first, second = tuple(150 + i for i in range(block)), tuple(170 + i for i in range(block))
+    with keeping(ELSEWHERE, run):
+        _retain_new(run, first + second, seed=131)
+        _match(run, second)
+        _match(run, second + first)
+        _match(run, first + first)
+        _match(run, first + second)
 
 
 def _page_budget(run: Lockstep) -> None:
