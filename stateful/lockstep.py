@@ -328,7 +328,12 @@ class Lockstep:
         invariants.check_values(engine_reads, reference_reads)
         for handle in touched & engine_reads.keys():
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
-        invariants.check_tree(obs, self.reference.eviction_order())
+        try:
+            invariants.check_tree(obs, self.reference.eviction_order())
+        except InvariantViolation as differs:
+            if "eviction order" not in differs.detail or not evicts_for_room(self.config.on_full):
+                raise
+            raise InvariantViolation(5, f"{differs.detail}{_POOL_EVICTION}") from None
         if obs.entries is None:
             self._probe_entries()
             obs = self.engine.observe()      # the probes' hits came and went: observe what is left
@@ -428,11 +433,7 @@ class Lockstep:
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched:
-                    pool = ""
-                    if evicts_for_room(self.config.on_full) and engine_matched < ref_matched:
-                        pool = ("; or its pool evicted for room: another entry than the least recently used one "
-                                "that frees a page, or before the pool was full (pages held past their use, a "
-                                "close, truncate or release that kept some, fill it early)")
+                    pool = _POOL_EVICTION if evicts_for_room(self.config.on_full) and engine_matched < ref_matched else ""
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
                                                 f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
                                                 f"{pool}{self._prefix_eviction_note()}")
@@ -527,6 +528,12 @@ def _attempt(perform, op, side, cache, values=None):
         return perform(op, side, cache, values), None
     except KVStateError as error:
         return None, error
+
+
+# Where a pool evicts for room, what a difference in the entries kept may come from besides the tree's bounds.
+_POOL_EVICTION = ("; or its pool evicted for room: another entry than the least recently used one that keeps a "
+                  "page no context holds, or before the pool was full (pages held past their use, a close, "
+                  "truncate or release that kept some, fill it early)")
 
 
 def _not_the_querys(hit, query: tuple) -> str:

@@ -198,3 +198,24 @@ def test_the_full_pool_row_catches_a_pool_that_evicts_then_refuses(max_pages):
     assert "was refused (CapacityError) but changed the cache" in result.outcomes["pinned semantics"].detail
     (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
     assert result.passed, result.failure
+
+
+@pytest.mark.parametrize("config_name", ["token-f32-arena6-evict", "block2-f16-pool10-evict-then-refuse"])
+def test_the_eviction_for_room_row_holds_a_pool_to_the_oldest_entry_that_frees(config_name, monkeypatch):
+    """From an audit: the row's scenario evicted every entry, so a pool evicting the newest entry, or one
+    whose pages a context holds, passed it. Three entries, the oldest held by a context, and a need of one
+    entry's pages now tell them apart; our engine passes."""
+    from kvstate.impl import pool_policy
+    from kvstate.stateful.planted import PLANTED
+
+    config = config_named(config_name)
+    (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
+    assert result.passed, result.failure
+    with PLANTED["pool_evicts_newest"]():
+        (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
+    detail = result.outcomes["pinned semantics"].detail
+    assert "eviction order" in detail and "A pool short of pages evicts least recently used" in detail, detail
+    monkeypatch.setattr(pool_policy, "_keeps_a_page", lambda entry, held: True)     # any entry, held or not
+    (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
+    detail = result.outcomes["pinned semantics"].detail
+    assert "eviction order" in detail and "or its pool evicted for room" in detail, detail

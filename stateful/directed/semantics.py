@@ -237,6 +237,46 @@ def _rescan(factory: Factory, config: Config, promise: str) -> None:
         run.finish()
 
 
+def _evicts_the_oldest_that_frees(factory: Factory, config: Config, promise: str) -> None:
+    """Entries A, B, C retained in that order, a page or more each, no key sharing a token with another;
+    A's context stays open. An extend short of one entry's pages evicts B: A is older, but a context holds
+    its pages, and C is newer. Then B misses, A and C hit."""
+    if config.on_full not in ("evict", "evict-then-refuse") or config.max_entries < 3:
+        return
+    page, block = config.page_tokens, config.block_tokens or 1
+    length = -(-max(page, block) // page) * page      # whole pages holding a whole block: a key that can hit
+    pages = length // page
+    if config.pool_limit < 3 * pages + 1:
+        return
+    run = start(factory, config)
+    keys = [tuple(60 + 10 * k + i % 3 for i in range(length)) for k in range(3)]
+    with keeping(promise, run):
+        held = None
+        for k, key in enumerate(keys):
+            handle = run.apply(O.Allocate())
+            run.apply(O.Extend(handle, key, seed=41 + k))
+            run.apply(O.Retain(handle))
+            if k == 0:
+                held = handle                       # A's pages stay held by its context
+            else:
+                run.apply(O.Close(handle))
+        run.check()
+        filler = run.apply(O.Allocate())
+        need = config.pool_limit - 2 * pages         # the pool holds 3 entries' pages: one entry's short
+        run.apply(O.Extend(filler, tuple(90 + i % 3 for i in range(need * page)), seed=44))
+        run.check()
+        for key in keys:
+            run.apply(O.Close(run.apply(O.Match(key))))
+        run.check()
+        run.apply(O.Close(held))
+        run.finish()
+
+
+def _room_by_eviction(factory: Factory, config: Config, promise: str) -> None:
+    _rescan(factory, config, promise)
+    _evicts_the_oldest_that_frees(factory, config, promise)
+
+
 def _prefix_values(factory: Factory, config: Config, promise: str) -> None:
     """One key written by two contexts, retained by both, matched: under ``values="prefix"`` both
     wrote the same values (an engine may keep either); under ``seeded`` the newer wins."""
@@ -289,7 +329,7 @@ ROWS: list[Row] = [
         _hit_allocates_nothing),
     Row("eviction for room", "A pool short of pages evicts least recently used entries that keep a page no "
                              "context holds, oldest first, until the need fits: an entry whose pages another "
-                             "entry keeps too is evicted as well, though it frees nothing alone.", _rescan),
+                             "entry keeps too is evicted as well, though it frees nothing alone.", _room_by_eviction),
     Row("block ties", "Under `block` matching, every entry reaching the hit's last whole block competes, however "
                       "many tokens past it each shares with the query: the most recently used gives the hit.",
         lambda factory, config, promise: _ties_row(factory, config, promise)),
