@@ -128,8 +128,7 @@ class Lockstep:
             engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
             hint = ""
             if isinstance(engine_error, CapacityError) and ref_error is None:
-                hint = ("; its pool is fuller than the reference's: pages held past their use (an earlier "
-                        "refused operation, a close or truncate that kept some) fill it early")
+                hint = self._room_hint()
             raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}{hint}")
         if engine_error is not None:
             self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
@@ -154,6 +153,15 @@ class Lockstep:
             self._created_last = handle
             return handle
         return None
+
+    def _room_hint(self) -> str:
+        """Why an engine may refuse for room where the reference had it: the books of both, as far as seen."""
+        pages = self.engine.observe().pages
+        engine = "" if pages is None else f", the engine {len(pages)} before it (it changed nothing)"
+        return (f"; the reference had room: {self.reference.live_pages()} pages live of the pool's "
+                f"{self.config.pool_limit} after it{engine}. An engine refusing here holds pages past their use "
+                f"(an earlier refused operation, a close or truncate that kept some) or counts the operation's "
+                f"need higher than spec/semantics.py does (its new pages, and a copy of each shared page it writes)")
 
     def _evictions_may_differ(self) -> bool:
         """Whether ways of sharing may evict differently here: values="prefix" with a pool that evicts."""

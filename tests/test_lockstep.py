@@ -61,3 +61,26 @@ def test_lockstep_machine_at_the_ci_budget(machine_config, monkeypatch):
     assert stats.steps >= 1000
     assert stats.snapshots >= 100 and stats.restores >= 100
     assert reused >= (30 if machine_config.arena_pages == 0 else 5)
+
+
+def test_a_refusal_where_the_reference_had_room_prints_both_books(monkeypatch):
+    """From an audit: the hint blamed pages held past their use when the engine counted its need one page
+    high; it now gives the pages both sides hold and both causes."""
+    from kvstate.impl import pool_policy
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.configs import config_named
+    from kvstate.stateful.lockstep import Lockstep
+
+    config = config_named("f32-arena10-refuse").with_(page_tokens=2)
+    monkeypatch.setattr(pool_policy.PoolPolicy, "fits",
+                        lambda self, needed: self.pool.live_count + needed + 1 <= self.limit)    # one page high
+    run = Lockstep(numpy_factory, config)
+    ctx = run.apply(O.Allocate())
+    with pytest.raises(AssertionError) as refused:
+        run.apply(O.Extend(ctx, tuple(i % 3 for i in range(2 * config.pool_limit)), seed=1))
+    message = str(refused.value)
+    assert "engine CapacityError" in message and "reference accepted" in message, message
+    assert f"the reference had room: {config.pool_limit} pages live of the pool's {config.pool_limit} after it, " \
+           "the engine 0 before it" in message, message
+    assert "counts the operation's need higher" in message, message
