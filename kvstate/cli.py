@@ -87,9 +87,10 @@ def _conform(args: argparse.Namespace) -> int:
         if args.check:
             conform_checks_known(args.check)
         factory, configs = _load_backend(args.backend, args.time_limit)
-        if args.config:
+        names = (args.config or []) + [name.strip() for name in (args.configs or "").split(",") if name.strip()]
+        if names:
             try:
-                configs = configs_named(args.config, configs)
+                configs = configs_named(names, configs)
             except KeyError as error:
                 raise FactoryError(f"the backend declares {error.args[0]}") from None
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
@@ -391,6 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
     conform.add_argument("--profile", default="ci", choices=["ci", "nightly", "hunt"])
     conform.add_argument("--config", action="append", metavar="NAME",
                          help="only this configuration (e.g. q8-arena6); repeatable")
+    conform.add_argument("--configs", metavar="A,B",
+                         help="only these configurations, comma-separated, as kvstate sweep takes them (joins --config)")
     conform.add_argument("--check", action="append", metavar="NAME",
                          help="only this check (lockstep, 'fork isolation', ...); repeatable")
     conform.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",

@@ -34,7 +34,9 @@ per configuration (``Config``), and the reference and the engine implement all o
                free queue, SGLang evicts unlocked leaves): ``CapacityError``, nothing changed, when
                the pages contexts hold plus the pages needed pass the pool; otherwise as ``evict``,
                which then always makes room (with every such entry gone, only pages contexts
-               hold are left).
+               hold are left). What is reclaimed is whole entries, least recently used first, as
+               under ``evict``; vLLM reclaims single blocks, in the order their holders released
+               them, which no ``on_full`` expresses (README, Real engines: vLLM's "left out").
 ``values`` -- what K/V values the suite writes.
   ``seeded``  each write draws its values from its own seed (``stateful.ops.values_for``): two
               contexts may hold different values under the same tokens (the seed's world).

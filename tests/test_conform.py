@@ -400,3 +400,11 @@ def test_damaged_snapshot_check_holds_a_file_cut_short_to_its_error_class():
     outcome = bad.outcomes["damaged snapshots"]
     assert outcome.status == "FAIL" and "raised SnapshotCorruptError" in outcome.detail, outcome.detail
     assert "SnapshotTruncatedError (spec/snapshot_format.py, rule 4)" in outcome.detail, outcome.detail
+
+
+def test_conform_takes_configs_comma_separated_as_sweep_does(capsys):
+    """From an audit: sweep takes --configs a,b and conform only --config NAME (repeatable)."""
+    rc = main(["conform", "--configs", "f32-heap,q8-heap", "--config", "f16-heap", "--check", "fork isolation"])
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith(tuple("0123456789"))
+            and line.split()[0] in ("f32-heap", "q8-heap", "f16-heap", "f32-arena6")]
+    assert rc == 0 and sorted(rows) == ["f16-heap", "f32-heap", "q8-heap"], rows
