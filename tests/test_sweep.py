@@ -386,3 +386,38 @@ def test_a_replay_file_whose_fields_have_the_wrong_shape_is_refused_by_name(tmp_
     path.write_text(json.dumps({**data, field: value}))
     assert main(["replay", str(path)]) == 2
     assert said in capsys.readouterr().err
+
+
+def _failure_at(step: int, error: str = "InvariantViolation") -> R.Failure:
+    return R.Failure(step, "check", f"op {step}", error, 4, "differs")
+
+
+@pytest.mark.parametrize("again, pinned_at", [(_failure_at(3), 3), (_failure_at(5), 5), (_failure_at(7), 5),
+                                               (None, 5), (_failure_at(2, "RunTimeout"), 5)])
+def test_a_failing_run_pinned_again_keeps_the_earlier_step_only(monkeypatch, again, pinned_at):
+    """``_pinned`` re-runs a failing seed reading every context: an earlier failure replaces the run's and
+    cuts its operations there; a later one, none, or a timeout of the re-run keeps the run's own."""
+    from kvstate.stateful.sweeps import runs
+
+    ran = [O.Allocate() for _ in range(6)]
+    monkeypatch.setattr(runs, "execute", lambda factory, config, ops: (again, None))
+    failure, kept = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), ran, 10.0)
+    assert failure.step == pinned_at and len(kept) == (pinned_at if pinned_at < 5 else 6)
+
+
+def test_a_pinning_run_past_its_timeout_keeps_the_runs_failure(monkeypatch):
+    """The re-run reads more than the run did, so it may take longer: past the run timeout it is given up
+    and the run's own failure stands, within about that timeout."""
+    import time
+
+    from kvstate.stateful.sweeps import runs
+
+    def slow(factory, config, ops):
+        for _ in range(500):            # Python-level sleeps: the deadline's exception lands between them
+            time.sleep(0.01)
+        return _failure_at(1), None
+    monkeypatch.setattr(runs, "execute", slow)
+    started = time.monotonic()
+    failure, kept = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), [O.Allocate()] * 6, 0.3)
+    assert failure.step == 5 and len(kept) == 6
+    assert time.monotonic() - started < 3
