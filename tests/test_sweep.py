@@ -421,3 +421,26 @@ def test_a_pinning_run_past_its_timeout_keeps_the_runs_failure(monkeypatch):
     failure, kept = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), [O.Allocate()] * 6, 0.3)
     assert failure.step == 5 and len(kept) == 6
     assert time.monotonic() - started < 3
+
+
+def test_the_window_caps_the_jobs_submitted_and_not_yet_read():
+    """A cluster's worker that dies takes the blame for every task it holds: a sweep keeps no more tasks
+    submitted and unread than its window, and every job still comes back once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    submitted, read, most = [0], [0], [0]
+
+    class Counting(ThreadPoolExecutor):
+        def submit(self, function, *args, **kwargs):
+            submitted[0] += 1
+            most[0] = max(most[0], submitted[0] - read[0])
+            return super().submit(function, *args, **kwargs)
+
+    with Counting(4) as pool:
+        jobs = [(i,) for i in range(20)]
+        results = {}
+        for job, result in S._map(pool, lambda x: 2 * x, jobs, window=lambda: 3):
+            read[0] += 1
+            results[job] = result
+    assert results == {(i,): 2 * i for i in range(20)}
+    assert most[0] == 3
