@@ -133,4 +133,6 @@ def test_tree_scale_bench_prints_a_row_per_tree_size_relative_to_the_smallest():
         assert small[f"{phase}_x_smallest"] == 1
         # counts, not timings: no step of match, retain or eviction walks the tree's entries
         assert small[f"{phase}_calls"] == large[f"{phase}_calls"] > 0
+    # the lookup's floor on the same scale: 1 at the smallest tree, a ratio beside every larger one
+    assert small["lookup_floor_x_smallest"] == 1 and large["lookup_floor_x_smallest"] > 0
     assert "reproduce: python -m kvstate.bench.tree_scale --quick" in text
