@@ -922,17 +922,33 @@ def fingerprint_of(model) -> str:
     return known.fingerprint
 
 
+# The configuration fields that change the K/V a model computes from the same weights (norms' epsilons,
+# activations, rotary embeddings, attention scaling and caps), hashed with them; the rest (paths,
+# generation settings, the attention kernel chosen) leave the K/V as they are.
+KV_CONFIG_FIELDS = ("hidden_act", "activation_function", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
+                    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rotary_pct",
+                    "rotary_emb_base", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
+                    "reorder_and_upcast_attn", "attn_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
+                    "head_dim")
+
+
 def model_fingerprint(model, unreadable=None) -> str:
     """What tells a model's weights from another's of the same shape, cheaply: a hash of each
-    parameter's name, shape, dtype and ``SAMPLES`` values spread over it (its first and last
-    included). Two loads of the same checkpoint agree. Weights whose values cannot be read here
+    parameter's and buffer's name, shape, dtype and ``SAMPLES`` values spread over it (its first and
+    last included), and of the configuration fields that change K/V (``KV_CONFIG_FIELDS``). Two
+    loads of the same checkpoint agree. Weights whose values cannot be read here
     (the ``meta`` device of an offloaded model) are hashed with a token of this model object
     (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
     matches no other, not even another load of the same checkpoint."""
     digest = hashlib.blake2b(digest_size=16)
     samples: dict = {}
+    config = getattr(model, "config", None)
+    digest.update(repr([(field, repr(getattr(config, field, None))) for field in KV_CONFIG_FIELDS]).encode())
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        # Buffers too, as they are now (rotary frequencies: the same weights with another rope_theta
+        # compute other keys); only here, not in the per-forward key, since a model may rewrite them
+        # as it runs (dynamic rope scaling) with its weights unchanged.
+        for name, param in (*model.named_parameters(), *model.named_buffers()):
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             sample = None if param.is_meta else _sample(param)
             if sample is None:

@@ -73,6 +73,26 @@ def test_a_deep_copy_loaded_with_other_weights_is_another_model():
     cache.close()
 
 
+def test_the_same_weights_under_another_rotary_base_are_another_model():
+    """A model's K/V follow its configuration too: the same weights with another ``rope_theta`` rotate
+    every key otherwise, and such a model continued a cache whose keys it did not compute."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(5, 63))
+    settings = config()
+    settings.rope_parameters = {**settings.rope_parameters, "rope_theta": 500.0}
+    other = transformers.AutoModelForCausalLM.from_config(settings).eval()
+    other.load_state_dict(model.state_dict(), strict=False)      # the same weights (its own inv_freq)
+    hf.attach(other)
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        run(other, cache, ids(1, 64))
+    reloaded = llama()                                          # the same weights and configuration
+    hf.attach(reloaded)
+    run(reloaded, cache, ids(1, 65))
+    assert len(cache.context) == 6
+    cache.close()
+
+
 def test_the_bound_model_reloaded_or_edited_in_place_is_refused_until_its_weights_are_back():
     """The model that computed a cache's K/V, given other weights (``load_state_dict``, an in-place
     edit), kept its first fingerprint and continued the old weights' K/V with the new ones: wrong
