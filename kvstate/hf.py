@@ -848,16 +848,22 @@ _WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # A token per model object whose weights cannot be read (``meta``): it then matches itself only.
 _UNREADABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _WEIGHTS_LOCK = threading.Lock()
-# Bumped whenever any module anywhere registers a parameter or a submodule (``setattr``,
+# Bumped whenever a module of a fingerprinted model registers a parameter or a submodule (``setattr``,
 # ``load_state_dict(assign=True)``, adapters injected into a model): every model's parameter list is
 # then walked again. Writes into ``module._parameters`` itself are caught by the per-forward key.
 _STRUCTURE = [0]
+# The ids of the modules of every model fingerprinted so far. Registrations on other modules bump
+# nothing: a Llama forward slices its list of layers (``self.layers[:n]``), which registers every
+# layer into a new ModuleList, and counted, that hashed the whole model again on every forward. Ids
+# are never taken out: one reused by a later module costs at most a needless hash.
+_MEMBERS: set[int] = set()
 SAMPLES = 64        # values hashed per parameter, spread over it (its first ones too)
 _version_of = operator.attrgetter("_version")
 
 
-def _structure_changed(*args) -> None:
-    _STRUCTURE[0] += 1
+def _structure_changed(module, *args) -> None:
+    if id(module) in _MEMBERS:
+        _STRUCTURE[0] += 1
 
 
 _watching: list = []       # the two registration hooks, once registered (``_watch_structure``)
@@ -885,12 +891,15 @@ class _Weights:
 
     def __init__(self, model):
         self.structure = _STRUCTURE[0]
-        slots = [(module._parameters, name) for module in model.modules()
+        modules = list(model.modules())
+        _MEMBERS.update(map(id, modules))
+        slots = [(module._parameters, name) for module in modules
                  for name, param in module._parameters.items() if param is not None]
         self.holders, self.names = [holder for holder, _ in slots], [name for _, name in slots]
         params = [holder[name] for holder, name in slots]
         # An inference tensor (made under ``torch.inference_mode``) has no version counter; it cannot be
-        # written outside inference mode either.
+        # written outside inference mode either. Decided per parameter: one such tensor in a model (a
+        # base loaded under inference mode) left the others' writes unseen when it was decided for all.
         self.versions = not any(param.is_inference() for param in params)
         self.key = self.read_key()
         self.fingerprint = model_fingerprint(model, _UNREADABLE)
@@ -898,7 +907,9 @@ class _Weights:
     def read_key(self):
         params = list(map(dict.__getitem__, self.holders, self.names))
         pointers = list(map(torch.Tensor.data_ptr, params))
-        return (pointers, list(map(_version_of, params))) if self.versions else pointers
+        if self.versions:       # no inference tensor: every version counter, in one map
+            return pointers, list(map(_version_of, params))
+        return pointers, [None if param.is_inference() else param._version for param in params]
 
     def current(self) -> bool:
         if self.structure != _STRUCTURE[0]:

@@ -306,3 +306,47 @@ def test_an_operation_owns_the_cache_while_it_runs():
     assert restored.tokens == tokens
     restored.close()
     cache.close()
+
+
+def test_a_llama_generate_hashes_its_weights_once(monkeypatch):
+    """From a review: a Llama forward slices its list of layers, which registers each layer into a new
+    ModuleList, and any registration anywhere counted as a change of structure: every forward hashed
+    the whole model again (8.3-9.0 ms for Llama-7B's 291 parameters, against 60-90 µs for the key).
+    Only registrations on a fingerprinted model's own modules count; an adapter injected still does."""
+    calls = []
+    original = hf.model_fingerprint
+    monkeypatch.setattr(hf, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    model.generate(ids(3, 66), cache=cache, max_new_tokens=8, **GREEDY)
+    hashed = len(calls)
+    assert hashed <= 1, hashed
+    torch.nn.Linear(4, 4)                                   # a module built elsewhere: nothing to hash again
+    run(model, cache, ids(1, 67))
+    assert len(calls) == hashed
+    model.model.layers[0].self_attn.extra = torch.nn.Linear(4, 4)     # an adapter injected into the model
+    with pytest.raises(UnsupportedModelError):
+        run(model, cache, ids(1, 68))                       # hashed again: another structure, another model
+    assert len(calls) == hashed + 1
+    cache.close()
+
+
+def test_an_inference_tensor_in_the_model_leaves_the_other_weights_watched():
+    """From a review: one parameter made under ``inference_mode`` (a base loaded so) dropped the version
+    counters of all of them, and an in-place write into another weight went unseen. GPT-2: its forward
+    registers no module, so nothing else makes the weights hashed again."""
+    torch.manual_seed(0)
+    settings = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                                       bos_token_id=0, eos_token_id=0)
+    with torch.inference_mode():
+        model = transformers.GPT2LMHeadModel(settings).eval()       # every weight an inference tensor
+    attn = model.transformer.h[0].attn.c_attn
+    attn.weight = torch.nn.Parameter(attn.weight.clone(), requires_grad=False)     # but this one
+    hf.attach(model)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 69))
+    with torch.no_grad():
+        attn.weight.mul_(2)                                 # same storage, version + 1
+    with pytest.raises(UnsupportedModelError, match="weights changed"):
+        run(model, cache, ids(1, 70))
+    cache.close()
