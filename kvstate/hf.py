@@ -47,6 +47,7 @@ import operator
 import secrets
 import threading
 import weakref
+from typing import Callable
 
 import numpy as np
 
@@ -58,6 +59,7 @@ transformers = require_transformers()
 import torch  # noqa: E402
 from transformers.cache_utils import Cache as _HFCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from kvstate.impl import Cache  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
@@ -1042,11 +1044,33 @@ def _generating(generate, *args, **kwargs):
     if not isinstance(cache, KVStateCache):
         return generate(*args, **kwargs)
     holds = cache._held_here()
+    if kwargs.get("streamer") is not None:
+        kwargs["streamer"] = _ReleasingStreamer(kwargs["streamer"], lambda: cache._release_to(holds))
     try:
         cache._hold("generate")
         return generate(*args, **kwargs)
     finally:
         cache._release_to(holds)
+
+
+class _ReleasingStreamer(BaseStreamer):
+    """A caller's streamer whose ``end()`` first lets the cache go. transformers calls it inside
+    ``generate``, after the last forward and before returning, and HF's streaming recipe (generate on
+    a thread, the caller iterating a ``TextIteratorStreamer``) uses the cache as soon as ``end()``
+    wakes it: it got ``ContextBusyError`` from a generate that had done its work."""
+
+    def __init__(self, streamer, release: Callable[[], None]):
+        self._streamer, self._release = streamer, release
+
+    def put(self, value):
+        return self._streamer.put(value)
+
+    def end(self):
+        self._release()
+        return self._streamer.end()
+
+    def __getattr__(self, name):
+        return getattr(self._streamer, name)
 
 
 def _ended_on_interrupt(forward, *args, **kwargs):

@@ -350,3 +350,39 @@ def test_an_inference_tensor_in_the_model_leaves_the_other_weights_watched():
     with pytest.raises(UnsupportedModelError, match="weights changed"):
         run(model, cache, ids(1, 70))
     cache.close()
+
+
+def test_a_streamed_generate_lets_its_cache_go_when_the_streamer_ends():
+    """From a review: HF's streaming recipe runs generate on a thread and wakes the caller at the
+    streamer's ``end()``, which transformers calls inside generate; the caller's next use of the cache
+    got ContextBusyError from a generate that had done its work. ``end()`` here waits for that use."""
+    from transformers.generation.streamers import BaseStreamer
+
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+
+    class Streamer(BaseStreamer):
+        def __init__(self):
+            self.ended, self.used, self.tokens = threading.Event(), threading.Event(), []
+
+        def put(self, value):
+            self.tokens.append(value)
+
+        def end(self):
+            self.ended.set()
+            assert self.used.wait(WAIT)         # generate has not returned: the caller uses the cache now
+
+    streamer = Streamer()
+    worker = threading.Thread(target=model.generate, args=(ids(4, 71),),
+                              kwargs=dict(cache=cache, max_new_tokens=3, streamer=streamer, **GREEDY))
+    worker.start()
+    try:
+        assert streamer.ended.wait(WAIT)
+        cache.retain()                           # refused with ContextBusyError before
+        hit = cache.fork()
+        hit.close()
+    finally:
+        streamer.used.set()
+        worker.join(WAIT)
+    assert not worker.is_alive() and len(streamer.tokens) == 4      # the prompt, then 3 new tokens
+    cache.close()
