@@ -129,8 +129,12 @@ def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
                           f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
 
 
-# botocore's own rule for a region name (``validate_region_name``), checked before botocore sees one.
-_REGION_NAME = re.compile(r"^[a-zA-Z0-9](?:[a-zA-Z0-9-]{0,61}[a-zA-Z0-9])?$")
+# botocore's own rule for a region name (``botocore.utils.validate_region_name``: a host label, not all
+# digits), checked before botocore sees one; and the shapes of AWS credentials, which pass that rule and
+# would then be named in every endpoint URL botocore builds and logs (an access key id; a secret key's
+# 40 characters, which holds no ``/`` or ``+`` one time in eight or so).
+_REGION_NAME = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{,63}(?<!-)$")
+_CREDENTIAL_SHAPE = re.compile(r"^(?:(?:AKIA|ASIA)[A-Z0-9]{16}|[A-Za-z0-9/+=]{40})$")
 
 
 def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStateError]) -> None:
@@ -151,7 +155,8 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
             raise error_class(f"{where}['endpoint_url'] carries credentials (user:secret@): pass them as "
                               f"storage_options key and secret, or in the environment, never in the URL")
         region = options.get("region_name")
-        if region is not None and not (isinstance(region, str) and _REGION_NAME.match(region)):
+        if region is not None and not (isinstance(region, str) and _REGION_NAME.match(region)
+                                       and not _CREDENTIAL_SHAPE.match(region)):
             raise error_class(f"{where}['region_name'] is no region name (such as us-east-1); not quoted here, "
                               f"in case it is a secret in the wrong field")
 

@@ -160,10 +160,20 @@ def test_options_carrying_a_secret_where_botocore_quotes_it_are_refused_before_u
     assert cache.stats()["live_contexts"] == 0
 
 
+@pytest.mark.parametrize("region", ["123456789012", "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY12",
+                                    "-west", "a" * 64])
+def test_a_region_botocore_would_quote_or_name_in_its_urls_is_refused(region):
+    """From a review: the check was not botocore's rule (all digits passed it, which botocore refuses
+    quoting the value), and an access key id or a secret key without / or + passed both."""
+    with pytest.raises(SnapshotWriteError, match="region_name") as error:
+        remote_io.refuse_unsafe_options({"region_name": region}, SnapshotWriteError)
+    assert region not in str(error.value)
+
+
 def test_ordinary_endpoints_and_regions_pass_the_option_check():
     for options in (None, {}, {"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s"},
                     {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "https://s3.example.com"}},
-                    {"region_name": "eu-central-1"}):
+                    {"region_name": "eu-central-1"}, {"region_name": ""}, {"region_name": "us-gov-west-1"}):
         remote_io.refuse_unsafe_options(options, SnapshotWriteError)
     with pytest.raises(SnapshotWriteError, match="must be a dict"):
         remote_io.refuse_unsafe_options(["endpoint_url"], SnapshotWriteError)
