@@ -77,7 +77,7 @@ def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_def
 def _conform(args: argparse.Namespace) -> int:
     from kvstate.stateful.conform import (FactoryError, conform, conform_checks_known, format_table, observed_tiers,
                                           use_cache_folder_for_hypothesis)
-    from kvstate.stateful.configs import configs_named, describe_page_sizes, page_sizes
+    from kvstate.stateful.configs import describe_page_sizes, page_sizes
 
     try:
         _at_least("--time-limit", args.time_limit, 0.001)
@@ -89,8 +89,9 @@ def _conform(args: argparse.Namespace) -> int:
         factory, configs = _load_backend(args.backend, args.time_limit)
         names = (args.config or []) + [name.strip() for name in (args.configs or "").split(",") if name.strip()]
         if names:
+            from kvstate.stateful.sweeps.sweep import configs_labelled
             try:
-                configs = configs_named(names, configs)
+                configs = configs_labelled(names, configs)      # each once; a sweep's NAME-pageN labels too
             except KeyError as error:
                 raise FactoryError(f"the backend declares {error.args[0]}") from None
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)

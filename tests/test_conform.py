@@ -408,3 +408,25 @@ def test_conform_takes_configs_comma_separated_as_sweep_does(capsys):
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith(tuple("0123456789"))
             and line.split()[0] in ("f32-heap", "q8-heap", "f16-heap", "f32-arena6")]
     assert rc == 0 and sorted(rows) == ["f16-heap", "f32-heap", "q8-heap"], rows
+
+
+def test_conform_takes_a_sweeps_labels_and_runs_a_name_once(capsys, tmp_path):
+    """From a review: a backend declaring one name at two page sizes is swept under NAME-pageN labels (its
+    journal, replay files and --resume command name them), which conform refused; a name given twice ran twice."""
+    backend = tmp_path / "two_sizes.py"
+    backend.write_text(textwrap.dedent("""
+        import dataclasses
+        from kvstate.impl.numpy import factory as numpy_factory
+        from kvstate.stateful.configs import config_named
+
+        def factory(config):
+            return numpy_factory(config)
+        base = config_named("f32-heap")
+        factory.configs = [dataclasses.replace(base, page_tokens=4), dataclasses.replace(base, page_tokens=8)]
+        factory.any_page_size = False
+    """))
+    rc = main(["conform", str(backend), "--configs", "f32-heap-page8", "--check", "fork isolation"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "1 configurations" in out and "page_tokens 8" in out, out
+    rc = main(["conform", str(backend), "--config", "f32-heap", "--configs", "f32-heap", "--check", "fork isolation"])
+    assert rc == 0 and "2 configurations" in capsys.readouterr().out
