@@ -93,7 +93,8 @@ def test_removing_a_creator_removes_its_context_and_renumbers_the_rest():
 def planted_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     with PLANTED[BUG]():
-        report = S.sweep(range(5), 60, [config_named("f32-heap")], workers=1, out_dir=out, progress=None)
+        report = S.sweep(range(5), 60, [config_named("f32-heap")], workers=1, out_dir=out, progress=None,
+                         in_process=True)      # the patch must reach the runs however processes start
     S.write_reports(report, out)
     return report, out
 

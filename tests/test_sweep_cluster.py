@@ -416,7 +416,7 @@ def test_resume_after_ctrl_c_gives_the_uninterrupted_answer(tmp_path, monkeypatc
 
     configs = configs_named(["f32-heap"])
     with PLANTED["missing_copy_on_write"]():
-        whole = S.sweep(range(8), 60, configs, out_dir=tmp_path / "whole", progress=None)
+        whole = S.sweep(range(8), 60, configs, out_dir=tmp_path / "whole", progress=None, in_process=True)
         S.write_reports(whole, tmp_path / "whole")
         ran = []
         real = S.run_seed
