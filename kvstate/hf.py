@@ -180,6 +180,7 @@ class KVStateCache(_HFCache):
         return self.rows[0]
 
     @context.setter
+    @_owned("setting context")
     def context(self, value) -> None:
         self._set_rows([value])
 
@@ -947,8 +948,8 @@ KV_CONFIG_FIELDS = ("hidden_act", "activation_function", "rms_norm_eps", "layer_
 
 def model_fingerprint(model, unreadable=None) -> str:
     """What tells a model's weights from another's of the same shape, cheaply: a hash of each
-    parameter's and buffer's name, shape, dtype and ``SAMPLES`` values spread over it (its first and
-    last included), and of the configuration fields that change K/V (``KV_CONFIG_FIELDS``). Two
+    parameter's name, shape, dtype and ``SAMPLES`` values spread over it (its first and last
+    included), and of the configuration fields that change K/V (``KV_CONFIG_FIELDS``). Two
     loads of the same checkpoint agree. Weights whose values cannot be read here
     (the ``meta`` device of an offloaded model) are hashed with a token of this model object
     (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
@@ -958,10 +959,10 @@ def model_fingerprint(model, unreadable=None) -> str:
     config = getattr(model, "config", None)
     digest.update(repr([(field, repr(getattr(config, field, None))) for field in KV_CONFIG_FIELDS]).encode())
     with torch.no_grad():
-        # Buffers too, as they are now (rotary frequencies: the same weights with another rope_theta
-        # compute other keys); only here, not in the per-forward key, since a model may rewrite them
-        # as it runs (dynamic rope scaling) with its weights unchanged.
-        for name, param in (*model.named_parameters(), *model.named_buffers()):
+        # Not the buffers: a model may rewrite them as it runs (dynamic-NTK and longrope scaling recompute
+        # the rotary frequencies past the original length), and a fingerprint that hashed them refused
+        # the very model that computed a cache. The configuration stands for them (its rope fields).
+        for name, param in model.named_parameters():
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             sample = None if param.is_meta else _sample(param)
             if sample is None:
@@ -992,12 +993,17 @@ def bind_model(model, kv: Cache) -> None:
     held, bound = _MODEL_OF.setdefault(kv, (mine, weakref.ref(model)))
     if held == mine:
         return
+    if kv.stats()["live_pages"] == 0:
+        # No K/V in it yet (``for_model`` binds when it builds the cache, and the model may be given other
+        # weights before its first forward): nothing of another model's to misread, so this one takes it.
+        _MODEL_OF[kv] = (mine, weakref.ref(model))
+        return
     if bound() is model:
         raise UnsupportedModelError(
             f"this model's weights changed since it computed the K/V this kvstate cache holds ({type(model).__name__}: "
-            "load_state_dict, an optimizer step or an in-place edit): its contexts and prefix hits hold the old "
-            "weights' K/V; load those weights back, or build a cache for the new ones with "
-            "KVStateCache.for_model(model)")
+            "load_state_dict, an optimizer step, an in-place edit, a dtype conversion, an injected adapter): its "
+            "contexts and prefix hits hold the old weights' K/V; build a cache for the new ones with "
+            "KVStateCache.for_model(model), or, where the change can be undone exactly, undo it")
     raise UnsupportedModelError(
         f"this kvstate cache holds K/V another model computed ({type(model).__name__} has the same layout "
         "but other weights): its contexts and prefix hits are not this model's; build a cache for this "

@@ -155,7 +155,12 @@ def test_weights_on_the_meta_device_match_no_other_model():
         first = transformers.AutoModelForCausalLM.from_config(config())
         second = transformers.AutoModelForCausalLM.from_config(config())
     layout = hf.layout_of(first)
-    kv = Cache(layout, store="numpy")
+
+    def holding_kv() -> Cache:              # a kvstate cache holding some K/V: the binding counts
+        kv = Cache(layout, store="numpy")
+        kv.allocate().extend([1, 2], np.zeros((2, *layout.position_shape), np.float32))
+        return kv
+    kv = holding_kv()
     hf.KVStateCache.for_model(first, kv=kv).close()
     hf.bind_model(first, kv)                                # itself, again
     with pytest.raises(UnsupportedModelError, match="another model"):
@@ -168,7 +173,7 @@ def test_weights_on_the_meta_device_match_no_other_model():
         half.model.layers[1].to("meta")
     with pytest.raises(UnsupportedModelError, match="another model"):
         hf.KVStateCache.for_model(halves[0], kv=cache.kv)
-    other = Cache(layout, store="numpy")
+    other = holding_kv()
     hf.bind_model(halves[0], other)
     with pytest.raises(UnsupportedModelError, match="another model"):
         hf.bind_model(halves[1], other)
@@ -385,4 +390,63 @@ def test_a_streamed_generate_lets_its_cache_go_when_the_streamer_ends():
         streamer.used.set()
         worker.join(WAIT)
     assert not worker.is_alive() and len(streamer.tokens) == 4      # the prompt, then 3 new tokens
+    cache.close()
+
+
+def test_a_model_that_rewrites_its_rotary_frequencies_as_it_runs_keeps_its_cache():
+    """From an audit: with buffers in the fingerprint, a dynamic-NTK model (it recomputes ``inv_freq``
+    past its original length) was refused in the middle of its own generate, "weights changed". Its
+    configuration stands for its rotary frequencies instead; the generate equals DynamicCache's."""
+    settings = config()
+    settings.max_position_embeddings = 16
+    settings.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+    torch.manual_seed(0)
+    model = hf.attach(transformers.AutoModelForCausalLM.from_config(settings).eval())
+    twin = copy.deepcopy(model)
+    cache, dynamic = hf.KVStateCache.for_model(model, page_tokens=4), DynamicCache(config=settings)
+    prompt = ids(20, 72)                                        # past the original 16 positions
+    mine = model.generate(prompt, cache=cache, max_new_tokens=4, **GREEDY)
+    assert torch.equal(mine, twin.generate(prompt, cache=dynamic, max_new_tokens=4, **GREEDY))
+    run(copy.deepcopy(model), cache, ids(1, 73))               # the same weights and configuration: the same model
+    cache.close()
+
+
+def test_setting_the_context_is_refused_while_another_thread_holds_the_cache():
+    """From an audit: ``cache.context = ...`` went through while another thread's generate held the cache,
+    and that generate's output and length were silently wrong."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    other = cache.fork()
+    inside, leave = threading.Event(), threading.Event()
+
+    class Paused(LogitsProcessor):          # the generate holds the cache between its forwards, here
+        def __call__(self, input_ids, scores):
+            inside.set()
+            leave.wait(WAIT)
+            return scores
+
+    worker = threading.Thread(target=model.generate, args=(ids(4, 76),),
+                              kwargs=dict(cache=cache, max_new_tokens=1, logits_processor=LogitsProcessorList([Paused()]),
+                                          **GREEDY))
+    worker.start()
+    try:
+        assert inside.wait(WAIT)
+        with pytest.raises(ContextBusyError, match="setting context"):
+            cache.context = other.context
+    finally:
+        leave.set()
+        worker.join(WAIT)
+    cache.context = other.context.fork()                         # free again: it goes through
+    other.close()
+    cache.close()
+
+
+def test_a_cache_with_no_kv_yet_follows_its_models_new_weights():
+    """From an audit: ``for_model`` binds the kvstate cache it builds, and weights loaded before the first
+    forward were refused as changed "since it computed the K/V this cache holds", though it held none."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    model.load_state_dict(llama(seed=1).state_dict())
+    run(model, cache, ids(3, 75))
+    assert len(cache.context) == 3
     cache.close()
