@@ -46,6 +46,7 @@ import hashlib
 import operator
 import secrets
 import threading
+import time
 import weakref
 from typing import Callable
 
@@ -72,18 +73,23 @@ from kvstate.spec.precision import roundtrip  # noqa: E402
 __all__ = ["KVStateCache", "attach", "layout_of"]
 
 
+# How long an operation, generate or forward waits for another thread's operation on the same cache
+# (a fork, a snapshot) before ``ContextBusyError``; another thread's generate or forward refuses at once.
+OPERATION_WAIT_S = 30.0
+
+
 def _owned(what: str):
     """A ``KVStateCache`` method that holds the cache while it runs: refused (``ContextBusyError``) while
     another thread holds it, and released however it ends."""
     def wrap(method):
         @functools.wraps(method)
         def owned(self, *args, **kwargs):
-            holds = self._held_here()
+            held = self._held_here()
             try:
                 self._hold(what)
                 return method(self, *args, **kwargs)
             finally:
-                self._release_to(holds)
+                self._release_to(held)
         return owned
     return wrap
 
@@ -154,13 +160,16 @@ class KVStateCache(_HFCache):
         self._shared = None             # (the rows' page tuples, how many leading pages they share)
         self._prompt_checked = False    # a chunked prefill under way, its whole prompt checked (``attach``)
         # The thread that holds this cache (None: none): one cache is one sequence of forwards, and while
-        # a thread's generate, forward or operation is under way another thread's is refused by name
-        # (``ContextBusyError``). ``_holds``: that thread's generates and operations under way (nested);
-        # ``_in_forward``: its forward fed and not yet committed or ended. Changed under the lock only.
+        # a thread's generate or forward is under way another thread's is refused by name
+        # (``ContextBusyError``); while only an operation is (a fork, a snapshot), another thread waits
+        # for it (``_take``). ``_holds``: that thread's generates and operations under way (nested), of
+        # them ``_generates`` generates; ``_in_forward``: its forward fed and not yet committed or
+        # ended. Changed under the guard only, whose condition is notified as the cache comes free.
         self._forward_thread: int | None = None
         self._holds = 0
+        self._generates = 0
         self._in_forward = False
-        self._forward_guard = threading.Lock()
+        self._forward_guard = threading.Condition()
         super().__init__(layers=[_Layer(self, i) for i in range(layout.layers)])
 
     def _set_rows(self, rows: list, pads: list[int] | None = None, readers: list | None = None) -> None:
@@ -320,48 +329,65 @@ class KVStateCache(_HFCache):
                 self._in_forward = False
                 if not self._holds:
                     self._forward_thread = None
+                    self._forward_guard.notify_all()
 
     def _busy(self, what: str) -> ContextBusyError:
         return ContextBusyError(
-            f"{what} while this KVStateCache is in use by another thread (its generate, forward or operation "
-            "is under way): one cache is one sequence of forwards, so a generate holds it from start to end; "
-            "give each thread its own (cache.fork()), or wait for the other to finish")
+            f"{what} while this KVStateCache is in use by another thread (its generate or forward is under "
+            "way): one cache is one sequence of forwards, so a generate holds it from start to end; give each "
+            "thread its own cache (a fork taken while this one is free), or wait for the other to finish")
 
     def _claim_forward(self) -> None:
-        """This thread's forward starts: ``ContextBusyError`` while another thread holds the cache (their
-        K/V and ids would mix in one step, or its generate's sequence would take this forward's
-        tokens), checked and set under a lock of this cache's own."""
-        me = threading.get_ident()
+        """This thread's forward starts: ``ContextBusyError`` while another thread's generate or forward
+        holds the cache (their K/V and ids would mix in one step, or its generate's sequence would take
+        this forward's tokens); after another thread's operation (``_take``)."""
         with self._forward_guard:
-            if self._forward_thread not in (None, me):
-                raise self._busy("a forward")
-            self._forward_thread = me
+            self._take(threading.get_ident(), "a forward")
             self._in_forward = True
+            self._forward_guard.notify_all()        # a waiter for a short hold: this one is not
 
-    def _held_here(self) -> int:
-        """How many generates and operations this thread has under way on the cache (0 if it holds none)."""
-        return self._holds if self._forward_thread == threading.get_ident() else 0
+    def _take(self, me: int, what: str) -> None:
+        """With the guard held, make this thread the holder. Another thread's generate or forward is
+        refused at once (it may run for minutes); another's operation (a fork, a snapshot, a truncate:
+        short) is waited out, up to ``OPERATION_WAIT_S``: threads forking their own caches from one root,
+        as README advises, collided now and then and got ``ContextBusyError`` for a fork."""
+        deadline = None
+        while self._forward_thread not in (None, me):
+            if self._generates or self._in_forward:
+                raise self._busy(what)
+            now = time.monotonic()
+            deadline = now + OPERATION_WAIT_S if deadline is None else deadline
+            if now >= deadline:
+                raise self._busy(f"{what} (after {OPERATION_WAIT_S:g} s waiting for another thread's operation)")
+            self._forward_guard.wait(deadline - now)
+        self._forward_thread = me
+
+    def _held_here(self) -> tuple[int, int]:
+        """This thread's generates and operations under way on the cache, and of them its generates
+        ((0, 0) if it holds none): what ``_release_to`` goes back to."""
+        return (self._holds, self._generates) if self._forward_thread == threading.get_ident() else (0, 0)
 
     def _hold(self, what: str) -> None:
-        """This thread's generate or operation starts: ``ContextBusyError`` while another thread holds
-        the cache; nested ones on the holding thread go on. Undone by ``_release_to``."""
-        me = threading.get_ident()
+        """This thread's generate (``what`` "generate") or operation starts (``_take``); nested ones on the
+        holding thread go on. Undone by ``_release_to``."""
         with self._forward_guard:
-            if self._forward_thread not in (None, me):
-                raise self._busy(what)
-            self._forward_thread = me
+            self._take(threading.get_ident(), what)
             self._holds += 1
+            if what == "generate":
+                self._generates += 1
+                self._forward_guard.notify_all()    # a waiter for a short hold: this one is not
 
-    def _release_to(self, holds: int) -> None:
-        """Back to ``holds`` (what ``_held_here`` said before the ``_hold``), whatever ran or stopped in
+    def _release_to(self, held: tuple[int, int]) -> None:
+        """Back to ``held`` (what ``_held_here`` said before the ``_hold``), whatever ran or stopped in
         between (an exception, an interrupt before or after the ``_hold`` took it); the cache is free
         when nothing of this thread's is left under way."""
         with self._forward_guard:
             if self._forward_thread != threading.get_ident():
                 return
-            self._holds = holds
-            if not holds and not self._in_forward:
+            self._holds, self._generates = held
+            if not self._holds and not self._in_forward:
                 self._forward_thread = None
+                self._forward_guard.notify_all()
 
     @_owned("check_prefix_of")
     def check_prefix_of(self, input_ids, attention_mask=None) -> None:
@@ -855,17 +881,16 @@ _WEIGHTS_LOCK = threading.Lock()
 # ``load_state_dict(assign=True)``, adapters injected into a model): every model's parameter list is
 # then walked again. Writes into ``module._parameters`` itself are caught by the per-forward key.
 _STRUCTURE = [0]
-# The ids of the modules of every model fingerprinted so far. Registrations on other modules bump
+# The modules of every model fingerprinted so far (weakly). Registrations on other modules bump
 # nothing: a Llama forward slices its list of layers (``self.layers[:n]``), which registers every
-# layer into a new ModuleList, and counted, that hashed the whole model again on every forward. Ids
-# are never taken out: one reused by a later module costs at most a needless hash.
-_MEMBERS: set[int] = set()
+# layer into a new ModuleList, and counted, that hashed the whole model again on every forward.
+_MEMBERS: "weakref.WeakSet" = weakref.WeakSet()
 SAMPLES = 64        # values hashed per parameter, spread over it (its first ones too)
 _version_of = operator.attrgetter("_version")
 
 
 def _structure_changed(module, *args) -> None:
-    if id(module) in _MEMBERS:
+    if module in _MEMBERS:
         _STRUCTURE[0] += 1
 
 
@@ -895,7 +920,7 @@ class _Weights:
     def __init__(self, model):
         self.structure = _STRUCTURE[0]
         modules = list(model.modules())
-        _MEMBERS.update(map(id, modules))
+        _MEMBERS.update(modules)
         slots = [(module._parameters, name) for module in modules
                  for name, param in module._parameters.items() if param is not None]
         self.holders, self.names = [holder for holder, _ in slots], [name for _, name in slots]
@@ -1049,14 +1074,14 @@ def _generating(generate, *args, **kwargs):
     cache = _cache_given(kwargs)
     if not isinstance(cache, KVStateCache):
         return generate(*args, **kwargs)
-    holds = cache._held_here()
+    held = cache._held_here()
     if kwargs.get("streamer") is not None:
-        kwargs["streamer"] = _ReleasingStreamer(kwargs["streamer"], lambda: cache._release_to(holds))
+        kwargs["streamer"] = _ReleasingStreamer(kwargs["streamer"], lambda: cache._release_to(held))
     try:
         cache._hold("generate")
         return generate(*args, **kwargs)
     finally:
-        cache._release_to(holds)
+        cache._release_to(held)
 
 
 class _ReleasingStreamer(BaseStreamer):

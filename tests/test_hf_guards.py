@@ -290,7 +290,7 @@ class Gate(io.RawIOBase):
 def test_an_operation_owns_the_cache_while_it_runs():
     """An operation checked that no forward was under way and went on without taking the cache: a
     forward begun by another thread meanwhile ran beside it. Now the operation holds the cache, and
-    the forward is refused before any layer runs."""
+    the forward waits for it to end before any layer runs: the snapshot holds what was there before."""
     model = llama()
     cache = hf.KVStateCache.for_model(model, page_tokens=2)
     run(model, cache, ids(5, 75))
@@ -299,14 +299,17 @@ def test_an_operation_owns_the_cache_while_it_runs():
     assert gate.inside.wait(WAIT)
     handle = model.model.layers[0].register_forward_pre_hook(lambda module, inputs: layers.append(1))
     try:
-        with pytest.raises(ContextBusyError, match="another thread"):
-            run(model, cache, ids(1, 76))
+        forward, done = in_thread("forwarding", lambda: run(model, cache, ids(1, 76)))
+        forward.join(0.2)
+        assert forward.is_alive() and layers == []          # waiting: no layer ran beside the snapshot
     finally:
-        handle.remove()
         gate.go_on.set()
         thread.join(WAIT)
+        forward.join(WAIT)
+        handle.remove()
     assert "error" not in box, box.get("error")
-    assert layers == [] and cache.tokens == tokens
+    assert "error" not in done, done.get("error")
+    assert layers == [1] and len(cache.tokens) == len(tokens) + 1
     restored = hf.KVStateCache.restore(model, io.BytesIO(bytes(gate.data)), kv=cache.kv)
     assert restored.tokens == tokens
     restored.close()
@@ -450,3 +453,42 @@ def test_a_cache_with_no_kv_yet_follows_its_models_new_weights():
     run(model, cache, ids(3, 75))
     assert len(cache.context) == 3
     cache.close()
+
+
+def test_an_operation_waits_out_another_threads_operation():
+    """From an audit: threads forking their own caches from one root (README's advice) collided now and
+    then, and one got ContextBusyError for its fork; while another thread snapshotted the root, every
+    fork did. An operation now waits for another thread's operation; a generate still refuses at once."""
+    model = llama()
+    root = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, root, ids(5, 77))
+    writing, resume = threading.Event(), threading.Event()
+
+    class SlowStream(io.BytesIO):            # a snapshot's destination that stalls mid-write
+        def write(self, data):
+            writing.set()
+            assert resume.wait(WAIT)
+            return super().write(data)
+
+    snapshotting = threading.Thread(target=root.snapshot, args=(SlowStream(),))
+    snapshotting.start()
+    forks, errors = [], []
+
+    def fork():
+        try:
+            forks.append(root.fork())
+        except ContextBusyError as error:
+            errors.append(error)
+    try:
+        assert writing.wait(WAIT)
+        forking = threading.Thread(target=fork)
+        forking.start()
+        forking.join(0.2)
+        assert forking.is_alive() and not forks and not errors      # waiting for the snapshot to end
+    finally:
+        resume.set()
+        snapshotting.join(WAIT)
+    forking.join(WAIT)
+    assert not errors and len(forks) == 1 and len(forks[0].context) == 5
+    forks[0].close()
+    root.close()
