@@ -156,9 +156,13 @@ class Lockstep:
 
     def _room_hint(self) -> str:
         """Why an engine may refuse for room where the reference had it: the books of both, as far as seen."""
-        pages = self.engine.observe().pages
+        try:
+            pages = self.engine.observe().pages
+        except Exception:       # noqa: BLE001 - a hint: the refusal above is the finding, not observe's trouble
+            pages = None
         engine = "" if pages is None else f", the engine {len(pages)} before it (it changed nothing)"
-        return (f"; the reference had room: {self.reference.live_pages()} pages live of the pool's "
+        live = self.reference.live_pages(self.reference.viable[0])      # counted the way the run still follows
+        return (f"; the reference had room: {live} pages live of the pool's "
                 f"{self.config.pool_limit} after it{engine}. An engine refusing here holds pages past their use "
                 f"(an earlier refused operation, a close or truncate that kept some) or counts the operation's "
                 f"need higher than spec/semantics.py does (its new pages, and a copy of each shared page it writes)")
