@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import operator
 import secrets
 import threading
@@ -884,14 +885,26 @@ _STRUCTURE = [0]
 # The modules of every model fingerprinted so far (weakly). Registrations on other modules bump
 # nothing: a Llama forward slices its list of layers (``self.layers[:n]``), which registers every
 # layer into a new ModuleList, and counted, that hashed the whole model again on every forward.
-_MEMBERS: "weakref.WeakSet" = weakref.WeakSet()
+# By id, each with a weak reference that takes it out when the module goes: the hook runs on every
+# registration in the process and must not hash a module (one declared ``@dataclass(eq=True)`` cannot be).
+_MEMBERS: dict[int, "weakref.ref"] = {}
 SAMPLES = 64        # values hashed per parameter, spread over it (its first ones too)
 _version_of = operator.attrgetter("_version")
 
 
 def _structure_changed(module, *args) -> None:
-    if module in _MEMBERS:
+    member = _MEMBERS.get(id(module))
+    if member is not None and member() is module:
         _STRUCTURE[0] += 1
+
+
+def _add_members(modules) -> None:
+    for module in modules:
+        key = id(module)
+        try:
+            _MEMBERS[key] = weakref.ref(module, lambda _gone, key=key: _MEMBERS.pop(key, None))
+        except TypeError:       # no weak references to it: its registrations go uncounted
+            pass
 
 
 _watching: list = []       # the two registration hooks, once registered (``_watch_structure``)
@@ -915,12 +928,19 @@ class _Weights:
     optimizer steps, ``param.add_``), read through the module dicts that hold them, so a parameter
     replaced in place is seen too. Taken again when the key or the modules' structure changes."""
 
-    __slots__ = ("structure", "holders", "names", "versions", "key", "fingerprint")
+    __slots__ = ("structure", "holders", "names", "versions", "key", "parents", "child_names", "children",
+                 "fingerprint")
 
     def __init__(self, model):
         self.structure = _STRUCTURE[0]
         modules = list(model.modules())
-        _MEMBERS.update(modules)
+        _add_members(modules)
+        # Each submodule where its parent keeps it: one swapped in through ``parent._modules[name]`` (as
+        # quantizers and adapter libraries do) fires no registration hook, and its weights are new.
+        links = [(module._modules, name, child) for module in modules
+                 for name, child in module._modules.items() if child is not None]
+        self.parents, self.child_names = [parent for parent, _, _ in links], [name for _, name, _ in links]
+        self.children = [child for _, _, child in links]
         slots = [(module._parameters, name) for module in modules
                  for name, param in module._parameters.items() if param is not None]
         self.holders, self.names = [holder for holder, _ in slots], [name for _, name in slots]
@@ -942,6 +962,8 @@ class _Weights:
     def current(self) -> bool:
         if self.structure != _STRUCTURE[0]:
             return False
+        if not all(map(operator.is_, map(dict.get, self.parents, self.child_names), self.children)):
+            return False
         try:
             return self.read_key() == self.key
         except (KeyError, AttributeError, RuntimeError):       # a parameter removed or set to None
@@ -961,28 +983,46 @@ def fingerprint_of(model) -> str:
     return known.fingerprint
 
 
-# The configuration fields that change the K/V a model computes from the same weights (norms' epsilons,
-# activations, rotary embeddings, attention scaling and caps), hashed with them; the rest (paths,
-# generation settings, the attention kernel chosen) leave the K/V as they are.
-KV_CONFIG_FIELDS = ("hidden_act", "activation_function", "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon",
-                    "rope_parameters", "rope_scaling", "rope_theta", "partial_rotary_factor", "rotary_pct",
-                    "rotary_emb_base", "scale_attn_weights", "scale_attn_by_inverse_layer_idx",
-                    "reorder_and_upcast_attn", "attn_logit_softcapping", "query_pre_attn_scalar", "sliding_window",
-                    "head_dim")
+# The configuration fields that leave the K/V a model computes from its weights as they are: where it
+# was loaded from, how it is run and generated with, its token ids and labels. Every other field is
+# hashed with the weights (``_kv_config``): an allow-list missed fields that do change K/V from the same
+# weights (Granite's embedding and residual multipliers), where a field hashed needlessly only refuses
+# a model that might have gone on.
+CONFIG_FIELDS_NOT_KV = frozenset((
+    "_name_or_path", "name_or_path", "architectures", "transformers_version", "_commit_hash", "torch_dtype",
+    "dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
+    "torchscript", "_attn_implementation", "attn_implementation", "_attn_implementation_autoset",
+    "_attn_implementation_internal", "_experts_implementation", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "id2label", "label2id", "problem_type", "finetuning_task",
+    "task_specific_params", "tokenizer_class", "prefix", "max_length", "min_length", "do_sample", "num_beams",
+    "temperature", "top_k", "top_p", "repetition_penalty", "pruned_heads", "chunk_size_feed_forward",
+    "tie_word_embeddings", "use_bfloat16", "is_encoder_decoder"))
+
+
+def _kv_config(config) -> bytes:
+    """``config``'s fields that may change K/V (all but ``CONFIG_FIELDS_NOT_KV``, sub-configurations'
+    too), as they differ from the class's defaults, in a stable spelling."""
+    if config is None or not hasattr(config, "to_diff_dict"):
+        return b""
+
+    def kept(value):
+        if isinstance(value, dict):
+            return {key: kept(item) for key, item in value.items() if key not in CONFIG_FIELDS_NOT_KV}
+        return value
+    return json.dumps(kept(config.to_diff_dict()), sort_keys=True, default=repr).encode()
 
 
 def model_fingerprint(model, unreadable=None) -> str:
     """What tells a model's weights from another's of the same shape, cheaply: a hash of each
     parameter's name, shape, dtype and ``SAMPLES`` values spread over it (its first and last
-    included), and of the configuration fields that change K/V (``KV_CONFIG_FIELDS``). Two
+    included), and of the configuration fields that may change K/V (``_kv_config``). Two
     loads of the same checkpoint agree. Weights whose values cannot be read here
     (the ``meta`` device of an offloaded model) are hashed with a token of this model object
     (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
     matches no other, not even another load of the same checkpoint."""
     digest = hashlib.blake2b(digest_size=16)
     samples: dict = {}
-    config = getattr(model, "config", None)
-    digest.update(repr([(field, repr(getattr(config, field, None))) for field in KV_CONFIG_FIELDS]).encode())
+    digest.update(_kv_config(getattr(model, "config", None)))
     with torch.no_grad():
         # Not the buffers: a model may rewrite them as it runs (dynamic-NTK and longrope scaling recompute
         # the rotary frequencies past the original length), and a fingerprint that hashed them refused
@@ -1018,9 +1058,10 @@ def bind_model(model, kv: Cache) -> None:
     held, bound = _MODEL_OF.setdefault(kv, (mine, weakref.ref(model)))
     if held == mine:
         return
-    if kv.stats()["live_pages"] == 0:
-        # No K/V in it yet (``for_model`` binds when it builds the cache, and the model may be given other
-        # weights before its first forward): nothing of another model's to misread, so this one takes it.
+    if bound() is model and kv.stats()["live_pages"] == 0:
+        # The model that bound it, given other weights before any K/V was written (``for_model`` binds
+        # when it builds the cache): nothing of its old weights' to misread. Only that model: another
+        # one taking an empty cache raced the first's forward, whose K/V then landed under its binding.
         _MODEL_OF[kv] = (mine, weakref.ref(model))
         return
     if bound() is model:

@@ -492,3 +492,61 @@ def test_an_operation_waits_out_another_threads_operation():
     assert not errors and len(forks) == 1 and len(forks[0].context) == 5
     forks[0].close()
     root.close()
+
+
+def test_another_model_does_not_take_a_cache_bound_and_still_empty():
+    """From a review: an empty kvstate cache went to whichever model asked, so a second model could take
+    it while the first's first forward was under way, and that forward's K/V landed under its binding."""
+    first, second = llama(), llama(seed=1)
+    cache = hf.KVStateCache.for_model(first, page_tokens=4)
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        hf.KVStateCache.for_model(second, kv=cache.kv)
+    cache.close()
+
+
+def test_a_submodule_swapped_in_through_its_parents_dict_is_another_model():
+    """From a review: ``parent._modules[name] = new`` (as quantizers and adapter libraries swap layers)
+    fires no registration hook, and the old layer's parameters were unchanged: the key passed."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 78))
+    model.model.layers._modules["1"] = llama(seed=1).model.layers[1]
+    with pytest.raises(UnsupportedModelError, match="weights changed"):
+        run(model, cache, ids(1, 79))
+    cache.close()
+
+
+def test_the_registration_hook_leaves_modules_it_cannot_hash_alone():
+    """From a review: once a fingerprint was taken, the process-wide hook hashed every module registering
+    a submodule anywhere, and one declared ``@dataclass(eq=True)`` (no hash) could no longer be built."""
+    import dataclasses
+
+    model = llama()
+    hf.KVStateCache.for_model(model, page_tokens=4).close()
+
+    @dataclasses.dataclass(eq=True)
+    class Head(torch.nn.Module):
+        width: int = 4
+
+        def __post_init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(self.width, self.width)
+    assert Head().proj.in_features == 4
+
+
+def test_the_same_weights_under_other_configuration_multipliers_are_another_model():
+    """From a review: a list of the configuration fields that change K/V missed Granite's embedding and
+    residual multipliers; every field but those known not to change K/V is hashed now."""
+    settings = transformers.GraniteConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    model = hf.attach(transformers.AutoModelForCausalLM.from_config(settings).eval())
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 80))
+    settings.embedding_multiplier = 12.0
+    other = hf.attach(transformers.AutoModelForCausalLM.from_config(settings).eval())
+    other.load_state_dict(model.state_dict())
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        run(other, cache, ids(1, 81))
+    cache.close()
