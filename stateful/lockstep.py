@@ -340,12 +340,14 @@ class Lockstep:
         invariants.check_values(engine_reads, reference_reads)
         for handle in touched & engine_reads.keys():
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
+        expected = self.reference.eviction_order()
         try:
-            invariants.check_tree(obs, self.reference.eviction_order())
+            invariants.check_tree(obs, expected)
         except InvariantViolation as differs:
             if "eviction order" not in differs.detail or not evicts_for_room(self.config.on_full):
                 raise
-            raise InvariantViolation(5, f"{differs.detail}{_POOL_EVICTION}") from None
+            hint = _kept_differently({tuple(entry.key) for entry in obs.entries}, {tuple(key) for key, _ in expected})
+            raise InvariantViolation(5, f"{differs.detail}{hint}") from None
         if obs.entries is None:
             self._probe_entries()
             obs = self.engine.observe()      # the probes' hits came and went: observe what is left
@@ -546,6 +548,19 @@ def _attempt(perform, op, side, cache, values=None):
 _POOL_EVICTION = ("; or its pool evicted for room: another entry than the least recently used one that keeps a "
                   "page no context holds, or before the pool was full (pages held past their use, a close, "
                   "truncate or release that kept some, fill it early)")
+
+
+def _kept_differently(engine: set, reference: set) -> str:
+    """Where a pool evicts for room, what an eviction-order difference says: entries missing (evicted
+    another way), entries kept that the reference evicted, or the same entries in another order."""
+    if engine == reference:
+        return ("; the same entries in another order: a hit or retain stamped another entry than the reference's "
+                "(the most recently used of those sharing the hit), or none")
+    if engine - reference and not reference - engine:
+        return (f"; the engine keeps entries the reference evicted ({sorted(engine - reference)[:4]}): its pool did "
+                f"not evict for room where the reference did (it counted fewer pages live or needed than "
+                f"spec/semantics.py does), or it evicted another entry earlier")
+    return _POOL_EVICTION
 
 
 def _not_the_querys(hit, query: tuple) -> str:

@@ -84,3 +84,36 @@ def test_a_refusal_where_the_reference_had_room_prints_both_books(monkeypatch):
     assert f"the reference had room: {config.pool_limit} pages live of the pool's {config.pool_limit} after it, " \
            "the engine 0 before it" in message, message
     assert "counts the operation's need higher" in message, message
+
+
+@pytest.mark.parametrize("bug, said", [("stamp", "the same entries in another order"),
+                                       ("no_eviction", "the engine keeps entries the reference evicted")])
+def test_an_eviction_order_difference_says_which_way_it_differs(monkeypatch, bug, said):
+    """From an audit: every eviction-order difference in an evicting pool carried the hint for entries
+    evicted another way, also where the engine kept one the reference evicted or only their order differed."""
+    from kvstate.impl import pool_policy, radix
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.configs import config_named
+    from kvstate.stateful.lockstep import Lockstep
+
+    if bug == "stamp":
+        original = radix.RadixTree.stamp
+        monkeypatch.setattr(radix.RadixTree, "stamp",           # a hit stamps nothing (an insert still does)
+                            lambda tree, node: None if node in tree.recency else original(tree, node))
+    else:
+        monkeypatch.setattr(pool_policy.PoolPolicy, "make_room", lambda policy, needed: None)     # falls back
+    config = config_named("token-f32-arena6-evict").with_(page_tokens=2, max_entries=4)
+    run = Lockstep(numpy_factory, config)
+    for first in (1, 5):
+        handle = run.apply(O.Allocate())
+        run.apply(O.Extend(handle, (first, first + 1), seed=first))
+        run.apply(O.Retain(handle))
+        run.apply(O.Close(handle))
+    with pytest.raises(AssertionError) as differs:
+        if bug == "stamp":
+            run.apply(O.Close(run.apply(O.Match((1, 2)))))
+        else:
+            run.apply(O.Extend(run.apply(O.Allocate()), tuple(i % 3 for i in range(2 * config.pool_limit)), seed=9))
+        run.check()
+    assert "eviction order" in str(differs.value) and said in str(differs.value), str(differs.value)

@@ -30,8 +30,8 @@ HITS = ("hits of one entry are contexts like any other: a write through one, int
 HIT_SNAPSHOT = "a snapshot of a hit holds what the hit reads, after the hit was overwritten too"
 TIES = ("among entries sharing the longest prefix with the query, the most recently used gives the hit, "
         "and only it is stamped")
-ELSEWHERE = ("a hit is a prefix of a retained key, taken from its start: a block of the query equal to a block "
-             "a key holds further on (a block hash that leaves out its parent's) is no hit")
+ELSEWHERE = ("a hit is a prefix of a retained key, taken from its start: tokens at the start of the query equal "
+             "to tokens a key holds further on are no hit (as a block hash that leaves out its parent's finds them)")
 BUDGET = ("the tree's bounds: past max_entries entries or max_pages pages (each entry's own pages, as if "
           "nothing were shared), retain evicts the least recently used entries, never the one just retained")
 

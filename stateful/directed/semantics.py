@@ -306,7 +306,7 @@ ROWS: list[Row] = [
     Row("eviction order", "Only the order of entries (least recently used first) is compared, never tick numbers: "
                           "a clock may start anywhere, reset on `clear()`, or advance on a miss."),
     Row("full pool", "A pool that runs out does what the configuration declares (`on_full`): `fallback` to "
-                     "ordinary memory, `evict` least recently used entries that free a page, `refuse` with "
+                     "ordinary memory, `evict` least recently used entries that keep a page no context holds, `refuse` with "
                      "`CapacityError`, changing nothing, or `evict-then-refuse`: refuse as `refuse` when even "
                      "evicting every entry would not make room, else evict as `evict`.", _full_pool),
     Row("several bad inputs", "When several things are wrong, any error that truly applies is right, whatever "
@@ -339,8 +339,10 @@ ROWS: list[Row] = [
 
 
 def _ties_row(factory: Factory, config: Config, promise: str) -> None:
-    from .prefix import ties
+    from .prefix import TIES, ties
 
+    if config.match != "block":
+        promise = TIES      # the row is block's; elsewhere its scenario holds the general tie rule
     run = start(factory, config)
     with keeping(promise, run):
         ties(run)
