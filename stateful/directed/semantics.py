@@ -279,14 +279,23 @@ def _room_by_eviction(factory: Factory, config: Config, promise: str) -> None:
 
 def _prefix_values(factory: Factory, config: Config, promise: str) -> None:
     """One key written by two contexts, retained by both, matched: under ``values="prefix"`` both
-    wrote the same values (an engine may keep either); under ``seeded`` the newer wins."""
+    wrote the same values (an engine may keep either); under ``seeded`` the newer wins. A hit of the
+    first entry is held across the second retain and a new context's pages: an engine that frees the
+    pages it kept (SGLang frees the new copy's) while that hit still reads them is caught there."""
     run = start(factory, config)
     key = tuple(40 + i for i in range(2 * config.page_tokens + 1))
     with keeping(promise, run):
+        hit = None
         for seed in (71, 72):
             handle = run.apply(O.Allocate())
             run.apply(O.Extend(handle, key, seed=seed))
             run.apply(O.Retain(handle))
+            run.apply(O.Close(handle))
+            hit = hit or run.apply(O.Match(key))
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple(60 + i % 3 for i in range(2 * config.page_tokens)), seed=73))
+        run.check()
+        for handle in (hit, filler):
             run.apply(O.Close(handle))
         run.apply(O.Match(key + (3,)))
         run.check()
