@@ -219,3 +219,29 @@ def test_the_eviction_for_room_row_holds_a_pool_to_the_oldest_entry_that_frees(c
     (result,) = conform(numpy_factory, configs=[config], checks=["pinned semantics"])
     detail = result.outcomes["pinned semantics"].detail
     assert "eviction order" in detail and "or its pool evicted for room" in detail, detail
+
+
+def test_the_prefix_values_row_catches_a_retain_that_frees_the_pages_a_hit_reads(monkeypatch):
+    """From an audit: an SGLang-like engine that, retaining a key it held, freed the slots it kept (not the
+    new copy's) passed every directed check: the row's scenario held no hit of the first entry, so the
+    freed pages had no reader. It now holds one across the second retain and a new context's pages."""
+    from kvstate.impl.holding import RELEASED
+
+    def frees_the_replaced_outright(cache, ctx, key):
+        entry = cache._fork(ctx, register=False)
+        replaced = cache.tree.insert(key, entry)
+        if replaced is not None:        # its pages freed whoever else holds them (a hit of it, here)
+            held = replaced._holding
+            cache.pool.books.flush()
+            cache.pool._free(list(held.pages), held.slots)
+            replaced._holding = RELEASED
+        while cache.bounds.exceeded(cache.tree):
+            victim = cache.tree.pop_oldest(spare=entry)
+            if victim is None:
+                break
+            cache._release(victim)
+    row = _row("prefix values")
+    row.check(numpy_factory, config_named("f32-heap"), row.text)
+    monkeypatch.setattr(cache_module.Cache, "_keep", frees_the_replaced_outright)
+    with pytest.raises(AssertionError, match="prefix"):
+        row.check(numpy_factory, config_named("f32-heap"), row.text)
