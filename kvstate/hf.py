@@ -996,7 +996,15 @@ CONFIG_FIELDS_NOT_KV = frozenset((
     "sep_token_id", "decoder_start_token_id", "id2label", "label2id", "problem_type", "finetuning_task",
     "task_specific_params", "tokenizer_class", "prefix", "max_length", "min_length", "do_sample", "num_beams",
     "temperature", "top_k", "top_p", "repetition_penalty", "pruned_heads", "chunk_size_feed_forward",
-    "tie_word_embeddings", "use_bfloat16", "is_encoder_decoder"))
+    "tie_word_embeddings", "use_bfloat16", "is_encoder_decoder", "output_router_logits", "output_scores",
+    "return_dict_in_generate", "initializer_range", "init_std"))
+
+
+def _leaves_kv(field: str) -> bool:
+    """Whether a configuration field leaves K/V as they are: those named, and dropout rates (none at
+    inference) and training losses' coefficients, by their names."""
+    return (field in CONFIG_FIELDS_NOT_KV or field.endswith(("dropout", "pdrop", "dropout_prob"))
+            or field.endswith("_loss_coef"))
 
 
 def _kv_config(config) -> bytes:
@@ -1007,7 +1015,7 @@ def _kv_config(config) -> bytes:
 
     def kept(value):
         if isinstance(value, dict):
-            return {key: kept(item) for key, item in value.items() if key not in CONFIG_FIELDS_NOT_KV}
+            return {key: kept(item) for key, item in value.items() if not (isinstance(key, str) and _leaves_kv(key))}
         return value
     return json.dumps(kept(config.to_diff_dict()), sort_keys=True, default=repr).encode()
 

@@ -550,3 +550,18 @@ def test_the_same_weights_under_other_configuration_multipliers_are_another_mode
     with pytest.raises(UnsupportedModelError, match="another model"):
         run(other, cache, ids(1, 81))
     cache.close()
+
+
+def test_a_setting_that_leaves_kv_alone_does_not_make_another_model():
+    """From a review: with every configuration field hashed but a list of those that leave K/V alone, a
+    dropout rate or a router-logits flag set at run time made the same weights, hashed again after a
+    ``load_state_dict`` of themselves, "changed"."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 82))
+    model.config.attention_dropout = 0.1
+    model.config.output_router_logits = True
+    model.load_state_dict(model.state_dict())               # the same weights: hashed again
+    run(model, cache, ids(1, 83))
+    assert len(cache.context) == 5
+    cache.close()
