@@ -590,3 +590,30 @@ def test_prefix_edges_catches_block_hashes_that_leave_out_their_parent(monkeypat
     detail = bad.outcomes["prefix edges"].detail
     assert not bad.passed and "invariant 5" in detail and "taken from its start" in detail, detail
     assert "the engine's hit holds tokens (150, 151, 152, 153), not the query's first 4" in detail, detail
+
+
+def test_a_directed_check_that_a_backend_exception_ends_is_shrunk_too(monkeypatch):
+    """From an audit: a backend raising (not an assertion of the suite's) in ``prefix edges`` was reported
+    with the check's whole sequence, 142 operations, where its replay shrinks to a handful."""
+    from kvstate.impl import cache as cache_module
+    from kvstate.stateful.conform import conform
+
+    original_clear, original_match = cache_module.Cache.clear, cache_module.Cache.match
+    cleared = set()
+
+    def clear(cache):
+        cleared.add(id(cache))
+        return original_clear(cache)
+
+    def match(cache, tokens):
+        if id(cache) in cleared:
+            raise ValueError("max() arg is an empty sequence")      # a walk that trips over what clear left
+        return original_match(cache, tokens)
+    monkeypatch.setattr(cache_module.Cache, "clear", clear)
+    monkeypatch.setattr(cache_module.Cache, "match", match)
+    (result,) = conform(numpy_factory, configs=[config_named("f32-heap")], checks=["prefix edges"])
+    detail = result.outcomes["prefix edges"].detail
+    assert detail.startswith("the backend raised ValueError"), detail
+    assert "minimised failing sequence" in detail, detail
+    operations = detail.split("minimised failing sequence", 1)[1].splitlines()[1:]
+    assert 0 < len(operations) <= 4, operations
