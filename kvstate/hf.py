@@ -1066,13 +1066,13 @@ def bind_model(model, kv: Cache) -> None:
     held, bound = _MODEL_OF.setdefault(kv, (mine, weakref.ref(model)))
     if held == mine:
         return
-    if bound() is model and kv.stats()["live_pages"] == 0:
-        # The model that bound it, given other weights before any K/V was written (``for_model`` binds
-        # when it builds the cache): nothing of its old weights' to misread. Only that model: another
-        # one taking an empty cache raced the first's forward, whose K/V then landed under its binding.
-        _MODEL_OF[kv] = (mine, weakref.ref(model))
-        return
     if bound() is model:
+        if kv.stats()["live_pages"] == 0:
+            # Given other weights before any K/V was written (``for_model`` binds when it builds the cache):
+            # nothing of its old weights' to misread. This model only: another one taking an empty cache
+            # raced the first's forward, whose K/V then landed under its binding.
+            _MODEL_OF[kv] = (mine, weakref.ref(model))
+            return
         raise UnsupportedModelError(
             f"this model's weights changed since it computed the K/V this kvstate cache holds ({type(model).__name__}: "
             "load_state_dict, an optimizer step, an in-place edit, a dtype conversion, an injected adapter): its "

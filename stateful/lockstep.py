@@ -447,7 +447,8 @@ class Lockstep:
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched:
-                    pool = _POOL_EVICTION if evicts_for_room(self.config.on_full) and engine_matched < ref_matched else ""
+                    evicted = evicts_for_room(self.config.on_full) and engine_matched < ref_matched
+                    pool = _POOL_EVICTION if evicted else ""
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
                                                 f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
                                                 f"{pool}{self._prefix_eviction_note()}")

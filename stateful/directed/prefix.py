@@ -42,8 +42,8 @@ def prefix_edges(factory: Factory, config: Config) -> None:
     """Nested keys, eviction past max_entries, a key retained twice, eviction that collapses a
     split, and truncation of a retained fork at every point around its page boundaries."""
     run = start(factory, config)
-    for scenario in (ties, _blocks_elsewhere, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries,
-                     _retained_twice, _eviction_collapses, _truncation_around_pages):
+    for scenario in (ties, _blocks_elsewhere, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot,
+                     _nested_keys, _beyond_max_entries, _retained_twice, _eviction_collapses, _truncation_around_pages):
         scenario(run)
         run.apply(O.Clear())
         run.check()

@@ -15,6 +15,7 @@ from typing import Callable
 import numpy as np
 
 from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import evicts_for_room
 
 from .. import ops as O
 from .common import both, filled, keeping, start
@@ -215,7 +216,7 @@ def _hit_allocates_nothing(factory: Factory, config: Config, promise: str) -> No
 def _rescan(factory: Factory, config: Config, promise: str) -> None:
     """Entry X keeps pages p1, p2; entry Y (a prefix of X, retained from a fork) keeps p1 with X. Short
     of both pages, the pool evicts Y (the older, though it frees nothing alone) and X."""
-    if config.on_full not in ("evict", "evict-then-refuse") or config.max_entries < 2:
+    if not evicts_for_room(config.on_full) or config.max_entries < 2:
         return
     page, limit = config.page_tokens, config.pool_limit
     run = start(factory, config)
@@ -241,7 +242,7 @@ def _evicts_the_oldest_that_frees(factory: Factory, config: Config, promise: str
     """Entries A, B, C retained in that order, a page or more each, no key sharing a token with another;
     A's context stays open. An extend short of one entry's pages evicts B: A is older, but a context holds
     its pages, and C is newer. Then B misses, A and C hit."""
-    if config.on_full not in ("evict", "evict-then-refuse") or config.max_entries < 3:
+    if not evicts_for_room(config.on_full) or config.max_entries < 3:
         return
     page, block = config.page_tokens, config.block_tokens or 1
     length = -(-max(page, block) // page) * page      # whole pages holding a whole block: a key that can hit
@@ -291,7 +292,8 @@ def _prefix_values(factory: Factory, config: Config, promise: str) -> None:
             run.apply(O.Extend(handle, key, seed=seed))
             run.apply(O.Retain(handle))
             run.apply(O.Close(handle))
-            hit = hit or run.apply(O.Match(key))
+            if hit is None:
+                hit = run.apply(O.Match(key))       # the first entry's, held across the second retain
         filler = run.apply(O.Allocate())
         run.apply(O.Extend(filler, tuple(60 + i % 3 for i in range(2 * config.page_tokens)), seed=73))
         run.check()
@@ -315,8 +317,8 @@ ROWS: list[Row] = [
     Row("eviction order", "Only the order of entries (least recently used first) is compared, never tick numbers: "
                           "a clock may start anywhere, reset on `clear()`, or advance on a miss."),
     Row("full pool", "A pool that runs out does what the configuration declares (`on_full`): `fallback` to "
-                     "ordinary memory, `evict` least recently used entries that keep a page no context holds, `refuse` with "
-                     "`CapacityError`, changing nothing, or `evict-then-refuse`: refuse as `refuse` when even "
+                     "ordinary memory, `evict` least recently used entries that keep a page no context holds, "
+                     "`refuse` with `CapacityError`, changing nothing, or `evict-then-refuse`: refuse as `refuse` when even "
                      "evicting every entry would not make room, else evict as `evict`.", _full_pool),
     Row("several bad inputs", "When several things are wrong, any error that truly applies is right, whatever "
                               "order a backend validates in: the token ids, the K/V array's dtype and shape (rows "
