@@ -86,6 +86,34 @@ def test_a_refusal_where_the_reference_had_room_prints_both_books(monkeypatch):
     assert "counts the operation's need higher" in message, message
 
 
+def test_the_room_hint_counts_pages_the_way_of_sharing_the_run_follows(monkeypatch):
+    """Under values="prefix" the reference counts pages once per way of sharing, and an engine's answers
+    narrow them (``viable``); the hint's count is that of the way still followed, not of forks' sharing."""
+    from kvstate.impl import pool_policy
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.reference.model import FORKS, WHOLE_PAGES
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.configs import config_named
+    from kvstate.stateful.lockstep import Lockstep
+
+    config = config_named("f32-arena10-refuse").with_(page_tokens=2, values="prefix", match="token")
+    run = Lockstep(numpy_factory, config)
+    first = run.apply(O.Allocate())
+    run.apply(O.Extend(first, (1, 2, 3, 4), seed=1))
+    run.apply(O.Retain(first))
+    run.apply(O.Close(first))
+    second = run.apply(O.Allocate())
+    run.apply(O.Extend(second, (1, 2, 3, 4, 5), seed=2))
+    run.apply(O.Retain(second))     # shares the first entry's two whole pages where retains share by prefix
+    assert (run.reference.live_pages(FORKS), run.reference.live_pages(WHOLE_PAGES)) == (5, 3)
+    run.reference.viable = (WHOLE_PAGES,)       # as if an earlier answer of the engine had narrowed it
+    monkeypatch.setattr(pool_policy.PoolPolicy, "fits",
+                        lambda self, needed: self.pool.live_count + needed + 1 <= self.limit)    # one page high
+    with pytest.raises(AssertionError) as refused:
+        run.apply(O.Extend(second, tuple(range(6, 15)), seed=3))    # 5 new pages: a copy of the last, 4 more
+    assert "the reference had room: 8 pages live of the pool's 10 after it" in str(refused.value), refused.value
+
+
 @pytest.mark.parametrize("bug, said", [("stamp", "the same entries in another order"),
                                        ("no_eviction", "the engine keeps entries the reference evicted")])
 def test_an_eviction_order_difference_says_which_way_it_differs(monkeypatch, bug, said):
