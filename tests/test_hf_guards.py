@@ -23,6 +23,7 @@ from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList  # n
 from kvstate import Cache  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")
+from kvstate import hf_identity  # noqa: E402
 from kvstate.spec.errors import ContextBusyError, UnsupportedModelError  # noqa: E402
 
 VOCAB = 97
@@ -162,7 +163,7 @@ def test_weights_on_the_meta_device_match_no_other_model():
         return kv
     kv = holding_kv()
     hf.KVStateCache.for_model(first, kv=kv).close()
-    hf.bind_model(first, kv)                                # itself, again
+    hf_identity.bind_model(first, kv)                                # itself, again
     with pytest.raises(UnsupportedModelError, match="another model"):
         hf.KVStateCache.for_model(second, kv=kv)
     real = llama()
@@ -174,9 +175,9 @@ def test_weights_on_the_meta_device_match_no_other_model():
     with pytest.raises(UnsupportedModelError, match="another model"):
         hf.KVStateCache.for_model(halves[0], kv=cache.kv)
     other = holding_kv()
-    hf.bind_model(halves[0], other)
+    hf_identity.bind_model(halves[0], other)
     with pytest.raises(UnsupportedModelError, match="another model"):
-        hf.bind_model(halves[1], other)
+        hf_identity.bind_model(halves[1], other)
     with torch.inference_mode():
         frozen = llama()
     twin = hf.KVStateCache.for_model(frozen, kv=cache.kv)   # the same weights as ``real``
@@ -322,8 +323,8 @@ def test_a_llama_generate_hashes_its_weights_once(monkeypatch):
     the whole model again (8.3-9.0 ms for Llama-7B's 291 parameters, against 60-90 µs for the key).
     Only registrations on a fingerprinted model's own modules count; an adapter injected still does."""
     calls = []
-    original = hf.model_fingerprint
-    monkeypatch.setattr(hf, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    original = hf_identity.model_fingerprint
+    monkeypatch.setattr(hf_identity, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     model = llama()
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     model.generate(ids(3, 66), cache=cache, max_new_tokens=8, **GREEDY)

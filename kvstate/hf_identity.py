@@ -1,0 +1,243 @@
+"""Which model's K/V a kvstate cache holds: a fingerprint of the model's weights and configuration,
+kept cheaply current, and the binding of a kvstate cache to the first model that writes into it.
+
+A model of the same layout computes other K/V, and a prefix hit or a continuation would read them as
+its own; so would the same model given other weights since. ``bind_model`` refuses both by name before
+a forward computes anything. Per forward it reads each parameter's data pointer and version counter
+(``_Weights``), never its values; the values are sampled and hashed again (``model_fingerprint``) only
+when one of those changed, a submodule was swapped, or a parameter or submodule was registered on a
+fingerprinted model's module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import operator
+import secrets
+import threading
+import weakref
+
+import torch
+
+from kvstate.impl import Cache
+from kvstate.spec.errors import UnsupportedModelError
+
+__all__ = ["bind_model", "fingerprint_of", "model_fingerprint", "CONFIG_FIELDS_NOT_KV"]
+
+# Which model's K/V each kvstate cache holds, by ``model_fingerprint``, and the model object that bound
+# it (weakly): another model of the same layout computes other K/V, and a hit or a continuation would
+# read them as its own; the same model given other weights since is refused as well.
+_MODEL_OF: "weakref.WeakKeyDictionary[Cache, tuple]" = weakref.WeakKeyDictionary()
+
+# Each model object's fingerprint and what it was taken from (``_Weights``). Kept here, not on the model:
+# a ``copy.deepcopy`` of the model copied an attribute, and a copy loaded with other weights passed for
+# the original.
+_WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# A token per model object whose weights cannot be read (``meta``): it then matches itself only.
+_UNREADABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_WEIGHTS_LOCK = threading.Lock()
+# Bumped whenever a module of a fingerprinted model registers a parameter or a submodule (``setattr``,
+# ``load_state_dict(assign=True)``, adapters injected into a model): every model's parameter list is
+# then walked again. Writes into ``module._parameters`` itself are caught by the per-forward key.
+_STRUCTURE = [0]
+# The modules of every model fingerprinted so far (weakly). Registrations on other modules bump
+# nothing: a Llama forward slices its list of layers (``self.layers[:n]``), which registers every
+# layer into a new ModuleList, and counted, that hashed the whole model again on every forward.
+# By id, each with a weak reference that takes it out when the module goes: the hook runs on every
+# registration in the process and must not hash a module (one declared ``@dataclass(eq=True)`` cannot be).
+_MEMBERS: dict[int, "weakref.ref"] = {}
+SAMPLES = 64        # values hashed per parameter, spread over it (its first ones too)
+_version_of = operator.attrgetter("_version")
+
+
+def _structure_changed(module, *args) -> None:
+    member = _MEMBERS.get(id(module))
+    if member is not None and member() is module:
+        _STRUCTURE[0] += 1
+
+
+def _add_members(modules) -> None:
+    for module in modules:
+        key = id(module)
+        try:
+            _MEMBERS[key] = weakref.ref(module, lambda _gone, key=key: _MEMBERS.pop(key, None))
+        except TypeError:       # no weak references to it: its registrations go uncounted
+            pass
+
+
+_watching: list = []       # the two registration hooks, once registered (``_watch_structure``)
+
+
+def _watch_structure() -> None:
+    """Register the process-wide hooks behind ``_STRUCTURE`` once, when a model's fingerprint is first
+    taken, not at import: a process that imports kvstate.hf and never uses it keeps torch's hooks as
+    they were."""
+    if _watching:
+        return
+    with _WEIGHTS_LOCK:
+        if not _watching:
+            _watching.extend((torch.nn.modules.module.register_module_parameter_registration_hook(_structure_changed),
+                              torch.nn.modules.module.register_module_module_registration_hook(_structure_changed)))
+
+
+class _Weights:
+    """A model's fingerprint and the cheap key of the weights it was taken from: each parameter's data
+    pointer and version counter (bumped by every in-place write through the tensor: ``load_state_dict``,
+    optimizer steps, ``param.add_``), read through the module dicts that hold them, so a parameter
+    replaced in place is seen too. Taken again when the key or the modules' structure changes."""
+
+    __slots__ = ("structure", "holders", "names", "versions", "key", "parents", "child_names", "children",
+                 "fingerprint")
+
+    def __init__(self, model):
+        self.structure = _STRUCTURE[0]
+        modules = list(model.modules())
+        _add_members(modules)
+        # Each submodule where its parent keeps it: one swapped in through ``parent._modules[name]`` (as
+        # quantizers and adapter libraries do) fires no registration hook, and its weights are new.
+        links = [(module._modules, name, child) for module in modules
+                 for name, child in module._modules.items() if child is not None]
+        self.parents, self.child_names = [parent for parent, _, _ in links], [name for _, name, _ in links]
+        self.children = [child for _, _, child in links]
+        slots = [(module._parameters, name) for module in modules
+                 for name, param in module._parameters.items() if param is not None]
+        self.holders, self.names = [holder for holder, _ in slots], [name for _, name in slots]
+        params = [holder[name] for holder, name in slots]
+        # An inference tensor (made under ``torch.inference_mode``) has no version counter; it cannot be
+        # written outside inference mode either. Decided per parameter: one such tensor in a model (a
+        # base loaded under inference mode) left the others' writes unseen when it was decided for all.
+        self.versions = not any(param.is_inference() for param in params)
+        self.key = self.read_key()
+        self.fingerprint = model_fingerprint(model, _UNREADABLE)
+
+    def read_key(self):
+        params = list(map(dict.__getitem__, self.holders, self.names))
+        pointers = list(map(torch.Tensor.data_ptr, params))
+        if self.versions:       # no inference tensor: every version counter, in one map
+            return pointers, list(map(_version_of, params))
+        return pointers, [None if param.is_inference() else param._version for param in params]
+
+    def current(self) -> bool:
+        if self.structure != _STRUCTURE[0]:
+            return False
+        if not all(map(operator.is_, map(dict.get, self.parents, self.child_names), self.children)):
+            return False
+        try:
+            return self.read_key() == self.key
+        except (KeyError, AttributeError, RuntimeError):       # a parameter removed or set to None
+            return False
+
+
+def fingerprint_of(model) -> str:
+    """``model_fingerprint(model)``, taken again only when the weights may have changed (see ``_Weights``):
+    per forward this reads each parameter's data pointer and version counter, never its values."""
+    known = _WEIGHTS.get(model)
+    if known is not None and known.current():
+        return known.fingerprint
+    _watch_structure()      # before the weights are read: a change from then on bumps ``_STRUCTURE``
+    with _WEIGHTS_LOCK:
+        known = _Weights(model)
+        _WEIGHTS[model] = known
+    return known.fingerprint
+
+
+# The configuration fields that leave the K/V a model computes from its weights as they are: where it
+# was loaded from, how it is run and generated with, its token ids and labels. Every other field is
+# hashed with the weights (``_kv_config``): an allow-list missed fields that do change K/V from the same
+# weights (Granite's embedding and residual multipliers), where a field hashed needlessly only refuses
+# a model that might have gone on.
+CONFIG_FIELDS_NOT_KV = frozenset((
+    "_name_or_path", "name_or_path", "architectures", "transformers_version", "_commit_hash", "torch_dtype",
+    "dtype", "use_cache", "output_attentions", "output_hidden_states", "return_dict", "use_return_dict",
+    "torchscript", "_attn_implementation", "attn_implementation", "_attn_implementation_autoset",
+    "_attn_implementation_internal", "_experts_implementation", "bos_token_id", "eos_token_id", "pad_token_id",
+    "sep_token_id", "decoder_start_token_id", "id2label", "label2id", "problem_type", "finetuning_task",
+    "task_specific_params", "tokenizer_class", "prefix", "max_length", "min_length", "do_sample", "num_beams",
+    "temperature", "top_k", "top_p", "repetition_penalty", "pruned_heads", "chunk_size_feed_forward",
+    "tie_word_embeddings", "use_bfloat16", "is_encoder_decoder", "output_router_logits", "output_scores",
+    "return_dict_in_generate", "initializer_range", "init_std"))
+
+
+def _leaves_kv(field: str) -> bool:
+    """Whether a configuration field leaves K/V as they are: those named, and dropout rates (none at
+    inference) and training losses' coefficients, by their names."""
+    return (field in CONFIG_FIELDS_NOT_KV or field.endswith(("dropout", "pdrop", "dropout_prob"))
+            or field.endswith("_loss_coef"))
+
+
+def _kv_config(config) -> bytes:
+    """``config``'s fields that may change K/V (all but ``CONFIG_FIELDS_NOT_KV``, sub-configurations'
+    too), as they differ from the class's defaults, in a stable spelling."""
+    if config is None or not hasattr(config, "to_diff_dict"):
+        return b""
+
+    def kept(value):
+        if isinstance(value, dict):
+            return {key: kept(item) for key, item in value.items() if not (isinstance(key, str) and _leaves_kv(key))}
+        return value
+    return json.dumps(kept(config.to_diff_dict()), sort_keys=True, default=repr).encode()
+
+
+def model_fingerprint(model, unreadable=None) -> str:
+    """What tells a model's weights from another's of the same shape, cheaply: a hash of each
+    parameter's name, shape, dtype and ``SAMPLES`` values spread over it (its first and last
+    included), and of the configuration fields that may change K/V (``_kv_config``). Two
+    loads of the same checkpoint agree. Weights whose values cannot be read here
+    (the ``meta`` device of an offloaded model) are hashed with a token of this model object
+    (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
+    matches no other, not even another load of the same checkpoint."""
+    digest = hashlib.blake2b(digest_size=16)
+    samples: dict = {}
+    digest.update(_kv_config(getattr(model, "config", None)))
+    with torch.no_grad():
+        # Not the buffers: a model may rewrite them as it runs (dynamic-NTK and longrope scaling recompute
+        # the rotary frequencies past the original length), and a fingerprint that hashed them refused
+        # the very model that computed a cache. The configuration stands for them (its rope fields).
+        for name, param in model.named_parameters():
+            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
+            sample = None if param.is_meta else _sample(param)
+            if sample is None:
+                token = (unreadable if unreadable is not None else {}).setdefault(model, secrets.token_bytes(16))
+                digest.update(b"unreadable" + token)
+            else:
+                samples.setdefault(sample.device, []).append(sample)
+        for parts in samples.values():         # one copy to the host per device
+            digest.update(torch.cat(parts).cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _sample(param):
+    """``SAMPLES`` values spread over ``param`` and its last one, as float32; None if unreadable."""
+    try:
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // SAMPLES)
+        return torch.cat([flat[::step][:SAMPLES], flat[-1:]]).to(torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):      # a packed or quantized tensor kvstate cannot read
+        return None
+
+
+def bind_model(model, kv: Cache) -> None:
+    """``kv`` holds ``model``'s K/V from now on: the first model to use a kvstate cache keeps it, and
+    another one (its fingerprint differs), or the same model given other weights since, is refused by
+    name before its forward computes anything."""
+    mine = fingerprint_of(model)
+    held, bound = _MODEL_OF.setdefault(kv, (mine, weakref.ref(model)))
+    if held == mine:
+        return
+    if bound() is model:
+        if kv.stats()["live_pages"] == 0:
+            # Given other weights before any K/V was written (``for_model`` binds when it builds the cache):
+            # nothing of its old weights' to misread. This model only: another one taking an empty cache
+            # raced the first's forward, whose K/V then landed under its binding.
+            _MODEL_OF[kv] = (mine, weakref.ref(model))
+            return
+        raise UnsupportedModelError(
+            f"this model's weights changed since it computed the K/V this kvstate cache holds ({type(model).__name__}: "
+            "load_state_dict, an optimizer step, an in-place edit, a dtype conversion, an injected adapter): its "
+            "contexts and prefix hits hold the old weights' K/V; build a cache for the new ones with "
+            "KVStateCache.for_model(model), or, where the change can be undone exactly, undo it")
+    raise UnsupportedModelError(
+        f"this kvstate cache holds K/V another model computed ({type(model).__name__} has the same layout "
+        "but other weights): its contexts and prefix hits are not this model's; build a cache for this "
+        "model with KVStateCache.for_model(model)")
