@@ -48,13 +48,14 @@ def host_cache(precision: str, layout: Layout = FUZZ_LAYOUT, arena_pages: int = 
     return cache
 
 
-def small_snapshot(precision: str, layout: Layout = FUZZ_LAYOUT) -> bytes:
-    """A valid snapshot of FUZZ_POSITIONS positions, the file every corruption starts from."""
+def small_snapshot(precision: str, layout: Layout = FUZZ_LAYOUT, producer: bytes | None = None) -> bytes:
+    """A valid snapshot of FUZZ_POSITIONS positions, the file every corruption starts from (naming
+    ``producer``, where given: format version 3)."""
     cache = Cache(layout, page_tokens=FUZZ_PAGE_TOKENS, precision=precision)
     ctx = cache.allocate()
     ctx.extend(list(FUZZ_TOKENS), fuzz_values(layout, FUZZ_POSITIONS))
     stream = io.BytesIO()
-    ctx.snapshot(stream)
+    ctx.snapshot(stream, producer=producer)
     return stream.getvalue()
 
 

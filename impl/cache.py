@@ -305,7 +305,8 @@ class Cache:
 
     # -- snapshots -----------------------------------------------------------------------
 
-    def restore(self, source, max_bytes: int | None = None, deadline_s: float | None = None) -> Context:
+    def restore(self, source, max_bytes: int | None = None, deadline_s: float | None = None,
+                producer: bytes | None = None) -> Context:
         """A new context holding the snapshot at ``source`` (a path, URL or binary stream).
 
         ``max_bytes``: refuse (``SnapshotTooLargeError``) a file whose restore would allocate more.
@@ -315,9 +316,10 @@ class Cache:
         Validated in full first: a refused file raises a ``SnapshotError`` subclass
         (a file at another precision whose values overflow this cache's f16:
         ``SnapshotPrecisionError``, a ``PrecisionRangeError`` too) and changes nothing.
-        See ``impl/snapshot.py``.
+        ``producer``: what must have computed the values (``Context.snapshot``'s), where the file
+        names what did; a file naming another is ``SnapshotProducerError``. See ``impl/snapshot.py``.
         """
-        return restore_snapshot(self, source, max_bytes, self.remote_deadline(deadline_s))
+        return restore_snapshot(self, source, max_bytes, self.remote_deadline(deadline_s), producer)
 
     def remote_deadline(self, deadline_s: float | None = None):
         """The deadline a remote operation of this cache runs under: the call's, else the cache's;

@@ -394,14 +394,16 @@ class Context:
         kept = holding.replaced(holding.pages[:keep], holding.slots[:keep], keep_base=len(holding.base) <= keep)
         self._holding = kept.with_length(n)
 
-    def snapshot(self, target, deadline_s: float | None = None) -> None:
+    def snapshot(self, target, deadline_s: float | None = None, producer: bytes | None = None) -> None:
         """Write tokens and values, in the cache's own precision, to a path or URL (atomically) or binary stream.
 
         ``deadline_s``: a URL's write in all, retries included (else the cache's ``remote_deadline_s``,
-        the block's or the default). Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot_write.py``.
+        the block's or the default). ``producer``: 16 bytes naming what computed the values (a
+        model's fingerprint), kept in the file (format version 3) for a restore to check.
+        Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot_write.py``.
         """
         with self._owned():
-            write_snapshot(self, target, self._cache.remote_deadline(deadline_s))
+            write_snapshot(self, target, self._cache.remote_deadline(deadline_s), producer)
 
     def close(self) -> None:
         """Release every page. Any later use raises ``ContextClosedError``; ``len()`` (which takes no

@@ -96,8 +96,8 @@ def cost_limit(cache: "Cache", max_bytes) -> "Callable[[fmt.Header], None] | Non
     return check
 
 
-def read_snapshot(file, layout, size: int | None,
-                  limit: "Callable[[fmt.Header], None] | None" = None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
+def read_snapshot(file, layout, size: int | None, limit: "Callable[[fmt.Header], None] | None" = None,
+                  producer: bytes | None = None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
     """Header, body bytes and the body's checksum (``.result()``), every length checked before the body is allocated.
 
     ``size`` is the number of bytes left in ``file`` when known (files, seekable
@@ -105,17 +105,25 @@ def read_snapshot(file, layout, size: int | None,
     cannot make the reader allocate more than the stream really holds. ``limit(header)``
     raises when the restore would cost more than its caller allows: checked after the real
     size (where known), before the body is allocated or read, for streams of unknown size too.
+    ``producer``: the one a version-3 file must name, if it names one (``SnapshotProducerError``).
     """
-    header = read_header(file, layout, size, limit)
+    header = read_header(file, layout, size, limit, producer)
     return read_body(file, header, size)
 
 
-def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], None] | None" = None) -> fmt.Header:
-    """The header, checked against ``layout``, the real size (when known) and ``limit``; nothing allocated."""
-    header = fmt.parse_header(_read_exactly_or_less(file, fmt.HEADER_SIZE))
+def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], None] | None" = None,
+                producer: bytes | None = None) -> fmt.Header:
+    """The header, checked against ``layout``, ``producer``, the real size (when known) and ``limit``;
+    nothing allocated."""
+    data = _read_exactly_or_less(file, fmt.HEADER_SIZE)
+    if len(data) == fmt.HEADER_SIZE and data[:len(fmt.MAGIC)] == fmt.MAGIC:
+        version = int.from_bytes(data[8:10], "little")
+        data += _read_exactly_or_less(file, fmt.header_size(version) - fmt.HEADER_SIZE)   # version 3's is longer
+    header = fmt.parse_header(data)
     if header.layout != layout:
         raise SnapshotLayoutError(f"snapshot layout {header.layout} (offset 12) differs from the cache's {layout}")
-    total = fmt.HEADER_SIZE + header.body_bytes
+    fmt.check_expected_producer(header, producer)
+    total = header.size + header.body_bytes
     if size is not None:
         if size < total:
             raise SnapshotTruncatedError(
@@ -128,8 +136,9 @@ def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], N
 
 
 def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:
-    total = fmt.HEADER_SIZE + header.body_bytes
-    crc = BodyChecksum(header.version, threaded=size is not None and header.body_bytes >= tuning.THREADED_CRC_BYTES)
+    total = header.size + header.body_bytes
+    threaded = size is not None and header.body_bytes >= tuning.THREADED_CRC_BYTES
+    crc = BodyChecksum(header.version, header.checksum, threaded=threaded)
     with crc:
         if size is not None and hasattr(file, "readinto"):
             body = np.empty(header.body_bytes, np.uint8)     # sized from a checked header and the real file size
@@ -139,7 +148,7 @@ def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, m
                 got = file.readinto(view[filled:filled + tuning.READ_CHUNK])
                 if not got:
                     raise SnapshotTruncatedError(
-                        f"file ended at offset {fmt.HEADER_SIZE + filled} while reading the body; "
+                        f"file ended at offset {header.size + filled} while reading the body; "
                         f"expected {total} bytes")
                 crc.feed(view[filled:filled + got])    # checksummed while the next piece is read
                 filled += got
@@ -149,7 +158,7 @@ def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, m
                 chunk = checked_read(file, min(tuning.CHUNK, header.body_bytes - len(body)))
                 if not chunk:
                     raise SnapshotTruncatedError(
-                        f"stream ended at offset {fmt.HEADER_SIZE + len(body)} while reading the body; "
+                        f"stream ended at offset {header.size + len(body)} while reading the body; "
                         f"expected {total} bytes")
                 crc.feed(chunk)
                 body += chunk
@@ -159,15 +168,15 @@ def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, m
 
 
 class BodyChecksum:
-    """The body's checksum (``fmt.BodyHash`` of its version), fed piece by piece in file order.
+    """The body's checksum (``fmt.BodyHash`` of its version and checksum code), fed piece by piece in file order.
 
     For large bodies a worker thread computes it (``zlib.crc32`` and XXH3 release the GIL), so
     reading the next piece, and then the content checks, overlap the checksum. Used as a
     context manager: the worker always stops, also when reading fails halfway.
     """
 
-    def __init__(self, version: int, threaded: bool):
-        self._hash = fmt.BodyHash(version)
+    def __init__(self, version: int, checksum: int, threaded: bool):
+        self._hash = fmt.BodyHash(version, checksum)
         self._pieces: queue.SimpleQueue | None = queue.SimpleQueue() if threaded else None
         self._worker = threading.Thread(target=self._run, daemon=True) if threaded else None
 

@@ -17,7 +17,8 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import KVStateError, PrecisionRangeError, SnapshotError, SnapshotPrecisionError, SnapshotReadError
+from kvstate.spec.errors import (InvalidInputError, KVStateError, PrecisionRangeError, SnapshotError,
+                                 SnapshotPrecisionError, SnapshotReadError)
 
 from . import remote_io
 from .snapshot_read import BodyChecksum, cost_limit, open_regular, read_body, read_header, read_snapshot, remaining
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from .context import Context
 
 
-def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadline=None) -> "Context":
+def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadline=None,
+                     producer: bytes | None = None) -> "Context":
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
 
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
@@ -36,18 +38,25 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     machine's physical memory); a file past it is ``SnapshotTooLargeError`` before anything is
     allocated, judged from the header. Every refusal of the source is
     a ``SnapshotError``. ``deadline`` (seconds or a ``Deadline``) bounds a restore from a URL in all
-    (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``).
+    (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``). ``producer``: what must have
+    computed the values, where the file names what did (format version 3; ``SnapshotProducerError``).
     """
     limit = cost_limit(cache, max_bytes)       # a bad max_bytes is refused before any file or server is opened
+    if producer is not None:
+        try:
+            fmt.check_producer(producer)
+        except ValueError as error:
+            raise InvalidInputError(str(error)) from None
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
-        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes), deadline=deadline)
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes, producer=producer),
+                              deadline=deadline)
     source = remote_io.local_path(source)
     try:
         if hasattr(source, "read"):
-            return _restore_from(cache, source, remaining(source), limit)
+            return _restore_from(cache, source, remaining(source), limit, producer)
         file, size = open_regular(source)
         with file:
-            return _restore_from(cache, file, size, limit)
+            return _restore_from(cache, file, size, limit, producer)
     except (OSError, ValueError, TypeError) as error:
         if isinstance(error, KVStateError):     # a named refusal (a snapshot's, or a precision's range)
             raise
@@ -55,14 +64,14 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
         raise SnapshotReadError(f"cannot read a snapshot from {source!r}: {error!r}") from error
 
 
-def _restore_from(cache: "Cache", file, size: int | None, limit) -> "Context":
+def _restore_from(cache: "Cache", file, size: int | None, limit, producer: bytes | None) -> "Context":
     if size is not None and _local_file(file) and hasattr(cache.store, "prepare"):
-        header = read_header(file, cache.layout, size, limit)
+        header = read_header(file, cache.layout, size, limit, producer)
         if header.precision == cache.precision:
             return _stream_restore(cache, header, file)
         header, body, crc = read_body(file, header, size)
     else:
-        header, body, crc = read_snapshot(file, cache.layout, size, limit)
+        header, body, crc = read_snapshot(file, cache.layout, size, limit, producer)
     return _adopt_body(cache, header, body, crc)
 
 

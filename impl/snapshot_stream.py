@@ -123,7 +123,7 @@ class _PieceReader:
             self._free.put(buffer)
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         self._stop = threading.Event()
-        self._hash = fmt.BodyHash(header.version)
+        self._hash = fmt.BodyHash(header.version, header.checksum)
         self._worker = threading.Thread(target=self._run, daemon=True) if threaded else None
 
     def __enter__(self) -> "_PieceReader":
@@ -140,7 +140,7 @@ class _PieceReader:
 
     def _read(self) -> Iterator[tuple]:
         """The pieces in file order, each read into a free staging buffer and checksummed, with the buffer."""
-        offset = fmt.HEADER_SIZE
+        offset = self._header.size
         for name, part, dtype, row_shape, first, stop in self._pieces:
             staging = self._free.get()
             if staging is None or self._stop.is_set():
@@ -153,7 +153,7 @@ class _PieceReader:
                 if not got:
                     raise SnapshotTruncatedError(
                         f"file ended at offset {offset + filled} while reading the body; "
-                        f"expected {fmt.HEADER_SIZE + self._header.body_bytes} bytes")
+                        f"expected {self._header.size + self._header.body_bytes} bytes")
                 filled += got
             self._hash.update(view)
             offset += nbytes

@@ -22,7 +22,7 @@ import numpy as np
 
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_touched, span_in_page
-from kvstate.spec.errors import SnapshotWriteError
+from kvstate.spec.errors import InvalidInputError, SnapshotWriteError
 
 try:
     import fcntl
@@ -144,12 +144,18 @@ class _Stopped(Exception):
     """The writer left early (an error); the worker stops."""
 
 
-def _header(ctx: "Context", body_crc: int) -> bytes:
+def _version(producer: bytes | None) -> int:
+    """The format version a snapshot is written in: version 3 where it names a producer, else the
+    one earlier builds read too."""
+    return fmt.FORMAT_VERSION if producer is None else fmt.PRODUCER_VERSION
+
+
+def _header(ctx: "Context", body_crc: int, producer: bytes | None) -> bytes:
     return fmt.pack_header(ctx._cache.precision, ctx._cache.layout, ctx._length, body_crc,
-                           version=fmt.FORMAT_VERSION)
+                           version=_version(producer), producer=producer)
 
 
-def _write_to(file, ctx: "Context") -> None:
+def _write_to(file, ctx: "Context", producer: bytes | None = None) -> None:
     """Header and body into ``file``. A seekable file gets one pass (header patched last), others two.
 
     A stream that appends (mode "a", or a descriptor opened with ``O_APPEND``) ignores
@@ -158,8 +164,8 @@ def _write_to(file, ctx: "Context") -> None:
     """
     if seekable(file) and not _appends(file) and not isinstance(file, _FORWARD_ONLY):
         start = file.tell()
-        _put(file, bytes(fmt.HEADER_SIZE))     # zeros: a file cut short here fails the magic check
-        crc = fmt.BodyHash(fmt.FORMAT_VERSION)
+        _put(file, bytes(fmt.header_size(_version(producer))))     # zeros: a file cut short here fails the magic check
+        crc = fmt.BodyHash(_version(producer))
         if tuning.pipelined(fmt.body_size(ctx._cache.layout, ctx._cache.precision, ctx._length)):
             with _PiecesAhead(ctx, crc) as pieces:
                 for chunk in pieces:
@@ -174,13 +180,13 @@ def _write_to(file, ctx: "Context") -> None:
                 tuning.staging.give_back([block])
         end = file.tell()
         file.seek(start)
-        _put(file, _header(ctx, crc.value()))
+        _put(file, _header(ctx, crc.value(), producer))
         file.seek(end)
         return
-    crc = fmt.BodyHash(fmt.FORMAT_VERSION)
+    crc = fmt.BodyHash(_version(producer))
     for chunk in body_chunks(ctx):
         crc.update(chunk)
-    _put(file, _header(ctx, crc.value()))
+    _put(file, _header(ctx, crc.value(), producer))
     for chunk in body_chunks(ctx):
         _put(file, chunk)
 
@@ -212,15 +218,22 @@ def _appends(stream) -> bool:
         return False
 
 
-def write_snapshot(ctx: "Context", target, deadline=None) -> None:
+def write_snapshot(ctx: "Context", target, deadline=None, producer: bytes | None = None) -> None:
     """Write ``ctx`` to a path (atomically) or to an open binary stream (as is, then flushed).
-    ``deadline`` (seconds or a ``Deadline``) bounds a write to a URL in all (``impl/remote_deadline.py``)."""
+    ``deadline`` (seconds or a ``Deadline``) bounds a write to a URL in all (``impl/remote_deadline.py``).
+    ``producer`` (16 bytes: what computed the values) makes it a version-3 file that names it;
+    anything else is refused (``InvalidInputError``) before the target is touched."""
+    if producer is not None:
+        try:
+            fmt.check_producer(producer)
+        except ValueError as error:
+            raise InvalidInputError(str(error)) from None
     if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
-        return remote_io.publish(target, lambda file: _write_to(file, ctx), deadline=deadline)
+        return remote_io.publish(target, lambda file: _write_to(file, ctx, producer), deadline=deadline)
     target = remote_io.local_path(target)
     if hasattr(target, "write"):
         try:
-            _write_to(target, ctx)
+            _write_to(target, ctx, producer)
             if hasattr(target, "flush"):
                 target.flush()
         except (OSError, ValueError, TypeError) as error:    # ValueError: closed; TypeError: a text stream
@@ -233,4 +246,4 @@ def write_snapshot(ctx: "Context", target, deadline=None) -> None:
             f"a snapshot goes to a path or a binary stream, not {type(target).__name__}") from None
     if not os.path.basename(path):      # "" or a folder's path: the temporary file went to the wrong folder
         raise SnapshotWriteError(f"the snapshot path {path!r} names no file")
-    write_atomic(path, lambda file: _write_to(file, ctx))
+    write_atomic(path, lambda file: _write_to(file, ctx, producer))

@@ -62,11 +62,11 @@ from kvstate.impl import Cache  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, common_prefix, state_token, written_token  # noqa: E402
 from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedError, ForeignContextError,  # noqa: E402
-                                 PositionError, ShapeError, TokenError, UnsupportedModelError)
+                                 PositionError, ShapeError, SnapshotProducerError, TokenError, UnsupportedModelError)
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
-from .hf_identity import bind_model  # noqa: E402
+from .hf_identity import bind_model, expected_producer, snapshot_producer  # noqa: E402
 
 __all__ = ["KVStateCache", "attach", "layout_of"]
 
@@ -232,7 +232,10 @@ class KVStateCache(_HFCache):
     def restore(cls, model, source, kv: Cache | None = None, layer_views: bool = False,
                 **cache_args) -> "KVStateCache":
         """A cache holding the snapshot at ``source``, ready to continue generating (``cache_args``
-        build its kvstate cache; with ``kv`` given they are refused, as in ``for_model``)."""
+        build its kvstate cache; with ``kv`` given they are refused, as in ``for_model``). A snapshot
+        naming another model (other weights, or settings that change K/V) is ``UnsupportedModelError``,
+        before anything is allocated; one that names none (written by ``Context.snapshot``, or by a
+        kvstate before the names) is restored unchecked."""
         layout = layout_of(model)
         _no_cache_args_with(cache_args, kv, None)
         if kv is None:
@@ -240,7 +243,13 @@ class KVStateCache(_HFCache):
         check_layout(layout, kv.layout, "the kvstate cache")
         attach(model)
         bind_model(model, kv)       # before the restore allocates anything
-        return cls.for_model(model, kv, kv.restore(source), layer_views=layer_views)
+        try:
+            context = kv.restore(source, producer=expected_producer(model))
+        except SnapshotProducerError as error:
+            raise UnsupportedModelError(
+                f"the snapshot holds K/V another model computed ({error}); {type(model).__name__} has the same "
+                "layout but other weights or K/V settings: restore it into the model that wrote it") from None
+        return cls.for_model(model, kv, context, layer_views=layer_views)
 
     # -- token ids ------------------------------------------------------------------
 
@@ -789,9 +798,11 @@ class KVStateCache(_HFCache):
 
     @_owned("snapshot")
     def snapshot(self, target) -> None:
-        """Write the context (tokens and K/V) to a path, atomically, or a binary stream."""
+        """Write the context (tokens and K/V) to a path, atomically, or a binary stream; the file names
+        the model that computed them (its fingerprint: format version 3), and ``restore`` refuses it
+        for another model."""
         self._refuse_mid_forward("snapshot")
-        self.context.snapshot(target)
+        self.context.snapshot(target, producer=snapshot_producer(self.kv))    # names the model, for a restore to check
 
     @_owned("close")
     def close(self) -> None:

@@ -23,7 +23,8 @@ import torch
 from kvstate.impl import Cache
 from kvstate.spec.errors import UnsupportedModelError
 
-__all__ = ["bind_model", "fingerprint_of", "model_fingerprint", "CONFIG_FIELDS_NOT_KV"]
+__all__ = ["bind_model", "fingerprint_of", "model_fingerprint", "snapshot_producer", "expected_producer",
+           "CONFIG_FIELDS_NOT_KV"]
 
 # Which model's K/V each kvstate cache holds, by ``model_fingerprint``, and the model object that bound
 # it (weakly): another model of the same layout computes other K/V, and a hit or a continuation would
@@ -36,6 +37,8 @@ _MODEL_OF: "weakref.WeakKeyDictionary[Cache, tuple]" = weakref.WeakKeyDictionary
 _WEIGHTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 # A token per model object whose weights cannot be read (``meta``): it then matches itself only.
 _UNREADABLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The fingerprints that hold such a token: they mean nothing to another process, so no snapshot names them.
+_PROCESS_LOCAL: set[str] = set()
 _WEIGHTS_LOCK = threading.Lock()
 # Bumped whenever a module of a fingerprinted model registers a parameter or a submodule (``setattr``,
 # ``load_state_dict(assign=True)``, adapters injected into a model): every model's parameter list is
@@ -189,6 +192,7 @@ def model_fingerprint(model, unreadable=None) -> str:
     matches no other, not even another load of the same checkpoint."""
     digest = hashlib.blake2b(digest_size=16)
     samples: dict = {}
+    local = False       # a token of this model object hashed in: the fingerprint means nothing elsewhere
     digest.update(_kv_config(getattr(model, "config", None)))
     with torch.no_grad():
         # Not the buffers: a model may rewrite them as it runs (dynamic-NTK and longrope scaling recompute
@@ -200,11 +204,32 @@ def model_fingerprint(model, unreadable=None) -> str:
             if sample is None:
                 token = (unreadable if unreadable is not None else {}).setdefault(model, secrets.token_bytes(16))
                 digest.update(b"unreadable" + token)
+                local = True
             else:
                 samples.setdefault(sample.device, []).append(sample)
         for parts in samples.values():         # one copy to the host per device
             digest.update(torch.cat(parts).cpu().numpy().tobytes())
-    return digest.hexdigest()
+    fingerprint = digest.hexdigest()
+    if local:
+        _PROCESS_LOCAL.add(fingerprint)
+    return fingerprint
+
+
+def snapshot_producer(kv: Cache) -> bytes | None:
+    """What a snapshot of ``kv``'s K/V names as its producer (format version 3): the fingerprint of the
+    model that computed them (bound to ``kv``), or None where none is bound or its weights could not
+    be read (that fingerprint holds a token of this process's model object)."""
+    bound = _MODEL_OF.get(kv)
+    if bound is None or bound[0] in _PROCESS_LOCAL:
+        return None
+    return bytes.fromhex(bound[0])
+
+
+def expected_producer(model) -> bytes | None:
+    """The producer a snapshot restored for ``model`` must name, where it names one; None where the
+    model's weights cannot be read."""
+    mine = fingerprint_of(model)
+    return None if mine in _PROCESS_LOCAL else bytes.fromhex(mine)
 
 
 def _sample(param):

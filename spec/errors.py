@@ -120,6 +120,11 @@ class SnapshotLayoutError(SnapshotError):
     """The snapshot's layout differs from the cache's; no conversion exists."""
 
 
+class SnapshotProducerError(SnapshotError):
+    """The snapshot names a producer (format version 3: the model whose forward computed its values)
+    other than the one the restore expects."""
+
+
 class SnapshotPrecisionError(SnapshotError, PrecisionRangeError):
     """The snapshot's values do not fit this cache's precision (an f32 file restored into an f16
     cache, with values past 65504); a refusal of the file, so a ``SnapshotError`` too."""

@@ -17,6 +17,21 @@ A snapshot is one header followed by one body, little-endian throughout::
     44      4     header_crc       u32, CRC-32 of header bytes [0, 44) (both versions)
     48            body
 
+Version 3 (written only where a producer is named: ``Context.snapshot(target, producer=...)``)
+says which checksum its body has and what computed its values, in a 64-byte header::
+
+    11      1     checksum         u8, BODY_CHECKSUMS: 0 CRC-32, 1 XXH3-64 low 32 bits (was reserved)
+    12..44        as versions 1 and 2
+    44      16    producer         16 bytes naming what computed the values (``kvstate.hf``: the
+                                   model's fingerprint); all zeros: not named
+    60      4     header_crc       u32, CRC-32 of header bytes [0, 60)
+    64            body, as versions 1 and 2
+
+A reader given the producer it expects refuses a file naming another
+(``SnapshotProducerError``), with the header, before it reads the body; a file that names none
+(versions 1 and 2, or zeros) is restored as before. A snapshot without a producer is still
+written as version 2 (or 1), which earlier builds read.
+
 Versions 1 and 2 differ only in the body checksum. XXH3 runs at memory speed
 (measured on a 2-core x86 box: 38 GB/s against zlib's CRC-32 at 7 GB/s, which took longer
 than reading the file), so a restore's checksum is no longer its slowest pass.
@@ -37,12 +52,13 @@ the memory it came from. A restore into another precision decodes to float32 and
 encodes by the target's rule.
 
 Rules a reader follows, in this order, before it allocates anything:
-1. magic, then version (a later version may size its header differently), then
-   the header's length, then ``header_crc``: nothing is sized from an unchecked header;
+1. magic, then version (version 3's header is 64 bytes), then the header's length,
+   then ``header_crc``: nothing is sized from an unchecked header;
 2. every header field against its limit: more than MAX_POSITIONS positions is
    ``SnapshotTooLargeError``; ``body_bytes`` must match what the fields imply;
-3. the layout against the cache's (``SnapshotLayoutError``);
-4. the file's real size against ``HEADER_SIZE + body_bytes``: shorter is
+3. the layout against the cache's (``SnapshotLayoutError``), and a version-3 file's producer
+   against the one the caller expects, where both are named (``SnapshotProducerError``);
+4. the file's real size against the header's size + ``body_bytes``: shorter is
    ``SnapshotTruncatedError``, longer is ``SnapshotCorruptError``;
 5. ``body_crc``, then every token id and every value (finite floats; q8 codes in
    [-127, 127] and scales finite, non-negative and small enough that
@@ -68,7 +84,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import (SnapshotCorruptError, SnapshotTooLargeError, SnapshotTruncatedError,
+from .errors import (SnapshotCorruptError, SnapshotProducerError, SnapshotTooLargeError, SnapshotTruncatedError,
                      SnapshotVersionError)
 from .layout import Layout, all_finite
 from .precision import Q8_SCALE_MAX
@@ -79,13 +95,24 @@ except ImportError:      # the optional extra kvstate[fast-snapshot]
     xxhash = None
 
 MAGIC = b"\x89KVS\r\n\x1a\n"
-KNOWN_VERSIONS = (1, 2)
-FORMAT_VERSION = 2 if xxhash is not None else 1              # what this build writes
-LOADABLE_VERSIONS = (1, 2) if xxhash is not None else (1,)
+KNOWN_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 2 if xxhash is not None else 1              # what this build writes without a producer
+PRODUCER_VERSION = 3                                         # ... and with one
+LOADABLE_VERSIONS = (1, 2, 3) if xxhash is not None else (1, 3)
+
+# Body checksums, by the code version 3 stores at offset 11 (versions 1 and 2 imply theirs).
+CRC32, XXH3 = 0, 1
+BODY_CHECKSUMS = {CRC32: "CRC-32", XXH3: "XXH3-64"}
+VERSION_CHECKSUM = {1: CRC32, 2: XXH3}
+WRITTEN_CHECKSUM = XXH3 if xxhash is not None else CRC32     # the one this build writes into version 3
 
 HEADER = struct.Struct("<8sHBBIIIQQII")
-HEADER_SIZE = HEADER.size                 # 48
+HEADER_SIZE = HEADER.size                 # 48: versions 1 and 2
 HEADER_CRC_OFFSET = HEADER_SIZE - 4
+HEADER_V3 = struct.Struct("<8sHBBIIIQQI16sI")
+HEADER_V3_SIZE = HEADER_V3.size           # 64
+PRODUCER_BYTES = 16
+NO_PRODUCER = bytes(PRODUCER_BYTES)
 
 PRECISION_CODES = {"f32": 0, "f16": 1, "q8": 2}
 PRECISION_NAMES = {code: name for name, code in PRECISION_CODES.items()}
@@ -113,6 +140,17 @@ class Header:
     positions: int
     body_bytes: int
     body_crc: int
+    checksum: int = CRC32               # the body's (``BODY_CHECKSUMS``)
+    producer: bytes | None = None       # version 3's, where it names one
+
+    @property
+    def size(self) -> int:
+        """Bytes of this header: where the body starts."""
+        return header_size(self.version)
+
+
+def header_size(version: int) -> int:
+    return HEADER_V3_SIZE if version >= PRODUCER_VERSION else HEADER_SIZE
 
 
 def crc32(data, value: int = 0) -> int:
@@ -120,12 +158,17 @@ def crc32(data, value: int = 0) -> int:
 
 
 class BodyHash:
-    """The body checksum of one format version, fed the body in file order, piece by piece."""
+    """The body checksum of one format version (of version 3, ``checksum``'s), fed the body in
+    file order, piece by piece."""
 
-    def __init__(self, version: int):
+    def __init__(self, version: int, checksum: int | None = None):
         if version not in LOADABLE_VERSIONS:
             raise SnapshotVersionError(_not_loadable(version))
-        self._xxh3 = xxhash.xxh3_64() if version >= 2 else None
+        kind = VERSION_CHECKSUM.get(version, WRITTEN_CHECKSUM) if checksum is None else checksum
+        if kind == XXH3 and xxhash is None:
+            raise SnapshotVersionError(f"format version {version}'s XXH3 body checksum needs the xxhash package, which "
+                                       "this installation lacks (pip install kvstate[fast-snapshot])")
+        self._xxh3 = xxhash.xxh3_64() if kind == XXH3 else None
         self._crc = 0
 
     def update(self, data) -> None:
@@ -138,9 +181,10 @@ class BodyHash:
         return self._crc & 0xFFFFFFFF if self._xxh3 is None else self._xxh3.intdigest() & 0xFFFFFFFF
 
 
-def body_checksum(version: int, data) -> int:
-    """The ``body_crc`` field of a version-``version`` file whose body is ``data``."""
-    hasher = BodyHash(version)
+def body_checksum(version: int, data, checksum: int | None = None) -> int:
+    """The ``body_crc`` field of a version-``version`` file whose body is ``data`` (version 3: by
+    ``checksum``, else the one this build writes)."""
+    hasher = BodyHash(version, checksum)
     hasher.update(data)
     return hasher.value()
 
@@ -168,17 +212,46 @@ def body_size(layout: Layout, precision: str, positions: int) -> int:
 
 
 def pack_header(precision: str, layout: Layout, positions: int, body_crc: int,
-                body_bytes: int | None = None, version: int = 1) -> bytes:
-    """The 48 header bytes of a snapshot, ``header_crc`` included.
+                body_bytes: int | None = None, version: int = 1, producer: bytes | None = None,
+                checksum: int | None = None) -> bytes:
+    """The header bytes of a snapshot (48; 64 for version 3), ``header_crc`` included.
 
-    ``body_crc`` is ``body_checksum(version, body)``; ``version`` is 1 unless given, so a
+    ``body_crc`` is ``body_checksum(version, body, checksum)``; ``version`` is 1 unless given, so a
     caller that checksums with ``crc32`` gets a valid file. ``body_bytes`` defaults to
-    what the other fields imply (fuzzers pass their own).
+    what the other fields imply (fuzzers pass their own). Version 3 takes the ``producer`` (16
+    bytes, or None) and the body's ``checksum`` (default: the one this build writes).
     """
     declared = body_size(layout, precision, positions) if body_bytes is None else body_bytes
-    fields = HEADER.pack(MAGIC, version, PRECISION_CODES[precision], 0,
-                         layout.layers, layout.kv_heads, layout.head_dim, positions, declared, body_crc, 0)
-    return fields[:HEADER_CRC_OFFSET] + struct.pack("<I", crc32(fields[:HEADER_CRC_OFFSET]))
+    if version < PRODUCER_VERSION:
+        if producer is not None:
+            raise ValueError(f"format version {version} names no producer: version {PRODUCER_VERSION} does")
+        fields = HEADER.pack(MAGIC, version, PRECISION_CODES[precision], 0,
+                             layout.layers, layout.kv_heads, layout.head_dim, positions, declared, body_crc, 0)
+    else:
+        fields = HEADER_V3.pack(MAGIC, version, PRECISION_CODES[precision],
+                                WRITTEN_CHECKSUM if checksum is None else checksum, layout.layers, layout.kv_heads,
+                                layout.head_dim, positions, declared, body_crc,
+                                NO_PRODUCER if producer is None else check_producer(producer), 0)
+    return fields[:-4] + struct.pack("<I", crc32(fields[:-4]))
+
+
+def check_producer(producer) -> bytes:
+    """``producer`` as the 16 bytes version 3 stores; ``ValueError`` for anything else, or all zeros
+    (which the format reads as no producer)."""
+    if not isinstance(producer, bytes) or len(producer) != PRODUCER_BYTES:
+        raise ValueError(f"a snapshot's producer is {PRODUCER_BYTES} bytes, got {producer!r:.80}")
+    if producer == NO_PRODUCER:
+        raise ValueError("a snapshot's producer cannot be all zeros: the format reads that as none")
+    return producer
+
+
+def check_expected_producer(header: Header, expected: bytes | None) -> None:
+    """``SnapshotProducerError`` where the caller names the producer it expects and the file names
+    another (offset 44); a file that names none, or a caller that expects none, passes."""
+    if expected is None or header.producer is None or header.producer == expected:
+        return
+    raise SnapshotProducerError(f"producer {header.producer.hex()} at offset 44 is not the expected "
+                                f"{expected.hex()}: another producer (model) computed these values")
 
 
 def parse_header(data: bytes) -> Header:
@@ -195,19 +268,31 @@ def parse_header(data: bytes) -> Header:
     version = struct.unpack_from("<H", data, 8)[0]
     if version not in LOADABLE_VERSIONS:
         raise SnapshotVersionError(_not_loadable(version))
-    if n < HEADER_SIZE:
-        raise SnapshotTruncatedError(f"file ends at byte {n}, inside the {HEADER_SIZE}-byte header")
-    (_, _, code, reserved, layers, kv_heads, head_dim, positions, declared, body_crc,
-     header_crc) = HEADER.unpack_from(data, 0)
-    actual = crc32(bytes(data[:HEADER_CRC_OFFSET]))
+    size = header_size(version)
+    if n < size:
+        raise SnapshotTruncatedError(f"file ends at byte {n}, inside the {size}-byte header")
+    producer = None
+    if version < PRODUCER_VERSION:
+        (_, _, code, reserved, layers, kv_heads, head_dim, positions, declared, body_crc,
+         header_crc) = HEADER.unpack_from(data, 0)
+    else:
+        (_, _, code, reserved, layers, kv_heads, head_dim, positions, declared, body_crc, producer,
+         header_crc) = HEADER_V3.unpack_from(data, 0)
+    actual = crc32(bytes(data[:size - 4]))
     if actual != header_crc:
         raise SnapshotCorruptError(
-            f"header checksum mismatch at offset {HEADER_CRC_OFFSET}: stored {header_crc:#010x}, "
+            f"header checksum mismatch at offset {size - 4}: stored {header_crc:#010x}, "
             f"header bytes give {actual:#010x}")
     if code not in PRECISION_NAMES:
         raise SnapshotCorruptError(f"precision code {code} at offset 10 is not one of {PRECISION_NAMES}")
-    if reserved != 0:
+    if version < PRODUCER_VERSION and reserved != 0:
         raise SnapshotCorruptError(f"reserved byte at offset 11 is {reserved}, must be 0")
+    if version >= PRODUCER_VERSION:
+        if reserved not in BODY_CHECKSUMS:
+            raise SnapshotCorruptError(f"checksum code {reserved} at offset 11 is not one of {BODY_CHECKSUMS}")
+        if reserved == XXH3 and xxhash is None:
+            raise SnapshotVersionError(f"the body checksum at offset 11 is XXH3, which needs the xxhash package "
+                                       "this installation lacks (pip install kvstate[fast-snapshot])")
     for name, value, limit, offset in (("layers", layers, MAX_LAYERS, 12), ("kv_heads", kv_heads, MAX_KV_HEADS, 16),
                                        ("head_dim", head_dim, MAX_HEAD_DIM, 20)):
         if value < 1:
@@ -224,7 +309,9 @@ def parse_header(data: bytes) -> Header:
         raise SnapshotCorruptError(
             f"body_bytes at offset 32 is {declared}, but {positions} positions of {layout} at {precision} "
             f"take {expected}")
-    return Header(version, precision, layout, positions, declared, body_crc)
+    checksum = VERSION_CHECKSUM.get(version, reserved)
+    return Header(version, precision, layout, positions, declared, body_crc, checksum,
+                  None if producer in (None, NO_PRODUCER) else producer)
 
 
 def split_body(header: Header, body) -> dict[str, np.ndarray]:
@@ -242,14 +329,14 @@ def check_body(header: Header, body, body_crc: int | None = None) -> dict[str, n
 
     ``body_crc`` is the body's checksum when the reader computed it while reading.
     """
-    check_body_crc(header, body_checksum(header.version, body) if body_crc is None else body_crc)
+    check_body_crc(header, body_checksum(header.version, body, header.checksum) if body_crc is None else body_crc)
     return check_body_content(header, body)
 
 
 def check_body_crc(header: Header, actual: int) -> None:
     if actual != header.body_crc:
         raise SnapshotCorruptError(
-            f"body checksum mismatch (body starts at offset {HEADER_SIZE}, {header.body_bytes} bytes): "
+            f"body checksum mismatch (body starts at offset {header.size}, {header.body_bytes} bytes): "
             f"stored {header.body_crc:#010x}, body gives {actual:#010x}")
 
 

@@ -147,6 +147,33 @@ def test_weights_that_differ_only_past_their_first_values_are_another_model():
     cache.close()
 
 
+def test_a_snapshot_names_its_model_and_is_refused_for_another(tmp_path):
+    """From an audit: a snapshot recorded no model, so one restored into a model of the same layout
+    but other weights (or another ``rms_norm_eps``) continued with K/V it never computed, silently
+    (logits 0.08-0.54 off). The file now names the model's fingerprint (format version 3)."""
+    from kvstate.spec import snapshot_format as fmt
+
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    model.generate(ids(6, 70), cache=cache, max_new_tokens=3, **GREEDY)
+    path = tmp_path / "turn.kvs"
+    cache.snapshot(path)
+    assert fmt.parse_header(path.read_bytes()).producer == bytes.fromhex(hf_identity.fingerprint_of(model))
+    others = [llama(seed=1), transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(**{**config().to_dict(), "rms_norm_eps": 1e-2})).eval()]
+    others[1].load_state_dict(model.state_dict())        # the same weights, another norm epsilon
+    for other in others:
+        kv = Cache(hf.layout_of(other), store="torch", page_tokens=4)
+        with pytest.raises(UnsupportedModelError, match="another model computed"):
+            hf.KVStateCache.restore(other, path, kv=kv)
+        assert kv.stats()["live_pages"] == 0            # refused before anything was allocated
+    reloaded = llama()                                    # the same checkpoint, loaded again
+    resumed = hf.KVStateCache.restore(reloaded, path)
+    assert resumed.tokens == cache.tokens
+    cache.close()
+    resumed.close()
+
+
 def test_weights_on_the_meta_device_match_no_other_model():
     """Offloaded weights (the ``meta`` device, as accelerate leaves them) have no values to hash: two
     such models of one config hashed the same, and each passed for the other. Now such a model is

@@ -218,7 +218,8 @@ def test_hostile_files_with_valid_checksums_are_refused_by_name(precision):
         "unknown precision code": (SnapshotCorruptError, "precision code 7 at offset 10"),
         "zero layers": (SnapshotCorruptError, "layers at offset 12 is 0"),
         "body_bytes off by one": (SnapshotCorruptError, "body_bytes at offset 32"),
-        "version 3": (SnapshotVersionError, "version 3 at offset 8"),
+        f"version {max(fmt.KNOWN_VERSIONS) + 1}": (SnapshotVersionError,
+                                                   f"version {max(fmt.KNOWN_VERSIONS) + 1} at offset 8"),
         "another layout": (SnapshotLayoutError, "differs"),
         "billions of positions": (SnapshotTooLargeError, "positions at offset 24"),
         "one past the position limit": (SnapshotTooLargeError, "16777217"),
@@ -366,9 +367,9 @@ def threaded_checksum(monkeypatch):
     monkeypatch.setattr(snapshot_tuning, "READ_CHUNK", 64)
     made, real_init = [], snapshot_read.BodyChecksum.__init__
 
-    def init(self, version, threaded):
+    def init(self, version, checksum, threaded):
         made.append(threaded)
-        real_init(self, version, threaded)
+        real_init(self, version, checksum, threaded)
     monkeypatch.setattr(snapshot_read.BodyChecksum, "__init__", init)
     return made
 

@@ -16,8 +16,12 @@ LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 FILES = sorted(GOLDEN.glob("v*/*.kvs"))
 
 
+PRODUCER = b"kvstate-golden03"      # what the v3 files name (tests/golden/regenerate.py)
+
+
 def _loadable(path: Path) -> None:
-    if int(path.parent.name[1:]) not in fmt.LOADABLE_VERSIONS:
+    header = path.read_bytes()[:fmt.HEADER_SIZE]
+    if int(path.parent.name[1:]) not in fmt.LOADABLE_VERSIONS or (header[11] == fmt.XXH3 and fmt.xxhash is None):
         pytest.skip(f"{path.parent.name} needs the xxhash package (kvstate[fast-snapshot])")
 
 
@@ -43,6 +47,27 @@ def test_golden_file_restores_bit_exactly(path, page_tokens):
         stream = io.BytesIO()
         ctx.snapshot(stream)
         assert stream.getvalue() == path.read_bytes()
+    if path.parent.name == f"v{fmt.PRODUCER_VERSION}" and fmt.WRITTEN_CHECKSUM == fmt.XXH3:
+        stream = io.BytesIO()           # ... and with the producer named, these
+        ctx.snapshot(stream, producer=PRODUCER)
+        assert stream.getvalue() == path.read_bytes()
+
+
+@pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
+def test_the_golden_v3_files_name_their_producer_and_a_restore_expecting_another_refuses_them(precision):
+    from kvstate.spec.errors import SnapshotProducerError
+
+    path = GOLDEN / "v3" / f"{precision}.kvs"
+    _loadable(path)
+    assert fmt.parse_header(path.read_bytes()).producer == PRODUCER
+    cache = Cache(LAYOUT, page_tokens=2, precision=precision)
+    assert len(cache.restore(path, producer=PRODUCER)) == 5
+    with pytest.raises(SnapshotProducerError, match="not the expected"):
+        cache.restore(path, producer=b"another-model-16")
+    with open(path, "rb") as stream:            # a stream as well as a path
+        with pytest.raises(SnapshotProducerError):
+            cache.restore(stream, producer=b"another-model-16")
+    assert cache.stats()["live_pages"] == 2 + 1     # the one restore taken: 5 positions on 2-token pages
 
 
 @pytest.mark.parametrize("path", FILES, ids=lambda p: f"{p.parent.name}-{p.stem}")

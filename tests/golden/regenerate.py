@@ -1,6 +1,7 @@
 """Regenerate the golden snapshot files. Run by hand only when adding a format version:
 
     python tests/golden/regenerate.py v2     (the version this build writes: FORMAT_VERSION)
+    python tests/golden/regenerate.py v3     (... where a producer is named: PRODUCER_VERSION, as PRODUCER)
 
 Files a released version wrote must keep loading, so existing files are never
 overwritten (the script refuses); tests only read them.
@@ -18,6 +19,7 @@ from kvstate.spec.layout import Layout
 
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 TOKENS = [0, 1, 2, 2**31 - 1, 42]
+PRODUCER = b"kvstate-golden03"      # the producer the v3 files name (16 bytes)
 
 
 def golden_values() -> np.ndarray:
@@ -31,8 +33,10 @@ def golden_values() -> np.ndarray:
 
 
 def main(version: str) -> None:
-    if version != f"v{fmt.FORMAT_VERSION}":
-        sys.exit(f"this build writes format v{fmt.FORMAT_VERSION}, not {version} (v2 needs the xxhash package)")
+    if version not in (f"v{fmt.FORMAT_VERSION}", f"v{fmt.PRODUCER_VERSION}"):
+        sys.exit(f"this build writes format v{fmt.FORMAT_VERSION} and v{fmt.PRODUCER_VERSION}, not {version} "
+                 "(v2 needs the xxhash package)")
+    producer = PRODUCER if version == f"v{fmt.PRODUCER_VERSION}" else None
     folder = Path(__file__).parent / version
     folder.mkdir(exist_ok=True)
     for precision in ("f32", "f16", "q8"):
@@ -43,7 +47,7 @@ def main(version: str) -> None:
         ctx = cache.allocate()
         ctx.extend(TOKENS, golden_values())
         stream = io.BytesIO()
-        ctx.snapshot(stream)
+        ctx.snapshot(stream, producer=producer)
         snapshot.write_bytes(stream.getvalue())
         values, tokens = ctx.read()
         np.savez(expected, values=values, tokens=tokens)
