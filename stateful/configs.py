@@ -13,6 +13,30 @@ MACHINE_MAX_ENTRIES = 2      # small, so eviction happens often
 MACHINE_ARENA_PAGES = 6      # small, so the arena runs out and falls back to the heap
 PAGE_TOKENS_RANGE = (1, 8)   # drawn per run, so page boundaries are crossed all the time
 DRAWN_PAGE_SIZES = tuple(range(PAGE_TOKENS_RANGE[0], PAGE_TOKENS_RANGE[1] + 1))
+# Both random engines draw an extend's tokens 1-9 at a time: a page or two at the sizes above. A
+# backend that declares larger pages (vLLM's 16, SGLang's 64) had its contexts end inside their second
+# page and never truncated to a page boundary, so bugs at page boundaries and in a full pool went
+# unseen (an audit: a truncate that keeps the page past the new length, an extend that forgets the
+# copy of a shared last page). From this size up, extends repeat their drawn tokens to about a page
+# and truncates land on page boundaries half the time; smaller pages draw exactly as before.
+LARGE_PAGES_FROM = 10
+
+
+def scaled_run(tokens: tuple, page_tokens: int) -> tuple:
+    """An extend's drawn tokens at ``page_tokens``: as drawn below ``LARGE_PAGES_FROM``, else repeated
+    so that 1-9 drawn tokens span about 1/6 to 1.5 pages."""
+    if page_tokens < LARGE_PAGES_FROM:
+        return tokens
+    return tokens * -(-page_tokens // 6)
+
+
+def scaled_cut(n: int, page_tokens: int) -> int:
+    """A truncate's drawn length at ``page_tokens``: as drawn below ``LARGE_PAGES_FROM``, else moved
+    down to a page boundary when it is odd and a page or more (no extra draw: the sequences of
+    small pages stay the same)."""
+    if page_tokens < LARGE_PAGES_FROM or n % 2 == 0 or n < page_tokens:
+        return n
+    return n - n % page_tokens
 
 
 def machine_configs() -> list[Config]:

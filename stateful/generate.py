@@ -29,7 +29,7 @@ from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .configs import DRAWN_PAGE_SIZES, machine_configs, page_sizes
+from .configs import DRAWN_PAGE_SIZES, machine_configs, page_sizes, scaled_cut, scaled_run
 from .lockstep import Lockstep
 
 TOKENS = (0, 1, 2)          # a tiny alphabet: prefixes repeat, so match and retain hit
@@ -115,7 +115,9 @@ def _allocate(rng, state):
 def _extend(rng, state):
     if not state.handles:
         return None
-    return O.Extend(rng.choice(state.handles), _tokens(rng, 1, MAX_RUN), rng.randint(0, SEED_LIMIT))
+    page_tokens = state.lockstep.config.page_tokens
+    return O.Extend(rng.choice(state.handles), scaled_run(_tokens(rng, 1, MAX_RUN), page_tokens),
+                    rng.randint(0, SEED_LIMIT))
 
 
 def _overwrite(rng, state):
@@ -137,7 +139,7 @@ def _truncate(rng, state):
     if not state.handles:
         return None
     ctx = rng.choice(state.handles)
-    return O.Truncate(ctx, rng.randint(0, state.length(ctx)))
+    return O.Truncate(ctx, scaled_cut(rng.randint(0, state.length(ctx)), state.lockstep.config.page_tokens))
 
 
 def _close(rng, state):

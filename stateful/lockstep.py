@@ -18,7 +18,7 @@ from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.errors import CapacityError, InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import evicts_for_room, hit_rule
+from kvstate.spec.semantics import evicts_for_room, hit_rule, may_refuse
 
 from . import ops as O
 from .frames import raised_at
@@ -487,6 +487,20 @@ class Lockstep:
         self.engine.clear()
         self.reference.clear()
         self.history.append("clear()    # teardown, then invariant 6")
+        self._reported(lambda: invariants.check_empty(self.engine.observe()))
+        self.checks += 1
+        if self.config.pool_limit and may_refuse(self.config.on_full):
+            self._the_whole_pool_fits()
+
+    def _the_whole_pool_fits(self) -> None:
+        """After teardown, one context as large as the whole pool: an empty pool holds it. A page the
+        engine still counts (kept by a refused operation, a truncate, a close or a clear) is refused
+        here, where an engine that exposes no pages shows it nowhere else (invariant 6 reads pages)."""
+        handle = self.apply(O.Allocate())
+        self.history[-1] += "    # teardown: a context filling the whole pool, which must fit an empty one"
+        whole = self.config.pool_limit * self.config.page_tokens
+        self.apply(O.Extend(handle, tuple(i % 3 for i in range(whole)), seed=0))
+        self.apply(O.Close(handle))
         self._reported(lambda: invariants.check_empty(self.engine.observe()))
         self.checks += 1
 

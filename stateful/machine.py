@@ -18,7 +18,7 @@ from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import evicts_for_room
 
 from . import ops as O
-from .configs import PAGE_TOKENS_RANGE, page_sizes
+from .configs import PAGE_TOKENS_RANGE, page_sizes, scaled_cut, scaled_run
 from .fixed_constants import without_local_constants
 from .lockstep import Lockstep
 from .snapshots import Restore, Snapshot, supports_snapshots
@@ -114,7 +114,7 @@ class LockstepMachine(RuleBasedStateMachine):
 
     @rule(ctx=contexts, tokens=TOKEN_RUNS, seed=SEEDS)
     def extend(self, ctx, tokens, seed):
-        self._do(O.Extend(ctx, tuple(tokens), seed))
+        self._do(O.Extend(ctx, scaled_run(tuple(tokens), self.lockstep.config.page_tokens), seed))
 
     def _or_a_hit(self, ctx: str, data) -> str:
         """``ctx``, or half the time a live hit where there is one. Hits are where the tree's pages
@@ -139,7 +139,8 @@ class LockstepMachine(RuleBasedStateMachine):
 
     @rule(ctx=contexts, data=st.data())
     def truncate(self, ctx, data):
-        self._do(O.Truncate(ctx, data.draw(up_to(self._length(ctx)), label="n")))
+        n = data.draw(up_to(self._length(ctx)), label="n")
+        self._do(O.Truncate(ctx, scaled_cut(n, self.lockstep.config.page_tokens)))
 
     @rule(ctx=consumes(contexts))
     def close(self, ctx):

@@ -394,10 +394,10 @@ def test_snapshot_writes_catch_a_writer_that_writes_the_target_in_place(monkeypa
 def test_snapshot_writes_catch_a_writer_that_assumes_offset_0(monkeypatch):
     original = snapshot_write._write_to
 
-    def write_to(file, ctx):
+    def write_to(file, ctx, *producer):
         if snapshot_read.seekable(file):
             file.seek(0)
-        original(file, ctx)
+        original(file, ctx, *producer)
     monkeypatch.setattr(snapshot_write, "_write_to", write_to)
     failure = fails("snapshot writes", numpy_factory, "f32-arena6")
     assert "bytes before the snapshot changed" in failure.saw and "BytesIO" in failure.call

@@ -104,6 +104,23 @@ def one_write_copies_one_page(factory: Factory, config: Config) -> None:
     run.finish()
 
 
+def _first_change(was: tuple, now: tuple) -> str | None:
+    """The first token or value a read differs in, in words ("token at position 3: 1 -> 0"), or None."""
+    (values, tokens), (now_values, now_tokens) = was, now
+    tokens, now_tokens = np.asarray(tokens, np.int64), np.asarray(now_tokens, np.int64)
+    if tokens.shape != now_tokens.shape:
+        return f"length {len(tokens)} -> {len(now_tokens)}"
+    if (tokens != now_tokens).any():
+        at = int(np.argmax(tokens != now_tokens))
+        return f"token at position {at}: {int(tokens[at])} -> {int(now_tokens[at])}"
+    now_values = to_numpy(now_values)
+    differs = ~((values == now_values) | (np.isnan(values) & np.isnan(now_values)))
+    if differs.any():
+        index = tuple(int(i) for i in np.argwhere(differs)[0])
+        return f"value at {index} (position, layer, k/v, head, dim): {values[index]!r} -> {now_values[index]!r}"
+    return None
+
+
 def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     """NaN, wrong shapes, bad tokens and out-of-range positions raise the named error and change nothing."""
     run, n = _filled(factory, config)
@@ -154,9 +171,9 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
         if (after.pages_allocated, after.holders, after.lengths) != (
                 before.pages_allocated, before.holders, before.lengths):
             raise AssertionError(f"{what}: refused, but the cache changed (pages, holders or lengths)")
-    now_values, now_tokens = ctx.read()
-    if not (np.array_equal(to_numpy(now_values), values) and np.array_equal(np.asarray(now_tokens), tokens)):
-        raise AssertionError("refused writes changed the context's values or tokens")
+        changed = _first_change((values, tokens), ctx.read())      # after each call: the report names the culprit
+        if changed:
+            raise AssertionError(f"{what}: refused, but the context's {changed} changed")
     # ... nor anything a later retain keeps: the entry, and a hit of it, read what the reference reads
     run.apply(O.Retain("c1"))
     run.apply(O.Match(tuple(int(t) for t in np.asarray(tokens)) + (1,)))
@@ -202,21 +219,30 @@ def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
         except expected:
             pass
         except errors.SnapshotError as other:
+            record(run, f"restore(the snapshot {what})")
             raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}; a file cut short is "
                                  f"{expected.__name__} (spec/snapshot_format.py, rule 4)") from other
         except Exception as other:
-            raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}") from other
+            record(run, f"restore(the snapshot {what})")
+            raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}; a damaged file is "
+                                 "refused with a SnapshotError, judged before anything is allocated "
+                                 "(spec/snapshot_format.py)") from other
         else:
+            record(run, f"restore(the snapshot {what})")
             restored.close()
             raise AssertionError(f"snapshot {what}: restored {len(restored)} positions, expected a SnapshotError")
         if state(cache.observe()) != before:
+            record(run, f"restore(the snapshot {what})")
             raise AssertionError(f"snapshot {what}: refused, but the cache changed")
+    want = ctx.read()
+    cache.clear()
+    run.apply(O.Close("c1"))        # room for the intact file, also in a fixed pool no larger than c1's pages
+    record(run, "restore(the intact snapshot)")
     restored = cache.restore(io.BytesIO(data))
-    want, got = ctx.read(), restored.read()
+    got = restored.read()
     if not (np.array_equal(to_numpy(want[0]), to_numpy(got[0])) and np.array_equal(want[1], got[1])):
         raise AssertionError("the intact snapshot restored to other values or tokens")
     restored.close()
-    cache.clear()
     run.finish()
 
 
