@@ -424,7 +424,9 @@ class KVStateCache(_HFCache):
                 raise TokenError(f"row {r}: the prompt's first {length} columns, which generate takes as held, "
                                  f"hold {int(real.sum())} tokens, but this row holds {pad} padding then "
                                  f"{len(held)} tokens there: keep the padding the cache was built with (or "
-                                 "continue a row from cache.row(i) with its real tokens only)")
+                                 "continue a row from cache.row(i) with its real tokens only). Given no "
+                                 "attention_mask, generate marks every token equal to pad_token_id as padding: "
+                                 "pass attention_mask where the prompt holds that id")
             for position, (mine, theirs) in enumerate(zip(held, prompt[pad:length].tolist())):
                 if mine != theirs:
                     raise TokenError(f"row {r}: the cache holds token {mine} at position {position}, but the prompt "
@@ -448,7 +450,9 @@ class KVStateCache(_HFCache):
             raise self._busy(f"K/V for layer {layer}")      # a forward no hook fed, beside a thread's that was
         if self._ids is None:
             raise TokenError(f"K/V for {n} new positions arrived at layer {layer}, but their token ids are unknown: "
-                             "attach(model) or call cache.feed(input_ids) before the forward")
+                             "the model running this forward was never attached (KVStateCache.for_model(model) or "
+                             "attach(model) does; another model than the one that wrote this cache is then refused "
+                             "by name), or call cache.feed(input_ids) before each forward")
         if self._ids.shape != (batch, n):
             raise TokenError(f"{self._ids.shape[1]} token ids were fed for each of {self._ids.shape[0]} rows, "
                              f"but layer {layer} wrote {n} positions for {batch} rows")

@@ -45,7 +45,10 @@ def new_padding(mask, batch: int, n: int, held: list[int]) -> list[int]:
         first = int(real.argmax()) if real.any() else n
         if not real[first:].all():
             raise ShapeError(f"row {row}'s attention mask has a hole after its first token: kvstate holds left "
-                             "padding only (tokenizer padding_side='left')")
+                             "padding only (tokenizer padding_side='left'). Given no attention_mask, generate "
+                             "builds one that marks every token equal to pad_token_id as padding: a prompt "
+                             "holding that id gets a hole there; pass attention_mask (torch.ones_like(input_ids) "
+                             "where nothing is padded)")
         if first and held[row]:
             raise ShapeError(f"row {row} already holds {held[row]} tokens, but its new positions start with "
                              f"{first} padded ones: padding goes before a row's first token only")

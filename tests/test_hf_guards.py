@@ -24,6 +24,7 @@ from kvstate import Cache  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")
 from kvstate import hf_identity  # noqa: E402
+from kvstate.spec import errors as hf_rows_errors  # noqa: E402
 from kvstate.spec.errors import ContextBusyError, UnsupportedModelError  # noqa: E402
 
 VOCAB = 97
@@ -172,6 +173,32 @@ def test_a_snapshot_names_its_model_and_is_refused_for_another(tmp_path):
     assert resumed.tokens == cache.tokens
     cache.close()
     resumed.close()
+
+
+def test_a_prompt_holding_the_pad_id_without_a_mask_is_refused_with_the_way_out():
+    """From an audit: generate builds the attention mask from pad_token_id when none is given, so a prompt
+    holding that id mid-way got a hole, refused with words about left padding the caller never added."""
+    model = llama()
+    prompt = torch.tensor([[5, 6, 3, 8, 9]])
+    settings = dict(do_sample=False, pad_token_id=3)        # a pad id that is not the eos id (0), held mid-prompt
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    with pytest.raises(hf_rows_errors.ShapeError, match="pad_token_id as padding.*pass attention_mask"):
+        model.generate(prompt, cache=cache, max_new_tokens=2, **settings)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=2, **settings)
+    assert cache.tokens[:5] == prompt[0].tolist() and out.shape[1] == 7
+    cache.close()
+
+
+def test_a_forward_of_a_model_never_attached_says_so():
+    """From an audit: a second model, never given to ``for_model``, run on another's cache was told to
+    attach a model or feed ids, as if the cache had no model at all."""
+    model, stranger = llama(), llama(seed=9)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 71))
+    with pytest.raises(hf_rows_errors.TokenError, match="the model running this forward was never attached"):
+        run(stranger, cache, ids(1, 72))
+    assert len(cache.context) == 4
+    cache.close()
 
 
 def test_weights_on_the_meta_device_match_no_other_model():
