@@ -112,3 +112,17 @@ def test_the_snapshot_checks_pass_a_correct_engine_whose_pool_cannot_hold_their_
     config = config_named("f32-arena10-refuse").with_(page_tokens=4, arena_pages=pool)
     results = conform(numpy_factory, configs=[config], checks=["snapshot writes", "damaged snapshots"])
     assert results and all(result.passed for result in results), [result.failure for result in results]
+
+
+def test_a_directed_check_whose_context_the_pool_cannot_hold_is_not_applicable():
+    """A pool of 2 four-token pages cannot hold the 3-page context these checks start from: both sides
+    refuse it, and the checks went on to report a write that copied nothing (it was refused too)."""
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful.configs import config_named
+
+    config = config_named("f32-arena10-refuse").with_(page_tokens=4, arena_pages=2)
+    results = conform(numpy_factory, configs=[config], checks=["1 write copies 1", "fork allocates 0"])
+    assert results and all(result.passed for result in results), [result.failure for result in results]
+    outcomes = [outcome for result in results for outcome in result.outcomes.values()]
+    assert len(outcomes) == 2 and all(outcome.status == "n/a" for outcome in outcomes), outcomes
+    assert all("cannot hold the check's context of 3 pages" in outcome.detail for outcome in outcomes), outcomes

@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import KVStateError
 from kvstate.spec.invariants import tiers
 from kvstate.spec.observation import Observation
@@ -69,6 +70,9 @@ def filled(factory: Factory, config: Config, pages: float = 2.5) -> tuple[Lockst
     run.apply(O.Allocate())
     n = int(config.page_tokens * pages)
     run.apply(O.Extend("c1", tuple(i % 3 for i in range(n)), seed=1))
+    if len(run.live["c1"][1]) < n:      # refused by both sides, as a pool this small must
+        raise NotApplicable(f"the pool of {config.pool_limit} pages cannot hold the check's context of "
+                            f"{pages_needed(n, config.page_tokens)} pages")
     run.check()
     return run, n
 
