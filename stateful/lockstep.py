@@ -23,6 +23,8 @@ from kvstate.spec.semantics import evicts_for_room, hit_rule, may_refuse
 from . import ops as O
 from .frames import raised_at
 
+FILL_PAGES_EACH = 16            # pages of each context the teardown of a refusing pool fills it with
+FILL_BYTES = 64 << 20           # ... and the most float32 values it writes to, else it skips the fill
 REFUSED = "    # refused: "      # what a history line ends with when both sides refused it, then the error class
 
 
@@ -154,6 +156,40 @@ class Lockstep:
             return handle
         return None
 
+    def restore_beside(self, call: str, restore: Callable[[], Any], handle: str) -> str | None:
+        """A restore a directed check runs on the engine itself (``restore()``, from a stream or path it
+        holds) beside the reference's restore of ``handle``'s context, judged as ``apply`` judges the
+        machine's restores: the reference is told how the engine answered on room (under
+        values="prefix" its ways of sharing may disagree), and both restore (the new context's handle)
+        or both refuse alike, the refusal changing nothing (None). Not an operation of ``ops``: its
+        source is the check's own stream, which a replay could not read again."""
+        before = self._observation_now()
+        self.steps += 1
+        self.history.append(call)
+        as_op = _DirectedRestore(call)
+        engine_result, engine_error = _attempt(lambda *_: restore(), as_op, 0, self.engine)
+        self.reference.engine_refused = (isinstance(engine_error, CapacityError)
+                                         if engine_error is None or isinstance(engine_error, CapacityError) else None)
+        self.reference.engine_keys = self._kept_by_the_engine(as_op)
+        try:
+            saved = self.live[handle][1].snapshot()
+            ref_result, ref_error = _attempt(lambda *_: self.reference.restore(saved), as_op, 1, self.reference)
+        finally:
+            self.reference.engine_refused = self.reference.engine_keys = None
+        if not same_refusal(engine_error, ref_error):
+            engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
+            hint = self._room_hint() if isinstance(engine_error, CapacityError) and ref_error is None else ""
+            raise self._violation("errors", f"{call}: engine {engine_said}, reference {describe_refusal(ref_error)}{hint}")
+        if engine_error is not None:
+            self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
+            self._unchanged_by_refusal(as_op, before, engine_error)
+            return None
+        self.created += 1
+        new = f"c{self.created}"
+        self.history[-1] = f"{new} = {call}"
+        self.live[new] = (engine_result, ref_result)
+        return new
+
     def _room_hint(self) -> str:
         """Why an engine may refuse for room where the reference had it: the books of both, as far as seen."""
         try:
@@ -164,8 +200,9 @@ class Lockstep:
         live = self.reference.live_pages(self.reference.viable[0])      # counted the way the run still follows
         return (f"; the reference had room: {live} pages live of the pool's "
                 f"{self.config.pool_limit} after it{engine}. An engine refusing here holds pages past their use "
-                f"(an earlier refused operation, a close or truncate that kept some) or counts the operation's "
-                f"need higher than spec/semantics.py does (its new pages, and a copy of each shared page it writes)")
+                f"(an earlier refused operation, a close or truncate that kept some), counts the operation's "
+                f"need higher than spec/semantics.py does (its new pages, and a copy of each shared page it writes), "
+                f"or holds fewer pages than the pool it declares")
 
     def _evictions_may_differ(self) -> bool:
         """Whether ways of sharing may evict differently here: values="prefix" with a pool that evicts."""
@@ -493,14 +530,23 @@ class Lockstep:
             self._the_whole_pool_fits()
 
     def _the_whole_pool_fits(self) -> None:
-        """After teardown, one context as large as the whole pool: an empty pool holds it. A page the
-        engine still counts (kept by a refused operation, a truncate, a close or a clear) is refused
-        here, where an engine that exposes no pages shows it nowhere else (invariant 6 reads pages)."""
-        handle = self.apply(O.Allocate())
-        self.history[-1] += "    # teardown: a context filling the whole pool, which must fit an empty one"
-        whole = self.config.pool_limit * self.config.page_tokens
-        self.apply(O.Extend(handle, tuple(i % 3 for i in range(whole)), seed=0))
-        self.apply(O.Close(handle))
+        """After teardown, contexts filling the whole pool: an empty pool holds them. A page the engine
+        still counts (kept by a refused operation, a truncate, a close or a clear) is refused here,
+        where an engine that exposes no pages shows it nowhere else (invariant 6 reads pages). At most
+        ``FILL_PAGES_EACH`` pages a context (an engine may cap a context's length below its pool), and
+        not at all past ``FILL_BYTES`` of values (a real engine's pool of thousands of pages)."""
+        config = self.config
+        if config.pool_limit * config.page_tokens * config.layout.values_per_position * 4 > FILL_BYTES:
+            return
+        handles = []
+        for first in range(0, config.pool_limit, FILL_PAGES_EACH):
+            handles.append(self.apply(O.Allocate()))
+            if not first:
+                self.history[-1] += "    # teardown: contexts filling the whole pool, which must fit an empty one"
+            positions = min(FILL_PAGES_EACH, config.pool_limit - first) * config.page_tokens
+            self.apply(O.Extend(handles[-1], tuple(i % 3 for i in range(positions)), seed=0))
+        for handle in handles:
+            self.apply(O.Close(handle))
         self._reported(lambda: invariants.check_empty(self.engine.observe()))
         self.checks += 1
 
@@ -550,6 +596,17 @@ def describe_refusal(ref_error: BaseException | None) -> str:
         return "accepted"
     others = [cls.__name__ for cls in applicable_errors(ref_error)[1:]]
     return f"{ref_error!r}" + (f" (or any of {', '.join(others)})" if others else "")
+
+
+class _DirectedRestore:
+    """What ``restore_beside`` hands the refusal checks and their messages in place of an operation."""
+    kind = "restore"
+
+    def __init__(self, call: str):
+        self.call = call
+
+    def __str__(self) -> str:
+        return self.call
 
 
 def _attempt(perform, op, side, cache, values=None):

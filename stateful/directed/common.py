@@ -153,25 +153,6 @@ def as_list(tokens: Any) -> list[int]:
     return [int(t) for t in tokens]
 
 
-def restored_beside_reference(run: Lockstep, promise: str, call: str, source: Any, handle: str) -> str | None:
-    """The engine's ``restore(source)`` beside the reference's restore of ``handle``'s context: both
-    restore (the new context's handle, adopted), or both refuse alike (None: a full fixed pool refuses
-    a restore, which needs every page of the snapshot). The call is in the history before the
-    engine runs it, so a restore that raises is the failing call a report names."""
-    record(run, call)
-    got, got_error = _attempt(lambda: run.engine.restore(source))
-    want, want_error = _attempt(lambda: run.reference.restore(run.live[handle][1].snapshot()))
-    if not same_refusal(got_error, want_error):
-        raise BrokenPromise(promise, call, f"engine {_said(got_error, 'accepted')}, "
-                                           f"reference {describe_refusal(want_error)}")
-    if got_error is not None:
-        run.history[-1] += f"{REFUSED}{type(got_error).__name__}"
-        return None
-    run.history.pop()
-    run.steps -= 1
-    return adopt(run, got, want, call)
-
-
 def adopt(run: Lockstep, engine_ctx: Any, reference_ctx: Any, call: str) -> str:
     """Give a context the check created directly (a restore, say) a handle, so ``run.check()``
     compares it with its reference twin like any other."""

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Iterator
 
 from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import may_refuse
 
 from .. import ops as O
-from .common import BrokenPromise, NotApplicable, filled, keeping, record, restored_beside_reference
+from .common import BrokenPromise, NotApplicable, filled, keeping, record
 from ..lockstep import Lockstep
 
 AT_OFFSET = ("a snapshot written into a stream that already holds bytes leaves those bytes as they were, "
@@ -47,7 +48,7 @@ _recording = threading.Lock()      # one recorder patches the os module at a tim
 
 def snapshot_writes(factory: Factory, config: Config) -> None:
     """Snapshots into streams that already hold bytes round-trip; a snapshot to a path is durable."""
-    run, n = filled(factory, config)
+    run, n = filled(factory, config, _pages_that_leave_room(config))
     if not (hasattr(run.engine, "restore") and hasattr(run.live["c1"][0], "snapshot")):
         raise NotApplicable("the cache has no snapshot/restore")
     run.apply(O.Fork("c1"))
@@ -64,11 +65,20 @@ def snapshot_writes(factory: Factory, config: Config) -> None:
         raise NotApplicable("streams pass; the backend's snapshot takes no path")
 
 
+def _pages_that_leave_room(config: Config) -> float:
+    """Pages of the check's first context: 2.5, or fewer where a pool that refuses could not hold it, c2's
+    copy of its last page and a restore of c2 beside them (c1's pages twice, and one)."""
+    if not (config.pool_limit and may_refuse(config.on_full)):
+        return 2.5
+    return min(2.5, max(0.5, (config.pool_limit - 1) // 2))
+
+
 def _restore_and_compare(run: Lockstep, handle: str, stream, call: str) -> None:
     with keeping(AT_OFFSET, run, call):
-        twin = restored_beside_reference(run, AT_OFFSET, call, stream, handle)
+        twin = run.restore_beside(call, lambda: run.engine.restore(stream), handle)
         if twin is None:
-            return          # a full fixed pool: both refused, as a pool this small must
+            raise NotApplicable(f"{call} was refused for room on both sides: the declared pool cannot hold "
+                                "the check's contexts and a restore of them (the writes themselves passed)")
         run.check()
     # Compared: let it go, so a fixed pool (on_full="refuse") has room for the next restore.
     run.apply(O.Close(twin))
@@ -153,7 +163,7 @@ def _to_path(run: Lockstep, handle: str, path: Path) -> bool:
             run.apply(O.Overwrite(handle, 0, (1,), seed=12))    # the second write replaces other bytes
     call = f"restore({str(path)!r})"
     with keeping(DURABLE, run, call):
-        if restored_beside_reference(run, DURABLE, call, path, handle) is not None:
+        if run.restore_beside(call, lambda: run.engine.restore(path), handle) is not None:
             run.check()
     return True
 
