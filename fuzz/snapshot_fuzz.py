@@ -113,15 +113,19 @@ def signed_header(precision: str, layout: Layout, positions: int, body_crc: int 
 
 
 def resign(data: bytes) -> bytes:
-    """Recompute both checksums so damage inside a field reaches the field checks behind them."""
-    if len(data) < fmt.HEADER_SIZE:
+    """Recompute both checksums so damage inside a field reaches the field checks behind them (the
+    header's own at its end: byte 44 of versions 1 and 2, 60 of version 3)."""
+    version = int.from_bytes(data[8:10], "little") if len(data) >= 10 else 0
+    size = fmt.header_size(version)
+    if len(data) < size:
         return data
-    body = data[fmt.HEADER_SIZE:]
-    header = bytearray(data[:fmt.HEADER_SIZE])
-    version = int.from_bytes(header[8:10], "little")
-    body_crc = fmt.body_checksum(version, body) if version in fmt.LOADABLE_VERSIONS else fmt.crc32(body)
+    body = data[size:]
+    header = bytearray(data[:size])
+    checksum = header[11] if version == fmt.PRODUCER_VERSION and header[11] in fmt.BODY_CHECKSUMS else None
+    body_crc = (fmt.body_checksum(version, body, checksum) if version in fmt.LOADABLE_VERSIONS
+                else fmt.crc32(body))
     header[40:44] = body_crc.to_bytes(4, "little")
-    header[44:48] = fmt.crc32(bytes(header[:44])).to_bytes(4, "little")
+    header[size - 4:size] = fmt.crc32(bytes(header[:size - 4])).to_bytes(4, "little")
     return bytes(header) + body
 
 
@@ -142,6 +146,8 @@ def hostile_files(precision: str, layout: Layout = FUZZ_LAYOUT) -> Iterator[Case
         for name, raw in (("negative", -1.0), ("NaN", np.nan), ("huge", 3e38)):
             yield f"q8 {name} scale", resign(data[:scales] + np.float32(raw).tobytes() + data[scales + 4:])
     yield "reserved byte set", resign(data[:11] + b"\x01" + data[12:])
+    named = small_snapshot(precision, layout, producer=b"fuzzed-producer!")       # version 3
+    yield "version 3, checksum code 7", resign(named[:11] + b"\x07" + named[12:])
     yield "unknown precision code", resign(data[:10] + b"\x07" + data[11:])
     yield "zero layers", resign(data[:12] + b"\x00\x00\x00\x00" + data[16:])
     yield "body_bytes off by one", resign(data[:32] + (int.from_bytes(data[32:40], "little") + 1).to_bytes(8, "little")

@@ -116,8 +116,8 @@ def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], N
     """The header, checked against ``layout``, ``producer``, the real size (when known) and ``limit``;
     nothing allocated."""
     data = _read_exactly_or_less(file, fmt.HEADER_SIZE)
-    if len(data) == fmt.HEADER_SIZE and data[:len(fmt.MAGIC)] == fmt.MAGIC:
-        version = int.from_bytes(data[8:10], "little")
+    version = int.from_bytes(data[8:10], "little") if len(data) == fmt.HEADER_SIZE else None
+    if data[:len(fmt.MAGIC)] == fmt.MAGIC and version in fmt.LOADABLE_VERSIONS:
         data += _read_exactly_or_less(file, fmt.header_size(version) - fmt.HEADER_SIZE)   # version 3's is longer
     header = fmt.parse_header(data)
     if header.layout != layout:

@@ -150,9 +150,14 @@ def _version(producer: bytes | None) -> int:
     return fmt.FORMAT_VERSION if producer is None else fmt.PRODUCER_VERSION
 
 
+def _checksum(producer: bytes | None) -> int:
+    """The body checksum written: version 1's or 2's own, or version 3's choice (XXH3 where there is xxhash)."""
+    return fmt.VERSION_CHECKSUM.get(_version(producer), fmt.WRITTEN_CHECKSUM)
+
+
 def _header(ctx: "Context", body_crc: int, producer: bytes | None) -> bytes:
     return fmt.pack_header(ctx._cache.precision, ctx._cache.layout, ctx._length, body_crc,
-                           version=_version(producer), producer=producer)
+                           version=_version(producer), producer=producer, checksum=_checksum(producer))
 
 
 def _write_to(file, ctx: "Context", producer: bytes | None = None) -> None:
@@ -165,7 +170,7 @@ def _write_to(file, ctx: "Context", producer: bytes | None = None) -> None:
     if seekable(file) and not _appends(file) and not isinstance(file, _FORWARD_ONLY):
         start = file.tell()
         _put(file, bytes(fmt.header_size(_version(producer))))     # zeros: a file cut short here fails the magic check
-        crc = fmt.BodyHash(_version(producer))
+        crc = fmt.BodyHash(_version(producer), _checksum(producer))
         if tuning.pipelined(fmt.body_size(ctx._cache.layout, ctx._cache.precision, ctx._length)):
             with _PiecesAhead(ctx, crc) as pieces:
                 for chunk in pieces:
@@ -183,7 +188,7 @@ def _write_to(file, ctx: "Context", producer: bytes | None = None) -> None:
         _put(file, _header(ctx, crc.value(), producer))
         file.seek(end)
         return
-    crc = fmt.BodyHash(_version(producer))
+    crc = fmt.BodyHash(_version(producer), _checksum(producer))
     for chunk in body_chunks(ctx):
         crc.update(chunk)
     _put(file, _header(ctx, crc.value(), producer))

@@ -62,7 +62,8 @@ from kvstate.impl import Cache  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, common_prefix, state_token, written_token  # noqa: E402
 from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedError, ForeignContextError,  # noqa: E402
-                                 PositionError, ShapeError, SnapshotProducerError, TokenError, UnsupportedModelError)
+                                 PositionError, ShapeError, SnapshotModelError, SnapshotProducerError, TokenError,
+                                 UnsupportedModelError)
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
@@ -233,9 +234,11 @@ class KVStateCache(_HFCache):
                 **cache_args) -> "KVStateCache":
         """A cache holding the snapshot at ``source``, ready to continue generating (``cache_args``
         build its kvstate cache; with ``kv`` given they are refused, as in ``for_model``). A snapshot
-        naming another model (other weights, or settings that change K/V) is ``UnsupportedModelError``,
-        before anything is allocated; one that names none (written by ``Context.snapshot``, or by a
-        kvstate before the names) is restored unchecked."""
+        naming another model (other weights, or settings that change K/V) is ``SnapshotModelError`` (a
+        ``SnapshotError`` and an ``UnsupportedModelError``), before anything is allocated; one that
+        names none (written by ``Context.snapshot``, by a kvstate before the names, or from a model
+        whose weights could not be read, such as one offloaded to the ``meta`` device) is restored
+        unchecked, and so is any snapshot restored for such a model."""
         layout = layout_of(model)
         _no_cache_args_with(cache_args, kv, None)
         if kv is None:
@@ -246,9 +249,11 @@ class KVStateCache(_HFCache):
         try:
             context = kv.restore(source, producer=expected_producer(model))
         except SnapshotProducerError as error:
-            raise UnsupportedModelError(
+            raise SnapshotModelError(
                 f"the snapshot holds K/V another model computed ({error}); {type(model).__name__} has the same "
-                "layout but other weights or K/V settings: restore it into the model that wrote it") from None
+                "layout but other weights or K/V settings (or the same checkpoint under another transformers "
+                "release, whose configuration spells them otherwise): restore it into the model that wrote it"
+            ) from None
         return cls.for_model(model, kv, context, layer_views=layer_views)
 
     # -- token ids ------------------------------------------------------------------

@@ -169,17 +169,29 @@ def _leaves_kv(field: str) -> bool:
             or field.endswith("_loss_coef"))
 
 
-def _kv_config(config) -> bytes:
+def _kv_config(config) -> tuple[bytes, bool]:
     """``config``'s fields that may change K/V (all but ``CONFIG_FIELDS_NOT_KV``, sub-configurations'
-    too), as they differ from the class's defaults, in a stable spelling."""
+    too), as they differ from the class's defaults, in a stable spelling; and whether that spelling
+    may differ in another process (a value JSON cannot spell whose ``repr`` holds an address, or a set
+    of strings, whose order follows the process's hash seed)."""
     if config is None or not hasattr(config, "to_diff_dict"):
-        return b""
+        return b"", False
+    local = []
 
     def kept(value):
         if isinstance(value, dict):
             return {key: kept(item) for key, item in value.items() if not (isinstance(key, str) and _leaves_kv(key))}
         return value
-    return json.dumps(kept(config.to_diff_dict()), sort_keys=True, default=repr).encode()
+
+    def spelled(value):
+        if isinstance(value, (set, frozenset)):
+            return sorted(map(repr, value))
+        text = repr(value)
+        if " at 0x" in text:
+            local.append(text)
+        return text
+    spelling = json.dumps(kept(config.to_diff_dict()), sort_keys=True, default=spelled).encode()
+    return spelling, bool(local)
 
 
 def model_fingerprint(model, unreadable=None) -> str:
@@ -191,14 +203,15 @@ def model_fingerprint(model, unreadable=None) -> str:
     (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
     matches no other, not even another load of the same checkpoint."""
     digest = hashlib.blake2b(digest_size=16)
-    samples: dict = {}
-    local = False       # a token of this model object hashed in: the fingerprint means nothing elsewhere
-    digest.update(_kv_config(getattr(model, "config", None)))
+    samples: dict = {}          # device -> [(parameter index, its sample)]
+    model = getattr(model, "_orig_mod", model)      # torch.compile's wrapper names every parameter "_orig_mod."
+    config, local = _kv_config(getattr(model, "config", None))    # local: the fingerprint means nothing elsewhere
+    digest.update(config)
     with torch.no_grad():
         # Not the buffers: a model may rewrite them as it runs (dynamic-NTK and longrope scaling recompute
         # the rotary frequencies past the original length), and a fingerprint that hashed them refused
         # the very model that computed a cache. The configuration stands for them (its rope fields).
-        for name, param in model.named_parameters():
+        for index, (name, param) in enumerate(model.named_parameters()):
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             sample = None if param.is_meta else _sample(param)
             if sample is None:
@@ -206,9 +219,15 @@ def model_fingerprint(model, unreadable=None) -> str:
                 digest.update(b"unreadable" + token)
                 local = True
             else:
-                samples.setdefault(sample.device, []).append(sample)
-        for parts in samples.values():         # one copy to the host per device
-            digest.update(torch.cat(parts).cpu().numpy().tobytes())
+                samples.setdefault(sample.device, []).append((index, sample))
+        # One copy to the host per device, then hashed in parameter order: the same weights spread over
+        # devices another way (another device map, on another machine) hash the same.
+        on_host = []
+        for parts in samples.values():
+            values = torch.cat([sample for _, sample in parts]).cpu().split([len(sample) for _, sample in parts])
+            on_host += zip((index for index, _ in parts), values)
+        for _, values in sorted(on_host, key=lambda pair: pair[0]):
+            digest.update(values.numpy().tobytes())
     fingerprint = digest.hexdigest()
     if local:
         _PROCESS_LOCAL.add(fingerprint)

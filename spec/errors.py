@@ -125,6 +125,12 @@ class SnapshotProducerError(SnapshotError):
     other than the one the restore expects."""
 
 
+class SnapshotModelError(SnapshotProducerError, UnsupportedModelError):
+    """``kvstate.hf``: the snapshot holds K/V another model computed. A refusal of the file (a
+    ``SnapshotError``, as every refused restore) and of the model (an ``UnsupportedModelError``, as
+    every other model refused by its fingerprint)."""
+
+
 class SnapshotPrecisionError(SnapshotError, PrecisionRangeError):
     """The snapshot's values do not fit this cache's precision (an f32 file restored into an f16
     cache, with values past 65504); a refusal of the file, so a ``SnapshotError`` too."""

@@ -14,7 +14,7 @@ A snapshot is one header followed by one body, little-endian throughout::
     32      8     body_bytes       u64, must equal body_size(layout, precision, positions)
     40      4     body_crc         u32, checksum of the whole body: version 1 CRC-32,
                                    version 2 the low 32 bits of XXH3-64 (seed 0)
-    44      4     header_crc       u32, CRC-32 of header bytes [0, 44) (both versions)
+    44      4     header_crc       u32, CRC-32 of header bytes [0, 44)
     48            body
 
 Version 3 (written only where a producer is named: ``Context.snapshot(target, producer=...)``)
@@ -150,7 +150,8 @@ class Header:
 
 
 def header_size(version: int) -> int:
-    return HEADER_V3_SIZE if version >= PRODUCER_VERSION else HEADER_SIZE
+    """Bytes of a header of ``version`` (a version this build does not know: the first 48, which say so)."""
+    return HEADER_V3_SIZE if version == PRODUCER_VERSION else HEADER_SIZE
 
 
 def crc32(data, value: int = 0) -> int:
@@ -222,7 +223,7 @@ def pack_header(precision: str, layout: Layout, positions: int, body_crc: int,
     bytes, or None) and the body's ``checksum`` (default: the one this build writes).
     """
     declared = body_size(layout, precision, positions) if body_bytes is None else body_bytes
-    if version < PRODUCER_VERSION:
+    if version != PRODUCER_VERSION:
         if producer is not None:
             raise ValueError(f"format version {version} names no producer: version {PRODUCER_VERSION} does")
         fields = HEADER.pack(MAGIC, version, PRECISION_CODES[precision], 0,
@@ -255,7 +256,7 @@ def check_expected_producer(header: Header, expected: bytes | None) -> None:
 
 
 def parse_header(data: bytes) -> Header:
-    """Validate the first bytes of a file (at least HEADER_SIZE when available) as a header.
+    """Validate the first bytes of a file (its header's 48, or 64 for version 3, when available) as a header.
 
     Raises the ``SnapshotError`` subclass that names the first thing wrong, and
     its offset; sizes nothing from a field before the header checksum holds.
@@ -272,7 +273,7 @@ def parse_header(data: bytes) -> Header:
     if n < size:
         raise SnapshotTruncatedError(f"file ends at byte {n}, inside the {size}-byte header")
     producer = None
-    if version < PRODUCER_VERSION:
+    if version != PRODUCER_VERSION:
         (_, _, code, reserved, layers, kv_heads, head_dim, positions, declared, body_crc,
          header_crc) = HEADER.unpack_from(data, 0)
     else:
@@ -285,9 +286,9 @@ def parse_header(data: bytes) -> Header:
             f"header bytes give {actual:#010x}")
     if code not in PRECISION_NAMES:
         raise SnapshotCorruptError(f"precision code {code} at offset 10 is not one of {PRECISION_NAMES}")
-    if version < PRODUCER_VERSION and reserved != 0:
+    if version != PRODUCER_VERSION and reserved != 0:
         raise SnapshotCorruptError(f"reserved byte at offset 11 is {reserved}, must be 0")
-    if version >= PRODUCER_VERSION:
+    if version == PRODUCER_VERSION:
         if reserved not in BODY_CHECKSUMS:
             raise SnapshotCorruptError(f"checksum code {reserved} at offset 11 is not one of {BODY_CHECKSUMS}")
         if reserved == XXH3 and xxhash is None:

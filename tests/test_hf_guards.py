@@ -24,7 +24,7 @@ from kvstate import Cache  # noqa: E402
 
 hf = pytest.importorskip("kvstate.hf")
 from kvstate import hf_identity  # noqa: E402
-from kvstate.spec import errors as hf_rows_errors  # noqa: E402
+from kvstate.spec import errors as spec_errors  # noqa: E402
 from kvstate.spec.errors import ContextBusyError, UnsupportedModelError  # noqa: E402
 
 VOCAB = 97
@@ -165,8 +165,9 @@ def test_a_snapshot_names_its_model_and_is_refused_for_another(tmp_path):
     others[1].load_state_dict(model.state_dict())        # the same weights, another norm epsilon
     for other in others:
         kv = Cache(hf.layout_of(other), store="torch", page_tokens=4)
-        with pytest.raises(UnsupportedModelError, match="another model computed"):
+        with pytest.raises(spec_errors.SnapshotError, match="another model computed") as refused:
             hf.KVStateCache.restore(other, path, kv=kv)
+        assert isinstance(refused.value, UnsupportedModelError)         # refused as a file and as a model
         assert kv.stats()["live_pages"] == 0            # refused before anything was allocated
     reloaded = llama()                                    # the same checkpoint, loaded again
     resumed = hf.KVStateCache.restore(reloaded, path)
@@ -182,7 +183,7 @@ def test_a_prompt_holding_the_pad_id_without_a_mask_is_refused_with_the_way_out(
     prompt = torch.tensor([[5, 6, 3, 8, 9]])
     settings = dict(do_sample=False, pad_token_id=3)        # a pad id that is not the eos id (0), held mid-prompt
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
-    with pytest.raises(hf_rows_errors.ShapeError, match="pad_token_id as padding.*pass attention_mask"):
+    with pytest.raises(spec_errors.ShapeError, match="pad_token_id as padding.*pass attention_mask"):
         model.generate(prompt, cache=cache, max_new_tokens=2, **settings)
     out = model.generate(prompt, attention_mask=torch.ones_like(prompt), cache=cache, max_new_tokens=2, **settings)
     assert cache.tokens[:5] == prompt[0].tolist() and out.shape[1] == 7
@@ -195,7 +196,7 @@ def test_a_forward_of_a_model_never_attached_says_so():
     model, stranger = llama(), llama(seed=9)
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     run(model, cache, ids(4, 71))
-    with pytest.raises(hf_rows_errors.TokenError, match="the model running this forward was never attached"):
+    with pytest.raises(spec_errors.TokenError, match="the model running this forward was never attached"):
         run(stranger, cache, ids(1, 72))
     assert len(cache.context) == 4
     cache.close()
@@ -620,3 +621,19 @@ def test_a_setting_that_leaves_kv_alone_does_not_make_another_model():
     run(model, cache, ids(1, 83))
     assert len(cache.context) == 5
     cache.close()
+
+
+
+def test_the_fingerprint_names_the_weights_not_the_wrapper_and_marks_a_config_it_cannot_spell_stably():
+    """From a review, now that snapshots carry the fingerprint to other processes: ``torch.compile``'s
+    wrapper renamed every parameter (``_orig_mod.``), so the same weights compiled looked like another
+    model; and a configuration value spelled by its ``repr`` with an address differs in every process,
+    so such a fingerprint is this process's alone (a snapshot then names no model)."""
+    model = llama()
+    plain = hf_identity.model_fingerprint(model)
+    assert hf_identity.model_fingerprint(torch.compile(model)) == plain
+    assert plain not in hf_identity._PROCESS_LOCAL and hf_identity.expected_producer(model) is not None
+    odd = llama()
+    odd.config.kv_helper = object()         # not JSON, and its repr holds an address
+    assert hf_identity.model_fingerprint(odd) in hf_identity._PROCESS_LOCAL
+    assert hf_identity.expected_producer(odd) is None

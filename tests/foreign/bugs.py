@@ -433,8 +433,8 @@ class RestoreKeepsTheFilePrecision(dict_pages.DictCache):
     def restore(self, source):
         from kvstate.spec import snapshot_format as fmt
         data = source.read()
-        header = fmt.parse_header(data[:fmt.HEADER_SIZE])
-        arrays = fmt.check_body(header, memoryview(data)[fmt.HEADER_SIZE:fmt.HEADER_SIZE + header.body_bytes])
+        header = fmt.parse_header(data)     # reads the header's first bytes: 48, or 64 (version 3)
+        arrays = fmt.check_body(header, memoryview(data)[header.size:header.size + header.body_bytes])
         parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
         if header.precision != self.precision:
             parts = self.encode(np.asarray(parts[0], np.float32))        # PLANTED: not decoded first

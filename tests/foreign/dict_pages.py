@@ -524,15 +524,15 @@ class DictCache:
                     data = file.read()
             except FileNotFoundError as error:
                 raise SnapshotNotFoundError(f"no snapshot at {os.fspath(source)!r}") from error
-        header = fmt.parse_header(data[:fmt.HEADER_SIZE])
+        header = fmt.parse_header(data)     # reads the header's first bytes: 48, or 64 (version 3)
         if header.layout != self.layout:
             raise SnapshotLayoutError(f"snapshot layout {header.layout} differs from the cache's {self.layout}")
-        total = fmt.HEADER_SIZE + header.body_bytes
+        total = header.size + header.body_bytes
         if len(data) < total:
             raise SnapshotTruncatedError(f"snapshot holds {len(data)} bytes; its header declares {total}")
         if len(data) > total:
             raise SnapshotCorruptError(f"{len(data) - total} unexpected bytes after the body, from offset {total}")
-        arrays = fmt.check_body(header, memoryview(data)[fmt.HEADER_SIZE:])
+        arrays = fmt.check_body(header, memoryview(data)[header.size:])
         parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
         if header.precision != self.precision:
             parts = self.encode(precisions.decode(header.precision, parts))
