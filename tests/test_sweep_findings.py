@@ -20,7 +20,7 @@ from kvstate.stateful import ops as O
 from kvstate.stateful.configs import config_named
 from kvstate.stateful.replay import Replay, as_pytest, execute
 from kvstate.stateful.shrink import Shrinker
-from kvstate.stateful.sweeps.runs import crashed
+from kvstate.stateful.sweeps.redraw import crashed
 
 PLANTED = '''
 import os, sys, threading, time
@@ -149,9 +149,9 @@ def test_a_backend_raising_outside_a_step_is_a_crash_at_any_worker_count(tmp_pat
     assert {(f["config"], f["failure"]["error"]) for f in report["failures"]} == {("f16-heap", "RuntimeError")}
 
 
-def test_a_crash_is_replayed_at_the_page_size_the_backend_runs_at():
-    config = config_named("f32-heap").with_(page_tokens=4)
-    result = crashed(config, 5, 20, RuntimeError("worker died"), (4,))
+def test_a_crash_is_replayed_at_the_page_size_the_backend_runs_at(tmp_path):
+    backend = _backend(tmp_path, configs="[_f32.with_(page_tokens=4)]")
+    result = crashed(backend, config_named("f32-heap").with_(page_tokens=4), 5, 20, RuntimeError("worker died"))
     assert result.page_tokens == 4 and len(result.ops) == 20
 
 
@@ -402,10 +402,10 @@ def test_a_run_that_ends_its_pool_process_is_a_finding_of_its_seed_and_the_sweep
 def test_a_run_stuck_in_c_past_its_timeout_is_a_timeout_of_its_seed_in_a_pool(tmp_path, monkeypatch):
     """From an audit: a run blocked inside C ignored --run-timeout (the deadline reaches Python code only)
     and held its pool process, and every resume, for good. In a pool process it now ends the process
-    ``STUCK_GRACE_S`` past the timeout, and the seed is a RunTimeout."""
-    from kvstate.stateful.sweeps import runs
+    ``watchdog.GRACE_S`` past the timeout (the sweep's watchdog kills it), and the seed is a RunTimeout."""
+    from kvstate.stateful.sweeps import watchdog
 
-    monkeypatch.setattr(runs, "STUCK_GRACE_S", 0.2)      # inherited by the pool's forked processes
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.2)      # read by the sweep's own watchdog
     backend = _backend(tmp_path, when="config.precision == 'f16'", act="_planted(cache, StuckInC)",
                        configs="[_f32, _f16]")
     from kvstate.stateful.backends import load_factory
@@ -469,9 +469,9 @@ def test_a_run_that_ends_its_process_is_a_finding_with_one_worker_too(tmp_path, 
 def test_a_run_stuck_in_c_past_its_timeout_is_a_timeout_with_one_worker_too(tmp_path, monkeypatch, stuck):
     """With one worker (the default) a run blocked in C (a sleep, a lock taken twice) held the sweep's own
     process past --run-timeout for good: no report, ever. It now ends the run's process, as in a pool."""
-    from kvstate.stateful.sweeps import runs
+    from kvstate.stateful.sweeps import watchdog
 
-    monkeypatch.setattr(runs, "STUCK_GRACE_S", 0.2)      # inherited by the pool's forked process
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.2)      # read by the sweep's own watchdog
     backend = _backend(tmp_path, when="config.precision == 'f16'", act=f"_planted(cache, {stuck})",
                        configs="[_f32, _f16]")
     done: dict = {}

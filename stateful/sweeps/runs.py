@@ -9,12 +9,10 @@ files (``save_replay``): a worker on another machine has no place to write them 
 from __future__ import annotations
 
 import os
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable
 
 from kvstate.spec.errors import RunTimeout
 from kvstate.spec.protocol import Config, Factory
@@ -23,10 +21,11 @@ from .. import ops as O
 from ..backends import load_factory
 from ..configs import page_sizes
 from ..deadline import Deadline
-from ..generate import Generator, generate
+from ..generate import Generator
 from ..lockstep import Lockstep
 from ..replay import Failure, Replay, execute, save
 from ..shrink import shrink
+from . import watchdog
 
 
 @dataclass
@@ -49,29 +48,6 @@ class RunResult:
 
 _factories: dict[str, Callable] = {}
 
-# A run stuck past its timeout in code the deadline cannot interrupt (C: a lock, a sleep) held its pool
-# process, and every resume, for good. In a pool process of the sweep's own (``hard_timeouts``, set by
-# ``sweep.LocalPool``'s initializer) it ends that process this long after the timeout, with
-# ``STUCK_EXIT``: the pool records the seed as a ``RunTimeout``. Never in the sweep's own process.
-STUCK_GRACE_S = 2.0
-STUCK_EXIT = 124
-hard_timeouts = False
-
-
-@contextmanager
-def _ended_if_stuck(timeout_s: float | None) -> Iterator[None]:
-    """Within the block, end this process ``STUCK_GRACE_S`` after ``timeout_s`` (where ``hard_timeouts``)."""
-    if not hard_timeouts or timeout_s is None:
-        yield
-        return
-    timer = threading.Timer(timeout_s + STUCK_GRACE_S, os._exit, (STUCK_EXIT,))
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    finally:
-        timer.cancel()
-
 
 def factory_for(backend: str):
     """The backend's factory, imported once per process (a pool process or a worker imports it
@@ -82,26 +58,32 @@ def factory_for(backend: str):
 
 
 def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
-             timeout_s: float | None = None) -> RunResult:
+             timeout_s: float | None = None, on_op: Callable[[int, O.Op], None] | None = None) -> RunResult:
     """Seed ``seed``'s ``steps`` operations against ``backend`` (a factory, or its name) in
     ``config``, every invariant after every step, and invariant 6 at the end. Past ``timeout_s``
-    seconds the run stops and is a ``RunTimeout`` failure at the step it had reached."""
+    seconds the run stops and is a ``RunTimeout`` failure at the step it had reached. In a pool
+    process the sweep's ``watchdog`` sees each step begin (and ends the process where C code holds
+    it past ``timeout_s``); ``on_op(step, op)`` sees each operation drawn, before it is applied."""
     factory = factory_for(backend) if isinstance(backend, str) else backend
     generator = Generator(seed, page_sizes(factory, config))
     config = config.with_(page_tokens=generator.page_tokens)
     ran: list[O.Op] = []
     failure = None
     started, cpu_started = time.perf_counter(), time.process_time()
+    watchdog.begin(timeout_s)
     try:
-        with _ended_if_stuck(timeout_s), Deadline(timeout_s) as deadline:
+        with Deadline(timeout_s) as deadline:
             lockstep = Lockstep(factory, config)
             lockstep.reads_changed_only = True     # every operation goes through ``execute``
 
             def generated():
                 # Each operation is chosen from the state the previous ones left.
-                for _ in range(steps):
+                for step in range(1, steps + 1):
                     op = generator.next_op(lockstep)
                     ran.append(op)
+                    if on_op is not None:
+                        on_op(step, op)
+                    watchdog.step(step)
                     yield op
 
             failure, _ = execute(factory, config, generated(), lockstep=lockstep)
@@ -124,8 +106,9 @@ def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: flo
     replay fails earlier, did not reproduce it exactly. Run again on failure only, under a run timeout
     of its own (a failing seed may so take twice ``--run-timeout``); the operations after the step it
     pins are dropped. A re-run that times out (it reads more) keeps the run's own failure."""
+    watchdog.begin(timeout_s)       # a phase of its own, under the same limit
     try:
-        with _ended_if_stuck(timeout_s), Deadline(timeout_s) as deadline:
+        with Deadline(timeout_s) as deadline:
             again, _ = execute(factory, config, list(ran))
     except RunTimeout:
         return failure, ran
@@ -133,17 +116,6 @@ def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: flo
             or again.step >= failure.step:
         return failure, ran         # the run again took too long (it reads more), or pinned nothing earlier
     return again, ran[:again.step]
-
-
-def crashed(config: Config, seed: int, steps: int, error: BaseException, sizes: tuple[int, ...]) -> RunResult:
-    """A run that took its worker down with it (Dask gives up on a task after its worker died
-    ``allowed-failures`` times running it), or raised outside any step: a failure of that seed,
-    kept with the whole generated sequence so that its replay file reproduces the crash. The
-    sequence is drawn again at the page ``sizes`` the backend's run drew from (its declared one),
-    with the NumPy engine beside the reference, since the backend itself may crash again."""
-    page_tokens, ops = generate(seed, steps, config, sizes=sizes)
-    failure = Failure(steps, "crash", None, type(error).__name__, None, str(error) or repr(error))
-    return RunResult(config.name, seed, page_tokens, steps, 0.0, 0.0, failure, [op.to_json() for op in ops])
 
 
 def shrinkable(result: RunResult) -> bool:
@@ -165,13 +137,19 @@ def to_shrink(results: Iterable[RunResult], limit: int) -> list[RunResult]:
 
 
 def shrink_result(backend: str, config: Config, result: RunResult, budget_s: float) -> RunResult:
-    """A failing run shrunk: its operations and failure replaced by the shrunk ones."""
+    """A failing run shrunk: its operations and failure replaced by the shrunk ones. ``minimised``
+    only where the shrinker finished within ``budget_s``: one cut short by the budget kept what it had
+    (still failing the same way), but no smaller sequence was looked for. In a pool process, the
+    sweep's watchdog ends a shrink that C code holds ``watchdog.GRACE_S`` past the budget."""
+    watchdog.begin(budget_s)
     factory = factory_for(backend)
     config = config.with_(page_tokens=result.page_tokens)
     ops = [O.op_from_json(op) for op in result.ops]
+    started = time.monotonic()
     shrunk, failure = shrink(factory, config, ops, result.failure, budget_s)
+    finished = time.monotonic() - started < budget_s
     return RunResult(result.config, result.seed, result.page_tokens, result.steps, result.seconds,
-                     result.cpu_seconds, failure, [op.to_json() for op in shrunk], minimised=True)
+                     result.cpu_seconds, failure, [op.to_json() for op in shrunk], minimised=finished)
 
 
 def save_replay(backend: str, config: Config, result: RunResult, replays: Path) -> RunResult:

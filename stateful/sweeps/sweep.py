@@ -56,8 +56,10 @@ from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
 from ..configs import configs_for, configs_named, page_sizes
 from ..replay import FINDINGS, as_pytest, load
-from .runs import (STUCK_EXIT, STUCK_GRACE_S, RunResult, crashed, factory_for, result_from_json, result_to_json,
-                   run_seed, save_replay, shrink_result, to_shrink)
+from . import watchdog
+from .redraw import crashed
+from .runs import (RunResult, factory_for, result_from_json, result_to_json, run_seed, save_replay, shrink_result,
+                   to_shrink)
 
 DEFAULT_BACKEND = "kvstate.impl.numpy"
 MAX_SEEDS = 10_000_000     # the plan line lists every seed: this many keep the journal under J.MAX_BYTES
@@ -185,7 +187,8 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one, a
     local pool of ``workers`` processes does (``LocalPool``), one worker included: a run that
     ends its process (``os._exit``, a crash in C) is a ``ProcessDied`` failure of its seed, and one
-    still blocked in C ``runs.STUCK_GRACE_S`` past ``run_timeout`` a ``RunTimeout``, and the sweep
+    still blocked in C ``watchdog.GRACE_S`` past ``run_timeout`` a ``RunTimeout`` (this process's
+    watchdog ends its pool process), each saved with the operations it ran, and the sweep
     goes on. Where processes start by ``fork`` (Linux, up to Python 3.13) a pool process is a copy of
     this one, so in-process patches (``planted.PLANTED``) reach its runs; under ``spawn`` or
     ``forkserver`` (macOS; Python 3.14 on Linux) they do not: pass ``in_process``.
@@ -264,7 +267,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             pool = LocalPool(workers)       # one worker too: a run that crashes or hangs in C is its seed's finding
         for job, result in _map(pool, run_seed, todo, window):
             if isinstance(result, FINDINGS):
-                result = crashed(job[1], job[2], steps, result, page_sizes(factory_for(backend), job[1]))
+                result = crashed(backend, job[1], job[2], steps, result, run_timeout)
             result.config = label_of[job[1]]        # the name, or the name and page size where it is declared twice
             key = (result.config, result.seed)
             if key in runs:
@@ -426,10 +429,15 @@ def _leave_interrupts_to_parent() -> None:
     piping it waited for good)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    runs.hard_timeouts = True        # a run stuck in C past its timeout ends this process, not the sweep
     sweep = multiprocessing.parent_process()
     if sweep is not None:
         threading.Thread(target=_end_with, args=(sweep.sentinel,), name="kvstate-sweep-watch", daemon=True).start()
+
+
+def _pool_process(table, counter) -> None:
+    """A pool process's initializer: interrupts left to the sweep, a row in its watchdog's table."""
+    _leave_interrupts_to_parent()
+    watchdog.join(table, counter)
 
 
 def _end_with(sentinel) -> None:
@@ -465,9 +473,28 @@ def terminated_as_interrupt() -> Iterator[None]:
 
 class ProcessDied(RuntimeError):
     """A run ended the process it ran in without a result (``os._exit``, a fatal signal, a crash in C
-    code): a finding about its seed, recorded as a crash, its exit status or signal in the message.
-    Every local sweep runs in pool processes, one worker's too; only ``sweep(..., in_process=True)``
-    (or tasks no process can be sent) runs in the sweep's own process, which such a run ends with it."""
+    code): a finding about its seed, recorded as a crash, its exit status or signal in the message,
+    ``step`` the step it had begun (None: not known). Every local sweep runs in pool processes, one
+    worker's too; only ``sweep(..., in_process=True)`` (or tasks no process can be sent) runs in the
+    sweep's own process, which such a run ends with it."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+class Stuck(RunTimeout):
+    """A task the watchdog killed, held in C past its limit: ``step``, the step it was in."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+def _stuck(step: int | None) -> Stuck:
+    return Stuck(f"still running {watchdog.GRACE_S:g} s past its time limit (--run-timeout, or --shrink-budget for "
+                 "a shrink), in code no exception reaches (C code holding the GIL, a lock, a sleep); the sweep "
+                 "ended its process", step)
 
 
 class LocalPool:
@@ -480,15 +507,29 @@ class LocalPool:
 
     def __init__(self, workers: int):
         self.workers = workers
-        self.executor = self._new(workers)
+        self.stuck: dict[int, int] = {}         # task number -> step, for each task the watchdog killed
+        self._numbers: dict[int, int] = {}      # id(job) -> its task number
+        self.executor, self.guard = self._new(workers)
 
-    @staticmethod
-    def _new(workers: int) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(workers, initializer=_leave_interrupts_to_parent)
+    def _new(self, workers: int) -> tuple[ProcessPoolExecutor, watchdog.Watchdog]:
+        guard = watchdog.Watchdog(workers, self.stuck)
+        return ProcessPoolExecutor(workers, initializer=_pool_process, initargs=guard.initargs), guard
+
+    def number(self, job: tuple) -> int:
+        return self._numbers.setdefault(id(job), len(self._numbers))
+
+    def submit(self, executor: ProcessPoolExecutor, function: Callable, job: tuple):
+        return executor.submit(watchdog.guarded, function, self.number(job), *job)
+
+    def verdict(self, job: tuple) -> "Stuck | None":
+        """``Stuck`` where the watchdog killed ``job``'s process; None otherwise."""
+        number = self.number(job)
+        return _stuck(self.stuck[number]) if number in self.stuck else None
 
     def renew(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-        self.executor = self._new(self.workers)
+        self.guard.stop()
+        self.executor, self.guard = self._new(self.workers)
 
     def window(self) -> int:
         """Jobs kept submitted: a few a process, so the jobs a dead process leaves in doubt (each run
@@ -498,9 +539,9 @@ class LocalPool:
     def alone(self, function: Callable, job: tuple) -> object:
         """``function(*job)`` in a pool process of its own: its result, the exception it raised, or
         ``ProcessDied`` where it took that process down. An interrupt stops that process at once."""
-        solo = self._new(1)
+        solo, guard = self._new(1)
         try:
-            future = solo.submit(function, *job)
+            future = self.submit(solo, function, job)
             processes = _processes_of(solo)     # started by the submit: their exit codes are read below
             result = future.result()
         except BrokenExecutor:
@@ -508,27 +549,28 @@ class LocalPool:
             # it was lost now and then (both ``waitpid``, one gets ECHILD), and a timeout read as a crash.
             solo.shutdown(wait=True)
             codes = [process.exitcode for process in processes]
-            if STUCK_EXIT in codes:
-                result = RunTimeout(f"the run was still running {STUCK_GRACE_S:g} s past --run-timeout, in code the "
-                                    "deadline cannot interrupt (C code: a lock, a sleep), and its process was ended")
-            else:
-                result = ProcessDied("the run ended its process without a result (os._exit, a fatal signal or a "
-                                     f"crash in C code){_how_ended(codes)}")
+            result = self.verdict(job) or ProcessDied(
+                "the run ended its process without a result (os._exit, a fatal signal or a crash in C code)"
+                f"{_how_ended(codes)}", guard.last_step(self.number(job)))
         except FINDINGS as error:
             result = error
         except BaseException:           # Ctrl-C, SIGTERM: pool processes ignore SIGINT, so end it here
             _stop(solo)
+            guard.stop()
             raise
         solo.shutdown(wait=True)
+        guard.stop()
         return result
 
     def shutdown(self, wait: bool, cancel_futures: bool) -> None:
         self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
+        self.guard.stop()
 
     def stop(self) -> None:
         """Shut down without waiting, the runs in progress ended (SIGTERM): a sweep stopped by Ctrl-C
         otherwise waited, on its way out, for the runs its pool processes held (a stuck one for good)."""
         _stop(self.executor)
+        self.guard.stop()
 
 
 def _how_ended(codes: list) -> str:
@@ -600,7 +642,8 @@ def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tup
             if job is None:
                 return
             try:
-                future = (pool.executor if isinstance(pool, LocalPool) else pool).submit(function, *job)
+                future = (pool.submit(pool.executor, function, job) if isinstance(pool, LocalPool)
+                          else pool.submit(function, *job))
             except BrokenExecutor:
                 # A run took its process down between two submissions (with one process, a run that
                 # dies at once did, now and then, and the sweep ended with BrokenProcessPool).
@@ -635,8 +678,8 @@ def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tup
                         suspects.append(other_job)
                 pending.clear()
                 pool.renew()
-                for suspect in suspects:
-                    yield suspect, pool.alone(function, suspect)
+                for suspect in suspects:        # the one the watchdog killed is known: the others run again
+                    yield suspect, pool.verdict(suspect) or pool.alone(function, suspect)
                 top_up()
                 continue
             except CancelledError:

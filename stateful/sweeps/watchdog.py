@@ -1,0 +1,126 @@
+"""The guard over a local pool's processes, kept outside them: in the sweep's own process.
+
+A run stuck in C code that holds the GIL (a ``ctypes.PyDLL`` call that sleeps, a catastrophic
+regular expression) stops every thread of its process, so no timer there can end it: the
+``RunTimeout`` a ``Deadline`` raises and any "end this process" fallback are threads of the
+stuck process too. So each pool process reports, in a row of a shared table, which task it
+runs, since when, under which limit and which step it has reached (``begin``, ``step``); a
+thread of the sweep's own process (``Watchdog``) reads the table and kills (SIGKILL) a process
+``GRACE_S`` past its limit. Its pool then breaks, as for a crash, and ``stuck`` tells which task
+was killed at which step: a ``RunTimeout`` of that seed (or a shrink cut short), not a crash.
+The row also says at which step a process that died was (``last_step``).
+
+In a process that is not a pool process of the sweep (the sweep's own, a Dask worker) the
+calls here do nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+GRACE_S = 2.0
+"""How long past its limit a task may run before the watchdog kills its process."""
+POLL_S = 0.05
+
+PID, JOB, STARTED, LIMIT, STEP = range(5)
+WIDTH = 5
+
+_table = None        # this pool process's pool's table, and this process's row in it
+_row = -1
+_job = -1.0
+
+
+# -- in a pool process -------------------------------------------------------------------
+
+def join(table, counter) -> None:
+    """A pool process's initializer: take the next free row of ``table``."""
+    global _table, _row
+    with counter.get_lock():
+        _row = counter.value
+        counter.value += 1
+    _table = table if _row < len(table) // WIDTH else None
+
+
+def guarded(function: Callable, job: int, *args):
+    """A pool task: ``function(*args)`` as task number ``job`` (what ``begin`` reports)."""
+    global _job
+    _job = float(job)
+    try:
+        return function(*args)
+    finally:
+        if _table is not None:
+            _table[_row * WIDTH + STARTED] = 0.0
+        _job = -1.0
+
+
+def begin(limit_s: float | None) -> None:
+    """The current task (or a new phase of it) starts now, to end within ``limit_s`` (None: no limit)."""
+    if _table is None or _job < 0:
+        return
+    base = _row * WIDTH
+    _table[base + STARTED] = 0.0
+    _table[base + STEP] = 0.0
+    _table[base + JOB] = _job
+    _table[base + LIMIT] = -1.0 if limit_s is None else float(limit_s)
+    _table[base + PID] = float(os.getpid())
+    _table[base + STARTED] = time.monotonic()
+
+
+def step(number: int) -> None:
+    """The current task is about to apply operation ``number`` (1-based)."""
+    if _table is not None:
+        _table[_row * WIDTH + STEP] = float(number)
+
+
+# -- in the sweep's process --------------------------------------------------------------
+
+class Watchdog:
+    """The table of one executor's ``rows`` processes, and the thread that reads it."""
+
+    def __init__(self, rows: int, stuck: dict[int, int]):
+        self.rows = rows
+        self.table = multiprocessing.RawArray("d", rows * WIDTH)
+        self.counter = multiprocessing.Value("i", 0)
+        self.stuck = stuck          # job -> the step its process was killed at (shared by a pool's watchdogs)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="kvstate-sweep-watchdog", daemon=True)
+        self._thread.start()
+
+    @property
+    def initargs(self) -> tuple:
+        return (self.table, self.counter)
+
+    def last_step(self, job: int) -> int | None:
+        """The step the process that ran task ``job`` last reported (None: no row names it)."""
+        for row in range(self.rows):
+            base = row * WIDTH
+            if self.table[base + PID] and int(self.table[base + JOB]) == job:
+                return int(self.table[base + STEP])
+        return None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(POLL_S):
+            for row in range(self.rows):
+                self._check(row * WIDTH)
+
+    def _check(self, base: int) -> None:
+        started, limit = self.table[base + STARTED], self.table[base + LIMIT]
+        if not started or limit < 0 or time.monotonic() - started <= limit + GRACE_S:
+            return
+        job, pid, at = int(self.table[base + JOB]), int(self.table[base + PID]), int(self.table[base + STEP])
+        if self.table[base + STARTED] != started or int(self.table[base + JOB]) != job:
+            return          # it moved on meanwhile
+        self.stuck[job] = at
+        self.table[base + STARTED] = 0.0
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
