@@ -185,6 +185,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from kvstate.stateful.sweeps import journal as J
     from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.conform import FactoryError
+    from kvstate.stateful.printable import printable
 
     # --scheduler, else KVSTATE_SCHEDULER unless --workers or --in-process asks for a local sweep.
     scheduler = args.scheduler or (None if args.workers or args.in_process else os.environ.get("KVSTATE_SCHEDULER")
@@ -265,11 +266,11 @@ def _sweep(args: argparse.Namespace) -> int:
         print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
         return 2
     json_path, junit_path = S.report_paths(Path(args.out))      # the sweep wrote them before it let the folder go
-    print(S.format_summary(report))
-    print(f"reports: {json_path}, {junit_path}")
+    print(printable(S.format_summary(report)))      # names and messages come from the backend: escaped
+    print(printable(f"reports: {json_path}, {junit_path}"))
     if report.failures:
         print()
-        print(S.failure_notes(report))
+        print(printable(S.failure_notes(report)))
     return 1 if report.failures else 0
 
 
@@ -345,10 +346,18 @@ def _refuse_untrusted(backend: str, source: str) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    """Exit 0: it passes; 1: the recorded failure reproduces (a death or a hang of the backend
+    included); 3: it fails otherwise than recorded; 2: a bad argument or file (``replay_verdict``)."""
     from kvstate.spec.errors import ReplayFileError, RunTimeout
     from kvstate.stateful import replay as R
+    from kvstate.stateful import replay_process
     from kvstate.stateful.configs import undeclared_by
     from kvstate.stateful.conform import FactoryError
+    from kvstate.stateful.printable import printable
+    from kvstate.stateful.replay_verdict import verdict
+
+    def show(line: object) -> None:         # everything from the file or the backend, escaped
+        print(printable(line))
 
     try:
         recorded = R.load(args.file)
@@ -360,15 +369,19 @@ def _replay(args: argparse.Namespace) -> int:
         if undeclared:
             raise UsageError(f"{args.file} holds configuration {recorded.config.name}, which backend {backend!r} "
                              f"does not declare ({undeclared}): nothing a backend does not declare is held against it")
-        print(f"{args.file}: seed {recorded.seed}, backend {backend}"
-              + (f" (found with {recorded.backend})" if backend != recorded.backend else ""))
+        show(f"{args.file}: seed {recorded.seed}, backend {backend}"
+             + (f" (found with {recorded.backend})" if backend != recorded.backend else ""))
         if recorded.failure is not None:
-            print(f"recorded failure: {recorded.failure}")
-        failure = R.replay(recorded, factory, time_limit=args.time_limit, every_step=args.every_step)
+            show(f"recorded failure: {recorded.failure}")
+        failure = replay_process.replay(recorded, factory, show, time_limit=args.time_limit,
+                                        every_step=args.every_step)
     except (ReplayFileError, FactoryError, UsageError, RunTimeout) as error:
-        print(f"kvstate replay: {error}", file=sys.stderr)
+        print(printable(f"kvstate replay: {error}"), file=sys.stderr)
         return 2
-    return 1 if failure else 0
+    status, lines = verdict(recorded.failure, failure)
+    for line in lines:
+        show(line)
+    return status
 
 
 def _spec_check(args: argparse.Namespace) -> int:
@@ -510,15 +523,17 @@ def _join_dashed_values(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvstate.stateful.printable import printable
+
     args = build_parser().parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
     try:
         return args.run(args)
     except UsageError as error:
-        print(f"kvstate {args.command}: {error}", file=sys.stderr)
+        print(printable(f"kvstate {args.command}: {error}"), file=sys.stderr)
         return 2
     except Exception as error:      # noqa: BLE001 -- anything else escaping a subcommand: one line, exit 2
         message = str(error).splitlines()[0] if str(error) else ""
-        print(f"kvstate {args.command}: {type(error).__name__}: {message}", file=sys.stderr)
+        print(printable(f"kvstate {args.command}: {type(error).__name__}: {message}"), file=sys.stderr)
         return 2
 
 

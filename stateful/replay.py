@@ -167,13 +167,17 @@ class SpacedChecks:
 
 
 def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: StepHook | None = None,
-                  schedule: SpacedChecks | None = None) -> tuple[Failure | None, Lockstep]:
+                  schedule: SpacedChecks | None = None,
+                  on_start: Callable[[int, O.Op], None] | None = None) -> tuple[Failure | None, Lockstep]:
     """``execute`` with ``SpacedChecks``; a failure seen at a check is then pinned to its first
-    step by running the sequence again, checking every step since the check before it."""
+    step by running the sequence again, checking every step since the check before it.
+    ``on_start(step, op)`` is told of each step before it is applied."""
     schedule = schedule or SpacedChecks()
     watched: list[int] = []
 
     def watch(step, op, lockstep):
+        if on_start is not None:
+            on_start(step, op)
         if schedule(step, op, lockstep):
             watched.append(step)
             return True
@@ -185,7 +189,11 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
     since = max((step for step in watched if step < failure.step), default=0)
     if failure.step - since <= 1:
         return failure, lockstep
-    again, again_lockstep = execute(factory, config, ops[:failure.step], watch=lambda step, op, ls: step > since)
+    def again_watch(step, op, lockstep):
+        if on_start is not None:
+            on_start(step, op)
+        return step > since
+    again, again_lockstep = execute(factory, config, ops[:failure.step], watch=again_watch)
     if again is not None and again.phase != "finish":
         return again, again_lockstep
     return failure, lockstep
@@ -303,13 +311,16 @@ def load(path: Path) -> Replay:
 # -- replay, step by step ----------------------------------------------------------------
 
 def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
-           time_limit: float | None = None, every_step: bool = False) -> Failure | None:
+           time_limit: float | None = None, every_step: bool = False,
+           on_start: Callable[[int, O.Op], None] | None = None) -> Failure | None:
     """Re-run a replay's sequence, printing each step and, on failure, the broken invariant
     with the live contexts' engine and reference contents side by side.
 
     Invariants are checked on ``SpacedChecks``' schedule (the recorded failure's step always),
     or after every step with ``every_step``. Past ``time_limit`` seconds the run stops with
-    ``RunTimeout`` (a backend stuck inside C is not interrupted)."""
+    ``RunTimeout`` (a backend stuck inside C is not interrupted: ``replay_process`` runs a replay
+    in a process of its own, watched from outside). ``on_start(step, op)`` is told of each step
+    before it is applied."""
     def show(step, op, handle, lockstep):
         made = f"  -> {handle}" if handle else ""
         _, marked, refused = lockstep.history[-1].partition(REFUSED)     # as a counterexample marks it
@@ -321,7 +332,8 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     lockstep = None
     with Deadline(time_limit) as deadline:
         try:
-            failure, lockstep = spaced_checks(_building(factory), replay.config, replay.ops, show, schedule)
+            failure, lockstep = spaced_checks(_building(factory), replay.config, replay.ops, show, schedule,
+                                               on_start)
         except RunTimeout:
             failure = None
         except _BuildFailed as failed:      # the factory failed to build the cache: a finding, as in a sweep

@@ -1,0 +1,114 @@
+"""A replay run in a process of its own, watched from the one that started it.
+
+The backend a replay runs may end its process (``os._exit(0)``, exit 3, a signal) or hang in C
+code that holds the GIL, where no timer of that process runs. In the replaying process itself, the
+first ended ``kvstate replay`` with the backend's own status (0 read as "fixed"), the second held it
+for good. So the replay runs in a forked child, which tells this process each step before it
+applies it and sends back the lines it prints and the failure it found. A child that dies without
+a result is a ``ProcessDied`` failure at the step it had begun, naming its exit status or signal; one
+still running after ``time_limit`` is killed and is a ``RunTimeout`` failure naming the step and the
+operation it was stuck in. Both are the failure reproducing, as any other.
+
+Where processes cannot be forked (Windows), the replay runs in this process, as before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import sys
+import time
+from dataclasses import asdict
+from typing import Callable
+
+from kvstate.spec.errors import ReplayFileError
+from kvstate.spec.protocol import Factory
+
+from . import replay as R
+
+
+def _child(recorded: R.Replay, factory: Factory, every_step: bool, conn) -> None:
+    def out(line: str) -> None:
+        conn.send(("line", str(line)))
+
+    def started(step, op) -> None:
+        conn.send(("start", step, str(op)))
+    try:
+        failure = R.replay(recorded, factory, out, every_step=every_step, on_start=started)
+        conn.send(("done", None if failure is None else asdict(failure)))
+    except ReplayFileError as error:        # the file's fault (a handle it never made): exit 2 there
+        conn.send(("file", str(error)))
+    except BaseException as error:          # noqa: BLE001 -- whatever else stopped the replay
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = print,
+           time_limit: float | None = None, every_step: bool = False) -> R.Failure | None:
+    """``replay.replay`` in a forked child: the failure it found, or the child's death or hang as one."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return R.replay(recorded, factory, out, time_limit, every_step)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    child = context.Process(target=_child, args=(recorded, factory, every_step, send),
+                            name="kvstate-replay", daemon=True)
+    child.start()
+    send.close()
+    deadline = None if time_limit is None else time.monotonic() + time_limit
+    step, op = 0, None
+    try:
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                child.kill()
+                failure = R.Failure(step, "apply" if step else "build", op, "RunTimeout", None,
+                                    f"the replay was still running after --time-limit {time_limit:g} s, stuck in "
+                                    + (f"step {step}, {op}" if step else "building the cache")
+                                    + "; its process was ended")
+                break
+            if not receive.poll(0.2 if left is None else min(left, 0.2)):
+                if child.is_alive() or receive.poll(0):
+                    continue
+                failure = _died(child, step, op)
+                break
+            try:
+                message = receive.recv()
+            except EOFError:
+                failure = _died(child, step, op)
+                break
+            if message[0] == "line":
+                out(message[1])
+            elif message[0] == "start":
+                _, step, op = message
+            elif message[0] == "done":
+                return None if message[1] is None else R.Failure(**message[1])
+            elif message[0] == "file":
+                raise ReplayFileError(message[1])
+            else:
+                raise RuntimeError(message[1])
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.kill()
+        child.join()
+    out("")
+    out(f"FAILED {failure}")
+    return failure
+
+
+def _died(child, step: int, op: str | None) -> R.Failure:
+    child.join(5)
+    code = child.exitcode
+    if code is None:
+        how = ""
+    elif code >= 0:
+        how = f": exit status {code}"
+    else:
+        try:
+            how = f": signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f": signal {-code}"
+    where = f"in step {step}, {op}" if step else "building the cache"
+    return R.Failure(step, "apply" if step else "build", op, "ProcessDied", None,
+                     f"the backend ended the replay's process {where}, without a result{how}")
