@@ -79,8 +79,12 @@ def describe(differs: dict[str, tuple]) -> str:
 
 def backend_sources(backend: str) -> list[tuple[str, Path]]:
     """The files a backend's code lives in, as (name relative to its folder, path): the whole
-    folder of the module's package (a backend split over sibling modules changes with any of
-    them), or just the file for a module outside any package."""
+    folder of the module's package, or, for a module outside any package (a ``.py`` file given by
+    path, which ``load_factory`` lets import the modules beside it), every ``.py`` file in its
+    folder and in the packages (folders with an ``__init__.py``) below it. A backend split over
+    sibling modules so changes with any of them; a whole folder rather than what the backend
+    happened to import, so the hash does not depend on the order a process imported things in
+    (a module imported late, inside a function, counts too)."""
     module_name = backend.partition(":")[0]
     if module_name.endswith(".py"):
         module = sys.modules[Path(module_name).stem]     # load_factory registers it by its stem
@@ -89,7 +93,15 @@ def backend_sources(backend: str) -> list[tuple[str, Path]]:
     path = Path(module.__file__).resolve()
     if getattr(module, "__path__", None) or module.__package__:
         return _package_sources(path.parent, None)
-    return [(path.name, path)]
+    return _folder_sources(path.parent)
+
+
+def _folder_sources(root: Path) -> list[tuple[str, Path]]:
+    """The ``.py`` files in ``root`` and, recursively, in its subfolders that are packages."""
+    files = [(path.name, path) for path in root.glob("*.py") if path.is_file()]
+    for init in root.glob("*/__init__.py"):
+        files += [(name, path) for name, path in _package_sources(root, (init.parent.name,))]
+    return sorted(files)
 
 
 def _package_sources(root: Path, subfolders: tuple[str, ...] | None) -> list[tuple[str, Path]]:
