@@ -210,6 +210,9 @@ def _sweep(args: argparse.Namespace) -> int:
             if args.shard:
                 k, n = S.parse_shard(args.shard)
                 seeds, label = S.shard(seeds, k, n), args.shard
+                if not seeds:       # it ran 0 runs and exited 0: a CI job that checked nothing read as green
+                    raise UsageError(f"--shard {args.shard} of {len(range(args.seeds)) if not args.seed_range else args.seed_range} "
+                                     "seeds holds no seed: use fewer shards or more seeds")
         args.steps = 400 if args.steps is None else args.steps
         args.shrink_limit = J.DEFAULT_SHRINK_LIMIT if args.shrink_limit is None else args.shrink_limit
         args.shrink_budget = J.DEFAULT_SHRINK_BUDGET if args.shrink_budget is None else args.shrink_budget

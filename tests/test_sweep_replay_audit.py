@@ -256,3 +256,9 @@ def test_replay_escapes_control_characters_from_the_file(tmp_path, capsys):
     shown = captured.out + captured.err
     assert "\\x1b[2J" in shown and "\\x9b" in shown and "\\u202e" in shown
     assert not any(c in shown for c in "\x1b\x9b\u202e")
+
+
+def test_a_shard_that_holds_no_seed_is_refused(tmp_path, capsys):
+    """From the audit: ``--seeds 2 --shard 3/3`` ran no run and exited 0."""
+    assert main(["sweep", "--seeds", "2", "--shard", "3/3", "--out", str(tmp_path / "out")]) == 2
+    assert "holds no seed" in capsys.readouterr().err
