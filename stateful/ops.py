@@ -116,7 +116,8 @@ def register(cls: type[Op]) -> type[Op]:
 
 
 def op_from_json(data: dict) -> Op:
-    """An operation from its JSON object; ``ValueError`` naming an unknown kind or a missing field."""
+    """An operation from its JSON object; ``ValueError`` naming an unknown kind, a missing field or one
+    the kind does not have."""
     data = dict(data)
     kind = data.pop("op", None)
     cls = OPS.get(kind) if isinstance(kind, str) else None
@@ -126,8 +127,11 @@ def op_from_json(data: dict) -> Op:
     for f in fields(cls):
         if f.name not in data:
             raise ValueError(f"operation {kind!r} without its {f.name!r} field")
-        value = data[f.name]
+        value = data.pop(f.name)
         kwargs[f.name] = tuple(value) if isinstance(value, list) else value
+    if data:        # a field this build does not know: a file from another version, or edited by hand
+        raise ValueError(f"operation {kind!r} with fields it does not have: {', '.join(sorted(map(str, data)))} "
+                         f"(its fields: {', '.join(f.name for f in fields(cls))})")
     return cls(**kwargs)
 
 

@@ -262,3 +262,17 @@ def test_a_shard_that_holds_no_seed_is_refused(tmp_path, capsys):
     """From the audit: ``--seeds 2 --shard 3/3`` ran no run and exited 0."""
     assert main(["sweep", "--seeds", "2", "--shard", "3/3", "--out", str(tmp_path / "out")]) == 2
     assert "holds no seed" in capsys.readouterr().err
+
+
+def test_a_replay_operation_with_a_field_its_kind_does_not_have_is_refused_by_name(tmp_path, capsys):
+    """From the audit: unknown fields in a replay file's operations were dropped without a word, so a
+    file from another version (or edited by hand) replayed as something else than it says."""
+    path = tmp_path / "extra.json"
+    path.write_text(json.dumps({
+        "format": "kvstate-replay/1", "backend": "kvstate.impl.numpy", "config_name": "f32-heap",
+        "config": {"layout": {"layers": 2, "kv_heads": 2, "head_dim": 4}, "page_tokens": 7, "precision": "f32",
+                   "arena_pages": 0, "max_entries": 2},
+        "seed": 0, "ops": [{"op": "allocate"}, {"op": "extend", "ctx": "c1", "tokens": [1, 0], "seed": 0,
+                                                "position": 3}]}))
+    assert main(["replay", str(path)]) == 2
+    assert "fields it does not have: position" in capsys.readouterr().err
