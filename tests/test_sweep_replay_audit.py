@@ -276,3 +276,19 @@ def test_a_replay_operation_with_a_field_its_kind_does_not_have_is_refused_by_na
                                                 "position": 3}]}))
     assert main(["replay", str(path)]) == 2
     assert "fields it does not have: position" in capsys.readouterr().err
+
+
+def test_a_replay_file_names_a_file_backend_by_its_absolute_path_also_as_a_cluster_was_handed_it(tmp_path,
+                                                                                                  monkeypatch):
+    """From the audit: a cluster's workers are handed a file backend as given (relative), and its replay
+    files kept it so: every file differed from the local pool's, which README says are byte for byte
+    the same, and the file replayed only from the folder the sweep ran in."""
+    from kvstate.stateful.configs import config_named
+    from kvstate.stateful.sweeps.runs import RunResult, save_replay
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "be").mkdir()
+    result = RunResult("f32-heap", 3, 4, 2, 0.1, 0.1, None, [{"op": "allocate"}], minimised=True)
+    save_replay("be/mine.py:factory", config_named("f32-heap"), result, tmp_path / "replays")
+    saved = json.loads(Path(result.replay_file).read_text())
+    assert saved["backend"] == f"{tmp_path / 'be' / 'mine.py'}:factory"

@@ -18,7 +18,7 @@ from kvstate.spec.errors import RunTimeout
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from ..backends import load_factory
+from ..backends import canonical_backend, load_factory
 from ..configs import page_sizes
 from ..deadline import Deadline
 from ..generate import Generator
@@ -154,10 +154,12 @@ def shrink_result(backend: str, config: Config, result: RunResult, budget_s: flo
 
 def save_replay(backend: str, config: Config, result: RunResult, replays: Path) -> RunResult:
     """Write a failing run's replay file (shrunk or not) into ``replays`` and note where, as an absolute
-    path: the printed ``kvstate replay`` commands and the reports' paths work from any folder."""
+    path: the printed ``kvstate replay`` commands and the reports' paths work from any folder. The file
+    names a file backend by its absolute path, as a local sweep does, also where a cluster's workers
+    were handed it as given: the same failure gives the same file either way."""
     config = config.with_(page_tokens=result.page_tokens)
     ops = [O.op_from_json(op) for op in result.ops]
-    replay = Replay(backend, config, result.seed, ops, result.failure, minimised=result.minimised,
+    replay = Replay(canonical_backend(backend), config, result.seed, ops, result.failure, minimised=result.minimised,
                     original_steps=result.steps)
     result.replay_file = os.path.abspath(save(replay, replays / f"{result.config}-seed{result.seed}.json"))
     return result
