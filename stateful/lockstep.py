@@ -128,10 +128,8 @@ class Lockstep:
             self.reference.engine_refused = self.reference.engine_keys = None
         if not same_refusal(engine_error, ref_error):
             engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
-            hint = ""
-            if isinstance(engine_error, CapacityError) and ref_error is None:
-                hint = self._room_hint()
-            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}{hint}")
+            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}"
+                                            f"{self._refusal_hint(engine_error, ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
             self._unchanged_by_refusal(op, before, engine_error)
@@ -178,8 +176,8 @@ class Lockstep:
             self.reference.engine_refused = self.reference.engine_keys = None
         if not same_refusal(engine_error, ref_error):
             engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
-            hint = self._room_hint() if isinstance(engine_error, CapacityError) and ref_error is None else ""
-            raise self._violation("errors", f"{call}: engine {engine_said}, reference {describe_refusal(ref_error)}{hint}")
+            raise self._violation("errors", f"{call}: engine {engine_said}, reference {describe_refusal(ref_error)}"
+                                            f"{self._refusal_hint(engine_error, ref_error)}")
         if engine_error is not None:
             self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
             self._unchanged_by_refusal(as_op, before, engine_error)
@@ -189,6 +187,17 @@ class Lockstep:
         self.history[-1] = f"{new} = {call}"
         self.live[new] = (engine_result, ref_result)
         return new
+
+    def _refusal_hint(self, engine_error, ref_error) -> str:
+        """What a difference on room may come from, whichever side refused: "" for other differences."""
+        if isinstance(engine_error, CapacityError) and ref_error is None:
+            return self._room_hint()
+        if engine_error is None and isinstance(ref_error, CapacityError):
+            return ("; the engine had room the reference did not. An engine accepting here counts fewer pages "
+                    "live than it holds: a page freed while a holder still lists it (a fork or hit that took no "
+                    "reference on its pages, a close or truncate that let a shared page go), or an operation's "
+                    "need counted lower than spec/semantics.py does (a copy of a shared page it writes forgotten)")
+        return ""
 
     def _room_hint(self) -> str:
         """Why an engine may refuse for room where the reference had it: the books of both, as far as seen."""

@@ -155,3 +155,21 @@ def test_a_directed_restore_tells_the_reference_how_the_engine_answered():
     roomy = Cache(config.layout, page_tokens=2)     # an engine with room for 3 more pages, as whole pages' count has
     handle = run.restore_beside("restore(c2's bytes)", lambda: roomy.restore(io.BytesIO(stream.getvalue())), second)
     assert handle is not None and run.reference.viable == (WHOLE_PAGES, SAME_KEY)
+
+
+def test_an_engine_accepting_where_the_reference_has_no_room_is_told_what_that_may_come_from(monkeypatch):
+    """From an audit: a fork that took no reference on its pages showed, in a black box, only as a pool
+    with room the reference did not have, and the report said nothing of what gives an engine room."""
+    from kvstate.impl import pool_policy
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful.configs import config_named
+
+    config = config_named("f32-arena10-refuse").with_(page_tokens=2)
+    monkeypatch.setattr(pool_policy.PoolPolicy, "fits", lambda self, needed: True)      # room, always
+    run = Lockstep(numpy_factory, config)
+    ctx = run.apply(O.Allocate())
+    with pytest.raises(AssertionError) as accepted:
+        run.apply(O.Extend(ctx, tuple(i % 3 for i in range(2 * config.pool_limit + 2)), seed=1))
+    message = str(accepted.value)
+    assert "engine accepted, reference CapacityError" in message, message
+    assert "a page freed while a holder still lists it" in message, message
