@@ -40,7 +40,7 @@ from kvstate.impl import Cache
 from kvstate.spec import invariants
 from kvstate.spec import precision as precisions
 from kvstate.spec.semantics import may_refuse
-from kvstate.spec.errors import CapacityError, ContextBusyError, InvariantViolation
+from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError, InvariantViolation
 from kvstate.spec.layout import Layout
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, standard_configs
@@ -425,14 +425,27 @@ def check_after(cache: Cache, where: str, expected_tree=None, live: dict | None 
         obs = cache.observe()
         invariants.check_structure(obs)
         check_pool(obs, config)
-        if expected_tree is None:
-            expected_tree = [(entry.key, entry.tick) for entry in obs.entries]
+        if expected_tree is None:       # the tree's own, structure only (none without the tree tier)
+            expected_tree = [(entry.key, entry.tick) for entry in obs.entries or ()]
         invariants.check_tree(obs, expected_tree)
         if live is not None:
             invariants.check_values({n: read_numpy(c) for n, c in live.items()},
                                     {n: r.read() for n, r in reference.items()})
     except InvariantViolation as error:
         raise RaceFailure(f"{where}: {error}") from error
+
+
+def is_closed(ctx) -> bool:
+    """Whether ``ctx`` is closed: its ``closed`` attribute where it has one (the protocol does not ask
+    for it), else whether a read of no positions is refused as a closed context's."""
+    closed = getattr(ctx, "closed", None)
+    if isinstance(closed, bool):
+        return closed
+    try:
+        ctx.read(0, 0)
+    except ContextClosedError:
+        return True
+    return False
 
 
 def check_emptied(cache: Cache, where: str) -> None:
