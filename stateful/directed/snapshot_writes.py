@@ -3,6 +3,9 @@
 - Into a stream that already holds bytes (a ``BytesIO``, a file opened for append,
   a stream that cannot seek): the bytes before it stay as they were, and restoring
   from that offset gives back what the reference holds.
+- In the format: the spec's own reader (``spec/snapshot_format.py``) takes the bytes for
+  the context's tokens and values. A round trip through the engine alone cannot tell a body
+  written and read back in another order.
 - To a path: durably. The check records the ``os`` calls the write makes
   (``fsync``/``fdatasync``, ``replace``/``rename``; what each synced descriptor is,
   by ``fstat``) and requires the README's protocol: the bytes are written to a
@@ -29,6 +32,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
+
+from kvstate.spec import precision as precisions
+from kvstate.spec import snapshot_format as fmt
+from kvstate.spec.errors import SnapshotError
 from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import may_refuse
 
@@ -38,6 +46,8 @@ from ..lockstep import Lockstep
 
 AT_OFFSET = ("a snapshot written into a stream that already holds bytes leaves those bytes as they were, "
              "and restoring from that offset gives back the context")
+IN_FORMAT = ("a snapshot's bytes are spec/snapshot_format.py's format: the spec's own reader takes them for the "
+             "context's tokens and values, positions first, in the cache's precision")
 DURABLE = ("a snapshot written to a path goes to a temporary file that is synced, at its full size, before "
            "it is renamed over the target, and the folder is synced after the rename")
 
@@ -91,6 +101,7 @@ def _into_bytesio(run: Lockstep, handle: str) -> None:
     record(run, call)
     run.live[handle][0].snapshot(stream)
     _prefix_intact(call, stream.getvalue())
+    _as_the_spec_reads_it(run, handle, stream.getvalue()[len(_PREFIX):], call)
     stream.seek(len(_PREFIX))
     _restore_and_compare(run, handle, stream, f"restore(that BytesIO, from offset {len(_PREFIX)})")
 
@@ -129,6 +140,36 @@ def _into_unseekable(run: Lockstep, handle: str) -> None:
     data = bytes(stream.data)
     _prefix_intact(call, data)
     _restore_and_compare(run, handle, io.BytesIO(data[len(_PREFIX):]), "restore(the bytes it wrote)")
+
+
+def _as_the_spec_reads_it(run: Lockstep, handle: str, data: bytes, call: str) -> None:
+    """The engine's snapshot read by the spec's own reader equals the reference's context: a body in
+    another order (layers first, say) that the engine's own restore reads back the same way passes
+    every round trip, and no other engine or kvstate release could read it."""
+    try:
+        header = fmt.parse_header(data)
+        arrays = fmt.check_body(header, memoryview(data)[header.size:header.size + header.body_bytes])
+    except SnapshotError as error:
+        raise BrokenPromise(IN_FORMAT, call, f"the spec's reader refuses it: {type(error).__name__}: {error}") from None
+    config = run.config
+    if header.precision != config.precision or header.layout != config.layout:
+        raise BrokenPromise(IN_FORMAT, call, f"its header says {header.precision} {header.layout}, the cache is "
+                                             f"{config.precision} {config.layout}")
+    want_values, want_tokens = run.live[handle][1].read()
+    tokens = arrays["tokens"].astype(np.int64)
+    if not np.array_equal(tokens, want_tokens):
+        at = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), min(len(tokens), len(want_tokens)))
+        raise BrokenPromise(IN_FORMAT, call, f"the spec's reader finds {len(tokens)} tokens, the context holds "
+                                             f"{len(want_tokens)}; they differ from position {at}")
+    parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
+    values = precisions.decode(header.precision, parts)
+    differs = values.view(np.uint32) != want_values.view(np.uint32)
+    if differs.any():
+        index = tuple(int(i) for i in np.argwhere(differs)[0])
+        raise BrokenPromise(IN_FORMAT, call, f"the spec's reader finds {values[index]!r} at {index} (position, layer, "
+                                             f"k/v, head, dim), the context holds {want_values[index]!r}: the body "
+                                             "is position-major, each position's (layers, 2, kv_heads, head_dim) "
+                                             "values in turn")
 
 
 def _prefix_intact(call: str, data: bytes) -> None:
