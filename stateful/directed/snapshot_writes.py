@@ -158,7 +158,8 @@ def _as_the_spec_reads_it(run: Lockstep, handle: str, data: bytes, call: str) ->
     want_values, want_tokens = run.live[handle][1].read()
     tokens = arrays["tokens"].astype(np.int64)
     if not np.array_equal(tokens, want_tokens):
-        at = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b), min(len(tokens), len(want_tokens)))
+        at = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens)) if a != b),
+                  min(len(tokens), len(want_tokens)))
         raise BrokenPromise(IN_FORMAT, call, f"the spec's reader finds {len(tokens)} tokens, the context holds "
                                              f"{len(want_tokens)}; they differ from position {at}")
     parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
