@@ -364,6 +364,13 @@ def _replay(args: argparse.Namespace) -> int:
 
     try:
         recorded = R.load(args.file)
+        short = recorded.failure
+        if short is not None and short.phase != "finish" and short.step > len(recorded.ops):
+            # A sweep's redraw that ended early (a crash that is not deterministic) saved fewer
+            # operations than the step the run failed at: replayed, it would pass and read as "fixed".
+            raise ReplayFileError(f"{args.file} records a failure at step {short.step} but holds only "
+                                  f"{len(recorded.ops)} operations: it cannot reproduce that failure "
+                                  f"(the sweep could not draw the operations that ran again)")
         backend = args.backend or recorded.backend
         if not args.backend and not args.trust_backend:
             _refuse_untrusted(recorded.backend, args.file)

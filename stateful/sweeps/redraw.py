@@ -133,6 +133,13 @@ def crashed(backend: str, config: Config, seed: int, steps: int, error: BaseExce
     if known is None:
         message += (f"; drawn again with the backend, it {found.ended} at step {step}" if found.ended else
                     f"; drawn again with the backend it ran all {step} steps: the step the run stopped at is not known")
+    elif len(found.ops) < known:
+        # The drawing ended before the step the run stopped at (it died, raised or hung earlier: a
+        # backend whose crash is not deterministic draws otherwise): the file holds fewer operations
+        # than its failure's step, and says so; ``kvstate replay`` refuses such a file (exit 2).
+        message += (f"; drawn again with the backend, it {found.ended or 'ended'} after {len(found.ops)} of the "
+                    f"{known} operations: the replay file holds only those {len(found.ops)} and does not reach "
+                    f"the failure")
     op = None
     if 0 < step <= len(found.ops):
         op = str(op_from_json(found.ops[step - 1]))

@@ -105,11 +105,17 @@ def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: flo
     a backend that damages another one is seen a step or more late, and its replay file, which a
     replay fails earlier, did not reproduce it exactly. Run again on failure only, under a run timeout
     of its own (a failing seed may so take twice ``--run-timeout``); the operations after the step it
-    pins are dropped. A re-run that times out (it reads more) keeps the run's own failure."""
+    pins are dropped. A re-run that times out (it reads more) keeps the run's own failure. The re-run
+    reports each step it begins to the watchdog, as the run did: a crash or a hang in C during it is
+    saved at the step it happened in (it was saved at step 0, with no operations)."""
     watchdog.begin(timeout_s)       # a phase of its own, under the same limit
+
+    def reported(step, op, lockstep) -> bool:
+        watchdog.step(step)         # a crash or a hang in C here is saved at the step it was in
+        return True                 # every step checked, as without a watch
     try:
         with Deadline(timeout_s) as deadline:
-            again, _ = execute(factory, config, list(ran))
+            again, _ = execute(factory, config, list(ran), watch=reported)
     except RunTimeout:
         return failure, ran
     if deadline.fired or again is None or again.error == RunTimeout.__name__ or again.phase == "finish" \

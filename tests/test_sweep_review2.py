@@ -1,0 +1,99 @@
+"""A second review of the nightly-sweep surface (``kvstate sweep``, ``kvstate replay``): crashes in the
+re-run that pins a failure, redraws that end early, backends that start processes, a watchdog row left
+by a dead process, replays slower than --time-limit, fingerprints of odd folders, printed data. Each
+test fails with its fix reverted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvstate.cli import main
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
+
+PLANTED = '''
+import ctypes, multiprocessing, os, time
+from listcache import ListCache, ListContext, factory as _ok
+
+def act(self):
+{act}
+
+
+class C(ListContext):
+    def truncate(self, k):
+        if self.cache.page_tokens == 5 and k == 3:
+            act(self)
+        return super().truncate(k)
+
+
+class K(ListCache):
+    context_class = C
+
+
+def factory(config):
+{build}
+    return K(config)
+
+
+factory.configs = _ok.configs[:1]       # f32-heap
+factory.any_page_size = _ok.any_page_size
+{extra}
+'''
+
+
+def _backend(tmp_path: Path, name: str, act: str, build: str = "    pass", extra: str = "") -> str:
+    """A listcache (beside a copy of ``examples/listcache.py``) that runs ``act`` at one truncate:
+    seed 5 gets there at step 48."""
+    folder = tmp_path / "be"
+    folder.mkdir(exist_ok=True)
+    shutil.copy(EXAMPLES / "listcache.py", folder / "listcache.py")
+    (folder / f"{name}.py").write_text(PLANTED.format(act=act, build=build, extra=extra))
+    return str(folder / f"{name}.py")
+
+
+def _sweep(tmp_path: Path, backend: str, *more: str) -> dict:
+    out = tmp_path / "out"
+    status = main(["sweep", "--seed-range", "5:6", "--steps", "60", "--backend", backend, "--out", str(out),
+                   "--shrink-limit", "0", *more])
+    assert status == 1
+    return json.loads((out / "report.json").read_text())
+
+
+def test_a_crash_in_the_rerun_that_pins_a_failure_is_saved_at_its_step_with_its_operations(tmp_path, capsys):
+    """From the review: the re-run that pins a failure (``runs._pinned``) reported no steps to the
+    watchdog, which its ``begin`` had reset to 0: a crash there was saved at step 0 with no operations,
+    and its replay passed (exit 0, "fixed")."""
+    backend = _backend(tmp_path, "pinned_segv", "    if _seen:\n        ctypes.string_at(0)\n"
+                                                "    _seen.append(1)\n    raise ValueError('planted')",
+                       extra="_seen = []")
+    [failure] = _sweep(tmp_path, backend)["failures"]
+    assert (failure["seed"], failure["failure"]["error"], failure["failure"]["step"]) == (5, "ProcessDied", 48)
+    saved = json.loads(Path(failure["replay_file"]).read_text())
+    assert len(saved["ops"]) == 48 and saved["failure"]["op"] == "truncate(ctx='c6', n=3)"
+
+
+def test_a_redraw_that_ends_before_the_known_step_says_so_and_its_replay_is_refused(tmp_path, capsys):
+    """From the review: a redraw that died before the step the run crashed at (a crash that is not
+    deterministic) saved 2 operations for a failure at step 48 without a word, and its replay exited 0."""
+    backend = _backend(
+        tmp_path, "nondet_segv", "    ctypes.string_at(0)",
+        extra="_count = [0]\n_orig = ListContext.writable\n"
+              "def _writable(self, index):\n"
+              "    if multiprocessing.current_process().name == 'kvstate-sweep-redraw':\n"
+              "        _count[0] += 1\n"
+              "        if _count[0] == 10:\n"
+              "            ctypes.string_at(0)\n"
+              "    return _orig(self, index)\n"
+              "ListContext.writable = _writable")
+    [failure] = _sweep(tmp_path, backend)["failures"]
+    assert failure["failure"]["step"] == 48
+    saved = json.loads(Path(failure["replay_file"]).read_text())
+    assert len(saved["ops"]) < 48
+    assert f"after {len(saved['ops'])} of the 48 operations" in failure["failure"]["message"]
+    capsys.readouterr()
+    assert main(["replay", failure["replay_file"], "--backend", backend]) == 2
+    assert f"records a failure at step 48 but holds only {len(saved['ops'])} operations" in capsys.readouterr().err
