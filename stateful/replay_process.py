@@ -52,7 +52,7 @@ def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = pr
     sys.stdout.flush()
     sys.stderr.flush()
     child = context.Process(target=_child, args=(recorded, factory, every_step, send),
-                            name="kvstate-replay", daemon=True)
+                            name="kvstate-replay", daemon=False)   # a backend may start processes
     child.start()
     send.close()
     deadline = None if time_limit is None else time.monotonic() + time_limit

@@ -97,3 +97,18 @@ def test_a_redraw_that_ends_before_the_known_step_says_so_and_its_replay_is_refu
     capsys.readouterr()
     assert main(["replay", failure["replay_file"], "--backend", backend]) == 2
     assert f"records a failure at step 48 but holds only {len(saved['ops'])} operations" in capsys.readouterr().err
+
+
+def test_a_backend_that_starts_processes_is_drawn_again_and_replayed(tmp_path, capsys):
+    """From the review: the redraw and replay children were daemonic, so a backend that starts a process
+    when it builds a cache (an engine's allocator or worker process) failed there ("daemonic processes
+    are not allowed to have children"): its crash was saved without its operations, its replay was an error."""
+    backend = _backend(tmp_path, "mp_helper", "    ctypes.string_at(0)",
+                       build="    helper = multiprocessing.Process(target=int)\n    helper.start(); helper.join()")
+    [failure] = _sweep(tmp_path, backend)["failures"]
+    assert (failure["failure"]["error"], failure["failure"]["step"]) == ("ProcessDied", 48)
+    assert "daemonic" not in failure["failure"]["message"]
+    assert len(json.loads(Path(failure["replay_file"]).read_text())["ops"]) == 48
+    capsys.readouterr()
+    assert main(["replay", failure["replay_file"], "--backend", backend]) == 1
+    assert "reproduces the recorded failure" in capsys.readouterr().out

@@ -71,7 +71,7 @@ def redraw(backend: str, config: Config, seed: int, steps: int, stop_at: int | N
     found = Redrawn()
     receive, send = multiprocessing.Pipe(duplex=False)
     process = multiprocessing.Process(target=_draw, args=(backend, config, seed, steps, stop_at, timeout_s, send),
-                                      name="kvstate-sweep-redraw", daemon=True)
+                                      name="kvstate-sweep-redraw", daemon=False)   # a backend may start processes
     process.start()
     send.close()
     deadline = time.monotonic() + (REDRAW_LIMIT_S if timeout_s is None else timeout_s) + watchdog.GRACE_S
