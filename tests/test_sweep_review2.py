@@ -112,3 +112,52 @@ def test_a_backend_that_starts_processes_is_drawn_again_and_replayed(tmp_path, c
     capsys.readouterr()
     assert main(["replay", failure["replay_file"], "--backend", backend]) == 1
     assert "reproduces the recorded failure" in capsys.readouterr().out
+
+
+def _crash_or_return(name: str, limit: float, crash_after: float) -> str:
+    """A pool task that reports step 7 and then returns, or crashes in C (SIGSEGV: not a hang)."""
+    import ctypes
+    import time
+
+    from kvstate.stateful.sweeps import watchdog
+
+    watchdog.begin(limit)
+    watchdog.step(7)
+    time.sleep(crash_after)
+    if name == "crasher":
+        ctypes.string_at(0)
+    return name
+
+
+def test_a_pool_process_that_crashed_is_not_taken_for_stuck_while_the_sweep_is_busy(monkeypatch):
+    """From the review: a pool process that died left its watchdog row started; with the sweep's main
+    thread busy past the limit plus ``GRACE_S`` (a redraw, a slow write), the watchdog recorded the crash
+    as a task stuck (``RunTimeout``, not ``ProcessDied``) and sent SIGKILL to the reaped, maybe reused, pid."""
+    import os
+    import threading
+    import time
+
+    from kvstate.stateful.sweeps import sweep as S
+    from kvstate.stateful.sweeps import watchdog
+
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.2)
+    killed = []
+    real_kill = os.kill
+
+    def kill(pid, sig):
+        if threading.current_thread().name == "kvstate-sweep-watchdog":
+            killed.append(pid)
+        return real_kill(pid, sig)
+    monkeypatch.setattr(os, "kill", kill)
+    pool = S.LocalPool(1)
+    results = {}
+    try:
+        for job, result in S._map(pool, _crash_or_return, [("quick", 0.3, 0.0), ("crasher", 0.3, 0.2)]):
+            results[job[0]] = result
+            if job[0] == "quick":
+                time.sleep(1.2)         # the main thread busy while the crasher's process dies
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    assert type(results["crasher"]).__name__ == "ProcessDied" and results["crasher"].step == 7
+    assert killed == []
+    assert not watchdog.live_child(os.getpid()) and not watchdog.live_child(2 ** 22 + 12345)

@@ -105,6 +105,8 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stopped.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _watch(self) -> None:
         while not self._stopped.wait(POLL_S):
@@ -118,9 +120,34 @@ class Watchdog:
         job, pid, at = int(self.table[base + JOB]), int(self.table[base + PID]), int(self.table[base + STEP])
         if self.table[base + STARTED] != started or int(self.table[base + JOB]) != job:
             return          # it moved on meanwhile
+        if not live_child(pid):
+            # Its process died (a crash) and left the row started: that is a ``ProcessDied``, not a
+            # task stuck, and the pid, reaped, may be another process's by now. The row is cleared.
+            if self.table[base + STARTED] == started:
+                self.table[base + STARTED] = 0.0
+            return
         self.stuck[job] = at
         self.table[base + STARTED] = 0.0
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def live_child(pid: int) -> bool:
+    """Whether ``pid`` is a live (not a zombie) child of this process: a pool process still running.
+    On Linux from ``/proc/<pid>/stat``; elsewhere only whether some process has that pid."""
+    if pid <= 0:
+        return False
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.kill(pid, 0)
+        except (ProcessLookupError, PermissionError):    # gone, or not ours to signal
+            return False
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()   # after the name, which may hold anything
+    except OSError:
+        return False        # gone
+    return fields[0] != b"Z" and int(fields[1]) == os.getpid()
