@@ -6,8 +6,10 @@ first ended ``kvstate replay`` with the backend's own status (0 read as "fixed")
 for good. So the replay runs in a forked child, which tells this process each step before it
 applies it and sends back the lines it prints and the failure it found. A child that dies without
 a result is a ``ProcessDied`` failure at the step it had begun, naming its exit status or signal; one
-still running after ``time_limit`` is killed and is a ``RunTimeout`` failure naming the step and the
-operation it was stuck in. Both are the failure reproducing, as any other.
+still running after ``time_limit`` is killed and, where the file records a ``RunTimeout``, is a
+``RunTimeout`` failure naming the step and the operation it was stuck in; where the file records
+anything else, the replay was merely slower than the limit: ``RunTimeout`` is raised (``kvstate
+replay`` exits 2, "raise --time-limit"), not read as a failure that differs from the recorded one.
 
 Where processes cannot be forked (Windows), the replay runs in this process, as before.
 """
@@ -21,7 +23,7 @@ import time
 from dataclasses import asdict
 from typing import Callable
 
-from kvstate.spec.errors import ReplayFileError
+from kvstate.spec.errors import ReplayFileError, RunTimeout
 from kvstate.spec.protocol import Factory
 
 from . import replay as R
@@ -62,6 +64,11 @@ def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = pr
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 child.kill()
+                if getattr(recorded.failure, "error", None) != "RunTimeout":
+                    # Not the recorded failure (none was a hang): the replay is slower than the limit.
+                    raise RunTimeout(f"the replay did not finish within {time_limit:g} s (it was in "
+                                     + (f"step {step}, {op}" if step else "building the cache")
+                                     + "): raise --time-limit")
                 failure = R.Failure(step, "apply" if step else "build", op, "RunTimeout", None,
                                     f"the replay was still running after --time-limit {time_limit:g} s, stuck in "
                                     + (f"step {step}, {op}" if step else "building the cache")

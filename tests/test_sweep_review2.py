@@ -161,3 +161,15 @@ def test_a_pool_process_that_crashed_is_not_taken_for_stuck_while_the_sweep_is_b
     assert type(results["crasher"]).__name__ == "ProcessDied" and results["crasher"].step == 7
     assert killed == []
     assert not watchdog.live_child(os.getpid()) and not watchdog.live_child(2 ** 22 + 12345)
+
+
+def test_a_replay_slower_than_its_time_limit_asks_for_more_time(tmp_path, capsys):
+    """From the review: a replay merely slower than --time-limit (the file records an exception, not a
+    hang) exited 3, "fails, but NOT as recorded", instead of 2 with a word to raise the limit."""
+    raising = _backend(tmp_path, "raising", "    raise ValueError('planted')")
+    [failure] = _sweep(tmp_path, raising)["failures"]
+    slow = _backend(tmp_path, "slow", "    time.sleep(30)")
+    capsys.readouterr()
+    assert main(["replay", failure["replay_file"], "--backend", slow, "--time-limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "did not finish within 1 s" in err and "raise --time-limit" in err and "step 48" in err
