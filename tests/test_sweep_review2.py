@@ -160,7 +160,9 @@ def test_a_pool_process_that_crashed_is_not_taken_for_stuck_while_the_sweep_is_b
         pool.shutdown(wait=True, cancel_futures=True)
     assert type(results["crasher"]).__name__ == "ProcessDied" and results["crasher"].step == 7
     assert killed == []
-    assert not watchdog.live_child(os.getpid()) and not watchdog.live_child(2 ** 22 + 12345)
+    here = watchdog.started_at(os.getpid())
+    assert watchdog.alive(os.getpid(), here) and not watchdog.alive(os.getpid(), here + 1)
+    assert not watchdog.alive(2 ** 22 + 12345)
 
 
 def test_a_replay_slower_than_its_time_limit_asks_for_more_time(tmp_path, capsys):

@@ -27,8 +27,8 @@ GRACE_S = 2.0
 """How long past its limit a task may run before the watchdog kills its process."""
 POLL_S = 0.05
 
-PID, JOB, STARTED, LIMIT, STEP = range(5)
-WIDTH = 5
+PID, JOB, STARTED, LIMIT, STEP, BORN = range(6)
+WIDTH = 6
 
 _table = None        # this pool process's pool's table, and this process's row in it
 _row = -1
@@ -68,6 +68,7 @@ def begin(limit_s: float | None) -> None:
     _table[base + JOB] = _job
     _table[base + LIMIT] = -1.0 if limit_s is None else float(limit_s)
     _table[base + PID] = float(os.getpid())
+    _table[base + BORN] = float(started_at(os.getpid()) or 0)
     _table[base + STARTED] = time.monotonic()
 
 
@@ -120,7 +121,7 @@ class Watchdog:
         job, pid, at = int(self.table[base + JOB]), int(self.table[base + PID]), int(self.table[base + STEP])
         if self.table[base + STARTED] != started or int(self.table[base + JOB]) != job:
             return          # it moved on meanwhile
-        if not live_child(pid):
+        if not alive(pid, int(self.table[base + BORN])):
             # Its process died (a crash) and left the row started: that is a ``ProcessDied``, not a
             # task stuck, and the pid, reaped, may be another process's by now. The row is cleared.
             if self.table[base + STARTED] == started:
@@ -134,9 +135,29 @@ class Watchdog:
             pass
 
 
-def live_child(pid: int) -> bool:
-    """Whether ``pid`` is a live (not a zombie) child of this process: a pool process still running.
-    On Linux from ``/proc/<pid>/stat``; elsewhere only whether some process has that pid."""
+
+def _stat(pid: int) -> list[bytes] | None:
+    """The fields of ``/proc/<pid>/stat`` after the process's name (state first); None where it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()     # the name, before it, may hold anything
+    except OSError:
+        return None
+
+
+def started_at(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux; None elsewhere or where it is gone):
+    with its pid, it names one process, whose pid a later one may reuse."""
+    fields = _stat(pid) if os.path.isdir("/proc/self") else None
+    return int(fields[19]) if fields else None
+
+
+def alive(pid: int, born: int = 0) -> bool:
+    """Whether the process ``pid``, started at ``born`` (``started_at``; 0: not known), still runs: on
+    Linux, ``/proc/<pid>/stat`` is there, not a zombie's (dead, not yet reaped), and, where ``born`` is
+    known, of a process started then (not another one that reuses the pid). Elsewhere, whether some
+    process has that pid and this one may signal it. A pool process may be this process's child (fork)
+    or the fork server's (forkserver): its parent is not checked."""
     if pid <= 0:
         return False
     if not os.path.isdir("/proc/self"):
@@ -145,9 +166,5 @@ def live_child(pid: int) -> bool:
         except (ProcessLookupError, PermissionError):    # gone, or not ours to signal
             return False
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read().rpartition(b")")[2].split()   # after the name, which may hold anything
-    except OSError:
-        return False        # gone
-    return fields[0] != b"Z" and int(fields[1]) == os.getpid()
+    fields = _stat(pid)
+    return fields is not None and fields[0] != b"Z" and (not born or int(fields[19]) == born)
