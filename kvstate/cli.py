@@ -384,7 +384,8 @@ def _replay(args: argparse.Namespace) -> int:
         if recorded.failure is not None:
             show(f"recorded failure: {recorded.failure}")
         failure = replay_process.replay(recorded, factory, show, time_limit=args.time_limit,
-                                        every_step=args.every_step)
+                                        every_step=args.every_step,
+                                        spawn_backend=backend if args.spawn else None)
     except (ReplayFileError, FactoryError, UsageError, RunTimeout) as error:
         print(printable(f"kvstate replay: {error}"), file=sys.stderr)
         return 2
@@ -504,6 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--every-step", action="store_true",
                         help="check every invariant after every step (default: after every step while the cache "
                              "is small, then spaced so the replay takes time linear in its length)")
+    replay.add_argument("--spawn", action="store_true",
+                        help="run the replay in a fresh process (spawn) that imports the backend itself, not in a "
+                             "fork of this one, which built a cache to check the backend: for a backend that cannot "
+                             "run in a forked child (CUDA). Patches made in this process do not reach it")
     replay.set_defaults(run=_replay)
 
     spec_check = commands.add_parser(

@@ -11,7 +11,9 @@ still running after ``time_limit`` is killed and, where the file records a ``Run
 anything else, the replay was merely slower than the limit: ``RunTimeout`` is raised (``kvstate
 replay`` exits 2, "raise --time-limit"), not read as a failure that differs from the recorded one.
 
-Where processes cannot be forked (Windows), the replay runs in this process, as before.
+Where processes cannot be forked (Windows), the replay runs in this process, as before. With
+``kvstate replay --spawn`` the child starts fresh (``spawn``) and imports the backend by its name:
+for a backend that cannot run in a forked copy of a process that built a cache (CUDA).
 """
 
 from __future__ import annotations
@@ -44,16 +46,39 @@ def _child(recorded: R.Replay, factory: Factory, every_step: bool, conn) -> None
         conn.send(("error", f"{type(error).__name__}: {error}"))
 
 
+def _spawned(recorded: R.Replay, backend: str, every_step: bool, conn) -> None:
+    """``_child`` in a fresh process (``spawn``): the backend imported there, by its name."""
+    from .backends import load_factory
+    try:
+        factory = load_factory(backend)
+    except BaseException as error:          # noqa: BLE001 -- told to the parent
+        conn.send(("error", f"{type(error).__name__}: {error}"))
+        return
+    _child(recorded, factory, every_step, conn)
+
+
 def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = print,
-           time_limit: float | None = None, every_step: bool = False) -> R.Failure | None:
-    """``replay.replay`` in a forked child: the failure it found, or the child's death or hang as one."""
-    if "fork" not in multiprocessing.get_all_start_methods():
+           time_limit: float | None = None, every_step: bool = False,
+           spawn_backend: str | None = None) -> R.Failure | None:
+    """``replay.replay`` in a forked child: the failure it found, or the child's death or hang as one.
+
+    With ``spawn_backend`` (a backend's name, as ``load_factory`` takes it) the child starts fresh
+    (``spawn``) and imports the backend itself, rather than being a fork of this process, which built
+    a cache already (the backend's check): a CUDA backend cannot run in a forked child of a process that
+    used CUDA. Patches made in this process (``planted.PLANTED``) do not reach a spawned child."""
+    methods = multiprocessing.get_all_start_methods()
+    if spawn_backend is not None and "spawn" in methods:
+        context = multiprocessing.get_context("spawn")
+        target, backend_arg = _spawned, spawn_backend
+    elif "fork" in methods:
+        context = multiprocessing.get_context("fork")
+        target, backend_arg = _child, factory
+    else:
         return R.replay(recorded, factory, out, time_limit, every_step)
-    context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
     sys.stdout.flush()
     sys.stderr.flush()
-    child = context.Process(target=_child, args=(recorded, factory, every_step, send),
+    child = context.Process(target=target, args=(recorded, backend_arg, every_step, send),
                             name="kvstate-replay", daemon=False)   # a backend may start processes
     child.start()
     send.close()

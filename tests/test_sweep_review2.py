@@ -175,3 +175,42 @@ def test_a_replay_slower_than_its_time_limit_asks_for_more_time(tmp_path, capsys
     assert main(["replay", failure["replay_file"], "--backend", slow, "--time-limit", "1"]) == 2
     err = capsys.readouterr().err
     assert "did not finish within 1 s" in err and "raise --time-limit" in err and "step 48" in err
+
+
+FORK_HOSTILE = '''
+import os
+from listcache import factory as _ok
+
+_used_in = []       # the process that built a cache: as CUDA, it cannot be used again in a fork of it
+
+
+def factory(config):
+    if _used_in and _used_in[0] != os.getpid():
+        raise RuntimeError("cannot re-initialize CUDA in forked subprocess")
+    _used_in[:] = [os.getpid()]
+    return _ok(config)
+
+
+factory.configs = _ok.configs[:1]
+factory.any_page_size = _ok.any_page_size
+'''
+
+
+def test_replay_spawn_runs_a_backend_that_cannot_run_in_a_fork(tmp_path, capsys):
+    """From the review: the replay's child was a fork of the process that had built a cache to check the
+    backend, where a CUDA backend fails. ``--spawn`` starts it fresh, importing the backend there."""
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.backends import load_factory
+    from kvstate.stateful.configs import configs_for
+
+    folder = tmp_path / "be"
+    folder.mkdir()
+    shutil.copy(EXAMPLES / "listcache.py", folder / "listcache.py")
+    backend = folder / "cuda_like.py"
+    backend.write_text(FORK_HOSTILE)
+    config = configs_for(load_factory(str(backend)))[0]
+    path = R.save(R.Replay(str(backend), config, 0, [O.Allocate(), O.Extend("c1", (1, 2, 3))]), tmp_path / "r.json")
+    assert main(["replay", str(path), "--backend", str(backend), "--spawn"]) == 0
+    assert "every invariant holds" in capsys.readouterr().out
+    assert main(["replay", str(path), "--backend", str(backend)]) != 0      # forked: what --spawn is for
