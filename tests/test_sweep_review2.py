@@ -214,3 +214,28 @@ def test_replay_spawn_runs_a_backend_that_cannot_run_in_a_fork(tmp_path, capsys)
     assert main(["replay", str(path), "--backend", str(backend), "--spawn"]) == 0
     assert "every invariant holds" in capsys.readouterr().out
     assert main(["replay", str(path), "--backend", str(backend)]) != 0      # forked: what --spawn is for
+
+
+def test_a_fingerprint_reads_regular_files_only_marks_unreadable_ones_and_caps_the_count(tmp_path, monkeypatch):
+    """From the review: a FIFO named ``*.py`` in a backend's folder hung the fingerprint (a read that never
+    ends), a dangling symlink failed it whole, and a folder of thousands of files was read in full."""
+    import os
+    import threading
+
+    from kvstate.stateful.sweeps import fingerprint as F
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    os.mkfifo(tmp_path / "pipe.py")
+    (tmp_path / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    files = F._folder_sources(tmp_path) + [("pipe.py", tmp_path / "pipe.py"), ("gone.py", tmp_path / "gone.py")]
+    found = []
+    thread = threading.Thread(target=lambda: found.append(F._digest(sorted(files))), daemon=True)
+    thread.start()
+    thread.join(5)
+    if thread.is_alive():           # unblock the read, so the thread ends
+        os.close(os.open(tmp_path / "pipe.py", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("the fingerprint blocked on a FIFO")
+    [digest] = found
+    assert len(digest) == 16
+    monkeypatch.setattr(F, "MAX_HASHED_FILES", 2)
+    assert "names and sizes only: 3 files" in F._digest(sorted(files))

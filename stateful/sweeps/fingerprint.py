@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.metadata
+import os
 import platform
+import stat
 import sys
 from pathlib import Path
 
@@ -117,13 +119,48 @@ def _package_sources(root: Path, subfolders: tuple[str, ...] | None) -> list[tup
     return sorted(files)
 
 
+MAX_HASHED_FILES = 5000
+"""Past this many source files, a fingerprint hashes their names and sizes only (and says so): a
+backend folder that is a whole checkout would otherwise be read in full, by every worker."""
+
+
 def _digest(files: list[tuple[str, Path]]) -> str:
+    """A hash of ``files`` (name, then content): regular files only. One that is not (a FIFO named
+    ``*.py`` would block the read for good), dangles or cannot be read counts by a marker, not by its
+    content, and does not fail the fingerprint; past ``MAX_HASHED_FILES`` files, names and sizes only."""
     hasher = hashlib.sha256()
+    if len(files) > MAX_HASHED_FILES:
+        for name, path in files:
+            try:
+                size = str(os.stat(path).st_size)
+            except OSError as error:
+                size = f"unreadable {type(error).__name__}"
+            hasher.update(f"{name}\0{size}\0".encode())
+        return f"{hasher.hexdigest()[:16]} (names and sizes only: {len(files)} files, over {MAX_HASHED_FILES})"
     for name, path in files:
-        content = path.read_bytes()
+        content = _content(path)
+        if isinstance(content, str):
+            hasher.update(f"{name}\0{content}\0".encode())
+            continue
         hasher.update(f"{name}\0{len(content)}\0".encode())
         hasher.update(content)
     return hasher.hexdigest()[:16]
+
+
+def _content(path: Path) -> bytes | str:
+    """``path``'s bytes, or a marker (a str) where it is no regular file or cannot be read. Opened
+    without blocking and checked on the open file, so a FIFO swapped in after a look is not read."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as error:        # dangling symlink, no permission
+        return f"<unreadable: {type(error).__name__}>"
+    with os.fdopen(descriptor, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            return "<not a regular file>"
+        try:
+            return file.read()
+        except OSError as error:
+            return f"<unreadable: {type(error).__name__}>"
 
 
 def _installed_version(distribution: str) -> str | None:
