@@ -185,7 +185,7 @@ def _sweep(args: argparse.Namespace) -> int:
     from kvstate.stateful.sweeps import journal as J
     from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.conform import FactoryError
-    from kvstate.stateful.printable import printable
+    from kvstate.stateful.printable import one_line, printable
 
     # --scheduler, else KVSTATE_SCHEDULER unless --workers or --in-process asks for a local sweep.
     scheduler = args.scheduler or (None if args.workers or args.in_process else os.environ.get("KVSTATE_SCHEDULER")
@@ -253,20 +253,21 @@ def _sweep(args: argparse.Namespace) -> int:
                                  resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
                                  window=cluster.window if cluster else None, in_process=args.in_process)
     except ClusterLostError as error:
-        print(f"kvstate sweep: {error}", file=sys.stderr)
+        print(printable(f"kvstate sweep: {error}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:
         out = args.out or out_default
         how = "terminated" if isinstance(stop, S.Terminated) else "interrupted"
         written = S.report_paths(Path(out))[0]
         where = f"partial report in {written}" if written.is_file() else "no report written"
-        print(f"\nkvstate sweep: {how}; {where}; "
-              f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
-              f"{backend_option(args.backend) if args.backend else ''}",
+        print(printable(f"\nkvstate sweep: {how}; {where}; "        # a resumed backend's name is the journal's
+                        f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
+                        f"{backend_option(args.backend) if args.backend else ''}"),
               file=sys.stderr)
         return 143 if isinstance(stop, S.Terminated) else 130
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
-        print(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}", file=sys.stderr)
+        # One line, escaped: a journal read on --resume (backend, configuration names) may be in it.
+        print(one_line(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}"), file=sys.stderr)
         return 2
     json_path, junit_path = S.report_paths(Path(args.out))      # the sweep wrote them before it let the folder go
     print(printable(S.format_summary(report)))      # names and messages come from the backend: escaped

@@ -33,6 +33,7 @@ from .data_files import read_regular
 from .deadline import Deadline
 from .lockstep import REFUSED, Lockstep, to_numpy
 from .frames import raised_at  # noqa: F401  (conform and the checks import it from here too)
+from .printable import one_line
 
 FORMAT = "kvstate-replay/1"
 MAX_REPLAY_BYTES = 64 << 20
@@ -68,8 +69,11 @@ class Failure:
         return (self.error, self.invariant)
 
     def __str__(self) -> str:
-        where = "at finish" if self.phase == "finish" else f"at step {self.step} ({self.phase} {self.op})"
-        return f"{self.error} {where}: {self.message}{self.where}"
+        """One line, whatever its fields hold (they come from a backend or a file): newlines and
+        control characters escaped (``printable.one_line``); no operation is not printed as "None"."""
+        what = self.phase if self.op is None else f"{self.phase} {one_line(self.op)}"
+        where = "at finish" if self.phase == "finish" else f"at step {self.step} ({what})"
+        return f"{one_line(self.error)} {where}: {one_line(self.message)}{one_line(self.where)}"
 
 
 @dataclass

@@ -239,3 +239,38 @@ def test_a_fingerprint_reads_regular_files_only_marks_unreadable_ones_and_caps_t
     assert len(digest) == 16
     monkeypatch.setattr(F, "MAX_HASHED_FILES", 2)
     assert "names and sizes only: 3 files" in F._digest(sorted(files))
+
+
+def test_fields_printed_from_data_cannot_print_lines_of_their_own(tmp_path, capsys, monkeypatch):
+    """From the review: a replay file's failure message with newlines printed lines of its own (a fake
+    "every invariant holds"); a lone surrogate crashed the replay (UnicodeEncodeError); a sweep error
+    (which may quote a journal read on --resume) and the JUnit ``type`` were written raw; a failure with
+    no operation printed "(crash None)"."""
+    from kvstate.spec.errors import SweepError
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.configs import configs_for
+    from kvstate.stateful.sweeps import sweep as S
+    from kvstate.impl.numpy import factory
+
+    fake = "boom\nFAKE LINE\x1b[2J\ud800"
+    failure = R.Failure(2, "crash", None, "ProcessDied\nFAKE TYPE", None, fake)
+    shown = str(failure).encode("utf-8", "backslashreplace")       # no lone surrogate in pytest's report
+    assert shown == b"ProcessDied\\nFAKE TYPE at step 2 (crash): boom\\nFAKE LINE\\x1b[2J\\ud800"
+    config = configs_for(factory)[0]
+    path = R.save(R.Replay("kvstate.impl.numpy", config, 0, [O.Allocate(), O.Extend("c1", (1, 2))], failure),
+                  tmp_path / "r.json")
+    capsys.readouterr()
+    assert main(["replay", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert not any(line.startswith("FAKE") for line in out.splitlines()) and "\\ud800" in out, out
+
+    monkeypatch.setattr(S, "sweep", lambda *a, **k: (_ for _ in ()).throw(SweepError(fake)))
+    assert main(["sweep", "--seeds", "1", "--steps", "2", "--backend", "kvstate.impl.numpy",
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "boom\\nFAKE LINE\\x1b[2J" in err and not any(line.startswith("FAKE") for line in err.splitlines())
+
+    result = S.runs.RunResult("f32-heap", 0, 4, 2, 0.0, 0.0, failure, replay_file="r.json")
+    report = S.SweepReport("kvstate.impl.numpy", 2, [0], ["f32-heap"], 1, None, 0.0, [result])
+    assert S.to_junit(report).getroot().find(".//failure").get("type") == "ProcessDied\\nFAKE TYPE"

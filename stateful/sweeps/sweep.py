@@ -55,6 +55,7 @@ from . import runs
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
 from ..configs import configs_for, configs_named, page_sizes
+from ..printable import one_line
 from ..replay import FINDINGS, as_pytest, load
 from . import watchdog
 from .redraw import crashed
@@ -786,7 +787,8 @@ def to_junit(report: SweepReport) -> ET.ElementTree:
             case = ET.SubElement(suite, "testcase", classname=f"kvstate.sweep.{name}",
                                  name=f"seed {r.seed}", time=f"{r.seconds:.3f}")
             if not r.passed:
-                failure = ET.SubElement(case, "failure", message=_xml_text(str(r.failure)), type=r.failure.error)
+                failure = ET.SubElement(case, "failure", message=_xml_text(str(r.failure)),
+                                        type=_xml_text(one_line(r.failure.error)))
                 failure.text = _xml_text(f"replay: kvstate replay {r.replay_file}{backend_option(report.backend)}\n")
     return ET.ElementTree(root)
 
