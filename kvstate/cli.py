@@ -1,7 +1,11 @@
 """The ``kvstate`` command: the users' jobs, one subcommand each.
 
 Every bad argument, unreadable file or broken backend ends in one line on stderr
-and exit status 2; exit 1 means the suite ran and found a failure. Loading a
+and exit status 2; exit 1 means the suite ran and found a failure. ``kvstate replay``
+exits 0 when every invariant holds (fixed), 1 when the recorded failure reproduces, 3 when
+it fails but not as recorded, and 2 for a bad argument or file (a failure step past its
+operations included) or a replay that did not finish within ``--time-limit`` where the file
+records no hang. Loading a
 backend (its import and its first cache) runs under a time limit, so a module or
 factory that hangs cannot hang the command.
 """
@@ -495,14 +499,21 @@ def build_parser() -> argparse.ArgumentParser:
                        help="for importing the backend and building its first cache (default 60)")
     sweep.set_defaults(run=_sweep)
 
-    replay = commands.add_parser("replay", help="re-run a saved failing sequence step by step")
+    replay = commands.add_parser(
+        "replay", help="re-run a saved failing sequence step by step",
+        description="Re-run a saved failing sequence step by step. Exit status: 0, every invariant holds (fixed); "
+                    "1, the recorded failure reproduces (or the file records none and the replay fails); 3, it "
+                    "fails, but not as recorded; 2, a bad argument or file (a failure step past its operations "
+                    "included), a backend that cannot be loaded, or a replay that did not finish within "
+                    "--time-limit where the file records no hang (raise --time-limit).")
     replay.add_argument("file", help="a replay file written by kvstate sweep")
     replay.add_argument("--backend", help="replay against this factory instead of the recorded one")
     replay.add_argument("--trust-backend", action="store_true",
                         help="import the backend the file names even if it is not built in (a file runs code)")
     replay.add_argument("--time-limit", type=float, default=LOAD_TIME_LIMIT, metavar="SECONDS",
                         help="for importing the backend and building its first cache, and again for the "
-                             "replay itself (default 60)")
+                             "replay itself (default 60); a replay that does not finish in it exits 2, unless "
+                             "the file records a hang (RunTimeout), which then reproduces")
     replay.add_argument("--every-step", action="store_true",
                         help="check every invariant after every step (default: after every step while the cache "
                              "is small, then spaced so the replay takes time linear in its length)")

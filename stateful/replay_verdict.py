@@ -4,7 +4,8 @@
 kind, invariant and step), or the file records none and the replay fails. 3: the replay fails,
 but not as recorded (another invariant, another exception, another step): both are printed. A
 process that dies is one kind however it was recorded (``ProcessDied`` locally, ``KilledWorker``
-on Dask).
+on Dask). 2 (``kvstate replay``'s, not this module's): a bad argument or file, or a replay that did
+not finish within ``--time-limit`` where the file records no hang (``replay_process``).
 """
 
 from __future__ import annotations

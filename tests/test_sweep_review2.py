@@ -274,3 +274,20 @@ def test_fields_printed_from_data_cannot_print_lines_of_their_own(tmp_path, caps
     result = S.runs.RunResult("f32-heap", 0, 4, 2, 0.0, 0.0, failure, replay_file="r.json")
     report = S.SweepReport("kvstate.impl.numpy", 2, [0], ["f32-heap"], 1, None, 0.0, [result])
     assert S.to_junit(report).getroot().find(".//failure").get("type") == "ProcessDied\\nFAKE TYPE"
+
+
+def test_the_replay_exit_statuses_are_told_the_same_everywhere(capsys):
+    """From the review: README said a replay "exits 1 whatever the backend raises" and also 3 when it
+    differs; the ``kvstate`` module docstring and ``replay --help`` did not mention 3 at all."""
+    import kvstate.cli
+
+    with pytest.raises(SystemExit):
+        main(["replay", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for told in ("0, every invariant holds", "1, the recorded failure reproduces", "3, it fails, but not as recorded",
+                 "2, a bad argument or file"):
+        assert told in shown
+    assert "3 when\nit fails but not as recorded" in kvstate.cli.__doc__
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "A replay exits 1 while its failure reproduces, whatever the backend raises" not in readme
+    assert "3, the replay fails but not as recorded" in readme
