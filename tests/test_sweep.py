@@ -401,7 +401,7 @@ def test_a_failing_run_pinned_again_keeps_the_earlier_step_only(monkeypatch, aga
     from kvstate.stateful.sweeps import runs
 
     ran = [O.Allocate() for _ in range(6)]
-    monkeypatch.setattr(runs, "execute", lambda factory, config, ops: (again, None))
+    monkeypatch.setattr(runs, "execute", lambda factory, config, ops, **_: (again, None))
     failure, kept = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), ran, 10.0)
     assert failure.step == pinned_at and len(kept) == (pinned_at if pinned_at < 5 else 6)
 
@@ -413,7 +413,7 @@ def test_a_pinning_run_past_its_timeout_keeps_the_runs_failure(monkeypatch):
 
     from kvstate.stateful.sweeps import runs
 
-    def slow(factory, config, ops):
+    def slow(factory, config, ops, **_):
         for _ in range(500):            # Python-level sleeps: the deadline's exception lands between them
             time.sleep(0.01)
         return _failure_at(1), None
