@@ -19,7 +19,6 @@ for a backend that cannot run in a forked copy of a process that built a cache (
 from __future__ import annotations
 
 import multiprocessing
-import signal
 import sys
 import time
 from dataclasses import asdict
@@ -29,6 +28,7 @@ from kvstate.spec.errors import ReplayFileError, RunTimeout
 from kvstate.spec.protocol import Factory
 
 from . import replay as R
+from .exits import ended_how
 
 
 def _child(recorded: R.Replay, factory: Factory, every_step: bool, conn) -> None:
@@ -131,16 +131,8 @@ def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = pr
 
 def _died(child, step: int, op: str | None) -> R.Failure:
     child.join(5)
-    code = child.exitcode
-    if code is None:
-        how = ""
-    elif code >= 0:
-        how = f": exit status {code}"
-    else:
-        try:
-            how = f": signal {signal.Signals(-code).name}"
-        except ValueError:
-            how = f": signal {-code}"
+    how = ended_how(child.exitcode)
+    how = f": {how}" if how else ""
     where = f"in step {step}, {op}" if step else "building the cache"
     return R.Failure(step, "apply" if step else "build", op, "ProcessDied", None,
                      f"the backend ended the replay's process {where}, without a result{how}")

@@ -291,3 +291,25 @@ def test_the_replay_exit_statuses_are_told_the_same_everywhere(capsys):
     readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
     assert "A replay exits 1 while its failure reproduces, whatever the backend raises" not in readme
     assert "3, the replay fails but not as recorded" in readme
+
+
+def test_how_a_process_ended_is_told_by_one_helper_and_the_watchdog_stops_for_good():
+    """From the review (nits): three copies of "exit status or signal in words"; ``Watchdog.stop()`` left
+    its thread running."""
+    from kvstate.stateful.exits import ended_how
+    from kvstate.stateful.replay_process import _died
+    from kvstate.stateful.sweeps import sweep as S
+    from kvstate.stateful.sweeps import watchdog
+
+    assert (ended_how(-11), ended_how(3), ended_how(None)) == ("signal SIGSEGV", "exit status 3", None)
+    assert S._how_ended([None, -11]) == ": signal SIGSEGV"
+
+    class Ended:
+        exitcode = -9
+
+        def join(self, timeout=None):
+            pass
+    assert _died(Ended(), 4, "close(ctx='c1')").message.endswith("without a result: signal SIGKILL")
+    guard = watchdog.Watchdog(1, {})
+    guard.stop()
+    assert not guard._thread.is_alive()

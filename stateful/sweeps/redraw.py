@@ -18,7 +18,6 @@ to the step where the run stopped:
 from __future__ import annotations
 
 import multiprocessing
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ from kvstate.spec.errors import RunTimeout
 from kvstate.spec.protocol import Config
 
 from ..ops import op_from_json
+from ..exits import ended_how
 from ..replay import Failure
 from . import watchdog
 from ..configs import page_sizes
@@ -110,15 +110,10 @@ def redraw(backend: str, config: Config, seed: int, steps: int, stop_at: int | N
 
 def _how(process) -> str:
     process.join(5)
-    code = process.exitcode
-    if code is None:
+    how = ended_how(process.exitcode)
+    if how is None:
         return "ended without a result"
-    if code < 0:
-        try:
-            return f"ended by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"ended by signal {-code}"
-    return f"ended with exit status {code}"
+    return f"ended by {how}" if how.startswith("signal") else f"ended with {how}"
 
 
 def crashed(backend: str, config: Config, seed: int, steps: int, error: BaseException,

@@ -55,6 +55,7 @@ from . import runs
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
 from ..configs import configs_for, configs_named, page_sizes
+from ..exits import ended_how
 from ..printable import one_line
 from ..replay import FINDINGS, as_pytest, load
 from . import watchdog
@@ -576,15 +577,8 @@ class LocalPool:
 
 def _how_ended(codes: list) -> str:
     """``": exit status 3"``, ``": signal SIGSEGV"``, or nothing where no status is known."""
-    code = next((code for code in codes if code is not None), None)
-    if code is None:
-        return ""
-    if code >= 0:
-        return f": exit status {code}"
-    try:
-        return f": signal {signal.Signals(-code).name}"
-    except ValueError:
-        return f": signal {-code}"
+    how = ended_how(next((code for code in codes if code is not None), None))
+    return f": {how}" if how else ""
 
 
 def _processes_of(executor: ProcessPoolExecutor) -> list:
