@@ -88,7 +88,7 @@ def test_a_redraw_that_ends_before_the_known_step_says_so_and_its_replay_is_refu
               "        if _count[0] == 10:\n"
               "            ctypes.string_at(0)\n"
               "    return _orig(self, index)\n"
-              "ListContext.writable = _writable")
+              "C.writable = _writable")       # this backend's class only: listcache is shared by the process's tests
     [failure] = _sweep(tmp_path, backend)["failures"]
     assert failure["failure"]["step"] == 48
     saved = json.loads(Path(failure["replay_file"]).read_text())
