@@ -115,25 +115,12 @@ class Lockstep:
         values = self._values_of(op)
         if hasattr(op, "ctx"):
             self._touched.add(op.ctx)
-        engine_result, engine_error = _attempt(self._perform, op, 0, self.engine,
-                                               None if values is None else values.copy())
-        # Where the declared semantics let a full pool go several ways, the reference follows the engine:
-        # whether it refused for a full pool (None where it refused for another reason, no answer on room).
-        self.reference.engine_refused = (isinstance(engine_error, CapacityError)
-                                         if engine_error is None or isinstance(engine_error, CapacityError) else None)
-        self.reference.engine_keys = self._kept_by_the_engine(op)
-        try:
-            ref_result, ref_error = _attempt(self._perform, op, 1, self.reference, values)
-        finally:
-            self.reference.engine_refused = self.reference.engine_keys = None
-        if not same_refusal(engine_error, ref_error):
-            engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
-            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}"
-                                            f"{self._refusal_hint(engine_error, ref_error)}")
-        if engine_error is not None:
-            self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
-            self._unchanged_by_refusal(op, before, engine_error)
+        judged = self._both_sides(op, before,
+                                  lambda: self._perform(op, 0, self.engine, None if values is None else values.copy()),
+                                  lambda: self._perform(op, 1, self.reference, values))
+        if judged is None:
             return None
+        engine_result, ref_result = judged
         if before is not None and op.kind in ("extend", "overwrite") and not op.tokens:
             self._zero_length_write_changed_nothing(op, before)
         if op.kind == "match" and engine_result[1] != ref_result[1]:
@@ -164,29 +151,39 @@ class Lockstep:
         before = self._observation_now()
         self.steps += 1
         self.history.append(call)
-        as_op = _DirectedRestore(call)
-        engine_result, engine_error = _attempt(lambda *_: restore(), as_op, 0, self.engine)
-        self.reference.engine_refused = (isinstance(engine_error, CapacityError)
-                                         if engine_error is None or isinstance(engine_error, CapacityError) else None)
-        self.reference.engine_keys = self._kept_by_the_engine(as_op)
-        try:
-            saved = self.live[handle][1].snapshot()
-            ref_result, ref_error = _attempt(lambda *_: self.reference.restore(saved), as_op, 1, self.reference)
-        finally:
-            self.reference.engine_refused = self.reference.engine_keys = None
-        if not same_refusal(engine_error, ref_error):
-            engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
-            raise self._violation("errors", f"{call}: engine {engine_said}, reference {describe_refusal(ref_error)}"
-                                            f"{self._refusal_hint(engine_error, ref_error)}")
-        if engine_error is not None:
-            self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
-            self._unchanged_by_refusal(as_op, before, engine_error)
+        saved = self.live[handle][1].snapshot()
+        judged = self._both_sides(_DirectedRestore(call), before, restore, lambda: self.reference.restore(saved))
+        if judged is None:
             return None
+        engine_result, ref_result = judged
         self.created += 1
         new = f"c{self.created}"
         self.history[-1] = f"{new} = {call}"
         self.live[new] = (engine_result, ref_result)
         return new
+
+    def _both_sides(self, op, before, engine: Callable[[], Any], reference: Callable[[], Any]) -> tuple | None:
+        """``engine()``, then ``reference()``, for ``op``: both results, or None where both refused alike
+        (the refusal held to changing nothing since ``before``); a violation where they differ."""
+        engine_result, engine_error = _attempt(engine)
+        # Where the declared semantics let a full pool go several ways, the reference follows the engine:
+        # whether it refused for a full pool (None where it refused for another reason, no answer on room).
+        self.reference.engine_refused = (isinstance(engine_error, CapacityError)
+                                         if engine_error is None or isinstance(engine_error, CapacityError) else None)
+        self.reference.engine_keys = self._kept_by_the_engine(op)
+        try:
+            ref_result, ref_error = _attempt(reference)
+        finally:
+            self.reference.engine_refused = self.reference.engine_keys = None
+        if not same_refusal(engine_error, ref_error):
+            engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
+            raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}"
+                                            f"{self._refusal_hint(engine_error, ref_error)}")
+        if engine_error is not None:
+            self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
+            self._unchanged_by_refusal(op, before, engine_error)
+            return None
+        return engine_result, ref_result
 
     def _refusal_hint(self, engine_error, ref_error) -> str:
         """What a difference on room may come from, whichever side refused: "" for other differences."""
@@ -618,9 +615,10 @@ class _DirectedRestore:
         return self.call
 
 
-def _attempt(perform, op, side, cache, values=None):
+def _attempt(call: Callable[[], Any]) -> tuple[Any, KVStateError | None]:
+    """``call()``'s result, or the ``KVStateError`` it raised (a refusal, judged by the caller)."""
     try:
-        return perform(op, side, cache, values), None
+        return call(), None
     except KVStateError as error:
         return None, error
 

@@ -129,35 +129,6 @@ def test_a_directed_check_whose_context_the_pool_cannot_hold_is_not_applicable()
     assert all("cannot hold the check's context of 3 pages" in outcome.detail for outcome in outcomes), outcomes
 
 
-def test_a_directed_restore_tells_the_reference_how_the_engine_answered():
-    """From a review: the snapshot checks' restores went to the reference without the engine's answer,
-    and under values="prefix" the reference counts pages one way per way of sharing: an engine sharing
-    whole pages by prefix, with room for the restore, met a reference refusing it as forks' count had
-    none. ``Lockstep.restore_beside`` judges such a restore as ``apply`` judges the machine's."""
-    import io
-
-    from kvstate.impl import Cache
-    from kvstate.impl.numpy import factory as numpy_factory
-    from kvstate.reference.model import FORKS, SAME_KEY, WHOLE_PAGES
-    from kvstate.stateful.configs import config_named
-
-    config = config_named("f32-arena10-refuse").with_(page_tokens=2, values="prefix", match="token", arena_pages=7)
-    run = Lockstep(numpy_factory, config)
-    first = run.apply(O.Allocate())
-    run.apply(O.Extend(first, (1, 2, 3, 4), seed=1))
-    run.apply(O.Retain(first))
-    run.apply(O.Close(first))
-    second = run.apply(O.Allocate())
-    run.apply(O.Extend(second, (1, 2, 3, 4, 5), seed=2))
-    run.apply(O.Retain(second))
-    assert (run.reference.live_pages(FORKS), run.reference.live_pages(WHOLE_PAGES)) == (5, 3)
-    stream = io.BytesIO()
-    run.live[second][0].snapshot(stream)
-    roomy = Cache(config.layout, page_tokens=2)     # an engine with room for 3 more pages, as whole pages' count has
-    handle = run.restore_beside("restore(c2's bytes)", lambda: roomy.restore(io.BytesIO(stream.getvalue())), second)
-    assert handle is not None and run.reference.viable == (WHOLE_PAGES, SAME_KEY)
-
-
 def test_an_engine_accepting_where_the_reference_has_no_room_is_told_what_that_may_come_from(monkeypatch):
     """From an audit: a fork that took no reference on its pages showed, in a black box, only as a pool
     with room the reference did not have, and the report said nothing of what gives an engine room."""

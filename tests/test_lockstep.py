@@ -91,21 +91,14 @@ def test_the_room_hint_counts_pages_the_way_of_sharing_the_run_follows(monkeypat
     narrow them (``viable``); the hint's count is that of the way still followed, not of forks' sharing."""
     from kvstate.impl import pool_policy
     from kvstate.impl.numpy import factory as numpy_factory
-    from kvstate.reference.model import FORKS, WHOLE_PAGES
+    from kvstate.reference.model import WHOLE_PAGES
     from kvstate.stateful import ops as O
     from kvstate.stateful.configs import config_named
     from kvstate.stateful.lockstep import Lockstep
 
     config = config_named("f32-arena10-refuse").with_(page_tokens=2, values="prefix", match="token")
     run = Lockstep(numpy_factory, config)
-    first = run.apply(O.Allocate())
-    run.apply(O.Extend(first, (1, 2, 3, 4), seed=1))
-    run.apply(O.Retain(first))
-    run.apply(O.Close(first))
-    second = run.apply(O.Allocate())
-    run.apply(O.Extend(second, (1, 2, 3, 4, 5), seed=2))
-    run.apply(O.Retain(second))     # shares the first entry's two whole pages where retains share by prefix
-    assert (run.reference.live_pages(FORKS), run.reference.live_pages(WHOLE_PAGES)) == (5, 3)
+    second = _two_entries_sharing_whole_pages(run)
     run.reference.viable = (WHOLE_PAGES,)       # as if an earlier answer of the engine had narrowed it
     monkeypatch.setattr(pool_policy.PoolPolicy, "fits",
                         lambda self, needed: self.pool.live_count + needed + 1 <= self.limit)    # one page high
@@ -145,3 +138,44 @@ def test_an_eviction_order_difference_says_which_way_it_differs(monkeypatch, bug
             run.apply(O.Extend(run.apply(O.Allocate()), tuple(i % 3 for i in range(2 * config.pool_limit)), seed=9))
         run.check()
     assert "eviction order" in str(differs.value) and said in str(differs.value), str(differs.value)
+
+
+def test_a_directed_restore_tells_the_reference_how_the_engine_answered():
+    """From a review: the snapshot checks' restores went to the reference without the engine's answer,
+    and under values="prefix" the reference counts pages one way per way of sharing: an engine sharing
+    whole pages by prefix, with room for the restore, met a reference refusing it as forks' count had
+    none. ``Lockstep.restore_beside`` judges such a restore as ``apply`` judges the machine's."""
+    import io
+
+    from kvstate.impl import Cache
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.reference.model import SAME_KEY, WHOLE_PAGES
+    from kvstate.stateful.configs import config_named
+    from kvstate.stateful.lockstep import Lockstep
+
+    config = config_named("f32-arena10-refuse").with_(page_tokens=2, values="prefix", match="token", arena_pages=7)
+    run = Lockstep(numpy_factory, config)
+    second = _two_entries_sharing_whole_pages(run)
+    stream = io.BytesIO()
+    run.live[second][0].snapshot(stream)
+    roomy = Cache(config.layout, page_tokens=2)     # an engine with room for 3 more pages, as whole pages' count has
+    handle = run.restore_beside("restore(c2's bytes)", lambda: roomy.restore(io.BytesIO(stream.getvalue())), second)
+    assert handle is not None and run.reference.viable == (WHOLE_PAGES, SAME_KEY)
+
+
+def _two_entries_sharing_whole_pages(run) -> str:
+    """Entries (1, 2, 3, 4) and (1, 2, 3, 4, 5) at 2-token pages under values="prefix", the second's
+    context still open (its handle returned): 5 pages live as forks share them, 3 where retains share
+    whole pages by prefix."""
+    from kvstate.reference.model import FORKS, WHOLE_PAGES
+    from kvstate.stateful import ops as O
+
+    first = run.apply(O.Allocate())
+    run.apply(O.Extend(first, (1, 2, 3, 4), seed=1))
+    run.apply(O.Retain(first))
+    run.apply(O.Close(first))
+    second = run.apply(O.Allocate())
+    run.apply(O.Extend(second, (1, 2, 3, 4, 5), seed=2))
+    run.apply(O.Retain(second))
+    assert (run.reference.live_pages(FORKS), run.reference.live_pages(WHOLE_PAGES)) == (5, 3)
+    return second

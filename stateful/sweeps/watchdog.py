@@ -135,7 +135,6 @@ class Watchdog:
             pass
 
 
-
 def _stat(pid: int) -> list[bytes] | None:
     """The fields of ``/proc/<pid>/stat`` after the process's name (state first); None where it is gone."""
     try:
