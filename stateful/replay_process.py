@@ -28,6 +28,7 @@ from kvstate.spec.errors import ReplayFileError, RunTimeout
 from kvstate.spec.protocol import Factory
 
 from . import replay as R
+from .backends import FactoryError
 from .exits import ended_how
 
 
@@ -51,8 +52,8 @@ def _spawned(recorded: R.Replay, backend: str, every_step: bool, conn) -> None:
     from .backends import load_factory
     try:
         factory = load_factory(backend)
-    except BaseException as error:          # noqa: BLE001 -- told to the parent
-        conn.send(("error", f"{type(error).__name__}: {error}"))
+    except BaseException as error:          # noqa: BLE001 -- told to the parent, which exits 2 (not "reproduces")
+        conn.send(("load", f"{type(error).__name__}: {error}"))
         return
     _child(recorded, factory, every_step, conn)
 
@@ -117,6 +118,9 @@ def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = pr
                 return None if message[1] is None else R.Failure(**message[1])
             elif message[0] == "file":
                 raise ReplayFileError(message[1])
+            elif message[0] == "load":
+                raise FactoryError(f"the backend could not be loaded in the replay's fresh process (--spawn): "
+                                   f"{message[1]}")
             else:
                 raise RuntimeError(message[1])
     finally:

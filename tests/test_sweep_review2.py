@@ -313,3 +313,31 @@ def test_how_a_process_ended_is_told_by_one_helper_and_the_watchdog_stops_for_go
     guard = watchdog.Watchdog(1, {})
     guard.stop()
     assert not guard._thread.is_alive()
+
+
+PARENT_ONLY = '''
+import sys
+
+if "pytest" not in sys.modules:        # state the parent has and a fresh process does not
+    raise ImportError("this backend loads only where pytest is imported")
+from listcache import factory  # noqa: E402,F401
+'''
+
+
+def test_a_backend_that_cannot_load_in_the_spawned_process_is_a_bad_argument_not_a_reproduction(tmp_path, capsys):
+    """From a second review: with ``--spawn`` a backend that failed to load in the fresh process ended the
+    replay with a traceback and exit 1, which reads as "the recorded failure reproduces"."""
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.backends import load_factory
+    from kvstate.stateful.configs import configs_for
+
+    folder = tmp_path / "be"
+    folder.mkdir()
+    shutil.copy(EXAMPLES / "listcache.py", folder / "listcache.py")
+    backend = folder / "parent_only.py"
+    backend.write_text(PARENT_ONLY)
+    config = configs_for(load_factory(str(backend)))[0]
+    path = R.save(R.Replay(str(backend), config, 0, [O.Allocate()]), tmp_path / "r.json")
+    assert main(["replay", str(path), "--backend", str(backend), "--spawn"]) == 2
+    assert "could not be loaded in the replay's fresh process" in capsys.readouterr().err

@@ -40,7 +40,7 @@ from kvstate.impl import Cache
 from kvstate.spec import invariants
 from kvstate.spec import precision as precisions
 from kvstate.spec.semantics import may_refuse
-from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError, InvariantViolation
+from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError, InvariantViolation, PositionError
 from kvstate.spec.layout import Layout
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, standard_configs
@@ -136,7 +136,7 @@ def store_label(store) -> str:
 
 def page_counters(cache) -> dict[str, int]:
     """Pages allocated and copied so far, from ``observe()``'s counters (empty where a backend keeps none)."""
-    counters = cache.observe().counters
+    counters = cache.observe().counters or {}
     return {key: counters[key] for key in ("pages_allocated", "pages_copied") if key in counters}
 
 
@@ -437,13 +437,13 @@ def check_after(cache: Cache, where: str, expected_tree=None, live: dict | None 
 
 def is_closed(ctx) -> bool:
     """Whether ``ctx`` is closed: its ``closed`` attribute where it has one (the protocol does not ask
-    for it), else whether a read of no positions is refused as a closed context's."""
+    for it), else whether a read is refused as a closed context's."""
     closed = getattr(ctx, "closed", None)
     if isinstance(closed, bool):
         return closed
     try:
-        ctx.read(0, 0)
-    except ContextClosedError:
+        ctx.read()          # the call conform holds to refusing once closed
+    except (ContextClosedError, PositionError):     # README lets a closed context read as 0 positions long
         return True
     return False
 

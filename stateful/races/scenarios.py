@@ -366,6 +366,11 @@ def _finish_tree(cache: Cache, config: Config, retained: Retained, where: str, o
         # what was written at those positions.
         for key in sorted(retained.keys):
             ctx, matched = cache.match(list(key))
+            most = hit_length(config.match, config.block_tokens, len(key))
+            if matched > most or (config.match == "block" and matched % config.block_tokens):
+                raise RaceFailure(f"{where}: retained key {list(key)} matched {matched} tokens, where a "
+                                  f"{config.match} match holds at most {most}"
+                                  + (f" in whole blocks of {config.block_tokens}" if config.match == "block" else ""))
             if matched:
                 verify(ctx, config, f"the hit of {list(key)}", want_tokens=list(key[:matched]))
             ctx.close()
@@ -444,7 +449,7 @@ def pressure_vs_match(store: str = "numpy", seed: int = 0, iterations: int = 6, 
                 else:
                     bodies.append(_allocator(cache, config, rng, steps, t, report, where, retained))
             run_threads(bodies, where, observe_cache=cache, report=report, config=config)
-            report.add("pressure_evictions", cache.observe().counters.get("pressure_evictions", 0))
+            report.add("pressure_evictions", (cache.observe().counters or {}).get("pressure_evictions", 0))
             _finish_tree(cache, config, retained, where, only_evicted_by_bounds=not evicts_for_room(config.on_full))
             report.iterations += 1
     return report
