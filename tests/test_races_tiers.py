@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from kvstate.impl.cache import Cache
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import ContextClosedError, PositionError
@@ -25,35 +27,21 @@ def test_races_pass_a_backend_without_the_tree_tier_or_counters(monkeypatch):
 
 
 class _Context:
-    """A context with no ``closed`` attribute: a closed one refuses a read, as every use."""
+    """A context with no ``closed`` attribute: once closed, a read is refused with ``refusal`` (a closed
+    context's error, or a position error: README lets a closed context read as 0 positions long)."""
 
-    def __init__(self):
-        self.open = True
-
-    def read(self, start=0, stop=None):
-        if not self.open:
-            raise ContextClosedError("closed")
-        return (), ()
-
-
-def test_a_context_without_a_closed_attribute_is_judged_by_a_read():
-    ctx = _Context()
-    assert not is_closed(ctx)
-    ctx.open = False
-    assert is_closed(ctx)
-
-
-class _ZeroLengthWhenClosed(_Context):
-    """README lets a closed context read as 0 positions long: a read past that is a PositionError."""
+    def __init__(self, refusal: type[Exception]):
+        self.open, self.refusal = True, refusal
 
     def read(self, start=0, stop=None):
         if not self.open:
-            raise PositionError("read of [0, 1) outside length 0")
+            raise self.refusal("closed")
         return (), ()
 
 
-def test_a_closed_context_that_reads_as_empty_is_closed_too():
-    ctx = _ZeroLengthWhenClosed()
+@pytest.mark.parametrize("refusal", [ContextClosedError, PositionError])
+def test_a_context_without_a_closed_attribute_is_judged_by_a_read(refusal):
+    ctx = _Context(refusal)
     assert not is_closed(ctx)
     ctx.open = False
     assert is_closed(ctx)

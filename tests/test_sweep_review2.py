@@ -196,10 +196,9 @@ factory.any_page_size = _ok.any_page_size
 '''
 
 
-def test_replay_spawn_runs_a_backend_that_cannot_run_in_a_fork(tmp_path, capsys):
-    """From the review: the replay's child was a fork of the process that had built a cache to check the
-    backend, where a CUDA backend fails. ``--spawn`` starts it fresh, importing the backend there."""
-    from kvstate.stateful import ops as O
+def _replay_of(tmp_path, name: str, source: str, ops: list):
+    """A backend file ``name`` (``source``, beside a copy of listcache.py) and a replay file of ``ops``
+    against it in its first configuration: (the backend's path, the replay file's)."""
     from kvstate.stateful import replay as R
     from kvstate.stateful.backends import load_factory
     from kvstate.stateful.configs import configs_for
@@ -207,10 +206,18 @@ def test_replay_spawn_runs_a_backend_that_cannot_run_in_a_fork(tmp_path, capsys)
     folder = tmp_path / "be"
     folder.mkdir()
     shutil.copy(EXAMPLES / "listcache.py", folder / "listcache.py")
-    backend = folder / "cuda_like.py"
-    backend.write_text(FORK_HOSTILE)
+    backend = folder / name
+    backend.write_text(source)
     config = configs_for(load_factory(str(backend)))[0]
-    path = R.save(R.Replay(str(backend), config, 0, [O.Allocate(), O.Extend("c1", (1, 2, 3))]), tmp_path / "r.json")
+    return backend, R.save(R.Replay(str(backend), config, 0, ops), tmp_path / "r.json")
+
+
+def test_replay_spawn_runs_a_backend_that_cannot_run_in_a_fork(tmp_path, capsys):
+    """From the review: the replay's child was a fork of the process that had built a cache to check the
+    backend, where a CUDA backend fails. ``--spawn`` starts it fresh, importing the backend there."""
+    from kvstate.stateful import ops as O
+
+    backend, path = _replay_of(tmp_path, "cuda_like.py", FORK_HOSTILE, [O.Allocate(), O.Extend("c1", (1, 2, 3))])
     assert main(["replay", str(path), "--backend", str(backend), "--spawn"]) == 0
     assert "every invariant holds" in capsys.readouterr().out
     assert main(["replay", str(path), "--backend", str(backend)]) != 0      # forked: what --spawn is for
@@ -328,16 +335,7 @@ def test_a_backend_that_cannot_load_in_the_spawned_process_is_a_bad_argument_not
     """From a second review: with ``--spawn`` a backend that failed to load in the fresh process ended the
     replay with a traceback and exit 1, which reads as "the recorded failure reproduces"."""
     from kvstate.stateful import ops as O
-    from kvstate.stateful import replay as R
-    from kvstate.stateful.backends import load_factory
-    from kvstate.stateful.configs import configs_for
 
-    folder = tmp_path / "be"
-    folder.mkdir()
-    shutil.copy(EXAMPLES / "listcache.py", folder / "listcache.py")
-    backend = folder / "parent_only.py"
-    backend.write_text(PARENT_ONLY)
-    config = configs_for(load_factory(str(backend)))[0]
-    path = R.save(R.Replay(str(backend), config, 0, [O.Allocate()]), tmp_path / "r.json")
+    backend, path = _replay_of(tmp_path, "parent_only.py", PARENT_ONLY, [O.Allocate()])
     assert main(["replay", str(path), "--backend", str(backend), "--spawn"]) == 2
     assert "could not be loaded in the replay's fresh process" in capsys.readouterr().err
