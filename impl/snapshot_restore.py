@@ -17,7 +17,7 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import (InvalidInputError, KVStateError, PrecisionRangeError, SnapshotError,
+from kvstate.spec.errors import (KVStateError, PrecisionRangeError, SnapshotError,
                                  SnapshotPrecisionError, SnapshotReadError)
 
 from . import remote_io
@@ -43,10 +43,7 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     """
     limit = cost_limit(cache, max_bytes)       # a bad max_bytes is refused before any file or server is opened
     if producer is not None:
-        try:
-            fmt.check_producer(producer)
-        except ValueError as error:
-            raise InvalidInputError(str(error)) from None
+        fmt.check_producer(producer)        # refused by name before any file or server is touched
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
         return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes, producer=producer),
                               deadline=deadline)

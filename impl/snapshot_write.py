@@ -22,7 +22,7 @@ import numpy as np
 
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_touched, span_in_page
-from kvstate.spec.errors import InvalidInputError, SnapshotWriteError
+from kvstate.spec.errors import SnapshotWriteError
 
 try:
     import fcntl
@@ -229,10 +229,7 @@ def write_snapshot(ctx: "Context", target, deadline=None, producer: bytes | None
     ``producer`` (16 bytes: what computed the values) makes it a version-3 file that names it;
     anything else is refused (``InvalidInputError``) before the target is touched."""
     if producer is not None:
-        try:
-            fmt.check_producer(producer)
-        except ValueError as error:
-            raise InvalidInputError(str(error)) from None
+        fmt.check_producer(producer)        # refused by name before any file or server is touched
     if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
         return remote_io.publish(target, lambda file: _write_to(file, ctx, producer), deadline=deadline)
     target = remote_io.local_path(target)

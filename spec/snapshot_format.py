@@ -84,8 +84,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import (SnapshotCorruptError, SnapshotProducerError, SnapshotTooLargeError, SnapshotTruncatedError,
-                     SnapshotVersionError)
+from .errors import (InvalidInputError, SnapshotCorruptError, SnapshotProducerError, SnapshotTooLargeError,
+                     SnapshotTruncatedError, SnapshotVersionError)
 from .layout import Layout, all_finite
 from .precision import Q8_SCALE_MAX
 
@@ -237,12 +237,12 @@ def pack_header(precision: str, layout: Layout, positions: int, body_crc: int,
 
 
 def check_producer(producer) -> bytes:
-    """``producer`` as the 16 bytes version 3 stores; ``ValueError`` for anything else, or all zeros
-    (which the format reads as no producer)."""
+    """``producer`` as the 16 bytes version 3 stores; ``InvalidInputError`` (a ``ValueError``) for
+    anything else, or all zeros (which the format reads as no producer)."""
     if not isinstance(producer, bytes) or len(producer) != PRODUCER_BYTES:
-        raise ValueError(f"a snapshot's producer is {PRODUCER_BYTES} bytes, got {producer!r:.80}")
+        raise InvalidInputError(f"a snapshot's producer is {PRODUCER_BYTES} bytes, got {producer!r:.80}")
     if producer == NO_PRODUCER:
-        raise ValueError("a snapshot's producer cannot be all zeros: the format reads that as none")
+        raise InvalidInputError("a snapshot's producer cannot be all zeros: the format reads that as none")
     return producer
 
 

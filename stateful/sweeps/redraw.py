@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from kvstate.spec.errors import RunTimeout
 from kvstate.spec.protocol import Config
 
-from ..ops import op_from_json
+from ..configs import page_sizes
 from ..exits import ended_how
+from ..generate import Generator
+from ..ops import op_from_json
 from ..replay import Failure
 from . import watchdog
-from ..configs import page_sizes
-from ..generate import Generator
 from .runs import RunResult, factory_for, run_seed
 
 REDRAW_LIMIT_S = 60.0
@@ -139,7 +139,7 @@ def crashed(backend: str, config: Config, seed: int, steps: int, error: BaseExce
     if 0 < step <= len(found.ops):
         op = str(op_from_json(found.ops[step - 1]))
     phase = "apply" if isinstance(error, RunTimeout) else "crash"
-    name = RunTimeout.__name__ if isinstance(error, RunTimeout) else type(error).__name__
+    name = RunTimeout.__name__ if isinstance(error, RunTimeout) else type(error).__name__    # a watchdog's Stuck too
     failure = Failure(step, phase, op, name, None, message)
     page_tokens = found.page_tokens if found.page_tokens is not None else config.page_tokens
     return RunResult(config.name, seed, page_tokens, step, 0.0, 0.0, failure, found.ops[:step])
