@@ -151,13 +151,3 @@ def as_list(tokens: Any) -> list[int]:
     if hasattr(tokens, "tolist"):
         return [int(t) for t in tokens.tolist()]
     return [int(t) for t in tokens]
-
-
-def adopt(run: Lockstep, engine_ctx: Any, reference_ctx: Any, call: str) -> str:
-    """Give a context the check created directly (a restore, say) a handle, so ``run.check()``
-    compares it with its reference twin like any other."""
-    run.created += 1
-    handle = f"c{run.created}"
-    run.live[handle] = (engine_ctx, reference_ctx)
-    record(run, f"{handle} = {call}")
-    return handle
