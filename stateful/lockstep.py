@@ -354,9 +354,15 @@ class Lockstep:
         """The backend's holder name of live ``handle`` (learnt at the check after it was made), or None."""
         return self._holder_of.get(handle)
 
+    def named(self, holder: str) -> str:
+        """The backend's ``holder`` with the handle it is, as the operations name it (``ctx:3 (c2)``):
+        the backend's own number alone says nothing about which context of the run it is."""
+        handle = self.holder_names.get(holder)
+        return holder if handle is None else f"{holder} ({handle})"
+
     def _our_names(self, message: str) -> str:
-        for holder, handle in self.holder_names.items():
-            message = re.sub(rf"(?<![\w:]){re.escape(holder)}(?![\w:])", f"{holder} ({handle})", message)
+        for holder in self.holder_names:
+            message = re.sub(rf"(?<![\w:]){re.escape(holder)}(?![\w:])", self.named(holder), message)
         return message
 
     def _check_books(self, obs) -> None:

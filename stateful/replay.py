@@ -401,7 +401,8 @@ def describe(lockstep: Lockstep) -> list[str]:
 
 
 def describe_pages(lockstep: Lockstep) -> list[str]:
-    """Each page the engine reports: refcount, the holders that point at it, arena slot."""
+    """Each page the engine reports: refcount, the holders that point at it (each with its handle, where
+    known), arena slot."""
     try:
         obs = lockstep.engine.observe()
     except FINDINGS as error:
@@ -411,7 +412,7 @@ def describe_pages(lockstep: Lockstep) -> list[str]:
     held: dict[int, list[str]] = {}
     for holder, pages in obs.holders.items():
         for pid in pages:
-            held.setdefault(pid, []).append(holder)
+            held.setdefault(pid, []).append(lockstep.named(holder))
     lines = []
     for pid in sorted(set(obs.pages) | set(held)):
         page = obs.pages.get(pid)

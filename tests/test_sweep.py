@@ -269,6 +269,20 @@ def test_a_replay_marks_the_steps_both_sides_refused_as_a_counterexample_does(tm
                      "3  extend(ctx='c1', tokens=(1,), seed=0)"]
 
 
+def test_a_replays_pages_name_each_holder_with_the_handle_the_file_names():
+    """The page listing named holders by the engine's own numbers alone (``held by ['ctx:3']``): with
+    an entry taking a number in between, nothing told which of the file's handles that was (c2)."""
+    ops = [O.Allocate(), O.Extend("c1", (1, 2, 3, 4, 5), 1), O.Retain("c1"), O.Fork("c1"), O.Close("c1")]
+    shown: list[str] = []
+    with PLANTED["refcount_kept_on_close"]():
+        failure = R.replay(R.Replay("kvstate.impl.numpy", config_named("f32-heap").with_(page_tokens=4), 0, ops),
+                           numpy_factory, out=shown.append)
+    assert failure is not None
+    pages = [line for line in shown if line.startswith("  page ")]
+    assert pages and all("(c2)" in line for line in pages)
+    assert not any(re.search(r"'ctx:\d+'", line) for line in pages)       # no holder without its handle
+
+
 def test_workers_that_are_not_a_number_are_refused_by_name(tmp_path, capsys):
     assert main(["sweep", "--seeds", "1", "--workers", "abc", "--out", str(tmp_path)]) == 2
     assert "--workers wants a positive number or 'auto', got 'abc'" in capsys.readouterr().err
