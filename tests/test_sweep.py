@@ -315,6 +315,20 @@ def test_a_sharded_sweep_in_a_process_pool(tmp_path):
     assert all(r.passed and r.steps == 30 for r in report.results)
 
 
+def test_a_resumed_sweeps_summary_rates_only_the_steps_this_session_ran(tmp_path):
+    """The summary divided every run's steps, the journal's too, by this session's wall time: a resume that
+    ran one run of three reported three times the rate it ran at."""
+    configs = [config_named("f32-heap")]
+    S.sweep(range(3), 20, configs, out_dir=tmp_path, progress=None, in_process=True)
+    journal = tmp_path / "runs.jsonl"
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:-1]))                          # as if stopped before its last run
+    report = S.sweep(range(3), 20, configs, out_dir=tmp_path, progress=None, in_process=True, resume=True)
+    assert report.resumed == 2
+    assert f"({20 / report.wall_seconds:,.0f} steps/s over this session's 20 steps on 1 worker)" \
+        in S.format_summary(report)
+
+
 def test_a_resume_runs_with_as_many_workers_as_the_sweep_it_finishes(tmp_path, capsys):
     """The journal records the local pool's size; ``--resume`` alone uses it (no more than this
     machine's cores), ``--workers`` overrides it."""

@@ -154,6 +154,7 @@ class SweepReport:
     scheduler: str | None = None     # the Dask scheduler's address; None for the local pool
     partial: bool = False            # stopped before every run (and shrink) had finished
     resumed: int = 0                 # runs taken from the journal of an earlier, stopped sweep
+    resumed_steps: int = 0           # their steps: run before ``wall_seconds`` began, so left out of its rate
 
     @property
     def failures(self) -> list[RunResult]:
@@ -242,7 +243,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             raise
         raise SweepError(f"no space left on the disk of {out_dir} ({error.strerror}) for the sweep's journal: "
                          "free some space, then run the same command again") from error
-    resumed = len(runs)
+    resumed, resumed_steps = len(runs), sum(r.steps for r in runs.values())
     order = [(label, seed) for label in by_name for seed in seeds]
     todo = [(backend, by_name[name], seed, steps, run_timeout) for name, seed in order if (name, seed) not in runs]
     meter = (Progress(len(order), progress, already=resumed, failures=sum(not r.passed for r in runs.values()))
@@ -257,7 +258,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             if not r.passed:
                 save_replay(backend, by_name[r.config], r, out_dir / "replays")
         return SweepReport(backend, steps, seeds, list(by_name), workers, plan.shard,
-                           time.perf_counter() - started, results, scheduler, partial, resumed)
+                           time.perf_counter() - started, results, scheduler, partial, resumed, resumed_steps)
 
     # From the old reports' removal to the new ones written, an interrupt or SIGTERM (``Terminated``)
     # anywhere leaves the partial report the handlers below write, never none.
@@ -721,11 +722,18 @@ def format_summary(report: SweepReport) -> str:
     if report.scheduler:
         where += f" of Dask scheduler {report.scheduler}"
     lines.append(f"\n{len(report.results)} runs, {total_steps} steps, {len(report.failures)} failures, "
-                 f"wall {report.wall_seconds:.1f}s ({total_steps / max(report.wall_seconds, 1e-9):,.0f} steps/s "
-                 f"on {where})")
+                 f"wall {report.wall_seconds:.1f}s ({_session_rate(report)} on {where})")
     if report.resumed:
         lines.append(f"{report.resumed} of these runs were finished before the sweep was resumed")
     return "\n".join(lines)
+
+
+def _session_rate(report: SweepReport) -> str:
+    """Steps per second of wall time, this session's steps only: a resumed sweep's journal runs took none of
+    its wall time, and counting them inflated the rate by as much as they were of the sweep."""
+    steps = sum(r.steps for r in report.results) - report.resumed_steps
+    rate = f"{steps / max(report.wall_seconds, 1e-9):,.0f} steps/s"
+    return f"{rate} over this session's {steps} steps" if report.resumed else rate
 
 
 def to_json(report: SweepReport) -> dict:
@@ -733,7 +741,7 @@ def to_json(report: SweepReport) -> dict:
         "backend": report.backend, "steps": report.steps, "seeds": _compact(report.seeds),
         "configs": report.configs, "workers": report.workers, "shard": report.shard,
         "scheduler": report.scheduler, "partial": report.partial, "runs": len(report.results),
-        "runs_expected": report.expected, "runs_resumed": report.resumed,
+        "runs_expected": report.expected, "runs_resumed": report.resumed, "steps_resumed": report.resumed_steps,
         "wall_seconds": round(report.wall_seconds, 3), "summary": summary_rows(report),
         "failures": [{"config": r.config, "seed": r.seed, "page_tokens": r.page_tokens, "steps": r.steps,
                       "failure": asdict(r.failure), "replay_file": r.replay_file, "minimised": r.minimised,
