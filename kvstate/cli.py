@@ -72,6 +72,8 @@ def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_def
     except FactoryError:
         raise
     except BaseException as error:
+        if _terminated(error):      # the sweep's own SIGTERM, raised here while it waited: not the backend's doing
+            raise
         raise FactoryError(f"loading backend {backend!r} failed: {error!r}") from None
     if check:
         check_backend(factory, configs, time_limit=time_limit)
@@ -180,6 +182,15 @@ def _demo(args: argparse.Namespace) -> int:
     return demo(hf=args.hf)
 
 def _sweep(args: argparse.Namespace) -> int:
+    from kvstate.stateful.sweeps.sweep import terminated_as_interrupt
+
+    # A SIGTERM (a CI job's timeout) is ``Terminated`` from the command's first line to its last: one
+    # that came while the backend loaded or the summary printed ended the command by the signal, not 143.
+    with terminated_as_interrupt():
+        return _sweep_command(args)
+
+
+def _sweep_command(args: argparse.Namespace) -> int:
     import os
     from contextlib import nullcontext
     from pathlib import Path
@@ -195,6 +206,7 @@ def _sweep(args: argparse.Namespace) -> int:
     scheduler = args.scheduler or (None if args.workers or args.in_process else os.environ.get("KVSTATE_SCHEDULER")
                                    or None)
     out_default = args.resume or "sweep-out"
+    began, report = False, None
     try:
         _at_least("--seeds", args.seeds, 1, S.MAX_SEEDS)
         _at_least("--steps", args.steps, 1)
@@ -250,36 +262,69 @@ def _sweep(args: argparse.Namespace) -> int:
             print(f"sweep: {len(seeds)} seeds x {len(configs)} configurations x {args.steps} steps "
                   f"against {args.backend}, {where}{', shard ' + label if label else ''}"
                   f"{', resuming ' + args.out if args.resume else ''}", file=sys.stderr)
-            with S.terminated_as_interrupt():
-                report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
-                                 args.shrink_limit, args.shrink_budget, shard_label=label,
-                                 executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
-                                 resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
-                                 window=cluster.window if cluster else None, in_process=args.in_process)
+            began = True
+            report = S.sweep(seeds, args.steps, configs, args.backend, workers, Path(args.out),
+                             args.shrink_limit, args.shrink_budget, shard_label=label,
+                             executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
+                             resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
+                             window=cluster.window if cluster else None, in_process=args.in_process)
     except ClusterLostError as error:
         print(printable(f"kvstate sweep: {error}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt as stop:
+        if report is not None:      # the sweep had finished (a cluster's session was closing)
+            return _stopped_with_reports(stop, Path(args.out))
         out = args.out or out_default
         how = "terminated" if isinstance(stop, S.Terminated) else "interrupted"
+        if not began:
+            print(f"\nkvstate sweep: {how} before the sweep began; nothing was run", file=sys.stderr)
+            return _stopped_status(stop)
         written = S.report_paths(Path(out))[0]
         where = f"partial report in {written}" if written.is_file() else "no report written"
         print(printable(f"\nkvstate sweep: {how}; {where}; "        # a resumed backend's name is the journal's
                         f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
                         f"{backend_option(args.backend) if args.backend else ''}"),
               file=sys.stderr)
-        return 143 if isinstance(stop, S.Terminated) else 130
+        return _stopped_status(stop)
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:
         # One line, escaped: a journal read on --resume (backend, configuration names) may be in it.
         print(one_line(f"kvstate sweep: {error.args[0] if isinstance(error, KeyError) else error}"), file=sys.stderr)
         return 2
     json_path, junit_path = S.report_paths(Path(args.out))      # the sweep wrote them before it let the folder go
-    print(printable(S.format_summary(report)))      # names and messages come from the backend: escaped
-    print(printable(f"reports: {json_path}, {junit_path}"))
-    if report.failures:
-        print()
-        print(printable(S.failure_notes(report)))
+    try:
+        print(printable(S.format_summary(report)))      # names and messages come from the backend: escaped
+        print(printable(f"reports: {json_path}, {junit_path}"))
+        if report.failures:
+            print()
+            print(printable(S.failure_notes(report)))
+    except KeyboardInterrupt as stop:
+        return _stopped_with_reports(stop, Path(args.out))
     return 1 if report.failures else 0
+
+
+def _stopped_with_reports(stop: KeyboardInterrupt, out) -> int:
+    """Stopped after the sweep wrote its reports (while its summary printed, or a cluster's session
+    closed): only what came after is cut short, the reports on disk are whole."""
+    from kvstate.stateful.printable import printable
+    from kvstate.stateful.sweeps.sweep import report_paths
+
+    how = "terminated" if _terminated(stop) else "interrupted"
+    json_path, junit_path = report_paths(out)
+    print(printable(f"\nkvstate sweep: {how} after the sweep finished; its reports are complete: "
+                    f"{json_path}, {junit_path}"), file=sys.stderr)
+    return _stopped_status(stop)
+
+
+def _stopped_status(stop: KeyboardInterrupt) -> int:
+    """143 for a SIGTERM (``Terminated``), as a shell reports a process it ended; 130 for Ctrl-C."""
+    return 143 if _terminated(stop) else 130
+
+
+def _terminated(error: BaseException) -> bool:
+    """Whether ``error`` is the ``Terminated`` a sweep's SIGTERM raises."""
+    from kvstate.stateful.sweeps.sweep import Terminated
+
+    return isinstance(error, Terminated)
 
 
 def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, int | None]:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -225,6 +228,67 @@ def test_a_sigterm_stops_a_sweep_as_ctrl_c_does_and_no_earlier_report_survives(t
     assert status == 143
     assert report["partial"] and report["runs"] == 3 and report["backend"] == backend
     assert 'tests="3"' in (tmp_path / "out" / "junit.xml").read_text()
+
+
+class SigtermReachedTheTest(Exception):
+    """What a SIGTERM raises where the sweep's own handler was not installed (the default ended pytest)."""
+
+
+@pytest.fixture
+def sigterm_caught():
+    def caught(signum, frame):
+        raise SigtermReachedTheTest()
+    previous = signal.signal(signal.SIGTERM, caught)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def _terminated_here() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)       # the handler raises first
+
+
+@pytest.mark.parametrize("when", ["while the backend loads", "while the summary prints"])
+def test_a_sigterm_outside_the_runs_exits_143_too(tmp_path, monkeypatch, capsys, sigterm_caught, when):
+    """Only the runs were guarded: a SIGTERM while the summary printed (or the backend loaded) met the
+    default handler and ended the command by the signal, not with 143."""
+    from kvstate.stateful.sweeps import sweep as S
+    backend = "kvstate.impl.numpy"
+    if when == "while the backend loads":
+        backend = _backend(tmp_path, name="terminated_at_import")
+        with open(backend, "a") as module:      # imported in a thread the command waits on
+            module.write("\nos.kill(os.getpid(), 15)\ntime.sleep(2)\n")
+    else:
+        summary = S.format_summary
+
+        def terminated_while_printing(report):
+            _terminated_here()
+            return summary(report)
+        monkeypatch.setattr(S, "format_summary", terminated_while_printing)
+    out = tmp_path / "out"
+    status = main(["sweep", "--seeds", "1", "--steps", "5", "--in-process", "--backend", backend,
+                   "--configs", "f32-heap", "--out", str(out)])
+    assert status == 143, capsys.readouterr().err
+    if when == "while the summary prints":
+        report = json.loads((out / "report.json").read_text())
+        assert not report["partial"] and report["runs"] == report["runs_expected"] == 1
+        assert "its reports are complete" in capsys.readouterr().err
+    else:
+        assert "before the sweep began; nothing was run" in capsys.readouterr().err
+
+
+def test_only_the_first_sigterm_raises_while_a_sweep_stops(sigterm_caught):
+    """A second SIGTERM raised again inside the handlers that write the partial report and print the last
+    line, cutting them short and ending the command by an uncaught interrupt."""
+    from kvstate.stateful.sweeps import sweep as S
+    with S.terminated_as_interrupt():
+        with pytest.raises(S.Terminated):
+            _terminated_here()
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)        # stopping already: nothing is raised
+        except S.Terminated:        # a KeyboardInterrupt: let through, it stopped the whole test session
+            pytest.fail("the second SIGTERM raised Terminated again")
 
 
 HOLDER = """

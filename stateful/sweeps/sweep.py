@@ -460,13 +460,20 @@ class Terminated(KeyboardInterrupt):
 
 @contextmanager
 def terminated_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises ``Terminated`` in this (the main) thread while the block runs; elsewhere a no-op."""
+    """SIGTERM raises ``Terminated`` in this (the main) thread while the block runs; elsewhere a no-op.
+    Only the first one raises: the block is stopping from then on, and a second SIGTERM (a CI runner
+    that repeats it) raised inside the handlers that write the partial report and print the last line
+    cut them short, ending the command by an uncaught interrupt instead of with status 143."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    stopping = False
 
     def terminate(signum, frame):
-        raise Terminated()
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise Terminated()
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         yield
