@@ -500,11 +500,10 @@ class Stuck(RunTimeout):
         super().__init__(message)
         self.step = step
 
-
-def _stuck(step: int | None) -> Stuck:
-    return Stuck(f"still running {watchdog.GRACE_S:g} s past its time limit (--run-timeout, or --shrink-budget for "
-                 "a shrink), in code no exception reaches (C code holding the GIL, a lock, a sleep); the sweep "
-                 "ended its process", step)
+    @classmethod
+    def past_limit(cls, step: int | None, ended: str = "the sweep ended its process") -> "Stuck":
+        return cls(f"still running {watchdog.GRACE_S:g} s past its time limit (--run-timeout, or --shrink-budget for "
+                   f"a shrink), in code no exception reaches (C code holding the GIL, a lock, a sleep); {ended}", step)
 
 
 class LocalPool:
@@ -534,7 +533,7 @@ class LocalPool:
     def verdict(self, job: tuple) -> "Stuck | None":
         """``Stuck`` where the watchdog killed ``job``'s process; None otherwise."""
         number = self.number(job)
-        return _stuck(self.stuck[number]) if number in self.stuck else None
+        return Stuck.past_limit(self.stuck[number]) if number in self.stuck else None
 
     def renew(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -10,17 +10,20 @@ thread of the sweep's own process (``Watchdog``) reads the table and kills (SIGK
 was killed at which step: a ``RunTimeout`` of that seed (or a shrink cut short), not a crash.
 The row also says at which step a process that died was (``last_step``).
 
-In a process that is not a pool process of the sweep (the sweep's own, a Dask worker) the
-calls here do nothing.
+A Dask worker keeps the same table, one row per worker thread, in a file its nanny maps too
+(``table_file``): the nanny is the process outside the stuck one there (nanny_watch.py).
+In any other process (the sweep's own, a worker without a nanny) the calls here do nothing.
 """
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 GRACE_S = 2.0
@@ -30,42 +33,63 @@ POLL_S = 0.05
 PID, JOB, STARTED, LIMIT, STEP, BORN = range(6)
 WIDTH = 6
 
-_table = None        # this pool process's pool's table, and this process's row in it
-_row = -1
-_job = -1.0
+_table = None        # the table this process's rows are in (a pool's, or a Dask worker's file)
+_free: list[int] = []    # those rows not held by a running task
+_mine = threading.local()      # .row, .job: the row and task number of the task this thread runs
 
 
-# -- in a pool process -------------------------------------------------------------------
+# -- in a pool process or a Dask worker ----------------------------------------------------
 
 def join(table, counter) -> None:
     """A pool process's initializer: take the next free row of ``table``."""
-    global _table, _row
     with counter.get_lock():
-        _row = counter.value
+        row = counter.value
         counter.value += 1
-    _table = table if _row < len(table) // WIDTH else None
+    if row < len(table) // WIDTH:
+        use(table, [row])
+
+
+def use(table, rows) -> None:
+    """This process's tasks report in ``rows`` of ``table``, one running task to a row."""
+    global _table, _free
+    _table, _free = table, list(rows)
+
+
+def watched() -> bool:
+    """Whether this process's tasks report to a watchdog (``join`` or ``use`` gave it a table)."""
+    return _table is not None
 
 
 def guarded(function: Callable, job: int, *args):
-    """A pool task: ``function(*args)`` as task number ``job`` (what ``begin`` reports)."""
-    global _job
-    _job = float(job)
+    """A task: ``function(*args)`` as task number ``job`` (what ``begin`` reports), in a row of its own
+    while it runs (a Dask worker runs one task in each of its threads); none where all are held."""
+    row = _take_row()
+    _mine.row, _mine.job = row, float(job)
     try:
         return function(*args)
     finally:
-        if _table is not None:
-            _table[_row * WIDTH + STARTED] = 0.0
-        _job = -1.0
+        _mine.row, _mine.job = None, -1.0
+        if row is not None:
+            _table[row * WIDTH + STARTED] = 0.0
+            _free.append(row)
+
+
+def _take_row() -> int | None:
+    try:
+        return _free.pop() if _table is not None else None
+    except IndexError:          # more threads than rows: this task goes unwatched
+        return None
 
 
 def begin(limit_s: float | None) -> None:
     """The current task (or a new phase of it) starts now, to end within ``limit_s`` (None: no limit)."""
-    if _table is None or _job < 0:
+    row = getattr(_mine, "row", None)
+    if row is None:
         return
-    base = _row * WIDTH
+    base = row * WIDTH
     _table[base + STARTED] = 0.0
     _table[base + STEP] = 0.0
-    _table[base + JOB] = _job
+    _table[base + JOB] = _mine.job
     _table[base + LIMIT] = -1.0 if limit_s is None else float(limit_s)
     _table[base + PID] = float(os.getpid())
     _table[base + BORN] = float(started_at(os.getpid()) or 0)
@@ -74,8 +98,34 @@ def begin(limit_s: float | None) -> None:
 
 def step(number: int) -> None:
     """The current task is about to apply operation ``number`` (1-based)."""
-    if _table is not None:
-        _table[_row * WIDTH + STEP] = float(number)
+    row = getattr(_mine, "row", None)
+    if row is not None:
+        _table[row * WIDTH + STEP] = float(number)
+
+
+def table_file(path: Path, rows: int | None = None):
+    """The table in the file at ``path``, mapped into this process: made anew with ``rows`` rows, or
+    (None) as found; None where it cannot be. Every process that maps it shares it: a Dask worker's
+    tasks write their rows, its nanny reads them. Times are ``time.monotonic()``, one clock for the
+    whole machine on Linux."""
+    flags = os.O_RDWR | getattr(os, "O_NOFOLLOW", 0) | (os.O_CREAT | os.O_EXCL if rows is not None else 0)
+    try:
+        if rows is not None:
+            path.unlink(missing_ok=True)        # a worker's that had this pid before
+        descriptor = os.open(path, flags, 0o600)
+    except OSError:
+        return None
+    try:
+        if rows is not None:
+            os.ftruncate(descriptor, rows * WIDTH * 8)
+        found = os.fstat(descriptor)
+        if not found.st_size or found.st_size % (WIDTH * 8) or found.st_uid != os.getuid():
+            return None                         # still being made, or not one of ours
+        return memoryview(mmap.mmap(descriptor, found.st_size)).cast("d")
+    except OSError:
+        return None
+    finally:
+        os.close(descriptor)
 
 
 # -- in the sweep's process --------------------------------------------------------------
@@ -115,24 +165,34 @@ class Watchdog:
                 self._check(row * WIDTH)
 
     def _check(self, base: int) -> None:
-        started, limit = self.table[base + STARTED], self.table[base + LIMIT]
-        if not started or limit < 0 or time.monotonic() - started <= limit + GRACE_S:
+        found = overdue(self.table, base)
+        if found is None:
             return
-        job, pid, at = int(self.table[base + JOB]), int(self.table[base + PID]), int(self.table[base + STEP])
-        if self.table[base + STARTED] != started or int(self.table[base + JOB]) != job:
-            return          # it moved on meanwhile
-        if not alive(pid, int(self.table[base + BORN])):
-            # Its process died (a crash) and left the row started: that is a ``ProcessDied``, not a
-            # task stuck, and the pid, reaped, may be another process's by now. The row is cleared.
-            if self.table[base + STARTED] == started:
-                self.table[base + STARTED] = 0.0
-            return
+        job, pid, at = found
         self.stuck[job] = at
-        self.table[base + STARTED] = 0.0
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def overdue(table, base: int) -> tuple[int, int, int] | None:
+    """(task number, pid, step) of the task in the row at ``base`` where it still runs ``GRACE_S`` past
+    its limit, its row cleared so that it is judged once; else None. Who reads it ends that process."""
+    started, limit = table[base + STARTED], table[base + LIMIT]
+    if not started or limit < 0 or time.monotonic() - started <= limit + GRACE_S:
+        return None
+    job, pid, at = int(table[base + JOB]), int(table[base + PID]), int(table[base + STEP])
+    if table[base + STARTED] != started or int(table[base + JOB]) != job:
+        return None         # it moved on meanwhile
+    if not alive(pid, int(table[base + BORN])):
+        # Its process died (a crash) and left the row started: that is a ``ProcessDied``, not a
+        # task stuck, and the pid, reaped, may be another process's by now. The row is cleared.
+        if table[base + STARTED] == started:
+            table[base + STARTED] = 0.0
+        return None
+    table[base + STARTED] = 0.0
+    return job, pid, at
 
 
 def _stat(pid: int) -> list[bytes] | None:
