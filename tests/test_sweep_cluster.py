@@ -1,5 +1,6 @@
 """`kvstate sweep` on a Dask cluster started here on 127.0.0.1: the same answer as the local
-pool, a killed worker, a worker with other code, run timeouts, a lost scheduler, and resume.
+pool, a killed worker, a worker with other code, run timeouts, a run stuck in C, a lost scheduler,
+and resume.
 
 Backends with planted bugs are modules in a temporary folder that worker processes find
 through a preload script (tests/test_sweep.py plants bugs by patching this process, which a
@@ -10,6 +11,7 @@ worker process that ran one runs the plain NumPy engine unharmed afterwards.
 import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -101,6 +103,26 @@ def factory(config):
 '''
 CRASHING_SEED = 2
 
+STUCK_BACKEND = '''"""The NumPy engine, except that at page size 7 allocate holds the GIL in C for a minute (for ever, to
+a sweep with a shorter --run-timeout): no Python code of its process runs then, not even a timer."""
+import ctypes
+
+from kvstate.impl.numpy import factory as _engine
+
+
+def _allocate_stuck(self):
+    ctypes.PyDLL(None).sleep(60)
+    return type(self).__mro__[1].allocate(self)
+
+
+def factory(config):
+    cache = _engine(config)
+    if config.page_tokens == 7:
+        cache.__class__ = type("Stuck", (type(cache),), {"allocate": _allocate_stuck})
+    return cache
+'''
+STUCK_SEED = 0          # Generator(0).page_tokens is 7
+
 SLOW_BACKEND = '''"""The NumPy engine, each cache built a quarter of a second late where KVSTATE_TEST_SLOW_CACHES
 is set: in an interrupted sweep's processes, not in its resume in the test's own process."""
 import os
@@ -131,6 +153,7 @@ def backends(tmp_path_factory):
     (folder / "sweep_planted.py").write_text(PLANTED_BACKEND)
     (folder / "sweep_hanging.py").write_text(HANGING_BACKEND)
     (folder / "sweep_crashing.py").write_text(CRASHING_BACKEND)
+    (folder / "sweep_stuck.py").write_text(STUCK_BACKEND)
     odd = tmp_path_factory.mktemp("odd-backends")
     (odd / "sweep_planted.py").write_text(PLANTED_BACKEND + "# edited on one machine only\n")
     sys.path.insert(0, str(folder))
@@ -374,6 +397,67 @@ def test_an_over_long_run_is_a_timeout_failure_of_its_seed(cluster, tmp_path, ca
         assert all(f["failure"]["error"] == "RunTimeout" and f["failure"]["op"] == "allocate()" and
                    not f["minimised"] for f in failures)
     capsys.readouterr()
+
+
+def _within(timeout_s: float, call):
+    """``call()``'s value, or a failure where it has not returned after ``timeout_s``."""
+    done = []
+    thread = threading.Thread(target=lambda: done.append(call()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        pytest.fail(f"still running after {timeout_s:g} s")
+    return done[0]
+
+
+@needs_distributed
+def test_a_run_stuck_in_c_on_a_worker_is_a_timeout_of_its_seed_and_its_worker_restarts(cluster, tmp_path,
+                                                                                       monkeypatch):
+    """C code holding the GIL on a worker stops every thread of its process, the run's timer included:
+    the worker thread stayed taken, and the sweep waited for good. The worker's nanny, outside it, now
+    ends it (and starts it again), and the run is a RunTimeout of its seed at the step it was in."""
+    from kvstate.stateful.sweeps import watchdog
+
+    local, client = cluster
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.2)       # read by the nannies, which run in this process
+    before = client.run(os.getpid)
+    out = tmp_path / "out"
+    assert _within(30, lambda: main(["sweep", "--scheduler", local.scheduler_address, "--seeds", "6", "--steps", "40",
+                                     "--configs", "f32-heap", "--backend", "sweep_stuck", "--run-timeout", "0.5",
+                                     "--out", str(out)])) == 1
+    report = json.loads((out / "report.json").read_text())
+    [failure] = report["failures"]
+    stuck = failure["failure"]
+    assert (failure["seed"], stuck["error"], stuck["op"]) == (STUCK_SEED, "RunTimeout", "allocate()")
+    assert not failure["minimised"]
+    # Its operations drawn again here, up to the step its worker reported: the one it was stuck in.
+    ops = R.load(Path(failure["replay_file"])).ops
+    assert stuck["step"] == len(ops) >= 1 and str(ops[-1]) == "allocate()"
+    assert report["runs"] == 6 and not report["partial"]        # the other seeds ran, and passed
+    ended = re.search(r"the nanny of worker (\S+) ended that worker process", stuck["message"]).group(1)
+    client.wait_for_workers(2, timeout=30)
+    assert ended in before and ended not in client.run(os.getpid)      # killed, and started again
+
+
+@needs_distributed
+@pytest.mark.slow       # a cluster of its own
+def test_a_worker_without_a_nanny_is_named_as_unwatched(tmp_path):
+    """Nothing outside a worker without a nanny can end it, or start it again: it still gets runs, and
+    the sweep says on stderr that a run stuck there in C holds it and the sweep."""
+    import io
+
+    from distributed import LocalCluster
+
+    from kvstate.stateful.sweeps.cluster import connect
+
+    said = io.StringIO()
+    with LocalCluster(n_workers=1, processes=False, threads_per_worker=1, dashboard_address="127.0.0.1:0") as local:
+        with connect(local.scheduler_address, S.DEFAULT_BACKEND, out=said) as session:
+            report = S.sweep(range(2), 20, configs_named(["f32-heap"]), S.DEFAULT_BACKEND, session.workers,
+                             tmp_path, executor=session.executor, window=session.window, progress=None)
+    [worker] = set(session.accepted)
+    assert f"worker {worker} has no nanny: a run stuck there in C past --run-timeout cannot be ended" in said.getvalue()
+    assert len(report.results) == 2 and all(r.passed for r in report.results)
 
 
 @needs_distributed

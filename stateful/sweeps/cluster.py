@@ -9,7 +9,11 @@ this module adds is the check that every worker runs the same code as this machi
   its fingerprint (fingerprint.py); any difference is ``BackendMismatchError`` naming the
   workers and what differs, and nothing runs;
 * workers that join later are checked by a worker plugin (worker_gate.py) before the
-  scheduler may give them a run; one that differs gets none and is named on stderr.
+  scheduler may give them a run; one that differs gets none and is named on stderr;
+* each worker's nanny ends a run stuck in C past its time limit (nanny_watch.py), and the
+  executor (``WatchedExecutor``, Dask's tasks as ``concurrent.futures`` futures, as
+  ``Client.get_executor`` gives them) records it as ``Stuck`` at once; a worker without a
+  nanny cannot be watched, and is named on stderr.
 
 Dask does the rest: a task whose worker dies is run again on another worker (the sweep
 keeps the first result of each (configuration, seed)), and a lost scheduler cancels the
@@ -18,25 +22,87 @@ futures, which the sweep turns into ``ClusterLostError`` and a partial report.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import secrets
 import sys
 import time
-from contextlib import contextmanager
+from concurrent.futures import CancelledError, Executor, Future, InvalidStateError
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
-from typing import Iterator, TextIO
+from typing import Callable, Iterator, TextIO
 
 from kvstate.spec.errors import BackendMismatchError, ClusterLostError, SweepError
 
+from . import watchdog
 from .fingerprint import describe, differences, fingerprint
+from .sweep import Stuck
 
 EXTRA = "kvstate[cluster]"
+
+
+class WatchedExecutor(Executor):
+    """The sweep's tasks on Dask as ``concurrent.futures`` futures, each run under ``watchdog.guarded``
+    with a number of its own, so that a nanny that ends a run stuck in C can name it (``stuck``).
+    ``Client.get_executor`` gave no way from its futures to their Dask tasks, which ``stuck`` cancels."""
+
+    def __init__(self, client, resources: dict):
+        self.client, self.resources = client, resources
+        self._open: dict[int, tuple] = {}       # task number -> (Dask future, the future handed out)
+
+    def submit(self, function: Callable, /, *args) -> Future:
+        number = secrets.randbits(52)           # none alike among the sweeps sharing a worker; exact as a float
+        task = self.client.submit(watchdog.guarded, function, number, *args, pure=False, resources=self.resources,
+                                  key=f"{getattr(function, '__name__', 'task')}-{secrets.token_hex(16)}")
+        future: Future = Future()
+        # A future the caller cancels (``_map`` letting go of it) cancels its task; not one cancelled below.
+        future.add_done_callback(lambda done: done.cancelled() and task.status != "cancelled" and task.cancel())
+        self._open[number] = (task, future)
+        self.client.loop.add_callback(self._settle, number, task, future)
+        return future
+
+    async def _settle(self, number: int, task, future: Future) -> None:
+        """``task``'s outcome to ``future``, unless ``stuck`` ended it first (on the client's event loop)."""
+        try:
+            result = await self.client.gather(task, asynchronous=True)
+        except (CancelledError, asyncio.CancelledError):        # cancelled, or the scheduler lost
+            if self._open.pop(number, None):
+                future.cancel()
+        except BaseException as error:      # noqa: BLE001 -- the run's own, or Dask's KilledWorker: a finding
+            if self._open.pop(number, None):
+                _hand(future.set_exception, error)
+        else:
+            if self._open.pop(number, None):
+                _hand(future.set_result, result)
+
+    async def stuck(self, number: int, step: int, worker: str) -> None:
+        """Task ``number`` ran past its limit, stuck at ``step``: its nanny is ending ``worker``. Its future
+        ends now as ``Stuck``; its Dask task is cancelled, or Dask would run it again on another worker,
+        stuck again, until ``allowed-failures``. A number not open here is another sweep's."""
+        entry = self._open.pop(number, None)
+        if entry is None:
+            return
+        task, future = entry
+        _hand(future.set_exception, Stuck.past_limit(step, f"the nanny of worker {worker} ended that worker "
+                                                           "process and starts it again"))
+        await self.client.cancel([task], asynchronous=True)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        if cancel_futures:
+            for _, future in list(self._open.values()):
+                future.cancel()
+
+
+def _hand(settle: Callable, value) -> None:
+    with suppress(InvalidStateError):       # cancelled by the caller meanwhile: nobody waits for it
+        settle(value)
 
 
 @dataclass
 class ClusterSession:
     address: str
     client: object                   # distributed.Client
-    executor: object                 # distributed.cfexecutor.ClientExecutor
+    executor: WatchedExecutor
     resource: str                    # what the sweep's tasks ask for; admitted workers hold it
     workers: int                     # worker threads that passed the check at the start
     accepted: list[str] = field(default_factory=list)     # workers the gate let in (late joiners too)
@@ -44,6 +110,7 @@ class ClusterSession:
     out: TextIO | None = None        # where refused late joiners are named
     _window: int = 0
     _window_at: float = float("-inf")
+    _unwatched: set = field(default_factory=set)
 
     def window(self) -> int:
         """Runs to keep submitted: two per thread of the workers holding the sweep's resource
@@ -65,12 +132,29 @@ class ClusterSession:
         _, message = event
         if message.get("accepted"):
             self.accepted.append(message["worker"])
+            if not message.get("watched", True):
+                self.unwatched(message["worker"])
             return
         differs = {key: tuple(pair) for key, pair in message["differs"].items()}
         self.refused[message["worker"]] = differs
+        self._say(f"worker {message['worker']} joined with other code and gets no runs: {describe(differs)}")
+
+    def unwatched(self, worker: str) -> None:
+        """Name, once, a worker whose runs nothing can end when they are stuck in C (it has no nanny)."""
+        if worker not in self._unwatched:
+            self._unwatched.add(worker)
+            self._say(f"worker {worker} has no nanny: a run stuck there in C past --run-timeout cannot be ended, "
+                      "and holds its worker thread and this sweep until it returns (start workers with their "
+                      "nanny, dask worker's default)")
+
+    async def stuck(self, event: tuple) -> None:
+        """A nanny's word that it is ending its worker, stuck in a run of ours or another sweep's."""
+        _, message = event
+        await self.executor.stuck(message["job"], message["step"], message["worker"])
+
+    def _say(self, line: str) -> None:
         if self.out is not None:
-            self.out.write(f"\nkvstate sweep: worker {message['worker']} joined with other code and gets no runs: "
-                           f"{describe(differs)}\n")
+            self.out.write(f"\nkvstate sweep: {line}\n")
             self.out.flush()
 
 
@@ -137,6 +221,7 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
             timeout_s: float = 30.0) -> Iterator[ClusterSession]:
     """A checked session on the scheduler at ``address``; closed on leaving the block."""
     distributed = require_distributed()
+    from .nanny_watch import TOPIC, StuckRunWatch
     from .worker_gate import BackendGate
 
     check_address(address)
@@ -152,13 +237,17 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
                 client.wait_for_workers(1, timeout=timeout_s)
                 checked = check_workers(client, backend, here)
                 gate = BackendGate(backend, here)
-                session = ClusterSession(address, client,
-                                         client.get_executor(pure=False, resources={gate.name: 1}), gate.name,
+                session = ClusterSession(address, client, WatchedExecutor(client, {gate.name: 1}), gate.name,
                                          workers=sum(client.nthreads().values()), out=out, accepted=checked)
                 # Events only name workers (the resource is what keeps work away): a subscription that
                 # reaches the scheduler after the gate's first words misses nothing that matters.
                 client.subscribe_topic(gate.name, session.note)
+                client.subscribe_topic(TOPIC, session.stuck)
+                client.register_plugin(StuckRunWatch(), name=TOPIC)     # the nannies watch before any run
                 client.register_plugin(gate, name=gate.name)
+                # The gate's word on the workers there now may reach the scheduler before the subscription.
+                for worker in without_nanny(client):
+                    session.unwatched(worker)
             except TimeoutError:
                 raise SweepError(f"the Dask scheduler at {address} has no workers (waited {timeout_s:g} s)") from None
             except OSError as error:        # distributed's CommClosedError is one
@@ -188,6 +277,12 @@ def check_workers(client, backend: str, here: dict) -> list[str]:
         raise BackendMismatchError(f"{len(mismatched)} of {len(found)} workers would run other code than this "
                                    f"machine, so no run started. {lines}", mismatched)
     return sorted(found)
+
+
+def without_nanny(client) -> list[str]:
+    """The workers the scheduler knows no nanny of."""
+    workers = client.scheduler_info(n_workers=-1)["workers"]
+    return sorted(address for address, worker in workers.items() if not worker.get("nanny"))
 
 
 def _close(client, lost: bool) -> None:

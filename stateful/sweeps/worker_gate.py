@@ -17,6 +17,10 @@ status becomes running, not when a worker gains a resource; and a plugin's ``set
 only after its worker has registered and started running. So a grant is followed by a
 pause and resume of the worker (``offer_waiting_runs``): without it, the runs of a worker
 that died before any other held the resource would wait for ever, its replacement idle.
+
+Before the grant, the worker's tasks are set to report to its nanny's watch (nanny_watch.py), which
+ends a run stuck in C; the plugin's word says whether the worker is watched (one without a nanny
+is not).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from distributed import WorkerPlugin
 from distributed.core import Status
 
 from .fingerprint import differences, fingerprint
+from .nanny_watch import watch_worker
 
 
 def gate_name(expected: dict) -> str:
@@ -52,9 +57,10 @@ class BackendGate(WorkerPlugin):
             worker.log_event(self.name, {"worker": worker.address, "accepted": False,
                                          "differs": {key: list(pair) for key, pair in differs.items()}})
             return
+        watched = watch_worker(worker)          # before any run can come
         await worker.set_resources(**{self.name: worker.state.nthreads})      # awaited: the scheduler holds it now
         offer_waiting_runs(worker)
-        worker.log_event(self.name, {"worker": worker.address, "accepted": True})
+        worker.log_event(self.name, {"worker": worker.address, "accepted": True, "watched": watched})
 
 
 def offer_waiting_runs(worker) -> None:

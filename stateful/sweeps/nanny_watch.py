@@ -1,0 +1,115 @@
+"""The watchdog of a sweep on Dask: each worker's nanny ends its worker's run stuck in C.
+
+A run's ``--run-timeout`` interrupts Python code on a worker, but nothing reaches a thread blocked
+in C, and Dask cannot cancel a running task: the worker thread stayed taken and the sweep waited
+for good. C code that holds the GIL stops every thread of the worker process, so the watch must
+live outside it, as the local pool's does (watchdog.py); on Dask that process is the worker's
+nanny, which started the worker and starts it again when it dies. So:
+
+- the worker (``watch_worker``, called by the sweep's gate before the worker may get a run) keeps
+  the watchdog's table in a file named after its pid, one row per thread: each sweep task
+  (``watchdog.guarded``) reports there, as in a pool process, which task it runs, since when
+  (measured on the worker, where it starts: a run queued behind a stuck one is not charged for it),
+  under which limit, and the step it has reached;
+- the nanny (``StuckRunWatch``, a Dask nanny plugin) reads its own worker's table and, for a task
+  ``watchdog.GRACE_S`` past its limit, tells the sweep (an event naming the task and its step)
+  and then kills the worker process, which it starts again;
+- the sweep (cluster.WatchedExecutor) ends that run's future as ``Stuck``, a ``RunTimeout`` of its
+  seed saved at its step, and cancels the Dask task: Dask would run it again on another worker,
+  stuck again each time, until ``allowed-failures``.
+
+A worker without a nanny has nobody outside it to end it, nor to start it again: it is not
+watched, and the sweep says so when it joins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import tempfile
+from pathlib import Path
+
+from distributed import NannyPlugin
+from tornado.ioloop import PeriodicCallback
+
+from . import watchdog
+
+TOPIC = "kvstate-sweep-watch"
+"""The plugin's name and the topic of its events: one watch per nanny, whatever code sweeps."""
+SETTLE_S = 0.5
+"""How long the nanny waits between telling the sweep and killing the worker: the sweep cancels the
+stuck task first, so that Dask does not hand it, on the worker's death, to another worker."""
+REPORT_TIMEOUT_S = 5.0
+
+
+def table_path(pid: int) -> Path:
+    """Where the worker process ``pid`` keeps its table: known to it and to its nanny."""
+    return Path(tempfile.gettempdir()) / f"kvstate-sweep-watch-{pid}"
+
+
+# -- in a worker process -------------------------------------------------------------------
+
+def watch_worker(worker) -> bool:
+    """This worker's tasks reported where its nanny reads them; False where it has no nanny."""
+    if not worker.nanny:
+        return False
+    if not watchdog.watched():          # once a process: the gates of sweeps of other code share it
+        table = watchdog.table_file(table_path(os.getpid()), worker.state.nthreads)
+        if table is None:
+            return False
+        watchdog.use(table, range(worker.state.nthreads))
+    return True
+
+
+# -- in a nanny ----------------------------------------------------------------------------
+
+class StuckRunWatch(NannyPlugin):
+    name = TOPIC
+    idempotent = True           # a second sweep's registration leaves the running watch alone
+
+    def setup(self, nanny) -> None:
+        self.nanny = nanny
+        self.pid: int | None = None         # the worker process whose table is open
+        self.table = None
+        self.callback = PeriodicCallback(self.check, watchdog.POLL_S * 1000)
+        self.callback.start()
+
+    def teardown(self, nanny) -> None:
+        self.callback.stop()
+        self.pid, self.table = None, None
+
+    async def check(self) -> None:
+        pid = self.nanny.pid
+        if pid != self.pid:
+            self._follow(pid)
+        if self.table is None:
+            return
+        for base in range(0, len(self.table), watchdog.WIDTH):
+            found = watchdog.overdue(self.table, base)
+            if found is not None and found[1] == pid:       # only ever its own worker process
+                await self._end(*found)
+                return
+
+    def _follow(self, pid: int | None) -> None:
+        """The worker process is now ``pid`` (None: none runs): its table, once its gate has made it."""
+        self.table = watchdog.table_file(table_path(pid)) if pid else None
+        self.pid = pid if self.table is not None else None
+        if self.pid is not None:
+            # Both processes have it mapped: the name was only where they meet, and a worker or nanny
+            # killed outright leaves no file behind.
+            table_path(pid).unlink(missing_ok=True)
+
+    async def _end(self, job: int, pid: int, step: int) -> None:
+        """Tell the sweep that task ``job`` is stuck at ``step``, then kill its worker (restarted by this nanny)."""
+        try:
+            await asyncio.wait_for(self.nanny.scheduler.log_event(
+                topic=TOPIC, msg={"worker": self.nanny.worker_address, "job": job, "step": step}),
+                REPORT_TIMEOUT_S)
+            await asyncio.sleep(SETTLE_S)
+        except Exception:       # noqa: BLE001 -- a scheduler that cannot be told: the worker is freed all the same
+            pass
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
