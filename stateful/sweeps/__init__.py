@@ -2,5 +2,6 @@
 
 ``sweep`` plans and drives them, ``runs`` is one (configuration, seed) task, ``journal`` records
 each finished run, ``cluster``/``worker_gate``/``fingerprint`` check that every machine runs the
-same code.
+same code, and ``watchdog`` (a local pool) and ``nanny_watch`` (a Dask worker's nanny) end a run
+stuck in C from outside its process.
 """
