@@ -42,6 +42,7 @@ memory on top of the pages).
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 import time
 from typing import Callable
@@ -923,13 +924,30 @@ def _generating(generate, *args, **kwargs):
     if not isinstance(cache, KVStateCache):
         return generate(*args, **kwargs)
     held = cache._held_here()
-    if kwargs.get("streamer") is not None:
-        kwargs["streamer"] = _ReleasingStreamer(kwargs["streamer"], lambda: cache._release_to(held))
+    args, kwargs = _streamer_releasing(generate, args, kwargs, lambda: cache._release_to(held))
     try:
         cache._hold("generate")
         return generate(*args, **kwargs)
     finally:
         cache._release_to(held)
+
+
+def _streamer_releasing(generate, args: tuple, kwargs: dict, release: Callable[[], None]) -> tuple[tuple, dict]:
+    """``generate``'s arguments with the streamer among them, if any, wrapped in a ``_ReleasingStreamer``.
+    Found by binding the call to ``generate``'s own signature: in transformers 5.x the streamer is also its
+    eighth positional parameter, and one passed there was never wrapped (the cache was held to the end)."""
+    if kwargs.get("streamer") is not None:
+        return args, {**kwargs, "streamer": _ReleasingStreamer(kwargs["streamer"], release)}
+    if not args:
+        return args, kwargs
+    try:
+        call = inspect.signature(generate).bind(*args, **kwargs)
+    except (TypeError, ValueError):     # a call generate itself refuses, or no signature to read: left to it
+        return args, kwargs
+    if call.arguments.get("streamer") is None:
+        return args, kwargs
+    call.arguments["streamer"] = _ReleasingStreamer(call.arguments["streamer"], release)
+    return call.args, call.kwargs
 
 
 class _ReleasingStreamer(BaseStreamer):

@@ -416,10 +416,12 @@ def test_an_inference_tensor_in_the_model_leaves_the_other_weights_watched():
     cache.close()
 
 
-def test_a_streamed_generate_lets_its_cache_go_when_the_streamer_ends():
+@pytest.mark.parametrize("passed", ["by name", "by position"])
+def test_a_streamed_generate_lets_its_cache_go_when_the_streamer_ends(passed):
     """From a review: HF's streaming recipe runs generate on a thread and wakes the caller at the
     streamer's ``end()``, which transformers calls inside generate; the caller's next use of the cache
-    got ContextBusyError from a generate that had done its work. ``end()`` here waits for that use."""
+    got ContextBusyError from a generate that had done its work. ``end()`` here waits for that use.
+    A streamer passed by position (generate's eighth parameter) was not wrapped, and held the cache."""
     from transformers.generation.streamers import BaseStreamer
 
     model = llama()
@@ -437,8 +439,12 @@ def test_a_streamed_generate_lets_its_cache_go_when_the_streamer_ends():
             assert self.used.wait(WAIT)         # generate has not returned: the caller uses the cache now
 
     streamer = Streamer()
-    worker = threading.Thread(target=model.generate, args=(ids(4, 71),),
-                              kwargs=dict(cache=cache, max_new_tokens=3, streamer=streamer, **GREEDY))
+    args, kwargs = (ids(4, 71),), dict(cache=cache, max_new_tokens=3, **GREEDY)
+    if passed == "by name":
+        kwargs["streamer"] = streamer
+    else:       # inputs, generation_config, logits_processor, stopping_criteria, prefix_allowed_tokens_fn,
+        args += (None,) * 6 + (streamer,)       # synced_gpus, assistant_model, streamer
+    worker = threading.Thread(target=model.generate, args=args, kwargs=kwargs)
     worker.start()
     try:
         assert streamer.ended.wait(WAIT)
