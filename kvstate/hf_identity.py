@@ -4,9 +4,9 @@ kept cheaply current, and the binding of a kvstate cache to the first model that
 A model of the same layout computes other K/V, and a prefix hit or a continuation would read them as
 its own; so would the same model given other weights since. ``bind_model`` refuses both by name before
 a forward computes anything. Per forward it reads each parameter's data pointer and version counter
-(``_Weights``), never its values; the values are sampled and hashed again (``model_fingerprint``) only
-when one of those changed, a submodule was swapped, or a parameter or submodule was registered on a
-fingerprinted model's module.
+(``_Weights``), never its values; the values are hashed again (``model_fingerprint``: every one, by
+row) only when one of those changed, a submodule was swapped, or a parameter or submodule registered on a
+fingerprinted model's module changed its parameters.
 """
 
 from __future__ import annotations
@@ -88,12 +88,15 @@ class _Weights:
     """A model's fingerprint and the cheap key of the weights it was taken from: each parameter's data
     pointer and version counter (bumped by every in-place write through the tensor: ``load_state_dict``,
     optimizer steps, ``param.add_``), read through the module dicts that hold them, so a parameter
-    replaced in place is seen too. Taken again when the key or the modules' structure changes."""
+    replaced in place is seen too. Taken again when the key or the modules' structure changes; the values
+    are hashed again only where the parameters, their key or the configuration differ from ``before``'s
+    (the model's last ``_Weights``): that hash reads every weight, and a registration that changed no
+    parameter (a submodule set again) is no reason to."""
 
     __slots__ = ("structure", "holders", "names", "versions", "key", "parents", "child_names", "children",
-                 "fingerprint")
+                 "config", "fingerprint")
 
-    def __init__(self, model):
+    def __init__(self, model, before: "_Weights | None" = None):
         self.structure = _STRUCTURE[0]
         modules = list(model.modules())
         _add_members(modules)
@@ -112,7 +115,13 @@ class _Weights:
         # base loaded under inference mode) left the others' writes unseen when it was decided for all.
         self.versions = not any(param.is_inference() for param in params)
         self.key = self.read_key()
-        self.fingerprint = model_fingerprint(model, _UNREADABLE)
+        self.config = _kv_config(getattr(getattr(model, "_orig_mod", model), "config", None))[0]
+        self.fingerprint = before.fingerprint if self.same_weights(before) else model_fingerprint(model, _UNREADABLE)
+
+    def same_weights(self, before: "_Weights | None") -> bool:
+        """The same parameters, in the same module dicts, with the same key, and the same configuration."""
+        return (before is not None and self.key == before.key and self.names == before.names
+                and all(map(operator.is_, self.holders, before.holders)) and self.config == before.config)
 
     def read_key(self):
         params = list(map(dict.__getitem__, self.holders, self.names))
@@ -140,7 +149,7 @@ def fingerprint_of(model) -> str:
         return known.fingerprint
     _watch_structure()      # before the weights are read: a change from then on bumps ``_STRUCTURE``
     with _WEIGHTS_LOCK:
-        known = _Weights(model)
+        known = _Weights(model, known)
         _WEIGHTS[model] = known
     return known.fingerprint
 
@@ -195,9 +204,11 @@ def _kv_config(config) -> tuple[bytes, bool]:
 
 
 def model_fingerprint(model, unreadable=None) -> str:
-    """What tells a model's weights from another's of the same shape, cheaply: a hash of each
-    parameter's name, shape, dtype and ``SAMPLES`` values spread over it (its first and last
-    included), and of the configuration fields that may change K/V (``_kv_config``). Two
+    """What tells a model's weights from another's of the same shape: a hash of each parameter's
+    name, shape, dtype, ``SAMPLES`` values spread over it (its first and last included) and a hash of
+    each of its rows' values (``_row_hashes``), and of the configuration fields that may change K/V
+    (``_kv_config``). It reads every weight once (``fingerprint_of`` takes it again only when the
+    weights may have changed). Two
     loads of the same checkpoint agree. Weights whose values cannot be read here
     (the ``meta`` device of an offloaded model) are hashed with a token of this model object
     (kept in ``unreadable``, a dict by model; a new one each call without it): the model then
@@ -213,21 +224,23 @@ def model_fingerprint(model, unreadable=None) -> str:
         # the very model that computed a cache. The configuration stands for them (its rope fields).
         for index, (name, param) in enumerate(model.named_parameters()):
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-            sample = None if param.is_meta else _sample(param)
-            if sample is None:
+            read = None if param.is_meta else _read(param)
+            if read is None:
                 token = (unreadable if unreadable is not None else {}).setdefault(model, secrets.token_bytes(16))
                 digest.update(b"unreadable" + token)
                 local = True
             else:
-                samples.setdefault(sample.device, []).append((index, sample))
+                samples.setdefault(read[0].device, []).append((index, *read))
         # One copy to the host per device, then hashed in parameter order: the same weights spread over
         # devices another way (another device map, on another machine) hash the same.
         on_host = []
         for parts in samples.values():
-            values = torch.cat([sample for _, sample in parts]).cpu().split([len(sample) for _, sample in parts])
-            on_host += zip((index for index, _ in parts), values)
-        for _, values in sorted(on_host, key=lambda pair: pair[0]):
+            values = _to_host([sample for _, sample, _ in parts])
+            rows = _to_host([hashes for _, _, hashes in parts])
+            on_host += zip((index for index, _, _ in parts), values, rows)
+        for _, values, rows in sorted(on_host, key=lambda read: read[0]):
             digest.update(values.numpy().tobytes())
+            digest.update(rows.numpy().tobytes())
     fingerprint = digest.hexdigest()
     if local:
         _PROCESS_LOCAL.add(fingerprint)
@@ -251,14 +264,46 @@ def expected_producer(model) -> bytes | None:
     return None if mine in _PROCESS_LOCAL else bytes.fromhex(mine)
 
 
-def _sample(param):
-    """``SAMPLES`` values spread over ``param`` and its last one, as float32; None if unreadable."""
+def _to_host(parts: list) -> list:
+    """``parts`` (tensors of one device and dtype) on the host, in one copy."""
+    return list(torch.cat(parts).cpu().split([len(part) for part in parts]))
+
+
+def _read(param):
+    """What the fingerprint hashes of ``param``'s values: ``_sample`` and ``_row_hashes``; None if
+    either cannot be read (a packed or quantized tensor kvstate cannot read)."""
     try:
-        flat = param.detach().reshape(-1)
-        step = max(1, flat.numel() // SAMPLES)
-        return torch.cat([flat[::step][:SAMPLES], flat[-1:]]).to(torch.float32)
-    except (RuntimeError, TypeError, NotImplementedError):      # a packed or quantized tensor kvstate cannot read
+        return _sample(param), _row_hashes(param)
+    except (RuntimeError, TypeError, NotImplementedError):
         return None
+
+
+def _sample(param):
+    """``SAMPLES`` values spread over ``param`` and its last one, as float32."""
+    flat = param.detach().reshape(-1)
+    step = max(1, flat.numel() // SAMPLES)
+    return torch.cat([flat[::step][:SAMPLES], flat[-1:]]).to(torch.float32)
+
+
+# An integer type of each element size: a value's bits, whatever its dtype (float8 included), read as one.
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _row_hashes(param):
+    """A hash of every value of each row of ``param`` (along its first dimension), as int64: the xor of
+    their bits. Samples alone passed weights edited between them (a fine-tune that changed some rows, an
+    in-place edit of a few values); a changed value always changes its row's hash, and rows are hashed in
+    order, so rows swapped show too. One pass over the weights, taken only when they may have changed."""
+    if not param.numel():
+        return torch.zeros(0, dtype=torch.int64, device=param.device)
+    rows = param.detach().reshape(param.shape[0] if param.ndim > 1 else 1, -1)
+    if rows.element_size() not in _BITS:
+        raise TypeError(f"no integer type of {rows.element_size()} bytes to read {rows.dtype} values as")
+    bits = rows.view(_BITS[rows.element_size()])
+    try:
+        return torch.hash_tensor(bits, dim=1).view(torch.int64)
+    except (RuntimeError, NotImplementedError):     # no such kernel on this device: the same hash on the host
+        return torch.hash_tensor(bits.cpu(), dim=1).view(torch.int64).to(bits.device)
 
 
 def bind_model(model, kv: Cache) -> None:

@@ -148,6 +148,42 @@ def test_weights_that_differ_only_past_their_first_values_are_another_model():
     cache.close()
 
 
+def unsampled_rows(weight) -> list[int]:
+    """The rows of ``weight`` that hold none of the values the fingerprint samples."""
+    step, width = max(1, weight.numel() // hf_identity.SAMPLES), weight[0].numel()
+    sampled = {i // width for i in range(0, weight.numel(), step)[:hf_identity.SAMPLES]} | {len(weight) - 1}
+    return [row for row in range(len(weight)) if row not in sampled]
+
+
+def test_weights_edited_between_the_sampled_values_are_another_model():
+    """The fingerprint hashed 64 values of each parameter: an in-place edit of the bound model (its
+    version counter seen, its weights hashed again) or another model's weights differing between those
+    values (one value, or two rows swapped) hashed the same, and continued the cache's K/V silently.
+    Every value is hashed now, by row, when the weights may have changed; the old value back, it goes on."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 73))
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    row = unsampled_rows(weight.view(-1, 1))[0]         # one value no sample reads
+    value = weight.view(-1)[row].item()
+    with torch.no_grad():
+        weight.view(-1)[row] += 1.0
+    with pytest.raises(UnsupportedModelError, match="weights changed"):
+        run(model, cache, ids(1, 74))
+    with torch.no_grad():
+        weight.view(-1)[row] = value
+    run(model, cache, ids(1, 74))                       # its old weights back: it goes on
+    swapped = llama()
+    with torch.no_grad():
+        embedding = swapped.model.embed_tokens.weight
+        first, second = unsampled_rows(embedding)[:2]
+        embedding[[first, second]] = embedding[[second, first]].clone()
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        hf.KVStateCache.for_model(swapped, kv=cache.kv)
+    assert len(cache.context) == 5
+    cache.close()
+
+
 def test_a_snapshot_names_its_model_and_is_refused_for_another(tmp_path):
     """From an audit: a snapshot recorded no model, so one restored into a model of the same layout
     but other weights (or another ``rms_norm_eps``) continued with K/V it never computed, silently
@@ -391,6 +427,26 @@ def test_a_llama_generate_hashes_its_weights_once(monkeypatch):
     model.model.layers[0].self_attn.extra = torch.nn.Linear(4, 4)     # an adapter injected into the model
     with pytest.raises(UnsupportedModelError):
         run(model, cache, ids(1, 68))                       # hashed again: another structure, another model
+    assert len(calls) == hashed + 1
+    cache.close()
+
+
+def test_a_registration_that_changes_no_parameter_hashes_no_value(monkeypatch):
+    """Hashing reads every weight now: a submodule of the model set again (a registration, which may mean
+    new parameters) re-reads the parameters' keys, and hashes nothing when they and the configuration
+    are as they were."""
+    calls = []
+    original = hf_identity.model_fingerprint
+    monkeypatch.setattr(hf_identity, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(3, 75))
+    hashed = len(calls)
+    model.model.norm = model.model.norm                     # registered again, the same weights
+    run(model, cache, ids(1, 76))
+    assert len(calls) == hashed
+    model.model.norm = type(model.model.norm)(model.config.hidden_size, eps=model.config.rms_norm_eps)
+    run(model, cache, ids(1, 77))           # a new weight: hashed again, and its values (ones) are the old ones
     assert len(calls) == hashed + 1
     cache.close()
 
