@@ -10,7 +10,9 @@ How the cache learns token ids (it never guesses): a kvstate position carries
 its token id, but ``Cache.update`` only sees K/V. ``attach(model)`` (done by
 ``for_model``) registers a forward pre-hook that hands the forward's
 ``input_ids`` to ``feed``; ``generate`` calls the model's forward, so it is
-covered too. Without the hook, call ``cache.feed(ids)`` before each forward.
+covered too. Without the hook, call ``cache.feed(ids)`` before each forward; where a
+model is bound to the kvstate cache (``for_model``, ``restore``), such a forward's K/V
+are refused, since no model is there to check (attach it instead).
 K/V that arrive for positions whose ids were not fed raise ``TokenError``.
 
 Buffering: transformers calls ``update`` layer by layer, but ``Context.extend``
@@ -68,7 +70,7 @@ from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedErr
 from kvstate.spec.layout import check_tokens  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
-from .hf_identity import bind_model, expected_producer, snapshot_producer  # noqa: E402
+from .hf_identity import bind_model, expected_producer, is_bound, snapshot_producer  # noqa: E402
 
 __all__ = ["KVStateCache", "attach", "layout_of"]
 
@@ -159,6 +161,7 @@ class KVStateCache(_HFCache):
         self._zeros = None
         self._shared = None             # (the rows' page tuples, how many leading pages they share)
         self._prompt_checked = False    # a chunked prefill under way, its whole prompt checked (``attach``)
+        self._by_hand = False           # the ids were fed by ``feed``, not by an attached model's hook
         # The thread that holds this cache (None: none): one cache is one sequence of forwards, and while
         # a thread's generate or forward is under way another thread's is refused by name
         # (``ContextBusyError``); while only an operation is (a fork, a snapshot), another thread waits
@@ -271,13 +274,44 @@ class KVStateCache(_HFCache):
         The forward it starts holds the cache for this thread until its last layer's K/V are in (or
         ``end_forward``): another thread's forward, ``generate`` or operation meanwhile is refused
         (``ContextBusyError``), and so is this feed while another thread holds the cache.
+        Fed here, the forward's model is unknown: where a model is bound to the kvstate cache
+        (``for_model``, ``restore``), its K/V are refused (``UnsupportedModelError``) unless the model
+        running it is attached (``attach``), whose forward checks it.
         """
         self._claim_forward()
         try:
-            return self._feed(ids, attention_mask)
+            self._feed(ids, attention_mask)
         except BaseException:
             self.end_forward()      # the forward it claimed never starts
             raise
+        self._by_hand = True        # until an attached model's hook says it fed them (``_feed_hook``)
+        return self
+
+    def _check_model_of(self, model) -> None:
+        """An attached model runs a forward fed by hand (its ``forward`` called directly, so no hook fed
+        it): checked as its hook would, the forward ended if refused."""
+        try:
+            check_model_fits(model._kvstate_layout, self)
+            bind_model(model, self.kv)
+        except BaseException:
+            self.end_forward()
+            raise
+        self._by_hand = False
+
+    def _refuse_unchecked_model(self, layer: int) -> None:
+        """K/V of a forward fed by hand come from a model nothing checked: refused (the forward ended, nothing
+        written) where a model is bound to the kvstate cache, whose K/V these may not be. A kvstate cache
+        no model is bound to (a ``KVStateCache`` built directly on one) is fed this way."""
+        if not is_bound(self.kv):
+            self._by_hand = False       # the later layers of this forward need not ask again
+            return
+        self.end_forward()
+        raise UnsupportedModelError(
+            f"K/V arrived at layer {layer} for ids fed by hand (cache.feed), from a model never attached, and "
+            "this kvstate cache holds the K/V of the model bound to it (KVStateCache.for_model or restore): "
+            "whose K/V these are cannot be checked. Attach the model that runs the forward (hf.attach(model), "
+            "or KVStateCache.for_model(model)): its forward then feeds the ids and is refused by name if it "
+            "is not the bound model")
 
     def _feed(self, ids, attention_mask) -> "KVStateCache":
         self._pending = [None] * self.layout.layers
@@ -462,6 +496,8 @@ class KVStateCache(_HFCache):
         if self._ids.shape != (batch, n):
             raise TokenError(f"{self._ids.shape[1]} token ids were fed for each of {self._ids.shape[0]} rows, "
                              f"but layer {layer} wrote {n} positions for {batch} rows")
+        if self._by_hand:
+            self._refuse_unchecked_model(layer)
         if self._pending[layer] is not None:
             raise PositionError(f"layer {layer} was updated twice in one forward pass")
         k, v = key_states.to(torch.float32), value_states.to(torch.float32)
@@ -870,6 +906,7 @@ def _feed_hook(module, args, kwargs):
             ids = args[0]
         try:
             cache.feed(ids, kwargs.get("attention_mask"))
+            cache._by_hand = False      # fed by this model's hook, and the model checked above
         except BaseException as error:
             if not isinstance(error, Exception):
                 cache.end_forward()     # an interrupt here: no hook after it runs, and the forward it claimed is over
@@ -898,7 +935,7 @@ def attach(model):
             model.generate = _Wrapped(model.generate, _generating)
         if callable(getattr(model, "_prefill", None)):
             model._prefill = _Wrapped(model._prefill, _chunks_checked)
-        model.forward = _Wrapped(model.forward, _ended_on_interrupt)
+        model.forward = _Wrapped(model.forward, _forward_checked)
     return model
 
 
@@ -968,6 +1005,16 @@ class _ReleasingStreamer(BaseStreamer):
 
     def __getattr__(self, name):
         return getattr(self._streamer, name)
+
+
+def _forward_checked(forward, *args, **kwargs):
+    """The model's forward, called through ``model(...)`` (its hook fed the ids and checked the model) or
+    directly (``model.forward(...)``: no hook ran, so a forward fed by hand is checked here)."""
+    cache = _cache_given(kwargs)
+    model = getattr(forward, "__self__", None)      # none where another library's wrapper replaced forward
+    if isinstance(cache, KVStateCache) and cache._by_hand and model is not None:
+        cache._check_model_of(model)
+    return _ended_on_interrupt(forward, *args, **kwargs)
 
 
 def _ended_on_interrupt(forward, *args, **kwargs):

@@ -23,7 +23,7 @@ import torch
 from kvstate.impl import Cache
 from kvstate.spec.errors import UnsupportedModelError
 
-__all__ = ["bind_model", "fingerprint_of", "model_fingerprint", "snapshot_producer", "expected_producer",
+__all__ = ["bind_model", "is_bound", "fingerprint_of", "model_fingerprint", "snapshot_producer", "expected_producer",
            "CONFIG_FIELDS_NOT_KV"]
 
 # Which model's K/V each kvstate cache holds, by ``model_fingerprint``, and the model object that bound
@@ -304,6 +304,11 @@ def _row_hashes(param):
         return torch.hash_tensor(bits, dim=1).view(torch.int64)
     except (RuntimeError, NotImplementedError):     # no such kernel on this device: the same hash on the host
         return torch.hash_tensor(bits.cpu(), dim=1).view(torch.int64).to(bits.device)
+
+
+def is_bound(kv: Cache) -> bool:
+    """Whether a model is bound to ``kv`` (``bind_model``): its K/V are that model's."""
+    return kv in _MODEL_OF
 
 
 def bind_model(model, kv: Cache) -> None:

@@ -348,7 +348,9 @@ def test_kv_for_positions_with_unknown_ids_refused(model):
         model(inputs_embeds=embeds, cache=cache)
     assert len(cache.context) == 0
     unhooked = build(model.config.model_type if model.config.model_type == "gpt2" else "llama")
-    bare = hf.KVStateCache(hf.layout_of(model), cache.kv, cache.kv.allocate())
+    layout = hf.layout_of(model)
+    unbound = Cache(layout, store="torch")                     # no model bound to it: fed by hand
+    bare = hf.KVStateCache(layout, unbound, unbound.allocate())
     with torch.no_grad(), pytest.raises(TokenError, match="unknown"):
         unhooked(ids(3, 19), cache=bare)                       # no hook and no feed
     bare.feed(ids(3, 19))                                      # the manual way: feed, then forward
@@ -548,8 +550,9 @@ def test_bench_counts_best_of_n_bytes_and_match_prefill():
 def test_a_forward_that_skips_a_layer_is_refused(model):
     from kvstate.spec.errors import PositionError
 
-    cache = hf.KVStateCache.for_model(model)
-    layout = cache.layout
+    layout = hf.layout_of(model)
+    kv = Cache(layout, store="torch")       # no model bound: K/V written by hand are taken
+    cache = hf.KVStateCache(layout, kv, kv.allocate())
     k = torch.zeros(1, layout.kv_heads, 2, layout.head_dim)
     cache.feed([5, 6])
     cache.update(k, k, 0)

@@ -238,6 +238,36 @@ def test_a_forward_of_a_model_never_attached_says_so():
     cache.close()
 
 
+def test_a_forward_fed_by_hand_on_a_cache_bound_to_a_model_is_checked_or_refused():
+    """From the README's list of what was not caught: ``cache.feed(ids)`` then a forward of a model never
+    attached gave no model to check, and another model's K/V joined the bound model's silently. Now
+    refused by name before any K/V is written; an attached model's ``forward`` called directly (no hook
+    runs) is checked as its hook would; a kvstate cache no model is bound to is still fed by hand."""
+    model, stranger = llama(), llama(seed=9)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 78))
+    cache.feed(ids(1, 79))
+    with pytest.raises(UnsupportedModelError, match="fed by hand.*never attached"):
+        run(stranger, cache, ids(1, 79))
+    assert len(cache.context) == 4 and cache.get_seq_length() == 4
+    cache.feed(ids(1, 79))
+    with torch.no_grad():
+        model.forward(ids(1, 79), cache=cache)              # the bound model, attached: checked, goes on
+    assert len(cache.context) == 5
+    cache.feed(ids(1, 80))
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
+        hf.attach(llama(seed=9)).forward(ids(1, 80), cache=cache)
+    assert len(cache.context) == 5
+    run(model, cache, ids(1, 80))                           # nothing left held by the refusals
+    unbound = Cache(hf.layout_of(model), store="torch")
+    bare = hf.KVStateCache(hf.layout_of(model), unbound, unbound.allocate())
+    bare.feed(ids(3, 81))
+    run(stranger, bare, ids(3, 81))
+    assert len(bare.context) == 3
+    bare.close()
+    cache.close()
+
+
 def test_weights_on_the_meta_device_match_no_other_model():
     """Offloaded weights (the ``meta`` device, as accelerate leaves them) have no values to hash: two
     such models of one config hashed the same, and each passed for the other. Now such a model is
