@@ -438,14 +438,19 @@ def test_an_operation_owns_the_cache_while_it_runs():
     cache.close()
 
 
+def counted_hashes(monkeypatch) -> list:
+    """A list that grows by one each time a model's weights are hashed."""
+    calls, original = [], hf_identity.model_fingerprint
+    monkeypatch.setattr(hf_identity, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    return calls
+
+
 def test_a_llama_generate_hashes_its_weights_once(monkeypatch):
     """From a review: a Llama forward slices its list of layers, which registers each layer into a new
     ModuleList, and any registration anywhere counted as a change of structure: every forward hashed
     the whole model again (8.3-9.0 ms for Llama-7B's 291 parameters, against 60-90 µs for the key).
     Only registrations on a fingerprinted model's own modules count; an adapter injected still does."""
-    calls = []
-    original = hf_identity.model_fingerprint
-    monkeypatch.setattr(hf_identity, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    calls = counted_hashes(monkeypatch)
     model = llama()
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     model.generate(ids(3, 66), cache=cache, max_new_tokens=8, **GREEDY)
@@ -465,9 +470,7 @@ def test_a_registration_that_changes_no_parameter_hashes_no_value(monkeypatch):
     """Hashing reads every weight now: a submodule of the model set again (a registration, which may mean
     new parameters) re-reads the parameters' keys, and hashes nothing when they and the configuration
     are as they were."""
-    calls = []
-    original = hf_identity.model_fingerprint
-    monkeypatch.setattr(hf_identity, "model_fingerprint", lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
+    calls = counted_hashes(monkeypatch)
     model = llama()
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     run(model, cache, ids(3, 75))
