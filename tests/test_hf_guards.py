@@ -254,16 +254,16 @@ def test_a_forward_fed_by_hand_on_a_cache_bound_to_a_model_is_checked_or_refused
     with torch.no_grad():
         model.forward(ids(1, 79), cache=cache)              # the bound model, attached: checked, goes on
     assert len(cache.context) == 5
-    cache.feed(ids(1, 80))
-    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
-        hf.attach(llama(seed=9)).forward(ids(1, 80), cache=cache)
-    assert len(cache.context) == 5
-    run(model, cache, ids(1, 80))                           # nothing left held by the refusals
     unbound = Cache(hf.layout_of(model), store="torch")
     bare = hf.KVStateCache(hf.layout_of(model), unbound, unbound.allocate())
     bare.feed(ids(3, 81))
-    run(stranger, bare, ids(3, 81))
+    run(stranger, bare, ids(3, 81))                         # no model bound: fed by hand, as before
     assert len(bare.context) == 3
+    cache.feed(ids(1, 80))
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
+        hf.attach(stranger).forward(ids(1, 80), cache=cache)
+    assert len(cache.context) == 5
+    run(model, cache, ids(1, 80))                           # nothing left held by the refusals
     bare.close()
     cache.close()
 
