@@ -293,8 +293,12 @@ class Cache:
                 if not isinstance(error, Exception):     # an interrupt: the hit no caller will hold is let go
                     found[0].close()
                     raise
-                warnings.warn(SecondTierWarning(f"second tier {type(self.second_tier).__name__} raised "
-                                                f"{type(error).__name__}; the local hit was used"), stacklevel=2)
+                try:
+                    warnings.warn(SecondTierWarning(f"second tier {type(self.second_tier).__name__} raised "
+                                                    f"{type(error).__name__}; the local hit was used"), stacklevel=2)
+                except BaseException:     # the warning made an error: no caller will hold the local hit
+                    found[0].close()
+                    raise
         return found
 
     def clear(self) -> None:

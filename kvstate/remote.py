@@ -199,7 +199,7 @@ class SnapshotStore:
                 damaged = damaged or error     # one bad object: a shorter prefix may still serve
                 continue
             if damaged is not None:
-                self._failed(damaged)          # counted and warned, the shorter hit served
+                self._failed(damaged, holding=ctx)     # counted and warned, the shorter hit served
             return ctx, n
         if damaged is not None:
             raise damaged
@@ -260,7 +260,7 @@ class SnapshotStore:
                     deeper.close()
                 except Exception:     # noqa: BLE001 - already closed or never registered
                     pass
-            self._failed(error)
+            self._failed(error, holding=ctx)
             return found
         except BaseException:          # an interrupt: neither the local hit nor the tier's has a holder now
             ctx.close()
@@ -270,12 +270,20 @@ class SnapshotStore:
         ctx.close()
         return deeper, n
 
-    def _failed(self, error: Exception) -> None:
+    def _failed(self, error: Exception, holding: Context | None = None) -> None:
+        """Count and warn. ``holding``: the context the caller was about to hand back; a warning made an
+        error (``simplefilter("error", SecondTierWarning)``) raises instead, so it is closed first, as no
+        caller will ever hold it."""
         with self._failure_lock:
             self.failures += 1
             self.last_failure = f"{type(error).__name__}: {error}"
-        warnings.warn(SecondTierWarning(f"second tier {remote_io.redact(self.url_prefix)} could not deliver, "
-                                        f"the local hit was used ({self.last_failure})"), stacklevel=4)
+        try:
+            warnings.warn(SecondTierWarning(f"second tier {remote_io.redact(self.url_prefix)} could not deliver, "
+                                            f"the local hit was used ({self.last_failure})"), stacklevel=4)
+        except BaseException:
+            if holding is not None and not holding.closed:
+                holding.close()
+            raise
 
 
 def second_tier_match(cache: Cache, store: SnapshotStore, tokens) -> tuple[Context, int]:

@@ -8,9 +8,11 @@ its moto server.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 import uuid
+import warnings
 
 import numpy as np
 import pytest
@@ -241,6 +243,58 @@ def test_a_damaged_object_falls_back_to_a_shorter_one_and_then_to_the_local_hit(
         with got:
             assert n == 8
     assert store.failures == 3
+
+
+@contextlib.contextmanager
+def fatal_tier_warnings():
+    """README's way to make a second tier's failure fatal, for the block."""
+    from kvstate.spec.errors import SecondTierWarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SecondTierWarning)
+        yield
+
+
+@pytest.mark.parametrize("through", ["match", "second_tier_match"])
+def test_a_fatal_tier_warning_leaves_no_context_behind(through):
+    from kvstate.remote import second_tier_match
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 40)
+    cache = Cache(SMALL, page_tokens=4, pool_pages=4, on_full="refuse",
+                  second_tier=store if through == "match" else None)
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    with fatal_tier_warnings(), pytest.raises(SecondTierWarning, match="CapacityError"):
+        cache.match(tokens) if through == "match" else second_tier_match(cache, store, tokens)
+    cache.clear()       # the local hit was forked before the tier failed: nobody holds it now
+    assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
+
+
+def test_a_fatal_warning_over_a_damaged_object_leaves_the_shorter_restore_closed():
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 20)                       # stored at 20 and at 16
+    cache = Cache(SMALL, page_tokens=4)
+    fsspec.filesystem("memory").pipe_file(store.url(cache, tokens[:20])[len("memory://"):], b"KVS damaged")
+    with fatal_tier_warnings(), pytest.raises(SecondTierWarning, match="SnapshotCorruptError"):
+        store.get(cache, tokens)
+    assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
+
+
+def test_a_fatal_warning_over_a_duck_tier_that_raises_closes_the_local_hit():
+    from kvstate.spec.errors import SecondTierWarning
+
+    class Raising:
+        def consult(self, cache, tokens, found):
+            raise OSError("the tier is down")
+
+    cache = Cache(SMALL, page_tokens=4, second_tier=Raising())
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    with fatal_tier_warnings(), pytest.raises(SecondTierWarning, match="OSError"):
+        cache.match(list(range(4, 12)))
+    cache.clear()
+    assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
 
 
 def test_second_tier_is_checked_at_construction():
