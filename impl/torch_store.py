@@ -59,6 +59,20 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _refuse_unusable(device: torch.device, asked) -> None:
+    """``ConfigError`` now for a device this torch cannot keep values on: ``meta`` keeps shapes only
+    (the cache was built and its first extend failed with a bare ``RuntimeError``), and a backend this
+    torch was built without (``xpu``, ``hpu``) raised ``AssertionError`` or ``ImportError`` from torch."""
+    if device.type == "cpu":
+        return
+    try:
+        probe = torch.zeros(1, device=device)
+    except Exception as error:     # noqa: BLE001 - torch's own refusal, whatever its class
+        raise ConfigError(f"device {asked!r} cannot be used by this torch: {error!r}") from None
+    if probe.is_meta:
+        raise ConfigError(f"device {asked!r} keeps no values (a meta tensor has a shape only): use 'cpu' or 'cuda'")
+
+
 class TorchBuffer:
     __slots__ = ("tensors", "slot")
 
@@ -78,6 +92,7 @@ class TorchStore:
             raise ConfigError(f"not a torch device: {device!r} ({error})") from None
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {device!r} asked for, but torch sees no CUDA device")
+        _refuse_unusable(self.device, device)
         self.layout = layout
         self.page_tokens = page_tokens
         self.precision = precisions.check_precision(precision)

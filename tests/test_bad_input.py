@@ -208,6 +208,18 @@ def test_impossible_configurations_are_refused(kwargs, error):
         Cache(LAYOUT, **kwargs)
 
 
+@pytest.mark.parametrize("device", ["meta", "xpu", "hpu", "privateuseone"])
+def test_a_torch_device_that_keeps_no_values_is_refused_when_the_cache_is_built(device):
+    """From an audit: ``meta`` was accepted and the first extend raised a bare RuntimeError; ``xpu``
+    and ``hpu`` on a torch built without them raised AssertionError or ModuleNotFoundError."""
+    torch = pytest.importorskip("torch")
+    backend = getattr(torch, device, None)
+    if device != "meta" and backend is not None and getattr(backend, "is_available", lambda: False)():
+        pytest.skip(f"this torch has a usable {device} device")
+    with pytest.raises(errors.ConfigError, match=device):
+        Cache(LAYOUT, store="torch", device=device)
+
+
 @pytest.mark.parametrize("dims", [(0, 1, 1), (1, -2, 1), (1, 1, True), (1.5, 1, 1)])
 def test_impossible_layouts_are_refused(dims):
     with pytest.raises(errors.ConfigError):
