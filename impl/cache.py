@@ -311,7 +311,8 @@ class Cache:
 
     def restore(self, source, max_bytes: int | None = None, deadline_s: float | None = None,
                 producer: bytes | None = None) -> Context:
-        """A new context holding the snapshot at ``source`` (a path, URL or binary stream).
+        """A new context holding the snapshot at ``source`` (a path, URL or binary stream; a stream
+        from its position to its end, which must be the snapshot's end: README, Snapshots).
 
         ``max_bytes``: refuse (``SnapshotTooLargeError``) a file whose restore would allocate more.
         ``deadline_s``: a URL's restore in all, retries included (else ``remote_deadline_s``'s

@@ -328,6 +328,22 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
     assert_reads_equal(restored, ref_ctx)
 
 
+def test_two_snapshots_in_one_stream_are_restored_each_from_its_slice():
+    """README, Snapshots: a restore reads a stream to its end, which must be the snapshot's end, so
+    a stream holding two is refused whole (as a file with bytes after its body) and each slice restores."""
+    cache, ctx, ref_ctx = filled("f32")
+    stream = io.BytesIO()
+    ctx.snapshot(stream)
+    first_end = stream.tell()
+    ctx.snapshot(stream)
+    data = stream.getvalue()
+    stream.seek(0)
+    with pytest.raises(SnapshotCorruptError, match="after the body"):
+        cache.restore(stream)
+    for piece in (data[:first_end], data[first_end:]):
+        assert_reads_equal(cache.restore(io.BytesIO(piece)), ref_ctx)
+
+
 @pytest.mark.parametrize("target", ["", "folder" + os.sep])
 def test_a_path_naming_no_file_is_refused_by_name_before_anything_is_written(tmp_path, monkeypatch, target):
     """An empty path wrote its body to a temporary file in the working folder's parent, then failed to
