@@ -17,7 +17,8 @@ per configuration (``Config``), and the reference and the engine implement all o
   knows; vLLM keys its cached blocks by the hash of whole blocks).
 
 ``max_entries`` and ``max_pages`` -- the tree's bounds. After a ``retain`` the least recently
-  used entries (never the one just retained) are evicted until both hold. ``max_pages`` counts
+  used entries (never the one just retained) are evicted until both hold, or until only the new
+  entry is left: one that alone passes ``max_pages`` is kept, alone. ``max_pages`` counts
   each entry's own pages, ``pages_needed(len(key))``, as if nothing were shared: physical pages
   held are never more than that, and the count does not depend on how an engine shares.
 

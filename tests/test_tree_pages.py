@@ -105,6 +105,18 @@ def test_retain_under_a_page_budget_never_walks_the_entries(monkeypatch):
     assert walks == []
 
 
+def test_an_entry_that_alone_passes_the_page_budget_is_kept_alone():
+    """spec/semantics.py: retain never evicts the entry it made, so one larger than ``max_pages``
+    stays, as the only entry (an audit read "until both hold" as a bound that always holds)."""
+    cache = Cache(LAYOUT, page_tokens=2, max_pages=2)
+    for tokens in ([1, 2], [3, 4, 5, 6, 7]):     # one page, then three
+        ctx = _filled(cache, tokens)
+        cache.retain(ctx)
+        ctx.close()
+    assert [node.key() for node in cache.tree.entries()] == [(3, 4, 5, 6, 7)]
+    assert cache.stats()["tree_pages"] == 3
+
+
 _TREE_SCALE = """
 import json
 from kvstate.bench import tree_scale
