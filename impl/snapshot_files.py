@@ -44,7 +44,7 @@ def write_atomic(path: str, fill: Callable) -> None:
     """
     _refuse_special(path)
     folder = os.path.dirname(os.path.abspath(path))
-    prefix = fmt.TEMP_PREFIX + os.path.basename(path) + "."
+    prefix = partial_prefix(folder, path)
     clean_stale_partials(folder, prefix)
     try:
         fd, temp = tempfile.mkstemp(prefix=prefix, suffix=fmt.TEMP_SUFFIX, dir=folder)
@@ -71,6 +71,28 @@ def write_atomic(path: str, fill: Callable) -> None:
         fsync_folder(folder)
     except OSError as error:
         raise SnapshotWriteError(f"snapshot {path!r} was written but its folder could not be synced: {error}") from error
+
+
+def partial_prefix(folder: str, path: str) -> str:
+    """``.NAME.``, the start of ``path``'s partial files: NAME is the target's, cut short where the
+    whole temporary name (this prefix, ``mkstemp``'s 8 characters, ``TEMP_SUFFIX``) would pass the
+    folder's limit on a name. Uncut, a valid target name of 240 bytes was refused: its temporary
+    file's name was too long. Targets whose names agree up to the cut share the prefix, so a write
+    to one may clean the other's stale partials: those of dead writers only, never a live one's."""
+    name = os.path.basename(path)
+    room = _name_max(folder) - len(os.fsencode(fmt.TEMP_PREFIX + "." + "x" * 8 + fmt.TEMP_SUFFIX))
+    while name and len(os.fsencode(name)) > room:      # by characters: a multi-byte one is never split
+        name = name[:-1]
+    return fmt.TEMP_PREFIX + name + "."
+
+
+def _name_max(folder: str) -> int:
+    """The longest name, in bytes, ``folder`` takes (255 where the system does not say)."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):      # no such folder (the write then says so), or no pathconf
+        return 255
+    return limit if limit > 0 else 255      # -1: no limit reported
 
 
 def _refuse_special(path: str) -> None:

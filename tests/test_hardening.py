@@ -356,6 +356,23 @@ def test_a_fresh_partial_is_left_alone(tmp_path):
     assert _partials(tmp_path) == [young.name]
 
 
+@pytest.mark.parametrize("name", ["a" * 246 + ".kvs", "é" * 125 + ".kvs"])      # 250 and 254 bytes: valid names
+def test_a_long_valid_target_name_is_written_and_its_stale_partials_cleaned(tmp_path, name):
+    """From an audit: the temporary file's name (a dot, the target's name, 8 characters and the
+    suffix) passed the 255-byte limit, so a valid name of 240 bytes or more was a SnapshotWriteError."""
+    from kvstate.impl import snapshot_files as S
+    target = tmp_path / name
+    cache = make_cache()
+    ctx = filled(cache, 3)
+    ctx.snapshot(target)
+    assert cache.restore(target).tokens == ctx.tokens
+    stale = tmp_path / (S.partial_prefix(str(tmp_path), str(target)) + "dead1234" + fmt.TEMP_SUFFIX)
+    stale.write_bytes(b"x")
+    os.utime(stale, (1, 1))                       # a dead writer's, long ago: the next write removes it
+    ctx.snapshot(target)
+    assert _partials(tmp_path) == []
+
+
 # -- 10. a byte cap on restore, checked before anything is allocated -------------------------------
 
 def test_restore_byte_cap_refuses_before_allocating(tmp_path):
