@@ -105,8 +105,10 @@ class PagePool:
         self._by_slot: list[Page | None] = []
         self.books = Refcounts(256)      # grown by doubling
         # Grown with the refcount array (``_grow``), from at most 8 MiB of ids: a first 256 rows of
-        # 10**8-token pages asked for 191 GiB in the constructor, before any page existed.
-        self.table = PageTable(max(1, min(256, (8 << 20) // (8 * store.page_tokens))), store.page_tokens)
+        # 10**8-token pages asked for 191 GiB in the constructor, before any page existed; and from
+        # no row at all past 2**20 positions a page: one row of 10**12 ids is 8 TB, a MemoryError
+        # when the cache was built (README: such a cache is built, its first extend may fail).
+        self.table = PageTable(min(256, (8 << 20) // (8 * store.page_tokens)), store.page_tokens)
         # Which refcount slots below ``_next_ref`` are free: a release marks all its pages' in one
         # step, an extend takes the lowest (``_take_slots``, scanning from ``_lowest_free``).
         self._free_mask = np.zeros(256, np.bool_)
@@ -340,6 +342,7 @@ class PagePool:
 
 
 def _doubled(size: int, at_least: int) -> int:
+    size = max(size, 1)     # an empty array (the page table of huge pages) doubles from one
     while size < at_least:
         size *= 2
     return size

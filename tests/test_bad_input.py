@@ -287,7 +287,22 @@ def test_token_ids_as_a_torch_tensor_are_read_as_an_arrays_are(cache):
 
 
 def test_a_cache_of_huge_pages_is_built_without_reserving_their_ids():
-    """256 rows of 10**8-token ids were asked for in the constructor: 191 GiB, a raw MemoryError."""
+    """256 rows of 10**8-token ids were asked for in the constructor: 191 GiB, a raw MemoryError; and
+    then one row of 10**12 ids, 8 TB (an audit). README: such a cache is built, its first extend may fail."""
     big = Cache(Layout(1, 1, 2), page_tokens=10**8)
-    assert big.pool.table.ids.shape == (1, 10**8)            # one row, untouched until a page takes it
+    assert big.pool.table.ids.shape == (0, 10**8)            # no row until a page takes one
+    assert Cache(Layout(1, 1, 2), page_tokens=10**12).pool.table.ids.shape == (0, 10**12)
     assert Cache(Layout(1, 1, 2), page_tokens=64).pool.table.ids.shape == (256, 64)
+
+
+def test_a_page_table_that_starts_empty_grows_for_the_first_page():
+    cache = Cache(Layout(1, 1, 2), page_tokens=2**21)        # past 2**20 positions a page: no row at first
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3], np.ones((3, 1, 2, 1, 2), np.float32))
+    cache.retain(ctx)
+    hit, matched = cache.match([1, 2, 3, 4])
+    assert matched == 3 and hit.tokens == [1, 2, 3] and cache.pool.table.ids.shape[0] >= 1
+    for done in (hit, ctx):
+        done.close()
+    cache.clear()
+    assert cache.stats()["live_pages"] == 0
