@@ -145,7 +145,7 @@ class TorchStore:
             if not ok[1]:
                 bad = tuple(int(i) for i in torch.nonzero(~torch.isfinite(half))[0].tolist())
                 raise PrecisionRangeError(
-                    f"K/V value {float(x[bad])} at index {bad} overflows f16 (|x| > {precisions.F16_MAX})")
+                    f"K/V value {float(x[bad])} at index {bad} overflows f16 (|x| >= {precisions.F16_OVERFLOW})")
             encoded = (half,)
         else:
             _refuse_nonfinite(x, bool(finite))                                 # the one sync

@@ -45,7 +45,8 @@ class NonFiniteError(InvalidInputError):
 
 
 class PrecisionRangeError(InvalidInputError):
-    """A finite value does not fit the cache's precision (f16 overflows past 65504)."""
+    """A finite value does not fit the cache's precision: f16 from 65520 on (``precision.F16_OVERFLOW``),
+    which rounds to infinity; a value between 65504, f16's largest, and 65520 rounds to 65504 and is stored."""
 
 
 class TokenError(InvalidInputError):
@@ -133,7 +134,7 @@ class SnapshotModelError(SnapshotProducerError, UnsupportedModelError):
 
 class SnapshotPrecisionError(SnapshotError, PrecisionRangeError):
     """The snapshot's values do not fit this cache's precision (an f32 file restored into an f16
-    cache, with values past 65504); a refusal of the file, so a ``SnapshotError`` too."""
+    cache, with values from 65520 on); a refusal of the file, so a ``SnapshotError`` too."""
 
 
 class SnapshotWriteError(SnapshotError):

@@ -28,6 +28,9 @@ from .errors import ConfigError, PrecisionRangeError
 PRECISIONS = ("f32", "f16", "q8")
 Q8_MAX = 127
 F16_MAX = 65504.0
+# The least |x| float16 rounds to infinity (65504 plus half its last step): values from F16_MAX up to
+# it round to F16_MAX and are stored as such, so this, not F16_MAX, is where a write is refused.
+F16_OVERFLOW = 65520.0
 
 VALUE_DTYPES = {"f32": np.float32, "f16": np.float16, "q8": np.int8}
 
@@ -59,7 +62,7 @@ def encode(precision: str, x: np.ndarray) -> tuple[np.ndarray, ...]:
             half = x.astype(np.float16)
         if not np.isfinite(half).all():
             bad = tuple(int(i) for i in np.argwhere(~np.isfinite(half))[0])
-            raise PrecisionRangeError(f"K/V value {x[bad]} at index {bad} overflows f16 (|x| > {F16_MAX})")
+            raise PrecisionRangeError(f"K/V value {x[bad]} at index {bad} overflows f16 (|x| >= {F16_OVERFLOW})")
         return (half,)
     if precision == "q8":
         return q8_encode(x)

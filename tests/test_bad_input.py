@@ -220,6 +220,21 @@ def test_a_torch_device_that_keeps_no_values_is_refused_when_the_cache_is_built(
         Cache(LAYOUT, store="torch", device=device)
 
 
+@pytest.mark.parametrize("store", ["numpy", "torch"])
+def test_f16_refuses_from_where_it_rounds_to_infinity_and_says_so(store):
+    """65504 is f16's largest value, but 65519 rounds to it and is stored: the refusal starts at 65520,
+    which its message named as "|x| > 65504" (an audit)."""
+    if store == "torch":
+        pytest.importorskip("torch")
+    cache = Cache(LAYOUT, precision="f16", store=store)
+    ctx = cache.allocate()
+    ctx.extend([1], np.full(LAYOUT.batch_shape(1), -65519.0, np.float32))
+    assert float(ctx.read()[0].min()) == -65504.0
+    with pytest.raises(errors.PrecisionRangeError, match=r"\|x\| >= 65520"):
+        ctx.extend([2], np.full(LAYOUT.batch_shape(1), 65520.0, np.float32))
+    assert len(ctx) == 1
+
+
 @pytest.mark.parametrize("dims", [(0, 1, 1), (1, -2, 1), (1, 1, True), (1.5, 1, 1)])
 def test_impossible_layouts_are_refused(dims):
     with pytest.raises(errors.ConfigError):
