@@ -110,7 +110,8 @@ class SnapshotTruncatedError(SnapshotError):
 
 
 class SnapshotTooLargeError(SnapshotError):
-    """The header declares more positions (or a larger layout) than the format allows."""
+    """The header declares more positions (or a larger layout) than the format allows; or a context
+    to be written holds more than it allows (refused before the target is touched)."""
 
 
 class SnapshotVersionError(SnapshotError):

@@ -255,6 +255,19 @@ def check_expected_producer(header: Header, expected: bytes | None) -> None:
                                 f"{expected.hex()}: another producer (model) computed these values")
 
 
+def check_fits(layout: Layout, positions: int) -> None:
+    """``SnapshotTooLargeError`` for a context the format cannot hold: the limits ``parse_header``
+    refuses a file for. A writer checks it before its target is touched; it wrote such a file,
+    replacing whatever good snapshot was at the path, and no restore would take it (an audit)."""
+    for name, value, limit in (("layers", layout.layers, MAX_LAYERS), ("kv_heads", layout.kv_heads, MAX_KV_HEADS),
+                               ("head_dim", layout.head_dim, MAX_HEAD_DIM)):
+        if value > limit:
+            raise SnapshotTooLargeError(f"a snapshot's {name} is at most {limit}; this context's layout has {value}")
+    if positions > MAX_POSITIONS:
+        raise SnapshotTooLargeError(f"a snapshot holds at most {MAX_POSITIONS} positions; this context holds "
+                                    f"{positions} (write a prefix of it: fork, truncate, snapshot)")
+
+
 def parse_header(data: bytes) -> Header:
     """Validate the first bytes of a file (its header's 48, or 64 for version 3, when available) as a header.
 

@@ -328,6 +328,29 @@ def test_snapshot_into_an_append_mode_file_and_after_other_bytes(tmp_path):
     assert_reads_equal(restored, ref_ctx)
 
 
+def test_a_context_the_format_cannot_hold_is_refused_before_its_target_is_touched(tmp_path, monkeypatch):
+    """An audit: a context of more positions than the format holds (or of a layout past its limits)
+    was written, replacing a good snapshot at the path, and every restore refused the file."""
+    path = tmp_path / "turn.kvs"
+    cache = Cache(LAYOUT, page_tokens=4)
+    ctx = cache.allocate()
+    ctx.extend(list(range(5)), values_for(LAYOUT, 5, 1))
+    ctx.snapshot(path)
+    good = path.read_bytes()
+    monkeypatch.setattr(fmt, "MAX_POSITIONS", 4)           # the format's limit, small enough to reach
+    stream = io.BytesIO()
+    for target in (path, stream):
+        with pytest.raises(SnapshotTooLargeError, match="at most 4 positions"):
+            ctx.snapshot(target)
+    assert path.read_bytes() == good and stream.getvalue() == b"" and os.listdir(tmp_path) == ["turn.kvs"]
+    wide = Layout(1, 1, fmt.MAX_HEAD_DIM + 1)
+    with Cache(wide).allocate() as one:
+        one.extend([1], np.zeros(wide.batch_shape(1), np.float32))
+        with pytest.raises(SnapshotTooLargeError, match="head_dim is at most"):
+            one.snapshot(tmp_path / "wide.kvs")
+    assert os.listdir(tmp_path) == ["turn.kvs"]
+
+
 def test_two_snapshots_in_one_stream_are_restored_each_from_its_slice():
     """README, Snapshots: a restore reads a stream to its end, which must be the snapshot's end, so
     a stream holding two is refused whole (as a file with bytes after its body) and each slice restores."""
