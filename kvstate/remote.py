@@ -141,11 +141,13 @@ class SnapshotStore:
         A key already holding an object of the snapshot's size is skipped (same tokens, same key);
         one of another size (cut short, or another layout's) is written again. ``ctx`` is read,
         never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
-        was stored before is intact; past the deadline, ``SnapshotDeadlineError``.
+        was stored before is intact; past the deadline, ``SnapshotDeadlineError``; a context the
+        format cannot hold (``snapshot_format.check_fits``), ``SnapshotTooLargeError``, nothing sent.
         """
         if not isinstance(ctx, Context):
             raise InvalidInputError(f"put needs a kvstate Context, got {type(ctx).__name__}")
         cache, tokens = ctx._cache, np.asarray(ctx.tokens, dtype=np.int64)
+        fmt.check_fits(cache.layout, len(tokens))      # before any request: no lookup for what cannot be written
         deadline = self._deadline(deadline_s, cache)
         aligned = len(tokens) // self.stride * self.stride
         written = []

@@ -297,6 +297,18 @@ def test_a_fatal_warning_over_a_duck_tier_that_raises_closes_the_local_hit():
     assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
 
 
+def test_a_put_of_a_context_the_format_cannot_hold_sends_nothing(monkeypatch):
+    from kvstate.spec import snapshot_format as fmt
+    from kvstate.spec.errors import SnapshotTooLargeError
+    store = memory_store(stride=2)
+    monkeypatch.setattr(fmt, "MAX_POSITIONS", 4)
+    sent = []
+    monkeypatch.setattr(remote_io, "stored_size", lambda *args: sent.append(args))
+    with filled(Cache(SMALL, page_tokens=4), 5) as ctx, pytest.raises(SnapshotTooLargeError):
+        store.put(ctx)
+    assert sent == []
+
+
 def test_second_tier_is_checked_at_construction():
     from kvstate.spec.errors import ConfigError
     with pytest.raises(ConfigError, match="SnapshotStore"):
