@@ -36,6 +36,9 @@ class Layout:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ConfigError(f"Layout.{name} must be a positive int, got {value!r}")
+            # A plain int: a NumPy one kept its width, and the products of a layout's sizes wrapped
+            # (uint8 128 x 2 x 2 x 128 values a position read 0, and so did the store's page bytes).
+            object.__setattr__(self, name, int(value))
 
     @property
     def position_shape(self) -> tuple[int, int, int, int]:

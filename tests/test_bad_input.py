@@ -235,6 +235,15 @@ def test_f16_refuses_from_where_it_rounds_to_infinity_and_says_so(store):
     assert len(ctx) == 1
 
 
+def test_numpy_integer_layout_sizes_are_stored_as_int_and_their_products_do_not_wrap():
+    """An audit: Layout kept np.uint8 sizes, so layers x 2 x kv_heads x head_dim wrapped to 0 and a
+    cache's page bytes (its memory checks, its stats) with it."""
+    layout = Layout(np.uint8(128), np.int32(2), np.uint8(128))
+    assert layout == Layout(128, 2, 128) and all(type(size) is int for size in layout.position_shape)
+    assert layout.values_per_position == 128 * 2 * 2 * 128
+    assert Cache(layout, page_tokens=2).store_page_bytes() == Cache(Layout(128, 2, 128), page_tokens=2).store_page_bytes()
+
+
 @pytest.mark.parametrize("dims", [(0, 1, 1), (1, -2, 1), (1, 1, True), (1.5, 1, 1)])
 def test_impossible_layouts_are_refused(dims):
     with pytest.raises(errors.ConfigError):
