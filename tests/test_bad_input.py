@@ -241,7 +241,7 @@ def test_numpy_integer_layout_sizes_are_stored_as_int_and_their_products_do_not_
     layout = Layout(np.uint8(128), np.int32(2), np.uint8(128))
     assert layout == Layout(128, 2, 128) and all(type(size) is int for size in layout.position_shape)
     assert layout.values_per_position == 128 * 2 * 2 * 128
-    assert Cache(layout, page_tokens=2).store_page_bytes() == Cache(Layout(128, 2, 128), page_tokens=2).store_page_bytes()
+    assert Cache(layout, page_tokens=2).store.page_bytes == Cache(Layout(128, 2, 128), page_tokens=2).store.page_bytes
 
 
 @pytest.mark.parametrize("dims", [(0, 1, 1), (1, -2, 1), (1, 1, True), (1.5, 1, 1)])
