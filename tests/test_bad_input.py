@@ -208,6 +208,18 @@ def test_impossible_configurations_are_refused(kwargs, error):
         Cache(LAYOUT, **kwargs)
 
 
+@pytest.mark.parametrize("mismatch", [dict(page_tokens=8), dict(precision="q8"), dict(layout=Layout(1, 1, 2))])
+def test_a_page_store_built_for_another_cache_is_refused_by_name(mismatch):
+    """From an audit: a store of another page size or layout was accepted and the first extend raised a
+    bare ValueError; one of another precision made an f32 cache keep q8 values."""
+    from kvstate.impl.numpy_store import NumpyStore
+    built = dict(layout=LAYOUT, page_tokens=4, precision="f32") | mismatch
+    store = NumpyStore(built["layout"], built["page_tokens"], built["precision"], 0)
+    with pytest.raises(errors.ConfigError, match=next(iter(mismatch))):
+        Cache(LAYOUT, page_tokens=4, precision="f32", store=store)
+    assert Cache(LAYOUT, page_tokens=4, store=NumpyStore(LAYOUT, 4, "f32", 0)).allocate().tokens == []
+
+
 @pytest.mark.parametrize("device", ["meta", "xpu", "hpu", "privateuseone"])
 def test_a_torch_device_that_keeps_no_values_is_refused_when_the_cache_is_built(device):
     """From an audit: ``meta`` was accepted and the first extend raised a bare RuntimeError; ``xpu``
