@@ -440,6 +440,58 @@ def test_a_run_stuck_in_c_on_a_worker_is_a_timeout_of_its_seed_and_its_worker_re
 
 
 @needs_distributed
+@pytest.mark.parametrize("returns", [False, True], ids=["still-stuck", "returned-meanwhile"])
+def test_a_nanny_ends_its_worker_only_while_the_overdue_run_still_runs_there(monkeypatch, returns):
+    """The nanny tells the sweep, waits for it to cancel the task, then kills its worker: a run that
+    returned meanwhile (C code that took just past its grace) left a worker running other tasks, which
+    the kill took down for nothing. The nanny's loop is driven here by hand, its kill recorded."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvstate.stateful.sweeps import nanny_watch, watchdog
+
+    table = memoryview(bytearray(2 * watchdog.WIDTH * 8)).cast("d")
+    monkeypatch.setattr(watchdog, "_table", None)
+    monkeypatch.setattr(watchdog, "_free", [])
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.0)
+    monkeypatch.setattr(nanny_watch, "SETTLE_S", 0.0)
+    killed = []
+    monkeypatch.setattr(nanny_watch, "os", SimpleNamespace(kill=lambda pid, sig: killed.append((pid, sig))))
+    watchdog.use(table, range(2))
+    began, release = threading.Event(), threading.Event()
+
+    def run():
+        watchdog.begin(0.0)
+        watchdog.step(3)
+        began.set()
+        release.wait(10)
+
+    thread = threading.Thread(target=watchdog.guarded, args=(run, 7), daemon=True)
+    thread.start()
+    assert began.wait(10)
+    time.sleep(0.01)        # past its limit and grace, both 0
+    told = []
+
+    async def log_event(topic, msg):
+        told.append(msg)
+        if returns:         # the run returns while the sweep is being told
+            release.set()
+            thread.join(10)
+
+    watch = nanny_watch.StuckRunWatch()
+    watch.nanny = SimpleNamespace(pid=os.getpid(), worker_address="tcp://127.0.0.1:1",
+                                  scheduler=SimpleNamespace(log_event=log_event))
+    watch.pid, watch.table = os.getpid(), table
+    try:
+        asyncio.run(watch.check())
+    finally:
+        release.set()
+        thread.join(10)
+    assert told == [{"worker": "tcp://127.0.0.1:1", "job": 7, "step": 3}]
+    assert killed == ([] if returns else [(os.getpid(), signal.SIGKILL)])
+
+
+@needs_distributed
 @pytest.mark.slow       # a cluster of its own
 def test_a_worker_without_a_nanny_is_named_as_unwatched(tmp_path):
     """Nothing outside a worker without a nanny can end it, or start it again: it still gets runs, and

@@ -88,7 +88,7 @@ class StuckRunWatch(NannyPlugin):
         for base in range(0, len(self.table), watchdog.WIDTH):
             found = watchdog.overdue(self.table, base)
             if found is not None and found[1] == pid:       # only ever its own worker process
-                await self._end(*found)
+                await self._end(*found, base)
                 return
 
     def _follow(self, pid: int | None) -> None:
@@ -100,8 +100,10 @@ class StuckRunWatch(NannyPlugin):
             # killed outright leaves no file behind.
             table_path(pid).unlink(missing_ok=True)
 
-    async def _end(self, job: int, pid: int, step: int) -> None:
-        """Tell the sweep that task ``job`` is stuck at ``step``, then kill its worker (restarted by this nanny)."""
+    async def _end(self, job: int, pid: int, step: int, base: int) -> None:
+        """Tell the sweep that task ``job`` is stuck at ``step``, then kill its worker (restarted by this nanny)
+        if that task still runs there: one that returned while the sweep was told (it is recorded as stuck all
+        the same, past its limit) leaves the worker to the tasks it runs now, another sweep's perhaps."""
         try:
             await asyncio.wait_for(self.nanny.scheduler.log_event(
                 topic=TOPIC, msg={"worker": self.nanny.worker_address, "job": job, "step": step}),
@@ -109,6 +111,8 @@ class StuckRunWatch(NannyPlugin):
             await asyncio.sleep(SETTLE_S)
         except Exception:       # noqa: BLE001 -- a scheduler that cannot be told: the worker is freed all the same
             pass
+        if self.nanny.pid != pid or not watchdog.still_running(self.table, base, job, pid):
+            return
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):

@@ -71,6 +71,7 @@ def guarded(function: Callable, job: int, *args):
         _mine.row, _mine.job = None, -1.0
         if row is not None:
             _table[row * WIDTH + STARTED] = 0.0
+            _table[row * WIDTH + JOB] = -1.0        # the task is over: ``still_running`` says so
             _free.append(row)
 
 
@@ -193,6 +194,13 @@ def overdue(table, base: int) -> tuple[int, int, int] | None:
         return None
     table[base + STARTED] = 0.0
     return job, pid, at
+
+
+def still_running(table, base: int, job: int, pid: int) -> bool:
+    """Whether task ``job``, which ``overdue`` found in the row at ``base``, still runs there in process
+    ``pid``: it has not returned (``guarded`` clears the row's task) and its process is the one it was."""
+    return (int(table[base + JOB]) == job and int(table[base + PID]) == pid
+            and alive(pid, int(table[base + BORN])))
 
 
 def _stat(pid: int) -> list[bytes] | None:
