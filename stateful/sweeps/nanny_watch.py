@@ -13,7 +13,7 @@ nanny, which started the worker and starts it again when it dies. So:
   under which limit, and the step it has reached;
 - the nanny (``StuckRunWatch``, a Dask nanny plugin) reads its own worker's table and, for a task
   ``watchdog.GRACE_S`` past its limit, tells the sweep (an event naming the task and its step)
-  and then kills the worker process, which it starts again;
+  and then, if that task still runs, kills the worker process, which it starts again;
 - the sweep (cluster.WatchedExecutor) ends that run's future as ``Stuck``, a ``RunTimeout`` of its
   seed saved at its step, and cancels the Dask task: Dask would run it again on another worker,
   stuck again each time, until ``allowed-failures``.
