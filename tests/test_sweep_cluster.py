@@ -439,56 +439,83 @@ def test_a_run_stuck_in_c_on_a_worker_is_a_timeout_of_its_seed_and_its_worker_re
     assert ended in before and ended not in client.run(os.getpid)      # killed, and started again
 
 
+class _StuckRuns:
+    """Runs in threads of this process, each under ``watchdog.guarded`` in a row of a table of its own,
+    stuck (waiting) past their limit and grace, both 0; and a nanny's watch over them, driven by hand,
+    whose reports and kills are recorded (it would kill this process)."""
+
+    def __init__(self, monkeypatch, jobs: dict[int, int], on_report=None):
+        import asyncio
+        from types import SimpleNamespace
+
+        from kvstate.stateful.sweeps import nanny_watch, watchdog
+
+        self.asyncio, self.told, self.killed = asyncio, [], []
+        self.table = memoryview(bytearray(len(jobs) * watchdog.WIDTH * 8)).cast("d")
+        monkeypatch.setattr(watchdog, "_table", None)
+        monkeypatch.setattr(watchdog, "_free", [])
+        monkeypatch.setattr(watchdog, "GRACE_S", 0.0)
+        monkeypatch.setattr(nanny_watch, "SETTLE_S", 0.0)
+        monkeypatch.setattr(nanny_watch, "os", SimpleNamespace(kill=lambda pid, sig: self.killed.append((pid, sig))))
+        watchdog.use(self.table, range(len(jobs)))
+        self.release = {job: threading.Event() for job in jobs}
+        self.threads = {}
+        for job, step in jobs.items():
+            began = threading.Event()
+
+            def run(job=job, step=step, began=began):
+                watchdog.begin(0.0)
+                watchdog.step(step)
+                began.set()
+                self.release[job].wait(10)
+
+            self.threads[job] = threading.Thread(target=watchdog.guarded, args=(run, job), daemon=True)
+            self.threads[job].start()
+            assert began.wait(10)
+        time.sleep(0.01)        # past their limit and grace
+
+        async def log_event(topic, msg):
+            self.told.append(msg)
+            if on_report is not None:
+                on_report(self, msg)
+
+        self.watch = nanny_watch.StuckRunWatch()
+        self.watch.nanny = SimpleNamespace(pid=os.getpid(), worker_address="tcp://127.0.0.1:1",
+                                           scheduler=SimpleNamespace(log_event=log_event))
+        self.watch.pid, self.watch.table = os.getpid(), self.table
+
+    def returns(self, job: int) -> None:
+        self.release[job].set()
+        self.threads[job].join(10)
+
+    def check(self) -> None:
+        try:
+            self.asyncio.run(self.watch.check())
+        finally:
+            for job in self.threads:
+                self.returns(job)
+
+
 @needs_distributed
 @pytest.mark.parametrize("returns", [False, True], ids=["still-stuck", "returned-meanwhile"])
 def test_a_nanny_ends_its_worker_only_while_the_overdue_run_still_runs_there(monkeypatch, returns):
     """The nanny tells the sweep, waits for it to cancel the task, then kills its worker: a run that
     returned meanwhile (C code that took just past its grace) left a worker running other tasks, which
-    the kill took down for nothing. The nanny's loop is driven here by hand, its kill recorded."""
-    import asyncio
-    from types import SimpleNamespace
+    the kill took down for nothing."""
+    runs = _StuckRuns(monkeypatch, {7: 3}, on_report=(lambda runs, msg: runs.returns(msg["job"])) if returns else None)
+    runs.check()
+    assert runs.told == [{"worker": "tcp://127.0.0.1:1", "job": 7, "step": 3}]
+    assert runs.killed == ([] if returns else [(os.getpid(), signal.SIGKILL)])
 
-    from kvstate.stateful.sweeps import nanny_watch, watchdog
 
-    table = memoryview(bytearray(2 * watchdog.WIDTH * 8)).cast("d")
-    monkeypatch.setattr(watchdog, "_table", None)
-    monkeypatch.setattr(watchdog, "_free", [])
-    monkeypatch.setattr(watchdog, "GRACE_S", 0.0)
-    monkeypatch.setattr(nanny_watch, "SETTLE_S", 0.0)
-    killed = []
-    monkeypatch.setattr(nanny_watch, "os", SimpleNamespace(kill=lambda pid, sig: killed.append((pid, sig))))
-    watchdog.use(table, range(2))
-    began, release = threading.Event(), threading.Event()
-
-    def run():
-        watchdog.begin(0.0)
-        watchdog.step(3)
-        began.set()
-        release.wait(10)
-
-    thread = threading.Thread(target=watchdog.guarded, args=(run, 7), daemon=True)
-    thread.start()
-    assert began.wait(10)
-    time.sleep(0.01)        # past its limit and grace, both 0
-    told = []
-
-    async def log_event(topic, msg):
-        told.append(msg)
-        if returns:         # the run returns while the sweep is being told
-            release.set()
-            thread.join(10)
-
-    watch = nanny_watch.StuckRunWatch()
-    watch.nanny = SimpleNamespace(pid=os.getpid(), worker_address="tcp://127.0.0.1:1",
-                                  scheduler=SimpleNamespace(log_event=log_event))
-    watch.pid, watch.table = os.getpid(), table
-    try:
-        asyncio.run(watch.check())
-    finally:
-        release.set()
-        thread.join(10)
-    assert told == [{"worker": "tcp://127.0.0.1:1", "job": 7, "step": 3}]
-    assert killed == ([] if returns else [(os.getpid(), signal.SIGKILL)])
+@needs_distributed
+def test_a_nanny_tells_every_run_stuck_in_its_worker_before_the_one_kill(monkeypatch):
+    """Only the first overdue run of a worker was told: the kill took the others down untold, and Dask ran
+    each again on another worker, where it was stuck again and took that worker down in turn."""
+    runs = _StuckRuns(monkeypatch, {7: 3, 8: 5})
+    runs.check()
+    assert sorted((msg["job"], msg["step"]) for msg in runs.told) == [(7, 3), (8, 5)]
+    assert runs.killed == [(os.getpid(), signal.SIGKILL)]
 
 
 @needs_distributed

@@ -11,9 +11,9 @@ nanny, which started the worker and starts it again when it dies. So:
   (``watchdog.guarded``) reports there, as in a pool process, which task it runs, since when
   (measured on the worker, where it starts: a run queued behind a stuck one is not charged for it),
   under which limit, and the step it has reached;
-- the nanny (``StuckRunWatch``, a Dask nanny plugin) reads its own worker's table and, for a task
-  ``watchdog.GRACE_S`` past its limit, tells the sweep (an event naming the task and its step)
-  and then, if that task still runs, kills the worker process, which it starts again;
+- the nanny (``StuckRunWatch``, a Dask nanny plugin) reads its own worker's table and, for the tasks
+  ``watchdog.GRACE_S`` past their limit, tells the sweep (an event naming each task and its step)
+  and then, if one of them still runs, kills the worker process, which it starts again;
 - the sweep (cluster.WatchedExecutor) ends that run's future as ``Stuck``, a ``RunTimeout`` of its
   seed saved at its step, and cancels the Dask task: Dask would run it again on another worker,
   stuck again each time, until ``allowed-failures``.
@@ -85,11 +85,15 @@ class StuckRunWatch(NannyPlugin):
             self._follow(pid)
         if self.table is None:
             return
+        # Every overdue run of the worker, told before the one kill that ends them all: one left untold was
+        # run again by Dask on another worker, stuck there too, and took that worker down in turn.
+        stuck = []
         for base in range(0, len(self.table), watchdog.WIDTH):
             found = watchdog.overdue(self.table, base)
             if found is not None and found[1] == pid:       # only ever its own worker process
-                await self._end(*found, base)
-                return
+                stuck.append((base, found[0], found[2]))
+        if stuck:
+            await self._end(pid, stuck)
 
     def _follow(self, pid: int | None) -> None:
         """The worker process is now ``pid`` (None: none runs): its table, once its gate has made it."""
@@ -100,18 +104,21 @@ class StuckRunWatch(NannyPlugin):
             # killed outright leaves no file behind.
             table_path(pid).unlink(missing_ok=True)
 
-    async def _end(self, job: int, pid: int, step: int, base: int) -> None:
-        """Tell the sweep that task ``job`` is stuck at ``step``, then kill its worker (restarted by this nanny)
-        if that task still runs there: one that returned while the sweep was told (it is recorded as stuck all
-        the same, past its limit) leaves the worker to the tasks it runs now, another sweep's perhaps."""
+    async def _end(self, pid: int, stuck: list[tuple[int, int, int]]) -> None:
+        """Tell the sweep that each task of ``stuck`` (its row, number and step) is stuck, then kill worker ``pid``
+        (restarted by this nanny) if one of them still runs there: tasks that all returned while the sweep was
+        told (each recorded as stuck all the same, past its limit) leave the worker to the tasks it runs now,
+        another sweep's perhaps."""
         try:
-            await asyncio.wait_for(self.nanny.scheduler.log_event(
-                topic=TOPIC, msg={"worker": self.nanny.worker_address, "job": job, "step": step}),
-                REPORT_TIMEOUT_S)
+            for _, job, step in stuck:
+                await asyncio.wait_for(self.nanny.scheduler.log_event(
+                    topic=TOPIC, msg={"worker": self.nanny.worker_address, "job": job, "step": step}),
+                    REPORT_TIMEOUT_S)
             await asyncio.sleep(SETTLE_S)
         except Exception:       # noqa: BLE001 -- a scheduler that cannot be told: the worker is freed all the same
             pass
-        if self.nanny.pid != pid or not watchdog.still_running(self.table, base, job, pid):
+        if self.nanny.pid != pid or not any(watchdog.still_running(self.table, base, job, pid)
+                                            for base, job, _ in stuck):
             return
         try:
             os.kill(pid, signal.SIGKILL)
