@@ -519,6 +519,42 @@ def test_a_nanny_tells_every_run_stuck_in_its_worker_before_the_one_kill(monkeyp
 
 
 @needs_distributed
+def test_a_worker_whose_nanny_cannot_read_its_table_is_named_so_not_as_one_without_a_nanny(tmp_path, monkeypatch):
+    """A worker with a nanny whose watch table could not be made (a temporary folder it cannot write, a
+    file of that name another user's) was named on stderr as having no nanny, and told to start one."""
+    import asyncio
+    import io
+    from types import SimpleNamespace
+
+    from kvstate.stateful.sweeps import nanny_watch, watchdog
+    from kvstate.stateful.sweeps.cluster import ClusterSession
+    from kvstate.stateful.sweeps.fingerprint import fingerprint
+    from kvstate.stateful.sweeps.worker_gate import BackendGate
+
+    monkeypatch.setattr(watchdog, "_table", None)
+    monkeypatch.setattr(nanny_watch, "table_path", lambda pid: tmp_path / "no-such-folder" / f"watch-{pid}")
+    events = []
+
+    async def set_resources(**resources):
+        pass
+
+    worker = SimpleNamespace(address="tcp://127.0.0.1:1", nanny="tcp://127.0.0.1:2", status=None,
+                             state=SimpleNamespace(nthreads=2), set_resources=set_resources,
+                             log_event=lambda topic, message: events.append((topic, message)))
+    gate = BackendGate(S.DEFAULT_BACKEND, fingerprint(S.DEFAULT_BACKEND))
+    asyncio.run(gate.setup(worker))
+    assert not watchdog.watched()
+    said = io.StringIO()
+    session = ClusterSession("tcp://127.0.0.1:3", None, None, gate.name, 2, out=said)
+    [event] = events
+    session.note(event)
+    assert session.accepted == ["tcp://127.0.0.1:1"]
+    assert "no nanny" not in said.getvalue()
+    assert ("worker tcp://127.0.0.1:1 cannot be watched by its nanny: the table it would read, "
+            f"{tmp_path / 'no-such-folder'}") in said.getvalue()
+
+
+@needs_distributed
 @pytest.mark.slow       # a cluster of its own
 def test_a_worker_without_a_nanny_is_named_as_unwatched(tmp_path):
     """Nothing outside a worker without a nanny can end it, or start it again: it still gets runs, and

@@ -133,19 +133,20 @@ class ClusterSession:
         if message.get("accepted"):
             self.accepted.append(message["worker"])
             if not message.get("watched", True):
-                self.unwatched(message["worker"])
+                self.unwatched(message["worker"], message.get("unwatched") or "has no nanny")
             return
         differs = {key: tuple(pair) for key, pair in message["differs"].items()}
         self.refused[message["worker"]] = differs
         self._say(f"worker {message['worker']} joined with other code and gets no runs: {describe(differs)}")
 
-    def unwatched(self, worker: str) -> None:
-        """Name, once, a worker whose runs nothing can end when they are stuck in C (it has no nanny)."""
+    def unwatched(self, worker: str, why: str = "has no nanny") -> None:
+        """Name, once, a worker whose runs nothing can end when they are stuck in C, and ``why`` (said of it:
+        it has no nanny, or its nanny cannot read its table)."""
         if worker not in self._unwatched:
             self._unwatched.add(worker)
-            self._say(f"worker {worker} has no nanny: a run stuck there in C past --run-timeout cannot be ended, "
-                      "and holds its worker thread and this sweep until it returns (start workers with their "
-                      "nanny, dask worker's default)")
+            advice = " (start workers with their nanny, dask worker's default)" if why == "has no nanny" else ""
+            self._say(f"worker {worker} {why}: a run stuck there in C past --run-timeout cannot be ended, "
+                      f"and holds its worker thread and this sweep until it returns{advice}")
 
     async def stuck(self, event: tuple) -> None:
         """A nanny's word that it is ending its worker, stuck in a run of ours or another sweep's."""

@@ -50,16 +50,19 @@ def table_path(pid: int) -> Path:
 
 # -- in a worker process -------------------------------------------------------------------
 
-def watch_worker(worker) -> bool:
-    """This worker's tasks reported where its nanny reads them; False where it has no nanny."""
+def watch_worker(worker) -> str | None:
+    """This worker's tasks reported where its nanny reads them: None; or why they cannot be, said of the
+    worker (``has no nanny``, or the table its nanny would read could not be made)."""
     if not worker.nanny:
-        return False
+        return "has no nanny"
     if not watchdog.watched():          # once a process: the gates of sweeps of other code share it
-        table = watchdog.table_file(table_path(os.getpid()), worker.state.nthreads)
+        path = table_path(os.getpid())
+        table = watchdog.table_file(path, worker.state.nthreads)
         if table is None:
-            return False
+            return (f"cannot be watched by its nanny: the table it would read, {path}, could not be made "
+                    "(a temporary folder it cannot write, or a file of that name another user's)")
         watchdog.use(table, range(worker.state.nthreads))
-    return True
+    return None
 
 
 # -- in a nanny ----------------------------------------------------------------------------

@@ -57,10 +57,11 @@ class BackendGate(WorkerPlugin):
             worker.log_event(self.name, {"worker": worker.address, "accepted": False,
                                          "differs": {key: list(pair) for key, pair in differs.items()}})
             return
-        watched = watch_worker(worker)          # before any run can come
+        unwatched = watch_worker(worker)        # before any run can come
         await worker.set_resources(**{self.name: worker.state.nthreads})      # awaited: the scheduler holds it now
         offer_waiting_runs(worker)
-        worker.log_event(self.name, {"worker": worker.address, "accepted": True, "watched": watched})
+        worker.log_event(self.name, {"worker": worker.address, "accepted": True, "watched": unwatched is None,
+                                     "unwatched": unwatched})
 
 
 def offer_waiting_runs(worker) -> None:
