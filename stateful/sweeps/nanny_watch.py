@@ -35,8 +35,11 @@ from tornado.ioloop import PeriodicCallback
 
 from . import watchdog
 
-TOPIC = "kvstate-sweep-watch"
-"""The plugin's name and the topic of its events: one watch per nanny, whatever code sweeps."""
+TOPIC = "kvstate-sweep-watch-1"
+"""The plugin's name and the topic of its events: one watch per nanny, whatever code sweeps. The
+number is the table's format (``watchdog``'s rows): the plugin is idempotent and stays registered on
+the scheduler, so a kvstate whose table differs must register under another name, beside the old
+watch, or the old one would go on reading tables it does not understand."""
 SETTLE_S = 0.5
 """How long the nanny waits between telling the sweep and killing the worker: the sweep cancels the
 stuck task first, so that Dask does not hand it, on the worker's death, to another worker."""
@@ -45,7 +48,7 @@ REPORT_TIMEOUT_S = 5.0
 
 def table_path(pid: int) -> Path:
     """Where the worker process ``pid`` keeps its table: known to it and to its nanny."""
-    return Path(tempfile.gettempdir()) / f"kvstate-sweep-watch-{pid}"
+    return Path(tempfile.gettempdir()) / f"{TOPIC}-{pid}"
 
 
 # -- in a worker process -------------------------------------------------------------------
