@@ -1011,10 +1011,21 @@ def _forward_checked(forward, *args, **kwargs):
     """The model's forward, called through ``model(...)`` (its hook fed the ids and checked the model) or
     directly (``model.forward(...)``: no hook ran, so a forward fed by hand is checked here)."""
     cache = _cache_given(kwargs)
-    model = getattr(forward, "__self__", None)      # none where another library's wrapper replaced forward
+    model = _model_of(forward)
     if isinstance(cache, KVStateCache) and cache._by_hand and model is not None:
         cache._check_model_of(model)
     return _ended_on_interrupt(forward, *args, **kwargs)
+
+
+def _model_of(forward):
+    """The model whose ``forward`` this is: a bound method's own, or the module a library's wrapper
+    installed before ``attach`` passes first to it (accelerate's ``device_map`` hooks make ``forward``
+    a ``functools.partial`` of their function and the module); None for any other wrapper."""
+    model = getattr(forward, "__self__", None)
+    if model is None and isinstance(forward, functools.partial) and forward.args \
+            and isinstance(forward.args[0], torch.nn.Module):
+        model = forward.args[0]
+    return model
 
 
 def _ended_on_interrupt(forward, *args, **kwargs):

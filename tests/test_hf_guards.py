@@ -9,6 +9,7 @@ interleaving with it. Races are made deterministic with events, never with sleep
 """
 
 import copy
+import functools
 import io
 import threading
 
@@ -265,6 +266,32 @@ def test_a_forward_fed_by_hand_on_a_cache_bound_to_a_model_is_checked_or_refused
     assert len(cache.context) == 5
     run(model, cache, ids(1, 80))                           # nothing left held by the refusals
     bare.close()
+    cache.close()
+
+
+def _hooked_forward(module, *args, **kwargs):
+    """What accelerate's ``device_map`` hooks make of ``forward`` at load, before any ``attach``: a
+    ``functools.partial`` of a function taking the module first (``add_hook_to_module``)."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def test_a_hand_fed_forward_wrapped_before_attach_is_checked_not_refused():
+    """From a review: ``forward`` wrapped by another library before ``attach`` is no bound method, so the
+    model was not found and a hand-fed ``model.forward(...)`` of the bound, attached model was refused
+    as if never attached. The module such a wrapper passes first is the model; a stranger still is not."""
+    model, stranger = llama(), llama(seed=9)
+    model.forward = functools.partial(_hooked_forward, model)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 78))
+    cache.feed(ids(1, 79))
+    with torch.no_grad():
+        model.forward(ids(1, 79), cache=cache)
+    assert len(cache.context) == 5
+    stranger.forward = functools.partial(_hooked_forward, stranger)
+    cache.feed(ids(1, 80))
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
+        hf.attach(stranger).forward(ids(1, 80), cache=cache)
+    assert len(cache.context) == 5
     cache.close()
 
 
