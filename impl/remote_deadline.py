@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import os
 import queue
 import threading
 import time
@@ -119,6 +120,20 @@ _stuck_lock = threading.Lock()
 def stuck_calls() -> int:
     """How many abandoned calls are still waiting on a server."""
     return _stuck["calls"]
+
+
+def _forget_parents_calls() -> None:
+    """In a forked child: the parent's abandoned calls wait on threads the child does not have, so
+    nothing would ever uncount them (a child forked while 16 waited was refused by that server for
+    good). A lock another thread held at the fork would never be released either."""
+    global _stuck_lock
+    _stuck_lock = threading.Lock()
+    _stuck["calls"] = 0
+    _stuck_by_server.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_calls)
 
 
 class Worker:

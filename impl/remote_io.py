@@ -367,6 +367,18 @@ _landing: set[str] = set()
 _landing_lock = threading.Lock()
 
 
+def _forget_parents_landings() -> None:
+    """In a forked child: the parent's publishing calls are not this process's writes (the child has
+    none of the threads that would clear them, so its writes there were refused for good)."""
+    global _landing_lock
+    _landing_lock = threading.Lock()
+    _landing.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_parents_landings)
+
+
 def _may_land(url: str, worker: Worker | None) -> None:
     """``url``'s abandoned publishing call may still land: refuse writes there until ``worker`` is done."""
     if worker is None:

@@ -521,6 +521,43 @@ def test_clean_up_queued_behind_a_stuck_call_counts_until_it_returns(monkeypatch
     assert remote_deadline.stuck_calls() == 0
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork on this platform")
+def test_a_forked_child_inherits_neither_abandoned_calls_nor_writes_that_may_land(monkeypatch):
+    """A worker process forked (multiprocessing's default on Linux) while a call waited on a hung server
+    has none of the threads that would uncount it or clear its key: the child was refused by that
+    server, and refused writes to that key, for good. The parent's calls are not the child's.
+    The child reports by its exit status (2: refused by the server, 3: its write refused)."""
+    import os
+    import threading
+
+    from kvstate.impl import remote_deadline
+    from kvstate.impl.remote_deadline import Deadline, Worker
+    from kvstate.spec.errors import SnapshotDeadlineError
+    monkeypatch.setattr(remote_deadline, "MAX_STUCK_PER_SERVER", 1)
+    monkeypatch.setattr(remote_deadline, "_stuck", {"calls": 0})
+    monkeypatch.setattr(remote_deadline, "_stuck_by_server", {})
+    held = threading.Event()
+    worker = Worker(Deadline(0.05, "deadline_s of this call"), "writing", "memory://hung")
+    with pytest.raises(SnapshotDeadlineError, match="ran out"):
+        worker.call(held.wait, 10)                   # the publishing call, held by the server
+    url = f"memory://kvstate-test/{uuid.uuid4().hex}/late.kvs"
+    remote_io._may_land(url, worker)
+    pid = os.fork()
+    if pid == 0:                                     # the child: report by exit status, run nothing of pytest's
+        code = 2
+        try:
+            assert Worker(Deadline(5, "deadline_s of this call"), "reading", "memory://hung").call(lambda: 7) == 7
+            code = 3
+            remote_io.publish(url, lambda file: file.write(b"new"))
+            code = 0
+        finally:
+            os._exit(code)
+    held.set()
+    worker.close()
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    assert code == 0, {2: "the child was refused by the server", 3: "the child's write was refused"}.get(code, code)
+
+
 @pytest.mark.parametrize("status", [404, 403, 500])
 def test_a_presigned_urls_signature_is_in_no_link_of_the_errors_chain(monkeypatch, http_status, status):
     """fsspec's and aiohttp's errors quote the whole URL; the chain a restore raises holds only our
