@@ -103,6 +103,15 @@ class SnapshotStore:
     def __repr__(self) -> str:
         return f"SnapshotStore({remote_io.redact(self.url_prefix)!r}, stride={self.stride})"
 
+    # A store is its prefix and settings: it travels to worker processes (a process pool, Dask) as they
+    # do; the lock guarding the failure count is this process's and is made afresh there.
+    def __getstate__(self) -> dict:
+        return {name: value for name, value in vars(self).items() if name != "_failure_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        vars(self).update(state)
+        self._failure_lock = threading.Lock()
+
     # -- keys ------------------------------------------------------------------------
 
     def url(self, cache: Cache, tokens) -> str:

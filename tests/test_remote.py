@@ -705,6 +705,26 @@ def test_a_file_store_makes_its_folders_and_publishes_by_rename(tmp_path, monkey
     got.close()
 
 
+def test_a_store_travels_to_worker_processes_by_pickle(tmp_path):
+    """A fleet hands its store to a process pool or Dask workers: its lock made that a TypeError."""
+    import pickle
+
+    from kvstate.spec.errors import SecondTierWarning
+    store = SnapshotStore(f"file://{tmp_path}/kv", stride=4, deadline_s=7)
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 5) as ctx:
+        store.put(ctx)
+        want = bits(ctx)
+    copy = pickle.loads(pickle.dumps(store))
+    assert (copy.url_prefix, copy.stride, copy.deadline_s) == (store.url_prefix, 4, 7)
+    got, n = copy.get(cache, list(range(5)))
+    with got:
+        assert n == 5 and bits(got) == want
+    with pytest.warns(SecondTierWarning):
+        copy._failed(SnapshotError("counted in the copy's own books"))     # its lock works
+    assert (copy.failures, store.failures) == (1, 0)
+
+
 @pytest.mark.parametrize("prefix", ["memory://", "s3://", "s3:///", "file://"])
 def test_a_prefix_that_names_no_bucket_or_folder_is_refused(prefix):
     with pytest.raises(InvalidInputError, match="naming a bucket or folder"):
