@@ -109,7 +109,8 @@ def within(seconds: float) -> Iterator[Deadline]:
 # thread and a socket for every lookup made against it (an audit counted 40 after five lookups).
 # Each server has a cap of its own below the process's, so one that stays hung (a second tier's)
 # cannot stop every call to healthy ones (an audit's parking on a healthy bucket was refused for
-# minutes once a hung tier had filled one shared cap).
+# minutes once a hung tier had filled one shared cap). Only calls already abandoned count: those sent
+# before the first one ran out are not held back (32 lookups at once left 256 threads waiting).
 MAX_STUCK_CALLS = 64
 MAX_STUCK_PER_SERVER = 16
 _stuck = {"calls": 0}
