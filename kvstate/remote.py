@@ -191,6 +191,15 @@ class SnapshotStore:
         subclass, naming the URL, and changes nothing in ``cache``; so does the deadline running
         out (``SnapshotDeadlineError``), one deadline for the probes and reads together.
         """
+        ctx, n, damaged = self._get(cache, tokens, longer_than, deadline_s)
+        if damaged is not None:
+            self._failed(damaged, stacklevel=3, let_go=ctx)     # counted and warned, the shorter hit served
+        return ctx, n
+
+    def _get(self, cache: Cache, tokens, longer_than: int,
+             deadline_s: float | None) -> tuple[Context, int, SnapshotError | None]:
+        """``get``'s context and length, and the damaged object a shorter one was served in place of,
+        if any: the caller warns of it, so the warning names the caller's line."""
         _check_cache(cache, "get")
         tokens = check_tokens(tokens)
         deadline = self._deadline(deadline_s, cache)
@@ -209,12 +218,10 @@ class SnapshotStore:
             except SnapshotError as error:
                 damaged = damaged or error     # one bad object: a shorter prefix may still serve
                 continue
-            if damaged is not None:
-                self._failed(damaged, holding=ctx)     # counted and warned, the shorter hit served
-            return ctx, n
+            return ctx, n, damaged
         if damaged is not None:
             raise damaged
-        return cache.allocate(), 0
+        return cache.allocate(), 0, None
 
     def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int,
                deadline: Deadline) -> list[tuple[int, str]]:
@@ -256,44 +263,48 @@ class SnapshotStore:
         config = getattr(cache, "config", None)
         deeper = None
         try:
-            deeper, n = self.get(cache, tokens, longer_than=matched)
+            deeper, n, damaged = self._get(cache, tokens, matched, None)
             if n and config is not None and config.match != "entry":
                 n = hit_length(config.match, config.block_tokens, n)     # what a local hit would hold
                 if n > matched:
                     deeper.truncate(n)
-            if n <= matched:
-                deeper.close()
-                return found
-            cache.retain(deeper)     # the next match of these tokens is a local hit
+            if n > matched:
+                cache.retain(deeper)     # the next match of these tokens is a local hit
         except Exception as error:     # noqa: BLE001 - the tier never costs the caller its local hit
             if deeper is not None:
                 try:
                     deeper.close()
                 except Exception:     # noqa: BLE001 - already closed or never registered
                     pass
-            self._failed(error, holding=ctx)
+            self._failed(error, stacklevel=4, let_go=ctx)
             return found
         except BaseException:          # an interrupt: neither the local hit nor the tier's has a holder now
             ctx.close()
             if deeper is not None and not deeper.closed:
                 deeper.close()
             raise
-        ctx.close()
-        return deeper, n
+        if n > matched:
+            ctx.close()
+            found = deeper, n
+        else:
+            deeper.close()
+        if damaged is not None:        # a shorter prefix, or the local hit, served in its place
+            self._failed(damaged, stacklevel=4, let_go=found[0])
+        return found
 
-    def _failed(self, error: Exception, holding: Context | None = None) -> None:
-        """Count and warn. ``holding``: the context the caller was about to hand back; a warning made an
-        error (``simplefilter("error", SecondTierWarning)``) raises instead, so it is closed first, as no
-        caller will ever hold it."""
+    def _failed(self, error: Exception, stacklevel: int, let_go: Context | None = None) -> None:
+        """Counted and warned, the warning naming the line ``stacklevel`` frames up (the caller of
+        ``match`` or ``get``). A warning made an error (``simplefilter("error", SecondTierWarning)``)
+        ends the call: ``let_go``, the context it would have returned, has no holder then."""
         with self._failure_lock:
             self.failures += 1
             self.last_failure = f"{type(error).__name__}: {error}"
         try:
             warnings.warn(SecondTierWarning(f"second tier {remote_io.redact(self.url_prefix)} could not deliver, "
-                                            f"the local hit was used ({self.last_failure})"), stacklevel=4)
+                                            f"the local hit was used ({self.last_failure})"), stacklevel=stacklevel)
         except BaseException:
-            if holding is not None and not holding.closed:
-                holding.close()
+            if let_go is not None and not let_go.closed:
+                let_go.close()
             raise
 
 

@@ -159,11 +159,11 @@ def test_the_tier_target_reports_a_hit_of_other_tokens(monkeypatch):
     """A store serving an object whose tokens are not its key's (the check in get removed)."""
     from kvstate import remote
 
-    def serve_anything(self, cache, tokens, longer_than=0):
+    def serve_anything(self, cache, tokens, longer_than=0, deadline_s=None):
         ctx = cache.allocate()
         ctx.extend([9] * 8, HS.np.ones(HS.LAYOUT.batch_shape(8), HS.np.float32))
-        return ctx, 8
-    monkeypatch.setattr(remote.SnapshotStore, "get", serve_anything)
+        return ctx, 8, None         # no damaged object passed over
+    monkeypatch.setattr(remote.SnapshotStore, "_get", serve_anything)     # what get and the tier both use
     with pytest.raises(Finding, match="returned 8 positions"):
         HS.check_tier(Tally(), ("SnapshotStore holding other tokens", lambda: _store("other tokens")), "list")
 

@@ -721,7 +721,7 @@ def test_a_store_travels_to_worker_processes_by_pickle(tmp_path):
     with got:
         assert n == 5 and bits(got) == want
     with pytest.warns(SecondTierWarning):
-        copy._failed(SnapshotError("counted in the copy's own books"))     # its lock works
+        copy._failed(SnapshotError("counted in the copy's own books"), stacklevel=2)     # its lock works
     assert (copy.failures, store.failures) == (1, 0)
 
 

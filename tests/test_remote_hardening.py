@@ -308,6 +308,68 @@ def test_a_put_of_a_context_the_format_cannot_hold_sends_nothing(monkeypatch):
         store.put(ctx)
     assert sent == []
 
+def damage(store, cache, tokens) -> None:
+    fsspec.filesystem("memory").pipe_file(store.url(cache, tokens)[len("memory://"):], b"KVS damaged")
+
+
+def test_a_tier_failure_made_an_error_leaves_no_context_that_no_caller_holds():
+    """The README's ``simplefilter("error", SecondTierWarning)``: the match, or get, that raises it held
+    the local hit and the restored shorter prefix, with no caller to close them (pages leaked)."""
+    import warnings
+
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 20)                       # stored at 20 and at 16
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+    with filled(cache, 8, seed=4) as short:
+        cache.retain(short)
+    damage(store, cache, tokens[:20])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SecondTierWarning)
+        with pytest.raises(SecondTierWarning):       # 16 served in place of the damaged 20
+            cache.match(tokens)
+        with pytest.raises(SecondTierWarning):
+            store.get(cache, tokens)
+        damage(store, cache, tokens[:16])
+        cache.clear()
+        with filled(cache, 8, seed=4) as short:
+            cache.retain(short)
+        with pytest.raises(SecondTierWarning):       # nothing serves: the local hit is what the match held
+            cache.match(tokens)
+    assert cache.stats()["live_contexts"] == 0      # only the tree's entries hold pages
+
+
+def test_a_duck_tier_that_raises_under_an_error_filter_leaves_the_local_hit_held_by_no_one():
+    import warnings
+
+    from kvstate.spec.errors import SecondTierWarning
+
+    class Broken:
+        def consult(self, cache, tokens, found):
+            raise OSError("down")
+
+    cache = Cache(SMALL, page_tokens=4, second_tier=Broken())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SecondTierWarning)
+        with pytest.raises(SecondTierWarning):
+            cache.match([1, 2, 3])
+    assert cache.stats()["live_contexts"] == 0
+
+
+def test_a_damaged_objects_warning_names_the_callers_line_as_an_outages_does():
+    """It named a line inside kvstate (so Python's default filter showed it once per process, whatever
+    the caller), or, from ``get``, the line above the caller's."""
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 20)
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+    damage(store, cache, tokens[:20])
+    with pytest.warns(SecondTierWarning) as through_match:
+        cache.match(tokens)[0].close()
+    with pytest.warns(SecondTierWarning) as through_get:
+        store.get(cache, tokens)[0].close()
+    assert [warning.filename for warning in (*through_match, *through_get)] == [__file__, __file__]
+
 
 def test_second_tier_is_checked_at_construction():
     from kvstate.spec.errors import ConfigError
