@@ -243,8 +243,9 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
 
     On S3 every range is fetched with ``If-Match`` on the ETag seen at open, so
     an object replaced mid-read fails (and is retried by ``read``) instead of
-    splicing two versions. No object there: ``SnapshotNotFoundError``. With ``worker``,
-    every blocking call (the open, each read) is bounded by its deadline.
+    splicing two versions. No object there: ``SnapshotNotFoundError`` (no bucket:
+    ``SnapshotReadError``). With ``worker``, every blocking call (the open, each read) is bounded
+    by its deadline.
     """
     call = worker.call if worker is not None else (lambda function, *args, **kwargs: function(*args, **kwargs))
     fs, path = call(_filesystem, url, storage_options, SnapshotReadError)
@@ -412,11 +413,13 @@ def _unknown_outcome(error: SnapshotDeadlineError) -> SnapshotDeadlineError:
 def _failure_behind(error: BaseException) -> BaseException | None:
     """The failure a ``FileNotFoundError`` stands for, if it is no absence: fsspec's HTTP filesystem
     reports a refused connection, and any error status of its HEAD-then-GET probe (a 403, a 500),
-    as "not found", with the real error as its cause. Only a 404, or no cause at all, is absence."""
+    as "not found", with the real error as its cause; s3fs reports a bucket that does not exist (a
+    typo in a fleet's configuration) so. Only a 404 for the object, or no cause at all, is absence."""
     seen = []
     link = error.__cause__ or error.__context__
     while link is not None and link not in seen:
-        if not isinstance(link, FileNotFoundError) and (is_transient(link) or _http_status(link) not in (None, 404)):
+        if not isinstance(link, FileNotFoundError) and (is_transient(link) or _http_status(link) not in (None, 404)
+                                                        or _no_bucket(link)):
             return link
         seen.append(link)
         link = link.__cause__ or link.__context__
@@ -430,9 +433,16 @@ def _raise_if_not_absent(error: FileNotFoundError, url: str) -> None:
     if failure is None:
         return
     status = _http_status(failure)
-    said = f"the server answered {status}" if status is not None else "cannot reach it"
+    said = (f"the server answered {status}" if status is not None else
+            "its bucket does not exist" if _no_bucket(failure) else "cannot reach it")
     said += f": {_describe(failure)}"        # redacted: a server may quote the signed URL back
     raise SnapshotReadError(f"{redact(url)}: {said}") from failure
+
+
+def _no_bucket(error: BaseException) -> bool:
+    """Whether ``error`` is S3's NoSuchBucket (botocore's error shape, without importing botocore)."""
+    response = getattr(error, "response", None)
+    return isinstance(response, dict) and (response.get("Error") or {}).get("Code") == "NoSuchBucket"
 
 
 def _http_status(error: BaseException) -> int | None:

@@ -192,8 +192,6 @@ def test_a_missing_object_is_not_found_by_name(s3):
     url = s3.url("nowhere/ctx.kvs")
     with pytest.raises(SnapshotNotFoundError, match="s3://.*/nowhere/ctx.kvs"):
         cache.restore(url)
-    with pytest.raises(SnapshotNotFoundError):
-        cache.restore(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/ctx.kvs")
 
 
 # -- refusals --------------------------------------------------------------------------------
@@ -729,6 +727,23 @@ def test_a_store_travels_to_worker_processes_by_pickle(tmp_path):
 def test_a_prefix_that_names_no_bucket_or_folder_is_refused(prefix):
     with pytest.raises(InvalidInputError, match="naming a bucket or folder"):
         SnapshotStore(prefix)
+
+
+def test_a_bucket_that_does_not_exist_is_a_read_error_and_a_counted_tier_failure_not_a_miss(s3):
+    """From an audit as an inference fleet: with a typo in the tier's bucket every lookup was a silent
+    miss (no failure counted, no warning), and a restore SnapshotNotFoundError, read as "start fresh"."""
+    from kvstate.spec.errors import SecondTierWarning
+    missing = f"{s3.bucket}-missing"
+    cache = Cache(SMALL, page_tokens=4)
+    with pytest.raises(SnapshotReadError, match="bucket does not exist") as caught:
+        cache.restore(f"s3://{missing}/x.kvs")
+    assert not isinstance(caught.value, SnapshotNotFoundError)
+    store = SnapshotStore(f"s3://{missing}/kv", stride=4, storage_options=s3.options)
+    tiered = Cache(SMALL, page_tokens=4, second_tier=store)
+    with pytest.warns(SecondTierWarning, match="bucket does not exist"):
+        got, n = tiered.match(list(range(10)))
+    got.close()
+    assert n == 0 and store.failures == 1
 
 
 def test_a_key_that_names_a_folder_is_no_snapshot_not_a_damaged_one(s3):
