@@ -54,9 +54,9 @@ finds an object gone between the check and the read treats that length as a miss
 from __future__ import annotations
 
 import hashlib
+import queue
 import threading
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -229,16 +229,37 @@ class SnapshotStore:
         if isinstance(longer_than, bool) or not isinstance(longer_than, int) or longer_than < 0:
             raise InvalidInputError(f"longer_than must be an int >= 0, got {longer_than!r}")
         candidates = self._candidates(cache, tokens, longer_than)
-        if not candidates:
-            return []
-        with ThreadPoolExecutor(max_workers=min(self.probe_batch, len(candidates))) as pool:
-            for start in range(0, len(candidates), self.probe_batch):
-                batch = candidates[start:start + self.probe_batch]
-                present = list(pool.map(lambda item: remote_io.exists(item[1], self.storage_options, deadline), batch))
-                hits = [item for item, here in zip(batch, present) if here]
-                if hits:
-                    return hits + candidates[start + self.probe_batch:]    # shorter ones: fallbacks if one vanishes
+        for start in range(0, len(candidates), self.probe_batch):
+            batch = candidates[start:start + self.probe_batch]
+            present = self._exist([url for _, url in batch], deadline)
+            hits = [item for item, here in zip(batch, present) if here]
+            if hits:
+                return hits + candidates[start + self.probe_batch:]    # shorter ones: fallbacks if one vanishes
         return []
+
+    def _exist(self, urls: list[str], deadline: Deadline) -> list[bool]:
+        """Whether each of ``urls`` holds an object, asked at once on daemon threads. Not a thread pool:
+        leaving one waits for its threads, so Ctrl-C during a lookup at a hung server took effect only
+        when the deadline ran out (and so did the interpreter's exit); the first failure is raised."""
+        if len(urls) == 1:
+            return [remote_io.exists(urls[0], self.storage_options, deadline)]     # no thread to start
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+
+        def probe(index: int, url: str) -> None:
+            try:
+                answers.put((index, remote_io.exists(url, self.storage_options, deadline), None))
+            except BaseException as error:     # handed to the waiting caller, whatever it is
+                answers.put((index, None, error))
+
+        for index, url in enumerate(urls):
+            threading.Thread(target=probe, args=(index, url), name="kvstate-probe", daemon=True).start()
+        present = [False] * len(urls)
+        for _ in urls:
+            index, here, error = answers.get()
+            if error is not None:
+                raise error
+            present[index] = here
+        return present
 
     # -- the Cache hook (Cache(second_tier=store)) --------------------------------------------
 

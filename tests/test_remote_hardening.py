@@ -769,6 +769,28 @@ def test_a_second_tier_at_a_silent_endpoint_counts_its_deadline_and_match_return
     assert store.failures == 1 and "store's deadline" in store.last_failure
 
 
+def test_an_interrupt_during_a_lookup_at_a_silent_endpoint_surfaces_at_once(silent_server):
+    """Ctrl-C while a lookup's probes waited on a server that never answers took effect only when the
+    store's deadline ran out: the probes' thread pool was joined on the way out (and at exit)."""
+    import os
+    import signal
+    import threading
+
+    pytest.importorskip("aiohttp")
+    from kvstate.remote import SnapshotStore
+    store = SnapshotStore(f"http://{silent_server}/kv", stride=4, deadline_s=10)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))     # a real Ctrl-C
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            store.lookup(Cache(SMALL, page_tokens=2), list(range(40)))     # ten candidates: probes in parallel
+        took = time.monotonic() - started
+    finally:
+        timer.cancel()
+    assert took < 3, took
+
+
 def test_a_cache_deadline_bounds_its_restores_and_its_tier_and_a_call_deadline_overrides_it(silent_server):
     """Precedence, most specific first: the call's, the cache's, then the store's or the block's."""
     pytest.importorskip("aiohttp")
