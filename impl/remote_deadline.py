@@ -16,7 +16,8 @@ error then says is unknown.
 Which deadline applies, most specific first: one passed to the call (``deadline_s=``), the
 cache's (``Cache(remote_deadline_s=...)``: its restores from and snapshots to URLs, and its
 second tier), the ``SnapshotStore``'s own (``SnapshotStore(deadline_s=...)``), the innermost
-``within(seconds)`` block around the call (``kvstate.remote.deadline``), else ``DEFAULT_DEADLINE_S``.
+``within(seconds)`` block around the call (``kvstate.remote.deadline``; never past an enclosing
+block's end), else ``DEFAULT_DEADLINE_S``.
 """
 
 from __future__ import annotations
@@ -95,8 +96,13 @@ def first_set(*choices: tuple[float | None, str]) -> Deadline | None:
 @contextmanager
 def within(seconds: float) -> Iterator[Deadline]:
     """Every remote operation in this block (of this thread or task) shares one deadline of
-    ``seconds``, unless the call or its store names its own."""
+    ``seconds``, unless the call or its store names its own. A block inside another never outlasts
+    it: where the enclosing block ends first, its deadline goes on applying (a library's own
+    ``deadline(30)`` cannot stretch a caller's ``deadline(2)``)."""
     deadline = Deadline(seconds, "deadline of the enclosing kvstate.remote.deadline() block")
+    enclosing = _BLOCK.get()
+    if enclosing is not None and enclosing.ends < deadline.ends:
+        deadline = enclosing
     token = _BLOCK.set(deadline)
     try:
         yield deadline

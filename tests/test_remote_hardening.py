@@ -791,6 +791,21 @@ def test_an_interrupt_during_a_lookup_at_a_silent_endpoint_surfaces_at_once(sile
     assert took < 3, took
 
 
+def test_a_deadline_block_inside_another_never_outlasts_it(silent_server):
+    """A library's own ``deadline(5)`` inside a caller's ``deadline(0.3)`` took the restore to 5 s: the
+    innermost block replaced the enclosing one instead of ending no later than it."""
+    from kvstate import remote
+    from kvstate.spec.errors import SnapshotDeadlineError
+    cache = Cache(SMALL, page_tokens=2)
+    started = time.monotonic()
+    with remote.deadline(0.3), remote.deadline(5):
+        with pytest.raises(SnapshotDeadlineError, match="enclosing kvstate.remote.deadline"):
+            cache.restore(f"http://{silent_server}/x.kvs")
+    assert time.monotonic() - started < 2
+    with remote.deadline(5) as outer, remote.deadline(0.3) as inner:      # a shorter inner block applies
+        assert inner.ends < outer.ends
+
+
 def test_a_cache_deadline_bounds_its_restores_and_its_tier_and_a_call_deadline_overrides_it(silent_server):
     """Precedence, most specific first: the call's, the cache's, then the store's or the block's."""
     pytest.importorskip("aiohttp")
