@@ -18,7 +18,13 @@ for the layout and precision::
 so two machines storing the same prefix write the same key with equivalent bytes,
 and a race between them is harmless (each write is atomic; either one wins). The
 key does not name the model: the values are only valid for the weights that
-produced them, so give each model its own ``url_prefix``.
+produced them, so give each model its own ``url_prefix``, and name the model
+(``SnapshotStore(url, producer=fingerprint)``, 16 bytes as ``Context.snapshot`` takes):
+``put`` then writes it into each object and ``get`` refuses an object naming
+another, as a damaged one (a shorter prefix may serve; counted and warned), so a
+prefix shared by mistake is loud instead of serving another model's values (``put``
+judges a key by its object's size alone, so it does not replace such an object).
+An object naming none (written without one) is restored, as ``Cache.restore`` does.
 
 The index is the key scheme itself; nothing is listed. A lookup cannot ask the
 server "which prefixes of these tokens exist", so it asks about candidate
@@ -80,7 +86,8 @@ class SnapshotStore:
     """Contexts stored under ``url_prefix`` (any fsspec URL), found again by their tokens."""
 
     def __init__(self, url_prefix: str, stride: int = DEFAULT_STRIDE, probe_batch: int = DEFAULT_PROBE_BATCH,
-                 storage_options: dict | None = None, deadline_s: float | None = None):
+                 storage_options: dict | None = None, deadline_s: float | None = None,
+                 producer: bytes | None = None):
         if not isinstance(url_prefix, str) or "://" not in url_prefix or not url_prefix.partition("://")[2].strip("/"):
             raise InvalidInputError(f"url_prefix must be a URL naming a bucket or folder, such as 's3://bucket/kv', "
                                     f"got {url_prefix!r}")
@@ -91,7 +98,10 @@ class SnapshotStore:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
         if deadline_s is not None:
             check_seconds(deadline_s, "deadline_s")
+        if producer is not None:
+            fmt.check_producer(producer)
         self.url_prefix = url_prefix.rstrip("/")
+        self.producer = producer            # what computed the values: put names it, get refuses another
         self.deadline_s = deadline_s        # each operation's total; None: the enclosing block's or the default
         self.stride = stride
         self.probe_batch = probe_batch
@@ -168,13 +178,18 @@ class SnapshotStore:
                 raise
             except SnapshotReadError as error:       # the lookup before the write: a put's failure is a write's
                 raise SnapshotWriteError(f"put: {error}") from error
-            if stored == fmt.HEADER_SIZE + fmt.body_size(cache.layout, cache.precision, n):
+            if stored == self._header_size() + fmt.body_size(cache.layout, cache.precision, n):
                 continue        # there already (a damaged object, cut short, was skipped and never mended)
             with ctx.fork() as part:
                 part.truncate(n)
-                remote_io.publish(url, part.snapshot, self.storage_options, deadline)
+                remote_io.publish(url, lambda file: part.snapshot(file, producer=self.producer),
+                                  self.storage_options, deadline)
             written.append(n)
         return written
+
+    def _header_size(self) -> int:
+        """Bytes of the header ``put`` writes: version 3's where it names a producer."""
+        return fmt.header_size(fmt.FORMAT_VERSION if self.producer is None else fmt.PRODUCER_VERSION)
 
     def lookup(self, cache: Cache, tokens, longer_than: int = 0, deadline_s: float | None = None) -> int:
         """The longest stored prefix length of ``tokens`` above ``longer_than``, or 0: existence checks only."""
@@ -206,7 +221,8 @@ class SnapshotStore:
         damaged: SnapshotError | None = None
         for n, url in self._probe(cache, tokens, longer_than, deadline):
             try:
-                ctx = remote_io.read(url, cache.restore, self.storage_options, deadline)
+                ctx = remote_io.read(url, lambda file: cache.restore(file, producer=self.producer),
+                                     self.storage_options, deadline)
                 if len(ctx) != n or not np.array_equal(np.asarray(ctx.tokens), tokens[:n]):
                     ctx.close()
                     raise SnapshotCorruptError(f"{remote_io.redact(url)} holds {len(ctx)} positions whose "

@@ -371,6 +371,32 @@ def test_a_damaged_objects_warning_names_the_callers_line_as_an_outages_does():
     assert [warning.filename for warning in (*through_match, *through_get)] == [__file__, __file__]
 
 
+def test_a_store_naming_its_model_refuses_another_models_objects_loudly():
+    """Two models' caches sharing a prefix by mistake: the tier served one model's values to the other,
+    silently; the store had no way to carry ``producer=`` as ``ctx.snapshot`` does."""
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import InvalidInputError, SecondTierWarning, SnapshotProducerError
+    prefix = f"memory://kvstate-test/{uuid.uuid4().hex}"
+    theirs, mine = SnapshotStore(prefix, stride=8, producer=b"A" * 16), SnapshotStore(prefix, stride=8, producer=b"B" * 16)
+    source = Cache(SMALL, page_tokens=4)
+    with filled(source, 20) as ctx:
+        assert theirs.put(ctx) == [20, 16]
+        assert theirs.put(ctx) == []                 # its own objects are found there, the header's size counted
+        tokens = list(ctx.tokens)
+    cache = Cache(SMALL, page_tokens=4, second_tier=mine)
+    with pytest.raises(SnapshotProducerError):
+        mine.get(cache, tokens)
+    with pytest.warns(SecondTierWarning, match="SnapshotProducerError"):
+        got, n = cache.match(tokens)
+    with got:
+        assert n == 0 and mine.failures == 1
+    got, n = theirs.get(cache, tokens)
+    with got:
+        assert n == 20 and tokens_of(got) == tokens
+    with pytest.raises(InvalidInputError, match="16 bytes"):
+        SnapshotStore(prefix, producer=b"short")
+
+
 def test_second_tier_is_checked_at_construction():
     from kvstate.spec.errors import ConfigError
     with pytest.raises(ConfigError, match="SnapshotStore"):
