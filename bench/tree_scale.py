@@ -37,7 +37,13 @@ from kvstate.impl import Cache
 from kvstate.impl.radix import pack
 from kvstate.spec.layout import Layout
 
-from .args import positive_int, positive_ints
+try:
+    from .args import positive_int, positive_ints
+except ImportError:     # run by path (``python PATH/tree_scale.py``): no package, so plain ints
+    positive_int = int
+
+    def positive_ints(text: str) -> tuple[int, ...]:
+        return tuple(map(int, text.split(",")))
 
 TINY = Layout(1, 1, 1)
 PAGE = 16

@@ -123,6 +123,19 @@ def test_reproducing_commands_carry_the_rounds_that_are_not_the_default():
     assert rounds_option(3, False) == " --rounds 3" and rounds_option(2, True) == " --rounds 2"
 
 
+def test_tree_scale_runs_by_path_outside_the_package(capsys):
+    """Its docstring's ``python PATH/tree_scale.py`` (a before/after from another checkout's root)
+    runs the file with no package around it, so it cannot need a relative import."""
+    import runpy
+
+    from kvstate.bench import tree_scale
+
+    by_path = runpy.run_path(tree_scale.__file__, run_name="tree_scale_by_path")
+    with pytest.raises(SystemExit) as stopped:
+        by_path["main"](["--help"])
+    assert stopped.value.code == 0 and "--sizes" in capsys.readouterr().out
+
+
 def test_token_input_takes_its_options_and_refuses_a_bad_one(capsys):
     from kvstate.bench import token_input
 
