@@ -155,7 +155,7 @@ def _run(quick: bool, full: bool, threads: int, prefill: bool, repeat: int | Non
                 row["warm_speedup"] = row["prefill_s"] / row["restore_warm_s"]
                 if row.get("restore_cold_s"):
                     row["cold_speedup"] = row["prefill_s"] / row["restore_cold_s"]
-            row["command"] = command_for(n, threads, prefill, repeat)
+            row["command"] = command_for(n, threads, prefill, repeat, quick)
             rows.append(row)
     return {"name": "restore_vs_prefill",
             "params": {"shape": "GPT-2 small f32", "threads": threads, "prefill": prefill,
@@ -296,10 +296,10 @@ def thread_counts(text: str) -> list[int]:
     return counts
 
 
-def command_for(tokens: int, threads: int, prefill: bool, repeat: int | None) -> str:
-    """The shell command that measures one row again."""
+def command_for(tokens: int, threads: int, prefill: bool, repeat: int | None, quick: bool = False) -> str:
+    """The shell command that measures one row again (``--quick`` too: it sets the rounds of a row)."""
     env = " ".join(f"{var}={threads}" for var in THREAD_VARS)
-    flags = ["--tokens", str(tokens), "--threads", str(threads)]
+    flags = ["--tokens", str(tokens), "--threads", str(threads)] + ["--quick"] * quick
     flags += ["--no-prefill"] * (not prefill) + (["--repeat", str(repeat)] if repeat else [])
     return f"{env} python -m kvstate.bench.restore {' '.join(flags)}"
 

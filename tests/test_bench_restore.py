@@ -26,6 +26,15 @@ def test_rows_carry_their_thread_count_ratios_and_command():
     assert "copies/raw" in restore.format_table(dict(result, params={"threads": [1]}))
 
 
+def test_a_quick_rows_command_is_quick_too():
+    """``--quick`` measures each row in fewer rounds (prefill once, I/O best of 3, not 5), so the
+    command a quick row prints must say so, or it measures another thing."""
+    (row,) = restore.run(quick=True, threads=1, prefill=False, lengths=[8])["rows"]
+    assert row["command"].endswith("--tokens 8 --threads 1 --quick --no-prefill")
+    (row,) = restore.run(threads=1, prefill=False, repeat=1, lengths=[8])["rows"]
+    assert "--quick" not in row["command"]
+
+
 def test_thread_counts_are_parsed_and_refused_by_name():
     assert restore.thread_counts("1,2") == [1, 2]
     with pytest.raises(argparse.ArgumentTypeError):
