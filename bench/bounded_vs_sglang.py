@@ -158,7 +158,7 @@ def run(quick: bool = False, rounds: int | None = None, budget: int | None = Non
                "the floor evicts as kvstate does": best[FLOOR][2:4] == best[KVSTATE][2:4]}
     if not quick:       # a smoke run's timings judge nothing
         targets[f"min(lookup, insert speedup) >= {TARGET:g}"] = speed_verdict(*rows)
-    command = (COMMAND + " --quick" * quick + (f" --budget {budget}" if budget not in (BUDGET, QUICK_BUDGET) else "")
+    command = (COMMAND + " --quick" * quick + (f" --budget {budget}" if budget != (QUICK_BUDGET if quick else BUDGET) else "")
                + rounds_option(rounds, quick))
     return {"name": "bounded_vs_sglang",
             "params": {**size, "workload": "divergent", "page_tokens": 1, "budget_tokens": budget, "rounds": rounds,

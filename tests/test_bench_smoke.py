@@ -240,6 +240,19 @@ def test_bounded_trees_evict_on_both_sides_and_keep_the_same_hits():
     assert unbounded["rows"][1]["matched"] >= kvstate["matched"]
 
 
+def test_the_bounded_command_names_a_budget_that_is_not_its_modes_default():
+    """``--quick --budget 71000`` (the full run's budget) must print ``--budget 71000``: without it
+    the command reruns at the quick budget, 400."""
+    from kvstate.bench import bounded_vs_sglang
+    from kvstate.bench.versus_sglang import sglang_missing
+
+    if sglang_missing():
+        pytest.skip(f"SGLang's RadixCache cannot be loaded: {sglang_missing()}")
+
+    command = bounded_vs_sglang.run(quick=True, budget=bounded_vs_sglang.BUDGET)["command"]
+    assert command == f"{bounded_vs_sglang.COMMAND} --quick --budget {bounded_vs_sglang.BUDGET}"
+
+
 def test_the_floor_row_frees_nothing_and_keeps_every_page_it_was_handed():
     from kvstate.bench.bounded_vs_sglang import skip_frees
     from kvstate.impl import Cache
