@@ -20,8 +20,9 @@ the child slot, node, edge, entry and holding of the key hit) grew by at that si
 The ``_calls`` columns count the function calls (Python and C) per operation, outside the timing: they do not depend on the machine's load,
 and stay the same at every size unless some step walks the tree.
 
-Standalone on purpose (only ``kvstate.impl`` and ``kvstate.spec``): ``python PATH/tree_scale.py``
-run from another checkout's root times that checkout's engine, for a before/after.
+Standalone on purpose (only ``kvstate.impl`` and ``kvstate.spec``): ``PYTHONPATH=. python PATH/tree_scale.py``
+run from another checkout's root times that checkout's engine, for a before/after (a script's own
+folder, not the working one, heads ``sys.path``: without ``PYTHONPATH=.`` it times the installed kvstate).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from kvstate.spec.layout import Layout
 
 try:
     from .args import positive_int, positive_ints
-except ImportError:     # run by path (``python PATH/tree_scale.py``): no package, so plain ints
+except ImportError:     # run by path (``PYTHONPATH=. python PATH/tree_scale.py``): no package, so plain ints
     positive_int = int
 
     def positive_ints(text: str) -> tuple[int, ...]:
