@@ -137,6 +137,8 @@ def _fuzz(args: argparse.Namespace) -> int:
         from kvstate.fuzz.atheris_harness import main as atheris_main
 
         return atheris_main(["kvstate-fuzz", *args.flags])
+    for name, count in (("--random", args.random), ("--garbage", args.garbage), ("--files", args.files)):
+        _at_least(name, count, 0)
     from kvstate.fuzz.snapshot_fuzz import run
 
     reports = run(args.precision or ("f32", "f16", "q8"), random_count=args.random, garbage_count=args.garbage,

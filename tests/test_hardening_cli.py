@@ -174,14 +174,15 @@ def test_sweep_out_naming_a_file(tmp_path, capsys):
     one_line_exit_2(capsys, ["sweep", "--seeds", "1", "--steps", "5", "--out", str(out)])
 
 
-# -- stress and spec-check ---------------------------------------------------------------------------
+# -- stress, spec-check and fuzz --------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv", [["stress", "--store", "nonesuch", "--minutes", "0"],
                                   ["stress", "--scenario", "nonesuch", "--minutes", "0"],
                                   ["stress", "--scale", "0", "--minutes", "0"],
                                   ["spec-check", "--no-crosshair", "--page-tokens", "0"],
-                                  ["spec-check", "--no-crosshair", "--contexts", "-1"]])
-def test_stress_and_spec_check_bad_arguments(capsys, argv):
+                                  ["spec-check", "--no-crosshair", "--contexts", "-1"],
+                                  ["fuzz", "--random", "-1"], ["fuzz", "--garbage", "-5"], ["fuzz", "--files", "-1"]])
+def test_stress_spec_check_and_fuzz_bad_arguments(capsys, argv):
     one_line_exit_2(capsys, argv)
 
 
