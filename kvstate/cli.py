@@ -455,6 +455,7 @@ def _spec_check(args: argparse.Namespace) -> int:
     _at_least("--arena", args.arena, 0)
     _at_least("--depth", args.depth, 0)
     _at_least("--time-limit", args.time_limit, 0.001)
+    _at_least("--crosshair-timeout", args.crosshair_timeout, 0.001)
 
     return run_spec_check(args)
 

@@ -181,6 +181,7 @@ def test_sweep_out_naming_a_file(tmp_path, capsys):
                                   ["stress", "--scale", "0", "--minutes", "0"],
                                   ["spec-check", "--no-crosshair", "--page-tokens", "0"],
                                   ["spec-check", "--no-crosshair", "--contexts", "-1"],
+                                  ["spec-check", "--crosshair-timeout", "-1", "--depth", "1"],
                                   ["fuzz", "--random", "-1"], ["fuzz", "--garbage", "-5"], ["fuzz", "--files", "-1"]])
 def test_stress_spec_check_and_fuzz_bad_arguments(capsys, argv):
     one_line_exit_2(capsys, argv)
