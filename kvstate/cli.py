@@ -415,6 +415,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(printable(line))
 
     try:
+        _at_least("--time-limit", args.time_limit, 0.001)
         recorded = R.load(args.file)
         short = recorded.failure
         if short is not None and short.phase != "finish" and short.step > len(recorded.ops):

@@ -187,6 +187,12 @@ def test_stress_spec_check_and_fuzz_bad_arguments(capsys, argv):
     one_line_exit_2(capsys, argv)
 
 
+@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+def test_a_replay_time_limit_that_is_no_time_is_the_arguments_fault(tmp_path, capsys, limit):
+    line = one_line_exit_2(capsys, ["replay", replay_file(tmp_path), "--time-limit", limit])
+    assert line.startswith("kvstate replay: --time-limit must be"), line     # not the backend's, nor a hang
+
+
 def test_a_replay_page_too_large_to_allocate_is_the_files_fault(tmp_path, capsys):
     def huge_pages(data):
         data["config"].update(page_tokens=2**40, arena_pages=0)
