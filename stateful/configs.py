@@ -96,8 +96,9 @@ def page_sizes(factory, config: Config) -> tuple[int, ...]:
 DECLARED_FIELDS = ("precision", "arena_pages", "match", "block_tokens", "max_pages", "pool_pages", "on_full", "values")
 
 
-def undeclared_by(factory, config: Config) -> str | None:
-    """Why ``factory`` is not to be held to ``config`` (a replay file's, say), or None where it may be.
+def undeclared_by(factory, config: Config, holder: str = "the file") -> str | None:
+    """Why ``factory`` is not to be held to ``config`` (a replay file's, say: ``holder`` names what
+    holds it in the answer), or None where it may be.
 
     A factory that lists its ``configs`` is held to the ``DECLARED_FIELDS`` of one of them, at one of
     the page sizes it is run at (``page_sizes``); one that lists none, to any configuration whose
@@ -118,7 +119,7 @@ def undeclared_by(factory, config: Config) -> str | None:
         return "it declares no configurations"
     _, nearest, differ = min(differences, key=lambda found: found[0])
     return (f"its nearest, {nearest.name}, has " + ", ".join(f"{name} {getattr(nearest, name)!r}" for name in differ)
-            + " where the file has " + ", ".join(f"{getattr(config, name)!r}" for name in differ))
+            + f" where {holder} has " + ", ".join(f"{getattr(config, name)!r}" for name in differ))
 
 
 def describe_page_sizes(sizes: tuple[int, ...]) -> str:

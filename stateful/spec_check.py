@@ -112,6 +112,7 @@ def crosshair(timeout: float) -> int:
 
 def run_spec_check(args: argparse.Namespace) -> int:
     from .backends import FactoryError, load_factory
+    from .configs import undeclared_by
 
     status = 0
     if not args.no_crosshair:
@@ -126,6 +127,12 @@ def run_spec_check(args: argparse.Namespace) -> int:
     except (KeyError, ConfigError) as error:
         print(f"kvstate spec-check: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
+    for scope in scopes:        # as replay and conform: nothing a backend does not declare is held against it
+        undeclared = undeclared_by(factory, scope.config(), holder="the scope")
+        if undeclared:
+            print(f"kvstate spec-check: backend {args.backend!r} does not declare scope {scope.config().name} "
+                  f"({undeclared}); pick scopes it declares (--semantics, --arena 0)", file=sys.stderr)
+            return 2
     started, cut = time.perf_counter(), []
     for index, scope in enumerate(scopes):
         config = scope.config()

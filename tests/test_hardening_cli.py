@@ -187,6 +187,18 @@ def test_stress_spec_check_and_fuzz_bad_arguments(capsys, argv):
     one_line_exit_2(capsys, argv)
 
 
+def test_spec_check_holds_a_backend_to_no_scope_it_does_not_declare(capsys):
+    """``examples/listcache.py`` passes conform in its heap configurations; the default scope's 3-slot
+    arena is none of them, so it is refused (exit 2) as a replay is, not reported as invariant 3 broken."""
+    from pathlib import Path
+
+    listcache = str(Path(__file__).resolve().parent.parent / "examples" / "listcache.py")
+    line = one_line_exit_2(capsys, ["spec-check", "--no-crosshair", "--depth", "1", "--backend", listcache])
+    assert "does not declare scope f32-arena3" in line and "arena_pages 0 where the scope has 3" in line, line
+    assert main(["spec-check", "--no-crosshair", "--depth", "1", "--arena", "0", "--semantics", "entry",
+                 "--backend", listcache]) == 0
+
+
 @pytest.mark.parametrize("limit", ["0", "-1", "nan"])
 def test_a_replay_time_limit_that_is_no_time_is_the_arguments_fault(tmp_path, capsys, limit):
     line = one_line_exit_2(capsys, ["replay", replay_file(tmp_path), "--time-limit", limit])
