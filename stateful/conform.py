@@ -315,10 +315,10 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
         _abandon.get(overran.ident, lambda: None)()
         if partial is not None:
             return Outcome("FAIL", time.perf_counter() - started,
-                           f"a failure was found, but shrinking it ran out of the {time_limit:.0f} s limit: "
+                           f"a failure was found, but shrinking it ran out of the {time_limit:g} s limit: "
                            f"the sequence below is not minimal\n{partial}")
         return Outcome("TIMEOUT", time.perf_counter() - started,
-                       f"no result after {time_limit:.0f} s: the backend hangs or is far too slow{stuck}")
+                       f"no result after {time_limit:g} s: the backend hangs or is far too slow{stuck}")
 
 
 # -- the suite --------------------------------------------------------------------------

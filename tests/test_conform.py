@@ -236,6 +236,18 @@ def test_a_hanging_backend_times_out_instead_of_hanging(tmp_path, capsys):
     assert "its thread is at threading.py:" in out and f", called from hangs.py:{line('wait()')} in clear" in out
 
 
+def test_a_timeout_names_the_limit_it_was_given_not_a_rounded_one():
+    """``--time-limit 0.3`` read "no result after 0 s"."""
+    import threading
+
+    from kvstate.stateful.configs import PROFILES, machine_configs
+    from kvstate.stateful.conform import run_with_limit
+
+    outcome = run_with_limit(lambda factory, config, settings: threading.Event().wait(2), numpy_factory,
+                             machine_configs()[0], PROFILES["ci"], 0.3)
+    assert outcome.status == "TIMEOUT" and outcome.detail.startswith("no result after 0.3 s:"), outcome.detail
+
+
 def test_after_a_check_hangs_the_configurations_later_checks_are_skipped_not_waited_out(tmp_path, capsys):
     path, _ = _listcache_with(tmp_path, "fork_hangs_too", context="""
         def fork(self):
