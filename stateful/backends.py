@@ -108,7 +108,7 @@ def check_backend(factory: Factory, configs: list[Config], time_limit: float = 6
     try:
         in_daemon_thread(lambda: _check_backend(factory, configs), time_limit, "kvstate-conform-protocol")
     except Overran:
-        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:.0f} s") from None
+        raise FactoryError(f"the factory or its first cache did not answer within {time_limit:g} s") from None
 
 
 def _check_backend(factory: Factory, configs: list[Config]) -> None:

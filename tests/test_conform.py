@@ -248,6 +248,17 @@ def test_a_timeout_names_the_limit_it_was_given_not_a_rounded_one():
     assert outcome.status == "TIMEOUT" and outcome.detail.startswith("no result after 0.3 s:"), outcome.detail
 
 
+def test_a_factory_that_never_answers_is_named_with_the_limit_it_was_given():
+    """``--time-limit 0.3`` read "did not answer within 0 s"."""
+    import threading
+
+    from kvstate.stateful.backends import FactoryError, check_backend
+    from kvstate.stateful.configs import machine_configs
+
+    with pytest.raises(FactoryError, match=r"did not answer within 0\.3 s"):
+        check_backend(lambda config: threading.Event().wait(2), machine_configs()[:1], 0.3)
+
+
 def test_after_a_check_hangs_the_configurations_later_checks_are_skipped_not_waited_out(tmp_path, capsys):
     path, _ = _listcache_with(tmp_path, "fork_hangs_too", context="""
         def fork(self):
