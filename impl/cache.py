@@ -91,8 +91,19 @@ def make_store(store: str, layout: Layout, page_tokens: int, precision: str, are
     if isinstance(store, type):
         raise ConfigError(f"store takes a page store object, not the class {store.__name__}: pass an instance")
     if not isinstance(store, str) and hasattr(store, "allocate"):
+        _check_store_fits(store, layout=layout, page_tokens=page_tokens, precision=precision)
         return store    # a third-party page store instance
     raise ConfigError(f"store must be 'numpy', 'torch' or a page store object, got {store!r}")
+
+
+def _check_store_fits(store, **wanted) -> None:
+    """``ConfigError`` for a page store built for another layout, page size or precision than the cache
+    (``PageStore`` names each): an extend then failed with a bare ``ValueError``, or an f32 cache kept
+    q8 values. A store that does not name one is taken at its word."""
+    for name, value in wanted.items():
+        held = getattr(store, name, value)
+        if held != value:
+            raise ConfigError(f"the page store's {name} is {held!r}, the cache's {value!r}: build both alike")
 
 
 class Cache:
@@ -311,7 +322,8 @@ class Cache:
 
     def restore(self, source, max_bytes: int | None = None, deadline_s: float | None = None,
                 producer: bytes | None = None) -> Context:
-        """A new context holding the snapshot at ``source`` (a path, URL or binary stream).
+        """A new context holding the snapshot at ``source`` (a path, URL or binary stream; a stream
+        from its position to its end, which must be the snapshot's end: README, Snapshots).
 
         ``max_bytes``: refuse (``SnapshotTooLargeError``) a file whose restore would allocate more.
         ``deadline_s``: a URL's restore in all, retries included (else ``remote_deadline_s``'s
