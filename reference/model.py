@@ -27,6 +27,10 @@ has room, either answer is right, and the reference does what the engine under t
 keeps the entries the engine kept, where it can see them (``make_room``). An engine shares one way
 for the whole run: each such answer narrows the ways still open (``viable``) to those it agrees
 with, and later answers are judged by those alone.
+
+Under ``on_full="reclaim"`` the engine reclaims entries' pages its own way, so nothing here follows
+its evictions: the entries stay (an upper bound on any hit), ``pressed`` says when the pool may first
+have been short, and the lockstep truncates a hit context to a shorter hit the engine returned.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContext
                                  PrecisionRangeError, SnapshotPrecisionError, refuse_with_all)
 from kvstate.spec.layout import check_tokens, check_values, is_torch_tensor, require_finite
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse
+from kvstate.spec.semantics import counts_only_contexts, entry_pages, evicts_for_room, hit_length, may_refuse, reclaims
 
 # Which name of a page label is which: one per way of sharing pages (see the module docstring).
 FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
@@ -129,24 +133,31 @@ class RefContext:
 
         def pool():
             if {"tokens", "kv", "positions"} <= ok.keys() and not self.closed:
-                self.cache.check_room(self._needs(len(self) if start is None else start, count(), start is None))
+                self.cache.check_room(*self._needs(len(self) if start is None else start, count(), start is None))
 
         refuse_with_all(token_ids, dtype_and_shape, self._require_open, positions, values, pool)
         return ok["tokens"], ok["values"]
 
-    def _needs(self, start: int, n: int, extend: bool) -> dict[int, int]:
+    def _needs(self, start: int, n: int, extend: bool) -> tuple[dict[int, int], dict[int, int] | None]:
         """The pages a write of positions [start, start + n) takes (its copies and new pages), per way of
-        sharing still open (one, under ``values="seeded"``: every step pays for the ways it counts)."""
-        return {sharing: sum(self._pages_to_write(start, n, extend, sharing)) for sharing in self.cache.viable}
+        sharing still open (one, under ``values="seeded"``: every step pays for the ways it counts); and,
+        where entries' pages are reclaimed the engine's way (``reclaim``), the least it may take: a page
+        only entries share with it may be gone from them, so only copies of pages contexts share count."""
+        def need(contexts_only: bool) -> dict[int, int]:
+            return {sharing: sum(self._pages_to_write(start, n, extend, sharing, contexts_only))
+                    for sharing in self.cache.viable}
+        return need(False), need(True) if reclaims(self.cache.config.on_full) else None
 
-    def _pages_to_write(self, start: int, n: int, extend: bool, sharing: int) -> tuple[int, int]:
+    def _pages_to_write(self, start: int, n: int, extend: bool, sharing: int,
+                        contexts_only: bool = False) -> tuple[int, int]:
         """(shared pages the write must copy, new pages it appends) for positions [start, start + n),
-        pages shared as ``sharing`` shares them."""
+        pages shared as ``sharing`` shares them (with other contexts only, where ``contexts_only``)."""
         if not n:
             return 0, 0
         page_tokens = self.cache.config.page_tokens
         first, end = pages_touched(start, start + n, page_tokens)
-        copies = sum(self.cache.shared(self.labels[i], sharing) for i in range(first, min(end, len(self.labels))))
+        copies = sum(self.cache.shared(self.labels[i], sharing, contexts_only)
+                     for i in range(first, min(end, len(self.labels))))
         return copies, (pages_needed(start + n, page_tokens) - len(self.labels) if extend else 0)
 
     def extend(self, tokens, kv) -> None:
@@ -154,7 +165,7 @@ class RefContext:
         if not tokens:
             return
         start, stop = len(self), len(self) + len(tokens)
-        self.cache.make_room(self._needs(start, len(tokens), True))
+        self.cache.make_room(*self._needs(start, len(tokens), True))
         fresh = self._pages_to_write(start, len(tokens), True, FORKS)[1]
         self._relabel(range(*pages_touched(start, stop, self.cache.config.page_tokens)))
         self.labels = self.labels + [self.cache.new_label() for _ in range(fresh)]
@@ -165,7 +176,7 @@ class RefContext:
         tokens, values = self._checked_write(tokens, kv, start)
         if not tokens:
             return
-        self.cache.make_room(self._needs(start, len(tokens), False))
+        self.cache.make_room(*self._needs(start, len(tokens), False))
         self._relabel(range(*pages_touched(start, start + len(tokens), self.cache.config.page_tokens)))
         self.values = self.values.copy()
         self.values[start:start + len(tokens)] = values
@@ -242,6 +253,10 @@ class RefCache:
         # The ways of sharing (``SHARINGS``) the engine's answers so far agree with, narrowed at each
         # answer only some of them give: the run is judged by one engine, sharing one way.
         self.viable: tuple[int, ...] = SHARINGS if config.values == "prefix" else (FORKS,)
+        # Under on_full="reclaim": whether the pool may have been short yet (``_note_pressure``). From then on
+        # the engine may have reclaimed entries' pages, so its hits may be shorter; this reference evicts
+        # nothing for room, and its entries stay an upper bound on what a hit holds.
+        self.pressed = False
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -257,12 +272,13 @@ class RefCache:
     def _holders(self) -> list[RefContext]:
         return self.contexts + [entry[1] for entry in self.entries]
 
-    def holders_of(self, label: tuple[int, ...], sharing: int = FORKS) -> int:
+    def holders_of(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False) -> int:
         name, named = label[sharing], itemgetter(sharing)
-        return sum(countOf(map(named, holder.labels), name) for holder in self._holders())
+        holders = self.contexts if contexts_only else self._holders()
+        return sum(countOf(map(named, holder.labels), name) for holder in holders)
 
-    def shared(self, label: tuple[int, ...], sharing: int = FORKS) -> bool:
-        return self.holders_of(label, sharing) > 1
+    def shared(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False) -> bool:
+        return self.holders_of(label, sharing, contexts_only) > 1
 
     def live_pages(self, sharing: int = FORKS) -> int:
         return _pages(self._holders(), sharing)
@@ -271,37 +287,43 @@ class RefCache:
         """Pages that would stay live if every tree entry were evicted: those contexts list."""
         return _pages(self.contexts, sharing)
 
-    def check_room(self, needed: int | dict[int, int]) -> None:
+    def check_room(self, needed: int | dict[int, int], least: dict[int, int] | None = None) -> None:
         """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages (a count,
-        or one count per way of sharing still open, ``RefContext._needs``); changes nothing."""
+        or one count per way of sharing still open, ``RefContext._needs``); changes nothing. ``least``:
+        the fewest it may need (under ``reclaim``; else exactly ``needed``)."""
         limit, on_full, needs = self.config.pool_limit, self.config.on_full, self._per_sharing(needed)
+        least = needs if least is None else least
         if not any(needs.values()) or not limit or not may_refuse(on_full):
             return
-        counted = self._holders() if on_full == "refuse" else self.contexts
+        counted = self.contexts if counts_only_contexts(on_full) else self._holders()
         full = {sharing: _pages(counted, sharing) + needs[sharing] > limit for sharing in self.viable}
         if not any(full.values()):
             return
-        if not all(full.values()) and self.engine_refused is not None:
-            # room one way of sharing and none another: the engine's answer stands, and the ways that
-            # gave another answer are closed for the rest of the run
-            self.viable = tuple(sharing for sharing in self.viable if full[sharing] == self.engine_refused)
+        room = {sharing: _pages(counted, sharing) + least[sharing] <= limit for sharing in self.viable}
+        if any(room.values()) and self.engine_refused is not None:
+            # room one way (of sharing, or of counting copies) and none another: the engine's answer stands,
+            # and the ways of sharing that allowed no such answer are closed for the rest of the run
+            allowed = full if self.engine_refused else room
+            self.viable = tuple(sharing for sharing in self.viable if allowed[sharing])
             if not self.engine_refused:
                 return
-        what = "live pages" if on_full == "refuse" else "pages held by contexts (entries' pages are reclaimable)"
+        what = "pages held by contexts (entries' pages are reclaimable)" if counts_only_contexts(on_full) else "live pages"
         counts = ", ".join(f"{_pages(counted, sharing)} {what} + {needs[sharing]} needed"
                            + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
                            for sharing in self.viable)
         raise CapacityError(f"{counts} > pool of {limit}")
 
-    def make_room(self, needed: int | dict[int, int]) -> None:
+    def make_room(self, needed: int | dict[int, int], least: dict[int, int] | None = None) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
-        one count per sharing. Evictions count pages as the first way of sharing still open does
+        one count per sharing (``least``: as ``check_room``). Evictions count pages as the first way of sharing still open does
         (forks', while it is), unless the ways open would keep different entries and the engine's
         are known (``engine_keys``): then as the ways that kept the very entries the engine kept."""
         limit, needs = self.config.pool_limit, self._per_sharing(needed)
         if not any(needs.values()) or not limit:
             return
-        self.check_room(needs)
+        self.check_room(needs, least)
+        if reclaims(self.config.on_full):
+            self._note_pressure(needs)
         if not evicts_for_room(self.config.on_full):
             return
         kept = {sharing: self._kept_after_evicting(needs[sharing], sharing) for sharing in self.viable}
@@ -312,6 +334,16 @@ class RefCache:
         if agreeing and len(agreeing) < len(kept):
             self.viable = agreeing          # the engine evicted as these ways of sharing do: the others close
         self.entries = kept[(agreeing or self.viable)[0]]
+
+    def _note_pressure(self, needs: dict[int, int]) -> None:
+        """``pressed`` from the first operation that may have found the pool short, counted every way of
+        sharing still open: the pages all holders list plus its need pass the pool, or the pages handed
+        out since the start plus its need do (an engine recycling freed pages in release order, as vLLM's
+        free queue, reaches its cached pages then, though uncached free pages wait behind them)."""
+        limit = self.config.pool_limit
+        if any(self.live_pages(sharing) + needs[sharing] > limit or self.labels_issued + needs[sharing] > limit
+               for sharing in self.viable):
+            self.pressed = True
 
     def _per_sharing(self, needed: int | dict[int, int]) -> dict[int, int]:
         """A need of pages per way of sharing still open (the same count where only one is given)."""

@@ -36,8 +36,19 @@ per configuration (``Config``), and the reference and the engine implement all o
                the pages contexts hold plus the pages needed pass the pool; otherwise as ``evict``,
                which then always makes room (with every such entry gone, only pages contexts
                hold are left). What is reclaimed is whole entries, least recently used first, as
-               under ``evict``; vLLM reclaims single blocks, in the order their holders released
-               them, which no ``on_full`` expresses (README, Real engines: vLLM's "left out").
+               under ``evict``; an engine reclaiming its own way declares ``reclaim``.
+  ``reclaim``  refuses as ``evict-then-refuse``, but entries' pages no context holds are reclaimed in
+               any amount and order the engine chooses: whole entries, leaf nodes (SGLang's
+               ``RadixCache.evict``), single blocks (vLLM's free queue, in release order). A ``match``
+               may then return a shorter hit than the reference's, down to a miss, aligned as
+               ``match`` requires, never a longer one: the reference keeps every retained entry (the
+               bounds aside) as an upper bound, and its hit context takes the engine's first positions.
+               Only once the pool may have been short (``pressed``: the pages every holder lists plus
+               an operation's need pass the pool, or the pages handed out since the start do, so that
+               an engine recycling freed pages in release order reaches its cached ones) may a hit be
+               shorter; before, hits are exact. Needs ``values="prefix"``: a shorter hit's values are
+               then fixed by its tokens, whichever entry gave it. Checks of which entries are kept and
+               in what order (eviction order, eviction for room) do not apply once pressed.
 ``values`` -- what K/V values the suite writes.
   ``seeded``  each write draws its values from its own seed (``stateful.ops.values_for``): two
               contexts may hold different values under the same tokens (the seed's world).
@@ -61,7 +72,7 @@ from __future__ import annotations
 from .arithmetic import pages_needed
 
 MATCH_KINDS = ("entry", "token", "block")
-ON_FULL = ("fallback", "evict", "refuse", "evict-then-refuse")
+ON_FULL = ("fallback", "evict", "refuse", "evict-then-refuse", "reclaim")
 VALUES = ("seeded", "prefix")
 
 
@@ -100,7 +111,17 @@ def entry_pages(key_length: int, page_tokens: int) -> int:
 
 def may_refuse(on_full: str) -> bool:
     """Whether a full pool may answer an operation with ``CapacityError``."""
-    return on_full in ("refuse", "evict-then-refuse")
+    return on_full in ("refuse", "evict-then-refuse", "reclaim")
+
+
+def counts_only_contexts(on_full: str) -> bool:
+    """Whether a refusal counts only the pages contexts hold (entries' pages are reclaimable)."""
+    return on_full in ("evict-then-refuse", "reclaim")
+
+
+def reclaims(on_full: str) -> bool:
+    """Whether the engine reclaims entries' pages its own way, so a hit may come back shorter."""
+    return on_full == "reclaim"
 
 
 def evicts_for_room(on_full: str) -> bool:

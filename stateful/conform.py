@@ -28,6 +28,7 @@ from hypothesis.errors import FailedHealthCheck
 
 from kvstate.spec.invariants import tiers
 from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import reclaims
 
 from .backends import FactoryError, backend_name, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
@@ -228,6 +229,8 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
     started = time.perf_counter()
     if not getattr(factory, "thread_safe", False):
         return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
+    if reclaims(config.on_full):
+        return Outcome("n/a", 0.0, "on_full='reclaim': the race scenarios judge the tree by whole-entry eviction")
     scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),
                  ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {})]
     if config.on_full != "fallback":

@@ -18,7 +18,7 @@ from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.errors import CapacityError, InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import evicts_for_room, hit_rule, may_refuse
+from kvstate.spec.semantics import counts_only_contexts, evicts_for_room, hit_rule, may_refuse, reclaims
 
 from . import ops as O
 from .frames import raised_at
@@ -123,12 +123,14 @@ class Lockstep:
         engine_result, ref_result = judged
         if before is not None and op.kind in ("extend", "overwrite") and not op.tokens:
             self._zero_length_write_changed_nothing(op, before)
-        if op.kind == "match" and engine_result[1] != ref_result[1]:
+        if op.kind == "match" and engine_result[1] != ref_result[1] \
+                and not self._took_shorter_hit(engine_result[1], ref_result, tuple(op.tokens)):
             budget = (f"; with max_pages {self.config.max_pages}, the entries that stay are the budget's, each "
                       "counting its own pages as if nothing were shared" if self.config.max_pages else "")
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]} "
                                      f"({self._hit_rule(engine_result[1], tuple(op.tokens))})"
-                                     f"{_not_the_querys(engine_result[0], tuple(op.tokens))}{budget}")
+                                     f"{_not_the_querys(engine_result[0], tuple(op.tokens))}{budget}"
+                                     f"{self._reclaimed_note(engine_result[1], ref_result[1])}")
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)
@@ -203,12 +205,55 @@ class Lockstep:
         except Exception:       # noqa: BLE001 - a hint: the refusal above is the finding, not observe's trouble
             pages = None
         engine = "" if pages is None else f", the engine {len(pages)} before it (it changed nothing)"
-        live = self.reference.live_pages(self.reference.viable[0])      # counted the way the run still follows
-        return (f"; the reference had room: {live} pages live of the pool's "
+        sharing = self.reference.viable[0]        # counted the way the run still follows
+        if counts_only_contexts(self.config.on_full):
+            live = f"{self.reference.context_pages(sharing)} pages held by contexts (entries' are reclaimable)"
+        else:
+            live = f"{self.reference.live_pages(sharing)} pages live"
+        return (f"; the reference had room: {live} of the pool's "
                 f"{self.config.pool_limit} after it{engine}. An engine refusing here holds pages past their use "
                 f"(an earlier refused operation, a close or truncate that kept some), counts the operation's "
                 f"need higher than spec/semantics.py does (its new pages, and a copy of each shared page it writes), "
                 f"or holds fewer pages than the pool it declares")
+
+    def _shorter_hit_allowed(self, matched: int, ref_matched: int, query: tuple) -> bool:
+        """Whether an engine's hit of ``matched`` positions, where the reference's holds ``ref_matched``, is
+        one ``on_full="reclaim"`` allows: shorter, aligned as the declared ``match`` requires, and only
+        once the pool may have been short (``RefCache.pressed``): no engine forgets without pressure."""
+        if not (reclaims(self.config.on_full) and self.reference.pressed and 0 <= matched < ref_matched):
+            return False
+        if self.config.match == "block":
+            return matched % self.config.block_tokens == 0
+        if self.config.match == "entry":
+            return matched == 0 or any(len(key) == matched and query[:matched] == key for key in self.reference.keys())
+        return True
+
+    def _took_shorter_hit(self, matched: int, ref_result: tuple, query: tuple) -> bool:
+        """Where the shorter hit is allowed, the reference's hit context cut to the engine's ``matched``
+        positions (the first of its own hit: values fixed by their tokens under values="prefix")."""
+        if not self._shorter_hit_allowed(matched, ref_result[1], query):
+            return False
+        ref_result[0].truncate(matched)
+        return True
+
+    def _reclaimed_note(self, matched: int, ref_matched: int) -> str:
+        """Under on_full="reclaim", why this hit's length is still wrong: longer than any retained key
+        allows, or shorter before the pool could have been short."""
+        if not reclaims(self.config.on_full):
+            return ""
+        if matched > ref_matched:
+            return ("; under on_full='reclaim' a hit may be shorter than the reference's, never longer: no "
+                    "retained key gives it")
+        if not self.reference.pressed:
+            return ("; under on_full='reclaim' a hit may be shorter only once the pool may have been short "
+                    "(pages listed, or handed out since the start, plus a need passing it): none was yet, so "
+                    "the engine forgot an entry's pages without pressure")
+        return ""
+
+    def _tree_comparable(self) -> bool:
+        """Whether the engine's entries are held to the reference's: not once a reclaiming pool may have been
+        short (the engine keeps what its own policy keeps; the reference keeps everything)."""
+        return not (reclaims(self.config.on_full) and self.reference.pressed)
 
     def _evictions_may_differ(self) -> bool:
         """Whether ways of sharing may evict differently here: values="prefix" with a pool that evicts."""
@@ -391,7 +436,8 @@ class Lockstep:
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
         expected = self.reference.eviction_order()
         try:
-            invariants.check_tree(obs, expected)
+            if self._tree_comparable():
+                invariants.check_tree(obs, expected)
         except InvariantViolation as differs:
             if "eviction order" not in differs.detail or not evicts_for_room(self.config.on_full):
                 raise
@@ -495,12 +541,13 @@ class Lockstep:
             ref_hit, ref_matched = self.reference.match(list(key))
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
-                if engine_matched != ref_matched:
+                if engine_matched != ref_matched and not self._took_shorter_hit(engine_matched, (ref_hit, ref_matched), key):
                     evicted = evicts_for_room(self.config.on_full) and engine_matched < ref_matched
                     pool = _POOL_EVICTION if evicted else ""
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
                                                 f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
-                                                f"{pool}{self._prefix_eviction_note()}")
+                                                f"{pool}{self._prefix_eviction_note()}"
+                                                f"{self._reclaimed_note(engine_matched, ref_matched)}")
                 values, tokens = engine_hit.read()
                 try:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},

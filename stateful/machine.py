@@ -15,7 +15,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, initia
                                  precondition, rule, run_state_machine_as_test)
 
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import evicts_for_room
+from kvstate.spec.semantics import evicts_for_room, reclaims
 
 from . import ops as O
 from .configs import PAGE_TOKENS_RANGE, page_sizes, scaled_cut, scaled_run
@@ -270,7 +270,8 @@ class EvictingPoolMachine(LockstepMachine):
 
 def machine_for(factory: Factory, config: Config) -> type[LockstepMachine]:
     """A machine class bound to one backend factory and one configuration."""
-    base = EvictingPoolMachine if config.pool_limit and evicts_for_room(config.on_full) else LockstepMachine
+    evicting = evicts_for_room(config.on_full) or reclaims(config.on_full)
+    base = EvictingPoolMachine if config.pool_limit and evicting else LockstepMachine
     return type(f"Lockstep_{config.name.replace('-', '_')}", (base,),
                 {"factory": staticmethod(factory), "config": config, "page_sizes": page_sizes(factory, config),
                  "stats": RunStats()})

@@ -1,0 +1,186 @@
+"""``on_full="reclaim"``: an engine that reclaims cached pages its own way (``tests/foreign/reclaiming.py``
+drops trie nodes, newest leaf first, not least recently used) is accepted, and each planted bug is caught.
+
+Each scenario is a handful of operations on a pool of 12 one-position pages, run in lockstep with the
+reference, every invariant after every step: milliseconds. Keys: A = four 0s, B = four 1s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate.spec import InvariantViolation
+from kvstate.spec.errors import CapacityError, ConfigError
+from kvstate.stateful import ops as O
+from kvstate.stateful.conform import conform
+from kvstate.stateful.lockstep import Lockstep
+
+from foreign import reclaiming
+from foreign.reclaiming import CONFIG, Cache
+
+A, B = (0, 0, 0, 0), (1, 1, 1, 1)
+
+
+def run(factory, ops) -> Lockstep:
+    """``ops`` in lockstep, every invariant after every step, then teardown (invariant 6, the pool filled)."""
+    lockstep = Lockstep(factory, CONFIG)
+    lockstep.run(ops)
+    lockstep.finish()
+    return lockstep
+
+
+def cached(key, seed: int, handle: str) -> list[O.Op]:
+    """A context holding ``key``, retained and closed: its pages only the cache keeps."""
+    return [O.Allocate(), O.Extend(handle, key, seed=seed), O.Retain(handle), O.Close(handle)]
+
+
+# A and B cached (8 pages), then a context of 6: the pool of 12 is short of 2, which only the cache's
+# pages can give. The correct engine drops B's last two nodes (the newest leaves): B hits 2 of 4.
+UNDER_PRESSURE = cached(A, 1, "c1") + cached(B, 2, "c2") + [
+    O.Allocate(), O.Extend("c3", (2,) * 6, seed=3), O.Match(B), O.Match(A)]
+
+
+def test_a_reclaiming_engine_passes_and_really_reclaims():
+    lockstep = run(reclaiming.factory, UNDER_PRESSURE)
+    assert lockstep.engine.reclaimed >= 2
+    assert lockstep.reference.pressed
+
+
+def test_a_shorter_hit_leaves_the_reference_holding_its_first_positions():
+    lockstep = Lockstep(reclaiming.factory, CONFIG)
+    lockstep.run(UNDER_PRESSURE[:-1])
+    engine, reference = lockstep.live["c4"]
+    assert len(engine) == len(reference) == 2          # the reference's hit of 4, cut to the engine's 2
+
+
+def test_reclaim_needs_prefix_values():
+    with pytest.raises(ConfigError, match="values='prefix'"):
+        CONFIG.with_(values="seeded")
+
+
+# -- planted bugs ----------------------------------------------------------------------------
+
+
+class ReclaimsHeldPages(Cache):
+    """Reclaims trie nodes whether or not a context holds their slot, and frees the slot outright."""
+
+    def reclaimable(self):
+        return sorted(self.nodes(), key=lambda node: (bool(node.children), -node.born))
+
+    def release(self, slots) -> None:
+        for slot in slots:
+            self.refs[slot] = max(0, self.refs[slot] - 1)
+            if self.refs[slot] == 0 and slot not in self.free:
+                self.free.append(slot)
+
+    def drop(self, node) -> None:
+        super().drop(node)
+        for slot in [node.slot]:
+            if slot not in self.free:
+                self.refs[slot] = 0
+                self.free.append(slot)
+
+
+class ForgetsWithoutPressure(Cache):
+    """Keeps one cached key: a retain lets every other branch whose pages only the trie holds go."""
+
+    def retain(self, ctx) -> None:
+        super().retain(ctx)
+        for node in list(self.root.children.values()):
+            if node.token != ctx.token_list[0] and self.refs[node.slot] == 1:
+                self.drop(node)
+
+
+class ClearKeepsTheTrie(Cache):
+    """``clear()`` forgets to drop the trie: a later hit is longer than any retained key allows."""
+
+    def clear(self) -> None:
+        pass
+
+
+class WritesIntoCachedPages(Cache):
+    """An overwrite copies a slot only where another context shares it, not where the trie does."""
+
+    def shared_positions(self, ctx, span):
+        cached = {node.slot for node in self.nodes()}
+        return [i for i in span if self.refs[ctx.slots[i]] - (ctx.slots[i] in cached) > 1]
+
+
+class RefusesCountingCachedPages(Cache):
+    """Counts the trie's pages against the pool when refusing, as ``refuse`` would: refuses with room."""
+
+    def take(self, n: int):
+        live = len({slot for slot in range(len(self.refs)) if self.refs[slot]})
+        if live + n > self.config.pool_limit:
+            raise CapacityError(f"{live} live + {n} needed > {self.config.pool_limit}")
+        return super().take(n)
+
+
+def factory_of(cls):
+    def factory(config):
+        return cls(config)
+    factory.configs = reclaiming.factory.configs
+    factory.any_page_size = False
+    return factory
+
+
+def caught(cls, ops) -> str:
+    with pytest.raises(InvariantViolation) as violation:
+        run(factory_of(cls), ops)
+    return str(violation.value)
+
+
+def test_reclaiming_a_page_a_context_holds_is_caught():
+    # A retained with its context c2 still open (A's pages held), B cached; the bug drops A's nodes
+    # (the newest) and hands their slots to c3, overwriting what c2 reads.
+    ops = cached(B, 1, "c1") + [O.Allocate(), O.Extend("c2", A, seed=2), O.Retain("c2"),
+                                O.Allocate(), O.Extend("c3", (2,) * 6, seed=3)]
+    run(reclaiming.factory, ops)                 # the correct engine reclaims B's pages instead
+    assert "c2" in caught(ReclaimsHeldPages, ops)
+
+
+def test_forgetting_an_entry_without_pressure_is_caught():
+    ops = cached(A, 1, "c1") + cached(B, 2, "c2") + [O.Match(A)]     # 8 of 12 pages: no pressure
+    run(reclaiming.factory, ops)
+    assert "forgot an entry's pages without pressure" in caught(ForgetsWithoutPressure, ops)
+
+
+def test_a_hit_longer_than_any_retained_key_is_caught():
+    ops = UNDER_PRESSURE + [O.Clear(), O.Match(A)]
+    run(reclaiming.factory, ops)
+    assert "engine matched 4 tokens, reference 0" in caught(ClearKeepsTheTrie, ops)
+
+
+def test_a_shorter_hit_with_wrong_values_is_caught():
+    # A hit of B (c3) overwritten at position 1: the bug writes into the cached page, so B's entry reads
+    # (1, 2)'s values there; the pool then reclaims B's last two nodes, and the shorter hit c5 keeps
+    # position 1. Checked once, at the end: the hit itself is read against the reference's, cut to 2.
+    ops = cached(A, 1, "c1") + cached(B, 2, "c2") + [
+        O.Match(B), O.Overwrite("c3", 1, (2,), seed=9), O.Close("c3"),
+        O.Allocate(), O.Extend("c4", (2,) * 6, seed=3), O.Match(B)]
+    for cls in (Cache, WritesIntoCachedPages):
+        lockstep = Lockstep(factory_of(cls), CONFIG)
+        lockstep.run(ops, check_every_step=False)
+        assert len(lockstep.live["c5"][0]) == len(lockstep.live["c5"][1]) == 2
+        if cls is Cache:
+            lockstep.check()
+    with pytest.raises(InvariantViolation, match="c5 position 1"):
+        lockstep.check()
+
+
+def test_refusing_while_contexts_pages_and_the_need_fit_is_caught():
+    ops = cached(A, 1, "c1") + [O.Allocate(), O.Extend("c2", (2,) * 10, seed=3)]    # 0 held + 10 <= 12
+    run(reclaiming.factory, ops)
+    assert "engine CapacityError" in caught(RefusesCountingCachedPages, ops)
+
+
+def test_the_directed_checks_pass_the_reclaiming_engine():
+    result = conform(reclaiming.factory, configs=[CONFIG], checks=["pinned semantics", "prefix edges", "races"])[0]
+    assert result.passed, result.failure
+    assert result.outcomes["races"].status == "n/a"       # its tree checks assume whole-entry eviction
+
+
+@pytest.mark.slow
+def test_conform_passes_the_reclaiming_engine():
+    result = conform(reclaiming.factory, configs=[CONFIG])[0]
+    assert result.passed, result.failure
