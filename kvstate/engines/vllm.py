@@ -22,14 +22,20 @@ The K/V values live in the adapter's own array, indexed by ``block_id * block_si
 
 Declared semantics, from the engine's code: ``match="block"`` with ``block_tokens`` = block size
 (only full blocks are hashed); ``values="prefix"`` (two requests caching one prefix leave two
-blocks under one hash and ``get_cached_block`` returns the first); no entry bound; a pool larger
-than any run needs: ``PoolExhausted`` if not, and also where ``get_new_blocks`` would evict a
-cached block (its free queue reaches the cached blocks once the never used ones are gone, which
-``clear()`` can bring about before the pool is full), rather than let vLLM evict behind the
-suite's back. Eviction from the free queue and the exhausted pool's refusal are not checked: vLLM
-evicts single blocks, tail first, in the order their holders released them, where the suite's
-``evict-then-refuse`` evicts whole entries in the order they were retained or hit
-(``tests/engines/test_vllm.py`` shows each difference).
+blocks under one hash and ``get_cached_block`` returns the first); no entry bound. Two kinds of
+pool:
+
+- the first configurations: a pool larger than any run needs: ``PoolExhausted`` if not, and also
+  where ``get_new_blocks`` would evict a cached block (its free queue reaches the cached blocks
+  once the never used ones are gone, which ``clear()`` can bring about before the pool is full),
+  rather than let vLLM evict behind the suite's back;
+- ``RECLAIM_POOLS``: a pool of the declared size (plus the null block), ``on_full="reclaim"``:
+  ``get_new_blocks`` evicts cached blocks from its free queue as vLLM does (single blocks, tail
+  first, in the order their holders released them: no order ``evict-then-refuse`` expresses,
+  ``tests/engines/test_vllm.py`` shows each difference), and an operation is refused with
+  ``CapacityError``, changing nothing, when the free blocks, cached ones included, are fewer than
+  it needs. A retain whose blocks are cached under another chain (after an overwrite) copies them
+  into blocks only the cache keeps, so the request holds what it held.
 
 Observation: the pages tier (``vllm_pages``), read from the pool itself: each block's own
 ``ref_cnt`` against the block tables that list it, cached blocks at ``ref_cnt`` 0 in the free queue
@@ -44,9 +50,10 @@ import hashlib
 import pickle
 
 from kvstate.spec import Config, Layout
-from kvstate.spec.errors import EmptyContextError
+from kvstate.spec.errors import CapacityError, EmptyContextError
 from kvstate.spec.layout import check_tokens
 from kvstate.spec.observation import Observation
+from kvstate.spec.semantics import reclaims
 
 from .context_base import ENTRY_BOUND, EngineCache, EngineContext, PoolExhausted
 from .vllm_loader import SUPPORTED_VERSION, load_block_pool
@@ -54,6 +61,8 @@ from .vllm_pages import observe_pool
 
 POOL_BLOCKS = 1 << 14
 GROUP = 0                     # one KV cache group: full attention
+# The reclaiming configurations' pools (block size, blocks): small enough that runs evict cached blocks.
+RECLAIM_POOLS = ((1, 24), (16, 12))
 
 
 def sha256(value) -> bytes:
@@ -84,6 +93,7 @@ class VLLMContext(EngineContext):
         cache, pool = self.cache, self.cache.pool
         stale = [i for i in range(first, min(last, len(self.blocks) - 1) + 1)
                  if not pool.is_block_writable(self.blocks[i])]
+        cache.require(len(stale))                       # every copy's block first: a refusal changes nothing
         for i in stale:
             fresh = cache.new_blocks(1)[0]
             cache.copy_block(self.blocks[i], fresh)
@@ -145,8 +155,12 @@ class VLLMCache(EngineCache):
         self.utils = utils
         utils.init_none_hash(sha256)
         self.block_size = config.page_tokens
+        self.reclaims = reclaims(config.on_full)
+        if self.reclaims:
+            self.pool_blocks = config.pool_limit + 1          # the declared pool, and the null block
         self.pool = block_pool.BlockPool(self.pool_blocks, enable_caching=True, hash_block_size=self.block_size)
         self.allocated = 0            # blocks get_new_blocks handed out (the pool counts none)
+        self.evicted = 0              # cached blocks get_new_blocks evicted (a measure of pressure, for reports)
 
     # -- the adapter's K/V array is indexed by block_id * block_size + offset -------------
 
@@ -158,15 +172,31 @@ class VLLMCache(EngineCache):
     # -- the engine's operations ---------------------------------------------------------
 
     def require(self, blocks: int) -> None:
-        if blocks > self.pool.get_num_free_blocks():
+        """Refused before anything changes when the free queue, cached blocks included, is short:
+        ``CapacityError`` where the pool is declared (``reclaim``), else the adapter's own pool ran out."""
+        free = self.pool.get_num_free_blocks()
+        if blocks > free and self.reclaims:
+            raise CapacityError(f"{blocks} blocks wanted, {free} free (cached ones included)")
+        if blocks > free:
             raise PoolExhausted(f"the adapter's pool of {self.pool_blocks} blocks ran out ({blocks} more wanted)")
 
     def new_blocks(self, count: int) -> list:
         self.require(count)
-        self.refuse_eviction(count)
+        if self.reclaims:
+            self.evicted += self.cached_at_head(count)      # get_new_blocks evicts them, as vLLM does
+        else:
+            self.refuse_eviction(count)
         blocks = self.pool.get_new_blocks(count)
         self.allocated += len(blocks)
         return blocks
+
+    def cached_at_head(self, count: int) -> int:
+        """How many of the ``count`` blocks at the free queue's head are cached (``get_new_blocks`` evicts them)."""
+        block, cached = self.pool.free_block_queue.fake_free_list_head.next_free_block, 0
+        for _ in range(count):
+            cached += block.block_hash is not None
+            block = block.next_free_block
+        return cached
 
     def refuse_eviction(self, count: int) -> None:
         """``PoolExhausted`` rather than let ``get_new_blocks`` evict a cached block behind the suite's back.
@@ -202,13 +232,33 @@ class VLLMCache(EngineCache):
         keys = [self.utils.make_block_hash_with_group_id(h, GROUP) for h in hashes]
         foreign = [i for i, key in enumerate(keys)
                    if ctx.blocks[i].block_hash is not None and ctx.blocks[i].block_hash != key]
+        request = _Request(hashes)
+        if self.reclaims:
+            self._cache_with_copies(request, ctx.blocks, foreign)
+            return
         self.require(len(foreign))
         for i in foreign:                                 # cached under another chain: copy, then cache
             ctx._writable(i, i)
-        request = _Request(hashes)
         for i, key in enumerate(keys):
             if ctx.blocks[i].block_hash is None:
                 self.pool.cache_full_blocks(request, ctx.blocks, i, i + 1, self.block_size, GROUP)
+
+    def _cache_with_copies(self, request, blocks: list, foreign: list[int]) -> None:
+        """A retain in a declared pool: the blocks cached under another chain (``foreign``) are copied into
+        blocks the cache alone keeps (released at once, cached at refcount 0: reclaimable as any cached
+        block), so the request holds what it held and the pages contexts hold stay as counted. Where the
+        free queue is short of the copies (a retain is never refused), those blocks are not cached under
+        this chain: the key's cached run ends before the first of them, as if reclaimed."""
+        if len(foreign) > self.pool.get_num_free_blocks():
+            foreign = []
+        table, copies = list(blocks), self.new_blocks(len(foreign))
+        for i, fresh in zip(foreign, copies):
+            self.copy_block(blocks[i], fresh)
+            table[i] = fresh
+        for i in range(len(request.block_hashes)):
+            if table[i].block_hash is None:
+                self.pool.cache_full_blocks(request, table, i, i + 1, self.block_size, GROUP)
+        self.pool.free_blocks(list(reversed(copies)))
 
     def match(self, tokens):
         query = [int(t) for t in check_tokens(tokens, private=False)]
@@ -238,7 +288,9 @@ def _configs() -> list[Config]:
         for precision in (("f32", "f16", "q8") if block == 16 else ("f32",)):
             configs.append(Config(layout, page_tokens=block, precision=precision, max_entries=ENTRY_BOUND,
                                   match="block", block_tokens=block, values="prefix"))
-    return configs
+    return configs + [Config(layout, page_tokens=block, precision="f32", max_entries=ENTRY_BOUND, match="block",
+                             block_tokens=block, values="prefix", pool_pages=pool, on_full="reclaim")
+                      for block, pool in RECLAIM_POOLS]
 
 
 def factory(config: Config) -> VLLMCache:
