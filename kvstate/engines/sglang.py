@@ -29,9 +29,12 @@ Declared semantics, from the engine's code: ``match`` is ``token`` at page size 
 ``block`` (``block_tokens`` = page size) at 16 and 64 (``RadixKey.page_aligned`` and page-wise
 child keys); ``values="prefix"`` (an insert of a key the tree holds keeps the old slots: the
 engine assumes one prefix, one K/V); no entry bound (the tree evicts only for memory:
-``max_entries`` is set past anything a run retains) and a pool larger than any run needs
-(``on_full`` ``fallback``, never reached: the adapter raises ``PoolExhausted`` rather than
-evict behind the suite's back).
+``max_entries`` is set past anything a run retains). Two kinds of pool: in the first
+configurations, a pool larger than any run needs (``on_full`` ``fallback``, never reached: the
+adapter raises ``PoolExhausted`` rather than evict behind the suite's back); in
+``reclaiming_configs``, a pool of the declared size whose tree evicts for room as SGLang's
+scheduler does (``on_full="reclaim"``; ``kvstate.engines.sglang_reclaim``, which also says how its
+contexts hold pages).
 
 Observation: the black-box tier, because the others cannot be filled from SGLang's own state:
 
@@ -46,9 +49,9 @@ Observation: the black-box tier, because the others cannot be filled from SGLang
   retained prefix of a retained key leaves only such a boundary; nodes never merge again (the
   shape invariant wants a node with one child and no entry collapsed); recency is per node.
 
-Left out: eviction under memory pressure (SGLang evicts leaf *nodes* by its own policy, so part
-of an entry can go while its prefix stays; the suite's ``evict`` rule drops whole entries),
-snapshots, thread safety.
+Left out: snapshots, thread safety. Eviction under memory pressure is checked under ``reclaim``
+only (SGLang evicts leaf *nodes* by its own policy, so part of an entry can go while its prefix
+stays; the suite's ``evict`` rule drops whole entries).
 """
 
 from __future__ import annotations
@@ -61,11 +64,14 @@ from kvstate.spec import Config, Layout
 from kvstate.spec.errors import EmptyContextError
 from kvstate.spec.layout import check_tokens
 from kvstate.spec.observation import Observation, black_box
+from kvstate.spec.semantics import reclaims
 
 from .context_base import ENTRY_BOUND, EngineCache, EngineContext, PoolExhausted
 from .sglang_loader import SUPPORTED_VERSION, load_allocators, load_radix_cache
 
 POOL_PAGES = 1 << 14          # the allocator's pages: more than any run of the suite holds at once
+RECLAIM_POOL_TOKENS = 24      # the reclaiming configurations' pools: small enough that runs evict
+RECLAIM_POOL_PAGES = 12
 
 
 class SGLangContext(EngineContext):
@@ -180,11 +186,16 @@ class SGLangCache(EngineCache):
         token_allocator, paged_allocator = load_allocators()
         self.rc = rc
         self.page = config.page_tokens
+        pool = config.pool_limit if reclaims(config.on_full) else POOL_PAGES
+        self.evicted_tokens = 0       # what tree.evict let go for room (a measure of pressure, for reports)
         if self.page == 1:
-            self.allocator = token_allocator(POOL_PAGES, torch.float32, "cpu", None, False)
+            self.allocator = token_allocator(pool, torch.float32, "cpu", None, False)
         else:
-            self.allocator = paged_allocator(POOL_PAGES * self.page, self.page, torch.float32, "cpu", None, False)
-        self.tree = rc.RadixCache.create_simulated(mock_allocator=self.allocator, page_size=self.page)
+            self.allocator = paged_allocator(pool * self.page, self.page, torch.float32, "cpu", None, False)
+        self.tree = self._make_tree(self.allocator)
+
+    def _make_tree(self, allocator):
+        return self.rc.RadixCache.create_simulated(mock_allocator=allocator, page_size=self.page)
 
     # -- the engine's operations ---------------------------------------------------------
 
@@ -265,10 +276,22 @@ def _configs() -> list[Config]:
         for precision in (("f32", "f16", "q8") if page == 1 else ("f32",)):
             configs.append(Config(layout, page_tokens=page, precision=precision, max_entries=ENTRY_BOUND,
                                   values="prefix", **match))
-    return configs
+    return configs + reclaiming_configs(layout)
+
+
+def reclaiming_configs(layout: Layout) -> list[Config]:
+    """Fixed pools small enough that runs evict (``on_full="reclaim"``): SGLang's own ``evict`` makes
+    the room when ``alloc`` fails."""
+    return [Config(layout, page_tokens=1, match="token", max_entries=ENTRY_BOUND, values="prefix",
+                   pool_pages=RECLAIM_POOL_TOKENS, on_full="reclaim"),
+            Config(layout, page_tokens=16, match="block", block_tokens=16, max_entries=ENTRY_BOUND, values="prefix",
+                   pool_pages=RECLAIM_POOL_PAGES, on_full="reclaim")]
 
 
 def factory(config: Config) -> SGLangCache:
+    if reclaims(config.on_full):
+        from .sglang_reclaim import ReclaimingCache      # it builds on this module's classes
+        return ReclaimingCache(config)
     return SGLangCache(config)
 
 
