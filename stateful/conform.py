@@ -227,10 +227,10 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
     from .races import scenarios as races
 
     started = time.perf_counter()
-    if not getattr(factory, "thread_safe", False):
-        return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
     if reclaims(config.on_full):
         return Outcome("n/a", 0.0, "on_full='reclaim': the race scenarios judge the tree by whole-entry eviction")
+    if not getattr(factory, "thread_safe", False):
+        return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
     scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),
                  ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {})]
     if config.on_full != "fallback":

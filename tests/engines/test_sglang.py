@@ -124,3 +124,8 @@ def test_a_refused_fork_or_truncate_changes_nothing(small_pool):
     probe.close()
     cache.clear()
     assert cache.match(key)[1] == 0 and cache.tree.protected_size() == 0    # no lock left behind
+
+
+def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
+    from .adapter_checks import evicts_under_pressure
+    evicts_under_pressure(sglang.factory, _config("token-f32-pool24-reclaim-prefixkv"), "evicted_tokens")

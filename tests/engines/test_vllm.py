@@ -172,3 +172,8 @@ def test_the_adapter_refuses_rather_than_let_the_pool_evict_a_cached_block():
 def test_retain_refuses_another_caches_context_by_name():
     from .adapter_checks import foreign_retain_is_refused
     foreign_retain_is_refused(vllm.factory, vllm.factory.configs[0])
+
+
+def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
+    from .adapter_checks import evicts_under_pressure
+    evicts_under_pressure(vllm.factory, _config("block1-f32-pool24-reclaim-prefixkv"), "evicted")
