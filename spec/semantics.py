@@ -37,7 +37,9 @@ per configuration (``Config``), and the reference and the engine implement all o
                which then always makes room (with every such entry gone, only pages contexts
                hold are left). What is reclaimed is whole entries, least recently used first, as
                under ``evict``; an engine reclaiming its own way declares ``reclaim``.
-  ``reclaim``  refuses as ``evict-then-refuse``, but entries' pages no context holds are reclaimed in
+  ``reclaim``  refuses as ``evict-then-refuse`` (a copy of a page only entries share with the writer
+               may or may not be needed: the entry's page may be gone, so either answer is right
+               between the two counts), but entries' pages no context holds are reclaimed in
                any amount and order the engine chooses: whole entries, leaf nodes (SGLang's
                ``RadixCache.evict``), single blocks (vLLM's free queue, in release order). A ``match``
                may then return a shorter hit than the reference's, down to a miss, aligned as

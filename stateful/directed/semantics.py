@@ -318,8 +318,10 @@ ROWS: list[Row] = [
                           "a clock may start anywhere, reset on `clear()`, or advance on a miss."),
     Row("full pool", "A pool that runs out does what the configuration declares (`on_full`): `fallback` to "
                      "ordinary memory, `evict` least recently used entries that keep a page no context holds, "
-                     "`refuse` with `CapacityError`, changing nothing, or `evict-then-refuse`: refuse as `refuse` when even "
-                     "evicting every entry would not make room, else evict as `evict`.", _full_pool),
+                     "`refuse` with `CapacityError`, changing nothing, `evict-then-refuse`: refuse as `refuse` when even "
+                     "evicting every entry would not make room, else evict as `evict`, or `reclaim`: refuse as "
+                     "`evict-then-refuse`, else reclaim entries' pages in any amount and order the engine "
+                     "chooses.", _full_pool),
     Row("several bad inputs", "When several things are wrong, any error that truly applies is right, whatever "
                               "order a backend validates in: the token ids, the K/V array's dtype and shape (rows "
                               "against the token count included: `ShapeError`), the context (closed, busy), "
@@ -335,12 +337,13 @@ ROWS: list[Row] = [
                               "at the length included, and changes nothing.", _zero_length),
     Row("cached pages", "Pages a prefix cache keeps with no holder (`cached`, refcount 0, as vLLM's free queue) "
                         "are live pages: they count in pages allocated - freed until dropped, and against a "
-                        "`refuse` pool; `evict` and `evict-then-refuse` reclaim them first (they are entries' "
+                        "`refuse` pool; `evict`, `evict-then-refuse` and `reclaim` reclaim them first (they are entries' "
                         "pages); `clear()` drops them. A hit that reuses them allocates nothing.",
         _hit_allocates_nothing),
     Row("eviction for room", "A pool short of pages evicts least recently used entries that keep a page no "
                              "context holds, oldest first, until the need fits: an entry whose pages another "
-                             "entry keeps too is evicted as well, though it frees nothing alone.", _room_by_eviction),
+                             "entry keeps too is evicted as well, though it frees nothing alone. Not under `reclaim`, "
+                             "whose engine picks what goes.", _room_by_eviction),
     Row("block ties", "Under `block` matching, every entry reaching the hit's last whole block competes, however "
                       "many tokens past it each shares with the query: the most recently used gives the hit.",
         lambda factory, config, promise: _ties_row(factory, config, promise)),

@@ -176,4 +176,5 @@ def test_retain_refuses_another_caches_context_by_name():
 
 def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
     from .adapter_checks import evicts_under_pressure
-    evicts_under_pressure(vllm.factory, _config("block1-f32-pool24-reclaim-prefixkv"), "evicted")
+    config = _config("block16-f32-pool12-reclaim-prefixkv").with_(page_tokens=1, block_tokens=1, pool_pages=24)
+    evicts_under_pressure(vllm.factory, config, "evicted")       # at block size 1: a scenario of a few blocks
