@@ -7,10 +7,13 @@ reference, every invariant after every step: milliseconds. Keys: A = four 0s, B 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from kvstate.spec import InvariantViolation
+from kvstate.spec import EntryView, InvariantViolation
 from kvstate.spec.errors import CapacityError, ConfigError
+from kvstate.spec.observation import black_box
 from kvstate.stateful import ops as O
 from kvstate.stateful.conform import conform
 from kvstate.stateful.lockstep import Lockstep
@@ -183,6 +186,44 @@ def test_refusing_while_contexts_pages_and_the_need_fit_is_caught():
     ops = cached(A, 1, "c1") + [O.Allocate(), O.Extend("c2", (2,) * 10, seed=3)]    # 0 held + 10 <= 12
     run(reclaiming.factory, ops)
     assert "engine CapacityError" in caught(RefusesCountingCachedPages, ops)
+
+
+# -- the tree tier ---------------------------------------------------------------------------
+
+
+class ListsItsEntries(Cache):
+    """The correct engine with the tree tier: the keys it can still hit whole, in the order retained."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.retained: list[tuple[int, ...]] = []
+
+    def retain(self, ctx) -> None:
+        super().retain(ctx)
+        self.retained = [key for key in self.retained if key != tuple(ctx.token_list)]
+        self.retained.append(tuple(ctx.token_list))
+
+    def clear(self) -> None:
+        super().clear()
+        self.retained = []
+
+    def observe(self):
+        whole = [key for key in self.retained if len(self.walk(list(key))) == len(key)]
+        return replace(black_box(), entries=[EntryView(key, tick, None) for tick, key in enumerate(whole)])
+
+
+class ForgetsAndListsIt(ForgetsWithoutPressure, ListsItsEntries):
+    """Forgets without pressure, and its tree tier shows it."""
+
+
+def test_entries_are_compared_only_until_the_pool_may_have_been_short():
+    lockstep = Lockstep(factory_of(ListsItsEntries), CONFIG)
+    lockstep.run(UNDER_PRESSURE)                   # B's entry partly reclaimed: the engine lists A alone
+    assert [entry.key for entry in lockstep.engine.observe().entries] == [A] and len(lockstep.reference.keys()) == 2
+    lockstep.finish()
+    ops = cached(A, 1, "c1") + cached(B, 2, "c2")
+    with pytest.raises(InvariantViolation, match="entry keys"):        # before any pressure: compared
+        run(factory_of(ForgetsAndListsIt), ops)
 
 
 def test_the_directed_checks_pass_the_reclaiming_engine():
