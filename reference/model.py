@@ -315,9 +315,10 @@ class RefCache:
 
     def make_room(self, needed: int | dict[int, int], least: dict[int, int] | None = None) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
-        one count per sharing (``least``: as ``check_room``). Evictions count pages as the first way of sharing still open does
-        (forks', while it is), unless the ways open would keep different entries and the engine's
-        are known (``engine_keys``): then as the ways that kept the very entries the engine kept."""
+        one count per sharing (``least``: as ``check_room``). Evictions count pages as the first way of
+        sharing still open does (forks', while it is), unless the ways open would keep different entries
+        and the engine's are known (``engine_keys``): then as the ways that kept the very entries the
+        engine kept. Under ``reclaim`` nothing is evicted: it notes whether the pool may have been short."""
         limit, needs = self.config.pool_limit, self._per_sharing(needed)
         if not any(needs.values()) or not limit:
             return
