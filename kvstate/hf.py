@@ -925,18 +925,26 @@ def attach(model):
     """Register (once) the forward pre-hook that feeds each forward's ``input_ids`` to a
     ``KVStateCache`` passed as ``cache=`` (or ``past_key_values=``) and checks, per forward, that the
     cache holds this model's K/V (``bind_model``); wrap ``generate`` so that it holds such a cache from
-    start to end (``_generating``). Checks the model first."""
+    start to end (``_generating``). Checks the model first. A ``torch.compile`` wrapper attaches the
+    model it compiled: the wrapper's ``generate`` is that model's and calls it, not the wrapper, and the
+    wrapper's call runs that model's hooks too. Returns the model given."""
+    _attach(getattr(model, "_orig_mod", model))
+    return model
+
+
+def _attach(model) -> None:
     model._kvstate_layout = layout_of(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
-        model.prepare_inputs_for_generation = _Wrapped(model.prepare_inputs_for_generation, _prefix_checked)
+        # A decoder without a head (``model.model``, ``AutoModel``) has no generate to wrap.
+        if callable(getattr(model, "prepare_inputs_for_generation", None)):
+            model.prepare_inputs_for_generation = _Wrapped(model.prepare_inputs_for_generation, _prefix_checked)
         if callable(getattr(model, "generate", None)):
             model.generate = _Wrapped(model.generate, _generating)
         if callable(getattr(model, "_prefill", None)):
             model._prefill = _Wrapped(model._prefill, _chunks_checked)
         model.forward = _Wrapped(model.forward, _forward_checked)
-    return model
 
 
 class _Wrapped:

@@ -143,7 +143,9 @@ class _Weights:
 
 def fingerprint_of(model) -> str:
     """``model_fingerprint(model)``, taken again only when the weights may have changed (see ``_Weights``):
-    per forward this reads each parameter's data pointer and version counter, never its values."""
+    per forward this reads each parameter's data pointer and version counter, never its values. A
+    ``torch.compile`` wrapper's is its model's, hashed once for both."""
+    model = _compiled(model)
     known = _WEIGHTS.get(model)
     if known is not None and known.current():
         return known.fingerprint
@@ -306,6 +308,22 @@ def _row_hashes(param):
         return torch.hash_tensor(bits.cpu(), dim=1).view(torch.int64).to(bits.device)
 
 
+def _compiled(model):
+    """The model a ``torch.compile`` wrapper compiled (``_orig_mod``), or ``model``: one model, one binding."""
+    return getattr(model, "_orig_mod", model)
+
+
+def _decoder_of_the_bound(model, bound, held: str) -> bool:
+    """Whether ``model`` computes the K/V of ``bound`` (the model bound to a kvstate cache, whose weights are
+    still those of ``held``): one is the other's decoder (``base_model``), whose layers compute a causal LM's
+    K/V. Their fingerprints differ (a head's weights, parameter names), yet a runtime reading hidden states
+    through ``model.model`` continues the causal LM's cache with the very same K/V."""
+    if bound is None or bound is model:
+        return False
+    related = getattr(bound, "base_model", None) is model or getattr(model, "base_model", None) is bound
+    return related and fingerprint_of(bound) == held
+
+
 def is_bound(kv: Cache) -> bool:
     """Whether a model is bound to ``kv`` (``bind_model``): its K/V are that model's."""
     return kv in _MODEL_OF
@@ -314,10 +332,12 @@ def is_bound(kv: Cache) -> bool:
 def bind_model(model, kv: Cache) -> None:
     """``kv`` holds ``model``'s K/V from now on: the first model to use a kvstate cache keeps it, and
     another one (its fingerprint differs), or the same model given other weights since, is refused by
-    name before its forward computes anything."""
+    name before its forward computes anything. A ``torch.compile`` wrapper stands for the model it
+    compiled, and a causal LM and its decoder (``base_model``: Llama's ``model.model``) for each other."""
+    model = _compiled(model)
     mine = fingerprint_of(model)
     held, bound = _MODEL_OF.setdefault(kv, (mine, weakref.ref(model)))
-    if held == mine:
+    if held == mine or _decoder_of_the_bound(model, bound(), held):
         return
     if bound() is model:
         if kv.stats()["live_pages"] == 0:

@@ -759,3 +759,43 @@ def test_the_fingerprint_names_the_weights_not_the_wrapper_and_marks_a_config_it
     odd.config.kv_helper = object()         # not JSON, and its repr holds an address
     assert hf_identity.model_fingerprint(odd) in hf_identity._PROCESS_LOCAL
     assert hf_identity.expected_producer(odd) is None
+
+
+def test_a_compiled_model_generates_on_the_cache_built_for_it_and_is_hashed_once(monkeypatch):
+    """From an audit: ``for_model(torch.compile(model))`` attached the wrapper, but the wrapper's
+    ``generate`` is the model's own and calls the model, not the wrapper: no hook fed its ids
+    (``TokenError``), nor those of the uncompiled model continuing the cache; and the wrapper and the
+    model were hashed apart. The compiled model is attached and bound; its wrapper stands for it."""
+    calls = counted_hashes(monkeypatch)
+    model = llama()
+    compiled = torch.compile(model, backend="eager")        # nothing below traces: generate calls the model
+    cache = hf.KVStateCache.for_model(compiled, page_tokens=4)
+    prompt = ids(5, 90)
+    out = compiled.generate(prompt, cache=cache, max_new_tokens=3, **GREEDY)
+    assert torch.equal(out, model.generate(prompt, cache=DynamicCache(), max_new_tokens=3, **GREEDY))
+    run(model, cache, out[:, -1:])                          # the model itself continues it
+    assert len(cache.context) == 8 and len(calls) == 1
+    cache.close()
+
+
+def test_a_causal_lm_and_its_decoder_continue_each_others_cache():
+    """From an audit: hand-fed forwards of a model never attached are refused on a bound cache, and the way
+    out the refusal names, ``hf.attach(model.model)``, raised ``AttributeError`` (a decoder has no
+    ``prepare_inputs_for_generation``); attached, the decoder was refused as another model (its parameters
+    are named otherwise and it has no head), though its layers compute the causal LM's very K/V."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    reference = DynamicCache()
+    prompt, more = ids(4, 92), ids(2, 93)
+    run(model, cache, prompt)
+    run(model, reference, prompt)
+    decoder = hf.attach(model.model)
+    with torch.no_grad():
+        hidden = decoder(more, cache=cache).last_hidden_state
+        assert torch.equal(hidden, decoder(more, cache=reference).last_hidden_state)
+    assert len(cache.context) == 6
+    stranger = hf.attach(llama(seed=9).model)               # another model's decoder is still another model
+    with pytest.raises(UnsupportedModelError, match="another model"), torch.no_grad():
+        stranger(ids(1, 94), cache=cache)
+    assert torch.equal(run(model, cache, ids(1, 95))[0], run(model, reference, ids(1, 95))[0])
+    cache.close()
