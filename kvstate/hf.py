@@ -1025,15 +1025,26 @@ def _forward_checked(forward, *args, **kwargs):
     return _ended_on_interrupt(forward, *args, **kwargs)
 
 
+_WRAPPERS_FOLLOWED = 8       # how many wrappers deep ``_model_of`` looks for the model
+
+
 def _model_of(forward):
     """The model whose ``forward`` this is: a bound method's own, or the module a library's wrapper
     installed before ``attach`` passes first to it (accelerate's ``device_map`` hooks make ``forward``
-    a ``functools.partial`` of their function and the module); None for any other wrapper."""
-    model = getattr(forward, "__self__", None)
-    if model is None and isinstance(forward, functools.partial) and forward.args \
-            and isinstance(forward.args[0], torch.nn.Module):
-        model = forward.args[0]
-    return model
+    a ``functools.partial`` of their function and the module), or, through wrappers that name what they
+    wrap (``functools.wraps``: ``model.forward = torch.compile(model.forward)``), the model of the
+    method they wrap; None for any other wrapper."""
+    for _ in range(_WRAPPERS_FOLLOWED):
+        model = getattr(forward, "__self__", None)
+        if model is not None:
+            return model
+        if isinstance(forward, functools.partial) and forward.args and isinstance(forward.args[0], torch.nn.Module):
+            return forward.args[0]
+        # Asked only after __self__: a bound method's __wrapped__ is its decorated function's, with no model.
+        forward = getattr(forward, "__wrapped__", None)
+        if forward is None:
+            return None
+    return None
 
 
 def _ended_on_interrupt(forward, *args, **kwargs):

@@ -799,3 +799,30 @@ def test_a_causal_lm_and_its_decoder_continue_each_others_cache():
         stranger(ids(1, 94), cache=cache)
     assert torch.equal(run(model, cache, ids(1, 95))[0], run(model, reference, ids(1, 95))[0])
     cache.close()
+
+
+def test_a_hand_fed_forward_under_a_wrapper_that_names_it_is_checked_not_refused():
+    """From an audit: ``model.forward = torch.compile(model.forward)`` (transformers' own recipe) or any
+    ``functools.wraps`` wrapper set before ``attach`` hid the model, so a hand-fed ``model.forward(...)``
+    of the bound, attached model was refused as never attached. The wrapper names the method it wraps,
+    and that method its model; a stranger so wrapped is still another model."""
+    def wrapped(forward):
+        @functools.wraps(forward)
+        def timed(*args, **kwargs):                         # what a profiling or compiling wrapper does
+            return forward(*args, **kwargs)
+        return timed
+
+    model, stranger = llama(), llama(seed=9)
+    model.forward = wrapped(model.forward)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(4, 96))
+    cache.feed(ids(1, 97))
+    with torch.no_grad():
+        model.forward(ids(1, 97), cache=cache)
+    assert len(cache.context) == 5
+    stranger.forward = wrapped(stranger.forward)
+    cache.feed(ids(1, 98))
+    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
+        hf.attach(stranger).forward(ids(1, 98), cache=cache)
+    assert len(cache.context) == 5
+    cache.close()
