@@ -489,10 +489,7 @@ class KVStateCache(_HFCache):
         if self._forward_thread not in (None, threading.get_ident()):
             raise self._busy(f"K/V for layer {layer}")      # a forward no hook fed, beside a thread's that was
         if self._ids is None:
-            raise TokenError(f"K/V for {n} new positions arrived at layer {layer}, but their token ids are unknown: "
-                             "the model running this forward was never attached (KVStateCache.for_model(model) or "
-                             "attach(model) does; another model than the one that wrote this cache is then refused "
-                             "by name), or call cache.feed(input_ids) before each forward")
+            raise self._unknown_ids(layer, n)
         if self._ids.shape != (batch, n):
             raise TokenError(f"{self._ids.shape[1]} token ids were fed for each of {self._ids.shape[0]} rows, "
                              f"but layer {layer} wrote {n} positions for {batch} rows")
@@ -506,6 +503,18 @@ class KVStateCache(_HFCache):
         if layer == self.layout.layers - 1:
             self._commit()
         return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    def _unknown_ids(self, layer: int, n: int) -> TokenError:
+        """K/V whose ids no one fed: a model never attached (no hook ran, no forward claimed), or a forward
+        claimed with none (an attached model run from ``inputs_embeds``, which was told it was never attached)."""
+        known = f"K/V for {n} new positions arrived at layer {layer}, but their token ids are unknown: "
+        if self._in_forward:
+            return TokenError(known + "this forward was given no input_ids (inputs_embeds: a kvstate row keeps each "
+                              "position's token id); feed them by hand and call the attached model's forward directly: "
+                              "cache.feed(input_ids), then model.forward(inputs_embeds=..., cache=cache)")
+        return TokenError(known + "the model running this forward was never attached (KVStateCache.for_model(model) or "
+                          "attach(model) does; another model than the one that wrote this cache is then refused "
+                          "by name), or call cache.feed(input_ids) before each forward")
 
     def _as_read(self, x: torch.Tensor) -> torch.Tensor:
         """What ``x`` reads back as after the context stores it at its precision."""

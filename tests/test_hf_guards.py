@@ -826,3 +826,20 @@ def test_a_hand_fed_forward_under_a_wrapper_that_names_it_is_checked_not_refused
         hf.attach(stranger).forward(ids(1, 98), cache=cache)
     assert len(cache.context) == 5
     cache.close()
+
+
+def test_a_forward_from_inputs_embeds_is_told_so_and_the_way_in():
+    """From an audit: an attached model run from ``inputs_embeds`` (its hook feeds no ids) was told it
+    was never attached. It is told it gave no ids, and the hand-fed way in works: DynamicCache's logits."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    prompt = ids(4, 99)
+    embeds = model.get_input_embeddings()(prompt).detach()
+    with torch.no_grad(), pytest.raises(spec_errors.TokenError, match="given no input_ids"):
+        model(inputs_embeds=embeds, cache=cache)
+    assert len(cache.context) == 0
+    cache.feed(prompt)
+    with torch.no_grad():
+        logits = model.forward(inputs_embeds=embeds, cache=cache).logits
+    assert torch.equal(logits, run(model, DynamicCache(), prompt)[0]) and len(cache.context) == 4
+    cache.close()
