@@ -969,6 +969,14 @@ class _Wrapped:
     def __call__(self, *args, **kwargs):
         return self.through(self.method, *args, **kwargs)
 
+    def __getstate__(self):
+        # Not what ``update_wrapper`` copied: ``generate``'s annotations hold ForwardRefs, whose compiled
+        # code does not pickle, and an attached model could not be pickled (``torch.save(model)``).
+        return {"method": self.method, "through": self.through}
+
+    def __setstate__(self, state):
+        self.__init__(state["method"], state["through"])
+
 
 def _generating(generate, *args, **kwargs):
     """The model's ``generate``, holding a ``KVStateCache`` it is given from start to end: each forward

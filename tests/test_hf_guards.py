@@ -843,3 +843,23 @@ def test_a_forward_from_inputs_embeds_is_told_so_and_the_way_in():
         logits = model.forward(inputs_embeds=embeds, cache=cache).logits
     assert torch.equal(logits, run(model, DynamicCache(), prompt)[0]) and len(cache.context) == 4
     cache.close()
+
+
+def test_an_attached_model_pickles_and_its_copy_runs_its_own_methods():
+    """From an audit: an attached model did not pickle (``torch.save(model)``, a process pool's hand-off):
+    each wrapped method carried what ``functools.update_wrapper`` copied, ``generate``'s annotations
+    among them, whose ForwardRefs hold code objects. The copy's wrapped methods are its own."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    prompt = ids(4, 100)
+    out = model.generate(prompt, cache=cache, max_new_tokens=2, **GREEDY)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    copy_ = torch.load(buffer, weights_only=False)
+    for name in ("forward", "generate", "prepare_inputs_for_generation"):
+        method = getattr(copy_, name).method
+        assert method.__self__ is copy_ and method.__func__ is getattr(type(copy_), name)
+    more = copy_.generate(out, cache=cache, max_new_tokens=2, **GREEDY)      # the same weights: the same model
+    assert torch.equal(more, model.generate(out, cache=DynamicCache(), max_new_tokens=2, **GREEDY))
+    cache.close()
