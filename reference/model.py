@@ -30,7 +30,11 @@ with, and later answers are judged by those alone.
 
 Under ``on_full="reclaim"`` the engine reclaims entries' pages its own way, so nothing here follows
 its evictions: the entries stay (an upper bound on any hit), ``pressed`` says when the pool may first
-have been short, and the lockstep truncates a hit context to a shorter hit the engine returned.
+have been short, and the lockstep truncates a hit context to a shorter hit the engine returned. Once
+pressed, a retain that takes an older entry's page (``WHOLE_PAGES``, ``SAME_KEY``) may find it gone,
+keep the context's own page instead and give that to every later hit: the two names may then be one
+page or two (``maybe_one_page``). Rooms are judged between the two counts: names as they stand (the
+most pages the engine may hold) and names that may be one page counted once (the fewest).
 """
 
 from __future__ import annotations
@@ -140,23 +144,25 @@ class RefContext:
 
     def _needs(self, start: int, n: int, extend: bool) -> tuple[dict[int, int], dict[int, int] | None]:
         """The pages a write of positions [start, start + n) takes (its copies and new pages), per way of
-        sharing still open (one, under ``values="seeded"``: every step pays for the ways it counts); and,
-        where entries' pages are reclaimed the engine's way (``reclaim``), the least it may take: a page
-        only entries share with it may be gone from them, so only copies of pages contexts share count."""
-        def need(contexts_only: bool) -> dict[int, int]:
-            return {sharing: sum(self._pages_to_write(start, n, extend, sharing, contexts_only))
+        sharing still open (one, under ``values="seeded"``: every step pays for the ways it counts),
+        at most; and, where entries' pages are reclaimed the engine's way (``reclaim``), the least it
+        may take: a page only entries share with it may be gone from them, so only copies of pages
+        contexts share count (and the most counts a page shared under any name it may have)."""
+        def need(least: bool) -> dict[int, int]:
+            return {sharing: sum(self._pages_to_write(start, n, extend, sharing, least))
                     for sharing in self.cache.viable}
         return need(False), need(True) if reclaims(self.cache.config.on_full) else None
 
     def _pages_to_write(self, start: int, n: int, extend: bool, sharing: int,
-                        contexts_only: bool = False) -> tuple[int, int]:
+                        least: bool = False) -> tuple[int, int]:
         """(shared pages the write must copy, new pages it appends) for positions [start, start + n),
-        pages shared as ``sharing`` shares them (with other contexts only, where ``contexts_only``)."""
+        pages shared as ``sharing`` shares them: with any holder, under any name a page may have
+        (``RefCache.maybe_one_page``); or, where ``least``, with other contexts, by its own name."""
         if not n:
             return 0, 0
         page_tokens = self.cache.config.page_tokens
         first, end = pages_touched(start, start + n, page_tokens)
-        copies = sum(self.cache.shared(self.labels[i], sharing, contexts_only)
+        copies = sum(self.cache.shared(self.labels[i], sharing, contexts_only=least, merged=not least)
                      for i in range(first, min(end, len(self.labels))))
         return copies, (pages_needed(start + n, page_tokens) - len(self.labels) if extend else 0)
 
@@ -257,6 +263,9 @@ class RefCache:
         # the engine may have reclaimed entries' pages, so its hits may be shorter; this reference evicts
         # nothing for room, and its entries stay an upper bound on what a hit holds.
         self.pressed = False
+        # Under on_full="reclaim", per way of sharing: page names that may be one page in the engine, as
+        # a union-find (a name -> a name of the same page; ``_one_name``). Empty until pressed.
+        self.maybe_one_page: dict[int, dict[int, int]] = {sharing: {} for sharing in SHARINGS}
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -272,20 +281,42 @@ class RefCache:
     def _holders(self) -> list[RefContext]:
         return self.contexts + [entry[1] for entry in self.entries]
 
-    def holders_of(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False) -> int:
-        name, named = label[sharing], itemgetter(sharing)
+    def holders_of(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False,
+                   merged: bool = False) -> int:
+        """How many holders list ``label``'s page (``merged``: or a name that may be the same page)."""
+        named = self._namer(sharing, merged)
+        name = named(label)
         holders = self.contexts if contexts_only else self._holders()
         return sum(countOf(map(named, holder.labels), name) for holder in holders)
 
-    def shared(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False) -> bool:
-        return self.holders_of(label, sharing, contexts_only) > 1
+    def shared(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False,
+               merged: bool = False) -> bool:
+        return self.holders_of(label, sharing, contexts_only, merged) > 1
 
     def live_pages(self, sharing: int = FORKS) -> int:
-        return _pages(self._holders(), sharing)
+        return _pages(self._holders(), self._namer(sharing))
 
-    def context_pages(self, sharing: int = FORKS) -> int:
-        """Pages that would stay live if every tree entry were evicted: those contexts list."""
-        return _pages(self.contexts, sharing)
+    def context_pages(self, sharing: int = FORKS, merged: bool = False) -> int:
+        """Pages that would stay live if every tree entry were evicted: those contexts list (``merged``:
+        names that may be one page counted once, the fewest the engine may hold)."""
+        return _pages(self.contexts, self._namer(sharing, merged))
+
+    def _namer(self, sharing: int, merged: bool = False) -> Callable[[tuple[int, ...]], int]:
+        """A label's name as ``sharing`` names it; ``merged``: one name for names that may be one page."""
+        if merged and self.maybe_one_page[sharing]:
+            return lambda label: self._one_name(label[sharing], sharing)
+        return itemgetter(sharing)
+
+    def _one_name(self, name: int, sharing: int) -> int:
+        parent = self.maybe_one_page[sharing]
+        while name in parent:
+            name = parent[name]
+        return name
+
+    def _may_be_one_page(self, a: int, b: int, sharing: int) -> None:
+        a, b = self._one_name(a, sharing), self._one_name(b, sharing)
+        if a != b:
+            self.maybe_one_page[sharing][max(a, b)] = min(a, b)
 
     def check_room(self, needed: int | dict[int, int], least: dict[int, int] | None = None) -> None:
         """``CapacityError`` when ``on_full`` refuses an operation needing ``needed`` new pages (a count,
@@ -296,10 +327,11 @@ class RefCache:
         if not any(needs.values()) or not limit or not may_refuse(on_full):
             return
         counted = self.contexts if counts_only_contexts(on_full) else self._holders()
-        full = {sharing: _pages(counted, sharing) + needs[sharing] > limit for sharing in self.viable}
+        full = {sharing: _pages(counted, self._namer(sharing)) + needs[sharing] > limit for sharing in self.viable}
         if not any(full.values()):
             return
-        room = {sharing: _pages(counted, sharing) + least[sharing] <= limit for sharing in self.viable}
+        room = {sharing: _pages(counted, self._namer(sharing, merged=True)) + least[sharing] <= limit
+                for sharing in self.viable}
         if any(room.values()) and self.engine_refused is not None:
             # room one way (of sharing, or of counting copies) and none another: the engine's answer stands,
             # and the ways of sharing that allowed no such answer are closed for the rest of the run
@@ -308,7 +340,7 @@ class RefCache:
             if not self.engine_refused:
                 return
         what = "pages held by contexts (entries' pages are reclaimable)" if counts_only_contexts(on_full) else "live pages"
-        counts = ", ".join(f"{_pages(counted, sharing)} {what} + {needs[sharing]} needed"
+        counts = ", ".join(f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed"
                            + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
                            for sharing in self.viable)
         raise CapacityError(f"{counts} > pool of {limit}")
@@ -356,7 +388,7 @@ class RefCache:
         ``sharing`` names them."""
         entries, limit = list(self.entries), self.config.pool_limit
         held = {label[sharing] for ctx in self.contexts for label in ctx.labels}
-        while _pages(self.contexts + [entry[1] for entry in entries], sharing) + needed > limit:
+        while _pages(self.contexts + [entry[1] for entry in entries], itemgetter(sharing)) + needed > limit:
             keeps = [entry for entry in entries if any(label[sharing] not in held for label in entry[1].labels)]
             if not keeps:
                 break
@@ -399,8 +431,9 @@ class RefCache:
         key = tuple(ctx.token_list)
         if self.config.values == "prefix":
             ctx.labels = self._kept_by_older_entries(key, ctx.labels)
+        labels = list(ctx.labels)
         self.entries = [entry for entry in self.entries if entry[0] != key]
-        private = RefContext(self, ctx.values.copy(), list(ctx.token_list), list(ctx.labels))
+        private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
         self.entries.append(newest)
         while len(self.entries) > self.config.max_entries or self._over_page_budget():
@@ -425,6 +458,8 @@ class RefCache:
                 sharings = (SAME_KEY,)
             if older is not None:
                 for sharing in sharings:
+                    if self.pressed:        # reclaim only: the older entry's page may be gone, its own kept
+                        self._may_be_one_page(label[sharing], older[1].labels[i][sharing], sharing)
                     label[sharing] = older[1].labels[i][sharing]
         return [tuple(label) for label in kept]
 
@@ -468,9 +503,9 @@ class RefCache:
         return sorted(((entry[0], entry[2]) for entry in self.entries), key=lambda pair: pair[1])
 
 
-def _pages(holders: list[RefContext], sharing: int) -> int:
-    """How many pages ``holders`` hold between them, named as ``sharing`` names them."""
-    return len({label[sharing] for holder in holders for label in holder.labels})
+def _pages(holders: list[RefContext], named: Callable[[tuple[int, ...]], int]) -> int:
+    """How many pages ``holders`` hold between them, each label named by ``named`` (``RefCache._namer``)."""
+    return len({named(label) for holder in holders for label in holder.labels})
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -237,3 +237,20 @@ def test_the_directed_checks_pass_the_reclaiming_engine():
 def test_conform_passes_the_reclaiming_engine():
     result = conform(reclaiming.factory, configs=[CONFIG])[0]
     assert result.passed, result.failure
+
+
+# -- sweep findings: correct behaviour the reference once refused ----------------------------
+
+
+def test_a_retain_through_a_prefix_the_engine_reclaimed_keeps_its_own_page():
+    # kvstate sweep, seed 5 (24 steps): after pressure c7 ([0, 1, 2]) is retained through the tree's
+    # [0, 1, 2, 2, 0, 2], whose tail the engine reclaimed: it keeps its own page at position 2, which
+    # c5 and c6 share, where the reference counted the entry's. c8's 4 pages then fit the engine's 8.
+    ops = [O.Allocate(), O.Allocate(), O.Extend("c2", (0,) * 4, seed=0), O.Extend("c1", (0, 1), seed=0),
+           O.Fork("c2"), O.Close("c2"), O.Fork("c3"), O.Close("c3"), O.Retain("c1"),
+           O.Extend("c1", (2, 2, 0, 2), seed=0), O.Match((0,)), O.Extend("c5", (1, 2), seed=0), O.Retain("c5"),
+           O.Fork("c5"), O.Match((0, 1, 2)), O.Extend("c5", (0,), seed=0), O.Clear(), O.Retain("c1"),
+           O.Truncate("c1", 0), O.Extend("c6", (0,) * 4, seed=0), O.Retain("c7"), O.Close("c4"), O.Allocate(),
+           O.Extend("c8", (0,) * 4, seed=0)]
+    lockstep = run(reclaiming.factory, ops)
+    assert "refused" not in lockstep.history[-1] and lockstep.reference.maybe_one_page[1]
