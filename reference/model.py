@@ -431,7 +431,8 @@ class RefCache:
         key = tuple(ctx.token_list)
         if self.config.values == "prefix":
             ctx.labels = self._kept_by_older_entries(key, ctx.labels)
-        labels = list(ctx.labels)
+        labels = self._copied_where_cached_under_other_tokens(key, ctx.labels) if reclaims(self.config.on_full) \
+            else list(ctx.labels)
         self.entries = [entry for entry in self.entries if entry[0] != key]
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
@@ -462,6 +463,24 @@ class RefCache:
                         self._may_be_one_page(label[sharing], older[1].labels[i][sharing], sharing)
                     label[sharing] = older[1].labels[i][sharing]
         return [tuple(label) for label in kept]
+
+    def _copied_where_cached_under_other_tokens(self, key: tuple[int, ...], labels: list) -> list:
+        """The new entry's labels under ``reclaim``: a page an older entry lists at the same place under
+        other tokens up to the page's end (the context overwrote an earlier page since) may be copied
+        into a page the cache alone keeps (vLLM hashes a block with its whole prefix, once: the adapter
+        caches a copy) or shared: a fresh name, which may be one page with the context's."""
+        size, named = self.config.page_tokens, list(labels)
+        for i, label in enumerate(labels):
+            end = min((i + 1) * size, len(key))
+            elsewhere = [sharing for sharing in SHARINGS
+                         if any(len(entry[1].labels) > i and entry[1].labels[i][sharing] == label[sharing]
+                                and entry[0][:end] != key[:end] for entry in self.entries)]
+            if elsewhere:
+                fresh = self.new_label()
+                for sharing in elsewhere:
+                    self._may_be_one_page(fresh[sharing], label[sharing], sharing)
+                named[i] = tuple(fresh[sharing] if sharing in elsewhere else label[sharing] for sharing in SHARINGS)
+        return named
 
     def _over_page_budget(self) -> bool:
         budget = self.config.max_pages

@@ -178,3 +178,25 @@ def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
     from .adapter_checks import evicts_under_pressure
     config = _config("block16-f32-pool12-reclaim-prefixkv").with_(page_tokens=1, block_tokens=1, pool_pages=24)
     evicts_under_pressure(vllm.factory, config, "evicted")       # at block size 1: a scenario of a few blocks
+
+
+def test_a_hit_of_a_block_copied_at_retain_is_a_page_of_its_own():
+    # kvstate sweep, seed 451 (16 steps): c3 retained, overwritten in its first block and retained again:
+    # its second block is cached under the first chain, so the adapter caches a copy for the second
+    # (vLLM hashes a block once). The hit c4 holds that copy, not c3's block: 11 blocks held by requests
+    # where the reference, sharing it, counted 10, and c4's last extend is refused, rightly.
+    from kvstate.stateful.lockstep import Lockstep
+    from kvstate.stateful.ops import op_from_json
+    a, b = [0, 1, 2, 0, 2, 2, 1, 1, 1], [2, 1, 1, 1, 2, 2, 2, 1, 1, 1, 2, 2, 2, 1, 1]
+    ops = [{"op": "allocate"}, {"op": "extend", "ctx": "c1", "tokens": [2, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1]},
+           {"op": "fork", "ctx": "c1"}, {"op": "extend", "ctx": "c2", "tokens": a * 2 + a[:4]},
+           {"op": "retain", "ctx": "c2"}, {"op": "match", "tokens": [2, 0, 0, 1, 1, 0, 1, 1, 0, 1, 1] + a * 2 + a[:3]},
+           {"op": "truncate", "ctx": "c3", "n": 26}, {"op": "extend", "ctx": "c3", "tokens": b},
+           {"op": "retain", "ctx": "c3"}, {"op": "overwrite", "ctx": "c3", "start": 6, "tokens": [2, 0, 0, 0, 0]},
+           {"op": "retain", "ctx": "c3"}, {"op": "extend", "ctx": "c3", "tokens": [0] * 24},
+           {"op": "match", "tokens": [2, 0, 0, 1, 1, 0, 2, 0, 0, 0, 0] + a + a[:6] + b[:6]},
+           {"op": "extend", "ctx": "c4", "tokens": [0] * 15}, {"op": "extend", "ctx": "c4", "tokens": [0] * 18}]
+    run = Lockstep(vllm.factory, _config("block16-f32-pool12-reclaim-prefixkv"))
+    run.run([op_from_json({**op, "seed": 0} if op["op"] in ("extend", "overwrite") else op) for op in ops])
+    assert "refused" in run.history[-1]
+    run.finish()
