@@ -50,7 +50,8 @@ from kvstate.spec.errors import (CapacityError, ContextClosedError, EmptyContext
                                  PrecisionRangeError, SnapshotPrecisionError, refuse_with_all)
 from kvstate.spec.layout import check_tokens, check_values, is_torch_tensor, require_finite
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import counts_only_contexts, entry_pages, evicts_for_room, hit_length, may_refuse, reclaims
+from kvstate.spec.semantics import (counts_only_contexts, entry_pages, evicts_for_room, hit_length, may_refuse,
+                                    reclaims, reclaims_once_warm)
 
 # Which name of a page label is which: one per way of sharing pages (see the module docstring).
 FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
@@ -370,11 +371,12 @@ class RefCache:
 
     def _note_pressure(self, needs: dict[int, int]) -> None:
         """``pressed`` from the first operation that may have found the pool short, counted every way of
-        sharing still open: the pages all holders list plus its need pass the pool, or the pages handed
-        out since the start plus its need do (an engine recycling freed pages in release order, as vLLM's
-        free queue, reaches its cached pages then, though uncached free pages wait behind them)."""
-        limit = self.config.pool_limit
-        if any(self.live_pages(sharing) + needs[sharing] > limit or self.labels_issued + needs[sharing] > limit
+        sharing still open: the pages all holders list plus its need pass the pool; under
+        ``reclaim-fifo``, or the pages handed out since the start plus its need do (an engine recycling
+        freed pages in release order, as vLLM's free queue, reaches its cached pages then, though
+        uncached free pages wait behind them)."""
+        limit, warm = self.config.pool_limit, reclaims_once_warm(self.config.on_full)
+        if any(self.live_pages(sharing) + needs[sharing] > limit or warm and self.labels_issued + needs[sharing] > limit
                for sharing in self.viable):
             self.pressed = True
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 from .errors import ConfigError
 from .layout import DEFAULT_PAGE_TOKENS, Layout
 from .observation import Observation
-from .semantics import MATCH_KINDS, ON_FULL, VALUES, pool_limit
+from .semantics import MATCH_KINDS, ON_FULL, VALUES, pool_limit, reclaims
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ class Config:
             raise ConfigError(f"Config.on_full must be one of {ON_FULL}, got {self.on_full!r}")
         if self.values not in VALUES:
             raise ConfigError(f"Config.values must be one of {VALUES}, got {self.values!r}")
-        if self.on_full == "reclaim" and self.values != "prefix":
+        if reclaims(self.on_full) and self.values != "prefix":
             # a shorter hit may come from another entry than the reference's: its values must not depend on which
-            raise ConfigError("on_full='reclaim' needs values='prefix' (a shorter hit's values are fixed by its tokens)")
+            raise ConfigError(f"on_full={self.on_full!r} needs values='prefix' (a shorter hit's values are fixed by its tokens)")
         if self.on_full != "fallback" and not self.pool_limit:
             raise ConfigError(f"on_full={self.on_full!r} needs a pool: set arena_pages or pool_pages")
 

@@ -39,18 +39,22 @@ per configuration (``Config``), and the reference and the engine implement all o
                under ``evict``; an engine reclaiming its own way declares ``reclaim``.
   ``reclaim``  refuses as ``evict-then-refuse`` (a copy of a page only entries share with the writer
                may or may not be needed: the entry's page may be gone, so either answer is right
-               between the two counts), but entries' pages no context holds are reclaimed in
+               between the two counts; so where, once pressed, a retain may have shared an entry's
+               page or kept its own, ``reference/model.py``'s ``maybe_one_page``), but entries' pages no context holds are reclaimed in
                any amount and order the engine chooses: whole entries, leaf nodes (SGLang's
                ``RadixCache.evict``), single blocks (vLLM's free queue, in release order). A ``match``
                may then return a shorter hit than the reference's, down to a miss, aligned as
                ``match`` requires, never a longer one: the reference keeps every retained entry (the
                bounds aside) as an upper bound, and its hit context takes the engine's first positions.
                Only once the pool may have been short (``pressed``: the pages every holder lists plus
-               an operation's need pass the pool, or the pages handed out since the start do, so that
-               an engine recycling freed pages in release order reaches its cached ones) may a hit be
-               shorter; before, hits are exact. Needs ``values="prefix"``: a shorter hit's values are
-               then fixed by its tokens, whichever entry gave it. Checks of which entries are kept and
-               in what order (eviction order, eviction for room) do not apply once pressed.
+               an operation's need pass the pool) may a hit be shorter; before, hits are exact. Needs
+               ``values="prefix"``: a shorter hit's values are then fixed by its tokens, whichever
+               entry gave it. Checks of which entries are kept and in what order (eviction order,
+               eviction for room) do not apply once pressed.
+  ``reclaim-fifo``  as ``reclaim``, for an engine that hands out free pages in the order they were
+               freed, cached ones among them (vLLM's free queue): it reaches a cached page once the
+               never used ones are gone, though uncached free pages wait behind it, so ``pressed``
+               also comes once the pages handed out since the start plus a need pass the pool.
 ``values`` -- what K/V values the suite writes.
   ``seeded``  each write draws its values from its own seed (``stateful.ops.values_for``): two
               contexts may hold different values under the same tokens (the seed's world).
@@ -74,7 +78,7 @@ from __future__ import annotations
 from .arithmetic import pages_needed
 
 MATCH_KINDS = ("entry", "token", "block")
-ON_FULL = ("fallback", "evict", "refuse", "evict-then-refuse", "reclaim")
+ON_FULL = ("fallback", "evict", "refuse", "evict-then-refuse", "reclaim", "reclaim-fifo")
 VALUES = ("seeded", "prefix")
 
 
@@ -113,17 +117,23 @@ def entry_pages(key_length: int, page_tokens: int) -> int:
 
 def may_refuse(on_full: str) -> bool:
     """Whether a full pool may answer an operation with ``CapacityError``."""
-    return on_full in ("refuse", "evict-then-refuse", "reclaim")
+    return on_full in ("refuse", "evict-then-refuse", "reclaim", "reclaim-fifo")
 
 
 def counts_only_contexts(on_full: str) -> bool:
     """Whether a refusal counts only the pages contexts hold (entries' pages are reclaimable)."""
-    return on_full in ("evict-then-refuse", "reclaim")
+    return on_full in ("evict-then-refuse", "reclaim", "reclaim-fifo")
 
 
 def reclaims(on_full: str) -> bool:
     """Whether the engine reclaims entries' pages its own way, so a hit may come back shorter."""
-    return on_full == "reclaim"
+    return on_full in ("reclaim", "reclaim-fifo")
+
+
+def reclaims_once_warm(on_full: str) -> bool:
+    """Whether a cached page may go once as many pages as the pool holds were handed out, room or not
+    (free pages recycled in release order, as vLLM's free queue: ``reclaim-fifo``)."""
+    return on_full == "reclaim-fifo"
 
 
 def evicts_for_room(on_full: str) -> bool:

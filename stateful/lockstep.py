@@ -18,7 +18,8 @@ from kvstate.reference import RefCache
 from kvstate.spec import invariants
 from kvstate.spec.errors import CapacityError, InvariantViolation, KVStateError, applicable_errors, spec_class
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import counts_only_contexts, evicts_for_room, hit_rule, may_refuse, reclaims
+from kvstate.spec.semantics import (counts_only_contexts, evicts_for_room, hit_rule, may_refuse, reclaims,
+                                    reclaims_once_warm)
 
 from . import ops as O
 from .frames import raised_at
@@ -241,13 +242,15 @@ class Lockstep:
         allows, or shorter before the pool could have been short."""
         if not reclaims(self.config.on_full):
             return ""
+        on_full = self.config.on_full
         if matched > ref_matched:
-            return ("; under on_full='reclaim' a hit may be shorter than the reference's, never longer: no "
+            return (f"; under on_full={on_full!r} a hit may be shorter than the reference's, never longer: no "
                     "retained key gives it")
         if not self.reference.pressed:
-            return ("; under on_full='reclaim' a hit may be shorter only once the pool may have been short "
-                    "(pages listed, or handed out since the start, plus a need passing it): none was yet, so "
-                    "the engine forgot an entry's pages without pressure")
+            pressure = "pages listed, or handed out since the start," if reclaims_once_warm(on_full) else "pages listed"
+            return (f"; under on_full={on_full!r} a hit may be shorter only once the pool may have been short "
+                    f"({pressure} plus a need passing it): none was yet, so the engine forgot an entry's pages "
+                    "without pressure")
         return ""
 
     def _tree_comparable(self) -> bool:

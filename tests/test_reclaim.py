@@ -105,6 +105,21 @@ class ForgetsWithoutPressure(Cache):
                 self.drop(node)
 
 
+class ForgetsOnceWarm(Cache):
+    """Once it has handed out as many slots as the pool holds, every allocation drops every trie node
+    only the trie holds: its pool is never short by its own count (nor by the reference's)."""
+
+    handed = 0
+
+    def take(self, n: int):
+        taken = super().take(n)
+        self.handed += n
+        if self.handed > self.config.pool_limit:
+            while self.reclaimable():
+                self.reclaim_one()
+        return taken
+
+
 class ClearKeepsTheTrie(Cache):
     """``clear()`` forgets to drop the trie: a later hit is longer than any retained key allows."""
 
@@ -157,6 +172,18 @@ def test_forgetting_an_entry_without_pressure_is_caught():
     ops = cached(A, 1, "c1") + cached(B, 2, "c2") + [O.Match(A)]     # 8 of 12 pages: no pressure
     run(reclaiming.factory, ops)
     assert "forgot an entry's pages without pressure" in caught(ForgetsWithoutPressure, ops)
+
+
+def test_forgetting_once_as_many_pages_as_the_pool_were_handed_out_is_caught():
+    # 16 pages handed out, never more than 8 live: only an engine recycling in release order
+    # (on_full="reclaim-fifo", vLLM) may then reach a cached page; this pool declares "reclaim".
+    ops = cached(A, 1, "c1") + [O.Allocate()] + [O.Extend("c2", B, seed=2), O.Truncate("c2", 0)] * 2 + [
+        O.Extend("c2", B, seed=2), O.Match(A)]
+    run(reclaiming.factory, ops)
+    assert "forgot an entry's pages without pressure" in caught(ForgetsOnceWarm, ops)
+    fifo = Lockstep(factory_of(ForgetsOnceWarm), CONFIG.with_(on_full="reclaim-fifo"))
+    fifo.run(ops)
+    assert fifo.reference.pressed and len(fifo.live["c3"][0]) == 0
 
 
 def test_a_hit_longer_than_any_retained_key_is_caught():

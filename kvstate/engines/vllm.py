@@ -29,7 +29,7 @@ pool:
   where ``get_new_blocks`` would evict a cached block (its free queue reaches the cached blocks
   once the never used ones are gone, which ``clear()`` can bring about before the pool is full),
   rather than let vLLM evict behind the suite's back;
-- ``RECLAIM_POOLS``: a pool of the declared size (plus the null block), ``on_full="reclaim"``:
+- ``RECLAIM_POOLS``: a pool of the declared size (plus the null block), ``on_full="reclaim-fifo"``:
   ``get_new_blocks`` evicts cached blocks from its free queue as vLLM does (single blocks, tail
   first, in the order their holders released them: no order ``evict-then-refuse`` expresses,
   ``tests/engines/test_vllm.py`` shows each difference), and an operation is refused with
@@ -292,7 +292,7 @@ def _configs() -> list[Config]:
             configs.append(Config(layout, page_tokens=block, precision=precision, max_entries=ENTRY_BOUND,
                                   match="block", block_tokens=block, values="prefix"))
     return configs + [Config(layout, page_tokens=block, precision="f32", max_entries=ENTRY_BOUND, match="block",
-                             block_tokens=block, values="prefix", pool_pages=pool, on_full="reclaim")
+                             block_tokens=block, values="prefix", pool_pages=pool, on_full="reclaim-fifo")
                       for block, pool in RECLAIM_POOLS]
 
 

@@ -176,7 +176,7 @@ def test_retain_refuses_another_caches_context_by_name():
 
 def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
     from .adapter_checks import evicts_under_pressure
-    config = _config("block16-f32-pool12-reclaim-prefixkv").with_(page_tokens=1, block_tokens=1, pool_pages=24)
+    config = _config("block16-f32-pool12-reclaim-fifo-prefixkv").with_(page_tokens=1, block_tokens=1, pool_pages=24)
     evicts_under_pressure(vllm.factory, config, "evicted")       # at block size 1: a scenario of a few blocks
 
 
@@ -196,7 +196,7 @@ def test_a_hit_of_a_block_copied_at_retain_is_a_page_of_its_own():
            {"op": "retain", "ctx": "c3"}, {"op": "extend", "ctx": "c3", "tokens": [0] * 24},
            {"op": "match", "tokens": [2, 0, 0, 1, 1, 0, 2, 0, 0, 0, 0] + a + a[:6] + b[:6]},
            {"op": "extend", "ctx": "c4", "tokens": [0] * 15}, {"op": "extend", "ctx": "c4", "tokens": [0] * 18}]
-    run = Lockstep(vllm.factory, _config("block16-f32-pool12-reclaim-prefixkv"))
+    run = Lockstep(vllm.factory, _config("block16-f32-pool12-reclaim-fifo-prefixkv"))
     run.run([op_from_json({**op, "seed": 0} if op["op"] in ("extend", "overwrite") else op) for op in ops])
     assert "refused" in run.history[-1]
     run.finish()
