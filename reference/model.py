@@ -34,7 +34,8 @@ have been short, and the lockstep truncates a hit context to a shorter hit the e
 pressed, a retain that takes an older entry's page (``WHOLE_PAGES``, ``SAME_KEY``) may find it gone,
 keep the context's own page instead and give that to every later hit: the two names may then be one
 page or two (``maybe_one_page``). Rooms are judged between the two counts: names as they stand (the
-most pages the engine may hold) and names that may be one page counted once (the fewest).
+most pages the engine may hold) and names that may be one page counted once (the fewest). The keys
+retained since the pool last may have been short still hold every page (``least_hit``).
 """
 
 from __future__ import annotations
@@ -267,6 +268,9 @@ class RefCache:
         # Under on_full="reclaim", per way of sharing: page names that may be one page in the engine, as
         # a union-find (a name -> a name of the same page; ``_one_name``). Empty until pressed.
         self.maybe_one_page: dict[int, dict[int, int]] = {sharing: {} for sharing in SHARINGS}
+        # Under on_full="reclaim": the keys retained since the pool last may have been short. Nothing
+        # has been reclaimed since, so every page of theirs is still there (``least_hit``).
+        self.retained_since_pressure: set[tuple[int, ...]] = set()
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -379,6 +383,20 @@ class RefCache:
         if any(self.live_pages(sharing) + needs[sharing] > limit or warm and self.labels_issued + needs[sharing] > limit
                for sharing in self.viable):
             self.pressed = True
+            self.retained_since_pressure.clear()
+
+    def least_hit(self, query: tuple[int, ...]) -> int:
+        """Under ``reclaim``, the shortest hit an engine may return for ``query``: the hit over only the
+        entries retained since the pool last may have been short, none of whose pages can have gone
+        since. Under ``reclaim-fifo`` (a retain's copies may reach cached pages too): none."""
+        if reclaims_once_warm(self.config.on_full):
+            return 0
+        entries = self.entries
+        self.entries = [entry for entry in entries if entry[0] in self.retained_since_pressure]
+        try:
+            return self._lookup(query)[1]
+        finally:
+            self.entries = entries
 
     def _per_sharing(self, needed: int | dict[int, int]) -> dict[int, int]:
         """A need of pages per way of sharing still open (the same count where only one is given)."""
@@ -436,6 +454,7 @@ class RefCache:
         labels = self._copied_where_cached_under_other_tokens(key, ctx.labels) if reclaims(self.config.on_full) \
             else list(ctx.labels)
         self.entries = [entry for entry in self.entries if entry[0] != key]
+        self.retained_since_pressure.add(key)
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
         self.entries.append(newest)

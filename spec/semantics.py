@@ -47,14 +47,17 @@ per configuration (``Config``), and the reference and the engine implement all o
                ``match`` requires, never a longer one: the reference keeps every retained entry (the
                bounds aside) as an upper bound, and its hit context takes the engine's first positions.
                Only once the pool may have been short (``pressed``: the pages every holder lists plus
-               an operation's need pass the pool) may a hit be shorter; before, hits are exact. Needs
+               an operation's need pass the pool) may a hit be shorter; before, hits are exact, and
+               after, a hit is at least what the entries retained since the pool last may have been
+               short give (none of their pages can have gone since). Needs
                ``values="prefix"``: a shorter hit's values are then fixed by its tokens, whichever
                entry gave it. Checks of which entries are kept and in what order (eviction order,
                eviction for room) do not apply once pressed.
   ``reclaim-fifo``  as ``reclaim``, for an engine that hands out free pages in the order they were
                freed, cached ones among them (vLLM's free queue): it reaches a cached page once the
                never used ones are gone, though uncached free pages wait behind it, so ``pressed``
-               also comes once the pages handed out since the start plus a need pass the pool.
+               also comes once the pages handed out since the start plus a need pass the pool, and,
+               once it has, any entry may have lost pages (a retain's copies may reach them too).
 ``values`` -- what K/V values the suite writes.
   ``seeded``  each write draws its values from its own seed (``stateful.ops.values_for``): two
               contexts may hold different values under the same tokens (the seed's world).

@@ -131,7 +131,7 @@ class Lockstep:
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]} "
                                      f"({self._hit_rule(engine_result[1], tuple(op.tokens))})"
                                      f"{_not_the_querys(engine_result[0], tuple(op.tokens))}{budget}"
-                                     f"{self._reclaimed_note(engine_result[1], ref_result[1])}")
+                                     f"{self._reclaimed_note(engine_result[1], ref_result[1], tuple(op.tokens))}")
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)
@@ -223,6 +223,8 @@ class Lockstep:
         once the pool may have been short (``RefCache.pressed``): no engine forgets without pressure."""
         if not (reclaims(self.config.on_full) and self.reference.pressed and 0 <= matched < ref_matched):
             return False
+        if matched < self.reference.least_hit(query):
+            return False
         if self.config.match == "block":
             return matched % self.config.block_tokens == 0
         if self.config.match == "entry":
@@ -237,7 +239,7 @@ class Lockstep:
         ref_result[0].truncate(matched)
         return True
 
-    def _reclaimed_note(self, matched: int, ref_matched: int) -> str:
+    def _reclaimed_note(self, matched: int, ref_matched: int, query: tuple) -> str:
         """Under on_full="reclaim", why this hit's length is still wrong: longer than any retained key
         allows, or shorter before the pool could have been short."""
         if not reclaims(self.config.on_full):
@@ -251,6 +253,10 @@ class Lockstep:
             return (f"; under on_full={on_full!r} a hit may be shorter only once the pool may have been short "
                     f"({pressure} plus a need passing it): none was yet, so the engine forgot an entry's pages "
                     "without pressure")
+        least = self.reference.least_hit(query)
+        if matched < least:
+            return (f"; under on_full={on_full!r} an entry retained since the pool last may have been short keeps "
+                    f"every page: the hit holds at least {least} positions")
         return ""
 
     def _tree_comparable(self) -> bool:
@@ -550,7 +556,7 @@ class Lockstep:
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
                                                 f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
                                                 f"{pool}{self._prefix_eviction_note()}"
-                                                f"{self._reclaimed_note(engine_matched, ref_matched)}")
+                                                f"{self._reclaimed_note(engine_matched, ref_matched, key)}")
                 values, tokens = engine_hit.read()
                 try:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},

@@ -105,6 +105,13 @@ class ForgetsWithoutPressure(Cache):
                 self.drop(node)
 
 
+class ForgetsOnceReclaimed(ForgetsWithoutPressure):
+    """Once it has reclaimed for room, a retain lets every other branch the trie alone holds go."""
+
+    def retain(self, ctx) -> None:
+        (super().retain if self.reclaimed else Cache.retain.__get__(self))(ctx)
+
+
 class ForgetsOnceWarm(Cache):
     """Once it has handed out as many slots as the pool holds, every allocation drops every trie node
     only the trie holds: its pool is never short by its own count (nor by the reference's)."""
@@ -172,6 +179,15 @@ def test_forgetting_an_entry_without_pressure_is_caught():
     ops = cached(A, 1, "c1") + cached(B, 2, "c2") + [O.Match(A)]     # 8 of 12 pages: no pressure
     run(reclaiming.factory, ops)
     assert "forgot an entry's pages without pressure" in caught(ForgetsWithoutPressure, ops)
+
+
+def test_forgetting_an_entry_retained_since_the_last_pressure_is_caught():
+    # After UNDER_PRESSURE's reclaim, C = (3, 3) and D = (4, 4) are cached with the pool never short
+    # again (at most 12 pages listed): C's pages cannot have gone, though the pool was once short.
+    ops = UNDER_PRESSURE + [O.Close("c3"), O.Close("c4"), O.Close("c5")] + cached((3, 3), 4, "c6") + \
+        cached((4, 4), 5, "c7") + [O.Match((3, 3))]
+    run(reclaiming.factory, ops)
+    assert "retained since the pool last may have been short" in caught(ForgetsOnceReclaimed, ops)
 
 
 def test_forgetting_once_as_many_pages_as_the_pool_were_handed_out_is_caught():
