@@ -345,7 +345,11 @@ class RefCache:
             if not self.engine_refused:
                 return
         what = "pages held by contexts (entries' pages are reclaimable)" if counts_only_contexts(on_full) else "live pages"
-        counts = ", ".join(f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed"
+        def fewest(sharing: int) -> str:        # where names that may be one page, or the least need, count less
+            pages, need = _pages(counted, self._namer(sharing, merged=True)), least[sharing]
+            most = (_pages(counted, self._namer(sharing)), needs[sharing])
+            return "" if (pages, need) == most else f" (at least {pages} + {need})"
+        counts = ", ".join(f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed{fewest(sharing)}"
                            + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
                            for sharing in self.viable)
         raise CapacityError(f"{counts} > pool of {limit}")

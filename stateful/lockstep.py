@@ -219,8 +219,9 @@ class Lockstep:
 
     def _shorter_hit_allowed(self, matched: int, ref_matched: int, query: tuple) -> bool:
         """Whether an engine's hit of ``matched`` positions, where the reference's holds ``ref_matched``, is
-        one ``on_full="reclaim"`` allows: shorter, aligned as the declared ``match`` requires, and only
-        once the pool may have been short (``RefCache.pressed``): no engine forgets without pressure."""
+        one ``on_full="reclaim"`` allows: shorter, aligned as the declared ``match`` requires, only once
+        the pool may have been short (``RefCache.pressed``: no engine forgets without pressure), and no
+        shorter than the entries retained since it last may have been short give (``RefCache.least_hit``)."""
         if not (reclaims(self.config.on_full) and self.reference.pressed and 0 <= matched < ref_matched):
             return False
         if matched < self.reference.least_hit(query):

@@ -295,5 +295,9 @@ def test_a_retain_through_a_prefix_the_engine_reclaimed_keeps_its_own_page():
            O.Fork("c5"), O.Match((0, 1, 2)), O.Extend("c5", (0,), seed=0), O.Clear(), O.Retain("c1"),
            O.Truncate("c1", 0), O.Extend("c6", (0,) * 4, seed=0), O.Retain("c7"), O.Close("c4"), O.Allocate(),
            O.Extend("c8", (0,) * 4, seed=0)]
-    lockstep = run(reclaiming.factory, ops)
+    lockstep = Lockstep(reclaiming.factory, CONFIG)
+    lockstep.run(ops)
     assert "refused" not in lockstep.history[-1] and lockstep.reference.maybe_one_page[1]
+    with pytest.raises(CapacityError, match=r"13 pages held by contexts .* \+ 1 needed \(at least 12 \+ 1\)"):
+        lockstep.reference.check_room(1)          # a refusal names both counts
+    lockstep.finish()
