@@ -395,12 +395,7 @@ class RefCache:
         since. Under ``reclaim-fifo`` (a retain's copies may reach cached pages too): none."""
         if reclaims_once_warm(self.config.on_full):
             return 0
-        entries = self.entries
-        self.entries = [entry for entry in entries if entry[0] in self.retained_since_pressure]
-        try:
-            return self._lookup(query)[1]
-        finally:
-            self.entries = entries
+        return self._lookup(query, [entry for entry in self.entries if entry[0] in self.retained_since_pressure])[1]
 
     def _per_sharing(self, needed: int | dict[int, int]) -> dict[int, int]:
         """A need of pages per way of sharing still open (the same count where only one is given)."""
@@ -522,21 +517,23 @@ class RefCache:
         labels = entry.labels[:pages_needed(length, self.config.page_tokens)]
         return self._adopt(entry.values[:length].copy(), list(entry.token_list[:length]), list(labels)), length
 
-    def _lookup(self, query: tuple[int, ...]):
-        """The entry a hit is taken from and the positions it holds, or ``(None, 0)``."""
+    def _lookup(self, query: tuple[int, ...], entries: list | None = None):
+        """The entry a hit is taken from and the positions it holds, or ``(None, 0)``; among ``entries``
+        (default: every entry)."""
+        entries = self.entries if entries is None else entries
         if self.config.match == "entry":
-            prefixes = [entry for entry in self.entries if query[:len(entry[0])] == entry[0]]
+            prefixes = [entry for entry in entries if query[:len(entry[0])] == entry[0]]
             if not prefixes:
                 return None, 0
             best = max(prefixes, key=lambda entry: len(entry[0]))
             return best, len(best[0])
-        common = {id(entry): _common_prefix(entry[0], query) for entry in self.entries}
+        common = {id(entry): _common_prefix(entry[0], query) for entry in entries}
         length = hit_length(self.config.match, self.config.block_tokens, max(common.values(), default=0))
         if length == 0:
             return None, 0
         # The hit's length decides the tie: under ``block`` every entry reaching the last whole block
         # is a candidate, however many tokens past it it shares with the query.
-        best = max((entry for entry in self.entries if common[id(entry)] >= length), key=lambda entry: entry[2])
+        best = max((entry for entry in entries if common[id(entry)] >= length), key=lambda entry: entry[2])
         return best, length
 
     def clear(self) -> None:
