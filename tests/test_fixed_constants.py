@@ -64,8 +64,14 @@ def test_a_pinned_run_draws_the_same_operations_after_new_imports(imports):
 
 
 def test_control_an_unpinned_run_moves_with_the_imports(imports):
+    """Whether one module's literals move the run depends on the pool the process harvested before (an
+    xdist worker's earlier tests import other modules: a clean-clone CI run once saw no move), so up to
+    three modules of new literals are imported, one at a time, and one of them must move it."""
     def unpinned(machine, profile):
         run_state_machine_as_test(machine, settings=profile)
     before = _operations(unpinned)
-    imports("kvstate_test_constants_unpinned")
-    assert _operations(unpinned) != before
+    for attempt in range(3):
+        imports(f"kvstate_test_constants_unpinned_{attempt}")
+        if _operations(unpinned) != before:
+            return
+    pytest.fail("three modules of new literals left an unpinned run's operations as they were")
