@@ -488,18 +488,27 @@ class RefCache:
         """The new entry's labels under ``reclaim``: a page an older entry lists at the same place under
         other tokens up to the page's end (the context overwrote an earlier page since) may be copied
         into a page the cache alone keeps (vLLM hashes a block with its whole prefix, once: the adapter
-        caches a copy) or shared: a fresh name, which may be one page with the context's."""
-        size, named = self.config.page_tokens, list(labels)
+        caches a copy) or shared: a fresh name, which may be one page with the context's. Such copies are
+        pages handed out, for which the pool may have been short (``_note_pressure``: vLLM's
+        ``get_new_blocks`` evicts a cached block for one once the never used blocks are gone)."""
+        size = self.config.page_tokens
+        copied = {}         # page index -> the ways of sharing that list the page under other tokens
         for i, label in enumerate(labels):
             end = min((i + 1) * size, len(key))
             elsewhere = [sharing for sharing in SHARINGS
                          if any(len(entry[1].labels) > i and entry[1].labels[i][sharing] == label[sharing]
                                 and entry[0][:end] != key[:end] for entry in self.entries)]
             if elsewhere:
-                fresh = self.new_label()
-                for sharing in elsewhere:
-                    self._may_be_one_page(fresh[sharing], label[sharing], sharing)
-                named[i] = tuple(fresh[sharing] if sharing in elsewhere else label[sharing] for sharing in SHARINGS)
+                copied[i] = elsewhere
+        if copied:
+            self._note_pressure({sharing: sum(sharing in elsewhere for elsewhere in copied.values())
+                                 for sharing in self.viable})
+        named = list(labels)
+        for i, elsewhere in copied.items():
+            fresh, label = self.new_label(), labels[i]
+            for sharing in elsewhere:
+                self._may_be_one_page(fresh[sharing], label[sharing], sharing)
+            named[i] = tuple(fresh[sharing] if sharing in elsewhere else label[sharing] for sharing in SHARINGS)
         return named
 
     def _over_page_budget(self) -> bool:

@@ -301,3 +301,30 @@ def test_a_retain_through_a_prefix_the_engine_reclaimed_keeps_its_own_page():
     with pytest.raises(CapacityError, match=r"13 pages held by contexts .* \+ 1 needed \(at least 12 \+ 1\)"):
         lockstep.reference.check_room(1)          # a refusal names both counts
     lockstep.finish()
+
+
+def test_a_retains_copies_past_the_pool_are_pressure():
+    # A retain whose page an older entry lists under other tokens may copy it (vLLM caches a copy), a page
+    # handed out: under reclaim-fifo the 13th page handed out may reach a cached one. vLLM's retain of c2
+    # below evicted (5,)'s block, and the next hit of (5,) was a miss the reference, not yet pressed,
+    # rejected as forgetting without pressure (tests/engines/test_vllm.py shows it at block size 16).
+    from kvstate.reference import RefCache
+
+    ref = RefCache(CONFIG.with_(on_full="reclaim-fifo"))
+    layout = ref.config.layout
+
+    def extend(ctx, tokens):
+        ctx.extend(list(tokens), O.prefix_values(layout, len(ctx), tokens))
+
+    c1 = ref.allocate()
+    extend(c1, (5,))
+    ref.retain(c1)
+    c1.close()
+    c2 = ref.allocate()
+    extend(c2, (1, 1))
+    ref.retain(c2)
+    c2.overwrite(0, [7], O.prefix_values(layout, 0, (7,)))      # its own copy of position 0
+    extend(ref.allocate(), (3,) * 8)                            # the 12th page handed out: no pressure yet
+    assert not ref.pressed
+    ref.retain(c2)               # position 1 is (1, 1)'s page under other tokens: a copy, the 13th page
+    assert ref.pressed

@@ -180,6 +180,22 @@ def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
     evicts_under_pressure(vllm.factory, config, "evicted")       # at block size 1: a scenario of a few blocks
 
 
+def test_a_retains_copy_that_evicts_a_cached_block_is_pressure():
+    # (5,)*16 cached; c2's 32 ones retained, then overwritten in its first block (a copy); c3's 8 blocks take
+    # the last never used ones (12 handed out, no pressure). c2's retain caches a copy of its second block
+    # (cached under the old chain): get_new_blocks takes the free queue's head, (5,)*16's block, and evicts
+    # it. The probe of that entry then misses, which the reference must allow: the copy was pressure.
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.lockstep import Lockstep
+    ops = [O.Allocate(), O.Extend("c1", (5,) * 16), O.Retain("c1"), O.Close("c1"),
+           O.Allocate(), O.Extend("c2", (1,) * 32), O.Retain("c2"), O.Overwrite("c2", 0, (7,)),
+           O.Allocate(), O.Extend("c3", (3,) * 128), O.Retain("c2"), O.Match((5,) * 16)]
+    run = Lockstep(vllm.factory, _config("block16-f32-pool12-reclaim-fifo-prefixkv"))
+    run.run(ops)
+    assert run.engine.evicted == 1 and run.reference.pressed
+    run.finish()
+
+
 def test_a_hit_of_a_block_copied_at_retain_is_a_page_of_its_own():
     # kvstate sweep, seed 451 (16 steps): c3 retained, overwritten in its first block and retained again:
     # its second block is cached under the first chain, so the adapter caches a copy for the second
