@@ -39,8 +39,9 @@ per configuration (``Config``), and the reference and the engine implement all o
                under ``evict``; an engine reclaiming its own way declares ``reclaim``.
   ``reclaim``  refuses as ``evict-then-refuse`` (a copy of a page only entries share with the writer
                may or may not be needed: the entry's page may be gone, so either answer is right
-               between the two counts; so where, once pressed, a retain may have shared an entry's
-               page or kept its own, ``reference/model.py``'s ``maybe_one_page``), but entries' pages no context holds are reclaimed in
+               between the two counts; so is either where, once pressed, a retain may have shared an
+               entry's page or kept its own: ``reference/model.py``'s ``maybe_one_page``), but
+               entries' pages no context holds are reclaimed in
                any amount and order the engine chooses: whole entries, leaf nodes (SGLang's
                ``RadixCache.evict``), single blocks (vLLM's free queue, in release order). A ``match``
                may then return a shorter hit than the reference's, down to a miss, aligned as

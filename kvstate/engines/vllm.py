@@ -64,7 +64,8 @@ GROUP = 0                     # one KV cache group: full attention
 # The reclaiming configuration's pool (block size, blocks): small enough that runs evict cached blocks. Not at
 # block size 1: there a 200-seed sweep met two ways vLLM holds more blocks than the reference counts (a hit takes
 # the first block cached under a hash; a retain after an overwrite copies blocks cached under the old chain),
-# each a false rejection, not an engine bug; at 16 a 500-seed sweep met the second once (README, vLLM).
+# each a false rejection, not an engine bug; at 16 a 500-seed sweep met the second once, since modelled (the
+# reference names such a copy both ways: README, vLLM).
 RECLAIM_POOLS = ((16, 12),)
 
 
