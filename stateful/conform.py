@@ -228,7 +228,7 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
 
     started = time.perf_counter()
     if reclaims(config.on_full):
-        return Outcome("n/a", 0.0, "on_full='reclaim': the race scenarios judge the tree by whole-entry eviction")
+        return Outcome("n/a", 0.0, f"on_full={config.on_full!r}: the race scenarios judge the tree by whole-entry eviction")
     if not getattr(factory, "thread_safe", False):
         return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
     scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),

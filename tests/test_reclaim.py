@@ -274,6 +274,8 @@ def test_the_directed_checks_pass_the_reclaiming_engine():
     assert result.passed, result.failure
     races = result.outcomes["races"]
     assert races.status == "n/a" and "whole-entry eviction" in races.detail      # its tree checks assume it
+    fifo = conform(reclaiming.factory, configs=[CONFIG.with_(on_full="reclaim-fifo")], checks=["races"])[0]
+    assert fifo.outcomes["races"].detail.startswith("on_full='reclaim-fifo':")     # the on_full declared, named
 
 
 @pytest.mark.slow
