@@ -450,10 +450,11 @@ class RefCache:
         key = tuple(ctx.token_list)
         if self.config.values == "prefix":
             ctx.labels = self._kept_by_older_entries(key, ctx.labels)
-        labels = self._copied_where_cached_under_other_tokens(key, ctx.labels) if reclaims(self.config.on_full) \
-            else list(ctx.labels)
+        labels = list(ctx.labels)
+        if reclaims(self.config.on_full):       # nothing below changes the reference of any other pool
+            labels = self._copied_where_cached_under_other_tokens(key, labels)
+            self.retained_since_pressure.add(key)
         self.entries = [entry for entry in self.entries if entry[0] != key]
-        self.retained_since_pressure.add(key)
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
         self.entries.append(newest)
