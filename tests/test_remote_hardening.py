@@ -270,33 +270,6 @@ def test_a_fatal_tier_warning_leaves_no_context_behind(through):
     assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
 
 
-def test_a_fatal_warning_over_a_damaged_object_leaves_the_shorter_restore_closed():
-    from kvstate.spec.errors import SecondTierWarning
-    store = memory_store(stride=8)
-    tokens = stored(store, 20)                       # stored at 20 and at 16
-    cache = Cache(SMALL, page_tokens=4)
-    fsspec.filesystem("memory").pipe_file(store.url(cache, tokens[:20])[len("memory://"):], b"KVS damaged")
-    with fatal_tier_warnings(), pytest.raises(SecondTierWarning, match="SnapshotCorruptError"):
-        store.get(cache, tokens)
-    assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
-
-
-def test_a_fatal_warning_over_a_duck_tier_that_raises_closes_the_local_hit():
-    from kvstate.spec.errors import SecondTierWarning
-
-    class Raising:
-        def consult(self, cache, tokens, found):
-            raise OSError("the tier is down")
-
-    cache = Cache(SMALL, page_tokens=4, second_tier=Raising())
-    with filled(cache, 8, seed=4) as short:
-        cache.retain(short)
-    with fatal_tier_warnings(), pytest.raises(SecondTierWarning, match="OSError"):
-        cache.match(list(range(4, 12)))
-    cache.clear()
-    assert cache.stats()["live_contexts"] == 0 and cache.stats()["live_pages"] == 0
-
-
 def test_a_put_of_a_context_the_format_cannot_hold_sends_nothing(monkeypatch):
     from kvstate.spec import snapshot_format as fmt
     from kvstate.spec.errors import SnapshotTooLargeError
@@ -307,6 +280,7 @@ def test_a_put_of_a_context_the_format_cannot_hold_sends_nothing(monkeypatch):
     with filled(Cache(SMALL, page_tokens=4), 5) as ctx, pytest.raises(SnapshotTooLargeError):
         store.put(ctx)
     assert sent == []
+
 
 def damage(store, cache, tokens) -> None:
     fsspec.filesystem("memory").pipe_file(store.url(cache, tokens)[len("memory://"):], b"KVS damaged")
