@@ -275,19 +275,36 @@ def _hooked_forward(module, *args, **kwargs):
     return type(module).forward(module, *args, **kwargs)
 
 
-def test_a_hand_fed_forward_wrapped_before_attach_is_checked_not_refused():
-    """From a review: ``forward`` wrapped by another library before ``attach`` is no bound method, so the
-    model was not found and a hand-fed ``model.forward(...)`` of the bound, attached model was refused
-    as if never attached. The module such a wrapper passes first is the model; a stranger still is not."""
+def _as_accelerate_does(model):
+    return functools.partial(_hooked_forward, model)
+
+
+def _as_a_named_wrapper_does(model):
+    """``functools.wraps`` over the bound method: ``model.forward = torch.compile(model.forward)``
+    (transformers' own recipe), or a profiling wrapper."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def timed(*args, **kwargs):
+        return forward(*args, **kwargs)
+    return timed
+
+
+@pytest.mark.parametrize("wrap", [_as_accelerate_does, _as_a_named_wrapper_does])
+def test_a_hand_fed_forward_wrapped_before_attach_is_checked_not_refused(wrap):
+    """From a review and an audit: ``forward`` wrapped by another library before ``attach`` is no bound
+    method, so the model was not found and a hand-fed ``model.forward(...)`` of the bound, attached
+    model was refused as if never attached. The module a partial passes first, or the method a
+    ``functools.wraps`` wrapper names, gives the model; a stranger so wrapped is still another model."""
     model, stranger = llama(), llama(seed=9)
-    model.forward = functools.partial(_hooked_forward, model)
+    model.forward = wrap(model)
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     run(model, cache, ids(4, 78))
     cache.feed(ids(1, 79))
     with torch.no_grad():
         model.forward(ids(1, 79), cache=cache)
     assert len(cache.context) == 5
-    stranger.forward = functools.partial(_hooked_forward, stranger)
+    stranger.forward = wrap(stranger)
     cache.feed(ids(1, 80))
     with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
         hf.attach(stranger).forward(ids(1, 80), cache=cache)
@@ -798,33 +815,6 @@ def test_a_causal_lm_and_its_decoder_continue_each_others_cache():
     with pytest.raises(UnsupportedModelError, match="another model"), torch.no_grad():
         stranger(ids(1, 94), cache=cache)
     assert torch.equal(run(model, cache, ids(1, 95))[0], run(model, reference, ids(1, 95))[0])
-    cache.close()
-
-
-def test_a_hand_fed_forward_under_a_wrapper_that_names_it_is_checked_not_refused():
-    """From an audit: ``model.forward = torch.compile(model.forward)`` (transformers' own recipe) or any
-    ``functools.wraps`` wrapper set before ``attach`` hid the model, so a hand-fed ``model.forward(...)``
-    of the bound, attached model was refused as never attached. The wrapper names the method it wraps,
-    and that method its model; a stranger so wrapped is still another model."""
-    def wrapped(forward):
-        @functools.wraps(forward)
-        def timed(*args, **kwargs):                         # what a profiling or compiling wrapper does
-            return forward(*args, **kwargs)
-        return timed
-
-    model, stranger = llama(), llama(seed=9)
-    model.forward = wrapped(model.forward)
-    cache = hf.KVStateCache.for_model(model, page_tokens=4)
-    run(model, cache, ids(4, 96))
-    cache.feed(ids(1, 97))
-    with torch.no_grad():
-        model.forward(ids(1, 97), cache=cache)
-    assert len(cache.context) == 5
-    stranger.forward = wrapped(stranger.forward)
-    cache.feed(ids(1, 98))
-    with torch.no_grad(), pytest.raises(UnsupportedModelError, match="another model"):
-        hf.attach(stranger).forward(ids(1, 98), cache=cache)
-    assert len(cache.context) == 5
     cache.close()
 
 
