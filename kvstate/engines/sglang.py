@@ -170,11 +170,17 @@ class SGLangContext(EngineContext):
 
     def close(self) -> None:
         self._open()
-        self._free_private_from(0)
+        self._let_go_of_private()
         if self.node is not None:
             self.cache.tree.dec_lock_ref(self.node)
         self.node, self.slots, self.closed = None, [], True
         self.cache.contexts.remove(self)
+
+
+    def _let_go_of_private(self) -> None:
+        """``close``'s part for the private pages: ``free`` of each (a reclaiming pool's context lets go
+        of its holds instead)."""
+        self._free_private_from(0)
 
 
 class SGLangCache(EngineCache):

@@ -142,13 +142,8 @@ class ReclaimingContext(SGLangContext):
         del self.slots[n:]
         del self._tokens[n:]
 
-    def close(self) -> None:
-        self._open()
+    def _let_go_of_private(self) -> None:
         self.cache.held.release(self._private_pages())
-        if self.node is not None:
-            self.cache.tree.dec_lock_ref(self.node)
-        self.node, self.slots, self.closed = None, [], True
-        self.cache.contexts.remove(self)
 
 
 class ReclaimingCache(SGLangCache):
