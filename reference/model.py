@@ -271,6 +271,10 @@ class RefCache:
         # Under on_full="reclaim": the keys retained since the pool last may have been short. Nothing
         # has been reclaimed since, so every page of theirs is still there (``least_hit``).
         self.retained_since_pressure: set[tuple[int, ...]] = set()
+        # Under on_full="reclaim", once pressed: the entries a retain evicted for the tree's bounds. The
+        # engine may have reclaimed others instead, so it holds fewer and evicts fewer for the bounds: these
+        # stay an upper bound on a hit (and their pages may still be live), never part of the floor.
+        self.bounded_out: list[list] = []
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -279,12 +283,13 @@ class RefCache:
         self.labels_issued += 1
         return (self.labels_issued,) * len(SHARINGS)
 
-    def keys(self) -> list[tuple[int, ...]]:
-        """The entries' keys, in the order they were last retained."""
-        return [entry[0] for entry in self.entries]
+    def keys(self, bounded_out: bool = False) -> list[tuple[int, ...]]:
+        """The entries' keys, in the order they were last retained (``bounded_out``: and, under ``reclaim``,
+        the keys evicted for the tree's bounds once pressed, which an engine may still hold)."""
+        return [entry[0] for entry in self.entries + (self.bounded_out if bounded_out else [])]
 
     def _holders(self) -> list[RefContext]:
-        return self.contexts + [entry[1] for entry in self.entries]
+        return self.contexts + [entry[1] for entry in self.entries + self.bounded_out]
 
     def holders_of(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False,
                    merged: bool = False) -> int:
@@ -455,6 +460,7 @@ class RefCache:
             labels = self._copied_where_cached_under_other_tokens(key, labels)
             self.retained_since_pressure.add(key)
         self.entries = [entry for entry in self.entries if entry[0] != key]
+        self.bounded_out = [entry for entry in self.bounded_out if entry[0] != key]
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
         self.entries.append(newest)
@@ -462,7 +468,10 @@ class RefCache:
             older = [entry for entry in self.entries if entry is not newest]
             if not older:
                 break
-            self.entries.remove(min(older, key=lambda entry: entry[2]))
+            evicted = min(older, key=lambda entry: entry[2])
+            self.entries.remove(evicted)
+            if reclaims(self.config.on_full) and self.pressed:
+                self.bounded_out.append(evicted)
 
     def _kept_by_older_entries(self, key: tuple[int, ...], labels: list) -> list:
         """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them:
@@ -519,13 +528,36 @@ class RefCache:
 
     def match(self, tokens) -> tuple[RefContext, int]:
         query = tuple(int(t) for t in check_tokens(tokens))
-        best, length = self._lookup(query)
+        best, length = self._lookup(query, self.entries + self.bounded_out)
         if best is None:
             return self.allocate(), 0
         best[2] = self._tick()
         entry = best[1]
         labels = entry.labels[:pages_needed(length, self.config.page_tokens)]
-        return self._adopt(entry.values[:length].copy(), list(entry.token_list[:length]), list(labels)), length
+        hit = self._adopt(entry.values[:length].copy(), list(entry.token_list[:length]), list(labels))
+        self.hit_may_come_from_another(query, hit)
+        return hit, length
+
+    def hit_may_come_from_another(self, query: tuple[int, ...], hit: RefContext) -> None:
+        """Under ``reclaim``, once pressed: the engine may have reclaimed the pages of the entry the reference's
+        ``hit`` came from and taken a hit as long from another entry holding the same positions (an engine
+        keeping a copy per entry), so each page of the hit may be one page with that entry's: refusals
+        then allow either count. Called again by the lockstep when it cuts ``hit`` to an engine's shorter one."""
+        if not (reclaims(self.config.on_full) and self.pressed):
+            return
+        size = self.config.page_tokens
+        for i, label in enumerate(hit.labels):
+            end = min((i + 1) * size, len(hit))
+            others = [other[1].labels[i] for other in self.entries + self.bounded_out
+                      if len(other[1].labels) > i and other[0][:end] == query[:end] and other[1].labels[i] != label]
+            if not others:
+                continue
+            # a fresh name, maybe one page with each candidate's: counted as named, the most pages; merged, the fewest
+            fresh = self.new_label()
+            for other in [label] + others:
+                for sharing in SHARINGS:
+                    self._may_be_one_page(other[sharing], fresh[sharing], sharing)
+            hit.labels[i] = fresh
 
     def _lookup(self, query: tuple[int, ...], entries: list | None = None):
         """The entry a hit is taken from and the positions it holds, or ``(None, 0)``; among ``entries``
@@ -548,6 +580,7 @@ class RefCache:
 
     def clear(self) -> None:
         self.entries = []
+        self.bounded_out = []
 
     def eviction_order(self) -> list[tuple[tuple[int, ...], int]]:
         """Entries as (key, tick), least recently used first."""

@@ -229,7 +229,7 @@ class Lockstep:
         if self.config.match == "block":
             return matched % self.config.block_tokens == 0
         if self.config.match == "entry":
-            return matched == 0 or any(len(key) == matched and query[:matched] == key for key in self.reference.keys())
+            return matched == 0 or any(len(key) == matched and query[:matched] == key for key in self.reference.keys(bounded_out=True))
         return True
 
     def _took_shorter_hit(self, matched: int, ref_result: tuple, query: tuple) -> bool:
@@ -238,6 +238,7 @@ class Lockstep:
         if not self._shorter_hit_allowed(matched, ref_result[1], query):
             return False
         ref_result[0].truncate(matched)
+        self.reference.hit_may_come_from_another(query, ref_result[0])
         return True
 
     def _reclaimed_note(self, matched: int, ref_matched: int, query: tuple) -> str:

@@ -1,0 +1,61 @@
+"""``on_full="reclaim"`` with an engine keeping one copy of the pages per entry and reclaiming the longest
+entry first (``tests/foreign/copy_per_entry.py``, an audit's engine written from README alone): two
+ways it differs from the reference that README allows, each a false rejection before its fix.
+
+- Having reclaimed an entry, it holds fewer entries and so evicts fewer for ``max_entries``: an entry the
+  reference evicted for the bound may still give a hit (``RefCache.bounded_out``).
+- A hit as long as the reference's may come from another entry (the reference's was reclaimed), whose
+  pages other contexts may share or not: refusals allow either count (``RefCache.hit_may_come_from_another``).
+"""
+
+from __future__ import annotations
+
+from kvstate.stateful import ops as O
+from kvstate.stateful.lockstep import Lockstep
+
+from foreign import copy_per_entry as engine
+
+
+def run(config, ops) -> Lockstep:
+    lockstep = Lockstep(engine.factory, config)
+    lockstep.run(ops)
+    lockstep.finish()
+    return lockstep
+
+
+def kept(key, handle, close=True):
+    ops = [O.Allocate(), O.Extend(handle, key, seed=0), O.Retain(handle)]
+    return ops + [O.Close(handle)] if close else ops
+
+
+def test_an_entry_the_reference_evicted_for_the_bound_may_still_hit():
+    # four entries (max_entries 4); c5's 4 pages press the pool of 8, the engine reclaims the longest
+    # entry, so retaining c5 evicts nothing there, where the reference evicts (210,) for the bound
+    ops = kept((210,), "c1", close=False) + kept((0,), "c2", close=False) + kept((230, 231, 232, 230), "c3")
+    ops += kept((240,), "c4", close=False) + kept((0,) * 10, "c5", close=False) + [O.Match((210,))]
+    lockstep = run(engine.F16_PAGE3, ops)
+    assert lockstep.reference.pressed and "refused" not in " ".join(lockstep.history)
+
+
+def test_an_equal_hit_from_another_entry_may_share_a_context_page():
+    # A (7 positions) and B = (1,) cached; the hit of (1,) comes from A (most recently used); c5's write
+    # presses the pool and the engine reclaims A; the next hit of (1,) comes from B, whose page c3 holds,
+    # so the engine's contexts hold 3 pages where the reference's hit of A's page counts 4
+    ops = [O.Allocate(), O.Extend("c1", (1, 0, 0, 0, 2, 2, 1), seed=0), O.Fork("c1"), O.Allocate(), O.Close("c1"),
+           O.Retain("c2"), O.Extend("c3", (1,), seed=0), O.Allocate(), O.Close("c2"), O.Retain("c3"),
+           O.Match((1,)), O.Extend("c5", (0, 0), seed=0), O.Match((1,)), O.Extend("c4", (0,) * 5, seed=0)]
+    lockstep = run(engine.Q8_PAGE2, ops)
+    assert "refused" not in lockstep.history[len(ops) - 1]
+
+
+def test_an_equal_hit_from_another_entry_may_hold_a_page_of_its_own():
+    # the other way round (a sweep's seed, shrunk): the reference's hit of (1, 1) takes the page c4 holds
+    # (its entry's, retained before c4 was cut), the engine's, that entry reclaimed, the page of
+    # (1, 2, 0)'s entry, which no context holds: the engine's contexts hold 5 pages, and it may refuse
+    # c7's 2 in a pool of 6
+    ops = [O.Allocate(), O.Fork("c1"), O.Extend("c2", (0,), seed=0), O.Allocate(), O.Fork("c3"), O.Fork("c2"),
+           O.Close("c2"), O.Retain("c5"), O.Close("c5"), O.Extend("c4", (1, 1, 0, 1, 1), seed=0), O.Allocate(),
+           O.Extend("c6", (1, 2, 0), seed=0), O.Retain("c4"), O.Retain("c6"), O.Truncate("c4", 3),
+           O.Overwrite("c6", 0, (0,), seed=0), O.Match((1, 1)), O.Extend("c7", (0, 0), seed=0)]
+    lockstep = run(engine.Q8_PAGE2, ops)
+    assert "refused" in lockstep.history[len(ops) - 1]
