@@ -59,3 +59,16 @@ def test_an_equal_hit_from_another_entry_may_hold_a_page_of_its_own():
            O.Overwrite("c6", 0, (0,), seed=0), O.Match((1, 1)), O.Extend("c7", (0, 0), seed=0)]
     lockstep = run(engine.Q8_PAGE2, ops)
     assert "refused" in lockstep.history[len(ops) - 1]
+
+
+def test_a_free_queue_declared_reclaim_is_caught_though_the_probe_would_refresh_its_entries():
+    # pinned semantics' full-pool row, with no check between the operations: the per-step probe (match and
+    # close every entry) sends the entry's pages to the back of the free queue and hid this (0 of 600 runs)
+    from kvstate.stateful.conform import conform
+    from foreign import free_queue
+
+    wrong = conform(free_queue.factory, configs=[free_queue.CONFIG.with_(on_full="reclaim")],
+                    checks=["pinned semantics"])[0]
+    assert not wrong.passed and "forgot an entry's pages without pressure" in str(wrong.failure)
+    right = conform(free_queue.factory, configs=[free_queue.CONFIG], checks=["pinned semantics"])[0]
+    assert right.passed, right.failure

@@ -100,6 +100,8 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
         run.finish()
     if config.pool_limit:
         _short_even_after_evicting(factory, config, promise)
+    if config.on_full == "reclaim":
+        _recycled_without_pressure(factory, config, promise)
 
 
 def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -> None:
@@ -118,6 +120,28 @@ def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -
         run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=42))    # the pool, to the last page
         run.apply(O.Extend(filler, tuple([2] * (2 * page)), seed=43))
         run.apply(O.Match(tuple([1] * page)))      # the entry, if the pool's rule kept it
+        run.finish()
+
+
+def _recycled_without_pressure(factory: Factory, config: Config, promise: str) -> None:
+    """An entry keeps one page; a context takes every other page of the pool and lets them go; another
+    takes one page. The pool was never short (one page listed plus one needed), so under `reclaim` the
+    entry still hits whole. No check between the operations: the per-step probe of a backend without the
+    tree tier matches and closes every entry, which sends its pages to the back of a free queue and hides
+    an engine recycling freed pages in release order (`reclaim-fifo`'s) declared as `reclaim`."""
+    page, limit = config.page_tokens, config.pool_limit
+    run = start(factory, config)
+    with keeping(promise, run):
+        kept = run.apply(O.Allocate())
+        run.apply(O.Extend(kept, tuple([1] * page), seed=44))
+        run.apply(O.Retain(kept))
+        run.apply(O.Close(kept))
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=45))     # the rest of the pool
+        run.apply(O.Close(filler))
+        late = run.apply(O.Allocate())
+        run.apply(O.Extend(late, tuple([3] * page), seed=46))
+        run.apply(O.Match(tuple([1] * page)))      # the whole entry: nothing was reclaimable yet
         run.finish()
 
 
