@@ -80,13 +80,17 @@ class Ctx:
         for index in range(first, last + 1):
             if index >= len(self.pages):
                 need += 1
-            elif self.pages[index].refcount > 1:
+            elif self._must_copy(self.pages[index]):
                 need += 1
         return need
 
+    def _must_copy(self, page):
+        """Whether a write into ``page`` goes to a private copy: another holder lists it."""
+        return page.refcount > 1
+
     def writable(self, index):
         page = self.pages[index]
-        if page.refcount > 1:
+        if self._must_copy(page):
             private = self.cache.new_page()
             private.values[:] = page.values
             private.tokens[:] = page.tokens

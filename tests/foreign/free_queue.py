@@ -12,133 +12,24 @@ whose need would pass it first checks whether the pages contexts hold plus the n
 it refuses (CapacityError, nothing changed); else it reclaims cached pages by its OWN policy:
 the entry with the LONGEST key goes first (ties: the oldest insertion), whole entries, until
 the need fits. Black-box tier only.
+
+Its pages and contexts are ``copy_per_entry``'s; a cached page is copied before a write too.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from kvstate.spec import Config, Layout
-from kvstate.spec import precision as precisions
-from kvstate.spec.errors import CapacityError, ContextClosedError, EmptyContextError, PositionError
-from kvstate.spec.layout import check_tokens, check_values, require_finite
+from kvstate.spec.errors import CapacityError, EmptyContextError
+from kvstate.spec.layout import check_tokens
 from kvstate.spec.observation import black_box
 
-class Page:
-    __slots__ = ("page_id", "refcount", "values", "tokens")
-
-    def __init__(self, page_id, layout, page_tokens):
-        self.page_id = page_id
-        self.refcount = 1
-        self.values = np.zeros((page_tokens, *layout.position_shape), np.float32)
-        self.tokens = np.zeros(page_tokens, np.int64)
+from .copy_per_entry import Ctx as _PerEntryCtx
+from .copy_per_entry import Page
 
 
-class Ctx:
-    def __init__(self, cache, pages, length):
-        self.cache, self.pages, self.length, self.closed = cache, pages, length, False
-
-    def __len__(self):
-        return self.length
-
-    def _open(self):
-        if self.closed:
-            raise ContextClosedError("closed")
-
-    @property
-    def tokens(self):
-        self._open()
-        return [int(t) for t in self._positions()[1]]
-
-    def _positions(self, start=0, stop=None):
-        stop = self.length if stop is None else stop
-        lay = self.cache.layout
-        values = [p.values for p in self.pages] or [np.zeros((0, *lay.position_shape), np.float32)]
-        tokens = [p.tokens for p in self.pages] or [np.zeros(0, np.int64)]
-        return np.concatenate(values)[start:stop].copy(), np.concatenate(tokens)[start:stop].copy()
-
-    def read(self, start=0, stop=None):
-        self._open()
-        stop = self.length if stop is None else stop
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop <= self.length):
-            raise PositionError("read outside")
-        return self._positions(start, stop)
-
-    def _encode(self, tokens, kv, start=None):
-        tokens = check_tokens(tokens)
-        kv = check_values(self.cache.layout, kv, len(tokens))
-        self._open()
-        if start is not None and not (isinstance(start, int) and 0 <= start and start + len(tokens) <= self.length):
-            raise PositionError("overwrite outside")
-        require_finite(kv)
-        return tokens, precisions.roundtrip(self.cache.precision, kv)
-
-    def _need(self, start, n):
-        """Pages this write allocates: new pages past the end, plus a copy of each shared page touched."""
-        if n == 0:
-            return 0
-        P = self.cache.page_tokens
-        first, last = start // P, (start + n - 1) // P
-        need = 0
-        for index in range(first, last + 1):
-            if index >= len(self.pages):
-                need += 1
-            elif self.pages[index].refcount > 1 or self.cache.cached(self.pages[index]):
-                need += 1
-        return need
-
-    def writable(self, index):
-        page = self.pages[index]
-        if page.refcount > 1 or self.cache.cached(page):
-            private = self.cache.new_page()
-            private.values[:] = page.values
-            private.tokens[:] = page.tokens
-            self.cache.release(page)
-            self.pages[index] = private
-        return self.pages[index]
-
-    def _store(self, start, tokens, values):
-        if len(tokens) == 0:
-            return
-        self.cache.make_room(self._need(start, len(tokens)), self)
-        size = self.cache.page_tokens
-        for i, position in enumerate(range(start, start + len(tokens))):
-            index, offset = divmod(position, size)
-            while index >= len(self.pages):
-                self.pages.append(self.cache.new_page())
-            page = self.writable(index)
-            page.values[offset] = values[i]
-            page.tokens[offset] = tokens[i]
-
-    def extend(self, tokens, kv):
-        tokens, values = self._encode(tokens, kv)
-        self._store(self.length, tokens, values)
-        self.length += len(tokens)
-
-    def overwrite(self, start, tokens, kv):
-        tokens, values = self._encode(tokens, kv, start)
-        self._store(start, tokens, values)
-
-    def fork(self):
-        self._open()
-        return self.cache.adopt(list(self.pages), self.length)
-
-    def truncate(self, n):
-        self._open()
-        if not (isinstance(n, int) and 0 <= n <= self.length):
-            raise PositionError("truncate outside")
-        keep = -(-n // self.cache.page_tokens)
-        for page in self.pages[keep:]:
-            self.cache.release(page)
-        del self.pages[keep:]
-        self.length = n
-
-    def close(self):
-        self._open()
-        for page in self.pages:
-            self.cache.release(page)
-        self.pages = []
-        self.closed = True
-        self.cache.contexts.remove(self)
+class Ctx(_PerEntryCtx):
+    def _must_copy(self, page):
+        """A cached page is copied too: entries take no reference, and it may be handed out again."""
+        return page.refcount > 1 or self.cache.cached(page)
 
 
 class PoolCache:
