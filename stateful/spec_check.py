@@ -114,9 +114,6 @@ def run_spec_check(args: argparse.Namespace) -> int:
     from .backends import FactoryError, load_factory
     from .configs import undeclared_by
 
-    status = 0
-    if not args.no_crosshair:
-        status = crosshair(args.crosshair_timeout)
     try:
         factory = load_factory(args.backend)
     except FactoryError as error:
@@ -133,6 +130,8 @@ def run_spec_check(args: argparse.Namespace) -> int:
             print(f"kvstate spec-check: backend {args.backend!r} does not declare scope {scope.config().name} "
                   f"({undeclared}); pick scopes it declares (--semantics, --arena 0)", file=sys.stderr)
             return 2
+    # CrossHair after the arguments and the backend are checked: a refusal comes at once, not after it
+    status = crosshair(args.crosshair_timeout) if not args.no_crosshair else 0
     started, cut = time.perf_counter(), []
     for index, scope in enumerate(scopes):
         config = scope.config()

@@ -199,6 +199,19 @@ def test_spec_check_holds_a_backend_to_no_scope_it_does_not_declare(capsys):
                  "--backend", listcache]) == 0
 
 
+def test_spec_check_refuses_an_undeclared_scope_before_crosshair_runs(capsys, monkeypatch):
+    """From a review: the refusal came only after CrossHair's conditions had all been tried (minutes)."""
+    from pathlib import Path
+
+    from kvstate.stateful import spec_check
+
+    ran = []
+    monkeypatch.setattr(spec_check, "crosshair", lambda timeout: ran.append(timeout) or 0)
+    listcache = str(Path(__file__).resolve().parent.parent / "examples" / "listcache.py")
+    one_line_exit_2(capsys, ["spec-check", "--depth", "1", "--backend", listcache])
+    assert ran == []
+
+
 @pytest.mark.parametrize("limit", ["0", "-1", "nan"])
 def test_a_replay_time_limit_that_is_no_time_is_the_arguments_fault(tmp_path, capsys, limit):
     line = one_line_exit_2(capsys, ["replay", replay_file(tmp_path), "--time-limit", limit])
