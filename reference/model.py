@@ -269,7 +269,8 @@ class RefCache:
         # a union-find (a name -> a name of the same page; ``_one_name``). Empty until pressed.
         self.maybe_one_page: dict[int, dict[int, int]] = {sharing: {} for sharing in SHARINGS}
         # Under on_full="reclaim": the keys retained since the pool last may have been short. Nothing
-        # has been reclaimed since, so every page of theirs is still there (``least_hit``).
+        # has been reclaimed since, so every page of theirs is still there (``least_hit``); once pressed,
+        # only the newest where the engine's retain may have evicted for the bounds (``_engine_may_pass_bounds``).
         self.retained_since_pressure: set[tuple[int, ...]] = set()
         # Under on_full="reclaim", once pressed: the entries a retain evicted for the tree's bounds. The
         # engine may have reclaimed others instead, so it holds fewer and evicts fewer for the bounds: these
@@ -464,6 +465,10 @@ class RefCache:
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
         self.entries.append(newest)
+        if reclaims(self.config.on_full) and self.pressed and self._engine_may_pass_bounds():
+            # the engine may be at its bounds here, and its recency may differ from ours (a hit it took from
+            # another entry than ours refreshed that one): its eviction may take any older entry
+            self.retained_since_pressure = {key}
         while len(self.entries) > self.config.max_entries or self._over_page_budget():
             older = [entry for entry in self.entries if entry is not newest]
             if not older:
@@ -520,6 +525,14 @@ class RefCache:
                 self._may_be_one_page(fresh[sharing], label[sharing], sharing)
             named[i] = tuple(fresh[sharing] if sharing in elsewhere else label[sharing] for sharing in SHARINGS)
         return named
+
+    def _engine_may_pass_bounds(self) -> bool:
+        """Under ``reclaim``, once pressed, with the new entry in: whether the entries an engine may still hold
+        (ours and ``bounded_out``) pass the tree's bounds, so that its retain may evict for them."""
+        held = self.entries + self.bounded_out
+        budget = self.config.max_pages
+        return len(held) > self.config.max_entries or bool(budget) and sum(
+            entry_pages(len(entry[0]), self.config.page_tokens) for entry in held) > budget
 
     def _over_page_budget(self) -> bool:
         budget = self.config.max_pages

@@ -72,3 +72,21 @@ def test_a_free_queue_declared_reclaim_is_caught_though_the_probe_would_refresh_
     assert not wrong.passed and "forgot an entry's pages without pressure" in str(wrong.failure)
     right = conform(free_queue.factory, configs=[free_queue.CONFIG], checks=["pinned semantics"])[0]
     assert right.passed, right.failure
+
+
+def test_an_entry_retained_since_pressure_may_go_for_the_bounds_where_the_engines_recency_differs():
+    # no check between the operations (a tree-tier backend is not probed): the engine reclaimed Z (the
+    # longest) and kept X, which the reference evicted for max_entries (bounded_out); the match of X
+    # refreshes X in the engine, so G's retain evicts F there (its least recently used) and Z here. F was
+    # retained since the pool was last short, yet is gone for the bound: a miss is right, not a floor of 3
+    X, Z, F, G = (1,) * 3, (2,) * 6, (4,) * 3, (5,) * 3
+
+    def cached(key, handle, seed):
+        return [O.Allocate(), O.Extend(handle, key, seed=seed), O.Retain(handle), O.Close(handle)]
+
+    ops = cached(X, "c1", 1) + cached(Z, "c2", 2) + [O.Allocate(), O.Extend("c3", (3,) * 18, seed=3), O.Close("c3")]
+    ops += cached(F, "c4", 4) + [O.Match(X), O.Close("c5")] + cached(G, "c6", 5) + [O.Match(F)]
+    lockstep = Lockstep(engine.factory, engine.F16_PAGE3.with_(max_entries=2))
+    lockstep.run(ops, check_every_step=False)
+    assert lockstep.reference.pressed and lockstep.live["c7"][0].__len__() == 0
+    lockstep.finish()
