@@ -276,6 +276,11 @@ class RefCache:
         # engine may have reclaimed others instead, so it holds fewer and evicts fewer for the bounds: these
         # stay an upper bound on a hit (and their pages may still be live), never part of the floor.
         self.bounded_out: list[list] = []
+        # Under on_full="reclaim", per entry's key (``entries`` and ``bounded_out``): the keys retained since the
+        # engine may last have used it (a match or retain sharing a token with it), with no pressure between.
+        # Each is newer there and still held, so once ``max_entries`` are, an engine evicting least recently
+        # used for the bound has let it go: it leaves ``bounded_out``.
+        self.retained_after: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -394,6 +399,8 @@ class RefCache:
                for sharing in self.viable):
             self.pressed = True
             self.retained_since_pressure.clear()
+            for retained in self.retained_after.values():     # the engine may have reclaimed any of them
+                retained.clear()
 
     def least_hit(self, query: tuple[int, ...]) -> int:
         """Under ``reclaim``, the shortest hit an engine may return for ``query``: the hit over only the
@@ -461,7 +468,15 @@ class RefCache:
             labels = self._copied_where_cached_under_other_tokens(key, labels)
             self.retained_since_pressure.add(key)
         self.entries = [entry for entry in self.entries if entry[0] != key]
-        self.bounded_out = [entry for entry in self.bounded_out if entry[0] != key]
+        if reclaims(self.config.on_full):
+            for entry in self.entries + self.bounded_out:   # sharing first tokens may refresh it (a tree's nodes)
+                if _common_prefix(entry[0], key):
+                    self.retained_after[entry[0]] = set()
+                else:
+                    self.retained_after.setdefault(entry[0], set()).add(key)
+            self.retained_after[key] = set()
+        self.bounded_out = [entry for entry in self.bounded_out if entry[0] != key
+                            and len(self.retained_after[entry[0]]) < self.config.max_entries]
         private = RefContext(self, ctx.values.copy(), list(ctx.token_list), labels)
         newest = [key, private, self._tick()]
         self.entries.append(newest)
@@ -477,6 +492,8 @@ class RefCache:
             self.entries.remove(evicted)
             if reclaims(self.config.on_full) and self.pressed:
                 self.bounded_out.append(evicted)
+        if reclaims(self.config.on_full):       # only the entries an engine may hold are followed
+            self.retained_after = {key: self.retained_after[key] for key in self.keys(bounded_out=True)}
 
     def _kept_by_older_entries(self, key: tuple[int, ...], labels: list) -> list:
         """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them:
@@ -541,6 +558,9 @@ class RefCache:
 
     def match(self, tokens) -> tuple[RefContext, int]:
         query = tuple(int(t) for t in check_tokens(tokens))
+        for key in self.retained_after:         # the engine's hit may come from its entry: the newest now
+            if _common_prefix(key, query):
+                self.retained_after[key] = set()
         best, length = self._lookup(query, self.entries + self.bounded_out)
         if best is None:
             return self.allocate(), 0
@@ -594,6 +614,7 @@ class RefCache:
     def clear(self) -> None:
         self.entries = []
         self.bounded_out = []
+        self.retained_after = {}
 
     def eviction_order(self) -> list[tuple[tuple[int, ...], int]]:
         """Entries as (key, tick), least recently used first."""

@@ -10,6 +10,7 @@ ways it differs from the reference that README allows, each a false rejection be
 
 from __future__ import annotations
 
+from kvstate.spec import InvariantViolation
 from kvstate.stateful import ops as O
 from kvstate.stateful.lockstep import Lockstep
 
@@ -90,3 +91,48 @@ def test_an_entry_retained_since_pressure_may_go_for_the_bounds_where_the_engine
     lockstep.run(ops, check_every_step=False)
     assert lockstep.reference.pressed and lockstep.live["c7"][0].__len__() == 0
     lockstep.finish()
+
+
+class ForgetsTheBoundOnceReclaimed(engine.PoolCache):
+    """Planted: once it has reclaimed for room, retain no longer evicts for max_entries."""
+
+    reclaimed = False
+
+    def make_room(self, need, writer=None):
+        if need and len(self.live) + need > self.pool and self.context_pages() + need <= self.pool and self.entries:
+            self.reclaimed = True
+        super().make_room(need, writer)
+
+    def retain(self, ctx):
+        bound = self.max_entries
+        if self.reclaimed:
+            self.max_entries = 1 << 30
+        try:
+            super().retain(ctx)
+        finally:
+            self.max_entries = bound
+
+
+def test_an_engine_that_stops_evicting_for_the_bound_once_it_reclaimed_is_caught():
+    # an entry evicted for max_entries once pressed stays an upper bound on a hit (bounded_out) only while the
+    # engine may still hold it: once max_entries newer keys were retained with no pressure and no use of it
+    # between (the probe after each step matches it until it leaves the reference's entries), an engine
+    # evicting least recently used for the bound has let it go
+    def cached(key, handle, seed):
+        return [O.Allocate(), O.Extend(handle, key, seed=seed), O.Retain(handle), O.Close(handle)]
+
+    config = engine.F16_PAGE3.with_(pool_pages=16)          # max_entries 4
+    ops = cached((7,) * 6, "c1", 1) + [O.Allocate(), O.Extend("c2", (8,) * 45, seed=2), O.Close("c2")]
+    for k in range(8):                                      # pressed (2 + 15 > 16): then eight one-page keys
+        ops += cached((20 + k,) * 3, f"c{3 + k}", 10 + k)
+    ops += [O.Match((20,) * 3)]              # (20,) went for the bound at the fifth, four more came after
+    lockstep = Lockstep(engine.factory, config)
+    lockstep.run(ops)
+    lockstep.finish()
+    assert lockstep.reference.pressed
+    try:
+        Lockstep(ForgetsTheBoundOnceReclaimed, config).run(ops)
+    except InvariantViolation as caught:
+        assert "never longer" in str(caught), caught
+    else:
+        raise AssertionError("an engine keeping entries past max_entries once it reclaimed passed")
