@@ -104,6 +104,18 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
         _recycled_without_pressure(factory, config, promise)
 
 
+def _after_an_entry_of_one_page(run, page: int, limit: int, seed: int) -> str:
+    """An entry of key ``(1,) * page`` keeping one page no context holds, then a context holding every
+    other page of the pool (its handle returned); ``seed`` and ``seed + 1`` write their values."""
+    kept = run.apply(O.Allocate())
+    run.apply(O.Extend(kept, tuple([1] * page), seed=seed))
+    run.apply(O.Retain(kept))
+    run.apply(O.Close(kept))
+    filler = run.apply(O.Allocate())
+    run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=seed + 1))
+    return filler
+
+
 def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -> None:
     """An entry keeps one page no context holds; a context holds the rest of the pool and asks for
     two more. Evicting the entry would free one: not enough, so `refuse` and `evict-then-refuse`
@@ -112,12 +124,7 @@ def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -
     page, limit = config.page_tokens, config.pool_limit
     run = start(factory, config)
     with keeping(promise, run):
-        kept = run.apply(O.Allocate())
-        run.apply(O.Extend(kept, tuple([1] * page), seed=41))
-        run.apply(O.Retain(kept))
-        run.apply(O.Close(kept))
-        filler = run.apply(O.Allocate())
-        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=42))    # the pool, to the last page
+        filler = _after_an_entry_of_one_page(run, page, limit, seed=41)     # the pool, to the last page
         run.apply(O.Extend(filler, tuple([2] * (2 * page)), seed=43))
         run.apply(O.Match(tuple([1] * page)))      # the entry, if the pool's rule kept it
         run.finish()
@@ -132,12 +139,7 @@ def _recycled_without_pressure(factory: Factory, config: Config, promise: str) -
     page, limit = config.page_tokens, config.pool_limit
     run = start(factory, config)
     with keeping(promise, run):
-        kept = run.apply(O.Allocate())
-        run.apply(O.Extend(kept, tuple([1] * page), seed=44))
-        run.apply(O.Retain(kept))
-        run.apply(O.Close(kept))
-        filler = run.apply(O.Allocate())
-        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=45))     # the rest of the pool
+        filler = _after_an_entry_of_one_page(run, page, limit, seed=44)     # the rest of the pool
         run.apply(O.Close(filler))
         late = run.apply(O.Allocate())
         run.apply(O.Extend(late, tuple([3] * page), seed=46))
