@@ -74,7 +74,21 @@ def _rescan_modules() -> None:
         providers._sys_modules_len = None
 
 
-def test_control_an_unpinned_run_moves_with_the_imports(imports):
+def _hypothesis_own_harvest(monkeypatch) -> None:
+    """Hypothesis's own harvest for this test, even where another thread of the process is still inside
+    ``without_local_constants`` (a check ended at its time limit keeps running): two clean-clone CI runs
+    drew, in the control below, exactly the operations of a run with no harvested constants."""
+    from hypothesis.internal.conjecture import providers
+
+    from kvstate.stateful import fixed_constants
+    if providers._get_local_constants is fixed_constants._nothing_harvested:
+        monkeypatch.setattr(providers, "_get_local_constants", fixed_constants._harvest)
+    providers.CONSTANTS_CACHE.cache.clear()      # constants drawn from whichever pool was there before
+
+
+def test_control_an_unpinned_run_moves_with_the_imports(imports, monkeypatch):
+    _hypothesis_own_harvest(monkeypatch)
+
     def unpinned(machine, profile):
         run_state_machine_as_test(machine, settings=profile)
     before = _operations(unpinned)
