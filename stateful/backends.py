@@ -48,8 +48,9 @@ def backend_option(name: str) -> str:
 def load_factory(path: str) -> Factory:
     """``package.module:callable``, or ``package.module`` for that module's ``factory``.
 
-    ``some/file.py[:callable]`` loads a module from a file (its folder goes on ``sys.path``,
-    so a backend split over sibling files imports).
+    ``some/file.py[:callable]`` loads a module from a file: as its package's module where the file
+    is in one (relative imports work), else under its stem, its folder on ``sys.path`` (a backend
+    split over sibling files imports).
     """
     module_name, _, attribute = path.partition(":")
     try:
@@ -87,16 +88,62 @@ def backend_name(factory: Factory) -> str:
     return named or f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', '?')}"
 
 
+# The module each file given by path was loaded as (``_load_file``), for whoever must find it again.
+_FILE_MODULES: dict[Path, object] = {}
+
+
 def _load_file(path: Path):
+    """The module in the file at ``path``. A file inside a package (its folder has an ``__init__.py``)
+    is imported as that package's module, the folder above the top package put on ``sys.path``, so
+    its relative imports (``from .pages import Page``) work as they do under pytest; any other file
+    is loaded under its stem, its folder put on ``sys.path`` so its sibling modules import."""
     if not path.is_file():
         raise FileNotFoundError(f"no file {str(path)!r}")
-    folder = str(path.resolve().parent)
+    path = path.resolve()
+    dotted = _dotted_name(path)
+    if dotted is not None:
+        return _import_from_package(path, *dotted)
+    folder = str(path.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[path.stem] = module
     spec.loader.exec_module(module)
+    _FILE_MODULES[path] = module
+    return module
+
+
+def module_of_file(path: str | Path):
+    """The module ``load_factory`` loaded from the file at ``path``."""
+    return _FILE_MODULES[Path(path).resolve()]
+
+
+def _dotted_name(path: Path) -> "tuple[Path, str] | None":
+    """(the folder above its top package, its dotted module name) for a file inside a package, else None."""
+    parts, folder = [path.stem], path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if len(parts) == 1:
+        return None
+    if not all(part.isidentifier() for part in parts):     # a folder no import statement can name
+        return None
+    return folder, ".".join(parts)
+
+
+def _import_from_package(path: Path, root: Path, dotted: str):
+    """``dotted`` imported with ``root`` on ``sys.path``; refused by name where that name is another
+    file's (a package of the same name imported from elsewhere first)."""
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    module = importlib.import_module(dotted)
+    found = Path(getattr(module, "__file__", None) or "").resolve()
+    if found != path:
+        raise ImportError(f"{str(path)!r} is module {dotted!r} of its package, but that name is already "
+                          f"{str(found) if found.name else 'a module without a file'!r} in this process "
+                          f"(a package named {dotted.partition('.')[0]!r} imported from elsewhere)")
+    _FILE_MODULES[path] = module
     return module
 
 

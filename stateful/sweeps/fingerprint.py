@@ -18,14 +18,13 @@ import importlib.metadata
 import os
 import platform
 import stat
-import sys
 from pathlib import Path
 
 import numpy
 
 import kvstate
 
-from ..backends import load_factory
+from ..backends import load_factory, module_of_file
 
 # The folders a sweep's answer depends on, besides the backend: the spec it checks against, the
 # reference model, the engine the generator draws from, and the lockstep, generator and shrinker.
@@ -81,7 +80,7 @@ def describe(differs: dict[str, tuple]) -> str:
 
 def backend_sources(backend: str) -> list[tuple[str, Path]]:
     """The files a backend's code lives in, as (name relative to its folder, path): the whole
-    folder of the module's package, or, for a module outside any package (a ``.py`` file given by
+    folder of the module's package (for a file given by path inside a package, its top package), or, for a module outside any package (a ``.py`` file given by
     path, which ``load_factory`` lets import the modules beside it), every ``.py`` file in its
     folder and in the packages (folders with an ``__init__.py``) below it. A backend split over
     sibling modules so changes with any of them; a whole folder rather than what the backend
@@ -89,9 +88,12 @@ def backend_sources(backend: str) -> list[tuple[str, Path]]:
     (a module imported late, inside a function, counts too)."""
     module_name = backend.partition(":")[0]
     if module_name.endswith(".py"):
-        module = sys.modules[Path(module_name).stem]     # load_factory registers it by its stem
-    else:
-        module = importlib.import_module(module_name)
+        module = module_of_file(module_name)
+        path = Path(module.__file__).resolve()
+        if module.__package__:      # loaded as its package's module: the whole top package, which it may import from
+            return _package_sources(path.parents[module.__package__.count(".")], None)
+        return _folder_sources(path.parent)
+    module = importlib.import_module(module_name)
     path = Path(module.__file__).resolve()
     if getattr(module, "__path__", None) or module.__package__:
         return _package_sources(path.parent, None)
