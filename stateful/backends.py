@@ -95,14 +95,26 @@ _FILE_MODULES: dict[Path, object] = {}
 def _load_file(path: Path):
     """The module in the file at ``path``. A file inside a package (its folder has an ``__init__.py``)
     is imported as that package's module, the folder above the top package put on ``sys.path``, so
-    its relative imports (``from .pages import Page``) work as they do under pytest; any other file
-    is loaded under its stem, its folder put on ``sys.path`` so its sibling modules import."""
+    its relative imports (``from .pages import Page``) work as they do under pytest. Any other file,
+    or one whose package name this process already holds for another folder (an installed package
+    named ``tests``), is loaded under its stem, its folder put on ``sys.path`` so its sibling
+    modules import."""
     if not path.is_file():
         raise FileNotFoundError(f"no file {str(path)!r}")
     path = path.resolve()
     dotted = _dotted_name(path)
     if dotted is not None:
-        return _import_from_package(path, *dotted)
+        try:
+            return _import_from_package(path, *dotted)
+        except _NameTaken as taken:
+            try:
+                return _load_by_stem(path)
+            except ImportError as error:     # its relative imports need the package it cannot be imported as
+                raise ImportError(f"{taken}; loaded by its file name instead, it failed: {error}") from error
+    return _load_by_stem(path)
+
+
+def _load_by_stem(path: Path):
     folder = str(path.parent)
     if folder not in sys.path:
         sys.path.insert(0, folder)
@@ -125,24 +137,30 @@ def _dotted_name(path: Path) -> "tuple[Path, str] | None":
     while (folder / "__init__.py").is_file():
         parts.insert(0, folder.name)
         folder = folder.parent
-    if len(parts) == 1:
-        return None
-    if not all(part.isidentifier() for part in parts):     # a folder no import statement can name
+    if len(parts) == 1 or not all(part.isidentifier() for part in parts):     # no package an import can name
         return None
     return folder, ".".join(parts)
 
 
+class _NameTaken(ImportError):
+    """The file's dotted name is another file's in this process."""
+
+
 def _import_from_package(path: Path, root: Path, dotted: str):
-    """``dotted`` imported with ``root`` on ``sys.path``; refused by name where that name is another
-    file's (a package of the same name imported from elsewhere first)."""
+    """``dotted`` imported with ``root`` on ``sys.path``: ``_NameTaken`` where that name is another
+    file's (a package of the same name imported, or found first, elsewhere)."""
+    top = dotted.partition(".")[0]
+    held = sys.modules.get(top)
+    if held is not None and Path(getattr(held, "__file__", None) or "").resolve() != root / top / "__init__.py":
+        raise _NameTaken(f"{str(path)!r} is module {dotted!r} of its package, but {top!r} is already "
+                         f"{getattr(held, '__file__', None) or 'a module without a file'!r} in this process")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     module = importlib.import_module(dotted)
     found = Path(getattr(module, "__file__", None) or "").resolve()
     if found != path:
-        raise ImportError(f"{str(path)!r} is module {dotted!r} of its package, but that name is already "
-                          f"{str(found) if found.name else 'a module without a file'!r} in this process "
-                          f"(a package named {dotted.partition('.')[0]!r} imported from elsewhere)")
+        raise _NameTaken(f"{str(path)!r} is module {dotted!r} of its package, but that name is "
+                         f"{str(found) if found.name else 'a module without a file'!r} in this process")
     _FILE_MODULES[path] = module
     return module
 

@@ -55,12 +55,20 @@ def test_the_foreign_free_queue_engine_loads_by_its_path(forget_modules):
     assert module_of_file(FOREIGN / "free_queue.py").__name__.endswith("foreign.free_queue")
 
 
-def test_a_package_name_taken_by_another_folder_is_refused_by_name(tmp_path, forget_modules):
-    first = _package(tmp_path / "a", "kvs_pkg_twice")
-    second = _package(tmp_path / "b", "kvs_pkg_twice")
-    load_factory(str(first))
-    with pytest.raises(FactoryError, match="already .*kvs_pkg_twice"):
-        load_factory(str(second))
+def test_a_package_name_another_folder_holds_falls_back_to_the_file_name(tmp_path, forget_modules):
+    """A package name this process already holds for another folder (an installed package named
+    ``tests``, say): the file loads by its stem as before, and where its relative imports need the
+    package, the error names the clash."""
+    from kvstate.impl.numpy import factory
+
+    load_factory(str(_package(tmp_path / "a", "kvs_pkg_twice")))
+    relative = _package(tmp_path / "b", "kvs_pkg_twice")
+    with pytest.raises(FactoryError, match="'kvs_pkg_twice' is already .*loaded by its file name instead"):
+        load_factory(str(relative))
+    absolute = relative.parent / "absolute.py"
+    absolute.write_text("from kvstate.impl.numpy import factory\n")
+    assert load_factory(str(absolute)) is factory
+    assert module_of_file(absolute).__name__ == "absolute"
 
 
 def test_a_package_backends_fingerprint_covers_its_whole_top_package(tmp_path, forget_modules):
