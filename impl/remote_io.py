@@ -306,6 +306,8 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
 
     fs, path = call(_filesystem, url, storage_options, SnapshotWriteError)
     path = _object_path(url, path, SnapshotWriteError)
+    target = object_identity(fs, path)
+    _refuse_if_landing(target, url)        # before anything is sent
     if _is_memory(fs):
         call = lambda function, *args, **kwargs: function(*args, **kwargs)    # noqa: E731 - in memory
         worker = None
@@ -320,13 +322,13 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
             call(file.close)    # CompleteMultipartUpload (or the one PUT): the object appears whole
         except SnapshotDeadlineError as error:
             clean_up(_abandon, file)
-            _may_land(url, worker)
+            _may_land(target, worker)
             raise _unknown_outcome(error) from None
         except BaseException as error:
             # an upload that did not complete is aborted, not left for the lifecycle rule
             clean_up(_abandon, file, wait=isinstance(error, Exception))
             if not isinstance(error, Exception):
-                _may_land(url, worker)      # interrupted with its publishing call sent
+                _may_land(target, worker)      # interrupted with its publishing call sent
             raise
         return
     folder, _, name = path.rpartition("/")
@@ -351,21 +353,60 @@ def open_publish(url: str, storage_options: dict | None = None, worker: Worker |
         clean_up(_remove_quietly, fs, temp)
         if not copying:
             raise               # the temporary key's upload: nothing at ``path`` changed
-        _may_land(url, worker)
+        _may_land(target, worker)
         raise _unknown_outcome(error) from None
     except BaseException as error:
         if copying and not isinstance(error, Exception):
-            _may_land(url, worker)          # interrupted with the copy sent
+            _may_land(target, worker)          # interrupted with the copy sent
         clean_up(_remove_quietly, fs, temp, wait=isinstance(error, Exception))
         raise
     clean_up(_remove_quietly, fs, temp)
 
 
 # Objects whose publishing call was given up on (its deadline ran out, or an interrupt came) after it
-# was sent: the server may still complete it, and a later write to the key would then be replaced by
-# the older snapshot. Writes there are refused until that call returns (``_may_land``).
-_landing: set[str] = set()
+# was sent: the server may still complete it, and a later write to the object would then be replaced by
+# the older snapshot. Writes there are refused until that call returns (``_may_land``). Each is held by
+# its ``object_identity``, not its URL: a write through another spelling of the same object
+# (``s3a://``, ``s3:///bucket/key``) is refused as well.
+_landing: set[tuple] = set()
 _landing_lock = threading.Lock()
+
+
+def object_identity(fs, path: str) -> tuple:
+    """Which object ``path`` (as ``url_to_fs`` gave it) names on ``fs``: the same tuple for every URL
+    fsspec resolves to that object, another for every other object.
+
+    - the scheme's family, not the scheme: ``s3://`` and ``s3a://`` are one filesystem
+      (``fs.protocol`` lists every scheme it answers to);
+    - the server: the ``endpoint_url`` of its options (top level or ``client_kwargs``), since a bucket
+      of one name on two servers is two objects; credentials are not part of it;
+    - the key as the filesystem sends it: on object stores their own ``split_path`` (bucket, key),
+      which reads ``s3:///bucket/key`` as ``s3://bucket/key``; elsewhere the filesystem's own
+      ``_strip_protocol``. A spelling that reaches another key stays apart: ``s3://bucket//key``
+      is the key ``/key``, another object on S3, and ``memory://a//b`` another entry than ``memory://a/b``.
+    """
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    options = getattr(fs, "storage_options", None)
+    options = options if isinstance(options, dict) else {}
+    client = options.get("client_kwargs")
+    endpoint = options.get("endpoint_url") or (client.get("endpoint_url") if isinstance(client, dict) else None)
+    key = path
+    try:
+        split = getattr(fs, "split_path", None)
+        if callable(split):
+            bucket, name = split(path)[:2]
+            key = f"{bucket}/{name}"
+        elif callable(getattr(fs, "_strip_protocol", None)):
+            key = fs._strip_protocol(path)
+    except Exception:     # noqa: BLE001 - a filesystem that cannot say: the path as url_to_fs gave it
+        key = path
+    return (tuple(sorted(map(str, protocols))), str(endpoint).rstrip("/") if endpoint else None, key)
+
+
+def landing_key(url: str, storage_options: dict | None = None) -> tuple:
+    """``object_identity`` of the object ``url`` names (no request is sent)."""
+    fs, path = _filesystem(url, storage_options, SnapshotWriteError)
+    return object_identity(fs, _object_path(url, path, SnapshotWriteError))
 
 
 def _forget_parents_landings() -> None:
@@ -380,27 +421,31 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_parents_landings)
 
 
-def _may_land(url: str, worker: Worker | None) -> None:
-    """``url``'s abandoned publishing call may still land: refuse writes there until ``worker`` is done."""
+def _may_land(target: tuple, worker: Worker | None) -> None:
+    """The abandoned publishing call to ``target`` (an ``object_identity``) may still land: refuse
+    writes there until ``worker`` is done."""
     if worker is None:
         return
     with _landing_lock:
-        _landing.add(url)
-    worker.later(_landed, url)
+        _landing.add(target)
+    worker.later(_landed, target)
 
 
-def _landed(url: str) -> None:
+def _landed(target: tuple) -> None:
     with _landing_lock:
-        _landing.discard(url)
+        _landing.discard(target)
 
 
-def _refuse_if_landing(url: str) -> None:
+def _refuse_if_landing(target: tuple, url: str) -> None:
+    """``SnapshotWriteError`` for a write to ``url`` (``target``, its ``object_identity``) while an
+    abandoned write to the same object, by this spelling or another, may still land."""
     with _landing_lock:
-        pending = url in _landing
+        pending = target in _landing
     if pending:
-        raise SnapshotWriteError(f"an earlier write to {redact(url)} was given up on after its publishing call "
-                                 "was sent, and the server has not answered it: it may still land and would "
-                                 "replace this one, so nothing was sent (write again once it has answered)")
+        raise SnapshotWriteError(f"an earlier write to {redact(url)} (by this URL or another naming the same "
+                                 "object, such as s3a://) was given up on after its publishing call was sent, "
+                                 "and the server has not answered it: it may still land and would replace this "
+                                 "one, so nothing was sent (write again once it has answered)")
 
 
 def _unknown_outcome(error: SnapshotDeadlineError) -> SnapshotDeadlineError:
@@ -498,9 +543,8 @@ def publish(url: str, fill: Callable[[object], None], storage_options: dict | No
         write_atomic(path, fill)
         return
     deadline = resolve(deadline)
-    _refuse_if_landing(url)
 
-    def attempt() -> None:
+    def attempt() -> None:     # open_publish refuses an object whose abandoned write may still land
         worker = _worker_for(url, deadline, f"writing a snapshot to {redact(url)}")
         try:
             with open_publish(url, storage_options, worker) as file:

@@ -603,7 +603,7 @@ def test_a_forked_child_inherits_neither_abandoned_calls_nor_writes_that_may_lan
     with pytest.raises(SnapshotDeadlineError, match="ran out"):
         worker.call(held.wait, 10)                   # the publishing call, held by the server
     url = f"memory://kvstate-test/{uuid.uuid4().hex}/late.kvs"
-    remote_io._may_land(url, worker)
+    remote_io._may_land(remote_io.landing_key(url), worker)
     pid = os.fork()
     if pid == 0:                                     # the child: report by exit status, run nothing of pytest's
         code = 2
@@ -923,7 +923,7 @@ def test_a_write_given_up_on_after_its_publishing_call_was_sent_holds_back_later
     worker = Worker(Deadline(0.05, "deadline_s of this call"), "writing")
     with pytest.raises(Exception, match="ran out"):
         worker.call(held.wait, 10)                   # the publishing call, held by the server
-    remote_io._may_land(url, worker)
+    remote_io._may_land(remote_io.landing_key(url), worker)
     cache = Cache(SMALL, page_tokens=4)
     with filled(cache, 5) as ctx:
         with pytest.raises(SnapshotWriteError, match="may still land"):
@@ -931,7 +931,7 @@ def test_a_write_given_up_on_after_its_publishing_call_was_sent_holds_back_later
         assert not remote_io.exists(url)             # nothing was sent
         held.set()                                   # the server answers the old call
         deadline = time.monotonic() + 10
-        while url in remote_io._landing and time.monotonic() < deadline:
+        while remote_io.landing_key(url) in remote_io._landing and time.monotonic() < deadline:
             time.sleep(0.01)
         ctx.snapshot(url)
         with cache.restore(url) as back:
@@ -1022,12 +1022,13 @@ def test_an_interrupt_while_the_publishing_call_is_held_surfaces_at_once(monkeyp
         with pytest.raises(KeyboardInterrupt):
             remote_io.publish(url, lambda file: file.write(b"snapshot"), deadline=10)
         took = time.monotonic() - started
+        # while the held call has not returned (once it has, the key is cleared: writes go ahead)
+        with pytest.raises(SnapshotWriteError, match="may still land"):
+            remote_io.publish(url, lambda file: file.write(b"newer"), deadline=10)
     finally:
         timer.cancel()
         held.set()
     assert took < 5, took
-    with pytest.raises(SnapshotWriteError, match="may still land"):
-        remote_io.publish(url, lambda file: file.write(b"newer"), deadline=10)
 
 
 def test_calls_abandoned_on_one_hung_server_do_not_stop_calls_to_another(monkeypatch):
@@ -1117,14 +1118,14 @@ def test_a_temporary_key_publish_past_its_deadline_says_whether_the_object_may_s
         with pytest.raises(SnapshotDeadlineError) as error:
             remote_io.publish(url, lambda file: file.write(b"old"), deadline=0.3)
         assert ("may still complete" in str(error.value)) == (hold == "copy")
-        assert (url in remote_io._landing) == (hold == "copy")
+        assert (remote_io.landing_key(url) in remote_io._landing) == (hold == "copy")
         if hold == "copy":
             with pytest.raises(SnapshotWriteError, match="may still land"):
                 remote_io.publish(url, lambda file: file.write(b"newer"), deadline=5)
     finally:
         released.set()
     deadline = time.monotonic() + 10
-    while url in remote_io._landing and time.monotonic() < deadline:
+    while remote_io.landing_key(url) in remote_io._landing and time.monotonic() < deadline:
         time.sleep(0.01)
     remote_io.publish(url, lambda file: file.write(b"newest"), deadline=5)
     key = url.removeprefix("gs://")
@@ -1132,3 +1133,20 @@ def test_a_temporary_key_publish_past_its_deadline_says_whether_the_object_may_s
     while fs.objects and time.monotonic() < deadline:      # the held call's clean-up runs when it returns
         time.sleep(0.01)
     assert fs.objects == {}, "a temporary key was left behind"
+
+
+def test_every_spelling_of_one_object_is_one_landing_key_and_another_object_another():
+    """What holds back writes that may still land: one key per object, whatever the URL's spelling (no
+    request is sent to work it out)."""
+    pytest.importorskip("s3fs")
+    key = remote_io.landing_key
+    here = {"endpoint_url": "http://127.0.0.1:9"}
+    same = [key("s3://b/k/x.kvs", here), key("s3a://b/k/x.kvs", here), key("s3:///b/k/x.kvs", here),
+            key("s3://b/k/x.kvs", {**here, "key": "someone", "secret": "else"}),          # other credentials
+            key("s3://b/k/x.kvs", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9/"}})]
+    assert len(set(same)) == 1, same
+    others = [key("s3://b//k/x.kvs", here),                       # the key "/k/x.kvs": another object on S3
+              key("s3://b/k/y.kvs", here), key("s3://c/k/x.kvs", here),
+              key("s3://b/k/x.kvs", {"endpoint_url": "http://127.0.0.1:10"})]           # another server
+    assert len(set(others + same[:1])) == len(others) + 1, others
+    assert key("memory://kv/x.kvs") == key("memory:///kv/x.kvs") != key("memory://kv//x.kvs")
