@@ -23,7 +23,8 @@ produced them, so give each model its own ``url_prefix``, and name the model
 ``put`` then writes it into each object and ``get`` refuses an object naming
 another, as a damaged one (a shorter prefix may serve; counted and warned), so a
 prefix shared by mistake is loud instead of serving another model's values (``put``
-judges a key by its object's size alone, so it does not replace such an object).
+leaves such an object where it is: another model's, not damage, and the other model's
+own ``get`` still serves it).
 An object naming none (written without one) is restored, as ``Cache.restore`` does.
 
 The index is the key scheme itself; nothing is listed. A lookup cannot ask the
@@ -40,7 +41,9 @@ tokens finds that one). The trade-off, in ``stride``:
 - a shared-prefix hit recovers all but fewer than ``stride`` tokens of the shared
   part (the caller prefills the rest); a larger stride leaves more to prefill;
 - a ``put`` writes up to twice the context's bytes (exact + aligned copy), once
-  per distinct prefix: a key already present is not written again.
+  per distinct prefix: a key already holding an intact object is not written again,
+  but that object is read whole to check it (a damaged one is written again), so a
+  ``put`` of stored prefixes downloads what it would have uploaded.
 
 Every operation of the store (``put``, ``lookup``, ``get``, and so the second tier's part of
 ``match``) runs under one total deadline, retries and probes included: the call's
@@ -70,8 +73,10 @@ from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
 from kvstate.impl.remote_deadline import CACHE, CALL, STORE, Deadline, check_seconds, first_set, resolve
 from kvstate.impl.remote_deadline import within as deadline
+from kvstate.impl.snapshot_read import read_snapshot, remaining
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotDeadlineError,
-                                 SnapshotError, SnapshotNotFoundError, SnapshotReadError, SnapshotWriteError)
+                                 SnapshotError, SnapshotNotFoundError, SnapshotProducerError, SnapshotReadError,
+                                 SnapshotWriteError)
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.semantics import hit_length
 from kvstate.spec.layout import check_tokens
@@ -157,9 +162,12 @@ class SnapshotStore:
     def put(self, ctx: Context, deadline_s: float | None = None) -> list[int]:
         """Store ``ctx`` at its length and at its longest multiple of ``stride``; the lengths written.
 
-        A key already holding an object of the snapshot's size is skipped (same tokens, same key);
-        one of another size (cut short, or another layout's) is written again. ``ctx`` is read,
-        never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
+        A key already holding an intact object is skipped (same tokens, same key: two machines storing
+        one prefix write it once): one of the snapshot's size is read and checked as ``get`` would
+        check it (header, size, checksum, every token and value; no page of a cache is allocated),
+        within the same deadline. One of another size (cut short, another layout's) or whose bytes
+        were damaged is written again; one naming another producer (another model's, sharing the
+        prefix by mistake) is left where it is. ``ctx`` is read, never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
         was stored before is intact; past the deadline, ``SnapshotDeadlineError``; a context the
         format cannot hold (``snapshot_format.check_fits``), ``SnapshotTooLargeError``, nothing sent.
         """
@@ -178,14 +186,47 @@ class SnapshotStore:
                 raise
             except SnapshotReadError as error:       # the lookup before the write: a put's failure is a write's
                 raise SnapshotWriteError(f"put: {error}") from error
-            if stored == self._header_size() + fmt.body_size(cache.layout, cache.precision, n):
-                continue        # there already (a damaged object, cut short, was skipped and never mended)
+            if stored == self._header_size() + fmt.body_size(cache.layout, cache.precision, n) \
+                    and self._keeps(url, cache, tokens[:n], deadline):
+                continue        # there already, intact (or another model's)
             with ctx.fork() as part:
                 part.truncate(n)
                 remote_io.publish(url, lambda file: part.snapshot(file, producer=self.producer),
                                   self.storage_options, deadline)
             written.append(n)
         return written
+
+    def _keeps(self, url: str, cache: Cache, tokens: np.ndarray, deadline: Deadline) -> bool:
+        """Whether ``put`` leaves the object of the right size at ``url`` as it is: it is what ``get``
+        serves whole for ``tokens`` (read and checked as a restore checks it, by the reader's own
+        ``read_snapshot``, ``check_body_content`` and ``check_body_crc``; into no cache), or it names
+        another producer. False: damaged, or gone since the lookup, so ``put`` writes it."""
+        def check(file) -> None:
+            header, body, crc = read_snapshot(file, cache.layout, remaining(file), None, self.producer)
+            try:
+                arrays, content_error = fmt.check_body_content(header, body), None
+            except SnapshotError as error:
+                arrays, content_error = None, error
+            fmt.check_body_crc(header, crc.result())        # the checksum's error first, as a restore reports
+            if content_error is not None:
+                raise content_error
+            if header.precision != cache.precision or header.positions != len(tokens) \
+                    or not np.array_equal(arrays["tokens"], tokens):
+                raise SnapshotCorruptError(f"{remote_io.redact(url)} holds {header.positions} positions at "
+                                           f"{header.precision} that are not the {len(tokens)} of its key")
+        try:
+            remote_io.read(url, check, self.storage_options, deadline)
+        except SnapshotDeadlineError:
+            raise
+        except SnapshotNotFoundError:
+            return False         # removed since the lookup (a lifecycle rule): written
+        except SnapshotReadError as error:       # the check before the write: a put's failure is a write's
+            raise SnapshotWriteError(f"put: {error}") from error
+        except SnapshotProducerError:
+            return True          # another model's object: not damage, not ours to replace (get refuses it)
+        except SnapshotError:
+            return False         # damaged: written again
+        return True
 
     def _header_size(self) -> int:
         """Bytes of the header ``put`` writes: version 3's where it names a producer."""

@@ -826,3 +826,42 @@ def test_a_write_that_may_still_land_holds_back_every_spelling_of_its_object(s3,
                 assert bits(back) == bits(new)
     finally:
         released.set()
+
+
+# -- put mends a damaged object, and leaves an intact one --------------------------------------------
+
+def test_put_writes_again_over_a_damaged_object_of_the_right_size_and_never_over_an_intact_one(s3):
+    """``put`` judged a key by its object's size: bytes damaged in place (a flipped bit at rest, a bad
+    copy) were never mended, and every ``get`` reaching them fell back to a shorter prefix and counted a
+    failure. The bucket keeps versions, so every PUT the server took is counted there."""
+    client = s3.client()
+    bucket = f"kvstate-mend-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    store = SnapshotStore(f"s3://{bucket}/kv", stride=4, storage_options=s3.options)
+    cache = Cache(SMALL, page_tokens=4)
+
+    def versions(length: int) -> int:
+        key = store.url(cache, tokens[:length]).removeprefix(f"s3://{bucket}/")
+        listed = client.list_object_versions(Bucket=bucket, Prefix=key).get("Versions", [])
+        return sum(1 for version in listed if version["Key"] == key)
+
+    with filled(cache, 6, seed=5) as ctx:
+        tokens = list(ctx.tokens)
+        want = bits(ctx)
+        assert store.put(ctx) == [6, 4]
+        assert store.put(ctx) == [] and (versions(6), versions(4)) == (1, 1)     # intact: not written again
+        path = store.url(cache, tokens).removeprefix("s3://")
+        good = s3.fs.cat(path)
+        for offset in (20, len(good) - 3):                       # a header field, a value in the body
+            damaged = bytearray(good)
+            damaged[offset] ^= 0x10
+            s3.fs.pipe(path, bytes(damaged))                      # same size, other bytes
+            assert store.put(ctx) == [6]                          # the aligned copy is intact: left alone
+            assert s3.fs.cat(path) == good
+        assert (versions(6), versions(4)) == (5, 1)               # first put, 2 damages, 2 mends
+        assert store.put(ctx) == [] and versions(6) == 5
+    got, n = store.get(cache, tokens)
+    with got:
+        assert n == 6 and bits(got) == want
+    assert store.failures == 0

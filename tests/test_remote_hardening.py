@@ -356,6 +356,7 @@ def test_a_store_naming_its_model_refuses_another_models_objects_loudly():
     with filled(source, 20) as ctx:
         assert theirs.put(ctx) == [20, 16]
         assert theirs.put(ctx) == []                 # its own objects are found there, the header's size counted
+        assert mine.put(ctx) == []                   # another model's: not damage, left for it (its get serves them)
         tokens = list(ctx.tokens)
     cache = Cache(SMALL, page_tokens=4, second_tier=mine)
     with pytest.raises(SnapshotProducerError):
@@ -1150,3 +1151,21 @@ def test_every_spelling_of_one_object_is_one_landing_key_and_another_object_anot
               key("s3://b/k/x.kvs", {"endpoint_url": "http://127.0.0.1:10"})]           # another server
     assert len(set(others + same[:1])) == len(others) + 1, others
     assert key("memory://kv/x.kvs") == key("memory:///kv/x.kvs") != key("memory://kv//x.kvs")
+
+
+def test_a_puts_check_of_a_stored_object_runs_under_the_puts_one_deadline(monkeypatch):
+    """The read that checks an object already at the key is part of the put: the same deadline as its
+    lookup and its write, not a fresh one."""
+    store = memory_store(stride=4)
+    source = Cache(SMALL, page_tokens=4)
+    seen = []
+    for name in ("stored_size", "read"):
+        real = getattr(remote_io, name)
+        monkeypatch.setattr(remote_io, name, lambda *args, real=real, name=name:
+                            (seen.append((name, args[-1])), real(*args))[1])
+    with filled(source, 8, seed=2) as ctx:
+        assert store.put(ctx) == [8]
+        seen.clear()
+        assert store.put(ctx, deadline_s=7) == []
+    assert [name for name, _ in seen] == ["stored_size", "read"]
+    assert seen[0][1] is seen[1][1] and seen[0][1].seconds == 7
