@@ -167,7 +167,8 @@ class SnapshotStore:
         check it (header, size, checksum, every token and value; no page of a cache is allocated),
         within the same deadline. One of another size (cut short, another layout's) or whose bytes
         were damaged is written again; one naming another producer (another model's, sharing the
-        prefix by mistake) is left where it is. ``ctx`` is read, never changed. Failures: ``SnapshotWriteError`` naming the URL, and whatever
+        prefix by mistake) is left where it is. ``ctx`` is read, never changed. Failures:
+        ``SnapshotWriteError`` naming the URL (an outage during the check too), and whatever
         was stored before is intact; past the deadline, ``SnapshotDeadlineError``; a context the
         format cannot hold (``snapshot_format.check_fits``), ``SnapshotTooLargeError``, nothing sent.
         """
@@ -221,7 +222,7 @@ class SnapshotStore:
         except SnapshotNotFoundError:
             return False         # removed since the lookup (a lifecycle rule): written
         except SnapshotReadError as error:       # the check before the write: a put's failure is a write's
-            raise SnapshotWriteError(f"put: {error}") from error
+            raise SnapshotWriteError(f"put: checking the object already there: {error}") from error
         except SnapshotProducerError:
             return True          # another model's object: not damage, not ours to replace (get refuses it)
         except SnapshotError:

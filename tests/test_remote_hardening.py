@@ -1169,3 +1169,34 @@ def test_a_puts_check_of_a_stored_object_runs_under_the_puts_one_deadline(monkey
         assert store.put(ctx, deadline_s=7) == []
     assert [name for name, _ in seen] == ["stored_size", "read"]
     assert seen[0][1] is seen[1][1] and seen[0][1].seconds == 7
+
+
+def test_a_put_that_cannot_check_the_stored_object_is_a_write_error_and_one_gone_since_is_written(monkeypatch):
+    """The read that checks an object already at the key: an outage there fails the put by name, changing
+    nothing; an object removed between the lookup and the check (a lifecycle rule) is written."""
+    store = memory_store(stride=4)
+    source = Cache(SMALL, page_tokens=4)
+    fs = fsspec.filesystem("memory")
+    opened = remote_io.open_read
+    monkeypatch.setattr(remote_io, "BACKOFF_S", 0.001)
+    with filled(source, 8, seed=2) as ctx:
+        assert store.put(ctx) == [8]
+        path = store.url(source, ctx.tokens).removeprefix("memory://")
+        good = fs.cat(path)
+
+        def refused(url, options=None, worker=None):
+            raise ConnectionRefusedError("the server went away")
+        monkeypatch.setattr(remote_io, "open_read", refused)
+        with pytest.raises(SnapshotWriteError, match="put: checking the object already there: .*went away"):
+            store.put(ctx)
+        assert fs.cat(path) == good
+
+        @contextlib.contextmanager
+        def removed_first(url, options=None, worker=None):
+            fs.rm_file(path)
+            with opened(url, options, worker) as file:
+                yield file
+        monkeypatch.setattr(remote_io, "open_read", removed_first)
+        assert store.put(ctx) == [8]
+        monkeypatch.setattr(remote_io, "open_read", opened)
+        assert fs.cat(path) == good and store.put(ctx) == []
