@@ -543,10 +543,14 @@ class Lockstep:
                 "without it this can be a false rejection (README: Full pools under values='prefix')")
 
     def _probe_entries(self) -> None:
-        """Without the tree tier, entries and their eviction order are seen through ``match``: each
-        entry the reference holds is matched by its own key on both sides, oldest first, and the
-        hits compared (matched count and every value), then closed. Both sides take the same
-        stamps, oldest first, so the order of entries each keeps is unchanged by the probe."""
+        """Without the tree tier, entries are seen through ``match``: the key of each entry the
+        reference holds is matched on both sides, oldest first, and the hits compared (matched count
+        and every value), then closed. Each match stamps what it hits, so a correct engine's order is
+        unchanged; an engine whose order had gone wrong (a step stamped another entry, or none) has
+        the reference's afterwards, and no later eviction shows that step's mistake. Probing at
+        teardown only was tried (2026-12-06): on the audit's two planted stamp bugs, sweeps found them
+        less often (9 and 70 of 400 runs against 15 and 141), since the probes' own partial and tied
+        hits are where such bugs show. A directed row builds the case the probes hide instead."""
         for key, _tick in self.reference.eviction_order():
             engine_hit, engine_matched = self.engine.match(list(key))
             ref_hit, ref_matched = self.reference.match(list(key))

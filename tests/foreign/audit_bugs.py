@@ -12,19 +12,7 @@ import numpy as np
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import CapacityError
 
-try:
-    from . import audit_minimal as base
-except ImportError:         # loaded as a file by ``kvstate conform path.py``
-    import importlib.util
-    import os
-    import sys
-    _path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "audit_minimal.py")
-    base = sys.modules.get("audit_minimal")
-    if base is None:
-        _spec = importlib.util.spec_from_file_location("audit_minimal", _path)
-        base = importlib.util.module_from_spec(_spec)
-        sys.modules["audit_minimal"] = base
-        _spec.loader.exec_module(base)
+from . import audit_minimal as base
 
 
 # 1 ------------------------------------------------------------------------------------------

@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-import audit_bugs  # noqa: E402
-import audit_minimal  # noqa: E402
+from foreign import audit_bugs, audit_minimal  # noqa: E402
 from kvstate.stateful import ops as O  # noqa: E402,F401
 from kvstate.stateful.lockstep import Lockstep  # noqa: E402
 
