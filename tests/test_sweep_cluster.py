@@ -171,7 +171,7 @@ KEEP_NANNIES = {"distributed.deploy.lost-worker-timeout": "1 hour"}
 
 
 @pytest.fixture(scope="module")
-def cluster(backends):
+def cluster(backends, tmp_path_factory):
     import dask
     from distributed import Client, LocalCluster
 
@@ -179,9 +179,15 @@ def cluster(backends):
     # A result read from a worker that has just died is retried until the connect timeout (30 s by
     # default: one test once took 30 s in a loaded full suite, 1.2-1.8 s alone); on the loopback
     # interface 10 s is ample for any live peer. The workers get this config from their nannies.
+    # The workers see another TMPDIR than their nannies (which run in this process), as a nanny given
+    # ``env`` or ``distributed.nanny.environ`` makes them: the nanny's watch must find each worker's table
+    # all the same (with the table's place derived from each side's own temporary folder, the nanny never
+    # found it, and a run stuck in C hung the sweep without a word).
+    workers_tmp = str(tmp_path_factory.mktemp("workers-tmpdir"))
     with dask.config.set({"distributed.comm.timeouts.connect": "10s", **KEEP_NANNIES}):
         with LocalCluster(n_workers=2, processes=True, threads_per_worker=1, host="127.0.0.1",
-                          dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local:
+                          dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])],
+                          env={"TMPDIR": workers_tmp}) as local:
             with Client(local, set_as_default=False) as client:
                 yield local, client
 
@@ -416,11 +422,15 @@ def test_a_run_stuck_in_c_on_a_worker_is_a_timeout_of_its_seed_and_its_worker_re
     """C code holding the GIL on a worker stops every thread of its process, the run's timer included:
     the worker thread stayed taken, and the sweep waited for good. The worker's nanny, outside it, now
     ends it (and starts it again), and the run is a RunTimeout of its seed at the step it was in."""
+    import tempfile
+
     from kvstate.stateful.sweeps import watchdog
 
     local, client = cluster
     monkeypatch.setattr(watchdog, "GRACE_S", 0.2)       # read by the nannies, which run in this process
     before = client.run(os.getpid)
+    # The fixture's workers make their tables in another temporary folder than their nannies'.
+    assert tempfile.gettempdir() not in set(client.run(tempfile.gettempdir).values())
     out = tmp_path / "out"
     assert _within(30, lambda: main(["sweep", "--scheduler", local.scheduler_address, "--seeds", "6", "--steps", "40",
                                      "--configs", "f32-heap", "--backend", "sweep_stuck", "--run-timeout", "0.5",
@@ -552,6 +562,78 @@ def test_a_worker_whose_nanny_cannot_read_its_table_is_named_so_not_as_one_witho
     assert "no nanny" not in said.getvalue()
     assert ("worker tcp://127.0.0.1:1 cannot be watched by its nanny: the table it would read, "
             f"{tmp_path / 'no-such-folder'}") in said.getvalue()
+
+
+@needs_distributed
+@pytest.mark.parametrize("nanny", ["maps-it", "another-tmp", "no-watch"])
+def test_a_worker_hands_its_table_to_its_nanny_and_is_named_unwatched_unless_it_took_it(tmp_path, monkeypatch,
+                                                                                         nanny):
+    """The nanny maps the table at the path its worker hands it (through distributed's own ``run`` handler,
+    as ``Client.run(nanny=True)``), not at one it derives from its own temporary folder: a worker given
+    another TMPDIR was never watched, and nothing said so. A nanny that cannot map it (another temporary
+    folder at that path: the file is not there for it) or runs no watch leaves the worker named unwatched,
+    saying why, and its runs report nowhere."""
+    import asyncio
+    import io
+    import tempfile
+    from types import SimpleNamespace
+
+    from distributed import protocol
+    from distributed.worker import run as distributed_run
+
+    from kvstate.stateful.sweeps import nanny_watch, watchdog
+    from kvstate.stateful.sweeps.cluster import ClusterSession
+    from kvstate.stateful.sweeps.fingerprint import fingerprint
+    from kvstate.stateful.sweeps.worker_gate import BackendGate
+
+    monkeypatch.setattr(watchdog, "_table", None)
+    monkeypatch.setattr(watchdog, "_free", [])
+    monkeypatch.setattr(nanny_watch, "_handover", None, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))          # the worker's temporary folder
+    watch = nanny_watch.StuckRunWatch()
+    watch.pid = watch.table = None
+    watch.nanny = SimpleNamespace(pid=os.getpid(), plugins={} if nanny == "no-watch" else {nanny_watch.TOPIC: watch})
+    path = nanny_watch.table_path(os.getpid())
+
+    class NannyComm:        # the worker's rpc to its nanny, answered by distributed's handler in this process
+        async def run(self, **message):
+            if nanny == "another-tmp":
+                path.rename(tmp_path / "seen-by-the-worker-only")
+            answer = await distributed_run(watch.nanny, None, **message)
+            return protocol.loads(protocol.dumps(answer))       # as it comes back over a comm
+
+    async def set_resources(**resources):
+        pass
+
+    events = []
+    worker = SimpleNamespace(address="tcp://127.0.0.1:1", nanny="tcp://127.0.0.1:2", status=None,
+                             state=SimpleNamespace(nthreads=2), set_resources=set_resources,
+                             rpc=lambda address: NannyComm(),
+                             log_event=lambda topic, message: events.append((topic, message)))
+    gate = BackendGate(S.DEFAULT_BACKEND, fingerprint(S.DEFAULT_BACKEND))
+    asyncio.run(gate.setup(worker))
+    said = io.StringIO()
+    session = ClusterSession("tcp://127.0.0.1:3", None, None, gate.name, 2, out=said)
+    [event] = events
+    session.note(event)
+    assert session.accepted == ["tcp://127.0.0.1:1"] and not path.exists()
+    if nanny == "maps-it":
+        assert watchdog.watched() and said.getvalue() == ""
+        assert watch.pid == os.getpid() and len(watch.table) == 2 * watchdog.WIDTH       # a row per thread
+
+        def run():          # a task of the worker: the nanny reads what it reports
+            watchdog.begin(0.5)
+            watchdog.step(4)
+            return [(watch.table[base + watchdog.JOB], watch.table[base + watchdog.STEP])
+                    for base in range(0, len(watch.table), watchdog.WIDTH) if watch.table[base + watchdog.STARTED]]
+
+        assert watchdog.guarded(run, 11) == [(11.0, 4.0)]
+        return
+    assert not watchdog.watched() and watch.table is None
+    why = ("its nanny cannot map the table" if nanny == "another-tmp" else
+           f"its nanny does not run the watch {nanny_watch.TOPIC}")
+    assert f"worker tcp://127.0.0.1:1 cannot be watched by its nanny: {why}" in said.getvalue()
+    assert "no nanny" not in said.getvalue()
 
 
 @needs_distributed

@@ -19,8 +19,9 @@ pause and resume of the worker (``offer_waiting_runs``): without it, the runs of
 that died before any other held the resource would wait for ever, its replacement idle.
 
 Before the grant, the worker's tasks are set to report to its nanny's watch (nanny_watch.py), which
-ends a run stuck in C; the plugin's word says whether the worker is watched (one without a nanny
-is not).
+ends a run stuck in C: the worker hands its table to its nanny and waits for the nanny's answer. The
+plugin's word says whether the worker is watched, and if not why (one without a nanny is not, nor one
+whose nanny could not map its table).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class BackendGate(WorkerPlugin):
             worker.log_event(self.name, {"worker": worker.address, "accepted": False,
                                          "differs": {key: list(pair) for key, pair in differs.items()}})
             return
-        unwatched = watch_worker(worker)        # before any run can come
+        unwatched = await watch_worker(worker)      # before any run can come: its nanny has its table
         await worker.set_resources(**{self.name: worker.state.nthreads})      # awaited: the scheduler holds it now
         offer_waiting_runs(worker)
         worker.log_event(self.name, {"worker": worker.address, "accepted": True, "watched": unwatched is None,
