@@ -123,6 +123,26 @@ def factory(config):
 '''
 STUCK_SEED = 0          # Generator(0).page_tokens is 7
 
+BOTH_STUCK_BACKEND = '''"""The NumPy engine, except that at page sizes 7 and 3 allocate sleeps in C for a minute,
+the GIL released: two runs of one worker process stuck in C at once, each in a thread of its own."""
+import ctypes
+
+from kvstate.impl.numpy import factory as _engine
+
+
+def _allocate_stuck(self):
+    ctypes.CDLL(None).sleep(60)
+    return type(self).__mro__[1].allocate(self)
+
+
+def factory(config):
+    cache = _engine(config)
+    if config.page_tokens in (7, 3):
+        cache.__class__ = type("Stuck", (type(cache),), {"allocate": _allocate_stuck})
+    return cache
+'''
+BOTH_STUCK_SEEDS = {0, 1}       # the first two submitted: the two threads of one worker take them together
+
 SLOW_BACKEND = '''"""The NumPy engine, each cache built a quarter of a second late where KVSTATE_TEST_SLOW_CACHES
 is set: in an interrupted sweep's processes, not in its resume in the test's own process."""
 import os
@@ -154,6 +174,7 @@ def backends(tmp_path_factory):
     (folder / "sweep_hanging.py").write_text(HANGING_BACKEND)
     (folder / "sweep_crashing.py").write_text(CRASHING_BACKEND)
     (folder / "sweep_stuck.py").write_text(STUCK_BACKEND)
+    (folder / "sweep_both_stuck.py").write_text(BOTH_STUCK_BACKEND)
     odd = tmp_path_factory.mktemp("odd-backends")
     (odd / "sweep_planted.py").write_text(PLANTED_BACKEND + "# edited on one machine only\n")
     sys.path.insert(0, str(folder))
@@ -449,12 +470,63 @@ def test_a_run_stuck_in_c_on_a_worker_is_a_timeout_of_its_seed_and_its_worker_re
     assert ended in before and ended not in client.run(os.getpid)      # killed, and started again
 
 
-class _StuckRuns:
-    """Runs in threads of this process, each under ``watchdog.guarded`` in a row of a table of its own,
-    stuck (waiting) past their limit and grace, both 0; and a nanny's watch over them, driven by hand,
-    whose reports and kills are recorded (it would kill this process)."""
+def _stuck_sweep(local, client, backend: str, out: Path) -> tuple[dict, set]:
+    """A sweep of 6 seeds of ``backend`` with a run timeout of 0.5 s, on a cluster whose one worker is
+    killed by its nanny for stuck runs: the report's failures by seed, each checked as a RunTimeout at the
+    step its own run reported, and the workers named as ended in them (that worker, now replaced)."""
+    [worker] = client.run(os.getpid)
+    assert _within(30, lambda: main(["sweep", "--scheduler", local.scheduler_address, "--seeds", "6", "--steps", "40",
+                                     "--configs", "f32-heap", "--backend", backend, "--run-timeout", "0.5",
+                                     "--out", str(out)])) == 1
+    client.wait_for_workers(1, timeout=30)
+    assert worker not in client.run(os.getpid)          # killed, and started again
+    report = json.loads((out / "report.json").read_text())
+    assert report["runs"] == 6 and not report["partial"]        # the other seeds ran, and passed
+    failures = {failure["seed"]: failure for failure in report["failures"]}
+    ended = set()
+    for failure in failures.values():
+        stuck = failure["failure"]
+        assert (stuck["error"], stuck["op"], failure["minimised"]) == ("RunTimeout", "allocate()", False)
+        # At the step its own run reported (not the other thread's): its operations, drawn again here, end at it.
+        ops = R.load(Path(failure["replay_file"])).ops
+        assert stuck["step"] == len(ops) >= 1 and str(ops[-1]) == "allocate()"
+        ended.add(re.search(r"the nanny of worker (\S+) ended that worker process", stuck["message"]).group(1))
+    assert ended <= {worker}
+    return failures, ended
 
-    def __init__(self, monkeypatch, jobs: dict[int, int], on_report=None):
+
+@needs_distributed
+@pytest.mark.slow       # a cluster of its own: about 7 s
+def test_two_runs_stuck_at_once_in_one_worker_of_two_threads_are_each_told_before_the_one_kill(backends, tmp_path,
+                                                                                              monkeypatch):
+    """A worker of two threads runs two sweep tasks at once, each reporting in a row of its own of the
+    worker's table. Both stuck in C at once (the GIL released): the nanny tells the sweep of each, at its
+    own step, before the one kill of that worker; the other runs pass."""
+    import dask
+    from distributed import Client, LocalCluster
+
+    from kvstate.stateful.sweeps import watchdog
+
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.2)       # read by the nanny, which runs in this process
+    with dask.config.set({"distributed.comm.timeouts.connect": "10s", **KEEP_NANNIES}), \
+            LocalCluster(n_workers=1, processes=True, threads_per_worker=2, host="127.0.0.1",
+                         dashboard_address="127.0.0.1:0", preload=[str(backends["preload"])]) as local, \
+            Client(local, set_as_default=False) as client:
+        failures, ended = _stuck_sweep(local, client, "sweep_both_stuck", tmp_path / "both")
+    assert set(failures) == BOTH_STUCK_SEEDS
+    # Both told by the nanny of the worker that ran them, before it ended that worker: one left untold
+    # would have run again on its replacement, stuck again, and been told from there (another address).
+    assert len(ended) == 1
+
+
+class _StuckRuns:
+    """Runs in threads of this process (as a worker of several threads runs them), each under
+    ``watchdog.guarded`` in a row of a table of its own, stuck (waiting) past their limit (0 unless
+    ``limits`` gives it: seconds, or None for none) and grace (0); and a nanny's watch over them, driven
+    by hand, pausing ``settle_s`` before a kill, whose reports and kills are recorded (it would kill this
+    process)."""
+
+    def __init__(self, monkeypatch, jobs: dict[int, int], on_report=None, limits=None, settle_s: float = 0.0):
         import asyncio
         from types import SimpleNamespace
 
@@ -465,7 +537,7 @@ class _StuckRuns:
         monkeypatch.setattr(watchdog, "_table", None)
         monkeypatch.setattr(watchdog, "_free", [])
         monkeypatch.setattr(watchdog, "GRACE_S", 0.0)
-        monkeypatch.setattr(nanny_watch, "SETTLE_S", 0.0)
+        monkeypatch.setattr(nanny_watch, "SETTLE_S", settle_s)
         monkeypatch.setattr(nanny_watch, "os", SimpleNamespace(kill=lambda pid, sig: self.killed.append((pid, sig))))
         watchdog.use(self.table, range(len(jobs)))
         self.release = {job: threading.Event() for job in jobs}
@@ -474,7 +546,7 @@ class _StuckRuns:
             began = threading.Event()
 
             def run(job=job, step=step, began=began):
-                watchdog.begin(0.0)
+                watchdog.begin((limits or {}).get(job, 0.0))
                 watchdog.step(step)
                 began.set()
                 self.release[job].wait(10)
@@ -526,6 +598,103 @@ def test_a_nanny_tells_every_run_stuck_in_its_worker_before_the_one_kill(monkeyp
     runs.check()
     assert sorted((msg["job"], msg["step"]) for msg in runs.told) == [(7, 3), (8, 5)]
     assert runs.killed == [(os.getpid(), signal.SIGKILL)]
+
+
+@needs_distributed
+def test_a_run_of_another_thread_overdue_during_the_pause_before_the_kill_is_told_too(monkeypatch):
+    """A worker of two threads: one run overdue, told; another of the same worker overdue while the nanny
+    waits for the sweep to cancel the first. The one kill ends both: the second, untold, was run again by
+    Dask on another worker, stuck there too. A run of a third thread not overdue (no limit) is not told:
+    it runs again elsewhere, as any run of a worker that died."""
+    runs = _StuckRuns(monkeypatch, {7: 3, 8: 5, 9: 2}, limits={8: 0.05, 9: None}, settle_s=0.15)
+    runs.check()
+    assert [(msg["job"], msg["step"]) for msg in runs.told] == [(7, 3), (8, 5)]
+    assert runs.killed == [(os.getpid(), signal.SIGKILL)]
+
+
+GIL_HOLDER = '''"""A worker process of two threads, each running a sweep task in a row of the table at argv[1]:
+task 8 in Python (limit argv[2]), task 7 (limit argv[3], "none" for none) sleeping in C holding the
+GIL, which stops task 8."""
+import ctypes
+import importlib.util
+import sys
+import threading
+
+spec = importlib.util.spec_from_file_location("watchdog", sys.argv[4])     # the module alone: no package to import
+watchdog = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(watchdog)
+watchdog.use(watchdog.table_file(__import__("pathlib").Path(sys.argv[1]), 2), range(2))
+began = threading.Event()
+
+
+def frozen():
+    watchdog.begin(float(sys.argv[2]))
+    watchdog.step(5)
+    began.set()
+    while True:
+        pass
+
+
+def holds_the_gil():
+    watchdog.begin(None if sys.argv[3] == "none" else float(sys.argv[3]))
+    watchdog.step(3)
+    print("ready", flush=True)
+    ctypes.PyDLL(None).sleep(30)
+
+
+threading.Thread(target=watchdog.guarded, args=(frozen, 8), daemon=True).start()
+began.wait()
+watchdog.guarded(holds_the_gil, 7)
+'''
+
+
+@needs_distributed
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads seen through /proc")
+@pytest.mark.parametrize("holder", ["past-its-limit", "no-limit"])
+def test_a_run_stopped_only_by_c_code_of_another_thread_holding_the_gil_is_not_told_as_stuck(tmp_path, monkeypatch,
+                                                                                             holder):
+    """A worker of two threads: C code of one run holds the GIL, which stops the other run, in Python, as
+    long. Both were past their limit, and both were told as stuck: the other one a RunTimeout of a seed that
+    runs clean. Its thread waits for the GIL (it wakes every 5 ms to ask for it): the nanny tells only the
+    run that holds it, and the one kill ends both. Where the holder is no late run (here: one without a
+    limit), the waiting run is left alone until twice as late as it may be, then told all the same."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvstate.stateful.sweeps import nanny_watch, watchdog
+
+    monkeypatch.setattr(watchdog, "GRACE_S", 0.0)
+    monkeypatch.setattr(nanny_watch, "SETTLE_S", 0.0)
+    path = tmp_path / "table"
+    script = tmp_path / "gil_holder.py"
+    script.write_text(GIL_HOLDER)
+    frozen_limit = "0" if holder == "past-its-limit" else "0.2"
+    child = subprocess.Popen([sys.executable, str(script), str(path), frozen_limit,
+                              "0" if holder == "past-its-limit" else "none", watchdog.__file__],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        time.sleep(0.05)            # in C now, the GIL held
+        told = []
+
+        async def log_event(topic, msg):
+            told.append((msg["job"], msg["step"]))
+
+        watch = nanny_watch.StuckRunWatch()
+        watch.nanny = SimpleNamespace(pid=child.pid, worker_address="tcp://127.0.0.1:1",
+                                      scheduler=SimpleNamespace(log_event=log_event))
+        watch.pid, watch.table = child.pid, watchdog.table_file(path)
+        if holder == "no-limit":
+            time.sleep(0.25)        # task 8 late: past its limit, not yet twice
+            asyncio.run(watch.check())
+            assert told == [] and child.poll() is None
+            time.sleep(0.2)         # twice as late as it may be
+        asyncio.run(watch.check())
+        assert told == ([(7, 3)] if holder == "past-its-limit" else [(8, 5)])
+        assert child.wait(5) == -signal.SIGKILL         # the one kill, which ends both
+    finally:
+        child.kill()
+        child.wait()
 
 
 @needs_distributed

@@ -19,7 +19,15 @@ nanny, which started the worker and starts it again when it dies. So:
   says why, and the sweep names the worker as unwatched;
 - the nanny (``StuckRunWatch``, a Dask nanny plugin) reads its own worker's table and, for the tasks
   ``watchdog.GRACE_S`` past their limit, tells the sweep (an event naming each task and its step)
-  and then, if one of them still runs, kills the worker process, which it starts again;
+  and then, if one of them still runs, kills the worker process, which it starts again. A worker
+  of several threads runs several tasks at once, each in a row of its own: every one of them overdue
+  by the time of the kill is told (the first found, and those overdue by the end of the pause that
+  lets the sweep cancel it), since the kill ends them all and one left untold is run again elsewhere,
+  stuck there too. Except a task whose thread only waits for the GIL (Linux shows it waking every
+  5 ms, ``watchdog.wakes``), held by C code of another thread: stopped, not stuck, it was told as a
+  RunTimeout of a seed that runs clean; untold, it ends with the worker and runs again elsewhere.
+  A task stopped then in a wait of another kind (a lock or event that a thread waiting for the GIL
+  would release, as ``Thread.start`` of its Deadline's timer) shows no such wakes, and is still told;
 - the sweep (cluster.WatchedExecutor) ends that run's future as ``Stuck``, a ``RunTimeout`` of its
   seed saved at its step, and cancels the Dask task: Dask would run it again on another worker,
   stuck again each time, until ``allowed-failures``.
@@ -34,6 +42,7 @@ import asyncio
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 from distributed import NannyPlugin
@@ -52,6 +61,10 @@ SETTLE_S = 0.5
 """How long the nanny waits between telling the sweep and killing the worker: the sweep cancels the
 stuck task first, so that Dask does not hand it, on the worker's death, to another worker."""
 REPORT_TIMEOUT_S = 5.0
+WAKE_SAMPLE_S = 0.05
+"""How long the nanny watches the threads of its worker's late tasks, to tell one only waiting for the GIL."""
+GIL_WAITER_WAKES = 2
+"""A thread waiting for the GIL wakes every 5 ms (about 10 times in ``WAKE_SAMPLE_S``); one stuck in C, never."""
 HANDOVER_TIMEOUT_S = 10.0
 """How long a worker waits for its nanny's answer that it has the worker's table mapped."""
 
@@ -159,29 +172,74 @@ class StuckRunWatch(NannyPlugin):
             return
         # Every overdue run of the worker, told before the one kill that ends them all: one left untold was
         # run again by Dask on another worker, stuck there too, and took that worker down in turn.
-        stuck = []
-        for base in range(0, len(self.table), watchdog.WIDTH):
-            found = watchdog.overdue(self.table, base)
-            if found is not None and found[1] == pid:       # only ever its own worker process
-                stuck.append((base, found[0], found[2]))
+        stuck = await self._stuck(pid)
         if stuck:
             await self._end(pid, stuck)
+
+    async def _stuck(self, pid: int, culprit_told: bool = False) -> list[tuple[int, int, int]]:
+        """The row, task number and step of each task of worker ``pid`` past its limit and grace, each found once
+        (``watchdog.overdue``); not those whose thread only waits for the GIL (``_waiting``). C code of one thread
+        that holds the GIL stops every other thread of its worker, and a run of another thread, stopped at its
+        step past its own limit, is not stuck itself: told, it was recorded as a RunTimeout of its seed, which
+        runs clean. Left untold, it ends with the worker and Dask runs it again elsewhere, as any run of a
+        worker that died. Where every late task waits for the GIL, none of them holds it (C code not yet past
+        its limit does, or code not a sweep's): they are left alone until twice as late as they may be, then
+        told all the same, unless the nanny has just told of the one that holds it (``culprit_told``)."""
+        if self.table is None:          # the plugin removed meanwhile
+            return []
+        late = [base for base in range(0, len(self.table), watchdog.WIDTH)
+                if watchdog.late(self.table, base) and int(self.table[base + watchdog.PID]) == pid]
+        if not late:
+            return []
+        waiting = await self._waiting(pid, late)
+        if waiting == set(late) and not culprit_told:
+            now = time.monotonic()
+            waiting = {base for base in waiting if now - self.table[base + watchdog.STARTED]
+                       <= 2 * (self.table[base + watchdog.LIMIT] + watchdog.GRACE_S)}
+        stuck = []
+        for base in late:
+            found = None if base in waiting else watchdog.overdue(self.table, base)
+            if found is not None and found[1] == pid:       # only ever its own worker process
+                stuck.append((base, found[0], found[2]))
+        return stuck
+
+    async def _waiting(self, pid: int, late: list[int]) -> set[int]:
+        """Those rows of ``late`` whose task's thread waits for the GIL: it wakes again and again (``watchdog.wakes``)
+        and its task has not moved on. None where threads cannot be seen (not Linux): every late task is stuck."""
+        table = self.table
+        threads = {base: (int(table[base + watchdog.TID]), table[base + watchdog.STEP]) for base in late}
+        before = {base: watchdog.wakes(pid, tid) for base, (tid, _) in threads.items()}
+        if all(count is None for count in before.values()):
+            return set()
+        await asyncio.sleep(WAKE_SAMPLE_S)
+        waiting = set()
+        for base, (tid, step) in threads.items():
+            after = watchdog.wakes(pid, tid)
+            if (before[base] is not None and after is not None and after - before[base] >= GIL_WAITER_WAKES
+                    and table[base + watchdog.STEP] == step and int(table[base + watchdog.TID]) == tid):
+                waiting.add(base)
+        return waiting
 
     async def _end(self, pid: int, stuck: list[tuple[int, int, int]]) -> None:
         """Tell the sweep that each task of ``stuck`` (its row, number and step) is stuck, then kill worker ``pid``
         (restarted by this nanny) if one of them still runs there: tasks that all returned while the sweep was
         told (each recorded as stuck all the same, past its limit) leave the worker to the tasks it runs now,
-        another sweep's perhaps."""
+        another sweep's perhaps. A task of another thread of the worker that is overdue by then is told too
+        before the kill (and the pause begins again for it): the kill ends it as well."""
+        told: list[tuple[int, int, int]] = []
         try:
-            for _, job, step in stuck:
-                await asyncio.wait_for(self.nanny.scheduler.log_event(
-                    topic=TOPIC, msg={"worker": self.nanny.worker_address, "job": job, "step": step}),
-                    REPORT_TIMEOUT_S)
-            await asyncio.sleep(SETTLE_S)
+            while stuck:
+                for _, job, step in stuck:
+                    await asyncio.wait_for(self.nanny.scheduler.log_event(
+                        topic=TOPIC, msg={"worker": self.nanny.worker_address, "job": job, "step": step}),
+                        REPORT_TIMEOUT_S)
+                told += stuck
+                await asyncio.sleep(SETTLE_S)
+                stuck = await self._stuck(pid, culprit_told=True) if self.nanny.pid == pid else []
         except Exception:       # noqa: BLE001 -- a scheduler that cannot be told: the worker is freed all the same
-            pass
+            told += stuck
         if self.nanny.pid != pid or self.table is None or not any(watchdog.still_running(self.table, base, job, pid)
-                                                                  for base, job, _ in stuck):
+                                                                  for base, job, _ in told):
             return
         try:
             os.kill(pid, signal.SIGKILL)

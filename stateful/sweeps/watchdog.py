@@ -11,7 +11,9 @@ was killed at which step: a ``RunTimeout`` of that seed (or a shrink cut short),
 The row also says at which step a process that died was (``last_step``).
 
 A Dask worker keeps the same table, one row per worker thread, in a file its nanny maps too
-(``table_file``): the nanny is the process outside the stuck one there (nanny_watch.py).
+(``table_file``): the nanny is the process outside the stuck one there (nanny_watch.py). A row
+names its task's thread too (``TID``): in a worker of several threads the nanny tells a task stuck
+in C from one only waiting for the GIL that C code holds (``wakes``).
 In any other process (the sweep's own, a worker without a nanny) the calls here do nothing.
 """
 
@@ -30,8 +32,8 @@ GRACE_S = 2.0
 """How long past its limit a task may run before the watchdog kills its process."""
 POLL_S = 0.05
 
-PID, JOB, STARTED, LIMIT, STEP, BORN = range(6)
-WIDTH = 6
+PID, JOB, STARTED, LIMIT, STEP, BORN, TID = range(7)
+WIDTH = 7
 
 _table = None        # the table this process's rows are in (a pool's, or a Dask worker's file)
 _free: list[int] = []    # those rows not held by a running task
@@ -94,6 +96,7 @@ def begin(limit_s: float | None) -> None:
     _table[base + LIMIT] = -1.0 if limit_s is None else float(limit_s)
     _table[base + PID] = float(os.getpid())
     _table[base + BORN] = float(started_at(os.getpid()) or 0)
+    _table[base + TID] = float(threading.get_native_id())      # its thread, which a nanny may look at (``wakes``)
     _table[base + STARTED] = time.monotonic()
 
 
@@ -175,6 +178,28 @@ class Watchdog:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def late(table, base: int) -> bool:
+    """Whether the task in the row at ``base`` still runs ``GRACE_S`` past its limit (``overdue`` without
+    judging it: the row is left as it is)."""
+    started, limit = table[base + STARTED], table[base + LIMIT]
+    return bool(started) and limit >= 0 and time.monotonic() - started > limit + GRACE_S
+
+
+def wakes(pid: int, tid: int) -> int | None:
+    """How many times thread ``tid`` of process ``pid`` has given up the CPU of its own accord
+    (``voluntary_ctxt_switches``, Linux; None elsewhere or where it is gone). A thread waiting for the GIL
+    wakes every switch interval (5 ms) to ask for it, however long another thread holds it; one blocked
+    in C (a sleep, a read) or spinning there does not."""
+    try:
+        with open(f"/proc/{pid}/task/{tid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def overdue(table, base: int) -> tuple[int, int, int] | None:
