@@ -74,6 +74,8 @@ _own: tuple[int, Path, object] | None = None     # this process's (pid, scratch 
 _run_numbers = itertools.count()
 _collected_prefixes: list[str] = []     # URL prefixes of collected runs (list.append: safe in a finalizer)
 _forgetting = threading.Lock()
+_making = threading.Lock()      # one folder a process, whichever of its threads (a Dask worker's) asks first
+os.register_at_fork(after_in_child=lambda: globals().update(_making=threading.Lock()))   # never a held copy
 
 
 def _folder(lockstep: Lockstep) -> Path:
@@ -107,20 +109,25 @@ def _process_folder() -> Path:
     finalizer and no ``atexit`` (only multiprocessing's exit hook), so runs still referenced then
     (a check's last run) used to leave their folders behind. A process killed outright removes
     nothing: it holds a lock on its folder's ``owner`` file while it lives, and each new folder's
-    maker first removes the folders whose lock is free."""
+    maker first removes the folders whose lock is free. Made under a lock: two threads of a Dask
+    worker of several threads each made one at their first snapshot, and the first, its lock file
+    dropped with the second's ``_own``, was removed as an orphan by the next process to make one
+    while its run still wrote there (an ``errors`` invariant failure of a seed that runs clean)."""
     global _own
     pid = os.getpid()
     if _own is None or _own[0] != pid:          # a forked child makes its own
-        _remove_orphans()
-        making = Path(tempfile.mkdtemp(prefix=".making-", dir=_SCRATCH))
-        lock = open(making / "owner", "w")
-        if fcntl is not None:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        folder = making.with_name(f"{_PREFIX}{pid}-{making.name[len('.making-'):]}")
-        making.rename(folder)                   # only locked folders ever carry the prefix
-        _own = (pid, folder, lock)
-        atexit.register(_remove, pid, folder)
-        multiprocessing.util.Finalize(None, _remove, args=(pid, folder), exitpriority=0)
+        with _making:
+            if _own is None or _own[0] != pid:      # not made by another thread meanwhile
+                _remove_orphans()
+                making = Path(tempfile.mkdtemp(prefix=".making-", dir=_SCRATCH))
+                lock = open(making / "owner", "w")
+                if fcntl is not None:
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                folder = making.with_name(f"{_PREFIX}{pid}-{making.name[len('.making-'):]}")
+                making.rename(folder)                   # only locked folders ever carry the prefix
+                _own = (pid, folder, lock)
+                atexit.register(_remove, pid, folder)
+                multiprocessing.util.Finalize(None, _remove, args=(pid, folder), exitpriority=0)
     return _own[1]
 
 

@@ -56,3 +56,28 @@ def test_the_folder_of_a_killed_process_goes_with_the_next_one(tmp_path):
     finally:
         alive.communicate("")
     assert sorted(tmp_path.iterdir()) == []
+
+
+def test_threads_of_one_process_share_its_one_folder_and_it_stays_held(tmp_path, monkeypatch):
+    """Two threads of a Dask worker of two threads made a folder each at their first snapshot at once:
+    the first's lock file went with the second's, and the next process to make its folder removed the
+    first as an orphan while its run still wrote there (an ``errors`` failure of a seed that runs clean)."""
+    import threading
+    import time
+
+    from kvstate.stateful import snapshots as S
+
+    monkeypatch.setattr(S, "_own", None)
+    monkeypatch.setattr(S, "_SCRATCH", str(tmp_path))
+    real = S._remove_orphans
+    monkeypatch.setattr(S, "_remove_orphans", lambda: time.sleep(0.05) or real())     # both threads inside at once
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(S._process_folder())) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert len(got) == 2 and got[0] == got[1] == S._own[1]
+    real()                      # another process making its folder: this one's is held
+    assert sorted(tmp_path.iterdir()) == [got[0]]
+    S._remove(os.getpid(), got[0])
