@@ -14,8 +14,9 @@ from typing import Callable
 
 import numpy as np
 
+from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import evicts_for_room
+from kvstate.spec.semantics import evicts_for_room, reclaims
 
 from .. import ops as O
 from .common import both, filled, keeping, start
@@ -299,6 +300,61 @@ def _evicts_the_oldest_that_frees(factory: Factory, config: Config, promise: str
         run.finish()
 
 
+MAX_ENTRIES_FILLED = 1024
+"""``hits stamp their entry`` fills ``max_entries`` to its bound: past this many, a bound that no
+workload reaches (the real engines' adapters declare 2**30), the row is skipped."""
+
+
+def _hits_stamp_their_entry(factory: Factory, config: Config, promise: str) -> None:
+    """Entries past ``max_entries`` go in the order hits left them, for a hit shorter than its entry's
+    key and for a tie among entries sharing the hit (only the winner is stamped). No check runs
+    between a hit and the retain that evicts after it: without the tree tier a check probes every
+    entry through ``match``, which stamps each back into the reference's order and would hide a
+    wrong stamp (``Lockstep._probe_entries``); the matches after the eviction show it."""
+    m, unit = config.max_entries, config.block_tokens or 1
+    if not 2 <= m <= MAX_ENTRIES_FILLED or reclaims(config.on_full):
+        return          # one entry has no order; a bound this high is none; a reclaiming engine picks what goes
+
+    def key(*firsts: int) -> tuple[int, ...]:      # whole blocks: each can be a hit of its own
+        return tuple(first for first in firsts for _ in range(unit))
+    others = [key(40 + k) for k in range(m)]        # one block each, sharing no token with any other key
+    # A partial hit (under "entry", a hit of the whole key: no shorter one exists) stamps its entry.
+    _stamp_then_evict(factory, config, promise, [key(1, 2)] + others[:m - 1],
+                      key(1, 2, 9) if config.match == "entry" else key(1, 9), others[m - 1])
+    if config.match != "entry" and m >= 3:      # a tie: the newer of two keys sharing the hit's block wins
+        _stamp_then_evict(factory, config, promise, [key(1, 2), others[0], key(1, 3)] + others[1:m - 2],
+                          key(1, 9), others[m - 2])
+
+
+def _stamp_then_evict(factory: Factory, config: Config, promise: str, keys: list, query: tuple,
+                      newcomer: tuple) -> None:
+    """``keys`` retained oldest first (``max_entries`` of them), ``query`` matched and its hit closed,
+    ``newcomer`` retained (one entry too many: the least recently used goes), then every key matched.
+    Skipped where the page budget or the pool, not ``max_entries``, would choose what goes."""
+    held = sum(pages_needed(len(tokens), config.page_tokens) for tokens in keys)
+    if config.max_pages and held > config.max_pages or \
+            config.pool_limit and held + pages_needed(len(newcomer), config.page_tokens) > config.pool_limit:
+        return
+    run = start(factory, config)
+    with keeping(promise, run):
+        for k, tokens in enumerate(keys):
+            _retained(run, tokens, seed=70 + k)
+        run.apply(O.Close(run.apply(O.Match(query))))
+        _retained(run, newcomer, seed=69)
+        for tokens in keys:
+            run.apply(O.Close(run.apply(O.Match(tokens))))
+        run.check()
+        run.finish()
+
+
+def _retained(run: Lockstep, tokens: tuple, seed: int) -> None:
+    """A new context holding ``tokens``, retained, closed."""
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, tokens, seed=seed))
+    run.apply(O.Retain(handle))
+    run.apply(O.Close(handle))
+
+
 def _room_by_eviction(factory: Factory, config: Config, promise: str) -> None:
     _rescan(factory, config, promise)
     _evicts_the_oldest_that_frees(factory, config, promise)
@@ -370,6 +426,9 @@ ROWS: list[Row] = [
                              "context holds, oldest first, until the need fits: an entry whose pages another "
                              "entry keeps too is evicted as well, though it frees nothing alone. Not under `reclaim`, "
                              "whose engine picks what goes.", _room_by_eviction),
+    Row("hits stamp their entry", "A hit stamps the entry it is taken from and no other: a hit shorter than "
+                                  "that entry's key too, and of entries tied for a hit only the winner, so "
+                                  "entries past `max_entries` go in the order hits left.", _hits_stamp_their_entry),
     Row("block ties", "Under `block` matching, every entry reaching the hit's last whole block competes, however "
                       "many tokens past it each shares with the query: the most recently used gives the hit.",
         lambda factory, config, promise: _ties_row(factory, config, promise)),
