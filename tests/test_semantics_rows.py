@@ -245,3 +245,53 @@ def test_the_prefix_values_row_catches_a_retain_that_frees_the_pages_a_hit_reads
     monkeypatch.setattr(cache_module.Cache, "_keep", frees_the_replaced_outright)
     with pytest.raises(AssertionError, match="prefix"):
         row.check(numpy_factory, config_named("f32-heap"), row.text)
+
+
+# -- from an audit (tests/foreign/audit_repro/FINDINGS.md, B2 and B3) --------------------------------
+
+def _audit_config(name):
+    from foreign import audit_minimal
+
+    return next(config for config in audit_minimal.factory.configs if config.name == name)
+
+
+@pytest.mark.parametrize("name", ["block4-f32-pool10-evict", "block3-f16-pool8-evict-pages5"])
+def test_the_eviction_for_room_row_counts_the_copy_of_a_shared_partly_filled_page(name):
+    """B2: an extend whose need leaves out the copy of its shared, partly filled last page evicts one entry
+    too few at the pool's edge; ci passed it in both evicting configurations. The row now builds that edge."""
+    from foreign import audit_bugs, audit_minimal
+
+    config, row = _audit_config(name), _row("eviction for room")
+    row.check(audit_minimal.factory, config, row.text)
+    with pytest.raises(AssertionError, match="the copy of a partly filled page an entry shares"):
+        row.check(audit_bugs.need_omits_tail_copy, config, row.text)
+
+
+def test_the_copy_scenario_evicts_for_the_copy_in_every_evicting_configuration_we_have(monkeypatch):
+    """Not vacuous: in each evicting configuration of our engine, block_pool's and the audit's, the reference
+    evicts the oldest entry for the copy (the tied holder of the copied page stays), and the engine agrees."""
+    from foreign import audit_minimal, block_pool
+    from kvstate.spec.semantics import evicts_for_room
+    from kvstate.stateful.configs import configs_for
+    from kvstate.stateful.directed.semantics import _evicts_for_the_copy_of_a_shared_page
+    from kvstate.stateful.lockstep import Lockstep
+
+    kept_at_the_end = []
+    original = Lockstep.finish
+
+    def noting(run):
+        kept_at_the_end.append([key for key, _ in run.reference.eviction_order()])
+        return original(run)
+    monkeypatch.setattr(Lockstep, "finish", noting)
+    seen = []
+    for factory in (numpy_factory, block_pool.factory, audit_minimal.factory):
+        for config in configs_for(factory):
+            if evicts_for_room(config.on_full):
+                kept_at_the_end.clear()
+                _evicts_for_the_copy_of_a_shared_page(factory, config, "the row")
+                (kept,) = kept_at_the_end
+                page = config.page_tokens
+                assert kept == [tuple(70 + i % 3 for i in range(page - 1))], (config.name, kept)    # F only
+                seen.append(config.name)
+    assert {"token-f32-arena6-evict", "block2-f16-pool10-evict-then-refuse", "block4-f32-pool10-evict",
+            "block3-f16-pool8-evict-pages5"} <= set(seen), seen

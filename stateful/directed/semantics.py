@@ -355,9 +355,46 @@ def _retained(run: Lockstep, tokens: tuple, seed: int) -> None:
     run.apply(O.Close(handle))
 
 
+def _evicts_for_the_copy_of_a_shared_page(factory: Factory, config: Config, promise: str) -> None:
+    """The need of an extend counts the copy of its context's last page when that page is partly filled
+    and shared (README: "how an operation's need is counted"). Entry E keeps whole pages no context
+    holds; context C, shorter than a page, is retained as entry F (C and F share C's one page) and stays
+    open; a third context fills the pool to its last page. Extending C by one position adds no page but copies the
+    shared one: the pool is short of that page and evicts E (F's page is held by C). An extend whose need
+    leaves the copy out evicts nothing, and E still hits (an audit's engine: ci passed it under `evict`)."""
+    page, block, limit = config.page_tokens, config.block_tokens or 1, config.pool_limit
+    length = -(-max(page, block) // page) * page      # whole pages holding a whole block: a key that can hit
+    pages = length // page
+    if not evicts_for_room(config.on_full) or page < 2 or config.max_entries < 2:
+        return      # no eviction for room, no partly filled page, or no room for two entries
+    if limit < pages + 1 or 0 < config.max_pages < pages + 1:
+        return      # the pool or the page budget cannot hold E and F at once
+    kept = tuple(60 + i % 3 for i in range(length))
+    run = start(factory, config)
+    with keeping(promise, run):
+        entry = run.apply(O.Allocate())
+        run.apply(O.Extend(entry, kept, seed=51))
+        run.apply(O.Retain(entry))
+        run.apply(O.Close(entry))                       # E: its pages no context holds
+        shared = run.apply(O.Allocate())
+        run.apply(O.Extend(shared, tuple(70 + i % 3 for i in range(page - 1)), seed=52))
+        run.apply(O.Retain(shared))                     # F shares C's partly filled page
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple(90 + i % 3 for i in range(page * (limit - pages - 1))), seed=53))
+        run.apply(O.Extend(shared, (1,), seed=54))      # no new page, one copy: the pool is one short
+    extend = run.history[-1]
+    with keeping(promise, run, f"{extend} (needing one page, the copy of a partly filled page an entry "
+                               f"shares, in a full pool), then match of the oldest entry's key"):
+        run.apply(O.Match(kept))                        # E was evicted for the copy: a miss
+        run.check()
+    with keeping(promise, run):
+        run.finish()
+
+
 def _room_by_eviction(factory: Factory, config: Config, promise: str) -> None:
     _rescan(factory, config, promise)
     _evicts_the_oldest_that_frees(factory, config, promise)
+    _evicts_for_the_copy_of_a_shared_page(factory, config, promise)
 
 
 def _prefix_values(factory: Factory, config: Config, promise: str) -> None:
