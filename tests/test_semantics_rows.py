@@ -295,3 +295,33 @@ def test_the_copy_scenario_evicts_for_the_copy_in_every_evicting_configuration_w
                 seen.append(config.name)
     assert {"token-f32-arena6-evict", "block2-f16-pool10-evict-then-refuse", "block4-f32-pool10-evict",
             "block3-f16-pool8-evict-pages5"} <= set(seen), seen
+
+
+@pytest.mark.parametrize("name", ["block4-q8-pool12-refuse-pages6", "block3-f16-pool8-evict-pages5"])
+def test_the_ties_scenarios_build_a_tie_under_a_tight_max_pages(name):
+    """B3: two keys of the shared prefix and a block more do not fit max_pages 6 at page 2 (5 at page 3): the
+    second retain evicted the first and no tie was tested, so ties resolved to the first entry cached passed
+    both checks. The keys now end inside a block (and the prefix is one block where needed)."""
+    from foreign import audit_bugs, audit_minimal
+    from kvstate.stateful.directed.prefix import TIES, prefix_edges
+
+    config, row = _audit_config(name), _row("block ties")
+    prefix_edges(audit_minimal.factory, config)
+    row.check(audit_minimal.factory, config, row.text)
+    with pytest.raises(AssertionError, match=TIES.split(",")[0]):
+        prefix_edges(audit_bugs.tie_first_retained, config)
+    with pytest.raises(AssertionError, match="the most recently used gives the hit"):
+        row.check(audit_bugs.tie_first_retained, config, row.text)
+
+
+def test_where_no_tie_fits_the_ties_scenarios_say_not_applicable():
+    """A budget that cannot hold two entries of a block and a token: n/a, not a vacuous pass; prefix edges runs
+    its other scenarios first."""
+    from kvstate.stateful.directed.common import NotApplicable
+    from kvstate.stateful.directed.prefix import prefix_edges
+
+    config, row = config_named("f32-heap").with_(max_pages=1), _row("block ties")
+    with pytest.raises(NotApplicable, match="max_pages 1 cannot hold two entries.*every other scenario passed"):
+        prefix_edges(numpy_factory, config)
+    with pytest.raises(NotApplicable, match="block ties.*no tie can be built"):
+        row.check(numpy_factory, config, row.text)

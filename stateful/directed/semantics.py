@@ -19,7 +19,7 @@ from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import evicts_for_room, reclaims
 
 from .. import ops as O
-from .common import both, filled, keeping, start
+from .common import NotApplicable, both, filled, keeping, start
 from ..lockstep import Lockstep
 
 
@@ -480,9 +480,12 @@ def _ties_row(factory: Factory, config: Config, promise: str) -> None:
     if config.match != "block":
         promise = TIES      # the row is block's; elsewhere its scenario holds the general tie rule
     run = start(factory, config)
-    with keeping(promise, run):
-        ties(run)
-        run.finish()
+    try:
+        with keeping(promise, run):
+            ties(run)
+            run.finish()
+    except NotApplicable as reason:
+        raise NotApplicable(f"the row \"block ties\": {reason}") from None
 
 
 def pinned_semantics(factory: Factory, config: Config) -> None:
