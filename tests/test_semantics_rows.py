@@ -325,3 +325,17 @@ def test_where_no_tie_fits_the_ties_scenarios_say_not_applicable():
         prefix_edges(numpy_factory, config)
     with pytest.raises(NotApplicable, match="block ties.*no tie can be built"):
         row.check(numpy_factory, config, row.text)
+
+
+@pytest.mark.parametrize("bug", ["stamp_all_candidates", "partial_hit_no_stamp"])
+def test_a_wrong_stamp_of_a_black_box_engine_breaks_the_hits_stamp_their_entry_row(bug):
+    """From the audit: both planted bugs passed every per-step check, since each probe of a black-box
+    engine's entries stamps them all back into the reference's order; the row evicts with no probe
+    between the hit and the eviction."""
+    from foreign import audit_bugs, audit_minimal
+
+    row = next(row for row in ROWS if row.topic == "hits stamp their entry")
+    config = next(c for c in audit_minimal.factory.configs if c.name == "block4-f32-pool10-evict")
+    row.check(audit_minimal.factory, config, row.text)
+    with pytest.raises(AssertionError, match="hits stamp their entry|A hit stamps the entry"):
+        row.check(getattr(audit_bugs, bug), config, row.text)
