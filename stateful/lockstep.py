@@ -557,7 +557,10 @@ class Lockstep:
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched and not self._took_shorter_hit(engine_matched, (ref_hit, ref_matched), key):
-                    evicted = evicts_for_room(self.config.on_full) and engine_matched < ref_matched
+                    # The pool evicts only in an operation that takes pages; a probe runs after every step,
+                    # so a difference after a retain, match or close is no eviction for room.
+                    evicted = evicts_for_room(self.config.on_full) and engine_matched < ref_matched and \
+                        bool(self.ops) and self.ops[-1].kind in _TAKES_PAGES
                     pool = _POOL_EVICTION if evicted else ""
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
                                                 f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
@@ -568,10 +571,13 @@ class Lockstep:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},
                                             {"the hit": ref_hit.read()})
                 except InvariantViolation as differs:
+                    tie = ("; or the hit came from another entry than the reference's: of the entries sharing all "
+                           "of its positions (under block: reaching its last whole block), the most recently used "
+                           "gives it" if self.config.match != "entry" else "")
                     raise InvariantViolation(5, f"{where}: {differs.detail}; an entry holds what its context held "
                                                 f"when retained: a write through a holder sharing its pages (no "
                                                 f"copy-on-write), or a page reused while the entry kept it, "
-                                                f"changes it") from None
+                                                f"changes it{tie}") from None
             finally:
                 engine_hit.close()
                 ref_hit.close()
@@ -692,6 +698,9 @@ def _attempt(call: Callable[[], Any]) -> tuple[Any, KVStateError | None]:
 
 
 # Where a pool evicts for room, what a difference in the entries kept may come from besides the tree's bounds.
+_TAKES_PAGES = ("extend", "overwrite", "restore")     # the operations a pool may evict for
+
+
 _POOL_EVICTION = ("; or its pool evicted for room: another entry than the least recently used one that keeps a "
                   "page no context holds, or before the pool was full (pages held past their use, a close, "
                   "truncate or release that kept some, fill it early)")
