@@ -557,10 +557,8 @@ class Lockstep:
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:
                 if engine_matched != ref_matched and not self._took_shorter_hit(engine_matched, (ref_hit, ref_matched), key):
-                    # The pool evicts only in an operation that takes pages; a probe runs after every step,
-                    # so a difference after a retain, match or close is no eviction for room.
-                    evicted = evicts_for_room(self.config.on_full) and engine_matched < ref_matched and \
-                        bool(self.ops) and self.ops[-1].kind in _TAKES_PAGES
+                    # Whatever the step: an engine that copies an entry's pages (a retain, a hit) takes pages there too.
+                    evicted = evicts_for_room(self.config.on_full) and engine_matched < ref_matched
                     pool = _POOL_EVICTION if evicted else ""
                     raise InvariantViolation(5, f"{where}: the engine's hit holds {engine_matched} positions, "
                                                 f"the reference's {ref_matched} ({self._hit_rule(engine_matched, key)})"
@@ -698,9 +696,6 @@ def _attempt(call: Callable[[], Any]) -> tuple[Any, KVStateError | None]:
 
 
 # Where a pool evicts for room, what a difference in the entries kept may come from besides the tree's bounds.
-_TAKES_PAGES = ("extend", "overwrite", "restore")     # the operations a pool may evict for
-
-
 _POOL_EVICTION = ("; or its pool evicted for room: another entry than the least recently used one that keeps a "
                   "page no context holds, or before the pool was full (pages held past their use, a close, "
                   "truncate or release that kept some, fill it early)")
