@@ -29,6 +29,7 @@ from .. import ops as O
 from .common import Check, NotApplicable, current, filled as _filled, record, require_tier  # noqa: F401
 from .edges import boundaries, no_aliasing
 from .evidence import arena_evidence
+from .hostile_snapshots import hostile_files
 from .precision import precision_edges
 from .portable import portable_snapshots
 from .prefix import prefix_edges
@@ -193,8 +194,9 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
 
 
 def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
-    """Every truncation of a snapshot is refused with ``SnapshotTruncatedError`` and a change of every byte
-    with a ``SnapshotError``, and no refusal changes the cache; the intact file restores to the same values."""
+    """Every truncation of a snapshot is refused with ``SnapshotTruncatedError``, a change of every byte and
+    each file of ``hostile_snapshots`` (checksums right, contents forbidden) with a ``SnapshotError``, and no
+    refusal changes the cache; the intact file restores to the same values."""
     run, n = _filled(factory, config)
     cache, ctx = run.engine, run.live["c1"][0]
     if not (hasattr(cache, "restore") and hasattr(ctx, "snapshot")):
@@ -209,6 +211,8 @@ def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
              for size in range(len(data))]
     cases += [(f"byte {offset} xor 0x01", data[:offset] + bytes([data[offset] ^ 1]) + data[offset + 1:],
                errors.SnapshotError) for offset in range(len(data))]
+    # ... and files whose checksums hold but whose contents the format forbids (the checksum alone passes them)
+    cases += hostile_files(data, config.precision, config.layout, to_numpy(ctx.read()[0]))
 
     def state(obs: Observation):
         return obs.pages_allocated, obs.pages_freed, obs.holders, obs.lengths, obs.entries
@@ -220,8 +224,9 @@ def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
             pass
         except errors.SnapshotError as other:
             record(run, f"restore(the snapshot {what})")
-            raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}; a file cut short is "
-                                 f"{expected.__name__} (spec/snapshot_format.py, rule 4)") from other
+            rule = ("a file cut short is SnapshotTruncatedError (spec/snapshot_format.py, rule 4)"
+                    if expected is errors.SnapshotTruncatedError else f"expected {expected.__name__}")
+            raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}; {rule}") from other
         except Exception as other:
             record(run, f"restore(the snapshot {what})")
             raise AssertionError(f"snapshot {what}: raised {type(other).__name__}: {other}; a damaged file is "
@@ -230,7 +235,7 @@ def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
         else:
             record(run, f"restore(the snapshot {what})")
             restored.close()
-            raise AssertionError(f"snapshot {what}: restored {len(restored)} positions, expected a SnapshotError")
+            raise AssertionError(f"snapshot {what}: restored {len(restored)} positions, expected {expected.__name__}")
         if state(cache.observe()) != before:
             record(run, f"restore(the snapshot {what})")
             raise AssertionError(f"snapshot {what}: refused, but the cache changed")

@@ -1,0 +1,29 @@
+"""``damaged snapshots`` refuses files that are well formed on the outside (an audit's findings, 2026-12-06).
+
+Its truncations and flipped bits are all caught by a checksum, so an engine that checked only the
+checksum passed it while restoring a file with bytes past its body, a header naming another layout
+of the same size, a value that is not finite, or an f32 value past f16's range into an f16 cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstate.stateful.directed.checks import damaged_snapshots_refused
+
+from foreign import audit_snapshots, audit_snapshots_bugs
+
+CONFIGS = {config.precision: config for config in audit_snapshots.factory.configs}
+
+
+@pytest.mark.parametrize("bug, precision, said", [
+    ("trailing_bytes_accepted", "q8", "one byte appended past its body"),
+    ("layout_by_size", "f32", "naming layout"),
+    ("content_not_checked", "f16", "a value that is not finite"),
+    ("convert_without_range_check", "f16", "past f16's range"),
+])
+def test_a_restore_that_trusts_a_well_formed_file_is_caught(bug, precision, said):
+    config = CONFIGS[precision]
+    damaged_snapshots_refused(audit_snapshots.factory, config)      # the correct engine refuses them all
+    with pytest.raises(AssertionError, match=said):
+        damaged_snapshots_refused(getattr(audit_snapshots_bugs, bug), config)
