@@ -27,3 +27,9 @@ def test_a_restore_that_trusts_a_well_formed_file_is_caught(bug, precision, said
     damaged_snapshots_refused(audit_snapshots.factory, config)      # the correct engine refuses them all
     with pytest.raises(AssertionError, match=said):
         damaged_snapshots_refused(getattr(audit_snapshots_bugs, bug), config)
+
+
+def test_a_refusal_that_changed_the_cache_says_what_changed():
+    """From the audit: "refused, but the cache changed" named neither what changed nor the promise."""
+    with pytest.raises(AssertionError, match=r"changed \(pages allocated, pages freed\): a file is judged whole"):
+        damaged_snapshots_refused(audit_snapshots_bugs.allocate_then_free, CONFIGS["f32"])

@@ -236,9 +236,13 @@ def damaged_snapshots_refused(factory: Factory, config: Config) -> None:
             record(run, f"restore(the snapshot {what})")
             restored.close()
             raise AssertionError(f"snapshot {what}: restored {len(restored)} positions, expected {expected.__name__}")
-        if state(cache.observe()) != before:
+        after = state(cache.observe())
+        if after != before:
             record(run, f"restore(the snapshot {what})")
-            raise AssertionError(f"snapshot {what}: refused, but the cache changed")
+            moved = [name for name, was, now in zip(("pages allocated", "pages freed", "holders", "lengths", "entries"),
+                                                    before, after) if was != now]
+            raise AssertionError(f"snapshot {what}: refused, but the cache changed ({', '.join(moved)}): a file is "
+                                 "judged whole before any page is allocated (spec/snapshot_format.py)")
     want = ctx.read()
     cache.clear()
     run.apply(O.Close("c1"))        # room for the intact file, also in a fixed pool no larger than c1's pages
