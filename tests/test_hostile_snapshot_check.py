@@ -33,3 +33,15 @@ def test_a_refusal_that_changed_the_cache_says_what_changed():
     """From the audit: "refused, but the cache changed" named neither what changed nor the promise."""
     with pytest.raises(AssertionError, match=r"changed \(pages allocated, pages freed\): a file is judged whole"):
         damaged_snapshots_refused(audit_snapshots_bugs.allocate_then_free, CONFIGS["f32"])
+
+
+def test_a_path_write_that_breaks_durability_is_reported_after_the_few_operations_that_built_it():
+    """From the audit: an in-place writer's counterexample listed 24 operations, 22 of them stream
+    writes and restores that had passed; the path write now comes first."""
+    from kvstate.stateful.directed.common import current
+    from kvstate.stateful.directed.snapshot_writes import snapshot_writes
+
+    snapshot_writes(audit_snapshots.factory, CONFIGS["f32"])         # the correct engine: every write passes
+    with pytest.raises(AssertionError, match="renamed over the target"):
+        snapshot_writes(audit_snapshots_bugs.in_place_write, CONFIGS["f32"])
+    assert len(current.run.history) <= 6, current.run.history
