@@ -1,4 +1,4 @@
-"""What a black-box engine's entry probe says when it fails (an audit's findings, 2026-12-06).
+"""What the suite says when a black-box engine fails its entry probe or a race (two audits, 2026-12-06).
 
 The probe (``Lockstep._probe_entries``) matches every entry after every step. Its message blamed
 copy-on-write alone for a tie resolved to another entry. (The audit also found the pool's eviction
@@ -45,3 +45,15 @@ def test_a_tie_resolved_to_another_entry_is_named_beside_copy_on_write():
     said = _checked_each_step(audit_bugs.tie_first_retained, _tie)
     assert "the hit came from another entry than the reference's" in said and "most recently used" in said, said
 
+
+
+def test_a_race_failure_from_the_backends_own_exception_says_where_it_was_raised():
+    """From the second audit: "thread 3: ValueError: need at least one array to concatenate" named no
+    file or line, and a race failure has no operations to show instead."""
+    from kvstate.stateful.races.harness import RaceFailure, run_threads
+
+    def backend_call() -> None:
+        raise ValueError("need at least one array to concatenate")
+    with pytest.raises(RaceFailure, match=r"thread 1: ValueError: need at least one array to concatenate at "
+                                          r".*test_probe_messages\.py:\d+ in backend_call"):
+        run_threads([lambda: None, backend_call], "a scenario")

@@ -46,6 +46,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, standard_configs
 
 from ..configs import semantics_configs
+from ..frames import raised_at
 from ..lockstep import to_numpy
 
 RACE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
@@ -356,7 +357,8 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
     if real:
         index, error = real[0]
         name = "observer" if index == len(bodies) else f"thread {index}"
-        raise RaceFailure(f"{where}, {name}: {type(error).__name__}: {error}") from error
+        # Where the backend raised it (the suite's own assertions have no place to name): a race's only trace.
+        raise RaceFailure(f"{where}, {name}: {type(error).__name__}: {error}{raised_at(error)}") from error
     hung = [t.name for t in threads + ([watcher] if watcher else []) if t.is_alive()]
     if hung:
         raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
