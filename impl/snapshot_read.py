@@ -207,6 +207,20 @@ class BodyChecksum:
             self._hash.update(piece)
 
 
+def checked_sections(header: fmt.Header, body, crc: "BodyChecksum") -> dict[str, np.ndarray]:
+    """The sections of a body read whole, checked: their content (``check_body_content``) while the
+    checksum thread finishes, and the checksum, whose mismatch is still the error reported first.
+    Nothing is allocated: a restore adopts what this returns, a store's ``put`` only asks it."""
+    try:
+        arrays, content_error = fmt.check_body_content(header, body), None
+    except SnapshotError as error:
+        arrays, content_error = None, error
+    fmt.check_body_crc(header, crc.result())
+    if content_error is not None:
+        raise content_error
+    return arrays
+
+
 def _read_exactly_or_less(file, n: int) -> bytes:
     data = b""
     while len(data) < n:

@@ -17,11 +17,11 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import (KVStateError, PrecisionRangeError, SnapshotError,
+from kvstate.spec.errors import (KVStateError, PrecisionRangeError,
                                  SnapshotPrecisionError, SnapshotReadError)
 
 from . import remote_io
-from .snapshot_read import BodyChecksum, cost_limit, open_regular, read_body, read_header, read_snapshot, remaining
+from .snapshot_read import BodyChecksum, checked_sections, cost_limit, open_regular, read_body, read_header, read_snapshot, remaining
 from .snapshot_stream import _stream_restore
 
 if TYPE_CHECKING:
@@ -84,15 +84,7 @@ def _local_file(file) -> bool:
 
 def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -> "Context":
     """A body read whole (streams of unknown size, other stores, other precisions): checked, then adopted."""
-    try:
-        # The content checks run while the checksum thread finishes; a checksum mismatch is still
-        # the error reported first, and nothing is allocated until both have passed.
-        arrays, content_error = fmt.check_body_content(header, body), None
-    except SnapshotError as error:
-        arrays, content_error = None, error
-    fmt.check_body_crc(header, crc.result())
-    if content_error is not None:
-        raise content_error
+    arrays = checked_sections(header, body, crc)      # nothing is allocated until it passes
     parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
     if header.precision == cache.precision:
         encoded = cache.store.from_encoded(parts)

@@ -73,7 +73,7 @@ from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
 from kvstate.impl.remote_deadline import CACHE, CALL, STORE, Deadline, check_seconds, first_set, resolve
 from kvstate.impl.remote_deadline import within as deadline
-from kvstate.impl.snapshot_read import read_snapshot, remaining
+from kvstate.impl.snapshot_read import checked_sections, read_snapshot, remaining
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotDeadlineError,
                                  SnapshotError, SnapshotNotFoundError, SnapshotProducerError, SnapshotReadError,
                                  SnapshotWriteError)
@@ -200,17 +200,11 @@ class SnapshotStore:
     def _keeps(self, url: str, cache: Cache, tokens: np.ndarray, deadline: Deadline) -> bool:
         """Whether ``put`` leaves the object of the right size at ``url`` as it is: it is what ``get``
         serves whole for ``tokens`` (read and checked as a restore checks it, by the reader's own
-        ``read_snapshot``, ``check_body_content`` and ``check_body_crc``; into no cache), or it names
+        ``read_snapshot`` and ``checked_sections``; into no cache), or it names
         another producer. False: damaged, or gone since the lookup, so ``put`` writes it."""
         def check(file) -> None:
             header, body, crc = read_snapshot(file, cache.layout, remaining(file), None, self.producer)
-            try:
-                arrays, content_error = fmt.check_body_content(header, body), None
-            except SnapshotError as error:
-                arrays, content_error = None, error
-            fmt.check_body_crc(header, crc.result())        # the checksum's error first, as a restore reports
-            if content_error is not None:
-                raise content_error
+            arrays = checked_sections(header, body, crc)     # as a restore checks it, into no cache
             if header.precision != cache.precision or header.positions != len(tokens) \
                     or not np.array_equal(arrays["tokens"], tokens):
                 raise SnapshotCorruptError(f"{remote_io.redact(url)} holds {header.positions} positions at "

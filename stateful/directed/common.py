@@ -77,6 +77,14 @@ def filled(factory: Factory, config: Config, pages: float = 2.5) -> tuple[Lockst
     return run, n
 
 
+def retain_new(run: Lockstep, tokens: tuple[int, ...], seed: int) -> None:
+    """A new context holding ``tokens``, retained and closed: an entry whose pages no context holds."""
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, tokens, seed=seed))
+    run.apply(O.Retain(handle))
+    run.apply(O.Close(handle))
+
+
 @contextmanager
 def keeping(promise: str, run: Lockstep, call: str | None = None) -> Iterator[None]:
     """Report any assertion raised inside as a broken ``promise``, naming ``call`` (default: the

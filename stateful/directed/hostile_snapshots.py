@@ -31,9 +31,8 @@ def hostile_files(data: bytes, precision: str, layout: Layout, values: np.ndarra
     body = data[fmt.header_size(header.version):]
     n = header.positions
     cases: list[Case] = [("with one byte appended past its body", data + b"\x00", errors.SnapshotError)]
-    other = Layout(layout.kv_heads, layout.layers, layout.head_dim) if layout.layers != layout.kv_heads else \
-        Layout(layout.layers * 2, layout.kv_heads, layout.head_dim // 2) if layout.head_dim % 2 == 0 else None
-    if other is not None and fmt.body_size(other, precision, n) == len(body):
+    other = _another_layout_of_the_same_size(layout)
+    if other is not None and fmt.body_size(other, precision, n) == len(body):      # q8's scales may differ
         cases.append((f"naming layout {other.layers}x{other.kv_heads}x{other.head_dim}, its body the same size",
                       well_formed(precision, other, n, body), errors.SnapshotError))
     if n:
@@ -50,3 +49,13 @@ def hostile_files(data: bytes, precision: str, layout: Layout, values: np.ndarra
                       well_formed("f32", layout, n, tokens + wide.astype("<f4").tobytes()),
                       errors.PrecisionRangeError))      # kvstate's is SnapshotPrecisionError, also a SnapshotError
     return cases
+
+
+def _another_layout_of_the_same_size(layout: Layout) -> Layout | None:
+    """A layout other than ``layout`` with as many values a position: layers and heads swapped, else
+    twice the layers at half the head size; None where neither differs (one layer, one head, odd size)."""
+    if layout.layers != layout.kv_heads:
+        return Layout(layout.kv_heads, layout.layers, layout.head_dim)
+    if layout.head_dim % 2 == 0:
+        return Layout(layout.layers * 2, layout.kv_heads, layout.head_dim // 2)
+    return None

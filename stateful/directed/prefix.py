@@ -14,7 +14,7 @@ from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from .common import NotApplicable, keeping, start
+from .common import NotApplicable, keeping, retain_new, start
 from ..lockstep import Lockstep
 from ..snapshots import Restore, Snapshot, supports_snapshots
 
@@ -89,12 +89,6 @@ def _fill(run: Lockstep, count: int, first: int) -> None:
         run.apply(O.Close(handle))
 
 
-def _retain_new(run: Lockstep, tokens: tuple[int, ...], seed: int) -> None:
-    handle = _context(run, tokens, seed=seed)
-    run.apply(O.Retain(handle))
-    run.apply(O.Close(handle))
-
-
 def ties(run: Lockstep) -> None:
     """Two entries share a prefix the query shares too; which one gives the hit is the recency rule
     (under entry matching neither key prefixes the query: both queries miss, which is checked too).
@@ -126,8 +120,8 @@ def ties(run: Lockstep) -> None:
     first, second = shared + (1,) * block, shared + (2,) * block
     closer_to_first = shared + (1,) + (9,) * block
     with keeping(TIES, run):
-        _retain_new(run, first, seed=121)
-        _retain_new(run, second, seed=122)               # the newer: it gives the hit
+        retain_new(run, first, seed=121)
+        retain_new(run, second, seed=122)               # the newer: it gives the hit
         _both_kept(run, first, second)
         _match(run, shared + (3,) * block)
         _match(run, closer_to_first)
@@ -163,7 +157,7 @@ def _ties_inside_a_block(run: Lockstep, shared: tuple[int, ...]) -> None:
     with keeping(TIES, run):
         held = _context(run, first, seed=121)
         run.apply(O.Retain(held))
-        _retain_new(run, second, seed=122)               # the newer: it gives the hit
+        retain_new(run, second, seed=122)               # the newer: it gives the hit
         _both_kept(run, first, second)
         _match(run, shared + (3,) * block)
         _match(run, shared + (1,) + (9,) * block)         # a token more in common with the first
@@ -180,7 +174,7 @@ def _blocks_elsewhere(run: Lockstep) -> None:
     block = run.config.block_tokens or run.config.page_tokens
     first, second = tuple(150 + i for i in range(block)), tuple(170 + i for i in range(block))
     with keeping(ELSEWHERE, run):
-        _retain_new(run, first + second, seed=131)
+        retain_new(run, first + second, seed=131)
         _match(run, second)
         _match(run, second + first)
         _match(run, first + first)
@@ -196,7 +190,7 @@ def _page_budget(run: Lockstep) -> None:
     lengths = [3 * page + 1, 1, 2 * page, page + 1, 1, 4 * page][:limit + 2]
     with keeping(BUDGET, run):
         for i, n in enumerate(lengths):
-            _retain_new(run, tuple(200 + 10 * i + j % 3 for j in range(n)), seed=140 + i)
+            retain_new(run, tuple(200 + 10 * i + j % 3 for j in range(n)), seed=140 + i)
             run.check()
         for i, n in enumerate(lengths):
             _match(run, tuple(200 + 10 * i + j % 3 for j in range(n)))
@@ -212,7 +206,7 @@ def _shared_page_budget(run: Lockstep) -> None:
     shared = tuple(300 + j % 5 for j in range(2 * page))
     suffixes = [(310 + i,) * page for i in range(budget)]
     with keeping(BUDGET, run):
-        _retain_new(run, shared, seed=180)
+        retain_new(run, shared, seed=180)
         for i, suffix in enumerate(suffixes):
             hit = run.apply(O.Match(shared + suffix))          # the shared pages, held through the hit
             run.apply(O.Truncate(hit, min(len(shared), len(run.live[hit][1]))))
@@ -229,7 +223,7 @@ def _hits_write(run: Lockstep) -> None:
     page = run.config.page_tokens
     key = tuple(150 + i for i in range(page + max(1, page // 2)))      # ends inside its second page
     with keeping(HITS, run):
-        _retain_new(run, key, seed=151)
+        retain_new(run, key, seed=151)
         hits = [run.apply(O.Match(key + (9,))) for _ in range(3)]
         for i, hit in enumerate(hits):
             run.apply(O.Extend(hit, (i, i + 1), seed=152 + i))        # into the shared, partly used page
@@ -248,7 +242,7 @@ def _hit_snapshot(run: Lockstep) -> None:
         return
     key = tuple(170 + i for i in range(run.config.page_tokens + 1))
     with keeping(HIT_SNAPSHOT, run):
-        _retain_new(run, key, seed=171)
+        retain_new(run, key, seed=171)
         hit = run.apply(O.Match(key))
         if hit is None or not len(run.live[hit][1]):
             return                                           # a block match too short to hit: nothing to snapshot

@@ -19,7 +19,7 @@ from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import evicts_for_room, reclaims
 
 from .. import ops as O
-from .common import NotApplicable, both, filled, keeping, start
+from .common import NotApplicable, both, filled, keeping, retain_new, start
 from ..lockstep import Lockstep
 
 
@@ -338,21 +338,13 @@ def _stamp_then_evict(factory: Factory, config: Config, promise: str, keys: list
     run = start(factory, config)
     with keeping(promise, run):
         for k, tokens in enumerate(keys):
-            _retained(run, tokens, seed=70 + k)
+            retain_new(run, tokens, seed=70 + k)
         run.apply(O.Close(run.apply(O.Match(query))))
-        _retained(run, newcomer, seed=69)
+        retain_new(run, newcomer, seed=69)
         for tokens in keys:
             run.apply(O.Close(run.apply(O.Match(tokens))))
         run.check()
         run.finish()
-
-
-def _retained(run: Lockstep, tokens: tuple, seed: int) -> None:
-    """A new context holding ``tokens``, retained, closed."""
-    handle = run.apply(O.Allocate())
-    run.apply(O.Extend(handle, tokens, seed=seed))
-    run.apply(O.Retain(handle))
-    run.apply(O.Close(handle))
 
 
 def _evicts_for_the_copy_of_a_shared_page(factory: Factory, config: Config, promise: str) -> None:
@@ -372,10 +364,7 @@ def _evicts_for_the_copy_of_a_shared_page(factory: Factory, config: Config, prom
     kept = tuple(60 + i % 3 for i in range(length))
     run = start(factory, config)
     with keeping(promise, run):
-        entry = run.apply(O.Allocate())
-        run.apply(O.Extend(entry, kept, seed=51))
-        run.apply(O.Retain(entry))
-        run.apply(O.Close(entry))                       # E: its pages no context holds
+        retain_new(run, kept, seed=51)                  # E: its pages no context holds
         shared = run.apply(O.Allocate())
         run.apply(O.Extend(shared, tuple(70 + i % 3 for i in range(page - 1)), seed=52))
         run.apply(O.Retain(shared))                     # F shares C's partly filled page

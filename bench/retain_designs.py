@@ -1,0 +1,71 @@
+"""A bounded ``retain`` at one-token pages under designs short of pages as slabs, in one process.
+
+    python -m kvstate.bench.retain_designs [--rounds 3] [--quick]
+
+``bounded_vs_sglang``'s kvstate side (its divergent workload, ``token`` matching, ``max_pages`` its
+budget), timed per request in ``retain`` alone, the rounds interleaved, each request's fastest round:
+
+- ``kept spares``: the cache as it is (the NumPy store keeps freed buffers for the next extend);
+- ``buffers let go``: the store frees nothing into its spares, so each freed page's buffer is
+  deallocated inside the retain (the pool's ``_free_buffers`` a no-op);
+- ``page arena``: the same cache on a page arena past the budget, whose slots go back one page at a time;
+- ``frees skipped``: ``bounded_vs_sglang``'s floor (``skip_frees``), no page freed at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+
+from .args import positive_int
+from .bounded_vs_sglang import BUDGET, QUICK_BUDGET, skip_frees
+from .one_token_pages import serve_requests
+from .traffic_workload import FULL, QUICK, TINY, workload
+
+
+def _let_buffers_go(pool) -> None:
+    pool._free_buffers = lambda buffers: None
+
+
+DESIGNS = {"kept spares": (0, None), "buffers let go": (0, _let_buffers_go), "page arena": (1, None),
+           "frees skipped": (0, skip_frees)}      # name -> (arena past the budget?, what is done to the pool)
+
+
+def cache_for(design: str, requests: list[np.ndarray], budget: int):
+    """The cache ``design`` names, bounded to ``budget`` pages, for ``requests``."""
+    from kvstate.impl import Cache
+
+    arena, change = DESIGNS[design]
+    cache = Cache(TINY, page_tokens=1, match="token", max_pages=budget, max_entries=len(requests) + 1,
+                  arena_pages=budget + 4000 if arena else 0)
+    if change is not None:
+        change(cache.pool)
+    return cache
+
+
+def run(rounds: int = 3, quick: bool = False) -> dict[str, float]:
+    """Mean µs of a retain per design, each request's fastest round."""
+    requests = workload("divergent", **(QUICK if quick else FULL))
+    budget = QUICK_BUDGET if quick else BUDGET
+    best: dict[str, np.ndarray] = {}
+    for _ in range(rounds):
+        for name in DESIGNS:
+            seconds = serve_requests(cache_for(name, requests, budget), requests)[1]
+            best[name] = seconds if name not in best else np.minimum(best[name], seconds)
+    return {name: 1e6 * seconds.mean() for name, seconds in best.items()}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvstate.bench.retain_designs", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=positive_int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
+    args = parser.parse_args(argv)
+    for name, micros in run(args.rounds, args.quick).items():
+        print(f"{name:>15}: retain {micros:7.1f} us")
+    print(f"reproduce: python -m kvstate.bench.retain_designs --rounds {args.rounds}" + (" --quick" if args.quick else ""))
+
+
+if __name__ == "__main__":
+    main()
