@@ -379,7 +379,8 @@ def object_identity(fs, path: str) -> tuple:
     - the scheme's family, not the scheme: ``s3://`` and ``s3a://`` are one filesystem
       (``fs.protocol`` lists every scheme it answers to);
     - the server: the ``endpoint_url`` of its options (top level or ``client_kwargs``), since a bucket
-      of one name on two servers is two objects; credentials are not part of it;
+      of one name on two servers is two objects, in every spelling of it (``endpoint_identity``);
+      credentials are not part of it;
     - the key as the filesystem sends it: on object stores their own ``split_path`` (bucket, key),
       which reads ``s3:///bucket/key`` as ``s3://bucket/key``; elsewhere the filesystem's own
       ``_strip_protocol``. A spelling that reaches another key stays apart: ``s3://bucket//key``
@@ -400,7 +401,33 @@ def object_identity(fs, path: str) -> tuple:
             key = fs._strip_protocol(path)
     except Exception:     # noqa: BLE001 - a filesystem that cannot say: the path as url_to_fs gave it
         key = path
-    return (tuple(sorted(map(str, protocols))), str(endpoint).rstrip("/") if endpoint else None, key)
+    return (tuple(sorted(map(str, protocols))), endpoint_identity(endpoint) if endpoint else None, key)
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+_LOOPBACK = "loopback"      # every name of this machine's loopback interface, as one server
+
+
+def endpoint_identity(endpoint) -> str:
+    """Which server ``endpoint`` (an ``endpoint_url``) names, the same string for its every spelling:
+    the host in any case, a trailing slash or not, every loopback name (``localhost``, ``127.0.0.1``,
+    ``[::1]``) as one, and the scheme's default port written or not, for either scheme (a service on
+    ``http://host`` and ``https://host`` is one service; one port serves one scheme, so a port
+    written is the server). Reading two spellings of one server as two would let a write through the
+    second pass a call to the first that may still land, so where in doubt it is one server: a
+    spurious refusal says why and is retried, a missed one replaces a newer snapshot."""
+    text = str(endpoint).strip()
+    try:
+        parts = urlsplit(text)
+        scheme, host, port = parts.scheme.lower(), parts.hostname, parts.port
+    except ValueError:        # no URL a client could reach either (a bad port): the text as given
+        return text.rstrip("/")
+    if not scheme or host is None:
+        return text.rstrip("/")
+    if host == "localhost" or host == "::1" or re.fullmatch(r"127(\.\d{1,3}){3}", host):
+        host = _LOOPBACK
+    server = host if port is None or port == _DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
+    return server + parts.path.rstrip("/")
 
 
 def landing_key(url: str, storage_options: dict | None = None) -> tuple:

@@ -1150,13 +1150,19 @@ def test_every_spelling_of_one_object_is_one_landing_key_and_another_object_anot
     here = {"endpoint_url": "http://127.0.0.1:9"}
     same = [key("s3://b/k/x.kvs", here), key("s3a://b/k/x.kvs", here), key("s3:///b/k/x.kvs", here),
             key("s3://b/k/x.kvs", {**here, "key": "someone", "secret": "else"}),          # other credentials
-            key("s3://b/k/x.kvs", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9/"}})]
+            key("s3://b/k/x.kvs", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9/"}}),
+            key("s3://b/k/x.kvs", {"endpoint_url": "http://localhost:9"}),         # the same server, named
+            key("s3://b/k/x.kvs", {"endpoint_url": "HTTP://[::1]:9"})]             # ... as the machine knows it
     assert len(set(same)) == 1, same
     others = [key("s3://b//k/x.kvs", here),                       # the key "/k/x.kvs": another object on S3
               key("s3://b/k/y.kvs", here), key("s3://c/k/x.kvs", here),
               key("s3://b/k/x.kvs", {"endpoint_url": "http://127.0.0.1:10"})]           # another server
     assert len(set(others + same[:1])) == len(others) + 1, others
     assert key("memory://kv/x.kvs") == key("memory:///kv/x.kvs") != key("memory://kv//x.kvs")
+    aws = [key("s3://b/k/x.kvs", {"endpoint_url": url}) for url in
+           ("https://s3.example.com", "https://S3.Example.com:443/", "http://s3.example.com:80")]
+    assert len(set(aws)) == 1, aws                                   # default ports, case, a slash
+    assert key("s3://b/k/x.kvs", {"endpoint_url": "https://s3.example.com:9000"}) != aws[0]    # a port is a server
 
 
 def test_a_puts_check_of_a_stored_object_runs_under_the_puts_one_deadline(monkeypatch):
