@@ -103,7 +103,7 @@ def _conform(args: argparse.Namespace) -> int:
         print(f"conformance of {args.backend}, profile {args.profile}, {len(configs)} configurations", flush=True)
         for config in configs:
             print(f"  {config.describe(describe_page_sizes(page_sizes(factory, config)))}")
-        print(f"observation tiers: {', '.join(observed_tiers(factory, configs[0])) or 'none'} "
+        print(f"observation tiers: {', '.join(observed_tiers(factory, configs)) or 'none'} "
               f"(values, tokens, matched counts and errors are checked for every backend)", flush=True)
         use_cache_folder_for_hypothesis()
         progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None

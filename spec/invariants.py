@@ -17,14 +17,30 @@ from .errors import InvariantViolation
 from .observation import NodeView, Observation
 
 
+TIERS = ("pages", "arena", "tree", "shape")
+NO_ARENA = "a backend without an arena reports arena_size=None"
+
+
 def tiers(obs: Observation) -> list[str]:
     """The observation tiers a backend exposes beyond the black box (values, tokens, matched
     counts and errors, which every backend gets checked on): ``pages`` (invariants 1, 2, 6),
-    ``arena`` (3), ``tree`` (entries and eviction order, 5) and ``shape`` (the radix tree, 5)."""
+    ``arena`` (3), ``tree`` (entries and eviction order, 5) and ``shape`` (the radix tree, 5).
+
+    ``arena_size`` 0 is the arena tier of a configuration without an arena: its books hold no
+    slot, so invariant 3 says only that no page has one. A backend without an arena reports None."""
     exposed = {"pages": obs.pages is not None and obs.holders is not None,
                "arena": obs.arena_size is not None, "tree": obs.entries is not None,
                "shape": obs.tree is not None}
-    return [name for name, present in exposed.items() if present]
+    return [name for name in TIERS if exposed[name]]
+
+
+def check_arena_size(obs: Observation, arena_pages: int) -> None:
+    """3. An arena the backend reports has the configuration's ``arena_pages`` slots."""
+    if obs.arena_size is None or obs.arena_size == arena_pages:
+        return
+    hint = f"; {NO_ARENA}" if obs.arena_size == 0 else ""
+    raise InvariantViolation(3, f"the arena has {obs.arena_size} slots, the configuration {arena_pages} "
+                                f"(arena_pages){hint}")
 
 
 def check_refcounts(obs: Observation) -> None:

@@ -26,7 +26,7 @@ from typing import Callable
 from hypothesis import Phase, settings as Settings
 from hypothesis.errors import FailedHealthCheck
 
-from kvstate.spec.invariants import tiers
+from kvstate.spec.invariants import TIERS, tiers
 from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import reclaims
 
@@ -45,9 +45,28 @@ from .stuck import stuck_at
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
 
 
-def observed_tiers(factory: Factory, config: Config) -> list[str]:
-    """The observation tiers the factory's caches expose (``spec.invariants.tiers``)."""
-    return tiers(factory(config).observe())
+def observed_tiers(factory: Factory, configs: list[Config]) -> list[str]:
+    """The observation tiers the factory's new caches expose (``spec.invariants.tiers``) over
+    ``configs``, claiming no coverage that did not happen: a tier some configurations lack names in
+    how many of them it was seen, and an arena counts only where it has slots (books of 0 slots,
+    an arena-less configuration's, check only that no page holds one)."""
+    seen = []
+    for config in configs:
+        try:
+            seen.append(factory(config).observe())
+        except Exception:       # the checks report it, with its configuration
+            pass
+    labels = []
+    for tier in TIERS:
+        having = [obs for obs in seen if tier in tiers(obs)]
+        if tier == "arena":
+            slotted = [obs for obs in having if obs.arena_size]
+            if having and not slotted:
+                labels.append("arena books of 0 slots (no arena exercised)")
+            having = slotted
+        if having:
+            labels.append(tier if len(having) == len(seen) else f"{tier} ({len(having)} of {len(seen)} configurations)")
+    return labels
 
 
 def use_cache_folder_for_hypothesis() -> Path:

@@ -423,9 +423,7 @@ class Lockstep:
 
     def _check_books(self, obs) -> None:
         self._learn_holder_names(obs)
-        if obs.arena_size is not None and obs.arena_size != self.config.arena_pages:
-            raise InvariantViolation(3, f"the arena has {obs.arena_size} slots, the configuration "
-                                        f"{self.config.arena_pages} (arena_pages)")
+        invariants.check_arena_size(obs, self.config.arena_pages)
         invariants.check_structure(obs)
         invariants.check_page_counts(obs, self.config.page_tokens)
 

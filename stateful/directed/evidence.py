@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from kvstate.spec.invariants import tiers
+from kvstate.spec.invariants import NO_ARENA, tiers
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
@@ -56,10 +56,7 @@ def arena_evidence(factory: Factory, config: Config) -> None:
     if "arena" not in tiers(arena.engine.observe()) and not config.arena_pages:
         return _heap_pages_like_fresh(arena, factory, config)
     require_tier(arena.engine.observe(), "arena", "observe().arena_size")
-    size = arena.engine.observe().arena_size
-    if size != config.arena_pages:
-        raise BrokenPromise(SIZE, "observe() of a new cache", f"arena_size {size}, configuration arena_pages "
-                                                              f"{config.arena_pages}")
+    _sized(arena.engine.observe(), config.arena_pages, "observe() of a new cache")
     # The twin keeps the pool's limit (as pool_pages) so its declared semantics stay the same.
     heap = (Lockstep(factory, config.with_(arena_pages=0, pool_pages=config.pool_limit))
             if config.arena_pages else None)
@@ -102,10 +99,8 @@ class _Twins:
         with keeping(SAME_BYTES, self.arena):
             made = self.arena.apply(op)
             self.arena.check()
-        size = self.arena.engine.observe().arena_size
-        if self.sized and size != self.arena.config.arena_pages:
-            raise BrokenPromise(SIZE, str(op), f"arena_size {size}, configuration arena_pages "
-                                               f"{self.arena.config.arena_pages}")
+        if self.sized:
+            _sized(self.arena.engine.observe(), self.arena.config.arena_pages, str(op))
         if self.heap is None or not self.comparing:
             return made
         with keeping(SAME_BYTES, self.heap):
@@ -201,6 +196,12 @@ def _slot_reuse(twins: _Twins, config: Config) -> None:
     twins.step(reuse)
     twins.like_fresh(again, reuse)
     twins.step(O.Close(single))
+
+
+def _sized(obs, arena_pages: int, call: str) -> None:
+    if obs.arena_size != arena_pages:
+        raise BrokenPromise(SIZE, call, f"arena_size {obs.arena_size}, configuration arena_pages {arena_pages}"
+                                        + (f"; {NO_ARENA}" if obs.arena_size == 0 else ""))
 
 
 def _refusal(line: str) -> str:

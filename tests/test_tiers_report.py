@@ -1,0 +1,104 @@
+"""What ``kvstate conform`` says about a backend's observation tiers, and what an arena of 0 slots is.
+
+From an audit (``tests/foreign/audit2_repro/FINDINGS.md``, item 4): a heap-only engine reporting
+``arena_size=0`` (as ``examples/listcache.py`` does) was listed with the tiers "pages, arena, tree",
+read off its first configuration alone. The arena tier of a configuration without an arena is books
+of 0 slots: invariant 3 then says only that no page holds a slot, so the list says no arena was
+exercised; a tier seen in some configurations only says in how many. The verdict is unchanged: 0
+slots where the configuration asks for an arena is rejected, as before, and now says what to report.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kvstate.cli import main
+from kvstate.impl.numpy import factory as numpy_factory
+from kvstate.spec import Config, Layout
+from kvstate.spec.errors import InvariantViolation
+from kvstate.spec.invariants import NO_ARENA
+from kvstate.stateful.configs import config_named
+from kvstate.stateful.conform import conform, observed_tiers
+from kvstate.stateful.lockstep import Lockstep
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def _printed_tiers(capsys, argv: list[str]) -> list[str]:
+    rc = main(["conform", *argv, "--check", "fork allocates 0"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("observation tiers: "))
+    assert rc == 0, line
+    listed = line.removeprefix("observation tiers: ").split(" (values, tokens")[0]
+    return listed.split(", ")
+
+
+def test_arena_books_of_0_slots_are_not_listed_as_an_arena(capsys):
+    listed = _printed_tiers(capsys, [str(EXAMPLES / "listcache.py"), "--config", "f32-heap"])
+    assert listed == ["pages", "arena books of 0 slots (no arena exercised)", "tree"]
+
+
+def test_a_tier_some_configurations_lack_says_in_how_many(capsys):
+    """The first configuration alone (a heap one here) decided the list before."""
+    listed = _printed_tiers(capsys, ["kvstate.impl.numpy", "--config", "f32-heap", "--config", "q8-arena6"])
+    assert listed == ["pages", "arena (1 of 2 configurations)", "tree", "shape"]
+    assert _printed_tiers(capsys, ["kvstate.impl.numpy", "--config", "q8-arena6"]) == ["pages", "arena", "tree", "shape"]
+
+
+def test_a_configuration_whose_cache_cannot_be_built_is_left_out_of_the_list():
+    """The checks report that configuration's failure; the header must not crash before them."""
+    def factory(config):
+        if config.arena_pages:
+            raise RuntimeError("no arena here")
+        return numpy_factory(config)
+
+    configs = [config_named("f32-heap"), config_named("q8-arena6")]
+    assert observed_tiers(factory, configs) == ["pages", "arena books of 0 slots (no arena exercised)", "tree",
+                                                "shape"]
+
+
+def _zero_slot_arena_factory():
+    """``examples/listcache.py`` (``arena_size=0`` always) declaring an arena it does not have."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        from listcache import ListCache
+    finally:
+        sys.path.remove(str(EXAMPLES))
+
+    def factory(config):
+        return ListCache(config)
+    factory.configs = [Config(Layout(layers=2, kv_heads=2, head_dim=4), page_tokens=4, arena_pages=6, max_entries=2)]
+    return factory
+
+
+def test_0_slots_where_the_configuration_has_an_arena_is_rejected_saying_what_to_report():
+    factory = _zero_slot_arena_factory()
+    (config,) = factory.configs
+    try:
+        Lockstep(factory, config).check()
+    except InvariantViolation as violation:
+        assert violation.invariant == 3 and NO_ARENA in violation.detail, violation
+    else:
+        raise AssertionError("0 slots in a configuration of 6 passed the lockstep books")
+    (result,) = conform(factory, checks=["arena evidence"])
+    assert result.outcomes["arena evidence"].status == "FAIL"
+    assert "arena_size 0, configuration arena_pages 6" in result.failure and NO_ARENA in result.failure
+    assert observed_tiers(factory, factory.configs) == ["pages", "arena books of 0 slots (no arena exercised)", "tree"]
+
+
+def test_the_same_engine_reporting_no_arena_passes_that_configuration():
+    """The control: the rejection above is of the report, not of the engine (``None``: no arena tier)."""
+    import dataclasses
+
+    base = _zero_slot_arena_factory()
+
+    def factory(config):
+        cache = base(config)
+        observe = cache.observe
+        cache.observe = lambda: dataclasses.replace(observe(), arena_size=None)
+        return cache
+    factory.configs = base.configs
+    (result,) = conform(factory, checks=["arena evidence", "fork allocates 0", "1 write copies 1"])
+    assert result.passed, result.failure
+    assert result.outcomes["arena evidence"].status == "n/a"
+    assert observed_tiers(factory, factory.configs) == ["pages", "tree"]
