@@ -1,10 +1,10 @@
 """One example backend per observation tier passes conformance; what it does not expose is n/a.
 
 ``examples/blackbox_backend.py`` exposes nothing (``black_box()``), ``pages_tier_backend.py``
-pages and refcounts only, ``token_pool_backend.py`` pages, arena books and entries, and
-declares token matching over a fixed pool that refuses when full. Each passes; each
-directed check that needs a tier the backend lacks is n/a, naming the tier; and a bug
-that the remaining tiers can show is still caught.
+pages and refcounts only, ``token_pool_backend.py`` pages, arena books (of 0 slots: no
+arena) and entries, and declares token matching over a fixed pool that refuses when full.
+Each passes; each directed check that needs a tier the backend lacks, or an arena, is n/a,
+saying which; and a bug that the remaining tiers can show is still caught.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from helpers import by_default_or_slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL = settings(max_examples=25, stateful_step_count=15, derandomize=True, deadline=None, database=None)
 
-# example -> (the tiers its observation has, the directed checks that are n/a for lack of a tier)
+# example -> (the tiers its observation has, the directed checks that are n/a and what their reason names)
 TIERS = {
     "blackbox_backend": ([], {"fork allocates 0": "'pages' tier", "1 write copies 1": "'pages' tier",
                               "arena evidence": "'arena' tier"}),
     "pages_tier_backend": (["pages"], {"arena evidence": "'arena' tier"}),
-    "token_pool_backend": (["pages", "arena", "tree"], {}),
+    "token_pool_backend": (["pages", "arena", "tree"], {"arena evidence": "no arena in this configuration"}),
 }
 PAGE_CHECKS = ("fork allocates 0", "1 write copies 1", "arena evidence")
 

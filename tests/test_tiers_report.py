@@ -102,3 +102,24 @@ def test_the_same_engine_reporting_no_arena_passes_that_configuration():
     assert result.passed, result.failure
     assert result.outcomes["arena evidence"].status == "n/a"
     assert observed_tiers(factory, factory.configs) == ["pages", "tree"]
+
+
+def test_arena_evidence_is_na_where_books_of_0_slots_compare_nothing():
+    """In a heap configuration a backend that cannot read its pages raw had ``arena evidence: pass`` for
+    books of 0 slots, where the check compared no byte (only repeated the lockstep check)."""
+    factory = _zero_slot_arena_factory()
+    heap = factory.configs[0].with_(arena_pages=0)
+    (result,) = conform(factory, configs=[heap], checks=["arena evidence"])
+    outcome = result.outcomes["arena evidence"]
+    assert outcome.status == "n/a" and "no arena in this configuration" in outcome.detail, outcome
+
+
+def test_books_of_0_slots_with_pages_read_raw_still_get_the_recycled_page_compared():
+    """The control: where pages can be read (``read_page``, or kvstate's ``PageStore``), the heap
+    configuration's comparison of a page handed out again after frees still runs and passes."""
+    from foreign import dict_pages
+
+    for factory in (dict_pages.factory, numpy_factory):
+        (result,) = conform(factory, configs=[config_named("f32-heap")], checks=["arena evidence"])
+        assert factory(config_named("f32-heap")).observe().arena_size == 0
+        assert result.outcomes["arena evidence"].status == "pass", result.outcomes["arena evidence"]
