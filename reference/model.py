@@ -19,7 +19,11 @@ A label is a tuple of names, one per way an engine may share pages (``SHARINGS``
   key it already has, and the context and the new entry hold that page instead of their own
   (SGLang's insert, which frees the request's slots the tree already held);
 - ``SAME_KEY``: as ``WHOLE_PAGES``, and a retain of a key the tree holds already keeps that
-  entry's partly filled last page too.
+  entry's partly filled last page too;
+- ``CACHED_FIRST``: as forks share them, except that a retain's new entry holds, for each whole page
+  of its key an older entry already covers, that entry's page, while the context keeps its own: a
+  hit then shares the page cached first (vLLM caches a block hash once for its hits:
+  ``get_cached_block`` hands out the first block cached under it).
 
 Under ``values="seeded"`` the names always agree. Where the counts disagree on whether a full pool
 has room, either answer is right, and the reference does what the engine under test did
@@ -55,9 +59,10 @@ from kvstate.spec.semantics import (counts_only_contexts, entry_pages, evicts_fo
                                     reclaims, reclaims_once_warm)
 
 # Which name of a page label is which: one per way of sharing pages (see the module docstring).
-FORKS, WHOLE_PAGES, SAME_KEY = SHARINGS = (0, 1, 2)
+FORKS, WHOLE_PAGES, SAME_KEY, CACHED_FIRST = SHARINGS = (0, 1, 2, 3)
 _COUNTED = {FORKS: "as forks share pages", WHOLE_PAGES: "where retains share whole pages by prefix",
-            SAME_KEY: "where a retained key keeps its last page too"}      # a refusal's words for each
+            SAME_KEY: "where a retained key keeps its last page too",
+            CACHED_FIRST: "where hits share the page cached first"}      # a refusal's words for each
 
 
 def _is_int(value) -> bool:
@@ -461,9 +466,10 @@ class RefCache:
                 raise EmptyContextError("cannot retain an empty context")
         refuse_with_all(ctx._require_open, not_empty)
         key = tuple(ctx.token_list)
-        if self.config.values == "prefix":
-            ctx.labels = self._kept_by_older_entries(key, ctx.labels)
         labels = list(ctx.labels)
+        if self.config.values == "prefix":
+            labels = self._kept_by_older_entries(key, ctx.labels, (WHOLE_PAGES, SAME_KEY, CACHED_FIRST))
+            ctx.labels = self._kept_by_older_entries(key, ctx.labels, (WHOLE_PAGES, SAME_KEY))
         if reclaims(self.config.on_full):       # nothing below changes the reference of any other pool
             labels = self._copied_where_cached_under_other_tokens(key, labels)
             self.retained_since_pressure.add(key)
@@ -495,17 +501,18 @@ class RefCache:
         if reclaims(self.config.on_full):       # only the entries an engine may hold are followed
             self.retained_after = {key: self.retained_after[key] for key in self.keys(bounded_out=True)}
 
-    def _kept_by_older_entries(self, key: tuple[int, ...], labels: list) -> list:
-        """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them:
-        under ``WHOLE_PAGES`` and ``SAME_KEY``, each whole page of ``key`` whose tokens up to its end an
-        entry's key begins with takes that entry's name (any such entry's: they all hold one page
-        there); under ``SAME_KEY``, an entry of this very key gives its partly filled last page too."""
+    def _kept_by_older_entries(self, key: tuple[int, ...], labels: list, whole: tuple[int, ...]) -> list:
+        """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them for
+        one holder (the context, or the new entry): under each way of sharing in ``whole``, each whole
+        page of ``key`` whose tokens up to its end an entry's key begins with takes that entry's name
+        (any such entry's: they all hold one page there); under ``SAME_KEY``, an entry of this very key
+        gives its partly filled last page too. (``CACHED_FIRST`` renames the entry's pages alone.)"""
         size, kept = self.config.page_tokens, [list(label) for label in labels]
         for i, label in enumerate(kept):
             end = min((i + 1) * size, len(key))
             if end == (i + 1) * size:       # a whole page: from any entry whose key begins with key[:end]
                 older = next((entry for entry in self.entries if entry[0][:end] == key[:end]), None)
-                sharings = (WHOLE_PAGES, SAME_KEY)
+                sharings = whole
             else:                           # the partly filled last page: from an entry of this very key
                 older = next((entry for entry in self.entries if entry[0] == key), None)
                 sharings = (SAME_KEY,)

@@ -216,3 +216,28 @@ def test_a_hit_of_a_block_copied_at_retain_is_a_page_of_its_own():
     run.run([op_from_json({**op, "seed": 0} if op["op"] in ("extend", "overwrite") else op) for op in ops])
     assert "refused" in run.history[-1]
     run.finish()
+
+
+def test_a_hit_shares_the_block_cached_first_under_its_hash():
+    # kvstate sweep at block size 1, seed 212, minimised (22 steps). c10 and c8 retain one key, so each
+    # of its block hashes is cached twice; vLLM's hit c11 takes the first block cached under each
+    # (``get_cached_block``), c10's, where the reference's ways of counting had it share c8's (forks and
+    # retains: the newest entry's) or the tree's (retains sharing by prefix, closed at steps 11-13 by
+    # vLLM's answers). With the cache cleared, c8's overwrite needs no copy in vLLM, but two as the
+    # reference counted, which a pool one page short of them refused: a false rejection, until the
+    # reference counted pages a fourth way (``CACHED_FIRST``), the one left open.
+    from kvstate.reference.model import CACHED_FIRST
+    from kvstate.stateful.lockstep import Lockstep
+    from kvstate.stateful.ops import op_from_json
+    ops = [{"op": "allocate"}, {"op": "fork", "ctx": "c1"}, {"op": "extend", "ctx": "c2", "tokens": [0] * 5}]
+    ops += [{"op": "fork", "ctx": ctx} for ctx in ("c1", "c3", "c4", "c5", "c5")] + [{"op": "allocate"}]
+    ops += [{"op": "extend", "ctx": "c7", "tokens": [0] * 2}, {"op": "extend", "ctx": "c6", "tokens": [0] * 8},
+            {"op": "fork", "ctx": "c6"}, {"op": "overwrite", "ctx": "c9", "start": 0, "tokens": [0, 0]},
+            {"op": "allocate"}, {"op": "extend", "ctx": "c10", "tokens": [1, 2, 0]}, {"op": "retain", "ctx": "c10"},
+            {"op": "extend", "ctx": "c8", "tokens": [1, 2, 0]}, {"op": "retain", "ctx": "c8"},
+            {"op": "match", "tokens": [1, 2]}, {"op": "extend", "ctx": "c11", "tokens": [0, 0]}, {"op": "clear"},
+            {"op": "overwrite", "ctx": "c8", "start": 0, "tokens": [0, 0]}]
+    run = Lockstep(vllm.factory, _config("block1-f32-pool24-reclaim-fifo-prefixkv"))
+    run.run([op_from_json({**op, "seed": 0} if op["op"] in ("extend", "overwrite") else op) for op in ops])
+    assert "refused" not in run.history[-1] and run.reference.viable == (CACHED_FIRST,)
+    run.finish()
