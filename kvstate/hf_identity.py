@@ -4,9 +4,10 @@ kept cheaply current, and the binding of a kvstate cache to the first model that
 A model of the same layout computes other K/V, and a prefix hit or a continuation would read them as
 its own; so would the same model given other weights since. ``bind_model`` refuses both by name before
 a forward computes anything. Per forward it reads each parameter's data pointer and version counter
-(``_Weights``), never its values; the values are hashed again (``model_fingerprint``: every one, by
-row) only when one of those changed, a submodule was swapped, or a parameter or submodule registered on a
-fingerprinted model's module changed its parameters.
+(``_Weights``), and which packed object holds each quantized weight (``torch.ao``), never their values;
+the values are hashed again (``model_fingerprint``: every one, by row) only when one of those changed, a
+submodule was swapped, or a parameter or submodule registered on a fingerprinted model's module changed
+its parameters.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class _Weights:
     parameter (a submodule set again) is no reason to."""
 
     __slots__ = ("structure", "holders", "names", "versions", "key", "parents", "child_names", "children",
-                 "config", "fingerprint")
+                 "packed", "config", "fingerprint")
 
     def __init__(self, model, before: "_Weights | None" = None):
         self.structure = _STRUCTURE[0]
@@ -114,6 +115,9 @@ class _Weights:
         # written outside inference mode either. Decided per parameter: one such tensor in a model (a
         # base loaded under inference mode) left the others' writes unseen when it was decided for all.
         self.versions = not any(param.is_inference() for param in params)
+        # Quantized weights (``torch.ao``) are packed in an opaque object no version counter watches; new
+        # weights are a new object (``set_weight_bias`` packs them anew), so its identity is the key.
+        self.packed = [(holder, holder._packed_params) for holder in map(operator.itemgetter(1), _packed_holders(model))]
         self.key = self.read_key()
         self.config = _kv_config(getattr(getattr(model, "_orig_mod", model), "config", None))[0]
         self.fingerprint = before.fingerprint if self.same_weights(before) else model_fingerprint(model, _UNREADABLE)
@@ -121,7 +125,9 @@ class _Weights:
     def same_weights(self, before: "_Weights | None") -> bool:
         """The same parameters, in the same module dicts, with the same key, and the same configuration."""
         return (before is not None and self.key == before.key and self.names == before.names
-                and all(map(operator.is_, self.holders, before.holders)) and self.config == before.config)
+                and all(map(operator.is_, self.holders, before.holders)) and self.config == before.config
+                and len(self.packed) == len(before.packed)
+                and all(a is c and b is d for (a, b), (c, d) in zip(self.packed, before.packed)))
 
     def read_key(self):
         params = list(map(dict.__getitem__, self.holders, self.names))
@@ -134,6 +140,8 @@ class _Weights:
         if self.structure != _STRUCTURE[0]:
             return False
         if not all(map(operator.is_, map(dict.get, self.parents, self.child_names), self.children)):
+            return False
+        if not all(getattr(holder, "_packed_params", None) is packed for holder, packed in self.packed):
             return False
         try:
             return self.read_key() == self.key
@@ -206,8 +214,8 @@ def _kv_config(config) -> tuple[bytes, bool]:
 
 
 def model_fingerprint(model, unreadable=None) -> str:
-    """What tells a model's weights from another's of the same shape: a hash of each parameter's
-    name, shape, dtype, ``SAMPLES`` values spread over it (its first and last included) and a hash of
+    """What tells a model's weights from another's of the same shape: a hash of each parameter's (and
+    each quantized weight's, unpacked: ``_weights_of``) name, shape, dtype, ``SAMPLES`` values spread over it (its first and last included) and a hash of
     each of its rows' values (``_row_hashes``), and of the configuration fields that may change K/V
     (``_kv_config``). It reads every weight once (``fingerprint_of`` takes it again only when the
     weights may have changed). Two
@@ -224,7 +232,7 @@ def model_fingerprint(model, unreadable=None) -> str:
         # Not the buffers: a model may rewrite them as it runs (dynamic-NTK and longrope scaling recompute
         # the rotary frequencies past the original length), and a fingerprint that hashed them refused
         # the very model that computed a cache. The configuration stands for them (its rope fields).
-        for index, (name, param) in enumerate(model.named_parameters()):
+        for index, (name, param) in enumerate(_weights_of(model)):
             digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
             read = None if param.is_meta else _read(param)
             if read is None:
@@ -247,6 +255,36 @@ def model_fingerprint(model, unreadable=None) -> str:
     if local:
         _PROCESS_LOCAL.add(fingerprint)
     return fingerprint
+
+
+def _weights_of(model) -> list:
+    """``(name, tensor)`` for every weight of ``model``: its parameters, then its quantized weights
+    (``_packed_holders``), each unpacked into plain tensors: a quantized tensor's integers and its
+    quantization parameters (``_unpacked``)."""
+    return list(model.named_parameters()) + [(f"{name}.{part}", tensor) for name, holder in _packed_holders(model)
+                                             for part, tensor in _unpacked(holder)]
+
+
+def _packed_holders(model) -> list:
+    """``(name, module)`` for each module of ``model`` holding ``torch.ao`` quantized weights packed (a
+    quantized ``Linear``'s ``LinearPackedParams``: ``quantize_dynamic`` moves every ``nn.Linear`` weight
+    there, out of ``model.parameters()``), which its ``_weight_bias`` unpacks."""
+    return [(name, module) for name, module in model.named_modules()
+            if callable(getattr(module, "_weight_bias", None)) and hasattr(module, "_packed_params")
+            and not isinstance(module._packed_params, torch.nn.Module)]     # not the quantized Linear above it
+
+
+def _unpacked(holder) -> list:
+    """``(part, tensor)`` of a packed holder's weight and bias: a quantized weight as its integers, its
+    scales and zero points (per tensor, or per channel and the axis); a float16 one as it is."""
+    weight, bias = holder._weight_bias()
+    parts = [("weight", weight.int_repr() if weight.is_quantized else weight)]
+    if weight.is_quantized and weight.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        parts.append(("qparams", torch.tensor([weight.q_scale(), weight.q_zero_point()], dtype=torch.float64)))
+    elif weight.is_quantized:
+        parts += [("scales", weight.q_per_channel_scales()), ("zero_points", weight.q_per_channel_zero_points()),
+                  ("axis", torch.tensor([weight.q_per_channel_axis()]))]
+    return parts + ([("bias", bias)] if bias is not None else [])
 
 
 def snapshot_producer(kv: Cache) -> bytes | None:

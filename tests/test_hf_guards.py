@@ -149,6 +149,41 @@ def test_weights_that_differ_only_past_their_first_values_are_another_model():
     cache.close()
 
 
+def quantized(model):
+    """``model`` with its ``nn.Linear`` layers quantized dynamically to int8 (``torch.ao``): their weights
+    then live in packed parameters, outside ``model.parameters()``."""
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
+# torch 2.13 marks torch.ao's quantized tensors deprecated; they are still what quantize_dynamic makes
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore:torch.quantize_per_tensor:UserWarning")
+def test_dynamically_quantized_weights_are_the_models_weights():
+    """From the last session's open list: ``quantize_dynamic`` moves every ``nn.Linear`` weight into packed
+    parameters, which ``model.parameters()`` does not list, so two quantized models whose projections
+    differ (the embeddings and norms the same) had one fingerprint, and a cache of one was continued
+    by the other; and new packed weights set into the bound model (``set_weight_bias``) went unseen."""
+    model, other = quantized(llama(seed=0)), llama(seed=1)
+    other.load_state_dict({name: value for name, value in llama(seed=0).state_dict().items()
+                           if "proj" not in name}, strict=False)       # only the projections differ
+    other = quantized(other)
+    assert hf_identity.model_fingerprint(model) != hf_identity.model_fingerprint(other)
+    assert hf_identity.model_fingerprint(model) == hf_identity.model_fingerprint(quantized(llama(seed=0)))
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    run(model, cache, ids(5, 90))
+    with pytest.raises(UnsupportedModelError, match="another model"):
+        hf.KVStateCache.for_model(other, kv=cache.kv)
+    projection = model.model.layers[0].self_attn.k_proj
+    weight, bias = projection._weight_bias()
+    projection.set_weight_bias(torch.quantize_per_tensor(weight.dequantize() * 2, 0.1, 0, torch.qint8), bias)
+    with pytest.raises(UnsupportedModelError, match="weights changed"):
+        run(model, cache, ids(1, 91))
+    assert len(cache.context) == 5
+    projection.set_weight_bias(weight, bias)        # the old weights back: it goes on
+    run(model, cache, ids(1, 92))
+    assert len(cache.context) == 6
+    cache.close()
+
+
 def unsampled_rows(weight) -> list[int]:
     """The rows of ``weight`` that hold none of the values the fingerprint samples."""
     step, width = max(1, weight.numel() // hf_identity.SAMPLES), weight[0].numel()
