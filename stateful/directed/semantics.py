@@ -10,6 +10,7 @@ prove that a backend using it is not rejected (``tests/test_semantics_rows.py``)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate, takewhile
 from typing import Callable
 
 import numpy as np
@@ -301,39 +302,58 @@ def _evicts_the_oldest_that_frees(factory: Factory, config: Config, promise: str
 
 
 MAX_ENTRIES_FILLED = 1024
-"""``hits stamp their entry`` fills ``max_entries`` to its bound: past this many, a bound that no
+"""``hits stamp their entry`` fills the tree to its bound: past this many entries, a bound that no
 workload reaches (the real engines' adapters declare 2**30), the row is skipped."""
 
 
 def _hits_stamp_their_entry(factory: Factory, config: Config, promise: str) -> None:
-    """Entries past ``max_entries`` go in the order hits left them, for a hit shorter than its entry's
+    """Entries past the tree's bounds go in the order hits left them, for a hit shorter than its entry's
     key and for a tie among entries sharing the hit (only the winner is stamped). No check runs
     between a hit and the retain that evicts after it: without the tree tier a check probes every
     entry through ``match``, which stamps each back into the reference's order and would hide a
-    wrong stamp (``Lockstep._probe_entries``); the matches after the eviction show it."""
-    m, unit = config.max_entries, config.block_tokens or 1
-    if not 2 <= m <= MAX_ENTRIES_FILLED or reclaims(config.on_full):
-        return          # one entry has no order; a bound this high is none; a reclaiming engine picks what goes
+    wrong stamp (``Lockstep._probe_entries``); the matches after the eviction show it. The tree is
+    filled to ``max_entries``, or to fewer where the page budget holds fewer (both evict the least
+    recently used entry): an audit's engine with a budget of 6 pages skipped the row at 4 entries."""
+    if config.max_entries < 2 or reclaims(config.on_full):
+        return          # one entry has no order; a reclaiming engine picks what goes
+    unit = config.block_tokens or 1
 
     def key(*firsts: int) -> tuple[int, ...]:      # whole blocks: each can be a hit of its own
         return tuple(first for first in firsts for _ in range(unit))
-    others = [key(40 + k) for k in range(m)]        # one block each, sharing no token with any other key
+
+    def others(count: int) -> list[tuple[int, ...]]:     # one block each, sharing no token with any other key
+        return [key(40 + k) for k in range(count)]
+
     # A partial hit (under "entry", a hit of the whole key: no shorter one exists) stamps its entry.
-    _stamp_then_evict(factory, config, promise, [key(1, 2)] + others[:m - 1],
-                      key(1, 2, 9) if config.match == "entry" else key(1, 9), others[m - 1])
-    if config.match != "entry" and m >= 3:      # a tie: the newer of two keys sharing the hit's block wins
-        _stamp_then_evict(factory, config, promise, [key(1, 2), others[0], key(1, 3)] + others[1:m - 2],
-                          key(1, 9), others[m - 2])
+    held = _entries_held(config, [key(1, 2)], key(40))
+    if held >= 2:
+        _stamp_then_evict(factory, config, promise, [key(1, 2)] + others(held)[:held - 1],
+                          key(1, 2, 9) if config.match == "entry" else key(1, 9), others(held)[held - 1])
+    held = _entries_held(config, [key(1, 2), key(40), key(1, 3)], key(40))
+    if config.match != "entry" and held >= 3:      # a tie: the newer of two keys sharing the hit's block wins
+        _stamp_then_evict(factory, config, promise, [key(1, 2), key(40), key(1, 3)] + others(held)[1:held - 2],
+                          key(1, 9), others(held)[held - 2])
+
+
+def _entries_held(config: Config, first: list, then: tuple) -> int:
+    """How many entries the tree holds before one more evicts, its first keys ``first`` and the rest
+    like ``then``: ``max_entries``, or fewer where the page budget holds fewer; 0 where that is more
+    than ``MAX_ENTRIES_FILLED``."""
+    sizes = [pages_needed(len(tokens), config.page_tokens) for tokens in first]
+    bound = min(config.max_entries, config.max_pages or MAX_ENTRIES_FILLED + 1, MAX_ENTRIES_FILLED + 1)
+    sizes += [pages_needed(len(then), config.page_tokens)] * max(0, bound - len(sizes))
+    held = sum(1 for _ in takewhile(lambda pages: not config.max_pages or pages <= config.max_pages,
+                                      accumulate(sizes[:bound])))
+    return held if held <= MAX_ENTRIES_FILLED else 0
 
 
 def _stamp_then_evict(factory: Factory, config: Config, promise: str, keys: list, query: tuple,
                       newcomer: tuple) -> None:
-    """``keys`` retained oldest first (``max_entries`` of them), ``query`` matched and its hit closed,
+    """``keys`` retained oldest first (as many as the tree holds), ``query`` matched and its hit closed,
     ``newcomer`` retained (one entry too many: the least recently used goes), then every key matched.
-    Skipped where the page budget or the pool, not ``max_entries``, would choose what goes."""
+    Skipped where the pool, not the tree's bounds, would choose what goes."""
     held = sum(pages_needed(len(tokens), config.page_tokens) for tokens in keys)
-    if config.max_pages and held > config.max_pages or \
-            config.pool_limit and held + pages_needed(len(newcomer), config.page_tokens) > config.pool_limit:
+    if config.pool_limit and held + pages_needed(len(newcomer), config.page_tokens) > config.pool_limit:
         return
     run = start(factory, config)
     with keeping(promise, run):
@@ -454,7 +474,7 @@ ROWS: list[Row] = [
                              "whose engine picks what goes.", _room_by_eviction),
     Row("hits stamp their entry", "A hit stamps the entry it is taken from and no other: a hit shorter than "
                                   "that entry's key too, and of entries tied for a hit only the winner, so "
-                                  "entries past `max_entries` go in the order hits left.", _hits_stamp_their_entry),
+                                  "entries past the tree's bounds go in the order hits left.", _hits_stamp_their_entry),
     Row("block ties", "Under `block` matching, every entry reaching the hit's last whole block competes, however "
                       "many tokens past it each shares with the query: the most recently used gives the hit.",
         lambda factory, config, promise: _ties_row(factory, config, promise)),
