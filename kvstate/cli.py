@@ -165,12 +165,43 @@ def _stress(args: argparse.Namespace) -> int:
     try:
         totals = stress(args.minutes, seed=args.seed, stores=args.store, scenarios=args.scenario, scale=args.scale)
     except RaceFailure as failure:
-        print(f"FAILED: {failure}")
+        print(f"FAILED: {_with_notes(failure)}")
         return 1
     for name, counts in totals.items():
         print(f"total {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     print("no race found")
     return 0
+
+def _with_notes(error: BaseException) -> str:
+    """A race failure's message and its notes: each thread's last operations and the rerun command."""
+    return "\n".join([str(error), *getattr(error, "__notes__", ())])
+
+
+def _race(args: argparse.Namespace) -> int:
+    """One iteration of one race scenario, as a race failure's rerun command names it."""
+    from kvstate.stateful.races.harness import available_stores
+    from kvstate.stateful.races.rerun import candidate_configs, config_for_label
+    from kvstate.stateful.races.scenarios import SCENARIOS, run_iteration
+
+    if args.scenario not in SCENARIOS:
+        raise UsageError(f"unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
+    _at_least("--iteration", args.iteration, 0)
+    if args.store is not None and args.store not in available_stores():
+        raise UsageError(f"unknown or unavailable store {args.store!r} (available: {', '.join(available_stores())})")
+    store = args.store or _load_backend(args.backend)[0]
+    try:
+        config = config_for_label(args.config, candidate_configs(args.scenario, store))
+    except KeyError as error:
+        raise UsageError(error.args[0]) from None
+    options = {"yields": args.yields} | ({"threads": args.threads} if args.threads is not None else {})
+    try:
+        report = run_iteration(args.scenario, store, config, args.seed, args.iteration, **options)
+    except Exception as failure:     # noqa: BLE001 - RaceFailure, or what the backend raised in the scenario
+        print(f"FAILED: {type(failure).__name__}: {_with_notes(failure)}")
+        return 1
+    print(f"passed: {report}")
+    return 0
+
 
 def _bench(args: argparse.Namespace) -> int:
     from kvstate.bench.cli import run
@@ -503,6 +534,22 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--store", action="append", help="page store (repeatable; default: every available one)")
     stress.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
     stress.set_defaults(run=_stress)
+
+    race = commands.add_parser("race", help="run one iteration of one thread-race scenario again (a race failure "
+                                            "prints this command)")
+    race.add_argument("scenario", help="scenario name (fork_storm, close_races, ...)")
+    where = race.add_mutually_exclusive_group()
+    where.add_argument("--backend", default="kvstate.impl.numpy",
+                       help="package.module[:factory] or path/to/file.py[:factory] (default: the built-in NumPy backend)")
+    where.add_argument("--store", help="a built-in page store, in the race configurations of tests/test_races.py")
+    race.add_argument("--config", required=True, help="configuration name (NAME-pageN where a backend declares "
+                                                      "NAME at several page sizes)")
+    race.add_argument("--seed", type=int, default=0)
+    race.add_argument("--iteration", type=int, default=0, help="which iteration: its operations come from the seed and it")
+    race.add_argument("--threads", type=int, help="threads, as the failing run had them (default: the scenario's)")
+    race.add_argument("--yields", action="store_true",
+                      help="threads give up the interpreter at random calls into the backend's modules")
+    race.set_defaults(run=_race)
 
     from kvstate.bench.cli import add_arguments as bench_arguments
 

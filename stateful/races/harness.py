@@ -11,6 +11,8 @@
 - ``check_after`` / ``check_emptied`` assert the invariants once the threads are done.
 - ``attempt`` runs one write that a refusing pool (``on_full="refuse"``) may refuse, and
   checks that a refusal left the context as it was.
+- ``make_cache`` hands a scenario the cache behind a ``trace.TracedCache``: each thread's last
+  operations, which a failure's report shows (``rerun.racing_reported``).
 
 Declared semantics (``spec/semantics.py``): ``race_configs`` holds the six standard
 configurations and every semantics configuration of ``stateful/configs.py`` at the race
@@ -48,6 +50,7 @@ from kvstate.spec.protocol import Config, standard_configs
 from ..configs import semantics_configs
 from ..frames import raised_at
 from ..lockstep import to_numpy
+from .trace import Trace, TracedCache
 
 RACE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 RACE_PAGE_TOKENS = 3          # odd, so writes straddle page boundaries
@@ -73,6 +76,9 @@ class RaceReport:
     threads: int = 0
     counts: dict[str, int] = field(default_factory=dict)
     configs: list[str] = field(default_factory=list)     # configuration names, in the order run
+    options: dict = field(default_factory=dict)          # the scenario's arguments a rerun passes again
+    at: tuple[int, Config] | None = None                 # the iteration running, and its configuration
+    trace: Trace = field(default_factory=Trace, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, name: str, n: int = 1) -> None:
@@ -124,11 +130,11 @@ def reference_config(config: Config) -> Config:
     return config.with_(on_full="fallback", pool_pages=0)
 
 
-def make_cache(store, config: Config) -> Cache:
-    """``store`` names a built-in page store, or is a backend factory (``kvstate conform`` passes one)."""
-    if callable(store):
-        return store(config)
-    return Cache.from_config(config, store=store)
+def make_cache(store, config: Config, trace: Trace | None = None) -> Cache:
+    """``store`` names a built-in page store, or is a backend factory (``kvstate conform`` passes one);
+    with a ``trace``, the cache's operations (and its contexts') are recorded in it."""
+    cache = store(config) if callable(store) else Cache.from_config(config, store=store)
+    return cache if trace is None else TracedCache(cache, trace)
 
 
 def store_label(store) -> str:
@@ -289,7 +295,9 @@ def yielding_calls(folder: str, seed: int, probability: float = YIELD_PROBABILIT
 def racing(store, seed: int, yields: bool):
     """What every scenario runs under: ``switch_interval``, and with ``yields``, ``yielding_calls``
     into the engine (a Python-level profile hook on every call: it slows the threads several times
-    over, so CI uses it where the short unlocked windows matter most; ``kvstate stress`` every other round)."""
+    over, so CI uses it where the short unlocked windows matter most; ``kvstate stress`` every other
+    round; ``kvstate conform`` in every round after its first). Scenarios enter it through
+    ``rerun.racing_reported``, which gives a failure its report."""
     with switch_interval():
         if not yields:
             yield
@@ -315,6 +323,7 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
 
     With ``observe_cache``, one more thread checks invariants 1-3 on ``observe()`` until the others
     finish, and, given the ``config``, that a refusing pool never passes its limit (``check_pool``).
+    Given the ``report``, its trace is frozen at the first failure (``Trace.freeze``).
     """
     barrier = threading.Barrier(len(bodies) + (observe_cache is not None))
     failures: list[tuple[int, BaseException]] = []
@@ -326,6 +335,8 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
                 barrier.wait()
                 body()
             except BaseException as error:      # noqa: BLE001 - reported to the joining thread
+                if report is not None and not isinstance(error, threading.BrokenBarrierError):
+                    report.trace.freeze()       # what every thread was doing when this one failed
                 failures.append((index, error))
                 barrier.abort()
         return run

@@ -34,8 +34,10 @@ times the cost; ``pressure_vs_match`` uses it by default, ``kvstate stress`` eve
 other round.
 
 Every operation sequence comes from ``(seed, iteration, thread)``; the thread
-schedule itself cannot be replayed, so a failure names all three and the store,
-and rerunning that seed retries the same work under new schedules.
+schedule itself cannot be replayed, so a failure names the scenario, configuration,
+store, seed and iteration, shows the last operations each thread started
+(``trace.py``), and prints a ``kvstate race`` command that issues that iteration's
+operations again under new schedules (``rerun.py``).
 
 ``tests/test_races.py`` runs these at CI size; ``kvstate stress`` runs them for
 minutes. ``SCENARIOS`` maps names to the functions; the shared harness is
@@ -66,6 +68,7 @@ from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported fo
     SETTLE, Watch, extend, kv_for, make_cache, overwrite, page_counters, pressure_configs, race_configs, racing,
     read_numpy, reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,
 )
+from .rerun import racing_reported
 
 
 # -- 1. sixteen threads fork one parent, then each writes its own branch -------------------
@@ -120,14 +123,17 @@ def _copies_expected(plan: list[tuple], parent_len: int, pt: int) -> int:
     return len({index for index in touched if index < parent_pages})
 
 
-def _rounds(report: RaceReport, store, seed: int, iterations: int, configs=None):
+def _rounds(report: RaceReport, store, seed: int, iterations: int | range, configs=None):
     """Each iteration with its configuration (cycling through ``configs``, by default
-    ``race_configs()``, recorded in ``report.configs``) and a name for failure messages that
-    reruns exactly that schedule."""
+    ``race_configs()``, recorded in ``report.configs``) and a name for failure messages.
+    ``iterations``: how many, or which (a rerun runs ``range(i, i + 1)``: iteration ``i``'s
+    operations come from ``(seed, i)`` alone). Each starts a fresh trace (``report.trace``)."""
     configs = configs or race_configs()
-    for iteration in range(iterations):
+    for iteration in (range(iterations) if isinstance(iterations, int) else iterations):
         config = configs[iteration % len(configs)]
         report.configs.append(config.name)
+        report.at = iteration, config
+        report.trace.reset()
         yield iteration, config, (f"{report.scenario}[{store_label(store)}, {config.name}] "
                                   f"seed={seed} iteration={iteration}")
 
@@ -151,11 +157,11 @@ def fork_storm(store: str = "numpy", seed: int = 0, iterations: int = 10, thread
     new, and exactly the shared pages each branch wrote must have been copied. In a pool that
     refuses when full, a refused write changes nothing, and the counts and the reference replay
     follow the writes that happened."""
-    report = RaceReport("fork_storm", store, seed, threads=threads)
-    with racing(store, seed, yields):
+    report = RaceReport("fork_storm", store, seed, threads=threads, options={"threads": threads})
+    with racing_reported(report, yields):
         for iteration, config, where in _rounds(report, store, seed, iterations, configs):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
-            cache, ref = make_cache(store, config), RefCache(reference_config(config))
+            cache, ref = make_cache(store, config, report.trace), RefCache(reference_config(config))
             parent_tokens = [int(t) for t in rng.integers(0, 1000, _fitting(config, int(rng.integers(1, 4 * pt + 1))))]
             parent, ref_parent = cache.allocate(), ref.allocate()
             extend(parent, config, parent_tokens)
@@ -399,10 +405,10 @@ def eviction_vs_allocation(store: str = "numpy", seed: int = 0, iterations: int 
     """Threads retaining and matching against tiny tree bounds while others allocate, extend,
     fork and close: no page leaked, no slot issued twice, nothing freed while held, and the tree
     within its bounds (and, unless memory pressure evicts too, no smaller than they keep it)."""
-    report = RaceReport("eviction_vs_allocation", store, seed, threads=threads)
-    with racing(store, seed, yields):
+    report = RaceReport("eviction_vs_allocation", store, seed, threads=threads, options={"threads": threads})
+    with racing_reported(report, yields):
         for iteration, config, where in _rounds(report, store, seed, iterations, configs):
-            cache, retained = make_cache(store, config), Retained()
+            cache, retained = make_cache(store, config, report.trace), Retained()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = []
             for t in range(threads):
@@ -436,10 +442,10 @@ def pressure_vs_match(store: str = "numpy", seed: int = 0, iterations: int = 6, 
     cache lock is then interleaved with other threads within a few iterations, where the GIL alone
     almost never switches threads inside so short a window.
     """
-    report = RaceReport("pressure_vs_match", store, seed, threads=threads)
-    with racing(store, seed, yields):
+    report = RaceReport("pressure_vs_match", store, seed, threads=threads, options={"threads": threads})
+    with racing_reported(report, yields):
         for iteration, config, where in _rounds(report, store, seed, iterations, configs or pressure_configs()):
-            cache, retained = make_cache(store, config), Retained()
+            cache, retained = make_cache(store, config, report.trace), Retained()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = []
             for t in range(threads):
@@ -459,11 +465,11 @@ def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 
                          steps: int = 40, configs=None, yields: bool = False) -> RaceReport:
     """``match`` and ``close`` of the returned contexts racing ``clear``: a match forks an entry before
     the clear releases it or finds nothing; results stay readable after the clear; nothing leaks."""
-    report = RaceReport("match_close_vs_clear", store, seed, threads=threads + 1)
-    with racing(store, seed, yields):
+    report = RaceReport("match_close_vs_clear", store, seed, threads=threads + 1, options={"threads": threads})
+    with racing_reported(report, yields):
         wide = [c.with_(max_entries=8) for c in configs] if configs else race_configs(max_entries=8)
         for iteration, config, where in _rounds(report, store, seed, iterations, wide):
-            cache, retained = make_cache(store, config), Retained()
+            cache, retained = make_cache(store, config, report.trace), Retained()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
             bodies = [_tree_worker(cache, config, bases, seeded_rng(seed, iteration, t + 1), steps, report, where, retained,
                                    hold=3)
@@ -500,10 +506,10 @@ def close_races(store: str = "numpy", seed: int = 0, iterations: int = 20, threa
     a fork either happened before the close (and reads the parent's values) or is refused as closed;
     the sibling sharing the pages reads unchanged and the refcounts stay exact.
     """
-    report = RaceReport("close_races", store, seed, threads=threads)
-    with racing(store, seed, yields):
+    report = RaceReport("close_races", store, seed, threads=threads, options={"threads": threads})
+    with racing_reported(report, yields):
         for iteration, config, where in _rounds(report, store, seed, iterations, configs):
-            cache = make_cache(store, config)
+            cache = make_cache(store, config, report.trace)
             ctx, sibling, tokens = _shared_pair(cache, config, seeded_rng(seed, iteration))
             closes, forks, outcomes = [], [], []
             lock = threading.Lock()
@@ -596,10 +602,10 @@ def snapshot_vs_decode(store: str = "numpy", seed: int = 0, iterations: int = 4,
     decoder's reference replay follow the writes that happened.
     """
     report = RaceReport("snapshot_vs_decode", store, seed, threads=2)
-    with racing(store, seed, yields), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
+    with racing_reported(report, yields), tempfile.TemporaryDirectory(prefix="kvstate-races-") as folder:
         for iteration, config, where in _rounds(report, store, seed, iterations, configs):
             pt, rng = config.page_tokens, seeded_rng(seed, iteration)
-            cache = make_cache(store, config)
+            cache = make_cache(store, config, report.trace)
             tokens = [int(t) for t in rng.integers(0, 1000, _fitting(config, 3 * pt + 1))]
             shared = cache.allocate()
             extend(shared, config, tokens)
@@ -671,10 +677,10 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
     change (``Watch``). It used to make 1000 looks back to back, which held the writers up: about
     19 of them an iteration saw a state it had not checked yet.
     """
-    report = RaceReport("observe_during_writes", store, seed, threads=threads + 1)
-    with racing(store, seed, yields):
+    report = RaceReport("observe_during_writes", store, seed, threads=threads + 1, options={"threads": threads})
+    with racing_reported(report, yields):
         for iteration, config, where in _rounds(report, store, seed, iterations, configs):
-            cache, done = make_cache(store, config), threading.Event()
+            cache, done = make_cache(store, config, report.trace), threading.Event()
 
             def writer(t: int) -> Callable[[], None]:
                 def run() -> None:
@@ -707,7 +713,7 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
                     done.set()
                     report.add("observed_changes", watch.changes)
 
-            run_threads([writer(t) for t in range(threads)] + [observer], where)
+            run_threads([writer(t) for t in range(threads)] + [observer], where, report=report)
             check_emptied(cache, where)
             report.iterations += 1
     return report
@@ -724,6 +730,13 @@ SCENARIOS: dict[str, Callable[..., RaceReport]] = {
     "snapshot_vs_decode": snapshot_vs_decode,
     "observe_during_writes": observe_during_writes,
 }
+
+def run_iteration(scenario: str, store, config: Config, seed: int, iteration: int, **options) -> RaceReport:
+    """Iteration ``iteration`` of ``scenario`` with ``seed`` in ``config``: what a failure's rerun
+    command (``kvstate race``) runs."""
+    return SCENARIOS[scenario](store=store, seed=seed, iterations=range(iteration, iteration + 1), configs=[config],
+                               **options)
+
 
 # Iterations per scenario: one per configuration, so CI runs each scenario under every declared
 # semantics (tests/test_races.py checks that it does) while keeping the suite's share to seconds;

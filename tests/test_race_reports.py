@@ -1,0 +1,156 @@
+"""What a race failure shows: where it happened, what each thread last did, and a command that runs
+that iteration again.
+
+From two audits: a failure named a thread and an exception and nothing else."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+
+import pytest
+
+from kvstate.cli import main
+from kvstate.stateful.races import scenarios as races
+from kvstate.stateful.races.trace import Trace, TracedCache
+
+AUDIT_BUGS = "tests/foreign/audit_snapshots_bugs.py"
+
+
+@pytest.fixture
+def forks_forget_their_refcounts(monkeypatch):
+    from kvstate.impl import refcounts
+
+    monkeypatch.setattr(refcounts.Refcounts, "share_holding", lambda self, holding: None)
+
+
+def _failure(scenario, **options) -> races.RaceFailure:
+    with pytest.raises(races.RaceFailure) as caught:
+        scenario("numpy", **options)
+    return caught.value
+
+
+def test_a_race_failure_names_its_iteration_each_threads_operations_and_a_rerun(forks_forget_their_refcounts):
+    notes = _failure(races.fork_storm, seed=7, iterations=1, threads=4).__notes__
+    assert notes[0] == "race: fork_storm, configuration f32-heap, store numpy, seed 7, iteration 0"
+    threads = [note for note in notes if re.match(r"  thread \d: ", note)]
+    assert threads, notes
+    # Each branch's fork of the parent (the main thread's c1), then its own writes, with their sizes,
+    # as far as each got when the first failure was seen.
+    assert all(note.partition(": ")[2].startswith("c1.fork()") for note in threads), threads
+    assert any(re.search(r"c1\.fork\(\) -> c(\d+); c\1\.(extend|overwrite)\((at \d+, )?\d+ tokens?\)", note)
+               for note in threads), threads
+    assert any(note.startswith("  main: allocate() -> c1; c1.extend(") for note in notes), notes
+    assert notes[-1].endswith("kvstate race fork_storm --store numpy --config f32-heap --seed 7 --iteration 0 "
+                              "--threads 4")
+
+
+def test_a_thread_failure_freezes_the_trace_with_the_operations_then_running():
+    """The other threads run on to their end after one fails; the report shows them as they were."""
+    trace = Trace(length=3)
+    for n in range(5):
+        trace.started("extend", "c1", (f"{n} tokens",))[3] = ""
+    running = trace.started("read", "c1", ())
+    trace.freeze()
+    running[3] = ""
+    trace.started("close", "c1", ())
+    assert trace.lines() == ["main: c1.extend(3 tokens); c1.extend(4 tokens); c1.read() ...running"]
+
+
+def test_the_trace_shows_the_other_threads_as_they_were_when_one_failed():
+    report = races.RaceReport("planted", "numpy", 0)
+    cache = races.make_cache("numpy", races.race_configs()[0], report.trace)
+
+    def failing() -> None:
+        cache.allocate()
+        raise RuntimeError("planted")
+
+    def going_on() -> None:
+        ctx = cache.allocate()
+        deadline = time.monotonic() + 5
+        while report.trace.frozen is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        ctx.close()         # after the failure: not in its report
+
+    with pytest.raises(races.RaceFailure, match="thread 0: RuntimeError: planted"):
+        races.run_threads([failing, going_on], "planted", report=report)
+    lines = report.trace.lines()
+    assert [re.sub(r"c\d$", "cN", line) for line in lines] == ["thread 0: allocate() -> cN", "thread 1: allocate() -> cN"], lines
+
+
+def test_the_traced_cache_keeps_the_backends_results_and_errors():
+    config = races.race_configs()[0]
+    trace = Trace()
+    cache = races.make_cache("numpy", config, trace)
+    assert isinstance(cache, TracedCache)
+    ctx = cache.allocate()
+    races.extend(ctx, config, [1, 2, 3])
+    cache.retain(ctx)
+    hit, matched = cache.match([1, 2, 3, 4])
+    assert matched == 3 and hit.tokens == [1, 2, 3] and len(hit) == 3
+    ctx.close()
+    with pytest.raises(Exception) as refused:
+        ctx.fork()
+    assert trace.lines() == [f"main: allocate() -> c1; c1.extend(3 tokens); retain(c1); match(4 tokens) -> c2, 3 matched; "
+                             f"c1.close(); c1.fork() -> {type(refused.value).__name__}"]
+    hit.close()
+    races.check_emptied(cache, "traced")
+
+
+def _operations(report) -> dict[str, list[tuple]]:
+    """Each thread's operations and arguments, without the context names (which follow the schedule)
+    and without the refusals of a busy context (retried as often as the schedule makes them)."""
+    return {name: [(entry[0], entry[2]) for entry in ring if entry[3] != "ContextBusyError"]
+            for name, ring in report.trace.rings.values()}
+
+
+def test_a_rerun_issues_the_iterations_operations_again(monkeypatch):
+    monkeypatch.setattr("kvstate.stateful.races.trace.TRACE_LENGTH", 1000)    # the whole iteration
+    config = races.race_configs()[2]
+    whole = races.fork_storm("numpy", seed=3, iterations=3, threads=4)
+    rerun = races.run_iteration("fork_storm", "numpy", config, seed=3, iteration=2, threads=4)
+    assert whole.configs[2] == rerun.configs[0] == config.name
+    first = _operations(whole)
+    assert len(first) == 5 and sum(len(ops) for ops in first.values()) > 20    # the main thread and 4 branches
+    assert _operations(rerun) == first
+
+
+def test_the_printed_rerun_command_runs_that_iteration_again(forks_forget_their_refcounts, capsys):
+    command = _failure(races.fork_storm, seed=7, iterations=1, threads=4).__notes__[-1].partition(": ")[2]
+    argv = shlex.split(command)
+    assert argv[0] == "kvstate"
+    assert main(argv[1:]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAILED: RaceFailure: fork_storm[numpy, f32-heap] seed=7 iteration=0"), out
+    assert command in out
+
+
+def test_the_rerun_command_passes_a_sound_iteration_and_refuses_an_unknown_configuration(capsys):
+    assert main(["race", "close_races", "--store", "numpy", "--config", "f16-arena8", "--seed", "2",
+                 "--iteration", "5"]) == 0
+    assert capsys.readouterr().out.startswith("passed: close_races[numpy] seed=2 iterations=1")
+    assert main(["race", "close_races", "--store", "numpy", "--config", "f64-heap"]) == 2
+    assert "no configuration 'f64-heap'; known: f32-heap" in capsys.readouterr().err
+
+
+def test_a_backend_failure_prints_a_rerun_naming_the_backend_file():
+    from kvstate.stateful.backends import load_factory
+
+    close_plain = load_factory(f"{AUDIT_BUGS}:close_plain")
+    config = close_plain.configs[0]
+    with pytest.raises(races.RaceFailure) as caught:
+        for seed in range(3):       # caught at the first in 30 of 30 runs
+            races.eviction_vs_allocation(close_plain, seed=seed, iterations=2, configs=[config], yields=True)
+    rerun = caught.value.__notes__[-1]
+    assert re.search(r"kvstate race eviction_vs_allocation --backend \S+/tests/foreign/audit_snapshots_bugs\.py:"
+                     r"close_plain --config f32-heap --seed \d --iteration \d --threads 6 --yields$", rerun), rerun
+
+
+def test_stress_prints_each_threads_operations_and_the_rerun(forks_forget_their_refcounts, capsys):
+    assert main(["stress", "--minutes", "0", "--store", "numpy", "--scenario", "fork_storm", "--scale", "1"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^FAILED: fork_storm\[numpy, ", out, re.M), out
+    assert re.search(r"^  thread \d+: c1\.fork\(\)", out, re.M), out
+    assert re.search(r"^rerun \(the same operations, a new schedule\): kvstate race fork_storm --store numpy --config \S+ "
+                     r"--seed 0 --iteration \d+ --threads 16$", out, re.M), out
