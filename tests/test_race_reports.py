@@ -118,6 +118,20 @@ def test_a_rerun_issues_the_iterations_operations_again(monkeypatch):
     assert _operations(rerun) == first
 
 
+def test_a_failure_whose_rerun_cannot_be_named_is_still_reported():
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful.races.rerun import annotate
+
+    def unlisted(config):       # declares semantics no configuration list knows
+        return numpy_factory(config)
+    unlisted.semantics = ("no-such-semantics",)
+    report = races.RaceReport("close_races", unlisted, 0, at=(0, races.race_configs()[0]))
+    error = RuntimeError("the backend's")
+    annotate(error, report)
+    assert error.__notes__[0].startswith("race: close_races, configuration f32-heap, store ")
+    assert error.__notes__[-1].startswith("rerun (the same operations, a new schedule): none (ConfigError: ")
+
+
 def test_the_printed_rerun_command_runs_that_iteration_again(forks_forget_their_refcounts, capsys):
     command = _failure(races.fork_storm, seed=7, iterations=1, threads=4).__notes__[-1].partition(": ")[2]
     argv = shlex.split(command)

@@ -82,4 +82,12 @@ def annotate(error: BaseException, report: RaceReport) -> None:
                        f"(threads 0, 1, ... as the failure names them):")
         for line in lines:
             error.add_note(f"  {line}")
-    error.add_note(f"rerun (the same operations, a new schedule): {rerun_command(report, iteration, config)}")
+    error.add_note(f"rerun (the same operations, a new schedule): {_command_or_why_not(report, iteration, config)}")
+
+
+def _command_or_why_not(report: RaceReport, iteration: int, config: Config) -> str:
+    """The rerun command, or why there is none: a report must never replace the failure it reports."""
+    try:
+        return rerun_command(report, iteration, config)
+    except Exception as problem:    # noqa: BLE001 - e.g. a factory whose configurations cannot be listed
+        return f"none ({type(problem).__name__}: {problem})"
