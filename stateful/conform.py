@@ -39,7 +39,7 @@ from .machine import machine_for, run_machine
 from .frames import suite_assertion
 from .replay import Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
-from .shrink import shrink
+from .shrink import CLOCK, TRIES, shrink
 from .stuck import stuck_at
 
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
@@ -177,6 +177,10 @@ def _so_far(last, config: Config) -> str | None:
                     last.history[:last.failed_at], minimised=False, config=last.config)
 
 
+_STOPPED = {TRIES: "shrinking stopped at its try limit, so it may not be minimal; ",
+            CLOCK: "shrinking stopped at its time budget, so it may not be minimal; "}
+
+
 def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
     """Seeded sequences of ``stateful/generate.py`` (the sweep's), shrunk by delta debugging."""
     seeds, steps = seeded_size(settings)
@@ -188,7 +192,7 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
         found = runs.failure
         _, lockstep = execute(factory, found.config, found.ops)
         what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
-                f"{'shrinking stopped at its time budget, so it may not be minimal; ' if found.shrink_timed_out else ''}"
+                f"{_STOPPED.get(found.shrink_stopped, '')}"
                 f"replay: kvstate sweep --seed-range {found.seed}:{found.seed + 1} --steps {steps} "
                 f"--configs {shlex.quote(config.name)} --backend {shlex.quote(backend_name(factory))})")
         detail = _report(found.failure.headline, found.config, lockstep.history[:lockstep.failed_at], what)

@@ -17,7 +17,7 @@ from kvstate.spec.protocol import Config, Factory
 from . import ops as O
 from .replay import Failure
 from .sweeps.runs import run_seed
-from .shrink import shrink
+from .shrink import Shrinker
 
 
 @dataclass
@@ -27,7 +27,7 @@ class SeededFailure:
     ops: list[O.Op]
     failure: Failure
     original_steps: int
-    shrink_timed_out: bool
+    shrink_stopped: str | None     # why shrinking stopped short of a minimal sequence (shrink.TRIES, CLOCK), or None
 
 
 @dataclass
@@ -60,9 +60,8 @@ def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s
         if run.failure is not None:
             failure, seeded_config = run.failure, config.with_(page_tokens=run.page_tokens)
             ran = [O.op_from_json(op) for op in run.ops]
-            started = time.monotonic()
-            shrunk, shown = shrink(factory, seeded_config, ran, failure, shrink_budget_s)
-            timed_out = time.monotonic() - started >= shrink_budget_s
-            result.failure = SeededFailure(seed, seeded_config, shrunk, shown, len(ran), timed_out)
+            shrinker = Shrinker(factory, seeded_config, failure, shrink_budget_s)
+            shrunk = shrinker.shrink(ran)
+            result.failure = SeededFailure(seed, seeded_config, shrunk, shrinker.failure, len(ran), shrinker.stopped)
             break
     return result

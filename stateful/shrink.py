@@ -13,6 +13,13 @@ operation that creates a context removes every later operation on that
 context, and the handles left are renumbered ``c1, c2, ...`` in creation
 order, as ``Lockstep`` names them, so a shrunk file stays readable. A
 ``restore`` goes with the ``snapshot`` it names.
+
+What bounds a shrink is a count of tries (``max_tries``), not seconds: the same failure shrinks to the
+same sequence on an idle laptop and on a loaded CI machine or Dask worker. Under a 60 s budget it did
+not: a shrink that takes 8 s of CPU took 80 s on a loaded machine and stopped wherever the clock ran
+out, so two sweeps of one seed saved different replays, and nothing said why. ``budget_s`` remains, as
+a backstop against a candidate that hangs the backend; where it (or ``stop``) ends a shrink, the result
+says so (``Shrinker.stopped`` is ``CLOCK``), and a sweep's report carries it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,11 @@ from kvstate.spec.protocol import Config, Factory
 from . import ops as O
 from .deadline import Deadline
 from .replay import Failure, execute
+
+DEFAULT_TRIES = 1000
+"""Tries one shrink may make: about what the old 60 s budget allowed on an idle machine (a 400-step run's
+shrink makes 20 to 240 tries, 30 ms of CPU each)."""
+TRIES, CLOCK = "tries", "clock"     # why a shrink stopped before no smaller sequence could be found
 
 
 def renumber(ops: Sequence[O.Op], handles: Sequence[str | None]) -> list[O.Op]:
@@ -67,15 +79,22 @@ def created_handles(ops: Sequence[O.Op]) -> list[str | None]:
 
 
 class Shrinker:
+    """``shrink(ops)`` makes at most ``max_tries`` tries. ``stopped`` says afterwards why it stopped short of a
+    sequence no single change can shrink: None (it did not), ``TRIES`` (``max_tries`` made: the same on every
+    machine), ``CLOCK`` (``budget_s`` passed, a try was cut short by it, or ``stop()``: where this shrink ends
+    depends on the machine's speed)."""
+
     def __init__(self, factory: Factory, config: Config, failure: Failure, budget_s: float = 60.0,
-                 stop: Callable[[], bool] = lambda: False):
+                 stop: Callable[[], bool] = lambda: False, max_tries: int = DEFAULT_TRIES):
         self.factory = factory
         self.config = config
         self.signature = failure.signature
         self.failure = failure
         self.deadline = time.monotonic() + budget_s
         self.stop = stop          # asked between tries: True ends shrinking now (its caller gave up waiting)
+        self.max_tries = max_tries
         self.tries = 0
+        self.stopped: str | None = None
 
     def fails(self, ops: list[O.Op]) -> bool:
         """Whether ``ops`` still fails the same way; remembers the failure it shows."""
@@ -83,9 +102,13 @@ class Shrinker:
         try:        # a candidate can hang a backend (a loop at truncate 0): each try ends with the budget
             with Deadline(max(self.deadline - time.monotonic(), 0.01)) as deadline:
                 failure, _ = execute(self.factory, self.config, ops)
-        except (ReplayFileError, RunTimeout):
+        except ReplayFileError:
+            return False
+        except RunTimeout:
+            self.stopped = CLOCK
             return False
         if deadline.fired:
+            self.stopped = CLOCK        # this try's answer was the clock's, not the backend's
             return False
         if failure is not None and failure.signature == self.signature:
             self.failure = failure
@@ -94,7 +117,13 @@ class Shrinker:
 
     @property
     def out_of_time(self) -> bool:
-        return time.monotonic() > self.deadline or self.stop()
+        """Whether to stop before the next try (``stopped`` says why)."""
+        if self.stopped is None:
+            if self.tries >= self.max_tries:
+                self.stopped = TRIES
+            elif time.monotonic() > self.deadline or self.stop():
+                self.stopped = CLOCK
+        return self.stopped is not None
 
     def shrink(self, ops: list[O.Op]) -> list[O.Op]:
         # Operations after the one that broke never ran: drop them before anything else.
@@ -140,6 +169,8 @@ class Shrinker:
         while len(ops) > 1 and not self.out_of_time:
             size = -(-len(ops) // chunks)
             for start in range(0, len(ops), size):
+                if self.out_of_time:
+                    return ops
                 handles = created_handles(ops)
                 candidate = renumber(ops[:start] + ops[start + size:], handles[:start] + handles[start + size:])
                 if candidate != ops and self.fails(candidate):
@@ -188,9 +219,10 @@ def _simpler(op: O.Op) -> Iterator[O.Op]:
 
 
 def shrink(factory: Factory, config: Config, ops: Sequence[O.Op], failure: Failure,
-           budget_s: float = 60.0, stop: Callable[[], bool] = lambda: False) -> tuple[list[O.Op], Failure]:
-    """The smallest sequence found within ``budget_s`` (or until ``stop()``) that fails with
-    ``failure``'s signature, and the failure it shows."""
-    shrinker = Shrinker(factory, config, failure, budget_s, stop)
+           budget_s: float = 60.0, stop: Callable[[], bool] = lambda: False,
+           max_tries: int = DEFAULT_TRIES) -> tuple[list[O.Op], Failure]:
+    """The smallest sequence found within ``max_tries`` tries and ``budget_s`` (or until ``stop()``) that
+    fails with ``failure``'s signature, and the failure it shows (``Shrinker`` also says why it stopped)."""
+    shrinker = Shrinker(factory, config, failure, budget_s, stop, max_tries)
     shrunk = shrinker.shrink(list(ops))
     return shrunk, shrinker.failure
