@@ -245,6 +245,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
         _at_least("--steps", args.steps, 1)
         _at_least("--shrink-limit", args.shrink_limit, 0)
         _at_least("--shrink-budget", args.shrink_budget, 0)
+        _at_least("--shrink-tries", args.shrink_tries, 0)
         _at_least("--time-limit", args.time_limit, 0.001)
         _at_least("--run-timeout", args.run_timeout, 0.001)
         if args.resume:
@@ -265,6 +266,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
         args.steps = 400 if args.steps is None else args.steps
         args.shrink_limit = J.DEFAULT_SHRINK_LIMIT if args.shrink_limit is None else args.shrink_limit
         args.shrink_budget = J.DEFAULT_SHRINK_BUDGET if args.shrink_budget is None else args.shrink_budget
+        args.shrink_tries = J.DEFAULT_SHRINK_TRIES if args.shrink_tries is None else args.shrink_tries
         args.backend = args.backend or S.DEFAULT_BACKEND
         if not scheduler:       # a file backend, absolute: its commands work from any folder (a cluster's
             args.backend = canonical_backend(args.backend)      # workers resolve the name as given)
@@ -300,7 +302,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
                              args.shrink_limit, args.shrink_budget, shard_label=label,
                              executor=cluster.executor if cluster else None, run_timeout=args.run_timeout,
                              resume=bool(args.resume), scheduler=scheduler, progress=sys.stderr,
-                             window=cluster.window if cluster else None, in_process=args.in_process)
+                             window=cluster.window if cluster else None, in_process=args.in_process,
+                             shrink_tries=args.shrink_tries)
     except ClusterLostError as error:
         print(printable(f"kvstate sweep: {error}"), file=sys.stderr)
         return 2
@@ -390,7 +393,7 @@ def _resume_arguments(args: argparse.Namespace) -> tuple[list[int], str | None, 
         setattr(args, name, want)
     if args.shard is not None and args.shard != plan.shard:
         clash["shard"] = args.shard
-    for name in ("run_timeout", "shrink_limit", "shrink_budget"):       # how it ran: kept unless given
+    for name in ("run_timeout", "shrink_limit", "shrink_budget", "shrink_tries"):       # how it ran: kept unless given
         if getattr(args, name) is None:
             setattr(args, name, getattr(plan, name))
     if clash:
@@ -590,7 +593,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--out", help="folder for report.json, junit.xml, replays/, runs.jsonl (default sweep-out)")
     sweep.add_argument("--shrink-limit", type=int, help="failures to shrink (default 5; a resume: the sweep's)")
     sweep.add_argument("--shrink-budget", type=float,
-                       help="seconds per shrink (default 60; a resume: the sweep's)")
+                       help="seconds per shrink, a backstop against a candidate that hangs: a shrink it cuts short "
+                            "is marked so in the report (default 300; a resume: the sweep's)")
+    sweep.add_argument("--shrink-tries", type=int,
+                       help="tries per shrink, what bounds it on every machine alike (default 1000; a resume: "
+                            "the sweep's)")
     sweep.add_argument("--time-limit", type=float, default=LOAD_TIME_LIMIT, metavar="SECONDS",
                        help="for importing the backend and building its first cache (default 60)")
     sweep.set_defaults(run=_sweep)

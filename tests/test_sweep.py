@@ -425,13 +425,15 @@ def _failure_at(step: int, error: str = "InvariantViolation") -> R.Failure:
                                                (None, 5), (_failure_at(2, "RunTimeout"), 5)])
 def test_a_failing_run_pinned_again_keeps_the_earlier_step_only(monkeypatch, again, pinned_at):
     """``_pinned`` re-runs a failing seed reading every context: an earlier failure replaces the run's and
-    cuts its operations there; a later one, none, or a timeout of the re-run keeps the run's own."""
+    cuts its operations there; a later one, none, or a timeout of the re-run keeps the run's own (and a
+    timeout says the clock decided it)."""
     from kvstate.stateful.sweeps import runs
 
     ran = [O.Allocate() for _ in range(6)]
     monkeypatch.setattr(runs, "execute", lambda factory, config, ops, **_: (again, None))
-    failure, kept = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), ran, 10.0)
+    failure, kept, cut = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), ran, 10.0)
     assert failure.step == pinned_at and len(kept) == (pinned_at if pinned_at < 5 else 6)
+    assert cut == (again is not None and again.error == "RunTimeout")
 
 
 def test_a_pinning_run_past_its_timeout_keeps_the_runs_failure(monkeypatch):
@@ -447,8 +449,8 @@ def test_a_pinning_run_past_its_timeout_keeps_the_runs_failure(monkeypatch):
         return _failure_at(1), None
     monkeypatch.setattr(runs, "execute", slow)
     started = time.monotonic()
-    failure, kept = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), [O.Allocate()] * 6, 0.3)
-    assert failure.step == 5 and len(kept) == 6
+    failure, kept, cut = runs._pinned(numpy_factory, config_named("f32-heap"), _failure_at(5), [O.Allocate()] * 6, 0.3)
+    assert failure.step == 5 and len(kept) == 6 and cut
     assert time.monotonic() - started < 3
 
 

@@ -203,6 +203,9 @@ def test_a_shrink_stuck_in_c_ends_with_its_budget_and_is_not_called_minimised(tm
     assert _in_thread(lambda: main(command), 40) == 1
     report = json.loads((out / "report.json").read_text())
     assert report["failures"] and not any(f["minimised"] for f in report["failures"])
+    # Killed past its budget (the one failure shrunk): said to be the clock's doing, not left to read as
+    # a failure nobody tried to shrink.
+    assert [f["clock"] for f in report["failures"]].count(["shrink"]) == len(report["clock_limited"]) == 1
 
 
 def test_a_resume_refuses_a_backend_whose_sibling_module_changed(tmp_path, monkeypatch):

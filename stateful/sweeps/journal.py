@@ -21,10 +21,15 @@ from typing import TextIO
 from kvstate.spec.errors import ResumeError
 
 from ..data_files import read_regular
+from ..shrink import DEFAULT_TRIES as DEFAULT_SHRINK_TRIES
 
 FILE = "runs.jsonl"
 FORMAT = "kvstate-sweep-journal/1"
-DEFAULT_SHRINK_LIMIT, DEFAULT_SHRINK_BUDGET = 5, 60.0      # failures shrunk, seconds a shrink
+# Failures shrunk, and seconds a shrink: only a backstop against a candidate that hangs, since tries
+# bound a shrink (``shrink.DEFAULT_TRIES``); 60 s, when the clock bounded it, cut nightly shrinks short
+# on loaded machines.
+DEFAULT_SHRINK_LIMIT, DEFAULT_SHRINK_BUDGET = 5, 300.0
+_OLD_SHRINK_BUDGET = 60.0           # what a journal that records none ran with
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class Plan:
     run_timeout: float | None = None
     shrink_limit: int = DEFAULT_SHRINK_LIMIT
     shrink_budget: float = DEFAULT_SHRINK_BUDGET
+    shrink_tries: int = DEFAULT_SHRINK_TRIES
 
 
 @dataclass
@@ -98,12 +104,12 @@ _NUMBER = (int, float)
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")      # what ``Config.name`` and ``sweep.config_labels`` make
 _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "seconds": _NUMBER,
                "cpu_seconds": _NUMBER, "failure": (dict, type(None)), "ops": (list, type(None)),
-               "replay_file": (str, type(None)), "minimised": bool}
+               "replay_file": (str, type(None)), "minimised": bool, "clock": list}
 _FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
                    "invariant": (int, str, type(None)), "message": str, "where": str}
 _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
                 "fingerprint": dict, "workers": (int, type(None)), "run_timeout": (int, float, type(None)),
-                "shrink_limit": int, "shrink_budget": _NUMBER}
+                "shrink_limit": int, "shrink_budget": _NUMBER, "shrink_tries": (int, type(None))}
 
 
 def read(out_dir: Path) -> Recorded:
@@ -142,7 +148,8 @@ def read(out_dir: Path) -> Recorded:
     head.setdefault("workers", None)        # journals from before these were recorded have none
     head.setdefault("run_timeout", None)
     head.setdefault("shrink_limit", DEFAULT_SHRINK_LIMIT)
-    head.setdefault("shrink_budget", DEFAULT_SHRINK_BUDGET)
+    head.setdefault("shrink_budget", _OLD_SHRINK_BUDGET)
+    head.setdefault("shrink_tries", None)       # none: shrinks of that sweep were bounded by the clock alone
     _check_fields(head, _PLAN_FIELDS, path, 1, "plan")
     if not all(_is_int(seed) for seed in head["seeds"]) or not all(isinstance(c, str) for c in head["configs"]) \
             or head["steps"] < 1:
@@ -155,12 +162,13 @@ def read(out_dir: Path) -> Recorded:
         raise ResumeError(f"{path}: line 1: malformed plan (workers must be at least 1, got {head['workers']})")
     timeout = head["run_timeout"]
     if (timeout is not None and not (math.isfinite(timeout) and timeout > 0)) or head["shrink_limit"] < 0 \
-            or not (math.isfinite(head["shrink_budget"]) and head["shrink_budget"] >= 0):
+            or not (math.isfinite(head["shrink_budget"]) and head["shrink_budget"] >= 0) \
+            or (head["shrink_tries"] is not None and head["shrink_tries"] < 0):
         raise ResumeError(f"{path}: line 1: malformed plan (run_timeout must be a positive number or null, "
-                          "shrink_limit and shrink_budget at least 0)")
+                          "shrink_limit, shrink_budget and shrink_tries at least 0)")
     plan = Plan(head["backend"], head["steps"], tuple(head["seeds"]), tuple(head["configs"]),
                 head["shard"], head["fingerprint"], head["workers"], timeout, head["shrink_limit"],
-                head["shrink_budget"])
+                head["shrink_budget"], DEFAULT_SHRINK_TRIES if head["shrink_tries"] is None else head["shrink_tries"])
     planned_seeds, planned_configs = set(plan.seeds), set(plan.configs)
     runs: dict[tuple[str, int], dict] = {}
     shrunk: dict[tuple[str, int], dict] = {}
@@ -169,7 +177,11 @@ def read(out_dir: Path) -> Recorded:
         target = runs if kind == "run" else shrunk if kind == "shrunk" else None
         if target is None:
             raise ResumeError(f"{path}: line {number}: an entry of unknown kind {kind!r}")
+        if isinstance(entry, dict):
+            entry.setdefault("clock", [])       # journals from before cut stages were recorded
         _check_fields(entry, _RUN_FIELDS, path, number, kind)
+        if not all(isinstance(stage, str) for stage in entry["clock"]):
+            raise ResumeError(f"{path}: line {number}: the {kind}'s clock holds something other than stage names")
         if entry["failure"] is not None:
             if isinstance(entry["failure"], dict):      # journals from before failures said where
                 entry["failure"].setdefault("where", "")

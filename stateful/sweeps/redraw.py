@@ -30,7 +30,7 @@ from ..generate import Generator
 from ..ops import op_from_json
 from ..replay import Failure
 from . import watchdog
-from .runs import RunResult, factory_for, run_seed
+from .runs import RUN, RunResult, factory_for, run_seed
 
 REDRAW_LIMIT_S = 60.0
 """How long a drawing may take where the sweep has no ``--run-timeout``."""
@@ -142,4 +142,5 @@ def crashed(backend: str, config: Config, seed: int, steps: int, error: BaseExce
     name = RunTimeout.__name__ if isinstance(error, RunTimeout) else type(error).__name__    # a watchdog's Stuck too
     failure = Failure(step, phase, op, name, None, message)
     page_tokens = found.page_tokens if found.page_tokens is not None else config.page_tokens
-    return RunResult(config.name, seed, page_tokens, step, 0.0, 0.0, failure, found.ops[:step])
+    return RunResult(config.name, seed, page_tokens, step, 0.0, 0.0, failure, found.ops[:step],
+                     clock=[RUN] if isinstance(error, RunTimeout) else [])

@@ -4,13 +4,18 @@ These are the sweep's tasks: module-level functions of picklable arguments (back
 configuration, seed, steps), so that a process pool or a Dask worker runs them by name, and
 their results (``RunResult``) travel back to the sweeping process. Only that process writes
 files (``save_replay``): a worker on another machine has no place to write them to.
+
+A result is a function of (backend, configuration, seed, steps) and the shrink's try limit, whatever
+the machine's load, the executor or the number of workers, except where a wall-clock limit cut a
+stage short: ``RunResult.clock`` then names each such stage (``RUN``, ``PIN``, ``SHRINK``), and the
+sweep's report carries it, so two reports that differ there can tell why.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -24,7 +29,7 @@ from ..deadline import Deadline
 from ..generate import Generator
 from ..lockstep import Lockstep
 from ..replay import Failure, Replay, execute, save
-from ..shrink import shrink
+from ..shrink import CLOCK, DEFAULT_TRIES, Shrinker
 from . import watchdog
 
 
@@ -40,11 +45,16 @@ class RunResult:
     ops: list | None = None            # the operations that ran (JSON), kept only for failures
     replay_file: str | None = None
     minimised: bool = False
+    clock: list = field(default_factory=list)   # the stages a wall-clock limit cut short (RUN, PIN, SHRINK)
 
     @property
     def passed(self) -> bool:
         return self.failure is None
 
+
+RUN, PIN, SHRINK = "run", "pin", "shrink"
+"""The stages of a failing run that have a time limit: the run (``--run-timeout``), the re-run that pins
+its failure (``_pinned``, the same limit) and the shrink (``--shrink-budget``)."""
 
 _factories: dict[str, Callable] = {}
 
@@ -69,6 +79,7 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     config = config.with_(page_tokens=generator.page_tokens)
     ran: list[O.Op] = []
     failure = None
+    clock: list[str] = []
     started, cpu_started = time.perf_counter(), time.process_time()
     watchdog.begin(timeout_s)
     try:
@@ -92,20 +103,24 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     if deadline.fired:
         failure = Failure(len(ran), "apply", str(ran[-1]) if ran else None, RunTimeout.__name__, None,
                           f"the run took longer than --run-timeout {timeout_s:g} s")
+        clock.append(RUN)
     elif failure is not None and failure.phase != "finish":
-        failure, ran = _pinned(factory, config, failure, ran, timeout_s)
+        failure, ran, cut = _pinned(factory, config, failure, ran, timeout_s)
+        clock += [PIN] if cut else []
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
     return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure,
-                     [op.to_json() for op in ran] if failure else None)
+                     [op.to_json() for op in ran] if failure else None, clock=clock)
 
 
-def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: float | None) -> tuple[Failure, list]:
+def _pinned(factory, config: Config, failure: Failure, ran: list,
+            timeout_s: float | None) -> tuple[Failure, list, bool]:
     """The failure where it first shows with every live context read at every step (a replay's reading):
     a run reads only the contexts an operation could have changed (``Lockstep.reads_changed_only``), so
     a backend that damages another one is seen a step or more late, and its replay file, which a
     replay fails earlier, did not reproduce it exactly. Run again on failure only, under a run timeout
     of its own (a failing seed may so take twice ``--run-timeout``); the operations after the step it
-    pins are dropped. A re-run that times out (it reads more) keeps the run's own failure. The re-run
+    pins are dropped. A re-run that times out (it reads more) keeps the run's own failure, and says so
+    (the third value: True where the clock, not the backend, decided what is kept). The re-run
     reports each step it begins to the watchdog, as the run did: a crash or a hang in C during it is
     saved at the step it happened in (it was saved at step 0, with no operations)."""
     watchdog.begin(timeout_s)       # a phase of its own, under the same limit
@@ -117,11 +132,12 @@ def _pinned(factory, config: Config, failure: Failure, ran: list, timeout_s: flo
         with Deadline(timeout_s) as deadline:
             again, _ = execute(factory, config, list(ran), watch=reported)
     except RunTimeout:
-        return failure, ran
-    if deadline.fired or again is None or again.error == RunTimeout.__name__ or again.phase == "finish" \
-            or again.step >= failure.step:
-        return failure, ran         # the run again took too long (it reads more), or pinned nothing earlier
-    return again, ran[:again.step]
+        return failure, ran, True
+    if deadline.fired or (again is not None and again.error == RunTimeout.__name__):
+        return failure, ran, True   # the run again took too long (it reads more)
+    if again is None or again.phase == "finish" or again.step >= failure.step:
+        return failure, ran, False  # it pinned nothing earlier
+    return again, ran[:again.step], False
 
 
 def shrinkable(result: RunResult) -> bool:
@@ -142,20 +158,30 @@ def to_shrink(results: Iterable[RunResult], limit: int) -> list[RunResult]:
     return chosen
 
 
-def shrink_result(backend: str, config: Config, result: RunResult, budget_s: float) -> RunResult:
+def shrink_result(backend: str, config: Config, result: RunResult, budget_s: float,
+                  max_tries: int = DEFAULT_TRIES) -> RunResult:
     """A failing run shrunk: its operations and failure replaced by the shrunk ones. ``minimised``
-    only where the shrinker finished within ``budget_s``: one cut short by the budget kept what it had
-    (still failing the same way), but no smaller sequence was looked for. In a pool process, the
-    sweep's watchdog ends a shrink that C code holds ``watchdog.GRACE_S`` past the budget."""
+    only where the shrinker found no single change that still fails: one stopped by ``max_tries`` (the
+    same on any machine) or cut short by ``budget_s`` (``SHRINK`` in ``clock``) kept what it had (still
+    failing the same way). In a pool process, the sweep's watchdog ends a shrink that C code holds
+    ``watchdog.GRACE_S`` past the budget (``shrink_cut``)."""
     watchdog.begin(budget_s)
     factory = factory_for(backend)
     config = config.with_(page_tokens=result.page_tokens)
-    ops = [O.op_from_json(op) for op in result.ops]
-    started = time.monotonic()
-    shrunk, failure = shrink(factory, config, ops, result.failure, budget_s)
-    finished = time.monotonic() - started < budget_s
+    shrinker = Shrinker(factory, config, result.failure, budget_s, max_tries=max_tries)
+    shrunk = shrinker.shrink([O.op_from_json(op) for op in result.ops])
     return RunResult(result.config, result.seed, result.page_tokens, result.steps, result.seconds,
-                     result.cpu_seconds, failure, [op.to_json() for op in shrunk], minimised=finished)
+                     result.cpu_seconds, shrinker.failure, [op.to_json() for op in shrunk],
+                     minimised=shrinker.stopped is None,
+                     clock=result.clock + ([SHRINK] if shrinker.stopped == CLOCK else []))
+
+
+def shrink_cut(result: RunResult) -> RunResult:
+    """``result`` unshrunk, marked as a shrink the clock cut short: its shrink was ended from outside
+    (the watchdog or a Dask nanny, ``watchdog.GRACE_S`` past ``--shrink-budget``). It was left unmarked,
+    and a sweep whose worker was so ended reported the run's own failure where another reported the
+    shrunk one, and nothing said why."""
+    return replace(result, clock=result.clock + [SHRINK])
 
 
 def save_replay(backend: str, config: Config, result: RunResult, replays: Path) -> RunResult:
@@ -177,4 +203,4 @@ def result_to_json(result: RunResult) -> dict:
 
 def result_from_json(data: dict) -> RunResult:
     failure = data.get("failure")
-    return RunResult(**{**data, "failure": Failure(**failure) if failure else None})
+    return RunResult(**{**data, "failure": Failure(**failure) if failure else None})     # no ``clock``: an older journal

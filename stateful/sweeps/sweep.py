@@ -60,8 +60,8 @@ from ..printable import one_line
 from ..replay import FINDINGS, as_pytest, load
 from . import watchdog
 from .redraw import crashed
-from .runs import (RunResult, factory_for, result_from_json, result_to_json, run_seed, save_replay, shrink_result,
-                   to_shrink)
+from .runs import (RunResult, factory_for, result_from_json, result_to_json, run_seed, save_replay, shrink_cut,
+                   shrink_result, to_shrink)
 
 DEFAULT_BACKEND = "kvstate.impl.numpy"
 MAX_SEEDS = 10_000_000     # the plan line lists every seed: this many keep the journal under J.MAX_BYTES
@@ -179,12 +179,18 @@ def resolve_workers(workers: str | int) -> int:
 
 def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: str = DEFAULT_BACKEND,
           workers: int = 1, out_dir: Path = Path("sweep-out"), shrink_limit: int = 5,
-          shrink_budget_s: float = 60.0, progress: TextIO | None = sys.stderr,
+          shrink_budget_s: float = J.DEFAULT_SHRINK_BUDGET, progress: TextIO | None = sys.stderr,
           shard_label: str | None = None, *, executor: Executor | None = None,
           run_timeout: float | None = None, resume: bool = False, scheduler: str | None = None,
-          window: Callable[[], int] | None = None, in_process: bool = False) -> SweepReport:
+          window: Callable[[], int] | None = None, in_process: bool = False,
+          shrink_tries: int = J.DEFAULT_SHRINK_TRIES) -> SweepReport:
     """Run every (seed, configuration), then shrink up to ``shrink_limit`` failures (the first of
     each configuration and failure kind) and save every failure as a replay file.
+
+    The report is a function of the seeds, steps, configurations, backend and ``shrink_tries`` (each
+    shrink's bound), whatever the load, the executor or the number of workers, except where a
+    wall-clock limit cut a stage of a failing run short (``run_timeout``; ``shrink_budget_s``, a
+    backstop): that failure's ``clock`` names the stage (``runs.RUN``, ``PIN``, ``SHRINK``).
 
     ``executor`` runs the tasks (a Dask ``ClientExecutor``; ``scheduler`` names it in the
     report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one, a
@@ -213,7 +219,7 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     declared = configs_for(factory_for(backend))     # a bad backend path fails here, before any pool starts
     by_name = config_labels(configs, declared)
     plan = J.Plan(backend, steps, tuple(seeds), tuple(by_name), shard_label, fingerprint(backend),
-                  None if executor is not None else workers, run_timeout, shrink_limit, shrink_budget_s)
+                  None if executor is not None else workers, run_timeout, shrink_limit, shrink_budget_s, shrink_tries)
     with _only_sweep_in(out_dir):
         return _run_plan(plan, by_name, out_dir, resume, run_timeout, shrink_limit, shrink_budget_s, workers,
                          executor, progress, scheduler, window, in_process)
@@ -281,10 +287,12 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
                 meter.update(result)
         if meter:
             meter.close()
-        jobs = [(backend, by_name[r.config], r, shrink_budget_s) for r in to_shrink(runs.values(), shrink_limit)
-                if (r.config, r.seed) not in shrunk]
+        jobs = [(backend, by_name[r.config], r, shrink_budget_s, plan.shrink_tries)
+                for r in to_shrink(runs.values(), shrink_limit) if (r.config, r.seed) not in shrunk]
         for job, result in _map(pool, shrink_result, jobs, window):
-            if isinstance(result, Exception):
+            if isinstance(result, RunTimeout):
+                result = shrink_cut(job[2])     # ended from outside past its budget: unshrunk, and said so
+            elif isinstance(result, Exception):
                 continue        # the failure stays, unshrunk; the shrinker's own trouble is no finding
             log.record_shrunk(result_to_json(result))
             shrunk[(result.config, result.seed)] = result
@@ -392,7 +400,7 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
     mine, theirs = asdict(plan), asdict(recorded.plan)
     for side in (mine, theirs):     # the same file however it was named (journals from before paths were absolute)
         side["backend"] = canonical_backend(side["backend"])
-    how = ("fingerprint", "workers", "run_timeout", "shrink_limit", "shrink_budget")    # a resume may change these
+    how = ("fingerprint", "workers", "run_timeout", "shrink_limit", "shrink_budget", "shrink_tries")    # a resume may change these
     changed = [key for key in mine if key not in how and mine[key] != theirs[key]]
     if changed:
         raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
@@ -749,10 +757,17 @@ def to_json(report: SweepReport) -> dict:
         "scheduler": report.scheduler, "partial": report.partial, "runs": len(report.results),
         "runs_expected": report.expected, "runs_resumed": report.resumed, "steps_resumed": report.resumed_steps,
         "wall_seconds": round(report.wall_seconds, 3), "summary": summary_rows(report),
+        "clock_limited": clock_limited(report),
         "failures": [{"config": r.config, "seed": r.seed, "page_tokens": r.page_tokens, "steps": r.steps,
                       "failure": asdict(r.failure), "replay_file": r.replay_file, "minimised": r.minimised,
-                      "replay_steps": len(r.ops or [])} for r in report.failures],
+                      "replay_steps": len(r.ops or []), "clock": r.clock} for r in report.failures],
     }
+
+
+def clock_limited(report: SweepReport) -> list[str]:
+    """``CONFIG seedN: STAGE`` for each stage of a failure that a wall-clock limit cut short, where two
+    sweeps of the same plan may differ; empty: this report is the same on any machine, at any load."""
+    return [f"{r.config} seed{r.seed}: {stage}" for r in report.failures for stage in r.clock]
 
 
 def _compact(seeds: list[int]) -> str | list[int]:
@@ -834,6 +849,9 @@ def failure_notes(report: SweepReport) -> str:
     for r in report.failures:
         notes.append(f"FAIL {r.config} seed {r.seed}: {r.failure}\n"
                      f"  replay: kvstate replay {r.replay_file}{backend_option(report.backend)}")
+        if r.clock:
+            notes.append(f"  cut short by a time limit ({', '.join(r.clock)}): another machine or load may "
+                         "report this failure otherwise")
         if r.minimised:
             notes.append(f"  minimised to {len(r.ops)} of {r.steps} steps; as a pytest test:\n")
             notes.append(as_pytest(load(Path(r.replay_file))))
