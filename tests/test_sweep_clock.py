@@ -49,6 +49,20 @@ def test_a_shrink_whose_clock_runs_out_reports_the_same_or_says_so(tmp_path, mon
     assert json.loads((tmp_path / "loaded" / "report.json").read_text())["clock_limited"] == ["f32-heap seed0: shrink"]
 
 
+def test_a_shrink_that_comes_back_without_a_result_is_marked_lost(tmp_path, monkeypatch):
+    """A worker's shrink that stalled for minutes came back as an error (its worker given up on): the
+    sweep dropped it, and the report held the run's own failure, unmarked, where another's held the
+    shrunk one."""
+    def lost(*job):
+        raise ConnectionResetError("the worker went away")
+
+    monkeypatch.setattr(S, "shrink_result", lost)
+    with PLANTED[BUG]():
+        S.sweep(range(1), 60, configs_named(["f32-heap"]), out_dir=tmp_path, progress=None, in_process=True)
+    [failure] = _failures(tmp_path)
+    assert failure.get("clock") == ["shrink-lost"] and not failure["minimised"]
+
+
 def test_a_shrink_stopped_by_its_try_limit_is_the_same_at_any_speed(monkeypatch):
     from kvstate.stateful.shrink import TRIES
 

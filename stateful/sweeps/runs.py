@@ -52,9 +52,10 @@ class RunResult:
         return self.failure is None
 
 
-RUN, PIN, SHRINK = "run", "pin", "shrink"
+RUN, PIN, SHRINK, SHRINK_LOST = "run", "pin", "shrink", "shrink-lost"
 """The stages of a failing run that have a time limit: the run (``--run-timeout``), the re-run that pins
-its failure (``_pinned``, the same limit) and the shrink (``--shrink-budget``)."""
+its failure (``_pinned``, the same limit) and the shrink (``--shrink-budget``); and a shrink whose task
+came back without a result (its worker lost, say), which another sweep of the plan would have finished."""
 
 _factories: dict[str, Callable] = {}
 
@@ -176,12 +177,13 @@ def shrink_result(backend: str, config: Config, result: RunResult, budget_s: flo
                      clock=result.clock + ([SHRINK] if shrinker.stopped == CLOCK else []))
 
 
-def shrink_cut(result: RunResult) -> RunResult:
-    """``result`` unshrunk, marked as a shrink the clock cut short: its shrink was ended from outside
-    (the watchdog or a Dask nanny, ``watchdog.GRACE_S`` past ``--shrink-budget``). It was left unmarked,
-    and a sweep whose worker was so ended reported the run's own failure where another reported the
-    shrunk one, and nothing said why."""
-    return replace(result, clock=result.clock + [SHRINK])
+def shrink_cut(result: RunResult, error: BaseException) -> RunResult:
+    """``result`` unshrunk, marked with why its shrink task brought back ``error`` instead of a result:
+    ``SHRINK`` where it was ended from outside (a ``RunTimeout``: the watchdog or a Dask nanny,
+    ``watchdog.GRACE_S`` past ``--shrink-budget``), else ``SHRINK_LOST`` (its worker died or was given
+    up on, or the task raised). Either was left unmarked: a sweep whose shrink was so lost reported the
+    run's own failure where another reported the shrunk one, and nothing said why."""
+    return replace(result, clock=result.clock + [SHRINK if isinstance(error, RunTimeout) else SHRINK_LOST])
 
 
 def save_replay(backend: str, config: Config, result: RunResult, replays: Path) -> RunResult:

@@ -190,7 +190,8 @@ def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: 
     The report is a function of the seeds, steps, configurations, backend and ``shrink_tries`` (each
     shrink's bound), whatever the load, the executor or the number of workers, except where a
     wall-clock limit cut a stage of a failing run short (``run_timeout``; ``shrink_budget_s``, a
-    backstop): that failure's ``clock`` names the stage (``runs.RUN``, ``PIN``, ``SHRINK``).
+    backstop): that failure's ``clock`` names the stage (``runs.RUN``, ``PIN``, ``SHRINK``), as it
+    names a shrink whose task came back without a result (``SHRINK_LOST``).
 
     ``executor`` runs the tasks (a Dask ``ClientExecutor``; ``scheduler`` names it in the
     report, ``window()`` says how many tasks to keep submitted, see ``_map``); without one, a
@@ -290,10 +291,8 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         jobs = [(backend, by_name[r.config], r, shrink_budget_s, plan.shrink_tries)
                 for r in to_shrink(runs.values(), shrink_limit) if (r.config, r.seed) not in shrunk]
         for job, result in _map(pool, shrink_result, jobs, window):
-            if isinstance(result, RunTimeout):
-                result = shrink_cut(job[2])     # ended from outside past its budget: unshrunk, and said so
-            elif isinstance(result, Exception):
-                continue        # the failure stays, unshrunk; the shrinker's own trouble is no finding
+            if isinstance(result, Exception):     # ended past its budget, or lost: unshrunk, and said so
+                result = shrink_cut(job[2], result)
             log.record_shrunk(result_to_json(result))
             shrunk[(result.config, result.seed)] = result
         completed = True
@@ -850,8 +849,8 @@ def failure_notes(report: SweepReport) -> str:
         notes.append(f"FAIL {r.config} seed {r.seed}: {r.failure}\n"
                      f"  replay: kvstate replay {r.replay_file}{backend_option(report.backend)}")
         if r.clock:
-            notes.append(f"  cut short by a time limit ({', '.join(r.clock)}): another machine or load may "
-                         "report this failure otherwise")
+            notes.append(f"  cut short ({', '.join(r.clock)}: a time limit, or a shrink lost): another machine "
+                         "or load may report this failure otherwise")
         if r.minimised:
             notes.append(f"  minimised to {len(r.ops)} of {r.steps} steps; as a pytest test:\n")
             notes.append(as_pytest(load(Path(r.replay_file))))
