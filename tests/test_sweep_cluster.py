@@ -271,13 +271,15 @@ def test_cluster_report_equals_the_local_pools(cluster, tmp_path, monkeypatch, c
     configs = configs_named(["f32-heap", "q8-arena6"])
     # A spawned pool: forking this process, which runs the cluster's threads, is not safe.
     with ProcessPoolExecutor(2, mp_context=get_context("spawn")) as pool:
+        # A backstop of 30 s, not 300: a worker's shrink (2 s idle) now and then stalls in C until its nanny
+        # ends it past the budget (marked, below), and the suite should not wait 5 minutes for it.
         report = S.sweep(range(6), 60, configs, "sweep_planted", 2, tmp_path / "local", executor=pool,
-                         progress=None)
+                         progress=None, shrink_budget_s=30)
     S.write_reports(report, tmp_path / "local")
     assert report.failures                                          # the planted bug is found locally
 
     monkeypatch.setenv("KVSTATE_SCHEDULER", local.scheduler_address)       # the variable, not the flag
-    assert main(["sweep", "--seeds", "6", "--steps", "60", "--configs", "f32-heap,q8-arena6",
+    assert main(["sweep", "--seeds", "6", "--steps", "60", "--configs", "f32-heap,q8-arena6", "--shrink-budget", "30",
                  "--backend", "sweep_planted", "--out", str(tmp_path / "cluster")]) == 1
     assert "failures" in capsys.readouterr().err                    # the same progress line
     on_cluster = json.loads((tmp_path / "cluster" / "report.json").read_text())
