@@ -441,7 +441,7 @@ class Lockstep:
             engine_reads[handle] = (to_numpy(values), np.asarray(tokens))
             reference_reads[handle] = ref.contents()
         invariants.check_values(engine_reads, reference_reads)
-        for handle in touched & engine_reads.keys():
+        for handle in [handle for handle in engine_reads if handle in touched]:     # the run's order, not a set's
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
         expected = self.reference.eviction_order()
         try:

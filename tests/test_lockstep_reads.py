@@ -178,3 +178,19 @@ def test_an_early_refusal_and_a_budget_mismatch_name_their_likely_causes(monkeyp
     run.engine.match = lambda tokens: (run.engine.allocate(), 0)
     with pytest.raises(InvariantViolation, match="as if nothing were shared"):
         run.apply(O.Match((1, 2, 3)))
+
+
+def test_the_aliasing_reads_visit_contexts_in_the_order_they_were_made(monkeypatch):
+    """The contexts named since the last check were re-read for aliasing in a set's order, which
+    string hashing changes from process to process: where two alias, a local sweep and a cluster
+    sweep of one seed could name different contexts in one failure (a Dask helper's review). They
+    go in the order the run made them, as every other read of the check does."""
+    run = _run(False)
+    handles = [f"c{k}" for k in range(1, 9)]
+    for handle in handles:
+        run.apply(O.Allocate())
+        run.apply(O.Extend(handle, (0, 1, 2), seed=3))
+    visited = []
+    monkeypatch.setattr(Lockstep, "_read_is_a_copy", lambda self, handle, *_: visited.append(handle))
+    run.check()
+    assert visited == handles
