@@ -117,7 +117,7 @@ class _Weights:
         self.versions = not any(param.is_inference() for param in params)
         # Quantized weights (``torch.ao``) are packed in an opaque object no version counter watches; new
         # weights are a new object (``set_weight_bias`` packs them anew), so its identity is the key.
-        self.packed = [(holder, holder._packed_params) for holder in map(operator.itemgetter(1), _packed_holders(model))]
+        self.packed = [(module, module._packed_params) for module in modules if _holds_packed(module)]
         self.key = self.read_key()
         self.config = _kv_config(getattr(getattr(model, "_orig_mod", model), "config", None))[0]
         self.fingerprint = before.fingerprint if self.same_weights(before) else model_fingerprint(model, _UNREADABLE)
@@ -269,9 +269,14 @@ def _packed_holders(model) -> list:
     """``(name, module)`` for each module of ``model`` holding ``torch.ao`` quantized weights packed (a
     quantized ``Linear``'s ``LinearPackedParams``: ``quantize_dynamic`` moves every ``nn.Linear`` weight
     there, out of ``model.parameters()``), which its ``_weight_bias`` unpacks."""
-    return [(name, module) for name, module in model.named_modules()
-            if callable(getattr(module, "_weight_bias", None)) and hasattr(module, "_packed_params")
-            and not isinstance(module._packed_params, torch.nn.Module)]     # not the quantized Linear above it
+    return [(name, module) for name, module in model.named_modules() if _holds_packed(module)]
+
+
+def _holds_packed(module) -> bool:
+    """Whether ``module`` holds packed quantized weights itself (not the quantized ``Linear`` above it,
+    whose ``_packed_params`` is that holder)."""
+    return (callable(getattr(module, "_weight_bias", None)) and hasattr(module, "_packed_params")
+            and not isinstance(module._packed_params, torch.nn.Module))
 
 
 def _unpacked(holder) -> list:

@@ -468,8 +468,10 @@ class RefCache:
         key = tuple(ctx.token_list)
         labels = list(ctx.labels)
         if self.config.values == "prefix":
-            labels = self._kept_by_older_entries(key, ctx.labels, (WHOLE_PAGES, SAME_KEY, CACHED_FIRST))
-            ctx.labels = self._kept_by_older_entries(key, ctx.labels, (WHOLE_PAGES, SAME_KEY))
+            labels = self._kept_by_older_entries(key, ctx.labels)
+            # The context holds what the entry holds, except under ``CACHED_FIRST``: it keeps its own pages.
+            ctx.labels = [tuple(own[sharing] if sharing == CACHED_FIRST else kept[sharing] for sharing in SHARINGS)
+                          for kept, own in zip(labels, ctx.labels)]
         if reclaims(self.config.on_full):       # nothing below changes the reference of any other pool
             labels = self._copied_where_cached_under_other_tokens(key, labels)
             self.retained_since_pressure.add(key)
@@ -501,18 +503,18 @@ class RefCache:
         if reclaims(self.config.on_full):       # only the entries an engine may hold are followed
             self.retained_after = {key: self.retained_after[key] for key in self.keys(bounded_out=True)}
 
-    def _kept_by_older_entries(self, key: tuple[int, ...], labels: list, whole: tuple[int, ...]) -> list:
+    def _kept_by_older_entries(self, key: tuple[int, ...], labels: list) -> list:
         """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them for
-        one holder (the context, or the new entry): under each way of sharing in ``whole``, each whole
-        page of ``key`` whose tokens up to its end an entry's key begins with takes that entry's name
-        (any such entry's: they all hold one page there); under ``SAME_KEY``, an entry of this very key
-        gives its partly filled last page too. (``CACHED_FIRST`` renames the entry's pages alone.)"""
+        the new entry: under ``WHOLE_PAGES``, ``SAME_KEY`` and ``CACHED_FIRST``, each whole page of ``key``
+        whose tokens up to its end an entry's key begins with takes that entry's name (any such entry's:
+        they all hold one page there); under ``SAME_KEY``, an entry of this very key gives its partly
+        filled last page too."""
         size, kept = self.config.page_tokens, [list(label) for label in labels]
         for i, label in enumerate(kept):
             end = min((i + 1) * size, len(key))
             if end == (i + 1) * size:       # a whole page: from any entry whose key begins with key[:end]
                 older = next((entry for entry in self.entries if entry[0][:end] == key[:end]), None)
-                sharings = whole
+                sharings = (WHOLE_PAGES, SAME_KEY, CACHED_FIRST)
             else:                           # the partly filled last page: from an entry of this very key
                 older = next((entry for entry in self.entries if entry[0] == key), None)
                 sharings = (SAME_KEY,)

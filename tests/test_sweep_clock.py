@@ -38,7 +38,7 @@ def test_a_shrink_whose_clock_runs_out_reports_the_same_or_says_so(tmp_path, mon
         calm = S.sweep(range(2), 60, configs, out_dir=tmp_path / "calm", progress=None, in_process=True)
         with monkeypatch.context() as loaded_machine:
             loaded_machine.setattr(time, "monotonic", _racing_clock(10.0))
-            loaded = S.sweep(range(2), 60, configs, out_dir=tmp_path / "loaded", progress=None, in_process=True)
+            S.sweep(range(2), 60, configs, out_dir=tmp_path / "loaded", progress=None, in_process=True)
     assert calm.failures and not any(f.get("clock") for f in _failures(tmp_path / "calm"))
     for quiet, hurried in zip(_failures(tmp_path / "calm"), _failures(tmp_path / "loaded"), strict=True):
         if hurried.get("clock"):

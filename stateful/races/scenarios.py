@@ -63,9 +63,8 @@ from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse
 
 from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
-    RACE_LAYOUT, RaceFailure, RaceReport, attempt, available_stores, check_after, check_emptied, check_pool,
-    is_closed,
-    SETTLE, Watch, extend, kv_for, make_cache, overwrite, page_counters, pressure_configs, race_configs, racing,
+    RACE_LAYOUT, RaceFailure, RaceReport, SETTLE, Watch, attempt, available_stores, check_after, check_emptied,
+    check_pool, extend, is_closed, kv_for, make_cache, overwrite, page_counters, pressure_configs, race_configs,
     read_numpy, reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,
 )
 from .rerun import racing_reported

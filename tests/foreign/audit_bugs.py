@@ -7,8 +7,6 @@ breaks. Run one with ``kvstate conform tests/foreign/audit_bugs.py:NAME`` (``NAM
 
 from __future__ import annotations
 
-import numpy as np
-
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import CapacityError
 
@@ -118,7 +116,6 @@ class UnchainedHash(base.AuditCache):
 
     def lookup(self, query):
         blocks, best = 0, None
-        B = self.block
         hashes = self.chain(query)
         for i, h in enumerate(hashes):
             holders = self.index.get(h)
