@@ -9,7 +9,11 @@ budget), timed per request in ``retain`` alone, the rounds interleaved, each req
 - ``buffers let go``: the store frees nothing into its spares, so each freed page's buffer is
   deallocated inside the retain (the pool's ``_free_buffers`` a no-op);
 - ``page arena``: the same cache on a page arena past the budget, whose slots go back one page at a time;
-- ``frees skipped``: ``bounded_vs_sglang``'s floor (``skip_frees``), no page freed at all.
+- ``frees skipped``: ``bounded_vs_sglang``'s floor (``skip_frees``), no page freed at all;
+- ``pages kept``: every free as it is, but the freed ``Page`` objects kept alive (their deallocation
+  out of the retain): beside ``kept spares``, what letting a page's objects go costs;
+- ``buffers kept``: the freed buffers neither handed to the store nor deallocated (the store's
+  ``free_all`` out of the retain): beside ``kept spares``, what the store's free loop costs.
 """
 
 from __future__ import annotations
@@ -28,8 +32,23 @@ def _let_buffers_go(pool) -> None:
     pool._free_buffers = lambda buffers: None
 
 
+def _keep_freed_pages(pool) -> None:
+    kept, free = [], pool._free
+
+    def free_keeping_pages(pages, slots) -> None:
+        kept.append(list(pages))
+        free(pages, slots)
+
+    pool._free = free_keeping_pages
+
+
+def _keep_freed_buffers(pool) -> None:
+    pool._free_buffers = [].append      # each release's buffers kept in a list nobody reads
+
+
 DESIGNS = {"kept spares": (0, None), "buffers let go": (0, _let_buffers_go), "page arena": (1, None),
-           "frees skipped": (0, skip_frees)}      # name -> (arena past the budget?, what is done to the pool)
+           "frees skipped": (0, skip_frees), "pages kept": (0, _keep_freed_pages),
+           "buffers kept": (0, _keep_freed_buffers)}      # name -> (arena past the budget?, what is done to the pool)
 
 
 def cache_for(design: str, requests: list[np.ndarray], budget: int):
