@@ -27,13 +27,22 @@ def forks_forget_their_refcounts(monkeypatch):
     monkeypatch.setattr(refcounts.Refcounts, "share_holding", lambda self, holding: None)
 
 
+@pytest.fixture
+def writes_skip_their_copy(monkeypatch):
+    """Shared pages written in place: seen only after a branch writes, so each report shows a write
+    (a fork that forgets its refcounts can be seen before any branch has written)."""
+    from kvstate.impl import context
+
+    monkeypatch.setattr(context.Context, "writable", lambda self, index: self._pages[index])
+
+
 def _failure(scenario, **options) -> races.RaceFailure:
     with pytest.raises(races.RaceFailure) as caught:
         scenario("numpy", **options)
     return caught.value
 
 
-def test_a_race_failure_names_its_iteration_each_threads_operations_and_a_rerun(forks_forget_their_refcounts):
+def test_a_race_failure_names_its_iteration_each_threads_operations_and_a_rerun(writes_skip_their_copy):
     notes = _failure(races.fork_storm, seed=7, iterations=1, threads=4).__notes__
     assert notes[0] == "race: fork_storm, configuration f32-heap, store numpy, seed 7, iteration 0"
     threads = [note for note in notes if re.match(r"  thread \d: ", note)]
