@@ -7,6 +7,11 @@ reach (``signal.alarm`` works only in a main thread). So a timer thread raises
 ``RunTimeout`` *in the running thread* through CPython's ``PyThreadState_SetAsyncExc``,
 delivered at that thread's next bytecode. Code blocked inside C (a lock that never opens)
 is not interrupted; Python-level loops, which is where a backend's own bugs live, are.
+
+The exception lands at whatever the thread runs next, and a finalizer (a weakref callback, a
+``__del__``) that runs there prints it as "Exception ignored in ..." and drops it: a sweep under
+Dask once printed that for ``WeakSet._remove``, and the stuck run then went on with its deadline
+spent. So it fires again every ``REFIRE_S`` until the block is left.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import ctypes
 import threading
 
 from kvstate.spec.errors import RunTimeout
+
+REFIRE_S = 1.0      # after the first, how often the exception is raised again while the block runs on
 
 # An own prototype of the one C function, rather than argtypes set on ctypes.pythonapi's shared entry.
 _raise_in = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)(
@@ -44,16 +51,20 @@ class Deadline:
     def __enter__(self) -> "Deadline":
         if self.seconds is not None:
             self._thread_id = threading.get_ident()
-            self._timer = threading.Timer(self.seconds, self._fire)
-            self._timer.daemon = True
-            self._timer.start()
+            self._arm(self.seconds)
         return self
+
+    def _arm(self, seconds: float) -> None:
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.start()
 
     def _fire(self) -> None:
         with self._lock:
             if not self._done:
                 self.fired = True
                 _raise_in(self._thread_id, RunTimeout)
+                self._arm(REFIRE_S)     # in case it is dropped where it lands; ``__exit__`` cancels it
 
     def __exit__(self, *exc_info) -> None:
         if self._timer is None:

@@ -8,10 +8,12 @@ at its first call forever."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from kvstate.spec.errors import RunTimeout
+from kvstate.stateful import deadline as deadline_module
 from kvstate.stateful.deadline import Deadline
 
 
@@ -52,3 +54,25 @@ def test_a_deadline_that_did_not_fire_leaves_nothing_pending():
     for _ in range(1000):       # a stray exception would land at one of these jumps
         pass
     assert _profiled_thread_finishes()
+
+
+def test_a_timeout_dropped_where_it_landed_is_raised_again(monkeypatch):
+    """The exception lands wherever the thread is: in a finalizer (a weakref callback, a ``__del__``)
+    it is printed as "Exception ignored in ..." and dropped, as a Dask worker once showed for
+    ``WeakSet._remove``, and the run went on past its deadline. Here the first one is dropped as a
+    finalizer drops it; the block must still end in ``RunTimeout``, well before the loop gives up."""
+    monkeypatch.setattr(deadline_module, "REFIRE_S", 0.05)
+    dropped = []
+    give_up = time.monotonic() + 10         # a bound on the loop where nothing stops it (the bug)
+    with pytest.raises(RunTimeout):
+        with Deadline(0.05) as deadline:
+            while time.monotonic() < give_up:
+                try:
+                    while time.monotonic() < give_up:
+                        pass
+                except RunTimeout:
+                    if dropped:
+                        raise
+                    dropped.append(time.monotonic())
+    assert deadline.fired and len(dropped) == 1 and time.monotonic() < give_up
+    assert _profiled_thread_finishes()      # and nothing is left pending
