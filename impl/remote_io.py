@@ -129,6 +129,18 @@ def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
                           f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
 
 
+def refuse_chained(url: str, error_class: type[KVStateError]) -> None:
+    """fsspec reads ``::`` anywhere in a URL as a chain of filesystems and keeps only what comes before
+    the first one as the path: ``memory://kv/a::one.kvs`` and ``memory://kv/a::two.kvs`` are both the
+    object ``/kv/a`` (the second snapshot replaced the first, and restoring the first gave the
+    second), and an IPv6 host (``http://[::1]:9/x``) is cut inside its brackets. So such a URL is
+    refused before any use."""
+    if "::" in url:
+        raise error_class(f"{redact(url)!r} holds '::', which fsspec reads as a chain of filesystems: every "
+                          f"key sharing what comes before it would be one object; name it without '::' "
+                          f"(an IPv6 endpoint goes in storage_options' endpoint_url)")
+
+
 # botocore's own rule for a region name (``botocore.utils.validate_region_name``: a host label, not all
 # digits), checked before botocore sees one; and the shapes of AWS credentials, which pass that rule and
 # would then be named in every endpoint URL botocore builds and logs (an access key id; a secret key's
@@ -179,6 +191,7 @@ def _describe(error: BaseException) -> str:
 
 def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
     refuse_credentials(url, error_class)
+    refuse_chained(url, error_class)
     refuse_unsafe_options(storage_options, error_class)
     try:
         import fsspec

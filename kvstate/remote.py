@@ -97,6 +97,7 @@ class SnapshotStore:
             raise InvalidInputError(f"url_prefix must be a URL naming a bucket or folder, such as 's3://bucket/kv', "
                                     f"got {url_prefix!r}")
         remote_io.refuse_credentials(url_prefix, InvalidInputError)
+        remote_io.refuse_chained(url_prefix, InvalidInputError)     # file:// too: its probes go through fsspec
         remote_io.refuse_unsafe_options(storage_options, InvalidInputError)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

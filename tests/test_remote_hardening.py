@@ -19,7 +19,7 @@ import pytest
 
 from kvstate.impl import Cache, remote_io
 from kvstate.spec import Layout
-from kvstate.spec.errors import SnapshotError, SnapshotNotFoundError, SnapshotWriteError
+from kvstate.spec.errors import InvalidInputError, SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 
 fsspec = pytest.importorskip("fsspec")
 
@@ -79,6 +79,44 @@ def test_a_url_that_names_no_object_is_refused_by_name(url):
         cache.restore(url)
     assert set(fsspec.filesystem("memory").store) == before
     assert cache.stats()["live_contexts"] == 0
+
+
+@pytest.mark.parametrize("url", ["memory://kv/a::one.kvs", "memory://kv::/x.kvs", "s3://bucket/a::b.kvs",
+                                 "http://[::1]:9/x.kvs"])
+def test_a_url_holding_a_filesystem_chain_is_refused_by_name(url):
+    """fsspec reads ``::`` as a chain of filesystems and keeps what comes before it as the path:
+    ``memory://kv/a::one.kvs`` and ``memory://kv/a::two.kvs`` were both the object ``/kv/a``, so the
+    second snapshot replaced the first and restoring the first gave the second."""
+    cache = Cache(SMALL, page_tokens=2)
+    before = set(fsspec.filesystem("memory").store)
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match="holds '::', which fsspec reads as a chain"):
+            ctx.snapshot(url)
+    with pytest.raises(SnapshotError, match="holds '::', which fsspec reads as a chain"):
+        cache.restore(url)
+    assert set(fsspec.filesystem("memory").store) == before
+    assert cache.stats()["live_contexts"] == 0
+
+
+def test_a_local_file_url_holding_two_colons_is_its_literal_path(tmp_path):
+    """``file://`` snapshots are written and read as local paths, not through fsspec: ``::`` is a character."""
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 3, seed=1) as one, filled(cache, 5, seed=7) as two:
+        one.snapshot(f"file://{tmp_path}/a::one.kvs")
+        two.snapshot(f"file://{tmp_path}/a::two.kvs")
+        with cache.restore(f"file://{tmp_path}/a::one.kvs") as back:
+            assert tokens_of(back) == tokens_of(one)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a::one.kvs", "a::two.kvs"]
+
+
+@pytest.mark.parametrize("prefix", ["memory://pieces::", "memory://a::b/kv", "file:///tmp/kv::store"])
+def test_a_store_prefix_holding_a_filesystem_chain_is_refused(prefix):
+    """A ``SnapshotStore`` under ``memory://pieces::`` put two objects at one key (the second replaced the
+    first) and said both were stored; under ``file://`` its probes (through fsspec) found neither."""
+    from kvstate.remote import SnapshotStore
+
+    with pytest.raises(InvalidInputError, match="holds '::', which fsspec reads as a chain"):
+        SnapshotStore(prefix)
 
 
 # -- item 4: no secret in any message, cause or log line ----------------------------------------------
