@@ -13,14 +13,20 @@ from .lockstep import Lockstep
 
 
 def stuck_at(ident: int | None) -> str:
-    """Where the abandoned check's thread is now (``sys._current_frames``): its innermost frame, the
+    """``; its thread is at ...`` (``waiting_at``) for an abandoned check's thread; "" once it is gone."""
+    where = waiting_at(ident)
+    return f"; its thread is {where}" if where else ""
+
+
+def waiting_at(ident: int | None) -> str:
+    """Where thread ``ident`` is now (``sys._current_frames``): ``at`` its innermost frame, the
     innermost frame of the backend's own code where that is further out (not the standard library,
     an installed package or the suite), and the operation the lockstep driver was applying, where
     one is on its stack. "" once the thread is gone."""
     frame = sys._current_frames().get(ident) if ident is not None else None
     if frame is None:
         return ""
-    found = f"; its thread is at {frame_place(frame)}"
+    found = f"at {frame_place(frame)}"
     caller, op = frame, None
     while caller is not None and not_the_backends(caller):
         caller = caller.f_back

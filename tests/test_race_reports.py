@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import re
 import shlex
+import threading
 import time
 
 import pytest
 
 from kvstate.cli import main
 from kvstate.stateful import conform as conform_module
+from kvstate.stateful.races import harness
 from kvstate.stateful.races import scenarios as races
 from kvstate.stateful.races.trace import Trace, TracedCache
 
@@ -221,3 +223,27 @@ def test_stress_prints_each_threads_operations_and_the_rerun(forks_forget_their_
     assert re.search(r"^  thread \d+: c1\.fork\(\)", out, re.M), out
     assert re.search(r"^rerun \(the same operations, a new schedule\): kvstate race fork_storm --store numpy --config \S+ "
                      r"--seed 0 --iteration \d+ --threads 16$", out, re.M), out
+
+
+def test_a_deadlock_is_reported_with_where_each_thread_waits(monkeypatch):
+    """Two threads taking two locks in opposite orders (an audit's engine closed a context so): the
+    report names the line each one waits at. It said "threads [...] still running after 120s
+    (deadlock?)", past a conform check's own limit, which then reported the harness's join instead."""
+    monkeypatch.setattr(harness, "THREAD_TIMEOUT", 0.5)
+    first, second = threading.Lock(), threading.Lock()
+    both_hold_one = threading.Barrier(2)
+
+    def taking(one, other):
+        def body() -> None:
+            with one:
+                both_hold_one.wait()
+                if other.acquire(timeout=10):      # held by the other thread, waiting for ``one``
+                    other.release()
+        return body
+
+    with pytest.raises(races.RaceFailure) as caught:
+        races.run_threads([taking(first, second), taking(second, first)], "planted")
+    message = str(caught.value)
+    assert message.startswith("planted: 2 of its threads still running after 0.5 s, a deadlock"), message
+    assert re.search(r"thread 0 at test_race_reports\.py:\d+ in body; thread 1 at test_race_reports\.py:\d+ in body$",
+                     message), message

@@ -50,6 +50,7 @@ from kvstate.spec.protocol import Config, standard_configs
 from ..configs import semantics_configs
 from ..frames import raised_at
 from ..lockstep import to_numpy
+from ..stuck import waiting_at
 from .trace import Trace, TracedCache
 
 RACE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
@@ -58,7 +59,10 @@ RACE_ARENA_PAGES = 8          # small: runs out (heap fallback) and recycles slo
 RACE_MAX_ENTRIES = 3          # small: eviction on most retains
 SWITCH_INTERVAL = 1e-6        # seconds; CPython's default is 5e-3
 YIELD_PROBABILITY = 0.05      # of a call into the engine's code giving up the interpreter (``yielding_calls``)
-THREAD_TIMEOUT = 120.0        # a thread still running after this is reported as a hang
+# A thread still running after this is reported as a hang, with where each one waits: an iteration
+# takes milliseconds, so this only bounds a deadlock (a conform check's own limit is longer, so the
+# report is the hang's, not the check's clock's).
+THREAD_TIMEOUT = 30.0
 BUSY_RETRIES = 1_000_000      # a ContextBusyError retried this often is a livelock
 SETTLE = 1e-5                 # seconds an observer steps aside after an observation that saw no change
 
@@ -370,9 +374,12 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
         name = "observer" if index == len(bodies) else f"thread {index}"
         # Where the backend raised it (the suite's own assertions have no place to name): a race's only trace.
         raise RaceFailure(f"{where}, {name}: {type(error).__name__}: {error}{raised_at(error)}") from error
-    hung = [t.name for t in threads + ([watcher] if watcher else []) if t.is_alive()]
+    hung = [(index, thread) for index, thread in enumerate(threads + ([watcher] if watcher else [])) if thread.is_alive()]
     if hung:
-        raise RaceFailure(f"{where}: threads {hung} still running after {THREAD_TIMEOUT}s (deadlock?)")
+        waits = "; ".join(f"{'observer' if index == len(bodies) else f'thread {index}'} "
+                          f"{waiting_at(thread.ident) or 'ended just now'}" for index, thread in hung)
+        raise RaceFailure(f"{where}: {len(hung)} of its threads still running after {THREAD_TIMEOUT:g} s, a deadlock "
+                          f"or a wait that never ends: {waits}")
 
 
 class Watch:
