@@ -453,8 +453,18 @@ class Lockstep:
             hint = _kept_differently({tuple(entry.key) for entry in obs.entries}, {tuple(key) for key, _ in expected})
             raise InvariantViolation(5, f"{differs.detail}{hint}") from None
         if obs.entries is None:
+            keys = [list(key) for key, _tick in self.reference.eviction_order()]
             self._probe_entries()
             obs = self.engine.observe()      # the probes' hits came and went: observe what is left
+            try:        # checked now, so books a probe left wrong are the probe's, not the next step's
+                self._check_books(obs)
+            except InvariantViolation as wrong:
+                shown = ", ".join(f"match({key[:8]}{'...' if len(key) > 8 else ''})" for key in keys[:3])
+                raise InvariantViolation(wrong.invariant, f"{wrong.detail}; seen right after the suite probed the "
+                                                          f"entries after this step ({shown}"
+                                                          f"{', ...' if len(keys) > 3 else ''}, each hit closed "
+                                                          f"at once): such a match or the close of its hit left "
+                                                          f"it so") from None
         self.checks += 1
         self._observed = (self.steps, obs)
         self._verified = set(self.live)

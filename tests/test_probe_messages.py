@@ -14,7 +14,7 @@ from kvstate.spec import InvariantViolation
 from kvstate.stateful import ops as O
 from kvstate.stateful.lockstep import Lockstep
 
-from foreign import audit_bugs, audit_minimal
+from foreign import audit3_locks_bugs, audit_bugs, audit_minimal
 
 CONFIG = next(c for c in audit_minimal.factory.configs if c.name == "block4-f32-pool10-evict")
 
@@ -45,6 +45,20 @@ def test_a_tie_resolved_to_another_entry_is_named_beside_copy_on_write():
     said = _checked_each_step(audit_bugs.tie_first_retained, _tie)
     assert "the hit came from another entry than the reference's" in said and "most recently used" in said, said
 
+
+def test_books_a_probe_left_wrong_are_the_probes_not_the_next_steps():
+    """From the third audit: a hit that copied its partly filled last page but kept its count on the
+    original leaked a refcount in the probe's own ``match``; the failure showed at the next step's
+    check, as "failing call: c2 = allocate()", in a sequence holding no match at all."""
+    config = next(c for c in audit3_locks_bugs.eager_partial_copy.configs if c.name == "token-f32-pool12-evict")
+    run = Lockstep(audit3_locks_bugs.eager_partial_copy, config)
+    c1 = run.apply(O.Allocate())
+    run.apply(O.Extend(c1, (0,), seed=0))
+    run.check()
+    run.apply(O.Retain(c1))
+    with pytest.raises(InvariantViolation, match=r"invariant 1: .*; seen right after the suite probed the entries "
+                                                 r"after this step \(match\(\[0\]\), each hit closed at once\)"):
+        run.check()
 
 
 def test_a_race_failure_from_the_backends_own_exception_says_where_it_was_raised():
