@@ -44,6 +44,12 @@ def to_numpy(values: Any) -> np.ndarray:
     return values.detach().cpu().numpy()
 
 
+
+def _shown(key) -> str:
+    """An entry's key as a failure names it: its first 8 tokens."""
+    key = list(key)
+    return f"{key[:8]}"[:-1] + (", ...]" if len(key) > 8 else "]")
+
 class Lockstep:
     # Operation kinds beyond the core ones (snapshot, restore) add a handler here:
     # handler(lockstep, op, side, cache, ctx) -> result
@@ -577,6 +583,15 @@ class Lockstep:
                     invariants.check_values({"the hit": (to_numpy(values), np.asarray(tokens))},
                                             {"the hit": ref_hit.read()})
                 except InvariantViolation as differs:
+                    taken = self._entry_reading(to_numpy(values), np.asarray(tokens))
+                    given = self._entry_reading(*ref_hit.read())
+                    if taken is not None and given is not None and taken != given:     # whole values, another entry's
+                        raise InvariantViolation(5, f"{where}: the hit holds the values of entry {_shown(taken)}, "
+                                                    f"where {_shown(given)} gives it, the most recently used of the "
+                                                    f"entries sharing all of its positions (under block: reaching "
+                                                    f"its last whole block): a hit or retain that left its entry's "
+                                                    f"recency as it was (not stamped), or a tie resolved to another "
+                                                    f"entry") from None
                     tie = ("; or the hit came from another entry than the reference's: of the entries sharing all "
                            "of its positions (under block: reaching its last whole block), the most recently used "
                            "gives it" if self.config.match != "entry" else "")
@@ -587,6 +602,21 @@ class Lockstep:
             finally:
                 engine_hit.close()
                 ref_hit.close()
+
+    def _entry_reading(self, values: np.ndarray, tokens: np.ndarray) -> tuple | None:
+        """The key of the entry the reference holds whose first positions read exactly ``values`` and
+        ``tokens`` (where a hit holding them was taken from), the most recently used of several; or None."""
+        for other, twin, _tick in sorted(self.reference.entries, key=lambda entry: entry[2], reverse=True):
+            if len(other) < len(tokens):
+                continue
+            want_values, want_tokens = twin.contents()
+            try:
+                invariants.check_values({"hit": (values, tokens)},
+                                        {"hit": (want_values[:len(tokens)], want_tokens[:len(tokens)])})
+            except InvariantViolation:
+                continue
+            return other
+        return None
 
     def finish(self) -> None:
         """6. Close every context, clear the tree: cache and arena must be empty.

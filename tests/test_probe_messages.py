@@ -41,9 +41,28 @@ def _tie(apply):        # conform's shrunk counterexample for tie_first_retained
     apply(O.Retain(c2))
 
 
-def test_a_tie_resolved_to_another_entry_is_named_beside_copy_on_write():
+def test_a_tie_resolved_to_another_entry_names_both_entries():
+    """The hit's values are whole, another entry's: the message names whose, and whose they should be
+    (it named copy-on-write first, then a tie as one possibility)."""
     said = _checked_each_step(audit_bugs.tie_first_retained, _tie)
-    assert "the hit came from another entry than the reference's" in said and "most recently used" in said, said
+    assert ("the hit holds the values of entry [1, 0, 2, 1, 0], where [1, 0, 2, 1] gives it, the most recently used"
+            in said and "or a tie resolved to another entry" in said and "copy-on-write" not in said), said
+
+
+def test_a_hit_that_leaves_its_entry_unstamped_is_named_as_recency():
+    """From the third audit (``hit_not_stamped``): conform's counterexample, where the probe's own match of
+    the older entry should have made it the one a hit of the shorter key is taken from."""
+    config = next(c for c in audit3_locks_bugs.hit_not_stamped.configs if c.name == "token-f32-pool10-refuse")
+    run = Lockstep(audit3_locks_bugs.hit_not_stamped, config)
+    c1 = run.apply(O.Allocate())
+    c2 = run.apply(O.Fork(c1))
+    run.apply(O.Extend(c2, (0,), seed=0))
+    run.apply(O.Extend(c1, (0, 0), seed=12591))
+    run.apply(O.Retain(c1))
+    run.apply(O.Retain(c2))
+    with pytest.raises(InvariantViolation, match=r"the hit holds the values of entry \[0\], where \[0, 0\] gives it, "
+                                                 r"the most recently used .*left its entry's recency as it was \(not stamped\)"):
+        run.check()
 
 
 def test_books_a_probe_left_wrong_are_the_probes_not_the_next_steps():
