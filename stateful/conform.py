@@ -276,7 +276,8 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
     if not getattr(factory, "thread_safe", False):
         return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
     scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),
-                 ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {})]
+                 ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {}),
+                 ("hits_stamp_under_race", {}), ("fork_vs_owner_writes", {})]
     if config.on_full != "fallback":
         scenarios.append(("pressure_vs_match", {}))     # pressure eviction or refusal racing match
     probe = factory(config)

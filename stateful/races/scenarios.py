@@ -19,7 +19,10 @@ pressure evicts too); and in a pool that refuses when full, any write may be
 refused with ``CapacityError``, which must leave its context as it was, while the
 reference replays only the writes that happened. ``pressure_vs_match`` is the
 scenario of memory pressure itself: small pools that evict or refuse, with
-allocation, forks and writes racing ``retain`` and ``match``.
+allocation, forks and writes racing ``retain`` and ``match``. ``hits_stamp_under_race`` holds
+recency under concurrent hits (the entry none of them hit must be the next one evicted), and
+``fork_vs_owner_writes`` forks racing an owner that extends and truncates the parent (each
+branch holds a state the parent had).
 
 Values are self-verifying: the K/V written for token ``t`` at position ``p`` is
 a fixed function of ``(t, p)`` (``kv_for``), so any read, of any context, at
@@ -60,7 +63,7 @@ from kvstate.spec import invariants
 from kvstate.spec.arithmetic import pages_needed, pages_touched
 from kvstate.spec.errors import CapacityError, ContextBusyError, ContextClosedError
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse
+from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse, reclaims
 
 from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
     RACE_LAYOUT, RaceFailure, RaceReport, SETTLE, Watch, attempt, available_stores, check_after, check_emptied,
@@ -718,6 +721,229 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
     return report
 
 
+# -- recency under concurrent hits -------------------------------------------------------------------
+
+def _retain_key(cache: Cache, config: Config, key: list[int]) -> None:
+    """Retain ``key`` through a context of its own, closed after (its pages then stay the entry's alone)."""
+    ctx = cache.allocate()
+    extend(ctx, config, key)
+    cache.retain(ctx)
+    ctx.close()
+
+
+def _hit_plan(config: Config, threads: int) -> tuple[Config, int, int] | None:
+    """The configuration ``hits_stamp_under_race`` runs in, its key length and how many threads hit:
+    ``max_entries`` is set to the hit keys plus one (Z), keys are one whole block (``block``) or one
+    token, and the hits are as many as fit so that neither ``max_pages`` nor the pool ever needs
+    room for the retained keys plus the one more retain (nothing but ``max_entries`` then decides
+    the eviction, and it evicts exactly one). ``None`` where fewer than two hits would fit."""
+    length = config.block_tokens if config.match == "block" else 1
+    pages = entry_pages(length, config.page_tokens)
+    fit = threads
+    if config.max_pages:
+        fit = min(fit, config.max_pages // pages - 1)      # the hit keys and Z within the budget
+    if config.pool_limit:
+        fit = min(fit, config.pool_limit // pages - 2)     # and the retain that must evict, in the pool
+    if fit < 2:
+        return None
+    return config.with_(max_entries=fit + 1), length, fit
+
+
+def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 3,
+                          rounds: int = 40, configs=None, yields: bool = False) -> RaceReport:
+    """Recency under concurrent hits: each of ``rounds`` rounds retains ``threads`` keys, then one
+    more, Z (the newest; ``max_entries`` is the keys plus Z); ``threads`` threads then hit the other
+    keys at once, one key each (a ``match`` of the whole key, closed after); then one more retain must
+    evict. Whatever order the hits take, each stamps its own entry after Z's retain, so Z is the
+    least recently used and the retain must evict Z and nothing else (no false positive: the outcome
+    does not depend on the schedule). Judged through the black box after that retain: a ``match`` of
+    each key (those stamp, but the eviction is already decided), Z missing, every other key holding
+    what its ``match`` kind allows. A ``match`` stamping its entry outside the lock that guards the
+    clock (two hits crossing, one stamp lost or given to the other's entry) leaves a hit key older
+    than Z, and that one is evicted instead.
+
+    n/a (counted as ``skipped``) where pages are reclaimed the engine's own way (``reclaim``: which
+    entry goes is its choice) or fewer than two hit keys fit the pool and page budget."""
+    report = RaceReport("hits_stamp_under_race", store, seed, threads=threads, options={"threads": threads})
+    with racing_reported(report, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
+            plan = None if reclaims(config.on_full) else _hit_plan(config, threads)
+            if plan is None:
+                report.add("skipped")
+                report.iterations += 1
+                continue
+            bounded, length, hits = plan
+            cache = make_cache(store, bounded, report.trace)
+            rng = seeded_rng(seed, iteration)
+            want = hit_length(bounded.match, bounded.block_tokens, length)
+            for round_ in range(rounds):
+                first = [int(t) for t in rng.permutation(900)[:hits + 2] + 100]     # distinct first tokens
+                keys = [[t] + [int(rng.integers(1000, 2000)) for _ in range(length - 1)] for t in first]
+                hit_keys, newest, last = keys[:hits], keys[hits], keys[hits + 1]
+                for key in hit_keys + [newest]:
+                    _retain_key(cache, bounded, key)
+                at = f"{where} round {round_}"
+
+                def hitter(key: list[int]) -> Callable[[], None]:
+                    def run() -> None:
+                        ctx, matched = cache.match(key)
+                        try:
+                            if matched != want:
+                                raise RaceFailure(f"{at}: a hit of retained key {key} held {matched} positions, "
+                                                  f"a {bounded.match} match holds {want} (max_entries "
+                                                  f"{bounded.max_entries}, nothing evicted yet)")
+                            verify(ctx, bounded, f"the hit of {key}", want_tokens=key[:want])
+                        finally:
+                            ctx.close()
+                    return run
+
+                run_threads([hitter(key) for key in hit_keys], at, report=report)
+                _retain_key(cache, bounded, last)          # must evict exactly Z
+                kept = []
+                for key in hit_keys + [newest, last]:
+                    ctx, matched = cache.match(key)
+                    try:
+                        if matched not in (0, want):
+                            raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a "
+                                              f"{bounded.match} match holds {want} or misses")
+                        if matched:
+                            verify(ctx, bounded, f"the hit of {key}", want_tokens=key[:want])
+                    finally:
+                        ctx.close()
+                    kept.append(bool(matched))
+                evicted = [key for key, k in zip(hit_keys + [newest, last], kept) if not k]
+                if evicted != [newest]:
+                    hit_list = " and ".join(str(key) for key in hit_keys)
+                    raise RaceFailure(
+                        f"{at}: after concurrent hits of {hit_list} (each a match of its whole key, closed "
+                        f"after), a retain of {last} evicted {evicted or 'nothing'}; every order of those hits "
+                        f"leaves {newest} (retained after them, never hit) least recently used, so with "
+                        f"max_entries {bounded.max_entries} it alone must go: a hit's stamp on the clock was "
+                        f"lost or given to another entry (is the stamp taken under the lock that picks the hit?)")
+                check_emptied(cache, at)
+                report.add("rounds")
+                report.add("hits", hits)
+            report.iterations += 1
+    return report
+
+
+# -- a fork racing the owner's writes to its parent ----------------------------------------------------
+
+def _fork_state_ok(seen: list[int], undo: tuple | None, history: list[tuple[int, ...]], lo: int, hi: int) -> bool:
+    """Whether a branch reading ``seen`` after its one write ``undo`` forked one of ``history[lo:hi + 1]``:
+    the branch's tokens with that write taken back (an extend's tokens dropped; an overwritten
+    position, whose old token is gone, matching anything) equal that state's."""
+    if undo is not None and undo[0] == "extend":
+        seen, wild = seen[:len(seen) - len(undo[1])], set()
+    elif undo is not None:
+        wild = set(range(undo[1], undo[1] + len(undo[2])))
+    else:
+        wild = set()
+    for state in history[lo:hi + 1]:
+        if len(state) == len(seen) and all(i in wild or state[i] == t for i, t in enumerate(seen)):
+            return True
+    return False
+
+
+def fork_vs_owner_writes(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 3,
+                         forks: int = 40, configs=None, yields: bool = False) -> RaceReport:
+    """A fork racing writes that change its parent: the owner thread extends its parent with new
+    tokens (never seen before) and truncates it, again and again, reading it back after each
+    write; ``threads - 1`` other threads fork it (a fork of a context another thread writes may be
+    refused as busy: retried) and at once write their branch (an overwrite or an extend, which
+    copies the page it shares with the parent) or read it. Each branch must hold a state the parent
+    actually had at one instant between the owner's operations, from the last one finished when the
+    fork began to the one in flight when it returned (tokens, the length with them, and values
+    consistent with its tokens), plus its own write; the parent must read exactly the owner's
+    writes. A fork that does not exclude the parent's writer shares a page whose bytes have not
+    landed, or copies half of them: its branch then holds a token of an extend truncated before it
+    began, or values its tokens do not give. In a pool that refuses when full, a refused write
+    changes nothing."""
+    report = RaceReport("fork_vs_owner_writes", store, seed, threads=threads, options={"threads": threads})
+    with racing_reported(report, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
+            pt, rng = config.page_tokens, seeded_rng(seed, iteration)
+            cache = make_cache(store, config, report.trace)
+            base = [int(t) for t in rng.integers(0, 1000, _fitting(config, pt + 1))]
+            parent = cache.allocate()
+            extend(parent, config, base)
+            history: list[tuple[int, ...]] = [tuple(base)]     # the parent's states, appended after each write
+            finished = [0]
+            checks: list[tuple[str, list[int], tuple | None, int, int]] = []
+            lock = threading.Lock()
+            forkers = max(1, threads - 1)
+
+            def owner() -> None:
+                orng, state, fresh = seeded_rng(seed, iteration, 0), list(base), 5_000_000
+                while finished[0] < forkers:
+                    if len(state) < len(base) + 2 * pt and (len(state) <= 1 or orng.random() < 0.6):
+                        new = list(range(fresh, fresh + int(orng.integers(1, pt + 1))))
+                        fresh += len(new)
+                        if retry_busy(lambda: attempt(lambda: extend(parent, config, new), parent, config, report,
+                                                      "owner", want_tokens=state), report):
+                            state = state + new
+                    else:
+                        keep = int(orng.integers(1, len(state)))
+                        retry_busy(lambda: parent.truncate(keep), report)
+                        state = state[:keep]
+                    history.append(tuple(state))
+                    if orng.random() < 0.25:        # reads of the parent, a few: the writes are what forks race
+                        retry_busy(lambda: verify(parent, config, "the parent, read by its owner",
+                                                  want_tokens=state), report)
+                    report.add("owner_writes")
+
+            def forker(t: int) -> Callable[[], None]:
+                def run() -> None:
+                    frng, fresh = seeded_rng(seed, iteration, t + 1), 100_000 * (t + 1)
+                    try:
+                        for n in range(forks):
+                            lo = len(history) - 1
+                            child = retry_busy(parent.fork, report)
+                            hi = len(history)
+                            name = f"branch {t}.{n}"
+                            what = f"{name} (forked while the parent's owner extended and truncated it)"
+                            undo = None
+                            if frng.random() < 0.7:
+                                length = len(child)
+                                if length and frng.random() < 0.5:
+                                    start = int(frng.integers(length))
+                                    op = ("overwrite", start, [fresh])
+                                else:
+                                    op = ("extend", [fresh, fresh + 1][:int(frng.integers(1, 3))])
+                                fresh += 2
+                                if attempt(lambda: _apply_op(child, config, op), child, config, report, what):
+                                    undo = op
+                            seen = [int(x) for x in verify(child, config, what)]
+                            with lock:
+                                checks.append((name, seen, undo, lo, hi))
+                            child.close()
+                            report.add("forks")
+                    finally:
+                        with lock:
+                            finished[0] += 1
+                return run
+
+            run_threads([owner] + [forker(t) for t in range(forkers)], where, observe_cache=cache, report=report,
+                        config=config)
+            for name, seen, undo, lo, hi in checks:
+                if not _fork_state_ok(seen, undo, history, lo, hi):
+                    write = "" if undo is None else f" after its own {undo[0]} of {undo[-1]}" + (
+                        f" at {undo[1]}" if undo[0] == "overwrite" else "")
+                    states = "; ".join(str(list(s)) for s in history[lo:hi + 1])
+                    raise RaceFailure(
+                        f"{where}: {name}, forked while the parent's owner extended and truncated it, reads "
+                        f"tokens {seen}{write}: no state the parent had between the owner's operations "
+                        f"around that fork ({states}), so the fork saw the parent mid-write (a length "
+                        f"raised before its bytes landed, or a page copied half-written)")
+            verify(parent, config, "the parent after the threads", want_tokens=list(history[-1]))
+            check_after(cache, where, config=config)
+            parent.close()
+            check_emptied(cache, where)
+            report.add("owner_states", len(history))
+            report.iterations += 1
+    return report
+
+
 # -- the catalogue ----------------------------------------------------------------------------------
 
 SCENARIOS: dict[str, Callable[..., RaceReport]] = {
@@ -728,6 +954,8 @@ SCENARIOS: dict[str, Callable[..., RaceReport]] = {
     "close_races": close_races,
     "snapshot_vs_decode": snapshot_vs_decode,
     "observe_during_writes": observe_during_writes,
+    "hits_stamp_under_race": hits_stamp_under_race,
+    "fork_vs_owner_writes": fork_vs_owner_writes,
 }
 
 def run_iteration(scenario: str, store, config: Config, seed: int, iteration: int, **options) -> RaceReport:
