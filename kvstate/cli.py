@@ -160,10 +160,13 @@ def _stress(args: argparse.Namespace) -> int:
     for scenario in args.scenario or ():
         if scenario not in SCENARIOS:
             raise UsageError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
+    stores = list(args.store or ())
+    if args.backend is not None:
+        stores.append(_raced_backend(args.backend, args.scenario or list(SCENARIOS)))
 
     print(f"race scenarios for {args.minutes} min, seed {args.seed}, {args.scale}x the CI iterations")
     try:
-        totals = stress(args.minutes, seed=args.seed, stores=args.store, scenarios=args.scenario, scale=args.scale)
+        totals = stress(args.minutes, seed=args.seed, stores=stores or None, scenarios=args.scenario, scale=args.scale)
     except RaceFailure as failure:
         print(f"FAILED: {_with_notes(failure)}")
         return 1
@@ -171,6 +174,23 @@ def _stress(args: argparse.Namespace) -> int:
         print(f"total {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     print("no race found")
     return 0
+
+def _raced_backend(backend: str, scenarios: list[str]):
+    """The factory ``--backend`` names, refused unless some of ``scenarios`` race it in some
+    configuration (as ``kvstate conform``'s ``races`` check would: ``races/applicable.py``)."""
+    from kvstate.stateful.races.applicable import backend_scenarios
+
+    factory, configs = _load_backend(backend)
+    why = {}
+    for config in configs:
+        applies = backend_scenarios(factory, config)
+        if isinstance(applies, str):
+            why[config.name] = applies
+        elif set(scenarios) & set(dict(applies)):
+            return factory
+    reasons = "; ".join(dict.fromkeys(why.values())) or "none of the scenarios asked applies in its configurations"
+    raise UsageError(f"{backend!r} is raced in no configuration: {reasons}")
+
 
 def _with_notes(error: BaseException) -> str:
     """A race failure's message and its notes: each thread's last operations and the rerun command."""
@@ -535,6 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--seed", type=int, default=0, help="seed of the first round; round k uses seed + k")
     stress.add_argument("--scale", type=int, default=10, help="iterations per round, as a multiple of CI's")
     stress.add_argument("--store", action="append", help="page store (repeatable; default: every available one)")
+    stress.add_argument("--backend", help="a thread-safe backend's factory, package.module[:factory] or a file's "
+                                          "path: raced in the configurations and scenarios kvstate conform races it in")
     stress.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")
     stress.set_defaults(run=_stress)
 

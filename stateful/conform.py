@@ -28,7 +28,6 @@ from hypothesis.errors import FailedHealthCheck
 
 from kvstate.spec.invariants import TIERS, tiers
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import reclaims
 
 from .backends import FactoryError, backend_name, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
@@ -267,22 +266,15 @@ def race_rounds(clock: Callable[[], float] = time.perf_counter):
 
 def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
     """The thread-race scenarios of ``stateful/races/``, at a small size, for a backend whose
-    factory declares ``thread_safe = True`` (n/a otherwise: a single-threaded backend is legitimate)."""
+    factory declares ``thread_safe = True`` (n/a otherwise: a single-threaded backend is legitimate;
+    which scenarios apply where: ``races/applicable.py``)."""
     from .races import scenarios as races
+    from .races.applicable import backend_scenarios
 
     started = time.perf_counter()
-    if reclaims(config.on_full):
-        return Outcome("n/a", 0.0, f"on_full={config.on_full!r}: the race scenarios judge the tree by whole-entry eviction")
-    if not getattr(factory, "thread_safe", False):
-        return Outcome("n/a", 0.0, "the factory does not declare thread_safe = True")
-    scenarios = [("fork_storm", dict(threads=8)), ("eviction_vs_allocation", {}),
-                 ("match_close_vs_clear", {}), ("close_races", {}), ("observe_during_writes", {}),
-                 ("hits_stamp_under_race", {}), ("fork_vs_owner_writes", {})]
-    if config.on_full != "fallback":
-        scenarios.append(("pressure_vs_match", {}))     # pressure eviction or refusal racing match
-    probe = factory(config)
-    if hasattr(probe, "restore"):
-        scenarios.append(("snapshot_vs_decode", {}))
+    scenarios = backend_scenarios(factory, config)
+    if isinstance(scenarios, str):
+        return Outcome("n/a", 0.0, scenarios)
     try:
         for name, options in scenarios:
             for seed, schedule in race_rounds():

@@ -225,6 +225,36 @@ def test_stress_prints_each_threads_operations_and_the_rerun(forks_forget_their_
                      r"--seed 0 --iteration \d+ --threads 16$", out, re.M), out
 
 
+def test_stress_races_a_thread_safe_backend_where_conform_would(capsys):
+    """``kvstate stress`` took built-in stores only, so a foreign engine could be raced for minutes
+    only by looping ``conform --check races`` (audit 3). Each scenario in each configuration its
+    ``races`` check runs; a backend that claims no thread safety is refused by name."""
+    from kvstate.stateful.backends import load_factory
+
+    factory = load_factory("tests/foreign/audit3_locks.py")
+    planned = {name: races._planned(name, factory) for name in races.SCENARIOS}
+    assert planned.pop("snapshot_vs_decode") is None            # no restore: conform skips it too
+    assert {name: [c.name for c in configs] for name, (configs, _options) in planned.items()} == {
+        name: [c.name for c in factory.configs] for name in planned}
+    assert planned["fork_storm"][1] == {"threads": 8}           # conform's size
+    assert main(["stress", "--minutes", "0", "--backend", "tests/foreign/audit3_locks.py", "--scale", "1"]) == 0
+    assert re.search(r"^total \w+\[factory\]: rounds=1, iterations=4\b", capsys.readouterr().out, re.M)
+    assert main(["stress", "--minutes", "0", "--backend", "tests/foreign/audit_minimal.py"]) == 2
+    assert "is raced in no configuration: the factory does not declare thread_safe = True" in capsys.readouterr().err
+
+
+def test_stress_finds_a_backends_race_and_prints_its_rerun(capsys):
+    """Audit 3's ``stamp_outside_lock``, raced until found or half a minute has passed (found in the
+    first round in every run by hand)."""
+    assert main(["stress", "--minutes", "0.5", "--backend", "tests/foreign/audit3_locks_bugs.py:stamp_outside_lock",
+                 "--scenario", "hits_stamp_under_race", "--scale", "1"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^FAILED: hits_stamp_under_race\[stamp_outside_lock, \S+\] .*every order of those hits", out,
+                     re.M), out
+    assert re.search(r"^rerun \(the same operations, a new schedule\): kvstate race hits_stamp_under_race --backend "
+                     r"\S+audit3_locks_bugs\.py:stamp_outside_lock --config \S+", out, re.M), out
+
+
 def test_a_deadlock_is_reported_with_where_each_thread_waits(monkeypatch):
     """Two threads taking two locks in opposite orders (an audit's engine closed a context so): the
     report names the line each one waits at. It said "threads [...] still running after 120s

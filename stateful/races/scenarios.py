@@ -821,7 +821,7 @@ def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int =
                         f"max_entries {bounded.max_entries} it alone must go: a hit's stamp on the clock was "
                         f"lost or given to another entry (is the stamp taken under the lock that picks the hit?)")
                 check_emptied(cache, at)
-                report.add("rounds")
+                report.add("hit_rounds")
                 report.add("hits", hits)
             report.iterations += 1
     return report
@@ -972,7 +972,7 @@ CI_ITERATIONS = {name: len(race_configs()) for name in SCENARIOS}
 CI_ITERATIONS["pressure_vs_match"] = len(pressure_configs())
 
 
-def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scenarios: list[str] | None = None,
+def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios: list[str] | None = None,
            scale: int = 10, out=print, clock: Callable[[], float] = time.monotonic) -> dict[str, dict[str, int]]:
     """Run every scenario on every store, ``scale`` times the CI iterations, round after round with
     seeds ``seed, seed + 1, ...``, every other round with ``yields`` for all scenarios, until
@@ -980,19 +980,24 @@ def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scena
     ends within one of them past it (a whole round at scale 10 takes minutes). Each round starts one
     pair further on, so runs shorter than a round still reach every scenario in turn. Stops at the
     first ``RaceFailure`` (which propagates, naming store, seed and iteration). Returns totals per
-    scenario and store that ran."""
+    scenario and store that ran. A store may be a backend's factory: it is raced in the
+    configurations and scenarios ``kvstate conform`` races it in (``applicable.py``), ``scale``
+    iterations a configuration."""
     stores = stores or available_stores()
     names = scenarios or list(SCENARIOS)
-    pairs = [(name, store) for name in names for store in stores]
+    runs = [(name, store, planned) for name in names for store in stores
+            if (planned := _planned(name, store)) is not None]
     totals: dict[str, dict[str, int]] = {}
     deadline = clock() + minutes * 60
     round_seed = seed
-    while True:
-        first = (round_seed - seed) % len(pairs)
-        for name, store in pairs[first:] + pairs[:first]:
-            options = {"yields": True} if (round_seed - seed) % 2 else {}
-            report = SCENARIOS[name](store=store, seed=round_seed, iterations=CI_ITERATIONS[name] * scale, **options)
-            total = totals.setdefault(f"{name}[{store}]", {"rounds": 0, "iterations": 0})
+    while runs:
+        first = (round_seed - seed) % len(runs)
+        for name, store, (configs, options) in runs[first:] + runs[:first]:
+            options = options | ({"yields": True} if (round_seed - seed) % 2 else {})
+            iterations = (len(configs) if configs else CI_ITERATIONS[name]) * scale
+            report = SCENARIOS[name](store=store, seed=round_seed, iterations=iterations,
+                                     **({"configs": configs} if configs else {}), **options)
+            total = totals.setdefault(f"{name}[{store_label(store)}]", {"rounds": 0, "iterations": 0})
             total["rounds"] += 1
             total["iterations"] += report.iterations
             for key, value in report.counts.items():
@@ -1001,3 +1006,22 @@ def stress(minutes: float, seed: int = 0, stores: list[str] | None = None, scena
             if clock() >= deadline:
                 return totals
         round_seed += 1
+    return totals
+
+
+def _planned(name: str, store) -> "tuple[list[Config] | None, dict] | None":
+    """``(configurations, options)`` of scenario ``name`` on ``store``: a built-in store's defaults
+    (``None``: every race configuration); for a backend's factory, the configurations it is raced
+    in under ``name`` and conform's options, or None where there are none."""
+    if not callable(store):
+        return None, {}
+    from ..configs import configs_for
+    from .applicable import backend_scenarios
+
+    configs, options = [], {}
+    for config in configs_for(store):
+        applies = backend_scenarios(store, config)
+        if not isinstance(applies, str) and name in dict(applies):
+            configs.append(config)
+            options = dict(applies)[name]
+    return (configs, options) if configs else None

@@ -1,0 +1,28 @@
+"""Which race scenarios a backend is raced in, configuration by configuration: one rule for
+``kvstate conform``'s ``races`` check and for ``kvstate stress --backend``."""
+
+from __future__ import annotations
+
+from kvstate.spec.protocol import Config
+from kvstate.spec.semantics import reclaims
+
+# Every scenario a thread-safe backend gets, with its options at conform's size (the stores' own
+# runs, ``tests/test_races.py``, use each scenario's defaults).
+RACED = (("fork_storm", {"threads": 8}), ("eviction_vs_allocation", {}), ("match_close_vs_clear", {}),
+         ("close_races", {}), ("observe_during_writes", {}), ("hits_stamp_under_race", {}),
+         ("fork_vs_owner_writes", {}))
+
+
+def backend_scenarios(factory, config: Config) -> "list[tuple[str, dict]] | str":
+    """``(scenario, options)`` for each scenario ``factory``'s backend is raced in under ``config``,
+    or why none is (an n/a, not a failure: a single-threaded backend is legitimate)."""
+    if reclaims(config.on_full):
+        return f"on_full={config.on_full!r}: the race scenarios judge the tree by whole-entry eviction"
+    if not getattr(factory, "thread_safe", False):
+        return "the factory does not declare thread_safe = True"
+    scenarios = list(RACED)
+    if config.on_full != "fallback":
+        scenarios.append(("pressure_vs_match", {}))     # pressure eviction or refusal racing match
+    if hasattr(factory(config), "restore"):
+        scenarios.append(("snapshot_vs_decode", {}))
+    return scenarios
