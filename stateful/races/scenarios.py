@@ -750,7 +750,7 @@ def _hit_plan(config: Config, threads: int) -> tuple[Config, int, int] | None:
 
 
 def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 3,
-                          rounds: int = 40, configs=None, yields: bool = False) -> RaceReport:
+                          rounds: int = 10, configs=None, yields: bool = False) -> RaceReport:
     """Recency under concurrent hits: each of ``rounds`` rounds retains ``threads`` keys, then one
     more, Z (the newest; ``max_entries`` is the keys plus Z); ``threads`` threads then hit the other
     keys at once, one key each (a ``match`` of the whole key, closed after); then one more retain must
@@ -761,6 +761,9 @@ def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int =
     what its ``match`` kind allows. A ``match`` stamping its entry outside the lock that guards the
     clock (two hits crossing, one stamp lost or given to the other's entry) leaves a hit key older
     than Z, and that one is evicted instead.
+
+    Ten rounds: audit 3's ``stamp_outside_lock`` was caught in every configuration of 10 of 10
+    ``races`` runs at 10 as at 40, for a quarter of the cost on a correct engine.
 
     n/a (counted as ``skipped``) where pages are reclaimed the engine's own way (``reclaim``: which
     entry goes is its choice) or fewer than two hit keys fit the pool and page budget."""
