@@ -44,11 +44,11 @@ def to_numpy(values: Any) -> np.ndarray:
     return values.detach().cpu().numpy()
 
 
-
 def _shown(key) -> str:
     """An entry's key as a failure names it: its first 8 tokens."""
     key = list(key)
     return f"{key[:8]}"[:-1] + (", ...]" if len(key) > 8 else "]")
+
 
 class Lockstep:
     # Operation kinds beyond the core ones (snapshot, restore) add a handler here:
@@ -459,13 +459,13 @@ class Lockstep:
             hint = _kept_differently({tuple(entry.key) for entry in obs.entries}, {tuple(key) for key, _ in expected})
             raise InvariantViolation(5, f"{differs.detail}{hint}") from None
         if obs.entries is None:
-            keys = [list(key) for key, _tick in self.reference.eviction_order()]
+            keys = [key for key, _tick in self.reference.eviction_order()]
             self._probe_entries()
             obs = self.engine.observe()      # the probes' hits came and went: observe what is left
             try:        # checked now, so books a probe left wrong are the probe's, not the next step's
                 self._check_books(obs)
             except InvariantViolation as wrong:
-                shown = ", ".join(f"match({key[:8]}{'...' if len(key) > 8 else ''})" for key in keys[:3])
+                shown = ", ".join(f"match({_shown(key)})" for key in keys[:3])
                 raise InvariantViolation(wrong.invariant, f"{wrong.detail}; seen right after the suite probed the "
                                                           f"entries after this step ({shown}"
                                                           f"{', ...' if len(keys) > 3 else ''}, each hit closed "
