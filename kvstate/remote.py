@@ -65,6 +65,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -83,6 +84,12 @@ from kvstate.spec.layout import check_tokens
 
 DEFAULT_STRIDE = 256
 DEFAULT_PROBE_BATCH = 8
+# A tier that cannot be reached this many times in a row (``SnapshotReadError``: unreachable, past
+# its deadline; not a damaged object or a pool too full) is skipped by ``match`` for ``outage_pause_s``:
+# each consult of a tier that is down paid its retries to the deadline (22-26 s against a refused
+# connection with botocore's default retries).
+OUTAGES_BEFORE_PAUSE = 3
+DEFAULT_OUTAGE_PAUSE_S = 30.0
 
 __all__ = ["SnapshotStore", "second_tier_match", "deadline"]
 
@@ -92,7 +99,7 @@ class SnapshotStore:
 
     def __init__(self, url_prefix: str, stride: int = DEFAULT_STRIDE, probe_batch: int = DEFAULT_PROBE_BATCH,
                  storage_options: dict | None = None, deadline_s: float | None = None,
-                 producer: bytes | None = None):
+                 producer: bytes | None = None, outage_pause_s: float = DEFAULT_OUTAGE_PAUSE_S):
         if not isinstance(url_prefix, str) or "://" not in url_prefix or not url_prefix.partition("://")[2].strip("/"):
             raise InvalidInputError(f"url_prefix must be a URL naming a bucket or folder, such as 's3://bucket/kv', "
                                     f"got {url_prefix!r}")
@@ -104,6 +111,9 @@ class SnapshotStore:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")
         if deadline_s is not None:
             check_seconds(deadline_s, "deadline_s")
+        if isinstance(outage_pause_s, bool) or not isinstance(outage_pause_s, (int, float)) or not 0 <= outage_pause_s < float("inf"):
+            raise InvalidInputError(f"outage_pause_s must be a finite number of seconds >= 0 (0: never pause), "
+                                    f"got {outage_pause_s!r}")
         if producer is not None:
             fmt.check_producer(producer)
         self.url_prefix = url_prefix.rstrip("/")
@@ -114,6 +124,11 @@ class SnapshotStore:
         self.storage_options = storage_options
         self.failures = 0                   # consults that fell back to the local hit (see consult)
         self.last_failure: str | None = None
+        self.outage_pause_s = outage_pause_s
+        self.skipped = 0                    # consults that did not ask the tier: paused after outages
+        self._outages = 0                   # consults in a row the tier could not be reached
+        self._paused_until = 0.0            # on ``_clock``
+        self._clock = time.monotonic
         self._failure_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -127,6 +142,7 @@ class SnapshotStore:
     def __setstate__(self, state: dict) -> None:
         vars(self).update(state)
         self._failure_lock = threading.Lock()
+        self._outages, self._paused_until = 0, 0.0      # another process's clock: its own view of the tier
 
     # -- keys ------------------------------------------------------------------------
 
@@ -332,7 +348,7 @@ class SnapshotStore:
         except Exception:
             ctx.close()
             raise
-        if matched >= len(tokens):
+        if matched >= len(tokens) or self._paused():
             return found
         config = getattr(cache, "config", None)
         deeper = None
@@ -362,20 +378,41 @@ class SnapshotStore:
             found = deeper, n
         else:
             deeper.close()
+        with self._failure_lock:
+            self._outages = 0               # reached
         if damaged is not None:        # a shorter prefix, or the local hit, served in its place
             self._failed(damaged, stacklevel=4, let_go=found[0])
         return found
+
+    def _paused(self) -> bool:
+        """Whether ``consult`` skips the tier now (counted in ``skipped``): it could not be reached in
+        the last ``OUTAGES_BEFORE_PAUSE`` consults, and ``outage_pause_s`` has not passed since the last."""
+        with self._failure_lock:
+            if self._clock() < self._paused_until:
+                self.skipped += 1
+                return True
+            return False
 
     def _failed(self, error: Exception, stacklevel: int, let_go: Context | None = None) -> None:
         """Counted and warned, the warning naming the line ``stacklevel`` frames up (the caller of
         ``match`` or ``get``). A warning made an error (``simplefilter("error", SecondTierWarning)``)
         ends the call: ``let_go``, the context it would have returned, has no holder then."""
+        pause = ""
         with self._failure_lock:
             self.failures += 1
             self.last_failure = f"{type(error).__name__}: {error}"
+            if isinstance(error, SnapshotReadError):        # not reached: unreachable, or past its deadline
+                self._outages += 1
+                if self._outages >= OUTAGES_BEFORE_PAUSE and self.outage_pause_s:
+                    self._paused_until = self._clock() + self.outage_pause_s
+                    pause = (f"; not reached {self._outages} times in a row, so match skips it for "
+                             f"{self.outage_pause_s:g} s")
+            else:                                           # reached: what failed was not the connection
+                self._outages = 0
         try:
             warnings.warn(SecondTierWarning(f"second tier {remote_io.redact(self.url_prefix)} could not deliver, "
-                                            f"the local hit was used ({self.last_failure})"), stacklevel=stacklevel)
+                                            f"the local hit was used ({self.last_failure}){pause}"),
+                          stacklevel=stacklevel)
         except BaseException:
             if let_go is not None and not let_go.closed:
                 let_go.close()

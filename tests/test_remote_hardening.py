@@ -692,6 +692,60 @@ def test_through_a_store_an_outage_is_counted_not_a_silent_miss(monkeypatch):
     assert store.failures == 1
 
 
+def test_a_tier_not_reached_three_times_in_a_row_is_skipped_for_its_pause(monkeypatch):
+    """Each consult of a tier that is down paid its retries to the deadline (22-26 s a match against
+    a refused connection with botocore's defaults): three outages in a row pause it, match skips it
+    (counted), and once the pause has passed it is asked again, one outage pausing it again."""
+    from kvstate.remote import OUTAGES_BEFORE_PAUSE, SnapshotStore
+    from kvstate.spec.errors import SecondTierWarning
+    monkeypatch.setattr(remote_io, "BACKOFF_S", 0.001)
+    now = [100.0]
+    store = SnapshotStore(f"http://127.0.0.1:{closed_port()}/kv", stride=4, outage_pause_s=30)
+    store._clock = lambda: now[0]
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+
+    def match() -> int:
+        got, n = cache.match([1, 2, 3, 4, 5])
+        got.close()
+        return n
+    for _ in range(OUTAGES_BEFORE_PAUSE - 1):
+        with pytest.warns(SecondTierWarning, match=r"SnapshotReadError: .*\)$"):
+            assert match() == 0
+    with pytest.warns(SecondTierWarning, match="not reached 3 times in a row, so match skips it for 30 s"):
+        assert match() == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # a skipped consult warns nothing: the warning said so
+        assert match() == 0 and match() == 0
+    assert (store.failures, store.skipped) == (3, 2)
+    now[0] += 30
+    with pytest.warns(SecondTierWarning, match="not reached 4 times in a row"):
+        assert match() == 0
+    assert (store.failures, store.skipped) == (4, 2)
+
+
+def test_a_tier_reached_is_never_paused_however_often_it_fails():
+    """A damaged object is the tier reached: each consult asks it again (and ``outage_pause_s=0``
+    turns the pause off), so the pause is for outages only."""
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=8)
+    tokens = stored(store, 16)
+    fsspec.filesystem("memory").pipe_file(store.url(Cache(SMALL, page_tokens=4), tokens)[len("memory://"):],
+                                          b"KVS damaged")
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+    for _ in range(5):
+        with pytest.warns(SecondTierWarning, match="SnapshotCorruptError|SnapshotTruncatedError|SnapshotError"):
+            got, n = cache.match(tokens)
+        got.close()
+    assert (store.failures, store.skipped) == (5, 0)
+
+
+@pytest.mark.parametrize("pause", [-1, float("inf"), float("nan"), True, "30"])
+def test_an_outage_pause_that_is_no_time_is_refused(pause):
+    from kvstate.remote import SnapshotStore
+    with pytest.raises(InvalidInputError, match="outage_pause_s must be a finite number of seconds >= 0"):
+        SnapshotStore("memory://kv", outage_pause_s=pause)
+
+
 # -- item 3: every remote operation has a total deadline ------------------------------------------------
 
 @pytest.fixture
