@@ -554,7 +554,8 @@ def build_parser() -> argparse.ArgumentParser:
     stress.add_argument("--minutes", type=float, default=5.0, help="keep starting rounds until this has passed")
     stress.add_argument("--seed", type=int, default=0, help="seed of the first round; round k uses seed + k")
     stress.add_argument("--scale", type=int, default=10, help="iterations per round, as a multiple of CI's")
-    stress.add_argument("--store", action="append", help="page store (repeatable; default: every available one)")
+    stress.add_argument("--store", action="append", help="page store (repeatable; default: every available one, "
+                                                          "none with --backend)")
     stress.add_argument("--backend", help="a thread-safe backend's factory, package.module[:factory] or a file's "
                                           "path: raced in the configurations and scenarios kvstate conform races it in")
     stress.add_argument("--scenario", action="append", help="scenario name (repeatable; default: all)")

@@ -84,10 +84,11 @@ from kvstate.spec.layout import check_tokens
 
 DEFAULT_STRIDE = 256
 DEFAULT_PROBE_BATCH = 8
-# A tier that cannot be reached this many times in a row (``SnapshotReadError``: unreachable, past
-# its deadline; not a damaged object or a pool too full) is skipped by ``match`` for ``outage_pause_s``:
-# each consult of a tier that is down paid its retries to the deadline (22-26 s against a refused
-# connection with botocore's default retries).
+# A tier that cannot be read this many times in a row (``SnapshotReadError``: unreachable, past its
+# deadline, access refused; not a damaged object or a pool too full) is skipped by ``match`` for
+# ``outage_pause_s``: each consult of a tier that is down paid its retries to the deadline (22-26 s
+# against a refused connection with botocore's default retries). Then one consult tries it while
+# the others still skip it: it lifts the pause, or a failure starts another.
 OUTAGES_BEFORE_PAUSE = 3
 DEFAULT_OUTAGE_PAUSE_S = 30.0
 
@@ -126,7 +127,7 @@ class SnapshotStore:
         self.last_failure: str | None = None
         self.outage_pause_s = outage_pause_s
         self.skipped = 0                    # consults that did not ask the tier: paused after outages
-        self._outages = 0                   # consults in a row the tier could not be reached
+        self._outages = 0                   # consults in a row that could not read the tier
         self._paused_until = 0.0            # on ``_clock``
         self._clock = time.monotonic
         self._failure_lock = threading.Lock()
@@ -143,6 +144,9 @@ class SnapshotStore:
         vars(self).update(state)
         self._failure_lock = threading.Lock()
         self._outages, self._paused_until = 0, 0.0      # another process's clock: its own view of the tier
+        self.__dict__.setdefault("outage_pause_s", DEFAULT_OUTAGE_PAUSE_S)     # pickled before the pause existed
+        self.__dict__.setdefault("skipped", 0)
+        self._clock = time.monotonic
 
     # -- keys ------------------------------------------------------------------------
 
@@ -379,18 +383,22 @@ class SnapshotStore:
         else:
             deeper.close()
         with self._failure_lock:
-            self._outages = 0               # reached
+            self._outages, self._paused_until = 0, 0.0      # read: a pause (a trial's, or a slower call's) lifts
         if damaged is not None:        # a shorter prefix, or the local hit, served in its place
             self._failed(damaged, stacklevel=4, let_go=found[0])
         return found
 
     def _paused(self) -> bool:
-        """Whether ``consult`` skips the tier now (counted in ``skipped``): it could not be reached in
-        the last ``OUTAGES_BEFORE_PAUSE`` consults, and ``outage_pause_s`` has not passed since the last."""
+        """Whether ``consult`` skips the tier now (counted in ``skipped``): the last ``OUTAGES_BEFORE_PAUSE``
+        consults could not read it and ``outage_pause_s`` has not passed since the last, or another
+        consult is trying it after the pause."""
         with self._failure_lock:
-            if self._clock() < self._paused_until:
+            now = self._clock()
+            if now < self._paused_until:
                 self.skipped += 1
                 return True
+            if self._outages >= OUTAGES_BEFORE_PAUSE and self.outage_pause_s:
+                self._paused_until = now + self.outage_pause_s     # this consult is the trial: the rest skip
             return False
 
     def _failed(self, error: Exception, stacklevel: int, let_go: Context | None = None) -> None:
@@ -401,14 +409,14 @@ class SnapshotStore:
         with self._failure_lock:
             self.failures += 1
             self.last_failure = f"{type(error).__name__}: {error}"
-            if isinstance(error, SnapshotReadError):        # not reached: unreachable, or past its deadline
+            if isinstance(error, SnapshotReadError):        # not read: unreachable, past its deadline, refused
                 self._outages += 1
                 if self._outages >= OUTAGES_BEFORE_PAUSE and self.outage_pause_s:
                     self._paused_until = self._clock() + self.outage_pause_s
-                    pause = (f"; not reached {self._outages} times in a row, so match skips it for "
+                    pause = (f"; not read {self._outages} times in a row, so match skips it for "
                              f"{self.outage_pause_s:g} s")
-            else:                                           # reached: what failed was not the connection
-                self._outages = 0
+            else:                                           # read: what failed was not getting there
+                self._outages, self._paused_until = 0, 0.0
         try:
             warnings.warn(SecondTierWarning(f"second tier {remote_io.redact(self.url_prefix)} could not deliver, "
                                             f"the local hit was used ({self.last_failure}){pause}"),

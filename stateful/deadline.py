@@ -11,7 +11,10 @@ is not interrupted; Python-level loops, which is where a backend's own bugs live
 The exception lands at whatever the thread runs next, and a finalizer (a weakref callback, a
 ``__del__``) that runs there prints it as "Exception ignored in ..." and drops it: a sweep under
 Dask once printed that for ``WeakSet._remove``, and the stuck run then went on with its deadline
-spent. So it fires again every ``REFIRE_S`` until the block is left.
+spent. So it fires once more, ``REFIRE_S`` later, if the block is still running. Only once: a
+second exception can itself land at the entry of ``__exit__``, before the block is marked left,
+and escape the ``with`` (the callers' ``except RunTimeout`` around it take it); a timer that kept
+re-firing would then go on raising into whatever code the thread ran next, forever.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import threading
 
 from kvstate.spec.errors import RunTimeout
 
-REFIRE_S = 1.0      # after the first, how often the exception is raised again while the block runs on
+REFIRE_S = 1.0      # after the first, when the exception is raised the second and last time, if the block runs on
 
 # An own prototype of the one C function, rather than argtypes set on ctypes.pythonapi's shared entry.
 _raise_in = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_ulong, ctypes.py_object)(
@@ -47,6 +50,7 @@ class Deadline:
         self._done = False
         self._timer: threading.Timer | None = None
         self._thread_id = 0
+        self._refires = 1
 
     def __enter__(self) -> "Deadline":
         if self.seconds is not None:
@@ -64,7 +68,9 @@ class Deadline:
             if not self._done:
                 self.fired = True
                 _raise_in(self._thread_id, RunTimeout)
-                self._arm(REFIRE_S)     # in case it is dropped where it lands; ``__exit__`` cancels it
+                if self._refires:       # in case it is dropped where it lands; ``__exit__`` cancels it
+                    self._refires -= 1
+                    self._arm(REFIRE_S)
 
     def __exit__(self, *exc_info) -> None:
         if self._timer is None:

@@ -591,7 +591,7 @@ class Lockstep:
                                                     f"entries sharing all of its positions (under block: reaching "
                                                     f"its last whole block): a hit or retain that left its entry's "
                                                     f"recency as it was (not stamped), or a tie resolved to another "
-                                                    f"entry") from None
+                                                    f"entry (or, rarer, a write that reached a page they share)") from None
                     tie = ("; or the hit came from another entry than the reference's: of the entries sharing all "
                            "of its positions (under block: reaching its last whole block), the most recently used "
                            "gives it" if self.config.match != "entry" else "")

@@ -711,16 +711,33 @@ def test_a_tier_not_reached_three_times_in_a_row_is_skipped_for_its_pause(monkey
     for _ in range(OUTAGES_BEFORE_PAUSE - 1):
         with pytest.warns(SecondTierWarning, match=r"SnapshotReadError: .*\)$"):
             assert match() == 0
-    with pytest.warns(SecondTierWarning, match="not reached 3 times in a row, so match skips it for 30 s"):
+    with pytest.warns(SecondTierWarning, match="not read 3 times in a row, so match skips it for 30 s"):
         assert match() == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # a skipped consult warns nothing: the warning said so
         assert match() == 0 and match() == 0
     assert (store.failures, store.skipped) == (3, 2)
     now[0] += 30
-    with pytest.warns(SecondTierWarning, match="not reached 4 times in a row"):
+    with pytest.warns(SecondTierWarning, match="not read 4 times in a row"):
         assert match() == 0
     assert (store.failures, store.skipped) == (4, 2)
+
+
+def test_after_the_pause_one_consult_tries_the_tier_and_a_read_lifts_the_pause():
+    """When the pause ends, every thread's consult went to the tier, each waiting out the deadline
+    of a tier still down (a review); now the first is the trial and the others still skip it. A
+    consult that reads the tier (here: finds nothing longer) lifts the pause at once."""
+    store = memory_store(stride=8)
+    now = [100.0]
+    store._clock = lambda: now[0]
+    store._outages, store._paused_until = 3, 100.0      # paused until now: three consults could not read it
+    assert store._paused() is False                      # the trial
+    assert store._paused() is True and store.skipped == 1     # the rest skip while it runs
+    cache = Cache(SMALL, page_tokens=4, second_tier=store)
+    store._paused_until = 0.0                            # let this consult be a trial too
+    got, n = cache.match([1, 2, 3])
+    got.close()
+    assert (n, store.failures, store._outages, store._paused_until) == (0, 0, 0, 0.0)
 
 
 def test_a_tier_reached_is_never_paused_however_often_it_fails():

@@ -76,3 +76,20 @@ def test_a_timeout_dropped_where_it_landed_is_raised_again(monkeypatch):
                     dropped.append(time.monotonic())
     assert deadline.fired and len(dropped) == 1 and time.monotonic() < give_up
     assert _profiled_thread_finishes()      # and nothing is left pending
+
+
+def test_a_deadline_fires_twice_at_most(monkeypatch):
+    """A second exception can land at the entry of ``__exit__`` and escape the block (a review of the
+    re-fire found it); a timer re-firing until the block was marked left then raised into the
+    caller's code every second, forever. A block that drops every one it gets sees two."""
+    monkeypatch.setattr(deadline_module, "REFIRE_S", 0.02)
+    dropped = 0
+    give_up = time.monotonic() + 0.5
+    with Deadline(0.02) as deadline:
+        while time.monotonic() < give_up:
+            try:
+                while time.monotonic() < give_up:
+                    pass
+            except RunTimeout:
+                dropped += 1
+    assert deadline.fired and dropped == 2

@@ -988,8 +988,8 @@ def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios:
     iterations a configuration."""
     stores = stores or available_stores()
     names = scenarios or list(SCENARIOS)
-    runs = [(name, store, planned) for name in names for store in stores
-            if (planned := _planned(name, store)) is not None]
+    runs = [(name, store, planned) for store in stores for applies in [_applicability(store)] for name in names
+            if (planned := _planned(name, applies)) is not None]
     totals: dict[str, dict[str, int]] = {}
     deadline = clock() + minutes * 60
     round_seed = seed
@@ -1012,19 +1012,26 @@ def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios:
     return totals
 
 
-def _planned(name: str, store) -> "tuple[list[Config] | None, dict] | None":
-    """``(configurations, options)`` of scenario ``name`` on ``store``: a built-in store's defaults
-    (``None``: every race configuration); for a backend's factory, the configurations it is raced
-    in under ``name`` and conform's options, or None where there are none."""
+def _applicability(store) -> "dict[Config, list | str] | None":
+    """For a backend's factory, what ``applicable.backend_scenarios`` says of each of its configurations
+    (each asked once: it builds a cache); None for a built-in store."""
     if not callable(store):
-        return None, {}
+        return None
     from ..configs import configs_for
     from .applicable import backend_scenarios
 
+    return {config: backend_scenarios(store, config) for config in configs_for(store)}
+
+
+def _planned(name: str, applies) -> "tuple[list[Config] | None, dict] | None":
+    """``(configurations, options)`` of scenario ``name``: a built-in store's defaults (``applies`` None:
+    every race configuration); for a backend's factory (``applies`` from ``_applicability``), the
+    configurations it is raced in under ``name`` and conform's options, or None where there are none."""
+    if applies is None:
+        return None, {}
     configs, options = [], {}
-    for config in configs_for(store):
-        applies = backend_scenarios(store, config)
-        if not isinstance(applies, str) and name in dict(applies):
+    for config, found in applies.items():
+        if not isinstance(found, str) and name in dict(found):
             configs.append(config)
-            options = dict(applies)[name]
+            options = dict(found)[name]
     return (configs, options) if configs else None
