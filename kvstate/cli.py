@@ -150,7 +150,7 @@ def _fuzz(args: argparse.Namespace) -> int:
     return 0 if all(report.ok for report in reports.values()) else 1
 
 def _stress(args: argparse.Namespace) -> int:
-    from kvstate.stateful.races.scenarios import SCENARIOS, RaceFailure, available_stores, stress
+    from kvstate.stateful.races.scenarios import SCENARIOS, NothingToRace, RaceFailure, available_stores, stress
 
     _at_least("--minutes", args.minutes, 0)
     _at_least("--scale", args.scale, 1)
@@ -161,12 +161,14 @@ def _stress(args: argparse.Namespace) -> int:
         if scenario not in SCENARIOS:
             raise UsageError(f"unknown scenario {scenario!r} (known: {', '.join(SCENARIOS)})")
     stores = list(args.store or ())
-    if args.backend is not None:
-        stores.append(_raced_backend(args.backend, args.scenario or list(SCENARIOS)))
+    if args.backend is not None:      # raced where conform's races check would race it (races/applicable.py)
+        stores.append(_load_backend(args.backend)[0])
 
     print(f"race scenarios for {args.minutes} min, seed {args.seed}, {args.scale}x the CI iterations")
     try:
         totals = stress(args.minutes, seed=args.seed, stores=stores or None, scenarios=args.scenario, scale=args.scale)
+    except NothingToRace as why:
+        raise UsageError(f"{args.backend!r} is raced in no configuration: {why}") from None
     except RaceFailure as failure:
         print(f"FAILED: {_with_notes(failure)}")
         return 1
@@ -174,23 +176,6 @@ def _stress(args: argparse.Namespace) -> int:
         print(f"total {name}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     print("no race found")
     return 0
-
-def _raced_backend(backend: str, scenarios: list[str]):
-    """The factory ``--backend`` names, refused unless some of ``scenarios`` race it in some
-    configuration (as ``kvstate conform``'s ``races`` check would: ``races/applicable.py``)."""
-    from kvstate.stateful.races.applicable import backend_scenarios
-
-    factory, configs = _load_backend(backend)
-    why = {}
-    for config in configs:
-        applies = backend_scenarios(factory, config)
-        if isinstance(applies, str):
-            why[config.name] = applies
-        elif set(scenarios) & set(dict(applies)):
-            return factory
-    reasons = "; ".join(dict.fromkeys(why.values())) or "none of the scenarios asked applies in its configurations"
-    raise UsageError(f"{backend!r} is raced in no configuration: {reasons}")
-
 
 def _with_notes(error: BaseException) -> str:
     """A race failure's message and its notes: each thread's last operations and the rerun command."""

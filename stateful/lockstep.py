@@ -459,12 +459,12 @@ class Lockstep:
             hint = _kept_differently({tuple(entry.key) for entry in obs.entries}, {tuple(key) for key, _ in expected})
             raise InvariantViolation(5, f"{differs.detail}{hint}") from None
         if obs.entries is None:
-            keys = [key for key, _tick in self.reference.eviction_order()]
-            self._probe_entries()
+            self._probe_entries(expected)
             obs = self.engine.observe()      # the probes' hits came and went: observe what is left
             try:        # checked now, so books a probe left wrong are the probe's, not the next step's
                 self._check_books(obs)
             except InvariantViolation as wrong:
+                keys = [key for key, _tick in expected]
                 shown = ", ".join(f"match({_shown(key)})" for key in keys[:3])
                 raise InvariantViolation(wrong.invariant, f"{wrong.detail}; seen right after the suite probed the "
                                                           f"entries after this step ({shown}"
@@ -556,7 +556,7 @@ class Lockstep:
                 "reference counts, which follows its evictions only through the tree tier (observe().entries): "
                 "without it this can be a false rejection (README: Full pools under values='prefix')")
 
-    def _probe_entries(self) -> None:
+    def _probe_entries(self, order: list | None = None) -> None:
         """Without the tree tier, entries are seen through ``match``: the key of each entry the
         reference holds is matched on both sides, oldest first, and the hits compared (matched count
         and every value), then closed. Each match stamps what it hits, so a correct engine's order is
@@ -565,7 +565,7 @@ class Lockstep:
         teardown only was tried (2026-12-06): on the audit's two planted stamp bugs, sweeps found them
         less often (9 and 70 of 400 runs against 15 and 141), since the probes' own partial and tied
         hits are where such bugs show. A directed row builds the case the probes hide instead."""
-        for key, _tick in self.reference.eviction_order():
+        for key, _tick in self.reference.eviction_order() if order is None else order:    # ``order``: the check's own
             engine_hit, engine_matched = self.engine.match(list(key))
             ref_hit, ref_matched = self.reference.match(list(key))
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"

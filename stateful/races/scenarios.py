@@ -988,12 +988,16 @@ def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios:
     iterations a configuration."""
     stores = stores or available_stores()
     names = scenarios or list(SCENARIOS)
-    runs = [(name, store, planned) for store in stores for applies in [_applicability(store)] for name in names
-            if (planned := _planned(name, applies)) is not None]
+    applicability = {id(store): _applicability(store) for store in stores}
+    runs = [(name, store, planned) for store in stores for name in names
+            if (planned := _planned(name, applicability[id(store)])) is not None]
+    if not runs:        # only a backend's factory can be raced nowhere: say why
+        why = [found for applies in applicability.values() for found in (applies or {}).values() if isinstance(found, str)]
+        raise NothingToRace("; ".join(dict.fromkeys(why)) or "none of the scenarios asked applies in its configurations")
     totals: dict[str, dict[str, int]] = {}
     deadline = clock() + minutes * 60
     round_seed = seed
-    while runs:
+    while True:
         first = (round_seed - seed) % len(runs)
         for name, store, (configs, options) in runs[first:] + runs[:first]:
             options = options | ({"yields": True} if (round_seed - seed) % 2 else {})
@@ -1009,7 +1013,10 @@ def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios:
             if clock() >= deadline:
                 return totals
         round_seed += 1
-    return totals
+
+
+class NothingToRace(ValueError):
+    """``stress`` was given only backends that no scenario asked races in any configuration."""
 
 
 def _applicability(store) -> "dict[Config, list | str] | None":
