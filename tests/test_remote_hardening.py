@@ -23,6 +23,23 @@ from kvstate.spec.errors import InvalidInputError, SnapshotError, SnapshotNotFou
 
 fsspec = pytest.importorskip("fsspec")
 
+
+@pytest.fixture
+def ctrl_c():
+    """Ctrl-C as a terminal gives it: ``KeyboardInterrupt`` in this thread, whatever the test process
+    inherited. A runner started in the background by a script (``(pytest &)``) inherits SIGINT
+    ignored, and the interrupt tests below then failed for the shell, not for the code."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    blocked = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
 SMALL = Layout(1, 1, 2)
 # one name per character class a glob, a URL parser or an encoder treats specially
 AWKWARD_NAMES = ["star*name.kvs", "what?name.kvs", "br[ack]et.kvs", "[0-9].kvs", "sp ace.kvs", "ünïcødé-名.kvs",
@@ -878,7 +895,7 @@ def test_a_second_tier_at_a_silent_endpoint_counts_its_deadline_and_match_return
     assert store.failures == 1 and "store's deadline" in store.last_failure
 
 
-def test_an_interrupt_during_a_lookup_at_a_silent_endpoint_surfaces_at_once(silent_server):
+def test_an_interrupt_during_a_lookup_at_a_silent_endpoint_surfaces_at_once(silent_server, ctrl_c):
     """Ctrl-C while a lookup's probes waited on a server that never answers took effect only when the
     store's deadline ran out: the probes' thread pool was joined on the way out (and at exit)."""
     import os
@@ -1097,7 +1114,7 @@ def test_max_bytes_takes_a_numpy_integer_as_positions_do(tmp_path):
         assert len(back) == 5
 
 
-def test_an_interrupt_while_the_publishing_call_is_held_surfaces_at_once(monkeypatch):
+def test_an_interrupt_while_the_publishing_call_is_held_surfaces_at_once(monkeypatch, ctrl_c):
     """Ctrl-C during a small snapshot whose one PUT a server held took effect only when the rest of the
     deadline ran out: the clean-up waited behind the held call. It is now queued instead, and the key
     is held back from later writes (the PUT was sent and may still land)."""
