@@ -299,6 +299,27 @@ def test_cluster_report_equals_the_local_pools(cluster, tmp_path, monkeypatch, c
 # -- faults ----------------------------------------------------------------------------------
 
 @needs_distributed
+@pytest.mark.skipif(sys.version_info >= (3, 12), reason="the deadlock is CPython 3.11's and older")
+def test_a_sweep_stops_the_sampling_profiler_of_its_workers(cluster):
+    """On CPython before 3.12, Dask's profiler (``sys._current_frames()`` every 10 ms) deadlocked a worker
+    now and then: a collection set off inside it ran a run's ``TemporaryDirectory`` finalizer, which gave
+    up the GIL while the profiler held the thread-list lock, and a shrink try's timer thread, ending,
+    took the GIL and waited for that lock (python/cpython#106883). The gate stops it on every worker."""
+    import dask
+    from kvstate.stateful.sweeps.cluster import connect
+
+    local, client = cluster
+    assert dask.config.get("distributed.worker.profile.enabled")       # Dask's default: on
+
+    def profiling(dask_worker) -> bool:
+        callback = dask_worker.periodic_callbacks.get("profile")
+        return callback is not None and callback.is_running()
+    with connect(local.scheduler_address, "sweep_planted", out=None):
+        running = client.run(profiling)
+    assert len(running) == 2 and not any(running.values()), running
+
+
+@needs_distributed
 def test_a_killed_worker_loses_and_duplicates_no_run(cluster, tmp_path):
     from kvstate.stateful.sweeps.cluster import connect
 
@@ -725,7 +746,7 @@ def test_a_worker_whose_nanny_cannot_read_its_table_is_named_so_not_as_one_witho
         pass
 
     worker = SimpleNamespace(address="tcp://127.0.0.1:1", nanny="tcp://127.0.0.1:2", status=None,
-                             state=SimpleNamespace(nthreads=2), set_resources=set_resources,
+                             state=SimpleNamespace(nthreads=2), set_resources=set_resources, periodic_callbacks={},
                              log_event=lambda topic, message: events.append((topic, message)))
     gate = BackendGate(S.DEFAULT_BACKEND, fingerprint(S.DEFAULT_BACKEND))
     asyncio.run(gate.setup(worker))
@@ -783,7 +804,7 @@ def test_a_worker_hands_its_table_to_its_nanny_and_is_named_unwatched_unless_it_
 
     events = []
     worker = SimpleNamespace(address="tcp://127.0.0.1:1", nanny="tcp://127.0.0.1:2", status=None,
-                             state=SimpleNamespace(nthreads=2), set_resources=set_resources,
+                             state=SimpleNamespace(nthreads=2), set_resources=set_resources, periodic_callbacks={},
                              rpc=lambda address: NannyComm(),
                              log_event=lambda topic, message: events.append((topic, message)))
     gate = BackendGate(S.DEFAULT_BACKEND, fingerprint(S.DEFAULT_BACKEND))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import sys
 
 from distributed import WorkerPlugin
 from distributed.core import Status
@@ -59,10 +60,28 @@ class BackendGate(WorkerPlugin):
                                          "differs": {key: list(pair) for key, pair in differs.items()}})
             return
         unwatched = await watch_worker(worker)      # before any run can come: its nanny has its table
+        stop_sampling_profiler(worker)
         await worker.set_resources(**{self.name: worker.state.nthreads})      # awaited: the scheduler holds it now
         offer_waiting_runs(worker)
         worker.log_event(self.name, {"worker": worker.address, "accepted": True, "watched": unwatched is None,
                                      "unwatched": unwatched})
+
+
+def stop_sampling_profiler(worker) -> None:
+    """Stop the worker's statistical profiler (``Worker.trigger_profile``, every 10 ms while a task runs)
+    on CPython before 3.12, where it can deadlock the worker process for good (python/cpython#106883,
+    #116969; dask/distributed#8616). It calls ``sys._current_frames()``, which holds the interpreter's
+    thread-list lock while it makes frame objects; an allocation there may start a collection, whose
+    finalizers may give up the GIL (a ``TemporaryDirectory``'s rmtree). A thread that then takes the
+    GIL and starts or ends a thread (a shrink try's ``Deadline`` timer) waits for that lock while
+    holding the GIL: no thread of the worker runs again, its event loop included, until its nanny
+    kills it. A sweep's shrink stalled its worker so until the nanny's kill (300-480 s), rarely: 2 of
+    about 300 sweeps on a loaded local cluster. The profile only feeds Dask's dashboard."""
+    if sys.version_info >= (3, 12):         # collections run only at the eval breaker there
+        return
+    callback = worker.periodic_callbacks.pop("profile", None)     # out of the table: a later
+    if callback is not None:                                        # start_periodic_callbacks would restart it
+        callback.stop()
 
 
 def offer_waiting_runs(worker) -> None:
