@@ -33,7 +33,9 @@ from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
 from .deadline import Deadline
+from .lockstep import Lockstep
 from .replay import Failure, execute
+from .snapshots import remove_files
 
 DEFAULT_TRIES = 1000
 """Tries one shrink may make: about what the old 60 s budget allowed on an idle machine (a 400-step run's
@@ -99,14 +101,19 @@ class Shrinker:
     def fails(self, ops: list[O.Op]) -> bool:
         """Whether ``ops`` still fails the same way; remembers the failure it shows."""
         self.tries += 1
+        lockstep = None
         try:        # a candidate can hang a backend (a loop at truncate 0): each try ends with the budget
             with Deadline(max(self.deadline - time.monotonic(), 0.01)) as deadline:
-                failure, _ = execute(self.factory, self.config, ops)
+                lockstep = Lockstep(self.factory, self.config)
+                failure, _ = execute(self.factory, self.config, ops, lockstep=lockstep)
         except ReplayFileError:
             return False
         except RunTimeout:
             self.stopped = CLOCK
             return False
+        finally:    # its snapshot files removed here, not by a collection in whatever thread (snapshots.remove_files)
+            if lockstep is not None:
+                remove_files(lockstep)
         if deadline.fired:
             self.stopped = CLOCK        # this try's answer was the clock's, not the backend's
             return False

@@ -88,6 +88,19 @@ def _folder(lockstep: Lockstep) -> Path:
     return path
 
 
+def remove_files(lockstep: Lockstep) -> None:
+    """Remove the run's snapshot files now, in this thread, for a caller done with the run (a shrink's
+    try). Left to its ``TemporaryDirectory``'s finalizer, a run that is part of a reference cycle (a
+    fifth of a shrink's tries) is removed by whichever allocation sets off the next collection, in
+    whichever thread: on a Dask worker of CPython 3.11, once inside the profiler's
+    ``sys._current_frames()``, whose thread-list lock the rmtree then held while it gave up the GIL,
+    which deadlocked the worker (python/cpython#106883; ``worker_gate.stop_sampling_profiler``)."""
+    folder = lockstep.__dict__.pop("_snapshot_folder", None)
+    if folder is not None:
+        del lockstep.__dict__["_snapshot_path"]     # a later snapshot of the run makes a new folder
+        folder.cleanup()                            # and detaches the finalizer
+
+
 def _url(lockstep: Lockstep, name: str) -> str:
     """A ``memory://`` URL for snapshot ``name``. A run's URLs go after its Lockstep is collected,
     at the next run's first URL (``_forget_collected_runs``)."""
