@@ -369,16 +369,18 @@ def run_threads(bodies: list[Callable[[], None]], where: str, observe_cache: Cac
     if watcher is not None:
         watcher.join(max(1.0, deadline - time.monotonic()))
     # A thread's own failure first: it may be why another one never finished.
+    def named(index: int) -> str:
+        return "observer" if index == len(bodies) else f"thread {index}"
+
     real = [(i, e) for i, e in failures if not isinstance(e, threading.BrokenBarrierError)] or failures
     if real:
         index, error = real[0]
-        name = "observer" if index == len(bodies) else f"thread {index}"
+        name = named(index)
         # Where the backend raised it (the suite's own assertions have no place to name): a race's only trace.
         raise RaceFailure(f"{where}, {name}: {type(error).__name__}: {error}{raised_at(error)}") from error
     hung = [(index, thread) for index, thread in enumerate(threads + ([watcher] if watcher else [])) if thread.is_alive()]
     if hung:
-        waits = "; ".join(f"{'observer' if index == len(bodies) else f'thread {index}'} "
-                          f"{waiting_at(thread.ident) or 'ended just now'}" for index, thread in hung)
+        waits = "; ".join(f"{named(index)} {waiting_at(thread.ident) or 'ended just now'}" for index, thread in hung)
         raise RaceFailure(f"{where}: {len(hung)} of its threads still running after {THREAD_TIMEOUT:g} s, a deadlock "
                           f"or a wait that never ends: {waits}")
 

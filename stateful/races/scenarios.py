@@ -1038,7 +1038,8 @@ def _planned(name: str, applies) -> "tuple[list[Config] | None, dict] | None":
         return None, {}
     configs, options = [], {}
     for config, found in applies.items():
-        if not isinstance(found, str) and name in dict(found):
+        raced = {} if isinstance(found, str) else dict(found)
+        if name in raced:
             configs.append(config)
-            options = dict(found)[name]
+            options = raced[name]
     return (configs, options) if configs else None
