@@ -15,12 +15,22 @@ spent. So it fires once more, ``REFIRE_S`` later, if the block is still running.
 second exception can itself land at the entry of ``__exit__``, before the block is marked left,
 and escape the ``with`` (the callers' ``except RunTimeout`` around it take it); a timer that kept
 re-firing would then go on raising into whatever code the thread ran next, forever.
+
+One thread fires every deadline of a process (``_Clock``), not a ``threading.Timer`` each: a
+shrink arms hundreds, one a try, and every thread's start and end takes the interpreter's
+thread-list lock, which on CPython 3.11 was one of the three things a Dask worker's stall
+needed (python/cpython#106883; ``sweeps/worker_gate.py``).
 """
 
 from __future__ import annotations
 
 import ctypes
+import heapq
+import itertools
+import os
 import threading
+import time
+import traceback
 
 from kvstate.spec.errors import RunTimeout
 
@@ -48,7 +58,7 @@ class Deadline:
         self.fired = False
         self._lock = threading.Lock()
         self._done = False
-        self._timer: threading.Timer | None = None
+        self._armed: int | None = None      # the clock's number for the next firing, once armed
         self._thread_id = 0
         self._refires = 1
 
@@ -59,9 +69,7 @@ class Deadline:
         return self
 
     def _arm(self, seconds: float) -> None:
-        self._timer = threading.Timer(seconds, self._fire)
-        self._timer.daemon = True
-        self._timer.start()
+        self._armed = _clock.arm(seconds, self._fire)
 
     def _fire(self) -> None:
         with self._lock:
@@ -73,13 +81,89 @@ class Deadline:
                     self._arm(REFIRE_S)
 
     def __exit__(self, *exc_info) -> None:
-        if self._timer is None:
+        if self._armed is None:
             return
         with self._lock:
             self._done = True
-            self._timer.cancel()
+            _clock.cancel(self._armed)
         if self.fired:
             _drain()
+
+
+class _Clock:
+    """One daemon thread that makes every armed deadline's call when it is due, earliest first.
+
+    Its thread starts at the first deadline armed in the process. A call is made outside the
+    clock's lock: it takes its deadline's lock, and may arm again (the re-fire), and a deadline's
+    ``__exit__`` cancels under its own lock, so both take the two locks in the same order."""
+
+    def __init__(self) -> None:
+        self._wake = threading.Condition(threading.Lock())
+        self._due: list[tuple[float, int, object]] = []     # (when, number, call): a heap
+        self._armed: set[int] = set()       # numbers neither made nor cancelled; the rest leave ``_due`` lazily
+        self._numbers = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float, call) -> int:
+        """``call()`` in ``seconds``, unless cancelled first: its number, for ``cancel``."""
+        with self._wake:
+            number = next(self._numbers)
+            heapq.heappush(self._due, (time.monotonic() + seconds, number, call))
+            self._armed.add(number)
+            start = self._thread is None
+            if start:
+                self._thread = threading.Thread(target=self._run, name="kvstate-deadlines", daemon=True)
+            elif self._due[0][1] == number:     # due before the one the thread waits for
+                self._wake.notify()
+        if start:
+            try:
+                self._thread.start()
+            except BaseException:   # no thread (none left to start): the next deadline tries again
+                with self._wake:
+                    self._thread = None
+                    self._armed.discard(number)
+                raise
+        return number
+
+    def cancel(self, number: int) -> None:
+        with self._wake:
+            self._armed.discard(number)
+            if len(self._due) > 2 * len(self._armed) + 64:     # mostly cancelled: they go now, not when due
+                self._due = [entry for entry in self._due if entry[1] in self._armed]
+                heapq.heapify(self._due)
+
+    def _run(self) -> None:
+        armed = self._armed
+        while True:
+            with self._wake:
+                while True:
+                    due = self._due         # ``cancel`` may have replaced the list
+                    while due and due[0][1] not in armed:
+                        heapq.heappop(due)
+                    if not due:
+                        self._wake.wait()
+                    elif due[0][0] <= time.monotonic():
+                        break
+                    else:
+                        self._wake.wait(due[0][0] - time.monotonic())
+                _when, number, call = heapq.heappop(due)
+                armed.discard(number)
+            try:
+                call()
+            except Exception:       # printed; the thread goes on, or no later deadline would fire
+                traceback.print_exc()
+
+
+_clock = _Clock()
+
+
+def _new_clock() -> None:
+    """A forked child's own clock: the parent's thread is not in it, and its lock may have been held."""
+    global _clock
+    _clock = _Clock()
+
+
+os.register_at_fork(after_in_child=_new_clock)
 
 
 def _drain() -> None:

@@ -7,6 +7,9 @@ at its first call forever."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import threading
 import time
 
@@ -93,3 +96,48 @@ def test_a_deadline_fires_twice_at_most(monkeypatch):
             except RunTimeout:
                 dropped += 1
     assert deadline.fired and dropped == 2
+
+
+def test_every_deadline_of_a_process_shares_one_timer_thread():
+    """A thread a deadline (``threading.Timer``) started and ended one for each of a shrink's
+    hundreds of tries; a thread's start and end take the interpreter's thread-list lock, one of the
+    three things a Dask worker's stall needed on CPython 3.11 (python/cpython#106883)."""
+    before = set(threading.enumerate())
+    with contextlib.ExitStack() as armed:
+        for _ in range(20):
+            armed.enter_context(Deadline(60))
+        started = set(threading.enumerate()) - before
+    assert len(started) <= 1        # the clock's thread, where no deadline had started it before
+
+
+def test_a_deadline_armed_inside_a_longer_one_fires_at_its_own_time():
+    # The clock's thread waits for the earliest deadline: a nearer one armed after must wake it.
+    give_up = time.monotonic() + 10
+    with Deadline(600) as outer:
+        with pytest.raises(RunTimeout):
+            with Deadline(0.05) as inner:
+                while time.monotonic() < give_up:
+                    pass
+    assert inner.fired and not outer.fired and time.monotonic() < give_up
+    assert _profiled_thread_finishes()
+
+
+def _fires_in_a_forked_child() -> None:
+    give_up = time.monotonic() + 10
+    try:
+        with Deadline(0.05):
+            while time.monotonic() < give_up:
+                pass
+    except RunTimeout:
+        os._exit(0)
+    os._exit(1)
+
+
+def test_a_deadline_fires_in_a_process_forked_after_the_clock_started():
+    # The child has no copy of the parent's clock thread: it starts its own.
+    with Deadline(60):
+        pass        # the parent's clock is running
+    child = multiprocessing.get_context("fork").Process(target=_fires_in_a_forked_child)
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
