@@ -24,6 +24,7 @@ import numpy as np
 from kvstate.spec.arithmetic import pages_touched, span_in_page, truncate_keep
 from kvstate.spec.errors import ContextBusyError, ContextClosedError, PositionError
 from kvstate.spec.layout import check_tokens, check_values
+from kvstate.spec.positions import as_position, not_a_position
 
 from .holding import Holding
 from .pages import Page, joined_slots
@@ -179,7 +180,7 @@ class Context:
 
     def _layer_parts(self, layer: int, start: int, stop: int | None):
         start, stop = _check_range("read_layer", start, self._length if stop is None else stop, self._length)
-        index = _position(layer)
+        index = as_position(layer)
         if index is None or not 0 <= index < self._cache.layout.layers:
             raise PositionError(f"layer {layer!r} is outside 0..{self._cache.layout.layers - 1}")
         layer = index
@@ -213,7 +214,7 @@ class Context:
             use = self._use
             if use and use != get_ident():
                 self._refuse_use()
-            at = _position(index)
+            at = as_position(index)
             if at is None or not 0 <= at < len(self._pages):      # a negative index kept every old page
                 raise PositionError(f"page index {index!r} is outside context {self.context_id}'s "
                                     f"{len(self._pages)} pages")
@@ -286,9 +287,9 @@ class Context:
         tokens = check_tokens(tokens)
         kv = check_values(self._cache.layout, kv, len(tokens))
         with self._owned():
-            first = _position(start)
+            first = as_position(start)
             if first is None:
-                raise PositionError(_not_a_position("overwrite", start))
+                raise PositionError(not_a_position("overwrite", start))
             stop = first + len(tokens)
             if not 0 <= first <= stop <= self._length:
                 raise PositionError(
@@ -376,9 +377,9 @@ class Context:
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
         with self._owned():
-            keep_positions = _position(n)
+            keep_positions = as_position(n)
             if keep_positions is None:
-                raise PositionError(_not_a_position("truncate", n))
+                raise PositionError(not_a_position("truncate", n))
             if not 0 <= keep_positions <= self._length:
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             n = keep_positions
@@ -479,29 +480,10 @@ def _whole_pages(start: int, stop: int, page_tokens: int) -> range:
     return whole if len(whole) > 1 else range(0)
 
 
-def _position(value) -> int | None:
-    """A position as a Python int, or None for anything that is not one.
-
-    Converted at the door (``operator.index``): a NumPy ``uint8`` or ``int8`` would
-    otherwise carry its width into the page arithmetic and wrap. Ints of every
-    width are positions (Python or NumPy); a bool is not, nor a float or 0-d array.
-    """
-    if type(value) is int:      # the common case first: a plain int (a bool's type is bool)
-        return value
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        return None
-    return operator.index(value)
-
-
-def _not_a_position(what: str, value) -> str:
-    """A refusal's words for a position that is no integer (a float, a bool, a 0-d array)."""
-    return f"{what} takes integer positions, not {value!r} ({type(value).__name__})"
-
-
 def _check_range(what: str, start, stop, length: int) -> tuple[int, int]:
-    first, end = _position(start), _position(stop)
+    first, end = as_position(start), as_position(stop)
     if first is None or end is None:
-        raise PositionError(_not_a_position(what, start if first is None else stop))
+        raise PositionError(not_a_position(what, start if first is None else stop))
     if not 0 <= first <= end <= length:
         raise PositionError(f"{what} of [{start}, {stop}) is outside length {length}")
     return first, end

@@ -61,13 +61,14 @@ from transformers.cache_utils import Cache as _HFCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from kvstate.impl import Cache  # noqa: E402
+from kvstate.impl import Cache, TokenIds  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, common_prefix, state_token, written_token  # noqa: E402
 from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedError, ForeignContextError,  # noqa: E402
                                  PositionError, ShapeError, SnapshotModelError, SnapshotProducerError, TokenError,
                                  UnsupportedModelError)
 from kvstate.spec.layout import check_tokens  # noqa: E402
+from kvstate.spec.positions import as_position, not_a_position  # noqa: E402
 from kvstate.spec.precision import roundtrip  # noqa: E402
 
 from .hf_identity import bind_model, expected_producer, is_bound, snapshot_producer  # noqa: E402
@@ -716,9 +717,12 @@ class KVStateCache(_HFCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' rollback: a negative count removes that many positions from the end."""
-        if tokens_to_remove > 0:
+        count = as_position(tokens_to_remove)
+        if count is None:
+            raise PositionError(not_a_position("crop", tokens_to_remove))
+        if count > 0:
             raise PositionError(f"crop takes a negative count of positions to remove, got {tokens_to_remove}")
-        self.truncate(self._length() + tokens_to_remove)
+        self.truncate(self._length() + count)
 
     @_owned("reset")
     def reset(self) -> None:
@@ -747,9 +751,10 @@ class KVStateCache(_HFCache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times, in place (``num_return_sequences``): forks."""
         self._refuse_mid_forward("batch_repeat_interleave")
-        if int(repeats) < 1:
-            raise ShapeError(f"repeats must be at least 1, got {repeats}")
-        self._regroup(reorder_plan([r for r in range(len(self.rows)) for _ in range(int(repeats))], len(self.rows)))
+        count = as_position(repeats)
+        if count is None or count < 1:
+            raise ShapeError(f"repeats must be an integer of at least 1, got {repeats!r}")
+        self._regroup(reorder_plan([r for r in range(len(self.rows)) for _ in range(count)], len(self.rows)))
 
     @_owned("batch_select_indices")
     def batch_select_indices(self, indices) -> None:
@@ -786,9 +791,10 @@ class KVStateCache(_HFCache):
         """Row ``index`` as its own one-row cache, on a fork of its context (pages shared): retain it,
         snapshot it, continue it. Its padding stays behind: it holds the row's real tokens only."""
         self._refuse_mid_forward("row")
-        if not 0 <= index < len(self.rows):
-            raise ShapeError(f"row {index} is not a row of a batch of {len(self.rows)}")
-        return type(self)(self.layout, self.kv, self.rows[index].fork(), layer_views=self.layer_views)
+        at = as_position(index)
+        if at is None or not 0 <= at < len(self.rows):
+            raise ShapeError(f"row {index!r} is not a row of a batch of {len(self.rows)}")
+        return type(self)(self.layout, self.kv, self.rows[at].fork(), layer_views=self.layer_views)
 
     @_owned("fork")
     def fork(self) -> "KVStateCache":
@@ -808,11 +814,14 @@ class KVStateCache(_HFCache):
         if len(self.rows) == 1 and not self.pads[0]:
             self.rows[0].truncate(n)
             return
-        if not isinstance(n, int) or not max(self.pads) <= n <= self._length():
+        keep = as_position(n)
+        if keep is None:
+            raise PositionError(not_a_position("truncate", n))
+        if not max(self.pads) <= keep <= self._length():
             raise PositionError(f"truncate to {n} is outside the batch's held positions [{max(self.pads)}, "
                                 f"{self._length()}] (padding is not cut)")
         for ctx, pad in zip(self.rows, self.pads):
-            ctx.truncate(n - pad)
+            ctx.truncate(keep - pad)
 
     @_owned("retain")
     def retain(self) -> None:
@@ -837,8 +846,10 @@ class KVStateCache(_HFCache):
         if isinstance(tokens, torch.Tensor):        # a prompt as generate takes it, (1, n), is one sequence
             if tokens.ndim > 2 or (tokens.ndim == 2 and tokens.shape[0] != 1):
                 raise ShapeError(f"match takes one sequence of token ids, not a tensor of shape {tuple(tokens.shape)}")
-            tokens = tokens.reshape(-1)
-        tokens = check_tokens(tokens)
+            if tokens.ndim == 2:
+                tokens = tokens.reshape(-1)     # a 0-d tensor is no sequence: ``check_tokens`` refuses it
+        if type(tokens) is not TokenIds:        # checked when they were made: matched by their packed key
+            tokens = check_tokens(tokens)
         found, matched = self.kv.match(tokens)
         try:
             if matched >= len(tokens) > 0:
@@ -873,6 +884,10 @@ class KVStateCache(_HFCache):
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _fed_here(self) -> bool:
+        """Whether this thread's forward is under way on the cache, its ids fed (by a hook, or by hand)."""
+        return self._in_forward and self._forward_thread == threading.get_ident()
+
     def _refuse_mid_forward(self, what: str) -> None:
         if self._forward_thread not in (None, threading.get_ident()):
             raise self._busy(what)
@@ -905,16 +920,31 @@ def _cache_given(kwargs: dict):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
+def _named_arguments(model, args: tuple, kwargs: dict) -> dict:
+    """A forward's arguments by name, those passed by position included: after ``input_ids``, GPT-2's
+    forward takes the cache second, Llama's and its family's ``attention_mask``, ``position_ids``, then
+    the cache. Only ``kwargs`` where no more than the ids came by position (``generate`` passes
+    keywords), or where the arguments do not fit the forward (which then refuses them itself)."""
+    if len(args) < 2 or model is None:
+        return kwargs
+    try:
+        bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs)
+    except (TypeError, ValueError):
+        return kwargs
+    return {**kwargs, **bound.arguments}
+
+
 def _feed_hook(module, args, kwargs):
-    cache = _cache_given(kwargs)
+    named = _named_arguments(module, args, kwargs)
+    cache = _cache_given(named)
     if isinstance(cache, KVStateCache):
         check_model_fits(module._kvstate_layout, cache)
         bind_model(module, cache.kv)
-        ids = kwargs.get("input_ids")
+        ids = named.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
         try:
-            cache.feed(ids, kwargs.get("attention_mask"))
+            cache.feed(ids, named.get("attention_mask"))
             cache._by_hand = False      # fed by this model's hook, and the model checked above
         except BaseException as error:
             if not isinstance(error, Exception):
@@ -924,7 +954,7 @@ def _feed_hook(module, args, kwargs):
 
 
 def _end_hook(module, args, kwargs, output):
-    cache = _cache_given(kwargs)
+    cache = _cache_given(_named_arguments(module, args, kwargs))
     if isinstance(cache, KVStateCache):
         cache.end_forward()
     return None
@@ -1034,12 +1064,21 @@ class _ReleasingStreamer(BaseStreamer):
 
 def _forward_checked(forward, *args, **kwargs):
     """The model's forward, called through ``model(...)`` (its hook fed the ids and checked the model) or
-    directly (``model.forward(...)``: no hook ran, so a forward fed by hand is checked here)."""
-    cache = _cache_given(kwargs)
+    directly (``model.forward(...)``: no hook ran, so a forward fed by hand is checked here, and one
+    not fed is fed and ended here as the hooks would)."""
     model = _model_of(forward)
-    if isinstance(cache, KVStateCache) and cache._by_hand and model is not None:
-        cache._check_model_of(model)
-    return _ended_on_interrupt(forward, *args, **kwargs)
+    cache = _cache_given(_named_arguments(model, args, kwargs))
+    if not isinstance(cache, KVStateCache) or model is None:
+        return _ended_on_interrupt(forward, *args, **kwargs)
+    if cache._fed_here():
+        if cache._by_hand:
+            cache._check_model_of(model)
+        return _ended_on_interrupt(forward, *args, **kwargs)
+    _feed_hook(model, args, kwargs)
+    try:
+        return _ended_on_interrupt(forward, *args, **kwargs)
+    finally:
+        cache.end_forward()     # as ``_end_hook`` after any forward: after one that committed, nothing to do
 
 
 _WRAPPERS_FOLLOWED = 8       # how many wrappers deep ``_model_of`` looks for the model
@@ -1074,7 +1113,7 @@ def _ended_on_interrupt(forward, *args, **kwargs):
     except Exception:
         raise           # the end hook runs
     except BaseException:
-        cache = _cache_given(kwargs)
+        cache = _cache_given(_named_arguments(_model_of(forward), args, kwargs))
         if isinstance(cache, KVStateCache):
             cache.end_forward()
         raise
