@@ -25,6 +25,7 @@ from __future__ import annotations
 import marshal
 import sys
 from array import array
+from collections.abc import Sequence
 from operator import countOf
 
 import numpy as np
@@ -161,7 +162,7 @@ def unpacked(packed: bytes) -> np.ndarray:
     return np.frombuffer(packed, _I4).astype(np.int64)
 
 
-class TokenIds:
+class TokenIds(Sequence):
     """Token ids checked once, as they are added: a conversation's ids, grown turn by turn.
 
     A lookup checks every id it is given (a bad one gets its named error before anything
@@ -169,7 +170,7 @@ class TokenIds:
     few thousand ids that reading is most of the lookup (``bench/versus_sglang.py``).
     ``TokenIds`` holds ids already checked, packed as the tree's keys are, and never changes:
     ``ids + turn`` checks ``turn`` alone and makes a new ``TokenIds``; ``match(ids)`` takes the
-    packed key as it is. Anywhere else it reads as a sequence of ints.
+    packed key as it is. Anywhere else it reads as a sequence of ints (a ``collections.abc.Sequence``).
     """
 
     __slots__ = ("_packed",)
@@ -208,6 +209,16 @@ class TokenIds:
 
     def __iter__(self):
         return iter(unpack(self._packed))
+
+    # A ``Sequence``'s searches, over the unpacked ids at once rather than an id at a time.
+    def __contains__(self, value) -> bool:
+        return value in unpack(self._packed)
+
+    def index(self, value, start: int = 0, stop: int = sys.maxsize) -> int:
+        return unpack(self._packed).index(value, start, stop)
+
+    def count(self, value) -> int:
+        return unpack(self._packed).count(value)
 
     def __getitem__(self, index):
         if isinstance(index, slice):

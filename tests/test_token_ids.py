@@ -45,6 +45,17 @@ def test_reads_as_a_sequence_of_ints():
     assert "6 ids" in repr(ids)
 
 
+def test_is_a_sequence_with_its_searches():
+    # From an audit: "reads as a sequence of ints", yet no index, no count, and no collections.abc.Sequence.
+    from collections.abc import Sequence
+    ids = TokenIds([5, 6, 7, 6])
+    assert isinstance(ids, Sequence) and not hasattr(ids, "__dict__")
+    assert ids.index(6) == 1 and ids.index(6, 2) == 3 and ids.count(6) == 2 and ids.count(9) == 0
+    assert 7 in ids and 9 not in ids and list(reversed(ids)) == [6, 7, 6, 5]
+    with pytest.raises(ValueError):
+        ids.index(5, 1)
+
+
 def test_token_ids_never_change_and_a_pickle_is_checked_again():
     import pickle
 
