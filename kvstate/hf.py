@@ -928,10 +928,16 @@ def _named_arguments(model, args: tuple, kwargs: dict) -> dict:
     if len(args) < 2 or model is None:
         return kwargs
     try:
-        bound = inspect.signature(type(model).forward).bind_partial(model, *args, **kwargs)
+        bound = _forward_signature(type(model)).bind_partial(model, *args, **kwargs)
     except (TypeError, ValueError):
         return kwargs
     return {**kwargs, **bound.arguments}
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_signature(model_class) -> inspect.Signature:
+    """A model class's ``forward`` signature, read once: each forward asks three times."""
+    return inspect.signature(model_class.forward)
 
 
 def _feed_hook(module, args, kwargs):
