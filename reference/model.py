@@ -40,6 +40,10 @@ keep the context's own page instead and give that to every later hit: the two na
 page or two (``maybe_one_page``). Rooms are judged between the two counts: names as they stand (the
 most pages the engine may hold) and names that may be one page counted once (the fewest). The keys
 retained since the pool last may have been short still hold every page (``least_hit``).
+
+Under ``match="block"`` no hit reaches past an entry's last whole block, so whether the engine keeps
+the pages past it (a retained key's partly filled last block, which vLLM never caches) is its own
+choice: rooms are judged between counting them and not (``_listed``), as for ``reclaim``.
 """
 
 from __future__ import annotations
@@ -158,18 +162,21 @@ class RefContext:
         def need(least: bool) -> dict[int, int]:
             return {sharing: sum(self._pages_to_write(start, n, extend, sharing, least))
                     for sharing in self.cache.viable}
-        return need(False), need(True) if reclaims(self.cache.config.on_full) else None
+        fewer = reclaims(self.cache.config.on_full) or self.cache.tails_optional
+        return need(False), need(True) if fewer else None
 
     def _pages_to_write(self, start: int, n: int, extend: bool, sharing: int,
                         least: bool = False) -> tuple[int, int]:
         """(shared pages the write must copy, new pages it appends) for positions [start, start + n),
         pages shared as ``sharing`` shares them: with any holder, under any name a page may have
-        (``RefCache.maybe_one_page``); or, where ``least``, with other contexts, by its own name."""
+        (``RefCache.maybe_one_page``); or, where ``least``, by its own name, with other contexts (under
+        ``reclaim``) or with holders that must keep it (an entry's optional tail aside: ``_listed``)."""
         if not n:
             return 0, 0
-        page_tokens = self.cache.config.page_tokens
+        page_tokens, contexts_only = self.cache.config.page_tokens, least and reclaims(self.cache.config.on_full)
         first, end = pages_touched(start, start + n, page_tokens)
-        copies = sum(self.cache.shared(self.labels[i], sharing, contexts_only=least, merged=not least)
+        copies = sum(self.cache.shared(self.labels[i], sharing, contexts_only=contexts_only, merged=not least,
+                                       fewest=least)
                      for i in range(first, min(end, len(self.labels))))
         return copies, (pages_needed(start + n, page_tokens) - len(self.labels) if extend else 0)
 
@@ -286,6 +293,9 @@ class RefCache:
         # Each is newer there and still held, so once ``max_entries`` are, an engine evicting least recently
         # used for the bound has let it go: it leaves ``bounded_out``.
         self.retained_after: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
+        # Under match="block": an entry's pages past its last whole block, which no hit reaches, may be kept
+        # or not (``_listed``).
+        self.tails_optional = config.match == "block"
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -302,17 +312,27 @@ class RefCache:
     def _holders(self) -> list[RefContext]:
         return self.contexts + [entry[1] for entry in self.entries + self.bounded_out]
 
+    def _listed(self, holders: list[RefContext], fewest: bool = False) -> list[list[tuple[int, ...]]]:
+        """The labels each of ``holders`` lists; ``fewest``: the fewest the engine must keep, so under
+        ``match="block"`` an entry's only up to its last whole block (a hit never reaches past it)."""
+        if not (fewest and self.tails_optional):
+            return [holder.labels for holder in holders]
+        block, size, contexts = self.config.block_tokens, self.config.page_tokens, {id(ctx) for ctx in self.contexts}
+        return [holder.labels if id(holder) in contexts
+                else holder.labels[:pages_needed(len(holder) - len(holder) % block, size)] for holder in holders]
+
     def holders_of(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False,
-                   merged: bool = False) -> int:
-        """How many holders list ``label``'s page (``merged``: or a name that may be the same page)."""
+                   merged: bool = False, fewest: bool = False) -> int:
+        """How many holders list ``label``'s page (``merged``: or a name that may be the same page;
+        ``fewest``: as the fewest pages the engine must keep, ``_listed``)."""
         named = self._namer(sharing, merged)
         name = named(label)
         holders = self.contexts if contexts_only else self._holders()
-        return sum(countOf(map(named, holder.labels), name) for holder in holders)
+        return sum(countOf(map(named, labels), name) for labels in self._listed(holders, fewest))
 
     def shared(self, label: tuple[int, ...], sharing: int = FORKS, contexts_only: bool = False,
-               merged: bool = False) -> bool:
-        return self.holders_of(label, sharing, contexts_only, merged) > 1
+               merged: bool = False, fewest: bool = False) -> bool:
+        return self.holders_of(label, sharing, contexts_only, merged, fewest) > 1
 
     def live_pages(self, sharing: int = FORKS) -> int:
         return _pages(self._holders(), self._namer(sharing))
@@ -351,7 +371,8 @@ class RefCache:
         full = {sharing: _pages(counted, self._namer(sharing)) + needs[sharing] > limit for sharing in self.viable}
         if not any(full.values()):
             return
-        room = {sharing: _pages(counted, self._namer(sharing, merged=True)) + least[sharing] <= limit
+        fewest = self._listed(counted, fewest=True)
+        room = {sharing: _distinct(fewest, self._namer(sharing, merged=True)) + least[sharing] <= limit
                 for sharing in self.viable}
         if any(room.values()) and self.engine_refused is not None:
             # room one way (of sharing, or of counting copies) and none another: the engine's answer stands,
@@ -361,11 +382,11 @@ class RefCache:
             if not self.engine_refused:
                 return
         what = "pages held by contexts (entries' pages are reclaimable)" if counts_only_contexts(on_full) else "live pages"
-        def fewest(sharing: int) -> str:        # where names that may be one page, or the least need, count less
-            pages, need = _pages(counted, self._namer(sharing, merged=True)), least[sharing]
+        def at_least(sharing: int) -> str:      # where names that may be one page, or the least need, count less
+            pages, need = _distinct(fewest, self._namer(sharing, merged=True)), least[sharing]
             most = (_pages(counted, self._namer(sharing)), needs[sharing])
             return "" if (pages, need) == most else f" (at least {pages} + {need})"
-        counts = ", ".join(f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed{fewest(sharing)}"
+        counts = ", ".join(f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed{at_least(sharing)}"
                            + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
                            for sharing in self.viable)
         raise CapacityError(f"{counts} > pool of {limit}")
@@ -632,7 +653,12 @@ class RefCache:
 
 def _pages(holders: list[RefContext], named: Callable[[tuple[int, ...]], int]) -> int:
     """How many pages ``holders`` hold between them, each label named by ``named`` (``RefCache._namer``)."""
-    return len({named(label) for holder in holders for label in holder.labels})
+    return _distinct([holder.labels for holder in holders], named)
+
+
+def _distinct(listed: list[list[tuple[int, ...]]], named: Callable[[tuple[int, ...]], int]) -> int:
+    """How many pages the label lists ``listed`` name between them (``RefCache._listed``)."""
+    return len({named(label) for labels in listed for label in labels})
 
 
 def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:

@@ -168,11 +168,13 @@ def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def check_tree(obs: Observation, expected: Iterable[tuple[tuple[int, ...], int]]) -> None:
+def check_tree(obs: Observation, expected: Iterable[tuple[tuple[int, ...], int]], block_tokens: int = 0) -> None:
     """5. Entry set and eviction order equal the reference's; the tree is a well-formed radix tree.
 
     Only the order of the keys is compared: tick numbers are each side's own bookkeeping (a clock
     may start anywhere, reset on ``clear`` or advance on a miss without changing any behaviour).
+    An entry holds its key's positions; under ``match="block"`` (``block_tokens``) at least its whole
+    blocks: no hit reaches past them, so the rest is the engine's to keep or not (vLLM keeps none).
     """
     if obs.entries is None:
         return
@@ -186,9 +188,10 @@ def check_tree(obs: Observation, expected: Iterable[tuple[tuple[int, ...], int]]
         if entry.holder not in obs.lengths:
             raise InvariantViolation(5, f"entry {entry.key} names holder {entry.holder!r}, which lengths does not "
                                         f"list (an entry holding no pages, as a cached-page engine's, names None)")
-        if obs.lengths[entry.holder] != len(entry.key):
-            raise InvariantViolation(
-                5, f"entry {entry.key} holds {obs.lengths[entry.holder]} positions, key has {len(entry.key)}")
+        held, key = obs.lengths[entry.holder], len(entry.key)
+        if held != key and not (block_tokens and key - key % block_tokens <= held < key):
+            raise InvariantViolation(5, f"entry {entry.key} holds {held} positions, key has {key}" + (
+                f" (at least its whole blocks of {block_tokens}: {key - key % block_tokens})" if block_tokens else ""))
     if obs.tree is None:
         return
     keys = _check_nodes(obs.tree)

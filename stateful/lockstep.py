@@ -452,7 +452,7 @@ class Lockstep:
         expected = self.reference.eviction_order()
         try:
             if self._tree_comparable():
-                invariants.check_tree(obs, expected)
+                invariants.check_tree(obs, expected, self.config.block_tokens if self.config.match == "block" else 0)
         except InvariantViolation as differs:
             if "eviction order" not in differs.detail or not evicts_for_room(self.config.on_full):
                 raise
