@@ -14,7 +14,9 @@ per configuration (``Config``), and the reference and the engine implement all o
   from the most recently used of those sharing all of the hit's positions with the query, and
   only that entry is stamped on the clock. Under ``block`` that is every entry reaching the hit's
   last whole block, however many tokens past it each shares (the block is the unit a block cache
-  knows; vLLM keys its cached blocks by the hash of whole blocks).
+  knows; vLLM keys its cached blocks by the hash of whole blocks). Since no hit reaches past an
+  entry's last whole block, under ``block`` the pages past it are the engine's to keep or not
+  (vLLM caches full blocks only): a refusing pool's room is judged between the two counts.
 
 ``max_entries`` and ``max_pages`` -- the tree's bounds. After a ``retain`` the least recently
   used entries (never the one just retained) are evicted until both hold, or until only the new
