@@ -19,9 +19,15 @@ def factory(config):
 '''
 
 
-def plan_line(backend="kvstate.impl.numpy", seeds=(0, 1), configs=("f32-heap",)) -> dict:
+def plan_line(backend="kvstate.impl.numpy", seeds=(0, 1), configs=("f32-heap",), fingerprint=None) -> dict:
     return {"kind": "plan", "format": J.FORMAT, "backend": backend, "steps": 10, "seeds": list(seeds),
-            "configs": list(configs), "shard": None, "fingerprint": {}}
+            "configs": list(configs), "shard": None, "fingerprint": fingerprint or {}}
+
+
+def this_codes_plan_line(**change) -> dict:
+    """A plan that this code resumes: its fingerprint is this machine's."""
+    from kvstate.stateful.sweeps.fingerprint import fingerprint
+    return plan_line(fingerprint=fingerprint("kvstate.impl.numpy"), **change)
 
 
 def run_line(seed=0, config="f32-heap", **change) -> dict:
@@ -107,6 +113,28 @@ def test_a_journal_past_its_size_limit_is_refused_before_it_is_read(tmp_path, ca
     monkeypatch.setattr(J, "MAX_BYTES", 64)
     assert main(["sweep", "--resume", str(out)]) == 2
     assert "MAX_BYTES=64" in capsys.readouterr().err
+
+
+# -- from an audit: a resume writes only its own folder ------------------------------------------------
+
+def test_a_resume_refuses_a_symlinked_journal_and_writes_nothing_through_it(tmp_path, capsys):
+    """``--resume`` cut and appended to the target of a symlinked ``runs.jsonl``, outside OUT (a folder
+    from a CI artifact or a tarball can carry such a link); a new sweep refused it already."""
+    from kvstate.spec.errors import ResumeError
+
+    elsewhere = tmp_path / "elsewhere"
+    write_journal(elsewhere, this_codes_plan_line(), run_line(0), raw=b'{"kind": "run", "cut sh')
+    before = (elsewhere / J.FILE).read_bytes()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / J.FILE).symlink_to(elsewhere / J.FILE)
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(f"kvstate sweep: {out / J.FILE} is not a regular file"), err
+    with pytest.raises(ResumeError, match="not a regular file"):
+        J.Journal.reopen(out)
+    assert (elsewhere / J.FILE).read_bytes() == before
+    assert sorted(path.name for path in out.iterdir()) == [".sweep.lock", J.FILE]      # no report either
 
 
 # -- issue 22 item 5: a replay against a black box (no page observation) ------------------------------

@@ -10,10 +10,13 @@ short by a kill is ignored; so is a second line for a run already recorded.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import math
+import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TextIO
@@ -68,7 +71,7 @@ class Journal:
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / FILE
         if path.is_symlink() or (path.exists() and not path.is_file()):     # a FIFO there blocked the open for good
-            raise ResumeError(f"{path} is not a regular file: remove it, or pick another --out")
+            raise _not_regular(path, "remove it, or pick another --out")
         journal = cls(open(path, "w", encoding="utf-8"))
         journal._write({"kind": "plan", "format": FORMAT, **asdict(plan)})
         return journal
@@ -76,8 +79,27 @@ class Journal:
     @classmethod
     def reopen(cls, out_dir: Path) -> "Journal":
         """Continue a journal, first cutting off a last line that a kill left half written
-        (appended to, it would be a broken line in the middle)."""
-        stream = open(out_dir / FILE, "r+b")
+        (appended to, it would be a broken line in the middle). A journal that is a symlink or no
+        regular file is refused as ``start`` refuses it, before anything is cut or written: through a
+        link, a folder from elsewhere would have the resume write outside it."""
+        path = out_dir / FILE
+        way_out = "put a copy of the journal in its place to resume it"
+        if path.is_symlink():
+            raise _not_regular(path, way_out)
+        try:        # O_NOFOLLOW: no window for a link put there after the check
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+        except OSError as error:
+            if error.errno not in (errno.ELOOP, errno.EISDIR):     # ELOOP: the last part is a link
+                raise
+            raise _not_regular(path, way_out) from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise _not_regular(path, way_out)
+            os.set_blocking(fd, True)
+            stream = os.fdopen(fd, "r+b")
+        except BaseException:
+            os.close(fd)
+            raise
         content = stream.read()
         stream.truncate(content.rfind(b"\n") + 1)
         stream.seek(0, 2)
@@ -95,6 +117,11 @@ class Journal:
 
     def close(self) -> None:
         self._stream.close()
+
+
+def _not_regular(path: Path, way_out: str) -> ResumeError:
+    return ResumeError(f"{path} is not a regular file (a symlink, FIFO or folder): a sweep writes its journal "
+                       f"only as a file of its own in its folder; {way_out}")
 
 
 MAX_BYTES = 256 << 20          # a journal past this is refused before it is read (a million runs is ~200 MB)
