@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvstate.cli import main
+from kvstate.stateful import ops as O
 from kvstate.stateful.sweeps import journal as J
 
 EVIL = '''import pathlib
@@ -135,6 +136,39 @@ def test_a_resume_refuses_a_symlinked_journal_and_writes_nothing_through_it(tmp_
         J.Journal.reopen(out)
     assert (elsewhere / J.FILE).read_bytes() == before
     assert sorted(path.name for path in out.iterdir()) == [".sweep.lock", J.FILE]      # no report either
+
+
+def _failed(ops: list, page_tokens: int) -> dict:
+    """A run line's fields for a shrunk failure of ``ops`` at ``page_tokens``."""
+    failure = {"step": 1, "phase": "apply", "op": None, "error": "X", "invariant": None, "message": "m", "where": ""}
+    return {"failure": failure, "ops": [op.to_json() for op in ops], "minimised": True, "page_tokens": page_tokens}
+
+
+def _largest_replayable_page() -> int:
+    from kvstate.stateful.configs import configs_named
+    from kvstate.stateful.replay import MAX_REPLAY_PAGE_BYTES
+    return MAX_REPLAY_PAGE_BYTES // (configs_named(["f32-heap"])[0].layout.values_per_position * 4)
+
+
+@pytest.mark.parametrize("change, said", [
+    ({"steps": -5}, "steps is -5"),             # report.json's steps_resumed summed it
+    ({"steps": 11}, "steps is 11"),
+    (lambda: _failed([], 10**9), "MAX_REPLAY_PAGE_BYTES"),
+    # One token takes a whole page, on each side: past a replay's memory bound.
+    (lambda: _failed([O.Allocate(), O.Extend("c1", (1,), 0)], _largest_replayable_page()), "MAX_REPLAY_MEMORY_BYTES"),
+], ids=["negative-steps", "steps-past-the-plan", "huge-page", "past-the-memory-bound"])
+def test_a_run_line_out_of_range_is_refused_with_its_line_before_anything_is_written(tmp_path, capsys, change, said):
+    """From an audit: these passed ``journal.read``; a run line a resume cannot save as a replay file stopped
+    it after the reports were written, with an error that named neither the journal nor the line, on every retry."""
+    out = tmp_path / "out"
+    write_journal(out, this_codes_plan_line(), run_line(0, **(change() if callable(change) else change)))
+    journal = (out / J.FILE).read_bytes()
+    (out / "report.json").write_text("{}")        # a report of the sweep's own: a resume that set off replaces it
+    assert main(["sweep", "--resume", str(out)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{out / J.FILE}: line 2:" in last and said in last, last
+    assert (out / J.FILE).read_bytes() == journal and (out / "report.json").read_text() == "{}"
+    assert not (out / "replays").exists()
 
 
 # -- issue 22 item 5: a replay against a black box (no page observation) ------------------------------

@@ -19,12 +19,15 @@ import re
 import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Mapping, TextIO
 
-from kvstate.spec.errors import ResumeError
+from kvstate.spec.errors import InvalidInputError, ResumeError
 
 from ..data_files import read_regular
 from ..shrink import DEFAULT_TRIES as DEFAULT_SHRINK_TRIES
+
+if TYPE_CHECKING:
+    from kvstate.spec.protocol import Config
 
 FILE = "runs.jsonl"
 FORMAT = "kvstate-sweep-journal/1"
@@ -139,12 +142,14 @@ _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "s
                 "shrink_limit": int, "shrink_budget": _NUMBER, "shrink_tries": (int, type(None))}
 
 
-def read(out_dir: Path) -> Recorded:
+def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded:
     """The plan, runs and shrunk failures ``OUT/runs.jsonl`` holds; ``ResumeError`` if there is none.
 
     The journal is data from wherever the folder came from: every line is checked for its
-    shape and types, and every run must be one the plan asked for, before anything uses it.
-    Every refusal names the file and the line. Nothing in it is imported or run here.
+    shape, types and ranges, and every run must be one the plan asked for, before anything uses it.
+    With ``configs`` (the plan's configurations by label) each run is also held to the bounds of the
+    replay file a resume saves for it (``_check_replayable``). Every refusal names the file and the
+    line. Nothing in it is imported or run here.
     """
     path = Path(out_dir) / FILE
     try:
@@ -199,6 +204,7 @@ def read(out_dir: Path) -> Recorded:
     planned_seeds, planned_configs = set(plan.seeds), set(plan.configs)
     runs: dict[tuple[str, int], dict] = {}
     shrunk: dict[tuple[str, int], dict] = {}
+    page_sizes_checked: set[tuple[str, int]] = set()
     for number, entry in entries[1:]:
         kind = entry.pop("kind", None) if isinstance(entry, dict) else None
         target = runs if kind == "run" else shrunk if kind == "shrunk" else None
@@ -216,14 +222,42 @@ def read(out_dir: Path) -> Recorded:
             _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
         if entry["page_tokens"] < 1:
             raise ResumeError(f"{path}: line {number}: the {kind}'s page_tokens is {entry['page_tokens']}, not >= 1")
+        if not 0 <= entry["steps"] <= plan.steps:      # a run draws the plan's steps, and stops at one of them
+            raise ResumeError(f"{path}: line {number}: the {kind}'s steps is {entry['steps']}, not between 0 and "
+                              f"the plan's {plan.steps}")
         if not all(math.isfinite(entry[name]) and entry[name] >= 0 for name in ("seconds", "cpu_seconds")):
             raise ResumeError(f"{path}: line {number}: the {kind}'s seconds are not finite numbers >= 0 "
                               "(a report holding NaN is no JSON)")
         if entry["config"] not in planned_configs or entry["seed"] not in planned_seeds:
             raise ResumeError(f"{path}: line {number}: a {kind} of configuration {entry['config']!r}, "
                               f"seed {entry['seed']}, which the plan does not hold")
+        if configs is not None and entry["config"] in configs:     # one not there: the plan comparison refuses it
+            _check_replayable(entry, configs[entry["config"]], page_sizes_checked, path, number, kind)
         target.setdefault((entry["config"], entry["seed"]), entry)      # the first one counts
     return Recorded(plan, runs, shrunk)
+
+
+def _check_replayable(entry: dict, config: Config, page_sizes_checked: set, path: Path, number: int,
+                      kind: str) -> None:
+    """The run's configuration at its page size, and a failed run's operations, within what a replay
+    file is held to (``replay.config_from_json``, ``replay_bounds``); else ``ResumeError`` naming the
+    line. A resume saves a failure's replay file and reads a shrunk one back for its pytest test: past
+    those bounds it stopped there, after the reports were written, on every retry."""
+    from ..ops import op_from_json
+    from ..replay import config_from_json, config_to_json
+    from ..replay_bounds import check_memory, check_op_count
+
+    try:
+        sized = config.with_(page_tokens=entry["page_tokens"])
+        if (entry["config"], entry["page_tokens"]) not in page_sizes_checked:     # a million runs share a few
+            config_from_json(config_to_json(sized))
+            page_sizes_checked.add((entry["config"], entry["page_tokens"]))
+        if entry["failure"] is not None:
+            check_op_count(len(entry["ops"]))
+            check_memory(sized, [op_from_json(op) for op in entry["ops"]])
+    except InvalidInputError as error:      # ConfigError, ReplayFileError
+        raise ResumeError(f"{path}: line {number}: the {kind} is past a replay file's bounds: "
+                          f"{str(error)[:200]}") from None
 
 
 def _check_ops(ops, path: Path, number: int, kind: str) -> None:

@@ -244,7 +244,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
     backend, steps, seeds = plan.backend, plan.steps, list(plan.seeds)
     label_of = {config: label for label, config in by_name.items()}
     try:
-        runs, shrunk, log = _open_journal(out_dir, plan, resume)
+        runs, shrunk, log = _open_journal(out_dir, plan, by_name, resume)
     except OSError as error:
         if error.errno not in DISK_FULL:
             raise
@@ -386,8 +386,9 @@ def _only_sweep_in(out_dir: Path) -> Iterator[None]:
         yield
 
 
-def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
-    """The runs and shrinks already done (none for a new sweep) and the journal to add to."""
+def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resume: bool):
+    """The runs and shrinks already done (none for a new sweep) and the journal to add to; a journal
+    line a resume could not save as a replay file refused with the rest, before anything is written."""
     if not resume:
         earlier = _finished_sweep_in(out_dir)
         if earlier is not None:         # its failures' replay files, and only those: the folder holds this sweep's
@@ -395,7 +396,7 @@ def _open_journal(out_dir: Path, plan: J.Plan, resume: bool):
                 for seed in earlier.seeds:
                     (out_dir / "replays" / f"{label}-seed{seed}.json").unlink(missing_ok=True)
         return {}, {}, J.Journal.start(out_dir, plan)
-    recorded = J.read(out_dir)
+    recorded = J.read(out_dir, by_name)
     mine, theirs = asdict(plan), asdict(recorded.plan)
     for side in (mine, theirs):     # the same file however it was named (journals from before paths were absolute)
         side["backend"] = canonical_backend(side["backend"])
