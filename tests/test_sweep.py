@@ -259,6 +259,29 @@ def test_a_new_sweep_does_not_overwrite_an_unfinished_one_and_replaces_a_finishe
     assert main(["sweep", "--resume", str(out)]) == 0
 
 
+def test_a_new_sweep_does_not_overwrite_one_whose_journal_cannot_be_read(tmp_path, capsys):
+    """From an audit: a journal that ``journal.read`` refused (a damaged middle line) counted as no sweep, so
+    re-running the sweep command, as a CI retry does, replaced a partial sweep and its finished runs without
+    a word, where ``--resume`` named the line. Only a journal whose first line is not even whole (a sweep
+    stopped before its plan was written) holds nothing to lose."""
+    out = tmp_path / "out"
+    out.mkdir()
+    journal = out / "runs.jsonl"
+    argv = ["sweep", "--seeds", "2", "--steps", "20", "--configs", "f32-heap", "--out", str(out)]
+    plan = {"kind": "plan", "format": "kvstate-sweep-journal/1", "backend": "kvstate.impl.numpy", "steps": 20,
+            "seeds": [0, 1], "configs": ["f32-heap"], "shard": None, "fingerprint": {}}
+    damaged = json.dumps(plan) + '\n{"kind": "run", "seed": 0X}\n{"kind": "run"}\n'
+    journal.write_text(damaged)
+    capsys.readouterr()
+    assert main(argv) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{out} holds a sweep whose journal cannot be read ({journal}: line 2 is not JSON" in last, last
+    assert f"kvstate sweep --resume {out}" in last and "move" in last and "--out" in last
+    assert journal.read_text() == damaged and sorted(path.name for path in out.iterdir()) == [".sweep.lock", journal.name]
+    journal.write_text(json.dumps(plan)[:30])                 # stopped before its plan was on the disk
+    assert main(argv) == 0
+
+
 def test_a_replay_marks_the_steps_both_sides_refused_as_a_counterexample_does(tmp_path, capsys):
     path = tmp_path / "refused.json"
     ops = [O.Allocate(), O.Retain("c1"), O.Extend("c1", (1,), 0)]

@@ -237,6 +237,15 @@ def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded
     return Recorded(plan, runs, shrunk)
 
 
+def begun(out_dir: Path) -> bool:
+    """Whether ``OUT/runs.jsonl`` holds a whole first line: a sweep stopped before its plan was on the
+    disk (no room for it) leaves none, and no run of it finished. Only for a journal ``read`` refused."""
+    try:
+        return b"\n" in read_regular(Path(out_dir) / FILE, MAX_BYTES)
+    except (OSError, ValueError):
+        return True         # there, but not to be read: what it holds is not known
+
+
 def _check_replayable(entry: dict, config: Config, page_sizes_checked: set, path: Path, number: int,
                       kind: str) -> None:
     """The run's configuration at its page size, and a failed run's operations, within what a replay

@@ -416,14 +416,23 @@ def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resum
 
 def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
     """The plan of the finished sweep whose journal is in ``out_dir`` (a new sweep there replaces it),
-    or None where there is none, or none that could be resumed. One that stopped part way is
-    refused, naming ``--resume``: a new sweep would throw away the runs it finished."""
-    if not (out_dir / J.FILE).is_file():
+    or None where there is none, or one stopped before its plan line was whole (``J.begun``: nothing
+    of it ran). One that stopped part way is refused, naming ``--resume``: a new sweep would throw
+    away the runs it finished. So is one that cannot be read (a damaged line), naming what is wrong
+    where: whether it finished is not known (a CI retry of the sweep command replaced such a journal,
+    and its runs, without a word)."""
+    path = out_dir / J.FILE
+    if not path.is_file():
         return None
     try:
         recorded = J.read(out_dir)
-    except (ResumeError, OSError):
-        return None
+    except ResumeError as error:
+        if not J.begun(out_dir):
+            return None
+        way_out = (f"mend the journal and finish it with kvstate sweep --resume {shlex.quote(str(out_dir))}, "
+                   f"or move {path} aside to start over, or pick another --out")
+        raise SweepError(f"{out_dir} holds a sweep whose journal cannot be read ({error}): a new sweep would "
+                         f"throw away the runs it holds; {way_out}") from None
     planned = len(recorded.plan.seeds) * len(recorded.plan.configs)
     if len(recorded.runs) < planned:
         raise SweepError(f"{out_dir} holds a sweep that stopped after {len(recorded.runs)} of its {planned} runs: "
