@@ -425,6 +425,30 @@ class TokenLimitAccepted(no_tree.ListEngine):
     context_class = TokenLimitContext
 
 
+class LooseTokenContext(no_tree.PlainContext):
+    def _prepare(self, tokens, kv, start=None):
+        ids = np.asarray(list(tokens)).astype(np.int64)      # PLANTED: bools, floats and sets convert
+        return super()._prepare(ids, kv, start)
+
+
+class TokenIdsConverted(no_tree.ListEngine):
+    """Token ids are converted to int64, not checked: ``[True]``, ``[1.5]``, a float array and a set are
+    stored where README refuses them (``DTypeError``)."""
+
+    context_class = LooseTokenContext
+
+
+class MatchUnchecked(no_tree.ListEngine):
+    """``match`` does not check the ids it is given (a lookup stores nothing): ``[-1]`` and ``[2**31]``
+    are a miss, not the ``TokenError`` README's "a lookup checks every token id it is given" asks for."""
+
+    def match(self, tokens):
+        query = [int(t) for t in tokens]
+        if not all(0 <= t < 2**31 for t in query):
+            return self.allocate(), 0                        # PLANTED: a miss, not a refusal
+        return super().match(query)
+
+
 class RestoreKeepsTheFilePrecision(dict_pages.DictCache):
     """``restore`` of a snapshot written at another precision keeps the file's numbers as they are
     (q8 codes, unscaled, become values) instead of converting them (ARCHITECTURE.md: restore into
@@ -492,7 +516,11 @@ DIRECTED_CATCHES = {
     "token_ids_in_16_bits": (_factory_for(TokenIdsIn16Bits, no_tree.factory), no_tree.factory, "boundaries",
                              "f32-heap", "token 0 != reference 65536"),
     "token_limit_accepted": (_factory_for(TokenLimitAccepted, no_tree.factory), no_tree.factory, "bad input",
-                             "f16-heap", "extend with the token 2**31: accepted"),
+                             "f16-heap", "extend with the token ids [2**31]: accepted"),
+    "token_ids_converted": (_factory_for(TokenIdsConverted, no_tree.factory), no_tree.factory, "bad input",
+                            "f32-heap", "extend with the token ids [True]: accepted, expected DTypeError"),
+    "match_unchecked": (_factory_for(MatchUnchecked, no_tree.factory), no_tree.factory, "bad input", "q8-heap",
+                        "match of the token ids [-1]: accepted, expected TokenError"),
     "restore_keeps_the_file_precision": (_factory_for(RestoreKeepsTheFilePrecision, dict_pages.factory),
                                          dict_pages.factory, "portable snapshots", "q8-heap",
                                          "restore(stream) into a new f32 cache"),
