@@ -44,10 +44,11 @@ def torch_factory():
     return cpu_factory
 
 
-def fails(check: str, factory, config_name: str) -> BrokenPromise:
-    """Run ``check``; it must fail with a broken promise, which is returned."""
+def fails(check: str, factory, config) -> BrokenPromise:
+    """Run ``check`` in ``config`` (a Config, or a standard one's name); it must fail with a broken promise,
+    which is returned."""
     with pytest.raises(BrokenPromise) as caught:
-        DIRECTED[check](factory, config_named(config_name))
+        DIRECTED[check](factory, config_named(config) if isinstance(config, str) else config)
     message = str(caught.value)
     assert message.startswith('"') and " -- broken by " in message, message
     return caught.value
@@ -617,3 +618,15 @@ def test_a_directed_check_that_a_backend_exception_ends_is_shrunk_too(monkeypatc
     assert "minimised failing sequence" in detail, detail
     operations = detail.split("minimised failing sequence", 1)[1].splitlines()[1:]
     assert 0 < len(operations) <= 4, operations
+
+
+def test_boundaries_catch_a_block_hash_that_narrows_ids_at_blocks_of_16(monkeypatch):
+    """From an audit: a block hash over ids narrowed to 16 bits passed at blocks of 16 (vLLM's default), where
+    the narrowed-id query, 4 ids long, was no whole block. The key and the query are whole blocks now."""
+    from foreign import block_pool
+
+    config = block_pool.CONFIGS[0].with_(page_tokens=16, block_tokens=16)
+    DIRECTED["boundaries"](block_pool.factory, config)
+    monkeypatch.setattr(block_pool, "block_hash", lambda parent, block: hash((parent, tuple(t & 0xFFFF for t in block))))
+    failure = fails("boundaries", block_pool.factory, config)
+    assert "match exactly" in failure.promise and "engine matched 16 tokens, reference 0" in failure.saw, failure
