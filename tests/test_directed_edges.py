@@ -630,3 +630,20 @@ def test_boundaries_catch_a_block_hash_that_narrows_ids_at_blocks_of_16(monkeypa
     monkeypatch.setattr(block_pool, "block_hash", lambda parent, block: hash((parent, tuple(t & 0xFFFF for t in block))))
     failure = fails("boundaries", block_pool.factory, config)
     assert "match exactly" in failure.promise and "engine matched 16 tokens, reference 0" in failure.saw, failure
+
+
+def test_boundaries_catch_a_read_that_counts_the_spans_pages_from_its_length(monkeypatch):
+    """From an audit: a read gathering as many pages as its length needs, from the page its start is in, lost
+    rows where the span starts inside a page and stops inside a later one; every read checked was aligned
+    to pages or one position long."""
+    from foreign import block_pool
+    from kvstate.spec.arithmetic import pages_needed
+
+    def rows(ctx, array, start, stop):
+        size = ctx.cache.page_tokens
+        first = start // size
+        gathered = array[ctx.pages[first:first + pages_needed(stop - start, size)]]    # one page short
+        return gathered.reshape(-1, *array.shape[2:])[start - first * size:stop - first * size]
+    monkeypatch.setattr(block_pool.BlockContext, "_rows", rows)
+    failure = fails("boundaries", block_pool.factory, block_pool.CONFIGS[0])
+    assert "inside a later page" in failure.promise and failure.call == "c1.read(2, 6)", failure

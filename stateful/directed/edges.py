@@ -7,8 +7,9 @@
 - ``boundaries``: a zero-length ``extend``/``overwrite`` and a ``truncate`` to the
   current length allocate, copy and change nothing; every method that takes bounds,
   called at each boundary, returns what the reference returns or refuses with the
-  same error class; token ids at the edges of every narrower width (up to 2**31 - 1)
-  read back, are retained and match exactly (random sequences draw ids 0-2 only).
+  same error class, as does a read from inside a page to inside a later one; token
+  ids at the edges of every narrower width (up to 2**31 - 1) read back, are retained
+  and match exactly (random sequences draw ids 0-2 only).
 
 Both compare with the reference through ``Lockstep``, so they hold a backend to
 whatever semantics its configuration declares.
@@ -38,6 +39,9 @@ WIDE_TOKENS = (0, 255, 256, 65_535, 65_536, 2**31 - 1)      # each just inside o
 BOUNDS = ("a call at a boundary (start = stop, stop = 0, stop = length, stop omitted, truncate to 0 or "
           "to the length, a write at the length) returns what the reference returns, or refuses with "
           "the same error class")
+
+SPANS = ("a read from inside a page to inside a later page returns every position of the span, as the "
+         "reference does")
 
 _JUNK_FLOAT = -4321.5
 _JUNK_INT = 4321
@@ -269,22 +273,35 @@ def _read_bounds(run: Lockstep, handle: str, length: int) -> None:
                           (0, length + 1), (length + 1,), (length, length + 1), (-1, length)]
     if length:
         calls += [(1, 0), (length, length - 1), (0, 1), (length - 1, length)]
-    for args in calls:
+    spans = _spans(run.config.page_tokens, length)
+    for args, promise in [(args, BOUNDS) for args in calls] + [(args, SPANS) for args in spans]:
         call = f"{handle}.read({', '.join(map(repr, args))})"
-        got, want, error = both(run, BOUNDS, call, lambda: engine.read(*args), lambda: reference.read(*args))
+        got, want, error = both(run, promise, call, lambda: engine.read(*args), lambda: reference.read(*args))
         if error is None:
-            same_read(BOUNDS, call, got, want)
+            same_read(promise, call, got, want)
     if not hasattr(engine, "read_layer"):
         return
-    for args in [(0, 0), (length, length), (0, length), (0, None), (middle, None), (length,),
-                 (0, length + 1), (-1, length)]:
+    layer_calls = [(0, 0), (length, length), (0, length), (0, None), (middle, None), (length,),
+                   (0, length + 1), (-1, length)]
+    for args, promise in [(args, BOUNDS) for args in layer_calls] + [(args, SPANS) for args in spans]:
         for layer in sorted({0, run.config.layout.layers - 1}):
             call = f"{handle}.read_layer({layer}, {', '.join(map(repr, args))})"
-            got, want, error = both(run, BOUNDS, call, lambda: engine.read_layer(layer, *args),
+            got, want, error = both(run, promise, call, lambda: engine.read_layer(layer, *args),
                                     lambda: _reference_layer(reference, layer, args))
             if error is None:
                 for side, got_part, want_part in zip("KV", got, want):
-                    _same_values(BOUNDS, f"{call}[{side}]", got_part, want_part)
+                    _same_values(promise, f"{call}[{side}]", got_part, want_part)
+
+
+def _spans(page: int, length: int) -> list[tuple[int, int]]:
+    """Reads that start inside a page and stop inside a later one: one page long across one boundary
+    (a count of the span's pages, taken from its length, is one short), and from the second position
+    to the last but one, across every boundary."""
+    half = page // 2
+    spans = [(half, page + half)] if half and page + half < length else []
+    if page > 1 and length > page + 1:
+        spans.append((1, length - 1))
+    return list(dict.fromkeys(spans))
 
 
 def _reference_layer(reference, layer: int, args: tuple) -> tuple[np.ndarray, np.ndarray]:
