@@ -647,3 +647,19 @@ def test_boundaries_catch_a_read_that_counts_the_spans_pages_from_its_length(mon
     monkeypatch.setattr(block_pool.BlockContext, "_rows", rows)
     failure = fails("boundaries", block_pool.factory, block_pool.CONFIGS[0])
     assert "inside a later page" in failure.promise and failure.call == "c1.read(2, 6)", failure
+
+
+def test_boundaries_catch_tokens_kept_from_before_an_overwrite(monkeypatch):
+    """From an audit: ``tokens`` kept what it last returned until the length changed, so an overwrite of a
+    token did not show in it; the lockstep compares ``read()``, which was right."""
+    from foreign import block_pool
+
+    def tokens(ctx):
+        kept = getattr(ctx, "kept", None)
+        if kept is None or len(kept) != ctx.length:
+            kept = ctx.kept = ctx._tokens(0, ctx.length).tolist()
+        return list(kept)
+    monkeypatch.setattr(block_pool.BlockContext, "tokens", property(tokens))
+    failure = fails("boundaries", block_pool.factory, block_pool.CONFIGS[0])
+    assert "after every write" in failure.promise and failure.call == "c1.tokens", failure
+    assert "tokens [0, 1, 2, 3, 4, 5], reference [9, 1, 2, 3, 4, 5]" in failure.saw, failure

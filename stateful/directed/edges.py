@@ -9,7 +9,8 @@
   called at each boundary, returns what the reference returns or refuses with the
   same error class, as does a read from inside a page to inside a later one; token
   ids at the edges of every narrower width (up to 2**31 - 1) read back, are retained
-  and match exactly (random sequences draw ids 0-2 only).
+  and match exactly (random sequences draw ids 0-2 only); ``tokens`` follows every
+  write (the lockstep compares ``read()`` only).
 
 Both compare with the reference through ``Lockstep``, so they hold a backend to
 whatever semantics its configuration declares.
@@ -26,7 +27,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from .common import BrokenPromise, as_array, as_list, both, filled, keeping, record, same_read
+from .common import BrokenPromise, as_array, as_list, both, filled, keeping, record, same_read, start
 from ..lockstep import Lockstep, to_numpy
 
 NOT_ALIASED = ("what a backend returns, and what it is given, belongs to the caller: changing it changes "
@@ -40,6 +41,8 @@ BOUNDS = ("a call at a boundary (start = stop, stop = 0, stop = length, stop omi
           "to the length, a write at the length) returns what the reference returns, or refuses with "
           "the same error class")
 
+TOKENS = ("a context's tokens are what read() returns, after every write: an overwrite that changes a token, "
+          "a truncate and an extend")
 SPANS = ("a read from inside a page to inside a later page returns every position of the span, as the "
          "reference does")
 
@@ -181,7 +184,8 @@ def _frozen(part: Any) -> np.ndarray:
 def boundaries(factory: Factory, config: Config) -> None:
     """Zero-length writes change nothing; bounds at each edge agree with the reference; wide token ids
     read back exactly."""
-    _wide_token_ids(Lockstep(factory, config))      # first, on a run of its own: a failure's sequence is short
+    _wide_token_ids(Lockstep(factory, config))      # first, on runs of their own: a failure's sequence is short
+    _tokens_follow_writes(start(factory, config))
     run, n = filled(factory, config)
     page = config.page_tokens
     run.apply(O.Fork("c1"))                                   # c2: every page shared
@@ -216,6 +220,28 @@ def _wide_token_ids(run: Lockstep) -> None:
         got = as_list(run.live[handle][0].tokens)
         if got != list(key):
             raise AssertionError(f"tokens {got}, written {list(key)}")
+    run.apply(O.Close(handle))
+    run.finish()
+
+
+def _tokens_follow_writes(run: Lockstep) -> None:
+    """A context's ``tokens``, read once before its writes (a backend may keep what it last returned), then
+    after each, equal the reference's: the lockstep compares ``read()`` only."""
+    page = run.config.page_tokens
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, tuple(range(page + 2)), seed=13))        # into a second page
+    ops = [O.Overwrite(handle, 0, (9,), seed=14), O.Overwrite(handle, page, (8, 7), seed=15),
+           O.Truncate(handle, page + 1), O.Extend(handle, (6, 5), seed=16), O.Truncate(handle, 1)]
+    for op in [None] + ops:
+        if op is not None:
+            with keeping(TOKENS, run):
+                run.apply(op)
+                run.check()
+        record(run, f"{handle}.tokens")
+        with keeping(TOKENS, run):
+            got, want = as_list(run.live[handle][0].tokens), run.live[handle][1].tokens
+            if got != want:
+                raise AssertionError(f"tokens {got}, reference {want}")
     run.apply(O.Close(handle))
     run.finish()
 
