@@ -663,3 +663,27 @@ def test_boundaries_catch_tokens_kept_from_before_an_overwrite(monkeypatch):
     failure = fails("boundaries", block_pool.factory, block_pool.CONFIGS[0])
     assert "after every write" in failure.promise and failure.call == "c1.tokens", failure
     assert "tokens [0, 1, 2, 3, 4, 5], reference [9, 1, 2, 3, 4, 5]" in failure.saw, failure
+
+
+def test_prefix_edges_catch_a_block_moved_to_the_chain_of_a_later_key(monkeypatch):
+    """From an audit: a block cache whose block has one hash moved a cached block to the chain of a later key
+    that held it too (the context overwrote an earlier block, then was retained again), where it must copy
+    it: the first key's hit lost its tail. Caught in 4 of 7 configurations, by chance."""
+    from foreign import block_pool
+
+    original = block_pool.BlockPoolCache.retain
+
+    def retain(cache, ctx):
+        chain = dict(zip(ctx.pages, ctx.hashes))
+        for entry in cache.entries.values():
+            moved = next((i for i, (page, h) in enumerate(zip(entry.pages, entry.hashes))
+                          if chain.get(page, h) != h), None)
+            for gone in entry.hashes[moved:] if moved is not None else ():      # unpublished from the older key
+                del cache.index[gone][entry.key]
+                if not cache.index[gone]:
+                    del cache.index[gone]
+            del entry.hashes[len(entry.hashes) if moved is None else moved:]
+        return original(cache, ctx)
+    monkeypatch.setattr(block_pool.BlockPoolCache, "retain", retain)
+    failure = fails("prefix edges", block_pool.factory, block_pool.CONFIGS[0])
+    assert "copied, not moved" in failure.promise and "engine matched 4 tokens, reference 8" in failure.saw, failure

@@ -1,8 +1,8 @@
 """Directed check: the prefix tree in the shapes random sequences rarely build.
 
 Random runs over a three-token alphabet seldom hold nested keys at once, retain the
-same key twice with other values, or cut a retained context exactly at a page
-boundary. Every scenario here runs through ``Lockstep``, which compares each
+same key twice with other values, retain a context again after overwriting an earlier
+block of it, or cut a retained context exactly at a page boundary. Every scenario here runs through ``Lockstep``, which compares each
 ``match``'s matched count, every read, and the entries in eviction order with the
 reference: the check holds a backend to whatever match semantics its configuration
 declares, and the scenarios stay within (or deliberately beyond) ``max_entries``.
@@ -35,16 +35,21 @@ ELSEWHERE = ("a hit is a prefix of a retained key, taken from its start: tokens 
              "to tokens a key holds further on are no hit (as a block hash that leaves out its parent's finds them)")
 BUDGET = ("the tree's bounds: past max_entries entries or max_pages pages (each entry's own pages, as if "
           "nothing were shared), retain evicts the least recently used entries, never the one just retained")
+REHASHED = ("retaining a context again after an overwrite of an earlier block keeps the first entry whole: "
+            "the first key's hit stays as long as the reference's (a block cached under one chain of hashes is "
+            "copied, not moved, when a key of another chain holds it too)")
 
 _LIMIT = 256      # max_entries past which the "beyond" scenario would only take time
 
 
 def prefix_edges(factory: Factory, config: Config) -> None:
-    """Nested keys, eviction past max_entries, a key retained twice, eviction that collapses a
-    split, and truncation of a retained fork at every point around its page boundaries."""
+    """A context retained again after an overwrite of an earlier block, ties, nested keys, eviction past
+    max_entries, a key retained twice, eviction that collapses a split, and truncation of a retained fork
+    at every point around its page boundaries."""
     run = start(factory, config)
     untested = None
-    for scenario in (ties, _blocks_elsewhere, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot,
+    # retained after an overwrite early: before a scenario presses the pool, a shorter hit is no reclaim's
+    for scenario in (ties, _blocks_elsewhere, _retained_after_overwrite, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot,
                      _nested_keys, _beyond_max_entries, _retained_twice, _eviction_collapses, _truncation_around_pages):
         try:
             scenario(run)
@@ -164,6 +169,28 @@ def _ties_inside_a_block(run: Lockstep, shared: tuple[int, ...]) -> None:
         run.apply(O.Retain(held))                         # the first retained again: now the newer
         _match(run, shared + (3,) * block)
         _match(run, shared[:block])
+        run.apply(O.Close(held))
+
+
+def _retained_after_overwrite(run: Lockstep) -> None:
+    """A key of two pages (whole blocks) retained, its first block overwritten, retained again: the later
+    pages are the first entry's and the second's at once. Then the same through a fork of the second."""
+    size = max(run.config.page_tokens, run.config.block_tokens or 1)
+    first = tuple(400 + i for i in range(2 * size))
+    second, third = (401,) + first[1:], (402,) + first[1:]
+    with keeping(REHASHED, run):
+        held = _context(run, first, seed=191)
+        run.apply(O.Retain(held))
+        run.apply(O.Overwrite(held, 0, second[:1], seed=192))
+        run.apply(O.Retain(held))
+        _match(run, first)
+        _match(run, second)
+        fork = run.apply(O.Fork(held))
+        run.apply(O.Overwrite(fork, 0, third[:1], seed=193))
+        run.apply(O.Retain(fork))
+        for key in (first, second, third):
+            _match(run, key)
+        run.apply(O.Close(fork))
         run.apply(O.Close(held))
 
 
