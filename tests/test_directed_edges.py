@@ -627,7 +627,8 @@ def test_boundaries_catch_a_block_hash_that_narrows_ids_at_blocks_of_16(monkeypa
 
     config = block_pool.CONFIGS[0].with_(page_tokens=16, block_tokens=16)
     DIRECTED["boundaries"](block_pool.factory, config)
-    monkeypatch.setattr(block_pool, "block_hash", lambda parent, block: hash((parent, tuple(t & 0xFFFF for t in block))))
+    monkeypatch.setattr(block_pool, "block_hash",
+                        lambda parent, block: hash((parent, tuple(t & 0xFFFF for t in block))))     # 16 bits
     failure = fails("boundaries", block_pool.factory, config)
     assert "match exactly" in failure.promise and "engine matched 16 tokens, reference 0" in failure.saw, failure
 

@@ -49,8 +49,9 @@ def prefix_edges(factory: Factory, config: Config) -> None:
     run = start(factory, config)
     untested = None
     # retained after an overwrite early: before a scenario presses the pool, a shorter hit is no reclaim's
-    for scenario in (ties, _blocks_elsewhere, _retained_after_overwrite, _page_budget, _shared_page_budget, _hits_write, _hit_snapshot,
-                     _nested_keys, _beyond_max_entries, _retained_twice, _eviction_collapses, _truncation_around_pages):
+    for scenario in (ties, _blocks_elsewhere, _retained_after_overwrite, _page_budget, _shared_page_budget,
+                     _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries, _retained_twice,
+                     _eviction_collapses, _truncation_around_pages):
         try:
             scenario(run)
         except NotApplicable as reason:     # said once the others have run: a failure among them comes first
