@@ -149,28 +149,55 @@ _REGION_NAME = re.compile(r"^(?![0-9]+$)(?!-)[a-zA-Z0-9-]{,63}(?<!-)$")
 _CREDENTIAL_SHAPE = re.compile(r"^(?:(?:AKIA|ASIA)[A-Z0-9]{16}|[A-Za-z0-9/+=]{40})$")
 
 
-def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStateError]) -> None:
+def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStateError],
+                          url: str | None = None) -> None:
     """``storage_options`` whose ``endpoint_url`` carries ``user:secret@``, or whose ``region_name`` is no
     region name (a secret pasted into the wrong field), refused before any use, top level or in
     ``client_kwargs``: botocore quotes both in its messages and its debug log, where no redaction of
-    ours reaches. The message quotes neither value."""
-    if storage_options is None:
-        return
-    if not isinstance(storage_options, dict):
+    ours reaches. With ``url``, the options fsspec's configuration adds for its filesystem are held to
+    the same rules (``configured_options``): they are the only options ``ctx.snapshot(url)`` and
+    ``cache.restore(url)`` have. The message quotes no value."""
+    if storage_options is not None and not isinstance(storage_options, dict):
         raise error_class(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
-    places = [("storage_options", storage_options)]
-    client = storage_options.get("client_kwargs")
-    if isinstance(client, dict):
-        places.append(("storage_options['client_kwargs']", client))
-    for where, options in places:
-        if has_credentials(options.get("endpoint_url")):
-            raise error_class(f"{where}['endpoint_url'] carries credentials (user:secret@): pass them as "
-                              f"storage_options key and secret, or in the environment, never in the URL")
-        region = options.get("region_name")
-        if region is not None and not (isinstance(region, str) and _REGION_NAME.match(region)
-                                       and not _CREDENTIAL_SHAPE.match(region)):
-            raise error_class(f"{where}['region_name'] is no region name (such as us-east-1); not quoted here, "
-                              f"in case it is a secret in the wrong field")
+    sources = [("storage_options", storage_options or {})]
+    if url is not None:
+        sources += configured_options(url, storage_options)
+    for source, options in sources:
+        places = [(source, options)]
+        client = options.get("client_kwargs")
+        if isinstance(client, dict):
+            places.append((f"{source}['client_kwargs']", client))
+        for where, found in places:
+            if has_credentials(found.get("endpoint_url")):
+                raise error_class(f"{where}['endpoint_url'] carries credentials (user:secret@): pass them as "
+                                  f"storage_options key and secret, or in the environment, never in the URL")
+            region = found.get("region_name")
+            if region is not None and not (isinstance(region, str) and _REGION_NAME.match(region)
+                                           and not _CREDENTIAL_SHAPE.match(region)):
+                raise error_class(f"{where}['region_name'] is no region name (such as us-east-1); not quoted "
+                                  f"here, in case it is a secret in the wrong field")
+
+
+def configured_options(url: str, storage_options: dict | None) -> list[tuple[str, dict]]:
+    """The options fsspec's configuration (``fsspec.config.conf``, which ``FSSPEC_<PROTOCOL>_*``
+    variables fill) gives ``url``'s filesystem beside ``storage_options``, as (where, options) pairs:
+    fsspec merges every protocol of the filesystem's entry in turn, key by key, under the explicit
+    options, so only the keys that survive that merge are listed; none where no filesystem serves
+    ``url`` (``_filesystem`` refuses it by name)."""
+    try:
+        import fsspec
+        cls = fsspec.get_filesystem_class(fsspec.core.split_protocol(url)[0] or "file")
+    except (ImportError, ValueError):
+        return []
+    protocols = cls.protocol if isinstance(cls.protocol, (tuple, list)) else (cls.protocol,)
+    taken, found = set(storage_options or {}), []
+    for protocol in reversed(protocols):        # the last one fsspec merges wins a key
+        options = fsspec.config.conf.get(protocol)
+        if isinstance(options, dict):
+            found.append((f"fsspec.config.conf[{protocol!r}]",
+                          {name: value for name, value in options.items() if name not in taken}))
+            taken.update(options)
+    return found
 
 
 def server_of(url: str) -> str:
@@ -192,7 +219,7 @@ def _describe(error: BaseException) -> str:
 def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
     refuse_credentials(url, error_class)
     refuse_chained(url, error_class)
-    refuse_unsafe_options(storage_options, error_class)
+    refuse_unsafe_options(storage_options, error_class, url)
     try:
         import fsspec
     except ImportError:

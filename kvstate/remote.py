@@ -106,7 +106,7 @@ class SnapshotStore:
                                     f"got {url_prefix!r}")
         remote_io.refuse_credentials(url_prefix, InvalidInputError)
         remote_io.refuse_chained(url_prefix, InvalidInputError)     # file:// too: its probes go through fsspec
-        remote_io.refuse_unsafe_options(storage_options, InvalidInputError)
+        remote_io.refuse_unsafe_options(storage_options, InvalidInputError, url_prefix)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInputError(f"{name} must be an int >= 1, got {value!r}")

@@ -210,6 +210,45 @@ def test_options_carrying_a_secret_where_botocore_quotes_it_are_refused_before_u
     assert cache.stats()["live_contexts"] == 0
 
 
+@pytest.mark.parametrize("secret", SECRETS)
+def test_the_same_options_set_in_fsspecs_configuration_are_refused_before_use(secret, monkeypatch, caplog):
+    """From an audit: only explicit ``storage_options`` were checked, yet ``ctx.snapshot(url)`` and
+    ``cache.restore(url)`` take theirs from ``fsspec.config.conf`` alone: a region secret there was quoted
+    by botocore in the error and its chain, an endpoint's ``user:secret@`` in aiobotocore's debug log.
+    A store's explicit options do not shield what the configuration adds beside them."""
+    import logging
+
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SnapshotReadError
+    pytest.importorskip("s3fs")
+    caplog.set_level(logging.DEBUG)
+    cache = Cache(SMALL, page_tokens=2)
+    url = "s3://bucket/kv/ctx.kvs"
+    quick = {"config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}     # if it were sent
+    caught = []
+    for configured in _unsafe_options(secret):
+        monkeypatch.setitem(fsspec.config.conf, "s3", {**quick, **configured})
+        with filled(cache, 3) as ctx:
+            with pytest.raises(SnapshotWriteError, match=r"config.conf\['s3'\].*(endpoint_url|region_name)") as error:
+                ctx.snapshot(url, deadline_s=3)
+            caught.append(error.value)
+        for action in (lambda: cache.restore(url, deadline_s=3), lambda: remote_io.exists(url, deadline=3)):
+            with pytest.raises(SnapshotReadError, match="endpoint_url|region_name") as error:
+                action()
+            caught.append(error.value)
+        with pytest.raises(InvalidInputError, match="endpoint_url|region_name") as error:
+            SnapshotStore("s3://bucket/kv", storage_options={"key": "testing"})
+        caught.append(error.value)
+    for error in caught:
+        for link in chain(error):
+            assert secret not in str(link) and secret not in repr(link)
+    assert secret not in caplog.text
+    assert cache.stats()["live_contexts"] == 0
+    # fsspec merges the configuration key by key under the explicit options: what they replace is not used
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"client_kwargs": {"region_name": secret}})
+    remote_io.landing_key(url, {"client_kwargs": {"region_name": "us-east-1"}})
+
+
 @pytest.mark.parametrize("region", ["123456789012", "AKIAIOSFODNN7EXAMPLE", "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY12",
                                     "-west", "a" * 64])
 def test_a_region_botocore_would_quote_or_name_in_its_urls_is_refused(region):
