@@ -92,14 +92,27 @@ def local_path(target):
 
 
 # ``scheme://user:secret@``: userinfo before the first ``/``, or a ``user:secret`` whose secret holds
-# ``/`` (AWS secrets often do), which a URL parser reads as host ``user``, port ``secret...``. A
-# ``host:port`` (digits) is not credentials.
-_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@)")
+# ``/`` (AWS secrets often do), which a URL parser reads as host ``user``, port ``secret...``. Only
+# where the authority is a host that may carry a port (``_PORT_SCHEMES``) is ``host:<digits>/...@`` a
+# port and a path holding ``@``. Elsewhere (s3://, gs://, memory://) the first part is a bucket or a
+# folder and has no port, so a ``:`` there before an ``@`` is always a secret: one of every 400 or so
+# AWS secret keys begins with digits and then ``/``, and was used, named in messages and logged.
+_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:[^@]*@)")
+_CREDENTIALS_BESIDE_PORT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@)")
+_PORT_SCHEMES = {"http", "https", "ftp", "sftp", "ssh", "smb", "hdfs", "webhdfs", "swebhdfs", "dask"}
+
+
+def _userinfo(url) -> re.Match | None:
+    """The ``scheme://user:secret@`` that ``url`` begins with, if any (group 1: the scheme part)."""
+    if not isinstance(url, str):
+        return None
+    port = url.partition("://")[0].lower() in _PORT_SCHEMES
+    return (_CREDENTIALS_BESIDE_PORT if port else _CREDENTIALS).match(url)
 
 
 def has_credentials(url: str) -> bool:
     """Whether ``url`` carries ``user:secret@`` (in any spelling a parser might split differently)."""
-    return isinstance(url, str) and _CREDENTIALS.match(url) is not None
+    return _userinfo(url) is not None
 
 
 def redact(url: str) -> str:
@@ -107,7 +120,9 @@ def redact(url: str) -> str:
     HTTP no query string or fragment (presigned keys). Elsewhere ``?`` and ``#`` can be part of an
     object's key (``s3://b/conv#turn-2``), and cutting there named another key: only a query of
     ``name=value`` parameters (a signature's shape) is cut."""
-    url = _CREDENTIALS.sub(r"\1", url) if isinstance(url, str) else url
+    userinfo = _userinfo(url)
+    if userinfo is not None:
+        url = userinfo.group(1) + url[userinfo.end():]
     if isinstance(url, str) and "://" in url and not url.lower().startswith(("http://", "https://")):
         key, _, query = url.partition("?")
         return key if "=" in query else url
@@ -168,7 +183,10 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
         if isinstance(client, dict):
             places.append((f"{source}['client_kwargs']", client))
         for where, found in places:
-            if has_credentials(found.get("endpoint_url")):
+            endpoint = found.get("endpoint_url")
+            # an endpoint names a server, no key, so an ``@`` anywhere in it is userinfo: one read as a
+            # port and a path would pass has_credentials (a secret beginning with digits then ``/``)
+            if isinstance(endpoint, str) and "@" in endpoint:
                 raise error_class(f"{where}['endpoint_url'] carries credentials (user:secret@): pass them as "
                                   f"storage_options key and secret, or in the environment, never in the URL")
             region = found.get("region_name")
