@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import errno
 import io
+import ipaddress
 import os
 import random
 import re
@@ -468,12 +469,14 @@ _LOOPBACK = "loopback"      # every name of this machine's loopback interface, a
 
 def endpoint_identity(endpoint) -> str:
     """Which server ``endpoint`` (an ``endpoint_url``) names, the same string for its every spelling:
-    the host in any case, a trailing slash or not, every loopback name (``localhost``, ``127.0.0.1``,
-    ``[::1]``) as one, and the scheme's default port written or not, for either scheme (a service on
-    ``http://host`` and ``https://host`` is one service; one port serves one scheme, so a port
-    written is the server). Reading two spellings of one server as two would let a write through the
-    second pass a call to the first that may still land, so where in doubt it is one server: a
-    spurious refusal says why and is retried, a missed one replaces a newer snapshot."""
+    the host in any case, with or without a trailing dot, a trailing slash or not, an IP address in any
+    form (``[0:0:0:0:0:0:0:1]`` is ``[::1]``, ``[::ffff:10.0.0.5]`` is ``10.0.0.5``), every address of
+    the loopback interface and ``localhost`` as one (and the unspecified ``0.0.0.0`` and ``[::]``,
+    which a client connects to as this machine), and the scheme's default port written or not, for
+    either scheme (a service on ``http://host`` and ``https://host`` is one service; one port serves
+    one scheme, so a port written is the server). Reading two spellings of one server as two would let
+    a write through the second pass a call to the first that may still land, so where in doubt it is
+    one server: a spurious refusal says why and is retried, a missed one replaces a newer snapshot."""
     text = str(endpoint).strip()
     try:
         parts = urlsplit(text)
@@ -482,10 +485,28 @@ def endpoint_identity(endpoint) -> str:
         return text.rstrip("/")
     if not scheme or host is None:
         return text.rstrip("/")
-    if host == "localhost" or host == "::1" or re.fullmatch(r"127(\.\d{1,3}){3}", host):
-        host = _LOOPBACK
+    host = _host_identity(host)
     server = host if port is None or port == _DEFAULT_PORTS.get(scheme) else f"{host}:{port}"
     return server + parts.path.rstrip("/")
+
+
+def _host_identity(host: str) -> str:
+    """``host`` (lower case, as ``urlsplit`` gives it) as one string per machine it reaches: an IP
+    address in its one canonical form (an IPv4-mapped IPv6 address as the IPv4 one, which a dual-stack
+    socket connects it to; IPv6 in brackets, as a port may follow), a name without its trailing dot,
+    and ``_LOOPBACK`` for this machine (every loopback address, ``localhost``, and ``0.0.0.0`` or
+    ``[::]``, which a client connects to here). Only literal addresses are parsed: ``127.1`` or
+    ``2130706433``, which ``ipaddress`` refuses, reach no server through aiohttp either."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        host = host[:-1] if host.endswith(".") else host
+        return _LOOPBACK if host == "localhost" else host
+    if address.version == 6 and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    if address.is_loopback or address.is_unspecified:
+        return _LOOPBACK
+    return f"[{address.compressed}]" if address.version == 6 else address.compressed     # [a::1]:9 is no a::1:9
 
 
 def landing_key(url: str, storage_options: dict | None = None) -> tuple:

@@ -809,6 +809,13 @@ def test_a_write_that_may_still_land_holds_back_every_spelling_of_its_object(s3,
             for alias in (f"s3://{s3.bucket}/{key}", f"s3:///{s3.bucket}/{key}", f"s3a://{s3.bucket}/{key}"):
                 with pytest.raises(SnapshotWriteError, match="may still land"):
                     new.snapshot(alias)
+            # from an audit: the same server by an IPv4-mapped or an uncompressed IPv6 loopback address
+            port = s3.endpoint.rpartition(":")[2]
+            for endpoint in (f"http://[::ffff:127.0.0.1]:{port}", f"http://[0:0:0:0:0:0:0:1]:{port}"):
+                monkeypatch.setitem(fsspec.config.conf, "s3", {**s3.options, "endpoint_url": endpoint})
+                with pytest.raises(SnapshotWriteError, match="may still land"):
+                    new.snapshot(s3.url(key))
+            monkeypatch.setitem(fsspec.config.conf, "s3", s3.options)
             s3.fs.invalidate_cache()
             assert not s3.fs.exists(f"{s3.bucket}/{key}")          # nothing was sent
             new.snapshot(f"s3://{s3.bucket}//{key}")              # another object: written at once

@@ -1315,7 +1315,10 @@ def test_every_spelling_of_one_object_is_one_landing_key_and_another_object_anot
             key("s3://b/k/x.kvs", {**here, "key": "someone", "secret": "else"}),          # other credentials
             key("s3://b/k/x.kvs", {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9/"}}),
             key("s3://b/k/x.kvs", {"endpoint_url": "http://localhost:9"}),         # the same server, named
-            key("s3://b/k/x.kvs", {"endpoint_url": "HTTP://[::1]:9"})]             # ... as the machine knows it
+            key("s3://b/k/x.kvs", {"endpoint_url": "HTTP://[::1]:9"}),             # ... as the machine knows it
+            key("s3://b/k/x.kvs", {"endpoint_url": "http://[::ffff:127.0.0.1]:9"}),   # from an audit: IPv4-mapped
+            key("s3://b/k/x.kvs", {"endpoint_url": "http://[0:0:0:0:0:0:0:1]:9"}),    # ... and uncompressed
+            key("s3://b/k/x.kvs", {"endpoint_url": "http://0.0.0.0:9"})]              # a client's way to here
     assert len(set(same)) == 1, same
     others = [key("s3://b//k/x.kvs", here),                       # the key "/k/x.kvs": another object on S3
               key("s3://b/k/y.kvs", here), key("s3://c/k/x.kvs", here),
@@ -1326,6 +1329,13 @@ def test_every_spelling_of_one_object_is_one_landing_key_and_another_object_anot
            ("https://s3.example.com", "https://S3.Example.com:443/", "http://s3.example.com:80")]
     assert len(set(aws)) == 1, aws                                   # default ports, case, a slash
     assert key("s3://b/k/x.kvs", {"endpoint_url": "https://s3.example.com:9000"}) != aws[0]    # a port is a server
+    assert key("s3://b/k/x.kvs", {"endpoint_url": "https://s3.example.com./"}) == aws[0]      # an absolute name
+    v6 = [key("s3://b/k/x.kvs", {"endpoint_url": url}) for url in
+          ("http://[2001:db8::1]:9", "http://[2001:DB8:0:0::1]:9", "http://[2001:0db8::0001]:9")]
+    assert len(set(v6)) == 1, v6
+    assert key("s3://b/k/x.kvs", {"endpoint_url": "http://[2001:db8::1:9]"}) != v6[0]     # an address, no port
+    assert key("s3://b/k/x.kvs", {"endpoint_url": "http://[::ffff:10.0.0.5]:9"}) == \
+        key("s3://b/k/x.kvs", {"endpoint_url": "http://10.0.0.5:9"})
 
 
 def test_a_puts_check_of_a_stored_object_runs_under_the_puts_one_deadline(monkeypatch):
