@@ -474,6 +474,31 @@ def memory_store(**kwargs) -> SnapshotStore:
     return SnapshotStore(f"memory://kvstate-test/{uuid.uuid4().hex}", **kwargs)
 
 
+def test_with_the_loggers_readme_names_kept_above_debug_no_log_record_carries_a_secret(s3, caplog):
+    """From an audit: README's advice named only ``botocore``, yet s3fs's DEBUG log quotes every call's
+    extra arguments, an SSE-C key among them (whoever holds it can read the objects)."""
+    import base64
+    import logging
+    import re
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    advice = re.search(r"keep the ((?:`[\w.]+`(?:, | and )?)+) loggers? above DEBUG", readme)
+    assert advice, "README's Trust paragraph names the loggers to keep above DEBUG"
+    for name in re.findall(r"`([\w.]+)`", advice.group(1)):
+        caplog.set_level(logging.INFO, logger=name)
+    caplog.set_level(logging.DEBUG)       # last: each call sets the capturing handler's level too
+    key = uuid.uuid4().hex                 # 32 bytes, as AES256 takes them
+    sse_c = {"SSECustomerAlgorithm": "AES256", "SSECustomerKey": key}
+    store = SnapshotStore(s3.url(f"sse-c/{uuid.uuid4().hex}"),
+                          storage_options={**s3.options, "s3_additional_kwargs": sse_c})
+    cache = Cache(SMALL, page_tokens=4)
+    with filled(cache, 3) as ctx:
+        assert store.put(ctx) == [3]
+    logging.getLogger(__name__).debug("DEBUG is captured")       # else the check passes for the wrong reason
+    assert "DEBUG is captured" in caplog.text
+    for secret in (key, base64.b64encode(key.encode()).decode(), SECRET):
+        assert secret not in caplog.text
+
+
 def test_store_keys_are_content_addresses(s3):
     cache = Cache(BIG, page_tokens=16)
     store = SnapshotStore(s3.url("content"), stride=16, storage_options=s3.options)
