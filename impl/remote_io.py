@@ -33,7 +33,8 @@ block's own); past it, ``SnapshotDeadlineError`` naming that deadline.
 Transient failures (connection refused or reset, timeouts, 5xx, an object
 replaced while it was being read) are retried up to ``ATTEMPTS`` times with
 exponential backoff and jitter, within the deadline; each retry starts over (a fresh upload, a fresh
-read), which is safe because neither has published or changed anything yet. Every
+read), which is safe where the failure came before the publishing request was sent. One whose answer
+was lost after it was sent may still be applied, late, over a newer write: not guarded (README). Every
 failure is a ``SnapshotError`` subclass whose message names the URL with any
 credentials (``user:secret@``, query strings) removed.
 """
