@@ -80,9 +80,9 @@ def _returned_arrays(run: Lockstep, handle: str):
     engine = run.live[handle][0]
     n, page = len(run.live[handle][1]), run.config.page_tokens
     yield f"{handle}.read()", engine.read()
-    for start, stop in dict.fromkeys(((0, 1), (page, min(2 * page, n)), (n - 1, n))):
-        if 0 <= start < stop <= n:
-            yield f"{handle}.read({start}, {stop})", engine.read(start, stop)
+    for first, stop in dict.fromkeys(((0, 1), (page, min(2 * page, n)), (n - 1, n))):
+        if 0 <= first < stop <= n:
+            yield f"{handle}.read({first}, {stop})", engine.read(first, stop)
     yield f"{handle}.tokens", (engine.tokens,)
     if hasattr(engine, "read_layer") and n:
         for layer in sorted({0, run.config.layout.layers - 1}):
