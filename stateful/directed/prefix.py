@@ -2,7 +2,8 @@
 
 Random runs over a three-token alphabet seldom hold nested keys at once, retain the
 same key twice with other values, retain a context again after overwriting an earlier
-block of it, or cut a retained context exactly at a page boundary. Every scenario here runs through ``Lockstep``, which compares each
+block of it, or cut a retained context exactly at a page boundary. Every scenario here
+runs through ``Lockstep``, which compares each
 ``match``'s matched count, every read, and the entries in eviction order with the
 reference: the check holds a backend to whatever match semantics its configuration
 declares, and the scenarios stay within (or deliberately beyond) ``max_entries``.
