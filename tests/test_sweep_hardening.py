@@ -138,6 +138,22 @@ def test_a_resume_refuses_a_symlinked_journal_and_writes_nothing_through_it(tmp_
     assert sorted(path.name for path in out.iterdir()) == [".sweep.lock", J.FILE]      # no report either
 
 
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_sweep_refuses_a_symlinked_lock_file_and_makes_nothing_where_it_leads(tmp_path, capsys, resume):
+    """From an audit: ``.sweep.lock`` was opened to append, through a symlink too, so a dangling one made a
+    file wherever it led, outside OUT, before anything else was looked at."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    if resume:
+        write_journal(out, this_codes_plan_line(), run_line(0))
+    out.mkdir(exist_ok=True)
+    elsewhere.mkdir()
+    (out / ".sweep.lock").symlink_to(elsewhere / "made-here")
+    args = ["sweep", "--resume", str(out)] if resume else ["sweep", "--seeds", "1", "--steps", "5", "--out", str(out)]
+    assert main(args) == 2
+    assert f"{out / '.sweep.lock'} is not a regular file" in capsys.readouterr().err
+    assert list(elsewhere.iterdir()) == []
+
+
 def _failed(ops: list, page_tokens: int) -> dict:
     """A run line's fields for a shrunk failure of ``ops`` at ``page_tokens``."""
     failure = {"step": 1, "phase": "apply", "op": None, "error": "X", "invariant": None, "message": "m", "where": ""}

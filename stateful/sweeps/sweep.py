@@ -31,6 +31,7 @@ import pickle
 import re
 import shlex
 import signal
+import stat
 import sys
 import threading
 import time
@@ -374,7 +375,7 @@ def _only_sweep_in(out_dir: Path) -> Iterator[None]:
     not inherit it (an ``flock`` they shared outlived a killed sweep in its orphaned workers). Where
     ``fcntl`` is missing (Windows) there is none."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / LOCK, "a") as lock:
+    with _lock_file(out_dir / LOCK) as lock:
         if fcntl is not None:
             try:
                 fcntl.lockf(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -384,6 +385,29 @@ def _only_sweep_in(out_dir: Path) -> Iterator[None]:
                 raise SweepError(f"another sweep is running in {out_dir} (it holds {out_dir / LOCK}): wait for "
                                  "it to end, or pick another --out") from None
         yield
+
+
+def _lock_file(path: Path):
+    """``path`` opened to append, made if missing, refused unless it is a regular file of its own:
+    through a symlink (a folder from elsewhere) the sweep made a file wherever it led, and a FIFO
+    there blocked the open for good."""
+    refused = SweepError(f"{path} is not a regular file (a symlink, FIFO or folder): a sweep locks its folder "
+                         "only through a file of its own there; remove it, or pick another --out")
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
+    try:        # O_NOFOLLOW: a link is refused, not followed; O_NONBLOCK: a FIFO with no reader fails at once
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+            raise
+        raise refused from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise refused
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "a")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resume: bool):
