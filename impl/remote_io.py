@@ -72,7 +72,8 @@ READ_BLOCK_BYTES = 8 << 20      # bytes fetched per ranged GET while streaming a
 _TRANSIENT_ERRNOS = {errno.EBUSY, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
                      errno.ECONNABORTED, errno.EPIPE, errno.EIO, getattr(errno, "EREMOTEIO", errno.EIO)}
 # HTTP answers worth another try: timeout, too many requests, and the server's or a gateway's failures
-_TRANSIENT_STATUSES = {408, 429, 500, 502, 503, 504}
+# 412: an ``If-Match`` read of an object replaced since its HEAD (``_pinned_http_version``): read it again
+_TRANSIENT_STATUSES = {408, 412, 429, 500, 502, 503, 504}
 
 
 # -- URLs --------------------------------------------------------------------------------
@@ -274,6 +275,11 @@ def _is_memory(fs) -> bool:
     return "memory" in protocols and isinstance(getattr(fs, "store", None), dict)
 
 
+def _is_http(fs) -> bool:
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return "http" in protocols or "https" in protocols
+
+
 def _is_s3(fs) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "s3" in protocols
@@ -301,9 +307,10 @@ def _abandon(file) -> None:
 def open_read(url: str, storage_options: dict | None = None, worker: Worker | None = None) -> Iterator:
     """A seekable binary stream of the object at ``url``, fetched in ``READ_BLOCK_BYTES`` ranges.
 
-    On S3 every range is fetched with ``If-Match`` on the ETag seen at open, so
-    an object replaced mid-read fails (and is retried by ``read``) instead of
-    splicing two versions. No object there: ``SnapshotNotFoundError`` (no bucket:
+    On S3, and over http(s) where the server gives a strong ETag, every range is fetched
+    with ``If-Match`` on the ETag seen at open, so an object replaced mid-read fails (and
+    is retried by ``read``) instead of splicing two versions; a server giving none leaves
+    that to the checksum, which refuses the splice as damaged. No object there: ``SnapshotNotFoundError`` (no bucket:
     ``SnapshotReadError``). With ``worker``, every blocking call (the open, each read) is bounded
     by its deadline.
     """
@@ -318,7 +325,8 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
             worker = None       # in this process's memory: nothing to wait for
         else:
             call(fs.invalidate_cache, path)     # size and ETag from the server, not from an earlier listing
-            file = call(fs.open, path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead")
+            file = call(fs.open, path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead",
+                        **(_pinned_http_version(fs, path, call) if _is_http(fs) else {}))
     except FileNotFoundError as error:
         _raise_if_not_absent(error, url)
         raise SnapshotNotFoundError(f"no snapshot at {redact(url)}") from None
@@ -338,6 +346,19 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
             file.close()
         else:
             worker.later(file.close)     # a read-only handle: nothing to wait for
+
+
+def _pinned_http_version(fs, path: str, call) -> dict:
+    """``fs.open`` options that fetch every range of the object at ``path`` over http(s) with ``If-Match``
+    on the strong ETag its HEAD gives, as s3fs does on S3: an object replaced mid-read then answers 412,
+    retried (``is_transient``), where its ranges spliced two versions into one the checksum refused,
+    not retried. The size is that HEAD's too, so the open sends none of its own. None where the server
+    gives no size or no strong ETag (a weak one never matches ``If-Match``)."""
+    info = call(fs.info, path)
+    etag, size = info.get("ETag"), info.get("size")
+    if not size or not isinstance(etag, str) or etag.startswith("W/"):
+        return {}
+    return {"size": size, "headers": {"If-Match": etag}}
 
 
 @contextmanager

@@ -1387,3 +1387,69 @@ def test_a_put_that_cannot_check_the_stored_object_is_a_write_error_and_one_gone
         assert store.put(ctx) == [8]
         monkeypatch.setattr(remote_io, "open_read", opened)
         assert fs.cat(path) == good and store.put(ctx) == []
+
+
+def test_an_object_replaced_between_two_ranged_reads_over_http_is_read_again_whole(monkeypatch):
+    """From an audit: over http(s) (a presigned URL, a CDN) the ranges carried no ETag check, so an object
+    replaced between two of them was read as a splice of both versions, refused by the checksum as damaged
+    and not retried. With ``If-Match`` on the ETag of its HEAD, the server answers 412 and the read starts
+    over, reading the new version whole."""
+    import http.server
+    import io
+    import re
+    import threading
+    pytest.importorskip("aiohttp")
+    monkeypatch.setattr(remote_io, "READ_BLOCK_BYTES", 256)        # several ranges for a small snapshot
+    monkeypatch.setattr(remote_io, "_sleep_before", lambda *_: None)
+    cache = Cache(SMALL, page_tokens=2)
+    blobs, wanted = [], []
+    for count in (40, 60):
+        with filled(cache, count) as ctx:
+            stream = io.BytesIO()
+            ctx.snapshot(stream)
+            blobs.append(stream.getvalue())
+            wanted.append(tokens_of(ctx))
+    assert min(map(len, blobs)) > 2 * 256
+    served = {"version": 0, "ranges": 0, "refused": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self._head(200, len(blobs[served["version"]]))
+            self.end_headers()
+
+        def do_GET(self):
+            version = served["version"]
+            if self.headers.get("If-Match") not in (None, f'"v{version}"'):
+                served["refused"] += 1
+                self.send_response(412)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            blob = blobs[version]
+            first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
+            part = blob[first:last + 1]
+            self._head(206, len(part))
+            self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(blob)}")
+            self.end_headers()
+            self.wfile.write(part)
+            served["ranges"] += 1
+            if served["ranges"] == 1:
+                served["version"] = 1           # replaced after the first range was read
+
+        def _head(self, status: int, length: int):
+            self.send_response(status)
+            self.send_header("Content-Length", str(length))
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("ETag", f'"v{served["version"]}"')
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with cache.restore(f"http://127.0.0.1:{server.server_address[1]}/kv.kvs", deadline_s=20) as back:
+            assert tokens_of(back) == wanted[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert served["refused"] >= 1
