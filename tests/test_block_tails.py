@@ -26,7 +26,7 @@ from kvstate.stateful.conform import conform, load_factory
 from kvstate.stateful.lockstep import Lockstep
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-SMALL = settings(max_examples=40, stateful_step_count=20, derandomize=True, deadline=None, database=None)
+SMALL = settings(max_examples=15, stateful_step_count=20, derandomize=True, deadline=None, database=None)
 LAYOUT = Layout(layers=1, kv_heads=1, head_dim=2)
 
 
