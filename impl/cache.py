@@ -168,6 +168,8 @@ class Cache:
     @classmethod
     def from_config(cls, config: Config, store="numpy", device: str = "cpu") -> "Cache":
         """A cache with a ``kvstate.spec.Config``'s storage, bounds and declared semantics."""
+        if not isinstance(config, Config):      # else a bare AttributeError on its first field
+            raise ConfigError(f"from_config needs a kvstate.spec.Config, got {type(config).__name__}")
         return cls(config.layout, page_tokens=config.page_tokens, precision=config.precision,
                    store=store, device=device, arena_pages=config.arena_pages, max_entries=config.max_entries,
                    match=config.match, block_tokens=config.block_tokens, max_pages=config.max_pages,

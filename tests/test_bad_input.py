@@ -208,6 +208,13 @@ def test_impossible_configurations_are_refused(kwargs, error):
         Cache(LAYOUT, **kwargs)
 
 
+@pytest.mark.parametrize("config", [None, {"layout": LAYOUT}, LAYOUT])
+def test_from_config_of_anything_but_a_config_is_refused_by_name(config):
+    """From an audit: anything else raised a bare AttributeError on its ``layout``."""
+    with pytest.raises(errors.ConfigError, match="Config"):
+        Cache.from_config(config)
+
+
 @pytest.mark.parametrize("mismatch", [dict(page_tokens=8), dict(precision="q8"), dict(layout=Layout(1, 1, 2))])
 def test_a_page_store_built_for_another_cache_is_refused_by_name(mismatch):
     """From an audit: a store of another page size or layout was accepted and the first extend raised a
