@@ -17,7 +17,9 @@ import numpy as np
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import (InvalidInputError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
-                                 SnapshotNotFoundError, SnapshotTooLargeError, SnapshotTruncatedError)
+                                 SnapshotNotFoundError, SnapshotReadError, SnapshotTooLargeError,
+                                 SnapshotTruncatedError)
+from kvstate.spec.positions import as_position
 
 from . import snapshot_tuning as tuning
 from .memory import physical_memory
@@ -145,7 +147,7 @@ def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, m
             view = memoryview(body)
             filled = 0
             while filled < len(body):
-                got = file.readinto(view[filled:filled + tuning.READ_CHUNK])
+                got = checked_readinto(file, view[filled:filled + tuning.READ_CHUNK])
                 if not got:
                     raise SnapshotTruncatedError(
                         f"file ended at offset {header.size + filled} while reading the body; "
@@ -233,12 +235,28 @@ def _read_exactly_or_less(file, n: int) -> bytes:
 
 def checked_read(file, n: int) -> bytes:
     """``file.read(n)``, refusing a text stream and a non-blocking one that has nothing yet by name."""
-    chunk = file.read(n)
+    try:
+        chunk = file.read(n)
+    except SystemError as error:        # ``io.RawIOBase.read`` over a ``readinto`` that returned a negative count
+        raise SnapshotReadError(f"{file!r} is not a binary stream: {error}") from error
     if chunk is None:
         raise SnapshotError(f"{file!r} would block: restore needs a blocking stream")
     if not isinstance(chunk, (bytes, bytearray, memoryview)):
         raise SnapshotError(f"{file!r} is not a binary stream (read returned {type(chunk).__name__})")
     return chunk
+
+
+def checked_readinto(file, view: memoryview) -> int:
+    """``file.readinto(view)``, refusing a count outside ``0..len(view)`` by name: a stream's -1
+    moved the read backwards, for ever, and a count past the view claimed bytes never read.
+    None (a non-blocking stream with nothing yet) reads as 0, the end, as before."""
+    got = file.readinto(view)
+    if got is None:
+        return 0
+    count = as_position(got)
+    if count is None or not 0 <= count <= len(view):
+        raise SnapshotReadError(f"{file!r} is not a binary stream: readinto of {len(view)} bytes returned {got!r}")
+    return count
 
 
 def seekable(stream) -> bool:

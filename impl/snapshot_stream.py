@@ -15,7 +15,7 @@ from kvstate.spec.arithmetic import pages_needed, pages_touched, span_in_page
 from kvstate.spec.errors import SnapshotCorruptError, SnapshotError, SnapshotTruncatedError
 
 from . import snapshot_tuning as tuning
-from .snapshot_read import checked_read
+from .snapshot_read import checked_read, checked_readinto
 
 if TYPE_CHECKING:
     from .cache import Cache
@@ -149,7 +149,7 @@ class _PieceReader:
             view = memoryview(staging)[:nbytes]
             filled = 0
             while filled < nbytes:
-                got = self._file.readinto(view[filled:])
+                got = checked_readinto(self._file, view[filled:])
                 if not got:
                     raise SnapshotTruncatedError(
                         f"file ended at offset {offset + filled} while reading the body; "

@@ -104,6 +104,43 @@ class GrowsWhileRead(io.FileIO):
         return super().readinto(buffer)
 
 
+class Backwards:
+    """A stream whose ``readinto`` reads a few bytes, then returns -1 (from an audit: the body's
+    read went backwards for ever; a raw stream's ``read`` raised a bare SystemError)."""
+
+    calls = 0
+
+    def readinto(self, buffer):
+        self.calls += 1
+        if self.calls > 100:        # the bug looped here for ever: fail the row instead of hanging it
+            raise RuntimeError("readinto called 100 times")
+        return super().readinto(buffer[:8]) if self.calls == 1 else -1
+
+
+class BackwardsFile(Backwards, io.FileIO):
+    pass
+
+
+class BackwardsBytes(Backwards, io.BytesIO):
+    pass
+
+
+class BackwardsRaw(Backwards, io.RawIOBase):
+    """Not seekable: read through ``RawIOBase.read``, which calls ``readinto``."""
+
+    def __init__(self, data):
+        self.data = io.BytesIO(data)
+
+    def readable(self):
+        return True
+
+    def readinto(self, buffer):
+        if self.calls == 0 and self.data.tell() < fmt.HEADER_SIZE:
+            return self.data.readinto(buffer)      # the header whole
+        self.calls += 1
+        return self.data.readinto(buffer[:8]) if self.calls == 1 else -1
+
+
 def changing(cls):
     def make(tmp):
         path = tmp / "changing.kvs"
@@ -132,6 +169,9 @@ SOURCES = [
     ("pipe with a snapshot", pipe_with_a_snapshot, None),
     ("file shrinking during the read", changing(ShrinksWhileRead), errors.SnapshotTruncatedError),
     ("file growing during the read", changing(GrowsWhileRead), errors.SnapshotCorruptError),
+    ("file whose readinto goes backwards", changing(BackwardsFile), errors.SnapshotReadError),
+    ("stream whose readinto goes backwards", lambda tmp: BackwardsBytes(_snapshot_bytes()), errors.SnapshotReadError),
+    ("raw stream whose readinto goes backwards", lambda tmp: BackwardsRaw(_snapshot_bytes()), errors.SnapshotReadError),
 ]
 
 
