@@ -249,6 +249,23 @@ def _check_op(index: int, op: O.Op) -> O.Op:
     return op
 
 
+PHASES = ("build", "apply", "check", "finish", "crash")     # crash: a sweep's redraw that died (sweeps/redraw.py)
+
+
+def _check_failure(failure: Failure) -> Failure:
+    """The recorded failure's fields of the right kind, named when not: a step of "x" was a bare
+    TypeError out of the step comparison, and a step of -1 read as a failure the backend no longer shows."""
+    checks = (("step", type(failure.step) is int and failure.step >= 0), ("phase", failure.phase in PHASES),
+              ("op", failure.op is None or isinstance(failure.op, str)),
+              ("error", isinstance(failure.error, str)), ("message", isinstance(failure.message, str)),
+              ("invariant", failure.invariant is None or type(failure.invariant) in (int, str)),
+              ("where", isinstance(failure.where, str)))
+    for name, ok in checks:
+        if not ok:
+            raise ReplayFileError(f"malformed replay file: its failure's {name} is {getattr(failure, name)!r}")
+    return failure
+
+
 def to_json(replay: Replay) -> dict:
     return {
         "format": FORMAT,
@@ -274,7 +291,7 @@ def from_json(data: dict) -> Replay:
     try:
         bounds.check_op_count(len(data["ops"]))
         ops = [_check_op(i, O.op_from_json(op)) for i, op in enumerate(data["ops"], start=1)]
-        failure = Failure(**data["failure"]) if data.get("failure") else None
+        failure = _check_failure(Failure(**data["failure"])) if data.get("failure") else None
         config = config_from_json(data["config"])
         bounds.check_memory(config, ops)
         return Replay(data["backend"], config, data.get("seed"), ops, failure,
