@@ -93,7 +93,8 @@ def _conform(args: argparse.Namespace) -> int:
         if args.check:
             conform_checks_known(args.check)
         factory, configs = _load_backend(args.backend, args.time_limit)
-        names = (args.config or []) + [name.strip() for name in (args.configs or "").split(",") if name.strip()]
+        # An empty name is refused, as sweep refuses it: dropped, --configs , ran every configuration.
+        names = (args.config or []) + ([name.strip() for name in args.configs.split(",")] if args.configs else [])
         if names:
             from kvstate.stateful.sweeps.sweep import configs_labelled
             try:

@@ -433,6 +433,13 @@ def test_conform_takes_configs_comma_separated_as_sweep_does(capsys):
     assert rc == 0 and sorted(rows) == ["f16-heap", "f32-heap", "q8-heap"], rows
 
 
+@pytest.mark.parametrize("configs", [",", "f32-heap,", " "])
+def test_an_empty_name_in_configs_is_refused_as_sweep_refuses_it(configs, capsys):
+    """Dropped, it narrowed nothing: --configs , (an empty $CONFIGS in CI) ran every configuration."""
+    assert main(["conform", "--configs", configs, "--check", "fork isolation"]) == 2
+    assert capsys.readouterr().err.startswith("kvstate conform: FactoryError: the backend declares no configuration ''")
+
+
 def test_conform_takes_a_sweeps_labels_and_runs_a_name_once(capsys, tmp_path):
     """From a review: a backend declaring one name at two page sizes is swept under NAME-pageN labels (its
     journal, replay files and --resume command name them), which conform refused; a name given twice ran twice."""
