@@ -285,7 +285,9 @@ def from_json(data: dict) -> Replay:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ReplayFileError(f"not a {FORMAT} file (format {found!r})")
-    for name, kind, what in (("backend", str, "a string (a module or a .py file)"), ("ops", list, "a list of operations")):
+    for name, kind, what in (("backend", str, "a string (a module or a .py file)"), ("ops", list, "a list of operations"),
+                             ("config", dict, "an object of configuration fields"),
+                             ("failure", (dict, type(None)), "an object of failure fields or null")):
         if name in data and not isinstance(data[name], kind):
             raise ReplayFileError(f"malformed replay file: its {name!r} is a {type(data[name]).__name__}, not {what}")
     try:

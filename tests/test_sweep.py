@@ -169,7 +169,9 @@ def test_a_bad_replay_file_is_refused(tmp_path):
     for broken, named in (({**good, "ops": [{"op": "rm -rf"}]}, "an operation of unknown kind 'rm -rf'"),
                           ({**good, "ops": [{"op": "extend", "ctx": "c1"}]},
                            "operation 'extend' without its 'tokens' field"),
-                          ({k: v for k, v in good.items() if k != "ops"}, "it has no 'ops' field")):
+                          ({k: v for k, v in good.items() if k != "ops"}, "it has no 'ops' field"),
+                          ({**good, "config": None}, "its 'config' is a NoneType, not an object of configuration"),
+                          ({**good, "failure": "x"}, "its 'failure' is a str, not an object of failure fields")):
         path.write_text(json.dumps(broken))
         with pytest.raises(ReplayFileError, match=re.escape(named)):
             R.load(path)
