@@ -172,7 +172,10 @@ def _largest_replayable_page() -> int:
     (lambda: _failed([], 10**9), "MAX_REPLAY_PAGE_BYTES"),
     # One token takes a whole page, on each side: past a replay's memory bound.
     (lambda: _failed([O.Allocate(), O.Extend("c1", (1,), 0)], _largest_replayable_page()), "MAX_REPLAY_MEMORY_BYTES"),
-], ids=["negative-steps", "steps-past-the-plan", "huge-page", "past-the-memory-bound"])
+    # A replay file refuses it: a resume stopped at reading back the file it saved.
+    (lambda: {**_failed([O.Allocate()], 4), "failure": {**_failed([], 4)["failure"], "step": -1}},
+     "its failure's step is -1"),
+], ids=["negative-steps", "steps-past-the-plan", "huge-page", "past-the-memory-bound", "negative-failure-step"])
 def test_a_run_line_out_of_range_is_refused_with_its_line_before_anything_is_written(tmp_path, capsys, change, said):
     """From an audit: these passed ``journal.read``; a run line a resume cannot save as a replay file stopped
     it after the reports were written, with an error that named neither the journal nor the line, on every retry."""

@@ -219,6 +219,7 @@ def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded
             if isinstance(entry["failure"], dict):      # journals from before failures said where
                 entry["failure"].setdefault("where", "")
             _check_fields(entry["failure"], _FAILURE_FIELDS, path, number, f"{kind}'s failure")
+            _check_failure(entry["failure"], path, number, kind)
             _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
         if entry["page_tokens"] < 1:
             raise ResumeError(f"{path}: line {number}: the {kind}'s page_tokens is {entry['page_tokens']}, not >= 1")
@@ -267,6 +268,17 @@ def _check_replayable(entry: dict, config: Config, page_sizes_checked: set, path
     except InvalidInputError as error:      # ConfigError, ReplayFileError
         raise ResumeError(f"{path}: line {number}: the {kind} is past a replay file's bounds: "
                           f"{str(error)[:200]}") from None
+
+
+def _check_failure(failure: dict, path: Path, number: int, kind: str) -> None:
+    """A failure a replay file could hold (its step, phase and fields); else ``ResumeError`` naming the line."""
+    from ..replay import Failure
+    from ..replay import _check_failure as check_failure     # the rule replay files are held to
+
+    try:
+        check_failure(Failure(**failure))
+    except (TypeError, ValueError) as error:     # ReplayFileError is a ValueError
+        raise ResumeError(f"{path}: line {number}: the {kind}'s failure is malformed: {str(error)[:80]}") from None
 
 
 def _check_ops(ops, path: Path, number: int, kind: str) -> None:
