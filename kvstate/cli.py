@@ -501,8 +501,18 @@ def _spec_check(args: argparse.Namespace) -> int:
     return run_spec_check(args)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad argument is one line and exit 2, as README promises of every command; argparse printed
+    its usage block (four lines for conform) before it. ``--help`` still prints the usage."""
+
+    def error(self, message: str):
+        from kvstate.stateful.printable import printable
+
+        self.exit(2, printable(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvstate", description=__doc__)
+    parser = _Parser(prog="kvstate", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     conform = commands.add_parser("conform", help="run the conformance suite against a backend factory")

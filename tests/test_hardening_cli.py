@@ -143,6 +143,16 @@ def test_conform_bad_numbers(capsys, flag):
     one_line_exit_2(capsys, ["conform", *flag])
 
 
+@pytest.mark.parametrize("argv", [["conform", "--examples", "1.5"], ["conform", "--profile", "x\nTraceback"],
+                                  ["replay"], ["nonesuch"], ["sweep", "--seeds", "x"]])
+def test_an_argument_argparse_refuses_is_one_line_too(capsys, argv):
+    """argparse printed its usage block (four lines for conform) before the error."""
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("kvstate"), err
+
+
 def test_conform_on_a_module_that_hangs_at_import(tmp_path, capsys):
     module = backend_module(tmp_path, "hangs_at_import", "import threading\nthreading.Event().wait()\n")
     one_line_exit_2(capsys, ["conform", module, "--time-limit", "1"], within=20)
