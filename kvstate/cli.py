@@ -18,8 +18,10 @@ import os
 import re
 import shlex
 import sys
+import threading
 
 LOAD_TIME_LIMIT = 60.0
+MAX_TIME_LIMIT = threading.TIMEOUT_MAX     # past it a wait overflowed, and read as the backend failing to load
 
 
 class UsageError(Exception):
@@ -86,7 +88,7 @@ def _conform(args: argparse.Namespace) -> int:
     from kvstate.stateful.configs import describe_page_sizes, page_sizes
 
     try:
-        _at_least("--time-limit", args.time_limit, 0.001)
+        _at_least("--time-limit", args.time_limit, 0.001, MAX_TIME_LIMIT)
         _at_least("--examples", args.examples, 1)
         _at_least("--steps", args.steps, 1)
         _workers(args.workers, 1)           # its form, before the backend is loaded
@@ -252,8 +254,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
         _at_least("--shrink-limit", args.shrink_limit, 0)
         _at_least("--shrink-budget", args.shrink_budget, 0)
         _at_least("--shrink-tries", args.shrink_tries, 0)
-        _at_least("--time-limit", args.time_limit, 0.001)
-        _at_least("--run-timeout", args.run_timeout, 0.001)
+        _at_least("--time-limit", args.time_limit, 0.001, MAX_TIME_LIMIT)
+        _at_least("--run-timeout", args.run_timeout, 0.001, MAX_TIME_LIMIT)
         if args.resume:
             seeds, label, recorded_workers = _resume_arguments(args)
             if not scheduler and args.workers is None and recorded_workers and not args.in_process:  # a local resume
@@ -455,7 +457,7 @@ def _replay(args: argparse.Namespace) -> int:
         print(printable(line))
 
     try:
-        _at_least("--time-limit", args.time_limit, 0.001)
+        _at_least("--time-limit", args.time_limit, 0.001, MAX_TIME_LIMIT)
         recorded = R.load(args.file)
         short = recorded.failure
         if short is not None and short.phase != "finish" and short.step > len(recorded.ops):
@@ -495,7 +497,7 @@ def _spec_check(args: argparse.Namespace) -> int:
         _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
     _at_least("--arena", args.arena, 0)
     _at_least("--depth", args.depth, 0)
-    _at_least("--time-limit", args.time_limit, 0.001)
+    _at_least("--time-limit", args.time_limit, 0.001, MAX_TIME_LIMIT)
     _at_least("--crosshair-timeout", args.crosshair_timeout, 0.001)
 
     return run_spec_check(args)

@@ -138,9 +138,11 @@ def test_conform_with_non_list_configs(tmp_path, capsys):
     one_line_exit_2(capsys, ["conform", module])
 
 
-@pytest.mark.parametrize("flag", [["--examples", "-1"], ["--steps", "0"], ["--time-limit", "-3"]])
+@pytest.mark.parametrize("flag", [["--examples", "-1"], ["--steps", "0"], ["--time-limit", "-3"],
+                                  ["--time-limit", "1e308"]])
 def test_conform_bad_numbers(capsys, flag):
-    one_line_exit_2(capsys, ["conform", *flag])
+    line = one_line_exit_2(capsys, ["conform", *flag])
+    assert line.startswith(f"kvstate conform: {flag[0]} must be"), line      # 1e308 read as the backend failing to load
 
 
 @pytest.mark.parametrize("argv", [["conform", "--examples", "1.5"], ["conform", "--profile", "x\nTraceback"],
@@ -222,7 +224,7 @@ def test_spec_check_refuses_an_undeclared_scope_before_crosshair_runs(capsys, mo
     assert ran == []
 
 
-@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+@pytest.mark.parametrize("limit", ["0", "-1", "nan", "1e308"])     # 1e308: an OverflowError, blamed on loading
 def test_a_replay_time_limit_that_is_no_time_is_the_arguments_fault(tmp_path, capsys, limit):
     line = one_line_exit_2(capsys, ["replay", replay_file(tmp_path), "--time-limit", limit])
     assert line.startswith("kvstate replay: --time-limit must be"), line     # not the backend's, nor a hang
