@@ -249,7 +249,7 @@ def _check_op(index: int, op: O.Op) -> O.Op:
     return op
 
 
-def _check_failure(failure: Failure) -> Failure:
+def checked_failure(failure: Failure) -> Failure:
     """The recorded failure's fields of the right kind, named when not: a step of "x" was a bare
     TypeError out of the step comparison, and a step of -1 read as a failure the backend no longer shows."""
     checks = (("step", type(failure.step) is int and failure.step >= 0), ("phase", isinstance(failure.phase, str)),
@@ -290,7 +290,7 @@ def from_json(data: dict) -> Replay:
     try:
         bounds.check_op_count(len(data["ops"]))
         ops = [_check_op(i, O.op_from_json(op)) for i, op in enumerate(data["ops"], start=1)]
-        failure = _check_failure(Failure(**data["failure"])) if data.get("failure") else None
+        failure = checked_failure(Failure(**data["failure"])) if data.get("failure") else None
         config = config_from_json(data["config"])
         bounds.check_memory(config, ops)
         return Replay(data["backend"], config, data.get("seed"), ops, failure,

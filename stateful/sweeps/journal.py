@@ -273,10 +273,10 @@ def _check_replayable(entry: dict, config: Config, page_sizes_checked: set, path
 def _check_failure(failure: dict, path: Path, number: int, kind: str) -> None:
     """A failure a replay file could hold (its step, phase and fields); else ``ResumeError`` naming the line."""
     from ..replay import Failure
-    from ..replay import _check_failure as check_failure     # the rule replay files are held to
+    from ..replay import checked_failure     # the rule replay files are held to
 
     try:
-        check_failure(Failure(**failure))
+        checked_failure(Failure(**failure))
     except (TypeError, ValueError) as error:     # ReplayFileError is a ValueError
         raise ResumeError(f"{path}: line {number}: the {kind}'s failure is malformed: {str(error)[:80]}") from None
 
