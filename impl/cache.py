@@ -140,12 +140,12 @@ class Cache:
         self.layout = layout
         self.page_tokens = self.config.page_tokens
         self.precision = self.config.precision
-        self.max_entries = max_entries
-        self.store = make_store(store, layout, self.page_tokens, precision, arena_pages, device)
+        self.max_entries = self.config.max_entries      # the config's: a NumPy count made a Python int
+        self.store = make_store(store, layout, self.page_tokens, precision, self.config.arena_pages, device)
         self.pool = PagePool(self.store)
-        self.bounds = TreeBounds(max_entries, max_pages, self.page_tokens)
+        self.bounds = TreeBounds(self.config.max_entries, self.config.max_pages, self.page_tokens)
         self.tree = RadixTree(weigh=self.bounds.entry_pages)     # keeps the pages held as it changes
-        self.find_hit = finder_for(match, block_tokens)
+        self.find_hit = finder_for(match, self.config.block_tokens)
         self.policy = PoolPolicy(on_full, self.config.pool_limit, self.pool, self.tree, self._release,
                                  self._context_page_ids)
         self.pool.make_room = self.policy.make_room

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 from .errors import ConfigError
 from .layout import DEFAULT_PAGE_TOKENS, Layout
 from .observation import Observation
+from .positions import as_position
 from .semantics import MATCH_KINDS, ON_FULL, VALUES, pool_limit, reclaims
 
 
@@ -63,9 +64,10 @@ class Config:
     def __post_init__(self) -> None:
         for name, low in (("page_tokens", 1), ("arena_pages", 0), ("max_entries", 1), ("block_tokens", 0),
                           ("max_pages", 0), ("pool_pages", 0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"Config.{name} must be an int >= {low}, got {value!r}")
+            value = as_position(getattr(self, name))       # ints of any width, kept as Python ints; no bool
+            if value is None or value < low:
+                raise ConfigError(f"Config.{name} must be an int >= {low}, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, value)
         if self.match not in MATCH_KINDS:
             raise ConfigError(f"Config.match must be one of {MATCH_KINDS}, got {self.match!r}")
         if (self.match == "block") != (self.block_tokens > 0):

@@ -349,3 +349,15 @@ def test_a_page_table_that_starts_empty_grows_for_the_first_page():
         done.close()
     cache.clear()
     assert cache.stats()["live_pages"] == 0
+
+
+@pytest.mark.parametrize("name", ["page_tokens", "arena_pages", "max_entries", "max_pages", "pool_pages"])
+def test_every_count_of_a_cache_takes_ints_of_any_width_as_python_ints(name):
+    # From an audit: page_tokens took a NumPy int, the other counts refused one (the engine's rule for
+    # positions, spec/positions.py: ints of every width, never a bool).
+    layout = Layout(layers=1, kv_heads=1, head_dim=2)
+    cache = Cache(layout, **{name: np.int64(4)})
+    assert type(getattr(cache.config, name)) is int and getattr(cache.config, name) == 4
+    for bad in (True, 4.0, np.float64(4)):
+        with pytest.raises(errors.ConfigError, match=name):
+            Cache(layout, **{name: bad})
