@@ -10,20 +10,18 @@ short by a kill is ignored; so is a second line for a run already recorded.
 
 from __future__ import annotations
 
-import errno
 import io
 import json
 import math
 import os
 import re
-import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, TextIO
 
 from kvstate.spec.errors import InvalidInputError, ResumeError
 
-from ..data_files import read_regular
+from ..data_files import open_own_file, read_regular
 from ..shrink import DEFAULT_TRIES as DEFAULT_SHRINK_TRIES
 
 if TYPE_CHECKING:
@@ -86,23 +84,10 @@ class Journal:
         regular file is refused as ``start`` refuses it, before anything is cut or written: through a
         link, a folder from elsewhere would have the resume write outside it."""
         path = out_dir / FILE
-        way_out = "put a copy of the journal in its place to resume it"
-        if path.is_symlink():
-            raise _not_regular(path, way_out)
-        try:        # O_NOFOLLOW: no window for a link put there after the check
-            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
-        except OSError as error:
-            if error.errno not in (errno.ELOOP, errno.EISDIR):     # ELOOP: the last part is a link
-                raise
-            raise _not_regular(path, way_out) from None
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise _not_regular(path, way_out)
-            os.set_blocking(fd, True)
-            stream = os.fdopen(fd, "r+b")
-        except BaseException:
-            os.close(fd)
-            raise
+            stream = open_own_file(path, os.O_RDWR, "r+b")
+        except ValueError:
+            raise _not_regular(path, "put a copy of the journal in its place to resume it") from None
         content = stream.read()
         stream.truncate(content.rfind(b"\n") + 1)
         stream.seek(0, 2)

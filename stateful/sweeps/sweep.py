@@ -31,7 +31,6 @@ import pickle
 import re
 import shlex
 import signal
-import stat
 import sys
 import threading
 import time
@@ -56,6 +55,7 @@ from . import runs
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
 from ..configs import configs_for, configs_named, page_sizes
+from ..data_files import open_own_file
 from ..exits import ended_how
 from ..printable import one_line
 from ..replay import FINDINGS, as_pytest, load
@@ -391,23 +391,11 @@ def _lock_file(path: Path):
     """``path`` opened to append, made if missing, refused unless it is a regular file of its own:
     through a symlink (a folder from elsewhere) the sweep made a file wherever it led, and a FIFO
     there blocked the open for good."""
-    refused = SweepError(f"{path} is not a regular file (a symlink, FIFO or folder): a sweep locks its folder "
-                         "only through a file of its own there; remove it, or pick another --out")
-    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK
-    try:        # O_NOFOLLOW: a link is refused, not followed; O_NONBLOCK: a FIFO with no reader fails at once
-        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as error:
-        if error.errno not in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
-            raise
-        raise refused from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise refused
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "a")
-    except BaseException:
-        os.close(fd)
-        raise
+        return open_own_file(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, "a")
+    except ValueError:
+        raise SweepError(f"{path} is not a regular file (a symlink, FIFO or folder): a sweep locks its folder "
+                         "only through a file of its own there; remove it, or pick another --out") from None
 
 
 def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resume: bool):
