@@ -37,6 +37,10 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
     contexts = list(contexts)
     if not contexts:
         return
+    not_contexts = [i for i, ctx in enumerate(contexts) if not isinstance(ctx, Context)]
+    if not_contexts:
+        raise ForeignContextError(f"rows {not_contexts} are not kvstate contexts "
+                                  f"(row {not_contexts[0]} is {type(contexts[not_contexts[0]]).__name__})")
     cache = contexts[0]._cache
     foreign = [i for i, ctx in enumerate(contexts) if ctx._cache is not cache]
     if foreign:

@@ -99,6 +99,11 @@ def test_rows_that_are_not_distinct_contexts_of_one_cache_are_refused():
     other = Cache(LAYOUT, page_tokens=4).allocate()
     with pytest.raises(ForeignContextError, match=r"rows \[1\]"):
         extend_rows([rows[0], other], [[1], [2]], values(2, 1, 6))
+    for stranger in (None, "ctx", object()):     # not a context at all: named, not an AttributeError
+        with pytest.raises(ForeignContextError, match=r"rows \[1\] are not kvstate contexts"):
+            extend_rows([rows[0], stranger], [[1], [2]], values(2, 1, 6))
+    with pytest.raises(ForeignContextError, match=r"rows \[0\] are not kvstate contexts"):
+        extend_rows([None, rows[0]], [[1], [2]], values(2, 1, 6))
     with rows[2]._owned():        # another thread is using a row: nothing is written to any
         with pytest.raises(ContextBusyError):
             extend_rows(rows, [[1], [2], [3], [4]], values(4, 1, 6))
