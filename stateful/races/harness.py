@@ -450,7 +450,9 @@ def check_after(cache: Cache, where: str, expected_tree=None, live: dict | None 
         check_pool(obs, config)
         if expected_tree is None:       # the tree's own, structure only (none without the tree tier)
             expected_tree = [(entry.key, entry.tick) for entry in obs.entries or ()]
-        invariants.check_tree(obs, expected_tree)
+        # under block matching an entry may hold only its whole blocks (spec/semantics.py), as lockstep allows
+        block_tokens = config.block_tokens if config is not None and config.match == "block" else 0
+        invariants.check_tree(obs, expected_tree, block_tokens)
         if live is not None:
             invariants.check_values({n: read_numpy(c) for n, c in live.items()},
                                     {n: r.read() for n, r in reference.items()})
