@@ -353,12 +353,17 @@ def _pinned_http_version(fs, path: str, call) -> dict:
     on the strong ETag its HEAD gives, as s3fs does on S3: an object replaced mid-read then answers 412,
     retried (``is_transient``), where its ranges spliced two versions into one the checksum refused,
     not retried. The size is that HEAD's too, so the open sends none of its own. None where the server
-    gives no size or no strong ETag (a weak one never matches ``If-Match``)."""
+    gives no size or no strong ETag (a weak one never matches ``If-Match``).
+
+    The filesystem's own headers (``storage_options``, ``fsspec.config.conf``: an ``Authorization``)
+    are kept beside it: fsspec merges open options over the filesystem's one key deep, so a
+    ``headers`` of ``If-Match`` alone sent every range without them (a 401 where the HEAD passed)."""
     info = call(fs.info, path)
     etag, size = info.get("ETag"), info.get("size")
     if not size or not isinstance(etag, str) or etag.startswith("W/"):
         return {}
-    return {"size": size, "headers": {"If-Match": etag}}
+    own = (getattr(fs, "kwargs", None) or {}).get("headers") or {}
+    return {"size": size, "headers": {**own, "If-Match": etag}}
 
 
 @contextmanager

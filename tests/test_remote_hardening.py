@@ -1453,3 +1453,68 @@ def test_an_object_replaced_between_two_ranged_reads_over_http_is_read_again_who
         server.shutdown()
         server.server_close()
     assert served["refused"] >= 1
+
+
+def test_the_ranges_of_an_http_read_keep_the_filesystems_own_headers(monkeypatch):
+    """From a review: the ``If-Match`` pin on every range replaced the filesystem's ``headers`` (fsspec
+    merges open options one key deep), so a server that wants an ``Authorization`` header answered the
+    HEAD and refused every range with 401: a restore that worked before the pin failed."""
+    import http.server
+    import io
+    import re
+    import threading
+
+    import fsspec
+    pytest.importorskip("aiohttp")
+    monkeypatch.setattr(remote_io, "READ_BLOCK_BYTES", 256)
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 60) as ctx:
+        stream = io.BytesIO()
+        ctx.snapshot(stream)
+        blob, wanted = stream.getvalue(), tokens_of(ctx)
+    seen = {"ranges": 0, "pinned": 0}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _allowed(self) -> bool:
+            if self.headers.get("Authorization") == "Bearer t":
+                return True
+            self.send_response(401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return False
+
+        def do_HEAD(self):
+            if self._allowed():
+                self._head(200, len(blob))
+                self.end_headers()
+
+        def do_GET(self):
+            if not self._allowed():
+                return
+            seen["pinned"] += self.headers.get("If-Match") == '"v1"'
+            first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
+            part = blob[first:last + 1]
+            self._head(206, len(part))
+            self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(blob)}")
+            self.end_headers()
+            self.wfile.write(part)
+            seen["ranges"] += 1
+
+        def _head(self, status: int, length: int):
+            self.send_response(status)
+            self.send_header("Content-Length", str(length))
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("ETag", '"v1"')
+
+        def log_message(self, *args):
+            pass
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setitem(fsspec.config.conf, "http", {"headers": {"Authorization": "Bearer t"}})
+    try:
+        with cache.restore(f"http://127.0.0.1:{server.server_address[1]}/kv.kvs", deadline_s=20) as back:
+            assert tokens_of(back) == wanted
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert seen["ranges"] >= 2 and seen["pinned"] == seen["ranges"]     # every range authorised and pinned
