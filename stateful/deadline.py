@@ -133,6 +133,13 @@ class _Clock:
                 heapq.heapify(self._due)
 
     def _run(self) -> None:
+        try:
+            self._fire_when_due()
+        finally:        # should the loop ever end (it should not), the next deadline starts a thread again
+            with self._wake:
+                self._thread = None
+
+    def _fire_when_due(self) -> None:
         armed = self._armed
         while True:
             with self._wake:
@@ -144,8 +151,8 @@ class _Clock:
                         self._wake.wait()
                     elif due[0][0] <= time.monotonic():
                         break
-                    else:
-                        self._wake.wait(due[0][0] - time.monotonic())
+                    else:       # a deadline past TIMEOUT_MAX (or inf) waits in steps: wait() refuses more
+                        self._wake.wait(min(due[0][0] - time.monotonic(), threading.TIMEOUT_MAX))
                 _when, number, call = heapq.heappop(due)
                 armed.discard(number)
             try:

@@ -141,3 +141,17 @@ def test_a_deadline_fires_in_a_process_forked_after_the_clock_started():
     child.start()
     child.join(30)
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("far", [1e10, float("inf")])
+def test_a_deadline_past_the_longest_wait_leaves_the_clock_firing_the_next(far):
+    """From a review: a deadline past ``threading.TIMEOUT_MAX`` (``--shrink-budget 1e10``, a journal's
+    huge ``run_timeout``, ``inf`` from the API) made the clock's ``wait`` raise ``OverflowError`` outside
+    any guard: its one thread died, still recorded as started, so no later deadline in the process
+    fired again and a run looping in Python was never stopped. A clock of its own, not the process's."""
+    clock = deadline_module._Clock()
+    fired = threading.Event()
+    clock.arm(far, lambda: None)
+    time.sleep(0.05)        # the thread is now waiting for the far deadline
+    clock.arm(0.05, fired.set)
+    assert fired.wait(10) and clock._thread.is_alive()
