@@ -5,6 +5,7 @@ checked before work. Each test builds its files by hand: nothing here runs a swe
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -136,6 +137,30 @@ def test_a_resume_refuses_a_symlinked_journal_and_writes_nothing_through_it(tmp_
         J.Journal.reopen(out)
     assert (elsewhere / J.FILE).read_bytes() == before
     assert sorted(path.name for path in out.iterdir()) == [".sweep.lock", J.FILE]      # no report either
+
+
+def test_a_new_sweep_refuses_a_symlinked_journal_before_it_removes_a_replay_file(tmp_path):
+    """From a review: a new sweep read a symlinked ``runs.jsonl`` through the link, found a finished
+    sweep there, removed that sweep's replay files from this folder (``OUT/replays``) and only then
+    refused the link when it started its own journal."""
+    from kvstate.spec.errors import ResumeError
+    from kvstate.stateful.sweeps import sweep as S
+
+    elsewhere, out = tmp_path / "elsewhere", tmp_path / "out"
+    write_journal(elsewhere, plan_line(), run_line(0), run_line(1))       # a finished sweep, elsewhere
+    plan = J.read(elsewhere).plan
+    replay = out / "replays" / f"{plan.configs[0]}-seed{plan.seeds[0]}.json"
+    replay.parent.mkdir(parents=True)
+    replay.write_text("{}")
+    (out / J.FILE).symlink_to(elsewhere / J.FILE)
+    with pytest.raises(ResumeError, match="not a regular file"):
+        S._open_journal(out, plan, {}, resume=False)
+    assert replay.read_text() == "{}"
+    (out / J.FILE).unlink()
+    os.mkfifo(out / J.FILE)         # a FIFO: refused at once, never blocking the sweep
+    with pytest.raises(ResumeError, match="not a regular file"):
+        J.Journal.start(out, plan)
+    assert replay.read_text() == "{}"
 
 
 @pytest.mark.parametrize("resume", [False, True])

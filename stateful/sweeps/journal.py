@@ -69,11 +69,15 @@ class Journal:
 
     @classmethod
     def start(cls, out_dir: Path, plan: Plan) -> "Journal":
+        """A new journal in ``out_dir``, replacing the one there; one that is a symlink or no regular
+        file is refused (``refuse_foreign``), on the descriptor the journal is then written through."""
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / FILE
-        if path.is_symlink() or (path.exists() and not path.is_file()):     # a FIFO there blocked the open for good
-            raise _not_regular(path, "remove it, or pick another --out")
-        journal = cls(open(path, "w", encoding="utf-8"))
+        try:
+            stream = open_own_file(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "wb")
+        except ValueError:
+            raise _not_regular(path, START_WAY_OUT) from None
+        journal = cls(io.TextIOWrapper(stream, encoding="utf-8"))
         journal._write({"kind": "plan", "format": FORMAT, **asdict(plan)})
         return journal
 
@@ -105,6 +109,18 @@ class Journal:
 
     def close(self) -> None:
         self._stream.close()
+
+
+START_WAY_OUT = "remove it, or pick another --out"
+
+
+def refuse_foreign(out_dir: Path) -> None:
+    """Refuse a journal in ``out_dir`` that is a symlink or no regular file (``ResumeError``), before a
+    new sweep reads it or clears anything beside it: read through a link, a finished sweep elsewhere
+    had this folder's replay files deleted as if they were its own, and only then was it refused."""
+    path = out_dir / FILE
+    if path.is_symlink() or (path.exists() and not path.is_file()):
+        raise _not_regular(path, START_WAY_OUT)
 
 
 def _not_regular(path: Path, way_out: str) -> ResumeError:

@@ -402,6 +402,7 @@ def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resum
     """The runs and shrinks already done (none for a new sweep) and the journal to add to; a journal
     line a resume could not save as a replay file refused with the rest, before anything is written."""
     if not resume:
+        J.refuse_foreign(out_dir)       # before it is read, and before a replay file beside it is removed
         earlier = _finished_sweep_in(out_dir)
         if earlier is not None:         # its failures' replay files, and only those: the folder holds this sweep's
             for label in earlier.configs:
