@@ -76,6 +76,17 @@ from .hf_identity import bind_model, expected_producer, is_bound, snapshot_produ
 __all__ = ["KVStateCache", "attach", "layout_of"]
 
 
+def _as_integer(value) -> int | None:
+    """A count or index as a Python int (``spec.positions.as_position``'s rule), and also a 0-d torch
+    tensor of an integer dtype: what ``scores.argmax()`` gives, for ``row``. A bool, a float, a
+    0-d bool or floating tensor: None."""
+    count = as_position(value)
+    if count is None and isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype != torch.bool \
+            and not value.dtype.is_floating_point and not value.dtype.is_complex:
+        return int(value)
+    return count
+
+
 # How long an operation, generate or forward waits for another thread's operation on the same cache
 # (a fork, a snapshot) before ``ContextBusyError``; another thread's generate or forward refuses at once.
 OPERATION_WAIT_S = 30.0
@@ -717,7 +728,7 @@ class KVStateCache(_HFCache):
 
     def crop(self, tokens_to_remove: int) -> None:
         """transformers' rollback: a negative count removes that many positions from the end."""
-        count = as_position(tokens_to_remove)
+        count = _as_integer(tokens_to_remove)
         if count is None:
             raise PositionError(not_a_position("crop", tokens_to_remove))
         if count > 0:
@@ -751,7 +762,7 @@ class KVStateCache(_HFCache):
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row repeated ``repeats`` times, in place (``num_return_sequences``): forks."""
         self._refuse_mid_forward("batch_repeat_interleave")
-        count = as_position(repeats)
+        count = _as_integer(repeats)
         if count is None or count < 1:
             raise ShapeError(f"repeats must be an integer of at least 1, got {repeats!r}")
         self._regroup(reorder_plan([r for r in range(len(self.rows)) for _ in range(count)], len(self.rows)))
@@ -791,8 +802,10 @@ class KVStateCache(_HFCache):
         """Row ``index`` as its own one-row cache, on a fork of its context (pages shared): retain it,
         snapshot it, continue it. Its padding stays behind: it holds the row's real tokens only."""
         self._refuse_mid_forward("row")
-        at = as_position(index)
-        if at is None or not 0 <= at < len(self.rows):
+        at = _as_integer(index)
+        if at is None:
+            raise ShapeError(f"row takes an integer index, not {index!r} ({type(index).__name__})")
+        if not 0 <= at < len(self.rows):
             raise ShapeError(f"row {index!r} is not a row of a batch of {len(self.rows)}")
         return type(self)(self.layout, self.kv, self.rows[at].fork(), layer_views=self.layer_views)
 
@@ -811,10 +824,10 @@ class KVStateCache(_HFCache):
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions of every row, padding included (backtrack to a checkpoint)."""
         self._refuse_mid_forward("truncate")
+        keep = _as_integer(n)
         if len(self.rows) == 1 and not self.pads[0]:
-            self.rows[0].truncate(n)
+            self.rows[0].truncate(n if keep is None else keep)     # a non-integer: the engine's named refusal
             return
-        keep = as_position(n)
         if keep is None:
             raise PositionError(not_a_position("truncate", n))
         if not max(self.pads) <= keep <= self._length():

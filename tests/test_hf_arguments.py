@@ -138,6 +138,31 @@ def test_a_row_index_or_repeat_count_that_is_no_integer_is_refused_by_name(call,
     cache.close()
 
 
+def test_a_0d_integer_tensor_is_a_row_index_count_and_position_and_a_0d_bool_or_float_one_is_not():
+    # From a review: ``cache.row(scores.argmax())`` (a 0-d int64 tensor) was refused as "not a row of a
+    # batch of 2" once every count went through the engine's position rule, which takes no 0-d array.
+    cache = batch_cache(gpt2())
+    row = cache.row(torch.tensor(1))
+    assert len(row.context) == 8
+    cache.truncate(torch.tensor(6, dtype=torch.int32))
+    cache.crop(torch.tensor(-1))
+    assert [len(ctx) for ctx in cache.rows] == [5, 5]
+    cache.batch_repeat_interleave(torch.tensor(2))
+    assert len(cache.rows) == 4
+    for value in (torch.tensor(True), torch.tensor(1.0), torch.tensor([1])):
+        with pytest.raises(ShapeError, match="integer index"):
+            cache.row(value)
+    for value in (torch.tensor(False), torch.tensor(-1.0), torch.tensor([-1])):
+        with pytest.raises(PositionError, match="integer positions"):
+            cache.crop(value)
+    assert len(row.tokens) == 8 and [len(ctx) for ctx in cache.rows] == [5] * 4
+    single = row.row(torch.tensor(0))       # one row: truncate goes straight to the engine's context
+    single.truncate(torch.tensor(3))
+    assert len(single.context) == 3
+    for held in (single, row, cache):
+        held.close()
+
+
 def test_match_refuses_a_0d_tensor_and_takes_token_ids_as_they_are():
     # A 0-d tensor was reshaped into the one-token query [5], and the cache gave up what it held for it.
     model = gpt2()
