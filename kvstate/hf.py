@@ -29,8 +29,12 @@ same to attention in the step that computed it as in every later step.
 
 Batches: one context per row. Left padding (attention mask 0 before a row's first
 token) never enters a row's context, tokens or snapshots; attention sees zeros there,
-which the mask hides, so logits stay ``torch.equal`` to DynamicCache's. Beam search's
-``reorder_cache``, ``batch_repeat_interleave`` (``num_return_sequences``) and
+which the mask hides, so logits stay ``torch.equal`` to DynamicCache's. The padding is read
+from the forward's mask: a 2-D one, a 4-D one ``(batch, 1 or heads, queries, keys)`` (bool, or
+additive float: a new position that cannot attend to itself is padding), or a dict of them per
+layer type, whose entries must agree (``hf_rows.real_positions``). A mask it cannot read, or one
+that shows a row's padding to its tokens, is refused (``ShapeError``) before anything is stored.
+Beam search's ``reorder_cache``, ``batch_repeat_interleave`` (``num_return_sequences``) and
 ``batch_select_indices`` move, fork and close row contexts: no K/V byte is copied.
 Identical rows of one prefill (``num_beams`` copies of a prompt) are stored once.
 ``cache.row(i)`` takes a row out as its own one-row cache.
@@ -52,7 +56,7 @@ from typing import Callable
 import numpy as np
 
 from .hf_config import check_layout, layout_of, require_transformers
-from .hf_rows import as_ids, new_padding, reorder_plan
+from .hf_rows import as_ids, new_padding, real_positions, reorder_plan
 
 transformers = require_transformers()
 
@@ -276,7 +280,9 @@ class KVStateCache(_HFCache):
 
     def feed(self, ids, attention_mask=None) -> "KVStateCache":
         """The token ids of the positions the next forward pass adds (``(n,)`` or ``(batch, n)``),
-        and transformers' 2D attention mask, whose zeros mark left padding.
+        and the forward's attention mask, which says which of them are left padding: transformers'
+        2-D mask (0: padding), a 4-D mask or a dict of them (a position that cannot attend to itself
+        is padding); one it cannot read is refused (``ShapeError``), never read as no padding.
 
         ``None`` forgets them (a forward from ``inputs_embeds``: its K/V are then refused).
         A forward that stopped part-way left K/V of some layers buffered: they are dropped.
@@ -339,7 +345,8 @@ class KVStateCache(_HFCache):
         if attention_mask is None and any(self.pads):
             raise ShapeError(f"this cache's rows hold left padding ({self.pads} positions), which only an attention "
                              "mask hides from attention: pass the forward its attention_mask")
-        pads = new_padding(attention_mask, batch, n, held)
+        held_pads = self.pads * batch if len(self.rows) == 1 else self.pads
+        pads = new_padding(attention_mask, batch, n, held, held_pads, self._length())
         if len(self.rows) == 1 and batch > 1:
             self._grow(batch)
         self._ids, self._new_pads = ids, pads
@@ -456,12 +463,13 @@ class KVStateCache(_HFCache):
         the rest, so in each row those columns must be exactly what the row holds: its padding
         (attention mask 0), then its tokens. A prompt padded otherwise (a conversation
         re-tokenized with new padding; a batch row continued with its padding from a one-row
-        cache) would skip tokens the row never held, or feed held ones twice."""
+        cache) would skip tokens the row never held, or feed held ones twice. The padding is read
+        from a 2-D, 4-D or dict mask over the whole prompt as a forward's is (``feed``); a mask it
+        cannot read is ``ShapeError``."""
         prompts = as_ids(input_ids)
-        mask = None if attention_mask is None or getattr(attention_mask, "ndim", 0) != 2 \
-            else attention_mask.detach().cpu().numpy() != 0
         if len(self.rows) not in (1, len(prompts)):
             raise ShapeError(f"the prompt has {len(prompts)} rows, but this cache holds {len(self.rows)}")
+        mask = real_positions(attention_mask, *prompts.shape, past=0)     # a mask it cannot read is refused
         length = self._length()
         if not length:
             return

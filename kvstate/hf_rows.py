@@ -1,5 +1,9 @@
 """The batch bookkeeping of ``kvstate.hf``: which new positions of a row are padding, and which
 rows a reorder keeps, moves or forks. Pure functions over ids and masks: no K/V, no contexts.
+
+Padding is read from any mask a forward may be given (2-D, 4-D, a dict of 4-D masks per layer
+type); a mask that cannot be read is refused by name, never taken as "no padding": padding stored
+as tokens is attended to once the row goes on alone (0.03 to 0.12 off DynamicCache's logits).
 """
 
 from __future__ import annotations
@@ -24,26 +28,32 @@ def as_ids(ids) -> np.ndarray:
     return ids
 
 
-def new_padding(mask, batch: int, n: int, held: list[int]) -> list[int]:
-    """How many of each row's ``n`` new positions are left padding (attention mask 0).
+# What a refusal of a mask it cannot read tells the caller to pass instead.
+_PASS_2D = ("pass the 2-D attention mask instead, (batch, past + new positions) with 1 for a token and 0 for "
+            "left padding, from which transformers builds its 4-D masks itself")
 
-    ``mask`` is transformers' 2D attention mask over past and new positions (or None:
-    no padding). Padding must come before a row's first real token: a row that already
-    holds tokens, or a 0 after a 1, is refused (``ShapeError``) -- kvstate stores a row's
-    real positions only, so a hole inside a row has no place.
+
+def new_padding(mask, batch: int, n: int, held: list[int], pads: list[int] | None = None,
+                past: int | None = None) -> list[int]:
+    """How many of each row's ``n`` new positions are left padding.
+
+    ``mask`` is the forward's attention mask: None (no padding), transformers' 2-D mask over
+    past and new positions (0: padding), a 4-D mask ``(batch or 1, 1 or heads, n, keys)``, or a
+    dict of 4-D masks per layer type (see ``real_positions``: a mask kvstate cannot read is
+    refused, never read as no padding). ``held``: the positions each row's context holds;
+    ``pads``: its held left padding; ``past``: the length every row presents to attention
+    (padding included), where the new positions' keys start. Padding must come before a row's
+    first real token: a row that already holds tokens, or padding after a token, is refused
+    (``ShapeError``) -- kvstate stores a row's real positions only, so a hole inside a row has
+    no place.
     """
-    if mask is None or getattr(mask, "ndim", 0) != 2:
+    real = real_positions(mask, batch, n, past, pads)
+    if real is None:
         return [0] * batch
-    if hasattr(mask, "detach"):
-        mask = mask.detach().cpu().numpy()
-    mask = np.asarray(mask)
-    if mask.shape[0] != batch or mask.shape[1] < n:
-        raise ShapeError(f"attention_mask of shape {mask.shape} does not cover {batch} rows of {n} new positions")
-    new = mask[:, mask.shape[1] - n:] != 0
-    pads = []
-    for row, real in enumerate(new):
-        first = int(real.argmax()) if real.any() else n
-        if not real[first:].all():
+    out = []
+    for row, row_real in enumerate(real):
+        first = int(row_real.argmax()) if row_real.any() else n
+        if not row_real[first:].all():
             raise ShapeError(f"row {row}'s attention mask has a hole after its first token: kvstate holds left "
                              "padding only (tokenizer padding_side='left'). Given no attention_mask, generate "
                              "builds one that marks every token equal to pad_token_id as padding: a prompt "
@@ -52,8 +62,155 @@ def new_padding(mask, batch: int, n: int, held: list[int]) -> list[int]:
         if first and held[row]:
             raise ShapeError(f"row {row} already holds {held[row]} tokens, but its new positions start with "
                              f"{first} padded ones: padding goes before a row's first token only")
-        pads.append(first)
-    return pads
+        out.append(first)
+    return out
+
+
+def real_positions(mask, batch: int, n: int, past: int | None = None, pads: list[int] | None = None,
+                   what: str = "attention_mask") -> np.ndarray | None:
+    """Which of each row's ``n`` new positions are tokens (True) rather than padding, as a
+    ``(batch, n)`` bool array; None for no mask (every position a token).
+
+    - a 2-D mask ``(batch, past + n)`` (its last ``n`` columns): 0 is padding.
+    - a 4-D mask ``(batch or 1, 1 or heads, n, keys)``, bool (True: attends) or floating
+      (additive: 0 attends, -inf or at most half the dtype's lowest value is masked), as
+      transformers builds it or a caller passes it to ``model(...)``: new position ``i`` is
+      padding where it cannot attend to itself, key ``past + i`` (``past``: where the new
+      positions' keys start; None: the mask's last ``n`` keys are the new positions). Every head
+      must agree; the diagonal must be plainly masked or plainly attended (another additive
+      value, NaN, is unreadable); and a row's padding (held ``pads`` and new) must be masked for
+      each of its new tokens, or those would attend to positions kvstate does not keep.
+    - a dict of such masks (per layer type, as transformers 5 builds for some models): each
+      entry is read, and they must agree.
+
+    Anything else (another rank or shape, an integer 4-D mask, a ``BlockMask`` or any other type,
+    dict entries that disagree) is refused (``ShapeError``), never read as no padding: padding
+    stored as tokens would be attended to when the row goes on alone.
+    """
+    if mask is None:
+        return None
+    if isinstance(mask, dict):
+        return _agreed(mask, batch, n, past, pads, what)
+    if not (isinstance(mask, np.ndarray) or (hasattr(mask, "detach") and hasattr(mask, "ndim"))):
+        raise ShapeError(f"{what} of type {type(mask).__name__} cannot be read for left padding (kvstate keeps a "
+                         f"row's tokens only, so it must know which positions are padding): {_PASS_2D}")
+    if mask.ndim == 2:
+        return _real_2d(_as_array(mask), batch, n, past, pads, what)
+    if mask.ndim == 4:
+        return _real_4d(mask, batch, n, past, pads, what)
+    raise ShapeError(f"{what} of shape {tuple(mask.shape)} cannot be read for left padding: kvstate reads a 2-D mask "
+                     f"(batch, keys) or a 4-D one (batch, 1 or heads, queries, keys); {_PASS_2D}")
+
+
+def _as_array(mask) -> np.ndarray:
+    if hasattr(mask, "detach"):
+        mask = mask.detach().cpu()
+        mask = (mask.double() if mask.is_floating_point() else mask).numpy()      # bfloat16 has no NumPy dtype
+    return np.asarray(mask)
+
+
+def _agreed(masks: dict, batch: int, n: int, past, pads, what: str) -> np.ndarray | None:
+    """A dict of masks (per layer type): each read, and they must say the same."""
+    if not masks:
+        raise ShapeError(f"{what} is an empty dict: no mask to read left padding from; {_PASS_2D}")
+    read = {}
+    for key, entry in masks.items():
+        if isinstance(entry, dict):
+            raise ShapeError(f"{what}[{key!r}] is a dict: kvstate reads one dict of masks per layer type; {_PASS_2D}")
+        real = real_positions(entry, batch, n, past, pads, f"{what}[{key!r}]")
+        read[key] = np.ones((batch, n), bool) if real is None else real
+    keys = list(read)
+    for key in keys[1:]:
+        if not np.array_equal(read[key], read[keys[0]]):
+            raise ShapeError(f"{what}'s masks disagree on which positions are padding: {what}[{keys[0]!r}] and "
+                             f"{what}[{key!r}] mark different ones, so kvstate cannot tell which to keep; {_PASS_2D}")
+    return read[keys[0]]
+
+
+def _real_2d(mask: np.ndarray, batch: int, n: int, past, pads, what: str) -> np.ndarray:
+    if mask.shape[0] != batch or mask.shape[1] < n:
+        raise ShapeError(f"{what} of shape {mask.shape} does not cover {batch} rows of {n} new positions")
+    real = mask[:, mask.shape[1] - n:] != 0
+    if pads is not None and past is not None and mask.shape[1] >= past + n:
+        start = mask.shape[1] - n - past          # the column of the rows' first held position
+        for row, pad in enumerate(pads):
+            if pad and real[row].any() and (mask[row, start:start + pad] != 0).any():
+                raise ShapeError(f"row {row} holds {pad} positions of left padding, which kvstate shows to attention "
+                                 f"as zeros, but {what} marks some of them 1 (attended): mark a row's padding 0 in "
+                                 "every forward's mask")
+    return real
+
+
+def _entries_4d(mask, what: str):
+    """A reader of a 4-D mask's entries: given an index, two bool arrays, the entries plainly masked
+    and plainly attended (a floating mask's value that is neither, another additive bias or NaN, is
+    in neither). Only the entries asked for are copied out: a long prompt's mask is large."""
+    unread = (f"{what}, a 4-D mask of dtype {mask.dtype}, cannot be read: kvstate reads a bool one (True: "
+              f"attends) or a floating, additive one (0 attends, -inf or the dtype's lowest value masks); {_PASS_2D}")
+    if hasattr(mask, "detach"):
+        import torch
+        mask = mask.detach()
+        if mask.dtype != torch.bool and not mask.is_floating_point():
+            raise ShapeError(unread)
+        lowest = torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else None
+
+        def part(index):
+            values = mask[tuple(torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in index)].cpu()
+            return values.numpy() if lowest is None else values.to(torch.float64).numpy()
+    else:
+        mask = np.asarray(mask)
+        if mask.dtype != bool and mask.dtype.kind != "f":
+            raise ShapeError(unread)
+        lowest = float(np.finfo(mask.dtype).min) / 2 if mask.dtype.kind == "f" else None
+
+        def part(index):
+            return mask[index] if lowest is None else mask[index].astype(np.float64)
+
+    def entries(index) -> tuple[np.ndarray, np.ndarray]:
+        values = part(index)
+        if lowest is None:
+            return ~values, values
+        return values <= lowest, values == 0
+    return entries
+
+
+def _real_4d(mask, batch: int, n: int, past, pads, what: str) -> np.ndarray:
+    shape = tuple(mask.shape)
+    rows, heads, queries, keys = shape
+    start = keys - n if past is None else past      # the key of the first new position
+    if rows not in (1, batch) or heads < 1 or queries != n or start < 0 or keys < start + n:
+        where = "its last queries and keys" if past is None else f"keys {start} to {start + n - 1}"
+        raise ShapeError(f"{what} of shape {shape} does not cover {batch} rows of {n} new positions as (batch or 1, "
+                         f"1 or heads, {n} queries, keys) with the new positions at {where}; {_PASS_2D}")
+    entries = _entries_4d(mask, what)
+    new = np.arange(n)
+    diagonal_masked, diagonal_attends = entries((slice(None), slice(None), new, start + new))   # (rows, heads, n)
+    unread = ~(diagonal_masked | diagonal_attends)
+    if unread.any():
+        row, _, i = (int(x) for x in np.argwhere(unread)[0])
+        raise ShapeError(f"{what} neither plainly masks nor plainly attends new position {i} of row {row} to itself "
+                         f"(key {start + i}): an additive value other than 0, -inf or the dtype's lowest cannot say "
+                         f"whether that position is padding; {_PASS_2D}")
+    if (diagonal_masked != diagonal_masked[:, :1]).any():
+        raise ShapeError(f"{what}'s heads disagree on which new positions are padding (masked on their own "
+                         f"diagonal); {_PASS_2D}")
+    real = np.broadcast_to(~diagonal_masked[:, 0], (batch, n))
+    for row in range(batch):
+        tokens = np.flatnonzero(real[row])
+        hidden = start + np.flatnonzero(~real[row])
+        if pads is not None:
+            hidden = np.concatenate([np.arange(min(pads[row], start)), hidden])
+        if not len(tokens) or not len(hidden):
+            continue
+        source = row if rows > 1 else 0
+        masked, _ = entries((slice(source, source + 1), slice(None), tokens[:, None], hidden[None, :]))
+        if not masked.all():                                        # (1, heads, tokens, hidden)
+            _, _, t, h = (int(x) for x in np.argwhere(~masked)[0])
+            raise ShapeError(f"{what} lets the token at row {row}'s new position {int(tokens[t])} attend to key "
+                             f"{int(hidden[h])}, a padding position (masked on its own diagonal, or held as padding): "
+                             f"kvstate keeps no padding, so a padding position must be masked for every token; "
+                             f"{_PASS_2D}")
+    return np.array(real)
 
 
 def reorder_plan(indices, batch: int) -> list[tuple[int, bool]]:

@@ -1,0 +1,220 @@
+"""kvstate.hf reads left padding from every attention mask a forward may be given, or refuses it.
+
+kvstate keeps a row's real positions only, so it must know which new positions are padding. It read
+that from a 2-D mask alone: a 4-D mask ``(batch, 1 or heads, queries, keys)``, as a caller may pass to
+``model(...)`` (bool, or additive float), or a dict of them per layer type (as transformers 5 builds for
+some models), was read as "no padding", and the padding went into the row as tokens. The batch's logits
+stayed equal (the mask hid it), but the row continued alone, or retained and matched, attended to it:
+0.03 (GPT-2) to 0.12 (Llama) off DynamicCache's logits, with no error. A mask that cannot be read (dict
+entries that disagree, another rank or shape, an unknown type) is now refused by name, nothing changed.
+"""
+
+import numpy as np
+import pytest
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed (pip install 'kvstate[hf]')")
+torch = pytest.importorskip("torch")
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.masking_utils import eager_mask, sdpa_mask  # noqa: E402
+
+hf = pytest.importorskip("kvstate.hf")
+from kvstate.spec.errors import ShapeError, TokenError  # noqa: E402
+
+VOCAB = 97
+PAD = 3             # row 1's left padding in every prompt here
+MODELS = {}
+
+
+def model_of(kind: str):
+    if kind not in MODELS:
+        torch.manual_seed(0)
+        if kind == "gpt2":
+            config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
+                                             bos_token_id=0, eos_token_id=0)
+        else:
+            family = transformers.Qwen2Config if kind == "qwen2" else transformers.LlamaConfig
+            config = family(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                            bos_token_id=0, eos_token_id=0)
+        MODELS[kind] = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return MODELS[kind]
+
+
+def padded(seed: int = 1, width: int = 7):
+    """Two rows, the second left-padded by PAD: ids, 2-D mask, and position ids as generate makes them."""
+    prompt = torch.from_numpy(np.random.default_rng(seed).integers(1, VOCAB, (2, width)))
+    prompt[1, :PAD] = 0
+    mask = torch.ones((2, width), dtype=torch.long)
+    mask[1, :PAD] = 0
+    return prompt, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def four_d(mask, queries: int, kind: str):
+    """The 4-D mask of a forward of ``queries`` new positions over ``mask``'s keys: transformers' own
+    (``sdpa_mask``: bool; ``eager_mask``: float, the dtype's lowest), or by hand (causal and padding,
+    -inf where masked; bool with a copy per head)."""
+    batch, keys = mask.shape
+    if kind == "bool":
+        return sdpa_mask(batch_size=batch, q_length=queries, kv_length=keys, q_offset=keys - queries,
+                         attention_mask=mask.bool(), allow_is_causal_skip=False)
+    if kind == "float":
+        return eager_mask(batch_size=batch, q_length=queries, kv_length=keys, q_offset=keys - queries,
+                          attention_mask=mask.bool(), dtype=torch.float32)
+    causal = torch.arange(keys)[None, :] <= torch.arange(keys - queries, keys)[:, None]
+    attends = causal[None, None] & mask.bool()[:, None, None, :]
+    if kind == "heads":
+        return attends.expand(batch, 4, queries, keys).contiguous()
+    return torch.zeros(attends.shape).masked_fill(~attends, float("-inf"))
+
+
+def forward(model, cache, ids, mask, positions):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask, position_ids=positions, cache=cache).logits
+
+
+def unpadded_row(model, cache: DynamicCache, row: int) -> DynamicCache:
+    """Row ``row`` of a DynamicCache on its own, its padding cut: what a row taken out should hold."""
+    cache.batch_select_indices(torch.tensor([row]))
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, PAD:].contiguous(), layer.values[:, :, PAD:].contiguous()
+    return cache
+
+
+def state(cache):
+    """What a refused forward must leave as it was."""
+    return ([ctx.tokens for ctx in cache.rows], list(cache.pads), cache.get_seq_length(),
+            cache.kv.stats()["live_pages"])
+
+
+def check_as_dynamic_cache(model, make_mask):
+    """A left-padded batch through a kvstate cache and a DynamicCache, each forward given
+    ``make_mask(2-D mask, queries)``: the batch's logits equal, row 1 holds its tokens only, and
+    row 1 continued alone (and matched from the prefix tree) equals DynamicCache's row 1."""
+    prompt, mask, positions = padded()
+    ours = hf.KVStateCache.for_model(model, page_tokens=4)
+    theirs = DynamicCache(config=model.config)
+    assert torch.equal(forward(model, ours, prompt, make_mask(mask, 7), positions),
+                       forward(model, theirs, prompt, make_mask(mask, 7), positions))
+    assert ours.pads == [0, PAD] and ours.rows[1].tokens == prompt[1, PAD:].tolist()
+    step = torch.tensor([[5], [6]])
+    longer = torch.cat([mask, torch.ones((2, 1), dtype=torch.long)], dim=1)
+    alone_theirs = DynamicCache(config=model.config)
+    forward(model, alone_theirs, prompt, make_mask(mask, 7), positions)
+    alone_ours = ours.row(1)
+    assert torch.equal(forward(model, ours, step, make_mask(longer, 1), positions[:, -1:] + 1),
+                       forward(model, theirs, step, make_mask(longer, 1), positions[:, -1:] + 1))
+    unpadded_row(model, alone_theirs, 1)
+    for t in range(2):          # row 1 on its own: no mask, nothing of the padding
+        token, at = torch.tensor([[7 + t]]), positions[1:, -1:] + 1 + t
+        assert torch.equal(forward(model, alone_ours, token, None, at), forward(model, alone_theirs, token, None, at))
+    alone_ours.retain()
+    fresh = hf.KVStateCache.for_model(model, ours.kv)
+    assert fresh.match(prompt[1, PAD:].tolist() + [7, 8, 9]) == 6      # its 4 tokens, then 7 and 8
+    for cache in (ours, alone_ours, fresh):
+        cache.close()
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "inf", "heads"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_4d_mask_with_left_padding_equals_dynamic_cache(family, kind):
+    """transformers' 4-D masks (bool, float at the dtype's lowest) and hand-made ones (-inf, one per
+    head): the padding is read from each, and never enters row 1."""
+    check_as_dynamic_cache(model_of(family), lambda mask, queries: four_d(mask, queries, kind))
+
+
+def test_a_dict_of_masks_per_layer_type_is_read():
+    """Qwen2's forward takes a dict of masks per layer type, used as they are: each entry is read."""
+    check_as_dynamic_cache(model_of("qwen2"), lambda mask, queries: {"full_attention": four_d(mask, queries, "bool")})
+
+
+def unreadable(mask, queries: int) -> dict:
+    """Masks of a forward of ``queries`` new positions over ``mask``'s keys that kvstate cannot read
+    padding from, each with words its refusal must hold."""
+    full = four_d(mask, queries, "bool")
+    last = mask.shape[1] - 1                      # the key of the last new position, a token in both rows
+    other = full.clone()
+    other[0, :, :, last] = False                  # row 0's last position padding in one entry only
+    heads = full.expand(2, 4, queries, last + 1).clone()
+    heads[1, 2, -1, last] = False                 # one head says row 1's last position is padding
+    biased = four_d(mask, queries, "float")
+    biased[1, 0, -1, last] = -5.0                 # neither plainly masked nor plainly attended
+    seen = full.clone()
+    seen[1, 0, -1, 0] = True                      # row 1's last token attends to its padding
+    return {
+        "a dict whose entries disagree": ({"full_attention": full, "sliding_attention": other}, "disagree"),
+        "an empty dict": ({}, "empty dict"),
+        "a 3-D mask": (full[:, 0], "shape"),
+        "a 4-D integer mask": (full.long(), "dtype"),
+        "a 4-D mask over fewer queries": (full[:, :, -1:], "does not cover"),
+        "a 4-D mask for another batch size": (torch.cat([full, full[:1]]), "does not cover"),
+        "heads that disagree": (heads, "heads disagree"),
+        "an additive bias on the diagonal": (biased, "neither plainly masks"),
+        "padding shown to a token": (seen, "padding position"),
+        "a mask of an unknown type": (mask.tolist(), "type list"),
+    }
+
+
+CASES = list(unreadable(padded()[1], 7))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_an_unreadable_mask_is_refused_and_changes_nothing(case):
+    """Refused by name in the forward's pre-hook, before any K/V: a batch cache that holds rows keeps
+    them as they were, and a one-row cache does not grow to the batch; both go on exactly after. On
+    Qwen2, whose forward takes a dict of masks per layer type as well as a tensor."""
+    model = model_of("qwen2")
+    prompt, mask, positions = padded()
+    held = hf.KVStateCache.for_model(model, page_tokens=4)
+    forward(model, held, prompt[:, :4], mask[:, :4], positions[:, :4])
+    empty = hf.KVStateCache.for_model(model, held.kv)
+    for cache, ids, at in ((held, prompt[:, 4:], positions[:, 4:]), (empty, prompt, positions)):
+        bad, words = unreadable(mask, ids.shape[1])[case]
+        before = state(cache)
+        with pytest.raises(ShapeError, match="attention_mask") as refused:
+            forward(model, cache, ids, bad, at)
+        assert words in str(refused.value) and "2-D attention mask" in str(refused.value)
+        assert state(cache) == before and cache.batch_size == len(before[0])
+    theirs = DynamicCache(config=model.config)
+    forward(model, theirs, prompt[:, :4], mask[:, :4], positions[:, :4])
+    assert torch.equal(forward(model, held, prompt[:, 4:], mask, positions[:, 4:]),
+                       forward(model, theirs, prompt[:, 4:], mask, positions[:, 4:]))
+    assert held.pads == [0, PAD]
+    for cache in (held, empty):
+        cache.close()
+
+
+def test_a_2d_mask_that_shows_held_padding_is_refused():
+    """A row's held padding is shown to attention as zeros; a later 2-D mask marking it 1 made a
+    kvstate row attend to zeros where DynamicCache attends to the pad token's K/V (0.09 off, no error)."""
+    model = model_of("llama")
+    prompt, mask, positions = padded()
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    forward(model, cache, prompt, mask, positions)
+    before = state(cache)
+    with pytest.raises(ShapeError, match="holds 3 positions of left padding"):
+        forward(model, cache, torch.tensor([[5], [6]]), torch.ones((2, 8), dtype=torch.long), positions[:, -1:] + 1)
+    assert state(cache) == before
+    cache.close()
+
+
+def test_check_prefix_of_reads_a_4d_mask():
+    """generate's prompt check reads the padding of a 4-D mask as of a 2-D one: a prompt whose mask
+    marks as padding what the cache holds as tokens is refused, one padded as the cache is passes, and
+    an unreadable mask is refused by name (it was read as no padding at all)."""
+    model = model_of("llama")
+    prompt, mask, positions = padded()
+    longer = torch.cat([prompt, torch.tensor([[5], [6]])], dim=1)
+    longer_mask = torch.cat([mask, torch.ones((2, 1), dtype=torch.long)], dim=1)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    forward(model, cache, prompt, mask, positions)
+    cache.check_prefix_of(longer, four_d(longer_mask, 8, "bool"))       # padded as the cache is
+    cache.check_prefix_of(longer, four_d(longer_mask, 8, "float"))
+    unpadded = hf.KVStateCache.for_model(model, cache.kv)
+    forward(model, unpadded, prompt, torch.ones_like(mask), None)    # row 1's leading zeros held as tokens
+    with pytest.raises(TokenError, match="row 1"):
+        unpadded.check_prefix_of(longer, four_d(longer_mask, 8, "bool"))
+    with pytest.raises(ShapeError, match="attention_mask"):
+        unpadded.check_prefix_of(longer, four_d(longer_mask, 8, "bool")[:, 0])
+    for each in (cache, unpadded):
+        each.close()
