@@ -128,6 +128,29 @@ def test_a_dict_of_masks_per_layer_type_is_read():
     check_as_dynamic_cache(model_of("qwen2"), lambda mask, queries: {"full_attention": four_d(mask, queries, "bool")})
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_prefill_in_chunks_reads_each_chunks_4d_mask(kind):
+    """Row 1's first chunk is padding only and its second starts with more: each chunk's mask is read
+    at the keys where its positions start (past the held padding), and the tokens' logits are
+    DynamicCache's. (At a padding position itself, an additive mask at the dtype's lowest, not -inf,
+    averages the padding's values, which kvstate shows as zeros: that position's logits, which mean
+    nothing, differ, with a 2-D mask under eager attention as well.)"""
+    model = model_of("llama")
+    prompt, mask, positions = padded()
+    logits = []
+    for cache in (hf.KVStateCache.for_model(model, page_tokens=4), DynamicCache(config=model.config)):
+        logits.append([forward(model, cache, prompt[:, :2], four_d(mask[:, :2], 2, kind), positions[:, :2]),
+                       forward(model, cache, prompt[:, 2:], four_d(mask, 5, kind), positions[:, 2:])])
+        if isinstance(cache, hf.KVStateCache):
+            assert cache.pads == [0, PAD] and cache.rows[1].tokens == prompt[1, PAD:].tolist()
+            cache.close()
+    (first, second), (first_theirs, second_theirs) = logits
+    assert torch.equal(first[0], first_theirs[0])
+    assert torch.equal(second[0], second_theirs[0]) and torch.equal(second[1, 1:], second_theirs[1, 1:])
+    if kind == "bool":
+        assert torch.equal(second, second_theirs)
+
+
 def unreadable(mask, queries: int) -> dict:
     """Masks of a forward of ``queries`` new positions over ``mask``'s keys that kvstate cannot read
     padding from, each with words its refusal must hold."""
