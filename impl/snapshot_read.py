@@ -240,7 +240,7 @@ def checked_read(file, n: int) -> bytes:
     except SystemError as error:        # ``io.RawIOBase.read`` over a ``readinto`` that returned a negative count
         raise SnapshotReadError(f"{file!r} is not a binary stream: {error}") from error
     if chunk is None:
-        raise SnapshotError(f"{file!r} would block: restore needs a blocking stream")
+        raise SnapshotReadError(f"{file!r} would block: restore needs a blocking stream")
     if not isinstance(chunk, (bytes, bytearray, memoryview)):
         raise SnapshotError(f"{file!r} is not a binary stream (read returned {type(chunk).__name__})")
     return chunk
@@ -249,10 +249,11 @@ def checked_read(file, n: int) -> bytes:
 def checked_readinto(file, view: memoryview) -> int:
     """``file.readinto(view)``, refusing a count outside ``0..len(view)`` by name: a stream's -1
     moved the read backwards, for ever, and a count past the view claimed bytes never read.
-    None (a non-blocking stream with nothing yet) reads as 0, the end, as before."""
+    None (a non-blocking stream with nothing yet) is refused as ``checked_read`` refuses it: read
+    as 0, it was reported as a file ended early (``SnapshotTruncatedError``)."""
     got = file.readinto(view)
     if got is None:
-        return 0
+        raise SnapshotReadError(f"{file!r} would block: restore needs a blocking stream")
     count = as_position(got)
     if count is None or not 0 <= count <= len(view):
         raise SnapshotReadError(f"{file!r} is not a binary stream: readinto of {len(view)} bytes returned {got!r}")

@@ -141,6 +141,15 @@ class BackwardsRaw(Backwards, io.RawIOBase):
         return self.data.readinto(buffer[:8]) if self.calls == 1 else -1
 
 
+class BlocksAfterTheHeader(io.BytesIO):
+    """A non-blocking stream with nothing more yet once the header is read (``readinto`` gives None;
+    from a review: that read as the file's end, a ``SnapshotTruncatedError``, where ``read`` giving None
+    is refused as a stream that would block)."""
+
+    def readinto(self, buffer):
+        return None if self.tell() >= fmt.HEADER_SIZE else super().readinto(buffer)
+
+
 def changing(cls):
     def make(tmp):
         path = tmp / "changing.kvs"
@@ -172,6 +181,8 @@ SOURCES = [
     ("file whose readinto goes backwards", changing(BackwardsFile), errors.SnapshotReadError),
     ("stream whose readinto goes backwards", lambda tmp: BackwardsBytes(_snapshot_bytes()), errors.SnapshotReadError),
     ("raw stream whose readinto goes backwards", lambda tmp: BackwardsRaw(_snapshot_bytes()), errors.SnapshotReadError),
+    ("stream that would block after the header", lambda tmp: BlocksAfterTheHeader(_snapshot_bytes()),
+     errors.SnapshotReadError),
 ]
 
 
