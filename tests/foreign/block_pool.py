@@ -42,6 +42,7 @@ the pages tier and the entries (keys in eviction order, each with no holder).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -411,6 +412,13 @@ class BlockPoolCache:
         return black_box()
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _page_view(page: int, refcount: int, cached: bool) -> PageView:
+    """Speed only: a view is frozen, so one made before serves again (the scale check observes
+    thousands of pages after every operation, and making each view anew was most of its time)."""
+    return PageView(page, refcount, None, cached=cached)
+
+
 class PagesTierCache(BlockPoolCache):
     """The same cache, observed through the pages tier: live pages from the table's own books
     (a page is live from ``take`` to ``give_back``), refcount and ``cached`` per page, the pages
@@ -419,8 +427,8 @@ class PagesTierCache(BlockPoolCache):
 
     def observe(self) -> Observation:
         table = self.table
-        pages = {page: PageView(page, int(table.refcount[page]), None,
-                                cached=int(table.refcount[page]) == 0 and int(table.keepers[page]) > 0)
+        refcount, keepers = table.refcount.tolist(), table.keepers.tolist()
+        pages = {page: _page_view(page, refcount[page], refcount[page] == 0 and keepers[page] > 0)
                  for page in table.live()}
         holders = {f"ctx:{i}": tuple(ctx.pages) for i, ctx in enumerate(self.contexts)}
         lengths = {f"ctx:{i}": ctx.length for i, ctx in enumerate(self.contexts)}
