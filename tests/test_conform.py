@@ -427,7 +427,10 @@ def test_damaged_snapshot_check_holds_a_file_cut_short_to_its_error_class():
 
 def test_conform_takes_configs_comma_separated_as_sweep_does(capsys):
     """From an audit: sweep takes --configs a,b and conform only --config NAME (repeatable)."""
-    rc = main(["conform", "--configs", "f32-heap,q8-heap", "--config", "f16-heap", "--check", "fork isolation"])
+    # --workers 1: in this process (three configurations would otherwise start a spawned worker per core,
+    # seconds of imports; the pool has its own tests in tests/test_conform_pool.py)
+    rc = main(["conform", "--configs", "f32-heap,q8-heap", "--config", "f16-heap", "--check", "fork isolation",
+               "--workers", "1"])
     rows = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.endswith(tuple("0123456789"))
             and line.split()[0] in ("f32-heap", "q8-heap", "f16-heap", "f32-arena6")]
     assert rc == 0 and sorted(rows) == ["f16-heap", "f32-heap", "q8-heap"], rows
@@ -458,5 +461,6 @@ def test_conform_takes_a_sweeps_labels_and_runs_a_name_once(capsys, tmp_path):
     rc = main(["conform", str(backend), "--configs", "f32-heap-page8", "--check", "fork isolation"])
     out = capsys.readouterr().out
     assert rc == 0 and "1 configurations" in out and "page_tokens 8" in out, out
-    rc = main(["conform", str(backend), "--config", "f32-heap", "--configs", "f32-heap", "--check", "fork isolation"])
+    rc = main(["conform", str(backend), "--config", "f32-heap", "--configs", "f32-heap", "--check", "fork isolation",
+               "--workers", "1"])     # in this process, as above
     assert rc == 0 and "2 configurations" in capsys.readouterr().out

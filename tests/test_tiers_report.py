@@ -26,7 +26,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def _printed_tiers(capsys, argv: list[str]) -> list[str]:
-    rc = main(["conform", *argv, "--check", "fork allocates 0"])
+    # --workers 1: in this process (two configurations would otherwise start spawned workers: seconds of
+    # imports for a header; the pool has its own tests in tests/test_conform_pool.py)
+    rc = main(["conform", *argv, "--check", "fork allocates 0", "--workers", "1"])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("observation tiers: "))
     assert rc == 0, line
     listed = line.removeprefix("observation tiers: ").split(" (values, tokens")[0]
