@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Callable, Iterable
@@ -43,6 +44,15 @@ MAX_REPLAY_PAGE_BYTES = 1 << 30
 would accept it and fail only at the first write, which would read as the backend's failure."""
 
 
+_ANSWER = re.compile(r"accepted|[A-Za-z_]\w*")      # an answer: "accepted", or the error's class name
+_REFERENCE = ", reference "
+
+
+def _op_kind(op: str) -> str:
+    """The kind of a printed operation (``extend(ctx='c1', ...)``: ``extend``)."""
+    return op.split("(", 1)[0].strip()
+
+
 @dataclass(frozen=True)
 class Failure:
     """Where and how a run broke. ``step`` is the 1-based operation during (``phase`` "apply")
@@ -64,9 +74,30 @@ class Failure:
         return f"the backend raised {self.error}: {self.message}{self.where}"
 
     @property
-    def signature(self) -> tuple[str, int | str | None]:
-        """What a shrunk sequence must still show to count as the same failure."""
+    def signature(self) -> tuple:
+        """What a shrunk sequence must still show to count as the same failure: the error and the
+        invariant; for a refusal that changed the cache, the operation's kind too; for an engine
+        and reference answering an operation differently (invariant "errors"), the operation's kind
+        and each side's answer (an error class, or "accepted"). Those two invariants each hold many
+        promises: by error and invariant alone, shrinking "extend wrongly refused" could end on
+        "an empty retain accepted", another bug, reported in its place."""
+        if self.invariant == "refusal" and self.op is not None:
+            return (self.error, self.invariant, _op_kind(self.op))
+        if self.invariant == "errors" and self.op is not None:
+            return (self.error, self.invariant, _op_kind(self.op), *self._answers())
         return (self.error, self.invariant)
+
+    def _answers(self) -> tuple[str, str]:
+        """The engine's and the reference's answer, as lockstep writes an "errors" violation
+        (``invariant errors: {op}: engine {answer}, reference {answer}``); "?" where not read."""
+        lead = f"invariant errors: {self.op}: engine "
+        if not self.message.startswith(lead):
+            return "?", "?"
+        rest = self.message[len(lead):]
+        engine = _ANSWER.match(rest)
+        cut = rest.rfind(_REFERENCE)      # the last: the engine's own message may hold the words too
+        reference = _ANSWER.match(rest, cut + len(_REFERENCE)) if cut >= 0 else None
+        return (engine.group() if engine else "?"), (reference.group() if reference else "?")
 
     def __str__(self) -> str:
         """One line, whatever its fields hold (they come from a backend or a file): newlines and

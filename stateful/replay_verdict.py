@@ -17,7 +17,9 @@ _DIED = frozenset({"ProcessDied", "KilledWorker"})
 
 
 def kind(failure: Failure) -> tuple:
-    return ("the process died" if failure.error in _DIED else failure.error, failure.invariant)
+    """What a replay must show again to reproduce ``failure``: its signature (``Failure.signature``),
+    a dead process under one name however it died."""
+    return ("the process died" if failure.error in _DIED else failure.error, *failure.signature[1:])
 
 
 def verdict(recorded: Failure | None, now: Failure | None) -> tuple[int, list[str]]:
