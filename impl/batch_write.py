@@ -19,6 +19,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 
 from kvstate.spec.errors import ForeignContextError, ShapeError
+from kvstate.spec.arithmetic import pages_touched
 from kvstate.spec.layout import check_tokens, check_values
 
 from .context import Context, _Ownership
@@ -99,7 +100,7 @@ def _rows(values, rows: int, what: str) -> list:
 def _make_pages(cache, contexts: list[Context], starts: list[int], n: int) -> None:
     """Each context's pages for ``[start, start + n)``, private: ``extend``'s critical section, once
     for the batch (the pool policy asked once for every row's pages)."""
-    cache.pool.make_room(sum(ctx._pages_to_grow(start, start + n) for ctx, start in zip(contexts, starts)))
+    cache.pool.make_room(_pages_needed(contexts, starts, n))
     grown: list[tuple[Context, int]] = []
     try:
         for ctx, start in zip(contexts, starts):
@@ -109,3 +110,19 @@ def _make_pages(cache, contexts: list[Context], starts: list[int], n: int) -> No
         for ctx, start in grown:
             ctx._keep_first(start)
         raise
+
+
+def _pages_needed(contexts: list[Context], starts: list[int], n: int) -> int:
+    """The pages the rows' extends take from the pool, one after another: each row's new pages, and
+    a copy of its partly filled last page where that page is shared. A page shared by k of the rows
+    and nobody else is copied for k - 1 of them: the last writes it in place, as its refcount is then
+    1 (``writable``); counted as k copies, a batch was refused where the extends one by one fit."""
+    fresh, shared = 0, {}
+    for ctx, start in zip(contexts, starts):
+        first, end = pages_touched(start, start + n, ctx.page_tokens)
+        pages = ctx._pages
+        fresh += end - len(pages)
+        if first < len(pages) and pages[first].refcount > 1:
+            page = pages[first]
+            shared[page.page_id] = (page, shared.get(page.page_id, (page, 0))[1] + 1)
+    return fresh + sum(k - (k == page.refcount) for page, k in shared.values())

@@ -126,3 +126,27 @@ def test_a_write_that_fails_part_way_leaves_every_row_at_its_length(monkeypatch)
     assert [len(ctx) for ctx in rows] == lengths and [ctx.tokens for ctx in rows] == tokens
     check_structure(cache.observe())
     assert cache.stats()["live_pages"] == 5       # the pages taken for the step were given back
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_rows_sharing_a_last_page_ask_the_pool_for_the_copies_extends_one_by_one_make(others):
+    """From a review: k rows sharing one partly filled last page (beams forked from one prompt) asked
+    the pool for k copies, where extends one after another make k - 1 (the last writes in place, its
+    refcount then 1): a refusing pool refused the batch that the extends fit, and an evicting one
+    evicted an entry for nothing. With another holder of the page (``others``), all k copy."""
+    def rows(cache):
+        a = cache.allocate()
+        a.extend([1, 2, 3], values(1, 3, 1)[0])
+        kept = [a.fork() for _ in range(others)]
+        return [a, a.fork(), a.fork()], kept
+    limit = 3 + others      # the shared page and the copies the extends one by one make
+    one_by_one = Cache(LAYOUT, page_tokens=4, pool_pages=limit, on_full="refuse")
+    sequential, _ = rows(one_by_one)
+    for i, ctx in enumerate(sequential):
+        ctx.extend([9 + i], values(1, 1, 5 + i)[0])
+    batched = Cache(LAYOUT, page_tokens=4, pool_pages=limit, on_full="refuse")
+    batch, _ = rows(batched)
+    extend_rows(batch, [[9], [10], [11]], np.stack([values(1, 1, 5 + i)[0] for i in range(3)]))
+    assert batched.stats() == one_by_one.stats()
+    assert [ctx.read()[0].tobytes() for ctx in batch] == [ctx.read()[0].tobytes() for ctx in sequential]
+    check_structure(batched.observe())
