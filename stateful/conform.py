@@ -38,7 +38,7 @@ from .machine import machine_for, run_machine
 from .frames import suite_assertion
 from .replay import Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
-from .shrink import CLOCK, TRIES, shrink
+from .shrink import CLOCK, TRIES, Shrinker, created_handles
 from .stuck import stuck_at
 
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
@@ -151,21 +151,32 @@ def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool
         return describe(error, None)
     history = last.history[:last.failed_at] if last.failed_at is not None else last.history
     if shrunk:
-        replayed, lines = _reshrink(factory, last.config, last.ops[:len(history)], stop)
+        replayed, lines, stopped = _reshrink(factory, last.config, last.ops[:len(history)], stop)
         if replayed is not None:
-            return _report(replayed.headline, last.config, lines, "minimised failing sequence")
+            return _report(replayed.headline, last.config, lines, _minimised(stopped))
     return describe(error, history, minimised=False, config=last.config)
 
 
-def _reshrink(factory: Factory, config: Config, ops: list,
-              stop: Callable[[], bool] = lambda: False) -> tuple["Failure | None", list[str]]:
-    """Delta debugging of a counterexample; ``(None, [])`` when it does not replay outside Hypothesis."""
+def _reshrink(factory: Factory, config: Config, ops: list, stop: Callable[[], bool] = lambda: False,
+              shrinking: Callable[[Shrinker], None] | None = None) -> tuple["Failure | None", list[str], str | None]:
+    """Delta debugging of a counterexample: the failure, the shrunk run's history, and why shrinking stopped
+    short of a minimal sequence (``Shrinker.stopped``: None, ``TRIES`` or ``CLOCK``); ``(None, [], None)`` when
+    it does not replay outside Hypothesis. ``stop()`` True ends the shrink between tries;
+    ``shrinking(shrinker)`` is told of the shrink before it starts (``shrinker.best`` is the shortest so far)."""
+    if stop():
+        return None, [], None
     failure, _ = execute(factory, config, ops)
     if failure is None:
-        return None, []
-    ops, failure = shrink(factory, config, ops, failure, SHRINK_BUDGET_S, stop)
-    _, lockstep = execute(factory, config, ops)
-    return failure, lockstep.history[:lockstep.failed_at]
+        return None, [], None
+    shrinker = Shrinker(factory, config, failure, SHRINK_BUDGET_S, stop)
+    if shrinking is not None:
+        shrinking(shrinker)
+    shrinker.shrink(list(ops))
+    best = shrinker.best
+    if best.history is None and not stop():     # no try failed: run the sequence once more for its history
+        _, lockstep = execute(factory, config, best.ops)
+        return best.failure, lockstep.history[:lockstep.failed_at], shrinker.stopped
+    return best.failure, best.history or [], shrinker.stopped
 
 
 def _so_far(last, config: Config) -> str | None:
@@ -180,21 +191,77 @@ _STOPPED = {TRIES: "shrinking stopped at its try limit, so it may not be minimal
             CLOCK: "shrinking stopped at its time budget, so it may not be minimal; "}
 
 
+def _minimised(stopped: str | None) -> str:
+    """What a shrunk sequence is called in a report: minimised, unless shrinking stopped short (``_STOPPED``)."""
+    return f"minimised failing sequence ({_STOPPED[stopped][:-2]})" if stopped else "minimised failing sequence"
+
+
+def _still_shrinking(shrinker: Shrinker | None, found: tuple[Failure, Config, list[str]] | None,
+                     what: str = "failing sequence found so far, not minimal",
+                     checking: str | None = None) -> str | None:
+    """For a check stopped while it was shrinking a failure: the shortest failing sequence ``shrinker`` had
+    found (``Shrinker.best``), or, before its first try showed one, ``found``: the failure as it was found,
+    its configuration and its sequence. None while nothing failed. ``checking``: the promise a directed
+    check was testing (``_shrunk_directed``)."""
+    best = None if shrinker is None else shrinker.best
+    if best is not None and best.history is not None:
+        failure, config, lines = best.failure, shrinker.config, best.history
+    elif found is not None:
+        failure, config, lines = found
+    else:
+        return None
+    head = f"{failure.headline} (found, then still being shrunk)"
+    head += f'\nfound while checking: "{checking}"' if checking else ""
+    return _report(head, config, lines, what)
+
+
+def _as_drawn(ops: list, failure: Failure) -> list[str]:
+    """A sequence not yet run in lockstep, as its history would read (handles named in creation order, as
+    ``Lockstep`` names them), up to the failing operation."""
+    if failure.phase != "finish":
+        ops = ops[:failure.step]
+    return [f"{made} = {op}" if made else str(op) for op, made in zip(ops, created_handles(ops))]
+
+
 def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
     """Seeded sequences of ``stateful/generate.py`` (the sweep's), shrunk by delta debugging."""
     seeds, steps = seeded_size(settings)
     started = time.perf_counter()
-    runs = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=SHRINK_BUDGET_S,
-                     first=first_seed(config))
+
+    def replay(seed: int) -> str:
+        return (f"replay: kvstate sweep --seed-range {seed}:{seed + 1} --steps {steps} "
+                f"--configs {shlex.quote(config.name)} --backend {shlex.quote(backend_name(factory))}")
+
+    # Past the time limit, ``run_with_limit`` reports the failure being shrunk, and stops the shrink.
+    shrinking: list = []        # (seed, operations, shrinker, the failure found) once a seed failed
+    stopped = threading.Event()
+
+    def so_far() -> str | None:
+        if not shrinking:
+            return None
+        seed, ops, shrinker, failure = shrinking[0]
+        found = (failure, shrinker.config, _as_drawn(ops, failure))
+        return _still_shrinking(shrinker, found, f"failing sequence found so far, not minimal (seed {seed} of "
+                                                 f"{steps} steps; {replay(seed)})")
+
+    _partial[threading.get_ident()] = so_far
+    _abandon[threading.get_ident()] = stopped.set
+    try:
+        runs = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=SHRINK_BUDGET_S,
+                         first=first_seed(config), stop=stopped.is_set,
+                         shrinking=lambda seed, ops, shrink: shrinking.append((seed, ops, shrink, shrink.failure)))
+    finally:
+        _partial.pop(threading.get_ident(), None)
+        _abandon.pop(threading.get_ident(), None)
     detail = None
-    if runs.failure is not None:
+    if runs.failure is not None and not stopped.is_set():   # stopped: no one waits for the report
         found = runs.failure
-        _, lockstep = execute(factory, found.config, found.ops)
+        if found.history is None:       # no shrink try showed it: run it once more for its history
+            _, lockstep = execute(factory, found.config, found.ops)
+            found.history = lockstep.history[:lockstep.failed_at]
         what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
-                f"{_STOPPED.get(found.shrink_stopped, '')}"
-                f"replay: kvstate sweep --seed-range {found.seed}:{found.seed + 1} --steps {steps} "
-                f"--configs {shlex.quote(config.name)} --backend {shlex.quote(backend_name(factory))})")
-        detail = _report(found.failure.headline, found.config, lockstep.history[:lockstep.failed_at], what)
+                f"{_STOPPED.get(found.shrink_stopped, '')}{replay(found.seed)})")
+        detail = _report(found.failure.headline, found.config, found.history, what)
     return Outcome("pass" if detail is None else "FAIL", time.perf_counter() - started, detail,
                    runs.runs, runs.steps, runs.steps + runs.runs)
 
@@ -203,36 +270,56 @@ def _directed(check) -> Check:
     def run(factory: Factory, config: Config, settings: Settings) -> Outcome:
         started = time.perf_counter()
         directed.current.run = None
+        # Past the time limit, ``run_with_limit`` reports the failure being shrunk, and stops the shrink.
+        found: list = []            # (the failure's report as found, the promise checked), once the check failed
+        shrinking: list = []        # the shrinker, once its failure replayed
+        stopped = threading.Event()
+
+        def so_far() -> str | None:
+            if not found:
+                return None
+            report, promise = found[0]
+            return _still_shrinking(shrinking[0] if shrinking else None, None, checking=promise) or report
+
+        _partial[threading.get_ident()] = so_far
+        _abandon[threading.get_ident()] = stopped.set
         try:
             check(factory, config)
         except directed.NotApplicable as reason:
             return Outcome("n/a", time.perf_counter() - started, str(reason))
         except Exception as error:
             run = directed.current.run
-            # a profile without Hypothesis's shrink phase (hunt) wants "found or not", not the shortest run
-            shrinks = run is not None and Phase.shrink in (settings.phases or ())
-            shrunk = _shrunk_directed(factory, run, error) if shrinks else None
-            if shrunk is not None:
-                return Outcome("FAIL", time.perf_counter() - started, shrunk)
             history = None if run is None else run.history[:run.failed_at]
             promise = getattr(error, "promise", None)
             head = f'"{promise}" -- broken: ' if promise and promise not in str(error) else ""
-            return Outcome("FAIL", time.perf_counter() - started, head + describe(error, history, minimised=False))
+            found.append((head + describe(error, history, minimised=False), promise))
+            # a profile without Hypothesis's shrink phase (hunt) wants "found or not", not the shortest run
+            shrinks = run is not None and Phase.shrink in (settings.phases or ())
+            shrunk = (_shrunk_directed(factory, run, error, stopped.is_set, shrinking.append)
+                      if shrinks else None)
+            if shrunk is not None:
+                return Outcome("FAIL", time.perf_counter() - started, shrunk)
+            return Outcome("FAIL", time.perf_counter() - started, found[0][0])
+        finally:
+            _partial.pop(threading.get_ident(), None)
+            _abandon.pop(threading.get_ident(), None)
         return Outcome("pass", time.perf_counter() - started)
     run.__doc__ = check.__doc__
     return run
 
 
-def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
+def _shrunk_directed(factory: Factory, run, error: BaseException, stop: Callable[[], bool] = lambda: False,
+                     shrinking: Callable[[Shrinker], None] | None = None) -> str | None:
     """A directed check's failure (the suite's assertion, or what the backend raised: a check's whole
     sequence ran to 142 operations where its replay shrank to 5) as a minimised sequence, where its
     operations replay it: the same
     ``execute`` as replay files (every invariant after every step) finds the failure again, and delta
     debugging shrinks it. What broke is the first line, the promise the check tests the next. None when the
-    failure came from a call outside the run's operations (it is then reported as it happened)."""
+    failure came from a call outside the run's operations (it is then reported as it happened).
+    ``stop`` and ``shrinking`` as ``_reshrink``'s."""
     if not isinstance(error, Exception) or not run.ops or len(run.ops) != len(run.history):
         return None
-    replayed, lines = _reshrink(factory, run.config, list(run.ops))
+    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking)
     if replayed is None:
         return None
     # Replayed, the failure is whatever the checks after every step meet first, which may break another
@@ -240,7 +327,7 @@ def _shrunk_directed(factory: Factory, run, error: BaseException) -> str | None:
     # being checked (quoted first, it read as the rule the backend broke).
     promise = getattr(error, "promise", None)
     head = replayed.headline + (f'\nfound while checking: "{promise}"' if promise else "")
-    return _report(head, run.config, lines, "minimised failing sequence")
+    return _report(head, run.config, lines, _minimised(stopped))
 
 
 # Each race scenario runs in rounds: two iterations as the interpreter switches threads (seed 0),
@@ -338,7 +425,8 @@ def _report(head: str, config: Config | None, history: list[str], what: str) -> 
 
 def run_with_limit(check: Check, factory: Factory, config: Config, settings: Settings,
                    time_limit: float) -> Outcome:
-    """``check`` in a daemon thread; past ``time_limit`` it is abandoned and reported as TIMEOUT."""
+    """``check`` in a daemon thread; past ``time_limit`` it is abandoned and reported as TIMEOUT, or as a
+    FAIL where it was shrinking a failure it found (``_partial``; ``_abandon`` stops the shrink)."""
     def checked() -> Outcome:
         try:
             return check(factory, config, settings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
+from typing import Callable
 
 from kvstate.spec.protocol import Config, Factory
 
@@ -28,6 +29,7 @@ class SeededFailure:
     failure: Failure
     original_steps: int
     shrink_stopped: str | None     # why shrinking stopped short of a minimal sequence (shrink.TRIES, CLOCK), or None
+    history: list[str] | None = None    # the readable history of the run that showed ``failure`` (``Shrunk``)
 
 
 @dataclass
@@ -46,13 +48,16 @@ def first_seed(config: Config) -> int:
 
 
 def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s: float,
-              shrink_budget_s: float, first: int = 0) -> SeededRuns:
+              shrink_budget_s: float, first: int = 0, stop: Callable[[], bool] = lambda: False,
+              shrinking: Callable[[int, list[O.Op], Shrinker], None] | None = None) -> SeededRuns:
     """Seeds ``first``, ``first + 1``, ... until ``seeds`` ran, ``budget_s`` passed, or one failed
-    (then shrunk)."""
+    (then shrunk). ``stop()`` True ends it between seeds and between shrink tries (its caller stopped
+    waiting: conform's time limit); ``shrinking(seed, ops, shrinker)`` is told of a failure found, with
+    the operations that showed it, before it is shrunk (``shrinker.best`` is the shortest so far)."""
     result = SeededRuns()
     deadline = time.monotonic() + budget_s
     for seed in range(first, first + seeds):
-        if result.runs and time.monotonic() > deadline:
+        if stop() or (result.runs and time.monotonic() > deadline):
             break
         run = run_seed(factory, config, seed, steps)
         result.runs += 1
@@ -60,8 +65,11 @@ def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s
         if run.failure is not None:
             failure, seeded_config = run.failure, config.with_(page_tokens=run.page_tokens)
             ran = [O.op_from_json(op) for op in run.ops]
-            shrinker = Shrinker(factory, seeded_config, failure, shrink_budget_s)
+            shrinker = Shrinker(factory, seeded_config, failure, shrink_budget_s, stop)
+            if shrinking is not None:
+                shrinking(seed, ran, shrinker)
             shrunk = shrinker.shrink(ran)
-            result.failure = SeededFailure(seed, seeded_config, shrunk, shrinker.failure, len(ran), shrinker.stopped)
+            result.failure = SeededFailure(seed, seeded_config, shrunk, shrinker.failure, len(ran), shrinker.stopped,
+                                           shrinker.best.history)
             break
     return result

@@ -25,7 +25,7 @@ says so (``Shrinker.stopped`` is ``CLOCK``), and a sweep's report carries it.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Sequence
 
 from kvstate.spec.errors import ReplayFileError, RunTimeout
@@ -80,11 +80,23 @@ def created_handles(ops: Sequence[O.Op]) -> list[str | None]:
     return handles
 
 
+@dataclass(frozen=True)
+class Shrunk:
+    """The shortest sequence a shrink has found so far, read while it runs (by a caller whose time ran
+    out) or after: its operations, the failure it shows, and the readable history of the run that showed
+    it, up to the failure (None for the sequence the shrink started from, which it has not run yet)."""
+
+    ops: list[O.Op]
+    failure: Failure
+    history: list[str] | None
+
+
 class Shrinker:
     """``shrink(ops)`` makes at most ``max_tries`` tries. ``stopped`` says afterwards why it stopped short of a
     sequence no single change can shrink: None (it did not), ``TRIES`` (``max_tries`` made: the same on every
     machine), ``CLOCK`` (``budget_s`` passed, a try was cut short by it, or ``stop()``: where this shrink ends
-    depends on the machine's speed)."""
+    depends on the machine's speed). ``best`` is the shortest failing sequence so far (``Shrunk``; None before
+    ``shrink``), replaced whole, so another thread may read it while the shrink runs."""
 
     def __init__(self, factory: Factory, config: Config, failure: Failure, budget_s: float = 60.0,
                  stop: Callable[[], bool] = lambda: False, max_tries: int = DEFAULT_TRIES):
@@ -97,6 +109,7 @@ class Shrinker:
         self.max_tries = max_tries
         self.tries = 0
         self.stopped: str | None = None
+        self.best: Shrunk | None = None
 
     def fails(self, ops: list[O.Op]) -> bool:
         """Whether ``ops`` still fails the same way; remembers the failure it shows."""
@@ -118,7 +131,8 @@ class Shrinker:
             self.stopped = CLOCK        # this try's answer was the clock's, not the backend's
             return False
         if failure is not None and failure.signature == self.signature:
-            self.failure = failure
+            self.failure = failure      # every caller keeps a sequence that still fails: it is the best so far
+            self.best = Shrunk(list(ops), failure, lockstep.history[:lockstep.failed_at])
             return True
         return False
 
@@ -133,8 +147,9 @@ class Shrinker:
         return self.stopped is not None
 
     def shrink(self, ops: list[O.Op]) -> list[O.Op]:
+        self.best = Shrunk(list(ops), self.failure, None)
         # Operations after the one that broke never ran: drop them before anything else.
-        if self.failure.phase != "finish":
+        if self.failure.phase != "finish" and not self.stop():
             cut = ops[:self.failure.step]
             if self.fails(cut):
                 ops = cut

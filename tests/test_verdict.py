@@ -159,6 +159,71 @@ def test_a_failure_still_shrinking_at_the_limit_is_a_failure_not_a_timeout():
     assert "shrinking it ran out of the 3 s limit" in outcome.detail and "invariant 4" in outcome.detail
 
 
+class SlowAfter:
+    """The numpy backend, whose caches take ``seconds`` each to build after its first ``fast`` ones
+    (a real engine on a loaded machine): a check finds a planted bug fast, then each shrink try is slow."""
+
+    def __init__(self, fast: int, seconds: float):
+        from kvstate.impl.numpy import factory
+        from kvstate.stateful.configs import config_named
+
+        self.base, self.fast, self.seconds, self.made = factory, fast, seconds, 0
+        self.configs = [config_named("f32-heap")]
+
+    def __call__(self, config):
+        self.made += 1
+        if self.made > self.fast:
+            time.sleep(self.seconds)
+        return self.base(config)
+
+    def stopped_building(self) -> bool:
+        """Whether no cache is built over a second after an in-flight one (a shrink try) could finish."""
+        time.sleep(0.5)
+        made = self.made
+        time.sleep(0.8)
+        return self.made == made
+
+
+@pytest.mark.parametrize("check, bug, fast, found", [
+    ("seeded", "missing_copy_on_write", 3, "invariant 4"),
+    # the check's own run builds one cache, the replay that confirms it a second; every shrink try is slow
+    ("prefix edges", "match_shortest_key", 2, "invariant 5"),
+])
+def test_a_seeded_or_directed_failure_still_shrinking_at_the_limit_is_a_failure_and_stops(check, bug, fast, found):
+    """From a review: only lockstep reported a failure still being shrunk at the limit as one; seeded and
+    the directed checks read as TIMEOUT ("the backend hangs"), the counterexample lost, and their shrink
+    went on building caches in the background. Now the report is the failure with the shortest sequence
+    found so far, and the shrink stops."""
+    from kvstate.stateful.planted import PLANTED
+
+    factory = SlowAfter(fast, 0.3)
+    with PLANTED[bug]():
+        (result,) = conform(factory, checks=[check], time_limit=2)
+        stopped = factory.stopped_building()
+    outcome = result.outcomes[check]
+    assert outcome.status == "FAIL", outcome
+    assert "shrinking it ran out of the 2 s limit" in outcome.detail and found in outcome.detail, outcome.detail
+    assert "(found, then still being shrunk)" in outcome.detail, outcome.detail
+    assert "failing sequence found so far, not minimal (" in outcome.detail, outcome.detail
+    assert stopped, "the abandoned check still shrinks"
+
+
+@pytest.mark.parametrize("check, bug", [("lockstep", "missing_copy_on_write"),
+                                        ("prefix edges", "match_shortest_key")])
+def test_a_shrink_stopped_short_is_not_called_minimal(check, bug, monkeypatch):
+    """From a review: lockstep and the directed checks called a sequence "minimised" whatever stopped
+    the shrink; at no shrink budget it stops at once, and the report says it may not be minimal."""
+    from kvstate.stateful import conform as conform_module
+    from kvstate.stateful.planted import PLANTED
+
+    monkeypatch.setattr(conform_module, "SHRINK_BUDGET_S", 0.0)
+    with PLANTED[bug]():
+        (result,) = conform(SlowAfter(10 ** 6, 0.0), checks=[check])
+    detail = result.outcomes[check].detail
+    assert "minimised failing sequence (shrinking stopped at its time budget, so it may not be minimal) (" in detail, \
+        detail
+
+
 # -- built otherwise, found by an audit: another memory order, errors of its own ------------------
 
 class FortranOrderRead(listcache.ListContext):
