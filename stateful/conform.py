@@ -526,13 +526,27 @@ def progress_line(config: Config, name: str, outcome: Outcome) -> str:
 
 
 def format_table(results: list[ConfigResult]) -> str:
-    """Configuration x check, pass/FAIL/TIMEOUT/n/a/skipped; then every failure with its sequence."""
+    """Configuration x check, pass/FAIL/TIMEOUT/n/a/skipped; then every failure with its sequence.
+
+    The columns are every check any configuration has, in the order first met: results may hold
+    different checks (``conform(first_failure=True)`` stops within a configuration; a configuration
+    whose worker process died has a ``worker`` column and none of that task's checks). A check a
+    configuration lacks reads ``-``."""
     if not results:
         return "no configurations"
-    names = list(results[0].outcomes)
+    names: list[str] = []
+    for r in results:       # a check new here goes after its check before, else before its check after, else last
+        order = list(r.outcomes)
+        for i, name in enumerate(order):
+            if name not in names:
+                before = [n for n in order[:i] if n in names]
+                after = [n for n in order[i + 1:] if n in names]
+                names.insert(names.index(before[-1]) + 1 if before else names.index(after[0]) if after
+                             else len(names), name)
     rows = [("configuration", *names, "steps", "invariant checks", "seconds")]
     for r in results:
-        rows.append((r.config.name, *(r.outcomes[n].status for n in names), str(r.steps), str(r.checks),
+        rows.append((r.config.name, *(r.outcomes[n].status if n in r.outcomes else "-" for n in names),
+                     str(r.steps), str(r.checks),
                      f"{sum(o.seconds for o in r.outcomes.values()):.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

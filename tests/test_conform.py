@@ -468,3 +468,23 @@ def test_conform_takes_a_sweeps_labels_and_runs_a_name_once(capsys, tmp_path):
     rc = main(["conform", str(backend), "--config", "f32-heap", "--configs", "f32-heap", "--check", "fork isolation",
                "--workers", "1"])     # in this process, as above
     assert rc == 0 and "2 configurations" in capsys.readouterr().out
+
+
+def test_the_table_of_a_first_failure_run_has_every_check_any_configuration_ran():
+    """``format_table`` took its columns from the first configuration and raised KeyError on a later
+    one lacking a check: ``conform(first_failure=True)`` stops within the configuration that fails."""
+    from kvstate.stateful.conform import format_table
+
+    def factory(config):
+        if config.precision == "f16":
+            raise RuntimeError("no f16 here")
+        return numpy_factory(config)
+
+    configs = [config for config in machine_configs() if config.name in ("f32-heap", "f16-heap")]
+    results = conform(factory, configs=configs, checks=["fork allocates 0", "fork isolation"], first_failure=True)
+    assert [list(r.outcomes) for r in results] == [["fork allocates 0", "fork isolation"], ["fork allocates 0"]]
+    table = format_table(results)
+    rows = [line.split() for line in table.splitlines()[:4]]
+    assert rows[0][:5] == ["configuration", "fork", "allocates", "0", "fork"], table
+    assert rows[2][:3] == ["f32-heap", "pass", "pass"] and rows[3][:3] == ["f16-heap", "FAIL", "-"], table
+    assert "f16-heap / fork allocates 0: FAIL" in table and "no f16 here" in table
