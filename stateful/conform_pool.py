@@ -5,14 +5,18 @@ runs two tasks at once in two processes. A worker imports the backend by name (s
 named on the command line, not a factory object, can be spread), runs its task's checks exactly as
 ``conform`` does in-process, and sends the ``ConfigResult`` back; results come out in the
 configurations' order, one ``ConfigResult`` each. A worker that dies (a backend that crashes the
-interpreter) is that configuration's failure, by name.
+interpreter) is that configuration's failure, by name: it breaks the whole pool, so the tasks running
+then are run again, each alone in a process of its own, and the ones not yet started in a fresh pool
+(``conform_in_processes``); the others keep their verdicts.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import tempfile
 from concurrent.futures import CancelledError, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 from typing import Callable
 
 from kvstate.spec.protocol import Config
@@ -41,44 +45,107 @@ def conform_in_processes(backend: str, configs: list[Config], workers: int, prof
     """``conform`` of the backend named ``backend`` on ``workers`` processes, each task one
     configuration's lockstep, its seeded runs, or its other checks (``tasks``); the results are
     those of ``conform`` in one process, outcomes in the checks' order. ``sizes`` overrides the
-    profile's (examples, steps) of the lockstep machine."""
+    profile's (examples, steps) of the lockstep machine.
+
+    A worker that dies breaks the whole pool: every task not finished by then fails with it, most of
+    them other configurations' that never ran or were only running beside it. So only a task that
+    had started and not finished is a suspect (each task marks its start in a file: a future's
+    ``running()`` is set for tasks merely queued to a worker); each suspect is run again alone in
+    its own process and is that configuration's failure, by name, only if it kills that one too.
+    Tasks not yet started run on in a fresh pool. No task runs more than twice, so a backend that
+    kills every worker ends the run as surely as one that kills none. A task that kills its process
+    only sometimes may pass alone: its configuration then has that run's verdict."""
     from .conform import CHECKS
 
     names = list(checks or CHECKS)
     context = multiprocessing.get_context("spawn")     # a fresh interpreter: no threads or locks inherited
+    jobs = tasks(configs, names)
     outcomes: list[dict[str, Outcome]] = [{} for _ in configs]
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        submitted = [(configs.index(config), part,
-                      pool.submit(_one_configuration, backend, config, profile, part, time_limit, sizes))
-                     for config, part in tasks(configs, names)]
-        hung: dict[int, str] = {}           # configuration -> its check that timed out
-        for at, (index, part, future) in enumerate(submitted):
-            config = configs[index]
+    hung: dict[int, str] = {}           # configuration -> its check that timed out
+
+    def settle(job: int, got: dict[str, Outcome]) -> None:
+        config, part = jobs[job]
+        index = configs.index(config)
+        timed_out = [name for name, outcome in got.items() if outcome.status == "TIMEOUT"]
+        if timed_out and index not in hung:     # as in one process: its later checks are not started
+            hung[index] = timed_out[0]
+        outcomes[index].update(got)
+        if progress:
+            for name, outcome in got.items():
+                progress(progress_line(config, name, outcome))
+
+    def died(job: int, error: BaseException) -> dict[str, Outcome]:
+        return {"worker": Outcome("FAIL", 0.0, f"the worker process running this configuration died, run alone in a "
+                                              f"process of its own (checks: {', '.join(jobs[job][1])}): {error}")}
+
+    with tempfile.TemporaryDirectory(prefix="kvstate-conform-") as folder:
+        def submit(pool: ProcessPoolExecutor, job: int):
+            """The job's future, or None where its configuration hung in an earlier pool (then skipped,
+            not started, as in one process)."""
+            config, part = jobs[job]
+            if configs.index(config) in hung:
+                settle(job, {name: Outcome.skipped_after(hung[configs.index(config)]) for name in part})
+                return None
+            return pool.submit(_one_configuration, backend, config, profile, part, time_limit, sizes, folder, job)
+
+        def shared_pool(ids: list[int]) -> tuple[list[int], list[int], bool]:
+            """``ids`` in one pool of ``workers``: (suspects, not started, whether it broke)."""
+            suspects, waiting, broke = [], [], False
+            with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+                submitted = [(job, future) for job in ids if (future := submit(pool, job)) is not None]
+                for at, (job, future) in enumerate(submitted):
+                    index = configs.index(jobs[job][0])
+                    try:
+                        got = future.result().outcomes
+                    except CancelledError:
+                        got = {name: Outcome.skipped_after(hung[index]) for name in jobs[job][1]}
+                    except BrokenProcessPool:
+                        broke = True
+                        (suspects if _started(folder, job) else waiting).append(job)
+                        continue
+                    settle(job, got)
+                    if index in hung:
+                        for other, later in submitted[at + 1:]:
+                            if configs.index(jobs[other][0]) == index:
+                                later.cancel()      # a task already started runs on; only queued ones stop
+            return suspects, waiting, broke
+
+        shared, alone = list(range(len(jobs))), []
+        while shared:
+            suspects, shared, broke = shared_pool(shared)
+            alone += suspects
+            if broke and not suspects:      # a worker died between tasks: no task to blame, none to trust
+                alone, shared = alone + shared, []
+        for start in range(0, len(alone), workers):     # each in a process of its own: a death there is its own
+            pools = [ProcessPoolExecutor(max_workers=1, mp_context=context) for _ in alone[start:start + workers]]
             try:
-                got = future.result().outcomes
-            except CancelledError:
-                got = {name: Outcome.skipped_after(hung[index]) for name in part}
-            except BrokenProcessPool as error:
-                got = {"worker": Outcome("FAIL", 0.0, f"the worker process running this configuration died "
-                                                      f"(checks: {', '.join(part)}): {error}")}
-            timed_out = [name for name, outcome in got.items() if outcome.status == "TIMEOUT"]
-            if timed_out and index not in hung:     # as in one process: its later checks are not started
-                hung[index] = timed_out[0]
-                for other, _, waiting in submitted[at + 1:]:
-                    if other == index:
-                        waiting.cancel()            # a task already started runs on; only queued ones stop
-            outcomes[index].update(got)
-            if progress:
-                for name, outcome in got.items():
-                    progress(progress_line(config, name, outcome))
+                submitted = [(job, submit(pool, job)) for job, pool in zip(alone[start:start + workers], pools)]
+                for job, future in submitted:
+                    if future is not None:
+                        try:
+                            got = future.result().outcomes
+                        except BrokenProcessPool as error:
+                            got = died(job, error)
+                        settle(job, got)
+            finally:
+                for pool in pools:
+                    pool.shutdown()
     return [ConfigResult(config, {name: found[name] for name in [*names, "worker"] if name in found})
             for config, found in zip(configs, outcomes)]
 
 
+def _started(folder: str, job: int) -> bool:
+    return (Path(folder) / str(job)).exists()
+
+
 def _one_configuration(backend: str, config: Config, profile: str, checks: list[str] | None,
-                       time_limit: float | None, sizes: tuple[int | None, int | None]) -> ConfigResult:
+                       time_limit: float | None, sizes: tuple[int | None, int | None],
+                       folder: str | None = None, job: int | None = None) -> ConfigResult:
     from .backends import load_factory
     from .configs import PROFILES
+
+    if folder is not None:      # before anything of the backend's runs: this task may be the one to die
+        (Path(folder) / str(job)).touch()
 
     use_cache_folder_for_hypothesis()
     examples, steps = sizes

@@ -61,6 +61,40 @@ def test_a_worker_that_dies_fails_its_configuration_by_name(tmp_path, capsys):
     assert "worker process running this configuration died" in capsys.readouterr().out
 
 
+def test_a_dying_worker_fails_only_its_own_configuration_the_others_get_their_verdicts(tmp_path, capsys):
+    """One worker's death broke the pool, and every task not finished by then (f32-heap's, running
+    beside it; q8-heap's, never started) read "the worker process running this configuration died".
+    Now the task still running is run again alone, the one never started in a fresh pool, and only
+    f16-heap, whose worker dies again alone, fails."""
+    path = tmp_path / "f16_dies.py"
+    path.write_text(textwrap.dedent(f"""
+        import multiprocessing, os, sys, time
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as working
+
+        class Context(ListContext):
+            def fork(self):
+                os._exit(3)          # takes the whole process down
+
+        class Dying(ListCache):
+            context_class = Context
+
+        slow = set()
+        def factory(config):
+            if config == working.configs[1]:
+                return Dying(config)
+            if config not in slow and multiprocessing.parent_process():   # in a worker: still running, or queued,
+                slow.add(config)                                          # when f16-heap's worker dies
+                time.sleep(0.5)
+            return ListCache(config)
+        factory.configs = working.configs
+    """))
+    assert main(["conform", str(path), "--workers", "2", "--check", "fork isolation"]) == 1
+    out = capsys.readouterr().out
+    assert _table_rows(out) == {"f32-heap": ["pass", "-"], "f16-heap": ["-", "FAIL"], "q8-heap": ["pass", "-"]}, out
+    assert out.count("worker process running this configuration died") == 1 and "f16-heap / worker: FAIL" in out
+
+
 def test_workers_must_be_a_positive_int_or_auto(capsys):
     for value in ("0", "two"):
         assert main(["conform", "--workers", value]) == 2
