@@ -44,16 +44,36 @@ from .stuck import stuck_at
 DEFAULT_TIME_LIMIT = 300.0   # seconds per configuration and check
 
 
-def observed_tiers(factory: Factory, configs: list[Config]) -> list[str]:
+def observed_tiers(factory: Factory, configs: list[Config], time_limit: float | None = DEFAULT_TIME_LIMIT,
+                   unobserved: list[str] | None = None) -> list[str]:
     """The observation tiers the factory's new caches expose (``spec.invariants.tiers``) over
     ``configs``, claiming no coverage that did not happen: a tier some configurations lack names in
     how many of them it was seen, and an arena counts only where it has slots (books of 0 slots,
-    an arena-less configuration's, check only that no page holds one)."""
+    an arena-less configuration's, check only that no page holds one).
+
+    Each cache is built and observed in a daemon thread under ``time_limit`` (None: no limit), as
+    every check is, so a factory that hangs for one configuration cannot hang the header printed
+    before the checks: that configuration is left out, and its name added to ``unobserved`` where
+    given (its checks then report the hang). A configuration whose cache cannot be built is left
+    out as well (its checks report that too). Each cache is cleared once observed."""
     seen = []
     for config in configs:
+        def observe(config: Config = config):
+            cache = factory(config)
+            try:
+                return cache.observe()
+            finally:        # real engines' caches are large: hold nothing (an abandoned thread clears its own)
+                try:
+                    cache.clear()
+                except Exception:
+                    pass
         try:
-            seen.append(factory(config).observe())
-        except Exception:       # the checks report it, with its configuration
+            seen.append(observe() if time_limit is None
+                        else in_daemon_thread(observe, time_limit, f"kvstate-observe-{config.name}"))
+        except Overran:
+            if unobserved is not None:
+                unobserved.append(config.name)
+        except (Exception, SystemExit):     # the checks report it, with its configuration
             pass
     labels = []
     for tier in TIERS:

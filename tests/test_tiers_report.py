@@ -59,6 +59,20 @@ def test_a_configuration_whose_cache_cannot_be_built_is_left_out_of_the_list():
                                                 "shape"]
 
 
+def test_the_caches_built_for_the_tiers_are_cleared_once_observed():
+    """Real engines' caches are large: the header's observations keep none of them filled."""
+    cleared = []
+
+    def factory(config):
+        cache = numpy_factory(config)
+        clear = cache.clear
+        cache.clear = lambda: (cleared.append(config.name), clear())[1]
+        return cache
+
+    configs = [config_named("f32-heap"), config_named("q8-arena6")]
+    assert observed_tiers(factory, configs) == ["pages", "arena (1 of 2 configurations)", "tree", "shape"]
+    assert cleared == ["f32-heap", "q8-arena6"]
+
 def _zero_slot_arena_factory():
     """``examples/listcache.py`` (``arena_size=0`` always) declaring an arena it does not have."""
     sys.path.insert(0, str(EXAMPLES))
@@ -125,3 +139,32 @@ def test_books_of_0_slots_with_pages_read_raw_still_get_the_recycled_page_compar
         (result,) = conform(factory, configs=[config_named("f32-heap")], checks=["arena evidence"])
         assert factory(config_named("f32-heap")).observe().arena_size == 0
         assert result.outcomes["arena evidence"].status == "pass", result.outcomes["arena evidence"]
+
+
+def test_a_factory_hanging_for_a_later_configuration_is_left_out_of_the_tiers_and_its_checks_time_out(tmp_path,
+                                                                                                       capsys):
+    """The header's observations were built with no time limit, before any check: a factory hanging
+    for any configuration but the first (the one ``check_backend`` builds, under the limit) hung
+    ``kvstate conform`` forever. Run in a thread here, so that a regression fails, not hangs."""
+    import threading
+
+    path = tmp_path / "hangs_for_f16.py"
+    path.write_text("\n".join([
+        "import sys, threading", f"sys.path.insert(0, {str(EXAMPLES)!r})",
+        "from listcache import factory as working", "",
+        "def factory(config):",
+        "    if config == working.configs[1]:",
+        "        threading.Event().wait()    # never returns",
+        "    return working(config)",
+        "factory.configs = working.configs[:2]", ""]))
+    done = {}
+    run = threading.Thread(target=lambda: done.setdefault("rc", main(
+        ["conform", str(path), "--check", "fork allocates 0", "--time-limit", "1", "--workers", "1"])), daemon=True)
+    run.start()
+    run.join(30)
+    out = capsys.readouterr().out
+    assert done.get("rc") == 1, f"kvstate conform still running after 30 s:\n{out}"
+    assert "\n  not observed: f16-heap (no cache built and observed within the 1 s limit; its checks report it)" in out
+    rows = {cells[0]: cells[1] for cells in map(str.split, out.splitlines())
+            if cells[:1] in (["f32-heap"], ["f16-heap"]) and cells[1] != "/"}
+    assert rows == {"f32-heap": "pass", "f16-heap": "TIMEOUT"}, out
