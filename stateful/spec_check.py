@@ -38,7 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--write", type=int, default=DEFAULT.max_write, help="most positions per extend/overwrite")
     parser.add_argument("--values", type=int, default=len(DEFAULT.seeds), help="distinct value seeds per write")
     parser.add_argument("--entries", type=int, default=DEFAULT.max_entries, help="max_entries of the tree")
-    parser.add_argument("--arena", type=int, default=DEFAULT.arena_pages, help="arena slots (0: none)")
+    parser.add_argument("--arena", type=int, default=None,
+                        help=f"arena slots (0: none); given, it holds for every semantics searched (default: "
+                             f"{DEFAULT.arena_pages}, or the semantics' own: evict 1, refuse 0)")
     parser.add_argument("--precision", default=DEFAULT.precision, choices=["f32", "f16", "q8"])
     parser.add_argument("--semantics", default=None,
                         help=f"comma-separated declared semantics to search, of {', '.join(SEMANTICS)} "
@@ -66,7 +68,8 @@ def scope_from(args: argparse.Namespace) -> Scope:
     return Scope(page_tokens=args.page_tokens, max_contexts=args.contexts, max_positions=args.positions,
                  alphabet=tuple(range(args.alphabet)), max_write=args.write,
                  seeds=tuple(-(i + 1) for i in range(args.values)), max_entries=args.entries,
-                 arena_pages=args.arena, precision=args.precision, max_depth=args.depth or None)
+                 arena_pages=DEFAULT.arena_pages if args.arena is None else args.arena, precision=args.precision,
+                 max_depth=args.depth or None)
 
 
 def scopes_from(args: argparse.Namespace) -> list[Scope]:
@@ -80,20 +83,29 @@ def scopes_from(args: argparse.Namespace) -> list[Scope]:
     if fields.get("match") in ("entry", "token"):
         fields.setdefault("block_tokens", 0)
     names = args.semantics.split(",") if args.semantics else (["entry"] if fields else list(SEMANTICS))
-    scopes = [replace(semantics_scope(name.strip(), scope_from(args)), **fields) for name in names]
+    # a size option given holds over the semantics' own (evict's one slot, refuse's none): ``--arena 2``
+    # was silently replaced by them
+    sizes = {} if getattr(args, "arena", None) is None else {"arena_pages": args.arena}
+    scopes = [replace(semantics_scope(name.strip(), scope_from(args)), **fields, **sizes) for name in names]
     for scope in scopes:
         scope.config()          # refuse a combination Config refuses, before anything runs
     return scopes
+
+
+def crosshair_tool() -> str | None:
+    """The ``crosshair`` command beside this Python or on the PATH; None where it is not installed."""
+    tool = shutil.which("crosshair") or str(Path(sys.executable).with_name("crosshair"))
+    return tool if Path(tool).exists() or shutil.which(tool) is not None else None
 
 
 def crosshair(timeout: float) -> int:
     """Run ``crosshair check`` over the spec's arithmetic; print its findings; 0 when none refute."""
     from kvstate.spec import arithmetic
 
-    tool = shutil.which("crosshair") or str(Path(sys.executable).with_name("crosshair"))
-    if not Path(tool).exists() and shutil.which(tool) is None:
-        print("crosshair: not installed (pip install crosshair-tool); skipped")
-        return 0
+    tool = crosshair_tool()
+    if tool is None:
+        print("crosshair: not installed (pip install crosshair-tool)", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     run = subprocess.run([tool, "check", "--analysis_kind=PEP316", f"--per_condition_timeout={timeout}",
                           "--report_all", arithmetic.__file__], capture_output=True, text=True)
@@ -130,6 +142,10 @@ def run_spec_check(args: argparse.Namespace) -> int:
             print(f"kvstate spec-check: backend {args.backend!r} does not declare scope {scope.config().name} "
                   f"({undeclared}); pick scopes it declares (--semantics, --arena 0)", file=sys.stderr)
             return 2
+    if not args.no_crosshair and crosshair_tool() is None:     # refused before the search, not reported "skipped"
+        print("kvstate spec-check: CrossHair is not installed (pip install crosshair-tool, or "
+              "pip install -e '.[test]'); pass --no-crosshair to run the exhaustive search alone", file=sys.stderr)
+        return 2
     # CrossHair after the arguments and the backend are checked: a refusal comes at once, not after it
     status = crosshair(args.crosshair_timeout) if not args.no_crosshair else 0
     started, cut = time.perf_counter(), []

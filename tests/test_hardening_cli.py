@@ -354,3 +354,32 @@ def test_replay_says_how_many_steps_it_checked_and_every_step_checks_them_all(tm
     assert "every invariant holds (checked after" in capsys.readouterr().out
     assert main(["replay", path, "--every-step"]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "every invariant holds"
+
+
+def test_spec_checks_arena_option_holds_for_every_semantics_searched():
+    """From a review: ``--arena N`` was replaced by the evict search's one slot and the refuse search's
+    none, silently (README's overnight example, ``--arena 2``, ran them at 1 and 0)."""
+    import argparse
+
+    from kvstate.stateful import spec_check
+
+    parser = argparse.ArgumentParser()
+    spec_check.add_arguments(parser)
+    given = spec_check.scopes_from(parser.parse_args(["--arena", "2"]))
+    assert [scope.arena_pages for scope in given] == [2] * len(spec_check.SEMANTICS)     # every semantics, each at 2
+    default = {scope.config().semantics: scope.arena_pages for scope in spec_check.scopes_from(parser.parse_args([]))}
+    assert sorted(default.values()) == sorted(spec_check.semantics_scope(name).arena_pages
+                                             for name in spec_check.SEMANTICS)       # not given: each its own
+
+
+def test_spec_check_without_crosshair_is_refused_before_the_search_unless_told_to_skip_it(capsys, monkeypatch):
+    """From a review: without CrossHair, ``kvstate spec-check`` printed "skipped" and exited 0, as if
+    its first half had passed."""
+    from kvstate.stateful import spec_check
+
+    explore, searched = spec_check.explore, []
+    monkeypatch.setattr(spec_check, "crosshair_tool", lambda: None)
+    monkeypatch.setattr(spec_check, "explore", lambda *a, **k: searched.append(a) or explore(*a, **k))
+    line = one_line_exit_2(capsys, ["spec-check", "--depth", "1", "--semantics", "entry"])
+    assert "CrossHair is not installed" in line and "--no-crosshair" in line and not searched, line
+    assert main(["spec-check", "--no-crosshair", "--depth", "1", "--semantics", "entry"]) == 0 and searched
