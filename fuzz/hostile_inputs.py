@@ -8,7 +8,10 @@ with grad, non-contiguous, bool/complex or on the meta device -- mixed with vali
 arguments so that calls reach deep. The oracle for each call:
 
 - it returns and did what the documentation says (lengths, tokens and values read
-  back), and every invariant of pages and the arena holds; or
+  back: a write's values are the precision's round trip of its input, for ``extend`` and
+  ``overwrite`` alike), and every invariant of pages and the arena holds; a write whose
+  K/V, taken as float32, holds a NaN or an infinity never returns (README: such values
+  are refused with ``NonFiniteError``, where no other error applies first); or
 - it raises a ``kvstate.spec.errors`` class, and ``observe()``, ``stats()`` and every
   live context's values and tokens are exactly what they were before.
 
@@ -23,6 +26,7 @@ import io
 import os
 import sys
 import tempfile
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import cache
@@ -251,6 +255,19 @@ def _as_numpy(values):
     return values.detach().cpu().numpy() if torch is not None and isinstance(values, torch.Tensor) else values
 
 
+def _non_finite(kv) -> bool:
+    """Whether ``kv``, taken as float32 as the stores take it, holds a NaN or an infinity (a masked
+    array by its data: the stores ignore the mask). False for what cannot be taken as float32 at all
+    (a meta tensor, an object array of strings): not a value, so no value of it is non-finite."""
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")         # complex to float, float64 overflowing float32
+            values = np.asarray(np.ma.getdata(_as_numpy(kv)), np.float32)
+    except Exception:       # noqa: BLE001 -- whatever refuses the conversion: see above
+        return False
+    return not bool(np.isfinite(values).all())
+
+
 def _plain_tokens(tokens) -> list[int]:
     if torch is not None and isinstance(tokens, torch.Tensor):
         return [int(t) for t in tokens.tolist()]
@@ -305,30 +322,38 @@ class Harness:
 
     # -- entry points ------------------------------------------------------------------------------
 
+    def _written(self, ctx, first: int, tokens, kv, length: int) -> str | None:
+        """What is wrong with a write of ``tokens``/``kv`` at ``first`` that returned: it took a
+        non-finite value, the context's length is not ``length``, or positions ``first`` on do not
+        read back the tokens and the precision's round trip of the values (a stored NaN equals its
+        own round trip: hence the first test)."""
+        if _non_finite(kv):
+            return "accepted a K/V holding NaN or infinity (NonFiniteError expected)"
+        want = _plain_tokens(tokens)
+        if len(ctx) != length:
+            return f"the length is {len(ctx)}, not {length}"
+        values, got = ctx.read(first, first + len(want))
+        got = _plain_tokens(got)
+        if got != want:
+            return f"stored tokens {got}, not {want}"
+        if not want:
+            return None
+        stored = np.asarray(_as_numpy(values))
+        expected = precisions.roundtrip(self.precision, np.asarray(_as_numpy(kv), np.float32))
+        if stored.tobytes() != expected.tobytes():
+            return "stored values differ from the precision's round trip"
+        return None
+
     def extend(self, ctx, tokens, kv):
         n0 = len(ctx)
-
-        def check(_):
-            want = _plain_tokens(tokens[1])
-            got = _plain_tokens(ctx.read(n0, len(ctx))[1])
-            if got != want:
-                return f"stored tokens {got}, not {want}"
-            if not want:
-                return None
-            stored = np.asarray(_as_numpy(ctx.read(n0, len(ctx))[0]))
-            expected = precisions.roundtrip(self.precision, np.asarray(_as_numpy(kv[1]), np.float32))
-            if stored.tobytes() != expected.tobytes():
-                return "stored values differ from the precision's round trip"
-            return None
-        self.call("Context.extend", (tokens[0], kv[0]), lambda: ctx.extend(tokens[1], kv[1]), check)
+        self.call("Context.extend", (tokens[0], kv[0]), lambda: ctx.extend(tokens[1], kv[1]),
+                  lambda _: self._written(ctx, n0, tokens[1], kv[1], n0 + len(_plain_tokens(tokens[1]))))
 
     def overwrite(self, ctx, start, tokens, kv):
-        def check(_):
-            first = int(start[1])
-            got = _plain_tokens(ctx.read(first, first + len(_plain_tokens(tokens[1])))[1])
-            return None if got == _plain_tokens(tokens[1]) else f"tokens read back {got}"
+        n0 = len(ctx)
         self.call("Context.overwrite", (start[0], tokens[0], kv[0]),
-                  lambda: ctx.overwrite(start[1], tokens[1], kv[1]), check)
+                  lambda: ctx.overwrite(start[1], tokens[1], kv[1]),
+                  lambda _: self._written(ctx, int(start[1]), tokens[1], kv[1], n0))
 
     def read(self, ctx, start, stop):
         def check(result):

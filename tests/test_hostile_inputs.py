@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import tempfile
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -86,3 +87,58 @@ def test_a_page_store_class_is_refused_where_an_instance_goes(store):
     from kvstate.spec.errors import ConfigError
     with pytest.raises(ConfigError, match=f"not the class {cls.__name__}"):
         Cache(Layout(1, 1, 2), page_tokens=2, store=cls)
+
+
+# -- the write oracle can fail ------------------------------------------------------------------------
+
+def _harness(store, precision, folder):
+    return H.Harness(store, precision, H.Tally(), folder)
+
+
+def _kv(n, bad=None):
+    values = np.random.default_rng(0).standard_normal(H.LAYOUT.batch_shape(n)).astype(np.float32)
+    return ("float32 array", values) if bad is None else (f"with {bad}", H._poison(values, bad))
+
+
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+def test_the_write_oracle_reports_non_finite_values_stored(tmp_path, monkeypatch, precision):
+    """With the numpy store's finite screen passing everything, NaN and inf are stored as they are,
+    which equals their own round trip: the oracle must flag the acceptance itself (f16 is left out:
+    its range check refuses infinity and NaN anyway)."""
+    from kvstate.impl import numpy_store
+    monkeypatch.setattr(numpy_store, "all_finite", lambda kv: True)
+    harness = _harness("numpy", precision, str(tmp_path))
+    with pytest.raises(H.Finding, match="extend.*accepted a K/V holding NaN or infinity"):
+        harness.extend(harness.contexts[1], ("token list", [1, 2]), _kv(2, np.nan))
+    with pytest.raises(H.Finding, match="overwrite.*accepted a K/V holding NaN or infinity"):
+        harness.overwrite(harness.contexts[0], ("int", 1), ("token list", [3, 4]), _kv(2, np.inf))
+
+
+@pytest.mark.parametrize("store", H.stores())
+@pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
+def test_the_write_oracle_reports_overwritten_values_that_differ(tmp_path, monkeypatch, store, precision):
+    """An overwrite that stores the right tokens but other values (here: zeros)."""
+    from kvstate.impl.context import Context
+    real = Context.overwrite
+    monkeypatch.setattr(Context, "overwrite",
+                        lambda self, start, tokens, kv: real(self, start, tokens, np.zeros_like(np.asarray(kv))))
+    harness = _harness(store, precision, str(tmp_path))
+    with pytest.raises(H.Finding, match="overwrite.*stored values differ from the precision's round trip"):
+        harness.overwrite(harness.contexts[0], ("int", 2), ("token list", [3, 4, 5]), _kv(3))
+
+
+@pytest.mark.parametrize("store", H.stores())
+@pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
+def test_the_write_oracle_passes_the_engine_as_it_is(tmp_path, store, precision):
+    """The calls above on the engine as shipped: the non-finite writes refused by name, changing
+    nothing; the valid ones read back as their round trip. No finding."""
+    harness = _harness(store, precision, str(tmp_path))
+    harness.extend(harness.contexts[1], ("token list", [1, 2]), _kv(2, np.nan))
+    harness.overwrite(harness.contexts[0], ("int", 1), ("token list", [3, 4]), _kv(2, np.inf))
+    harness.overwrite(harness.contexts[0], ("int", 2), ("token list", [3, 4, 5]), _kv(3))
+    harness.extend(harness.contexts[1], ("token list", [1, 2]), _kv(2))
+    harness.overwrite(harness.contexts[1], ("int", 1), ("token list", [7]), _kv(1))
+    assert not harness.tally.findings
+    refused = dict(harness.tally.refused)
+    assert set(refused) <= {"NonFiniteError", "PrecisionRangeError"} and sum(refused.values()) == 2, refused
+    assert len(harness.contexts[1]) == 2
