@@ -8,9 +8,12 @@ each ``Finding`` is a bug). Both stay local and fast: ``memory://`` and ``file:/
   under a prefix, for names built from every character class (glob and URL syntax
   ``*?[]{}#%``, slashes and backslashes, ``..``, unicode, control characters, empty, very
   long), some with ``user:secret@`` whose secret holds ``/``, ``+`` and ``=``. Oracle: a
-  ``kvstate`` error and nothing left behind (no new key or file, no ``.kvs-partial``),
-  or the write lands at one new key, a second write to the URL replaces it, and a
-  restore returns exactly what the last write held. The secret is never in any message,
+  ``kvstate`` error and nothing left behind by the refused step (no key or file that was
+  not there just before it, no ``.kvs-partial``), or the write lands at one new key (a
+  ``SnapshotStore``: exactly the keys ``put`` reports), a second write to the URL replaces
+  it, and a restore returns exactly what the last write held. The keys are listed after
+  every step that returns, so a write that also leaves a temporary file (``TEMP_PREFIX``
+  name ``TEMP_SUFFIX``) or a second key is reported. The secret is never in any message,
   chained cause or context, traceback text, warning or log record.
 - ``check_tier``: ``Cache(second_tier=value)`` for values of every kind (strings, numbers,
   None, objects, the ``SnapshotStore`` class, duck tiers, stores holding damaged, truncated
@@ -36,6 +39,7 @@ from hypothesis import strategies as st
 from kvstate.fuzz.hostile_inputs import LAYOUT, PAGE_TOKENS, Finding, Tally, run_and_report
 from kvstate.impl.cache import Cache
 from kvstate.spec import invariants
+from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.errors import KVStateError
 from kvstate.spec.layout import Layout
 
@@ -161,7 +165,12 @@ def _same(ctx, other) -> bool:
 
 
 def check_url(tally: Tally, scheme_kind: str, name, userinfo, secret: str, folder: str, store: bool) -> None:
-    """One URL (``store``: one ``SnapshotStore`` prefix) through a write, a rewrite and restores."""
+    """One URL (``store``: one ``SnapshotStore`` prefix) through a write, a rewrite and restores.
+
+    A refused step must leave nothing that was not there just before it; one refused after a
+    write has landed is a finding by itself (the URL took a write, so it takes the next and
+    reads back). After each step that returns, the keys new since the first step must be what
+    the steps so far rightly wrote (``rightful``: one key, or the keys ``put`` reports)."""
     name_kind, name = name
     info_kind, template = userinfo if userinfo is not None else ("", "")
     # a token alone cannot hold "/": "scheme://tok/en@host" is host "tok" and a path holding "@"
@@ -176,8 +185,11 @@ def check_url(tally: Tally, scheme_kind: str, name, userinfo, secret: str, folde
     first, second = _filled(cache, [1, 2, 3, 4, 5], 1), _filled(cache, [1, 2, 3, 4, 5], 2)
     before = scheme.listing()
     try:
-        steps = _store_steps(cache, url, first, second) if store else _snapshot_steps(cache, url, first, second)
+        steps, rightful = (_store_steps(cache, url, first, second) if store
+                           else _snapshot_steps(cache, url, first, second, name))
+        wrote = set()       # the keys the steps so far rightly wrote (``rightful`` holds them to that)
         for label, action, check in steps:
+            step_before = scheme.listing()
             result, error, said = _observed(action)
             shown = "\n".join(said) + ("" if error is None else _texts(error))
             if secret in shown:
@@ -188,22 +200,56 @@ def check_url(tally: Tally, scheme_kind: str, name, userinfo, secret: str, folde
                                 f"{type(error).__name__}: {str(error)[:200]}", error)
             if error is not None:
                 tally.refused[type(error).__name__] += 1
-                left = scheme.listing() - before
+                left = scheme.listing() - step_before     # an earlier step's rightful key is not "left"
                 if left:
                     _finding(tally, f"{entry}{name_kind} {name[:60]!r}: {label} refused "
                                     f"({type(error).__name__}) but left {sorted(left)[:3]}")
+                if wrote:       # the URL took a write: a rewrite and every read of it must succeed
+                    _finding(tally, f"{entry}{name_kind} {name[:60]!r}: {label} refused "
+                                    f"({type(error).__name__}: {str(error)[:120]}) after a write landed at "
+                                    f"{sorted(wrote)[:3]}", error)
                 return
-            problem = check(result)
+            new = scheme.listing() - before
+            problem = check(result) or rightful(new)
             if problem:
                 _finding(tally, f"{entry}{name_kind} {name[:60]!r}: {label} returned but {problem}")
+            wrote = new
         tally.refused["stored"] += 1
     finally:
         scheme.clean()
 
 
-def _snapshot_steps(cache: Cache, url: str, first, second):
-    """Write, read back, write again, read back: the second read returns the second write."""
+def _base(key: str) -> str:
+    return key.rstrip("/").rpartition("/")[2]
+
+
+def _temporary(key: str) -> bool:
+    """Whether ``key`` has a temporary file's name (``snapshot_format.TEMP_PREFIX``/``TEMP_SUFFIX``)."""
+    base = _base(key)
+    return base.startswith(fmt.TEMP_PREFIX) and base.endswith(fmt.TEMP_SUFFIX)
+
+
+def _snapshot_steps(cache: Cache, url: str, first, second, name: str):
+    """Write, read back, write again, read back: the second read returns the second write; and the
+    rule for the keys new since the first step: none before the first write returns, then exactly
+    one, the same one after every later step (the second write replaces it), never a temporary
+    name (unless the name asked for is one: ".kvs-partial" is a legal snapshot name)."""
+    written = {}
+
     def landed(_):
+        written.setdefault("first", True)
+        return None
+
+    def rightful(new: set[str]) -> str | None:
+        if not written:
+            return f"wrote {sorted(new)[:3]} before any snapshot" if new else None
+        stray = sorted(key for key in new if _temporary(key) and _base(key) != _base(name))
+        if stray:
+            return f"left a temporary file {stray[:3]}"
+        if len(new) != 1:
+            return f"the snapshot is at {len(new)} new keys, not one: {sorted(new)[:3]}"
+        if written.setdefault("key", new) != new:
+            return f"the snapshot moved from {sorted(written['key'])} to {sorted(new)}"
         return None
 
     def restored(want):
@@ -216,7 +262,7 @@ def _snapshot_steps(cache: Cache, url: str, first, second):
     return [("snapshot", lambda: first.snapshot(url), landed),
             ("restore", lambda: cache.restore(url), restored(first)),
             ("a second snapshot", lambda: second.snapshot(url), landed),
-            ("restore after the second snapshot", lambda: cache.restore(url), restored(second))]
+            ("restore after the second snapshot", lambda: cache.restore(url), restored(second))], rightful
 
 
 def _store_steps(cache: Cache, url: str, first, second):
@@ -237,9 +283,25 @@ def _store_steps(cache: Cache, url: str, first, second):
             finally:
                 ctx.close()
         return check
+    def put(written):
+        if not written:
+            return "put wrote nothing"
+        holder["keys"] = sorted(_base(holder["store"].url(cache, first.tokens[:n])) for n in written)
+        return None
+
+    def rightful(new: set[str]) -> str | None:
+        """No key before put returns; then exactly the keys put reports (by name: the listing spells
+        a key as its filesystem does, the store as a URL), none of them a temporary name."""
+        stray = sorted(key for key in new if _temporary(key))
+        if stray:
+            return f"left a temporary file {stray[:3]}"
+        want = holder.get("keys", [])
+        if sorted(_base(key) for key in new) != want:
+            return f"the new keys are {sorted(new)[:3]}, not the {len(want)} put reports {want}"
+        return None
     return [("SnapshotStore()", build, lambda _: None),
-            ("put", lambda: holder["store"].put(first), lambda written: None if written else "put wrote nothing"),
-            ("get", lambda: holder["store"].get(cache, [1, 2, 3, 4, 5]), got(5))]
+            ("put", lambda: holder["store"].put(first), put),
+            ("get", lambda: holder["store"].get(cache, [1, 2, 3, 4, 5]), got(5))], rightful
 
 
 STORE_NUMBERS = [4, 1, 3, 0, -1, True, False, 2**70, 4.0, "4", None, float("nan")]

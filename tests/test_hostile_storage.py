@@ -188,3 +188,70 @@ def test_the_store_arguments_target_reports_an_unchecked_stride(monkeypatch):
     monkeypatch.setattr(remote.SnapshotStore, "__init__", unchecked)
     with pytest.raises(Finding, match="unnamed ZeroDivisionError"):
         HS.check_store_arguments(Tally(), (0, 8, None))
+
+
+# -- the URL target checks the keys after every step that returns ----------------------------------
+
+class _OsCopyingReplace:
+    """``os`` for ``impl/snapshot_files.py`` whose ``replace`` copies: the temporary file stays."""
+
+    def __getattr__(self, name):
+        import os
+        return getattr(os, name)
+
+    @staticmethod
+    def replace(src, dst):
+        import shutil
+        shutil.copyfile(src, dst)
+
+
+def _plant_temporary_left(monkeypatch, scheme):
+    """A write that succeeds and leaves its temporary file: on file:// (a snapshot's or a put's: both go
+    through ``write_atomic``), the rename a copy; on memory://, the temporary key never removed after
+    the copy onto the target."""
+    if scheme == "file":
+        from kvstate.impl import snapshot_files
+        monkeypatch.setattr(snapshot_files, "os", _OsCopyingReplace())
+    else:
+        monkeypatch.setattr(remote_io, "_remove_quietly", lambda fs, path: None)
+
+
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_the_url_target_reports_a_temporary_file_a_successful_write_left(tmp_path, monkeypatch, scheme, store):
+    _plant_temporary_left(monkeypatch, scheme)
+    with pytest.raises(Finding, match=r"(snapshot|put) returned but left a temporary file .*kvs-partial"):
+        HS.check_url(Tally(), scheme, ("pieces", "x.kvs"), None, "Sk/+=Qz", str(tmp_path), store)
+
+
+def test_the_url_target_reports_a_put_that_wrote_more_keys_than_it_reports(tmp_path, monkeypatch):
+    from kvstate import remote
+    real = remote.SnapshotStore.put
+    monkeypatch.setattr(remote.SnapshotStore, "put", lambda self, ctx, deadline_s=None: real(self, ctx)[:1])
+    with pytest.raises(Finding, match="put returned but the new keys are .* not the 1 put reports"):
+        HS.check_url(Tally(), "memory", ("pieces", "x"), None, "Sk/+=Qz", str(tmp_path), True)
+
+
+def test_a_refusal_after_the_write_is_reported_as_such_not_as_the_write_left_behind(tmp_path, monkeypatch):
+    """A restore refused after its URL's snapshot returned: the snapshot's file is the write's, not the
+    restore's; the finding names the refusal, and nothing as "left"."""
+    from kvstate.spec.errors import SnapshotNotFoundError
+
+    def not_found(self, source, *args, **kwargs):
+        raise SnapshotNotFoundError("planted: no snapshot there")
+    monkeypatch.setattr(Cache, "restore", not_found)
+    tally = Tally()
+    with pytest.raises(Finding, match="restore refused .SnapshotNotFoundError.* after a write landed at"):
+        HS.check_url(tally, "file", ("pieces", "x.kvs"), None, "Sk/+=Qz", str(tmp_path), False)
+    assert not any("but left" in finding for finding in tally.findings), tally.findings
+
+
+@pytest.mark.parametrize("name", [("pieces", "x.kvs"), ("edge", ".kvs-partial"), ("pieces", ".x.kvs-partial")])
+@pytest.mark.parametrize("store", [False, True])
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_the_url_target_passes_the_engine_as_it_is(tmp_path, scheme, store, name):
+    """The cases above on the engine as shipped, and names shaped like a temporary file's (a legal
+    snapshot name: the one key is then that name): stored, no finding."""
+    tally = Tally()
+    HS.check_url(tally, scheme, name, None, "Sk/+=Qz", str(tmp_path), store)
+    assert not tally.findings and tally.refused == {"stored": 1}, (tally.findings, tally.refused)
