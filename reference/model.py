@@ -43,7 +43,9 @@ retained since the pool last may have been short still hold every page (``least_
 
 Under ``match="block"`` no hit reaches past an entry's last whole block, so whether the engine keeps
 the pages past it (a retained key's partly filled last block, which vLLM never caches) is its own
-choice: rooms are judged between counting them and not (``_listed``), as for ``reclaim``.
+choice: rooms are judged between counting them and not (``_listed``), as for ``reclaim``. A pool that
+evicts evicts both ways, as the ways of sharing do, and an eviction only one of them gives closes the
+other for the rest of the run (``tails_left_out``).
 """
 
 from __future__ import annotations
@@ -293,9 +295,10 @@ class RefCache:
         # Each is newer there and still held, so once ``max_entries`` are, an engine evicting least recently
         # used for the bound has let it go: it leaves ``bounded_out``.
         self.retained_after: dict[tuple[int, ...], set[tuple[int, ...]]] = {}
-        # Under match="block": an entry's pages past its last whole block, which no hit reaches, may be kept
-        # or not (``_listed``).
-        self.tails_optional = config.match == "block"
+        # Under match="block": the ways of counting an entry's pages past its last whole block, which no hit
+        # reaches, still open: kept (False) or left out (True, ``_listed``). An engine keeps them or not for
+        # the whole run: an eviction only one way gives closes the other (``make_room``).
+        self.tails_left_out: tuple[bool, ...] = (False, True) if config.match == "block" else (False,)
 
     # -- page labels: the pool, counted ------------------------------------------------
 
@@ -303,6 +306,11 @@ class RefCache:
         """A page no holder lists yet, by every name."""
         self.labels_issued += 1
         return (self.labels_issued,) * len(SHARINGS)
+
+    @property
+    def tails_optional(self) -> bool:
+        """Whether an entry's pages past its last whole block may still be left out (``_listed``)."""
+        return True in self.tails_left_out
 
     def keys(self, bounded_out: bool = False) -> list[tuple[int, ...]]:
         """The entries' keys, in the order they were last retained (``bounded_out``: and, under ``reclaim``,
@@ -394,9 +402,11 @@ class RefCache:
     def make_room(self, needed: int | dict[int, int], least: dict[int, int] | None = None) -> None:
         """``on_full`` for an operation that needs ``needed`` new pages (spec/semantics.py): a count, or
         one count per sharing (``least``: as ``check_room``). Evictions count pages as the first way of
-        sharing still open does (forks', while it is), unless the ways open would keep different entries
-        and the engine's are known (``engine_keys``): then as the ways that kept the very entries the
-        engine kept. Under ``reclaim`` nothing is evicted: it notes whether the pool may have been short."""
+        sharing still open does (forks', while it is), and under ``match="block"`` with entries' pages past
+        their last whole block counted (``_listed``), unless the ways open, counting those pages or not,
+        would keep different entries and the engine's are known (``engine_keys``): then as the first way
+        that kept the very entries the engine kept. Under ``reclaim`` nothing is evicted: it notes whether
+        the pool may have been short."""
         limit, needs = self.config.pool_limit, self._per_sharing(needed)
         if not any(needs.values()) or not limit:
             return
@@ -405,14 +415,18 @@ class RefCache:
             self._note_pressure(needs)
         if not evicts_for_room(self.config.on_full):
             return
-        kept = {sharing: self._kept_after_evicting(needs[sharing], sharing) for sharing in self.viable}
-        keys = {sharing: frozenset(entry[0] for entry in entries) for sharing, entries in kept.items()}
+        least = needs if least is None else least
+        # (a way of sharing, whether entries' pages past their last whole block are left out: ``_listed``)
+        ways = [(sharing, fewest) for sharing in self.viable for fewest in self.tails_left_out]
+        kept = {way: self._kept_after_evicting((least if way[1] else needs)[way[0]], *way) for way in ways}
+        keys = {way: frozenset(entry[0] for entry in entries) for way, entries in kept.items()}
         differ = len(set(keys.values())) > 1
         engine = self.engine_keys() if differ and self.engine_keys is not None else None
-        agreeing = tuple(sharing for sharing in kept if keys[sharing] == engine)
-        if agreeing and len(agreeing) < len(kept):
-            self.viable = agreeing          # the engine evicted as these ways of sharing do: the others close
-        self.entries = kept[(agreeing or self.viable)[0]]
+        agreeing = [way for way in ways if keys[way] == engine]
+        if agreeing:        # the engine evicted as these ways do: the ways of sharing and of counting tails close
+            self.viable = tuple(sharing for sharing in self.viable if any(way[0] == sharing for way in agreeing))
+            self.tails_left_out = tuple(out for out in self.tails_left_out if any(way[1] == out for way in agreeing))
+        self.entries = kept[(agreeing or ways)[0]]
 
     def _note_pressure(self, needs: dict[int, int]) -> None:
         """``pressed`` from the first operation that may have found the pool short, counted every way of
@@ -440,14 +454,18 @@ class RefCache:
         """A need of pages per way of sharing still open (the same count where only one is given)."""
         return needed if isinstance(needed, dict) else {sharing: needed for sharing in self.viable}
 
-    def _kept_after_evicting(self, needed: int, sharing: int) -> list:
+    def _kept_after_evicting(self, needed: int, sharing: int, fewest: bool = False) -> list:
         """The entries left once the least recently used of those keeping a page no context lists are
         evicted, oldest first, until ``needed`` more pages fit or none is left; pages named as
-        ``sharing`` names them."""
-        entries, limit = list(self.entries), self.config.pool_limit
-        held = {label[sharing] for ctx in self.contexts for label in ctx.labels}
-        while _pages(self.contexts + [entry[1] for entry in entries], itemgetter(sharing)) + needed > limit:
-            keeps = [entry for entry in entries if any(label[sharing] not in held for label in entry[1].labels)]
+        ``sharing`` names them (``fewest``: an entry keeps only the pages up to its last whole block,
+        under ``match="block"``, ``_listed``). Counted so, an operation needing no page evicts nothing,
+        however full the pool (``evict`` may have gone past it)."""
+        entries, limit, named = list(self.entries), self.config.pool_limit, itemgetter(sharing)
+        held = {named(label) for ctx in self.contexts for label in ctx.labels}
+        while needed and _distinct(self._listed(self.contexts + [e[1] for e in entries], fewest), named) + needed > limit:
+            listed = self._listed([entry[1] for entry in entries], fewest)
+            keeps = [entry for entry, labels in zip(entries, listed)
+                     if any(named(label) not in held for label in labels)]
             if not keeps:
                 break
             entries.remove(min(keeps, key=lambda entry: entry[2]))

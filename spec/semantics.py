@@ -16,7 +16,10 @@ per configuration (``Config``), and the reference and the engine implement all o
   last whole block, however many tokens past it each shares (the block is the unit a block cache
   knows; vLLM keys its cached blocks by the hash of whole blocks). Since no hit reaches past an
   entry's last whole block, under ``block`` the pages past it are the engine's to keep or not
-  (vLLM caches full blocks only): a refusing pool's room is judged between the two counts.
+  (vLLM caches full blocks only): a refusing pool's room is judged between the two counts, and a
+  pool that evicts may evict as either count does (uncounted, an entry holding only such pages
+  keeps no page, and a write into a page only such pages share needs none), the same count for
+  the whole run; the reference keeps the entries the engine kept, as seen through its tree tier.
 
 ``max_entries`` and ``max_pages`` -- the tree's bounds. After a ``retain`` the least recently
   used entries (never the one just retained) are evicted until both hold, or until only the new

@@ -273,8 +273,10 @@ class Lockstep:
         return not (reclaims(self.config.on_full) and self.reference.pressed)
 
     def _evictions_may_differ(self) -> bool:
-        """Whether ways of sharing may evict differently here: values="prefix" with a pool that evicts."""
-        return self.config.values == "prefix" and evicts_for_room(self.config.on_full) and bool(self.config.pool_limit)
+        """Whether ways of counting pages may evict differently here: a pool that evicts, under values="prefix"
+        (ways of sharing) or match="block" (an entry's pages past its last whole block kept or not)."""
+        return ((self.config.values == "prefix" or self.config.match == "block")
+                and evicts_for_room(self.config.on_full) and bool(self.config.pool_limit))
 
     def _kept_by_the_engine(self, op: O.Op) -> Callable[[], set | None] | None:
         """What reads the keys of the engine's entries after ``op`` (its tree tier; None without it), where
@@ -548,12 +550,17 @@ class Lockstep:
 
     def _prefix_eviction_note(self) -> str:
         """Where a black-box report of the entries a backend keeps can be a known false rejection, the note
-        that says so: an evicting pool under ``values="prefix"``, whose evictions the reference follows
-        only through the tree tier (``_kept_by_the_engine``; README, Full pools under values="prefix")."""
+        that says so: an evicting pool under ``values="prefix"`` or ``match="block"``, whose evictions the
+        reference follows only through the tree tier (``_kept_by_the_engine``; README, Full pools under
+        values="prefix")."""
         if not self._evictions_may_differ():
             return ""
-        return (". Under values='prefix' a backend whose retain shares the tree's pages may evict less than the "
-                "reference counts, which follows its evictions only through the tree tier (observe().entries): "
+        who = " or".join(([" a backend whose retain shares the tree's pages (values='prefix')"]
+                          if self.config.values == "prefix" else []) +
+                         ([" a backend keeping no entry's pages past its last whole block (match='block')"]
+                          if self.config.match == "block" else []))
+        return (f". Here{who} may evict less than the reference counts, or other entries; the "
+                "reference follows its evictions only through the tree tier (observe().entries): "
                 "without it this can be a false rejection (README: Full pools under values='prefix')")
 
     def _probe_entries(self, order: list | None = None) -> None:
