@@ -32,8 +32,8 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
 
     All or nothing for bad input: every row is validated (ids, shape, dtype, finite and
     representable values; distinct open contexts of one cache, none in use) before any
-    context, page or counter changes. A failure after that (memory ran out) truncates the
-    rows already grown back to their lengths before the error propagates.
+    context, page or counter changes. A failure after that (memory ran out, a store error, an
+    interrupt) truncates every row back to its length before the error propagates.
     """
     contexts = list(contexts)
     if not contexts:
@@ -66,27 +66,31 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
         encoded = cache.store.encode(flat)      # one validation and encoding for every row
         starts = [ctx._length for ctx in contexts]
         try:
-            with cache.lock:
-                _make_pages(cache, contexts, starts, n)
-            _write_rows(cache, contexts, starts, ids, encoded, n)
+            # As in ``Context.extend``: from the first page taken to the last row's new length, one
+            # protected region. A failure anywhere in it (the pool refused, the store failed, an
+            # interrupt, even one while the lengths are set) truncates every row back to its start:
+            # no row is left listing pages past its length (invariant 2), none half written.
+            try:
+                with cache.lock:
+                    _make_pages(cache, contexts, starts, n)
+                _write_rows(contexts, starts, ids, encoded, n)
+                with cache.lock:
+                    for ctx, start in zip(contexts, starts):
+                        ctx._holding = ctx._holding.with_length(start + n)
+            except BaseException:
+                with cache.lock:
+                    for ctx, start in zip(contexts, starts):
+                        ctx._keep_first(start)
+                raise
         finally:
             recycle(cache.store, encoded)
-        with cache.lock:
-            for ctx, start in zip(contexts, starts):
-                ctx._holding = ctx._holding.with_length(start + n)
 
 
-def _write_rows(cache, contexts: list[Context], starts: list[int], ids: list, encoded, n: int) -> None:
-    """Each row's bytes into its pages, outside the lock; a failure truncates every row back."""
-    try:
-        for row, ctx in enumerate(contexts):
-            part = tuple(p[:, :, row * n:(row + 1) * n] for p in encoded)
-            ctx._write(starts[row], starts[row] + n, ids[row], part)
-    except BaseException:
-        with cache.lock:
-            for ctx, start in zip(contexts, starts):
-                ctx._keep_first(start)
-        raise
+def _write_rows(contexts: list[Context], starts: list[int], ids: list, encoded, n: int) -> None:
+    """Each row's bytes into its pages, outside the lock (the caller truncates every row back on a failure)."""
+    for row, ctx in enumerate(contexts):
+        part = tuple(p[:, :, row * n:(row + 1) * n] for p in encoded)
+        ctx._write(starts[row], starts[row] + n, ids[row], part)
 
 
 def _rows(values, rows: int, what: str) -> list:
@@ -101,15 +105,8 @@ def _make_pages(cache, contexts: list[Context], starts: list[int], n: int) -> No
     """Each context's pages for ``[start, start + n)``, private: ``extend``'s critical section, once
     for the batch (the pool policy asked once for every row's pages)."""
     cache.pool.make_room(_pages_needed(contexts, starts, n))
-    grown: list[tuple[Context, int]] = []
-    try:
-        for ctx, start in zip(contexts, starts):
-            grown.append((ctx, start))
-            ctx._grow(start, start + n)
-    except BaseException:
-        for ctx, start in grown:
-            ctx._keep_first(start)
-        raise
+    for ctx, start in zip(contexts, starts):      # a failure part way: the caller truncates every row back
+        ctx._grow(start, start + n)
 
 
 def _pages_needed(contexts: list[Context], starts: list[int], n: int) -> int:

@@ -27,7 +27,7 @@ from kvstate.spec.layout import check_tokens, check_values
 from kvstate.spec.positions import as_position, not_a_position
 
 from .holding import Holding
-from .pages import Page, joined_slots
+from .pages import Page, PageAccountingError, joined_slots
 from .query import packed_ids
 from .snapshot import write_snapshot
 from .store import recycle
@@ -219,17 +219,36 @@ class Context:
                 raise PositionError(f"page index {index!r} is outside context {self.context_id}'s "
                                     f"{len(self._pages)} pages")
             index, page = at, self._pages[at]
-            if page.refcount == 1:
+            refs = page.refcount
+            if refs == 1:
                 return page
+            pool = self._cache.pool
             if not use:     # a direct call: no operation around it has made room for its copy
-                self._cache.pool.make_room(1)
-            private = self._cache.pool.clone(page)
-            self._cache.pool.release(page)
-            holding = self._holding
-            pages = (*holding.pages[:index], private, *holding.pages[index + 1:])
-            slots = np.array(holding.slots, np.intp)     # a copy: a fork may hold the old one
-            slots[index] = private.ref
-            self._holding = holding.replaced(pages, slots, keep_base=index >= len(holding.base))
+                pool.make_room(1)
+            private = pool.clone(page)
+            # The new holding is built whole before anything else changes, and this context's count
+            # on ``page`` goes in the same step as it stops listing ``page``: an exception here
+            # (memory ran out building the lists, or an interrupt: Ctrl-C, a run's deadline, which
+            # CPython delivers at a Python call's entry or after a C call returns) gives the copy
+            # back and leaves the context as it was, holding ``page`` counted.
+            try:
+                holding = self._holding
+                pages = (*holding.pages[:index], private, *holding.pages[index + 1:])
+                slots = np.array(holding.slots, np.intp)     # a copy: a fork may hold the old one
+                slots[index] = private.ref
+                replaced = holding.replaced(pages, slots, keep_base=index >= len(holding.base))
+                counts = pool.books.counts      # read after ``clone``, which may have grown (replaced) the array
+                if refs < 2 or counts[page.ref] != refs:
+                    raise PageAccountingError(f"page {page.page_id} of context {self.context_id} is counted "
+                                              f"{counts[page.ref]} times, not {refs}, while it is copied")
+                # ``pool.release(page)``, spelled out: the count is at least 2, so it frees nothing.
+                # Nothing between the decrement and the assignment below calls a Python function or a
+                # C function through a call, so no interrupt lands between them.
+                counts[page.ref] = refs - 1
+            except BaseException:
+                pool.release(private)
+                raise
+            self._holding = replaced
             return private
 
     def extend(self, tokens, kv) -> None:
@@ -239,23 +258,27 @@ class Context:
         with self._owned():
             if len(tokens) == 0:
                 return
-            store = self._cache.store
+            store, lock = self._cache.store, self._cache.lock
             encoded = store.encode(kv)
             try:
                 start, stop = self._length, self._length + len(tokens)
-                with self._cache.lock:
-                    self._cache.pool.make_room(self._pages_to_grow(start, stop))
-                    self._grow(start, stop)
+                # From the first page taken to the new length set, one protected region: a failure
+                # anywhere in it (the pool refused, the store failed, an interrupt, even one after
+                # the length was set) truncates back to ``start``, so no page is left listed past
+                # the length (invariant 2) and nothing is half written.
                 try:
+                    with lock:
+                        self._cache.pool.make_room(self._pages_to_grow(start, stop))
+                        self._grow(start, stop)
                     self._write(start, stop, tokens, encoded)
+                    with lock:
+                        self._holding = self._holding.with_length(stop)
                 except BaseException:       # the store failed, or an interrupt: the pages made for it go back
-                    with self._cache.lock:
+                    with lock:
                         self._keep_first(start)
                     raise
             finally:
                 recycle(store, encoded)      # the pages hold copies: nothing reads it after this
-            with self._cache.lock:
-                self._holding = self._holding.with_length(stop)
 
     def _pages_to_grow(self, start: int, stop: int) -> int:
         """Pages an append of ``[start, stop)`` takes from the pool: the new ones, plus a copy of the
@@ -390,10 +413,24 @@ class Context:
         """Keep the first ``n`` positions and release the pages past them (under the cache lock)."""
         holding = self._holding
         keep, _released = truncate_keep(holding.length, n, self.page_tokens)
+        if n == holding.length and keep == len(holding.pages):
+            return      # nothing to cut (an extend refused before it took a page): the holding stays itself
+        # The holding that keeps them is built first: once the release below starts, a page past
+        # ``keep`` may be freed, so from then on the context must not list it, whatever is raised
+        # (an interrupt, a store error freeing it). Built, it is assigned in a ``finally`` (as
+        # ``Cache._release`` does): an exception before the release changes nothing. Left open: an
+        # interrupt at the very entry of ``release_slots``, before it counts anything down, leaves
+        # those pages counted for a holder that no longer lists them (kept live, never freed while
+        # listed); telling that apart needs ``release_slots`` to say how far it got.
+        kept = holding.replaced(holding.pages[:keep], holding.slots[:keep],
+                                keep_base=len(holding.base) <= keep).with_length(n)
         if keep < len(holding.pages):       # one step for all of them, as a close releases its pages
-            self._cache.pool.release_slots(holding.pages[keep:], holding.slots[keep:])
-        kept = holding.replaced(holding.pages[:keep], holding.slots[:keep], keep_base=len(holding.base) <= keep)
-        self._holding = kept.with_length(n)
+            try:
+                self._cache.pool.release_slots(holding.pages[keep:], holding.slots[keep:])
+            finally:
+                self._holding = kept
+        else:
+            self._holding = kept
 
     def snapshot(self, target, deadline_s: float | None = None, producer: bytes | None = None) -> None:
         """Write tokens and values, in the cache's own precision, to a path or URL (atomically) or binary stream.
