@@ -328,9 +328,56 @@ class Context:
                     self._cache.pool.make_room(sum(self._pages[index].refcount > 1 for index in touched))
                     for index in touched:
                         self.writable(index)
-                self._write(start, stop, tokens, encoded)
+                # ``_write`` puts every token id of the span in first, then the values page by page: a
+                # failure part way (a store error, an interrupt) left new ids over old values, or a
+                # page half written (q8's codes without their scales). So the span's ids, values
+                # (exactly) and key are kept first, and put back whole on any exception.
+                saved = self._saved_span(start, stop)
+                try:
+                    self._write(start, stop, tokens, encoded)
+                except BaseException:
+                    self._restore_span(start, stop, saved)
+                    raise
             finally:
                 recycle(store, encoded)
+
+    def _saved_span(self, start: int, stop: int) -> tuple:
+        """What ``_restore_span`` puts back of positions ``[start, stop)`` (whose pages are already
+        private): the key, the token ids, and the values, exactly. At f32 and f16 the values as
+        ``read`` decodes them, in one call for every page (``read_spans``: at one-token pages a
+        call a page made a 512-position overwrite four times slower), which encode back to the very bytes stored;
+        at any other precision (q8: a decoded value does not re-quantise to its codes and scale)
+        the stored form itself, ``read_encoded`` a page at a time."""
+        holding, page_tokens, store = self._holding, self.page_tokens, self._cache.store
+        first, end = pages_touched(start, stop, page_tokens)
+        skip = first * page_tokens
+        ids = self._cache.pool.table.gather(holding.slots[first:end])[start - skip:stop - skip]
+        pages = holding.pages
+        spans = [(pages[index].buffer, lo, hi) for index, lo, hi in _page_spans(start, stop, page_tokens)]
+        if self._cache.precision in ("f32", "f16"):
+            read_spans = getattr(store, "read_spans", None)
+            values = (read_spans(spans) if read_spans is not None
+                      else store.concat([store.read(*span) for span in spans]))     # fresh arrays: copies
+            return holding.key, ids, values, False
+        parts = [store.read_encoded(*span) for span in spans]
+        values = tuple(np.concatenate([part[i] for part in parts]) for i in range(len(parts[0])))   # copies
+        return holding.key, ids, values, True
+
+    def _restore_span(self, start: int, stop: int, saved: tuple) -> None:
+        """Put back what ``_saved_span`` kept of ``[start, stop)``: the bytes, then the ids and the key."""
+        key, ids, values, stored_form = saved
+        store, pages = self._cache.store, self._holding.pages
+        if stored_form:
+            _store_values(store, pages, start, stop, self.page_tokens, store.from_encoded(values))
+        else:
+            encoded = store.encode(values)
+            try:
+                _store_values(store, pages, start, stop, self.page_tokens, encoded)
+            finally:
+                recycle(store, encoded)
+        with self._cache.lock:
+            self._cache.pool.table.write(self._holding.slots, start, ids)
+            self._holding = self._holding.with_key(key)
 
     def _write(self, start: int, stop: int, tokens: np.ndarray, encoded) -> None:
         """Store positions ``[start, stop)`` into pages that are already private.
@@ -349,14 +396,7 @@ class Context:
             table.raise_filled(held.slots, start, stop)
             table.write(held.slots, start, ids)
         self._holding = held.with_key(None)        # unknown while the pages are half written
-        store = self._cache.store
-        write_whole = getattr(store, "write_whole", None)
-        whole = _whole_pages(start, stop, page_tokens) if write_whole is not None else range(0)
-        for index, lo, hi in _page_spans(start, stop, page_tokens, skip=whole):
-            row = index * page_tokens + lo - start
-            store.write(pages[index].buffer, lo, encoded, row, row + hi - lo)
-        if whole:       # the pages between, covered whole: one store call
-            write_whole([page.buffer for page in pages[whole.start:whole.stop]], encoded, whole.start * page_tokens - start)
+        _store_values(self._cache.store, pages, start, stop, page_tokens, encoded)
         # The key last, after the page-by-page loop: the cast it runs is the one the caller's next
         # lookup runs (``packed_ids``), and at one-token pages the loop would evict it again.
         key, packed = held.key, packed_ids(tokens[:stop - start])
@@ -487,6 +527,19 @@ class _Ownership:
         ctx = self.ctx
         if ctx._use != CLOSED:      # still held: nothing closes a context another operation holds
             ctx._use = FREE
+
+
+def _store_values(store, pages: tuple, start: int, stop: int, page_tokens: int, encoded) -> None:
+    """Rows ``[0, stop - start)`` of ``encoded`` into positions ``[start, stop)`` of ``pages`` (a
+    holding's whole list): a store call for the first and the last page, one for those between
+    where the store writes whole pages (``write_whole``), else one a page."""
+    write_whole = getattr(store, "write_whole", None)
+    whole = _whole_pages(start, stop, page_tokens) if write_whole is not None else range(0)
+    for index, lo, hi in _page_spans(start, stop, page_tokens, skip=whole):
+        row = index * page_tokens + lo - start
+        store.write(pages[index].buffer, lo, encoded, row, row + hi - lo)
+    if whole:       # the pages between, covered whole: one store call
+        write_whole([page.buffer for page in pages[whole.start:whole.stop]], encoded, whole.start * page_tokens - start)
 
 
 def _page_spans(start: int, stop: int, page_tokens: int, skip: range = range(0)) -> Iterator[tuple[int, int, int]]:

@@ -220,6 +220,63 @@ def test_truncate_whose_store_fails_freeing_lists_no_freed_page():
     closed_empty(cache)
 
 
+# -- 3. overwrite: new token ids over old values after a failure part way -----------------------------
+
+@pytest.mark.parametrize("store,precision", [("numpy", "f32"), ("numpy", "f16"), ("numpy", "q8"),
+                                             ("torch", "f32"), ("torch", "f16"), ("torch", "q8")])
+@pytest.mark.parametrize("shared", [False, True])
+def test_overwrite_whose_store_fails_on_a_later_page_changes_nothing(store, precision, shared):
+    """Restored exactly at every precision: f32 and f16 through their decoded values, q8 through its
+    stored form (codes and scales)."""
+    if store == "torch":
+        pytest.importorskip("torch")
+    cache = Cache(LAYOUT, page_tokens=2, precision=precision, store=store)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3, 4, 5, 6], OLD)
+    before = np.asarray(ctx.read()[0])      # OLD as the precision stores it
+    if shared:
+        cache.retain(ctx)
+    undo = store_fails(cache, "write", nth=2)       # page 0 (position 1) written, page 1 (2-3) fails
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ctx.overwrite(1, [7, 8, 9], NEW[:3])
+    finally:
+        undo()
+    consistent(cache)
+    assert reads(ctx, [1, 2, 3, 4, 5, 6], before)   # was: tokens [1, 7, 8, 9, 5, 6] over old values at 2-3
+    cache.retain(ctx)                   # keyed by the ids it reads: they must be the old ones
+    hit, n = cache.match([1, 2, 3, 4, 5, 6])
+    assert n == 6 and reads(hit, [1, 2, 3, 4, 5, 6], before)
+    stale, n = cache.match([1, 7, 8, 9])      # was: a hit of 4 serving old values under the new ids
+    assert n <= 1
+    ctx.overwrite(1, [7, 8, 9], NEW[:3])
+    assert ctx.read()[1].tolist() == [1, 7, 8, 9, 5, 6]
+    closed_empty(cache)
+
+
+@pytest.mark.parametrize("precision", ["f32", "q8"])
+@pytest.mark.parametrize("method,nth", [("write", 1), ("write", 2), ("write_whole", 1)])
+def test_overwrite_failing_at_each_store_call_changes_nothing(precision, method, nth):
+    """Positions 1-8 at two a page: the first page in part (``write`` 1), the last in part
+    (``write`` 2), the three between whole (``write_whole``, after both)."""
+    cache = Cache(LAYOUT, page_tokens=2, precision=precision)
+    ctx = cache.allocate()
+    old, new = values(12, 5), values(8, 6)
+    ctx.extend(list(range(1, 13)), old)
+    before = np.asarray(ctx.read()[0])
+    undo = store_fails(cache, method, nth=nth)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ctx.overwrite(1, list(range(101, 109)), new)
+    finally:
+        undo()
+    consistent(cache)
+    assert reads(ctx, list(range(1, 13)), before)
+    ctx.overwrite(1, list(range(101, 109)), new)
+    assert ctx.read()[1].tolist() == [1, *range(101, 109), 10, 11, 12]
+    closed_empty(cache)
+
+
 # -- 6. extend, extend_rows: pages listed past the length after a failure past the write -------------
 
 def test_extend_interrupted_in_recycle_lists_no_page_past_its_length():
