@@ -219,12 +219,13 @@ class Context:
                 raise PositionError(f"page index {index!r} is outside context {self.context_id}'s "
                                     f"{len(self._pages)} pages")
             index, page = at, self._pages[at]
-            refs = page.refcount
-            if refs == 1:
+            if page.refcount == 1:
                 return page
             pool = self._cache.pool
             if not use:     # a direct call: no operation around it has made room for its copy
                 pool.make_room(1)
+                if page.refcount == 1:      # the room was made by evicting its other holders
+                    return page
             private = pool.clone(page)
             # The new holding is built whole before anything else changes, and this context's count
             # on ``page`` goes in the same step as it stops listing ``page``: an exception here
@@ -238,9 +239,10 @@ class Context:
                 slots[index] = private.ref
                 replaced = holding.replaced(pages, slots, keep_base=index >= len(holding.base))
                 counts = pool.books.counts      # read after ``clone``, which may have grown (replaced) the array
-                if refs < 2 or counts[page.ref] != refs:
+                refs = counts[page.ref]
+                if refs < 2:
                     raise PageAccountingError(f"page {page.page_id} of context {self.context_id} is counted "
-                                              f"{counts[page.ref]} times, not {refs}, while it is copied")
+                                              f"{refs} times while it is copied as shared")
                 # ``pool.release(page)``, spelled out: the count is at least 2, so it frees nothing.
                 # Nothing between the decrement and the assignment below calls a Python function or a
                 # C function through a call, so no interrupt lands between them.
