@@ -24,7 +24,8 @@ produced them, so give each model its own ``url_prefix``, and name the model
 another, as a damaged one (a shorter prefix may serve; counted and warned), so a
 prefix shared by mistake is loud instead of serving another model's values (``put``
 leaves such an object where it is: another model's, not damage, and the other model's
-own ``get`` still serves it).
+own ``get`` still serves it; so does a store naming none, which does not replace a
+named object with its own).
 An object naming none (written without one) is restored, as ``Cache.restore`` does.
 
 The index is the key scheme itself; nothing is listed. A lookup cannot ask the
@@ -208,8 +209,7 @@ class SnapshotStore:
                 raise
             except SnapshotReadError as error:       # the lookup before the write: a put's failure is a write's
                 raise SnapshotWriteError(f"put: {error}") from error
-            if stored == self._header_size() + fmt.body_size(cache.layout, cache.precision, n) \
-                    and self._keeps(url, cache, tokens[:n], deadline):
+            if stored in self._sizes_kept(cache, n) and self._keeps(url, cache, tokens[:n], deadline):
                 continue        # there already, intact (or another model's)
             with ctx.fork() as part:
                 part.truncate(n)
@@ -243,6 +243,18 @@ class SnapshotStore:
         except SnapshotError:
             return False         # damaged: written again
         return True
+
+    def _sizes_kept(self, cache: Cache, n: int) -> set[int]:
+        """The sizes of an object at an ``n``-position key that ``put`` reads (``_keeps``) rather than
+        replaces: the size it writes, and, for a store naming no producer, that of an object naming
+        one: some model's, whose store checks what it serves. Counted cut short, it was replaced by
+        an unnamed object, which that model's own ``get`` then served as its own (an unnamed object
+        is restored): another model's values, silently."""
+        body = fmt.body_size(cache.layout, cache.precision, n)
+        sizes = {self._header_size() + body}
+        if self.producer is None:
+            sizes.add(fmt.header_size(fmt.PRODUCER_VERSION) + body)
+        return sizes
 
     def _header_size(self) -> int:
         """Bytes of the header ``put`` writes: version 3's where it names a producer."""

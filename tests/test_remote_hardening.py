@@ -466,6 +466,31 @@ def test_a_store_naming_its_model_refuses_another_models_objects_loudly():
         SnapshotStore(prefix, producer=b"short")
 
 
+def test_a_store_naming_no_model_leaves_a_named_models_objects_where_they_are():
+    """From a review: a store naming no producer counted a named object (a header 16 bytes longer) as cut
+    short and replaced it with its own, unnamed; the named model's ``get`` then restored that object (an
+    unnamed one is restored) and served another model's values as its own, without a word."""
+    from kvstate.remote import SnapshotStore
+    prefix = f"memory://kvstate-test/{uuid.uuid4().hex}"
+    named, unnamed = SnapshotStore(prefix, stride=8, producer=b"A" * 16), SnapshotStore(prefix, stride=8)
+    cache = Cache(SMALL, page_tokens=4)
+
+    def context(value: float):
+        ctx = cache.allocate()
+        ctx.extend(list(range(16)), np.full((16, *SMALL.position_shape), value, np.float32))
+        return ctx
+    with context(1.0) as ours, context(3.0) as theirs:
+        assert named.put(ours) == [16]
+        assert unnamed.put(theirs) == []            # a named model's object: left, as a named store leaves it
+        assert unnamed.put(theirs) == []
+    got, n = named.get(cache, list(range(16)))
+    with got:
+        assert n == 16 and np.all(got.read()[0] == 1.0)     # still its own values
+    got, n = unnamed.get(cache, list(range(16)))          # an unnamed store restores any intact object, as before
+    with got:
+        assert n == 16
+
+
 def test_second_tier_is_checked_at_construction():
     from kvstate.spec.errors import ConfigError
     with pytest.raises(ConfigError, match="SnapshotStore"):
