@@ -101,15 +101,18 @@ def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -
 def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
     """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here
     (running out of memory while allocating leaves no page behind: ``PagePool.new_pages``); an
-    interrupt while the values are copied closes the context, which no caller holds yet."""
-    with cache.lock:
-        ctx = cache._new_pages_context(pages_needed(n, cache.page_tokens))
+    interrupt while the values are copied closes the context, which no caller holds yet, as does
+    one landing as the context is made (the ``try`` holds the making too)."""
+    ctx = None
     try:
+        with cache.lock:
+            ctx = cache._new_pages_context(pages_needed(n, cache.page_tokens))
         if n:
             ctx._write(0, n, tokens, encoded)
         with cache.lock:
             ctx._holding = ctx._holding.with_length(n)
     except BaseException:
-        ctx.close()
+        if ctx is not None:
+            ctx.close()
         raise
     return ctx

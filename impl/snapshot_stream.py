@@ -68,19 +68,22 @@ def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) 
     """Pages made of ``prepared``'s filled arrays (``store.adopting``) for ``n`` validated positions,
     as a new context, in one critical section: the full-pool policy is consulted first, as for any
     allocation, and nothing else can be refused. The context holds the pages from the moment they
-    are made: an interrupt while their token ids go in closes it (no caller holds it yet)."""
+    are made: an interrupt while their token ids go in closes it (no caller holds it yet), as does
+    one landing as the store's ``adopting`` ends (the ``try`` holds the making too)."""
     page_tokens = cache.page_tokens
+    ctx = None
     with cache.lock:
-        with cache.store.adopting(prepared):
-            ctx = cache._new_pages_context(pages_needed(n, page_tokens))
         try:
+            with cache.store.adopting(prepared):
+                ctx = cache._new_pages_context(pages_needed(n, page_tokens))
             for index, page in enumerate(ctx._pages):
                 lo, hi = span_in_page(index, 0, n, page_tokens)
                 page.tokens[lo:hi] = tokens[index * page_tokens:index * page_tokens + hi - lo]
                 page.filled = hi
             ctx._holding = ctx._holding.with_length(n)
         except BaseException:
-            ctx.close()
+            if ctx is not None:
+                ctx.close()
             raise
     return ctx
 
