@@ -51,7 +51,10 @@ restore into the same precision is bit-exact and a q8 file is no larger than
 the memory it came from. A restore into another precision decodes to float32 and
 encodes by the target's rule.
 
-Rules a reader follows, in this order, before it allocates anything:
+Rules a reader follows, in this order, before it makes any page of the cache (rules 1-4 before
+it allocates anything; a streamed restore of a file too large to hold twice reads the body into
+arrays it prepares for the pages, sized by the checked header and bounded by ``max_bytes``, and
+checks rule 5 as it reads, so a refused file has had those arrays, never a page):
 1. magic, then version (version 3's header is 64 bytes), then the header's length,
    then ``header_crc``: nothing is sized from an unchecked header;
 2. every header field against its limit: more than MAX_POSITIONS positions is
