@@ -24,7 +24,11 @@ class SlotArena:
             self.counters.heap_pages += 1
             self.counters.heap_fallbacks += self.size > 0
             return None
-        slot = self.free.pop()
+        # Subscripts, not ``list.pop()``: CPython raises a pending interrupt as a call returns, which
+        # after ``pop`` lost the slot (neither free nor out); from here to the return, no call.
+        free = self.free
+        slot = free[-1]
+        del free[-1]
         self.out[slot] = page_id
         self.counters.arena_issued += 1
         return slot
@@ -39,8 +43,8 @@ class SlotArena:
         if slot is None:
             return
         del self.out[slot]
-        self.free.append(slot)
         self.counters.arena_returned += 1
+        self.free.append(slot)      # last: an interrupt as it returns finds the books whole
 
     def books(self) -> tuple[int, dict[int, int], tuple[int, ...]]:
         """(arena size, slot -> page id for issued slots, free slots)."""

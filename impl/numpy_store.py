@@ -228,24 +228,28 @@ class NumpyStore:
 
     def _take(self, page_id: int, zero: bool) -> NumpyBuffer:
         slot = self._arena.issue(page_id)
-        if self._prepared:
-            prepared = self._prepared.pop()
+        try:        # the slot back if filling it fails or is interrupted: else it stayed out for good
+            if self._prepared:
+                prepared = self._prepared.pop()
+                if slot is None:
+                    return NumpyBuffer(prepared, None)
+                arrays = tuple(block[slot] for block in self._blocks)
+                for dst, src in zip(arrays, prepared):     # the arena keeps its slots: one more copy, into them
+                    np.copyto(dst, src)
+                if _RECYCLE and self._spare_room() > 0:
+                    self._spares.append(NumpyBuffer(prepared, SPARE))
+                return NumpyBuffer(arrays, slot)
             if slot is None:
-                return NumpyBuffer(prepared, None)
+                return self._heap_buffer(zero)
             arrays = tuple(block[slot] for block in self._blocks)
-            for dst, src in zip(arrays, prepared):     # the arena keeps its slots: one more copy, into them
-                np.copyto(dst, src)
-            if _RECYCLE and self._spare_room() > 0:
-                self._spares.append(NumpyBuffer(prepared, SPARE))
+            if zero:
+                # A recycled slot still holds the last page's bytes: zero it on issue.
+                for array in arrays:
+                    array.fill(0)
             return NumpyBuffer(arrays, slot)
-        if slot is None:
-            return self._heap_buffer(zero)
-        arrays = tuple(block[slot] for block in self._blocks)
-        if zero:
-            # A recycled slot still holds the last page's bytes: zero it on issue.
-            for array in arrays:
-                array.fill(0)
-        return NumpyBuffer(arrays, slot)
+        except BaseException:
+            self._arena.give_back(slot)
+            raise
 
     def _heap_buffer(self, zero: bool) -> NumpyBuffer:
         """A page outside the arena: a freed page's buffer, where one is kept (``free_all``), else new
@@ -390,10 +394,15 @@ class NumpyStore:
 
     def copy(self, source: NumpyBuffer, page_id: int) -> NumpyBuffer:
         target = self._take(page_id, zero=False)   # every byte is overwritten below
-        for dst, src in zip(target.arrays, source.arrays):
-            np.copyto(dst, src)
-        self.counters.pages_copied += 1
-        self.counters.bytes_copied += self.page_bytes
+        try:        # an interrupt lands as ``copyto`` returns: the slot back, or it stayed out for good
+            for dst, src in zip(target.arrays, source.arrays):
+                np.copyto(dst, src)
+            self.counters.pages_copied += 1
+            self.counters.bytes_copied += self.page_bytes
+        except BaseException:
+            self._arena.give_back(target.slot)
+            target.arrays = ()
+            raise
         return target
 
     # -- values ----------------------------------------------------------------------

@@ -175,9 +175,14 @@ class PagePool:
         self._lowest_free = min(self._lowest_free, slots.start if type(slots) is range else int(slots.min()))
 
     def _register(self, page_id: int, buffer) -> Page:
-        ref = int(self._take_slots(1)[0])
+        slots = self._take_slots(1)
+        try:        # everything made first (calls, where an interrupt lands); the books change after
+            ref = int(slots[0])
+            page = Page(self.books, self.table, page_id, ref, buffer)
+        except BaseException:
+            self._give_back(slots)
+            raise
         self.books._counts[ref] = 1         # a free slot: no pending share names it, so no flush
-        page = Page(self.books, self.table, page_id, ref, buffer)
         self._by_slot[ref] = page
         self.allocated += 1
         return page
@@ -242,8 +247,17 @@ class PagePool:
         """A private copy of ``page``. Only ``Context.writable`` calls this, inside an operation
         that has already made room for its copies (``extend``, ``overwrite``)."""
         page_id = self.allocated + 1
-        private = self._register(page_id, self.store.copy(page.buffer, page_id))
-        self.table.copy_row(page.ref, private.ref)
+        buffer = self.store.copy(page.buffer, page_id)
+        try:        # ``_register`` failing (memory ran out growing the books, an interrupt): the copy freed
+            private = self._register(page_id, buffer)
+        except BaseException:
+            self._free_buffers([buffer])
+            raise
+        try:
+            self.table.copy_row(page.ref, private.ref)
+        except BaseException:       # the copy is live with no holder: released (freed) here or never
+            self.release(private)
+            raise
         return private
 
     def _check_live(self, pages, stretches: list[tuple[int, int, int]]) -> None:

@@ -164,12 +164,16 @@ class TorchStore:
         if slot is None:
             return TorchBuffer(tuple(torch.zeros(s, dtype=d, device=self.device)
                                      for s, d in zip(self._shapes, self._dtypes)), None)
-        tensors = tuple(block[slot] for block in self._blocks)
-        if zero:
-            # A recycled slot still holds the last page's bytes: zero it on issue.
-            for tensor in tensors:
-                tensor.zero_()
-        return TorchBuffer(tensors, slot)
+        try:        # the slot back if zeroing it fails or is interrupted: else it stayed out for good
+            tensors = tuple(block[slot] for block in self._blocks)
+            if zero:
+                # A recycled slot still holds the last page's bytes: zero it on issue.
+                for tensor in tensors:
+                    tensor.zero_()
+            return TorchBuffer(tensors, slot)
+        except BaseException:
+            self._arena.give_back(slot)
+            raise
 
     def allocate(self, page_id: int) -> TorchBuffer:
         return self._take(page_id, zero=True)
@@ -190,10 +194,15 @@ class TorchStore:
 
     def copy(self, source: TorchBuffer, page_id: int) -> TorchBuffer:
         target = self._take(page_id, zero=False)   # every byte is overwritten below
-        for dst, src in zip(target.tensors, source.tensors):
-            dst.copy_(src)
-        self.counters.pages_copied += 1
-        self.counters.bytes_copied += self.page_bytes
+        try:        # a device error or an interrupt: the slot back, or it stayed out for good
+            for dst, src in zip(target.tensors, source.tensors):
+                dst.copy_(src)
+            self.counters.pages_copied += 1
+            self.counters.bytes_copied += self.page_bytes
+        except BaseException:
+            self._arena.give_back(target.slot)
+            target.tensors = ()
+            raise
         return target
 
     # -- values ----------------------------------------------------------------------
