@@ -209,8 +209,8 @@ class Cache:
         that hold them, shared, nothing copied. A partly used last page stays shared until a
         write makes it private through ``writable``. The caller holds the cache lock."""
         held = ctx._holding
-        if length is None or length == held.length:     # all of it: ``Context.fork``'s way, the same holding
-            self.pool.books.share_holding(held)
+        whole = length is None or length == held.length     # ``Context.fork``'s way: the same holding
+        if whole:
             holding = held
         else:
             n = (length + self.page_tokens - 1) // self.page_tokens     # pages_needed, spelled out: the hottest path
@@ -221,11 +221,25 @@ class Cache:
             else:
                 pages, slots = held.pages[:n], held.slots[:n]
                 holding = Holding(pages, slots, length, held.key, pages, slots)
-            self.pool.books.share(holding.slots)    # one pending count on the run (refcounts.Refcounts): hits at one prefix share it
+        # The child first, the count last: ``share``/``share_holding`` change the books in their last
+        # step, with no call after it, so an interrupt (Ctrl-C, a run's deadline) that reaches here
+        # counted nothing, and the child is undone. Counted before the child existed, the count was
+        # one that no holder would ever withdraw: its pages were never freed.
         self._next_context_id += 1
         child = Context(self, self._next_context_id, holding)
         if register:
             self._contexts[child.context_id] = child
+        try:
+            if whole:
+                self.pool.books.share_holding(held)
+            else:
+                self.pool.books.share(holding.slots)    # one pending count on the run (refcounts.Refcounts): hits at one prefix share it
+        except BaseException:
+            if register:
+                del self._contexts[child.context_id]
+            child._holding = RELEASED
+            child._use = CLOSED
+            raise
         return child
 
     def _release(self, ctx: Context) -> None:

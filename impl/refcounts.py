@@ -83,8 +83,9 @@ class Refcounts:
             return
         if len(self.forked) >= self.FLUSH_AT:
             self.flush()
+        key = id(holding)       # the call before the books change: from here, no call (see ``Cache._fork``)
+        self.forked[key] = holding
         holding.forks = 1
-        self.forked[id(holding)] = holding
 
     def withdraw_holding(self, holding) -> bool:
         """Take back one holder of ``holding`` counted on it, if there is one; True if taken.

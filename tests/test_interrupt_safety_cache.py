@@ -108,6 +108,42 @@ def retained(cache: Cache, count: int, length: int = 5) -> None:
         ctx.close()
 
 
+# -- item 6 (remark): Cache._fork records the count before the child exists ---------------------------
+
+@pytest.mark.parametrize("length", [None, 2])       # a whole fork (``share_holding``), a shorter hit (``share``)
+@pytest.mark.parametrize("point", ["child", "count"])
+def test_fork_interrupted_before_the_child_exists_counts_nothing(length, point):
+    cache = Cache(L, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3], vals(3))
+    if point == "child":
+        tracer = interrupt_at_call(context_module.Context.__init__.__code__, caller=("_fork",))
+    else:
+        code = refcounts.Refcounts.share_holding if length is None else refcounts.Refcounts.share
+        tracer = interrupt_at_call(code.__code__, caller=("_fork",))
+    with cache.lock:
+        with tracing(tracer):
+            with pytest.raises(KeyboardInterrupt):
+                cache._fork(ctx, length=length)
+    assert tracer.state["fired"]
+    assert len(cache._contexts) == 1
+    check_structure(cache.observe())
+    ctx.close()
+    assert cache.pool.live_count == 0, "a count no holder withdraws kept the pages"
+    settle(cache)
+
+
+def test_match_interrupted_before_the_hit_exists():
+    cache = Cache(L, page_tokens=2, match="token")
+    retained(cache, 1, length=5)
+    tracer = interrupt_at_call(context_module.Context.__init__.__code__, caller=("_fork",))
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            cache.match([0, 1, 2, 99])
+    assert tracer.state["fired"]
+    settle(cache)
+
+
 # -- item 7: arena slots issued before the page's memory is made, and PagePool.clone ----------------
 
 def _stores():
