@@ -331,8 +331,22 @@ class Cache:
     def clear(self) -> None:
         """Drop every entry of the tree."""
         with self.lock:
-            for entry in self.tree.clear():
-                self._release(entry)
+            entries = self.tree.clear()
+            try:
+                for entry in entries:
+                    self._release(entry)
+            except BaseException:
+                # A store error or an interrupt part way: the entries are in no tree any more, so the
+                # rest are released here or by nobody, ever (their pages leaked). An entry whose
+                # release began is closed (``_release``'s ``finally``); one interrupted as the call
+                # began is not, and is released here too. The first error is the one raised.
+                for entry in entries:
+                    if entry._use != CLOSED:
+                        try:
+                            self._release(entry)
+                        except BaseException:       # noqa: BLE001 - the first error is the one raised
+                            pass
+                raise
 
     # -- snapshots -----------------------------------------------------------------------
 

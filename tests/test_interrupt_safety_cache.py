@@ -108,6 +108,42 @@ def retained(cache: Cache, count: int, length: int = 5) -> None:
         ctx.close()
 
 
+# -- item 4: Cache.clear ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+@pytest.mark.parametrize("arena_pages", [0, 8])
+def test_clear_with_a_store_error_part_way_releases_every_entry(error, arena_pages):
+    cache = Cache(L, page_tokens=4, arena_pages=arena_pages)
+    retained(cache, 3)
+    store, original, calls = cache.store, cache.store.free_all, []
+
+    def free_all(buffers):
+        calls.append(len(buffers))
+        original(buffers)            # the store frees them all, then the error (or an interrupt) lands
+        if len(calls) == 1:
+            raise error("injected")
+
+    store.free_all = free_all
+    try:
+        with pytest.raises(error):
+            cache.clear()
+    finally:
+        del store.free_all
+    assert len(cache.tree) == 0
+    assert cache.pool.live_count == 0, "the entries after the failing one were never released"
+    settle(cache)
+
+
+def test_clear_interrupted_as_the_first_release_begins():
+    cache = Cache(L, page_tokens=2)
+    retained(cache, 3)
+    with tracing(interrupt_at_call(cache_module.Cache._release.__code__, caller=("clear",))):
+        with pytest.raises(KeyboardInterrupt):
+            cache.clear()
+    assert cache.pool.live_count == 0
+    settle(cache)
+
+
 # -- item 6 (remark): Cache._fork records the count before the child exists ---------------------------
 
 @pytest.mark.parametrize("length", [None, 2])       # a whole fork (``share_holding``), a shorter hit (``share``)
