@@ -290,14 +290,49 @@ class Cache:
     def _keep(self, ctx: Context, key: bytes) -> None:
         """``retain``'s change to the tree, under the cache lock: the entry in, evictions past the bounds."""
         entry = self._fork(ctx, register=False)
-        replaced = self.tree.insert(key, entry)
-        if replaced is not None:
-            self._release(replaced)
+        replaced = entry        # until ``insert`` returns (it never returns the value it stores)
+        try:
+            replaced = self.tree.insert(key, entry)
+        finally:
+            if replaced is entry:       # it raised (an interrupt, an error) or declined the entry
+                self._insert_failed(key, entry)
+            elif replaced is not None:
+                try:
+                    self._release(replaced)
+                except BaseException:     # an interrupt as the call began, before ``_release`` did anything
+                    if replaced._use != CLOSED:
+                        self._release(replaced)
+                    raise
         while self.bounds.exceeded(self.tree):
             victim = self.tree.pop_oldest(spare=entry)
             if victim is None:
                 break      # only the entry just retained is left: it stays
-            self._release(victim)
+            try:
+                self._release(victim)
+            except BaseException:     # an interrupt as the call began: the victim is in no tree, so now or never
+                if victim._use != CLOSED:
+                    self._release(victim)
+                raise
+
+    def _insert_failed(self, key: bytes, entry: Context) -> None:
+        """``_keep``'s ``insert`` of ``entry`` (counted by ``_fork``) under ``key`` did not return.
+        Where the entry went in, the one it replaced is released (``RadixTree.put`` left it in
+        ``displaced``); where it did not, the entry is, and a node made for it and left without
+        an entry goes again. Before, an interrupt between the fork and the insert, inside it, or
+        after it, left pages counted for a holder nobody would ever release."""
+        tree = self.tree
+        node, depth = tree._descend(key)
+        at = node if depth == len(key) else None
+        displaced, tree.displaced = tree.displaced, None
+        if at is not None and at.value is entry:
+            if displaced is not None and displaced[0] is at and displaced[1] is not None:
+                self._release(displaced[1])
+            return
+        try:
+            self._release(entry)
+        finally:
+            if at is not None:
+                tree.prune(at)
 
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and

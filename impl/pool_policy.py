@@ -15,6 +15,7 @@ from typing import Callable
 
 from kvstate.spec.errors import CapacityError
 
+from .holding import RELEASED
 from .pages import PagePool
 from .radix import RadixTree
 
@@ -46,7 +47,12 @@ class PoolPolicy:
             victim = self.tree.pop_oldest(where=lambda entry: _keeps_a_page(entry, held))
             if victim is None:
                 return       # nothing left that frees memory: the store falls back
-            self.release_entry(victim)
+            try:
+                self.release_entry(victim)
+            except BaseException:   # an interrupt as the call began: the victim is in no tree, so now or never
+                if victim._holding is not RELEASED:
+                    self.release_entry(victim)
+                raise
             self.evictions += 1
 
 

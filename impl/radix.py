@@ -88,6 +88,7 @@ class RadixTree:
         # removal and clear, so a bound on it (the page budget) costs O(1) per check, not O(entries).
         self.weigh = weigh
         self.weight = 0
+        self.displaced: tuple[Node, Any] | None = None     # see ``put``
 
     def __len__(self) -> int:
         return len(self.recency)
@@ -96,14 +97,42 @@ class RadixTree:
 
     def insert(self, key: bytes, value: Any) -> Any:
         """Store ``value`` under non-empty packed ``key``; returns the value it replaced, or None."""
+        return self.put(self.place(key), value)
+
+    def place(self, key: bytes) -> Node:
+        """The node for non-empty packed ``key``, made (entry-less) if the tree has none; no entry
+        changes. ``put`` stores the entry there; a caller that gives up in between ``prune``s it."""
         node, depth = self._descend(key)
         if depth < len(key):
             node = self._add_below(node, key[depth:])
-        replaced, node.value = node.value, value
-        if self.weigh is not None:
-            self.weight += self.weigh(value) - (0 if replaced is None else self.weigh(replaced))
-        self.stamp(node)
+        return node
+
+    def put(self, node: Node, value: Any) -> Any:
+        """Store ``value`` at ``node`` (from ``place``) and stamp it; returns the value it replaced, or None.
+
+        Interrupt-safe (Ctrl-C, a run's deadline: CPython raises a pending one only at a call or a
+        loop's backward jump): the weights are taken first, then the value and the weight change
+        with no call between them, and ``stamp``, which puts the node in ``recency``, is run again
+        if the interrupt lands as it begins: else the entry was one that ``match`` found and that
+        ``len``, eviction and ``clear`` (all of them iterate ``recency``) never saw. Raising after
+        the value went in, it leaves ``(node, replaced)`` in ``displaced`` for the caller, who
+        gets no return value to release (``Cache._keep``)."""
+        replaced, weigh = node.value, self.weigh
+        change = 0 if weigh is None else weigh(value) - (0 if replaced is None else weigh(replaced))
+        node.value = value          # from here to the weight: no call, nothing can interrupt
+        self.weight += change
+        try:
+            self.stamp(node)
+        except BaseException:       # interrupted as the call began, before the node was in ``recency``
+            self.displaced = (node, replaced)
+            self.stamp(node)        # (where it got further, a second stamp changes only the clock)
+            raise
         return replaced
+
+    def prune(self, node: Node) -> None:
+        """``node`` (from ``place``) left without an entry: the nodes it made that split nothing go again."""
+        if node.value is None and node is not self.root:
+            self._cut_empty(node)
 
     def longest_key(self, query: bytes) -> tuple[Node | None, int]:
         """The entry node whose key is the longest that prefixes packed ``query``, and that key's
@@ -142,15 +171,25 @@ class RadixTree:
 
     def stamp(self, node: Node) -> None:
         """Mark ``node``'s entry as used now (a ``match`` hit, an ``insert``)."""
-        self.clock += 1
-        node.tick = self.clock
-        recency = self.recency
-        recency[node] = None
-        recency.move_to_end(node)
         stamped = node
-        while node is not None:          # the newest stamp of all: the newest of every subtree holding it
-            node.newest = stamped
-            node = node.parent
+        try:
+            self.clock += 1
+            node.tick = self.clock
+            recency = self.recency
+            recency[node] = None
+            recency.move_to_end(node)
+            while node is not None:          # the newest stamp of all: the newest of every subtree holding it
+                node.newest = stamped
+                node = node.parent
+        except BaseException:
+            # An interrupt at the loop's jump left the lower part of the path naming ``stamped`` and the
+            # upper part an older entry, which a later removal of that entry would never re-elect
+            # (``_forget_newest`` stops at the first node not naming the victim): finish the path.
+            node = stamped
+            while node is not None:
+                node.newest = stamped
+                node = node.parent
+            raise
 
     def pop_oldest(self, spare: Any = None, where: Callable[[Any], bool] | None = None) -> Any:
         """Remove the least recently used entry (never the one holding ``spare``; only one whose
@@ -163,26 +202,38 @@ class RadixTree:
         return None
 
     def remove(self, node: Node) -> None:
-        """Drop the entry at ``node``, prune emptied nodes upward and collapse non-splits."""
-        del self.recency[node]
-        if self.weigh is not None:
-            self.weight -= self.weigh(node.value)
+        """Drop the entry at ``node``, prune emptied nodes upward and collapse non-splits.
+
+        Interrupt-safe as ``put``: the weight is taken first, then the entry leaves ``recency``, its
+        node and the weight with no call between (an entry out of ``recency`` but still at its node
+        was one ``match`` found and nothing counted, evicted or cleared); an interrupt in the pruning
+        after that is finished by ``_settle`` before it propagates."""
+        change = 0 if self.weigh is None else self.weigh(node.value)
+        del self.recency[node]      # from here to the weight: no call, nothing can interrupt
         node.value = None
+        self.weight -= change
         victim = node
-        while node is not self.root and node.value is None and not node.children:
-            parent = node.parent
-            del parent.children[node.edge[:TOKEN_BYTES]]
-            node = parent
-        self._forget_newest(node, victim)
-        if node is not self.root and node.value is None and len(node.children) == 1:
-            self._collapse(node)
+        try:
+            while node is not self.root and node.value is None and not node.children:
+                parent = node.parent
+                del parent.children[node.edge[:TOKEN_BYTES]]
+                node = parent
+            self._forget_newest(node, victim)
+            if node is not self.root and node.value is None and len(node.children) == 1:
+                self._collapse(node)
+        except BaseException:
+            self._settle(victim)
+            raise
 
     def clear(self) -> list[Any]:
-        """Drop every entry; returns their values."""
+        """Drop every entry; returns their values. The tree changes in plain assignments after
+        everything is made, so an interrupt leaves it whole or empty with the values returned."""
         values = [node.value for node in self.recency]
-        self.root = Node(b"", None)
-        self.recency.clear()
+        root, recency = Node(b"", None), OrderedDict()
+        self.root = root            # from here to the return: no call, nothing can interrupt
+        self.recency = recency
         self.weight = 0
+        self.displaced = None
         return values
 
     def entries(self) -> Iterator[Node]:
@@ -194,6 +245,24 @@ class RadixTree:
         return _view(self.root, key_of)
 
     # -- helpers named after the tree operation they perform -------------------------
+
+    def _settle(self, victim: Node) -> None:
+        """``remove``'s pruning of ``victim``'s path finished from wherever an interrupt stopped it;
+        each step is skipped where it was done (a node already cut, a collapse already made)."""
+        node = victim
+        while node is not self.root and node.value is None and not node.children:
+            parent = node.parent
+            if parent.children.get(node.edge[:TOKEN_BYTES]) is node:
+                del parent.children[node.edge[:TOKEN_BYTES]]
+            node = parent
+        above = node
+        while above is not None:        # no early stop: the lower part may be re-elected already
+            if above.newest is victim:
+                self._forget_newest(above, victim)
+            above = above.parent
+        if (node is not self.root and node.value is None and len(node.children) == 1
+                and node.parent.children.get(node.edge[:TOKEN_BYTES]) is node):
+            self._collapse(node)
 
     def _forget_newest(self, node: Node | None, victim: Node) -> None:
         """``victim``'s entry is gone: re-elect the newest entry of ``node`` and its ancestors
@@ -235,6 +304,16 @@ class RadixTree:
             depth += len(child.edge)
             node = child
         return node, depth
+
+    def _cut_empty(self, node: Node) -> None:
+        """Prune entry-less, childless ``node`` and its entry-less ancestors that keep no child, then
+        collapse a non-split left above (``remove``'s pruning, for a node that never held an entry)."""
+        while node is not self.root and node.value is None and not node.children:
+            parent = node.parent
+            del parent.children[node.edge[:TOKEN_BYTES]]
+            node = parent
+        if node is not self.root and node.value is None and len(node.children) == 1:
+            self._collapse(node)
 
     def _add_below(self, node: Node, rest: bytes) -> Node:
         """A node for packed ``rest`` under ``node``, splitting the edge that shares its start."""

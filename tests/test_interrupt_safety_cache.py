@@ -144,6 +144,197 @@ def test_clear_interrupted_as_the_first_release_begins():
     settle(cache)
 
 
+# -- item 5: RadixTree.insert and Cache._keep -----------------------------------------------------
+
+def _stamp_from_the_tree():
+    # the stamp of an insert (``insert`` before the fix, ``put`` after), not ``match``'s
+    return interrupt_at_call(radix.RadixTree.stamp.__code__, caller=("insert", "put"))
+
+
+@pytest.mark.parametrize("match", ["entry", "token"])
+def test_retain_interrupted_at_the_stamp_leaves_no_hidden_entry(match):
+    cache = Cache(L, page_tokens=2, match=match)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3], vals(3))
+    with tracing(_stamp_from_the_tree()):
+        with pytest.raises(KeyboardInterrupt):
+            cache.retain(ctx)
+    # the entry is either in, counted and evictable, or not at all
+    nodes = list(cache.tree.entries())
+    assert len(cache.tree) == len(nodes) == len(cache.observe().entries)
+    assert cache.tree.weight == cache.bounds.recount(cache.tree)
+    if nodes:
+        hit, matched = cache.match([1, 2, 3, 4])
+        assert matched == 3
+        for got, want in zip(hit.read(), ctx.read()):     # values, tokens
+            np.testing.assert_array_equal(got, want)
+        hit.close()
+    ctx.close()
+    settle(cache)
+
+
+def test_retain_replacing_an_entry_interrupted_at_the_stamp_releases_the_replaced_one():
+    cache = Cache(L, page_tokens=2)
+    first, second = cache.allocate(), cache.allocate()
+    first.extend([1, 2, 3], vals(3, 1))
+    second.extend([1, 2, 3], vals(3, 2))
+    cache.retain(first)
+    first.close()
+    with tracing(_stamp_from_the_tree()):
+        with pytest.raises(KeyboardInterrupt):
+            cache.retain(second)
+    second.close()
+    assert len(cache.tree) == 1
+    check_structure(cache.observe())
+    assert cache.pool.live_count == 2, "the replaced entry's pages must be freed"
+    settle(cache)
+
+
+def test_retain_interrupted_as_the_replaced_entrys_release_begins():
+    cache = Cache(L, page_tokens=2)
+    first, second = cache.allocate(), cache.allocate()
+    first.extend([1, 2, 3], vals(3, 1))
+    second.extend([1, 2, 3], vals(3, 2))
+    cache.retain(first)
+    first.close()
+    with tracing(interrupt_at_call(cache_module.Cache._release.__code__, caller=("_keep",))):
+        with pytest.raises(KeyboardInterrupt):
+            cache.retain(second)
+    second.close()
+    assert len(cache.tree) == 1
+    assert cache.pool.live_count == 2, "the replaced entry's pages must be freed"
+    settle(cache)
+
+
+def test_retain_interrupted_between_the_fork_and_the_insert():
+    """The entry is counted (``_fork``) and the tree call that would store it is interrupted as it begins."""
+    cache = Cache(L, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3], vals(3))
+    state = {"forked": False, "fired": False}
+
+    def tracer(frame, event, arg):
+        if event != "call" or state["fired"]:
+            return None
+        if frame.f_code is cache_module.Cache._fork.__code__:
+            return lambda frame, event, arg: state.update(forked=True) if event == "return" else None
+        if state["forked"] and frame.f_back.f_code is cache_module.Cache._keep.__code__:
+            state["fired"] = True
+            raise KeyboardInterrupt
+        return None
+
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            cache.retain(ctx)
+    assert state["fired"]
+    ctx.close()
+    assert len(cache.tree) == 0
+    assert cache.pool.live_count == 0, "the uninserted entry's count kept its pages"
+    settle(cache)
+
+
+def test_eviction_interrupted_inside_remove_leaves_no_hidden_entry():
+    """``remove`` weighed the victim after it left the recency order: interrupted there, the entry
+    stayed at its node (``match`` found it) but nothing counted, evicted or cleared it."""
+    cache = Cache(L, page_tokens=2, max_entries=1)
+    retained(cache, 1, length=3)
+    ctx = cache.allocate()
+    ctx.extend([7, 8, 9], vals(3, 7))
+    tracer = interrupt_at_call(tree_bounds.TreeBounds.entry_pages.__code__, caller=("remove",))
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            cache.retain(ctx)
+    assert tracer.state["fired"]
+    ctx.close()
+    found = sum(cache.tree.longest_key(radix.pack(np.array(key)))[0] is not None
+                for key in ([0, 1, 2], [7, 8, 9]))
+    assert found == len(cache.tree), "an entry match finds that the tree does not count"
+    settle(cache)
+
+
+def test_pool_eviction_interrupted_as_the_victims_release_begins():
+    """``on_full="evict"``: the victim left the tree (``pop_oldest``) and the release was interrupted as it began."""
+    cache = Cache(L, page_tokens=2, pool_pages=4, on_full="evict")
+    retained(cache, 1, length=4)
+    ctx = cache.allocate()
+    tracer = interrupt_at_call(cache_module.Cache._release.__code__, caller=("make_room",))
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            ctx.extend(list(range(50, 56)), vals(6, 5))
+    assert tracer.state["fired"]
+    check_structure(cache.observe())
+    assert len(cache.tree) == 0 and cache.pool.live_count == 0, "the evicted entry's pages must be freed"
+    settle(cache)
+
+
+
+def _tree_is_whole(tree: radix.RadixTree) -> None:
+    """Every node's ``newest`` is its subtree's most recently stamped entry; no node without an
+    entry is a leaf or splits nothing; the recency order holds exactly the nodes with an entry."""
+    nodes, pending = [], [tree.root]
+    while pending:
+        node = pending.pop()
+        nodes.append(node)
+        pending.extend(node.children.values())
+    for node in nodes:
+        best, below = None, [node]
+        while below:
+            each = below.pop()
+            if each.value is not None and (best is None or each.tick > best.tick):
+                best = each
+            below.extend(each.children.values())
+        if node is not tree.root:
+            assert node.newest is best, f"node {node.key()} names {node.newest and node.newest.key()}"
+            assert node.value is not None or len(node.children) > 1, f"node {node.key()} splits nothing"
+    assert set(tree.recency) == {node for node in nodes if node.value is not None}
+
+
+@pytest.mark.parametrize("point", ["_forget_newest", "_collapse"])
+def test_remove_interrupted_in_its_pruning_leaves_the_tree_whole(point):
+    """The victim is out (``remove`` raised after its entry left); the tree's newest marks and
+    splits are finished before the interrupt propagates: a mark naming the removed node made a
+    later ``token`` hit fork an entry-less node."""
+    tree = radix.RadixTree()
+    for key in ((0, 1, 2), (0, 1, 3, 4), (0, 1, 3, 5), (0, 1, 3, 5, 6), (7,)):
+        tree.insert(radix.pack(np.array(key)), key)
+    victim = tree.longest_key(radix.pack(np.array((0, 1, 3, 5, 6))))[0] if point == "_forget_newest" else \
+        tree.longest_key(radix.pack(np.array((0, 1, 2))))[0]
+    tracer = interrupt_at_call(getattr(radix.RadixTree, point).__code__, caller=("remove",))
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            tree.remove(victim)
+    assert tracer.state["fired"]
+    assert victim.value is None and len(tree) == 4
+    _tree_is_whole(tree)
+
+
+def test_stamp_interrupted_part_way_up_the_path_finishes_it():
+    tree = radix.RadixTree()
+    for key in ((0,), (0, 1), (0, 1, 2), (0, 1, 2, 3), (9,)):
+        tree.insert(radix.pack(np.array(key)), key)
+    deepest = tree.longest_key(radix.pack(np.array((0, 1, 2, 3))))[0]
+    tree.stamp(tree.longest_key(radix.pack(np.array((0,))))[0])    # the top of the path names (0,) now
+    lines, first = inspect.getsourcelines(radix.RadixTree.stamp)
+    body = first + next(i for i, text in enumerate(lines) if "node.newest = stamped" in text)
+    seen = {"count": 0}
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == body:
+            seen["count"] += 1
+            if seen["count"] == 3:          # two nodes of the path marked, an interrupt at the loop's jump
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame, event, arg):
+        return local if event == "call" and frame.f_code is radix.RadixTree.stamp.__code__ else None
+
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            tree.stamp(deepest)
+    _tree_is_whole(tree)
+    tree.remove(tree.longest_key(radix.pack(np.array((0, 1, 2, 3))))[0])
+    _tree_is_whole(tree)
+
 # -- item 6 (remark): Cache._fork records the count before the child exists ---------------------------
 
 @pytest.mark.parametrize("length", [None, 2])       # a whole fork (``share_holding``), a shorter hit (``share``)
