@@ -56,13 +56,18 @@ class Refcounts:
         self._counts = value
 
     def flush(self) -> None:
+        # Drained in place, each count dropped right after it is added, with no call between (the
+        # add is ``add_holders``' last step): an interrupt (Ctrl-C, a run's deadline) part way leaves
+        # the rest pending for the next flush. Emptying the dicts first lost them: refcounts one
+        # short, pages freed while still held.
         counts, pending, forked = self._counts, self.pending, self.forked
-        self.pending, self.forked = {}, {}
-        for ids, holders in pending.values():
+        for key, (ids, holders) in list(pending.items()):
             add_holders(counts, ids, holders)
-        for holding in forked.values():
+            del pending[key]
+        for key, holding in list(forked.items()):
             add_holders(counts, holding.slots, holding.forks)
             holding.forks = 0
+            del forked[key]
 
     def share(self, ids) -> None:
         """One more holder of every slot of ``ids`` (one holder's list: distinct slots), as one pending count."""

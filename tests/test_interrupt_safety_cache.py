@@ -450,3 +450,21 @@ def test_clone_frees_the_copy_when_registering_it_fails(arena_pages):
     b.close()
     settle(cache)
 
+
+
+def test_flush_interrupted_part_way_keeps_the_rest_pending():
+    """``Refcounts.flush`` emptied its books first, then added the counts: interrupted after the
+    first, the others were lost (refcounts short: pages freed while held)."""
+    cache = Cache(L, page_tokens=1, match="token")
+    retained(cache, 1, length=6)
+    hits = [cache.match(list(range(n)) + [99])[0] for n in (2, 3, 4)]      # three runs, counts pending
+    assert len(cache.pool.books.pending) == 3
+    tracer = interrupt_at_call(refcounts.add_holders.__code__, caller=("flush",), skip=1)
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            cache.pool.books.flush()
+    assert tracer.state["fired"]
+    check_structure(cache.observe())
+    for hit in hits:
+        hit.close()
+    settle(cache)
