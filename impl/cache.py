@@ -304,7 +304,13 @@ class Cache:
                         self._release(replaced)
                     raise
         while self.bounds.exceeded(self.tree):
-            victim = self.tree.pop_oldest(spare=entry)
+            try:
+                victim = self.tree.pop_oldest(spare=entry)
+            except BaseException:     # interrupted after the victim left the tree: released now or never
+                victim, self.tree.evicted = self.tree.evicted, None
+                if victim is not None:
+                    self._release(victim)
+                raise
             if victim is None:
                 break      # only the entry just retained is left: it stays
             try:

@@ -44,7 +44,13 @@ class PoolPolicy:
                                 f"of {self.limit} pages, even with every entry evicted")
         held = self.context_page_ids() if self.on_full in ("evict", "evict-then-refuse") else set()
         while self.on_full in ("evict", "evict-then-refuse") and not self.fits(needed):
-            victim = self.tree.pop_oldest(where=lambda entry: _keeps_a_page(entry, held))
+            try:
+                victim = self.tree.pop_oldest(where=lambda entry: _keeps_a_page(entry, held))
+            except BaseException:     # interrupted after the victim left the tree: released now or never
+                victim, self.tree.evicted = self.tree.evicted, None
+                if victim is not None:
+                    self.release_entry(victim)
+                raise
             if victim is None:
                 return       # nothing left that frees memory: the store falls back
             try:

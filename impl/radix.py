@@ -89,6 +89,7 @@ class RadixTree:
         self.weigh = weigh
         self.weight = 0
         self.displaced: tuple[Node, Any] | None = None     # see ``put``
+        self.evicted: Any = None                           # see ``pop_oldest``
 
     def __len__(self) -> int:
         return len(self.recency)
@@ -193,11 +194,17 @@ class RadixTree:
 
     def pop_oldest(self, spare: Any = None, where: Callable[[Any], bool] | None = None) -> Any:
         """Remove the least recently used entry (never the one holding ``spare``; only one whose
-        value satisfies ``where``, if given) and return its value; None when there is none."""
+        value satisfies ``where``, if given) and return its value; None when there is none.
+        Raising after the entry left the tree, it leaves the value in ``evicted`` for the caller."""
         for node in self.recency:
             if node.value is not spare and (where is None or where(node.value)):
                 value = node.value
-                self.remove(node)
+                try:
+                    self.remove(node)
+                except BaseException:       # an interrupt in the pruning, after the entry left the tree:
+                    if node.value is None:  # the caller gets no value to release, so it is kept for it
+                        self.evicted = value
+                    raise
                 return value
         return None
 
@@ -233,7 +240,7 @@ class RadixTree:
         self.root = root            # from here to the return: no call, nothing can interrupt
         self.recency = recency
         self.weight = 0
-        self.displaced = None
+        self.displaced = self.evicted = None
         return values
 
     def entries(self) -> Iterator[Node]:

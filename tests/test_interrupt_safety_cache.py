@@ -335,6 +335,28 @@ def test_stamp_interrupted_part_way_up_the_path_finishes_it():
     tree.remove(tree.longest_key(radix.pack(np.array((0, 1, 2, 3))))[0])
     _tree_is_whole(tree)
 
+
+@pytest.mark.parametrize("by", ["max_entries", "pool"])
+def test_eviction_interrupted_after_the_victim_left_the_tree_releases_it(by):
+    """``pop_oldest``'s ``remove`` raised after the entry left (an interrupt in its pruning): the
+    caller got no victim to release, so its pages stayed live for good."""
+    if by == "max_entries":
+        cache = Cache(L, page_tokens=2, max_entries=1)
+    else:
+        cache = Cache(L, page_tokens=2, pool_pages=4, on_full="evict")
+    retained(cache, 1, length=4)
+    ctx = cache.allocate()
+    tracer = interrupt_at_call(radix.RadixTree._forget_newest.__code__, caller=("remove",))
+    with tracing(tracer):
+        with pytest.raises(KeyboardInterrupt):
+            ctx.extend(list(range(50, 56)), vals(6, 5))
+            cache.retain(ctx)
+    assert tracer.state["fired"]
+    check_structure(cache.observe())
+    assert len(cache.tree) == (1 if by == "max_entries" else 0)
+    assert cache.pool.live_count == len(ctx._pages), "the evicted entry's pages must be freed"
+    settle(cache)
+
 # -- item 6 (remark): Cache._fork records the count before the child exists ---------------------------
 
 @pytest.mark.parametrize("length", [None, 2])       # a whole fork (``share_holding``), a shorter hit (``share``)
