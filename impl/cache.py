@@ -233,7 +233,8 @@ class Cache:
             if whole:
                 self.pool.books.share_holding(held)
             else:
-                self.pool.books.share(holding.slots)    # one pending count on the run (refcounts.Refcounts): hits at one prefix share it
+                # one pending count on the run (refcounts.Refcounts): hits at one prefix share it
+                self.pool.books.share(holding.slots)
         except BaseException:
             if register:
                 del self._contexts[child.context_id]
