@@ -425,17 +425,18 @@ class Context:
                 self._refuse_use()
             # The child holds this very holding, its count pending on it (``Refcounts.share_holding``,
             # spelled out after the first fork since a flush), and is built slot by slot: a quarter
-            # cheaper than ``__init__``'s call.
+            # cheaper than ``__init__``'s call. Made before the count, and registered after it with
+            # no call between: an interrupt (delivered at a call) counts nothing, or a child held.
+            child = _new_context(Context)
+            child._cache = cache
+            child._use = FREE
             holding = self._holding
             if holding.forks:
                 holding.forks += 1
             else:
                 cache.pool.books.share_holding(holding)
-            child = _new_context(Context)
-            child._cache = cache
-            child.context_id = context_id = cache._next_context_id = cache._next_context_id + 1
             child._holding = holding
-            child._use = FREE
+            child.context_id = context_id = cache._next_context_id = cache._next_context_id + 1
             cache._contexts[context_id] = child
             return child
 

@@ -490,3 +490,27 @@ def test_flush_interrupted_part_way_keeps_the_rest_pending():
     for hit in hits:
         hit.close()
     settle(cache)
+
+
+@pytest.mark.parametrize("forks_before", [0, 1])
+def test_context_fork_interrupted_as_the_child_is_made_counts_nothing(monkeypatch, forks_before):
+    """``Context.fork`` counted its child (``share_holding``, or one more on the holding) before making
+    it: an interrupt as the child's object was made (delivered as that C call returns; stood in for
+    here by the maker raising) left a count no holder would ever withdraw, and the pages live for good."""
+    cache = Cache(L, page_tokens=2)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3], vals(3))
+    kept = [ctx.fork() for _ in range(forks_before)]      # a count already pending: the spelled-out path
+
+    def interrupted(cls):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(context_module, "_new_context", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        ctx.fork()
+    monkeypatch.undo()
+    assert len(cache._contexts) == 1 + forks_before
+    check_structure(cache.observe())
+    for held in (ctx, *kept):
+        held.close()
+    assert cache.pool.live_count == 0, "a count no holder withdraws kept the pages"
+    settle(cache)
