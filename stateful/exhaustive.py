@@ -21,9 +21,19 @@ The scope fixes the declared semantics too (``match``, ``block_tokens``,
 search runs the engine and the reference in lockstep under any of them;
 ``SEMANTICS`` names the small scopes ``kvstate spec-check`` runs by default.
 
-Deduplication is exact for kvstate's own engine with one deliberate
-abstraction: a free arena slot is remembered by which of its positions are
-non-zero, not by its bytes (see ``_engine_memory``). What the declared
+Deduplication is exact for kvstate's own engine: the form holds what the
+observation shows, the counters that are state rather than history (the tree's
+running page count ``max_pages`` is checked against, the entry and context
+counts; ``_gauges``) and what each holder keeps that no observation shows (its
+kept key, its base; ``_holding_form``). The deliberate abstractions, each of a
+part that chooses a code path or holds bytes no path reads back, not a result:
+a free arena slot is remembered by which of its positions are non-zero, not by
+its bytes (``_engine_memory``); a kept key's bytes past the length, which
+refcount-table slot each page is on and whether a holder's slots are a
+``range`` or an array are left out (``_holding_form``); and a reached state is
+resumed from a pickle, which adds pending fork counts to the refcounts and
+drops a store's spare heap pages (the lockstep machine and the scale check
+cover those paths). What the declared
 semantics add to a state is in the form as well: the recency order of the
 entries (both sides), the keys the page budget counts, and the reference's
 page labels (which holder shares which page: what ``on_full`` counts and
@@ -230,7 +240,8 @@ def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
     for tokens, values, engine_ctx, ref_ctx in contexts:
         name = holder_of.get(id(engine_ctx))
         pages = holders.get(name, ()) if name else ()
-        named.append(((tokens, values, lengths.get(name), _local_pattern(pages), _local_pattern(ref_ctx.labels)),
+        named.append(((tokens, values, lengths.get(name), _local_pattern(pages), _local_pattern(ref_ctx.labels),
+                       _holding_form(engine_ctx, intern)),
                       pages, ref_ctx.labels))
     named.sort(key=lambda item: item[0])
     renamed: dict[int, int] = {}
@@ -245,7 +256,9 @@ def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
                      for label in labels)
 
     context_form = tuple((key, rename(pages), relabel(labels)) for key, pages, labels in named)
-    entry_form = tuple((e.key, lengths.get(e.holder), rename(holders.get(e.holder, ())))
+    entry_values = _engine_entries(lockstep.engine)
+    entry_form = tuple((e.key, lengths.get(e.holder), rename(holders.get(e.holder, ())),
+                        _holding_form(entry_values.get(e.holder), intern))
                        for e in obs.entries or ())
     # the reference's entries in recency order: what eviction and a token hit's tie-break read
     reference_entries = tuple(
@@ -258,8 +271,30 @@ def canonical(lockstep: Lockstep, intern: _Interner) -> Hashable:
         sorted((renamed[pid], p.refcount, p.slot, p.dirty_tail, p.cached) for pid, p in pages.items()))
     arena_form = (obs.arena_free, tuple(sorted((s, renamed.get(pid, -1)) for s, pid in obs.arena_out.items())))
     return (context_form, entry_form, reference_entries, lockstep.reference.viable, page_form, arena_form,
-            obs.pages_allocated - obs.pages_freed, obs.tree,
+            obs.pages_allocated - obs.pages_freed, obs.tree, _gauges(obs.counters),
             _engine_memory(lockstep.engine, renamed, intern))
+
+
+# Counters that total what happened so far: each only grows (pages allocated, freed, issued, returned,
+# placed on the heap, copied; bytes copied; entries evicted for room). No operation reads one back,
+# so two states that differ only in them behave alike, and keeping them would make every path its
+# own state (a search with no depth bound would never complete). What they total that is state is
+# in the form already: allocated - freed, and the arena's issued - returned as its books.
+HISTORY_COUNTERS = frozenset({"pages_allocated", "pages_freed", "arena_issued", "arena_returned", "heap_pages",
+                              "heap_fallbacks", "pages_copied", "bytes_copied", "pressure_evictions"})
+
+
+def _gauges(counters: dict) -> tuple:
+    """Every counter but the history totals: the ones a later operation reads or that can go down.
+
+    For kvstate's engine: ``tree_pages`` (the running page count ``max_pages`` is checked against,
+    ``RadixTree.weight``, kept on every insert, removal and clear, never recounted), ``entries`` and
+    ``live_contexts``. A correct engine's gauges follow from the rest of the form, so they add no
+    state; a drifting one (a ``clear`` that leaves the page count) is a state of its own. A foreign
+    engine's counters are kept unless named in ``HISTORY_COUNTERS``: a total it keeps splits
+    states, which can stop a search at its bound, but never merges two that differ."""
+    return tuple(sorted((str(name), value if isinstance(value, Hashable) else repr(value))
+                        for name, value in (counters or {}).items() if name not in HISTORY_COUNTERS))
 
 
 def _local_pattern(pages: tuple[int, ...]) -> tuple[int, ...]:
@@ -273,6 +308,54 @@ def _engine_holders(engine) -> list[tuple[str, Any]]:
     if contexts is None:
         return []
     return [(f"ctx:{cid}", ctx) for cid, ctx in contexts.items()]
+
+
+def _engine_entries(engine) -> dict[str, Any]:
+    """The tree entries' values by holder name (``entry:N``), for kvstate's own engine; else empty."""
+    tree = getattr(engine, "tree", None)
+    try:
+        return {f"entry:{node.value.context_id}": node.value for node in tree.entries()}
+    except Exception:       # noqa: BLE001 - a foreign engine's tree (or none): nothing to read
+        return {}
+
+
+def _holding_form(ctx, intern: _Interner) -> Hashable:
+    """What a kvstate context or entry keeps beside its pages that no observation shows.
+
+    Its kept key (``Holding.key``, which ``retain`` stores in place of the pages' token ids): None
+    when none is kept, else whether its first ``length`` positions are the pages' tokens (and when
+    they are not, which tokens they are). Its base (the prefix of its page list that a fork or hit
+    at exactly that length takes whole): how many pages, and where they are not the first pages of
+    the list (a bug), which pages. Whether its refcount slots, and its base's, name its pages' own
+    slots. An engine without ``_holding`` contributes nothing.
+
+    Two parts are left out on purpose, as the code paths they choose give one result. The key's
+    bytes past the length (a hit or a truncate keeps the longer key): ``_kept_key`` cuts them, and
+    every growth rewrites the key through ``Context._write``, so no path reads them. Whether the
+    slots are a ``range`` or an array: it picks a refcount step's code path, and which one follows
+    from the order pages were freed and taken. Keeping them multiplied the tiny scope's complete
+    state count by 2.3 (the bytes past the length) and 3 (range or array); a bug in only one of
+    those paths is left to the lockstep machine and the scale check.
+    """
+    holding = getattr(ctx, "_holding", None)
+    if holding is None:
+        return ()
+    try:
+        pages, length, key, base = tuple(holding.pages), int(holding.length), holding.key, tuple(holding.base)
+        refs = [int(page.ref) for page in pages]
+        if key is None:
+            key_form = None
+        else:
+            kept = bytes(key[:4 * length])
+            tokens = ctx._tokens() if pages else np.zeros(0, np.int64)
+            key_form = "=" if kept == np.asarray(tokens).astype("<i4").tobytes() else ("stale", intern(kept))
+        prefix = len(base) <= len(pages) and all(a is b for a, b in zip(base, pages))
+        base_form = len(base) if prefix else ("apart", _local_pattern(tuple(map(id, pages + base)))[len(pages):])
+        slots_form = ([int(i) for i in holding.slots] == refs,
+                      [int(i) for i in holding.base_slots] == refs[:len(base)])
+        return key_form, base_form, slots_form
+    except Exception as error:    # noqa: BLE001 - a holding that cannot be read is a state of its own
+        return ("unreadable", type(error).__name__)
 
 
 def _engine_memory(engine, renamed: dict[int, int], intern: _Interner) -> Hashable:

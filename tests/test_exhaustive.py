@@ -318,9 +318,51 @@ SEMANTICS_MINIMAL = {
 }
 
 
-@pytest.mark.parametrize("bug", sorted(SEMANTICS_MINIMAL))
-def test_planted_semantics_bug_is_found_with_a_minimal_trace(bug):
-    plant, scope, minimum = SEMANTICS_MINIMAL[bug]
+def clear_keeps_tree_pages():
+    """``RadixTree.clear`` drops every entry but not the running page count (``weight``) that
+    ``max_pages`` is checked against: after a clear the budget is short by the pages cleared."""
+    original = radix_module.RadixTree.clear
+
+    def clear(self):
+        weight = self.weight
+        values = original(self)
+        self.weight = weight          # the bug: the count is not reset
+        return values
+    return _patched(radix_module.RadixTree, "clear", clear)
+
+
+def partial_overwrite_keeps_key():
+    """A write that does not cover the context from position 0 to its length keeps the context's
+    old kept key (``Holding.key``): a later ``retain`` stores the entry under the old tokens."""
+    original = context_module.Context._write
+
+    def _write(self, start, stop, tokens, encoded):
+        held = self._holding
+        original(self, start, stop, tokens, encoded)
+        if not (start == 0 and stop >= held.length) and held.key is not None:
+            self._holding = self._holding.with_key(held.key)    # the bug: the key is not updated
+    return _patched(context_module.Context, "_write", _write)
+
+
+# bug -> (plant, scope, minimal number of operations, why): bugs in engine state no observation
+# shows, which the canonical form must keep (a form without it merged the buggy state with a clean
+# one found earlier: the search passed the first, or reported a longer trace for the second)
+HIDDEN_STATE_MINIMAL = {
+    # one context, one page per entry, a 2-page budget: allocate, extend (0,), retain (1 page
+    # counted), clear (still counted), retain (2 counted, 1 held), extend (0,), retain: 3 counted
+    # over the budget of 2 evicts (0,), which the reference keeps; no clear of fewer operations
+    # leaves a count that a retain can push over the budget
+    "clear_keeps_tree_pages": (clear_keeps_tree_pages,
+                               semantics_scope("evict", Scope(max_contexts=1, max_positions=2, max_write=1,
+                                                              alphabet=(0,), max_depth=None)), 7),
+    # allocate, extend (0, 0), overwrite position 0 with (1,) (a partial write: the key stays
+    # (0, 0)), retain: the entry is keyed (0, 0) over pages holding (1, 0)
+    "partial_overwrite_keeps_key": (partial_overwrite_keeps_key,
+                                    Scope(max_contexts=1, max_positions=2, max_depth=None), 4),
+}
+
+
+def _found_with_a_minimal_trace(bug, plant, scope, minimum):
     with plant():
         result = explore(numpy_factory, scope, time_limit=120)
     assert result.violation is not None, f"{bug} not found: {result.summary()}"
@@ -335,6 +377,50 @@ def test_planted_semantics_bug_is_found_with_a_minimal_trace(bug):
     if control not in SHORT_SEMANTICS_SCOPES:
         clean = explore(numpy_factory, control)
         assert clean.passed and clean.depth == minimum, clean.summary()
+
+
+@pytest.mark.parametrize("bug", sorted(SEMANTICS_MINIMAL))
+def test_planted_semantics_bug_is_found_with_a_minimal_trace(bug):
+    _found_with_a_minimal_trace(bug, *SEMANTICS_MINIMAL[bug])
+
+
+@pytest.mark.parametrize("bug", sorted(HIDDEN_STATE_MINIMAL))
+def test_planted_hidden_state_bug_is_found_with_a_minimal_trace(bug):
+    """Before the canonical form kept the tree's page count and each holder's kept key, the first
+    passed a complete search of its scope and the second was reported after 5 operations."""
+    _found_with_a_minimal_trace(bug, *HIDDEN_STATE_MINIMAL[bug])
+
+
+def test_canonical_form_sees_the_page_count_and_the_kept_key():
+    """The states the two bugs above reach look, in every observed tier but the counters, like a
+    clean state reached earlier; the form tells them apart, and a correct engine's are merged."""
+    intern = _Interner()
+    config = HIDDEN_STATE_MINIMAL["clear_keeps_tree_pages"][1].config()
+    cleared = [O.Allocate(), O.Extend("c1", (0,), -1), O.Retain("c1"), O.Clear()]
+    assert canonical(_run(config, cleared), intern) == canonical(_run(config, cleared[:2]), intern)
+    with clear_keeps_tree_pages():
+        drifted = _run(config, cleared)
+    assert drifted.engine.observe().counters["tree_pages"] == 1
+    assert canonical(drifted, intern) != canonical(_run(config, cleared[:2]), intern)
+
+    config = Scope().config()
+    written = [O.Allocate(), O.Extend("c1", (0, 0), -1), O.Overwrite("c1", 1, (1,), -1)]
+    extended = [O.Allocate(), O.Extend("c1", (0,), -1), O.Extend("c1", (1,), -1)]
+    assert canonical(_run(config, written), intern) == canonical(_run(config, extended), intern)
+    with partial_overwrite_keeps_key():
+        stale = _run(config, written)
+    assert stale.live["c1"][0]._kept_key() == bytes(8)      # (0, 0) over pages holding (0, 1)
+    assert canonical(stale, intern) != canonical(_run(config, extended), intern)
+
+
+def test_canonical_form_leaves_out_counters_of_history():
+    """Pages allocated, freed and placed on the heap so far are not state: an allocate, extend,
+    close, allocate reaches the state of one allocate (without an arena, no slot to be dirty)."""
+    intern, config = _Interner(), Scope(arena_pages=0).config()
+    again = _run(config, [O.Allocate(), O.Extend("c1", (0,), -1), O.Close("c1"), O.Allocate()])
+    once = _run(config, [O.Allocate()])
+    assert again.engine.observe().counters["pages_allocated"] == 1
+    assert canonical(again, intern) == canonical(once, intern)
 
 
 def _run(config, ops):
