@@ -214,7 +214,7 @@ EDGE_OPERATIONS = True
 
 
 def _edges(handle: str, length: int, scope: Scope) -> list[O.Op]:
-    seed, token = scope.seeds[0], scope.alphabet[0]
+    seed, token = (scope.seeds or (0,))[0], (scope.alphabet or (0,))[0]
     return [O.Extend(handle, (), seed), O.Overwrite(handle, length, (), seed),
             O.Overwrite(handle, length, (token,), seed), O.Truncate(handle, length + 1)]
 
