@@ -56,15 +56,31 @@ def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, before_ext
     file runs in older checkouts too); ``agent_traffic`` serves its requests with it as well.
     ``lookup_key(i)``, where given, makes what request ``i`` is matched by, inside its timing;
     ``before_extend(new_tokens)``, where given, runs untimed right before each extend, with its tokens;
-    ``extend_s``, where given, an array that gets each request's seconds in ``extend``."""
+    ``extend_s``, where given, an array that gets each request's seconds in ``extend``.
+
+    The hit's hold is charged to ``match``, as SGLang's lookup is charged its ``inc_lock_ref``. kvstate
+    leaves it a pending count (``impl/refcounts.py``), added to the refcount array when something first
+    reads the counts. Where the hit ends inside a page and the request has tokens past it, the extend
+    reads them at once (its partly filled shared page: ``writable``), so that flush is timed here, in its
+    own window added to the request's ``match`` time, read through ``cache.pool.books.counts`` (left out
+    where an older checkout has no such books). Where the hit ends on a page boundary (page 1, ``block``
+    semantics) nothing reads the counts before ``close`` withdraws the hold: it is realised only when 64
+    are pending (``Refcounts.FLUSH_AT``), inside the timed ``match`` or ``retain``, and otherwise costs
+    nothing, so nothing is added there."""
     zeros = np.zeros((max(map(len, queries)), *cache.layout.position_shape), np.float32)
     match_s, retain_s = np.zeros(len(queries)), np.zeros(len(queries))
     matched_tokens = 0
     clock = time.perf_counter
+    books = getattr(getattr(cache, "pool", None), "books", None)
+    page = getattr(cache, "page_tokens", 1) if hasattr(type(books), "counts") else 0     # the class: no read here
     for i, tokens in enumerate(queries):
         t0 = clock()
         ctx, matched = cache.match(tokens if lookup_key is None else lookup_key(i))
         t1 = clock()
+        if page and matched % page and matched < len(tokens):   # the extend below reads the counts first thing
+            t_hold = clock()
+            books.counts        # noqa: B018 - the read adds the hit's pending count: what is timed
+            t1 += clock() - t_hold
         if before_extend is not None:
             before_extend(tokens[matched:])
         t_extend = clock()

@@ -18,8 +18,10 @@ SGLang's scheduler does it and as kvstate's users do:
   ones so converted, one concatenation onto the ids of the request it continues
   (``SessionController._concat_token_arrays``, the copying path; a streaming session extends in
   place, cheaper).
-- kvstate: *lookup* = ``match`` (a fork of the hit); *insert* = ``retain``. ``extend`` of the
-  rest and ``close`` are untimed. The tokens come as an int64 array and, in their own rows, as
+- kvstate: *lookup* = ``match`` (a fork of the hit) and, where the hit ends inside a page, the flush
+  of its pending refcount that the extend right after it would do (the hold, as SGLang's lock is
+  timed: ``one_token_pages.serve_requests``); *insert* = ``retain``. ``extend`` of the rest and
+  ``close`` are untimed. The tokens come as an int64 array and, in their own rows, as
   a Python list (what users pass) and as ``TokenIds`` (``TokenIds + turn``: the caller holds each
   conversation's ids checked once and grows them by the request's new ids, a list; the lookup's
   time includes that growing, from the request the conversation made before, else from the
