@@ -49,14 +49,15 @@ def requests(conversations: int = 200, turns: int = 4, system: int = 1000, seed:
     return out
 
 
-def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, before_extend=None, extend_s=None
-                   ) -> tuple[np.ndarray, np.ndarray, int]:
+def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, before_extend=None, extend_s=None,
+                   after_retain=None) -> tuple[np.ndarray, np.ndarray, int]:
     """Each request matched, the rest extended (zeros), retained and closed: seconds per request
     in ``match`` and in ``retain``, and the tokens matched. Only API every version has (this
     file runs in older checkouts too); ``agent_traffic`` serves its requests with it as well.
     ``lookup_key(i)``, where given, makes what request ``i`` is matched by, inside its timing;
     ``before_extend(new_tokens)``, where given, runs untimed right before each extend, with its tokens;
-    ``extend_s``, where given, an array that gets each request's seconds in ``extend``.
+    ``extend_s``, where given, an array that gets each request's seconds in ``extend``;
+    ``after_retain()``, where given, runs untimed right after each retain.
 
     The hit's hold is charged to ``match``, as SGLang's lookup is charged its ``inc_lock_ref``. kvstate
     leaves it a pending count (``impl/refcounts.py``), added to the refcount array when something first
@@ -90,6 +91,8 @@ def serve_requests(cache, queries: list[np.ndarray], lookup_key=None, before_ext
             extend_s[i] = t2 - t_extend
         cache.retain(ctx)
         t3 = clock()
+        if after_retain is not None:
+            after_retain()
         ctx.close()
         match_s[i], retain_s[i] = t1 - t0, t3 - t2
         matched_tokens += matched

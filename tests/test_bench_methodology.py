@@ -92,3 +92,18 @@ def test_a_list_row_counts_one_pass_over_the_ids_as_the_token_ids_row_does():
         row, peer, rows = _miss_rows(given, 20.0, 49.8 / 20.0, array_us=20.0, array_floor_us=10.0)
         notes[given] = v.miss_note(row, "lookup", peer, rows)
     assert "1.66x with this run" in notes[v.LIST] and "1.66x with this run" in notes[v.TOKEN_IDS]   # 49.8 / (20 + 20 - 10)
+
+
+def test_the_bounded_trees_are_sized_to_hold_as_many_requests():
+    """SGLang's budget counts the shared system prompt once, kvstate's ``max_pages`` in every entry:
+    kvstate's budget is derived so that both hold the same requests (here, of one size: exactly)."""
+    from kvstate.bench import bounded_vs_sglang as b
+
+    system, own = 10, 10
+    requests = [np.arange(system + own)] * 40
+    budget = system + 5 * own       # SGLang: the prompt once and 5 requests' own tokens
+    assert b.requests_held([own] * 40, budget - system)[-1] == 5
+    max_pages = b.kvstate_max_pages(requests, budget, system)
+    assert max_pages == 5 * (system + own)          # the same 5 requests, the prompt counted in each
+    assert b.requests_held([system + own] * 40, max_pages)[-1] == 5
+    assert b.same_requests_held(42, 40) and not b.same_requests_held(42, 121)
