@@ -107,3 +107,30 @@ def test_the_bounded_trees_are_sized_to_hold_as_many_requests():
     assert max_pages == 5 * (system + own)          # the same 5 requests, the prompt counted in each
     assert b.requests_held([system + own] * 40, max_pages)[-1] == 5
     assert b.same_requests_held(42, 40) and not b.same_requests_held(42, 121)
+
+
+def test_tree_scale_takes_the_smallest_tree_as_its_baseline_whatever_the_order_given():
+    from kvstate.bench import tree_scale
+
+    result = tree_scale.run(quick=True, rounds=1, sizes=(300, 100))
+    assert [row["entries"] for row in result["rows"]] == [100, 300] and result["params"]["baseline_entries"] == 100
+    assert result["rows"][0]["lookup_x_smallest"] == 1.0
+    assert "lookup at 300 entries <= 1.2x the smallest tree's (100 entries)" in result["targets"]
+
+
+def test_tree_scale_floor_loads_only_what_a_whole_key_hit_reads():
+    """A whole-key hit shares the entry's very holding (``Cache._fork``: its length and fork count),
+    never reading its page list or slots: the floor loads no more than that."""
+    from kvstate.bench import tree_scale
+
+    tree = tree_scale.Tree(20, 1, 10, np.random.default_rng(0))
+    under = next(iter(tree.cache.tree.root.children.values())).children
+    saved = {}
+    for node in under.values():
+        saved[node] = node.value._holding
+        node.value._holding = SimpleNamespace(length=saved[node].length, forks=saved[node].forks)  # no pages, slots
+    try:
+        assert tree.touches(10) >= 0
+    finally:
+        for node, holding in saved.items():
+            node.value._holding = holding
