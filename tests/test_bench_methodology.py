@@ -134,3 +134,16 @@ def test_tree_scale_floor_loads_only_what_a_whole_key_hit_reads():
     finally:
         for node, holding in saved.items():
             node.value._holding = holding
+
+
+def test_issue_15_verdict_only_against_the_commit_it_was_filed_against():
+    from kvstate.bench.one_token_pages import issue_15_targets
+
+    ratio = {"match_speedup": 3.5, "retain_speedup": 2.0}
+    filed = issue_15_targets(ratio, "/tmp/before", "9766fa8abcde")
+    assert filed == {"match_speedup >= 3x (issue 15, against 9766fa8)": "3.50 met",
+                     "retain_speedup >= 3x (issue 15, against 9766fa8)": "2.00 MISSED"}
+    for commit in ("605ce68abcde", "9766fa8abcde+changes"):
+        other = issue_15_targets(ratio, "/tmp/other", commit)
+        assert set(other) == {f"match_speedup against {commit} (/tmp/other)", f"retain_speedup against {commit} (/tmp/other)"}
+        assert not any(value.endswith(("met", "MISSED")) for value in other.values())

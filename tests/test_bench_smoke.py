@@ -100,7 +100,10 @@ def test_one_token_pages_serves_another_checkout_beside_this_one(tmp_path):
     assert all(row["match_us"] > 0 and row["retain_us"] > 0 and row["extend_us"] > 0 for row in result["rows"])
     assert result["ratio"]["match_speedup"] == there["match_us"] / here["match_us"]
     assert result["ratio"]["extend_speedup"] == there["extend_us"] / here["extend_us"]
-    assert set(result["targets"]) == {f"{op}_speedup >= 3x (issue 15, against 9766fa8)" for op in ("match", "retain")}
+    commit = there["commit"]        # this checkout's, not 9766fa8: labelled with it, and no issue-15 verdict
+    assert here["commit"] == commit and not commit.startswith(one_token_pages.ISSUE_15_COMMIT)
+    assert set(result["targets"]) == {f"{op}_speedup against {commit} ({checkout})" for op in ("match", "retain")}
+    assert all("no verdict" in value for value in result["targets"].values())
     assert result["command"] == (f"python -m kvstate.bench.one_token_pages --against {checkout} --rounds 1 "
                                  "--conversations 6")
     assert here["pages_freed_per_request"] == there["pages_freed_per_request"] == 0     # the tree keeps every request
