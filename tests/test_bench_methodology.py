@@ -147,3 +147,12 @@ def test_issue_15_verdict_only_against_the_commit_it_was_filed_against():
         other = issue_15_targets(ratio, "/tmp/other", commit)
         assert set(other) == {f"match_speedup against {commit} (/tmp/other)", f"retain_speedup against {commit} (/tmp/other)"}
         assert not any(value.endswith(("met", "MISSED")) for value in other.values())
+
+
+def test_fork_copy_prints_its_ratio_target_as_a_verdict_not_a_bare_number():
+    from kvstate.bench import fork_copy
+
+    result = fork_copy.run()
+    (name,) = [name for name in result["targets"] if name.startswith("deepcopy_over_fork_time")]
+    ratio = result["ratio"]["deepcopy_over_fork_time"]
+    assert result["targets"][name] == f"{ratio:.0f} {'met' if ratio >= 100 else 'MISSED'}"
