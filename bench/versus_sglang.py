@@ -49,6 +49,14 @@ lookup time over that floor: the best ratio any design doing that work could sho
 prints its floor beside the ratio, whether the target sits below it (decided on that floor alone), and
 the design that would pass; a list or ``TokenIds`` cell also prints, as context, its floor with this
 run's array lookup past its own cast on top (today's lookup, not a floor: it keeps removable work).
+An insert's floor (one pass over the key) is a design's that packs the key at insert: today's timed
+``retain`` makes no pass over it (the untimed extend packed it), so it bounds that design, not this one.
+
+Left out of every ratio: the garbage collector. kvstate's collections land in its untimed extends (its
+per-page objects) and SGLang's are dropped by the best-of-rounds minimum; one replay each at page 1
+measured kvstate's at 3-8x SGLang's a request (review 5), so at page 1 the ratios are not CPU per request.
+A row's ``command`` re-measures its cell alone, interleaved only with that page's contenders: a
+different schedule from the whole matrix it was printed in, whose command is the result's own.
 """
 
 from __future__ import annotations
@@ -325,7 +333,7 @@ def miss_note(row: dict, op: str, peer: dict, rows: list[dict]) -> str:
                     f"cast on top, whose remaining work is the array row's")
     else:   # an insert's key is kept by every write: what no design skips is one pass over it
         floor = peer["insert_us"] / array_row["lookup_floor_us"]
-        what = "one pass over the key"
+        what = "one pass over the key, the floor of a design packing it at insert; the timed retain makes none"
         below = floor < TARGET
     verdict = "the target is BELOW this floor" if below else "the target is above this floor"
     return (f"floor {floor:.2f}x ({what} alone vs SGLang's whole {op}{also}): {verdict}; "
