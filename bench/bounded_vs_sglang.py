@@ -256,7 +256,8 @@ def speed_verdict(peer: dict, mine: dict, floor: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=positive_int, help=f"tokens SGLang's tree may hold (default {BUDGET:,}); kvstate's max_pages is sized to as many requests")
+    parser.add_argument("--budget", type=positive_int,
+                        help=f"tokens SGLang's tree may hold (default {BUDGET:,}); kvstate's max_pages holds as many requests")
     parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)

@@ -174,7 +174,8 @@ def run(against: Path | None = None, rounds: int = 3, conversations: int = 200, 
                 best[name] = [np.array(new) if old is None else np.minimum(old, new)
                               for old, new in zip(best[name], seconds)]
         finish(children.values())
-    rows = [{"checkout": str(contenders[name]), "commit": commit_of(contenders[name]), "match_us": 1e6 * m.mean(), "retain_us": 1e6 * r.mean(),
+    rows = [{"checkout": str(contenders[name]), "commit": commit_of(contenders[name]),
+             "match_us": 1e6 * m.mean(), "retain_us": 1e6 * r.mean(),
              "extend_us": 1e6 * e.mean(), "pages_freed_per_request": freed[name]}
             for name, (m, r, e) in best.items()]
     command = ("python -m kvstate.bench.one_token_pages" + (f" --against {against}" if against else "")
