@@ -258,7 +258,12 @@ class KVStateCache(_HFCache):
         ``SnapshotError`` and an ``UnsupportedModelError``), before anything is allocated; one that
         names none (written by ``Context.snapshot``, by a kvstate before the names, or from a model
         whose weights could not be read, such as one offloaded to the ``meta`` device) is restored
-        unchecked, and so is any snapshot restored for such a model."""
+        unchecked, and so is any snapshot restored for such a model.
+
+        The cache built here has ``for_model``'s defaults, f32 among them, whatever precision the
+        snapshot holds: its positions convert exactly, but new ones are then kept at f32, not rounded
+        as the writer's cache rounded them, so a generate continued from an f16 or q8 snapshot
+        matches the writer's own continuation only with the same ``precision=`` (or ``kv``) given."""
         layout = layout_of(model)
         _no_cache_args_with(cache_args, kv, None)
         if kv is None:
