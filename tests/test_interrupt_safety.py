@@ -51,54 +51,51 @@ def closed_empty(cache) -> None:
     assert cache.pool.live_count == 0, f"{cache.pool.live_count} pages left live"
 
 
-class interrupt_at_call:
-    """``KeyboardInterrupt`` at the entry of the ``nth`` call of ``code`` made from a function named
-    ``caller`` (any function when None); ``.hit`` says whether it was raised."""
+class _InterruptAtACall:
+    """``KeyboardInterrupt`` at the entry of the ``nth`` Python call that ``_counts(frame)`` picks;
+    ``.hit`` says whether it was raised."""
+
+    left, hit = 1, False
+
+    def _counts(self, frame) -> bool:
+        raise NotImplementedError
+
+    def _trace(self, frame, event, arg):
+        if event == "call" and self._counts(frame):
+            self.left -= 1
+            if self.left == 0:
+                sys.settrace(None)
+                self.hit = True
+                raise KeyboardInterrupt
+        return None
+
+    def __enter__(self):
+        sys.settrace(self._trace)
+        return self
+
+    def __exit__(self, *exc):
+        sys.settrace(None)
+        return False
+
+
+class interrupt_at_call(_InterruptAtACall):
+    """At the ``nth`` call of ``code`` made from a function named ``caller`` (any function when None)."""
 
     def __init__(self, code, caller: str | None = None, nth: int = 1):
-        self.code, self.caller, self.left, self.hit = code, caller, nth, False
+        self.code, self.caller, self.left = code, caller, nth
 
-    def _trace(self, frame, event, arg):
-        if event == "call" and frame.f_code is self.code and (
-                self.caller is None or frame.f_back.f_code.co_name == self.caller):
-            self.left -= 1
-            if self.left == 0:
-                sys.settrace(None)
-                self.hit = True
-                raise KeyboardInterrupt
-        return None
-
-    def __enter__(self):
-        sys.settrace(self._trace)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-        return False
+    def _counts(self, frame) -> bool:
+        return frame.f_code is self.code and (self.caller is None or frame.f_back.f_code.co_name == self.caller)
 
 
-class interrupt_at_nth_call_from:
-    """``KeyboardInterrupt`` at the entry of the ``nth`` Python call made from a frame of function ``caller``."""
+class interrupt_at_nth_call_from(_InterruptAtACall):
+    """At the ``nth`` Python call made from a frame of function ``caller``."""
 
     def __init__(self, caller, nth: int):
-        self.caller, self.left, self.hit = caller.__code__, nth, False
+        self.caller, self.left = caller.__code__, nth
 
-    def _trace(self, frame, event, arg):
-        if event == "call" and frame.f_back is not None and frame.f_back.f_code is self.caller:
-            self.left -= 1
-            if self.left == 0:
-                sys.settrace(None)
-                self.hit = True
-                raise KeyboardInterrupt
-        return None
-
-    def __enter__(self):
-        sys.settrace(self._trace)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-        return False
+    def _counts(self, frame) -> bool:
+        return frame.f_back is not None and frame.f_back.f_code is self.caller
 
 
 def store_fails(cache, method: str, nth: int = 1, error=KeyboardInterrupt):

@@ -173,13 +173,19 @@ def test_retain_interrupted_at_the_stamp_leaves_no_hidden_entry(match):
     settle(cache)
 
 
-def test_retain_replacing_an_entry_interrupted_at_the_stamp_releases_the_replaced_one():
+def _one_retained_and_one_more_under_its_key():
+    """A cache with one entry, (1, 2, 3), and an open context of the same tokens, to retain over it."""
     cache = Cache(L, page_tokens=2)
     first, second = cache.allocate(), cache.allocate()
     first.extend([1, 2, 3], vals(3, 1))
     second.extend([1, 2, 3], vals(3, 2))
     cache.retain(first)
     first.close()
+    return cache, second
+
+
+def test_retain_replacing_an_entry_interrupted_at_the_stamp_releases_the_replaced_one():
+    cache, second = _one_retained_and_one_more_under_its_key()
     with tracing(_stamp_from_the_tree()):
         with pytest.raises(KeyboardInterrupt):
             cache.retain(second)
@@ -191,12 +197,7 @@ def test_retain_replacing_an_entry_interrupted_at_the_stamp_releases_the_replace
 
 
 def test_retain_interrupted_as_the_replaced_entrys_release_begins():
-    cache = Cache(L, page_tokens=2)
-    first, second = cache.allocate(), cache.allocate()
-    first.extend([1, 2, 3], vals(3, 1))
-    second.extend([1, 2, 3], vals(3, 2))
-    cache.retain(first)
-    first.close()
+    cache, second = _one_retained_and_one_more_under_its_key()
     with tracing(interrupt_at_call(cache_module.Cache._release.__code__, caller=("_keep",))):
         with pytest.raises(KeyboardInterrupt):
             cache.retain(second)

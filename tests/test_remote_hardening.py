@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import types
+import re
 import uuid
 import warnings
 
@@ -1414,6 +1415,17 @@ def test_a_put_that_cannot_check_the_stored_object_is_a_write_error_and_one_gone
         assert fs.cat(path) == good and store.put(ctx) == []
 
 
+def _serve_range(handler, blob: bytes) -> None:
+    """Answer ``handler``'s ranged GET from ``blob`` (206 with its Content-Range); its ``_head``
+    sends the status and the headers every answer carries."""
+    first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", handler.headers["Range"]).groups())
+    part = blob[first:last + 1]
+    handler._head(206, len(part))
+    handler.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(blob)}")
+    handler.end_headers()
+    handler.wfile.write(part)
+
+
 def test_an_object_replaced_between_two_ranged_reads_over_http_is_read_again_whole(monkeypatch):
     """From an audit: over http(s) (a presigned URL, a CDN) the ranges carried no ETag check, so an object
     replaced between two of them was read as a splice of both versions, refused by the checksum as damaged
@@ -1421,7 +1433,6 @@ def test_an_object_replaced_between_two_ranged_reads_over_http_is_read_again_who
     over, reading the new version whole."""
     import http.server
     import io
-    import re
     import threading
     pytest.importorskip("aiohttp")
     monkeypatch.setattr(remote_io, "READ_BLOCK_BYTES", 256)        # several ranges for a small snapshot
@@ -1450,13 +1461,7 @@ def test_an_object_replaced_between_two_ranged_reads_over_http_is_read_again_who
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
-            blob = blobs[version]
-            first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
-            part = blob[first:last + 1]
-            self._head(206, len(part))
-            self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(blob)}")
-            self.end_headers()
-            self.wfile.write(part)
+            _serve_range(self, blobs[version])
             served["ranges"] += 1
             if served["ranges"] == 1:
                 served["version"] = 1           # replaced after the first range was read
@@ -1486,7 +1491,6 @@ def test_the_ranges_of_an_http_read_keep_the_filesystems_own_headers(monkeypatch
     HEAD and refused every range with 401: a restore that worked before the pin failed."""
     import http.server
     import io
-    import re
     import threading
 
     import fsspec
@@ -1517,12 +1521,7 @@ def test_the_ranges_of_an_http_read_keep_the_filesystems_own_headers(monkeypatch
             if not self._allowed():
                 return
             seen["pinned"] += self.headers.get("If-Match") == '"v1"'
-            first, last = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", self.headers["Range"]).groups())
-            part = blob[first:last + 1]
-            self._head(206, len(part))
-            self.send_header("Content-Range", f"bytes {first}-{first + len(part) - 1}/{len(blob)}")
-            self.end_headers()
-            self.wfile.write(part)
+            _serve_range(self, blob)
             seen["ranges"] += 1
 
         def _head(self, status: int, length: int):
