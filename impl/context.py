@@ -345,31 +345,37 @@ class Context:
 
     def _saved_span(self, start: int, stop: int) -> tuple:
         """What ``_restore_span`` puts back of positions ``[start, stop)`` (whose pages are already
-        private): the key, the token ids, and the values, exactly. At f32 and f16 the values as
-        ``read`` decodes them, in one call for every page (``read_spans``: at one-token pages a
-        call a page made a 512-position overwrite four times slower), which encode back to the very bytes stored;
-        at any other precision (q8: a decoded value does not re-quantise to its codes and scale)
-        the stored form itself, ``read_encoded`` a page at a time."""
+        private): the key, the token ids, and the values, exactly: the stored rows themselves, copied
+        in one call per stored part (``PageStore.stored_spans``: on the torch store they stay on the
+        device; read a page at a time they cost a q8 overwrite of 512 one-token pages 3.6x its write).
+        A store without it: at f32 and f16 the values as ``read`` decodes them (``read_spans``), which
+        encode back to the very bytes stored; at q8 (a decoded value does not re-quantise to its codes
+        and scale) ``read_encoded`` a page at a time."""
         holding, page_tokens, store = self._holding, self.page_tokens, self._cache.store
         first, end = pages_touched(start, stop, page_tokens)
         skip = first * page_tokens
         ids = self._cache.pool.table.gather(holding.slots[first:end])[start - skip:stop - skip]
         pages = holding.pages
         spans = [(pages[index].buffer, lo, hi) for index, lo, hi in _page_spans(start, stop, page_tokens)]
+        stored_spans = getattr(store, "stored_spans", None)
+        if stored_spans is not None:
+            return holding.key, ids, stored_spans(spans), "stored"
         if self._cache.precision in ("f32", "f16"):
             read_spans = getattr(store, "read_spans", None)
             values = (read_spans(spans) if read_spans is not None
                       else store.concat([store.read(*span) for span in spans]))     # fresh arrays: copies
-            return holding.key, ids, values, False
+            return holding.key, ids, values, "decoded"
         parts = [store.read_encoded(*span) for span in spans]
         values = tuple(np.concatenate([part[i] for part in parts]) for i in range(len(parts[0])))   # copies
-        return holding.key, ids, values, True
+        return holding.key, ids, values, "encoded"
 
     def _restore_span(self, start: int, stop: int, saved: tuple) -> None:
         """Put back what ``_saved_span`` kept of ``[start, stop)``: the bytes, then the ids and the key."""
-        key, ids, values, stored_form = saved
+        key, ids, values, form = saved
         store, pages = self._cache.store, self._holding.pages
-        if stored_form:
+        if form == "stored":        # the rows as the pages hold them: written back as they are
+            _store_values(store, pages, start, stop, self.page_tokens, values)
+        elif form == "encoded":
             _store_values(store, pages, start, stop, self.page_tokens, store.from_encoded(values))
         else:
             encoded = store.encode(values)

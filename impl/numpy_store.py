@@ -438,6 +438,13 @@ class NumpyStore:
                       for i in range(len(spans[0][0].arrays)))
         return np.ascontiguousarray(precisions.decode(self.precision, parts).transpose(_POSITIONS_FIRST))
 
+    def stored_spans(self, spans: list[tuple[NumpyBuffer, int, int]]) -> tuple[np.ndarray, ...]:
+        """A copy of the stored rows of ``spans`` (each ``(buffer, start, stop)``), joined per stored
+        part in ``encode``'s layer-major form: what ``write`` takes back as they are (an overwrite
+        keeps them to undo itself). One ``concatenate`` a part, a copy even for one span."""
+        return tuple(np.concatenate([buffer.arrays[i][:, :, lo:hi] for buffer, lo, hi in spans], axis=2)
+                     for i in range(len(spans[0][0].arrays)))
+
     def read_encoded(self, buffer: NumpyBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
         return tuple(np.moveaxis(array[:, :, start:stop], 2, 0) for array in buffer.arrays)
 

@@ -249,6 +249,13 @@ class TorchStore:
             values = parts[0].to(torch.float32)
         return values.movedim(2, 0).contiguous()
 
+    def stored_spans(self, spans: list[tuple[TorchBuffer, int, int]]) -> tuple[torch.Tensor, ...]:
+        """A copy of the stored rows of ``spans`` (each ``(buffer, start, stop)``), joined per stored
+        part in ``encode``'s layer-major form, on the store's device: what ``write`` takes back as they
+        are (an overwrite keeps them to undo itself). One ``cat`` a part, a copy even for one span."""
+        return tuple(torch.cat([buffer.tensors[i][:, :, lo:hi] for buffer, lo, hi in spans], dim=2)
+                     for i in range(len(spans[0][0].tensors)))
+
     def read_encoded(self, buffer: TorchBuffer, start: int, stop: int) -> tuple[np.ndarray, ...]:
         # Snapshots are host files: this is the one deliberate device-to-host copy.
         return tuple(t[:, :, start:stop].movedim(2, 0).cpu().numpy() for t in buffer.tensors)
