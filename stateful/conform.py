@@ -51,13 +51,22 @@ def observed_tiers(factory: Factory, configs: list[Config], time_limit: float | 
     how many of them it was seen, and an arena counts only where it has slots (books of 0 slots,
     an arena-less configuration's, check only that no page holds one).
 
-    Each cache is built and observed in a daemon thread under ``time_limit`` (None: no limit), as
-    every check is, so a factory that hangs for one configuration cannot hang the header printed
+    Each cache is built and observed in a daemon thread within ``time_limit`` (None: no limit), one
+    budget for them all, so a factory that hangs for one configuration cannot hang the header printed
     before the checks: that configuration is left out, and its name added to ``unobserved`` where
     given (its checks then report the hang). A configuration whose cache cannot be built is left
     out as well (its checks report that too). Each cache is cleared once observed."""
     seen = []
+    # One budget for the header, not one each: a factory hanging on every configuration delayed the
+    # checks by the limit times the configurations, before any of them started.
+    ends = None if time_limit is None else time.monotonic() + time_limit
     for config in configs:
+        left = None if ends is None else ends - time.monotonic()
+        if left is not None and left <= 0:
+            if unobserved is not None:
+                unobserved.append(config.name)
+            continue
+
         def observe(config: Config = config):
             cache = factory(config)
             try:
@@ -68,8 +77,8 @@ def observed_tiers(factory: Factory, configs: list[Config], time_limit: float | 
                 except Exception:
                     pass
         try:
-            seen.append(observe() if time_limit is None
-                        else in_daemon_thread(observe, time_limit, f"kvstate-observe-{config.name}"))
+            seen.append(observe() if left is None
+                        else in_daemon_thread(observe, left, f"kvstate-observe-{config.name}"))
         except Overran:
             if unobserved is not None:
                 unobserved.append(config.name)
@@ -266,22 +275,22 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
 
     _partial[threading.get_ident()] = so_far
     _abandon[threading.get_ident()] = stopped.set
-    try:
+    detail = None
+    try:        # the hooks stay until the report is built: its last replay may run into the time limit too
         runs = run_seeds(factory, config, seeds, steps, budget_s=float("inf"), shrink_budget_s=SHRINK_BUDGET_S,
                          first=first_seed(config), stop=stopped.is_set,
                          shrinking=lambda seed, ops, shrink: shrinking.append((seed, ops, shrink, shrink.failure)))
+        if runs.failure is not None and not stopped.is_set():   # stopped: no one waits for the report
+            found = runs.failure
+            if found.history is None:       # no shrink try showed it: run it once more for its history
+                _, lockstep = execute(factory, found.config, found.ops)
+                found.history = lockstep.history[:lockstep.failed_at]
+            what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
+                    f"{_STOPPED.get(found.shrink_stopped, '')}{replay(found.seed)})")
+            detail = _report(found.failure.headline, found.config, found.history, what)
     finally:
         _partial.pop(threading.get_ident(), None)
         _abandon.pop(threading.get_ident(), None)
-    detail = None
-    if runs.failure is not None and not stopped.is_set():   # stopped: no one waits for the report
-        found = runs.failure
-        if found.history is None:       # no shrink try showed it: run it once more for its history
-            _, lockstep = execute(factory, found.config, found.ops)
-            found.history = lockstep.history[:lockstep.failed_at]
-        what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
-                f"{_STOPPED.get(found.shrink_stopped, '')}{replay(found.seed)})")
-        detail = _report(found.failure.headline, found.config, found.history, what)
     return Outcome("pass" if detail is None else "FAIL", time.perf_counter() - started, detail,
                    runs.runs, runs.steps, runs.steps + runs.runs)
 

@@ -168,3 +168,27 @@ def test_a_factory_hanging_for_a_later_configuration_is_left_out_of_the_tiers_an
     rows = {cells[0]: cells[1] for cells in map(str.split, out.splitlines())
             if cells[:1] in (["f32-heap"], ["f16-heap"]) and cells[1] != "/"}
     assert rows == {"f32-heap": "pass", "f16-heap": "TIMEOUT"}, out
+
+
+def test_the_tiers_header_has_one_time_budget_for_every_configuration():
+    """From a review: each configuration's cache had the whole limit, one after another, so a factory
+    hanging on every one delayed the first check by the limit times the configurations. Counted by
+    the caches asked for: the budget spent on the first, the others are not built at all."""
+    import threading
+
+    from kvstate.stateful.configs import configs_named
+    from kvstate.stateful.conform import observed_tiers
+
+    asked, release = [], threading.Event()
+
+    def hangs(config):
+        asked.append(config.name)
+        release.wait(30)        # let go at the end, so no thread outlives the test by much
+        raise RuntimeError("released")
+    configs = configs_named(["f32-heap", "f16-heap", "q8-heap"])
+    unobserved: list[str] = []
+    try:
+        observed_tiers(hangs, configs, time_limit=0.5, unobserved=unobserved)
+    finally:
+        release.set()
+    assert asked == ["f32-heap"] and unobserved == ["f32-heap", "f16-heap", "q8-heap"]
