@@ -335,3 +335,25 @@ def test_extend_rows_interrupted_setting_a_length_undoes_every_row(nth):
     consistent(cache)
     assert reads(parent, [1, 2, 3], OLD[:3]) and reads(child, [1, 2, 3], OLD[:3])
     closed_empty(cache)
+
+
+@pytest.mark.parametrize("precision", ["f32", "f16", "q8"])
+def test_overwrite_undone_through_a_store_without_stored_spans(monkeypatch, precision):
+    """A store written to the protocol before ``stored_spans`` (a backend's own): the undo keeps the
+    decoded values at f32 and f16 (they encode back to the very bytes) and ``read_encoded`` at q8."""
+    from kvstate.impl.numpy_store import NumpyStore
+
+    monkeypatch.delattr(NumpyStore, "stored_spans")
+    cache = Cache(LAYOUT, page_tokens=2, precision=precision)
+    ctx = cache.allocate()
+    ctx.extend([1, 2, 3, 4, 5, 6], OLD)
+    before = np.asarray(ctx.read()[0])
+    undo = store_fails(cache, "write", nth=2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ctx.overwrite(1, [7, 8, 9], NEW[:3])
+    finally:
+        undo()
+    consistent(cache)
+    assert reads(ctx, [1, 2, 3, 4, 5, 6], before)
+    closed_empty(cache)
