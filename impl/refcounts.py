@@ -61,13 +61,15 @@ class Refcounts:
         # the rest pending for the next flush. Emptying the dicts first lost them: refcounts one
         # short, pages freed while still held.
         counts, pending, forked = self._counts, self.pending, self.forked
-        for key, (ids, holders) in list(pending.items()):
-            add_holders(counts, ids, holders)
-            del pending[key]
-        for key, holding in list(forked.items()):
-            add_holders(counts, holding.slots, holding.forks)
-            holding.forks = 0
-            del forked[key]
+        if pending:         # (the list of items only where there are some: most flushes find one dict empty)
+            for key, (ids, holders) in list(pending.items()):
+                add_holders(counts, ids, holders)
+                del pending[key]
+        if forked:
+            for key, holding in list(forked.items()):
+                add_holders(counts, holding.slots, holding.forks)
+                holding.forks = 0
+                del forked[key]
 
     def share(self, ids) -> None:
         """One more holder of every slot of ``ids`` (one holder's list: distinct slots), as one pending count."""
