@@ -63,6 +63,7 @@ from kvstate.spec.snapshot_format import body_size
 
 from .context import CLOSED, Context
 from .holding import RELEASED, Holding
+from .letting_go import evict_oldest, release_surely
 from .matching import finder_for
 from .observing import PageViews, page_ids
 from .pages import PagePool, ref_slots
@@ -298,28 +299,10 @@ class Cache:
             if replaced is entry:       # it raised (an interrupt, an error) or declined the entry
                 self._insert_failed(key, entry)
             elif replaced is not None:
-                try:
-                    self._release(replaced)
-                except BaseException:     # an interrupt as the call began, before ``_release`` did anything
-                    if replaced._use != CLOSED:
-                        self._release(replaced)
-                    raise
+                release_surely(self._release, replaced)
         while self.bounds.exceeded(self.tree):
-            try:
-                victim = self.tree.pop_oldest(spare=entry)
-            except BaseException:     # interrupted after the victim left the tree: released now or never
-                victim, self.tree.evicted = self.tree.evicted, None
-                if victim is not None:
-                    self._release(victim)
-                raise
-            if victim is None:
+            if evict_oldest(self.tree, self._release, spare=entry) is None:
                 break      # only the entry just retained is left: it stays
-            try:
-                self._release(victim)
-            except BaseException:     # an interrupt as the call began: the victim is in no tree, so now or never
-                if victim._use != CLOSED:
-                    self._release(victim)
-                raise
 
     def _insert_failed(self, key: bytes, entry: Context) -> None:
         """``_keep``'s ``insert`` of ``entry`` (counted by ``_fork``) under ``key`` did not return.
@@ -383,7 +366,7 @@ class Cache:
                 # release began is closed (``_release``'s ``finally``); one interrupted as the call
                 # began is not, and is released here too. The first error is the one raised.
                 for entry in entries:
-                    if entry._use != CLOSED:
+                    if entry._holding is not RELEASED:
                         try:
                             self._release(entry)
                         except BaseException:       # noqa: BLE001 - the first error is the one raised

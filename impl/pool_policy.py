@@ -15,7 +15,7 @@ from typing import Callable
 
 from kvstate.spec.errors import CapacityError
 
-from .holding import RELEASED
+from .letting_go import evict_oldest
 from .pages import PagePool
 from .radix import RadixTree
 
@@ -44,21 +44,8 @@ class PoolPolicy:
                                 f"of {self.limit} pages, even with every entry evicted")
         held = self.context_page_ids() if self.on_full in ("evict", "evict-then-refuse") else set()
         while self.on_full in ("evict", "evict-then-refuse") and not self.fits(needed):
-            try:
-                victim = self.tree.pop_oldest(where=lambda entry: _keeps_a_page(entry, held))
-            except BaseException:     # interrupted after the victim left the tree: released now or never
-                victim, self.tree.evicted = self.tree.evicted, None
-                if victim is not None:
-                    self.release_entry(victim)
-                raise
-            if victim is None:
+            if evict_oldest(self.tree, self.release_entry, where=lambda entry: _keeps_a_page(entry, held)) is None:
                 return       # nothing left that frees memory: the store falls back
-            try:
-                self.release_entry(victim)
-            except BaseException:   # an interrupt as the call began: the victim is in no tree, so now or never
-                if victim._holding is not RELEASED:
-                    self.release_entry(victim)
-                raise
             self.evictions += 1
 
 
