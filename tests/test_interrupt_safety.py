@@ -219,15 +219,9 @@ def test_truncate_whose_store_fails_freeing_lists_no_freed_page():
 
 # -- 3. overwrite: new token ids over old values after a failure part way -----------------------------
 
-@pytest.mark.parametrize("store,precision", [("numpy", "f32"), ("numpy", "f16"), ("numpy", "q8"),
-                                             ("torch", "f32"), ("torch", "f16"), ("torch", "q8")])
-@pytest.mark.parametrize("shared", [False, True])
-def test_overwrite_whose_store_fails_on_a_later_page_changes_nothing(store, precision, shared):
-    """Restored exactly at every precision: f32 and f16 through their decoded values, q8 through its
-    stored form (codes and scales)."""
-    if store == "torch":
-        pytest.importorskip("torch")
-    cache = Cache(LAYOUT, page_tokens=2, precision=precision, store=store)
+def _overwrite_failing_on_its_second_page(cache, shared: bool):
+    """A context of positions 1-6 (``OLD``, retained too where ``shared``) whose overwrite of 1-3 fails
+    as it writes its second page: checked to read exactly as before. Returns it and what it reads."""
     ctx = cache.allocate()
     ctx.extend([1, 2, 3, 4, 5, 6], OLD)
     before = np.asarray(ctx.read()[0])      # OLD as the precision stores it
@@ -241,6 +235,18 @@ def test_overwrite_whose_store_fails_on_a_later_page_changes_nothing(store, prec
         undo()
     consistent(cache)
     assert reads(ctx, [1, 2, 3, 4, 5, 6], before)   # was: tokens [1, 7, 8, 9, 5, 6] over old values at 2-3
+    return ctx, before
+
+
+@pytest.mark.parametrize("store,precision", [("numpy", "f32"), ("numpy", "f16"), ("numpy", "q8"),
+                                             ("torch", "f32"), ("torch", "f16"), ("torch", "q8")])
+@pytest.mark.parametrize("shared", [False, True])
+def test_overwrite_whose_store_fails_on_a_later_page_changes_nothing(store, precision, shared):
+    """Restored exactly at every precision, through the store's own stored rows (``stored_spans``)."""
+    if store == "torch":
+        pytest.importorskip("torch")
+    cache = Cache(LAYOUT, page_tokens=2, precision=precision, store=store)
+    ctx, before = _overwrite_failing_on_its_second_page(cache, shared)
     cache.retain(ctx)                   # keyed by the ids it reads: they must be the old ones
     hit, n = cache.match([1, 2, 3, 4, 5, 6])
     assert n == 6 and reads(hit, [1, 2, 3, 4, 5, 6], before)
@@ -345,15 +351,5 @@ def test_overwrite_undone_through_a_store_without_stored_spans(monkeypatch, prec
 
     monkeypatch.delattr(NumpyStore, "stored_spans")
     cache = Cache(LAYOUT, page_tokens=2, precision=precision)
-    ctx = cache.allocate()
-    ctx.extend([1, 2, 3, 4, 5, 6], OLD)
-    before = np.asarray(ctx.read()[0])
-    undo = store_fails(cache, "write", nth=2)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            ctx.overwrite(1, [7, 8, 9], NEW[:3])
-    finally:
-        undo()
-    consistent(cache)
-    assert reads(ctx, [1, 2, 3, 4, 5, 6], before)
+    _overwrite_failing_on_its_second_page(cache, shared=False)
     closed_empty(cache)
