@@ -133,7 +133,7 @@ class RadixTree:
     def prune(self, node: Node) -> None:
         """``node`` (from ``place``) left without an entry: the nodes it made that split nothing go again."""
         if node.value is None and node is not self.root:
-            self._cut_empty(node)
+            self._collapse_if_no_split(self._cut_up(node))
 
     def longest_key(self, query: bytes) -> tuple[Node | None, int]:
         """The entry node whose key is the longest that prefixes packed ``query``, and that key's
@@ -221,13 +221,9 @@ class RadixTree:
         self.weight -= change
         victim = node
         try:
-            while node is not self.root and node.value is None and not node.children:
-                parent = node.parent
-                del parent.children[node.edge[:TOKEN_BYTES]]
-                node = parent
+            node = self._cut_up(node)
             self._forget_newest(node, victim)
-            if node is not self.root and node.value is None and len(node.children) == 1:
-                self._collapse(node)
+            self._collapse_if_no_split(node)
         except BaseException:
             self._settle(victim)
             raise
@@ -312,13 +308,16 @@ class RadixTree:
             node = child
         return node, depth
 
-    def _cut_empty(self, node: Node) -> None:
-        """Prune entry-less, childless ``node`` and its entry-less ancestors that keep no child, then
-        collapse a non-split left above (``remove``'s pruning, for a node that never held an entry)."""
+    def _cut_up(self, node: Node) -> Node:
+        """Cut ``node`` if it holds no entry and no child, and each ancestor left so; the first node kept."""
         while node is not self.root and node.value is None and not node.children:
             parent = node.parent
             del parent.children[node.edge[:TOKEN_BYTES]]
             node = parent
+        return node
+
+    def _collapse_if_no_split(self, node: Node) -> None:
+        """Merge ``node`` into its only child where it holds no entry (a split that splits nothing)."""
         if node is not self.root and node.value is None and len(node.children) == 1:
             self._collapse(node)
 

@@ -300,7 +300,7 @@ def test_remove_interrupted_in_its_pruning_leaves_the_tree_whole(point):
         tree.insert(radix.pack(np.array(key)), key)
     victim = tree.longest_key(radix.pack(np.array((0, 1, 3, 5, 6))))[0] if point == "_forget_newest" else \
         tree.longest_key(radix.pack(np.array((0, 1, 2))))[0]
-    tracer = interrupt_at_call(getattr(radix.RadixTree, point).__code__, caller=("remove",))
+    tracer = interrupt_at_call(getattr(radix.RadixTree, point).__code__, caller=("remove", "_collapse_if_no_split"))
     with tracing(tracer):
         with pytest.raises(KeyboardInterrupt):
             tree.remove(victim)
