@@ -193,8 +193,7 @@ def operations(lockstep: Lockstep, scope: Scope) -> list[O.Op]:
             result.append(O.Fork(handle))
         result += [O.Truncate(handle, n) for n in range(length + 1)]
         result += [O.Retain(handle), O.Close(handle)]
-        if EDGE_OPERATIONS:
-            result += _edges(handle, length, scope)
+        result += _edges(handle, length, scope)
     if room:
         result += [O.Match(query) for query in _queries(lockstep, scope)]
     if lockstep.reference.entries:
@@ -210,9 +209,6 @@ def operations(lockstep: Lockstep, scope: Scope) -> list[O.Op]:
 # 22-41% (the tiny scope's complete search 2,951 -> 4,171; the 4-operation scopes about 1,180 ->
 # 1,440; the default scope at 5, 8,094 -> 9,922), the CPU time of the six the default suite
 # searches (the tiny one, five at 4 operations) by about 1 s, 6.1-6.9 s -> 7.3-7.9 s.
-EDGE_OPERATIONS = True
-
-
 def _edges(handle: str, length: int, scope: Scope) -> list[O.Op]:
     seed, token = (scope.seeds or (0,))[0], (scope.alphabet or (0,))[0]
     return [O.Extend(handle, (), seed), O.Overwrite(handle, length, (), seed),
