@@ -204,7 +204,7 @@ class PagePool:
         hundreds, and a call or two a page was a tenth of it."""
         if not room_made:
             self.make_room(count)
-        first, buffers, slots = self.allocated + 1, [], range(0)
+        first, buffers, slots, stretches = self.allocated + 1, [], range(0), []
         try:
             allocate_all = getattr(self.store, "allocate_all", None)
             buffers = self._allocate_each(first, count) if allocate_all is None else allocate_all(first, count)
@@ -214,13 +214,18 @@ class PagePool:
             table.clear(slots)                  # the last pages' ids and marks
             refs = slots if type(slots) is range else slots.tolist()
             pages = list(map(Page, repeat(books), repeat(table), range(first, first + len(buffers)), refs, buffers))
+            stretches = _stretches(slots)
+            _place(self._by_slot, stretches, pages)
+            # The last step, with no call after it: an interrupt before it (at a call) has put none
+            # of them live, and one after it finds them counted, live and returned.
+            self.allocated = first + len(pages) - 1
         except BaseException:       # memory ran out (the store frees what it made), or an interrupt
+            if stretches:       # placed, or maybe in part: none of them is live
+                _place(self._by_slot, stretches, [None] * len(buffers))
             _set(self.books._counts, slots, 0)      # taken but no page live on them: back, as ``_free`` gives them
             self._give_back(slots)
             self._free_buffers(buffers)
             raise
-        self.allocated = first + len(pages) - 1     # before the pages go live: no id is ever handed out twice
-        _place(self._by_slot, _stretches(slots), pages)
         return pages, slots
 
     def _allocate_each(self, first: int, count: int) -> list:
