@@ -16,13 +16,13 @@ it must evict, it evicts for the batch before any row takes a page.
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from threading import get_ident
 
 from kvstate.spec.errors import ForeignContextError, ShapeError
 from kvstate.spec.arithmetic import pages_touched
 from kvstate.spec.layout import check_tokens, check_values
 
-from .context import Context, _Ownership
+from .context import FREE, Context
 from .store import recycle
 
 
@@ -58,32 +58,42 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
         raise ShapeError(f"K/V values must have shape ({rows}, {n}, ...) for {rows} rows of {n} positions, "
                          f"got {shape}")
     flat = check_values(cache.layout, kv.reshape(rows * n, *shape[2:]), rows * n)
-    with ExitStack() as owned:
+    # Each row held as ``Context._owned`` holds one context, let go in the same ``finally``.
+    me, held = get_ident(), [ctx._use for ctx in contexts]
+    try:
         for ctx in contexts:
-            owned.enter_context(_Ownership(ctx))
-        if n == 0:
-            return
-        encoded = cache.store.encode(flat)      # one validation and encoding for every row
-        starts = [ctx._length for ctx in contexts]
+            ctx._take(me)
+        if n:
+            _extend_held(cache, contexts, ids, flat, n)
+    finally:
+        for ctx, was in zip(contexts, held):
+            if ctx._use == me != was:
+                ctx._use = FREE
+
+
+def _extend_held(cache, contexts: list[Context], ids: list, flat, n: int) -> None:
+    """``extend_rows``' work, every row held and checked."""
+    encoded = cache.store.encode(flat)      # one validation and encoding for every row
+    starts = [ctx._length for ctx in contexts]
+    try:
+        # As in ``Context.extend``: from the first page taken to the last row's new length, one
+        # protected region. A failure anywhere in it (the pool refused, the store failed, an
+        # interrupt, even one while the lengths are set) truncates every row back to its start:
+        # no row is left listing pages past its length (invariant 2), none half written.
         try:
-            # As in ``Context.extend``: from the first page taken to the last row's new length, one
-            # protected region. A failure anywhere in it (the pool refused, the store failed, an
-            # interrupt, even one while the lengths are set) truncates every row back to its start:
-            # no row is left listing pages past its length (invariant 2), none half written.
-            try:
-                with cache.lock:
-                    _make_pages(cache, contexts, starts, n)
-                _write_rows(contexts, starts, ids, encoded, n)
-                with cache.lock:
-                    for ctx, start in zip(contexts, starts):
-                        ctx._holding = ctx._holding.with_length(start + n)
-            except BaseException:
-                with cache.lock:
-                    for ctx, start in zip(contexts, starts):
-                        ctx._keep_first(start)
-                raise
-        finally:
-            recycle(cache.store, encoded)
+            with cache.lock:
+                _make_pages(cache, contexts, starts, n)
+            _write_rows(contexts, starts, ids, encoded, n)
+            with cache.lock:
+                for ctx, start in zip(contexts, starts):
+                    ctx._holding = ctx._holding.with_length(start + n)
+        except BaseException:
+            with cache.lock:
+                for ctx, start in zip(contexts, starts):
+                    ctx._keep_first(start)
+            raise
+    finally:
+        recycle(cache.store, encoded)
 
 
 def _write_rows(contexts: list[Context], starts: list[int], ids: list, encoded, n: int) -> None:

@@ -282,12 +282,15 @@ class Cache:
             if key is not None:
                 self._keep(ctx, key)
                 return
-        with ctx._owned():       # the key is read from the pages: outside the lock, the context held
-            if len(ctx) == 0:
-                raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
-            key = ctx._packed_key()
-            with self.lock:
-                self._keep(ctx, key)
+        ctx._owned(self._retain_reading_key, ctx)    # outside the lock, the context held
+
+    def _retain_reading_key(self, ctx: Context) -> None:
+        """``retain`` of a context that keeps no key: it is read from the pages."""
+        if len(ctx) == 0:
+            raise EmptyContextError(f"cannot retain context {ctx.context_id}: it is empty")
+        key = ctx._packed_key()
+        with self.lock:
+            self._keep(ctx, key)
 
     def _keep(self, ctx: Context, key: bytes) -> None:
         """``retain``'s change to the tree, under the cache lock: the entry in, evictions past the bounds."""

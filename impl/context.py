@@ -72,9 +72,30 @@ class Context:
 
     # -- ownership ---------------------------------------------------------------
 
-    def _owned(self) -> "_Ownership":
-        """Hold this context for one operation; refuse a second concurrent user by name."""
-        return _Ownership(self)
+    def _owned(self, work, *args):
+        """``work(*args)``, holding this context for it: a second concurrent user is refused by name.
+
+        The flag is tested and set (to this thread's id) under the cache lock, so two threads cannot
+        both take it; clearing it is one store, which needs no lock (the flag only ever goes from set
+        to clear in the thread that set it). It is taken inside the ``try`` and cleared in its
+        ``finally`` with no call there: CPython delivers an interrupt (Ctrl-C, a run's deadline) at
+        a call, and one that landed at the entry of a context manager's ``__exit__``, before it
+        cleared the flag, kept the context busy for good: never closed, its pages never freed.
+        ``held == me``: this thread held it already (a signal handler's use during an operation),
+        so ``_take`` refused it, and the outer operation's flag is left alone."""
+        me, held = get_ident(), self._use
+        try:
+            self._take(me)
+            return work(*args)
+        finally:
+            if self._use == me != held:     # not CLOSED (the work closed it), nor another holder's
+                self._use = FREE
+
+    def _take(self, me: int) -> None:
+        with self._cache.lock:       # ``with``: see ``fork``
+            if self._use:
+                self._refuse_use()
+            self._use = me
 
     def _refuse_use(self) -> None:
         """Raise what a use of this busy or closed context gets (under the cache lock). Callers that
@@ -114,8 +135,10 @@ class Context:
 
     @property
     def tokens(self) -> list[int]:
-        with self._owned():
-            return self._tokens().tolist()
+        return self._owned(self._token_list)
+
+    def _token_list(self) -> list[int]:
+        return self._tokens().tolist()
 
     def _packed_key(self) -> bytes:
         """``radix.pack(self._tokens())``, from the kept key when there is one."""
@@ -139,22 +162,24 @@ class Context:
 
     def read(self, start: int = 0, stop: int | None = None):
         """Values ``(n, layers, 2, kv_heads, head_dim)`` float32 and tokens of ``[start, stop)``."""
-        with self._owned():
-            start, stop = _check_range("read", start, self._length if stop is None else stop, self._length)
-            store = self._cache.store
-            if start == stop:
-                return store.read_empty(), np.zeros(0, np.int64)
-            first, end = pages_touched(start, stop, self.page_tokens)
-            pages = self._pages[first:end]
-            spans = [(page.buffer, 0, self.page_tokens) for page in pages]
-            for index in (first, end - 1):      # only the first and the last page may be covered in part
-                spans[index - first] = (self._pages[index].buffer, *span_in_page(index, start, stop, self.page_tokens))
-            read_spans = getattr(store, "read_spans", None)     # one decode for every page, where the store can
-            values = (read_spans(spans) if read_spans is not None
-                      else store.concat([store.read(*span) for span in spans]))
-            skip = first * self.page_tokens     # one gather of their rows, as ``_tokens``
-            tokens = self._cache.pool.table.gather(self._holding.slots[first:end])
-            return values, tokens[start - skip:stop - skip]
+        return self._owned(self._read, start, stop)
+
+    def _read(self, start: int, stop: int | None):
+        start, stop = _check_range("read", start, self._length if stop is None else stop, self._length)
+        store = self._cache.store
+        if start == stop:
+            return store.read_empty(), np.zeros(0, np.int64)
+        first, end = pages_touched(start, stop, self.page_tokens)
+        pages = self._pages[first:end]
+        spans = [(page.buffer, 0, self.page_tokens) for page in pages]
+        for index in (first, end - 1):      # only the first and the last page may be covered in part
+            spans[index - first] = (self._pages[index].buffer, *span_in_page(index, start, stop, self.page_tokens))
+        read_spans = getattr(store, "read_spans", None)     # one decode for every page, where the store can
+        values = (read_spans(spans) if read_spans is not None
+                  else store.concat([store.read(*span) for span in spans]))
+        skip = first * self.page_tokens     # one gather of their rows, as ``_tokens``
+        tokens = self._cache.pool.table.gather(self._holding.slots[first:end])
+        return values, tokens[start - skip:stop - skip]
 
     def read_layer(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for positions ``[start, stop)``: two fresh float32 arrays ``(n, kv_heads, head_dim)``.
@@ -162,11 +187,14 @@ class Context:
         Values are exactly what ``read`` returns for the same positions and layer,
         gathered into one array each; the result does not depend on the page size.
         """
+        return self._owned(self._read_layer, layer, start, stop)     # gathered while owned: the parts may be
+                                                                    # views of pages a next owner rewrites
+
+    def _read_layer(self, layer: int, start: int, stop: int | None):
         empty = (0, *self._cache.layout.position_shape[2:])
         store = self._cache.store
-        with self._owned():     # gather while owned: the parts may be views of pages a next owner rewrites
-            parts = self._layer_parts(layer, start, stop)
-            return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
+        parts = self._layer_parts(layer, start, stop)
+        return store.gather([k for k, _ in parts], empty), store.gather([v for _, v in parts], empty)
 
     def read_layer_pages(self, layer: int, start: int = 0, stop: int | None = None):
         """K and V of one layer for ``[start, stop)`` as one ``(k, v)`` pair per page touched, in order.
@@ -175,8 +203,7 @@ class Context:
         a slice of one page, decoded to float32 (at f32, a view: no copy). Views
         are valid until the next write to this context; do not write into them.
         """
-        with self._owned():
-            return self._layer_parts(layer, start, stop)
+        return self._owned(self._layer_parts, layer, start, stop)
 
     def _layer_parts(self, layer: int, start: int, stop: int | None):
         start, stop = _check_range("read_layer", start, self._length if stop is None else stop, self._length)
@@ -257,30 +284,32 @@ class Context:
         """Append positions. Validated in full before anything is allocated or written."""
         tokens = check_tokens(tokens)
         kv = check_values(self._cache.layout, kv, len(tokens))
-        with self._owned():
-            if len(tokens) == 0:
-                return
-            store, lock = self._cache.store, self._cache.lock
-            encoded = store.encode(kv)
+        self._owned(self._extend, tokens, kv)
+
+    def _extend(self, tokens: np.ndarray, kv) -> None:
+        if len(tokens) == 0:
+            return
+        store, lock = self._cache.store, self._cache.lock
+        encoded = store.encode(kv)
+        try:
+            start, stop = self._length, self._length + len(tokens)
+            # From the first page taken to the new length set, one protected region: a failure
+            # anywhere in it (the pool refused, the store failed, an interrupt, even one after
+            # the length was set) truncates back to ``start``, so no page is left listed past
+            # the length (invariant 2) and nothing is half written.
             try:
-                start, stop = self._length, self._length + len(tokens)
-                # From the first page taken to the new length set, one protected region: a failure
-                # anywhere in it (the pool refused, the store failed, an interrupt, even one after
-                # the length was set) truncates back to ``start``, so no page is left listed past
-                # the length (invariant 2) and nothing is half written.
-                try:
-                    with lock:
-                        self._cache.pool.make_room(self._pages_to_grow(start, stop))
-                        self._grow(start, stop)
-                    self._write(start, stop, tokens, encoded)
-                    with lock:
-                        self._holding = self._holding.with_length(stop)
-                except BaseException:       # the store failed, or an interrupt: the pages made for it go back
-                    with lock:
-                        self._keep_first(start)
-                    raise
-            finally:
-                recycle(store, encoded)      # the pages hold copies: nothing reads it after this
+                with lock:
+                    self._cache.pool.make_room(self._pages_to_grow(start, stop))
+                    self._grow(start, stop)
+                self._write(start, stop, tokens, encoded)
+                with lock:
+                    self._holding = self._holding.with_length(stop)
+            except BaseException:       # the store failed, or an interrupt: the pages made for it go back
+                with lock:
+                    self._keep_first(start)
+                raise
+        finally:
+            recycle(store, encoded)      # the pages hold copies: nothing reads it after this
 
     def _pages_to_grow(self, start: int, stop: int) -> int:
         """Pages an append of ``[start, stop)`` takes from the pool: the new ones, plus a copy of the
@@ -311,37 +340,39 @@ class Context:
         """Rewrite positions ``[start, start + n)``, all inside the current length."""
         tokens = check_tokens(tokens)
         kv = check_values(self._cache.layout, kv, len(tokens))
-        with self._owned():
-            first = as_position(start)
-            if first is None:
-                raise PositionError(not_a_position("overwrite", start))
-            stop = first + len(tokens)
-            if not 0 <= first <= stop <= self._length:
-                raise PositionError(
-                    f"overwrite of [{start}, {stop}) is outside context {self.context_id} of length {self._length}")
-            start = first
-            if start == stop:
-                return
-            store = self._cache.store
-            encoded = store.encode(kv)
+        self._owned(self._overwrite, start, tokens, kv)
+
+    def _overwrite(self, start: int, tokens: np.ndarray, kv) -> None:
+        first = as_position(start)
+        if first is None:
+            raise PositionError(not_a_position("overwrite", start))
+        stop = first + len(tokens)
+        if not 0 <= first <= stop <= self._length:
+            raise PositionError(
+                f"overwrite of [{start}, {stop}) is outside context {self.context_id} of length {self._length}")
+        start = first
+        if start == stop:
+            return
+        store = self._cache.store
+        encoded = store.encode(kv)
+        try:
+            with self._cache.lock:
+                touched = range(*pages_touched(start, stop, self.page_tokens))
+                self._cache.pool.make_room(sum(self._pages[index].refcount > 1 for index in touched))
+                for index in touched:
+                    self.writable(index)
+            # ``_write`` puts every token id of the span in first, then the values page by page: a
+            # failure part way (a store error, an interrupt) left new ids over old values, or a
+            # page half written (q8's codes without their scales). So the span's ids, values
+            # (exactly) and key are kept first, and put back whole on any exception.
+            saved = self._saved_span(start, stop)
             try:
-                with self._cache.lock:
-                    touched = range(*pages_touched(start, stop, self.page_tokens))
-                    self._cache.pool.make_room(sum(self._pages[index].refcount > 1 for index in touched))
-                    for index in touched:
-                        self.writable(index)
-                # ``_write`` puts every token id of the span in first, then the values page by page: a
-                # failure part way (a store error, an interrupt) left new ids over old values, or a
-                # page half written (q8's codes without their scales). So the span's ids, values
-                # (exactly) and key are kept first, and put back whole on any exception.
-                saved = self._saved_span(start, stop)
-                try:
-                    self._write(start, stop, tokens, encoded)
-                except BaseException:
-                    self._restore_span(start, stop, saved)
-                    raise
-            finally:
-                recycle(store, encoded)
+                self._write(start, stop, tokens, encoded)
+            except BaseException:
+                self._restore_span(start, stop, saved)
+                raise
+        finally:
+            recycle(store, encoded)
 
     def _saved_span(self, start: int, stop: int) -> tuple:
         """What ``_restore_span`` puts back of positions ``[start, stop)`` (whose pages are already
@@ -448,15 +479,17 @@ class Context:
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` positions; pages past them are released."""
-        with self._owned():
-            keep_positions = as_position(n)
-            if keep_positions is None:
-                raise PositionError(not_a_position("truncate", n))
-            if not 0 <= keep_positions <= self._length:
-                raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
-            n = keep_positions
-            with self._cache.lock:
-                self._keep_first(n)
+        self._owned(self._truncate, n)
+
+    def _truncate(self, n: int) -> None:
+        keep_positions = as_position(n)
+        if keep_positions is None:
+            raise PositionError(not_a_position("truncate", n))
+        if not 0 <= keep_positions <= self._length:
+            raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
+        n = keep_positions
+        with self._cache.lock:
+            self._keep_first(n)
 
     def _keep_first(self, n: int) -> None:
         """Keep the first ``n`` positions and release the pages past them (under the cache lock)."""
@@ -489,8 +522,7 @@ class Context:
         model's fingerprint), kept in the file (format version 3) for a restore to check.
         Format: ``spec/snapshot_format.py``; writer: ``impl/snapshot_write.py``.
         """
-        with self._owned():
-            write_snapshot(self, target, self._cache.remote_deadline(deadline_s), producer)
+        self._owned(write_snapshot, self, target, self._cache.remote_deadline(deadline_s), producer)
 
     def close(self) -> None:
         """Release every page. Any later use raises ``ContextClosedError``; ``len()`` (which takes no
@@ -511,31 +543,6 @@ class Context:
         # the cache with it, so stays consistent.
         raise TypeError("a Context is not copied: fork() gives a context holding the same pages, counted "
                         "(a shallow copy would hold them behind the cache's back)")
-
-
-class _Ownership:
-    """``with ctx._owned():`` -- a plain class rather than a generator: it is on every operation.
-
-    The flag is tested and set (to this thread's id) under the cache lock, so two threads cannot
-    both take it; clearing it is one store, which needs no lock (the flag only ever goes from set
-    to clear in the thread that set it)."""
-
-    __slots__ = ("ctx",)
-
-    def __init__(self, ctx: Context):
-        self.ctx = ctx
-
-    def __enter__(self) -> None:
-        ctx = self.ctx
-        with ctx._cache.lock:       # ``with``: see ``Context.fork``
-            if ctx._use:
-                ctx._refuse_use()
-            ctx._use = get_ident()
-
-    def __exit__(self, *exc) -> None:
-        ctx = self.ctx
-        if ctx._use != CLOSED:      # still held: nothing closes a context another operation holds
-            ctx._use = FREE
 
 
 def _store_values(store, pages: tuple, start: int, stop: int, page_tokens: int, encoded) -> None:

@@ -93,7 +93,7 @@ def truncate_shared_boundary() -> ContextManager:
     size 2 reaches it in five operations.
     """
     def truncate(self, n):
-        with self._owned():
+        def work():
             if not (isinstance(n, int) and 0 <= n <= self._length):
                 raise PositionError(f"truncate to {n} is outside context {self.context_id} of length {self._length}")
             with self._cache.lock:
@@ -106,6 +106,7 @@ def truncate_shared_boundary() -> ContextManager:
                     self._cache.pool.release(page)
                 held = self._holding
                 self._holding = held.replaced(held.pages[:keep], held.slots[:keep], keep_base=False).with_length(n)
+        self._owned(work)
     return _patched(context_module.Context, "truncate", truncate)
 
 
@@ -278,7 +279,7 @@ def refused_extend_keeps_pages() -> ContextManager:
     def extend(ctx, tokens, kv):
         tokens = context_module.check_tokens(tokens)
         kv = context_module.check_values(ctx._cache.layout, kv, len(tokens))
-        with ctx._owned():
+        def work():
             if len(tokens) == 0:
                 return
             encoded = ctx._cache.store.encode(kv)
@@ -295,6 +296,7 @@ def refused_extend_keeps_pages() -> ContextManager:
             ctx._write(start, stop, tokens, encoded)
             with ctx._cache.lock:
                 ctx._holding = ctx._holding.with_length(stop)
+        ctx._owned(work)
     return _patched(context_module.Context, "extend", extend)
 
 

@@ -104,9 +104,10 @@ def test_rows_that_are_not_distinct_contexts_of_one_cache_are_refused():
             extend_rows([rows[0], stranger], [[1], [2]], values(2, 1, 6))
     with pytest.raises(ForeignContextError, match=r"rows \[0\] are not kvstate contexts"):
         extend_rows([None, rows[0]], [[1], [2]], values(2, 1, 6))
-    with rows[2]._owned():        # another thread is using a row: nothing is written to any
+    def refused():
         with pytest.raises(ContextBusyError):
             extend_rows(rows, [[1], [2], [3], [4]], values(4, 1, 6))
+    rows[2]._owned(refused)        # another operation is using a row: nothing is written to any
     assert state(cache, rows, kept) == before
 
 

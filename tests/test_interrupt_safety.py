@@ -304,7 +304,7 @@ def test_extend_interrupted_setting_its_length_is_undone(code):
     cache = Cache(LAYOUT, page_tokens=2)
     ctx = cache.allocate()
     ctx.extend([1, 2, 3], OLD[:3])
-    with interrupt_at_call(code, "extend") as point:
+    with interrupt_at_call(code, "_extend") as point:
         with pytest.raises(KeyboardInterrupt):
             ctx.extend([4, 5, 6], NEW[:3])
     assert point.hit
@@ -334,7 +334,7 @@ def test_extend_rows_interrupted_setting_a_length_undoes_every_row(nth):
     parent = cache.allocate()
     parent.extend([1, 2, 3], OLD[:3])
     child = parent.fork()
-    with interrupt_at_call(holding_module.Holding.with_length.__code__, "extend_rows", nth) as point:
+    with interrupt_at_call(holding_module.Holding.with_length.__code__, "_extend_held", nth) as point:
         with pytest.raises(KeyboardInterrupt):
             extend_rows([parent, child], np.array([[4, 5], [6, 7]]), np.stack([NEW[:2], NEW[2:4]]))
     assert point.hit

@@ -158,9 +158,7 @@ def _holding(ctx):
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with ctx._owned():
-            held.set()
-            release.wait(10)
+        ctx._owned(lambda: (held.set(), release.wait(10)))
 
     thread = threading.Thread(target=hold)
     thread.start()
