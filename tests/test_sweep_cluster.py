@@ -696,7 +696,7 @@ def test_a_run_stopped_only_by_c_code_of_another_thread_holding_the_gil_is_not_t
     path = tmp_path / "table"
     script = tmp_path / "gil_holder.py"
     script.write_text(GIL_HOLDER)
-    frozen_limit = "0" if holder == "past-its-limit" else "0.2"
+    frozen_limit = "0" if holder == "past-its-limit" else "0.4"     # seconds: twice as late is 0.8
     child = subprocess.Popen([sys.executable, str(script), str(path), frozen_limit,
                               "0" if holder == "past-its-limit" else "none", watchdog.__file__],
                              stdout=subprocess.PIPE, text=True)
@@ -713,10 +713,10 @@ def test_a_run_stopped_only_by_c_code_of_another_thread_holding_the_gil_is_not_t
                                       scheduler=SimpleNamespace(log_event=log_event))
         watch.pid, watch.table = child.pid, watchdog.table_file(path)
         if holder == "no-limit":
-            time.sleep(0.25)        # task 8 late: past its limit, not yet twice
+            time.sleep(0.45)        # task 8 late: past its limit, not yet twice (0.3 s to spare on a busy machine)
             asyncio.run(watch.check())
             assert told == [] and child.poll() is None
-            time.sleep(0.2)         # twice as late as it may be
+            time.sleep(0.4)         # twice as late as it may be
         asyncio.run(watch.check())
         assert told == ([(7, 3)] if holder == "past-its-limit" else [(8, 5)])
         assert child.wait(5) == -signal.SIGKILL         # the one kill, which ends both
