@@ -63,7 +63,7 @@ from kvstate.spec.snapshot_format import body_size
 
 from .context import CLOSED, Context
 from .holding import RELEASED, Holding
-from .letting_go import evict_oldest, release_surely
+from .letting_go import evict_oldest, release_if_held
 from .matching import finder_for
 from .observing import PageViews, page_ids
 from .pages import PagePool, ref_slots
@@ -248,11 +248,13 @@ class Cache:
         """Let go of every page ``ctx`` holds; the one path for contexts and tree entries."""
         holding = ctx._holding
         try:
-            if not self.pool.books.withdraw_holding(holding):     # a holder not counted yet: no count to touch
-                self.pool.release_slots(holding.pages, holding.slots)
-        finally:        # an interrupt part way leaves a released holder, never one listing freed pages
-            ctx._holding = RELEASED
-            ctx._use = CLOSED
+            # The holder lets go in the same step as its count goes (``PagePool.release_slots``): an
+            # interrupt before it leaves the holder holding, counted, open; after it, released.
+            if not self.pool.books.withdraw_holding(holding, ctx, RELEASED):   # a holder not counted yet
+                self.pool.release_slots(holding.pages, holding.slots, ctx, RELEASED)
+        finally:
+            if ctx._holding is RELEASED:
+                ctx._use = CLOSED
 
     def _context_page_ids(self) -> set[int]:
         """Live pages some context lists (under the lock): what evicting every entry would leave."""
@@ -263,7 +265,8 @@ class Cache:
         try:
             self._release(ctx)
         finally:
-            del self._contexts[ctx.context_id]
+            if ctx._use == CLOSED:      # released; an interrupt before that leaves it open and listed
+                del self._contexts[ctx.context_id]
 
     # -- the prefix tree -------------------------------------------------------------
 
@@ -302,7 +305,11 @@ class Cache:
             if replaced is entry:       # it raised (an interrupt, an error) or declined the entry
                 self._insert_failed(key, entry)
             elif replaced is not None:
-                release_surely(self._release, replaced)
+                try:
+                    self._release(replaced)
+                except BaseException:
+                    release_if_held(self._release, replaced)
+                    raise
         while self.bounds.exceeded(self.tree):
             if evict_oldest(self.tree, self._release, spare=entry) is None:
                 break      # only the entry just retained is left: it stays
@@ -365,9 +372,9 @@ class Cache:
                     self._release(entry)
             except BaseException:
                 # A store error or an interrupt part way: the entries are in no tree any more, so the
-                # rest are released here or by nobody, ever (their pages leaked). An entry whose
-                # release began is closed (``_release``'s ``finally``); one interrupted as the call
-                # began is not, and is released here too. The first error is the one raised.
+                # rest are released here or by nobody, ever (their pages leaked). An entry whose counts
+                # went down is released (``PagePool.release_slots`` lets go of it in that step); one
+                # interrupted before that is not, and is released here too. The first error is the one raised.
                 for entry in entries:
                     if entry._holding is not RELEASED:
                         try:

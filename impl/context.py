@@ -497,20 +497,13 @@ class Context:
         keep, _released = truncate_keep(holding.length, n, self.page_tokens)
         if n == holding.length and keep == len(holding.pages):
             return      # nothing to cut (an extend refused before it took a page): the holding stays itself
-        # The holding that keeps them is built first: once the release below starts, a page past
-        # ``keep`` may be freed, so from then on the context must not list it, whatever is raised
-        # (an interrupt, a store error freeing it). Built, it is assigned in a ``finally`` (as
-        # ``Cache._release`` does): an exception before the release changes nothing. Left open: an
-        # interrupt at the very entry of ``release_slots``, before it counts anything down, leaves
-        # those pages counted for a holder that no longer lists them (kept live, never freed while
-        # listed); telling that apart needs ``release_slots`` to say how far it got.
+        # The holding that keeps them is built first, and the release puts it in place in the same
+        # step as the counts go down (``PagePool.release_slots``): an interrupt before that step
+        # changes nothing, one after it finds the pages let go and no longer listed.
         kept = holding.replaced(holding.pages[:keep], holding.slots[:keep],
                                 keep_base=len(holding.base) <= keep).with_length(n)
         if keep < len(holding.pages):       # one step for all of them, as a close releases its pages
-            try:
-                self._cache.pool.release_slots(holding.pages[keep:], holding.slots[keep:])
-            finally:
-                self._holding = kept
+            self._cache.pool.release_slots(holding.pages[keep:], holding.slots[keep:], self, kept)
         else:
             self._holding = kept
 

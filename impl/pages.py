@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from .page_table import PageTable
-from .refcounts import Refcounts, add_holders
+from .refcounts import Refcounts
 from .store import PageStore
 
 
@@ -302,62 +302,84 @@ class PagePool:
 
     def release(self, page: Page) -> None:
         """Drop one holder's reference; the last one frees the page and its memory."""
-        counts = self.books.counts
-        left = counts[page.ref] - 1
-        if left < 0:
-            raise PageAccountingError(f"page {page.page_id} released with no holder left (released twice); "
-                                      f"its count stays 0")
-        counts[page.ref] = left
-        if left == 0:
-            try:
-                self._free((page,), range(page.ref, page.ref + 1))
-            except PageAccountingError:     # its slot is another page's now: that page's count stands
-                counts[page.ref] = left + 1
-                raise
+        self.release_slots((page,), range(page.ref, page.ref + 1))
 
-    def release_slots(self, pages: list[Page], ids: np.ndarray) -> None:
-        """``release`` for each of one holder's ``pages`` (``ids`` their refcount slots), the decrements in one step."""
-        if self.books.withdraw(ids):
+    def release_slots(self, pages, ids, holder=None, after=None) -> None:
+        """``release`` for each of one holder's ``pages`` (``ids`` their refcount slots), the decrements
+        in one step. ``holder``, where given (the context or entry letting go), gets ``after`` as its
+        holding in that very step.
+
+        Everything is worked out first (the new counts, which pages reach 0, that each is still the
+        live page on its slot); then the counts, the holder and the freed pages' books change in one
+        call with no call inside (``_commit``: CPython delivers an interrupt at a call); the freed
+        pages' memory goes back to the store last. So an interrupt (Ctrl-C, a run's deadline) leaves
+        the holder holding its pages with their counts, or neither, and no page live at count 0; one
+        landing as the memory goes back loses at most that memory's reuse (an arena slot). Before,
+        the holder let go in a ``finally``: interrupted before the counts went down, its pages stayed
+        counted for nobody; after, but before they were freed, live at count 0."""
+        if self.books.withdraw(ids, holder, after):     # a pending count taken back, with the holder
             return
         counts = self.books.counts
         if type(ids) is range:
-            left = counts[ids.start:ids.stop]
-            np.subtract(left, self._ones(len(left)), out=left)
+            left = counts[ids.start:ids.stop] - self._ones(len(ids))
         else:
             left = counts[ids] - 1
-            counts[ids] = left
-        # At or below 0: a page released once more than it was held goes to ``_free`` too, whose
-        # check refuses it (its slot is free or another page's), and the decrements are undone.
+        # At or below 0: a page released once more than it was held is refused by ``_check_live``
+        # (its slot is free or another page's), before anything changes.
         freed = np.flatnonzero(left <= 0)
-        if not len(freed):
-            return
-        first, last = int(freed[0]), int(freed[-1]) + 1
-        try:
+        doomed = None
+        if len(freed):
+            first, last = int(freed[0]), int(freed[-1]) + 1
             if last - first == len(freed):      # one stretch of the list (an evicted entry's own pages): slices
-                self._free(pages[first:last], ids[first:last])
+                doomed = self._doomed(pages[first:last], ids[first:last])
             else:
-                self._free([pages[index] for index in freed.tolist()],
-                           ids[freed] if type(ids) is not range else freed + ids.start)
-        except PageAccountingError:
-            add_holders(counts, ids, 1)
-            raise
+                doomed = self._doomed([pages[index] for index in freed.tolist()],
+                                      ids[freed] if type(ids) is not range else freed + ids.start)
+        self._commit(ids, left, holder, after, doomed)
+        if doomed is not None:
+            self._free_buffers(doomed[3])       # the memory last: see above
 
     def _free(self, pages, slots: "range | np.ndarray") -> None:
         """Pages nobody holds (``slots`` their refcount slots, all at 0): out of the live set, their
-        memory back to the store, their slots marked free in one step. One call for all of a release's pages,
-        and one to the store (``PageStore.free_all``, where it has one): an eviction at one-token
-        pages frees hundreds of pages, and a call a page cost a fifth of it.
-        The books are kept in ``finally``: a store that fails part way (an interrupt) has freed
-        what it could (``NumpyStore.free_all`` frees the rest before re-raising), and no page it
-        was handed stays in the live set as if still held."""
+        slots marked free, their memory back to the store (one call for all: an eviction at one-token
+        pages frees hundreds, and a call a page cost a fifth of it). As ``release_slots`` frees."""
+        doomed = self._doomed(pages, slots)
+        self._commit(None, None, None, None, doomed)
+        self._free_buffers(doomed[3])
+
+    def _doomed(self, pages, slots: "range | np.ndarray") -> tuple:
+        """What freeing ``pages`` (``slots`` theirs) changes, worked out before anything does: their
+        stretches of slots, as many Nones, the lowest slot, their buffers. Refused unless each is the
+        live page on its slot: a second free would give its slot back twice, and two pages would share it."""
         stretches = _stretches(slots)
-        self._check_live(pages, stretches)      # a page freed before: refused before its buffer or slot changes
-        try:
-            self._free_buffers([page.buffer for page in pages])
-        finally:
-            _place(self._by_slot, stretches, [None] * len(pages))
-            self._give_back(slots)
-            self.freed += len(pages)
+        self._check_live(pages, stretches)
+        lowest = slots.start if type(slots) is range else int(slots.min())
+        return stretches, [None] * len(pages), lowest, [page.buffer for page in pages], len(pages)
+
+    def _commit(self, ids, left, holder, after, doomed) -> None:
+        """The one step of a release, with no call inside (see ``release_slots``): the counts of ``ids``
+        set to ``left``, ``holder``'s holding to ``after``, the ``doomed`` pages out of the live set
+        and their slots free."""
+        counts, run = self.books._counts, type(ids) is range       # flushed by the caller
+        if doomed is not None:
+            stretches, nones, lowest, _buffers, count = doomed
+        # From here not even a builtin is called.
+        if run:
+            counts[ids.start:ids.stop] = left
+        elif ids is not None:
+            counts[ids] = left
+        if holder is not None:
+            holder._holding = after
+        if doomed is None:
+            return
+        by_slot, mask = self._by_slot, self._free_mask
+        for first, stop, at in stretches:
+            by_slot[first:stop] = nones[at:at + stop - first]
+            mask[first:stop] = True
+        if lowest < self._lowest_free:
+            self._lowest_free = lowest
+        self._free_slots += count
+        self.freed += count
 
 
 def _doubled(size: int, at_least: int) -> int:

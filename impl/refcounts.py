@@ -94,30 +94,39 @@ class Refcounts:
         self.forked[key] = holding
         holding.forks = 1
 
-    def withdraw_holding(self, holding) -> bool:
+    def withdraw_holding(self, holding, holder=None, after=None) -> bool:
         """Take back one holder of ``holding`` counted on it, if there is one; True if taken.
-        Safe for any holder of it, as ``withdraw`` is for any holder of a run."""
-        forks = holding.forks
+        Safe for any holder of it, as ``withdraw`` is for any holder of a run. ``holder``, where
+        given, gets ``after`` as its holding in the same step (``PagePool.release_slots``)."""
+        forks, key = holding.forks, id(holding)
         if not forks:
             return False
+        # From here no call: the count and the holder change together or not at all.
         holding.forks = forks - 1
         if forks == 1:
-            del self.forked[id(holding)]
+            del self.forked[key]
+        if holder is not None:
+            holder._holding = after
         return True
 
-    def withdraw(self, ids) -> bool:
+    def withdraw(self, ids, holder=None, after=None) -> bool:
         """Take back one pending holder of the run ``ids``, if there is one; True if taken.
+        ``holder``, where given, gets ``after`` as its holding in the same step.
 
         Safe without looking at any page: every holder of ``ids`` holds the same pages, so
         which of them lets go does not matter; and while a count is pending for ``ids`` the
         holder it was forked from holds them too, so no page can reach 0 here."""
-        entry = self.pending.get(id(ids))
+        key = id(ids)
+        entry = self.pending.get(key)
         if entry is None or entry[0] is not ids:
             return False
+        # From here no call: the count and the holder change together or not at all.
         if entry[1] == 1:
-            del self.pending[id(ids)]
+            del self.pending[key]
         else:
             entry[1] -= 1
+        if holder is not None:
+            holder._holding = after
         return True
 
     def __getstate__(self):

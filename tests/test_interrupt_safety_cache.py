@@ -198,7 +198,7 @@ def test_retain_replacing_an_entry_interrupted_at_the_stamp_releases_the_replace
 
 def test_retain_interrupted_as_the_replaced_entrys_release_begins():
     cache, second = _one_retained_and_one_more_under_its_key()
-    with tracing(interrupt_at_call(cache_module.Cache._release.__code__, caller=("release_surely",))):
+    with tracing(interrupt_at_call(cache_module.Cache._release.__code__, caller=("_keep",))):
         with pytest.raises(KeyboardInterrupt):
             cache.retain(second)
     second.close()
@@ -258,7 +258,7 @@ def test_pool_eviction_interrupted_as_the_victims_release_begins():
     cache = Cache(L, page_tokens=2, pool_pages=4, on_full="evict")
     retained(cache, 1, length=4)
     ctx = cache.allocate()
-    tracer = interrupt_at_call(cache_module.Cache._release.__code__, caller=("release_surely",))
+    tracer = interrupt_at_call(cache_module.Cache._release.__code__, caller=("evict_oldest",))
     with tracing(tracer):
         with pytest.raises(KeyboardInterrupt):
             ctx.extend(list(range(50, 56)), vals(6, 5))
