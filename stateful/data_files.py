@@ -51,3 +51,26 @@ def open_own_file(path, flags: int, mode: str):
     except BaseException:
         os.close(fd)
         raise
+
+
+def replace_own_file(path, text: str) -> None:
+    """``text`` as the whole file at ``path``, written aside in the same folder (a name of its own,
+    ``O_EXCL``: never through a link) and renamed over ``path``. The rename replaces a symlink at
+    ``path`` itself, never the file it leads to: a replay file named in a sweep's folder from
+    elsewhere (a CI artifact) had its write land wherever such a link led. An interrupt mid-write
+    leaves the old file or none, never half of one."""
+    path = os.fspath(path)
+    aside = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{os.getpid()}.tmp")
+    try:
+        os.unlink(aside)            # one a killed writer of this pid left; a link there goes, not its target
+    except FileNotFoundError:
+        pass
+    try:
+        with open_own_file(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, "w") as file:
+            file.write(text)
+        os.replace(aside, path)
+    finally:
+        try:
+            os.unlink(aside)
+        except FileNotFoundError:
+            pass

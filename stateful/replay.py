@@ -30,7 +30,7 @@ from kvstate.spec.protocol import Config, Factory
 from . import generate as _generate  # noqa: F401  (imports optional op kinds, so their files load)
 from . import ops as O
 from . import replay_bounds as bounds
-from .data_files import read_regular
+from .data_files import read_regular, replace_own_file
 from .deadline import Deadline
 from .lockstep import REFUSED, Lockstep, to_numpy
 from .frames import raised_at  # noqa: F401  (conform and the checks import it from here too)
@@ -342,7 +342,7 @@ def save(replay: Replay, path: Path) -> Path:
     body = ",\n".join("    " + json.dumps(op) for op in ops)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f'{head},\n  "ops": [\n{body}\n  ]\n}}\n')
+    replace_own_file(path, f'{head},\n  "ops": [\n{body}\n  ]\n}}\n')
     return path
 
 

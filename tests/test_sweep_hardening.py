@@ -179,6 +179,43 @@ def test_a_sweep_refuses_a_symlinked_lock_file_and_makes_nothing_where_it_leads(
     assert list(elsewhere.iterdir()) == []
 
 
+def _finished_with_a_failure(out) -> None:
+    """A finished sweep's journal in ``out`` whose seed 1 failed (shrunk): a resume runs nothing and
+    saves that failure's replay file, ``replays/f32-heap-seed1.json``."""
+    write_journal(out, this_codes_plan_line(), run_line(0),
+                  run_line(1, **_failed([O.Allocate(), O.Extend("c1", (1, 2))], 4)))
+
+
+def test_a_resume_writes_its_replay_file_over_a_symlink_never_through_it(tmp_path):
+    """From a review: a resume wrote each failure's replay file with ``Path.write_text``, through a
+    symlink at its name, so a folder from elsewhere overwrote a file outside it."""
+    out, victim = tmp_path / "out", tmp_path / "victim.txt"
+    _finished_with_a_failure(out)
+    victim.write_text("precious")
+    (out / "replays").mkdir()
+    (out / "replays" / "f32-heap-seed1.json").symlink_to(victim)
+    assert main(["sweep", "--resume", str(out)]) == 1
+    assert victim.read_text() == "precious"
+    saved = out / "replays" / "f32-heap-seed1.json"
+    assert not saved.is_symlink() and json.loads(saved.read_text())["seed"] == 1
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_sweep_refuses_a_symlinked_replays_folder_before_it_writes_or_removes_there(tmp_path, capsys, resume):
+    """From a review: through a symlinked ``OUT/replays`` a resume wrote its replay files, and a new
+    sweep into a finished folder removed the old ones, wherever the link led."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    _finished_with_a_failure(out)
+    elsewhere.mkdir()
+    (elsewhere / "f32-heap-seed0.json").write_text("theirs")
+    (out / "replays").symlink_to(elsewhere)
+    args = ["sweep", "--resume", str(out)] if resume else ["sweep", "--seeds", "1", "--steps", "5", "--out", str(out)]
+    assert main(args) == 2
+    assert f"{out / 'replays'} is not a folder" in capsys.readouterr().err
+    assert [path.name for path in elsewhere.iterdir()] == ["f32-heap-seed0.json"]
+    assert (elsewhere / "f32-heap-seed0.json").read_text() == "theirs"
+
+
 def _failed(ops: list, page_tokens: int) -> dict:
     """A run line's fields for a shrunk failure of ``ops`` at ``page_tokens``."""
     failure = {"step": 1, "phase": "apply", "op": None, "error": "X", "invariant": None, "message": "m", "where": ""}

@@ -31,6 +31,7 @@ import pickle
 import re
 import shlex
 import signal
+import stat
 import sys
 import threading
 import time
@@ -264,7 +265,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         results = [shrunk.get(key, runs[key]) for key in order if key in runs]
         for r in results:
             if not r.passed:
-                save_replay(backend, by_name[r.config], r, out_dir / "replays")
+                save_replay(backend, by_name[r.config], r, out_dir / REPLAYS)
         return SweepReport(backend, steps, seeds, list(by_name), workers, plan.shard,
                            time.perf_counter() - started, results, scheduler, partial, resumed, resumed_steps)
 
@@ -364,6 +365,7 @@ def configs_labelled(names: Sequence[str], declared: Sequence[Config]) -> list[C
 
 
 LOCK = ".sweep.lock"
+REPLAYS = "replays"
 
 
 @contextmanager
@@ -401,13 +403,14 @@ def _lock_file(path: Path):
 def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resume: bool):
     """The runs and shrinks already done (none for a new sweep) and the journal to add to; a journal
     line a resume could not save as a replay file refused with the rest, before anything is written."""
+    _refuse_foreign_replays(out_dir)
     if not resume:
         J.refuse_foreign(out_dir)       # before it is read, and before a replay file beside it is removed
         earlier = _finished_sweep_in(out_dir)
         if earlier is not None:         # its failures' replay files, and only those: the folder holds this sweep's
             for label in earlier.configs:
                 for seed in earlier.seeds:
-                    (out_dir / "replays" / f"{label}-seed{seed}.json").unlink(missing_ok=True)
+                    (out_dir / REPLAYS / f"{label}-seed{seed}.json").unlink(missing_ok=True)
         return {}, {}, J.Journal.start(out_dir, plan)
     recorded = J.read(out_dir, by_name)
     mine, theirs = asdict(plan), asdict(recorded.plan)
@@ -425,6 +428,20 @@ def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resum
     runs = {key: result_from_json(entry) for key, entry in recorded.runs.items()}
     shrunk = {key: result_from_json(entry) for key, entry in recorded.shrunk.items()}
     return runs, shrunk, J.Journal.reopen(out_dir)
+
+
+def _refuse_foreign_replays(out_dir: Path) -> None:
+    """``OUT/replays`` missing or a folder of its own, checked before a replay file there is written or
+    removed: through a symlinked one (a folder from a CI artifact) a sweep wrote its replay files, and
+    a new sweep removed the old ones, wherever the link led."""
+    folder = out_dir / REPLAYS
+    try:
+        mode = folder.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(mode):
+        raise SweepError(f"{folder} is not a folder (a symlink or a file): a sweep writes its replay files only "
+                         "into a folder of its own; remove it, or pick another --out")
 
 
 def _finished_sweep_in(out_dir: Path) -> "J.Plan | None":
