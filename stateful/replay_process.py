@@ -64,9 +64,8 @@ def replay(recorded: R.Replay, factory: Factory, out: Callable[[str], None] = pr
     """``replay.replay`` in a forked child: the failure it found, or the child's death or hang as one.
 
     With ``spawn_backend`` (a backend's name, as ``load_factory`` takes it) the child starts fresh
-    (``spawn``) and imports the backend itself, rather than being a fork of this process, which built
-    a cache already (the backend's check): a CUDA backend cannot run in a forked child of a process that
-    used CUDA. Patches made in this process (``planted.PLANTED``) do not reach a spawned child."""
+    (``spawn``) and imports the backend itself, rather than being a fork of this process, which imported
+    it already: a CUDA backend cannot run in a forked child of a process that used CUDA. Patches made in this process (``planted.PLANTED``) do not reach a spawned child."""
     methods = multiprocessing.get_all_start_methods()
     if spawn_backend is not None and "spawn" in methods:
         context = multiprocessing.get_context("spawn")

@@ -181,7 +181,10 @@ FORK_HOSTILE = '''
 import os
 from listcache import factory as _ok
 
-_used_in = []       # the process that built a cache: as CUDA, it cannot be used again in a fork of it
+# The process that imported it, or built a cache since, uses the device: as CUDA (initialised at
+# import here, since ``kvstate replay`` imports the backend but builds no cache), it cannot be used
+# again in a fork of that process.
+_used_in = [os.getpid()]
 
 
 def factory(config):
