@@ -91,6 +91,19 @@ def test_a_damaged_journal_line_is_refused_with_file_and_line(tmp_path, capsys, 
     assert f"{out / J.FILE}: line {line}" in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("change, said", [({"seeds": (0, 0, 1)}, "its seeds list [0] more than once"),
+                                          ({"configs": ("f32-heap", "f32-heap")},
+                                           "its configs list ['f32-heap'] more than once")])
+def test_a_plan_that_lists_a_seed_or_configuration_twice_is_refused(tmp_path, capsys, change, said):
+    """From a review: ``--resume`` took a plan with seed 0 listed twice and counted that seed's runs and
+    failures twice in the report, the junit file and the exit summary."""
+    out = tmp_path / "out"
+    write_journal(out, this_codes_plan_line(**change), run_line(0))
+    assert main(["sweep", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / J.FILE}: line 1: malformed plan: {said}" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_a_line_that_is_not_utf8_is_refused_with_its_line(tmp_path, capsys):
     out = tmp_path / "out"
     write_journal(out, plan_line(), raw=b'{"kind": "run", "config": "\xff\xfe"}\n' + json.dumps(run_line(1)).encode() + b"\n")

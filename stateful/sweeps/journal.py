@@ -143,6 +143,16 @@ _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "s
                 "shrink_limit": int, "shrink_budget": _NUMBER, "shrink_tries": (int, type(None))}
 
 
+def _repeated(values: list) -> list:
+    """The values that ``values`` lists more than once, in their first order."""
+    seen, repeated = set(), []
+    for value in values:
+        if value in seen and value not in repeated:
+            repeated.append(value)
+        seen.add(value)
+    return repeated
+
+
 def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded:
     """The plan, runs and shrunk failures ``OUT/runs.jsonl`` holds; ``ResumeError`` if there is none.
 
@@ -191,6 +201,10 @@ def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded
         if not _LABEL.fullmatch(label):
             raise ResumeError(f"{path}: line 1: malformed plan: {label[:60]!r} is no configuration label "
                               "(letters, digits and '-' only)")
+    for name in ("seeds", "configs"):       # each run is counted once per entry of the plan: a repeat counted it twice
+        repeated = _repeated(head[name])
+        if repeated:
+            raise ResumeError(f"{path}: line 1: malformed plan: its {name} list {repeated} more than once")
     if head["workers"] is not None and head["workers"] < 1:
         raise ResumeError(f"{path}: line 1: malformed plan (workers must be at least 1, got {head['workers']})")
     timeout = head["run_timeout"]
