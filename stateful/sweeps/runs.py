@@ -105,7 +105,7 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
         failure = Failure(len(ran), "apply", str(ran[-1]) if ran else None, RunTimeout.__name__, None,
                           f"the run took longer than --run-timeout {timeout_s:g} s")
         clock.append(RUN)
-    elif failure is not None and failure.phase != "finish":
+    elif failure is not None:      # "finish" too: its read of every context finds a stray write late
         failure, ran, cut = _pinned(factory, config, failure, ran, timeout_s)
         clock += [PIN] if cut else []
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
@@ -117,8 +117,9 @@ def _pinned(factory, config: Config, failure: Failure, ran: list,
             timeout_s: float | None) -> tuple[Failure, list, bool]:
     """The failure where it first shows with every live context read at every step (a replay's reading):
     a run reads only the contexts an operation could have changed (``Lockstep.reads_changed_only``), so
-    a backend that damages another one is seen a step or more late, and its replay file, which a
-    replay fails earlier, did not reproduce it exactly. Run again on failure only, under a run timeout
+    a backend that damages another one is seen a step or more late, or only at ``finish`` (which reads
+    every live context once), and its replay file, which a replay fails earlier, did not reproduce it
+    exactly ("fails, but NOT as recorded"). Run again on failure only, under a run timeout
     of its own (a failing seed may so take twice ``--run-timeout``); the operations after the step it
     pins are dropped. A re-run that times out (it reads more) keeps the run's own failure, and says so
     (the third value: True where the clock, not the backend, decided what is kept). The re-run
