@@ -7,6 +7,13 @@ resolves the package's names during the load only, and refuses any name on no li
 naming it), so a new import in another release shows at once. ``sys.modules`` is left as it was: the
 loaded modules hold what they imported, and a real ``import <package>`` elsewhere is not shadowed.
 
+The files executed are the installed release's own, not merely files of the same name: the version
+is read from the distribution's metadata, so the package folder ``import`` would find must be that
+distribution's (a source checkout first on ``sys.path`` is refused), and each real file's bytes must
+match the sha256 the distribution's RECORD lists for it (an edited file is refused). Either refusal
+is an ``EngineVersionError`` naming the path, since a verdict would otherwise name a release whose
+files did not run.
+
 A stand-in's every call or attribute read raises ``StandInCalled`` and is recorded in
 ``STAND_IN_USES`` (one record for every engine: a test asserts it stays empty after a run, even
 where the engine swallowed the exception).
@@ -14,6 +21,9 @@ where the engine swallowed the exception).
 
 from __future__ import annotations
 
+import base64
+import csv
+import hashlib
 import importlib
 import importlib.machinery
 import importlib.metadata
@@ -92,10 +102,7 @@ class EngineLoader:
             if self._loaded:
                 return self._loaded
             self.require_supported(self.installed_version())
-            spec = importlib.util.find_spec(self.package)       # finds the package without running its __init__
-            if spec is None or not spec.submodule_search_locations:
-                raise ImportError(f"{self.package} is installed without its package folder")
-            finder = _Finder(self, list(spec.submodule_search_locations)[0])
+            finder = _Finder(self, _installed_release(self))
             saved = {name: module for name, module in sys.modules.items() if self._owns(name)}
             for name in saved:
                 del sys.modules[name]
@@ -126,11 +133,72 @@ class EngineLoader:
         return any(other.startswith(name + ".") for other in self._named())
 
 
+@dataclass(frozen=True)
+class _Release:
+    """The installed distribution's package folder, and the sha256 its RECORD lists for each real file."""
+
+    root: str
+    recorded: dict[str, str]        # real module name -> sha256, urlsafe base64 unpadded as in RECORD
+
+    def source(self, loader: EngineLoader, name: str, path: str) -> bytes:
+        """The file's bytes, refused unless they are the ones the release installed."""
+        with open(path, "rb") as file:
+            data = file.read()
+        found = _record_sha256(data)
+        if found != self.recorded[name]:
+            raise EngineVersionError(f"{path} is not {loader.package} {loader.version}'s file: its sha256 {found} "
+                                     f"differs from {self.recorded[name]} in the distribution's RECORD (edited "
+                                     f"after install?); pip install --force-reinstall --no-deps "
+                                     f"{loader.package}=={loader.version}")
+        return data
+
+
+def _installed_release(loader: EngineLoader) -> _Release:
+    """The distribution whose version was checked, required to be the package ``import`` finds."""
+    distribution = importlib.metadata.distribution(loader.package)
+    root = _package_folder(loader, distribution)
+    return _Release(root, _recorded_hashes(loader, distribution))
+
+
+def _package_folder(loader: EngineLoader, distribution: importlib.metadata.Distribution) -> str:
+    """The folder ``import <package>`` finds (its ``__init__`` not run), refused unless it is the
+    distribution's: a checkout earlier on ``sys.path`` would otherwise run under the release's name."""
+    spec = importlib.util.find_spec(loader.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f"{loader.package} is installed without its package folder")
+    found = os.path.realpath(list(spec.submodule_search_locations)[0])
+    installed = os.path.realpath(distribution.locate_file(loader.package))
+    if found != installed:
+        raise EngineVersionError(f"{loader.package} is found at {found}, not at {installed} where "
+                                 f"{loader.package} {loader.version} is installed (a source checkout or copy "
+                                 f"earlier on sys.path?): kvstate.engines runs the installed release's files only")
+    return found
+
+
+def _recorded_hashes(loader: EngineLoader, distribution: importlib.metadata.Distribution) -> dict[str, str]:
+    """The RECORD's sha256 of each real file; a file it does not list with one is refused."""
+    wanted = {name.replace(".", "/") + ".py": name for name in loader.real}
+    # Parsed by hand rather than through distribution.files: that builds ~10,000 paths (0.2 s) for these few.
+    rows = csv.reader((distribution.read_text("RECORD") or "").splitlines())
+    recorded = {wanted[row[0]]: row[1].removeprefix("sha256=") for row in rows
+                if len(row) > 1 and row[0] in wanted and row[1].startswith("sha256=")}
+    for path, name in wanted.items():
+        if name not in recorded:
+            raise EngineVersionError(f"{loader.package} {loader.version}'s RECORD lists no sha256 for {path}, "
+                                     f"so the installed file cannot be checked as the release's")
+    return recorded
+
+
+def _record_sha256(data: bytes) -> str:
+    """sha256 as a wheel's RECORD writes it: urlsafe base64 without the padding."""
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode("ascii")
+
+
 class _Finder:
     """Resolves the package's names during a load only: real files, stand-ins, bare packages, else refuses."""
 
-    def __init__(self, loader: EngineLoader, root: str):
-        self.loader, self.root = loader, root
+    def __init__(self, loader: EngineLoader, release: _Release):
+        self.loader, self.release, self.root = loader, release, release.root
 
     def find_spec(self, name, path=None, target=None):
         loader = self.loader
@@ -163,5 +231,5 @@ class _Finder:
             return
         path = os.path.join(self.root, *name.split(".")[1:]) + ".py"
         module.__file__ = path
-        with open(path, "rb") as source:
-            exec(compile(source.read(), path, "exec"), module.__dict__)
+        # The bytes checked are the bytes compiled, so nothing can change between check and run.
+        exec(compile(self.release.source(self.loader, name, path), path, "exec"), module.__dict__)

@@ -42,7 +42,8 @@ them in ``__init__`` and at import):
 Any other ``sglang`` module a real file imports at load time is refused (``ImportError`` naming
 it), so a new dependency in another release shows here, not as a silent stand-in. Only
 ``SUPPORTED_VERSION`` is loaded: another installed version is refused with
-``EngineVersionError``, since the stand-in list above was read from that release's files.
+``EngineVersionError``, since the stand-in list above was read from that release's files; so is a
+``sglang`` folder other than the installed one, or a real file not matching the RECORD's sha256.
 """
 
 from __future__ import annotations
