@@ -53,8 +53,8 @@ class Observation:
     pages: dict[int, PageView] | None          # live pages by id (tier "pages")
     holders: dict[str, tuple[int, ...]] | None  # "ctx:N" / "entry:N" -> page ids, in order
     lengths: dict[str, int] | None             # holder -> number of positions
-    pages_allocated: int
-    pages_freed: int
+    pages_allocated: int                       # may be counted without the pages tier: invariant 6
+    pages_freed: int                           # compares the two (0 and 0 from a black box)
     arena_size: int | None                     # tier "arena"
     arena_out: dict[int, int]                  # slot -> page id
     arena_free: tuple[int, ...]

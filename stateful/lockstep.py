@@ -655,9 +655,10 @@ class Lockstep:
     def _the_whole_pool_fits(self) -> None:
         """After teardown, contexts filling the whole pool: an empty pool holds them. A page the engine
         still counts (kept by a refused operation, a truncate, a close or a clear) is refused here,
-        where an engine that exposes no pages shows it nowhere else (invariant 6 reads pages). At most
-        ``FILL_PAGES_EACH`` pages a context (an engine may cap a context's length below its pool), and
-        not at all past ``FILL_BYTES`` of values (a real engine's pool of thousands of pages)."""
+        where an engine that exposes no pages, nor counts of them, shows it nowhere else (invariant 6
+        reads those). At most ``FILL_PAGES_EACH`` pages a context (an engine may cap a context's length
+        below its pool), and not at all past ``FILL_BYTES`` of values (a real engine's pool of thousands
+        of pages)."""
         config = self.config
         if config.pool_limit * config.page_tokens * config.layout.values_per_position * 4 > FILL_BYTES:
             return

@@ -36,7 +36,10 @@ adapter raises ``PoolExhausted`` rather than evict behind the suite's back); in
 scheduler does (``on_full="reclaim"``; ``kvstate.engines.sglang_reclaim``, which also says how its
 contexts hold pages).
 
-Observation: the black-box tier, because the others cannot be filled from SGLang's own state:
+Observation: the black-box tier, because the others cannot be filled from SGLang's own state, and
+the pages allocated and freed, which can: the adapter counts the pages ``alloc`` hands out, and
+SGLang's allocator says how many are out (its size less ``available_size()``), so invariant 6
+(empty after every context is closed and the cache cleared) sees a page never given back.
 
 - pages: SGLang keeps no count per page. A tree node's ``lock_ref`` counts the requests locked at
   or below it, and a request's private slots have no count at all; SGLang has no fork, so the
@@ -56,6 +59,7 @@ stays; the suite's ``evict`` rule drops whole entries).
 
 from __future__ import annotations
 
+import dataclasses
 from array import array
 
 import torch
@@ -194,6 +198,7 @@ class SGLangCache(EngineCache):
         self.page = config.page_tokens
         pool = config.pool_limit if reclaims(config.on_full) else POOL_PAGES
         self.evicted_tokens = 0       # what tree.evict let go for room (a measure of pressure, for reports)
+        self.allocated_pages = 0      # what alloc handed out: SGLang's allocator counts only what is free
         if self.page == 1:
             self.allocator = token_allocator(pool, torch.float32, "cpu", None, False)
         else:
@@ -205,8 +210,15 @@ class SGLangCache(EngineCache):
 
     # -- the engine's operations ---------------------------------------------------------
 
+    def alloc(self, tokens: int):
+        """SGLang's ``alloc`` (a tensor of slots, None when it has too few free), its pages counted."""
+        slots = self.allocator.alloc(tokens)
+        if slots is not None:
+            self.allocated_pages += tokens // self.page
+        return slots
+
     def alloc_pages(self, pages: int) -> list[int]:
-        slots = self.allocator.alloc(pages * self.page)
+        slots = self.alloc(pages * self.page)
         if slots is None:
             raise PoolExhausted(f"the adapter's pool of {POOL_PAGES} pages ran out ({pages} more wanted)")
         return slots.tolist()
@@ -271,7 +283,11 @@ class SGLangCache(EngineCache):
         self.tree.evict(self.rc.EvictParams(num_tokens=self.tree.evictable_size() + 1))
 
     def observe(self) -> Observation:
-        return black_box()
+        """Black box, but for the pages allocated and freed; freed is read from SGLang's allocator
+        (allocated less the pages out), so "allocated = freed" holds only when it has every page back."""
+        out = (self.allocator.size - self.allocator.available_size()) // self.page
+        return dataclasses.replace(black_box(), pages_allocated=self.allocated_pages,
+                                   pages_freed=self.allocated_pages - out)
 
 
 def _configs() -> list[Config]:

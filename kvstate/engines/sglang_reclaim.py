@@ -157,7 +157,7 @@ class ReclaimingCache(SGLangCache):
         tokens = pages * self.page
         if not tokens:
             return []
-        slots = self.allocator.alloc(tokens)
+        slots = self.alloc(tokens)
         if slots is None:
             slots = self._alloc_after_evicting(tokens)
         slots = slots.tolist()
@@ -171,7 +171,7 @@ class ReclaimingCache(SGLangCache):
         free, reclaimable = self.allocator.available_size(), self._reclaimable_pages() * self.page
         if free + reclaimable < tokens:
             raise CapacityError(f"{tokens} slots wanted, {free} free and {reclaimable} reclaimable from the tree")
-        while (slots := self.allocator.alloc(tokens)) is None:
+        while (slots := self.alloc(tokens)) is None:
             if not self.tree.evictable_size():
                 raise AssertionError("sglang adapter: the tree had no more to evict, though its pages counted")
             short = tokens - self.allocator.available_size()

@@ -29,3 +29,14 @@ class WritesIntoTreeContext(sglang.SGLangContext):
 
 leaked_lock = planted(sglang.factory, sglang.SGLangCache, LeakedLockContext)
 writes_into_tree = planted(sglang.factory, sglang.SGLangCache, WritesIntoTreeContext)
+
+
+class LeakedPrivatePagesContext(sglang.SGLangContext):
+    """close() never frees the request's private pages, as a scheduler that forgot ``free`` of a
+    finished request's uncached slots (review s66/review1, finding 3: its ``plant/leaky_sglang.py``)."""
+
+    def _let_go_of_private(self) -> None:
+        pass
+
+
+leaked_private_pages = planted(sglang.factory, sglang.SGLangCache, LeakedPrivatePagesContext)

@@ -62,6 +62,31 @@ def test_planted_adapter_bug_is_rejected(planted, check):
     assert not results[0].passed
 
 
+@pytest.mark.parametrize("name", ["token-f32-heap-prefixkv", "block16-f32-heap-prefixkv"])
+def test_a_leaked_private_page_is_rejected_by_invariant_6(name):
+    """In a pool no run fills, a page never given back shows only in SGLang's allocator: the
+    teardown's invariant 6 reads it there (the adapter's observation is a black box otherwise)."""
+    results = conform(planted_sglang.leaked_private_pages, configs=[_config(name)], checks=["lockstep"],
+                      settings=SMALL)
+    assert not results[0].passed
+    assert "invariant 6" in results[0].failure and "still out" in results[0].failure
+
+
+@pytest.mark.parametrize("factory,out", [(sglang.factory, 0), (planted_sglang.leaked_private_pages, 9)])
+def test_the_pages_out_are_read_from_sglangs_allocator(factory, out):
+    import numpy as np
+    config = _config("token-f32-heap-prefixkv")
+    cache = factory(config)
+    for _ in range(3):
+        ctx = cache.allocate()
+        ctx.extend([1, 2, 3], np.ones(config.layout.batch_shape(3), np.float32))
+        ctx.close()
+    cache.clear()
+    obs = cache.observe()
+    assert (obs.pages_allocated, obs.pages_allocated - obs.pages_freed) == (9, out)
+    assert cache.allocator.available_size() == cache.allocator.size - out
+
+
 def test_declaring_seeded_values_is_rejected():
     """The values rule is what SGLang needs: declared with seeded values (two writes of one prefix
     may differ) the engine's keep-the-old-slots insert shows as wrong values."""
