@@ -561,7 +561,9 @@ class KVStateCache(_HFCache):
 
     def _with_view(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """The layer's kept contiguous past (refilled from the pages if any row changed since) and
-        the new positions, by one ``torch.cat`` each: ``DynamicCache``'s own step."""
+        the new positions, by one ``torch.cat`` each: ``DynamicCache``'s own step. The view kept for
+        the next step is data (detached, the same storage): a graph this forward records ends at its
+        own new positions, as in the default mode, and a later backward never reaches it."""
         view, state = self._views[layer], self._row_state()
         if view is None or state != self._view_state or view[0].shape[2] != self._length() \
                 or view[0].shape[0] != k.shape[0]:
@@ -570,7 +572,7 @@ class KVStateCache(_HFCache):
                 self._view_state = state
             view = self._gathered(layer, k[:, :, :0], v[:, :, :0])
         keys, values = torch.cat([view[0], k], dim=-2), torch.cat([view[1], v], dim=-2)
-        self._views[layer] = (keys, values)
+        self._views[layer] = (keys.detach(), values.detach())
         return keys, values
 
     def _row_state(self) -> tuple:

@@ -716,6 +716,32 @@ def test_a_forward_that_records_a_graph_equals_dynamic_cache_and_backpropagates(
     model.zero_grad()
 
 
+@pytest.mark.parametrize("layer_views", [False, True])
+def test_a_second_turn_with_a_graph_backpropagates_into_its_own_positions_only(llama, layer_views):
+    """Two forwards on one cache outside ``torch.no_grad``, a backward after each (a train-per-turn
+    loop): the second turn's past is data, so its gradients are those of a DynamicCache whose past
+    came from a ``no_grad`` step, and its backward never reaches the first turn's freed graph."""
+    first, second = ids(9, 63), ids(2, 64)
+    theirs = reference(llama)
+    with torch.no_grad():
+        llama(first, cache=theirs)
+    expected = _gradients_of(llama, second, theirs)
+    ours = hf.KVStateCache.for_model(llama, page_tokens=4, layer_views=layer_views)
+    _gradients_of(llama, first, ours)
+    got = _gradients_of(llama, second, ours)           # the first turn's graph is freed by now
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    ours.close()
+
+
+def _gradients_of(model, x, cache) -> list:
+    """The gradients of one forward's loss with respect to every parameter (the graph then freed)."""
+    model.zero_grad()
+    model(x, cache=cache).logits.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return grads
+
+
 def _fail_in_layer(model, layer: int):
     blocks = model.transformer.h if hasattr(model, "transformer") else model.model.layers
 
