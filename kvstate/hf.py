@@ -32,8 +32,9 @@ token) never enters a row's context, tokens or snapshots; attention sees zeros t
 which the mask hides, so logits stay ``torch.equal`` to DynamicCache's. The padding is read
 from the forward's mask: a 2-D one, a 4-D one ``(batch, 1 or heads, queries, keys)`` (bool, or
 additive float: a new position that cannot attend to itself is padding), or a dict of them per
-layer type, whose entries must agree (``hf_rows.real_positions``). A mask it cannot read, or one
-that shows a row's padding to its tokens, is refused (``ShapeError``) before anything is stored.
+layer type, whose entries must agree (``hf_rows.real_positions``). A mask it cannot read, a 2-D one
+not as wide as the held and new positions, or one that shows a row's padding to its tokens, is
+refused (``ShapeError``) before anything is stored.
 Beam search's ``reorder_cache``, ``batch_repeat_interleave`` (``num_return_sequences``) and
 ``batch_select_indices`` move, fork and close row contexts: no K/V byte is copied.
 Identical rows of one prefill (``num_beams`` copies of a prompt) are stored once.

@@ -71,7 +71,8 @@ def real_positions(mask, batch: int, n: int, past: int | None = None, pads: list
     """Which of each row's ``n`` new positions are tokens (True) rather than padding, as a
     ``(batch, n)`` bool array; None for no mask (every position a token).
 
-    - a 2-D mask ``(batch, past + n)`` (its last ``n`` columns): 0 is padding.
+    - a 2-D mask ``(batch, past + n)`` (its last ``n`` columns): 0 is padding. Where ``past`` is
+      given, a mask of any other width is refused: transformers reads its columns as other keys.
     - a 4-D mask ``(batch or 1, 1 or heads, n, keys)``, bool (True: attends) or floating
       (additive: 0 attends, -inf or at most half the dtype's lowest value is masked), as
       transformers builds it or a caller passes it to ``model(...)``: new position ``i`` is
@@ -130,15 +131,27 @@ def _agreed(masks: dict, batch: int, n: int, past, pads, what: str) -> np.ndarra
 def _real_2d(mask: np.ndarray, batch: int, n: int, past, pads, what: str) -> np.ndarray:
     if mask.shape[0] != batch or mask.shape[1] < n:
         raise ShapeError(f"{what} of shape {mask.shape} does not cover {batch} rows of {n} new positions")
+    if past is not None:
+        _check_width(mask, n, past, what)
     real = mask[:, mask.shape[1] - n:] != 0
-    if pads is not None and past is not None and mask.shape[1] >= past + n:
-        start = mask.shape[1] - n - past          # the column of the rows' first held position
+    if pads is not None and past is not None:
         for row, pad in enumerate(pads):
-            if pad and real[row].any() and (mask[row, start:start + pad] != 0).any():
+            if pad and real[row].any() and (mask[row, :pad] != 0).any():
                 raise ShapeError(f"row {row} holds {pad} positions of left padding, which kvstate shows to attention "
                                  f"as zeros, but {what} marks some of them 1 (attended): mark a row's padding 0 in "
                                  "every forward's mask")
     return real
+
+
+def _check_width(mask: np.ndarray, n: int, past: int, what: str) -> None:
+    """A 2-D mask's columns are the keys, held then new: transformers pads a narrower one with zeros on
+    the right and reads a wider one from its first column, so any other width would put the mask's
+    columns on other positions there than here (a row's padding shown to its tokens, unseen)."""
+    if mask.shape[1] != past + n:
+        new = "new one" if n == 1 else "new ones"
+        raise ShapeError(f"{what} of shape {mask.shape} has {mask.shape[1]} columns, but this forward's keys are "
+                         f"{past} held positions and {n} {new}: pass the 2-D mask over all {past + n} (1 for a "
+                         "token, 0 for left padding)")
 
 
 def _entries_4d(mask, what: str):

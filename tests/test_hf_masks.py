@@ -221,6 +221,26 @@ def test_a_2d_mask_that_shows_held_padding_is_refused():
     cache.close()
 
 
+@pytest.mark.parametrize("width", [1, 7, 9])
+def test_a_2d_mask_not_as_wide_as_the_held_and_new_positions_is_refused(width):
+    """transformers pads a narrower 2-D mask with zeros on the right and reads a wider one from its
+    first column; kvstate read the last columns as the new positions. A decode step given a mask for
+    its new column only (width 1) let GPT-2's row 1 attend to its padding in DynamicCache and to zeros
+    here (0.02 off, no error). Refused by name, nothing changed; the step with the full mask is exact."""
+    model = model_of("gpt2")
+    prompt, mask, positions = padded()
+    ours, theirs = hf.KVStateCache.for_model(model, page_tokens=4), DynamicCache(config=model.config)
+    forward(model, ours, prompt, mask, positions)
+    forward(model, theirs, prompt, mask, positions)
+    step, at, before = torch.tensor([[5], [6]]), positions[:, -1:] + 1, state(ours)
+    with pytest.raises(ShapeError, match="7 held positions and 1 new one"):
+        forward(model, ours, step, torch.ones((2, width), dtype=torch.long), at)
+    assert state(ours) == before
+    full = torch.cat([mask, torch.ones((2, 1), dtype=torch.long)], dim=1)
+    assert torch.equal(forward(model, ours, step, full, at), forward(model, theirs, step, full, at))
+    ours.close()
+
+
 def test_check_prefix_of_reads_a_4d_mask():
     """generate's prompt check reads the padding of a 4-D mask as of a 2-D one: a prompt whose mask
     marks as padding what the cache holds as tokens is refused, one padded as the cache is passes, and
