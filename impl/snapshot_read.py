@@ -1,6 +1,7 @@
 """Reading a snapshot without touching a cache: opening a regular file, the header and its
-size checks, the cost bound (``max_bytes``), and a body read whole with its checksum
-(``BodyChecksum``, on a worker thread for large bodies)."""
+size checks, a peek at the precision it holds (``peek_precision``), the cost bound
+(``max_bytes``), and a body read whole with its checksum (``BodyChecksum``, on a worker thread
+for large bodies)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from kvstate.spec.errors import (InvalidInputError, SnapshotCorruptError, Snapsh
                                  SnapshotTruncatedError)
 from kvstate.spec.positions import as_position
 
+from . import remote_io
 from . import snapshot_tuning as tuning
 from .memory import physical_memory
 
@@ -117,11 +119,7 @@ def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], N
                 producer: bytes | None = None) -> fmt.Header:
     """The header, checked against ``layout``, ``producer``, the real size (when known) and ``limit``;
     nothing allocated."""
-    data = _read_exactly_or_less(file, fmt.HEADER_SIZE)
-    version = int.from_bytes(data[8:10], "little") if len(data) == fmt.HEADER_SIZE else None
-    if data[:len(fmt.MAGIC)] == fmt.MAGIC and version in fmt.LOADABLE_VERSIONS:
-        data += _read_exactly_or_less(file, fmt.header_size(version) - fmt.HEADER_SIZE)   # version 3's is longer
-    header = fmt.parse_header(data)
+    header = fmt.parse_header(_header_bytes(file))
     if header.layout != layout:
         raise SnapshotLayoutError(f"snapshot layout {header.layout} (offset 12) differs from the cache's {layout}")
     fmt.check_expected_producer(header, producer)
@@ -135,6 +133,60 @@ def read_header(file, layout, size: int | None, limit: "Callable[[fmt.Header], N
     if limit is not None:       # what the restore would take depends on the header alone, whatever the size
         limit(header)
     return header
+
+
+def _header_bytes(file) -> bytes:
+    """The header's bytes (48, or 64 for version 3), or as many as the file holds."""
+    data = _read_exactly_or_less(file, fmt.HEADER_SIZE)
+    version = int.from_bytes(data[8:10], "little") if len(data) == fmt.HEADER_SIZE else None
+    if data[:len(fmt.MAGIC)] == fmt.MAGIC and version in fmt.LOADABLE_VERSIONS:
+        data += _read_exactly_or_less(file, fmt.header_size(version) - fmt.HEADER_SIZE)   # version 3's is longer
+    return data
+
+
+def peek_precision(source) -> str | None:
+    """The precision the snapshot at ``source`` holds, read from its header without using the source
+    up; None where that cannot be done cheaply, or where the header is not a valid one (the restore
+    itself then refuses it by name).
+
+    Peeked: a path or ``file://`` URL (its header read, the file closed) and a binary stream that can
+    seek (its header read from where it stands, then sought back there). Not peeked: another URL (a
+    second request to its server) and a stream that cannot seek (a pipe, a socket: the bytes read
+    would be missing from the restore)."""
+    if remote_io.is_remote(source):
+        return None
+    if hasattr(source, "read"):
+        return _peek_stream(source)
+    try:
+        file, _ = open_regular(remote_io.local_path(source))
+    except (SnapshotError, OSError, ValueError, TypeError):
+        return None
+    with file:
+        return _precision_in(file)
+
+
+def _peek_stream(stream) -> str | None:
+    try:
+        start = stream.tell() if seekable(stream) else None
+    except (OSError, ValueError):
+        start = None
+    if start is None:
+        return None
+    try:
+        return _precision_in(stream)
+    finally:
+        try:
+            stream.seek(start)      # the restore reads the snapshot from there
+        except (OSError, ValueError) as error:
+            raise SnapshotReadError(f"{stream!r} did not seek back to {start} after its header was read: "
+                                    f"{error!r}") from error
+
+
+def _precision_in(file) -> str | None:
+    try:
+        return fmt.parse_header(_header_bytes(file)).precision
+    except (SnapshotError, OSError, ValueError, TypeError):
+        return None
 
 
 def read_body(file, header: fmt.Header, size: int | None) -> tuple[fmt.Header, memoryview, "BodyChecksum"]:

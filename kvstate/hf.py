@@ -69,6 +69,7 @@ from transformers.generation.streamers import BaseStreamer  # noqa: E402
 from kvstate.impl import Cache, TokenIds  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, common_prefix, state_token, written_token  # noqa: E402
+from kvstate.impl.snapshot_read import peek_precision  # noqa: E402
 from kvstate.spec.errors import (ConfigError, ContextBusyError, ContextClosedError, ForeignContextError,  # noqa: E402
                                  PositionError, ShapeError, SnapshotModelError, SnapshotProducerError, TokenError,
                                  UnsupportedModelError)
@@ -261,14 +262,18 @@ class KVStateCache(_HFCache):
         whose weights could not be read, such as one offloaded to the ``meta`` device) is restored
         unchecked, and so is any snapshot restored for such a model.
 
-        The cache built here has ``for_model``'s defaults, f32 among them, whatever precision the
-        snapshot holds: its positions convert exactly, but new ones are then kept at f32, not rounded
-        as the writer's cache rounded them, so a generate continued from an f16 or q8 snapshot
-        matches the writer's own continuation only with the same ``precision=`` (or ``kv``) given."""
+        The cache built here has ``for_model``'s defaults, except its precision: without
+        ``precision=`` (or ``kv``) it is the snapshot's own, read from its header before anything
+        is allocated, where that header can be read without using the source up: a path, a
+        ``file://`` URL or a stream that can seek (``impl.snapshot_read.peek_precision``). From
+        another URL or a stream that cannot seek the default stays f32: the positions convert
+        exactly, but new ones are then kept at f32, not rounded as the writer's cache rounded them,
+        so a generate continued from an f16 or q8 snapshot there matches the writer's own
+        continuation only with the same ``precision=`` given."""
         layout = layout_of(model)
         _no_cache_args_with(cache_args, kv, None)
         if kv is None:
-            kv = Cache(layout, **_defaults(model, cache_args))
+            kv = Cache(layout, **_defaults(model, _with_snapshot_precision(source, cache_args)))
         check_layout(layout, kv.layout, "the kvstate cache")
         attach(model)
         bind_model(model, kv)       # before the restore allocates anything
@@ -942,6 +947,15 @@ def _defaults(model, cache_args: dict) -> dict:
     if args["store"] == "torch" and "device" not in args:
         args["device"] = str(getattr(model, "device", "cpu"))
     return args
+
+
+def _with_snapshot_precision(source, cache_args: dict) -> dict:
+    """``cache_args`` with the precision the snapshot at ``source`` holds, where they name none and
+    its header can be peeked (``peek_precision``)."""
+    if "precision" in cache_args:
+        return cache_args
+    precision = peek_precision(source)
+    return cache_args if precision is None else {**cache_args, "precision": precision}
 
 
 def _cache_given(kwargs: dict):

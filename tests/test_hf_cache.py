@@ -7,6 +7,7 @@ caches: at f32 the logits are ``torch.equal``; at f16 and q8 they equal a
 DynamicCache whose K/V went through the same precision round trip.
 """
 
+import io
 import os
 import subprocess
 import sys
@@ -215,6 +216,46 @@ def test_snapshot_and_restore_then_continue(model, precision, tmp_path):
     dynamic = reference(model, precision)
     run(model, dynamic, [prompt])
     assert_equal_runs(ours, run(model, dynamic, steps(more, 2)))
+
+
+class Unseekable(io.RawIOBase):
+    """A binary stream that cannot seek, as a pipe or a socket's: a restore reads it once."""
+
+    def __init__(self, data: bytes):
+        self._data = io.BytesIO(data)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        return self._data.readinto(buffer)
+
+
+@pytest.mark.parametrize("precision", ["f16", "q8"])
+def test_a_restore_without_precision_keeps_the_snapshots_own(llama, precision, tmp_path):
+    """From a review: a restore given no ``precision=`` built an f32 cache for an f16 or q8 snapshot
+    (2 to 2.6 times the page bytes, new positions no longer rounded as the writer's). The header is
+    peeked where that is cheap (a path, a ``file://`` URL, a stream that seeks, from its position);
+    a stream that cannot seek is not (its header would be gone): f32 there, as before."""
+    prompt, more = ids(9, 65), ids(3, 66)
+    writer = hf.KVStateCache.for_model(llama, page_tokens=4, precision=precision)
+    run(llama, writer, [prompt])
+    path = tmp_path / "turn.kvs"
+    writer.snapshot(path)
+    data = path.read_bytes()
+    stream = io.BytesIO(b"elsewhere" + data)
+    stream.seek(len(b"elsewhere"))
+    for source in (path, f"file://{path}", stream):
+        restored = hf.KVStateCache.restore(llama, source, page_tokens=4)
+        assert restored.kv.precision == precision and restored.tokens == prompt[0].tolist()
+        if source is path:
+            assert_equal_runs(run(llama, restored, steps(more, 1)), run(llama, writer, steps(more, 1)))
+        restored.close()
+    for source, args in ((Unseekable(data), {}), (path, {"precision": "f32"})):     # not peeked; asked for
+        restored = hf.KVStateCache.restore(llama, source, page_tokens=4, **args)
+        assert restored.kv.precision == "f32" and restored.tokens == prompt[0].tolist()
+        restored.close()
+    writer.close()
 
 
 CHILD = textwrap.dedent("""
