@@ -557,10 +557,23 @@ class RefCache:
             else:                           # the partly filled last page: from an entry of this very key
                 older = next((entry for entry in self.entries if entry[0] == key), None)
                 sharings = (SAME_KEY,)
-            if older is not None:
+            if older is None:
+                continue
+            if self.pressed:
+                # Reclaim only: the older entry's page may be gone and the context's own kept, or not. A
+                # fresh name, maybe one page with both: counted as named, the most pages the engine may
+                # hold (the older page beside the own one, each where others list it); merged, the fewest.
+                # The older entry's name alone missed an own page kept (SGLang refusing correctly was
+                # called wrong, found by review); the own name alone, an older page taken.
+                fresh = self.new_label()
                 for sharing in sharings:
-                    if self.pressed:        # reclaim only: the older entry's page may be gone, its own kept
-                        self._may_be_one_page(label[sharing], older[1].labels[i][sharing], sharing)
+                    theirs = older[1].labels[i][sharing]
+                    if label[sharing] != theirs:        # one page already (a hit of that entry): kept as is
+                        self._may_be_one_page(fresh[sharing], label[sharing], sharing)
+                        self._may_be_one_page(fresh[sharing], theirs, sharing)
+                        label[sharing] = fresh[sharing]
+            else:
+                for sharing in sharings:
                     label[sharing] = older[1].labels[i][sharing]
         return [tuple(label) for label in kept]
 

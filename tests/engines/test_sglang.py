@@ -154,3 +154,31 @@ def test_a_refused_fork_or_truncate_changes_nothing(small_pool):
 def test_a_reclaiming_pool_evicts_its_own_way_and_passes():
     from .adapter_checks import evicts_under_pressure
     evicts_under_pressure(sglang.factory, _config("token-f32-pool24-reclaim-prefixkv"), "evicted_tokens")
+
+
+@pytest.mark.parametrize("name, page, filler", [("token-f32-pool24-reclaim-prefixkv", 1, 21),
+                                                 ("block16-f32-pool12-reclaim-prefixkv", 16, 9)])
+def test_a_refusal_after_a_pressed_retain_kept_its_own_pages_is_accepted(name, page, filler):
+    """Found by review (a sweep at seeds 5000-5249 failed once): entry ``(4, 0, 0)``, its pages also a
+    live fork's, is evicted under pressure; ``(4, 1)`` is then retained and SGLang keeps the
+    context's own page for it, as the semantics allow a pressed retain to. The reference named that
+    page as the evicted entry's (the fork's), one page fewer than SGLang holds, and called SGLang's
+    correct refusal of the last page wrong ("the reference had room")."""
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.lockstep import Lockstep
+
+    def pages(*tokens):
+        return tuple(t for t in tokens for _ in range(page))
+    ops = [O.Allocate(), O.Extend("c1", pages(1, 2)), O.Retain("c1"),
+           O.Allocate(), O.Extend("c2", pages(1, 2, 3)), O.Retain("c2"),
+           O.Allocate(), O.Extend("c3", pages(*(9,) * filler)), O.Close("c3"),
+           O.Allocate(), O.Extend("c4", pages(4, 0, 0)), O.Fork("c4"), O.Retain("c4"), O.Close("c4"),
+           O.Allocate(), O.Extend("c6", pages(5, 5)), O.Retain("c6"), O.Close("c6"),
+           O.Allocate(), O.Extend("c7", pages(7, 7, 7, 7) if page > 1 else (7,) * 16), O.Extend("c7", pages(7)),
+           O.Close("c7"),
+           O.Allocate(), O.Extend("c8", pages(4, 1)), O.Retain("c8"),
+           O.Allocate(), O.Extend("c9", pages(8, 8, 8, 8) if page > 1 else (8,) * 16), O.Extend("c9", pages(8))]
+    run = Lockstep(sglang.factory, _config(name))
+    run.run(ops)        # was: InvariantViolation at the last extend, "the reference had room"
+    assert "CapacityError" in run.history[-1]       # the refusal itself is checked, both sides refusing
+    run.finish()
