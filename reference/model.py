@@ -546,35 +546,38 @@ class RefCache:
         """``labels`` (a retained context's) renamed as a retain sharing the tree's pages leaves them for
         the new entry: under ``WHOLE_PAGES``, ``SAME_KEY`` and ``CACHED_FIRST``, each whole page of ``key``
         whose tokens up to its end an entry's key begins with takes that entry's name (any such entry's:
-        they all hold one page there); under ``SAME_KEY``, an entry of this very key gives its partly
-        filled last page too."""
+        they all hold one page there, until a reclaiming pool was pressed); under ``SAME_KEY``, an entry
+        of this very key gives its partly filled last page too."""
         size, kept = self.config.page_tokens, [list(label) for label in labels]
+        # Once pressed (reclaim only), entries may have lost pages and kept others, so entries of one
+        # prefix no longer hold one page there, and the engine's own may be among those it still holds.
+        candidates = self.entries + self.bounded_out if self.pressed else self.entries
         for i, label in enumerate(kept):
             end = min((i + 1) * size, len(key))
             if end == (i + 1) * size:       # a whole page: from any entry whose key begins with key[:end]
-                older = next((entry for entry in self.entries if entry[0][:end] == key[:end]), None)
+                olders = [entry for entry in candidates if entry[0][:end] == key[:end]]
                 sharings = (WHOLE_PAGES, SAME_KEY, CACHED_FIRST)
             else:                           # the partly filled last page: from an entry of this very key
-                older = next((entry for entry in self.entries if entry[0] == key), None)
+                olders = [entry for entry in candidates if entry[0] == key]
                 sharings = (SAME_KEY,)
-            if older is None:
+            if not olders:
                 continue
-            if self.pressed:
-                # Reclaim only: the older entry's page may be gone and the context's own kept, or not. A
-                # fresh name, maybe one page with both: counted as named, the most pages the engine may
-                # hold (the older page beside the own one, each where others list it); merged, the fewest.
-                # The older entry's name alone missed an own page kept (SGLang refusing correctly was
-                # called wrong, found by review); the own name alone, an older page taken.
-                fresh = self.new_label()
+            if not self.pressed:            # they all hold one page there: the first one's
                 for sharing in sharings:
-                    theirs = older[1].labels[i][sharing]
-                    if label[sharing] != theirs:        # one page already (a hit of that entry): kept as is
-                        self._may_be_one_page(fresh[sharing], label[sharing], sharing)
-                        self._may_be_one_page(fresh[sharing], theirs, sharing)
-                        label[sharing] = fresh[sharing]
-            else:
-                for sharing in sharings:
-                    label[sharing] = older[1].labels[i][sharing]
+                    label[sharing] = olders[0][1].labels[i][sharing]
+                continue
+            # The context's own page may be kept, or any older entry's taken. A fresh name, maybe one
+            # page with each: counted as named, the most pages the engine may hold (each older page
+            # beside the own one, where others list it); merged, the fewest. The first older entry's
+            # name alone missed an own page kept, or another entry's taken (SGLang refusing correctly
+            # was called wrong, found by review); the own name alone, an older page taken.
+            fresh = self.new_label()
+            for sharing in sharings:
+                names = {label[sharing]} | {older[1].labels[i][sharing] for older in olders}
+                if len(names) > 1:          # else one page already (a hit of those entries): kept as is
+                    for name in names:
+                        self._may_be_one_page(fresh[sharing], name, sharing)
+                    label[sharing] = fresh[sharing]
         return [tuple(label) for label in kept]
 
     def _copied_where_cached_under_other_tokens(self, key: tuple[int, ...], labels: list) -> list:

@@ -182,3 +182,28 @@ def test_a_refusal_after_a_pressed_retain_kept_its_own_pages_is_accepted(name, p
     run.run(ops)        # was: InvariantViolation at the last extend, "the reference had room"
     assert "CapacityError" in run.history[-1]       # the refusal itself is checked, both sides refusing
     run.finish()
+
+
+def test_a_retain_after_pressure_may_take_another_entrys_page_of_the_same_prefix():
+    """A sweep (seed 5180, after the fix above): once pressed, entries of one prefix no longer hold one
+    page there. ``(1, 0, 0, ...)`` was retained by c7, whose tail SGLang then reclaimed, and by c8 with
+    pages of its own; c4's retain of ``(1, 0, 0)`` took c8's pages, where the reference named c7's
+    entry's, which c4 already held, so it counted two pages fewer than SGLang held and called its
+    refusal of c8's extend wrong."""
+    from kvstate.stateful.ops import op_from_json
+    from kvstate.stateful.replay import execute
+
+    ops = [{"op": "allocate"}, {"op": "extend", "ctx": "c1", "tokens": [0]}, {"op": "allocate"},
+           {"op": "extend", "ctx": "c2", "tokens": [0, 0, 0]}, {"op": "fork", "ctx": "c2"}, {"op": "fork", "ctx": "c3"},
+           {"op": "overwrite", "ctx": "c4", "start": 0, "tokens": [1]}, {"op": "allocate"},
+           {"op": "extend", "ctx": "c5", "tokens": [1, 1, 1]}, {"op": "fork", "ctx": "c4"},
+           {"op": "retain", "ctx": "c5"}, {"op": "fork", "ctx": "c6"}, {"op": "match", "tokens": [1]},
+           {"op": "extend", "ctx": "c8", "tokens": [0] * 7}, {"op": "extend", "ctx": "c7", "tokens": [0] * 7},
+           {"op": "retain", "ctx": "c7"}, {"op": "close", "ctx": "c7"}, {"op": "extend", "ctx": "c5", "tokens": [0] * 3},
+           {"op": "retain", "ctx": "c8"}, {"op": "extend", "ctx": "c6", "tokens": [0] * 4},
+           {"op": "retain", "ctx": "c4"}, {"op": "truncate", "ctx": "c8", "n": 0}, {"op": "close", "ctx": "c5"},
+           {"op": "extend", "ctx": "c6", "tokens": [0] * 6}, {"op": "extend", "ctx": "c8", "tokens": [0] * 7}]
+    failure, lockstep = execute(sglang.factory, _config("token-f32-pool24-reclaim-prefixkv"),
+                                [op_from_json({"seed": 0, **op} if op["op"] in ("extend", "overwrite") else op) for op in ops])
+    assert failure is None, str(failure)        # was: "the reference had room: 22 pages ... of the pool's 24"
+    assert "refused" in next(h for h in reversed(lockstep.history) if h.startswith("extend(ctx='c8'"))  # both sides
