@@ -186,7 +186,9 @@ def skip_frees(pool) -> list:
     a retain then costs is what it costs before it frees anything, a floor no cheaper free goes under."""
     kept: list = []
 
-    def free(pages, slots) -> None:
+    def free(pages, slots, *release) -> None:
+        if release:
+            pool._commit(*release, None)     # the counts and the holder let go, as a release does
         kept.append(pages)
         pool.freed += len(pages)
 

@@ -38,9 +38,9 @@ def _let_buffers_go(pool) -> None:
 def _keep_freed_pages(pool) -> None:
     kept, free = [], pool._free
 
-    def free_keeping_pages(pages, slots) -> None:
+    def free_keeping_pages(pages, slots, *release) -> None:
         kept.append(list(pages))
-        free(pages, slots)
+        free(pages, slots, *release)
 
     pool._free = free_keeping_pages
 

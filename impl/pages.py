@@ -310,9 +310,9 @@ class PagePool:
         holding in that very step.
 
         Everything is worked out first (the new counts, which pages reach 0, that each is still the
-        live page on its slot); then the counts, the holder and the freed pages' books change in one
-        call with no call inside (``_commit``: CPython delivers an interrupt at a call); the freed
-        pages' memory goes back to the store last. So an interrupt (Ctrl-C, a run's deadline) leaves
+        live page on its slot: ``_free``, the one path every release frees through); then the counts,
+        the holder and the freed pages' books change in one call with no call inside (``_commit``:
+        CPython delivers an interrupt at a call); the freed pages' memory goes back to the store last. So an interrupt (Ctrl-C, a run's deadline) leaves
         the holder holding its pages with their counts, or neither, and no page live at count 0; one
         landing as the memory goes back loses at most that memory's reuse (an arena slot). Before,
         the holder let go in a ``finally``: interrupted before the counts went down, its pages stayed
@@ -327,25 +327,24 @@ class PagePool:
         # At or below 0: a page released once more than it was held is refused by ``_check_live``
         # (its slot is free or another page's), before anything changes.
         freed = np.flatnonzero(left <= 0)
-        doomed = None
-        if len(freed):
-            first, last = int(freed[0]), int(freed[-1]) + 1
-            if last - first == len(freed):      # one stretch of the list (an evicted entry's own pages): slices
-                doomed = self._doomed(pages[first:last], ids[first:last])
-            else:
-                doomed = self._doomed([pages[index] for index in freed.tolist()],
-                                      ids[freed] if type(ids) is not range else freed + ids.start)
-        self._commit(ids, left, holder, after, doomed)
-        if doomed is not None:
-            self._free_buffers(doomed[3])       # the memory last: see above
+        if not len(freed):
+            self._commit(ids, left, holder, after, None)
+            return
+        first, last = int(freed[0]), int(freed[-1]) + 1
+        if last - first == len(freed):      # one stretch of the list (an evicted entry's own pages): slices
+            self._free(pages[first:last], ids[first:last], ids, left, holder, after)
+        else:
+            self._free([pages[index] for index in freed.tolist()],
+                       ids[freed] if type(ids) is not range else freed + ids.start, ids, left, holder, after)
 
-    def _free(self, pages, slots: "range | np.ndarray") -> None:
+    def _free(self, pages, slots: "range | np.ndarray", *release) -> None:
         """Pages nobody holds (``slots`` their refcount slots, all at 0): out of the live set, their
         slots marked free, their memory back to the store (one call for all: an eviction at one-token
-        pages frees hundreds, and a call a page cost a fifth of it). As ``release_slots`` frees."""
+        pages frees hundreds, and a call a page cost a fifth of it). ``release``: the
+        ``(ids, left, holder, after)`` of the ``release_slots`` that frees them, committed in the same step."""
         doomed = self._doomed(pages, slots)
-        self._commit(None, None, None, None, doomed)
-        self._free_buffers(doomed[3])
+        self._commit(*(release or (None, None, None, None)), doomed)
+        self._free_buffers(doomed[3])       # the memory last: see ``release_slots``
 
     def _doomed(self, pages, slots: "range | np.ndarray") -> tuple:
         """What freeing ``pages`` (``slots`` theirs) changes, worked out before anything does: their

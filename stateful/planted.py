@@ -164,7 +164,10 @@ def dirty_recycled_slot() -> ContextManager:
 
 def release_skips_last_page() -> ContextManager:
     """The release path decrements refcounts but never frees a page."""
-    return _patched(pages_module.PagePool, "_free", lambda pool, pages, slots: None)     # what both release paths call
+    def free(pool, pages, slots, *release):      # what every release path calls
+        if release:
+            pool._commit(*release, None)        # the counts and the holder let go; no page freed
+    return _patched(pages_module.PagePool, "_free", free)
 
 
 def restore_drops_partial_page() -> ContextManager:
