@@ -159,6 +159,21 @@ def refuse_chained(url: str, error_class: type[KVStateError]) -> None:
                           f"(an IPv6 endpoint goes in storage_options' endpoint_url)")
 
 
+_VERSIONED_SCHEMES = ("s3://", "s3a://")      # s3fs's: it reads ``?versionId=`` in a key as a version
+
+
+def refuse_versioned(url: str, error_class: type[KVStateError]) -> None:
+    """s3fs cuts an S3 key at ``?versionId=`` and sends no version with a write: ``s3://b/s.kvs?versionId=1``
+    and ``...?versionId=2`` were both the object ``s.kvs`` (the second snapshot replaced the first, and
+    neither URL could be restored). So such a URL is refused before any use. Any other query string
+    s3fs keeps in the key, as part of the object's name. The version is not quoted (``redact``)."""
+    if url.lower().startswith(_VERSIONED_SCHEMES) and "?versionId=" in url:
+        raise error_class(f"{redact(url)}: a URL holding '?versionId=' is refused (what follows it is not quoted): "
+                          f"s3fs cuts the key there and writes no version, so every URL differing only after it "
+                          f"would be one object; put a version in the key's name instead "
+                          f"(such as 's3://bucket/kv/name.v2.kvs')")
+
+
 # botocore's own rule for a region name (``botocore.utils.validate_region_name``: a host label, not all
 # digits), checked before botocore sees one; and the shapes of AWS credentials, which pass that rule and
 # would then be named in every endpoint URL botocore builds and logs (an access key id; a secret key's
@@ -240,6 +255,7 @@ def _describe(error: BaseException) -> str:
 def _filesystem(url: str, storage_options: dict | None, error_class: type[SnapshotError]):
     refuse_credentials(url, error_class)
     refuse_chained(url, error_class)
+    refuse_versioned(url, error_class)
     refuse_unsafe_options(storage_options, error_class, url)
     try:
         import fsspec

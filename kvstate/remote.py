@@ -107,6 +107,7 @@ class SnapshotStore:
                                     f"got {url_prefix!r}")
         remote_io.refuse_credentials(url_prefix, InvalidInputError)
         remote_io.refuse_chained(url_prefix, InvalidInputError)     # file:// too: its probes go through fsspec
+        remote_io.refuse_versioned(url_prefix, InvalidInputError)  # its every key would be one object
         remote_io.refuse_unsafe_options(storage_options, InvalidInputError, url_prefix)
         for name, value in (("stride", stride), ("probe_batch", probe_batch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -195,6 +195,27 @@ def test_a_missing_object_is_not_found_by_name(s3):
         cache.restore(url)
 
 
+# s3fs cuts a key at "?versionId=" and writes no version: both URLs were the one object "sess.kvs",
+# the second snapshot replaced the first, and neither URL could be restored.
+def test_s3_urls_naming_a_version_are_refused_before_anything_is_written(s3):
+    from kvstate.remote import SnapshotStore
+
+    cache = Cache(SMALL, page_tokens=2)
+    folder = f"versioned-{uuid.uuid4().hex[:8]}"
+    with filled(cache, 3) as ctx:
+        for version in ("turn1", "turn2"):
+            with pytest.raises(SnapshotWriteError, match=r"\?versionId="):
+                ctx.snapshot(s3.url(f"{folder}/sess.kvs?versionId={version}"))
+    with pytest.raises(SnapshotReadError, match=r"\?versionId="):
+        cache.restore(s3.url(f"{folder}/sess.kvs?versionId=turn1"))
+    with pytest.raises(InvalidInputError, match=r"\?versionId="):
+        SnapshotStore(f"s3a://{s3.bucket}/{folder}?versionId=x")
+    assert s3.fs.find(f"{s3.bucket}/{folder}") == []
+    with filled(cache, 3) as ctx:        # any other query string is part of the key, written whole
+        ctx.snapshot(s3.url(f"{folder}/sess.kvs?turn=1"))
+    assert s3.fs.find(f"{s3.bucket}/{folder}") == [f"{s3.bucket}/{folder}/sess.kvs?turn=1"]
+
+
 # -- refusals --------------------------------------------------------------------------------
 
 def _refusal(cache: Cache, url: str) -> SnapshotError:
