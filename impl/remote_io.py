@@ -19,8 +19,8 @@ one, never a part.
   ``TEMP_SUFFIX``), then a move onto the target. That is atomic where the move is
   (memory://, object stores whose move is copy-then-delete: the copy appears
   whole); on a filesystem whose move is not atomic, neither is publication.
-- ``file://`` URLs are local paths (``local_path``): ``impl/snapshot.py`` writes
-  them with its own fsync-and-rename.
+- URLs of fsspec's local filesystem (``file://``, ``local://``: ``is_local_url``) are local
+  paths (``local_path``): ``impl/snapshot.py`` writes them with its own fsync-and-rename.
 
 Memory is bounded both ways: writes buffer at most one part (``PART_BYTES``)
 before it is uploaded, reads fetch ``READ_BLOCK_BYTES`` at a time into the
@@ -79,18 +79,37 @@ _TRANSIENT_STATUSES = {408, 412, 429, 500, 502, 503, 504}
 # -- URLs --------------------------------------------------------------------------------
 
 def is_remote(target) -> bool:
-    """Whether ``target`` is a URL for this module: a str with a scheme, other than ``file://``."""
-    return isinstance(target, str) and "://" in target and not target.startswith("file://")
+    """Whether ``target`` is a URL for this module: a str with a scheme, other than the local filesystem's."""
+    return isinstance(target, str) and "://" in target and not is_local_url(target)
+
+
+def is_local_url(target) -> bool:
+    """Whether ``target`` is a URL fsspec serves from its local filesystem, by whichever of its names
+    (``file://``, ``local://``): decided by the filesystem, not the spelling, since fsspec's copy
+    onto a local file truncates it and writes in place, where a local path gets a temp file and a
+    rename, and its open blocks on a FIFO, where ``open_regular`` refuses one."""
+    if not isinstance(target, str) or "://" not in target:
+        return False
+    scheme = target.partition("://")[0]
+    if scheme == "file":
+        return True             # fsspec or not
+    try:
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+        return bool(scheme) and issubclass(fsspec.get_filesystem_class(scheme), LocalFileSystem)
+    except (ImportError, ValueError):     # no fsspec, or no filesystem of that name: not local
+        return False
 
 
 def local_path(target):
-    """The path of a ``file://`` URL, taken literally as fsspec takes it (``?``, ``#`` and ``%`` are
-    part of the name, not a query, a fragment or an escape); any other target unchanged."""
-    if isinstance(target, str) and target.startswith("file://"):
+    """The path of a local filesystem's URL (``is_local_url``), taken literally as fsspec takes it
+    (``?``, ``#`` and ``%`` are part of the name, not a query, a fragment or an escape); any other
+    target unchanged."""
+    if is_local_url(target):
         # fsspec reads file://user:secret@/p as the relative path "user:secret@/p": the secret would
         # become a folder name and show in every message about it
         refuse_credentials(target, SnapshotError)
-        return target[len("file://"):]
+        return target.partition("://")[2]
     return target
 
 
@@ -681,9 +700,9 @@ def publish(url: str, fill: Callable[[object], None], storage_options: dict | No
             deadline: Deadline | float | None = None) -> None:
     """Replace the object at ``url`` with what ``fill(stream)`` writes, atomically; retried on transient
     failures, all within ``deadline`` (as for ``read``)."""
-    if url.startswith("file://"):
-        # a local folder (a ``file://`` store): the local writer's temp file, fsyncs and rename, so a
-        # reader sees the old file or the whole new one; fsspec's local copy would write in place
+    if is_local_url(url):
+        # a local folder (a ``file://`` or ``local://`` store): the local writer's temp file, fsyncs and
+        # rename, so a reader sees the old file or the whole new one; fsspec's local copy writes in place
         path = local_path(url)
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -9,6 +9,7 @@ its moto server.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import types
 import re
@@ -84,6 +85,27 @@ def test_file_urls_are_the_literal_path_fsspec_uses(name, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]
     fs, path = fsspec.core.url_to_fs(url)
     assert fs.exists(path)     # the key fsspec itself names by this URL
+
+
+# fsspec's copy onto a local file (shutil.copyfile) truncated local:// targets and wrote them in place:
+# a reader saw a part, and a crash mid-copy left one under the final name, the old snapshot gone.
+@pytest.mark.parametrize("scheme", ["file", "local"])
+def test_every_name_of_the_local_filesystem_is_written_by_rename_and_opened_as_a_regular_file(scheme, tmp_path):
+    path = tmp_path / "s.kvs"
+    cache = Cache(SMALL, page_tokens=2)
+    with filled(cache, 3, seed=1) as old, filled(cache, 5, seed=7) as new:
+        old.snapshot(path)
+        before = path.stat().st_ino
+        new.snapshot(f"{scheme}://{path}")
+        assert path.stat().st_ino != before, "the old file was overwritten in place, not replaced"
+        with cache.restore(f"{scheme}://{path}") as back:
+            assert tokens_of(back) == tokens_of(new)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.kvs"]
+    os.mkfifo(tmp_path / "fifo.kvs")
+    started = time.monotonic()
+    with pytest.raises(SnapshotError, match="not a regular file"):    # not a wait for a writer
+        cache.restore(f"{scheme}://{tmp_path}/fifo.kvs", deadline_s=1)
+    assert time.monotonic() - started < 0.5
 
 
 NO_OBJECT = "names no object"
