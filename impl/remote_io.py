@@ -59,7 +59,7 @@ from kvstate.spec.errors import (KVStateError, SnapshotDeadlineError, SnapshotEr
                                  SnapshotReadError, SnapshotWriteError)
 
 from .remote_deadline import Bounded, Deadline, Worker, resolve
-from .snapshot_files import write_atomic
+from .snapshot_files import open_regular, write_atomic
 
 T = TypeVar("T")
 
@@ -310,6 +310,14 @@ def _is_memory(fs) -> bool:
     return "memory" in protocols and isinstance(getattr(fs, "store", None), dict)
 
 
+def _is_local(fs) -> bool:
+    try:
+        from fsspec.implementations.local import LocalFileSystem
+    except ImportError:
+        return False
+    return isinstance(fs, LocalFileSystem)
+
+
 def _is_http(fs) -> bool:
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return "http" in protocols or "https" in protocols
@@ -358,6 +366,10 @@ def open_read(url: str, storage_options: dict | None = None, worker: Worker | No
             # each reader gets its own view of the bytes instead, without copying them.
             file = io.BytesIO(fs.store[path].getbuffer()) if path in fs.store else fs.open(path, "rb")
             worker = None       # in this process's memory: nothing to wait for
+        elif _is_local(fs):
+            # a FIFO, device or socket at a key (a file:// store's) is refused at once by name, where
+            # fsspec's open blocked in a thread stuck for good, counted against every file:// store
+            file, _ = call(open_regular, path)
         else:
             call(fs.invalidate_cache, path)     # size and ETag from the server, not from an earlier listing
             file = call(fs.open, path, "rb", block_size=READ_BLOCK_BYTES, cache_type="readahead",

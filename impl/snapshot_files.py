@@ -5,12 +5,15 @@ flushes and fsyncs it, renames it over the target (``os.replace``: a symlink the
 not followed), then fsyncs the folder: a reader, or a crash, sees the old complete file or the
 new complete one. The writer holds an exclusive ``flock`` on its partial file while it writes
 (``hold_partial``), so ``clean_stale_partials`` removes only the partials of writers that died.
+``open_regular(path)`` opens a snapshot for reading only if it is a regular file, never blocking
+on a FIFO (here, beside the writer, so ``impl/remote_io.py`` opens a local URL with it too).
 What goes into the file is the caller's (``impl/snapshot.py``); this module knows only names
 (``spec/snapshot_format.py``'s ``TEMP_PREFIX``/``TEMP_SUFFIX``) and the operating system.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 import tempfile
@@ -18,7 +21,7 @@ import time
 from typing import Callable
 
 from kvstate.spec import snapshot_format as fmt
-from kvstate.spec.errors import SnapshotWriteError
+from kvstate.spec.errors import SnapshotError, SnapshotNotFoundError, SnapshotWriteError
 
 try:
     import fcntl
@@ -26,6 +29,43 @@ except ImportError:      # not POSIX: no partial-file locks
     fcntl = None
 
 STALE_PARTIAL_SECONDS = 10.0    # an unlocked partial file this old has no live writer (see clean_stale_partials)
+
+
+def open_regular(source) -> tuple[io.BufferedReader, int]:
+    """``source`` opened for reading, and its size, if it is a regular file; a ``SnapshotError`` if not.
+
+    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read: opening a FIFO
+    with no writer would otherwise block forever, and a device (``/dev/zero``) or a
+    directory is no snapshot. Blocking is switched back on for the reads.
+    """
+    try:
+        path = os.fspath(source)
+    except TypeError:
+        raise SnapshotError(f"a snapshot comes from a path or a binary stream, not {type(source).__name__}") from None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError as error:
+        raise SnapshotNotFoundError(f"no snapshot at {path!r}") from error
+    except (OSError, ValueError) as error:     # permission, a symlink loop, a NUL in the path
+        raise SnapshotError(f"cannot open snapshot {path!r}: {error}") from error
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SnapshotError(f"{path!r} is not a regular file ({_file_kind(info.st_mode)}); "
+                                f"pass an open binary stream to restore from anything else")
+        os.set_blocking(fd, True)
+        return open(fd, "rb"), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def write_atomic(path: str, fill: Callable) -> None:

@@ -1,15 +1,12 @@
-"""Reading a snapshot without touching a cache: opening a regular file, the header and its
-size checks, a peek at the precision it holds (``peek_precision``), the cost bound
-(``max_bytes``), and a body read whole with its checksum (``BodyChecksum``, on a worker thread
-for large bodies)."""
+"""Reading a snapshot without touching a cache: the header and its size checks, a peek at the
+precision it holds (``peek_precision``), the cost bound (``max_bytes``), and a body read whole
+with its checksum (``BodyChecksum``, on a worker thread for large bodies)."""
 
 from __future__ import annotations
 
 import io
 import math
-import os
 import queue
-import stat
 import threading
 from typing import TYPE_CHECKING, Callable
 
@@ -18,53 +15,17 @@ import numpy as np
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.errors import (InvalidInputError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
-                                 SnapshotNotFoundError, SnapshotReadError, SnapshotTooLargeError,
+                                 SnapshotReadError, SnapshotTooLargeError,
                                  SnapshotTruncatedError)
 from kvstate.spec.positions import as_position
 
 from . import remote_io
 from . import snapshot_tuning as tuning
+from .snapshot_files import open_regular
 from .memory import physical_memory
 
 if TYPE_CHECKING:
     from .cache import Cache
-
-
-def open_regular(source) -> tuple[io.BufferedReader, int]:
-    """``source`` opened for reading, and its size, if it is a regular file; a ``SnapshotError`` if not.
-
-    Opened with ``O_NONBLOCK`` and checked with ``fstat`` before any read: opening a FIFO
-    with no writer would otherwise block forever, and a device (``/dev/zero``) or a
-    directory is no snapshot. Blocking is switched back on for the reads.
-    """
-    try:
-        path = os.fspath(source)
-    except TypeError:
-        raise SnapshotError(f"a snapshot comes from a path or a binary stream, not {type(source).__name__}") from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError as error:
-        raise SnapshotNotFoundError(f"no snapshot at {path!r}") from error
-    except (OSError, ValueError) as error:     # permission, a symlink loop, a NUL in the path
-        raise SnapshotError(f"cannot open snapshot {path!r}: {error}") from error
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise SnapshotError(f"{path!r} is not a regular file ({_file_kind(info.st_mode)}); "
-                                f"pass an open binary stream to restore from anything else")
-        os.set_blocking(fd, True)
-        return open(fd, "rb"), info.st_size
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return kind
-    return "not a regular file"
 
 
 def restore_cost(cache: "Cache", header: fmt.Header) -> int:

@@ -770,6 +770,28 @@ def test_a_store_travels_to_worker_processes_by_pickle(tmp_path):
     assert (copy.failures, store.failures) == (1, 0)
 
 
+# fsspec's blocking open of a FIFO at a file:// store's key waited out every get's and match's deadline,
+# in a thread stuck for good; 16 of those refused every file:// store in the process (the stuck-call cap).
+def test_a_fifo_at_a_file_stores_key_is_refused_at_once_and_leaves_no_call_waiting(tmp_path):
+    from kvstate.impl import remote_deadline
+    from kvstate.spec.errors import SecondTierWarning
+    store = SnapshotStore(f"file://{tmp_path}/kv", stride=4, deadline_s=2)
+    cache = Cache(SMALL, page_tokens=2)
+    key = store.url(cache, [1, 2, 3]).removeprefix("file://")
+    os.makedirs(os.path.dirname(key))
+    os.mkfifo(key)
+    stuck, started = remote_deadline.stuck_calls(), time.monotonic()
+    with pytest.raises(SnapshotError, match=r"not a regular file \(a FIFO\)"):
+        store.get(cache, [1, 2, 3])
+    tiered = Cache(SMALL, page_tokens=2, second_tier=store)
+    with pytest.warns(SecondTierWarning, match="a FIFO"):
+        hit, n = tiered.match([1, 2, 3])
+    hit.close()
+    assert n == 0 and store.failures == 1
+    assert time.monotonic() - started < 1.5, "waited for the deadline"
+    assert remote_deadline.stuck_calls() == stuck
+
+
 @pytest.mark.parametrize("prefix", ["memory://", "s3://", "s3:///", "file://"])
 def test_a_prefix_that_names_no_bucket_or_folder_is_refused(prefix):
     with pytest.raises(InvalidInputError, match="naming a bucket or folder"):
