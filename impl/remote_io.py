@@ -204,11 +204,12 @@ _CREDENTIAL_SHAPE = re.compile(r"^(?:(?:AKIA|ASIA)[A-Z0-9]{16}|[A-Za-z0-9/+=]{40
 def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStateError],
                           url: str | None = None) -> None:
     """``storage_options`` whose ``endpoint_url`` carries ``user:secret@``, or whose ``region_name`` is no
-    region name (a secret pasted into the wrong field), refused before any use, top level or in
-    ``client_kwargs``: botocore quotes both in its messages and its debug log, where no redaction of
-    ours reaches. With ``url``, the options fsspec's configuration adds for its filesystem are held to
-    the same rules (``configured_options``): they are the only options ``ctx.snapshot(url)`` and
-    ``cache.restore(url)`` have. The message quotes no value."""
+    region name or ``signature_version`` no signer botocore has (a secret pasted into the wrong field),
+    refused before any use, top level or in ``client_kwargs`` or ``config_kwargs``: botocore quotes them
+    in its messages and its debug log, where no redaction of ours reaches. With ``url``, the options
+    fsspec's configuration adds for its filesystem are held to the same rules (``configured_options``):
+    they are the only options ``ctx.snapshot(url)`` and ``cache.restore(url)`` have. The message quotes
+    no value."""
     if storage_options is not None and not isinstance(storage_options, dict):
         raise error_class(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
     sources = [("storage_options", storage_options or {})]
@@ -216,9 +217,9 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
         sources += configured_options(url, storage_options)
     for source, options in sources:
         places = [(source, options)]
-        client = options.get("client_kwargs")
-        if isinstance(client, dict):
-            places.append((f"{source}['client_kwargs']", client))
+        for nested in ("client_kwargs", "config_kwargs"):     # botocore's client, and its Config
+            if isinstance(options.get(nested), dict):
+                places.append((f"{source}[{nested!r}]", options[nested]))
         for where, found in places:
             endpoint = found.get("endpoint_url")
             # an endpoint names a server, no key, so an ``@`` anywhere in it is userinfo: one read as a
@@ -231,6 +232,20 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
                                            and not _CREDENTIAL_SHAPE.match(region)):
                 raise error_class(f"{where}['region_name'] is no region name (such as us-east-1); not quoted "
                                   f"here, in case it is a secret in the wrong field")
+            signing = found.get("signature_version")       # a str; botocore.UNSIGNED is an object
+            if isinstance(signing, str) and not _known_signature_version(signing):
+                raise error_class(f"{where}['signature_version'] is no signature version botocore knows (such as "
+                                  f"s3v4); not quoted here, in case it is a secret in the wrong field")
+
+
+def _known_signature_version(name: str) -> bool:
+    """Whether botocore signs by ``name``: its error for any other quotes it, in every message of ours
+    about the call. Without botocore nothing reads the option, so any name passes."""
+    try:
+        from botocore.auth import AUTH_TYPE_MAPS
+    except ImportError:
+        return True
+    return name in AUTH_TYPE_MAPS
 
 
 def configured_options(url: str, storage_options: dict | None) -> list[tuple[str, dict]]:

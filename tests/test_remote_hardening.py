@@ -197,11 +197,13 @@ def test_a_url_with_credentials_is_refused_and_no_message_cause_or_log_carries_t
 
 
 def _unsafe_options(secret: str) -> list[dict]:
-    """A secret where botocore would quote it: in an endpoint's userinfo, or pasted as the region."""
+    """A secret where botocore would quote it: in an endpoint's userinfo, or pasted as the region or
+    the signature version (botocore's UnknownSignatureVersionError quoted it in every message)."""
     endpoint = f"http://AKIAEXAMPLE:{secret}@127.0.0.1:9"
     return [{"endpoint_url": endpoint}, {"client_kwargs": {"endpoint_url": endpoint}},
             {"client_kwargs": {"region_name": secret}, "endpoint_url": "http://127.0.0.1:9"},
-            {"region_name": secret, "endpoint_url": "http://127.0.0.1:9"}]
+            {"region_name": secret, "endpoint_url": "http://127.0.0.1:9"},
+            {"config_kwargs": {"signature_version": secret}, "endpoint_url": "http://127.0.0.1:9"}]
 
 
 @pytest.mark.parametrize("secret", SECRETS)
@@ -218,14 +220,14 @@ def test_options_carrying_a_secret_where_botocore_quotes_it_are_refused_before_u
     url = "s3://bucket/kv/ctx.kvs"
     for options in _unsafe_options(secret):
         with filled(cache, 3) as ctx:
-            with pytest.raises(SnapshotWriteError, match="endpoint_url|region_name") as error:
+            with pytest.raises(SnapshotWriteError, match="endpoint_url|region_name|signature_version") as error:
                 remote_io.publish(url, ctx.snapshot, options)
             caught.append(error.value)
         for action in (lambda: remote_io.read(url, cache.restore, options), lambda: remote_io.exists(url, options)):
-            with pytest.raises(SnapshotReadError, match="endpoint_url|region_name") as error:
+            with pytest.raises(SnapshotReadError, match="endpoint_url|region_name|signature_version") as error:
                 action()
             caught.append(error.value)
-        with pytest.raises(InvalidInputError, match="endpoint_url|region_name") as error:
+        with pytest.raises(InvalidInputError, match="endpoint_url|region_name|signature_version") as error:
             SnapshotStore(url.rpartition("/")[0], storage_options=options)
         caught.append(error.value)
     _quoted_nowhere(secret, caught, caplog.text)
@@ -259,14 +261,15 @@ def test_the_same_options_set_in_fsspecs_configuration_are_refused_before_use(se
     for configured in _unsafe_options(secret):
         monkeypatch.setitem(fsspec.config.conf, "s3", {**quick, **configured})
         with filled(cache, 3) as ctx:
-            with pytest.raises(SnapshotWriteError, match=r"config.conf\['s3'\].*(endpoint_url|region_name)") as error:
+            with pytest.raises(SnapshotWriteError,
+                               match=r"config.conf\['s3'\].*(endpoint_url|region_name|signature_version)") as error:
                 ctx.snapshot(url, deadline_s=3)
             caught.append(error.value)
         for action in (lambda: cache.restore(url, deadline_s=3), lambda: remote_io.exists(url, deadline=3)):
-            with pytest.raises(SnapshotReadError, match="endpoint_url|region_name") as error:
+            with pytest.raises(SnapshotReadError, match="endpoint_url|region_name|signature_version") as error:
                 action()
             caught.append(error.value)
-        with pytest.raises(InvalidInputError, match="endpoint_url|region_name") as error:
+        with pytest.raises(InvalidInputError, match="endpoint_url|region_name|signature_version") as error:
             SnapshotStore("s3://bucket/kv", storage_options={"key": "testing"})
         caught.append(error.value)
     _quoted_nowhere(secret, caught, caplog.text)
@@ -289,7 +292,8 @@ def test_a_region_botocore_would_quote_or_name_in_its_urls_is_refused(region):
 def test_ordinary_endpoints_and_regions_pass_the_option_check():
     for options in (None, {}, {"endpoint_url": "http://127.0.0.1:9000", "key": "k", "secret": "s"},
                     {"client_kwargs": {"region_name": "us-east-1", "endpoint_url": "https://s3.example.com"}},
-                    {"region_name": "eu-central-1"}, {"region_name": ""}, {"region_name": "us-gov-west-1"}):
+                    {"region_name": "eu-central-1"}, {"region_name": ""}, {"region_name": "us-gov-west-1"},
+                    {"config_kwargs": {"signature_version": "s3v4"}}, {"config_kwargs": {"signature_version": "s3"}}):
         remote_io.refuse_unsafe_options(options, SnapshotWriteError)
     with pytest.raises(SnapshotWriteError, match="must be a dict"):
         remote_io.refuse_unsafe_options(["endpoint_url"], SnapshotWriteError)
