@@ -187,8 +187,8 @@ class Context:
         Values are exactly what ``read`` returns for the same positions and layer,
         gathered into one array each; the result does not depend on the page size.
         """
-        return self._owned(self._read_layer, layer, start, stop)     # gathered while owned: the parts may be
-                                                                    # views of pages a next owner rewrites
+        # Gathered while owned: the parts may be views of pages a next owner rewrites.
+        return self._owned(self._read_layer, layer, start, stop)
 
     def _read_layer(self, layer: int, start: int, stop: int | None):
         empty = (0, *self._cache.layout.position_shape[2:])
