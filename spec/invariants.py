@@ -50,7 +50,9 @@ def check_refcounts(obs: Observation) -> None:
     held = Counter(chain.from_iterable(obs.holders.values()))
     for pid, page in obs.pages.items():
         if page.refcount != held.get(pid, 0):
-            holders = sorted(h for h, pages in obs.holders.items() if pid in pages)
+            # A holder listing the page twice is named so: "2 holders ['ctx:2']" hid the fault.
+            holders = sorted(h if pages.count(pid) == 1 else f"{h}, {pages.count(pid)} times"
+                             for h, pages in obs.holders.items() if pid in pages)
             raise InvariantViolation(
                 1, f"page {pid} has refcount {page.refcount} but {held.get(pid, 0)} holders {holders}")
 

@@ -223,3 +223,15 @@ def test_a_heap_page_freed_twice_is_kept_once():
     assert store._spares == [buffer]
     kept, buffer = id(buffer), None       # held here, it would not be reused
     assert id(store.allocate(2)) == kept and store._spares == []
+
+
+def test_a_holder_listing_a_page_twice_is_named_so():
+    """An audit (s66) read "page 0 has refcount 1 but 2 holders ['ctx:2 (c4)']": one holder, listing it twice."""
+    from kvstate.spec.errors import InvariantViolation
+    from kvstate.spec.observation import Observation, PageView
+
+    obs = Observation(pages={0: PageView(0, 1, None)}, holders={"ctx:2": (0, 0), "ctx:3": (1,)},
+                      lengths={"ctx:2": 2, "ctx:3": 1}, pages_allocated=2, pages_freed=0, arena_size=None,
+                      arena_out={}, arena_free=(), tree=None, entries=None)
+    with pytest.raises(InvariantViolation, match=r"refcount 1 but 2 holders \['ctx:2, 2 times'\]"):
+        check_refcounts(obs)

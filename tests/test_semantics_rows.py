@@ -342,3 +342,17 @@ def test_a_wrong_stamp_of_a_black_box_engine_breaks_the_hits_stamp_their_entry_r
     row.check(audit_minimal.factory, config, row.text)
     with pytest.raises(AssertionError, match="hits stamp their entry|A hit stamps the entry"):
         row.check(getattr(audit_bugs, bug), config, row.text)
+
+
+@pytest.mark.parametrize("name", ["block4-q8-pool12-refuse-pages6", "block3-f16-pool8-evict-pages5",
+                                  "block2-f32-pool9-refuse"])
+def test_prefix_edges_splices_two_keys_blocks(name):
+    """An audit (s66): a block hashed with its index but not its parent passed every check at block size 16
+    and most at 4. A key of two blocks, one of another block, then a query splicing them: one block."""
+    from foreign import audit_bugs, audit_minimal
+    from kvstate.stateful.directed.prefix import ELSEWHERE, prefix_edges
+
+    config = _audit_config(name)
+    prefix_edges(audit_minimal.factory, config)
+    with pytest.raises(AssertionError, match=ELSEWHERE.split(":")[0]):
+        prefix_edges(audit_bugs.unchained_hash, config)

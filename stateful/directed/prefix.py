@@ -33,7 +33,8 @@ HIT_SNAPSHOT = "a snapshot of a hit holds what the hit reads, after the hit was 
 TIES = ("among entries sharing the longest prefix with the query, the most recently used gives the hit, "
         "and only it is stamped")
 ELSEWHERE = ("a hit is a prefix of a retained key, taken from its start: tokens at the start of the query equal "
-             "to tokens a key holds further on are no hit (as a block hash that leaves out its parent's finds them)")
+             "to tokens a key holds further on are no hit, nor is a key's later block after another key's first "
+             "(as a block hash that leaves out its parent's finds them)")
 BUDGET = ("the tree's bounds: past max_entries entries or max_pages pages (each entry's own pages, as if "
           "nothing were shared), retain evicts the least recently used entries, never the one just retained")
 REHASHED = ("retaining a context again after an overwrite of an earlier block keeps the first entry whole: "
@@ -199,15 +200,22 @@ def _retained_after_overwrite(run: Lockstep) -> None:
 def _blocks_elsewhere(run: Lockstep) -> None:
     """A key of two whole blocks, matched by queries that hold its second block first: no hit there,
     and a hit of one block where only the first agrees (a chain of block hashes that leaves out each
-    block's parent finds the second block at the query's start)."""
+    block's parent finds the second block at the query's start). Then a key of one other block, and
+    a query of it followed by the first key's second block: one block (a hash of a block and its
+    index, not its parent, finds that second block after the other first block: an audit's engine so
+    hashed passed every check at vLLM's block size 16). Three blocks in all, so a tight ``max_pages``
+    still holds both keys."""
     block = run.config.block_tokens or run.config.page_tokens
     first, second = tuple(150 + i for i in range(block)), tuple(170 + i for i in range(block))
+    other = tuple(190 + i for i in range(block))
     with keeping(ELSEWHERE, run):
         retain_new(run, first + second, seed=131)
         _match(run, second)
         _match(run, second + first)
         _match(run, first + first)
         _match(run, first + second)
+        retain_new(run, other, seed=132)
+        _match(run, other + second)
 
 
 def _page_budget(run: Lockstep) -> None:
