@@ -136,3 +136,23 @@ def test_an_engine_that_stops_evicting_for_the_bound_once_it_reclaimed_is_caught
         assert "never longer" in str(caught), caught
     else:
         raise AssertionError("an engine keeping entries past max_entries once it reclaimed passed")
+
+
+def test_a_hit_that_leaves_its_cached_page_in_the_free_queue_is_caught_when_the_pool_fills():
+    # An audit's engine (s66): a hit took a cached page but left it queued, so a full pool handed it out
+    # again, to another context; it passed ci in one configuration. The full-pool row now holds a hit on a
+    # cached page while a context fills the pool and asks for one page more.
+    from kvstate.stateful.conform import conform
+    from foreign import free_queue
+
+    class LeftQueued(free_queue.PoolCache):
+        def take(self, page):
+            page.refcount += 1      # the bug: a page taken at refcount 0 stays in the free queue
+
+    def planted(config):
+        return LeftQueued(config)
+    planted.configs = free_queue.factory.configs
+    wrong = conform(planted, configs=[free_queue.CONFIG], checks=["pinned semantics"])[0]
+    assert not wrong.passed and "A pool that runs out does what the configuration declares" in str(wrong.failure)
+    right = conform(free_queue.factory, configs=[free_queue.CONFIG], checks=["pinned semantics"])[0]
+    assert right.passed, right.failure

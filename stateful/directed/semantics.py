@@ -102,6 +102,7 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
         run.finish()
     if config.pool_limit:
         _short_even_after_evicting(factory, config, promise)
+        _full_while_a_hit_holds_a_cached_page(factory, config, promise)
     if config.on_full == "reclaim":
         _recycled_without_pressure(factory, config, promise)
 
@@ -129,6 +130,26 @@ def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -
         filler = _after_an_entry_of_one_page(run, page, limit, seed=41)     # the pool, to the last page
         run.apply(O.Extend(filler, tuple([2] * (2 * page)), seed=43))
         run.apply(O.Match(tuple([1] * page)))      # the entry, if the pool's rule kept it
+        run.finish()
+
+
+def _full_while_a_hit_holds_a_cached_page(factory: Factory, config: Config, promise: str) -> None:
+    """An entry keeps one page no context holds (cached), a hit then holds it, and a context takes every
+    other page of the pool and asks for one more. Nothing is free or reclaimable, so the pool does what
+    it declares when full, and the held page is never handed out: an audit's engine (s66) whose hit
+    left a cached block in its free queue passed ``ci`` in one configuration. No check between the
+    operations, as in ``_recycled_without_pressure``."""
+    page, limit = config.page_tokens, config.pool_limit
+    run = start(factory, config)
+    with keeping(promise, run):
+        kept = run.apply(O.Allocate())
+        run.apply(O.Extend(kept, tuple([1] * page), seed=47))
+        run.apply(O.Retain(kept))
+        run.apply(O.Close(kept))
+        run.apply(O.Match(tuple([1] * page)))      # held: its page is no longer the pool's to reuse
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=48))
+        run.apply(O.Extend(filler, tuple([2] * page), seed=49))
         run.finish()
 
 
