@@ -430,6 +430,9 @@ def describe(error: BaseException, history: list[str] | None, minimised: bool = 
         head = f"{type(error).__name__}: {error}"
     else:
         head = f"the backend raised {type(error).__name__}: {error}{raised_at(error)}"
+    probe = getattr(error, "suite_probe", None)     # the suite's own call after the step raised it
+    if probe:
+        head += f"\n  {probe}"
     if history:
         what = "minimised failing sequence" if minimised else "failing sequence (not shrunk)"
         return _report(head, config, history, what)

@@ -10,6 +10,7 @@ this one class, so they cannot drift apart.
 from __future__ import annotations
 
 import re
+from contextlib import suppress
 from typing import Any, Callable, ClassVar
 
 import numpy as np
@@ -573,7 +574,13 @@ class Lockstep:
         less often (9 and 70 of 400 runs against 15 and 141), since the probes' own partial and tied
         hits are where such bugs show. A directed row builds the case the probes hide instead."""
         for key, _tick in self.reference.eviction_order() if order is None else order:    # ``order``: the check's own
-            engine_hit, engine_matched = self.engine.match(list(key))
+            try:
+                engine_hit, engine_matched = self.engine.match(list(key))
+            except Exception as error:      # the suite's call, not the step's: said so beside "failing call"
+                with suppress(AttributeError):      # an exception type without a __dict__ goes unannotated
+                    error.suite_probe = (f"raised by the suite's own match of entry {list(key)}, probing the "
+                                         f"entries after the failing call")
+                raise
             ref_hit, ref_matched = self.reference.match(list(key))
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"
             try:

@@ -156,3 +156,25 @@ def test_a_hit_that_leaves_its_cached_page_in_the_free_queue_is_caught_when_the_
     assert not wrong.passed and "A pool that runs out does what the configuration declares" in str(wrong.failure)
     right = conform(free_queue.factory, configs=[free_queue.CONFIG], checks=["pinned semantics"])[0]
     assert right.passed, right.failure
+
+
+def test_an_error_raised_by_the_suites_own_probe_is_said_to_be_the_probes():
+    # An audit (s66) read "failing call: retain(ctx='c2')" over a traceback "in match": the suite's probe of
+    # the entries after the step had raised it, which the report did not say.
+    import pytest
+
+    from kvstate.stateful.conform import describe
+    from foreign import free_queue
+
+    class MatchFails(free_queue.PoolCache):
+        def match(self, tokens):
+            raise RuntimeError("match fails")
+
+    run = Lockstep(MatchFails, free_queue.CONFIG)
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, (1, 2), seed=0))
+    run.apply(O.Retain(handle))
+    with pytest.raises(RuntimeError) as raised:
+        run.check()         # a black box: its entries are probed through match
+    said = describe(raised.value, run.history)
+    assert "raised by the suite's own match of entry [1, 2]" in said and "failing call: retain(ctx='c1')" in said
