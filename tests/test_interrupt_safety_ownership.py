@@ -16,7 +16,6 @@ every context must close, and nothing may be left live. Found this way:
 
 import io
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -25,41 +24,26 @@ from kvstate import Cache, Layout
 from kvstate.impl.batch_write import extend_rows
 from kvstate.spec.errors import ContextBusyError
 
-from test_interrupt_safety import closed_empty, consistent, values
+from test_interrupt_safety import _InterruptAtACall, closed_empty, consistent, values
 
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 COUNTED = (os.path.dirname(os.path.dirname(os.path.abspath(__import__("kvstate").__file__))),
            os.path.dirname(np.__file__))
 
 
-class interrupt_at_nth_call:
-    """``KeyboardInterrupt`` at the entry of the ``nth`` Python call, whatever is called; ``.hit``
-    says whether there were that many."""
+class interrupt_at_nth_call(_InterruptAtACall):
+    """``KeyboardInterrupt`` at the entry of the ``nth`` Python call of kvstate's or NumPy's (the
+    test's own lambdas included); ``.hit`` says whether there were that many. Not the tracer's own
+    way out, nor a callback the collector runs (Hypothesis registers one) wherever it happens to run."""
 
     def __init__(self, nth: int):
         self.left, self.hit = nth, False
 
-    def _trace(self, frame, event, arg):
-        # Only kvstate's calls and NumPy's (the test's own lambdas included), not this class's way out,
-        # nor a callback the collector runs (Hypothesis registers one) wherever it happens to run.
-        if event == "call" and frame.f_code is not _EXIT and frame.f_code.co_filename.startswith(COUNTED):
-            self.left -= 1
-            if self.left == 0:
-                sys.settrace(None)
-                self.hit = True
-                raise KeyboardInterrupt
-        return None
-
-    def __enter__(self):
-        sys.settrace(self._trace)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-        return False
+    def _counts(self, frame) -> bool:
+        return frame.f_code is not _EXIT and frame.f_code.co_filename.startswith(COUNTED)
 
 
-_EXIT = interrupt_at_nth_call.__exit__.__code__
+_EXIT = _InterruptAtACall.__exit__.__code__
 
 
 def keyless(ctx):
