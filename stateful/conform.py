@@ -383,7 +383,9 @@ def race_rounds(clock: Callable[[], float] = time.perf_counter):
 def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
     """The thread-race scenarios of ``stateful/races/``, at a small size, for a backend whose
     factory declares ``thread_safe = True`` (n/a otherwise: a single-threaded backend is legitimate;
-    which scenarios apply where: ``races/applicable.py``)."""
+    which scenarios apply where: ``races/applicable.py``). Each runs in the declared configuration
+    alone; one that does not apply there (``RaceReport.skipped``: an entry bound it cannot use) is
+    named in the detail, and the check is n/a if none applies."""
     from .races import scenarios as races
     from .races.applicable import backend_scenarios
 
@@ -391,13 +393,18 @@ def races_check(factory: Factory, config: Config, settings: Settings) -> Outcome
     scenarios = backend_scenarios(factory, config)
     if isinstance(scenarios, str):
         return Outcome("n/a", 0.0, scenarios)
+    not_applicable = []         # a scenario that does not apply in this configuration, and why
     try:
         for name, options in scenarios:
             for seed, schedule in race_rounds():
-                races.SCENARIOS[name](store=factory, seed=seed, configs=[config], **options, **schedule)
+                report = races.SCENARIOS[name](store=factory, seed=seed, configs=[config], **options, **schedule)
+                if config.name in report.skipped:       # decided by the configuration: so in every round
+                    not_applicable.append(f"{name}: {report.skipped[config.name]}")
+                    break
     except Exception as error:   # RaceFailure, or whatever the backend raised under threads
         return Outcome("FAIL", time.perf_counter() - started, describe(error, None, minimised=False))
-    return Outcome("pass", time.perf_counter() - started)
+    detail = "; ".join(f"n/a {why}" for why in not_applicable) or None
+    return Outcome("n/a" if len(not_applicable) == len(scenarios) else "pass", time.perf_counter() - started, detail)
 
 
 CHECKS: dict[str, Check] = {"lockstep": lockstep_check, "seeded": seeded_check}

@@ -83,6 +83,7 @@ class RaceReport:
     configs: list[str] = field(default_factory=list)     # configuration names, in the order run
     options: dict = field(default_factory=dict)          # the scenario's arguments a rerun passes again
     at: tuple[int, Config] | None = None                 # the iteration running, and its configuration
+    skipped: dict[str, str] = field(default_factory=dict)  # configuration name -> why the scenario is n/a there
     trace: Trace = field(default_factory=Trace, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -140,6 +141,14 @@ def make_cache(store, config: Config, trace: Trace | None = None) -> Cache:
     with a ``trace``, the cache's operations (and its contexts') are recorded in it."""
     cache = store(config) if callable(store) else Cache.from_config(config, store=store)
     return cache if trace is None else TracedCache(cache, trace)
+
+
+def own_store(store) -> bool:
+    """Whether ``store`` is one of kvstate's built-in page stores, whose race configurations are the
+    suite's own (a scenario may set their entry bound to what it needs), rather than a backend's
+    factory, which is raced only in the configurations it declared: a bound it did not declare it
+    need not have (vLLM's and SGLang's adapters have none and declare ``max_entries`` 2**30)."""
+    return not callable(store)
 
 
 def store_label(store) -> str:

@@ -67,8 +67,9 @@ from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may
 
 from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
     RACE_LAYOUT, RaceFailure, RaceReport, SETTLE, Watch, attempt, available_stores, check_after, check_emptied,
-    check_pool, extend, is_closed, kv_for, make_cache, overwrite, page_counters, pressure_configs, race_configs,
-    read_numpy, reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,
+    check_pool, extend, is_closed, kv_for, make_cache, overwrite, own_store, page_counters, pressure_configs,
+    race_configs, read_numpy, reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval,
+    verify,
 )
 from .rerun import racing_reported
 
@@ -466,10 +467,15 @@ def pressure_vs_match(store: str = "numpy", seed: int = 0, iterations: int = 6, 
 def match_close_vs_clear(store: str = "numpy", seed: int = 0, iterations: int = 6, threads: int = 5,
                          steps: int = 40, configs=None, yields: bool = False) -> RaceReport:
     """``match`` and ``close`` of the returned contexts racing ``clear``: a match forks an entry before
-    the clear releases it or finds nothing; results stay readable after the clear; nothing leaks."""
+    the clear releases it or finds nothing; results stay readable after the clear; nothing leaks.
+    A backend's factory runs in the configuration it declared: with no entry bound (``max_entries``
+    2**30) nothing but ``clear`` removes an entry, and the tree is held to that bound alone."""
     report = RaceReport("match_close_vs_clear", store, seed, threads=threads + 1, options={"threads": threads})
     with racing_reported(report, yields):
-        wide = [c.with_(max_entries=8) for c in configs] if configs else race_configs(max_entries=8)
+        # kvstate's own stores with room for 8 entries, so that clear, more than eviction, empties
+        # the tree; a backend in the bound it declared (with none, only clear does)
+        wide = configs if configs and not own_store(store) else [
+            c.with_(max_entries=8) for c in configs or race_configs()]
         for iteration, config, where in _rounds(report, store, seed, iterations, wide):
             cache, retained = make_cache(store, config, report.trace), Retained()
             bases = _bases(seed, iteration, 4 * config.page_tokens)
@@ -731,30 +737,51 @@ def _retain_key(cache: Cache, config: Config, key: list[int]) -> None:
     ctx.close()
 
 
-def _hit_plan(config: Config, threads: int) -> tuple[Config, int, int] | None:
-    """The configuration ``hits_stamp_under_race`` runs in, its key length and how many threads hit:
-    ``max_entries`` is set to the hit keys plus one (Z), keys are one whole block (``block``) or one
-    token, and the hits are as many as fit so that neither ``max_pages`` nor the pool ever needs
-    room for the retained keys plus the one more retain (nothing but ``max_entries`` then decides
-    the eviction, and it evicts exactly one). ``None`` where fewer than two hits would fit."""
+# The most entries ``hits_stamp_under_race`` fills a round with; a backend declaring a larger
+# ``max_entries`` (vLLM's and SGLang's adapters declare 2**30: no entry bound) never evicts in it.
+MOST_FILLED = 64
+
+
+def _hit_plan(config: Config, threads: int, store) -> tuple[Config, int, int, int] | str:
+    """The configuration ``hits_stamp_under_race`` runs in, its key length, how many threads hit and
+    how many more keys fill the tree; or why the scenario does not apply (an n/a).
+
+    Keys are one whole block (``block``) or one token. The tree holds ``max_entries`` of them, so
+    that one more retain must evict exactly one: the hit keys, the fillers and Z. ``max_entries`` is
+    the one declared, for a backend's factory (never one it did not declare: a backend with no
+    entry bound, or a larger one than the scenario fills, never evicts here, and is n/a); for
+    kvstate's own stores, whose race configurations are the suite's, the hits plus Z. Neither
+    ``max_pages`` nor the pool may ever need room for those keys plus the one more retain: nothing
+    but ``max_entries`` then decides the eviction."""
     length = config.block_tokens if config.match == "block" else 1
     pages = entry_pages(length, config.page_tokens)
-    fit = threads
+    room = MOST_FILLED
     if config.max_pages:
-        fit = min(fit, config.max_pages // pages - 1)      # the hit keys and Z within the budget
+        room = min(room, config.max_pages // pages)        # the keys within the budget
     if config.pool_limit:
-        fit = min(fit, config.pool_limit // pages - 2)     # and the retain that must evict, in the pool
-    if fit < 2:
-        return None
-    return config.with_(max_entries=fit + 1), length, fit
+        room = min(room, config.pool_limit // pages - 1)   # and the retain that must evict, in the pool
+    within = f"{length}-token keys" + (" within max_pages and the pool" if room < MOST_FILLED else "")
+    bound = min(threads + 1, room) if own_store(store) else config.max_entries
+    if own_store(store) and bound < 3:
+        return f"fewer than two hit keys and the newest fit ({room} entries of {within})"
+    if bound > room:
+        return (f"max_entries {bound}: the scenario fills at most {room} entries ({within}), so its retain "
+                f"never evicts for the entry bound")
+    if bound < 3:
+        return f"max_entries {bound}: fewer than two entries besides the newest, so no concurrent hits to race"
+    hits = min(threads, bound - 1)
+    if hits < 2:
+        return f"threads {threads}: fewer than two hits to race"
+    return config.with_(max_entries=bound), length, hits, bound - 1 - hits
 
 
 def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int = 4, threads: int = 3,
                           rounds: int = 10, configs=None, yields: bool = False) -> RaceReport:
-    """Recency under concurrent hits: each of ``rounds`` rounds retains ``threads`` keys, then one
-    more, Z (the newest; ``max_entries`` is the keys plus Z); ``threads`` threads then hit the other
-    keys at once, one key each (a ``match`` of the whole key, closed after); then one more retain must
-    evict. Whatever order the hits take, each stamps its own entry after Z's retain, so Z is the
+    """Recency under concurrent hits: each of ``rounds`` rounds retains ``threads`` keys, then any
+    fillers, then one more, Z (the newest; the keys, the fillers and Z are ``max_entries``); the
+    fillers are then hit one by one (so only the keys and Z are older); ``threads`` threads then hit
+    the keys at once, one key each (a ``match`` of the whole key, closed after); then one more retain
+    must evict. Whatever order the hits take, each stamps its own entry after Z's retain, so Z is the
     least recently used and the retain must evict Z and nothing else (no false positive: the outcome
     does not depend on the schedule). Judged through the black box after that retain: a ``match`` of
     each key (those stamp, but the eviction is already decided), Z missing, every other key holding
@@ -762,28 +789,36 @@ def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int =
     clock (two hits crossing, one stamp lost or given to the other's entry) leaves a hit key older
     than Z, and that one is evicted instead.
 
+    ``max_entries`` is the declared one for a backend's factory (``_hit_plan``): fewer hit threads
+    where it is small, fillers where it passes ``threads + 1``. kvstate's own stores run with the
+    hits plus Z and no fillers.
+
     Ten rounds: audit 3's ``stamp_outside_lock`` was caught in every configuration of 10 of 10
     ``races`` runs at 10 as at 40, for a quarter of the cost on a correct engine.
 
-    n/a (counted as ``skipped``) where pages are reclaimed the engine's own way (``reclaim``: which
-    entry goes is its choice) or fewer than two hit keys fit the pool and page budget."""
+    n/a (counted as ``skipped``, the reason in ``report.skipped``) where pages are reclaimed the
+    engine's own way (``reclaim``: which entry goes is its choice), or where fewer than two hit keys
+    fit or the declared ``max_entries`` is more than the scenario fills (``_hit_plan``)."""
     report = RaceReport("hits_stamp_under_race", store, seed, threads=threads, options={"threads": threads})
     with racing_reported(report, yields):
         for iteration, config, where in _rounds(report, store, seed, iterations, configs):
-            plan = None if reclaims(config.on_full) else _hit_plan(config, threads)
-            if plan is None:
+            plan = (f"on_full={config.on_full!r}: which entry goes is the engine's choice"
+                    if reclaims(config.on_full) else _hit_plan(config, threads, store))
+            if isinstance(plan, str):
                 report.add("skipped")
+                report.skipped[config.name] = plan
                 report.iterations += 1
                 continue
-            bounded, length, hits = plan
+            bounded, length, hits, filled = plan
             cache = make_cache(store, bounded, report.trace)
             rng = seeded_rng(seed, iteration)
             want = hit_length(bounded.match, bounded.block_tokens, length)
             for round_ in range(rounds):
-                first = [int(t) for t in rng.permutation(900)[:hits + 2] + 100]     # distinct first tokens
+                first = [int(t) for t in rng.permutation(900)[:hits + filled + 2] + 100]     # distinct first tokens
                 keys = [[t] + [int(rng.integers(1000, 2000)) for _ in range(length - 1)] for t in first]
-                hit_keys, newest, last = keys[:hits], keys[hits], keys[hits + 1]
-                for key in hit_keys + [newest]:
+                hit_keys, fillers = keys[:hits], keys[hits:hits + filled]
+                newest, last = keys[hits + filled], keys[hits + filled + 1]
+                for key in hit_keys + fillers + [newest]:
                     _retain_key(cache, bounded, key)
                 at = f"{where} round {round_}"
 
@@ -800,10 +835,12 @@ def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int =
                             ctx.close()
                     return run
 
+                for key in fillers:         # one by one: each is then newer than Z
+                    hitter(key)()
                 run_threads([hitter(key) for key in hit_keys], at, report=report)
                 _retain_key(cache, bounded, last)          # must evict exactly Z
                 kept = []
-                for key in hit_keys + [newest, last]:
+                for key in hit_keys + fillers + [newest, last]:
                     ctx, matched = cache.match(key)
                     try:
                         if matched not in (0, want):
@@ -814,13 +851,14 @@ def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int =
                     finally:
                         ctx.close()
                     kept.append(bool(matched))
-                evicted = [key for key, k in zip(hit_keys + [newest, last], kept) if not k]
+                evicted = [key for key, k in zip(hit_keys + fillers + [newest, last], kept) if not k]
                 if evicted != [newest]:
                     hit_list = " and ".join(str(key) for key in hit_keys)
+                    others = f", the {filled} others hit one by one after it" if filled else ""
                     raise RaceFailure(
                         f"{at}: after concurrent hits of {hit_list} (each a match of its whole key, closed "
                         f"after), a retain of {last} evicted {evicted or 'nothing'}; every order of those hits "
-                        f"leaves {newest} (retained after them, never hit) least recently used, so with "
+                        f"leaves {newest} (retained after them, never hit{others}) least recently used, so with "
                         f"max_entries {bounded.max_entries} it alone must go: a hit's stamp on the clock was "
                         f"lost or given to another entry (is the stamp taken under the lock that picks the hit?)")
                 check_emptied(cache, at)
