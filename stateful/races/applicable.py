@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 from kvstate.spec.protocol import Config
-from kvstate.spec.semantics import reclaims
 
 # Every scenario a thread-safe backend gets, with its options at conform's size (the stores' own
 # runs, ``tests/test_races.py``, use each scenario's defaults).
@@ -15,9 +14,13 @@ RACED = (("fork_storm", {"threads": 8}), ("eviction_vs_allocation", {}), ("match
 
 def backend_scenarios(factory, config: Config) -> "list[tuple[str, dict]] | str":
     """``(scenario, options)`` for each scenario ``factory``'s backend is raced in under ``config``,
-    or why none is (an n/a, not a failure: a single-threaded backend is legitimate)."""
-    if reclaims(config.on_full):
-        return f"on_full={config.on_full!r}: the race scenarios judge the tree by whole-entry eviction"
+    or why none is (an n/a, not a failure: a single-threaded backend is legitimate).
+
+    Under ``reclaim`` and ``reclaim-fifo`` too: there the scenarios hold the tree only to what the
+    engine's own way of reclaiming promises (``scenarios._finish_tree``: entries may be gone, an
+    entry's hit may be shorter), and ``hits_stamp_under_race``, whose verdict is which whole entry
+    goes next, says itself that it is n/a. A pool that lets its lock go between its check and the
+    allocation lives exactly there."""
     if not getattr(factory, "thread_safe", False):
         return "the factory does not declare thread_safe = True"
     scenarios = list(RACED)

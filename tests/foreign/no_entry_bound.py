@@ -69,14 +69,21 @@ class Ctx:
 
     def _write(self, tokens, kv, start=None) -> int:
         """Write at ``start`` (an overwrite) or at the end; the number of tokens written."""
+        first, tokens, values = self._prepare(tokens, kv, start)
+        return self._put(first, tokens, values)
+
+    def _prepare(self, tokens, kv, start=None):
+        """The checked input of a write at ``start`` (or at the end): its first position, tokens and values."""
         tokens = check_tokens(tokens)
         kv = check_values(self.cache.layout, kv, len(tokens))
         self._open()
         if start is not None and not (isinstance(start, int) and 0 <= start and start + len(tokens) <= self.length):
             raise PositionError(f"overwrite [{start},{start + len(tokens)}) outside {self.length}")
         require_finite(kv)
-        values, c = precisions.roundtrip(self.cache.precision, kv), self.cache
-        first = self.length if start is None else start
+        return (self.length if start is None else start), tokens, precisions.roundtrip(self.cache.precision, kv)
+
+    def _put(self, first: int, tokens, values) -> int:
+        c = self.cache
         for i, p in enumerate(range(first, first + len(tokens))):
             index, offset = divmod(p, c.B)
             if index == len(self.blocks):
@@ -124,6 +131,8 @@ class Ctx:
 
 
 class BlockCache:
+    ctx_class = Ctx
+
     def __init__(self, config: Config):
         self.layout, self.B, self.precision = config.layout, config.page_tokens, config.precision
         self.lock = threading.RLock()
@@ -151,7 +160,7 @@ class BlockCache:
     def adopt(self, blocks: list[int], length: int) -> Ctx:
         for bid in blocks:
             self.blocks[bid].ref += 1
-        ctx = Ctx(self, blocks, length)
+        ctx = self.ctx_class(self, blocks, length)
         self.contexts.append(ctx)
         return ctx
 
