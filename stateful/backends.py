@@ -17,8 +17,7 @@ from kvstate.spec.errors import KVStateError
 from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import CacheProtocol, Config, ContextProtocol, Factory
 
-from .deadline import Overran
-from .in_child import ChildDied, in_forked_child
+from .deadline import Overran, in_daemon_thread
 
 
 class FactoryError(KVStateError):
@@ -169,17 +168,12 @@ def _import_from_package(path: Path, root: Path, dotted: str):
 def check_backend(factory: Factory, configs: list[Config], time_limit: float = 60.0) -> None:
     """``FactoryError`` naming what is missing when the factory's caches do not speak the protocol.
 
-    Runs in a forked child process (``in_forked_child``): a factory that never returns is a
-    ``FactoryError`` after ``time_limit``, one stuck in C code that holds the GIL too (in a thread
-    of this process it held the command, and its SIGTERM handler, for good), and so is one that
-    ends the child's process.
+    Runs in a daemon thread: a factory that never returns is a ``FactoryError`` after ``time_limit``.
     """
     try:
-        in_forked_child(lambda: _check_backend(factory, configs), time_limit, "kvstate-check-backend")
+        in_daemon_thread(lambda: _check_backend(factory, configs), time_limit, "kvstate-conform-protocol")
     except Overran:
         raise FactoryError(f"the factory or its first cache did not answer within {time_limit:g} s") from None
-    except ChildDied as died:
-        raise FactoryError(f"the factory or its first cache ended the process that checks it ({died})") from None
 
 
 def _check_backend(factory: Factory, configs: list[Config]) -> None:
