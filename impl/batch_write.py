@@ -58,17 +58,24 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
         raise ShapeError(f"K/V values must have shape ({rows}, {n}, ...) for {rows} rows of {n} positions, "
                          f"got {shape}")
     flat = check_values(cache.layout, kv.reshape(rows * n, *shape[2:]), rows * n)
-    # Each row held as ``Context._owned`` holds one context, let go in the same ``finally``.
-    me, held = get_ident(), [ctx._use for ctx in contexts]
+    # Each row held as ``Context._owned`` holds one context, let go in the same ``finally``. That
+    # lets go row by row, a loop, where CPython may deliver an interrupt as it jumps back: done again
+    # in a ``finally`` of its own (clearing a flag twice is harmless), so no row is left busy for good.
+    me, rows = get_ident(), [(ctx, ctx._use) for ctx in contexts]
     try:
         for ctx in contexts:
             ctx._take(me)
         if n:
             _extend_held(cache, contexts, ids, flat, n)
     finally:
-        for ctx, was in zip(contexts, held):
-            if ctx._use == me != was:
-                ctx._use = FREE
+        try:
+            for ctx, held in rows:
+                if ctx._use == me != held:
+                    ctx._use = FREE
+        finally:
+            for ctx, held in rows:
+                if ctx._use == me != held:
+                    ctx._use = FREE
 
 
 def _extend_held(cache, contexts: list[Context], ids: list, flat, n: int) -> None:

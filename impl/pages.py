@@ -344,24 +344,31 @@ class PagePool:
         ``(ids, left, holder, after)`` of the ``release_slots`` that frees them, committed in the same step."""
         doomed = self._doomed(pages, slots)
         self._commit(*(release or (None, None, None, None)), doomed)
-        self._free_buffers(doomed[3])       # the memory last: see ``release_slots``
+        self._free_buffers(doomed[4])       # the memory last: see ``release_slots``
 
     def _doomed(self, pages, slots: "range | np.ndarray") -> tuple:
         """What freeing ``pages`` (``slots`` theirs) changes, worked out before anything does: their
-        stretches of slots, as many Nones, the lowest slot, their buffers. Refused unless each is the
-        live page on its slot: a second free would give its slot back twice, and two pages would share it."""
+        slots as one index (a slice, or an int array), their stretches of slots and as many Nones (for
+        the live list), the lowest slot, their buffers, how many. Refused unless each is the live page
+        on its slot: a second free would give its slot back twice, and two pages would share it."""
         stretches = _stretches(slots)
         self._check_live(pages, stretches)
-        lowest = slots.start if type(slots) is range else int(slots.min())
-        return stretches, [None] * len(pages), lowest, [page.buffer for page in pages], len(pages)
+        if type(slots) is range:
+            index, lowest = slice(slots.start, slots.stop), slots.start
+        else:
+            index, lowest = slots, int(slots.min())
+        return index, stretches, [None] * len(pages), lowest, [page.buffer for page in pages], len(pages)
 
     def _commit(self, ids, left, holder, after, doomed) -> None:
         """The one step of a release, with no call inside (see ``release_slots``): the counts of ``ids``
         set to ``left``, ``holder``'s holding to ``after``, the ``doomed`` pages out of the live set
-        and their slots free."""
+        and their slots free. CPython also delivers an interrupt where a loop jumps back: the one loop
+        here (the live list, a stretch of slots at a time, where the freed slots are not one run) is
+        done again in a ``finally``, so an interrupt between stretches still sees every one of them out."""
         counts, run = self.books._counts, type(ids) is range       # flushed by the caller
         if doomed is not None:
-            stretches, nones, lowest, _buffers, count = doomed
+            index, stretches, nones, lowest, _buffers, count = doomed
+            single = slice(*stretches[0][:2]) if len(stretches) == 1 else None
         # From here not even a builtin is called.
         if run:
             counts[ids.start:ids.stop] = left
@@ -371,14 +378,21 @@ class PagePool:
             holder._holding = after
         if doomed is None:
             return
-        by_slot, mask = self._by_slot, self._free_mask
-        for first, stop, at in stretches:
-            by_slot[first:stop] = nones[at:at + stop - first]
-            mask[first:stop] = True
+        self._free_mask[index] = True
         if lowest < self._lowest_free:
             self._lowest_free = lowest
         self._free_slots += count
         self.freed += count
+        by_slot = self._by_slot
+        if single is not None:
+            by_slot[single] = nones
+            return
+        try:
+            for first, stop, at in stretches:
+                by_slot[first:stop] = nones[at:at + stop - first]
+        finally:        # the same stores again (each is idempotent), past an interrupt between them
+            for first, stop, at in stretches:
+                by_slot[first:stop] = nones[at:at + stop - first]
 
 
 def _doubled(size: int, at_least: int) -> int:
