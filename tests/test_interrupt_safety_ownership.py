@@ -17,7 +17,6 @@ every context must close, and nothing may be left live. Found this way:
 import inspect
 import io
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -126,7 +125,7 @@ def test_a_use_refused_as_busy_leaves_the_holders_flag_set():
     closed_empty(cache)
 
 
-class interrupt_in_a_loop:
+class interrupt_in_a_loop(_InterruptAtACall):
     """``KeyboardInterrupt`` as the ``nth`` pass of the first line of ``function``'s source that holds
     ``text`` begins: where CPython delivers an interrupt as a loop jumps back (a line event here)."""
 
@@ -147,14 +146,6 @@ class interrupt_in_a_loop:
                 self.hit = True
                 raise KeyboardInterrupt
         return self._in_frame
-
-    def __enter__(self):
-        sys.settrace(self._trace)
-        return self
-
-    def __exit__(self, *exc):
-        sys.settrace(None)
-        return False
 
 
 def test_a_release_interrupted_between_stretches_of_its_slots_still_frees_them_all():
