@@ -60,7 +60,8 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
     flat = check_values(cache.layout, kv.reshape(rows * n, *shape[2:]), rows * n)
     # Each row held as ``Context._owned`` holds one context, let go in the same ``finally``. That
     # lets go row by row, a loop, where CPython may deliver an interrupt as it jumps back: done again
-    # in a ``finally`` of its own (clearing a flag twice is harmless), so no row is left busy for good.
+    # in a ``finally`` of its own where it did not finish (clearing a flag twice is harmless), so no
+    # row is left busy for good.
     me, rows = get_ident(), [(ctx, ctx._use) for ctx in contexts]
     try:
         for ctx in contexts:
@@ -68,14 +69,17 @@ def extend_rows(contexts: list[Context], tokens, kv) -> None:
         if n:
             _extend_held(cache, contexts, ids, flat, n)
     finally:
+        done = False
         try:
             for ctx, held in rows:
                 if ctx._use == me != held:
                     ctx._use = FREE
+            done = True
         finally:
-            for ctx, held in rows:
-                if ctx._use == me != held:
-                    ctx._use = FREE
+            if not done:
+                for ctx, held in rows:
+                    if ctx._use == me != held:
+                        ctx._use = FREE
 
 
 def _extend_held(cache, contexts: list[Context], ids: list, flat, n: int) -> None:

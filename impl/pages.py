@@ -364,7 +364,8 @@ class PagePool:
         set to ``left``, ``holder``'s holding to ``after``, the ``doomed`` pages out of the live set
         and their slots free. CPython also delivers an interrupt where a loop jumps back: the one loop
         here (the live list, a stretch of slots at a time, where the freed slots are not one run) is
-        done again in a ``finally``, so an interrupt between stretches still sees every one of them out."""
+        done again in a ``finally`` where it did not finish, so an interrupt between stretches still
+        sees every one of them out."""
         counts, run = self.books._counts, type(ids) is range       # flushed by the caller
         if doomed is not None:
             index, stretches, nones, lowest, _buffers, count = doomed
@@ -387,12 +388,15 @@ class PagePool:
         if single is not None:
             by_slot[single] = nones
             return
+        done = False
         try:
             for first, stop, at in stretches:
                 by_slot[first:stop] = nones[at:at + stop - first]
-        finally:        # the same stores again (each is idempotent), past an interrupt between them
-            for first, stop, at in stretches:
-                by_slot[first:stop] = nones[at:at + stop - first]
+            done = True
+        finally:
+            if not done:        # an interrupt between stretches: the same stores again (each is idempotent)
+                for first, stop, at in stretches:
+                    by_slot[first:stop] = nones[at:at + stop - first]
 
 
 def _doubled(size: int, at_least: int) -> int:
