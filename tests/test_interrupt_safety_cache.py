@@ -25,6 +25,8 @@ from kvstate.impl import context as context_module
 from kvstate.impl import numpy_store, radix, refcounts, tree_bounds
 from kvstate.spec.invariants import check_empty, check_structure
 
+from test_radix_newest import _walked_newest
+
 L = Layout(layers=2, kv_heads=2, head_dim=4)
 
 
@@ -278,12 +280,7 @@ def _tree_is_whole(tree: radix.RadixTree) -> None:
         nodes.append(node)
         pending.extend(node.children.values())
     for node in nodes:
-        best, below = None, [node]
-        while below:
-            each = below.pop()
-            if each.value is not None and (best is None or each.tick > best.tick):
-                best = each
-            below.extend(each.children.values())
+        best = _walked_newest(node)
         if node is not tree.root:
             assert node.newest is best, f"node {node.key()} names {node.newest and node.newest.key()}"
             assert node.value is not None or len(node.children) > 1, f"node {node.key()} splits nothing"

@@ -14,7 +14,6 @@ every context must close, and nothing may be left live. Found this way:
 - ``PagePool.new_run`` raised the id count before its pages went live.
 """
 
-import inspect
 import io
 import os
 
@@ -27,6 +26,7 @@ from kvstate.impl.pages import PagePool
 from kvstate.spec.errors import ContextBusyError
 
 from test_interrupt_safety import _InterruptAtACall, closed_empty, consistent, values
+from test_interrupt_safety_cache import interrupt_after_line, tracing
 
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 COUNTED = (os.path.dirname(os.path.dirname(os.path.abspath(__import__("kvstate").__file__))),
@@ -125,29 +125,6 @@ def test_a_use_refused_as_busy_leaves_the_holders_flag_set():
     closed_empty(cache)
 
 
-class interrupt_in_a_loop(_InterruptAtACall):
-    """``KeyboardInterrupt`` as the ``nth`` pass of the first line of ``function``'s source that holds
-    ``text`` begins: where CPython delivers an interrupt as a loop jumps back (a line event here)."""
-
-    def __init__(self, function, text: str, nth: int = 2):
-        lines, first = inspect.getsourcelines(function)
-        self.code, self.left, self.hit = function.__code__, nth, False
-        self.line = first + next(i for i, line in enumerate(lines) if text in line)
-
-    def _trace(self, frame, event, arg):
-        if event == "call":
-            return self._in_frame if frame.f_code is self.code else None
-        return None
-
-    def _in_frame(self, frame, event, arg):
-        if event == "line" and frame.f_lineno == self.line and not self.hit:
-            self.left -= 1
-            if self.left == 0:
-                self.hit = True
-                raise KeyboardInterrupt
-        return self._in_frame
-
-
 def test_a_release_interrupted_between_stretches_of_its_slots_still_frees_them_all():
     """A final review (s66): the live list is let go a stretch of slots at a time, a loop; a real signal
     between stretches left pages live at count 0 for good (21 of 60 SIGALRM trials)."""
@@ -156,10 +133,11 @@ def test_a_release_interrupted_between_stretches_of_its_slots_still_frees_them_a
     for i in range(3):              # the two contexts' slots interleave: a release of a frees 3 stretches
         a.extend([i], values(1, i))
         b.extend([i], values(1, 10 + i))
-    with interrupt_in_a_loop(PagePool._commit, "by_slot[first:stop] = nones") as point:
+    point = interrupt_after_line(PagePool._commit, "by_slot[first:stop] = nones")   # as the loop jumps back
+    with tracing(point):
         with pytest.raises(KeyboardInterrupt):
             a.close()
-    assert point.hit
+    assert point.state["fired"]
     consistent(cache)               # was: invariant 2, a live page at count 0
     b.close()
     closed_empty(cache)
@@ -170,10 +148,11 @@ def test_extend_rows_interrupted_between_the_rows_it_lets_go_leaves_none_busy():
     them left the rest busy for good (close refused them)."""
     cache = Cache(LAYOUT, page_tokens=4)
     rows = [cache.allocate() for _ in range(3)]
-    with interrupt_in_a_loop(extend_rows, "if ctx._use == me !=") as point:
+    point = interrupt_after_line(extend_rows, "if ctx._use == me !=")       # before the first row is let go
+    with tracing(point):
         with pytest.raises(KeyboardInterrupt):
             extend_rows(rows, [[1], [2], [3]], values(3, 4).reshape(3, 1, 2, 2, 2, 4))
-    assert point.hit
+    assert point.state["fired"]
     for ctx in rows:
         ctx.close()                 # was: ContextBusyError for the rows after the interrupt
     closed_empty(cache)
