@@ -103,13 +103,17 @@ def is_local_url(target) -> bool:
 
 def local_path(target):
     """The path of a local filesystem's URL (``is_local_url``), taken literally as fsspec takes it
-    (``?``, ``#`` and ``%`` are part of the name, not a query, a fragment or an escape); any other
-    target unchanged."""
+    (``?``, ``#`` and ``%`` are part of the name, not a query, a fragment or an escape; a leading
+    ``~`` is the home folder); any other target unchanged."""
     if is_local_url(target):
         # fsspec reads file://user:secret@/p as the relative path "user:secret@/p": the secret would
         # become a folder name and show in every message about it
         refuse_credentials(target, SnapshotError)
-        return target.partition("://")[2]
+        path = target.partition("://")[2]
+        # fsspec expands ``~`` (``make_path_posix``): taken literally here, file://~/kv was written to
+        # a folder named "~" under the working directory while a store's probes (through fsspec)
+        # looked in the home folder, and found nothing it had put
+        return os.path.expanduser(path) if path.startswith("~") else path
     return target
 
 

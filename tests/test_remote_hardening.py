@@ -142,6 +142,29 @@ def test_a_local_file_url_holding_two_colons_is_its_literal_path(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a::one.kvs", "a::two.kvs"]
 
 
+def test_a_local_url_under_the_home_folder_is_where_fsspec_finds_it(tmp_path, monkeypatch):
+    """``file://~/...``: fsspec expands ``~``; the local writer took it literally, so a snapshot went to a
+    folder named "~" under the working directory and a store put there was never found by its probes."""
+    from kvstate.remote import SnapshotStore
+
+    home, elsewhere = tmp_path / "home", tmp_path / "cwd"
+    home.mkdir(), elsewhere.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    cache = Cache(SMALL, page_tokens=2)
+    store = SnapshotStore("file://~/kv")
+    with filled(cache, 4, seed=3) as ctx:
+        ctx.snapshot("file://~/one.kvs")
+        with cache.restore("file://~/one.kvs") as back:
+            assert tokens_of(back) == tokens_of(ctx)
+        store.put(ctx)
+        with store.get(cache, tokens_of(ctx))[0] as found:
+            assert tokens_of(found) == tokens_of(ctx)
+    assert (home / "one.kvs").is_file() and (home / "kv").is_dir()
+    assert list(elsewhere.iterdir()) == []
+    assert cache.stats()["live_contexts"] == 0
+
+
 @pytest.mark.parametrize("prefix", ["memory://pieces::", "memory://a::b/kv", "file:///tmp/kv::store"])
 def test_a_store_prefix_holding_a_filesystem_chain_is_refused(prefix):
     """A ``SnapshotStore`` under ``memory://pieces::`` put two objects at one key (the second replaced the
