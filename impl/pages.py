@@ -72,6 +72,7 @@ class Page:
 
 
 _ref = attrgetter("ref")
+_buffer = attrgetter("buffer")
 
 
 def ref_slots(pages: list[Page]) -> "np.ndarray | range":
@@ -357,7 +358,7 @@ class PagePool:
             index, lowest = slice(slots.start, slots.stop), slots.start
         else:
             index, lowest = slots, int(slots.min())
-        return index, stretches, [None] * len(pages), lowest, [page.buffer for page in pages], len(pages)
+        return index, stretches, [None] * len(pages), lowest, list(map(_buffer, pages)), len(pages)
 
     def _commit(self, ids, left, holder, after, doomed) -> None:
         """The one step of a release, with no call inside (see ``release_slots``): the counts of ``ids``

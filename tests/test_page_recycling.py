@@ -225,6 +225,19 @@ def test_a_heap_page_freed_twice_is_kept_once():
     assert id(store.allocate(2)) == kept and store._spares == []
 
 
+def test_a_batch_freed_twice_without_an_arena_never_hands_a_buffer_out_twice():
+    """Without an arena ``free_all`` keeps a batch whole, marking no buffer: one listed twice (a second
+    free, which the pool refuses before it reaches the store) is then dropped, never given to two pages."""
+    store = numpy_store.NumpyStore(Layout(1, 1, 1), 1, "f32")
+    one, two = store.allocate_all(1, 2)
+    store.free_all([one, two])
+    store.free_all([one])
+    assert len(store._spares) == 3
+    one = two = None        # noqa: F841 - held here, neither would be reused
+    made = store.allocate_all(3, 3)
+    assert len({id(buffer.arrays[0]) for buffer in made}) == 3 and store._spares == []
+
+
 def test_a_holder_listing_a_page_twice_is_named_so():
     """An audit (s66) read "page 0 has refcount 1 but 2 holders ['ctx:2 (c4)']": one holder, listing it twice."""
     from kvstate.spec.errors import InvariantViolation
