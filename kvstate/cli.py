@@ -66,7 +66,7 @@ def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_def
         return factory, configs_for(factory) if configs_default is None else declared_configs(factory, configs_default)
 
     try:
-        factory, configs = in_daemon_thread(load, time_limit, "kvstate-load-backend")
+        factory, configs = in_daemon_thread(load, time_limit, "kvstate-load-backend", f"importing backend {backend!r}")
     except Overran:
         raise FactoryError(f"importing backend {backend!r} did not finish within {time_limit:g} s") from None
     except SystemExit as error:
@@ -686,6 +686,10 @@ def _join_dashed_values(argv: list[str]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     from kvstate.stateful.printable import printable
+
+    if argv is None:        # the command itself, not a caller of ``main``: its stages are watched from outside
+        from kvstate.stateful.held_interpreter import enable
+        enable()
 
     args = build_parser().parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
     try:

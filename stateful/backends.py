@@ -171,7 +171,8 @@ def check_backend(factory: Factory, configs: list[Config], time_limit: float = 6
     Runs in a daemon thread: a factory that never returns is a ``FactoryError`` after ``time_limit``.
     """
     try:
-        in_daemon_thread(lambda: _check_backend(factory, configs), time_limit, "kvstate-conform-protocol")
+        in_daemon_thread(lambda: _check_backend(factory, configs), time_limit, "kvstate-conform-protocol",
+                         "the backend's factory or its first cache")
     except Overran:
         raise FactoryError(f"the factory or its first cache did not answer within {time_limit:g} s") from None
 

@@ -78,7 +78,8 @@ def observed_tiers(factory: Factory, configs: list[Config], time_limit: float | 
                     pass
         try:
             seen.append(observe() if left is None
-                        else in_daemon_thread(observe, left, f"kvstate-observe-{config.name}"))
+                        else in_daemon_thread(observe, left, f"kvstate-observe-{config.name}",
+                                              f"observing a first cache of {config.name}"))
         except Overran:
             if unobserved is not None:
                 unobserved.append(config.name)
@@ -474,7 +475,8 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
 
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
-        outcome = in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}")
+        outcome = in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}",
+                                   f"check {getattr(check, '__name__', 'of the suite')} of {config.name}")
         outcome.cpu_seconds = time.process_time() - cpu_started
         return outcome
     except Overran as overran:

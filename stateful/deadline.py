@@ -34,6 +34,8 @@ import traceback
 
 from kvstate.spec.errors import RunTimeout
 
+from .held_interpreter import guarding
+
 REFIRE_S = 1.0      # after the first, when the exception is raised the second and last time, if the block runs on
 
 # An own prototype of the one C function, rather than argtypes set on ctypes.pythonapi's shared entry.
@@ -198,11 +200,18 @@ class Overran(Exception):
         self.seconds, self.ident = seconds, ident
 
 
-def in_daemon_thread(call, seconds: float, name: str):
+def in_daemon_thread(call, seconds: float, name: str, what: str | None = None):
     """``call()`` in a daemon thread: its result, or whatever it raised (re-raised here, ``SystemExit``
     included); past ``seconds``, ``Overran`` and the thread is abandoned. Unlike ``Deadline`` this
     cannot stop the call, only stop waiting for it: for a backend's import, its first cache, or a
-    whole conformance check, which may hang where no exception can reach."""
+    whole conformance check, which may hang where no exception can reach. In the ``kvstate`` command
+    a call that holds the interpreter so long that not even the wait can end is ended from outside
+    (``held_interpreter``), named by ``what`` (default: ``name``)."""
+    with guarding(seconds, what or name):
+        return _in_daemon_thread(call, seconds, name)
+
+
+def _in_daemon_thread(call, seconds: float, name: str):
     box: dict = {}
 
     def target():

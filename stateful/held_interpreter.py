@@ -1,0 +1,113 @@
+"""Ending the ``kvstate`` command when C code holds the interpreter past a stage's limit.
+
+The command waits for a backend's import, its first cache and each conformance check in a daemon
+thread (``deadline.in_daemon_thread``), so a backend that hangs in Python is reported after the
+stage's limit and the command goes on. Where the backend is stuck in C code that holds the GIL (a
+``ctypes.PyDLL`` call that blocks, a lock taken in an extension that never lets the GIL go), no
+thread of the command's process runs again: not the waiting one, not a timer, not a SIGTERM
+handler, and the command hung for good, printing nothing.
+
+So the command's own process (``enable``, from ``cli.main``; never a library caller's, a test's or
+a pool worker's) has a small watcher process outside it, started at the first stage it guards
+(``guarding``). Each stage tells it "this stage, this limit" and "done" over a pipe; a stage still
+not done ``GRACE_S`` past its limit means the process could not even report its own timeout, and
+the watcher prints which stage held it and ends the command (SIGTERM, then SIGKILL: a Python SIGTERM
+handler does not run either). The watcher ends with the command: its pipe closes, or its parent
+is gone (checked every second, since a forked child may hold the pipe open).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+GRACE_S = 5.0
+"""How long past its limit a stage may go unreported before the watcher ends the command."""
+
+# Run as ``python -I -S -c WATCHER <parent pid>``: no site, no kvstate import, started in milliseconds.
+WATCHER = r"""
+import os, select, signal, sys, time
+parent, armed, pending = int(sys.argv[1]), {}, b""
+while os.getppid() == parent:
+    soonest = min((due for due, _ in armed.values()), default=None)
+    wait = 1.0 if soonest is None else min(1.0, max(0.0, soonest - time.monotonic()))
+    if select.select([0], [], [], wait)[0]:
+        chunk = os.read(0, 4096)
+        if not chunk:
+            break
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            verb, key, *rest = line.decode("utf-8", "replace").split(" ", 3)
+            if verb == "arm":
+                armed[key] = (time.monotonic() + float(rest[0]), rest[1])
+            else:
+                armed.pop(key, None)
+        continue
+    late = [what for due, what in armed.values() if due <= time.monotonic()]
+    if late:
+        os.write(2, ("kvstate: " + late[0] + "; C code holds the interpreter (the GIL), so nothing in "
+                     "the command can report it or stop it: the command is ended\n").encode("utf-8", "replace"))
+        for sig, then in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.0)):
+            try:
+                os.kill(parent, sig)
+            except ProcessLookupError:
+                break
+            time.sleep(then)
+            if os.getppid() != parent:
+                break
+        break
+"""
+
+_lock = threading.Lock()
+_keys = itertools.count()
+_owner: int | None = None        # the pid of the process ``enable`` was called in
+_watcher: subprocess.Popen | None = None
+
+
+def enable() -> None:
+    """Guard this process's stages from here on: for the ``kvstate`` command's own process only."""
+    global _owner
+    if os.name == "posix":       # (``select`` on a pipe; elsewhere the stages are guarded as before)
+        _owner = os.getpid()
+
+
+@contextmanager
+def guarding(seconds: float, what: str) -> Iterator[None]:
+    """The block is a stage that should end within ``seconds``: past ``seconds + GRACE_S`` with the
+    interpreter held, the watcher ends the command, naming ``what``. Does nothing unless ``enable``d
+    in this very process."""
+    key = _arm(seconds, what) if _owner == os.getpid() else None
+    try:
+        yield
+    finally:
+        if key is not None:
+            _send(f"off {key}")
+
+
+def _arm(seconds: float, what: str) -> int | None:
+    global _watcher
+    with _lock:
+        if _watcher is None or _watcher.poll() is not None:
+            try:
+                _watcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHER, str(os.getpid())],
+                                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+            except OSError:      # no watcher (no processes left, say): the stage runs unguarded, as before
+                return None
+    key = next(_keys)
+    what = " ".join(str(what).split())      # one line
+    return key if _send(f"arm {key} {seconds + GRACE_S!r} {what} did not finish within {seconds:g} s") else None
+
+
+def _send(line: str) -> bool:
+    """One line to the watcher, in one write (shorter than a pipe's atomic size): False if it is gone."""
+    watcher = _watcher
+    try:
+        os.write(watcher.stdin.fileno(), (line[:1000] + "\n").encode("utf-8", "replace"))
+        return True
+    except (OSError, ValueError, AttributeError):      # it ended, or its pipe was closed
+        return False

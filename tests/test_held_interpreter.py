@@ -1,0 +1,85 @@
+"""A backend stuck in C code that holds the GIL ends the ``kvstate`` command, named, instead of hanging it.
+
+Such a factory or import stopped every thread of the command (its waits, its timers, its SIGTERM
+handler): ``kvstate sweep --time-limit 3`` and ``kvstate conform`` hung for good, printing nothing
+(review 4 of session 66). ``ctypes.PyDLL`` calls C without letting the GIL go, as such a backend does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.name != "posix" or not sys.platform.startswith("linux"),
+                                reason="the watcher waits on a pipe with select; libc's sleep through PyDLL")
+
+# The command itself (``main()`` reading sys.argv), with a short grace so the test waits ~1 s, not 5.
+COMMAND = textwrap.dedent("""
+    import sys
+    from kvstate.stateful import held_interpreter
+    held_interpreter.GRACE_S = 0.5
+    from kvstate.cli import main
+    sys.exit(main())
+""")
+
+STUCK_FACTORY = textwrap.dedent("""
+    import ctypes
+    from kvstate.impl.numpy import factory as numpy_factory
+
+    def factory(config):
+        ctypes.PyDLL(None).sleep(60)     # C code holding the GIL
+        return numpy_factory(config)
+""")
+
+
+def run(args: list[str], cwd, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", COMMAND, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("command", ["conform", "sweep"])
+def test_a_factory_holding_the_gil_ends_the_command_named(tmp_path, command):
+    (tmp_path / "stuck.py").write_text(STUCK_FACTORY)
+    args = [command, "stuck.py", "--time-limit", "0.5"] if command == "conform" else \
+        [command, "--seeds", "1", "--backend", "stuck.py", "--time-limit", "0.5", "--out", str(tmp_path / "out")]
+    done, took = run(args, tmp_path)
+    assert done.returncode in (-signal.SIGTERM, -signal.SIGKILL), (done.returncode, done.stderr)
+    assert "the backend's factory or its first cache did not finish within 0.5 s" in done.stderr
+    assert "C code holds the interpreter" in done.stderr
+    assert took < 30, "ended well before the factory's 60 s call returned"
+    assert not (tmp_path / "out").exists()       # the sweep had written nothing yet
+
+
+def test_a_library_caller_is_never_ended_and_the_watcher_goes_with_the_command(tmp_path):
+    """Only the command's own process is watched (``enable``); the watcher ends when the command does."""
+    script = textwrap.dedent("""
+        import ctypes, time
+        from kvstate.stateful import held_interpreter as h
+        h.GRACE_S = 0.2
+        with h.guarding(0.1, "not enabled"):         # a library caller's stage: nobody watches it
+            ctypes.PyDLL(None).usleep(600_000)
+        assert h._watcher is None
+        h.enable()
+        with h.guarding(5, "a stage that ends in time"):
+            time.sleep(0.3)
+        print(h._watcher.pid, flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    watcher = int(done.stdout)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(watcher, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the watcher {watcher} outlived its command")
