@@ -464,7 +464,7 @@ def _report(head: str, config: Config | None, history: list[str], what: str) -> 
 
 
 def run_with_limit(check: Check, factory: Factory, config: Config, settings: Settings,
-                   time_limit: float) -> Outcome:
+                   time_limit: float, name: str | None = None) -> Outcome:
     """``check`` in a daemon thread; past ``time_limit`` it is abandoned and reported as TIMEOUT, or as a
     FAIL where it was shrinking a failure it found (``_partial``; ``_abandon`` stops the shrink)."""
     def checked() -> Outcome:
@@ -476,7 +476,7 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
     started, cpu_started = time.perf_counter(), time.process_time()
     try:
         outcome = in_daemon_thread(checked, time_limit, f"kvstate-conform-{config.name}",
-                                   f"check {getattr(check, '__name__', 'of the suite')} of {config.name}")
+                                   f"the {name or 'conformance'} check of {config.name}")
         outcome.cpu_seconds = time.process_time() - cpu_started
         return outcome
     except Overran as overran:
@@ -550,7 +550,7 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
             if hung:        # each later check would most likely wait out its whole limit as well
                 result.outcomes[name] = Outcome.skipped_after(hung)
             else:
-                result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit)
+                result.outcomes[name] = run_with_limit(CHECKS[name], factory, config, settings, time_limit, name)
                 hung = name if result.outcomes[name].status == "TIMEOUT" else None
             if progress:
                 progress(progress_line(config, name, result.outcomes[name]))

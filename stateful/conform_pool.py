@@ -143,9 +143,14 @@ def _one_configuration(backend: str, config: Config, profile: str, checks: list[
                        folder: str | None = None, job: int | None = None) -> ConfigResult:
     from .backends import load_factory
     from .configs import PROFILES
+    from .held_interpreter import enable
 
     if folder is not None:      # before anything of the backend's runs: this task may be the one to die
         (Path(folder) / str(job)).touch()
+    # A check stuck in C holding the GIL stops this whole process, past any limit of its own: the
+    # watcher ends it instead, which the pool sees as a worker that died (run alone again, then a
+    # failure of this configuration by name), never a command waiting for good.
+    enable()
 
     use_cache_folder_for_hypothesis()
     examples, steps = sizes

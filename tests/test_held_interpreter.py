@@ -58,6 +58,30 @@ def test_a_factory_holding_the_gil_ends_the_command_named(tmp_path, command):
     assert not (tmp_path / "out").exists()       # the sweep had written nothing yet
 
 
+def test_a_conformance_worker_holding_the_gil_fails_its_configuration_by_name(tmp_path):
+    """With workers, a check stuck in C stopped its worker process past every limit of its own, and the
+    command waited on it for good; the watcher ends the worker, which the pool reports as the
+    configuration's failure (``worker``) after running the task again alone."""
+    (tmp_path / "stuck_later.py").write_text(textwrap.dedent("""
+        import ctypes
+        import multiprocessing
+        from kvstate.impl.numpy import factory as numpy_factory
+        from kvstate.stateful import held_interpreter
+        held_interpreter.GRACE_S = 0.3       # imported in each worker: its watcher's grace
+
+        def factory(config):
+            if multiprocessing.parent_process() is not None:     # a worker's: the command's own are made
+                ctypes.PyDLL(None).sleep(60)
+            return numpy_factory(config)
+    """))
+    done, took = run(["conform", "stuck_later.py", "--configs", "f32-heap,f16-heap", "--check", "lockstep",
+                      "--time-limit", "0.5", "--workers", "2"], tmp_path)
+    assert done.returncode == 1, (done.returncode, done.stdout, done.stderr)
+    assert "the lockstep check of f32-heap did not finish within 0.5 s" in done.stderr
+    assert done.stdout.count("the worker process running this configuration died") == 2
+    assert took < 40
+
+
 def test_a_library_caller_is_never_ended_and_the_watcher_goes_with_the_command(tmp_path):
     """Only the command's own process is watched (``enable``); the watcher ends when the command does."""
     script = textwrap.dedent("""
