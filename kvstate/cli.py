@@ -697,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as error:
         print(printable(f"kvstate {args.command}: {error}"), file=sys.stderr)
         return 2
+    except KeyboardInterrupt as stop:       # Ctrl-C (or a SIGTERM a command turned into one): one line, as sweep's
+        print(f"kvstate {args.command}: {'terminated' if _terminated(stop) else 'interrupted'}", file=sys.stderr)
+        return _stopped_status(stop)
     except Exception as error:      # noqa: BLE001 -- anything else escaping a subcommand: one line, exit 2
         message = str(error).splitlines()[0] if str(error) else ""
         print(printable(f"kvstate {args.command}: {type(error).__name__}: {message}"), file=sys.stderr)

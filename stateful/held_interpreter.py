@@ -18,6 +18,7 @@ is gone (checked every second, since a forked child may hold the pipe open).
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import subprocess
@@ -32,6 +33,7 @@ GRACE_S = 5.0
 # Run as ``python -I -S -c WATCHER <parent pid>``: no site, no kvstate import, started in milliseconds.
 WATCHER = r"""
 import os, select, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's Ctrl-C reaches the whole group: the command's to handle
 parent, armed, pending = int(sys.argv[1]), {}, b""
 while os.getppid() == parent:
     soonest = min((due for due, _ in armed.values()), default=None)
@@ -98,9 +100,19 @@ def _arm(seconds: float, what: str) -> int | None:
                                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
             except OSError:      # no watcher (no processes left, say): the stage runs unguarded, as before
                 return None
+            atexit.register(_stop, _watcher)
     key = next(_keys)
     what = " ".join(str(what).split())      # one line
     return key if _send(f"arm {key} {seconds + GRACE_S!r} {what} did not finish within {seconds:g} s") else None
+
+
+def _stop(watcher: subprocess.Popen) -> None:
+    """At exit: the watcher told (its pipe closed) and waited for, not left for init to reap."""
+    try:
+        watcher.stdin.close()
+        watcher.wait(1)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
 
 
 def _send(line: str) -> bool:
