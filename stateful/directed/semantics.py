@@ -17,7 +17,7 @@ import numpy as np
 
 from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.protocol import Config, Factory
-from kvstate.spec.semantics import evicts_for_room, reclaims
+from kvstate.spec.semantics import evicts_for_room
 
 from .. import ops as O
 from .common import NotApplicable, both, filled, keeping, retain_new, start
@@ -334,9 +334,12 @@ def _hits_stamp_their_entry(factory: Factory, config: Config, promise: str) -> N
     entry through ``match``, which stamps each back into the reference's order and would hide a
     wrong stamp (``Lockstep._probe_entries``); the matches after the eviction show it. The tree is
     filled to ``max_entries``, or to fewer where the page budget holds fewer (both evict the least
-    recently used entry): an audit's engine with a budget of 6 pages skipped the row at 4 entries."""
-    if config.max_entries < 2 or reclaims(config.on_full):
-        return          # one entry has no order; a reclaiming engine picks what goes
+    recently used entry): an audit's engine with a budget of 6 pages skipped the row at 4 entries.
+    It runs under ``reclaim`` too: what goes there is the engine's choice only once the pool may have
+    been short, and ``_stamp_then_evict`` keeps the pool out of it (skipped under ``reclaim``, an
+    audit's engine whose short hits stamped nothing passed every check and 300 sweep seeds)."""
+    if config.max_entries < 2:
+        return          # one entry has no order
     unit = config.block_tokens or 1
 
     def key(*firsts: int) -> tuple[int, ...]:      # whole blocks: each can be a hit of its own
