@@ -30,3 +30,14 @@ def test_the_audits_engine_passes_the_quick_checks_in_every_configuration_it_dec
     for result in conform(lru_leaf_pool.factory, checks=["fork isolation", "prefix edges", "boundaries",
                                                          "pinned semantics", "bad input"]):
         assert result.passed, (result.config.name, result.failure)
+
+
+def test_a_pool_off_by_one_found_at_teardown_names_the_pool_not_the_row(monkeypatch):
+    """The teardown's fill of an emptied pool refused (a limit off by one) and was reported as breaking
+    "a miss" (audit 2, F2): the row's promise wrapped its ``run.finish()``."""
+    from kvstate.stateful.lockstep import WHOLE_POOL_FITS
+
+    monkeypatch.setattr(lru_leaf_pool, "BUG", "pool_edge_off_by_one")
+    wrong = conform(lru_leaf_pool.factory, configs=[CONFIGS["refuse"]], checks=["pinned semantics"])[0]
+    detail = str(wrong.outcomes["pinned semantics"].detail)
+    assert not wrong.passed and WHOLE_POOL_FITS in detail and "`match` of tokens no entry shares" not in detail

@@ -97,7 +97,8 @@ def keeping(promise: str, run: Lockstep, call: str | None = None) -> Iterator[No
         if not suite_assertion(error):
             raise           # the backend's own assert: reported as the backend raising, not as this promise
         where = call or (run.history[-1] if run.history else "the first operation")
-        broken = BrokenPromise(promise, where, str(error))
+        # a failure of the run's own teardown (``Lockstep.finish``) names the promise it broke, not this one
+        broken = BrokenPromise(getattr(error, "promise", None) or promise, where, str(error))
         broken.invariant = getattr(error, "invariant", None)    # the invariant number, where one broke
         raise broken from error
 
