@@ -21,6 +21,7 @@ import sys
 import threading
 
 LOAD_TIME_LIMIT = 60.0
+MAX_RACE_THREADS = 4096    # ``kvstate race --threads``: past what a machine starts, a failure read as the race's
 MAX_TIME_LIMIT = threading.TIMEOUT_MAX     # past it a wait overflowed, and read as the backend failing to load
 
 
@@ -96,7 +97,8 @@ def _conform(args: argparse.Namespace) -> int:
             conform_checks_known(args.check)
         factory, configs = _load_backend(args.backend, args.time_limit)
         # An empty name is refused, as sweep refuses it: dropped, --configs , ran every configuration.
-        names = (args.config or []) + ([name.strip() for name in args.configs.split(",")] if args.configs else [])
+        names = (args.config or []) + ([name.strip() for name in args.configs.split(",")]
+                                       if args.configs is not None else [])     # "" (an unset $CONFIGS) is refused
         if names:
             from kvstate.stateful.sweeps.sweep import configs_labelled
             try:
@@ -162,6 +164,7 @@ def _stress(args: argparse.Namespace) -> int:
 
     _at_least("--minutes", args.minutes, 0)
     _at_least("--scale", args.scale, 1)
+    _at_least("--seed", args.seed, 0)      # NumPy's seeding refused it only once the races ran, unnamed
     for store in args.store or ():
         if store not in available_stores():
             raise UsageError(f"unknown or unavailable store {store!r} (available: {', '.join(available_stores())})")
@@ -199,6 +202,10 @@ def _race(args: argparse.Namespace) -> int:
     if args.scenario not in SCENARIOS:
         raise UsageError(f"unknown scenario {args.scenario!r} (known: {', '.join(SCENARIOS)})")
     _at_least("--iteration", args.iteration, 0)
+    # Checked here: a negative seed failed inside the scenario and read as the race reproduced (exit 1);
+    # 0 threads or fewer raced nothing and read as a pass; more than a machine starts read as a failure.
+    _at_least("--seed", args.seed, 0)
+    _at_least("--threads", args.threads, 1, MAX_RACE_THREADS)
     if args.store is not None and args.store not in available_stores():
         raise UsageError(f"unknown or unavailable store {args.store!r} (available: {', '.join(available_stores())})")
     store = args.store or _load_backend(args.backend)[0]
@@ -295,7 +302,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
             check_address(scheduler)
         # Every configuration the backend declares (ours: each semantics too); a broken factory: exit 2 now.
         _, declared = _load_backend(args.backend, args.time_limit)
-        configs = S.configs_labelled(args.configs.split(","), declared) if args.configs else declared
+        configs = S.configs_labelled(args.configs.split(","), declared) if args.configs is not None else declared
         if scheduler and args.workers:
             raise ValueError("--workers sizes the local pool; with --scheduler the cluster's workers run the sweep")
         if args.in_process and (scheduler or S.resolve_workers(args.workers or "1") > 1):

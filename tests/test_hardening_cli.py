@@ -199,6 +199,22 @@ def test_stress_spec_check_and_fuzz_bad_arguments(capsys, argv):
     one_line_exit_2(capsys, argv)
 
 
+# A negative seed failed inside the race and read as "the race reproduced" (FAILED, exit 1); --threads 0
+# or less raced nothing and read as a pass (exit 0); an empty --configs ran every configuration.
+@pytest.mark.parametrize("argv, named", [
+    (["race", "fork_storm", "--config", "f32-heap", "--seed", "-1"], "--seed"),
+    (["race", "fork_storm", "--config", "f32-heap", "--threads", "0"], "--threads"),
+    (["race", "fork_storm", "--config", "f32-heap", "--threads", "-3"], "--threads"),
+    (["race", "fork_storm", "--config", "f32-heap", "--threads", "100000"], "--threads"),
+    (["stress", "--minutes", "0", "--seed", "-1", "--store", "numpy", "--scenario", "fork_storm"], "--seed"),
+    (["conform", "--configs", "", "--check", "bad input"], "no configuration ''"),
+    (["sweep", "--seeds", "1", "--configs", "", "--steps", "5"], "no configuration ''")])
+def test_race_stress_and_configs_arguments_that_run_nothing_meant_are_refused(capsys, tmp_path, argv, named):
+    out = ["--out", str(tmp_path / "out")] if argv[0] == "sweep" else []
+    assert named in one_line_exit_2(capsys, argv + out, within=20)
+    assert not (tmp_path / "out").exists()
+
+
 def test_spec_check_holds_a_backend_to_no_scope_it_does_not_declare(capsys):
     """``examples/listcache.py`` passes conform in its heap configurations; the default scope's 3-slot
     arena is none of them, so it is refused (exit 2) as a replay is, not reported as invariant 3 broken."""
