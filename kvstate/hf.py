@@ -741,10 +741,14 @@ class KVStateCache(_HFCache):
         pending = self._pending[layer]
         return self._length() + (pending[0].shape[2] if pending is not None else 0)
 
+    # Past the last layer, what transformers' own ``Cache`` answers (a layer not made yet): 0, and a
+    # mask of the query alone; an IndexError here was a different answer where a ``Cache`` is expected.
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._layer_length(layer_idx)
+        return self._layer_length(layer_idx) if layer_idx < len(self._pending) else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        if layer_idx >= len(self._pending):
+            return query_length, 0
         return self._layer_length(layer_idx) + query_length, 0
 
     def crop(self, tokens_to_remove: int) -> None:

@@ -7,7 +7,9 @@ allocated or written.
 
 from __future__ import annotations
 
-from kvstate.spec.errors import UnsupportedModelError
+import os
+
+from kvstate.spec.errors import ConfigError, UnsupportedModelError
 from kvstate.spec.layout import Layout
 
 MISSING = ("kvstate.hf needs Hugging Face transformers 5.x and torch: "
@@ -28,8 +30,16 @@ def require_transformers():
 
 
 def decoder_config(model_or_config):
-    """The decoder's text config of a model or a config; encoder-decoders are refused."""
+    """The decoder's text config of a model or a config; encoder-decoders are refused, and anything
+    else by name (a checkpoint's name, None: an AttributeError deep in transformers before)."""
+    from transformers import PretrainedConfig
+
     config = getattr(model_or_config, "config", model_or_config)
+    if not isinstance(config, PretrainedConfig):
+        hint = " (load the model first, e.g. AutoModelForCausalLM.from_pretrained(name))" \
+            if isinstance(model_or_config, (str, os.PathLike)) else ""
+        raise ConfigError(f"kvstate.hf needs a transformers model or its config, got "
+                          f"{type(model_or_config).__name__}{hint}")
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{type(config).__name__} is an encoder-decoder; kvstate.hf holds decoder-only models")

@@ -888,3 +888,27 @@ def test_an_attached_model_pickles_and_its_copy_runs_its_own_methods():
     more = copy_.generate(out, cache=cache, max_new_tokens=2, **GREEDY)      # the same weights: the same model
     assert torch.equal(more, model.generate(out, cache=DynamicCache(), max_new_tokens=2, **GREEDY))
     cache.close()
+
+
+@pytest.mark.parametrize("given", [None, "gpt2", 3])
+def test_a_model_that_is_not_a_model_is_refused_by_name(given, tmp_path):
+    """A checkpoint's name where the model goes (an easy slip) raised an AttributeError deep in transformers."""
+    with pytest.raises(spec_errors.ConfigError, match="needs a transformers model or its config"):
+        hf.KVStateCache.for_model(given)
+    with pytest.raises(spec_errors.ConfigError, match="needs a transformers model or its config"):
+        hf.KVStateCache.restore(given, tmp_path / "never.kvs")
+
+
+def test_a_layer_past_the_last_is_what_transformers_cache_says():
+    """A ``Cache`` answers 0 (and a mask of the query alone) for a layer it has not made; an IndexError was another
+    answer where transformers expects a ``Cache``."""
+    model = llama()
+    cache = hf.KVStateCache.for_model(model)
+    reference = DynamicCache()
+    with torch.no_grad():
+        model(ids(5, 1), past_key_values=cache, use_cache=True)
+        model(ids(5, 1), past_key_values=reference, use_cache=True)
+    for layer in (0, 1, 2, 9):
+        assert cache.get_seq_length(layer) == reference.get_seq_length(layer)
+        assert cache.get_mask_sizes(3, layer) == reference.get_mask_sizes(3, layer)
+    cache.close()
