@@ -157,7 +157,9 @@ def _remove_orphans() -> None:
         try:
             with open(folder / "owner") as owner:
                 fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:                         # held (its process lives), gone, or not ours
+        except FileNotFoundError:       # a prefixed folder had its owner file from the start: a removal
+            pass                        # cut short after deleting it (a kill mid-rmtree), left empty for good
+        except OSError:                         # held (its process lives), or not ours
             continue
         shutil.rmtree(folder, ignore_errors=True)
 

@@ -58,6 +58,18 @@ def test_the_folder_of_a_killed_process_goes_with_the_next_one(tmp_path):
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_a_folder_whose_removal_was_cut_short_goes_with_the_next_one(tmp_path, monkeypatch):
+    """A kill in the middle of a folder's removal, after its owner file went, left it for good: its lock
+    could not be tried, so it was taken for held (a review found one that survived ten runs)."""
+    from kvstate.stateful import snapshots as S
+
+    monkeypatch.setattr(S, "_SCRATCH", str(tmp_path))
+    (tmp_path / f"{S._PREFIX}30499-z2iwd6cb").mkdir()
+    (tmp_path / f"{S._PREFIX}30500-half" / "run-1").mkdir(parents=True)
+    S._remove_orphans()
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_threads_of_one_process_share_its_one_folder_and_it_stays_held(tmp_path, monkeypatch):
     """Two threads of a Dask worker of two threads made a folder each at their first snapshot at once:
     the first's lock file went with the second's, and the next process to make its folder removed the
