@@ -35,8 +35,8 @@ WATCHER = r"""
 import os, select, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's Ctrl-C reaches the whole group: the command's to handle
 parent, armed, pending = int(sys.argv[1]), {}, b""
-while os.getppid() == parent:
-    soonest = min((due for due, _ in armed.values()), default=None)
+while True:     # what the pipe holds is read first: a command that ended at once still told its stage
+    soonest = min((entry[0] for entry in armed.values()), default=None)
     wait = 1.0 if soonest is None else min(1.0, max(0.0, soonest - time.monotonic()))
     if select.select([0], [], [], wait)[0]:
         chunk = os.read(0, 4096)
@@ -44,16 +44,20 @@ while os.getppid() == parent:
             break
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
-            verb, key, *rest = line.decode("utf-8", "replace").split(" ", 3)
+            verb, key, *rest = line.decode("utf-8", "replace").split(" ", 4)
             if verb == "arm":
-                armed[key] = (time.monotonic() + float(rest[0]), rest[1])
+                armed[key] = (time.monotonic() + float(rest[0]), rest[1], rest[2])
             else:
                 armed.pop(key, None)
         continue
-    late = [what for due, what in armed.values() if due <= time.monotonic()]
+    if os.getppid() != parent:      # gone, though a forked child of it may hold the pipe open
+        break
+    late = [(limit, what) for due, limit, what in armed.values() if due <= time.monotonic()]
     if late:
-        os.write(2, ("kvstate: " + late[0] + "; C code holds the interpreter (the GIL), so nothing in "
-                     "the command can report it or stop it: the command is ended\n").encode("utf-8", "replace"))
+        os.write(2, ("kvstate: %s did not finish within %s s; C code holds the interpreter (the GIL), so nothing "
+                     "in the command can report it or stop it: the command is ended\n" % late[0][::-1]
+                     ).encode("utf-8", "replace"))
+        armed.clear()
         for sig, then in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.0)):
             try:
                 os.kill(parent, sig)
@@ -63,6 +67,10 @@ while os.getppid() == parent:
             if os.getppid() != parent:
                 break
         break
+for _due, _limit, what in list(armed.values())[:1]:     # gone mid-stage: it reported nothing itself
+    os.write(2, ("kvstate: the command's process ended during %s, before it could report (an os._exit or a "
+                 "crash in the backend, or a kill from outside): no verdict was reached\n" % what
+                 ).encode("utf-8", "replace"))
 """
 
 _lock = threading.Lock()
@@ -103,7 +111,7 @@ def _arm(seconds: float, what: str) -> int | None:
             atexit.register(_stop, _watcher)
     key = next(_keys)
     what = " ".join(str(what).split())      # one line
-    return key if _send(f"arm {key} {seconds + GRACE_S!r} {what} did not finish within {seconds:g} s") else None
+    return key if _send(f"arm {key} {seconds + GRACE_S!r} {seconds:g} {what}") else None
 
 
 def _stop(watcher: subprocess.Popen) -> None:

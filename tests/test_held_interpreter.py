@@ -82,6 +82,14 @@ def test_a_conformance_worker_holding_the_gil_fails_its_configuration_by_name(tm
     assert took < 40
 
 
+def test_a_backend_that_ends_the_process_at_import_is_said_to_have(tmp_path):
+    """``os._exit(0)`` at import ended ``kvstate conform`` with status 0 and nothing printed: a pass to a CI job.
+    The status is the backend's to give; the watcher says no verdict was reached."""
+    (tmp_path / "gone.py").write_text("import os\nos._exit(0)\n")
+    done, _took = run(["conform", "gone.py", "--config", "f32-heap", "--workers", "1"], tmp_path)
+    assert "ended during importing backend 'gone.py'" in done.stderr and "no verdict was reached" in done.stderr
+
+
 def test_a_library_caller_is_never_ended_and_the_watcher_goes_with_the_command(tmp_path):
     """Only the command's own process is watched (``enable``); the watcher ends when the command does."""
     script = textwrap.dedent("""
