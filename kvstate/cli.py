@@ -509,11 +509,18 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _spec_check(args: argparse.Namespace) -> int:
-    from kvstate.stateful.spec_check import run_spec_check
+    from kvstate.stateful.spec_check import MAX_WRITES_PER_STATE, SIZE_MAX, run_spec_check, writes_per_state
 
     for name in ("page_tokens", "contexts", "positions", "alphabet", "write", "values", "entries"):
-        _at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
-    _at_least("--arena", args.arena, 0)
+        _at_least("--" + name.replace("_", "-"), getattr(args, name), 1, SIZE_MAX[name])
+    for name in ("arena", "block_tokens", "max_pages", "pool_pages"):
+        _at_least("--" + name.replace("_", "-"), getattr(args, name), 0, SIZE_MAX[name])
+    # each option within its bound can still offer a state more writes than the search can try
+    writes = writes_per_state(args.contexts, args.positions, args.alphabet, args.write, args.values)
+    if writes > MAX_WRITES_PER_STATE:
+        raise UsageError(f"this scope offers {writes:,} writes in one state (--contexts x --values x --alphabet ** k "
+                         f"for k = 1..--write, at each of --positions places); at most {MAX_WRITES_PER_STATE:,} "
+                         f"can be searched: lower --alphabet, --write or --values")
     _at_least("--depth", args.depth, 0)
     _at_least("--time-limit", args.time_limit, 0.001, MAX_TIME_LIMIT)
     _at_least("--crosshair-timeout", args.crosshair_timeout, 0.001)

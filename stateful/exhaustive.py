@@ -183,7 +183,7 @@ def operations(lockstep: Lockstep, scope: Scope) -> list[O.Op]:
     result: list[O.Op] = [O.Allocate()] if room else []
     for handle in live:
         length = len(lockstep.live[handle][1])
-        for k in range(1, scope.max_write + 1):
+        for k in range(1, min(scope.max_write, scope.max_positions) + 1):     # no longer write fits
             words = list(itertools.product(scope.alphabet, repeat=k))
             if length + k <= scope.max_positions:
                 result += [O.Extend(handle, word, seed) for word in words for seed in scope.seeds]

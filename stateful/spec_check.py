@@ -62,6 +62,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 _FIELDS = ("match", "block_tokens", "max_pages", "pool_pages", "on_full")
 
+# Upper bounds of the size options, checked before anything runs: past them a typo grew memory until a
+# bare ``MemoryError`` (the alphabet and value seeds are built as tuples, every word of each write
+# length as a list, the arena as arrays). The search finishes (hours) only at 2-4 contexts, positions,
+# entries and slots and depth 7 or so (README: the nightly scope); no depth it can finish fills more
+# than 64 pages, positions, contexts or entries, so nothing reachable is cut.
+SIZE_MAX = {"page_tokens": 64, "contexts": 16, "positions": 64, "alphabet": 1024, "write": 64, "values": 1024,
+            "entries": 64, "arena": 64, "block_tokens": 64, "max_pages": 64, "pool_pages": 64}
+# Writes the search offers in one state, at about 1 ms a transition (2026-12-07): 20,000 are 20 s to
+# expand one state. The default scope offers 28, the nightly one 8; alphabet 64 with writes of 2
+# positions (16,768) is the largest common one under it (its depth 2: 4,163 states in 4.7 s).
+MAX_WRITES_PER_STATE = 20_000
+
+
+def writes_per_state(contexts: int, positions: int, alphabet: int, write: int, values: int) -> int:
+    """Most writes (extends and overwrites) one state offers: per live context, each of the
+    ``alphabet ** k`` words of ``k`` positions (``k`` up to ``write``, and no write is longer than
+    ``positions``) with each value seed, at each of the ``positions - k + 1`` places it fits."""
+    return contexts * values * sum(alphabet ** k * (positions - k + 1) for k in range(1, min(write, positions) + 1))
+
 
 def scope_from(args: argparse.Namespace) -> Scope:
     """The entry-semantics scope the size options describe."""

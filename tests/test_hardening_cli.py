@@ -399,3 +399,61 @@ def test_spec_check_without_crosshair_is_refused_before_the_search_unless_told_t
     line = one_line_exit_2(capsys, ["spec-check", "--depth", "1", "--semantics", "entry"])
     assert "CrossHair is not installed" in line and "--no-crosshair" in line and not searched, line
     assert main(["spec-check", "--no-crosshair", "--depth", "1", "--semantics", "entry"]) == 0 and searched
+
+
+# From a review (finding 1): the size options had lower bounds only; a large one (a typo) grew memory
+# until a bare "MemoryError: ", and a time limit did not bound it (one state's operations were listed
+# for seconds before the clock was read).
+@pytest.mark.parametrize("argv, named", [
+    (["--values", "100000000000"], "--values"), (["--alphabet", "100000000000"], "--alphabet"),
+    (["--write", "100000", "--positions", "100000"], "--positions"), (["--write", "65"], "--write"),
+    (["--page-tokens", "65"], "--page-tokens"), (["--contexts", "17"], "--contexts"),
+    (["--entries", "65"], "--entries"), (["--arena", "65"], "--arena"),
+    (["--match", "block", "--block-tokens", "65"], "--block-tokens"), (["--max-pages", "65"], "--max-pages"),
+    (["--pool-pages", "65"], "--pool-pages"),
+    (["--alphabet", "1024", "--write", "2"], "writes in one state"),    # each in bounds, together too many
+    (["--alphabet", "1000000", "--time-limit", "3", "--depth", "2"], "--alphabet"),
+])
+def test_spec_check_refuses_a_scope_too_large_to_search_before_anything_runs(capsys, monkeypatch, argv, named):
+    from kvstate.stateful import spec_check
+
+    ran = []
+    monkeypatch.setattr(spec_check, "explore", lambda *a, **k: ran.append(a))
+    line = one_line_exit_2(capsys, ["spec-check", "--no-crosshair", *argv], within=5)
+    assert named in line and "at most" in line and ran == [], line
+
+
+@pytest.mark.parametrize("argv", [
+    [],                                                                                   # the default scope
+    ["--depth", "0", "--contexts", "2", "--positions", "2", "--write", "1", "--entries", "1", "--arena", "2"],
+    ["--depth", "0", "--contexts", "3", "--positions", "4", "--time-limit", "36000"],
+    ["--depth", "7", "--time-limit", "36000"],
+    ["--alphabet", "64", "--write", "2"], ["--write", "64"],        # no write is longer than the positions
+    ["--match", "token", "--pool-pages", "2", "--on-full", "refuse"],
+])
+def test_spec_checks_documented_scopes_are_within_its_bounds(capsys, monkeypatch, argv):
+    from kvstate.stateful import spec_check
+
+    monkeypatch.setattr(spec_check, "run_spec_check", lambda args: 0)
+    assert main(["spec-check", "--no-crosshair", *argv]) == 0, capsys.readouterr().err
+
+
+def test_a_write_longer_than_the_positions_is_not_listed(monkeypatch):
+    """``--write 64`` is within bounds; every word of each length up to it was listed (2 ** 64 of them)
+    although no write longer than ``--positions`` fits."""
+    import itertools
+
+    from kvstate.stateful.exhaustive import Scope, operations
+    from kvstate.stateful.lockstep import Lockstep
+    from kvstate.impl.numpy import factory
+
+    scope, product = Scope(max_write=64), itertools.product
+
+    def words(alphabet, repeat):
+        assert repeat <= scope.max_positions, f"words of {repeat} positions listed"
+        return product(alphabet, repeat=repeat)
+
+    monkeypatch.setattr(itertools, "product", words)
+    lockstep = Lockstep(factory, scope.config())
+    lockstep.apply(O.Allocate())
+    assert max(len(op.tokens) for op in operations(lockstep, scope) if isinstance(op, O.Extend)) == 3
