@@ -57,13 +57,26 @@ def run(args: argparse.Namespace) -> int:
     except OSError as error:
         print(f"kvstate bench: cannot write results to {str(args.out)!r}: {error.strerror or error}", file=sys.stderr)
         return 2
+    from .plots import plot_files
+
+    # the files the run writes at its end, checked now: a folder in results.json's place was found only
+    # after the whole run, which was then lost to a traceback
+    for target in [args.out / "results.json", *plot_files(args.names or known, args.out)]:
+        if target.is_dir():
+            print(f"kvstate bench: cannot write results to {str(target)!r}: it is a folder", file=sys.stderr)
+            return 2
     pin_threads(args)
     from .plots import draw
     from .run import BENCHMARKS, run_all, save
 
     results = run_all(args.names or BENCHMARKS, quick=args.quick, full=args.full, threads=args.threads)
-    path = save(results, args.out, args.threads)
-    pngs = draw(results, args.out)
+    try:        # something changed under the run (the check above was minutes ago): one line, exit 2
+        path = save(results, args.out, args.threads)
+        pngs = draw(results, args.out)
+    except OSError as error:
+        print(f"kvstate bench: cannot write results to {str(error.filename or args.out)!r}: "
+              f"{error.strerror or error}", file=sys.stderr)
+        return 2
     print(f"\nwrote {path}" + (f" and {len(pngs)} plots" if pngs else " (no plots: pip install kvstate[plot])"))
     return 0
 

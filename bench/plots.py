@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+# The plot each benchmark's result gets (``{name}.png``), by benchmark: the run checks these files
+# before it starts, as it does results.json.
+PLOT_OF = {"fork_copy": "fork_vs_copy", "best_of_n": "best_of_n", "agent_traffic": "agent_traffic",
+           "paged_decode": "paged_vs_contiguous_decode", "restore": "restore_vs_prefill"}
+
+
+def plot_files(names, out: Path) -> list[Path]:
+    """The PNGs a run of the benchmarks ``names`` writes in ``out``; none without matplotlib."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return []
+    return [out / f"{PLOT_OF[name]}.png" for name in names if name in PLOT_OF]
 
 
 def draw(results: list[dict], out: Path) -> list[Path]:

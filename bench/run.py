@@ -8,6 +8,7 @@ Figures are measured side by side in one run; compare ratios, not absolute times
 from __future__ import annotations
 
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -70,5 +71,13 @@ def save(results: list[dict], out: Path, threads: int) -> Path:
     path = out / "results.json"
     meta = {"python": platform.python_version(), "machine": platform.machine(), "threads": threads,
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    path.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    # written beside it, then renamed over it: where results.json cannot be replaced (a folder of
+    # that name made during the run) the run's results are kept in the temporary file, which the
+    # OSError names, not lost to a traceback after minutes of benchmarking
+    temp = out / f"results.json.{os.getpid()}.tmp"
+    temp.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=str))
+    try:
+        os.replace(temp, path)
+    except OSError as error:
+        raise OSError(error.errno, f"{error.strerror}; the results are in {str(temp)!r}", str(path)) from None
     return path

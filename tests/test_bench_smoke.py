@@ -302,3 +302,61 @@ def test_bad_bench_arguments_are_one_line_and_exit_2_before_anything_runs(argv, 
     run = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr
     assert not run.stdout.strip()
+
+
+# From a review (finding 3): with OUT/results.json a folder, the whole run went by, then ended in an
+# IsADirectoryError traceback (exit 1) and its results were lost.
+def _bench_args(out, *names):
+    import argparse
+
+    from kvstate.bench.cli import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([*names, "--quick", "--threads", "1", "--out", str(out)])
+
+
+def test_bench_refuses_a_folder_where_results_json_goes_before_it_runs(tmp_path):
+    import subprocess
+    import sys
+    (tmp_path / "results.json").mkdir()
+    run = subprocess.run([sys.executable, "-m", "kvstate", "bench", "fork_copy", "--quick", "--threads", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().count("\n") == 0, run.stderr
+    assert f"cannot write results to '{tmp_path / 'results.json'}': it is a folder" in run.stderr, run.stderr
+    assert not run.stdout.strip()           # refused before the benchmark ran
+
+
+def test_bench_refuses_a_folder_where_a_plot_goes_before_it_runs(tmp_path, monkeypatch, capsys):
+    from kvstate.bench import cli, plots
+
+    monkeypatch.setattr(plots.importlib.util, "find_spec", lambda name: object())    # as if matplotlib were here
+    monkeypatch.setattr(cli, "pin_threads", lambda args: pytest.fail("the run went on"))
+    (tmp_path / "fork_vs_copy.png").mkdir()
+    assert cli.run(_bench_args(tmp_path, "fork_copy")) == 2
+    assert "fork_vs_copy.png': it is a folder" in capsys.readouterr().err
+
+
+def test_every_plot_the_bench_draws_is_checked_before_the_run():
+    from kvstate.bench import plots
+    from kvstate.bench.run import BENCHMARKS
+
+    assert set(plots.PLOT_OF) <= set(BENCHMARKS) and set(plots.PLOT_OF.values()) == set(plots._DRAWERS)
+
+
+def test_a_results_json_that_cannot_be_written_at_the_end_keeps_the_results(tmp_path, monkeypatch, capsys):
+    """A folder made in its place during the run: one line, exit 2, and the results kept beside it."""
+    import json
+
+    from kvstate.bench import cli, run
+
+    def run_all(names, **kwargs):
+        (tmp_path / "results.json").mkdir()
+        return [{"name": "fake", "rows": [{"x": 1}]}]
+
+    monkeypatch.setattr(cli, "pin_threads", lambda args: None)
+    monkeypatch.setattr(run, "run_all", run_all)
+    assert cli.run(_bench_args(tmp_path, "tree_scale")) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvstate bench: cannot write results to '{tmp_path / 'results.json'}'"), line
+    (kept,) = tmp_path.glob("results.json.*.tmp")
+    assert str(kept) in line and json.loads(kept.read_text())["results"][0]["name"] == "fake"
