@@ -36,8 +36,9 @@ def pin_threads(args: argparse.Namespace) -> None:
     if all(os.environ.get(var) == wanted for var in THREAD_VARS):
         return
     env = dict(os.environ, **{var: wanted for var in THREAD_VARS})
-    argv = [sys.executable, "-m", "kvstate.bench", *args.names, "--threads", wanted, "--out", str(args.out)]
-    argv += ["--quick"] * args.quick + ["--full"] * args.full
+    # each value joined to its option, the names after "--": "--out -dashdir" was read as two options
+    argv = [sys.executable, "-m", "kvstate.bench", f"--threads={wanted}", f"--out={args.out}"]
+    argv += ["--quick"] * args.quick + ["--full"] * args.full + ["--", *args.names]
     sys.stdout.flush()
     os.execve(sys.executable, argv, env)
 

@@ -312,7 +312,7 @@ def _bench_args(out, *names):
     from kvstate.bench.cli import add_arguments
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return parser.parse_args([*names, "--quick", "--threads", "1", "--out", str(out)])
+    return parser.parse_args([*names, "--quick", "--threads", "1", f"--out={out}"])
 
 
 def test_bench_refuses_a_folder_where_results_json_goes_before_it_runs(tmp_path):
@@ -360,3 +360,25 @@ def test_a_results_json_that_cannot_be_written_at_the_end_keeps_the_results(tmp_
     assert line.startswith(f"kvstate bench: cannot write results to '{tmp_path / 'results.json'}'"), line
     (kept,) = tmp_path.glob("results.json.*.tmp")
     assert str(kept) in line and json.loads(kept.read_text())["results"][0]["name"] == "fake"
+
+
+@pytest.mark.parametrize("out", ["-dashdir", "--out", "a=b", "-"])
+def test_the_thread_pinning_reexec_parses_back_to_the_same_run(monkeypatch, out):
+    """From a review (finding 7): ``--out=-dashdir`` was passed on as ``--out -dashdir``, which the
+    re-executed command refused ("expected one argument"), leaving the folder the first one made."""
+    import argparse
+
+    from kvstate.bench import cli
+
+    for var in cli.THREAD_VARS:
+        monkeypatch.delenv(var, raising=False)
+    execs = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, argv, env: execs.append(argv))
+    args = _bench_args(out, "fork_copy", "restore")
+    args.full = True
+    cli.pin_threads(args)
+    (argv,) = execs
+    assert argv[1:3] == ["-m", "kvstate.bench"]
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    cli.add_arguments(parser)
+    assert parser.parse_args(argv[3:]) == args
