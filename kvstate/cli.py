@@ -21,6 +21,7 @@ import sys
 import threading
 
 LOAD_TIME_LIMIT = 60.0
+SCRATCH_USERS = ("conform", "sweep", "replay", "spec-check")     # commands whose runs write snapshot files there
 MAX_RACE_THREADS = 4096    # ``kvstate race --threads``: past what a machine starts, a failure read as the race's
 MAX_TIME_LIMIT = threading.TIMEOUT_MAX     # past it a wait overflowed, and read as the backend failing to load
 
@@ -209,6 +210,9 @@ def _race(args: argparse.Namespace) -> int:
     if args.store is not None and args.store not in available_stores():
         raise UsageError(f"unknown or unavailable store {args.store!r} (available: {', '.join(available_stores())})")
     store = args.store or _load_backend(args.backend)[0]
+    if args.store is None and not getattr(store, "thread_safe", False):     # as stress and conform's races: n/a
+        raise UsageError(f"{args.backend!r} is raced in no configuration: the factory does not declare "
+                         f"thread_safe = True")
     try:
         config = config_for_label(args.config, candidate_configs(args.scenario, store))
     except KeyError as error:
@@ -707,6 +711,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
     try:
+        if args.command in SCRATCH_USERS:
+            from kvstate.stateful.snapshots import scratch_problem
+            if (problem := scratch_problem()) is not None:
+                raise UsageError(problem)
         return args.run(args)
     except UsageError as error:
         print(printable(f"kvstate {args.command}: {error}"), file=sys.stderr)

@@ -115,15 +115,34 @@ def _load_file(path: Path):
 
 
 def _load_by_stem(path: Path):
-    folder = str(path.parent)
+    folder, name = str(path.parent), path.stem
+    # A file named like a module this process has or can import (numpy.py, as kvstate names its own
+    # backends; random.py, queue.py) was put in its place, and the suite then failed a correct backend
+    # (numpy.random missing) or died: such a file gets a name of its own, and its folder goes last
+    # on sys.path, behind the modules it is named like.
+    taken = name in sys.modules or _importable_elsewhere(name, path)
+    if taken:
+        name = f"_kvstate_backend_{name}"
     if folder not in sys.path:
-        sys.path.insert(0, folder)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+        if taken:
+            sys.path.append(folder)
+        else:
+            sys.path.insert(0, folder)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules[path.stem] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     _FILE_MODULES[path] = module
     return module
+
+
+def _importable_elsewhere(name: str, path: Path) -> bool:
+    """Whether ``import name`` finds a module other than the file at ``path``."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and (spec.origin is None or Path(spec.origin).resolve() != path)
 
 
 def module_of_file(path: str | Path):

@@ -78,12 +78,27 @@ _making = threading.Lock()      # one folder a process, whichever of its threads
 os.register_at_fork(after_in_child=lambda: globals().update(_making=threading.Lock()))   # never a held copy
 
 
+def scratch_problem() -> str | None:
+    """Why ``KVSTATE_SCRATCH`` cannot hold the checks' snapshot files, or None. Checked by the commands
+    before any run: found at a run's first snapshot, inside the backend's step, it was reported as the
+    backend raising (FileNotFoundError) and saved as the backend's failure."""
+    named = os.environ.get("KVSTATE_SCRATCH")
+    if not named:
+        return None
+    if not os.path.isdir(named) or not os.access(named, os.W_OK | os.X_OK):
+        return f"KVSTATE_SCRATCH={named!r} is not a folder this process can write in"
+    return None
+
+
 def _folder(lockstep: Lockstep) -> Path:
     """The run's folder for snapshot files, inside this process's (``_process_folder``). It goes
     when the run's Lockstep is collected; a run still alive at exit goes with the process's."""
     path = lockstep.__dict__.get("_snapshot_path")
     if path is None:
-        lockstep._snapshot_folder = tempfile.TemporaryDirectory(prefix="run-", dir=_process_folder())
+        # Cleanup errors ignored: a check abandoned past its time limit may still be writing here while
+        # the process exits, and its finalizer then printed a raw OSError ("Directory not empty").
+        lockstep._snapshot_folder = tempfile.TemporaryDirectory(prefix="run-", dir=_process_folder(),
+                                                                ignore_cleanup_errors=True)
         path = lockstep._snapshot_path = Path(lockstep._snapshot_folder.name)
     return path
 

@@ -457,3 +457,32 @@ def test_a_write_longer_than_the_positions_is_not_listed(monkeypatch):
     lockstep = Lockstep(factory, scope.config())
     lockstep.apply(O.Allocate())
     assert max(len(op.tokens) for op in operations(lockstep, scope) if isinstance(op, O.Extend)) == 3
+
+
+def test_a_scratch_folder_that_cannot_be_written_is_the_settings_fault_not_the_backends(capsys, monkeypatch):
+    """A bad KVSTATE_SCRATCH failed the built-in backend ("the backend raised FileNotFoundError") at its
+    first snapshot, and sweeps saved replay files blaming it."""
+    monkeypatch.setenv("KVSTATE_SCRATCH", "/nonexistent/kvstate-scratch")
+    for argv in (["conform", "--config", "f32-heap", "--check", "lockstep"], ["sweep", "--seeds", "1", "--steps", "5"]):
+        assert "KVSTATE_SCRATCH='/nonexistent/kvstate-scratch'" in one_line_exit_2(capsys, argv, within=20)
+
+
+def test_race_refuses_a_backend_that_does_not_declare_thread_safety(capsys):
+    """As stress and conform's races check do (n/a); raced anyway, it was blamed about half the time."""
+    line = one_line_exit_2(capsys, ["race", "fork_storm", "--backend", "examples/listcache.py", "--config", "f32-heap"])
+    assert "does not declare thread_safe = True" in line
+
+
+@pytest.mark.parametrize("stem, check", [("numpy", "lockstep"), ("random", "races")])
+def test_a_backend_file_named_like_a_module_does_not_replace_it(tmp_path, stem, check):
+    """numpy.py (as kvstate names its own backends) replaced numpy for the whole run: the correct backend
+    FAILed every check (numpy.random missing); random.py broke NumPy's own import of it."""
+    import subprocess
+    import sys
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / f"{stem}.py").write_text("from kvstate.impl.numpy import factory\n")
+    done = subprocess.run([sys.executable, "-m", "kvstate", "conform", f"mine/{stem}.py", "--config", "f32-heap",
+                           "--check", check, "--examples", "3", "--workers", "1"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
