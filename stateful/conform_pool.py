@@ -171,7 +171,7 @@ def _one_configuration(backend: str, config: Config, profile: str, checks: list[
     # A check stuck in C holding the GIL stops this whole process, past any limit of its own: the
     # watcher ends it instead, which the pool sees as a worker that died (run alone again, then a
     # failure of this configuration by name), never a command waiting for good.
-    enable()
+    enable(report_an_end=False)
 
     use_cache_folder_for_hypothesis()
     examples, steps = sizes

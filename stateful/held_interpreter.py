@@ -30,7 +30,7 @@ from typing import Iterator
 GRACE_S = 5.0
 """How long past its limit a stage may go unreported before the watcher ends the command."""
 
-# Run as ``python -I -S -c WATCHER <parent pid>``: no site, no kvstate import, started in milliseconds.
+# Run as ``python -I -S -c WATCHER <parent pid> report|quiet``: no site, no kvstate import, started in milliseconds.
 WATCHER = r"""
 import os, select, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's Ctrl-C reaches the whole group: the command's to handle
@@ -67,7 +67,7 @@ while True:     # what the pipe holds is read first: a command that ended at onc
             if os.getppid() != parent:
                 break
         break
-for _due, _limit, what in list(armed.values())[:1]:     # gone mid-stage: it reported nothing itself
+for _due, _limit, what in list(armed.values())[:1] if sys.argv[2] == "report" else ():     # gone mid-stage
     os.write(2, ("kvstate: the command's process ended during %s, before it could report (an os._exit or a "
                  "crash in the backend, or a kill from outside): no verdict was reached\n" % what
                  ).encode("utf-8", "replace"))
@@ -76,14 +76,17 @@ for _due, _limit, what in list(armed.values())[:1]:     # gone mid-stage: it rep
 _lock = threading.Lock()
 _keys = itertools.count()
 _owner: int | None = None        # the pid of the process ``enable`` was called in
+_report_an_end = True            # say so where the process ends inside a stage (see ``enable``)
 _watcher: subprocess.Popen | None = None
 
 
-def enable() -> None:
-    """Guard this process's stages from here on: for the ``kvstate`` command's own process only."""
-    global _owner
+def enable(report_an_end: bool = True) -> None:
+    """Guard this process's stages from here on: for the ``kvstate`` command's own process, and for
+    conform's worker processes, whose end inside a stage their pool reports itself (``report_an_end``
+    False: a Ctrl-C that ended them read as the backend's crash)."""
+    global _owner, _report_an_end
     if os.name == "posix":       # (``select`` on a pipe; elsewhere the stages are guarded as before)
-        _owner = os.getpid()
+        _owner, _report_an_end = os.getpid(), report_an_end
 
 
 @contextmanager
@@ -104,7 +107,8 @@ def _arm(seconds: float, what: str) -> int | None:
     with _lock:
         if _watcher is None or _watcher.poll() is not None:
             try:
-                _watcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHER, str(os.getpid())],
+                _watcher = subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHER, str(os.getpid()),
+                                             "report" if _report_an_end else "quiet"],
                                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
             except OSError:      # no watcher (no processes left, say): the stage runs unguarded, as before
                 return None
