@@ -54,34 +54,10 @@ def _at_least(name: str, value, low, high=None) -> None:
 
 
 def _load_backend(backend: str, time_limit: float = LOAD_TIME_LIMIT, configs_default=None, check: bool = True):
-    """The factory named ``backend``, imported (and, with ``check``, its first cache built) in a daemon
-    thread: an import or factory that hangs is a ``FactoryError`` after ``time_limit``, and one that
-    calls ``sys.exit`` at import is one too (it would otherwise end the command with its status)."""
-    from kvstate.spec.protocol import declared_configs
-    from kvstate.stateful.configs import configs_for
-    from kvstate.stateful.conform import FactoryError, check_backend, load_factory
+    """``stateful.backends.load_backend``: the factory and its configurations, or a ``FactoryError``."""
+    from kvstate.stateful.backends import load_backend
 
-    from kvstate.stateful.deadline import Overran, in_daemon_thread
-
-    def load():
-        factory = load_factory(backend)
-        return factory, configs_for(factory) if configs_default is None else declared_configs(factory, configs_default)
-
-    try:
-        factory, configs = in_daemon_thread(load, time_limit, "kvstate-load-backend", f"importing backend {backend!r}")
-    except Overran:
-        raise FactoryError(f"importing backend {backend!r} did not finish within {time_limit:g} s") from None
-    except SystemExit as error:
-        raise FactoryError(f"backend {backend!r} called sys.exit({error.code!r}) while loading") from None
-    except FactoryError:
-        raise
-    except BaseException as error:
-        if _terminated(error):      # the sweep's own SIGTERM, raised here while it waited: not the backend's doing
-            raise
-        raise FactoryError(f"loading backend {backend!r} failed: {error!r}") from None
-    if check:
-        check_backend(factory, configs, time_limit=time_limit)
-    return factory, configs
+    return load_backend(backend, time_limit, configs_default, check)
 
 
 def _conform(args: argparse.Namespace) -> int:

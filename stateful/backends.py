@@ -218,6 +218,37 @@ def _check_backend(factory: Factory, configs: list[Config]) -> None:
         raise FactoryError(f"cache.observe() returned {type(observation).__name__}, not kvstate.spec.Observation")
 
 
+def load_backend(backend: str, time_limit: float, configs_default=None, check: bool = True):
+    """The factory named ``backend`` and the configurations it is checked in, imported (and, with
+    ``check``, its first cache built) in a daemon thread: an import or factory that hangs is a
+    ``FactoryError`` after ``time_limit``; so is one that calls ``sys.exit`` at import (it would end
+    the caller with its status), and any other error of loading (unknown declared semantics among
+    them), named. ``configs_default``: the configurations to hold a factory declaring none to (a
+    replay's). A Ctrl-C or a sweep's SIGTERM (a ``KeyboardInterrupt``) is the caller's, passed on.
+    The ``kvstate`` command and the pytest plugin both load through here."""
+    from kvstate.spec.protocol import declared_configs
+
+    from .configs import configs_for
+
+    def load():
+        factory = load_factory(backend)
+        return factory, configs_for(factory) if configs_default is None else declared_configs(factory, configs_default)
+
+    try:
+        factory, configs = in_daemon_thread(load, time_limit, "kvstate-load-backend", f"importing backend {backend!r}")
+    except Overran:
+        raise FactoryError(f"importing backend {backend!r} did not finish within {time_limit:g} s") from None
+    except SystemExit as error:
+        raise FactoryError(f"backend {backend!r} called sys.exit({error.code!r}) while loading") from None
+    except (FactoryError, KeyboardInterrupt):
+        raise
+    except BaseException as error:      # noqa: BLE001 - whatever loading raised is the backend's, by name
+        raise FactoryError(f"loading backend {backend!r} failed: {error!r}") from None
+    if check:
+        check_backend(factory, configs, time_limit=time_limit)
+    return factory, configs
+
+
 def _require(obj, protocol, what: str) -> None:
     if not isinstance(obj, protocol):
         names = [n for n in dir(protocol) if not n.startswith("_") or n == "__len__"]

@@ -8,14 +8,21 @@ Each (configuration, check) becomes one test item, named
 
 from __future__ import annotations
 
+import math
+import threading
+
 import pytest
+
+MIN_TIME_LIMIT = 0.001      # as ``kvstate conform --time-limit``: 0 or less failed a correct backend as hanging
 
 
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("kvstate", "kvstate backend conformance")
     group.addoption("--kvstate-backend", action="append", default=[], metavar="FACTORY",
                     help="run the kvstate conformance suite against this backend factory "
-                         "(package.module[:callable] or path/to/file.py[:callable]); repeatable")
+                         "(package.module[:callable] or path/to/file.py[:callable]); repeatable. Give a "
+                         "path as --kvstate-backend=PATH, one word: as two, pytest reads the path as a test "
+                         "argument and takes its rootdir and ini file from the backend's folder")
     group.addoption("--kvstate-profile", default="ci", choices=["ci", "nightly", "hunt"],
                     help="Hypothesis settings profile for the lockstep machine (default: ci)")
     group.addoption("--kvstate-time-limit", type=float, default=300.0, metavar="SECONDS",
@@ -36,9 +43,17 @@ class ConformanceItem(pytest.Item):
         from kvstate.stateful.configs import PROFILES
 
         options = self.session.config
+        # As ``kvstate conform``: after a check of this configuration timed out (its thread still runs,
+        # abandoned), the later ones are skipped, not each waited out, starving the others' checks too.
+        hung = options.stash.setdefault(_HUNG, {})
+        key = (self.backend, self.backend_config.name)
+        if key in hung:
+            pytest.skip(f"not run: {hung[key]!r} hung in this configuration")
         outcome = run_with_limit(CHECKS[self.check], self.factory, self.backend_config,
                                  PROFILES[options.getoption("kvstate_profile")],
-                                 options.getoption("kvstate_time_limit"))
+                                 options.getoption("kvstate_time_limit"), self.check)
+        if outcome.status == "TIMEOUT":
+            hung[key] = self.check
         if outcome.status == "n/a":
             pytest.skip(f"n/a: {outcome.detail}")
         if not outcome.passed:
@@ -53,28 +68,57 @@ class ConformanceItem(pytest.Item):
         return self.path, None, self.name
 
 
+_HUNG = pytest.StashKey[dict]()          # (backend, configuration) -> its check that timed out
+_LOADED = pytest.StashKey[dict]()        # backend -> (factory, configs), loaded and checked in this process
+
+
+def pytest_configure(config) -> None:
+    """Bad options and backends refused here, once, in the process the user started: under xdist a
+    refusal during collection ran on each worker and came out as an INTERNALERROR that lost its reason."""
+    backends = config.getoption("kvstate_backend")
+    if not backends or hasattr(config, "workerinput"):      # none, or an xdist worker (its controller checked)
+        return
+    limit = config.getoption("kvstate_time_limit")
+    if not (math.isfinite(limit) and MIN_TIME_LIMIT <= limit <= threading.TIMEOUT_MAX):
+        raise pytest.UsageError(f"--kvstate-time-limit must be a finite number of seconds from {MIN_TIME_LIMIT:g} "
+                                f"to {threading.TIMEOUT_MAX:g}, got {limit!r}")
+    for backend in backends:
+        _loaded(config, backend)
+
+
+def _loaded(config, backend: str):
+    """``backend``'s factory and configurations, loaded and checked as ``kvstate conform`` does (an import
+    or factory that hangs, calls sys.exit or raises is a usage error naming it), once a process."""
+    from kvstate.stateful.backends import FactoryError, load_backend
+
+    loaded = config.stash.setdefault(_LOADED, {})
+    if backend not in loaded:
+        try:
+            loaded[backend] = load_backend(backend, config.getoption("kvstate_time_limit"))
+        except FactoryError as error:
+            raise pytest.UsageError(f"--kvstate-backend {backend}: {type(error).__name__}: {error}") from None
+    return loaded[backend]
+
+
 @pytest.hookimpl(tryfirst=True)   # before -k/-m deselection sees the items
 def pytest_collection_modifyitems(session, config, items) -> None:
     backends = config.getoption("kvstate_backend")
     if not backends:
         return
-    from kvstate.stateful.conform import CHECKS, FactoryError, check_backend, load_factory
-    from kvstate.stateful.configs import configs_for
+    from kvstate.stateful.conform import CHECKS
 
-    for backend in backends:
-        try:
-            factory = load_factory(backend)
-            configs = configs_for(factory)
-            check_backend(factory, configs, time_limit=config.getoption("kvstate_time_limit"))
-        except FactoryError as error:
-            raise pytest.UsageError(f"--kvstate-backend {backend}: {type(error).__name__}: {error}") from None
-        made = [ConformanceItem.from_parent(session, name=f"kvstate[{_short(backend)}][{cfg.name}][{check}]",
+    shorts = [_short(backend) for backend in backends]
+    for backend, short in zip(backends, shorts):
+        factory, configs = _loaded(config, backend)
+        # two files of one name (other1/engine.py, other2/engine.py) had the same ids, and --lf reran both
+        label = short if shorts.count(short) == 1 else backend
+        made = [ConformanceItem.from_parent(session, name=f"kvstate[{label}][{cfg.name}][{check}]",
                                             backend=backend, factory=factory, backend_config=cfg, check=check)
                 for cfg in configs for check in CHECKS]
         items.extend(made)
         # The terminal counts "collected N items" from collect reports, not from this list: report ours.
         config.hook.pytest_collectreport(report=pytest.CollectReport(
-            nodeid=f"kvstate[{_short(backend)}]", outcome="passed", longrepr=None, result=made))
+            nodeid=f"kvstate[{label}]", outcome="passed", longrepr=None, result=made))
 
 
 def _short(backend: str) -> str:

@@ -334,6 +334,64 @@ def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):
     assert wrong.returncode != 0 and "FactoryError" in wrong.stderr
 
 
+def _plugin_run(tmp_path, *args, timeout=120):
+    """``pytest`` in a third party's folder (no test files, no ini of its own), with the plugin's options."""
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args, str(tmp_path)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("limit", ["0", "nan"])
+def test_the_plugins_time_limit_is_checked_before_anything_runs(tmp_path, limit):
+    """0 failed a correct backend as hanging; nan crashed with an INTERNALERROR (a plugin review, s67)."""
+    done = _plugin_run(tmp_path, "--kvstate-backend=kvstate.impl.numpy", f"--kvstate-time-limit={limit}")
+    assert done.returncode == 4 and "--kvstate-time-limit must be a finite number" in done.stderr, done.stderr
+
+
+def test_the_plugin_names_a_bad_backend_under_xdist_too(tmp_path):
+    """Under -n 2 a backend refused at collection killed each worker: an INTERNALERROR without the reason."""
+    (tmp_path / "raising.py").write_text("def factory(config):\n    raise RuntimeError('boom in factory')\n")
+    done = _plugin_run(tmp_path, "-n", "2", f"--kvstate-backend={tmp_path / 'raising.py'}")
+    assert done.returncode == 4 and "boom in factory" in done.stdout + done.stderr, done.stdout + done.stderr
+    assert "INTERNALERROR" not in done.stdout + done.stderr
+
+
+def test_the_plugin_skips_a_hung_configurations_later_checks_and_names_files_of_one_name_apart(tmp_path):
+    """As conform: after a TIMEOUT the configuration's later checks are skipped, not each waited out (the
+    abandoned threads starved other configurations' checks into TIMEOUTs of their own); and two backend
+    files named alike had the same test ids (--lf then reran the passing one too)."""
+    hangs = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(EXAMPLES)!r})
+        from listcache import ListCache, ListContext, factory as listcache
+
+        class Spinning(ListContext):
+            def extend(self, tokens, kv):
+                while len(tokens) > 3:      # a backend bug: a loop that never ends
+                    pass
+                return super().extend(tokens, kv)
+
+        class Cache(ListCache):
+            context_class = Spinning
+
+        def factory(config):
+            return Cache(config)
+
+        factory.configs = [c for c in listcache.configs if c.name == "f32-heap"]
+        factory.any_page_size = listcache.any_page_size
+    """)
+    for folder in ("one", "two"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "engine.py").write_text(hangs)
+    done = _plugin_run(tmp_path, "-p", "no:xdist", f"--kvstate-backend={tmp_path / 'one' / 'engine.py'}",
+                       "--kvstate-time-limit=1", "-k", "lockstep or seeded or isolation", "-rs")
+    assert re.search(r"1 failed.* 2 skipped", done.stdout), done.stdout
+    assert "f32-heap / lockstep: TIMEOUT" in done.stdout and "not run: 'lockstep' hung" in done.stdout
+    ids = _plugin_run(tmp_path, "--co", f"--kvstate-backend={tmp_path / 'one' / 'engine.py'}",
+                      f"--kvstate-backend={tmp_path / 'two' / 'engine.py'}").stdout.splitlines()
+    items = [line for line in ids if "kvstate[" in line]
+    assert len(items) == 2 * len(CHECKS) and len(set(items)) == len(items), items
+
+
 def test_kvstate_imports_and_conforms_without_torch():
     """Torch is an optional extra: with it unimportable, kvstate, the plugin and the NumPy backend work."""
     code = textwrap.dedent("""
