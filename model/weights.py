@@ -65,33 +65,67 @@ def load_safetensors(path, n_head: int | None = None) -> tuple[GPT2Config, dict[
 
     ``n_head`` is not recorded in the weights: it is taken from the argument, else
     from a ``config.json`` beside the file, else ``n_embd // 64`` (every GPT-2 size
-    uses 64-wide heads). That file's ``layer_norm_epsilon`` is honoured; an activation or
+    uses 64-wide heads; an ``n_embd`` that is not a multiple of 64 needs it said). That file's ``layer_norm_epsilon`` is honoured; an activation or
     attention scaling this model does not compute is refused (``check_computed``).
     """
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    path = Path(path)
-    raw = load_file(str(path))
+    try:
+        path = Path(path)
+    except TypeError:
+        raise ConfigError(f"load_safetensors needs a file path, got {type(path).__name__}") from None
+    if path.is_dir():       # safetensors' own error is "No such device (os error 19)"
+        raise ConfigError(f"{path} is a folder, not a safetensors file")
+    if not path.exists():
+        raise ConfigError(f"{path}: no such safetensors file")
+    try:
+        raw = load_file(str(path))
+    except (SafetensorError, OSError, TypeError, ValueError) as error:    # TypeError: a dtype NumPy lacks (bfloat16)
+        raise ConfigError(f"{path} is not a readable safetensors file: {error}") from None
     weights = {}
     for name, array in raw.items():
         name = name.removeprefix("transformer.")
         if name.endswith((".attn.bias", ".attn.masked_bias")) or name == "lm_head.weight":
             continue    # causal-mask buffers; the head is tied to wte
+        if array.dtype.kind != "f":     # before the cast, which would turn int64 into float32 silently
+            raise ConfigError(f"{path}: weight {name} has dtype {array.dtype}, expected a floating-point array")
         weights[name] = np.ascontiguousarray(array, dtype=np.float32)
     if "wte.weight" not in weights or "wpe.weight" not in weights:
         raise ConfigError(f"{path} holds no GPT-2 embeddings (wte.weight, wpe.weight)")
+    for name in ("wte.weight", "wpe.weight"):   # the shape is read from these two: (rows, n_embd)
+        if weights[name].ndim != 2:
+            raise ConfigError(f"{path}: weight {name} has shape {weights[name].shape}, expected (rows, n_embd)")
     vocab, d = weights["wte.weight"].shape
     layers = 1 + max((int(m.group(1)) for m in map(re.compile(r"h\.(\d+)\.").match, weights) if m), default=-1)
     beside = path.with_name("config.json")
-    hf_config = json.loads(beside.read_text()) if beside.exists() else {}
+    hf_config = read_hf_config(beside) if beside.exists() else {}
     check_computed(hf_config, beside)
+    epsilon = hf_config.get("layer_norm_epsilon", 1e-5)
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 < epsilon < float("inf"):
+        raise ConfigError(f"{beside}: layer_norm_epsilon must be a positive finite number, got {epsilon!r}")
     if n_head is None:
         n_head = hf_config.get("n_head")
+    if n_head is None:      # GPT-2's heads are 64 wide; anything else must be said
+        if d % 64:
+            raise ConfigError(f"{path}: n_embd {d} is not a multiple of GPT-2's 64-wide heads; "
+                              f"give n_head (or a config.json beside the file that has it)")
+        n_head = d // 64
     config = GPT2Config(vocab_size=vocab, n_positions=weights["wpe.weight"].shape[0], n_embd=d,
-                        n_layer=layers, n_head=n_head or d // 64,
-                        layer_norm_epsilon=float(hf_config.get("layer_norm_epsilon", 1e-5)))
+                        n_layer=layers, n_head=n_head, layer_norm_epsilon=float(epsilon))
     check_weights(config, weights)
     return config, weights
+
+
+def read_hf_config(where: Path) -> dict:
+    """The JSON object in ``config.json``; ``ConfigError`` naming the file for anything else."""
+    try:
+        hf_config = json.loads(where.read_bytes())
+    except (OSError, ValueError) as error:     # ValueError: bad JSON or bad UTF-8
+        raise ConfigError(f"{where} is not a readable JSON file: {error}") from None
+    if not isinstance(hf_config, dict):
+        raise ConfigError(f"{where} holds a JSON {type(hf_config).__name__}, expected an object")
+    return hf_config
 
 
 # What an HF GPT-2 config.json may say that this model does not compute, and what it computes.

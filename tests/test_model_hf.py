@@ -73,6 +73,64 @@ def test_loader_refuses_a_file_without_embeddings(tmp_path):
         load_safetensors(tmp_path / "x.safetensors")
 
 
+def tiny_file(folder, change=None, config_json=None):
+    """A tiny GPT-2 safetensors file in ``folder`` (``change`` edits its weights), and a config.json if given."""
+    from safetensors.numpy import save_file
+    from kvstate.model import GPT2Config
+    from kvstate.model.weights import random_weights
+    weights = random_weights(GPT2Config.tiny(n_layer=1, n_embd=8, n_head=2, vocab_size=5, n_positions=4))
+    if change:
+        change(weights)
+    save_file(weights, str(folder / "model.safetensors"))
+    if config_json is not None:
+        (folder / "config.json").write_text(config_json)
+    return folder / "model.safetensors"
+
+
+def garbage(file):
+    file.write_bytes(b"garbage bytes here")
+
+
+def truncated(file):
+    file.write_bytes(file.read_bytes()[:-10])
+
+
+@pytest.mark.parametrize("case,said", [
+    ("missing", "no such safetensors file"), ("folder", "is a folder"),
+    ("garbage", "not a readable safetensors file"), ("truncated", "not a readable safetensors file"),
+    ("config not json", "config.json is not a readable JSON"), ("config a list", "config.json holds a JSON list"),
+    ("epsilon a string", "layer_norm_epsilon must be a positive finite number"),
+    ("wte 1-D", "weight wte.weight has shape \\(5,\\)"), ("int weight", "weight wte.weight has dtype int64")])
+def test_the_loader_refuses_a_damaged_file_by_name(tmp_path, case, said):
+    # each was a bare library error (FileNotFoundError, SafetensorError, JSONDecodeError, ...) or,
+    # for the int64 weight, accepted: the float32 cast came before the dtype check
+    n_head, file = 2, None
+    if case == "missing":
+        file = tmp_path / "nope.safetensors"
+    elif case == "folder":
+        file = tmp_path
+    elif case in ("garbage", "truncated"):
+        file = tiny_file(tmp_path)
+        (garbage if case == "garbage" else truncated)(file)
+    elif case.startswith(("config", "epsilon")):
+        file = tiny_file(tmp_path, config_json={"config not json": "{not json", "config a list": "[1, 2]",
+                                                "epsilon a string": '{"layer_norm_epsilon": "x"}'}[case])
+    elif case == "wte 1-D":
+        file = tiny_file(tmp_path, lambda w: w.update({"wte.weight": np.zeros(5, np.float32)}))
+    else:
+        file = tiny_file(tmp_path, lambda w: w.update({"wte.weight": np.zeros((5, 8), np.int64)}))
+    with pytest.raises(ConfigError, match=said):
+        load_safetensors(file, n_head=n_head)
+
+
+def test_the_loader_needs_n_head_where_n_embd_is_not_64_wide_heads(tmp_path):
+    # n_head was n_embd // 64 unchecked: 0 here, refused as "n_head must be a positive int, got 0"
+    file = tiny_file(tmp_path)
+    with pytest.raises(ConfigError, match="not a multiple of GPT-2's 64-wide heads; give n_head"):
+        load_safetensors(file)
+    assert load_safetensors(file, n_head=2)[0].n_head == 2
+
+
 def test_the_torch_twin_runs_on_a_contiguous_cache_as_the_numpy_model_does(hf_pair):
     from kvstate.model.contiguous import ContiguousKV
     from kvstate.model.torch_gpt2 import TorchGPT2
