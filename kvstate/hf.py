@@ -66,7 +66,7 @@ from transformers.cache_utils import Cache as _HFCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from kvstate.impl import Cache, TokenIds  # noqa: E402
+from kvstate.impl import Cache, Context, TokenIds  # noqa: E402
 from kvstate.impl.batch_write import extend_rows  # noqa: E402
 from kvstate.impl.layer_read import LayerReader, common_prefix, state_token, written_token  # noqa: E402
 from kvstate.impl.snapshot_read import peek_precision  # noqa: E402
@@ -938,8 +938,15 @@ class KVStateCache(_HFCache):
 
 
 def _no_cache_args_with(cache_args: dict, kv, context) -> None:
-    """``ConfigError`` for cache arguments beside a kvstate cache or context given: they would build a
-    new kvstate cache, and were silently ignored (a restore asked for q8 into an f32 cache got f32)."""
+    """``ConfigError`` for a ``kv`` that is not a kvstate ``Cache`` or a ``context`` that is not a
+    ``Context`` (a bare ``AttributeError`` further in), and for cache arguments beside either given: they
+    would build a new kvstate cache, and were silently ignored (a restore asked for q8 into an f32 cache
+    got f32)."""
+    if kv is not None and not isinstance(kv, Cache):
+        raise ConfigError(f"kv must be a kvstate.impl.Cache (or None: one is built), got {type(kv).__name__}")
+    if context is not None and not isinstance(context, Context):
+        raise ConfigError(f"context must be a kvstate.impl.Context (or None: one is allocated), "
+                          f"got {type(context).__name__}")
     if cache_args and (kv is not None or context is not None):
         given = "the context given already belongs to one" if context is not None else "kv is given"
         raise ConfigError(f"cache arguments {sorted(cache_args)} build a new kvstate cache, but {given}")

@@ -1097,6 +1097,16 @@ def test_cache_arguments_beside_a_given_kvstate_cache_and_a_closed_context_are_r
     cache.close()
 
 
+@pytest.mark.parametrize("given", [{"context": 5}, {"kv": "x"}], ids=["context", "kv"])
+def test_a_kv_or_context_of_another_type_is_refused_by_name(given):
+    # it was a bare AttributeError ('int' object has no attribute 'closed')
+    with pytest.raises(ConfigError, match=f"{next(iter(given))} must be a kvstate.impl"):
+        hf.KVStateCache.for_model(_llama(2), **given)
+    if "kv" in given:
+        with pytest.raises(ConfigError, match="kv must be a kvstate.impl.Cache"):
+            hf.KVStateCache.restore(_llama(2), "unread.kvs", **given)
+
+
 def test_an_interrupt_while_a_forward_is_fed_leaves_no_forward_claimed(llama, monkeypatch):
     """From a review: an interrupt in the pre-hook, after the cache took the forward as this thread's,
     met no hook that ends it: every other thread was refused from then on."""
