@@ -9,10 +9,13 @@ What a factory may declare, as attributes:
 - ``configs``: the configurations it supports (a list of ``Config``), each run at exactly its
   ``page_tokens``; without it, the standard six (``standard_configs``) at page sizes drawn 1-8
   per run, plus each standard semantics configuration whose tags ``semantics`` lists.
-- ``semantics``: the declared semantics it implements (``SEMANTICS_TAGS``; ``spec/semantics.py``).
+- ``semantics``: the declared semantics it implements, a list, tuple or set of names (``SEMANTICS_TAGS``;
+  ``spec/semantics.py``).
 - ``any_page_size``: True to be run at page sizes drawn 1-8 per run even where ``configs`` fix
   one, False to be run at the standard configurations' own page size.
-- ``thread_safe``: True to get the race scenarios.
+- ``thread_safe``: True (a bool) to get the race scenarios.
+
+A declaration of another form is refused (``check_declarations``), as are identical ``configs``.
 
 Optional surfaces, each checked where present and reported ``n/a`` where absent:
 
@@ -186,6 +189,31 @@ def standard_configs(layout: Layout, page_tokens: int, max_entries: int, arena_p
     ]
 
 
+def check_declarations(factory: Factory) -> None:
+    """``ConfigError`` naming a declaration above of the wrong form, each of which was read silently as
+    something else: ``semantics = "token"`` as the names t, o, k, e, n; ``thread_safe = "yes"`` as True.
+    Identical ``configs`` are refused, not merged: both ran, as two identical rows, and a copy is more
+    likely a configuration meant to differ in some field than a wish to run it twice."""
+    semantics = getattr(factory, "semantics", ())
+    if not isinstance(semantics, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in semantics):
+        raise ConfigError(f"the factory's semantics must be a list, tuple or set of names (any of "
+                          f"{sorted(SEMANTICS_TAGS)}), got {semantics!r}")
+    for name in ("thread_safe", "any_page_size"):
+        value = getattr(factory, name, False)
+        if not isinstance(value, bool):
+            raise ConfigError(f"the factory's {name} must be True or False, got {value!r}")
+    configs = getattr(factory, "configs", None)
+    if configs is None:
+        return
+    if not isinstance(configs, (list, tuple)):
+        raise ConfigError(f"the factory's configs must be a list of Config, got {configs!r}")
+    listed = [config for config in configs if isinstance(config, Config)]   # any other: check_backend's refusal
+    for i, config in enumerate(listed):
+        if config in listed[:i]:
+            raise ConfigError(f"the factory's configs list {config.name} twice, identical: {config.describe()}")
+
+
 def declared_configs(factory: Factory, default: Iterable[Config]) -> list[Config]:
+    check_declarations(factory)
     declared = getattr(factory, "configs", None)
     return list(declared) if declared is not None else list(default)

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, settings
 
 from kvstate.spec.layout import Layout
 from kvstate.spec.errors import ConfigError
-from kvstate.spec.protocol import SEMANTICS_TAGS, Config, standard_configs
+from kvstate.spec.protocol import SEMANTICS_TAGS, Config, check_declarations, standard_configs
 
 MACHINE_LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 MACHINE_MAX_ENTRIES = 2      # small, so eviction happens often
@@ -69,6 +69,7 @@ def all_configs() -> list[Config]:
 def configs_for(factory) -> list[Config]:
     """What a factory is checked under: its ``configs`` if it lists them; else the six, plus each
     semantics configuration whose ``tags`` are all in the factory's ``semantics`` declaration."""
+    check_declarations(factory)
     declared = getattr(factory, "configs", None)
     if declared is not None:
         return list(declared)

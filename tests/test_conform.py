@@ -287,6 +287,26 @@ def test_check_backend_wants_config_objects():
         check_backend(load_factory("kvstate.impl.numpy"), ["f32"])
 
 
+@pytest.mark.parametrize("declared,said", [
+    ({"semantics": "token"}, "semantics must be a list, tuple or set of names"),
+    ({"thread_safe": "yes"}, "thread_safe must be True or False, got 'yes'"),
+    ({"any_page_size": 1}, "any_page_size must be True or False"),
+    ({"configs": machine_configs()[:1] * 2}, "configs list f32-heap twice"),
+    ({"configs": machine_configs()[0]}, "configs must be a list of Config")])
+def test_a_declaration_of_the_wrong_form_is_refused_by_name(declared, said):
+    # "token" was read as the names t, o, k, e, n; "yes" as True; a duplicate ran twice, two equal rows
+    from kvstate.spec.errors import ConfigError
+    from kvstate.spec.protocol import declared_configs
+    from kvstate.stateful.configs import configs_for
+
+    def factory(config):
+        return numpy_factory(config)
+    factory.__dict__.update(declared)
+    for read in (configs_for, lambda f: declared_configs(f, machine_configs())):
+        with pytest.raises(ConfigError, match=said):
+            read(factory)
+
+
 # The torch store's arena and q8 paths in the default suite; its heap path at f16 under ``-m slow``
 # (tests/test_directed_edges.py and tests/test_races.py run the torch engine in the other configurations).
 @pytest.mark.parametrize("config_name", ["q8-arena6", pytest.param("f16-heap", marks=pytest.mark.slow)])
