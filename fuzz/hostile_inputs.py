@@ -567,6 +567,21 @@ def cli_replay(tally: Tally, document, folder: str) -> int:
     return status
 
 
+def examples_argument(module: str, argv: list[str] | None, default: int, flags: tuple[str, ...] = ()) -> int | None:
+    """EXAMPLES from ``python -m kvstate.fuzz.MODULE [EXAMPLES] [FLAGS]``, or None after one line on
+    stderr (the caller exits 2): -5 or 0 was a Hypothesis traceback, abc a ValueError one, and
+    hostile_sweep dropped what was not digits and ran its default."""
+    words = [arg for arg in (sys.argv[1:] if argv is None else argv) if arg not in flags]
+    usage = f"python -m kvstate.fuzz.{module} [EXAMPLES]" + "".join(f" [{flag}]" for flag in flags)
+    if not words:
+        return default
+    if len(words) == 1 and words[0].strip().isdecimal() and int(words[0]) >= 1:
+        return int(words[0])
+    print(f"python -m kvstate.fuzz.{module}: EXAMPLES must be one positive integer, got "
+          f"{' '.join(words)!r} (usage: {usage})", file=sys.stderr)
+    return None
+
+
 def run_and_report(tally: Tally, runs) -> int:
     """Run each Hypothesis-decorated target, then print the findings, the outcomes and what was
     tried; 1 if anything was found. Shared by this module's ``main`` and its sibling fuzzers'."""
@@ -594,7 +609,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hypothesis import HealthCheck, given, settings
 
-    examples = int((argv or sys.argv[1:] or ["500"])[0])
+    examples = examples_argument("hostile_inputs", argv, 500)
+    if examples is None:
+        return 2
     tally = Tally()
 
     @settings(max_examples=examples, deadline=None, database=None,

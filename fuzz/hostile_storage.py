@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from hypothesis import strategies as st
 
-from kvstate.fuzz.hostile_inputs import LAYOUT, PAGE_TOKENS, Finding, Tally, run_and_report
+from kvstate.fuzz.hostile_inputs import LAYOUT, PAGE_TOKENS, Finding, Tally, examples_argument, run_and_report
 from kvstate.impl.cache import Cache
 from kvstate.spec import invariants
 from kvstate.spec import snapshot_format as fmt
@@ -488,7 +488,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hypothesis import HealthCheck, given, settings
 
-    examples = int((argv or sys.argv[1:] or ["300"])[0])
+    examples = examples_argument("hostile_storage", argv, 300)
+    if examples is None:
+        return 2
     tally = Tally()
     options = settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from kvstate.fuzz.hostile_inputs import Finding, Tally, json_values, run_and_report
+from kvstate.fuzz.hostile_inputs import Finding, Tally, examples_argument, json_values, run_and_report
 
 CONFIG = "f32-heap"
 SEEDS = (0, 1)
@@ -403,8 +403,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from hypothesis import HealthCheck, given, settings
 
-    numbers = [arg for arg in (argv or sys.argv[1:]) if arg.isdigit()]
-    examples = int((numbers or ["300"])[0])
+    examples = examples_argument("hostile_sweep", argv, 300, flags=("--schedulers",))
+    if examples is None:
+        return 2
     tally = Tally()
     options = settings(max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
@@ -427,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as folder:
             check_scheduler(tally, address, folder)
 
-    runs = (run_journals, run_arguments) + ((run_schedulers,) if "--schedulers" in (argv or sys.argv[1:]) else ())
+    runs = (run_journals, run_arguments) + ((run_schedulers,) if "--schedulers" in (sys.argv[1:] if argv is None else argv) else ())
     return run_and_report(tally, runs)
 
 if __name__ == "__main__":

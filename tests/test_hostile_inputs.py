@@ -142,3 +142,15 @@ def test_the_write_oracle_passes_the_engine_as_it_is(tmp_path, store, precision)
     refused = dict(harness.tally.refused)
     assert set(refused) <= {"NonFiniteError", "PrecisionRangeError"} and sum(refused.values()) == 2, refused
     assert len(harness.contexts[1]) == 2
+
+
+@pytest.mark.parametrize("module", ["hostile_inputs", "hostile_storage", "hostile_sweep"])
+@pytest.mark.parametrize("count", ["-5", "0", "abc", "x", "²"])
+def test_a_fuzzers_bad_count_is_one_line_and_exit_2(module, count, capsys):
+    # README's command lines: -5 and 0 were a Hypothesis traceback, abc a ValueError one, and
+    # hostile_sweep ran its default on x; each returns before any example runs
+    import importlib
+    main = importlib.import_module(f"kvstate.fuzz.{module}").main
+    assert main([count]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"kvstate.fuzz.{module}: EXAMPLES must be one positive integer" in err, err
