@@ -77,8 +77,8 @@ def write_atomic(path: str, fill: Callable) -> None:
     (``mkstemp``) and ``os.replace`` replaces a symlink at ``path`` rather than following it. A
     FIFO, a device such as ``/dev/null`` or a socket at ``path`` is refused, before anything is
     written and again just before the rename (one made in between the second check and the
-    rename is still replaced: the check cannot be atomic with it); a folder at ``path`` is refused
-    by the rename itself. The writer holds an exclusive ``flock`` on its temporary file while
+    rename is still replaced: the check cannot be atomic with it); so is a folder at ``path`` (the
+    rename refused it, but only after the whole body was written). The writer holds an exclusive ``flock`` on its temporary file while
     writing, so ``clean_stale_partials`` (run first) never removes a live writer's file, only
     those of writers that died.
     """
@@ -137,12 +137,15 @@ def _name_max(folder: str) -> int:
 
 def _refuse_special(path: str) -> None:
     """``SnapshotWriteError`` if ``path`` is something a snapshot must not replace (not a regular file,
-    a symlink or nothing). A folder is left to ``os.replace``, which refuses it by name."""
+    a symlink or nothing)."""
     try:
         mode = os.lstat(path).st_mode
     except (OSError, ValueError):       # nothing there (or a name the write itself will refuse)
         return
-    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode) or stat.S_ISDIR(mode)):
+    if stat.S_ISDIR(mode):      # before the body is written: the rename refused it only after
+        raise SnapshotWriteError(f"{path!r} is a folder: a snapshot goes to a file's path (one inside it), "
+                                 "or an open binary stream")
+    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
         kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
                 else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
                 else "a special file")

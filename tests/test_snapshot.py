@@ -518,6 +518,23 @@ def test_a_snapshot_never_replaces_a_special_file(tmp_path, kind):
     assert sorted(p.name for p in tmp_path.iterdir()) == [kind]          # no temporary left either
 
 
+def test_a_folder_as_the_target_is_refused_before_anything_is_written(tmp_path, monkeypatch):
+    """The whole body went to a temporary file first; the rename then failed (EBUSY for ".") and the
+    error called the folder "the previous file there"."""
+    from kvstate.impl import snapshot_write
+    (tmp_path / "folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cache, ctx, _ = filled("f32")
+
+    def never(*args):
+        raise AssertionError("the body was written")
+    monkeypatch.setattr(snapshot_write, "_write_to", never)
+    for target in (".", "folder", tmp_path / "folder"):
+        with pytest.raises(SnapshotWriteError, match="is a folder"):
+            ctx.snapshot(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"] and not any((tmp_path / "folder").iterdir())
+
+
 @pytest.mark.parametrize("how", ["own precision, from a file", "another precision"])
 def test_an_interrupt_while_a_restore_fills_its_pages_leaves_no_context(monkeypatch, tmp_path, how):
     """The restore's pages are held by a context no caller has yet: an interrupt while they are
