@@ -14,7 +14,7 @@ import numpy as np
 
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import (InvalidInputError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
+from kvstate.spec.errors import (InvalidInputError, KVStateError, SnapshotCorruptError, SnapshotError, SnapshotLayoutError,
                                  SnapshotReadError, SnapshotTooLargeError,
                                  SnapshotTruncatedError)
 from kvstate.spec.positions import as_position
@@ -246,12 +246,23 @@ def _read_exactly_or_less(file, n: int) -> bytes:
     return data
 
 
+# What a stream's own read may raise as it is: a named refusal (a remote read's deadline, say), and
+# MemoryError (the machine's state, not the stream's: a caller may free memory and retry). Any other
+# class is a SnapshotReadError naming it: only OSError and ValueError were, RuntimeError or KeyError
+# reached the caller bare.
+PASSED_THROUGH = (KVStateError, MemoryError)
+
+
 def checked_read(file, n: int) -> bytes:
     """``file.read(n)``, refusing a text stream and a non-blocking one that has nothing yet by name."""
     try:
         chunk = file.read(n)
     except SystemError as error:        # ``io.RawIOBase.read`` over a ``readinto`` that returned a negative count
         raise SnapshotReadError(f"{file!r} is not a binary stream: {error}") from error
+    except PASSED_THROUGH:
+        raise
+    except Exception as error:
+        raise SnapshotReadError(f"cannot read a snapshot from {file!r}: {error!r}") from error
     if chunk is None:
         raise SnapshotReadError(f"{file!r} would block: restore needs a blocking stream")
     if not isinstance(chunk, (bytes, bytearray, memoryview)):
@@ -264,7 +275,12 @@ def checked_readinto(file, view: memoryview) -> int:
     moved the read backwards, for ever, and a count past the view claimed bytes never read.
     None (a non-blocking stream with nothing yet) is refused as ``checked_read`` refuses it: read
     as 0, it was reported as a file ended early (``SnapshotTruncatedError``)."""
-    got = file.readinto(view)
+    try:
+        got = file.readinto(view)
+    except PASSED_THROUGH:
+        raise
+    except Exception as error:
+        raise SnapshotReadError(f"cannot read a snapshot from {file!r}: {error!r}") from error
     if got is None:
         raise SnapshotReadError(f"{file!r} would block: restore needs a blocking stream")
     count = as_position(got)

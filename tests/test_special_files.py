@@ -150,6 +150,31 @@ class BlocksAfterTheHeader(io.BytesIO):
         return None if self.tell() >= fmt.HEADER_SIZE else super().readinto(buffer)
 
 
+class FailsAfterTheHeader(io.BytesIO):
+    """A stream whose own read fails once the header is read, with ``error`` (from a review: a ValueError
+    was a named SnapshotReadError, a RuntimeError or KeyError reached the caller bare)."""
+
+    def __init__(self, data, error):
+        super().__init__(data)
+        self.error = error
+
+    def _fail(self):
+        if self.tell() >= fmt.HEADER_SIZE:
+            raise self.error("the stream's own failure")
+
+    def read(self, n=-1):
+        self._fail()
+        return super().read(n)
+
+    def readinto(self, buffer):
+        self._fail()
+        return super().readinto(buffer)
+
+
+def failing(error):
+    return lambda tmp: FailsAfterTheHeader(_snapshot_bytes(), error)
+
+
 def changing(cls):
     def make(tmp):
         path = tmp / "changing.kvs"
@@ -183,6 +208,10 @@ SOURCES = [
     ("raw stream whose readinto goes backwards", lambda tmp: BackwardsRaw(_snapshot_bytes()), errors.SnapshotReadError),
     ("stream that would block after the header", lambda tmp: BlocksAfterTheHeader(_snapshot_bytes()),
      errors.SnapshotReadError),
+    *((f"stream whose read raises {error.__name__}", failing(error), errors.SnapshotReadError)
+      for error in (ValueError, RuntimeError, KeyError, LookupError, OSError)),
+    # the machine's state, not the stream's content: as it is (a caller may free memory and retry)
+    ("stream whose read raises MemoryError", failing(MemoryError), MemoryError),
 ]
 
 
