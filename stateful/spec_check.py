@@ -161,6 +161,10 @@ def run_spec_check(args: argparse.Namespace) -> int:
             print(f"kvstate spec-check: backend {args.backend!r} does not declare scope {scope.config().name} "
                   f"({undeclared}); pick scopes it declares (--semantics, --arena 0)", file=sys.stderr)
             return 2
+    unwritable = replay_out_problem(args.replay_out)
+    if unwritable:
+        print(f"kvstate spec-check: --replay-out {unwritable}", file=sys.stderr)
+        return 2
     if not args.no_crosshair and crosshair_tool() is None:     # refused before the search, not reported "skipped"
         print("kvstate spec-check: CrossHair is not installed (pip install crosshair-tool, or "
               "pip install -e '.[test]'); pass --no-crosshair to run the exhaustive search alone", file=sys.stderr)
@@ -175,7 +179,12 @@ def run_spec_check(args: argparse.Namespace) -> int:
         print(f"exhaustive: {config.name}: {result.summary()}")
         print(f"exhaustive: {config.name}: new states per depth {result.per_depth}")
         if result.violation is not None:
-            write_replay(args.replay_out, scope, result.violation, factory, args.backend)
+            try:
+                write_replay(args.replay_out, scope, result.violation, factory, args.backend)
+            except OSError as error:    # made unwritable during the search: the violation is still the verdict
+                print(f"kvstate spec-check: the shortest trace could not be written to {args.replay_out!r}: "
+                      f"{error}", file=sys.stderr)
+                return status or 1
             print(f"exhaustive: shortest trace written to {args.replay_out}")
             return status or 1
         if not result.complete:
@@ -184,6 +193,18 @@ def run_spec_check(args: argparse.Namespace) -> int:
         print(f"exhaustive: no violation, but {len(cut)} of {len(scopes)} searches stopped at the depth or time "
               f"bound before the space was covered ({', '.join(cut)}): a bound, not a proof past it")
     return status
+
+
+def replay_out_problem(path: str) -> str | None:
+    """Why a violation's trace cannot go to ``path``, found before the search (minutes to hours): a
+    folder there was found only at the write, after it, and turned the violation (exit 1) into exit 2."""
+    target = Path(path)
+    if target.is_dir():
+        return f"{path!r} is a folder: name the file the trace goes to"
+    for folder in target.parents:       # the nearest that exists must be a folder (the write makes the rest)
+        if folder.exists():
+            return None if folder.is_dir() else f"{path!r} is inside {str(folder)!r}, which is not a folder"
+    return None
 
 
 def _share(time_limit: float | None, started: float, searches_left: int) -> float | None:

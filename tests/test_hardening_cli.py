@@ -240,6 +240,38 @@ def test_spec_check_refuses_an_undeclared_scope_before_crosshair_runs(capsys, mo
     assert ran == []
 
 
+@pytest.mark.parametrize("where", ["folder", "file/below"])
+def test_spec_check_refuses_a_replay_out_it_cannot_write_before_the_search(capsys, monkeypatch, tmp_path, where):
+    """From a review: a folder was found only at the write, after the whole search, and the violation
+    it found (exit 1) became an IsADirectoryError, exit 2."""
+    from kvstate.stateful import spec_check
+
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(spec_check, "explore", lambda *args, **kwargs: pytest.fail("the search ran"))
+    line = one_line_exit_2(capsys, ["spec-check", "--no-crosshair", "--depth", "1",
+                                    "--replay-out", str(tmp_path / where)])
+    assert "--replay-out" in line and ("is a folder" if where == "folder" else "which is not a folder") in line
+
+
+def test_spec_check_keeps_its_violation_verdict_when_the_trace_cannot_be_written(capsys, monkeypatch, tmp_path):
+    """A --replay-out made unwritable during the search: the violation is still exit 1, the write's
+    failure one line beside it (it was exit 2, the verdict lost)."""
+    from types import SimpleNamespace
+
+    from kvstate.stateful import spec_check
+
+    found = SimpleNamespace(violation=object(), complete=True, per_depth=[1], summary=lambda: "a violation")
+    monkeypatch.setattr(spec_check, "explore", lambda *args, **kwargs: found)
+
+    def unwritable(path, *args):
+        raise IsADirectoryError(21, "Is a directory", path)
+    monkeypatch.setattr(spec_check, "write_replay", unwritable)
+    assert main(["spec-check", "--no-crosshair", "--depth", "1", "--semantics", "entry",
+                 "--replay-out", str(tmp_path / "trace.json")]) == 1
+    assert "the shortest trace could not be written" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("limit", ["0", "-1", "nan", "1e308"])     # 1e308: an OverflowError, blamed on loading
 def test_a_replay_time_limit_that_is_no_time_is_the_arguments_fault(tmp_path, capsys, limit):
     line = one_line_exit_2(capsys, ["replay", replay_file(tmp_path), "--time-limit", limit])
