@@ -11,6 +11,7 @@ from operator import countOf
 import numpy as np
 
 from .errors import ConfigError, DTypeError, NonFiniteError, ShapeError, TokenError
+from .positions import as_position
 
 TOKEN_LIMIT = 2**31      # a power of two: ``_in_range`` relies on it
 """Token ids are non-negative and below this."""
@@ -45,6 +46,11 @@ class Layout:
         return (self.layers, 2, self.kv_heads, self.head_dim)
 
     def batch_shape(self, n: int) -> tuple[int, ...]:
+        if type(n) is not int or n < 0:     # the plain int first: every extend's check comes here
+            count = as_position(n)
+            if count is None or count < 0:  # -1 or 'a' was returned as the shape's first size
+                raise ShapeError(f"a batch's number of positions must be an int of at least 0, got {n!r}")
+            n = count
         return (n, *self.position_shape)
 
     def page_shape(self, page_tokens: int) -> tuple[int, ...]:

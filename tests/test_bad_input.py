@@ -269,6 +269,14 @@ def test_impossible_layouts_are_refused(dims):
         Layout(*dims)
 
 
+@pytest.mark.parametrize("n", [-1, "a", 1.0, True, None])
+def test_a_batch_shape_of_no_count_is_refused(n):
+    # (-1, 1, 2, 1, 2) and ('a', ...) were returned, for NumPy to refuse later, unnamed
+    with pytest.raises(errors.ShapeError, match="number of positions"):
+        LAYOUT.batch_shape(n)
+    assert LAYOUT.batch_shape(np.int64(3)) == LAYOUT.batch_shape(3) and type(LAYOUT.batch_shape(np.int64(3))[0]) is int
+
+
 def test_numpy_integer_positions_are_accepted_and_stored_as_int(cache):
     ctx = filled(cache, 5)
     ctx.truncate(np.int64(3))
