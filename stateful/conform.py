@@ -27,7 +27,7 @@ from hypothesis import Phase, settings as Settings
 from hypothesis.errors import FailedHealthCheck
 
 from kvstate.spec.invariants import TIERS, tiers
-from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.protocol import Config, Factory, check_declarations
 
 from .backends import FactoryError, backend_name, check_backend, load_factory  # noqa: F401  (conform's API, as before)
 from .configs import PROFILES, configs_for, seeded_size
@@ -538,6 +538,7 @@ def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None 
     ``first_failure``: stop at the first check that fails (the results end with its configuration),
     for "is a bug there at all?"; without ``checks``, the quick directed checks run first.
     """
+    check_declarations(factory)     # with configs given too: races read thread_safe as it is
     configs = configs or configs_for(factory)
     settings = settings or PROFILES[profile]
     names = checks or (quick_first(list(CHECKS)) if first_failure else list(CHECKS))

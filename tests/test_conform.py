@@ -302,7 +302,8 @@ def test_a_declaration_of_the_wrong_form_is_refused_by_name(declared, said):
     def factory(config):
         return numpy_factory(config)
     factory.__dict__.update(declared)
-    for read in (configs_for, lambda f: declared_configs(f, machine_configs())):
+    for read in (configs_for, lambda f: declared_configs(f, machine_configs()),
+                 lambda f: conform(f, configs=machine_configs()[:1], checks=["races"])):
         with pytest.raises(ConfigError, match=said):
             read(factory)
 
