@@ -9,7 +9,7 @@ from kvstate.spec.protocol import Config
 # runs, ``tests/test_races.py``, use each scenario's defaults).
 RACED = (("fork_storm", {"threads": 8}), ("eviction_vs_allocation", {}), ("match_close_vs_clear", {}),
          ("close_races", {}), ("observe_during_writes", {}), ("hits_stamp_under_race", {}),
-         ("fork_vs_owner_writes", {}))
+         ("fork_vs_owner_writes", {}), ("reads_during_copy_on_write", {}), ("stamps_vs_retains", {}))
 
 
 def backend_scenarios(factory, config: Config) -> "list[tuple[str, dict]] | str":
@@ -18,8 +18,8 @@ def backend_scenarios(factory, config: Config) -> "list[tuple[str, dict]] | str"
 
     Under ``reclaim`` and ``reclaim-fifo`` too: there the scenarios hold the tree only to what the
     engine's own way of reclaiming promises (``scenarios._finish_tree``: entries may be gone, an
-    entry's hit may be shorter), and ``hits_stamp_under_race``, whose verdict is which whole entry
-    goes next, says itself that it is n/a. A pool that lets its lock go between its check and the
+    entry's hit may be shorter), and ``hits_stamp_under_race`` and ``stamps_vs_retains``, whose
+    verdicts are which whole entries go next, say themselves that they are n/a. A pool that lets its lock go between its check and the
     allocation lives exactly there."""
     if not getattr(factory, "thread_safe", False):
         return "the factory does not declare thread_safe = True"

@@ -49,6 +49,7 @@ minutes. ``SCENARIOS`` maps names to the functions; the shared harness is
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 import threading
 import time
@@ -66,10 +67,10 @@ from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse, reclaims
 
 from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
-    RACE_LAYOUT, RaceFailure, RaceReport, SETTLE, Watch, attempt, available_stores, check_after, check_emptied,
+    NAP_SECONDS, RACE_LAYOUT, THREAD_TIMEOUT, RaceFailure, RaceReport, SETTLE, Watch, attempt, available_stores, check_after, check_emptied,
     check_pool, extend, is_closed, kv_for, make_cache, overwrite, own_store, page_counters, pressure_configs,
-    race_configs, read_numpy, reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval,
-    verify,
+    at_random, engine_folder, expected_read, pausing, race_configs, read_numpy, reference_config, retry_busy, run_threads,
+    seeded_rng, store_label, switch_interval, verify,
 )
 from .rerun import racing_reported
 
@@ -1003,6 +1004,292 @@ def fork_vs_owner_writes(store: str = "numpy", seed: int = 0, iterations: int = 
     return report
 
 
+POLL_SECONDS = 2e-5      # how long a thread waiting for another's turn sleeps between looks
+WAKE_SECONDS = 5e-3      # how long a paused thread waits for the other to begin (a busy machine wakes it late)
+
+
+def _poll_until(condition: Callable[[], bool], seconds: float = THREAD_TIMEOUT) -> bool:
+    """Whether ``condition()`` came true within ``seconds``, looked at every ``POLL_SECONDS``. Not an
+    ``Event``: a thread blocked there waits for the system to wake it, which on a busy machine takes
+    longer than the pause it is handed; and not ``sleep(0)``, which takes the interpreter from a
+    traced thread at each of its lines."""
+    deadline = time.perf_counter() + seconds
+    while not condition():
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+# -- reads racing a copy-on-write of many pages ------------------------------------------------------
+
+COPIED_PAGES = 8        # pages each overwrite copies (fewer where a pool that refuses would run out)
+PAUSES_PER_WRITE = 8    # lines of each overwrite, drawn from those it runs in the engine, the owner pauses at
+
+
+def reads_during_copy_on_write(store: str = "numpy", seed: int = 0, iterations: int = 4, cycles: int = 6,
+                               configs=None, yields: bool = False) -> RaceReport:
+    """A context read while its owner copies many shared pages of it: the owner forks the context
+    (every page now shared), overwrites it whole with the tokens and values it already holds (so
+    each of its pages is copied on write), checks and closes the fork, ``cycles`` times. It pauses
+    at random lines the overwrite runs in the engine (``pausing``), and a reader thread reads the
+    context in each pause (a read that waits for a lock the paused owner holds ends the pause
+    after ``NAP_SECONDS``, and lands after it). Whatever the schedule, each read returns exactly
+    those tokens and values (or is refused as busy: a context used by two threads at once), and
+    the fork never sees the write. A copy-on-write that publishes the private copy before filling
+    it lets a read see zeros: its window holds NumPy copies alone, no call, which neither the GIL's
+    switching nor ``yields`` lands in."""
+    report = RaceReport("reads_during_copy_on_write", store, seed, threads=2)
+    with racing_reported(report, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
+            rng = seeded_rng(seed, iteration)
+            cache = make_cache(store, config, report.trace)
+            tokens = [int(t) for t in rng.integers(0, 1000, _fitting(config, COPIED_PAGES * config.page_tokens))]
+            want = expected_read(config, tokens)        # all a read may return, at any moment
+            ctx = cache.allocate()
+            extend(ctx, config, tokens)
+            lines = _lines_run(store, lambda: _copy_on_write(ctx, config, tokens, report))
+            asked, begun, answered, done = [0], [0], [0], threading.Event()     # pauses, and reads in them
+
+            def pause() -> None:        # until the read in it ends, or NAP_SECONDS after it began
+                if begun[0] != answered[0] or done.is_set():
+                    return      # the last pause's read still waits, for a lock the owner holds (or failed)
+                asked[0] += 1
+                if _poll_until(lambda: begun[0] == asked[0], WAKE_SECONDS):
+                    _poll_until(lambda: answered[0] == asked[0], NAP_SECONDS)
+
+            def owner() -> None:
+                try:
+                    for _ in range(cycles):
+                        at = {int(n) for n in rng.choice(lines, min(lines, PAUSES_PER_WRITE), replace=False)}
+                        with pausing(engine_folder(store), at.__contains__, pause):
+                            _copy_on_write(ctx, config, tokens, report)
+                        report.add("copies_on_write")
+                finally:
+                    done.set()
+
+            def reader() -> None:
+                name = "a read racing a copy-on-write of its pages"
+                try:
+                    while _poll_until(lambda: asked[0] > answered[0] or done.is_set()) and not done.is_set():
+                        now = begun[0] = asked[0]
+                        try:
+                            got = read_numpy(ctx)
+                        except ContextBusyError:
+                            report.add("busy_reads")
+                        else:
+                            invariants.check_values({name: got}, {name: want})
+                            report.add("reads")
+                        answered[0] = now
+                finally:
+                    done.set()
+
+            run_threads([owner, reader], where, report=report)
+            verify(ctx, config, "the context after the threads", want_tokens=tokens)
+            check_after(cache, where, expected_tree=[], config=config)
+            ctx.close()
+            check_emptied(cache, where)
+            report.iterations += 1
+    return report
+
+
+def _copy_on_write(ctx, config: Config, tokens: list[int], report: RaceReport) -> None:
+    """Fork ``ctx``, overwrite it whole with ``tokens`` (which it holds: every shared page is
+    copied, nothing changes), and check and close the fork."""
+    twin = retry_busy(ctx.fork, report)
+    retry_busy(lambda: attempt(lambda: overwrite(ctx, config, 0, tokens), ctx, config, report, "owner",
+                               want_tokens=tokens), report)
+    verify(twin, config, "the fork, after its parent was overwritten", want_tokens=tokens)
+    twin.close()
+
+
+def _lines_run(store, operation: Callable[[], object]) -> int:
+    """How many lines of the engine's code ``operation`` runs (at least 1)."""
+    seen = [0]
+
+    def count(n: int) -> bool:
+        seen[0] = n + 1
+        return False
+
+    with pausing(engine_folder(store), count):
+        operation()
+    return max(1, seen[0])
+
+
+# -- recency with hits racing retains ---------------------------------------------------------------
+
+MOST_PAUSES = 16        # lines of a hit ``stamps_vs_retains`` pauses at, one a round, at most
+RETAINS_IN_PAUSE = 3    # retains it runs while the hit is paused: the clock moves on past the hit's tick
+
+
+def _stamp_plan(config: Config, store) -> tuple[Config, int] | str:
+    """The configuration ``stamps_vs_retains`` runs in and its key length, or why it does not apply.
+
+    Keys are one whole block (``block``) or one token; the tree holds ``max_entries`` of them: the
+    declared bound for a backend's factory (at most ``MOST_FILLED``), 4 for kvstate's own stores.
+    Neither ``max_pages`` nor the pool may ever need room for those keys plus one more retain
+    (as in ``_hit_plan``): nothing but ``max_entries`` then decides what a retain evicts."""
+    if reclaims(config.on_full):
+        return f"on_full={config.on_full!r}: which entry goes is the engine's choice"
+    length = config.block_tokens if config.match == "block" else 1
+    pages = entry_pages(length, config.page_tokens)
+    room = MOST_FILLED
+    if config.max_pages:
+        room = min(room, config.max_pages // pages)
+    if config.pool_limit:
+        room = min(room, config.pool_limit // pages - 1)
+    bound = min(4, room) if own_store(store) else config.max_entries
+    if bound > room:
+        return (f"max_entries {bound}: the scenario fills at most {room} entries of {length}-token keys, so its "
+                f"retains never evict for the entry bound")
+    if bound < 2:
+        return f"max_entries {bound}: no entry besides the one hit to judge"
+    return config.with_(max_entries=bound), length
+
+
+def stamps_vs_retains(store: str = "numpy", seed: int = 0, iterations: int = 4, configs=None,
+                      yields: bool = False) -> RaceReport:
+    """Recency with hits racing retains. Each round retains ``max_entries`` keys; one thread then
+    hits one of them (a match of its whole key, closed after), and is paused at one line it runs
+    in the engine (``pausing``: round by round, at each line a hit runs in turn) while another
+    thread retains ``RETAINS_IN_PAUSE`` of the keys again (a retain of a retained key replaces its
+    entry, as the most recently used: the hit still hits); a pause inside a lock the retains wait
+    for ends after ``NAP_SECONDS``, and they run after it. Any interleaving of that is allowed:
+    only what follows, sequentially, is judged. One entry B is hit (the first key, in the order
+    retained, that still hits: a miss stamps nothing), then ``max_entries - 1`` fresh keys are
+    retained. B is then the most recently used of the entries the race left, and each retain
+    evicts the least recently used, so B and the fresh keys stay and every other key goes,
+    whatever the race did. A match that stamps its entry with an unlocked read-modify-write of
+    the clock (``tick = clock + 1`` on one line, ``clock = tick`` on the next: no call between, so
+    neither the GIL nor ``yields`` switches threads there), paused between the two while the
+    retains move the clock on, writes it back: B's stamp then trails an entry retained in the
+    race, which stays while B goes. (``hits_stamp_under_race`` races hits against hits alone,
+    which cannot turn the clock back.)
+
+    The rounds: as many as the lines a hit runs in the engine (counted by a hit before the first
+    round), at most ``MOST_PAUSES``, in an order drawn from the seed. n/a where pages are
+    reclaimed the engine's own way or the declared bound does not fit (``_stamp_plan``)."""
+    report = RaceReport("stamps_vs_retains", store, seed, threads=2)
+    with racing_reported(report, yields):
+        for iteration, config, where in _rounds(report, store, seed, iterations, configs):
+            plan = _stamp_plan(config, store)
+            if isinstance(plan, str):
+                report.add("skipped")
+                report.skipped[config.name] = plan
+                report.iterations += 1
+                continue
+            bounded, length = plan
+            cache = make_cache(store, bounded, report.trace)
+            rng = seeded_rng(seed, iteration)
+            m = bounded.max_entries
+            # distinct first tokens: no key is a prefix of another, so a query hits its own key or nothing
+            first = [int(t) for t in rng.permutation(900)[:m] + 100]
+            filled = [[t] + [int(rng.integers(1000, 2000)) for _ in range(length - 1)] for t in first]
+            for key in filled:
+                _retain_key(cache, bounded, key)
+            # the lines a hit runs in the engine: one to pause at a round
+            hit: list = []
+            lines = _lines_run(store, lambda: hit.append(cache.match(filled[-1])[0]))
+            hit[0].close()
+            pauses = [int(n) for n in rng.permutation(lines)[:MOST_PAUSES]]
+            for round_, line in enumerate(pauses):
+                at = f"{where} round {round_}"
+                first = [int(t) for t in rng.permutation(900)[:m - 1] + 1000 * (round_ + 1)]
+                fresh = [[t] + [int(rng.integers(1000, 2000)) for _ in range(length - 1)] for t in first]
+                _race_stamps(cache, bounded, filled, filled[int(rng.integers(len(filled)))], line, report, at, store)
+                b = _judge_recency(cache, bounded, filled, fresh, at)
+                filled = ([b] if b else []) + fresh         # the tree now, oldest first: the next round's keys
+                report.add("stamp_rounds")
+            check_emptied(cache, where)
+            report.iterations += 1
+    return report
+
+
+def _race_stamps(cache: Cache, config: Config, keys: list[list[int]], target: list[int], line: int,
+                 report: RaceReport, at: str, store) -> None:
+    """A thread hitting ``target``, paused at the ``line``-th line it runs in the engine while another
+    retains ``RETAINS_IN_PAUSE`` of ``keys`` again (the pause ends where one of them takes more than
+    ``NAP_SECONDS``: it may wait for a lock the paused hit holds)."""
+    want = hit_length(config.match, config.block_tokens, len(target))
+    paused, begun, retained, done = threading.Event(), [0], [0], threading.Event()
+
+    def pause() -> None:
+        paused.set()
+        for n in range(1, RETAINS_IN_PAUSE + 1):    # while they go on: each retain within NAP_SECONDS
+            if not (_poll_until(lambda: begun[0] >= n, WAKE_SECONDS) and
+                    _poll_until(lambda: retained[0] >= n, NAP_SECONDS)):
+                return          # a retain waiting for a lock the paused hit holds
+
+    def hitter() -> None:
+        try:
+            with pausing(engine_folder(store), line.__eq__, pause):
+                ctx, matched = cache.match(target)
+        finally:
+            done.set()          # the retains run now if the pause never came
+        try:
+            if matched not in (0, want):
+                raise RaceFailure(f"{at}: retained key {target} matched {matched} positions, a "
+                                  f"{config.match} match holds {want} or misses")
+            if matched:
+                verify(ctx, config, f"the hit of {target}", want_tokens=target[:want])
+        finally:
+            ctx.close()
+        report.add("hits" if matched else "misses")
+
+    def retainer() -> None:
+        _poll_until(lambda: paused.is_set() or done.is_set())
+        for turn in range(RETAINS_IN_PAUSE):
+            begun[0] += 1
+            key, ctx = keys[turn % len(keys)], cache.allocate()
+            if attempt(lambda: extend(ctx, config, key), ctx, config, report, at, want_tokens=[]):
+                cache.retain(ctx)
+                report.add("retains")
+            ctx.close()
+            retained[0] += 1
+
+    run_threads([hitter, retainer], at, report=report)
+
+
+def _judge_recency(cache: Cache, config: Config, older: list[list[int]], fresh: list[list[int]],
+                   at: str) -> list[int] | None:
+    """Sequentially: hit B, the first of ``older`` that still hits; retain each of ``fresh``
+    (``max_entries - 1`` keys); then B and the fresh keys must hit, every other key miss.
+    Returns B (None where no key of ``older`` hit)."""
+    want = hit_length(config.match, config.block_tokens, len(older[0]))
+    b = None
+    for key in older:
+        ctx, matched = cache.match(key)
+        ctx.close()
+        if matched:
+            b = key
+            break
+    for key in fresh:
+        _retain_key(cache, config, key)
+    kept = []
+    for key in older + fresh:
+        ctx, matched = cache.match(key)
+        try:
+            if matched not in (0, want):
+                raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a {config.match} match "
+                                  f"holds {want} or misses")
+            if matched:
+                verify(ctx, config, f"the hit of {key}", want_tokens=key[:want])
+        finally:
+            ctx.close()
+        if matched:
+            kept.append(key)
+    expected = ([b] if b else []) + fresh
+    if sorted(kept) != sorted(expected):
+        raise RaceFailure(
+            f"{at}: after hits racing retains, then, the threads done, a hit of {b} and retains of {len(fresh)} "
+            f"fresh keys {fresh}: {[k for k in kept if k not in expected]} stayed and "
+            f"{[k for k in expected if k not in kept]} went. {b}, hit after everything the race did, and the fresh "
+            f"keys are the {config.max_entries} most recently used, so with max_entries {config.max_entries} they "
+            f"alone must stay: did the clock go backwards (a hit's stamp reading it, a retain moving it on, the "
+            f"stamp writing back an older value)?")
+    return b
+
+
 # -- the catalogue ----------------------------------------------------------------------------------
 
 SCENARIOS: dict[str, Callable[..., RaceReport]] = {
@@ -1015,6 +1302,8 @@ SCENARIOS: dict[str, Callable[..., RaceReport]] = {
     "observe_during_writes": observe_during_writes,
     "hits_stamp_under_race": hits_stamp_under_race,
     "fork_vs_owner_writes": fork_vs_owner_writes,
+    "reads_during_copy_on_write": reads_during_copy_on_write,
+    "stamps_vs_retains": stamps_vs_retains,
 }
 
 def run_iteration(scenario: str, store, config: Config, seed: int, iteration: int, **options) -> RaceReport:
