@@ -70,6 +70,21 @@ def _switch_interval_restored():
 
 
 @pytest.mark.parametrize("store", STORES)
+def test_reads_racing_a_copy_on_write_of_many_pages_see_only_the_values_written(store):
+    report = _run("reads_during_copy_on_write", store)
+    assert report.counts["copies_on_write"] == 6 * report.iterations
+    assert report.counts.get("reads", 0) + report.counts.get("busy_reads", 0) > 0      # pauses were read in
+
+
+@pytest.mark.parametrize("store", BOOKS_STORES)
+def test_a_hit_paused_at_its_lines_while_retains_run_leaves_recency_in_order(store):
+    report = _run("stamps_vs_retains", store)
+    assert "skipped" not in report.counts       # every race configuration applies
+    assert report.counts["stamp_rounds"] == races.MOST_PAUSES * report.iterations
+    assert report.counts["retains"] == races.RETAINS_IN_PAUSE * report.counts["stamp_rounds"]
+
+
+@pytest.mark.parametrize("store", STORES)
 def test_sixteen_threads_fork_one_parent_then_write_their_own_branch(store):
     report = _run("fork_storm", store)
     assert report.threads == 16
