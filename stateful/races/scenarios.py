@@ -1208,17 +1208,19 @@ def stamps_vs_retains(store: str = "numpy", seed: int = 0, iterations: int = 4, 
 def _race_stamps(cache: Cache, config: Config, keys: list[list[int]], target: list[int], line: int,
                  report: RaceReport, at: str, store) -> None:
     """A thread hitting ``target``, paused at the ``line``-th line it runs in the engine while another
-    retains ``RETAINS_IN_PAUSE`` of ``keys`` again (the pause ends where one of them takes more than
-    ``NAP_SECONDS``: it may wait for a lock the paused hit holds)."""
+    retains ``RETAINS_IN_PAUSE`` of ``keys`` again (the pause ends where the first takes more than
+    ``NAP_SECONDS``: it waits for a lock the paused hit holds)."""
     want = hit_length(config.match, config.block_tokens, len(target))
     paused, begun, retained, done = threading.Event(), [0], [0], threading.Event()
 
     def pause() -> None:
         paused.set()
-        for n in range(1, RETAINS_IN_PAUSE + 1):    # while they go on: each retain within NAP_SECONDS
+        # The first retain within NAP_SECONDS of its start, or it waits for a lock the paused hit
+        # holds; the others then go on unhindered, so a busy machine is given longer for them.
+        for n in range(1, RETAINS_IN_PAUSE + 1):
             if not (_poll_until(lambda: begun[0] >= n, WAKE_SECONDS) and
-                    _poll_until(lambda: retained[0] >= n, NAP_SECONDS)):
-                return          # a retain waiting for a lock the paused hit holds
+                    _poll_until(lambda: retained[0] >= n, NAP_SECONDS if n == 1 else WAKE_SECONDS)):
+                return
 
     def hitter() -> None:
         try:
