@@ -6,6 +6,8 @@
 - ``Watch`` checks each observation that differs from the last one it checked, and says
   when nothing changed, so an observer can step aside (``SETTLE``).
 - ``switch_interval`` makes CPython switch threads as often as it can (restored after).
+- ``pausing`` pauses a thread at chosen lines of the engine's code, handing another thread a turn
+  in a window with no call inside it, which neither the GIL nor ``yielding_calls`` switches in.
 - ``kv_for`` makes values self-verifying: the K/V of token ``t`` at position ``p``
   is a fixed function of both, so ``verify`` can check any read by its own tokens.
 - ``check_after`` / ``check_emptied`` assert the invariants once the threads are done.
@@ -60,8 +62,7 @@ RACE_ARENA_PAGES = 8          # small: runs out (heap fallback) and recycles slo
 RACE_MAX_ENTRIES = 3          # small: eviction on most retains
 SWITCH_INTERVAL = 1e-6        # seconds; CPython's default is 5e-3
 YIELD_PROBABILITY = 0.05      # of a call into the engine's code giving up the interpreter (``yielding_calls``)
-NAP_PROBABILITY = 0.05        # of the lines of the engine's code a thread pauses at (``pausing``, ``at_random``)
-NAP_SECONDS = 2e-4            # how long it pauses: other threads finish whole operations meanwhile
+NAP_SECONDS = 2e-4            # a pause (``pausing``) at most, where the other thread waits for its lock
 # A thread still running after this is reported as a hang, with the line each one waits at. The
 # slowest iteration measured takes ~1.2 s (pressure_vs_match with yields, this 2-core machine): this
 # leaves a correct backend 100 times slower room, and stays under conform's default check limit
@@ -311,17 +312,17 @@ def yielding_calls(folder: str, seed: int, probability: float = YIELD_PROBABILIT
 @contextmanager
 def pausing(folder: str, pause_at: Callable[[int], bool], pause: Callable[[], None] | None = None):
     """The calling thread, meanwhile, pauses at each line it runs in code under ``folder`` for which
-    ``pause_at(n)`` is true (``n`` counts those lines from 0: ``at_random``, or one line a round),
-    as a preempted thread would: it calls ``pause`` there, by default a sleep of ``NAP_SECONDS``,
-    and the other threads run on meanwhile. Its own ``sys.settrace`` hook, tracing the lines of
-    those frames alone.
+    ``pause_at(n)`` is true (``n`` counts those lines from 0), as a preempted thread would: it
+    calls ``pause`` there (by default a sleep of ``NAP_SECONDS``) while the other threads run on.
+    Its own ``sys.settrace`` hook, tracing the lines of those frames alone.
 
     Why: a window with no call and no loop inside it never loses the interpreter under the GIL
     (CPython 3.11 switches threads only at calls and backward jumps), and ``yielding_calls`` yields
     only at calls: a clock read on one line and written back on the next, or a page published on
     one line and filled by NumPy slice copies on the next, is atomic there, though a preempted OS
-    thread or a free-threaded build stops between any two lines. A pause of a fraction of a
-    millisecond, not ``sleep(0)``, lets the other threads finish whole operations inside it."""
+    thread or a free-threaded build stops between any two lines. The scenarios' ``pause`` hands
+    another thread whole operations to run there (waiting for them, or ``NAP_SECONDS`` where the
+    first waits for a lock the paused thread holds)."""
     count, pause = itertools.count(), pause or functools.partial(time.sleep, NAP_SECONDS)
 
     def lines(frame, event, arg):
@@ -338,12 +339,6 @@ def pausing(folder: str, pause_at: Callable[[int], bool], pause: Callable[[], No
         yield
     finally:
         sys.settrace(previous)
-
-
-def at_random(seed: str, probability: float = NAP_PROBABILITY) -> Callable[[int], bool]:
-    """``pausing``'s ``pause_at`` for a random ``probability`` of the lines, drawn from ``seed``."""
-    draw = random.Random(seed).random
-    return lambda n: draw() < probability
 
 
 @contextmanager

@@ -22,7 +22,11 @@ scenario of memory pressure itself: small pools that evict or refuse, with
 allocation, forks and writes racing ``retain`` and ``match``. ``hits_stamp_under_race`` holds
 recency under concurrent hits (the entry none of them hit must be the next one evicted), and
 ``fork_vs_owner_writes`` forks racing an owner that extends and truncates the parent (each
-branch holds a state the parent had).
+branch holds a state the parent had). Two reach windows with no call inside them by pausing a
+thread at lines of the engine's code (``harness.pausing``): ``reads_during_copy_on_write`` reads
+a context in pauses of an overwrite copying many of its shared pages (each read exactly the
+values written), and ``stamps_vs_retains`` pauses a hit while retains run, then judges the
+eviction order sequentially (the entry hit last and the fresh keys stay, nothing else).
 
 Values are self-verifying: the K/V written for token ``t`` at position ``p`` is
 a fixed function of ``(t, p)`` (``kv_for``), so any read, of any context, at
@@ -49,7 +53,6 @@ minutes. ``SCENARIOS`` maps names to the functions; the shared harness is
 
 from __future__ import annotations
 
-import itertools
 import tempfile
 import threading
 import time
@@ -67,10 +70,10 @@ from kvstate.spec.protocol import Config
 from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may_refuse, reclaims
 
 from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
-    NAP_SECONDS, RACE_LAYOUT, THREAD_TIMEOUT, RaceFailure, RaceReport, SETTLE, Watch, attempt, available_stores, check_after, check_emptied,
-    check_pool, extend, is_closed, kv_for, make_cache, overwrite, own_store, page_counters, pressure_configs,
-    at_random, engine_folder, expected_read, pausing, race_configs, read_numpy, reference_config, retry_busy, run_threads,
-    seeded_rng, store_label, switch_interval, verify,
+    NAP_SECONDS, RACE_LAYOUT, SETTLE, THREAD_TIMEOUT, RaceFailure, RaceReport, Watch, attempt,
+    available_stores, check_after, check_emptied, check_pool, engine_folder, expected_read, extend, is_closed, kv_for,
+    make_cache, overwrite, own_store, page_counters, pausing, pressure_configs, race_configs, read_numpy,
+    reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,
 )
 from .rerun import racing_reported
 
@@ -1151,7 +1154,7 @@ def stamps_vs_retains(store: str = "numpy", seed: int = 0, iterations: int = 4, 
                       yields: bool = False) -> RaceReport:
     """Recency with hits racing retains. Each round retains ``max_entries`` keys; one thread then
     hits one of them (a match of its whole key, closed after), and is paused at one line it runs
-    in the engine (``pausing``: round by round, at each line a hit runs in turn) while another
+    in the engine (``pausing``: another line each round) while another
     thread retains ``RETAINS_IN_PAUSE`` of the keys again (a retain of a retained key replaces its
     entry, as the most recently used: the hit still hits); a pause inside a lock the retains wait
     for ends after ``NAP_SECONDS``, and they run after it. Any interleaving of that is allowed:
@@ -1166,8 +1169,8 @@ def stamps_vs_retains(store: str = "numpy", seed: int = 0, iterations: int = 4, 
     race, which stays while B goes. (``hits_stamp_under_race`` races hits against hits alone,
     which cannot turn the clock back.)
 
-    The rounds: as many as the lines a hit runs in the engine (counted by a hit before the first
-    round), at most ``MOST_PAUSES``, in an order drawn from the seed. n/a where pages are
+    The rounds: one for each line a hit runs in the engine (counted by a hit before the first
+    round), or ``MOST_PAUSES`` of them drawn from the seed where there are more. n/a where pages are
     reclaimed the engine's own way or the declared bound does not fit (``_stamp_plan``)."""
     report = RaceReport("stamps_vs_retains", store, seed, threads=2)
     with racing_reported(report, yields):
