@@ -195,12 +195,15 @@ def check_declarations(factory: Factory) -> None:
     Identical ``configs`` are refused, not merged: both ran, as two identical rows, and a copy is more
     likely a configuration meant to differ in some field than a wish to run it twice."""
     semantics = getattr(factory, "semantics", ())
-    if not isinstance(semantics, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in semantics):
+    if isinstance(semantics, (str, bytes)) or not isinstance(semantics, Iterable) or \
+            not all(isinstance(n, str) for n in semantics):
         raise ConfigError(f"the factory's semantics must be a list, tuple or set of names (any of "
                           f"{sorted(SEMANTICS_TAGS)}), got {semantics!r}")
     for name in ("thread_safe", "any_page_size"):
         value = getattr(factory, name, False)
-        if not isinstance(value, bool):
+        # True or False, or a bool or integer of another type equal to one (NumPy's, 1); "yes" is refused
+        if not (isinstance(value, bool) or type(value).__name__ == "bool" or hasattr(value, "__index__")) \
+                or value not in (0, 1):
             raise ConfigError(f"the factory's {name} must be True or False, got {value!r}")
     configs = getattr(factory, "configs", None)
     if configs is None:

@@ -78,8 +78,10 @@ def observed_tiers(factory: Factory, configs: list[Config], time_limit: float | 
                     pass
         try:
             seen.append(observe() if left is None
+                        # watched for the whole limit, not what is left of the header's one budget:
+                        # the header only informs, and a slow first cache must not end the command
                         else in_daemon_thread(observe, left, f"kvstate-observe-{config.name}",
-                                              f"observing a first cache of {config.name}"))
+                                              f"observing a first cache of {config.name}", watched_for=time_limit))
         except Overran:
             if unobserved is not None:
                 unobserved.append(config.name)

@@ -200,14 +200,15 @@ class Overran(Exception):
         self.seconds, self.ident = seconds, ident
 
 
-def in_daemon_thread(call, seconds: float, name: str, what: str | None = None):
+def in_daemon_thread(call, seconds: float, name: str, what: str | None = None, watched_for: float | None = None):
     """``call()`` in a daemon thread: its result, or whatever it raised (re-raised here, ``SystemExit``
     included); past ``seconds``, ``Overran`` and the thread is abandoned. Unlike ``Deadline`` this
     cannot stop the call, only stop waiting for it: for a backend's import, its first cache, or a
     whole conformance check, which may hang where no exception can reach. In the ``kvstate`` command
     a call that holds the interpreter so long that not even the wait can end is ended from outside
-    (``held_interpreter``), named by ``what`` (default: ``name``)."""
-    with guarding(seconds, what or name):
+    (``held_interpreter``), named by ``what`` (default: ``name``), past ``watched_for`` (default:
+    ``seconds``) and its grace."""
+    with guarding(watched_for or seconds, what or name):
         return _in_daemon_thread(call, seconds, name)
 
 

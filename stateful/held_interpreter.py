@@ -10,7 +10,7 @@ handler, and the command hung for good, printing nothing.
 So the command's own process (``enable``, from ``cli.main``; never a library caller's, a test's or
 a pool worker's) has a small watcher process outside it, started at the first stage it guards
 (``guarding``). Each stage tells it "this stage, this limit" and "done" over a pipe; a stage still
-not done ``GRACE_S`` past its limit means the process could not even report its own timeout, and
+not done by twice its limit (``grace``) means the process could not even report its own timeout, and
 the watcher prints which stage held it and ends the command (SIGTERM, then SIGKILL: a Python SIGTERM
 handler does not run either). The watcher ends with the command: its pipe closes, or its parent
 is gone (checked every second, since a forked child may hold the pipe open).
@@ -27,15 +27,32 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-GRACE_S = 5.0
-"""How long past its limit a stage may go unreported before the watcher ends the command."""
+GRACE_S = 30.0
+"""A stage is ended once it has run past its limit by its limit again, and by at least this: a C call
+that holds the interpreter for seconds and then returns (an extension's start-up) is a slow check,
+for the stage's own timeout to report, not one stuck for good (a grace of 5 s ended correct runs)."""
+
+
+def grace(seconds: float) -> float:
+    return max(GRACE_S, seconds)
 
 # Run as ``python -I -S -c WATCHER <parent pid> report|quiet``: no site, no kvstate import, started in milliseconds.
 WATCHER = r"""
 import os, select, signal, sys, time
 signal.signal(signal.SIGINT, signal.SIG_IGN)     # a terminal's Ctrl-C reaches the whole group: the command's to handle
-parent, armed, pending = int(sys.argv[1]), {}, b""
-while True:     # what the pipe holds is read first: a command that ended at once still told its stage
+parent, armed, pending, done = int(sys.argv[1]), {}, b"", False
+
+
+def stopped():      # the command paused (SIGSTOP, a debugger's attach): no time of its stages runs out
+    try:
+        with open("/proc/%d/stat" % parent, "rb") as stat:
+            return stat.read().rpartition(b")")[2].split()[0] in (b"T", b"t")
+    except (OSError, IndexError):
+        return False
+
+
+last = time.monotonic()
+while not done:     # what the pipe holds is read first: a command that ended at once still told its stage
     soonest = min((entry[0] for entry in armed.values()), default=None)
     wait = 1.0 if soonest is None else min(1.0, max(0.0, soonest - time.monotonic()))
     if select.select([0], [], [], wait)[0]:
@@ -47,15 +64,22 @@ while True:     # what the pipe holds is read first: a command that ended at onc
             verb, key, *rest = line.decode("utf-8", "replace").split(" ", 4)
             if verb == "arm":
                 armed[key] = (time.monotonic() + float(rest[0]), rest[1], rest[2])
+            elif verb == "exit":        # the command is leaving: a forked child of it may keep the pipe open
+                done = True
             else:
                 armed.pop(key, None)
         continue
     if os.getppid() != parent:      # gone, though a forked child of it may hold the pipe open
         break
+    now = time.monotonic()
+    if stopped():       # every deadline moves on by the time it stood still
+        armed = {key: (due + now - last, limit, what) for key, (due, limit, what) in armed.items()}
+    last = now
     late = [(limit, what) for due, limit, what in armed.values() if due <= time.monotonic()]
     if late:
+        ended = "the command is ended" if sys.argv[2] == "report" else "this worker process is ended"
         os.write(2, ("kvstate: %s did not finish within %s s; C code holds the interpreter (the GIL), so nothing "
-                     "in the command can report it or stop it: the command is ended\n" % late[0][::-1]
+                     "in the process can report it or stop it: %s\n" % (late[0][1], late[0][0], ended)
                      ).encode("utf-8", "replace"))
         armed.clear()
         for sig, then in ((signal.SIGTERM, 1.0), (signal.SIGKILL, 0.0)):
@@ -91,7 +115,7 @@ def enable(report_an_end: bool = True) -> None:
 
 @contextmanager
 def guarding(seconds: float, what: str) -> Iterator[None]:
-    """The block is a stage that should end within ``seconds``: past ``seconds + GRACE_S`` with the
+    """The block is a stage that should end within ``seconds``: past ``seconds + grace(seconds)`` with the
     interpreter held, the watcher ends the command, naming ``what``. Does nothing unless ``enable``d
     in this very process."""
     key = _arm(seconds, what) if _owner == os.getpid() else None
@@ -115,12 +139,13 @@ def _arm(seconds: float, what: str) -> int | None:
             atexit.register(_stop, _watcher)
     key = next(_keys)
     what = " ".join(str(what).split())      # one line
-    return key if _send(f"arm {key} {seconds + GRACE_S!r} {seconds:g} {what}") else None
+    return key if _send(f"arm {key} {seconds + grace(seconds)!r} {seconds:g} {what}") else None
 
 
 def _stop(watcher: subprocess.Popen) -> None:
     """At exit: the watcher told (its pipe closed) and waited for, not left for init to reap."""
     try:
+        _send("exit 0")     # not only the pipe's end: a process the backend forked may hold it open
         watcher.stdin.close()
         watcher.wait(1)
     except (OSError, ValueError, subprocess.TimeoutExpired):

@@ -73,17 +73,33 @@ _LOADED = pytest.StashKey[dict]()        # backend -> (factory, configs), loaded
 
 
 def pytest_configure(config) -> None:
-    """Bad options and backends refused here, once, in the process the user started: under xdist a
-    refusal during collection ran on each worker and came out as an INTERNALERROR that lost its reason."""
-    backends = config.getoption("kvstate_backend")
-    if not backends or hasattr(config, "workerinput"):      # none, or an xdist worker (its controller checked)
+    """A bad option refused once, in the process the user started (under xdist, refused during collection it
+    came out of each worker as an INTERNALERROR that lost its reason). The backends are loaded at collection,
+    as before: a project's own modules may be importable only once pytest has put its rootdir on sys.path."""
+    if not config.getoption("kvstate_backend") or hasattr(config, "workerinput"):    # none, or an xdist worker
         return
     limit = config.getoption("kvstate_time_limit")
     if not (math.isfinite(limit) and MIN_TIME_LIMIT <= limit <= threading.TIMEOUT_MAX):
         raise pytest.UsageError(f"--kvstate-time-limit must be a finite number of seconds from {MIN_TIME_LIMIT:g} "
                                 f"to {threading.TIMEOUT_MAX:g}, got {limit!r}")
-    for backend in backends:
-        _loaded(config, backend)
+
+
+class BackendNotLoaded(pytest.Item):
+    """Under xdist, a backend a worker cannot load is this one failing item, its reason in the report: the
+    usage error raised at collection elsewhere killed the worker, an INTERNALERROR that lost the reason."""
+
+    def __init__(self, *, reason: str, **kwargs):
+        super().__init__(**kwargs)
+        self.reason = reason
+
+    def runtest(self) -> None:
+        raise ConformanceFailure(self.reason)
+
+    def repr_failure(self, excinfo, style=None):
+        return self.reason
+
+    def reportinfo(self):
+        return self.path, None, self.name
 
 
 def _loaded(config, backend: str):
@@ -109,9 +125,15 @@ def pytest_collection_modifyitems(session, config, items) -> None:
 
     shorts = [_short(backend) for backend in backends]
     for backend, short in zip(backends, shorts):
-        factory, configs = _loaded(config, backend)
         # two files of one name (other1/engine.py, other2/engine.py) had the same ids, and --lf reran both
         label = short if shorts.count(short) == 1 else backend
+        try:
+            factory, configs = _loaded(config, backend)
+        except pytest.UsageError as error:
+            if not hasattr(config, "workerinput"):
+                raise
+            items.append(BackendNotLoaded.from_parent(session, name=f"kvstate[{label}]", reason=str(error)))
+            continue
         made = [ConformanceItem.from_parent(session, name=f"kvstate[{label}][{cfg.name}][{check}]",
                                             backend=backend, factory=factory, backend_config=cfg, check=check)
                 for cfg in configs for check in CHECKS]

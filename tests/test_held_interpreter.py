@@ -90,6 +90,28 @@ def test_a_backend_that_ends_the_process_at_import_is_said_to_have(tmp_path):
     assert "ended during importing backend 'gone.py'" in done.stderr and "no verdict was reached" in done.stderr
 
 
+def test_a_c_call_that_holds_the_gil_for_seconds_and_returns_is_a_timeout_not_an_end(tmp_path):
+    """A final review (s67): with a grace of 5 s the watcher ended a correct conform whose first cache spent 6 s
+    in one C call (the header's observation, under what was left of one shared budget). A stage now has its
+    limit again, and 30 s at least, past its limit: such a call returns and the stage reports its own timeout."""
+    (tmp_path / "slow.py").write_text(textwrap.dedent("""
+        import ctypes
+        from kvstate.impl.numpy import factory as numpy_factory
+        made = []
+
+        def factory(config):
+            if not made:
+                ctypes.PyDLL(None).sleep(3)     # the first cache: 3 s in C holding the GIL, then on
+            made.append(config)
+            return numpy_factory(config)
+    """))
+    # grace 0.5 s, as the other tests here: the stage, limit 2 s, is ended only past 2 + max(0.5, 2) s
+    done, _took = run(["conform", "slow.py", "--time-limit", "2", "--config", "f32-heap", "--check", "fork isolation",
+                       "--workers", "1"], tmp_path)
+    assert done.returncode == 0 and "C code holds the interpreter" not in done.stderr, (done.returncode, done.stderr)
+    assert "fork isolation" in done.stdout
+
+
 def test_a_library_caller_is_never_ended_and_the_watcher_goes_with_the_command(tmp_path):
     """Only the command's own process is watched (``enable``); the watcher ends when the command does."""
     script = textwrap.dedent("""
