@@ -751,6 +751,24 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
 
 # -- recency under concurrent hits -------------------------------------------------------------------
 
+def _hits_of(cache, config, keys: list, want: int, at: str) -> list[bool]:
+    """Whether each of ``keys`` (retained whole) still hits, each hit checked: ``want`` positions or a
+    miss, and the key's own values."""
+    kept = []
+    for key in keys:
+        ctx, matched = cache.match(key)
+        try:
+            if matched not in (0, want):
+                raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a {config.match} match "
+                                  f"holds {want} or misses")
+            if matched:
+                verify(ctx, config, f"the hit of {key}", want_tokens=key[:want])
+        finally:
+            ctx.close()
+        kept.append(bool(matched))
+    return kept
+
+
 def _retain_key(cache: Cache, config: Config, key: list[int]) -> None:
     """Retain ``key`` through a context of its own, closed after (its pages then stay the entry's alone)."""
     ctx = cache.allocate()
@@ -861,18 +879,7 @@ def hits_stamp_under_race(store: str = "numpy", seed: int = 0, iterations: int =
                     hitter(key)()
                 run_threads([hitter(key) for key in hit_keys], at, report=report)
                 _retain_key(cache, bounded, last)          # must evict exactly Z
-                kept = []
-                for key in hit_keys + fillers + [newest, last]:
-                    ctx, matched = cache.match(key)
-                    try:
-                        if matched not in (0, want):
-                            raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a "
-                                              f"{bounded.match} match holds {want} or misses")
-                        if matched:
-                            verify(ctx, bounded, f"the hit of {key}", want_tokens=key[:want])
-                    finally:
-                        ctx.close()
-                    kept.append(bool(matched))
+                kept = _hits_of(cache, bounded, hit_keys + fillers + [newest, last], want, at)
                 evicted = [key for key, k in zip(hit_keys + fillers + [newest, last], kept) if not k]
                 if evicted != [newest]:
                     hit_list = " and ".join(str(key) for key in hit_keys)
@@ -1270,19 +1277,7 @@ def _judge_recency(cache: Cache, config: Config, older: list[list[int]], fresh: 
             break
     for key in fresh:
         _retain_key(cache, config, key)
-    kept = []
-    for key in older + fresh:
-        ctx, matched = cache.match(key)
-        try:
-            if matched not in (0, want):
-                raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a {config.match} match "
-                                  f"holds {want} or misses")
-            if matched:
-                verify(ctx, config, f"the hit of {key}", want_tokens=key[:want])
-        finally:
-            ctx.close()
-        if matched:
-            kept.append(key)
+    kept = [key for key, hit in zip(older + fresh, _hits_of(cache, config, older + fresh, want, at)) if hit]
     expected = ([b] if b else []) + fresh
     if sorted(kept) != sorted(expected):
         raise RaceFailure(
