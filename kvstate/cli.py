@@ -172,6 +172,7 @@ def _with_notes(error: BaseException) -> str:
 
 def _race(args: argparse.Namespace) -> int:
     """One iteration of one race scenario, as a race failure's rerun command names it."""
+    from kvstate.stateful.races.applicable import why_not_raced
     from kvstate.stateful.races.harness import available_stores
     from kvstate.stateful.races.rerun import candidate_configs, config_for_label
     from kvstate.stateful.races.scenarios import SCENARIOS, run_iteration
@@ -186,9 +187,9 @@ def _race(args: argparse.Namespace) -> int:
     if args.store is not None and args.store not in available_stores():
         raise UsageError(f"unknown or unavailable store {args.store!r} (available: {', '.join(available_stores())})")
     store = args.store or _load_backend(args.backend)[0]
-    if args.store is None and not getattr(store, "thread_safe", False):     # as stress and conform's races: n/a
-        raise UsageError(f"{args.backend!r} is raced in no configuration: the factory does not declare "
-                         f"thread_safe = True")
+    why = None if args.store is not None else why_not_raced(store)     # as stress and conform's races: n/a
+    if why is not None:
+        raise UsageError(f"{args.backend!r} is raced in no configuration: {why}")
     try:
         config = config_for_label(args.config, candidate_configs(args.scenario, store))
     except KeyError as error:

@@ -145,16 +145,17 @@ def _arm(seconds: float, what: str) -> int | None:
 def _stop(watcher: subprocess.Popen) -> None:
     """At exit: the watcher told (its pipe closed) and waited for, not left for init to reap."""
     try:
-        _send("exit 0")     # not only the pipe's end: a process the backend forked may hold it open
+        _send("exit 0", watcher)    # not only the pipe's end: a process the backend forked may hold it open
         watcher.stdin.close()
         watcher.wait(1)
     except (OSError, ValueError, subprocess.TimeoutExpired):
         pass
 
 
-def _send(line: str) -> bool:
-    """One line to the watcher, in one write (shorter than a pipe's atomic size): False if it is gone."""
-    watcher = _watcher
+def _send(line: str, watcher: subprocess.Popen | None = None) -> bool:
+    """One line to the watcher (this process's, by default), in one write (shorter than a pipe's atomic
+    size): False if it is gone."""
+    watcher = watcher or _watcher
     try:
         os.write(watcher.stdin.fileno(), (line[:1000] + "\n").encode("utf-8", "replace"))
         return True

@@ -69,7 +69,6 @@ class ConformanceItem(pytest.Item):
 
 
 _HUNG = pytest.StashKey[dict]()          # (backend, configuration) -> its check that timed out
-_LOADED = pytest.StashKey[dict]()        # backend -> (factory, configs), loaded and checked in this process
 
 
 def pytest_configure(config) -> None:
@@ -104,16 +103,13 @@ class BackendNotLoaded(pytest.Item):
 
 def _loaded(config, backend: str):
     """``backend``'s factory and configurations, loaded and checked as ``kvstate conform`` does (an import
-    or factory that hangs, calls sys.exit or raises is a usage error naming it), once a process."""
+    or factory that hangs, calls sys.exit or raises is a usage error naming it)."""
     from kvstate.stateful.backends import FactoryError, load_backend
 
-    loaded = config.stash.setdefault(_LOADED, {})
-    if backend not in loaded:
-        try:
-            loaded[backend] = load_backend(backend, config.getoption("kvstate_time_limit"))
-        except FactoryError as error:
-            raise pytest.UsageError(f"--kvstate-backend {backend}: {type(error).__name__}: {error}") from None
-    return loaded[backend]
+    try:
+        return load_backend(backend, config.getoption("kvstate_time_limit"))
+    except FactoryError as error:
+        raise pytest.UsageError(f"--kvstate-backend {backend}: {type(error).__name__}: {error}") from None
 
 
 @pytest.hookimpl(tryfirst=True)   # before -k/-m deselection sees the items

@@ -21,11 +21,19 @@ def backend_scenarios(factory, config: Config) -> "list[tuple[str, dict]] | str"
     entry's hit may be shorter), and ``hits_stamp_under_race`` and ``stamps_vs_retains``, whose
     verdicts are which whole entries go next, say themselves that they are n/a. A pool that lets its lock go between its check and the
     allocation lives exactly there."""
-    if not getattr(factory, "thread_safe", False):
-        return "the factory does not declare thread_safe = True"
+    why = why_not_raced(factory)
+    if why is not None:
+        return why
     scenarios = list(RACED)
     if config.on_full != "fallback":
         scenarios.append(("pressure_vs_match", {}))     # pressure eviction or refusal racing match
     if hasattr(factory(config), "restore"):
         scenarios.append(("snapshot_vs_decode", {}))
     return scenarios
+
+
+def why_not_raced(factory) -> str | None:
+    """Why ``factory``'s backend is raced in no configuration at all (``kvstate race`` refuses it so), or None."""
+    if not getattr(factory, "thread_safe", False):
+        return "the factory does not declare thread_safe = True"
+    return None

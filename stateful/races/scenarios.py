@@ -752,21 +752,25 @@ def observe_during_writes(store: str = "numpy", seed: int = 0, iterations: int =
 # -- recency under concurrent hits -------------------------------------------------------------------
 
 def _hits_of(cache, config, keys: list, want: int, at: str) -> list[bool]:
-    """Whether each of ``keys`` (retained whole) still hits, each hit checked: ``want`` positions or a
-    miss, and the key's own values."""
+    """Whether each of ``keys`` (retained whole) still hits, each hit checked (``_check_hit``)."""
     kept = []
     for key in keys:
         ctx, matched = cache.match(key)
-        try:
-            if matched not in (0, want):
-                raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a {config.match} match "
-                                  f"holds {want} or misses")
-            if matched:
-                verify(ctx, config, f"the hit of {key}", want_tokens=key[:want])
-        finally:
-            ctx.close()
+        _check_hit(ctx, matched, key, config, want, at)
         kept.append(bool(matched))
     return kept
+
+
+def _check_hit(ctx, matched: int, key: list, config, want: int, at: str) -> None:
+    """A match of retained ``key``: ``want`` positions or a miss, and the key's own values; ``ctx`` closed."""
+    try:
+        if matched not in (0, want):
+            raise RaceFailure(f"{at}: retained key {key} matched {matched} positions, a {config.match} match "
+                              f"holds {want} or misses")
+        if matched:
+            verify(ctx, config, f"the hit of {key}", want_tokens=key[:want])
+    finally:
+        ctx.close()
 
 
 def _retain_key(cache: Cache, config: Config, key: list[int]) -> None:
@@ -1238,14 +1242,7 @@ def _race_stamps(cache: Cache, config: Config, keys: list[list[int]], target: li
                 ctx, matched = cache.match(target)
         finally:
             done.set()          # the retains run now if the pause never came
-        try:
-            if matched not in (0, want):
-                raise RaceFailure(f"{at}: retained key {target} matched {matched} positions, a "
-                                  f"{config.match} match holds {want} or misses")
-            if matched:
-                verify(ctx, config, f"the hit of {target}", want_tokens=target[:want])
-        finally:
-            ctx.close()
+        _check_hit(ctx, matched, target, config, want, at)
         report.add("hits" if matched else "misses")
 
     def retainer() -> None:

@@ -73,10 +73,7 @@ class EarlyMatchRelease(FineLockCache):
         from kvstate.spec.layout import check_tokens
         query = tuple(int(t) for t in check_tokens(tokens))
         with self.tree_lock:
-            best = None
-            for key, entry in self.entries.items():
-                if len(key) <= len(query) and query[:len(key)] == key and (best is None or len(key) > len(best.key)):
-                    best = entry
+            best = self._longest(query)
             if best is None:
                 pages, length, matched = (), 0, 0
             else:
@@ -95,23 +92,6 @@ class InvertedObserve(FineLockCache):
         with self.pool.lock:
             with self.tree_lock:
                 return self._observe_locked()
-
-    def _observe_locked(self):
-        from kvstate.spec import EntryView, Observation, PageView
-        holders, lengths = {}, {}
-        for serial, ctx in self.pool.contexts.items():
-            pages, length = ctx.state
-            holders[f"ctx:{serial}"] = tuple(p.page_id for p in pages)
-            lengths[f"ctx:{serial}"] = length
-        views = []
-        for i, entry in enumerate(sorted(self.entries.values(), key=lambda e: e.tick)):
-            holders[f"entry:{i}"] = tuple(p.page_id for p in entry.pages)
-            lengths[f"entry:{i}"] = entry.length
-            views.append(EntryView(entry.key, entry.tick, f"entry:{i}"))
-        pages = {pid: PageView(pid, page.refcount, None) for pid, page in self.pool.live.items()}
-        return Observation(pages=pages, holders=holders, lengths=lengths,
-                           pages_allocated=self.pool.allocated, pages_freed=self.pool.freed,
-                           arena_size=0, arena_out={}, arena_free=(), tree=None, entries=tuple(views))
 
 
 inverted_observe = _declare(InvertedObserve, "inverted_observe")
@@ -202,10 +182,7 @@ class LateStamp(FineLockCache):
         from kvstate.spec.layout import check_tokens
         query = tuple(int(t) for t in check_tokens(tokens))
         with self.tree_lock:
-            best = None
-            for key, entry in self.entries.items():
-                if len(key) <= len(query) and query[:len(key)] == key and (best is None or len(key) > len(best.key)):
-                    best = entry
+            best = self._longest(query)
             if best is None:
                 return self._adopt((), 0), 0
             hit = self._adopt(best.pages, best.length), len(best.key)
