@@ -537,25 +537,40 @@ def test_a_numpy_write_while_another_thread_imports_torch(monkeypatch):
     ctx.close()
 
 
-def test_stress_ends_within_one_scenario_past_its_deadline_and_each_round_starts_further_on(monkeypatch):
-    """``kvstate stress --minutes M`` is a bound: the deadline is checked after each scenario on each
-    store (a whole round at scale 10 took minutes past a 12 s run); rounds rotate where they start."""
+def test_stress_ends_within_one_stretch_past_its_deadline_and_each_round_starts_further_on(monkeypatch):
+    """``kvstate stress --minutes M`` is a bound: the deadline is checked after each CI-sized stretch of
+    a scenario's iterations (a whole round at scale 10 took minutes past a 12 s run; one scenario at
+    ``--scale 100000`` would have run for days); rounds rotate where they start; the stretches number
+    the iterations on, as one call of them all would."""
     from kvstate.stateful.races import scenarios
 
     ran = []
 
     def fake(name):
         def run(store, seed, iterations, yields=False):
-            ran.append((name, seed))
-            return scenarios.RaceReport(name, store, seed, threads=1)
+            ran.append((name, seed, iterations))
+            report = scenarios.RaceReport(name, store, seed, threads=1, iterations=len(iterations))
+            report.add("ops", 2 * len(iterations))
+            return report
         return run
     for name in ("fork_storm", "close_races"):
         monkeypatch.setitem(scenarios.SCENARIOS, name, fake(name))
-    totals = scenarios.stress(0, stores=["numpy"], scenarios=["fork_storm", "close_races"], out=lambda line: None)
-    assert ran == [("fork_storm", 0)] and list(totals) == ["fork_storm[numpy]"]
+    stretch = scenarios.CI_ITERATIONS["fork_storm"]
+    lines = []
+    totals = scenarios.stress(0, stores=["numpy"], scenarios=["fork_storm", "close_races"], out=lines.append,
+                              scale=100_000)
+    assert ran == [("fork_storm", 0, range(0, stretch))] and list(totals) == ["fork_storm[numpy]"]
+    assert totals["fork_storm[numpy]"] == {"rounds": 1, "iterations": stretch, "ops": 2 * stretch}
+    assert len(lines) == 1 and f"iterations={stretch}" in lines[0]
     ticks = iter(range(10**6))      # one second a reading: the deadline at 60 s, after a few rounds
     ran.clear()
-    scenarios.stress(1, stores=["numpy"], scenarios=["fork_storm", "close_races"], out=lambda line: None,
-                     clock=lambda: next(ticks))
-    assert ran[:4] == [("fork_storm", 0), ("close_races", 0), ("close_races", 1), ("fork_storm", 1)]
-    assert len(ran) == 60       # one reading at the start, then one a pair: stopped at the deadline
+    lines.clear()
+    totals = scenarios.stress(1, stores=["numpy"], scenarios=["fork_storm", "close_races"], out=lines.append,
+                              clock=lambda: next(ticks), scale=2)
+    assert [(name, seed) for name, seed, _ in ran[:8]] == [
+        ("fork_storm", 0), ("fork_storm", 0), ("close_races", 0), ("close_races", 0),
+        ("close_races", 1), ("close_races", 1), ("fork_storm", 1), ("fork_storm", 1)]
+    assert [iterations for _, _, iterations in ran[:2]] == [range(0, stretch), range(stretch, 2 * stretch)]
+    assert len(ran) == 60       # one reading at the start, then one a stretch: stopped at the deadline
+    assert sum(total["iterations"] for total in totals.values()) == 60 * stretch
+    assert len(lines) == 30 and all(f"iterations={2 * stretch}" in line for line in lines)

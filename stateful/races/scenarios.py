@@ -1321,8 +1321,8 @@ def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios:
            scale: int = 10, out=print, clock: Callable[[], float] = time.monotonic) -> dict[str, dict[str, int]]:
     """Run every scenario on every store, ``scale`` times the CI iterations, round after round with
     seeds ``seed, seed + 1, ...``, every other round with ``yields`` for all scenarios, until
-    ``minutes`` have passed: the deadline is checked after each scenario on each store, so a run
-    ends within one of them past it (a whole round at scale 10 takes minutes). Each round starts one
+    ``minutes`` have passed: the deadline is checked after each CI-sized stretch of a scenario's
+    iterations, so a run ends within one such stretch past it (seconds), whatever ``scale``. Each round starts one
     pair further on, so runs shorter than a round still reach every scenario in turn. Stops at the
     first ``RaceFailure`` (which propagates, naming store, seed and iteration). Returns totals per
     scenario and store that ran. A store may be a backend's factory: it is raced in the
@@ -1343,18 +1343,35 @@ def stress(minutes: float, seed: int = 0, stores: list | None = None, scenarios:
         first = (round_seed - seed) % len(runs)
         for name, store, (configs, options) in runs[first:] + runs[:first]:
             options = options | ({"yields": True} if (round_seed - seed) % 2 else {})
-            iterations = (len(configs) if configs else CI_ITERATIONS[name]) * scale
-            report = SCENARIOS[name](store=store, seed=round_seed, iterations=iterations,
-                                     **({"configs": configs} if configs else {}), **options)
+            stretch = len(configs) if configs else CI_ITERATIONS[name]
             total = totals.setdefault(f"{name}[{store_label(store)}]", {"rounds": 0, "iterations": 0})
             total["rounds"] += 1
-            total["iterations"] += report.iterations
-            for key, value in report.counts.items():
-                total[key] = total.get(key, 0) + value
-            out(str(report))
-            if clock() >= deadline:
-                return totals
+            # ``scale`` CI-sized stretches, iterations numbered on (each one's configuration and seed as
+            # in one call of them all), the clock read after each: a large --scale cannot hold the run
+            # past its minutes by more than one stretch.
+            ran = None
+            for start in range(0, stretch * scale, stretch):
+                report = SCENARIOS[name](store=store, seed=round_seed, iterations=range(start, start + stretch),
+                                         **({"configs": configs} if configs else {}), **options)
+                ran = _added(ran, report)
+                total["iterations"] += report.iterations
+                for key, value in report.counts.items():
+                    total[key] = total.get(key, 0) + value
+                if clock() >= deadline:
+                    out(str(ran))
+                    return totals
+            out(str(ran))
         round_seed += 1
+
+
+def _added(ran: RaceReport | None, report: RaceReport) -> RaceReport:
+    """``report``'s iterations and counts added to ``ran``'s (one scenario's stretches, for its line)."""
+    if ran is None:
+        return report
+    ran.iterations += report.iterations
+    for key, value in report.counts.items():
+        ran.counts[key] = ran.counts.get(key, 0) + value
+    return ran
 
 
 class NothingToRace(ValueError):
