@@ -185,7 +185,7 @@ def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool
     if shrunk:
         replayed, lines, stopped = _reshrink(factory, last.config, last.ops[:len(history)], stop)
         if replayed is not None:
-            return _report(replayed.headline, last.config, lines, _minimised(stopped))
+            return _report(replayed.headline, last.config, lines, _minimised(stopped), replayed.found_by)
     return describe(error, history, minimised=False, config=last.config)
 
 
@@ -244,7 +244,7 @@ def _still_shrinking(shrinker: Shrinker | None, found: tuple[Failure, Config, li
         return None
     head = f"{failure.headline} (found, then still being shrunk)"
     head += f'\nfound while checking: "{checking}"' if checking else ""
-    return _report(head, config, lines, what)
+    return _report(head, config, lines, what, failure.found_by)
 
 
 def _as_drawn(ops: list, failure: Failure) -> list[str]:
@@ -290,7 +290,7 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
                 found.history = lockstep.history[:lockstep.failed_at]
             what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
                     f"{_STOPPED.get(found.shrink_stopped, '')}{replay(found.seed)})")
-            detail = _report(found.failure.headline, found.config, found.history, what)
+            detail = _report(found.failure.headline, found.config, found.history, what, found.failure.found_by)
     finally:
         _partial.pop(threading.get_ident(), None)
         _abandon.pop(threading.get_ident(), None)
@@ -359,7 +359,7 @@ def _shrunk_directed(factory: Factory, run, error: BaseException, stop: Callable
     # being checked (quoted first, it read as the rule the backend broke).
     promise = getattr(error, "promise", None)
     head = replayed.headline + (f'\nfound while checking: "{promise}"' if promise else "")
-    return _report(head, run.config, lines, _minimised(stopped))
+    return _report(head, run.config, lines, _minimised(stopped), replayed.found_by)
 
 
 # Each race scenario runs in rounds: two iterations as the interpreter switches threads (seed 0),
@@ -445,21 +445,23 @@ def describe(error: BaseException, history: list[str] | None, minimised: bool = 
         head += f"\n  {probe}"
     if history:
         what = "minimised failing sequence" if minimised else "failing sequence (not shrunk)"
-        return _report(head, config, history, what)
+        return _report(head, config, history, what, getattr(error, "found_by", ""))
     notes = getattr(error, "__notes__", None)
     if notes:
         head += "\n" + "\n".join(f"  {note}" for note in notes)
     return head if config is None else f"{head}\nconfiguration: {config.describe()}"
 
 
-def _report(head: str, config: Config | None, history: list[str], what: str) -> str:
-    """Broken promise, configuration and failing call first; the whole sequence after."""
+def _report(head: str, config: Config | None, history: list[str], what: str, found_by: str = "") -> str:
+    """Broken promise, configuration and failing call first (and the suite's own call that found it,
+    where a probe after the call did); the whole sequence after."""
     lines = [head]
     if config is not None:
         lines.append(f"configuration: {config.describe()}")
     calls = [line for line in history if "# teardown" not in line]
     if calls:
-        lines.append(f"failing call: {calls[-1] if len(calls) == len(history) else history[-1]}")
+        failing = calls[-1] if len(calls) == len(history) else history[-1]
+        lines.append(f"failing call: {failing}" + (f", found by {found_by}" if found_by else ""))
     lines.append(f"{what} ({len(history)} operations; the failure shows right after the last):")
     lines.extend(f"  {line}" for line in history)
     return "\n".join(lines)

@@ -399,7 +399,10 @@ class Lockstep:
         try:
             check()
         except InvariantViolation as violation:
-            raise self._violation(violation.invariant, self._our_names(violation.detail)) from None
+            renamed = self._violation(violation.invariant, self._our_names(violation.detail))
+            with suppress(AttributeError):      # where the suite's probe saw it (``_probe_entries``)
+                renamed.found_by = violation.found_by
+            raise renamed from None
         except BaseException as error:
             self._failed(error)
             raise
@@ -616,6 +619,9 @@ class Lockstep:
                                                 f"when retained: a write through a holder sharing its pages (no "
                                                 f"copy-on-write), or a page reused while the entry kept it, "
                                                 f"changes it{tie}") from None
+            except InvariantViolation as error:     # the step before is the failing call; this probe saw it
+                error.found_by = f"the suite's match of entry {list(key)} after it"
+                raise
             finally:
                 engine_hit.close()
                 ref_hit.close()

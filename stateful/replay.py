@@ -65,6 +65,7 @@ class Failure:
     invariant: int | str | None     # set for InvariantViolation
     message: str
     where: str = ""                 # where an exception other than an assertion was raised (``raised_at``)
+    found_by: str = ""              # the suite's own call after the step that saw it (the entry probe's match)
 
     @property
     def headline(self) -> str:
@@ -103,7 +104,8 @@ class Failure:
         """One line, whatever its fields hold (they come from a backend or a file): newlines and
         control characters escaped (``printable.one_line``); no operation is not printed as "None"."""
         what = self.phase if self.op is None else f"{self.phase} {one_line(self.op)}"
-        where = "at finish" if self.phase == "finish" else f"at step {self.step} ({what})"
+        found = f", found by {one_line(self.found_by)}" if self.found_by else ""
+        where = "at finish" if self.phase == "finish" else f"at step {self.step} ({what}{found})"
         return f"{one_line(self.error)} {where}: {one_line(self.message)}{one_line(self.where)}"
 
 
@@ -237,7 +239,7 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
 def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failure:
     invariant = error.invariant if isinstance(error, InvariantViolation) else None
     return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error),
-                   raised_at(error))
+                   raised_at(error), getattr(error, "found_by", ""))
 
 
 # -- the file format ---------------------------------------------------------------------
@@ -287,7 +289,7 @@ def checked_failure(failure: Failure) -> Failure:
               ("op", failure.op is None or isinstance(failure.op, str)),
               ("error", isinstance(failure.error, str)), ("message", isinstance(failure.message, str)),
               ("invariant", failure.invariant is None or type(failure.invariant) in (int, str)),
-              ("where", isinstance(failure.where, str)))
+              ("where", isinstance(failure.where, str)), ("found_by", isinstance(failure.found_by, str)))
     for name, ok in checks:
         if not ok:
             raise ReplayFileError(f"malformed replay file: its failure's {name} is {getattr(failure, name)!r}")

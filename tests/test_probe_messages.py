@@ -90,3 +90,45 @@ def test_a_race_failure_from_the_backends_own_exception_says_where_it_was_raised
     with pytest.raises(RaceFailure, match=r"thread 1: ValueError: need at least one array to concatenate at "
                                           r".*test_probe_messages\.py:\d+ in backend_call"):
         run_threads([lambda: None, backend_call], "a scenario")
+
+
+def test_a_failure_the_probe_found_names_the_probe_beside_the_failing_call():
+    """From the second audit (F3): a wrong hit the probe's ``match`` found was headed "failing call:
+    retain(ctx='c1')", in a sequence holding no match: the step before the probe is still the failing
+    call (the engine went wrong there or earlier), and the line now says which call of the suite's saw it."""
+    from kvstate.stateful.conform import describe
+
+    with pytest.raises(InvariantViolation) as failed:
+        _checked_each_step_raising(audit_bugs.tie_first_retained, _tie)
+    history = ["c1 = allocate()", "extend(ctx='c1', tokens=(1, 0, 2, 1, 0), seed=0)", "retain(ctx='c1')",
+               "c2 = match(tokens=(1, 0, 2, 1))", "overwrite(ctx='c2', start=0, tokens=(1,), seed=12737)",
+               "retain(ctx='c2')"]
+    lines = describe(failed.value, history, config=CONFIG).splitlines()
+    failing = next(line for line in lines if line.startswith("failing call:"))
+    assert failing in (f"failing call: retain(ctx='c2'), found by the suite's match of entry {key} after it"
+                       for key in ("[1, 0, 2, 1, 0]", "[1, 0, 2, 1]")), failing
+
+
+def _checked_each_step_raising(factory, steps) -> None:
+    run = Lockstep(factory, CONFIG)
+
+    def apply(op):
+        handle = run.apply(op)
+        run.check()
+        return handle
+    steps(apply)
+
+
+def test_a_replays_failure_keeps_what_found_it():
+    """The same failure as a replay file records it (``replay.Failure``): the probe that saw it is
+    kept, printed in its line, and read back; a file written before the field reads as no probe."""
+    from kvstate.stateful import replay as R
+
+    ops = [O.Allocate(), O.Extend("c1", (1, 0, 2, 1, 0), seed=0), O.Retain("c1"), O.Match((1, 0, 2, 1)),
+           O.Overwrite("c2", 0, (1,), seed=12737), O.Retain("c2")]      # ``_tie`` as a replay holds it
+    failure, _ = R.execute(audit_bugs.tie_first_retained, CONFIG, ops)
+    assert failure.found_by.startswith("the suite's match of entry [1, 0, 2, 1"), failure
+    assert f"(check retain(ctx='c2'), found by {failure.found_by})" in str(failure), str(failure)
+    assert R.checked_failure(R.Failure(**R.asdict(failure))) == failure
+    older = {k: v for k, v in R.asdict(failure).items() if k != "found_by"}
+    assert R.Failure(**older).found_by == "" and "found by" not in str(R.Failure(**older))

@@ -137,7 +137,7 @@ _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "se
                "cpu_seconds": _NUMBER, "failure": (dict, type(None)), "ops": (list, type(None)),
                "replay_file": (str, type(None)), "minimised": bool, "clock": list}
 _FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
-                   "invariant": (int, str, type(None)), "message": str, "where": str}
+                   "invariant": (int, str, type(None)), "message": str, "where": str, "found_by": str}
 _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
                 "fingerprint": dict, "workers": (int, type(None)), "run_timeout": (int, float, type(None)),
                 "shrink_limit": int, "shrink_budget": _NUMBER, "shrink_tries": (int, type(None))}
@@ -231,8 +231,9 @@ def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded
         if not all(isinstance(stage, str) for stage in entry["clock"]):
             raise ResumeError(f"{path}: line {number}: the {kind}'s clock holds something other than stage names")
         if entry["failure"] is not None:
-            if isinstance(entry["failure"], dict):      # journals from before failures said where
+            if isinstance(entry["failure"], dict):      # journals from before failures said where, or what found them
                 entry["failure"].setdefault("where", "")
+                entry["failure"].setdefault("found_by", "")
             _check_fields(entry["failure"], _FAILURE_FIELDS, path, number, f"{kind}'s failure")
             _check_failure(entry["failure"], path, number, kind)
             _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
