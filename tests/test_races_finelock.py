@@ -83,3 +83,22 @@ def test_the_recency_scenario_is_not_applicable_where_its_bound_does_not_fit():
     reclaiming = config.with_(on_full="reclaim", pool_pages=12, values="prefix")
     assert races.stamps_vs_retains("numpy", iterations=1, configs=[reclaiming]).skipped == {
         reclaiming.name: "on_full='reclaim': which entry goes is the engine's choice"}
+
+
+def test_a_factory_built_by_a_helper_is_labelled_as_it_was_loaded():
+    """From the third audit (F3): where a file's plants are made by one helper (as ``audit_bugs.py``'s),
+    each race headline read ``fork_storm[_make.<locals>.factory, f32-heap]``, whichever plant failed."""
+    from pathlib import Path
+
+    from kvstate.stateful.backends import load_factory
+    from kvstate.stateful.races.harness import store_label
+
+    from foreign import audit_bugs
+
+    path = Path(audit_bugs.__file__).resolve()
+    assert audit_bugs.cow_ignores_entries.__qualname__ == "_make.<locals>.factory"      # what the label was
+    loaded = load_factory(f"{path}:cow_ignores_entries")
+    assert store_label(loaded) == "audit_bugs.py:cow_ignores_entries"
+    assert store_label(load_factory(f"{path}:evict_newest_for_room")) == "audit_bugs.py:evict_newest_for_room"
+    assert store_label(finelock_plants.split_refcount) == "split_refcount"     # a plain function: its name
+    assert store_label("numpy") == "numpy"

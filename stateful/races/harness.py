@@ -156,7 +156,18 @@ def own_store(store) -> bool:
 
 
 def store_label(store) -> str:
-    return store if isinstance(store, str) else getattr(store, "__qualname__", repr(store))
+    """A built-in store's name; a backend's factory by its ``__qualname__``, or where a helper built it
+    (``_make.<locals>.factory``, the same for every factory the helper built) as ``--backend`` loaded
+    it, a file by its name alone (``plants.py:split_refcount``; the rerun line names its folders)."""
+    if isinstance(store, str):
+        return store
+    label = getattr(store, "__qualname__", None) or repr(store)
+    if "<locals>" not in label:
+        return label
+    from ..backends import backend_name
+
+    name = backend_name(store)
+    return name.rpartition(os.sep)[2] or name
 
 
 def page_counters(cache) -> dict[str, int]:
