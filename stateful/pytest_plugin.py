@@ -57,7 +57,19 @@ class ConformanceItem(pytest.Item):
         if outcome.status == "n/a":
             pytest.skip(f"n/a: {outcome.detail}")
         if not outcome.passed:
-            raise ConformanceFailure(f"{self.backend_config.name} / {self.check}: {outcome.status}\n{outcome.detail}")
+            raise ConformanceFailure(f"{self.backend_config.name} / {self.check}: {outcome.status}\n{outcome.detail}\n"
+                                     f"rerun this item: {self._rerun()}")
+
+    def _rerun(self) -> str:
+        """The command that runs this item alone: pytest takes no ``::kvstate[...]`` id back (the items
+        belong to no file), but ``-k`` matches the name, its words joined by ``and`` (an expression
+        ends a word at a space: ``[fork isolation]``)."""
+        import shlex
+
+        words = " and ".join(self.name.split())
+        return (f"pytest --kvstate-backend={shlex.quote(self.backend)} -k {shlex.quote(words)}"
+                + ("" if self.config.getoption("kvstate_profile") == "ci"
+                   else f" --kvstate-profile={self.config.getoption('kvstate_profile')}"))
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ConformanceFailure):

@@ -351,6 +351,14 @@ def test_pytest_plugin_runs_conformance_as_test_items(tmp_path):
     bad = pytest_run(str(EXAMPLES / "broken_sharing.py"))
     assert bad.returncode == 1, bad.stdout + bad.stderr
     assert "6 failed" in bad.stdout and "f32-heap / fork isolation: FAIL" in bad.stdout
+    # pytest takes no ``::kvstate[...]`` id back (a plugin review, s67): each failure says how to run it alone
+    rerun = next(line for line in bad.stdout.splitlines() if "rerun this item:" in line and "[f32-heap][fork" in line)
+    argv = shlex.split(rerun.split("rerun this item: ", 1)[1])
+    assert argv[:2] == ["pytest", f"--kvstate-backend={EXAMPLES / 'broken_sharing.py'}"] and "--kvstate-profile=hunt" in argv
+    alone = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *argv[1:], str(tmp_path)],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "1 failed" in alone.stdout and "deselected" in alone.stdout, alone.stdout + alone.stderr
+    assert "FAILED ::kvstate[broken_sharing.py][f32-heap][fork isolation]" in alone.stdout, alone.stdout
     wrong = pytest_run("no_such_backend_module")
     assert wrong.returncode != 0 and "FactoryError" in wrong.stderr
 
