@@ -21,6 +21,11 @@ CONFIG = next(c for c in audit_minimal.factory.configs if c.name == "block4-f32-
 
 def _checked_each_step(factory, steps) -> str:
     """``steps(apply)`` run in lockstep with every check after every operation; the violation's text."""
+    return str(_violation_of(factory, steps))
+
+
+def _violation_of(factory, steps) -> InvariantViolation:
+    """The violation ``steps(apply)`` meets, every check run after every operation."""
     run = Lockstep(factory, CONFIG)
 
     def apply(op):
@@ -29,7 +34,7 @@ def _checked_each_step(factory, steps) -> str:
         return handle
     with pytest.raises(InvariantViolation) as failed:
         steps(apply)
-    return str(failed.value)
+    return failed.value
 
 
 def _tie(apply):        # conform's shrunk counterexample for tie_first_retained
@@ -98,25 +103,14 @@ def test_a_failure_the_probe_found_names_the_probe_beside_the_failing_call():
     call (the engine went wrong there or earlier), and the line now says which call of the suite's saw it."""
     from kvstate.stateful.conform import describe
 
-    with pytest.raises(InvariantViolation) as failed:
-        _checked_each_step_raising(audit_bugs.tie_first_retained, _tie)
+    violation = _violation_of(audit_bugs.tie_first_retained, _tie)
     history = ["c1 = allocate()", "extend(ctx='c1', tokens=(1, 0, 2, 1, 0), seed=0)", "retain(ctx='c1')",
                "c2 = match(tokens=(1, 0, 2, 1))", "overwrite(ctx='c2', start=0, tokens=(1,), seed=12737)",
                "retain(ctx='c2')"]
-    lines = describe(failed.value, history, config=CONFIG).splitlines()
+    lines = describe(violation, history, config=CONFIG).splitlines()
     failing = next(line for line in lines if line.startswith("failing call:"))
     assert failing in (f"failing call: retain(ctx='c2'), found by the suite's match of entry {key} after it"
                        for key in ("[1, 0, 2, 1, 0]", "[1, 0, 2, 1]")), failing
-
-
-def _checked_each_step_raising(factory, steps) -> None:
-    run = Lockstep(factory, CONFIG)
-
-    def apply(op):
-        handle = run.apply(op)
-        run.check()
-        return handle
-    steps(apply)
 
 
 def test_a_replays_failure_keeps_what_found_it():
