@@ -122,12 +122,14 @@ class Lockstep:
         self.ops.append(op)
         self._created_last = None
         # One draw of the op's values, a copy for each side: a backend that wrote into its argument
-        # must not change what the reference is given.
+        # must not change what the reference is given. The engine's copy comes in one of several
+        # memory layouts (``ops.laid_out``), as a caller's K/V do: transposed views, reversed strides.
         values = self._values_of(op)
         if hasattr(op, "ctx"):
             self._touched.add(op.ctx)
         judged = self._both_sides(op, before,
-                                  lambda: self._perform(op, 0, self.engine, None if values is None else values.copy()),
+                                  lambda: self._perform(op, 0, self.engine,
+                                                        None if values is None else O.laid_out(values, op.seed)),
                                   lambda: self._perform(op, 1, self.reference, values))
         if judged is None:
             return None
@@ -458,6 +460,7 @@ class Lockstep:
         invariants.check_values(engine_reads, reference_reads)
         for handle in [handle for handle in engine_reads if handle in touched]:     # the run's order, not a set's
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
+            self._ranged_read(handle, reference_reads[handle])
         expected = self.reference.eviction_order()
         try:
             if self._tree_comparable():
@@ -498,6 +501,28 @@ class Lockstep:
             raise InvariantViolation(4, f"writing into the array read() returned for {handle} changed the "
                                         f"context: the read aliases storage instead of copying it: "
                                         f"{differs.detail}") from None
+
+    def _ranged_read(self, handle: str, expected) -> None:
+        """``read(start, stop)`` of a context an operation named reads what the whole read holds there.
+        The window moves with the step: its stop on an inner page boundary where the context has one
+        (``read(0, page)``, a prefix read, is where ``stop // page`` for ``(stop - 1) // page`` goes
+        wrong), its start anywhere before it; a context within one page, a window inside it."""
+        want_values, want_tokens = expected
+        n, page, step = len(want_tokens), self.config.page_tokens, self.steps
+        if n < 2:
+            return      # its one window is the whole read, already compared
+        inner = (n - 1) // page         # page boundaries strictly inside the context
+        stop = page * (1 + step % inner) if inner else n - step % 2
+        start = (step // 2) % stop
+        values, tokens = self.live[handle][0].read(start, stop)
+        call = f"{handle}.read({start}, {stop})"
+        try:
+            invariants.check_values({call: (to_numpy(values), np.asarray(tokens))},
+                                    {call: (want_values[start:stop], want_tokens[start:stop])})
+        except InvariantViolation as differs:
+            raise InvariantViolation(4, f"{differs.detail}, positions counted from the window's start, "
+                                        f"{start}: a read of positions [{start}, {stop}) differs from the same "
+                                        f"positions of {handle}.read(), which the reference agrees with") from None
 
     def _unchanged_since(self, last, obs) -> set[str]:
         """The live handles whose values no operation since the last check can have changed, by the

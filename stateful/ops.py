@@ -151,6 +151,23 @@ def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     return _values(layout, n, seed)
 
 
+def laid_out(values: np.ndarray, seed: int) -> np.ndarray:
+    """A copy of ``values`` (a write's K/V) in one of four memory layouts, chosen by the write's
+    seed: C order; layer-major (the positions not outermost in memory, as K/V a model computes
+    layer by layer and hands over transposed); Fortran order; the positions reversed in memory (a
+    negative stride). The same values every way: a backend must read its argument by index (NumPy
+    does), not as raw memory in C order, which only the first layout reads right. Always a copy:
+    what the engine is handed is never what the reference is."""
+    kind = (seed >> 2) % 4      # bits the seed's other uses (``_q8_ties``: seed % 4) leave alone
+    if kind == 0 or values.ndim != 5:
+        return values.copy()
+    if kind == 1:
+        return np.moveaxis(np.array(np.moveaxis(values, 0, 2), order="C", copy=True), 2, 0)
+    if kind == 2:
+        return np.array(values, order="F", copy=True)
+    return np.array(values[::-1], copy=True)[::-1]
+
+
 # A write's values cost tens of microseconds to draw (a seeded generator each), and the same
 # (n, seed) recurs: the seeded check's configurations that refuse nothing run the same sequences,
 # and Hypothesis replays prefixes. Small writes are kept, read-only, and handed out as copies.

@@ -115,6 +115,22 @@ def read_aliasing(factory, config):
     return "writing into what read() returned changed the context" if (again == 7).all() else None
 
 
+def prefix_read(factory, config):
+    ctx = _filled(factory(config), config, range(2 * config.page_tokens + 1))
+    values, tokens = ctx.read(0, config.page_tokens)
+    whole, whole_tokens = ctx.read()
+    same = np.array_equal(values, whole[:config.page_tokens]) and np.array_equal(tokens, whole_tokens[:config.page_tokens])
+    return None if same else f"read(0, {config.page_tokens}) differs from the whole read's first page"
+
+
+def transposed_write(factory, config):
+    made_layer_major = np.ascontiguousarray(np.moveaxis(_values(config, 3, seed=5), 0, 2))
+    kv = np.moveaxis(made_layer_major, 2, 0)        # (positions, layers, 2, heads, dim), not C-contiguous
+    ctx = factory(config).allocate()
+    ctx.extend([1, 2, 3], kv)
+    return None if np.array_equal(ctx.read()[0], kv) else "a transposed K/V argument reads back scrambled"
+
+
 def fork_write(factory, config):
     parent = _filled(factory(config), config, [1, 2])
     before = parent.read()[0].copy()
@@ -334,6 +350,9 @@ ZOO = {
     "evicts_most_recent": Planted(
         "no_arena", "f32-heap", "invariant 5", eviction_order),
     "retain_keeps_old_entry": Planted("dict_pages", "f32-heap", "replaces its entry", retain_twice),
+    # a data-plane audit (s68): ranged reads, and K/V arguments that are not C-contiguous
+    "read_stop_on_page_boundary": Planted("dict_pages", "f32-heap", "a read of positions", prefix_read),
+    "ingests_memory_order": Planted("dict_pages", "f32-heap", "invariant 4", transposed_write),
     "f16_overflow_accepted": Planted("no_arena", "f16-heap", "PrecisionRangeError", f16_overflow),
     "zero_length_write_allocates": Planted(
         "dict_pages", "f32-heap", "zero positions", zero_length_write),

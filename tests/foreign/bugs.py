@@ -104,6 +104,41 @@ class ReadAliasesStorage(dict_pages.DictCache):
     context_class = AliasingReadContext
 
 
+class ReadStopOnBoundaryContext(dict_pages.DictContext):
+    def read(self, start: int = 0, stop: int | None = None):
+        values, tokens = super().read(start, stop)
+        size, stop = self.cache.page_tokens, self.length if stop is None else stop
+        if len(tokens) and _is_int(stop) and stop % size == 0 and stop < self.length:
+            # ``stop // size`` for ``(stop - 1) // size``: the last row comes from the next page's first
+            after, after_tokens = super().read(stop, stop + 1)
+            values[-1], tokens[-1] = after[0], after_tokens[0]
+        return values, tokens
+
+
+class ReadStopOnPageBoundary(dict_pages.DictCache):
+    """``read(start, stop)`` whose stop is a page boundary inside the context (``read(0, page)``, a
+    prefix read) takes its last row from the next page (invariant 4: a read of a range reads the
+    positions a whole read holds there). A whole read, a snapshot and ``tokens`` are right."""
+
+    context_class = ReadStopOnBoundaryContext
+
+
+class MemoryOrderContext(dict_pages.DictContext):
+    def _validated(self, tokens, kv, start=None):
+        kv = np.asarray(kv)
+        # the K/V as raw memory in C order, strides ignored (a pointer copy): right only for a C-contiguous argument
+        flat = np.ravel(kv, order="K") if isinstance(kv, np.ndarray) and kv.ndim else kv
+        return super()._validated(tokens, np.reshape(flat, kv.shape) if kv.ndim else kv, start)
+
+
+class IngestsMemoryOrder(dict_pages.DictCache):
+    """``extend``/``overwrite`` read their K/V argument in memory order, not by index: a transposed
+    view, a Fortran-ordered or reversed-stride array is stored scrambled (invariant 4). Every array
+    the suite wrote was C-contiguous until the lockstep handed writes over in several layouts."""
+
+    context_class = MemoryOrderContext
+
+
 class RetainKeepsOldEntry(dict_pages.DictCache):
     """Retaining a key that is already retained keeps the old entry (its pages and its tick)
     instead of replacing it (invariant 5: entries and eviction order equal the reference's)."""
@@ -497,6 +532,8 @@ _PLANTED = {
     "truncate_releases_nothing": (TruncateReleasesNothing, no_arena.factory),
     "evicts_most_recent": (EvictsMostRecent, no_arena.factory),
     "retain_keeps_old_entry": (RetainKeepsOldEntry, dict_pages.factory),
+    "read_stop_on_page_boundary": (ReadStopOnPageBoundary, dict_pages.factory),
+    "ingests_memory_order": (IngestsMemoryOrder, dict_pages.factory),
     "f16_overflow_accepted": (F16OverflowAccepted, no_arena.factory),
     "zero_length_write_allocates": (ZeroLengthWriteAllocates, dict_pages.factory),
     "snapshot_drops_partial_page": (SnapshotDropsPartialPage, dict_pages.factory),
