@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from kvstate.spec import errors, invariants, precision as precisions
+from kvstate.spec.layout import Layout
 from kvstate.spec.protocol import Config
 from kvstate.stateful.configs import PROFILES, configs_named, machine_configs
 from kvstate.stateful.conform import CHECKS, SLOW_CHECKS, conform, quick_first
@@ -129,6 +130,14 @@ def transposed_write(factory, config):
     ctx = factory(config).allocate()
     ctx.extend([1, 2, 3], kv)
     return None if np.array_equal(ctx.read()[0], kv) else "a transposed K/V argument reads back scrambled"
+
+
+def model_heads(factory, config):
+    model = config.with_(layout=Layout(layers=4, kv_heads=8, head_dim=128))
+    ctx = factory(model).allocate()
+    kv = values_for(model.layout, 2, 7)
+    ctx.extend([1, 2], kv)
+    return None if np.array_equal(ctx.read()[0], kv) else "at 8 KV heads, the heads read back in another order"
 
 
 def fork_write(factory, config):
@@ -353,6 +362,8 @@ ZOO = {
     # a data-plane audit (s68): ranged reads, and K/V arguments that are not C-contiguous
     "read_stop_on_page_boundary": Planted("dict_pages", "f32-heap", "a read of positions", prefix_read),
     "ingests_memory_order": Planted("dict_pages", "f32-heap", "invariant 4", transposed_write),
+    "heads_swapped_past_the_third": Planted("dict_pages", "f32-heap", "a real model's size", model_heads,
+                                            caught_by="scale"),
     "f16_overflow_accepted": Planted("no_arena", "f16-heap", "PrecisionRangeError", f16_overflow),
     "zero_length_write_allocates": Planted(
         "dict_pages", "f32-heap", "zero positions", zero_length_write),

@@ -126,3 +126,54 @@ def test_a_replays_failure_keeps_what_found_it():
     assert R.checked_failure(R.Failure(**R.asdict(failure))) == failure
     older = {k: v for k, v in R.asdict(failure).items() if k != "found_by"}
     assert R.Failure(**older).found_by == "" and "found by" not in str(R.Failure(**older))
+
+
+def test_a_directed_failure_found_by_an_invariant_leads_with_it_and_names_its_configuration():
+    """From the data-plane audit (s68, F4 and F5): an unshrunk directed failure led with the check's
+    promise whatever broke (a copy-on-write skipped read as "q8 rounds half to even"), and named no
+    configuration, so not the page size the run drew."""
+    from kvstate.stateful.conform import _unshrunk_directed
+    from kvstate.stateful.directed.common import BrokenPromise
+
+    run = Lockstep(audit_minimal.factory, CONFIG)
+    run.apply(O.Allocate())
+    run.apply(O.Extend("c1", (1, 2), seed=3))
+    cause = InvariantViolation(4, "c1 position 0 (index (0, 0, 0, 0, 0)): 1.0 != reference 2.0")
+    broken = BrokenPromise("a promise about rounding", run.history[-1], str(cause))      # as ``keeping`` makes it
+    broken.invariant, broken.__cause__ = 4, cause
+    lines = _unshrunk_directed(broken, broken.promise, run.history, run.config).splitlines()
+    assert lines[:3] == ["InvariantViolation: invariant 4: c1 position 0 (index (0, 0, 0, 0, 0)): 1.0 != reference 2.0",
+                         'found while checking: "a promise about rounding"',
+                         f"configuration: {CONFIG.describe()}"], lines
+    assert lines[3] == "failing call: extend(ctx='c1', tokens=(1, 2), seed=3)", lines
+    own = BrokenPromise("a promise about refusals", "c1.read(0, 9)", "engine accepted, reference PositionError")
+    lines = _unshrunk_directed(own, own.promise, run.history, run.config).splitlines()
+    assert lines[0].startswith('BrokenPromise: "a promise about refusals" -- broken by c1.read(0, 9)'), lines
+    assert lines[1] == f"configuration: {CONFIG.describe()}", lines
+
+
+def test_a_scale_pass_says_which_layouts_the_factory_refused(monkeypatch):
+    """From the data-plane audit (s68, F3): a factory refusing ``scale``'s wide run (ConfigError) had it
+    skipped with the check reported as a plain pass; now the table says what went unchecked."""
+    from foreign import dict_pages
+    from kvstate.spec.errors import ConfigError
+    from kvstate.stateful.configs import configs_for
+    from kvstate.stateful.conform import conform, format_table
+
+    def refusing_big_pages(config):
+        if config.page_tokens * config.layout.values_per_position * 4 > 1 << 20:
+            raise ConfigError("pages past 1 MiB are not supported")
+        return dict_pages.factory(config)
+    from kvstate.stateful.directed import scale
+
+    monkeypatch.setattr(scale, "_many_pages", lambda run: run.finish())     # seconds, and not what is tested here
+    config = next(c for c in configs_for(dict_pages.factory) if c.name == "f32-heap")
+    results = conform(refusing_big_pages, profile="hunt", configs=[config], checks=["scale"])
+    outcome = results[0].outcomes["scale"]
+    assert outcome.status == "pass" and outcome.note.startswith("the factory refused layout 4x8x")
+    assert outcome.note.endswith(" (ConfigError): pages of several MiB went unchecked"), outcome.note
+    assert "a real model's layout" not in outcome.note       # 4x8x128 it accepted, and passed
+    table = format_table(results)
+    assert f"passed, with parts not run:\n  f32-heap / scale: {outcome.note}" in table, table
+    plain = conform(dict_pages.factory, profile="hunt", configs=[config], checks=["scale"])
+    assert plain[0].outcomes["scale"].note is None and "parts not run" not in format_table(plain)

@@ -32,6 +32,12 @@ Check = Callable[[Factory, Config], None]
 current = threading.local()   # current.run: the Lockstep of the check running in this thread
 
 
+def note(text: str) -> None:
+    """Something a check that passed did not check, for the report (``Outcome.note``): a part the
+    backend's factory refused, say. Only for the check running in this thread."""
+    current.notes = [*getattr(current, "notes", []), text]
+
+
 class NotApplicable(Exception):
     """The backend does not offer what the check exercises (a cache without snapshots, say)."""
 

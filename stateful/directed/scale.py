@@ -8,14 +8,16 @@ every step) through sizes such thresholds sit at:
 
 - thousands of live pages, grown past every power of two up to 2,048, shrunk to a few dozen and
   grown again, with forks, hits, writes into shared pages and truncations all the way;
+- a real model's layout (4 layers, 8 KV heads of 128: every other check stores at 2x2x4), written,
+  forked, copied, retained and hit, where a bug in how heads or dimensions are laid out shows;
 - pages of several MiB (a wide layout), freed and taken again with one position written, where a
   store that recycles large pages must hand them out clean.
 
 It uses the configuration's declared semantics and page size (drawn sizes become one small size,
 so pages are many and cheap). A pool that refuses is scaled up with the pages (a refusing pool of
 10 pages cannot hold thousands): the configuration with its pool raised is tried first and, where
-the factory refuses it (``ConfigError``), the declared one is used. The wide layout runs only where
-the factory accepts it.
+the factory refuses it (``ConfigError``), the declared one is used. The model's layout and the wide
+one run only where the factory accepts them; a pass says which it refused (``common.note``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from kvstate.spec.semantics import may_refuse
 
 from .. import ops as O
 from ..configs import page_sizes
-from .common import keeping, start
+from .common import keeping, note, start
 from ..lockstep import Lockstep
 
 MANY = ("a backend holds at any size what it holds at a small one: thousands of live pages, grown past "
@@ -35,9 +37,13 @@ MANY = ("a backend holds at any size what it holds at a small one: thousands of 
 LARGE = ("pages of several MiB behave as small ones: a page freed and taken again reads zero wherever "
          "nothing was written")
 
+MODEL = ("a layout of a real model's size (4 layers, 8 KV heads of 128 dimensions) reads back as the toy one "
+         "does: every layer, K and V, head and dimension in its place")
+
 PEAK_PAGES = 2_300          # past 256, 512, 1,024 and 2,048: where tables that double grow
 LARGE_PAGE_BYTES = 3 << 20  # stored, past the 2 MiB from which a store may keep freed pages for reuse
 WIDE = Layout(layers=4, kv_heads=8, head_dim=64)
+MODEL_LAYOUT = Layout(layers=4, kv_heads=8, head_dim=128)    # a model's heads (Llama 3 8B's), fewer layers
 VALUE_BYTES = {"f32": 4, "f16": 2, "q8": 1}     # a stored value's bytes (q8's scales not counted)
 
 
@@ -46,9 +52,20 @@ def scale(factory: Factory, config: Config) -> None:
     sizes = page_sizes(factory, config)
     small = config.with_(page_tokens=min(sizes))
     _many_pages(_run(factory, _scaled_pool(small, PEAK_PAGES + 64), fallback=small))
-    run = _run(factory, _scaled_pool(_wide(config, drawn=len(sizes) > 1), 8), fallback=None)
+    # Every other check stores at the toy 2x2x4 layout, where a bug in how a backend lays out heads or
+    # dimensions (two heads swapped past the third, a row offset past 128 bytes) does not show.
+    model = _run(factory, small.with_(layout=MODEL_LAYOUT), fallback=None)
+    if model is not None:
+        _model_layout(model)
+    wide = _wide(config, drawn=len(sizes) > 1)
+    run = _run(factory, _scaled_pool(wide, 8), fallback=None)
     if run is not None:
         _large_pages(run)
+    for shape, page_tokens, ran, unchecked in ((MODEL_LAYOUT, small.page_tokens, model, "a real model's layout"),
+                                               (wide.layout, wide.page_tokens, run, "pages of several MiB")):
+        if ran is None:
+            note(f"the factory refused layout {shape.layers}x{shape.kv_heads}x{shape.head_dim} at page_tokens "
+                 f"{page_tokens} (ConfigError): {unchecked} went unchecked")
 
 
 def _scaled_pool(config: Config, pages: int) -> Config:
@@ -130,6 +147,21 @@ def _many_pages(run: Lockstep) -> None:
         _step(run, O.Overwrite(f, 0, (3,), seed=309))
         _step(run, O.Extend(c, _tokens(third, 7), seed=310))
         _step(run, O.Retain(f))
+        run.finish()
+
+
+def _model_layout(run: Lockstep) -> None:
+    page = run.config.page_tokens
+    with keeping(MODEL, run):
+        a = _step(run, O.Allocate())
+        _step(run, O.Extend(a, _tokens(2 * page + page // 2 + 1, 0), seed=331))
+        b = _step(run, O.Fork(a))
+        _step(run, O.Overwrite(b, max(page - 1, 0), (4, 5), seed=332))      # across a page boundary: a copy
+        _step(run, O.Retain(a))
+        hit = _step(run, O.Match(tuple(run.live[a][1].tokens) + (6,)))
+        if hit is not None:
+            _step(run, O.Extend(hit, (6,), seed=333))
+            _step(run, O.Truncate(hit, page + 1))
         run.finish()
 
 

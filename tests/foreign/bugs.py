@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvstate.spec import precision as precisions
-from kvstate.spec.errors import PositionError
+from kvstate.spec.errors import ConfigError, PositionError
 from kvstate.spec.layout import check_tokens
 
 from . import block_pool, dict_pages, no_arena, no_tree
@@ -137,6 +137,27 @@ class IngestsMemoryOrder(dict_pages.DictCache):
     the suite wrote was C-contiguous until the lockstep handed writes over in several layouts."""
 
     context_class = MemoryOrderContext
+
+
+class HeadsSwappedContext(dict_pages.DictContext):
+    def read(self, start: int = 0, stop: int | None = None):
+        values, tokens = super().read(start, stop)
+        if values.shape[3] > 3:     # a head table that only goes wrong past the third head
+            values[:, :, :, [2, 3]] = values[:, :, :, [3, 2]]
+        return values, tokens
+
+
+class HeadsSwappedPastTheThird(dict_pages.DictCache):
+    """With more than three KV heads, heads 2 and 3 read back swapped (invariant 4). Every check but
+    ``scale`` stores at a 2x2x4 layout, and ``scale``'s one wide run was skipped, its pass silent,
+    for a factory refusing that run's head dimension (a data-plane audit, s68)."""
+
+    context_class = HeadsSwappedContext
+
+    def __init__(self, config):
+        if config.layout.head_dim > 256:
+            raise ConfigError(f"head_dim {config.layout.head_dim} past 256 is not supported")
+        super().__init__(config)
 
 
 class RetainKeepsOldEntry(dict_pages.DictCache):
@@ -534,6 +555,7 @@ _PLANTED = {
     "retain_keeps_old_entry": (RetainKeepsOldEntry, dict_pages.factory),
     "read_stop_on_page_boundary": (ReadStopOnPageBoundary, dict_pages.factory),
     "ingests_memory_order": (IngestsMemoryOrder, dict_pages.factory),
+    "heads_swapped_past_the_third": (HeadsSwappedPastTheThird, dict_pages.factory),
     "f16_overflow_accepted": (F16OverflowAccepted, no_arena.factory),
     "zero_length_write_allocates": (ZeroLengthWriteAllocates, dict_pages.factory),
     "snapshot_drops_partial_page": (SnapshotDropsPartialPage, dict_pages.factory),
