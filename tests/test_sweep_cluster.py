@@ -986,6 +986,8 @@ def test_the_journal_survives_a_cut_last_line_and_refuses_other_code(tmp_path, c
     assert main(["sweep", "--resume", str(out)]) == 2
     err = capsys.readouterr().err
     assert "other code" in err and "numpy" in err and "0.0.1" in err
+    import numpy        # the journal's value first, this machine's as "here" (they were swapped: review s68, 4)
+    assert f"numpy '0.0.1' (here {numpy.__version__!r})" in err, err
 
 
 def test_without_distributed_the_error_names_the_extra(monkeypatch, capsys, tmp_path):

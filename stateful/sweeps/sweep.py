@@ -421,7 +421,7 @@ def _open_journal(out_dir: Path, plan: J.Plan, by_name: dict[str, Config], resum
     if changed:
         raise ResumeError(f"{out_dir} holds a sweep with other {', '.join(changed)}: "
                           + "; ".join(f"{key} {theirs[key]!r}, not {mine[key]!r}" for key in changed))
-    differs = differences(recorded.plan.fingerprint, plan.fingerprint)
+    differs = differences(plan.fingerprint, recorded.plan.fingerprint)      # here first: this machine's code
     if differs:
         raise BackendMismatchError(f"{out_dir} was swept with other code than this machine has: {describe(differs)}",
                                    {"this machine": differs})
