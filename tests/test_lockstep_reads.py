@@ -62,16 +62,17 @@ def test_a_write_into_a_shared_page_fails_the_check_of_that_step(skip):
 def test_only_contexts_an_operation_could_change_are_read(monkeypatch):
     """Three private contexts; extending one reads that one alone. (Handles are known by their
     holders when each creation is checked on its own, as the machine and seeded runs do.) A context
-    an operation named is read twice: again after its first read is scribbled over (``no aliasing``)."""
+    an operation named is read three times: again after its first read is scribbled over (``no aliasing``),
+    and through a window (``read(start, stop)``)."""
     run = _run(True)
     _three_contexts(run, check_each=True)      # as the machine does: a check after every step
     count = _counting_reads(monkeypatch)
     run.apply(O.Extend("c2", (1, 1), seed=4))
     run.check()
-    assert count[0] == 2
-    run.apply(O.Fork("c3"))            # c4 is new, c3 was named: both read, c3 twice
+    assert count[0] == 3
+    run.apply(O.Fork("c3"))            # c4 is new, c3 was named: both read, c3 three times
     run.check()
-    assert count[0] == 5
+    assert count[0] == 7
 
 
 def test_without_the_flag_every_context_is_read(monkeypatch):
@@ -81,7 +82,7 @@ def test_without_the_flag_every_context_is_read(monkeypatch):
     count = _counting_reads(monkeypatch)
     run.apply(O.Extend("c2", (1, 1), seed=4))
     run.check()
-    assert count[0] == 4                # all three, and c2 again (named: the aliasing re-read)
+    assert count[0] == 5                # all three, and c2 twice more (named: the aliasing re-read, a window)
 
 
 def test_a_write_no_observation_shows_is_caught_before_the_run_ends(monkeypatch):

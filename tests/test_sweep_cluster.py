@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import suppress
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -994,3 +995,59 @@ def test_without_distributed_the_error_names_the_extra(monkeypatch, capsys, tmp_
     monkeypatch.setitem(sys.modules, "distributed", None)        # as if it were not installed
     assert main(["sweep", "--scheduler", "tcp://127.0.0.1:1", "--seeds", "1", "--out", str(tmp_path)]) == 2
     assert "pip install 'kvstate[cluster]'" in capsys.readouterr().err
+
+
+def _listening(answer: bytes | None):
+    """A loopback TCP service that never answers (``answer`` None) or answers every connection with
+    ``answer`` (an HTTP server's error, say), as a wrong --scheduler port would; its address."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if answer is not None:
+                with suppress(OSError):
+                    conn.recv(4096)
+                    conn.sendall(answer)
+    threading.Thread(target=serve, daemon=True).start()
+    return f"tcp://127.0.0.1:{server.getsockname()[1]}", server
+
+
+def test_a_service_that_is_not_a_scheduler_is_named_not_waited_on(tmp_path, capsys):
+    """From the sweeps review (s68, 1 and 2): a port that accepts and never answers (a dashboard's) hung the
+    sweep for good, the Client's timeout bounding only the connection; an HTTP server's answer came out as
+    "MemoryError: Unable to allocate 3.07 EiB", then the failed Client's 60 s close and a traceback."""
+    from kvstate.spec.errors import SweepError
+    from kvstate.stateful.sweeps.cluster import answers_as_scheduler
+
+    silent, server = _listening(None)
+    started = time.monotonic()
+    with pytest.raises(SweepError, match=r"did not answer as a Dask scheduler within 1 s"):
+        answers_as_scheduler(silent, 1.0)
+    assert time.monotonic() - started < 10
+    server.close()
+    http, server = _listening(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    started = time.monotonic()
+    assert main(["sweep", "--scheduler", http, "--seeds", "1", "--steps", "5", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert f"the service at {http} is not a Dask scheduler" in err and "MemoryError: Unable" not in err, err
+    assert "Traceback" not in err and time.monotonic() - started < 20, err
+    server.close()
+
+
+def test_a_scheduler_address_with_a_password_is_refused_without_printing_it(tmp_path, capsys, monkeypatch):
+    """From the sweeps review (s68, 5): ``tcp://user:SECRET@host:port`` was echoed whole, in the refusal and
+    in the parser's error quoted after it, into a CI job's log."""
+    for given in ("tcp://alice:PWSECRET789@127.0.0.1:1", "tcp://bob:PWSECRET789@nonsense"):
+        assert main(["sweep", "--scheduler", given, "--seeds", "1", "--out", str(tmp_path / "o")]) == 2
+        err = capsys.readouterr().err
+        assert "PWSECRET789" not in err and "user and password" in err, err
+    monkeypatch.setenv("KVSTATE_SCHEDULER", "tcp://bob:ENVSECRET321@127.0.0.1:18786")
+    assert main(["sweep", "--seeds", "1", "--out", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err
+    assert "ENVSECRET321" not in err and "user and password" in err, err

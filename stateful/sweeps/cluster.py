@@ -32,6 +32,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, TextIO
 
+from kvstate.impl.remote_io import has_credentials, redact
 from kvstate.spec.errors import BackendMismatchError, ClusterLostError, SweepError
 
 from . import watchdog
@@ -178,6 +179,10 @@ def check_address(address: str) -> str:
 
     if isinstance(address, str) and address.startswith("inproc://"):      # an in-process cluster's
         return _check_inproc(address)
+    if has_credentials(address):        # Dask takes no user:password@, and a message must not print it
+        raise SweepError(f"--scheduler {redact(address)!r} is not a Dask scheduler address (tcp://HOST:PORT): "
+                         f"it carries a user and password, which Dask addresses do not take (secure a "
+                         f"scheduler with TLS: tls://HOST:PORT and Dask's security settings)")
     try:
         host, port = get_address_host_port(address)
         if not host or not 0 < int(port) < 65536:
@@ -186,6 +191,37 @@ def check_address(address: str) -> str:
         raise SweepError(f"--scheduler {address!r} is not a Dask scheduler address (tcp://HOST:PORT): "
                          f"{error}") from None
     return address
+
+
+def answers_as_scheduler(address: str, timeout_s: float) -> None:
+    """A ``SweepError`` unless the service at ``address`` answers Dask's identity request as a scheduler
+    within ``timeout_s``. Asked before a ``Client`` exists: a Client's ``timeout`` bounds the connection,
+    not the handshake after it, so a port that accepts and never answers (a dashboard's, another
+    service's) held the sweep for good, and one answering in another protocol (HTTP) came out as a
+    ``MemoryError`` for exabytes, each followed by the failed Client's 60 s close and its traceback."""
+    from distributed.comm import connect as open_comm
+    from distributed.security import Security
+
+    async def identity():
+        comm = await open_comm(address, timeout=timeout_s, **Security().get_connection_args("client"))
+        try:
+            await comm.write({"op": "identity", "reply": True})
+            return await comm.read()
+        finally:
+            comm.abort()
+    try:
+        reply = asyncio.run(asyncio.wait_for(identity(), timeout_s))
+    except (asyncio.TimeoutError, TimeoutError):
+        raise SweepError(f"the service at {address} did not answer as a Dask scheduler within {timeout_s:g} s "
+                         f"(a dashboard's port, or another service's?)") from None
+    except OSError as error:        # refused, unreachable; distributed's CommClosedError is one
+        raise SweepError(f"cannot reach the Dask scheduler at {address}: {error}") from None
+    except Exception as error:      # noqa: BLE001 - another protocol's bytes read as Dask's: anything
+        raise SweepError(f"the service at {address} is not a Dask scheduler (its answer could not be read as "
+                         f"Dask's: {type(error).__name__})") from None
+    if not isinstance(reply, dict) or reply.get("type") != "Scheduler":
+        kind = reply.get("type") if isinstance(reply, dict) else type(reply).__name__
+        raise SweepError(f"the service at {address} is not a Dask scheduler (it answered as {kind!r})")
 
 
 def _check_inproc(address: str) -> str:
@@ -226,11 +262,13 @@ def connect(address: str, backend: str, out: TextIO | None = sys.stderr,
     from .worker_gate import BackendGate
 
     check_address(address)
+    if not address.startswith("inproc://"):       # an in-process cluster was checked by its listener
+        answers_as_scheduler(address, timeout_s)
     here = fingerprint(backend)
     with quiet_dask_client():
         try:
             client = distributed.Client(address, timeout=timeout_s, set_as_default=False)
-        except (OSError, TimeoutError, ValueError) as error:
+        except (OSError, TimeoutError, ValueError, MemoryError) as error:
             raise SweepError(f"cannot reach the Dask scheduler at {address}: {error}") from None
         lost = False
         try:
