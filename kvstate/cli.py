@@ -64,11 +64,12 @@ def _conform(args: argparse.Namespace) -> int:
     from kvstate.stateful.conform import (FactoryError, conform, conform_checks_known, format_table, observed_tiers,
                                           use_cache_folder_for_hypothesis)
     from kvstate.stateful.configs import describe_page_sizes, page_sizes
+    from kvstate.stateful.replay_bounds import MAX_REPLAY_OPS
 
     try:
         _at_least("--time-limit", args.time_limit, 0.001, MAX_TIME_LIMIT)
         _at_least("--examples", args.examples, 1)
-        _at_least("--steps", args.steps, 1)
+        _at_least("--steps", args.steps, 1, MAX_REPLAY_OPS)   # a seeded failure's replay command is a sweep's
         _workers(args.workers, 1)           # its form, before the backend is loaded
         if args.check:
             conform_checks_known(args.check)
@@ -238,6 +239,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
     from kvstate.stateful.sweeps import sweep as S
     from kvstate.stateful.conform import FactoryError
     from kvstate.stateful.printable import one_line, printable
+    from kvstate.stateful.replay_bounds import MAX_REPLAY_OPS
 
     # --scheduler, else KVSTATE_SCHEDULER unless --workers or --in-process asks for a local sweep.
     scheduler = args.scheduler or (None if args.workers or args.in_process else os.environ.get("KVSTATE_SCHEDULER")
@@ -246,7 +248,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
     began, report = False, None
     try:
         _at_least("--seeds", args.seeds, 1, S.MAX_SEEDS)
-        _at_least("--steps", args.steps, 1)
+        _at_least("--steps", args.steps, 1, MAX_REPLAY_OPS)   # past it, a failure's replay file could not be replayed
         _at_least("--shrink-limit", args.shrink_limit, 0)
         _at_least("--shrink-budget", args.shrink_budget, 0)
         _at_least("--shrink-tries", args.shrink_tries, 0)
@@ -323,7 +325,7 @@ def _sweep_command(args: argparse.Namespace) -> int:
         where = f"partial report in {written}" if written.is_file() else "no report written"
         print(printable(f"\nkvstate sweep: {how}; {where}; "        # a resumed backend's name is the journal's
                         f"finish with: kvstate sweep --resume {shlex.quote(str(out))}"
-                        f"{backend_option(args.backend) if args.backend else ''}"),
+                        f"{backend_option(args.backend) if args.backend else ''}{S.scheduler_option(scheduler)}"),
               file=sys.stderr)
         return _stopped_status(stop)
     except (ValueError, KeyError, FactoryError, SweepError, UsageError) as error:

@@ -476,6 +476,14 @@ def describe_pages(lockstep: Lockstep) -> list[str]:
 
 # -- a replay as a regression test -------------------------------------------------------
 
+def _found_as(failure: "Failure | None") -> str:
+    """A pytest test's first line: the error and, for an invariant violation, which (a backend's own
+    exception has none: "RuntimeError (invariant None)" read as if one were missing)."""
+    if failure is None:
+        return "passing"
+    return failure.error + ("" if failure.invariant is None else f" (invariant {failure.invariant})")
+
+
 def as_pytest(replay: Replay) -> str:
     """A ready-to-paste pytest test that fails while the bug is present."""
     name = f"test_sweep_{replay.config.name}_seed_{replay.seed}".replace("-", "_")
@@ -495,7 +503,7 @@ OPS = [
 
 
 def {name}():
-    """Found by kvstate sweep: {replay.failure.error if replay.failure else "passing"} (invariant {replay.failure.invariant if replay.failure else "-"})."""
+    """Found by kvstate sweep: {_found_as(replay.failure)}."""
     config = config_from_json({json.dumps(config_to_json(replay.config))})
     failure, _ = execute(factory, config, [op_from_json(op) for op in OPS])
     assert failure is None, str(failure)

@@ -139,10 +139,20 @@ def test_conform_with_non_list_configs(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("flag", [["--examples", "-1"], ["--steps", "0"], ["--time-limit", "-3"],
-                                  ["--time-limit", "1e308"]])
+                                  ["--time-limit", "1e308"], ["--steps", "100001"]])
 def test_conform_bad_numbers(capsys, flag):
     line = one_line_exit_2(capsys, ["conform", *flag])
     assert line.startswith(f"kvstate conform: {flag[0]} must be"), line      # 1e308 read as the backend failing to load
+
+
+def test_sweep_steps_stop_where_a_replay_file_can_still_be_replayed(capsys):
+    """From the sweeps review (s68, 3): ``--steps 150000`` saved a failure at step 149,412 whose printed
+    ``replay:`` command refused the file (more than MAX_REPLAY_OPS operations)."""
+    from kvstate.stateful.replay_bounds import MAX_REPLAY_OPS
+
+    line = one_line_exit_2(capsys, ["sweep", "--steps", str(MAX_REPLAY_OPS + 1), "--seeds", "1"])
+    assert line == (f"kvstate sweep: --steps must be a finite number at least 1 and at most {MAX_REPLAY_OPS}, "
+                    f"got {MAX_REPLAY_OPS + 1}"), line
 
 
 @pytest.mark.parametrize("argv", [["conform", "--examples", "1.5"], ["conform", "--profile", "x\nTraceback"],

@@ -876,6 +876,7 @@ def test_a_lost_scheduler_ends_with_one_line_and_resume_finishes(tmp_path, monke
     assert code == 2
     lost = [line for line in err.splitlines() if line.startswith("kvstate sweep:")]
     assert len(lost) == 1 and f"--resume {out}" in lost[0] and "Traceback" not in err
+    assert lost[0].endswith(f"--resume {out} --scheduler {address}"), lost     # not a local resume (review s68, 9)
     partial = json.loads((out / "report.json").read_text())
     finished = len(_journal_runs(out))
     assert partial["partial"] and 3 <= partial["runs"] == finished < 10
@@ -1051,3 +1052,13 @@ def test_a_scheduler_address_with_a_password_is_refused_without_printing_it(tmp_
     assert main(["sweep", "--seeds", "1", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
     assert "ENVSECRET321" not in err and "user and password" in err, err
+
+
+def test_a_resume_command_names_the_scheduler_as_it_was_given(monkeypatch):
+    """The hint after a Dask sweep stopped resumed on the local pool (no --scheduler: the sweeps review,
+    s68, 9); a scheduler from $KVSTATE_SCHEDULER is named by the variable, not spelled out in a log."""
+    monkeypatch.delenv("KVSTATE_SCHEDULER", raising=False)
+    assert S.scheduler_option(None) == ""
+    assert S.scheduler_option("tcp://10.0.0.7:8786") == " --scheduler tcp://10.0.0.7:8786"
+    monkeypatch.setenv("KVSTATE_SCHEDULER", "tcp://10.0.0.7:8786")
+    assert S.scheduler_option("tcp://10.0.0.7:8786") == ' --scheduler "$KVSTATE_SCHEDULER"'

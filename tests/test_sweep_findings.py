@@ -643,3 +643,16 @@ def test_in_process_runs_in_the_sweeps_own_process_with_one_worker_only(tmp_path
     assert main(["sweep", "--seeds", "1", "--backend", backend, "--out", str(tmp_path / "two"), "--in-process",
                  "--workers", "2"]) == 2
     assert "--in-process runs the sweep in this process" in capsys.readouterr().err
+
+
+def test_a_pytest_tests_first_line_names_an_invariant_only_where_one_broke():
+    """From the sweeps review (s68, 9): a backend's own exception printed "RuntimeError (invariant None)"."""
+    from kvstate.stateful.configs import configs_named
+    from kvstate.stateful.replay import Failure
+
+    config = configs_named(["f32-heap"])[0]
+    raised = Replay("kvstate.impl.numpy", config, 0, [], Failure(3, "apply", "allocate()", "RuntimeError", None, "boom"))
+    broke = Replay("kvstate.impl.numpy", config, 0, [], Failure(3, "check", "allocate()", "InvariantViolation", 4, "x"))
+    assert 'Found by kvstate sweep: RuntimeError."""' in as_pytest(raised)
+    assert 'Found by kvstate sweep: InvariantViolation (invariant 4)."""' in as_pytest(broke)
+    assert 'Found by kvstate sweep: passing."""' in as_pytest(Replay("kvstate.impl.numpy", config, 0, []))

@@ -179,6 +179,16 @@ def resolve_workers(workers: str | int) -> int:
     return workers
 
 
+
+def scheduler_option(scheduler: str | None) -> str:
+    """`` --scheduler ADDRESS`` for a resume command, where the sweep ran on one (without it, the printed
+    command resumed on the local pool); a scheduler taken from $KVSTATE_SCHEDULER is taken from it again."""
+    if not scheduler:
+        return ""
+    if scheduler == os.environ.get("KVSTATE_SCHEDULER"):
+        return ' --scheduler "$KVSTATE_SCHEDULER"'
+    return f" --scheduler {shlex.quote(scheduler)}"
+
 def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: str = DEFAULT_BACKEND,
           workers: int = 1, out_dir: Path = Path("sweep-out"), shrink_limit: int = 5,
           shrink_budget_s: float = J.DEFAULT_SHRINK_BUDGET, progress: TextIO | None = sys.stderr,
@@ -307,7 +317,7 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
         where = f"the Dask scheduler {scheduler}" if scheduler else "the local process pool"
         raise ClusterLostError(f"lost {where} after {len(runs)} of {len(order)} runs; partial report in "
                                f"{out_dir / 'report.json'}; finish with: kvstate sweep --resume {shlex.quote(str(out_dir))}"
-                               f"{backend_option(backend)}") from None
+                               f"{backend_option(backend)}{scheduler_option(scheduler)}") from None
     except KeyboardInterrupt:
         if meter:
             meter.close()
@@ -325,7 +335,8 @@ def _run_plan(plan: J.Plan, by_name: dict[str, Config], out_dir: Path, resume: b
             written = "no report written"
         raise SweepError(f"no space left on the disk of {out_dir} ({error.strerror}) after {len(runs)} of "
                          f"{len(order)} runs; {written}; free some space, then finish with: "
-                         f"kvstate sweep --resume {shlex.quote(str(out_dir))}{backend_option(backend)}") from error
+                         f"kvstate sweep --resume {shlex.quote(str(out_dir))}{backend_option(backend)}"
+                         f"{scheduler_option(scheduler)}") from error
     finally:
         try:
             log.close()     # flushes nothing new: each line was flushed as written, or failed to be
