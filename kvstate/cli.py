@@ -298,6 +298,10 @@ def _sweep_command(args: argparse.Namespace) -> int:
             context = nullcontext()
         with context as cluster:
             workers = cluster.workers if cluster else S.resolve_workers(args.workers or "1")
+            cores = S.resolve_workers("auto")
+            if not cluster and workers > cores:     # 40 on 2 cores ran a third slower than 2 (review s68, 8)
+                print(f"kvstate sweep: note: {workers} workers on {cores} cores; runs are CPU-bound, so more "
+                      f"workers than cores only slow them", file=sys.stderr)
             where = (f"{workers} worker thread(s) of Dask scheduler {scheduler}" if cluster
                      else f"{workers} worker(s)")
             print(f"sweep: {len(seeds)} seeds x {len(configs)} configurations x {args.steps} steps "

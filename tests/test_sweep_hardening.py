@@ -369,3 +369,18 @@ def test_a_sessions_dask_client_logs_do_not_reach_the_user():
         assert [record.getMessage() for record in seen] == ["after the session"]
     finally:
         client_log.removeHandler(handler)
+
+
+def test_local_workers_past_the_cores_are_noted_and_past_the_cap_refused(tmp_path, capsys):
+    """From the sweeps review (s68, 8): ``--workers 1000`` started 1,000 processes; 40 on 2 cores ran a
+    third slower than 2, and nothing said so."""
+    from kvstate.cli import main
+    from kvstate.stateful.sweeps import sweep as S
+
+    assert main(["sweep", "--workers", str(S.MAX_LOCAL_WORKERS + 1), "--seeds", "1", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and f"more than {S.MAX_LOCAL_WORKERS} local processes" in err, err
+    cores = S.resolve_workers("auto")
+    assert main(["sweep", "--workers", str(cores + 1), "--seeds", "1", "--steps", "5", "--configs", "f32-heap",
+                 "--out", str(tmp_path / "b")]) == 0
+    assert f"note: {cores + 1} workers on {cores} cores" in capsys.readouterr().err

@@ -176,8 +176,14 @@ def resolve_workers(workers: str | int) -> int:
         raise ValueError(f"--workers wants a positive number or 'auto', got {workers!r}") from None
     if workers < 1:
         raise ValueError(f"--workers wants a positive number or 'auto', got {workers}")
+    if workers > MAX_LOCAL_WORKERS:     # each one a process importing the backend: 1,000 was accepted
+        raise ValueError(f"--workers {workers} is more than {MAX_LOCAL_WORKERS} local processes; runs are "
+                         f"CPU-bound, so more workers than cores only slow them (this machine has "
+                         f"{resolve_workers('auto')}): for more, run the sweep on Dask (--scheduler)")
     return workers
 
+
+MAX_LOCAL_WORKERS = 256
 
 
 def scheduler_option(scheduler: str | None) -> str:
