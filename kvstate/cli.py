@@ -453,7 +453,7 @@ def _replay(args: argparse.Namespace) -> int:
     from kvstate.stateful.configs import undeclared_by
     from kvstate.stateful.conform import FactoryError
     from kvstate.stateful.printable import printable
-    from kvstate.stateful.replay_verdict import verdict
+    from kvstate.stateful.replay_verdict import FIXED, verdict
 
     def show(line: object) -> None:         # everything from the file or the backend, escaped
         print(printable(line))
@@ -492,6 +492,14 @@ def _replay(args: argparse.Namespace) -> int:
     status, lines = verdict(recorded.failure, failure)
     for line in lines:
         show(line)
+    if recorded.edited:     # its operations are not the ones that ran: a pass says nothing of the recorded failure
+        edit = (f"{args.file}'s operations were changed since it was written (its ops_sha256 does not match "
+                f"them), so they are not the run that failed")
+        if status == FIXED and recorded.failure is not None:
+            print(printable(f"kvstate replay: {edit}: its passing says nothing about the recorded failure; "
+                            f"replay the file as written, or remove its \"ops_sha256\" to replay the edit"), file=sys.stderr)
+            return 2
+        show(f"note: {edit}")
     return status
 
 
@@ -640,7 +648,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Re-run a saved failing sequence step by step. Exit status: 0, every invariant holds (fixed); "
                     "1, the recorded failure reproduces (or the file records none and the replay fails); 3, it "
                     "fails, but not as recorded; 2, a bad argument or file (a failure step past its operations "
-                    "included), a backend that cannot be loaded, or a replay that did not finish within "
+                    "included; a failing file whose operations were edited since it was written, then passing), "
+                    "a backend that cannot be loaded, or a replay that did not finish within "
                     "--time-limit where the file records no hang (raise --time-limit).")
     replay.add_argument("file", help="a replay file written by kvstate sweep")
     replay.add_argument("--backend", help="replay against this factory instead of the recorded one")

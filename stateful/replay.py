@@ -13,6 +13,7 @@ anything runs.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -119,6 +120,9 @@ class Replay:
     minimised: bool = False
     original_steps: int | None = None
     extra: dict = field(default_factory=dict)
+    # Read from a file whose operations are not the ones it was written with (``ops_sha256``): a
+    # sweep writes valid sequences only, so a hand edit can turn a failing file into a passing one.
+    edited: bool = False
 
 
 # -- running a sequence ------------------------------------------------------------------
@@ -307,8 +311,15 @@ def to_json(replay: Replay) -> dict:
         "original_steps": replay.original_steps,
         "failure": None if replay.failure is None else asdict(replay.failure),
         **replay.extra,
+        "ops_sha256": ops_digest([op.to_json() for op in replay.ops]),
         "ops": [op.to_json() for op in replay.ops],
     }
+
+
+def ops_digest(ops: list) -> str:
+    """The operations' fingerprint a file carries: a replay of an edited file is told apart from the run
+    that wrote it (``Replay.edited``). Not a signature: it guards against accidents, not an adversary."""
+    return hashlib.sha256(json.dumps(ops, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def from_json(data: dict) -> Replay:
@@ -326,8 +337,10 @@ def from_json(data: dict) -> Replay:
         failure = checked_failure(Failure(**data["failure"])) if data.get("failure") else None
         config = config_from_json(data["config"])
         bounds.check_memory(config, ops)
+        recorded = data.get("ops_sha256")      # files from before it carry none, and read as written
+        edited = recorded is not None and recorded != ops_digest(data["ops"])
         return Replay(data["backend"], config, data.get("seed"), ops, failure,
-                      data.get("minimised", False), data.get("original_steps"))
+                      data.get("minimised", False), data.get("original_steps"), edited=edited)
     except ReplayFileError:
         raise
     except KeyError as error:

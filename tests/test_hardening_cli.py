@@ -528,3 +528,31 @@ def test_a_backend_file_named_like_a_module_does_not_replace_it(tmp_path, stem, 
                            "--check", check, "--examples", "3", "--workers", "1"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_an_edited_failing_replay_that_passes_is_not_read_as_fixed(tmp_path, capsys):
+    """From the sweeps review (s68, 7): one field of a sweep's failing file edited (a start past the end,
+    a token of -1) made the operation a refusal, and replay printed "every invariant holds", exit 0: a CI
+    job replaying its stored failures read the damage as a fix. Files carry their operations' digest."""
+    from kvstate.impl.numpy import factory
+    from kvstate.stateful.planted import PLANTED
+    from kvstate.stateful.replay import ops_digest
+
+    ops = [O.Allocate(), O.Extend("c1", (1, 2), 3), O.Fork("c1"), O.Overwrite("c2", 0, (5,), 4)]
+    with PLANTED["missing_copy_on_write"]():
+        failure, _ = R.execute(factory, Config(LAYOUT, 4, "f32", 0, 4), ops)
+    assert failure is not None
+    data = R.to_json(R.Replay("kvstate.impl.numpy", Config(LAYOUT, 4, "f32", 0, 4), 0, ops, failure))
+    assert data["ops_sha256"] == ops_digest(data["ops"])
+    path = tmp_path / "edited.json"
+    path.write_text(json.dumps(data))
+    assert main(["replay", str(path)]) == 0         # as written, on the fixed engine: fixed, truly
+    capsys.readouterr()
+    data["ops"][3]["start"] = 5                     # the overwrite now refused: PositionError
+    path.write_text(json.dumps(data))
+    assert main(["replay", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "operations were changed since it was written" in err and "says nothing about the recorded failure" in err
+    del data["ops_sha256"]                          # the edit made on purpose: replayed as it is
+    path.write_text(json.dumps(data))
+    assert main(["replay", str(path)]) == 0
