@@ -27,7 +27,8 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from .common import BrokenPromise, as_array, as_list, both, filled, keeping, record, same_read, start
+from .common import (BrokenPromise, as_array, as_list, both, filled, keeping, note, record, refused_last,
+                     same_read, start)
 from ..lockstep import Lockstep, to_numpy
 
 NOT_ALIASED = ("what a backend returns, and what it is given, belongs to the caller: changing it changes "
@@ -174,9 +175,11 @@ def _kept_as_they_were(kept: list, since: str) -> None:
 
 
 def _frozen(part: Any) -> np.ndarray:
-    if isinstance(part, list):
-        return np.asarray(part, dtype=np.int64)
-    return as_array(part)
+    """A private copy of what a call returned: an array (NumPy or torch) as one, any other sequence of token
+    ids (a list, a tuple, ``TokenIds``) as int64s: a tuple crashed the check, blamed on the backend (s68)."""
+    if isinstance(part, np.ndarray) or hasattr(part, "detach"):
+        return as_array(part)
+    return np.asarray(as_list(part), dtype=np.int64)
 
 
 # -- boundaries ------------------------------------------------------------------------------
@@ -214,6 +217,13 @@ def _wide_token_ids(run: Lockstep) -> None:
         with keeping(WIDE_IDS, run):
             made = run.apply(op)
             run.check()
+        refused = refused_last(run) if op.kind == "extend" else None
+        if refused:         # a declared pool too small for them: both sides refused, nothing to read back
+            note(f"the pool ({run.config.pool_limit} pages) cannot hold the {len(key)} wide token ids: the backend "
+                 f"and the reference both refused them ({refused}), so they were not read back")
+            run.apply(O.Close(handle))
+            run.finish()
+            return
         if made is not None and op.kind == "match":
             run.apply(O.Close(made))
     with keeping(WIDE_IDS, run, f"{handle}.tokens"):

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import io
 
+from kvstate.spec.arithmetic import pages_needed
 from kvstate.spec.precision import PRECISIONS, roundtrip
 from kvstate.spec.protocol import Config, Factory
+from kvstate.spec.semantics import may_refuse
 
 from .common import NotApplicable, as_array, as_list, filled, keeping, record, same_read
 
@@ -36,9 +38,10 @@ def portable_snapshots(factory: Factory, config: Config) -> None:
     record(run, "c1.snapshot(stream)")
     values, tokens = source.read()
     values, tokens = as_array(values), as_list(tokens)
-    targets = _targets(factory, config)
+    targets = _targets(factory, config, len(tokens))
     if not targets:
-        raise NotApplicable("the backend is run at one precision and one page size")
+        raise NotApplicable("the backend is run at one precision and one page size, or at no other that "
+                            "holds the context's pages")
     for target in targets:
         call = (f"restore(stream) into a new {target.precision} cache of {target.page_tokens}-token pages "
                 f"({target.name})")
@@ -52,15 +55,24 @@ def portable_snapshots(factory: Factory, config: Config) -> None:
     run.finish()
 
 
-def _targets(factory: Factory, config: Config) -> list[Config]:
+def _targets(factory: Factory, config: Config, positions: int) -> list[Config]:
     """One configuration per other precision the backend is run at, and one of another page size
-    (1-8) where the backend may be run at any page size."""
+    (1-8) where the backend may be run at any page size. Of a precision's declared configurations, one
+    whose pool holds the restored context: the restore runs with no reference beside it, so a
+    pool too small for it (a correct ``CapacityError``) read as a failure (s68)."""
     declared = getattr(factory, "configs", None)
     if declared is None:
         others = [config.with_(precision=p) for p in PRECISIONS if p != config.precision]
     else:
-        by_precision = {c.precision: c for c in declared if c.layout == config.layout}
+        by_precision = {c.precision: c for c in declared if c.layout == config.layout
+                        and _holds(c, positions)}
         others = [c for p, c in by_precision.items() if p != config.precision]
     if declared is None or getattr(factory, "any_page_size", False):
         others.append(config.with_(page_tokens=config.page_tokens % 8 + 1))
     return others
+
+
+def _holds(config: Config, positions: int) -> bool:
+    """Whether a new cache of ``config`` has room for a restore of ``positions`` (every page of it)."""
+    limit = config.pool_limit
+    return not (limit and may_refuse(config.on_full)) or pages_needed(positions, config.page_tokens) <= limit
