@@ -67,3 +67,26 @@ def test_a_tuple_or_token_ids_from_tokens_is_compared_as_ids_not_crashed_on():
     for tokens in ((1, 2, 3), TokenIds([1, 2, 3]), [1, 2, 3], np.array([1, 2, 3])):
         frozen = _frozen(tokens)
         assert frozen.dtype == np.int64 and frozen.tolist() == [1, 2, 3], type(tokens)
+
+
+def test_the_durability_record_sees_os_functions_a_module_bound_at_import(tmp_path, monkeypatch):
+    """``from os import fsync, replace`` at the top of a backend's module: its correct path write was
+    reported as "nothing was renamed over the target (os calls seen: none)" (F4)."""
+    import os
+    import sys
+    import types
+
+    from kvstate.stateful.directed.snapshot_writes import _recorder
+
+    module = types.ModuleType("a_backend_binding_os_names")
+    module.sync, module.move = os.fsync, os.replace       # bound before the record starts, under other names
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    temporary, target = tmp_path / "t", tmp_path / "snapshot.kvs"
+    with _recorder() as events:
+        with open(temporary, "wb") as file:
+            file.write(b"12345")
+            file.flush()
+            module.sync(file.fileno())
+        module.move(temporary, target)
+    assert [(e[0], e[1], e[3]) for e in events] == [("sync", "file", 5), ("rename", "file", 5)], events
+    assert module.sync is os.fsync and module.move is os.replace      # put back as they were

@@ -13,9 +13,9 @@
   target, and the folder is synced after the rename. A writer that skips either sync
   is not durable across a crash, and no read can tell: only the record can.
 
-Calls are recorded through the ``os`` module, where Python code makes them; a backend
-that syncs through another route (C code, ``from os import fsync`` bound at import)
-is not seen and fails the durability part.
+Calls are recorded where Python code makes them: through the ``os`` module, and through the
+names any loaded module bound to those functions (``from os import fsync, replace``); a
+backend that syncs through another route (C code) is not seen and fails the durability part.
 
 n/a for a backend without ``snapshot``/``restore``; the path part is n/a for one whose
 ``snapshot`` takes no path.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import sys
 import tempfile
 import threading
 from contextlib import contextmanager
@@ -240,14 +241,23 @@ def _recorder() -> Iterator[list[tuple]]:
             return real[name](src, dst, *args, **kwargs)
         return rename
 
+    wrappers = {name: syncing(name) if name in ("fsync", "fdatasync") else renaming(name) for name in real}
     with _recording:
-        for name in real:
-            setattr(os, name, syncing(name) if name in ("fsync", "fdatasync") else renaming(name))
+        # ``os.fsync`` and the names a module bound before (``from os import fsync, replace``), whatever
+        # it called them: a correct writer calling through those was reported as renaming nothing (s68).
+        bound = [(module.__dict__, key, wrappers[name]) for module in list(sys.modules.values())
+                 if getattr(module, "__name__", None) not in ("os", "posix", "nt") and hasattr(module, "__dict__")
+                 for key, value in list(vars(module).items())
+                 for name, function in real.items() if value is function]
+        patched = [(os.__dict__, name, wrapper) for name, wrapper in wrappers.items()] + bound
+        saved = [(where, key, where[key]) for where, key, _ in patched]
         try:
+            for where, key, wrapper in patched:
+                where[key] = wrapper
             yield events
         finally:
-            for name, function in real.items():
-                setattr(os, name, function)
+            for where, key, function in saved:
+                where[key] = function
 
 
 def _durable(call: str, path: Path, events: list[tuple]) -> None:
