@@ -490,7 +490,9 @@ ROWS: list[Row] = [
     Row("cached pages", "Pages a prefix cache keeps with no holder (`cached`, refcount 0, as vLLM's free queue) "
                         "are live pages: they count in pages allocated - freed until dropped, and against a "
                         "`refuse` pool; `evict`, `evict-then-refuse` and `reclaim` reclaim them first (they are entries' "
-                        "pages); `clear()` drops them. A hit that reuses them allocates nothing.",
+                        "pages); `clear()` drops them. A hit shares the pages of the entry it is taken from, "
+                        "cached ones included, and allocates none (checked with the pages tier, which a backend "
+                        "whose hits copy does not expose, as one whose forks copy does not).",
         _hit_allocates_nothing),
     Row("eviction for room", "A pool short of pages evicts least recently used entries that keep a page no "
                              "context holds, oldest first, until the need fits: an entry whose pages another "
