@@ -23,7 +23,10 @@ A label is a tuple of names, one per way an engine may share pages (``SHARINGS``
 - ``CACHED_FIRST``: as forks share them, except that a retain's new entry holds, for each whole page
   of its key an older entry already covers, that entry's page, while the context keeps its own: a
   hit then shares the page cached first (vLLM caches a block hash once for its hits:
-  ``get_cached_block`` hands out the first block cached under it).
+  ``get_cached_block`` hands out the first block cached under it);
+- ``KEEP_ENTRY``: as forks share them, except that a retain of a key the tree holds already keeps
+  that entry as it is, every page of it, while the context keeps its own (a cache whose insert of a
+  key it has only refreshes it: "if the key is there, touch it").
 
 Under ``values="seeded"`` the names always agree. Where the counts disagree on whether a full pool
 has room, either answer is right, and the reference does what the engine under test did
@@ -65,10 +68,12 @@ from kvstate.spec.semantics import (counts_only_contexts, entry_pages, evicts_fo
                                     reclaims, reclaims_once_warm)
 
 # Which name of a page label is which: one per way of sharing pages (see the module docstring).
-FORKS, WHOLE_PAGES, SAME_KEY, CACHED_FIRST = SHARINGS = (0, 1, 2, 3)
+FORKS, WHOLE_PAGES, SAME_KEY, CACHED_FIRST, KEEP_ENTRY = SHARINGS = (0, 1, 2, 3, 4)
 _COUNTED = {FORKS: "as forks share pages", WHOLE_PAGES: "where retains share whole pages by prefix",
             SAME_KEY: "where a retained key keeps its last page too",
-            CACHED_FIRST: "where hits share the page cached first"}      # a refusal's words for each
+            CACHED_FIRST: "where hits share the page cached first",
+            KEEP_ENTRY: "where a key retained again keeps its entry"}      # a refusal's words for each
+_CONTEXT_KEEPS_ITS_OWN = (CACHED_FIRST, KEEP_ENTRY)     # ways whose retain leaves the context its own pages
 
 
 def _is_int(value) -> bool:
@@ -508,8 +513,10 @@ class RefCache:
         labels = list(ctx.labels)
         if self.config.values == "prefix":
             labels = self._kept_by_older_entries(key, ctx.labels)
-            # The context holds what the entry holds, except under ``CACHED_FIRST``: it keeps its own pages.
-            ctx.labels = [tuple(own[sharing] if sharing == CACHED_FIRST else kept[sharing] for sharing in SHARINGS)
+            # The context holds what the entry holds, except under ``CACHED_FIRST`` and ``KEEP_ENTRY``: it keeps
+            # its own pages.
+            ctx.labels = [tuple(own[sharing] if sharing in _CONTEXT_KEEPS_ITS_OWN else kept[sharing]
+                                for sharing in SHARINGS)
                           for kept, own in zip(labels, ctx.labels)]
         if reclaims(self.config.on_full):       # nothing below changes the reference of any other pool
             labels = self._copied_where_cached_under_other_tokens(key, labels)
@@ -547,38 +554,44 @@ class RefCache:
         the new entry: under ``WHOLE_PAGES``, ``SAME_KEY`` and ``CACHED_FIRST``, each whole page of ``key``
         whose tokens up to its end an entry's key begins with takes that entry's name (any such entry's:
         they all hold one page there, until a reclaiming pool was pressed); under ``SAME_KEY``, an entry
-        of this very key gives its partly filled last page too."""
+        of this very key gives its partly filled last page too; under ``KEEP_ENTRY``, an entry of this very
+        key gives every page, and no other entry any."""
         size, kept = self.config.page_tokens, [list(label) for label in labels]
         # Once pressed (reclaim only), entries may have lost pages and kept others, so entries of one
         # prefix no longer hold one page there, and the engine's own may be among those it still holds.
         candidates = self.entries + self.bounded_out if self.pressed else self.entries
+        same_key = [entry for entry in candidates if entry[0] == key]
         for i, label in enumerate(kept):
             end = min((i + 1) * size, len(key))
             if end == (i + 1) * size:       # a whole page: from any entry whose key begins with key[:end]
-                olders = [entry for entry in candidates if entry[0][:end] == key[:end]]
-                sharings = (WHOLE_PAGES, SAME_KEY, CACHED_FIRST)
+                groups = (([entry for entry in candidates if entry[0][:end] == key[:end]],
+                           (WHOLE_PAGES, SAME_KEY, CACHED_FIRST)), (same_key, (KEEP_ENTRY,)))
             else:                           # the partly filled last page: from an entry of this very key
-                olders = [entry for entry in candidates if entry[0] == key]
-                sharings = (SAME_KEY,)
-            if not olders:
-                continue
-            if not self.pressed:            # they all hold one page there: the first one's
-                for sharing in sharings:
-                    label[sharing] = olders[0][1].labels[i][sharing]
-                continue
-            # The context's own page may be kept, or any older entry's taken. A fresh name, maybe one
-            # page with each: counted as named, the most pages the engine may hold (each older page
-            # beside the own one, where others list it); merged, the fewest. The first older entry's
-            # name alone missed an own page kept, or another entry's taken (SGLang refusing correctly
-            # was called wrong, found by review); the own name alone, an older page taken.
-            fresh = self.new_label()
-            for sharing in sharings:
-                names = {label[sharing]} | {older[1].labels[i][sharing] for older in olders}
-                if len(names) > 1:          # else one page already (a hit of those entries): kept as is
-                    for name in names:
-                        self._may_be_one_page(fresh[sharing], name, sharing)
-                    label[sharing] = fresh[sharing]
+                groups = ((same_key, (SAME_KEY, KEEP_ENTRY)),)
+            for olders, sharings in groups:
+                if olders:
+                    self._name_as_older(label, i, olders, sharings)
         return [tuple(label) for label in kept]
+
+    def _name_as_older(self, label: list, i: int, olders: list, sharings: tuple[int, ...]) -> None:
+        """Page ``i`` of a retain's new entry, ``label``, named under ``sharings`` as the ``olders`` entries
+        that hold that page name it (see ``_kept_by_older_entries``)."""
+        if not self.pressed:            # they all hold one page there: the first one's
+            for sharing in sharings:
+                label[sharing] = olders[0][1].labels[i][sharing]
+            return
+        # The context's own page may be kept, or any older entry's taken. A fresh name, maybe one
+        # page with each: counted as named, the most pages the engine may hold (each older page
+        # beside the own one, where others list it); merged, the fewest. The first older entry's
+        # name alone missed an own page kept, or another entry's taken (SGLang refusing correctly
+        # was called wrong, found by review); the own name alone, an older page taken.
+        fresh = self.new_label()
+        for sharing in sharings:
+            names = {label[sharing]} | {older[1].labels[i][sharing] for older in olders}
+            if len(names) > 1:          # else one page already (a hit of those entries): kept as is
+                for name in names:
+                    self._may_be_one_page(fresh[sharing], name, sharing)
+                label[sharing] = fresh[sharing]
 
     def _copied_where_cached_under_other_tokens(self, key: tuple[int, ...], labels: list) -> list:
         """The new entry's labels under ``reclaim``: a page an older entry lists at the same place under

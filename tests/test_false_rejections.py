@@ -90,3 +90,77 @@ def test_the_durability_record_sees_os_functions_a_module_bound_at_import(tmp_pa
         module.move(temporary, target)
     assert [(e[0], e[1], e[3]) for e in events] == [("sync", "file", 5), ("rename", "file", 5)], events
     assert module.sync is os.fsync and module.move is os.replace      # put back as they were
+
+
+def _keep_entry_pool():
+    """``examples/listcache.py`` declaring ``values="prefix"`` whose retain of a key it holds only refreshes
+    that entry ("if the key is there, touch it": the context keeps its own pages), in a pool that refuses
+    past ``pool_pages``, counting an operation's new pages and its copies of shared pages first (F6)."""
+    from kvstate.spec.errors import CapacityError, EmptyContextError
+    from kvstate.stateful.backends import load_factory
+    from pathlib import Path
+
+    listcache = load_factory(str(Path(__file__).parent.parent / "examples" / "listcache.py"))
+    base = listcache(Config(LAYOUT, 4, "f32", 0, 2))
+    cache_class, context_class = type(base), base.context_class
+
+    class PoolContext(context_class):
+        def _room(self, start: int, n: int) -> None:
+            page, have = self.cache.page_tokens, len(self.pages)
+            end = start + n
+            copies = sum(self.pages[i].refcount > 1 for i in range(start // page, min(-(-end // page), have))) if n else 0
+            need = copies + max(0, -(-end // page) - have) if n else 0
+            if len(self.cache.live) + need > self.cache.pool:
+                raise CapacityError(f"{len(self.cache.live)} live + {need} > {self.cache.pool}")
+
+        def extend(self, tokens, kv):
+            self._encode(tokens, kv)        # bad input named before room is counted
+            self._room(self.length, len(tokens))
+            super().extend(tokens, kv)
+
+        def overwrite(self, start, tokens, kv):
+            self._encode(tokens, kv, start)
+            self._room(start, len(tokens))
+            super().overwrite(start, tokens, kv)
+
+    class KeepEntryPool(cache_class):
+        context_class = PoolContext
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.pool = config.pool_limit
+
+        def retain(self, ctx):
+            ctx._open()
+            if len(ctx) == 0:
+                raise EmptyContextError("cannot retain an empty context")
+            same = [entry for entry in self.entries if entry[0] == tuple(ctx.tokens)]
+            if not same:
+                return super().retain(ctx)
+            self.clock += 1
+            same[0][2] = self.clock         # the older copy kept, now the most recently used
+
+    def factory(config):
+        return KeepEntryPool(config)
+    factory.configs = [Config(LAYOUT, page_tokens=2, precision="f32", pool_pages=8, on_full="refuse", max_entries=4,
+                              values="prefix")]
+    factory.any_page_size = False
+    return factory
+
+
+def test_a_key_retained_again_may_keep_its_older_entry_under_prefix_values_in_a_full_pool():
+    """Under ``values="prefix"`` a backend "may keep either copy of one prefix"; keeping the older entry whole
+    (its partly filled last page included) while the context keeps its own was none of the ways of sharing
+    the reference counted, so a correct refusal read as "the reference had room" (a 9-operation sweep
+    counterexample, 4 of 300 runs). The reference counts it now (``KEEP_ENTRY``)."""
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.replay import execute
+
+    factory = _keep_entry_pool()
+    ops = [O.Allocate(), O.Extend("c1", (0, 0, 0), seed=1), O.Allocate(), O.Extend("c2", (0, 1, 1, 1, 2, 0, 2), seed=2),
+           O.Retain("c2"), O.Overwrite("c2", 6, (2,), seed=3), O.Fork("c1"), O.Retain("c2"),
+           O.Extend("c3", (0, 0), seed=4)]
+    failure, run = execute(factory, factory.configs[0], ops)
+    assert failure is None, failure
+    (last,) = [line for line in run.history if line.startswith("extend(ctx='c3'")]
+    assert last.endswith("# refused: CapacityError"), run.history      # the engine refused, rightly
