@@ -335,8 +335,8 @@ POOL = "block4-f32-pool10-evict-then-refuse"
 ZOO = {
     "q8_half_away_from_zero": Planted(
         "dict_pages", "q8-heap", "invariant 4", q8_tie),
-    "match_shortest_key": Planted(
-        "no_tree", "f32-heap", "matched", nested_keys),
+    "match_shortest_key": Planted(     # the lockstep says "matched"; the entry probe, what the hit holds
+        "no_tree", "f32-heap", ("matched", "the engine's hit holds"), nested_keys),
     "dirty_slot_reported_clean": Planted(
         "dict_pages", "f32-arena6", "arena evidence", recycled_slot_bytes),
     "heap_page_reused_dirty": Planted(
