@@ -123,7 +123,7 @@ class Lockstep:
         self._created_last = None
         # One draw of the op's values, a copy for each side: a backend that wrote into its argument
         # must not change what the reference is given. The engine's copy comes in one of several
-        # memory layouts (``ops.laid_out``), as a caller's K/V do: transposed views, reversed strides.
+        # memory layouts (``ops.laid_out``), as a caller's K/V come: transposed views, strided slices.
         values = self._values_of(op)
         if hasattr(op, "ctx"):
             self._touched.add(op.ctx)

@@ -151,21 +151,31 @@ def values_for(layout: Layout, n: int, seed: int) -> np.ndarray:
     return _values(layout, n, seed)
 
 
+LAYOUTS = ("C order", "layer-major", "Fortran order", "every other element")
+
+
+def layout_of(seed: int) -> str:
+    """Which of ``LAYOUTS`` a write of ``seed`` hands the engine its K/V in (``laid_out``)."""
+    return LAYOUTS[(seed >> 2) % 4]     # bits the seed's other uses (``_q8_ties``: seed % 4) leave alone
+
+
 def laid_out(values: np.ndarray, seed: int) -> np.ndarray:
     """A copy of ``values`` (a write's K/V) in one of four memory layouts, chosen by the write's
-    seed: C order; layer-major (the positions not outermost in memory, as K/V a model computes
-    layer by layer and hands over transposed); Fortran order; the positions reversed in memory (a
-    negative stride). The same values every way: a backend must read its argument by index (NumPy
-    does), not as raw memory in C order, which only the first layout reads right. Always a copy:
-    what the engine is handed is never what the reference is."""
-    kind = (seed >> 2) % 4      # bits the seed's other uses (``_q8_ties``: seed % 4) leave alone
+    seed (``layout_of``): C order; layer-major (the positions not outermost in memory, as K/V a model
+    computes layer by layer and hands over transposed); Fortran order; every other element of a
+    buffer twice as wide (a strided view, as a slice of a fused K/V projection is). The same values
+    every way, every stride positive (torch takes no negative stride, and no caller's tensor has one):
+    a backend must read its argument by index (NumPy and torch do), not as raw memory in C order,
+    which only the first layout reads right. Always a copy: what the engine is handed is never what
+    the reference is."""
+    kind = LAYOUTS.index(layout_of(seed))
     if kind == 0 or values.ndim != 5:
         return values.copy()
     if kind == 1:
         return np.moveaxis(np.array(np.moveaxis(values, 0, 2), order="C", copy=True), 2, 0)
     if kind == 2:
         return np.array(values, order="F", copy=True)
-    return np.array(values[::-1], copy=True)[::-1]
+    return np.repeat(values, 2, axis=-1)[..., ::2]
 
 
 # A write's values cost tens of microseconds to draw (a seeded generator each), and the same

@@ -13,6 +13,7 @@ in a configuration a backend may declare, so the control is the engine the suite
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvstate import TokenIds
 from kvstate.impl.numpy import factory as numpy_factory
@@ -164,3 +165,22 @@ def test_a_key_retained_again_may_keep_its_older_entry_under_prefix_values_in_a_
     assert failure is None, failure
     (last,) = [line for line in run.history if line.startswith("extend(ctx='c3'")]
     assert last.endswith("# refused: CapacityError"), run.history      # the engine refused, rightly
+
+
+def test_every_layout_a_write_comes_in_is_one_torch_takes():
+    """The final review (s68, F1): a fourth layout with the positions reversed in memory (a negative stride)
+    failed a torch backend copying its argument with ``torch.tensor(kv)``, correct for every caller's
+    tensor (torch has no negative strides); the four layouts now have positive strides only."""
+    from kvstate.stateful import ops as O
+
+    values = O.values_for(LAYOUT, 5, 3)
+    seen = set()
+    for seed in range(16):
+        laid = O.laid_out(values, seed)
+        seen.add(O.layout_of(seed))
+        assert np.array_equal(laid, values) and not np.shares_memory(laid, values)
+        assert min(laid.strides) > 0, (O.layout_of(seed), laid.strides)
+    assert seen == set(O.LAYOUTS) and sum(O.laid_out(values, seed).flags.c_contiguous for seed in range(16)) == 4
+    torch = pytest.importorskip("torch")
+    for seed in range(16):
+        assert np.array_equal(torch.tensor(O.laid_out(values, seed)).numpy(), values)

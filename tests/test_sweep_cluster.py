@@ -1062,3 +1062,19 @@ def test_a_resume_command_names_the_scheduler_as_it_was_given(monkeypatch):
     assert S.scheduler_option("tcp://10.0.0.7:8786") == " --scheduler tcp://10.0.0.7:8786"
     monkeypatch.setenv("KVSTATE_SCHEDULER", "tcp://10.0.0.7:8786")
     assert S.scheduler_option("tcp://10.0.0.7:8786") == ' --scheduler "$KVSTATE_SCHEDULER"'
+
+
+def test_the_scheduler_probe_works_where_an_event_loop_runs_already():
+    """The final review (s68, F2): the probe's ``asyncio.run`` refused to start inside a running loop (a
+    notebook, async code), and its RuntimeError read as "not a Dask scheduler"; it runs on a loop of its own."""
+    import asyncio
+
+    from distributed import LocalCluster
+
+    from kvstate.stateful.sweeps.cluster import answers_as_scheduler
+
+    with LocalCluster(n_workers=0, processes=False, protocol="tcp", dashboard_address=None, scheduler_port=0) as cluster:
+        async def notebook_cell():
+            answers_as_scheduler(cluster.scheduler_address, 10)
+            return "asked"
+        assert asyncio.run(notebook_cell()) == "asked"

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import socket
 import sys
 import time
-from concurrent.futures import CancelledError, Executor, Future, InvalidStateError
+from concurrent.futures import CancelledError, Executor, Future, InvalidStateError, ThreadPoolExecutor
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, TextIO
@@ -199,8 +200,10 @@ def answers_as_scheduler(address: str, timeout_s: float) -> None:
     not the handshake after it, so a port that accepts and never answers (a dashboard's, another
     service's) held the sweep for good, and one answering in another protocol (HTTP) came out as a
     ``MemoryError`` for exabytes, each followed by the failed Client's 60 s close and its traceback."""
-    from distributed.comm import connect as open_comm
+    from distributed.comm import connect as open_comm, get_address_host_port
     from distributed.security import Security
+
+    _listening(address, get_address_host_port(address), timeout_s)
 
     async def identity():
         comm = await open_comm(address, timeout=timeout_s, **Security().get_connection_args("client"))
@@ -209,19 +212,37 @@ def answers_as_scheduler(address: str, timeout_s: float) -> None:
             return await comm.read()
         finally:
             comm.abort()
-    try:
-        reply = asyncio.run(asyncio.wait_for(identity(), timeout_s))
-    except (asyncio.TimeoutError, TimeoutError):
-        raise SweepError(f"the service at {address} did not answer as a Dask scheduler within {timeout_s:g} s "
-                         f"(a dashboard's port, or another service's?)") from None
-    except OSError as error:        # refused, unreachable; distributed's CommClosedError is one
-        raise SweepError(f"cannot reach the Dask scheduler at {address}: {error}") from None
-    except Exception as error:      # noqa: BLE001 - another protocol's bytes read as Dask's: anything
-        raise SweepError(f"the service at {address} is not a Dask scheduler (its answer could not be read as "
-                         f"Dask's: {type(error).__name__})") from None
+
+    def ask():      # a loop of its own: the caller's thread may run one already (a notebook, async code)
+        return asyncio.run(asyncio.wait_for(identity(), timeout_s))
+    with ThreadPoolExecutor(1, thread_name_prefix="kvstate-scheduler-probe") as probe:
+        try:
+            reply = probe.submit(ask).result()
+        except (asyncio.TimeoutError, TimeoutError, OSError):     # distributed's CommClosedError is an OSError
+            raise SweepError(f"the service at {address} accepts connections but did not answer as a Dask "
+                             f"scheduler within {timeout_s:g} s (a dashboard's port, or another service's?)") from None
+        except Exception as error:      # noqa: BLE001 - another protocol's bytes read as Dask's: anything
+            raise SweepError(f"the service at {address} is not a Dask scheduler (its answer could not be read "
+                             f"as Dask's: {type(error).__name__})") from None
     if not isinstance(reply, dict) or reply.get("type") != "Scheduler":
         kind = reply.get("type") if isinstance(reply, dict) else type(reply).__name__
         raise SweepError(f"the service at {address} is not a Dask scheduler (it answered as {kind!r})")
+
+
+def _listening(address: str, host_port: tuple, timeout_s: float) -> None:
+    """Return once something accepts connections at ``host_port``, trying again (as a Client does) for
+    ``timeout_s``: a scheduler started just before the sweep may not listen yet. Else "cannot reach"."""
+    deadline, pause = time.monotonic() + timeout_s, 0.05
+    while True:
+        try:
+            socket.create_connection(host_port, timeout=max(deadline - time.monotonic(), 0.01)).close()
+            return
+        except OSError as error:
+            if time.monotonic() + pause > deadline:
+                raise SweepError(f"cannot reach the Dask scheduler at {address} within {timeout_s:g} s: "
+                                 f"{error}") from None
+        time.sleep(pause)
+        pause = min(2 * pause, 1.0)
 
 
 def _check_inproc(address: str) -> str:
