@@ -69,6 +69,7 @@ class Lockstep:
         self.live: dict[str, tuple[Any, Any]] = {}    # handle -> (engine context, reference context)
         self.created = 0
         self.steps = 0
+        self.refused: str | None = None     # the error class both sides refused the last operation with
         self.checks = 0
         self.history: list[str] = []    # the operations of this run, readable: a counterexample
         self.ops: list[O.Op] = []       # the same operations as data, for the shrinker
@@ -117,6 +118,7 @@ class Lockstep:
 
     def _apply(self, op: O.Op, watched: bool) -> str | None:
         before = self._observation_now() if watched else None
+        self.refused = None
         self.steps += 1
         self.history.append(str(op))
         self.ops.append(op)
@@ -194,8 +196,9 @@ class Lockstep:
             engine_said = "accepted" if engine_error is None else f"{engine_error!r}{raised_at(engine_error)}"
             raise self._violation("errors", f"{op}: engine {engine_said}, reference {describe_refusal(ref_error)}"
                                             f"{self._refusal_hint(engine_error, ref_error)}")
+        self.refused = None if engine_error is None else type(engine_error).__name__
         if engine_error is not None:
-            self.history[-1] += f"{REFUSED}{type(engine_error).__name__}"
+            self.history[-1] += f"{REFUSED}{self.refused}"
             self._unchanged_by_refusal(op, before, engine_error)
             return None
         return engine_result, ref_result
@@ -645,7 +648,7 @@ class Lockstep:
                                                 f"copy-on-write), or a page reused while the entry kept it, "
                                                 f"changes it{tie}") from None
             except InvariantViolation as error:     # the step before is the failing call; this probe saw it
-                error.found_by = f"the suite's match of entry {list(key)} after it"
+                error.found_by = f"the suite's match of entry {_shown(key)} after it"
                 raise
             finally:
                 engine_hit.close()

@@ -309,11 +309,20 @@ def to_json(replay: Replay) -> dict:
         "seed": replay.seed,
         "minimised": replay.minimised,
         "original_steps": replay.original_steps,
-        "failure": None if replay.failure is None else asdict(replay.failure),
+        "failure": None if replay.failure is None else failure_to_json(replay.failure),
         **replay.extra,
         "ops_sha256": ops_digest([op.to_json() for op in replay.ops]),
         "ops": [op.to_json() for op in replay.ops],
     }
+
+
+def failure_to_json(failure: Failure) -> dict:
+    """A failure's fields for a file; ``found_by`` only where a probe found it, so a file of a failure
+    found otherwise reads in versions from before the field (their ``Failure`` refuses it: s68/final F5)."""
+    data = asdict(failure)
+    if not data["found_by"]:
+        del data["found_by"]
+    return data
 
 
 def ops_digest(ops: list) -> str:

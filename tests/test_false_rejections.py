@@ -184,3 +184,35 @@ def test_every_layout_a_write_comes_in_is_one_torch_takes():
     torch = pytest.importorskip("torch")
     for seed in range(16):
         assert np.array_equal(torch.tensor(O.laid_out(values, seed)).numpy(), values)
+
+
+def test_the_durability_record_leaves_no_wrapper_behind_and_skips_what_is_not_a_module(tmp_path, monkeypatch):
+    """The final review (s68, F3 and F4): a class registered in ``sys.modules`` holding ``os.fsync`` made the
+    record write into a mappingproxy (a TypeError blamed on the backend); a module first imported during a
+    record bound the recording wrapper and kept it for good, so the next record saw none of its calls."""
+    import os
+    import sys
+    import types
+
+    from kvstate.stateful.directed.snapshot_writes import _recorder
+
+    class Shim:             # a compatibility shim some projects register: its __dict__ is read-only
+        fsync = os.fsync
+    monkeypatch.setitem(sys.modules, "a_shim_holding_fsync", Shim)
+    target = tmp_path / "snapshot.kvs"
+
+    def write_through(module) -> None:
+        with open(tmp_path / "t", "wb") as file:
+            file.write(b"123")
+            file.flush()
+            module.fsync(file.fileno())
+        module.replace(tmp_path / "t", target)
+    for record in range(2):
+        with _recorder() as events:
+            if record == 0:     # imported now: ``from os import fsync, replace`` binds what os holds this moment
+                lazy = types.ModuleType("a_writer_imported_during_the_record")
+                exec("from os import fsync, replace", vars(lazy))
+                monkeypatch.setitem(sys.modules, lazy.__name__, lazy)
+            write_through(lazy)
+        assert [(e[0], e[1]) for e in events] == [("sync", "file"), ("rename", "file")], (record, events)
+        assert lazy.fsync is os.fsync and lazy.replace is os.replace and Shim.fsync is os.fsync

@@ -177,3 +177,20 @@ def test_a_scale_pass_says_which_layouts_the_factory_refused(monkeypatch):
     assert f"passed, with parts not run:\n  f32-heap / scale: {outcome.note}" in table, table
     plain = conform(dict_pages.factory, profile="hunt", configs=[config], checks=["scale"])
     assert plain[0].outcomes["scale"].note is None and "parts not run" not in format_table(plain)
+
+
+def test_a_failure_no_probe_found_is_written_as_before_the_field():
+    """The final review (s68, F5): every failure was written with ``found_by``, empty or not, and kvstate
+    from before the field refuses a file with it (``Failure(**fields)``): now only a probe's failure has it."""
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.sweeps.runs import RunResult, result_to_json
+
+    plain = R.Failure(3, "apply", "allocate()", "RuntimeError", None, "boom")
+    probed = R.Failure(6, "check", "retain(ctx='c2')", "InvariantViolation", 5, "x", found_by="the suite's match")
+    assert "found_by" not in R.failure_to_json(plain) and R.failure_to_json(probed)["found_by"] == "the suite's match"
+    assert R.Failure(**R.failure_to_json(plain)) == plain and R.Failure(**R.failure_to_json(probed)) == probed
+    replay = R.Replay("kvstate.impl.numpy", CONFIG, 0, [O.Allocate()], plain)
+    assert "found_by" not in R.to_json(replay)["failure"]
+    fields = {name: None for name in RunResult.__dataclass_fields__}
+    result = RunResult(**{**fields, "failure": plain})
+    assert "found_by" not in result_to_json(result)["failure"]

@@ -1062,6 +1062,7 @@ def test_a_resume_command_names_the_scheduler_as_it_was_given(monkeypatch):
     assert S.scheduler_option("tcp://10.0.0.7:8786") == " --scheduler tcp://10.0.0.7:8786"
     monkeypatch.setenv("KVSTATE_SCHEDULER", "tcp://10.0.0.7:8786")
     assert S.scheduler_option("tcp://10.0.0.7:8786") == ' --scheduler "$KVSTATE_SCHEDULER"'
+    assert S.scheduler_option("inproc://10.0.0.7/1/2") == ""      # a cluster inside the stopped process
 
 
 def test_the_scheduler_probe_works_where_an_event_loop_runs_already():

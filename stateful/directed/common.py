@@ -35,8 +35,7 @@ current = threading.local()   # current.run: the Lockstep of the check running i
 def refused_last(run: Lockstep) -> str | None:
     """The error class both sides refused the run's last operation with (the pool full, say), or None.
     A check whose own step a declared pool refuses has nothing to say about what it tests there."""
-    last = run.history[-1] if run.history else ""
-    return last.rpartition(REFUSED)[2] if REFUSED in last else None
+    return run.refused
 
 
 def note(text: str) -> None:

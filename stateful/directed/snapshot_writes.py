@@ -14,8 +14,9 @@
   is not durable across a crash, and no read can tell: only the record can.
 
 Calls are recorded where Python code makes them: through the ``os`` module, and through the
-names any loaded module bound to those functions (``from os import fsync, replace``); a
-backend that syncs through another route (C code) is not seen and fails the durability part.
+names a loaded module bound to those functions (``from os import fsync, replace``; a module
+first imported during the write binds the recording ones, put back after it); a backend
+that syncs through another route (C code) is not seen and fails the durability part.
 
 n/a for a backend without ``snapshot``/``restore``; the path part is n/a for one whose
 ``snapshot`` takes no path.
@@ -29,6 +30,7 @@ import stat
 import sys
 import tempfile
 import threading
+import types
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -245,19 +247,30 @@ def _recorder() -> Iterator[list[tuple]]:
     with _recording:
         # ``os.fsync`` and the names a module bound before (``from os import fsync, replace``), whatever
         # it called them: a correct writer calling through those was reported as renaming nothing (s68).
-        bound = [(module.__dict__, key, wrappers[name]) for module in list(sys.modules.values())
-                 if getattr(module, "__name__", None) not in ("os", "posix", "nt") and hasattr(module, "__dict__")
-                 for key, value in list(vars(module).items())
-                 for name, function in real.items() if value is function]
-        patched = [(os.__dict__, name, wrapper) for name, wrapper in wrappers.items()] + bound
-        saved = [(where, key, where[key]) for where, key, _ in patched]
+        patched = [(os.__dict__, name, wrappers[name]) for name in real]
+        patched += [(namespace, key, wrappers[name]) for namespace in _module_namespaces()
+                    for key, value in list(namespace.items()) for name, function in real.items() if value is function]
         try:
-            for where, key, wrapper in patched:
-                where[key] = wrapper
+            for namespace, key, wrapper in patched:
+                namespace[key] = wrapper
             yield events
         finally:
-            for where, key, function in saved:
-                where[key] = function
+            # Put back every wrapper found, not only those put: a module first imported during the record
+            # (``from os import fsync`` in a lazy import) bound a wrapper, and kept it for good (s68/final F4).
+            unwrapped = {id(wrapper): real[name] for name, wrapper in wrappers.items()}
+            for namespace in [os.__dict__, *_module_namespaces()]:
+                for key, value in list(namespace.items()):
+                    if id(value) in unwrapped:      # by identity (the wrappers are alive here: ids unique)
+                        namespace[key] = unwrapped[id(value)]
+
+
+def _module_namespaces() -> list[dict]:
+    """The writable globals of every loaded module but ``os`` itself (``posix`` holds the same functions):
+    modules only, whose ``__dict__`` is a dict; a class or a lazy proxy registered in ``sys.modules`` is
+    left alone (writing into a mappingproxy raised, blamed on the backend: s68/final F3)."""
+    return [vars(module) for module in list(sys.modules.values())
+            if isinstance(module, types.ModuleType) and module.__name__ not in ("os", "posix", "nt")
+            and type(vars(module)) is dict]
 
 
 def _durable(call: str, path: Path, events: list[tuple]) -> None:

@@ -28,7 +28,7 @@ from ..configs import page_sizes
 from ..deadline import Deadline
 from ..generate import Generator
 from ..lockstep import Lockstep
-from ..replay import Failure, Replay, execute, save
+from ..replay import Failure, Replay, execute, failure_to_json, save
 from ..shrink import CLOCK, DEFAULT_TRIES, Shrinker
 from . import watchdog
 
@@ -201,7 +201,10 @@ def save_replay(backend: str, config: Config, result: RunResult, replays: Path) 
 
 
 def result_to_json(result: RunResult) -> dict:
-    return asdict(result)
+    data = asdict(result)
+    if result.failure is not None:
+        data["failure"] = failure_to_json(result.failure)
+    return data
 
 
 def result_from_json(data: dict) -> RunResult:

@@ -59,7 +59,7 @@ from ..configs import configs_for, configs_named, page_sizes
 from ..data_files import open_own_file
 from ..exits import ended_how
 from ..printable import one_line
-from ..replay import FINDINGS, as_pytest, load
+from ..replay import FINDINGS, as_pytest, failure_to_json, load
 from . import watchdog
 from .redraw import crashed
 from .runs import (RunResult, factory_for, result_from_json, result_to_json, run_seed, save_replay, shrink_cut,
@@ -167,6 +167,9 @@ class SweepReport:
         return len(self.seeds) * len(self.configs)
 
 
+MAX_LOCAL_WORKERS = 256     # --workers past it: each one a process importing the backend
+
+
 def resolve_workers(workers: str | int) -> int:
     if workers == "auto":
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -183,17 +186,15 @@ def resolve_workers(workers: str | int) -> int:
     return workers
 
 
-MAX_LOCAL_WORKERS = 256
-
-
 def scheduler_option(scheduler: str | None) -> str:
     """`` --scheduler ADDRESS`` for a resume command, where the sweep ran on one (without it, the printed
     command resumed on the local pool); a scheduler taken from $KVSTATE_SCHEDULER is taken from it again."""
-    if not scheduler:
+    if not scheduler or scheduler.startswith("inproc://"):     # an in-process cluster's: no other process reaches it
         return ""
     if scheduler == os.environ.get("KVSTATE_SCHEDULER"):
         return ' --scheduler "$KVSTATE_SCHEDULER"'
     return f" --scheduler {shlex.quote(scheduler)}"
+
 
 def sweep(seeds: Iterable[int], steps: int, configs: Sequence[Config], backend: str = DEFAULT_BACKEND,
           workers: int = 1, out_dir: Path = Path("sweep-out"), shrink_limit: int = 5,
@@ -815,7 +816,7 @@ def to_json(report: SweepReport) -> dict:
         "wall_seconds": round(report.wall_seconds, 3), "summary": summary_rows(report),
         "clock_limited": clock_limited(report),
         "failures": [{"config": r.config, "seed": r.seed, "page_tokens": r.page_tokens, "steps": r.steps,
-                      "failure": asdict(r.failure), "replay_file": r.replay_file, "minimised": r.minimised,
+                      "failure": failure_to_json(r.failure), "replay_file": r.replay_file, "minimised": r.minimised,
                       "replay_steps": len(r.ops or []), "clock": r.clock} for r in report.failures],
     }
 
