@@ -69,7 +69,9 @@ class Lockstep:
         self.live: dict[str, tuple[Any, Any]] = {}    # handle -> (engine context, reference context)
         self.created = 0
         self.steps = 0
-        self.refused: str | None = None     # the error class both sides refused the last operation with
+        # The error class both sides refused the last operation with (the pool full, say), or None: a
+        # directed check whose own step a declared pool refuses has nothing to say about it there.
+        self.refused: str | None = None
         self.checks = 0
         self.history: list[str] = []    # the operations of this run, readable: a counterexample
         self.ops: list[O.Op] = []       # the same operations as data, for the shrinker

@@ -27,8 +27,7 @@ from kvstate.spec.protocol import Config, Factory
 from .. import ops as O
 # ``current`` and ``NotApplicable`` are re-exported: conform reads ``directed.current.run`` for a
 # failure's history and reports ``directed.NotApplicable`` as n/a.
-from .common import (  # noqa: F401
-    Check, NotApplicable, current, filled as _filled, record, refused_last, require_tier)
+from .common import Check, NotApplicable, current, filled as _filled, record, require_tier  # noqa: F401
 from .edges import boundaries, no_aliasing
 from .evidence import arena_evidence
 from .hostile_snapshots import hostile_files
@@ -89,7 +88,7 @@ def one_write_copies_one_page(factory: Factory, config: Config) -> None:
     run.apply(O.Fork("c1"))
     before = run.engine.observe()
     run.apply(O.Overwrite("c2", config.page_tokens, (0,), seed=3))         # first position of page 1
-    refused = refused_last(run)
+    refused = run.refused
     if refused:     # a pool exactly the context's size: the copy does not fit, and both sides said so
         raise NotApplicable(f"the pool ({config.pool_limit} pages) cannot hold the one page a write into the fork "
                             f"copies: the backend and the reference both refused it ({refused})")

@@ -32,12 +32,6 @@ Check = Callable[[Factory, Config], None]
 current = threading.local()   # current.run: the Lockstep of the check running in this thread
 
 
-def refused_last(run: Lockstep) -> str | None:
-    """The error class both sides refused the run's last operation with (the pool full, say), or None.
-    A check whose own step a declared pool refuses has nothing to say about what it tests there."""
-    return run.refused
-
-
 def note(text: str) -> None:
     """Something a check that passed did not check, for the report (``Outcome.note``): a part the
     backend's factory refused, say. Only for the check running in this thread."""

@@ -27,8 +27,7 @@ from kvstate.spec.observation import Observation
 from kvstate.spec.protocol import Config, Factory
 
 from .. import ops as O
-from .common import (BrokenPromise, as_array, as_list, both, filled, keeping, note, record, refused_last,
-                     same_read, start)
+from .common import BrokenPromise, as_array, as_list, both, filled, keeping, note, record, same_read, start
 from ..lockstep import Lockstep, to_numpy
 
 NOT_ALIASED = ("what a backend returns, and what it is given, belongs to the caller: changing it changes "
@@ -217,7 +216,7 @@ def _wide_token_ids(run: Lockstep) -> None:
         with keeping(WIDE_IDS, run):
             made = run.apply(op)
             run.check()
-        refused = refused_last(run) if op.kind == "extend" else None
+        refused = run.refused if op.kind == "extend" else None      # both sides refused it
         if refused:         # a declared pool too small for them: both sides refused, nothing to read back
             note(f"the pool ({run.config.pool_limit} pages) cannot hold the {len(key)} wide token ids: the backend "
                  f"and the reference both refused them ({refused}), so they were not read back")
