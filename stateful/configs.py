@@ -143,6 +143,14 @@ def configs_named(names, available=None) -> list[Config]:
     return [config for name in names for config in available if config.name == name]
 
 
+def config_label(config: Config, among) -> str:
+    """``config``'s name, or, where ``among`` holds another of that name (one declared at two page sizes:
+    a name leaves the page size out), the name and ``-pageN``: the label sweeps, reruns and conform's
+    table give it, which ``--configs`` takes back."""
+    namesakes = {other for other in among if other.name == config.name} | {config}
+    return config.name if len(namesakes) == 1 else f"{config.name}-page{config.page_tokens}"
+
+
 def config_named(name: str) -> Config:
     """One of the standard configurations, by name."""
     return configs_named([name])[0]

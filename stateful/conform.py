@@ -30,7 +30,7 @@ from kvstate.spec.invariants import TIERS, InvariantViolation, tiers
 from kvstate.spec.protocol import Config, Factory, check_declarations
 
 from .backends import FactoryError, backend_name, check_backend, load_factory  # noqa: F401  (conform's API, as before)
-from .configs import PROFILES, configs_for, seeded_size
+from .configs import PROFILES, config_label, configs_for, seeded_size
 from .deadline import Overran, in_daemon_thread
 from .directed import checks as directed
 from .directed.checks import DIRECTED
@@ -606,9 +606,11 @@ def format_table(results: list[ConfigResult]) -> str:
                 after = [n for n in order[i + 1:] if n in names]
                 names.insert(names.index(before[-1]) + 1 if before else names.index(after[0]) if after
                              else len(names), name)
+    # one name declared at two page sizes: each row labelled with its own (an audit, s68: two "f32-heap" rows)
+    label = {id(r): config_label(r.config, [other.config for other in results]) for r in results}
     rows = [("configuration", *names, "steps", "invariant checks", "seconds")]
     for r in results:
-        rows.append((r.config.name, *(r.outcomes[n].status if n in r.outcomes else "-" for n in names),
+        rows.append((label[id(r)], *(r.outcomes[n].status if n in r.outcomes else "-" for n in names),
                      str(r.steps), str(r.checks),
                      f"{sum(o.seconds for o in r.outcomes.values()):.1f}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -617,12 +619,12 @@ def format_table(results: list[ConfigResult]) -> str:
     for r in results:
         for name, outcome in r.outcomes.items():
             if not outcome.passed:
-                lines.append(f"\n{r.config.name} / {name}: {outcome.status}\n{outcome.detail}")
+                lines.append(f"\n{label[id(r)]} / {name}: {outcome.status}\n{outcome.detail}")
                 skipped = [n for n, o in r.outcomes.items() if o.status == "skipped"]
                 if outcome.status == "TIMEOUT" and skipped:
                     lines.append(f"(not run after it, each of which would likely have waited out its limit too: "
                                  f"{', '.join(skipped)})")
-    noted = [f"  {r.config.name} / {name}: {outcome.note}" for r in results for name, outcome in r.outcomes.items()
+    noted = [f"  {label[id(r)]} / {name}: {outcome.note}" for r in results for name, outcome in r.outcomes.items()
              if outcome.passed and outcome.note]
     if noted:
         lines.append("\npassed, with parts not run:\n" + "\n".join(noted))

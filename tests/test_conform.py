@@ -558,7 +558,11 @@ def test_conform_takes_a_sweeps_labels_and_runs_a_name_once(capsys, tmp_path):
     assert rc == 0 and "1 configurations" in out and "page_tokens 8" in out, out
     rc = main(["conform", str(backend), "--config", "f32-heap", "--configs", "f32-heap", "--check", "fork isolation",
                "--workers", "1"])     # in this process, as above
-    assert rc == 0 and "2 configurations" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert rc == 0 and "2 configurations" in out
+    # the table's rows are labelled as a sweep labels them (an audit, s68: two rows read "f32-heap")
+    rows = [line.split()[0] for line in out.splitlines() if line.startswith("f32-heap")]
+    assert rows == ["f32-heap-page4", "f32-heap-page8"], out
 
 
 def test_the_table_of_a_first_failure_run_has_every_check_any_configuration_ran():

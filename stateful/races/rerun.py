@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from kvstate.spec.protocol import Config
 
 from ..backends import backend_name, canonical_backend
-from ..configs import configs_for
+from ..configs import config_label, configs_for
 from .harness import RaceReport, pressure_configs, race_configs, racing, store_label
 
 
@@ -26,12 +26,6 @@ def candidate_configs(scenario: str, store) -> list[Config]:
     if callable(store):
         return configs_for(store)
     return pressure_configs() if scenario == "pressure_vs_match" else race_configs()
-
-
-def config_label(config: Config, candidates: list[Config]) -> str:
-    """``config``'s name, with ``-pageN`` where the candidates hold that name at several page sizes."""
-    same_name = {c.page_tokens for c in candidates if c.name == config.name}
-    return config.name if len(same_name) <= 1 else f"{config.name}-page{config.page_tokens}"
 
 
 def config_for_label(label: str, candidates: list[Config]) -> Config:

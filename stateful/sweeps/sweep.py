@@ -55,7 +55,7 @@ from . import journal as J
 from . import runs
 from .fingerprint import describe, differences, fingerprint
 from ..backends import backend_option, canonical_backend
-from ..configs import configs_for, configs_named, page_sizes
+from ..configs import config_label, configs_for, configs_named, page_sizes
 from ..data_files import open_own_file
 from ..exits import ended_how
 from ..printable import one_line
@@ -366,8 +366,8 @@ def config_labels(configs: Sequence[Config], declared: Sequence[Config] = ()) ->
     or, where the backend declares one name at several page sizes (``declared``: all it declares;
     ``configs_named`` gives them all), the name and ``-pageN``, so that no two are run, counted or
     saved as one, and one of them swept alone keeps the label its ``--resume`` names."""
-    names = [c.name for c in dict.fromkeys([*declared, *configs])]
-    return {(c.name if names.count(c.name) == 1 else f"{c.name}-page{c.page_tokens}"): c for c in configs}
+    among = [*declared, *configs]
+    return {config_label(c, among): c for c in configs}
 
 
 def configs_labelled(names: Sequence[str], declared: Sequence[Config]) -> list[Config]:
