@@ -596,3 +596,11 @@ def test_a_declaration_in_numpys_bools_or_as_a_view_of_names_is_read_as_said():
 
     factory.thread_safe, factory.any_page_size, factory.semantics = np.True_, np.bool_(False), {"token": 1}.keys()
     check_declarations(factory)
+
+
+def test_a_skipped_item_is_named_in_the_skip_summary(tmp_path):
+    """A plugin review (s67, 9): ``-rs`` located every skip at the plugin's own line and named no item."""
+    done = _plugin_run(tmp_path, "-p", "no:xdist", "-rs", f"--kvstate-backend={EXAMPLES / 'listcache.py'}",
+                       "-k", "f32-heap and arena")
+    assert done.returncode == 0 and "1 skipped" in done.stdout, done.stdout + done.stderr
+    assert re.search(r"SKIPPED \[1\] .*: kvstate\[listcache\.py\]\[f32-heap\]\[arena evidence\]: n/a: ", done.stdout), done.stdout
