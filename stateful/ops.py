@@ -156,7 +156,11 @@ LAYOUTS = ("C order", "layer-major", "Fortran order", "every other element")
 
 def layout_of(seed: int) -> str:
     """Which of ``LAYOUTS`` a write of ``seed`` hands the engine its K/V in (``laid_out``)."""
-    return LAYOUTS[(seed >> 2) % 4]     # bits the seed's other uses (``_q8_ties``: seed % 4) leave alone
+    return LAYOUTS[_layout_index(seed)]
+
+
+def _layout_index(seed: int) -> int:
+    return (seed >> 2) % len(LAYOUTS)      # bits the seed's other uses (``_q8_ties``: seed % 4) leave alone
 
 
 def laid_out(values: np.ndarray, seed: int) -> np.ndarray:
@@ -168,7 +172,7 @@ def laid_out(values: np.ndarray, seed: int) -> np.ndarray:
     a backend must read its argument by index (NumPy and torch do), not as raw memory in C order,
     which only the first layout reads right. Always a copy: what the engine is handed is never what
     the reference is."""
-    kind = LAYOUTS.index(layout_of(seed))
+    kind = _layout_index(seed)
     if kind == 0 or values.ndim != 5:
         return values.copy()
     if kind == 1:

@@ -9,6 +9,7 @@ Each (configuration, check) becomes one test item, named
 from __future__ import annotations
 
 import math
+import shlex
 import threading
 
 import pytest
@@ -69,8 +70,6 @@ class ConformanceItem(pytest.Item):
         """The command that runs this item alone: pytest takes no ``::kvstate[...]`` id back (the items
         belong to no file), but ``-k`` matches the name, its words joined by ``and`` (an expression
         ends a word at a space: ``[fork isolation]``)."""
-        import shlex
-
         words = " and ".join(self.name.split())
         return (f"pytest --kvstate-backend={shlex.quote(self.backend)} -k {shlex.quote(words)}"
                 + ("" if self.config.getoption("kvstate_profile") == "ci"
