@@ -15,8 +15,15 @@ from kvstate.spec.errors import CapacityError
 
 try:
     from . import audit3_locks as base
-except ImportError:         # loaded as a plain file: kvstate's loader puts its folder on sys.path
-    import audit3_locks as base
+except ImportError:         # loaded as a plain file
+    import importlib.util
+    import pathlib
+    import sys
+    _path = pathlib.Path(__file__).with_name("audit3_locks.py")
+    _spec = importlib.util.spec_from_file_location("audit3_locks", _path)
+    base = importlib.util.module_from_spec(_spec)
+    sys.modules["audit3_locks"] = base
+    _spec.loader.exec_module(base)
 
 LockCache, LockContext = base.LockCache, base.LockContext
 

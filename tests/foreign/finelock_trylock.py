@@ -10,8 +10,15 @@ from kvstate.spec.errors import ContextBusyError
 
 try:
     from . import finelock as base
-except ImportError:         # loaded as a plain file: kvstate's loader puts its folder on sys.path
-    import finelock as base
+except ImportError:         # loaded as a plain file
+    import importlib.util
+    import pathlib
+    import sys
+    _path = pathlib.Path(__file__).with_name("finelock.py")
+    _spec = importlib.util.spec_from_file_location("finelock", _path)
+    base = importlib.util.module_from_spec(_spec)
+    sys.modules["finelock"] = base
+    _spec.loader.exec_module(base)
 
 
 class TryLock:
