@@ -141,15 +141,21 @@ def conform_in_processes(backend: str, configs: list[Config], workers: int, prof
 def _ended_if_stopped(*pools: ProcessPoolExecutor) -> Iterator[None]:
     """Ctrl-C or a SIGTERM while waiting on ``pools``: their workers are ended, not waited for. A pool's
     own exit waits for the tasks already running, and a worker goes on to its next task after an
-    interrupt of its own (a terminal's Ctrl-C reaches it too): the command took 15-26 s to stop."""
+    interrupt of its own (a terminal's Ctrl-C reaches it too): the command took 15-26 s to stop.
+
+    Each pool's manager thread is joined before the interrupt goes on. Left running, it closes its
+    wake-up pipe while the interpreter's exit hook writes to that pipe without a lock (CPython 3.11's
+    ``_python_exit``), and a Ctrl-C now and then printed an ``OSError: Bad file descriptor``
+    traceback after "interrupted". With the workers ended first, the join is short: the thread sees
+    them gone, fails what was pending, closes its pipes and returns."""
     try:
         yield
     except BaseException:
-        for pool in pools:
-            pool.shutdown(wait=False, cancel_futures=True)
         children = multiprocessing.active_children()      # this command's workers: it starts no other
         for child in children:
             child.terminate()
+        for pool in pools:
+            pool.shutdown(wait=True, cancel_futures=True)
         for child in children:
             child.join(1)       # reaped: not left behind as zombies
         raise

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import textwrap
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import _ExecutorManagerThread
 from pathlib import Path
+
+import pytest
 
 from kvstate.cli import main
 from kvstate.stateful.configs import machine_configs
-from kvstate.stateful.conform_pool import tasks
+from kvstate.stateful.conform_pool import _ended_if_stopped, tasks
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -110,3 +117,19 @@ def test_tasks_hand_out_every_lockstep_then_every_seeded_then_the_rest():
         [(config.name, ["lockstep"]) for config in configs] + [(config.name, ["seeded"]) for config in configs]
         + [(config.name, ["fork isolation", "races"]) for config in configs])
     assert tasks(configs, ["fork isolation"]) == [(config, ["fork isolation"]) for config in configs]
+
+
+def test_an_interrupt_leaves_no_pool_thread_running():
+    """A pool's manager thread left running when Ctrl-C went on closed its wake-up pipe while the
+    interpreter's exit hook wrote to it: now and then an ``OSError: Bad file descriptor`` traceback
+    followed "kvstate conform: interrupted" (CI, 2026-12-07)."""
+    with pytest.raises(KeyboardInterrupt):
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool, \
+                _ended_if_stopped(pool):
+            running = pool.submit(time.sleep, 60)
+            pool.submit(time.sleep, 60)
+            time.sleep(0.5)
+            raise KeyboardInterrupt
+    assert running.done()
+    assert [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread)] == []
+    assert multiprocessing.active_children() == []
