@@ -4,7 +4,11 @@ import json
 import os
 import re
 import shlex
+import threading
+import time
 import xml.etree.ElementTree as ET
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import _ExecutorManagerThread
 from pathlib import Path
 
 import pytest
@@ -515,3 +519,16 @@ def test_the_window_caps_the_jobs_submitted_and_not_yet_read():
             results[job] = result
     assert results == {(i,): 2 * i for i in range(20)}
     assert most[0] == 3
+
+
+def test_a_stopped_pool_leaves_no_thread_to_race_the_exit():
+    """``_stop`` left the pool's manager thread closing its wake-up pipe while the interpreter's exit
+    hook wrote to it: now and then an ``OSError: Bad file descriptor`` traceback after an interrupted
+    command's line (seen from ``kvstate conform``, which stopped its pools the same way)."""
+    executor = ProcessPoolExecutor(1)
+    running = executor.submit(time.sleep, 60)
+    executor.submit(time.sleep, 60)
+    time.sleep(0.5)
+    S._stop(executor)
+    assert running.done()
+    assert [t for t in threading.enumerate() if isinstance(t, _ExecutorManagerThread)] == []

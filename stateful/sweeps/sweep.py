@@ -659,14 +659,16 @@ def _processes_of(executor: ProcessPoolExecutor) -> list:
 
 
 def _stop(executor: ProcessPoolExecutor) -> None:
-    """Shut ``executor`` down without waiting, its processes sent SIGTERM (their default action)."""
-    processes = _processes_of(executor)
-    executor.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
+    """Shut ``executor`` down without waiting for its runs: its processes are sent SIGTERM (their
+    default action), then its manager thread, which sees them gone, is joined. Left running, that
+    thread closed its wake-up pipe while CPython 3.11's exit hook wrote to it unlocked: now and then an
+    ``OSError: Bad file descriptor`` traceback followed an interrupted command's one line."""
+    for process in _processes_of(executor):
         try:
             process.terminate()
         except (OSError, ValueError):
             pass            # gone already
+    executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _map(pool: "Executor | LocalPool | None", function: Callable, jobs: list[tuple],
