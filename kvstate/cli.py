@@ -698,10 +698,13 @@ def main(argv: list[str] | None = None) -> int:
     from kvstate.stateful.printable import printable
 
     if argv is None:        # the command itself, not a caller of ``main``: its stages are watched from outside
-        from kvstate.stateful.held_interpreter import enable
+        from kvstate.stateful.held_interpreter import enable, settled
         enable()
+        status = main(sys.argv[1:])
+        settled(status)     # an ``os._exit(0)`` past here (a thread a backend left) keeps this status
+        return status
 
-    args = build_parser().parse_args(_join_dashed_values(sys.argv[1:] if argv is None else argv))
+    args = build_parser().parse_args(_join_dashed_values(argv))
     try:
         if args.command in SCRATCH_USERS:
             from kvstate.stateful.snapshots import scratch_problem

@@ -102,15 +102,55 @@ _keys = itertools.count()
 _owner: int | None = None        # the pid of the process ``enable`` was called in
 _report_an_end = True            # say so where the process ends inside a stage (see ``enable``)
 _watcher: subprocess.Popen | None = None
+_stages: dict[int, tuple[str, int | None]] = {}     # the stages running here: what, and the watcher's key
+_stage_numbers = itertools.count()
+_status: int | None = None       # the command's exit status, once it has one (``settled``)
+ENDED_BEFORE_A_VERDICT = 1       # the status an ``os._exit(0)`` gets before the command has its own
+_os_exit = os._exit
 
 
 def enable(report_an_end: bool = True) -> None:
     """Guard this process's stages from here on: for the ``kvstate`` command's own process, and for
     conform's worker processes, whose end inside a stage their pool reports itself (``report_an_end``
-    False: a Ctrl-C that ended them read as the backend's crash)."""
+    False: a Ctrl-C that ended them read as the backend's crash). In the command's own process,
+    ``os._exit(0)`` no longer passes for success (``_exit_with_the_verdict``)."""
     global _owner, _report_an_end
     if os.name == "posix":       # (``select`` on a pipe; elsewhere the stages are guarded as before)
         _owner, _report_an_end = os.getpid(), report_an_end
+        if report_an_end:
+            os._exit = _exit_with_the_verdict
+
+
+def settled(status: int) -> None:
+    """The command's exit status is ``status``: an ``os._exit(0)`` from here on (a thread the backend
+    left running, an exit hook) ends the process with it."""
+    global _status
+    _status = status
+
+
+def _exit_with_the_verdict(status: int) -> None:
+    """``os._exit`` in the command's own process. A backend that called ``os._exit(0)`` part way
+    through a check ended ``kvstate conform`` with status 0, a pass to any CI job, though no verdict
+    was reached. So a 0 asked for before the command has its status is ``ENDED_BEFORE_A_VERDICT``,
+    said in one line naming the stage it ended (the watcher is told, so it says nothing more); after,
+    the command's own status. Any other status, and any other process (a child forked from here ends
+    through this function too), go through unchanged."""
+    if status == 0 and os.getpid() == _owner:
+        if _status is not None:
+            status = _status
+        else:
+            status = ENDED_BEFORE_A_VERDICT
+            stages = list(_stages.values())
+            what = stages[0][0] if stages else "no stage (between two)"
+            for _what, key in stages:
+                if key is not None:
+                    _send(f"off {key}")
+            try:
+                os.write(2, (f"kvstate: os._exit(0) was called during {what}, so the command ended before a verdict "
+                             f"was reached: exit status {status}\n").encode("utf-8", "replace"))
+            except OSError:
+                pass
+    _os_exit(status)
 
 
 @contextmanager
@@ -118,10 +158,15 @@ def guarding(seconds: float, what: str) -> Iterator[None]:
     """The block is a stage that should end within ``seconds``: past ``seconds + grace(seconds)`` with the
     interpreter held, the watcher ends the command, naming ``what``. Does nothing unless ``enable``d
     in this very process."""
-    key = _arm(seconds, what) if _owner == os.getpid() else None
+    if _owner != os.getpid():
+        yield
+        return
+    key, number = _arm(seconds, what), next(_stage_numbers)
+    _stages[number] = (" ".join(str(what).split()), key)
     try:
         yield
     finally:
+        del _stages[number]
         if key is not None:
             _send(f"off {key}")
 

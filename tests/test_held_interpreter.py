@@ -84,10 +84,53 @@ def test_a_conformance_worker_holding_the_gil_fails_its_configuration_by_name(tm
 
 def test_a_backend_that_ends_the_process_at_import_is_said_to_have(tmp_path):
     """``os._exit(0)`` at import ended ``kvstate conform`` with status 0 and nothing printed: a pass to a CI job.
-    The status is the backend's to give; the watcher says no verdict was reached."""
+    Now it is a failure, said in one line naming the stage (the watcher, told, adds nothing)."""
     (tmp_path / "gone.py").write_text("import os\nos._exit(0)\n")
     done, _took = run(["conform", "gone.py", "--config", "f32-heap", "--workers", "1"], tmp_path)
-    assert "ended during importing backend 'gone.py'" in done.stderr and "no verdict was reached" in done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == ("kvstate: os._exit(0) was called during importing backend 'gone.py', so the command "
+                                   "ended before a verdict was reached: exit status 1")
+
+
+EXIT_IN_A_CHECK = textwrap.dedent("""
+    import os
+    from kvstate.impl.numpy import factory as numpy_factory
+
+    def factory(config):
+        cache = numpy_factory(config)
+        cache.match = lambda tokens: os._exit(0)
+        return cache
+""")
+
+
+def test_a_backend_that_ends_the_process_in_a_check_fails_the_command(tmp_path):
+    """Part way through a check, ``os._exit(0)`` ended conform with status 0 (the watcher said no verdict was
+    reached, but a CI job reads the status): now status 1, naming the check it ended."""
+    (tmp_path / "gone.py").write_text(EXIT_IN_A_CHECK)
+    done, _took = run(["conform", "gone.py", "--config", "f32-heap", "--check", "prefix edges", "--workers", "1"],
+                      tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "os._exit(0) was called during the prefix edges check of f32-heap" in done.stderr
+    assert "before it could report" not in done.stderr         # the watcher, told, says nothing more
+
+
+def test_an_exit_after_the_verdict_keeps_it_and_a_forked_child_keeps_its_own():
+    """Past the verdict an ``os._exit(0)`` (a thread a backend left, an exit hook) ends with the command's status;
+    a process forked from the command ends through the same function with the status it asks for."""
+    script = textwrap.dedent("""
+        import os, sys
+        from kvstate.stateful import held_interpreter as h
+        h.enable()
+        child = os.fork()
+        if child == 0:
+            os._exit(0)
+        assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+        h.settled(1 if sys.argv[1] == "failed" else 0)
+        os._exit(0)
+    """)
+    for verdict, status in (("failed", 1), ("passed", 0)):
+        done = subprocess.run([sys.executable, "-c", script, verdict], capture_output=True, text=True, timeout=60)
+        assert (done.returncode, done.stderr) == (status, ""), verdict
 
 
 def test_a_c_call_that_holds_the_gil_for_seconds_and_returns_is_a_timeout_not_an_end(tmp_path):
