@@ -505,8 +505,8 @@ class RefCache:
         return self.clock
 
     def retain(self, ctx: RefContext) -> None:
-        def not_empty():
-            if len(ctx) == 0:
+        def not_empty():      # a closed context holds nothing: its ``EmptyContextError`` applies too
+            if ctx._held() == 0:
                 raise EmptyContextError("cannot retain an empty context")
         refuse_with_all(ctx._require_open, not_empty)
         key = tuple(ctx.token_list)

@@ -216,3 +216,26 @@ def test_the_durability_record_leaves_no_wrapper_behind_and_skips_what_is_not_a_
             write_through(lazy)
         assert [(e[0], e[1]) for e in events] == [("sync", "file"), ("rename", "file")], (record, events)
         assert lazy.fsync is os.fsync and lazy.replace is os.replace and Shim.fsync is os.fsync
+
+
+def test_retain_of_a_closed_context_may_say_it_is_empty():
+    """The false-rejection audit (s68, U1): a closed context holds nothing, so a backend that checks a retain's
+    length before its context answers ``EmptyContextError``; ``pinned semantics`` rejected it ("engine raised
+    EmptyContextError, reference ContextClosedError"), though any error that truly applies is right."""
+    from kvstate.impl import Cache
+    from kvstate.spec.errors import EmptyContextError
+
+    class LengthFirst(Cache):
+        def retain(self, ctx):
+            if ctx.closed or len(ctx) == 0:
+                raise EmptyContextError("cannot retain an empty context")
+            return super().retain(ctx)
+
+    def factory(config):
+        return LengthFirst(config.layout, page_tokens=config.page_tokens, precision=config.precision,
+                           max_entries=config.max_entries)
+    factory.configs, factory.any_page_size = [Config(LAYOUT, 4, "f32", 0, 2)], False
+    outcomes = {r.config.name: r.outcomes for r in conform(factory, profile="hunt",
+                                                           checks=["pinned semantics", "lockstep"])}
+    (found,) = outcomes.values()
+    assert [o.status for o in found.values()] == ["pass", "pass"], found

@@ -482,8 +482,8 @@ ROWS: list[Row] = [
     Row("closed contexts", "Every operation on a closed context raises `ContextClosedError`, a second `close()` "
                            "and `retain` included. `len()` of a closed context is free: any number, or the error. "
                            "A closed context holds nothing, so a position in it (an `overwrite`, `read` or "
-                           "`truncate` past 0) may also get `PositionError`, as from a backend that checks "
-                           "positions first.",
+                           "`truncate` past 0) may also get `PositionError`, and its `retain` "
+                           "`EmptyContextError`, as from a backend that checks positions or length first.",
         _closed),
     Row("zero-length writes", "An `extend` or `overwrite` of zero positions is accepted anywhere in `[0, len]`, "
                               "at the length included, and changes nothing.", _zero_length),
