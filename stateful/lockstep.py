@@ -93,6 +93,8 @@ class Lockstep:
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
         self._holder_of: dict[str, str] = {}     # live handle -> the backend's holder name (``holder_names``)
+        self._names_kept = True                  # False once the backend renamed a context (``_renamed``)
+        self._books_seen: tuple[dict, dict] | None = None    # holders and lengths at the last ``_learn_holder_names``
 
     # -- operations ----------------------------------------------------------------
 
@@ -416,9 +418,21 @@ class Lockstep:
 
     def _learn_holder_names(self, obs) -> None:
         """Which of the backend's holder names is which handle: the context holder that first
-        appears right after an operation created a handle is that handle's."""
-        if obs.holders is None:
+        appears right after an operation created a handle is that handle's.
+
+        That holds while a context keeps its name. A backend may number its contexts by position
+        (``ctx:N`` re-enumerated after a close, as ``examples/listcache.py`` does): from the first
+        rename seen (``_renamed``) no name is trusted, and every check reads every context. Kept, the
+        stale names sent a check reading only what a step could change to the wrong pages: an
+        overwrite without copy-on-write into a page a fork shared went unread for the whole run."""
+        if obs.holders is None or not self._names_kept:
             return
+        if self._renamed(obs):
+            self._names_kept = False
+            self.holder_names.clear()
+            self._holder_of.clear()
+            return
+        self._books_seen = (obs.holders, obs.lengths or {})
         now = obs.holders.keys() - {entry.holder for entry in obs.entries or ()}
         new = now - self._context_holders
         if self._created_last is not None and len(new) == 1:
@@ -427,6 +441,21 @@ class Lockstep:
             self._holder_of[self._created_last] = holder
         self._context_holders = now
         self._created_last = None
+
+    def _renamed(self, obs) -> bool:
+        """Whether a live context the run knows by name is under that name no more: the name is gone,
+        or, with no operation on the context since the name was last seen, it lists other pages or
+        another length (what a context no operation named keeps)."""
+        if self._books_seen is None:
+            return False
+        (was_held, was_long), holders, lengths = self._books_seen, obs.holders, obs.lengths or {}
+        for handle, name in self._holder_of.items():
+            if name not in holders:
+                return True
+            if handle not in self._touched and (holders[name] != was_held.get(name)
+                                                or lengths.get(name) != was_long.get(name)):
+                return True
+        return False
 
     def holder_of(self, handle: str) -> str | None:
         """The backend's holder name of live ``handle`` (learnt at the check after it was made), or None."""

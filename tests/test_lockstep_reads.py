@@ -195,3 +195,56 @@ def test_the_aliasing_reads_visit_contexts_in_the_order_they_were_made(monkeypat
     monkeypatch.setattr(Lockstep, "_read_is_a_copy", lambda self, handle, *_: visited.append(handle))
     run.check()
     assert visited == handles
+
+
+def _renumbering_without_copy_on_write_for_overwrite():
+    """``examples/listcache.py`` (it numbers its contexts by position, ``ctx:N`` re-enumerated after a
+    close) whose ``overwrite`` writes into its pages in place, copy-on-write skipped."""
+    from pathlib import Path
+
+    from kvstate.stateful.backends import load_factory
+
+    listcache = load_factory(str(Path(__file__).parent.parent / "examples" / "listcache.py"))
+
+    def factory(config):
+        cache = listcache(config)
+
+        class InPlace(cache.context_class):
+            def overwrite(self, start, tokens, kv):
+                tokens, values = self._encode(tokens, kv, start)
+                for i, position in enumerate(range(start, start + len(tokens))):
+                    page = self.pages[position // self.cache.page_tokens]
+                    page.values[position % self.cache.page_tokens] = values[i]
+                    page.tokens[position % self.cache.page_tokens] = tokens[i]
+
+        cache.context_class = InPlace
+        return cache
+    return factory, listcache.configs[0].with_(page_tokens=4)
+
+
+def test_a_backend_that_renumbers_its_contexts_is_read_where_a_write_could_land():
+    """The false-rejection audit (s68) saw replays label pages with the wrong contexts for a backend that
+    renumbers ``ctx:N`` after a close. The names also chose what a check re-reads: after close(c1) the
+    stale names sent the check after c2's in-place overwrite to c4's pages, c3's shared page went unread,
+    and with c3 closed before the run's end the bug passed the whole run. A rename now stops every name."""
+    factory, config = _renumbering_without_copy_on_write_for_overwrite()
+    run = Lockstep(factory, config)
+    run.reads_changed_only = True
+    for op in (O.Allocate(), O.Extend("c1", (1, 2, 3, 4), seed=1), O.Allocate(), O.Extend("c2", (5, 6, 7, 8), seed=2),
+               O.Fork("c2"), O.Allocate(), O.Extend("c4", (9, 9, 9, 9), seed=3), O.Close("c1")):
+        run.apply(op)
+        run.check()
+    assert run.holder_of("c2") is None and "ctx:0 (" not in run.named("ctx:0")     # no stale label either
+    run.apply(O.Overwrite("c2", 0, (7,), seed=4))
+    with pytest.raises(InvariantViolation) as failed:
+        run.check()
+    assert failed.value.invariant == 4 and "c3 position 0" in str(failed.value)
+
+
+def test_a_backend_that_keeps_its_names_keeps_skipping():
+    """kvstate's own engine names a context for good: closing one leaves every other name trusted."""
+    run = _run(True)
+    _three_contexts(run, check_each=True)
+    run.apply(O.Close("c1"))
+    run.check()
+    assert run.holder_of("c2") is not None and run.holder_of("c3") is not None
