@@ -92,6 +92,7 @@ class Lockstep:
         self.check_each_apply = False
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
+        self._unread: set[str] = set()           # handles a check skipped (``_unchanged_since``) and none read since
         self._holder_of: dict[str, str] = {}     # live handle -> the backend's holder name (``holder_names``)
         self._names_kept = True                  # False once the backend renamed a context (``_renamed``)
         self._books_seen: tuple[dict, dict] | None = None    # holders and lengths at the last ``_learn_holder_names``
@@ -121,6 +122,8 @@ class Lockstep:
         return handle
 
     def _apply(self, op: O.Op, watched: bool) -> str | None:
+        if op.kind == "close" and op.ctx in self._unread:
+            self._reported(lambda: self._read_before_close(op.ctx))
         before = self._observation_now() if watched else None
         self.refused = None
         self.steps += 1
@@ -153,6 +156,7 @@ class Lockstep:
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)
+            self._unread.discard(op.ctx)
         if op.creates:
             self.created += 1
             handle = f"c{self.created}"
@@ -492,6 +496,7 @@ class Lockstep:
             engine_reads[handle] = (to_numpy(values), np.asarray(tokens))
             reference_reads[handle] = ref.contents()
         invariants.check_values(engine_reads, reference_reads)
+        self._unread = (self._unread | skip) - engine_reads.keys()
         for handle in [handle for handle in engine_reads if handle in touched]:     # the run's order, not a set's
             self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
             self._ranged_read(handle, reference_reads[handle])
@@ -520,6 +525,19 @@ class Lockstep:
         self.checks += 1
         self._observed = (self.steps, obs)
         self._verified = set(self.live)
+
+    def _read_before_close(self, handle: str) -> None:
+        """A context the checks skipped since it was last read is read once more before it closes: a
+        write no observation showed (into a page only its holder lists, by an operation that named
+        another) is caught in the run, as ``finish``'s full read catches it in a context still open."""
+        engine, ref = self.live[handle]
+        values, tokens = engine.read()
+        try:
+            invariants.check_values({handle: (to_numpy(values), np.asarray(tokens))}, {handle: ref.contents()})
+        except InvariantViolation as differs:
+            raise InvariantViolation(4, f"{differs.detail}, read as {handle} was about to close (no check read it "
+                                        f"since its last read: no operation since named it or its pages)") from None
+        self._unread.discard(handle)
 
     def _read_is_a_copy(self, handle: str, values: np.ndarray, expected) -> None:
         """What ``read`` returned is the caller's: scribbling over it must leave the context as it was.
@@ -705,7 +723,8 @@ class Lockstep:
 
         A run that read only changed contexts (``reads_changed_only``) first reads every live one:
         a bug that writes into a page no observation shows changed (a context's private page, held
-        by nothing the operation named) is then still caught in the run, and shrunk from there."""
+        by nothing the operation named) is then still caught in the run, and shrunk from there (one
+        closed before the end was read as it closed: ``_read_before_close``)."""
         if self.reads_changed_only and self.live:
             self.reads_changed_only = False
             try:

@@ -248,3 +248,19 @@ def test_a_backend_that_keeps_its_names_keeps_skipping():
     run.apply(O.Close("c1"))
     run.check()
     assert run.holder_of("c2") is not None and run.holder_of("c3") is not None
+
+
+def test_a_context_skipped_since_its_last_read_is_read_before_it_closes():
+    """A write no observation shows (here: c2's values changed behind the backend's books, as a write into
+    the wrong page would) was left to ``finish``'s full read; closed before the run's end, c2 was never read
+    again and the run passed. Now a skipped context is read once more as it closes."""
+    run = _run(True)
+    _three_contexts(run, check_each=True)
+    engine_c2 = run.live["c2"][0]
+    engine_c2._pages[0].buffer.arrays[0][:, :, 0] += 1      # position 0, behind the books: no observation changes
+    run.apply(O.Extend("c1", (4,), seed=4))
+    run.check()                                             # c2 not named and its pages unchanged: skipped
+    with pytest.raises(InvariantViolation) as failed:
+        run.apply(O.Close("c2"))
+    assert failed.value.invariant == 4 and "read as c2 was about to close" in str(failed.value)
+    assert run.failure is not None and "c2" in run.live      # recorded, and nothing closed
