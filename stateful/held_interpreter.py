@@ -141,12 +141,12 @@ def _exit_with_the_verdict(status: int) -> None:
         else:
             status = ENDED_BEFORE_A_VERDICT
             stages = list(_stages.values())
-            what = stages[0][0] if stages else "no stage (between two)"
+            during = f" during {stages[0][0]}" if stages else " (by the backend, or code it ran)"
             for _what, key in stages:
                 if key is not None:
                     _send(f"off {key}")
             try:
-                os.write(2, (f"kvstate: os._exit(0) was called during {what}, so the command ended before a verdict "
+                os.write(2, (f"kvstate: os._exit(0) was called{during}, so the command ended before a verdict "
                              f"was reached: exit status {status}\n").encode("utf-8", "replace"))
             except OSError:
                 pass

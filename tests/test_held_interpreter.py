@@ -201,3 +201,14 @@ def test_ctrl_c_stops_conform_at_once_in_one_line(tmp_path, workers):
     assert command.returncode == 130, err
     assert time.monotonic() - stopped < 5
     assert err.strip().splitlines()[-1] == "kvstate conform: interrupted" and "Traceback" not in err, err
+
+
+def test_a_sweep_run_in_process_that_ends_the_process_fails_the_command(tmp_path):
+    """``sweep --in-process`` runs the backend in the command's own process, outside any guarded stage:
+    its ``os._exit(0)`` ended the sweep with status 0 and no word."""
+    (tmp_path / "gone.py").write_text(EXIT_IN_A_CHECK)
+    done, _took = run(["sweep", "--seeds", "1", "--backend", "gone.py", "--in-process", "--configs", "f32-heap",
+                       "--out", str(tmp_path / "out")], tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("kvstate: os._exit(0) was called (by the backend, or code it ran), "
+                                                    "so the command ended before a verdict was reached: exit status 1")
