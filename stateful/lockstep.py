@@ -122,8 +122,8 @@ class Lockstep:
         return handle
 
     def _apply(self, op: O.Op, watched: bool) -> str | None:
-        if op.kind == "close" and op.ctx in self._unread:
-            self._reported(lambda: self._read_before_close(op.ctx))
+        if getattr(op, "ctx", None) in self._unread:
+            self._reported(lambda: self._read_before_use(op))
         before = self._observation_now() if watched else None
         self.refused = None
         self.steps += 1
@@ -483,22 +483,34 @@ class Lockstep:
         invariants.check_page_counts(obs, self.config.page_tokens)
 
     def _check(self) -> None:
+        # The contexts the operations named are read before ``observe()``, and their values copied as
+        # read: an engine whose ``observe()`` finishes its pending writes (queued, say) and whose
+        # ``read()`` does not passed every check, each of which observed first.
+        named = {}
+        for handle in [handle for handle in self.live if handle in self._touched]:
+            values, tokens = self.live[handle][0].read()
+            named[handle] = (values, np.array(to_numpy(values)), np.array(tokens))
         obs = self.engine.observe()
         self._check_books(obs)
         engine_reads, reference_reads = {}, {}
         last = self._observed[1] if self._observed is not None else None
         skip = self._unchanged_since(last, obs) if self.reads_changed_only else set()
         touched, self._touched = self._touched, set()
+        returned = {}       # handle -> the values array ``read()`` returned, for ``_read_is_a_copy``
         for handle, (engine, ref) in self.live.items():
-            if handle in skip:
+            if handle in named:
+                returned[handle], *engine_reads[handle] = named[handle]
+            elif handle in skip:
                 continue
-            values, tokens = engine.read()
-            engine_reads[handle] = (to_numpy(values), np.asarray(tokens))
+            else:
+                values, tokens = engine.read()
+                returned[handle] = to_numpy(values)
+                engine_reads[handle] = (returned[handle], np.asarray(tokens))
             reference_reads[handle] = ref.contents()
         invariants.check_values(engine_reads, reference_reads)
         self._unread = (self._unread | skip) - engine_reads.keys()
         for handle in [handle for handle in engine_reads if handle in touched]:     # the run's order, not a set's
-            self._read_is_a_copy(handle, engine_reads[handle][0], reference_reads[handle])
+            self._read_is_a_copy(handle, to_numpy(returned[handle]), reference_reads[handle])
             self._ranged_read(handle, reference_reads[handle])
         expected = self.reference.eviction_order()
         try:
@@ -526,17 +538,22 @@ class Lockstep:
         self._observed = (self.steps, obs)
         self._verified = set(self.live)
 
-    def _read_before_close(self, handle: str) -> None:
-        """A context the checks skipped since it was last read is read once more before it closes: a
-        write no observation showed (into a page only its holder lists, by an operation that named
-        another) is caught in the run, as ``finish``'s full read catches it in a context still open."""
+    def _read_before_use(self, op: O.Op) -> None:
+        """A context the checks skipped since it was last read is read before an operation names it, whole
+        and through a window: a write no observation showed (into a page only its holder lists, by an
+        operation that named another) is caught in the run before the operation can close, truncate or
+        overwrite it away (the full read at ``finish`` sees only what is still there)."""
+        handle = op.ctx
         engine, ref = self.live[handle]
         values, tokens = engine.read()
+        expected = ref.contents()
         try:
-            invariants.check_values({handle: (to_numpy(values), np.asarray(tokens))}, {handle: ref.contents()})
+            invariants.check_values({handle: (to_numpy(values), np.asarray(tokens))}, {handle: expected})
+            self._ranged_read(handle, expected)
         except InvariantViolation as differs:
-            raise InvariantViolation(4, f"{differs.detail}, read as {handle} was about to close (no check read it "
-                                        f"since its last read: no operation since named it or its pages)") from None
+            raise InvariantViolation(4, f"{differs.detail}; read right before {op}, the checks having skipped "
+                                        f"{handle} since its last read (no operation since named it or its "
+                                        f"pages)") from None
         self._unread.discard(handle)
 
     def _read_is_a_copy(self, handle: str, values: np.ndarray, expected) -> None:
@@ -721,16 +738,18 @@ class Lockstep:
     def finish(self) -> None:
         """6. Close every context, clear the tree: cache and arena must be empty.
 
-        A run that read only changed contexts (``reads_changed_only``) first reads every live one:
-        a bug that writes into a page no observation shows changed (a context's private page, held
-        by nothing the operation named) is then still caught in the run, and shrunk from there (one
-        closed before the end was read as it closed: ``_read_before_close``)."""
-        if self.reads_changed_only and self.live:
-            self.reads_changed_only = False
+        Every live context is read first, whole, through a window and scribbled over, as if the last
+        step had named it: a bug that writes into a page no observation shows changed (a context's
+        private page, held by nothing the operation named) is then still caught in the run, and shrunk
+        from there (a context an operation named was read right before it: ``_read_before_use``), and so
+        is a window read gone wrong in a context whose storage another's operation moved."""
+        if self.live:
+            skipping, self.reads_changed_only = self.reads_changed_only, False
+            self._touched.update(self.live)
             try:
                 self.check()
             finally:
-                self.reads_changed_only = True
+                self.reads_changed_only = skipping
         if self.engine.observe().entries is not None:
             # With the tree tier each check compares the entries' keys and order, not what they hold
             # (without it every check probes them through match): an entry whose pages a write
