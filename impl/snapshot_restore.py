@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +18,7 @@ import numpy as np
 from kvstate.spec import precision as precisions
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.arithmetic import pages_needed
-from kvstate.spec.errors import (KVStateError, PrecisionRangeError,
+from kvstate.spec.errors import (KVStateError, PrecisionRangeError, SnapshotCorruptError,
                                  SnapshotPrecisionError, SnapshotReadError)
 
 from . import remote_io
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 
 def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadline=None,
-                     producer: bytes | None = None) -> "Context":
+                     producer: bytes | None = None, *, key: np.ndarray | None = None) -> "Context":
     """A new context of ``cache`` holding the snapshot at ``source`` (a path or binary stream).
 
     ``max_bytes`` caps what the restore may allocate (the body read plus the pages it
@@ -40,20 +41,26 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     a ``SnapshotError``. ``deadline`` (seconds or a ``Deadline``) bounds a restore from a URL in all
     (``impl/remote_deadline.py``; past it ``SnapshotDeadlineError``). ``producer``: what must have
     computed the values, where the file names what did (format version 3; ``SnapshotProducerError``).
+    ``key``: the token ids the snapshot must hold (a second tier's object, stored under them): a file of
+    another length is refused from its header, one of other ids once read, both as
+    ``SnapshotCorruptError`` and before anything is allocated (a refused object had evicted entries).
     """
     limit = cost_limit(cache, max_bytes)       # a bad max_bytes is refused before any file or server is opened
     if producer is not None:
         fmt.check_producer(producer)        # refused by name before any file or server is touched
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
-        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes, producer=producer),
+        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes, producer=producer,
+                                                                    key=key),
                               deadline=deadline)
     source = remote_io.local_path(source)
     try:
+        if key is not None:
+            limit = _of_length(len(key), limit)
         if hasattr(source, "read"):
-            return _restore_from(cache, source, remaining(source), limit, producer)
+            return _restore_from(cache, source, remaining(source), limit, producer, key)
         file, size = open_regular(source)
         with file:
-            return _restore_from(cache, file, size, limit, producer)
+            return _restore_from(cache, file, size, limit, producer, key)
     except (OSError, ValueError, TypeError) as error:
         if isinstance(error, KVStateError):     # a named refusal (a snapshot's, or a precision's range)
             raise
@@ -61,15 +68,34 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
         raise SnapshotReadError(f"cannot read a snapshot from {source!r}: {error!r}") from error
 
 
-def _restore_from(cache: "Cache", file, size: int | None, limit, producer: bytes | None) -> "Context":
+def _restore_from(cache: "Cache", file, size: int | None, limit, producer: bytes | None,
+                  key: np.ndarray | None) -> "Context":
     if size is not None and _local_file(file) and hasattr(cache.store, "prepare"):
         header = read_header(file, cache.layout, size, limit, producer)
         if header.precision == cache.precision:
-            return _stream_restore(cache, header, file)
+            return _stream_restore(cache, header, file, partial(_check_key, key))
         header, body, crc = read_body(file, header, size)
     else:
         header, body, crc = read_snapshot(file, cache.layout, size, limit, producer)
-    return _adopt_body(cache, header, body, crc)
+    return _adopt_body(cache, header, body, crc, key)
+
+
+def _of_length(n: int, limit):
+    """``limit``, and a header of ``n`` positions: checked before the body is read."""
+    def check(header: fmt.Header) -> None:
+        if header.positions != n:
+            raise SnapshotCorruptError(f"holds {header.positions} positions, not the {n} of its key")
+        if limit is not None:
+            limit(header)
+    return check
+
+
+def _check_key(key: np.ndarray | None, tokens: np.ndarray) -> None:
+    """Refuse token ids other than ``key``'s (when there is one), before the cache is touched."""
+    if key is not None and not np.array_equal(tokens, key):
+        at = int(np.flatnonzero(tokens != key)[0])
+        raise SnapshotCorruptError(f"holds other token ids than its key's (position {at} reads {int(tokens[at])}, "
+                                   f"the key {int(key[at])})")
 
 
 def _local_file(file) -> bool:
@@ -82,9 +108,11 @@ def _local_file(file) -> bool:
         return False
 
 
-def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum") -> "Context":
+def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum",
+                key: np.ndarray | None = None) -> "Context":
     """A body read whole (streams of unknown size, other stores, other precisions): checked, then adopted."""
     arrays = checked_sections(header, body, crc)      # nothing is allocated until it passes
+    _check_key(key, arrays["tokens"])
     parts = (arrays["values"], arrays["scales"]) if header.precision == "q8" else (arrays["values"],)
     if header.precision == cache.precision:
         encoded = cache.store.from_encoded(parts)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .context import Context
 
 
-def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
+def _stream_restore(cache: "Cache", header: fmt.Header, file, check_tokens=None) -> "Context":
     """Restore a file of the cache's own precision at about the speed of reading it.
 
     Pipelined (``pipelined``: a large body, or ``IO_THREADS = 2``), a reader thread reads the
@@ -31,8 +31,9 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
     previous piece (token signs, finite values, q8 ranges) and copies it into page arrays
     prepared for it (``store.prepare``: reused freed pages, or fresh ones whose copy is each
     byte's first touch). Otherwise the same steps run inline, a piece at a time. The cache is
-    touched only after the checksum and every check have passed; a refused file leaves the
-    prepared arrays to the garbage collector and changes nothing observable.
+    touched only after the checksum and every check have passed (``check_tokens(tokens)``, where
+    given, among them); a refused file leaves the prepared arrays to the garbage collector and
+    changes nothing observable.
     """
     n, page_tokens, store = header.positions, cache.page_tokens, cache.store
     count = pages_needed(n, page_tokens)
@@ -61,6 +62,8 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file) -> "Context":
     fmt.check_body_crc(header, actual)     # a checksum mismatch is reported first
     if content_error is not None:
         raise content_error
+    if check_tokens is not None:
+        check_tokens(tokens)
     return _adopt_prepared(cache, tokens, prepared, n)
 
 

@@ -75,6 +75,7 @@ from kvstate.impl import Cache, Context
 from kvstate.impl import remote_io
 from kvstate.impl.remote_deadline import CACHE, CALL, STORE, Deadline, check_seconds, first_set, resolve
 from kvstate.impl.remote_deadline import within as deadline
+from kvstate.impl.snapshot import restore_snapshot
 from kvstate.impl.snapshot_read import checked_sections, read_snapshot, remaining
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotDeadlineError,
                                  SnapshotError, SnapshotNotFoundError, SnapshotProducerError, SnapshotReadError,
@@ -290,13 +291,10 @@ class SnapshotStore:
         deadline = self._deadline(deadline_s, cache)
         damaged: SnapshotError | None = None
         for n, url in self._probe(cache, tokens, longer_than, deadline):
-            try:
-                ctx = remote_io.read(url, lambda file: cache.restore(file, producer=self.producer),
+            try:     # an object not holding its key is refused before the cache is touched (it evicted entries)
+                ctx = remote_io.read(url, lambda file: restore_snapshot(cache, file, producer=self.producer,
+                                                                        key=tokens[:n]),
                                      self.storage_options, deadline)
-                if len(ctx) != n or not np.array_equal(np.asarray(ctx.tokens), tokens[:n]):
-                    ctx.close()
-                    raise SnapshotCorruptError(f"{remote_io.redact(url)} holds {len(ctx)} positions whose "
-                                               f"tokens are not the {n} of its key")
             except SnapshotNotFoundError:
                 continue     # removed (lifecycle rule) since the check: a miss at this length
             except (SnapshotReadError, SnapshotWriteError):

@@ -15,6 +15,7 @@ import types
 import re
 import uuid
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -387,6 +388,57 @@ def test_a_damaged_object_falls_back_to_a_shorter_one_and_then_to_the_local_hit(
         with got:
             assert n == 8
     assert store.failures == 3
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])          # read whole; streamed into pages
+@pytest.mark.parametrize("planted", ["longer", "other ids"])
+def test_an_object_not_holding_its_key_is_refused_before_it_evicts_anything(planted, where, tmp_path):
+    """An outside audit (s69): ``get`` restored the object at a key, evicting entries of an evicting pool
+    to make room, and only then compared it with the key; every match did it again. An object of another
+    length is now refused from its header, one of other ids before its pages are taken; the message
+    names what it holds (it said "0 positions": read after the close)."""
+    from kvstate.spec.errors import SecondTierWarning
+    from kvstate.remote import SnapshotStore
+    store = memory_store(stride=4) if where == "memory" else SnapshotStore(f"file://{tmp_path}/tier", stride=4)
+    cache = Cache(SMALL, page_tokens=2, pool_pages=8, on_full="evict", max_entries=64, second_tier=store)
+    for i in range(3):
+        with filled(cache, 4, seed=100 * (i + 1)) as ctx:
+            cache.retain(ctx)
+    query = [0, 1, 2, 3]
+    wrong = Cache(SMALL, page_tokens=2)
+    url = store.url(cache, query)
+    if where == "file":
+        Path(remote_io.local_path(url)).parent.mkdir(parents=True)
+    with filled(wrong, 12, seed=0) if planted == "longer" else filled(wrong, 4, seed=77) as ctx:
+        ctx.snapshot(url)          # copied to the wrong key, say
+    for _ in range(2):
+        with pytest.warns(SecondTierWarning, match="SnapshotCorruptError"):
+            got, n = cache.match(query)
+        got.close()
+        assert n == 0 and cache.policy.evictions == 0
+    assert ("holds 12 positions, not the 4 of its key" if planted == "longer"
+            else "holds other token ids than its key's (position 0 reads 77, the key 0)") in store.last_failure
+    for i in range(3):      # every local entry still there
+        got, n = cache.match(list(range(100 * (i + 1), 100 * (i + 1) + 4)))
+        got.close()
+        assert n == 4
+
+
+@pytest.mark.parametrize("planted", ["longer", "other ids"])
+def test_a_local_file_streamed_into_pages_is_held_to_its_key_before_anything_is_taken(planted, tmp_path):
+    """``restore_snapshot``'s ``key`` on the streamed path (a local file at the cache's own precision)."""
+    from kvstate.impl.snapshot import restore_snapshot
+    from kvstate.spec.errors import SnapshotCorruptError
+    cache = Cache(SMALL, page_tokens=2, pool_pages=4, on_full="evict", max_entries=8)
+    with filled(cache, 8, seed=5) as ctx:
+        cache.retain(ctx)                                    # the whole pool, held by an entry
+    with filled(Cache(SMALL, page_tokens=2), 12 if planted == "longer" else 4, seed=0) as ctx:
+        ctx.snapshot(tmp_path / "s.kvs")
+    with pytest.raises(SnapshotCorruptError, match="positions, not the 4" if planted == "longer" else "other token"):
+        restore_snapshot(cache, tmp_path / "s.kvs", key=np.array([0, 1, 7, 3]))
+    assert cache.policy.evictions == 0 and cache.stats()["live_contexts"] == 0
+    with restore_snapshot(cache, tmp_path / "s.kvs") as whole:     # the same file, no key: restored
+        assert len(whole) == (12 if planted == "longer" else 4) and cache.policy.evictions >= 1
 
 
 @contextlib.contextmanager
