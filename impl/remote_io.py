@@ -101,14 +101,15 @@ def is_local_url(target) -> bool:
         return False
 
 
-def local_path(target):
+def local_path(target, error_class: type[SnapshotError] = SnapshotError):
     """The path of a local filesystem's URL (``is_local_url``), taken literally as fsspec takes it
     (``?``, ``#`` and ``%`` are part of the name, not a query, a fragment or an escape; a leading
-    ``~`` is the home folder); any other target unchanged."""
+    ``~`` is the home folder); any other target unchanged. ``error_class``: what a URL carrying
+    credentials raises (a write's ``SnapshotWriteError``, a read's ``SnapshotReadError``)."""
     if is_local_url(target):
         # fsspec reads file://user:secret@/p as the relative path "user:secret@/p": the secret would
         # become a folder name and show in every message about it
-        refuse_credentials(target, SnapshotError)
+        refuse_credentials(target, error_class)
         path = target.partition("://")[2]
         # fsspec expands ``~`` (``make_path_posix``): taken literally here, file://~/kv was written to
         # a folder named "~" under the working directory while a store's probes (through fsspec)
@@ -123,22 +124,34 @@ def local_path(target):
 # port and a path holding ``@``. Elsewhere (s3://, gs://, memory://) the first part is a bucket or a
 # folder and has no port, so a ``:`` there before an ``@`` is always a secret: one of every 400 or so
 # AWS secret keys begins with digits and then ``/``, and was used, named in messages and logged.
-_CREDENTIALS = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:[^@]*@)")
-_CREDENTIALS_BESIDE_PORT = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*://)(?:[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@)")
+#
+# Looked for after every ``://``, not only at the string's start: fsspec's chains
+# (``simplecache::s3://user:secret@...``) and a value pasted with a leading space or under an odd
+# scheme (``1s3://``, ``s_3://``) put the authority further in, and their secrets were quoted.
+_SCHEME_END = re.compile(r"([A-Za-z0-9+._-]*)://")
+_USERINFO = re.compile(r"[^/@]*@|[^/@:]*:[^@]*@")
+_USERINFO_BESIDE_PORT = re.compile(r"[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@")
 _PORT_SCHEMES = {"http", "https", "ftp", "sftp", "ssh", "smb", "hdfs", "webhdfs", "swebhdfs", "dask"}
 
 
-def _userinfo(url) -> re.Match | None:
-    """The ``scheme://user:secret@`` that ``url`` begins with, if any (group 1: the scheme part)."""
+def _userinfo(url) -> list[tuple[int, int]]:
+    """Where ``url`` holds ``user:secret@`` after a ``://``: each (start, end), the ``@`` included."""
     if not isinstance(url, str):
-        return None
-    port = url.partition("://")[0].lower() in _PORT_SCHEMES
-    return (_CREDENTIALS_BESIDE_PORT if port else _CREDENTIALS).match(url)
+        return []
+    found = []
+    for scheme in _SCHEME_END.finditer(url):
+        if found and scheme.start() < found[-1][1]:
+            continue        # inside userinfo already found
+        port = scheme.group(1).lower() in _PORT_SCHEMES
+        userinfo = (_USERINFO_BESIDE_PORT if port else _USERINFO).match(url, scheme.end())
+        if userinfo is not None:
+            found.append(userinfo.span())
+    return found
 
 
 def has_credentials(url: str) -> bool:
     """Whether ``url`` carries ``user:secret@`` (in any spelling a parser might split differently)."""
-    return _userinfo(url) is not None
+    return bool(_userinfo(url))
 
 
 def redact(url: str) -> str:
@@ -146,9 +159,8 @@ def redact(url: str) -> str:
     HTTP no query string or fragment (presigned keys). Elsewhere ``?`` and ``#`` can be part of an
     object's key (``s3://b/conv#turn-2``), and cutting there named another key: only a query of
     ``name=value`` parameters (a signature's shape) is cut."""
-    userinfo = _userinfo(url)
-    if userinfo is not None:
-        url = userinfo.group(1) + url[userinfo.end():]
+    for start, end in reversed(_userinfo(url)):
+        url = url[:start] + url[end:]
     if isinstance(url, str) and "://" in url and not url.lower().startswith(("http://", "https://")):
         key, _, query = url.partition("?")
         return key if "=" in query else url
@@ -165,7 +177,7 @@ def refuse_credentials(url: str, error_class: type[KVStateError]) -> None:
     quotes the bucket name it was given, secret and all), so such a URL is refused before any use;
     the message shows only the scheme."""
     if has_credentials(url):
-        scheme = url.partition("://")[0]
+        scheme = url.partition("://")[0].strip()
         raise error_class(f"a {scheme}:// URL carrying credentials (user:secret@) is refused: pass them in "
                           f"storage_options or the environment (AWS_ACCESS_KEY_ID ...), never in the URL")
 
@@ -219,18 +231,16 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
     sources = [("storage_options", storage_options or {})]
     if url is not None:
         sources += configured_options(url, storage_options)
+        if url.strip().lower().startswith(_VERSIONED_SCHEMES):      # botocore reads these itself
+            for name in _ENDPOINT_VARIABLES:
+                _refuse_unsafe_endpoint(os.environ.get(name), f"the environment's {name}", error_class)
     for source, options in sources:
         places = [(source, options)]
         for nested in ("client_kwargs", "config_kwargs"):     # botocore's client, and its Config
             if isinstance(options.get(nested), dict):
                 places.append((f"{source}[{nested!r}]", options[nested]))
         for where, found in places:
-            endpoint = found.get("endpoint_url")
-            # an endpoint names a server, no key, so an ``@`` anywhere in it is userinfo: one read as a
-            # port and a path would pass has_credentials (a secret beginning with digits then ``/``)
-            if isinstance(endpoint, str) and "@" in endpoint:
-                raise error_class(f"{where}['endpoint_url'] carries credentials (user:secret@): pass them as "
-                                  f"storage_options key and secret, or in the environment, never in the URL")
+            _refuse_unsafe_endpoint(found.get("endpoint_url"), f"{where}['endpoint_url']", error_class)
             region = found.get("region_name")
             if region is not None and not (isinstance(region, str) and _REGION_NAME.match(region)
                                            and not _CREDENTIAL_SHAPE.match(region)):
@@ -240,6 +250,24 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
             if isinstance(signing, str) and not _known_signature_version(signing):
                 raise error_class(f"{where}['signature_version'] is no signature version botocore knows (such as "
                                   f"s3v4); not quoted here, in case it is a secret in the wrong field")
+
+
+_ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+_ENDPOINT = re.compile(r"^https?://[^\s@/?#]+(?:/[^\s@?#]*)?$", re.IGNORECASE)
+
+
+def _refuse_unsafe_endpoint(endpoint, where: str, error_class: type[KVStateError]) -> None:
+    """An endpoint that is not an http(s) URL of a server, refused without quoting it: botocore's
+    "Invalid endpoint: ..." quotes whatever it was given (a secret pasted into the wrong field), and
+    an ``@`` anywhere in one is userinfo (read as a port and a path, a secret beginning with digits
+    then ``/`` passed ``has_credentials``)."""
+    if endpoint is None or (isinstance(endpoint, str) and _ENDPOINT.match(endpoint)):
+        return
+    if isinstance(endpoint, str) and "@" in endpoint:
+        raise error_class(f"{where} carries credentials (user:secret@): pass them as storage_options key and "
+                          f"secret, or in the environment, never in the URL")
+    raise error_class(f"{where} is no http(s) URL of a server (such as http://127.0.0.1:9000); not quoted here, "
+                      f"in case it is a secret in the wrong field")
 
 
 def _known_signature_version(name: str) -> bool:
@@ -734,7 +762,7 @@ def publish(url: str, fill: Callable[[object], None], storage_options: dict | No
     if is_local_url(url):
         # a local folder (a ``file://`` or ``local://`` store): the local writer's temp file, fsyncs and
         # rename, so a reader sees the old file or the whole new one; fsspec's local copy writes in place
-        path = local_path(url)
+        path = local_path(url, SnapshotWriteError)
         try:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         except OSError as error:

@@ -119,7 +119,7 @@ def peek_precision(source) -> str | None:
     if hasattr(source, "read"):
         return _peek_stream(source)
     try:
-        file, _ = open_regular(remote_io.local_path(source))
+        file, _ = open_regular(remote_io.local_path(source, SnapshotReadError))
     except (SnapshotError, OSError, ValueError, TypeError):
         return None
     with file:

@@ -52,7 +52,7 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
         return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes, producer=producer,
                                                                     key=key),
                               deadline=deadline)
-    source = remote_io.local_path(source)
+    source = remote_io.local_path(source, SnapshotReadError)
     try:
         if key is not None:
             limit = _of_length(len(key), limit)

@@ -233,7 +233,7 @@ def write_snapshot(ctx: "Context", target, deadline=None, producer: bytes | None
     fmt.check_fits(ctx.layout, ctx._length)     # so is a context no restore could take back
     if remote_io.is_remote(target):     # an fsspec URL: published atomically, with retries (impl/remote_io.py)
         return remote_io.publish(target, lambda file: _write_to(file, ctx, producer), deadline=deadline)
-    target = remote_io.local_path(target)
+    target = remote_io.local_path(target, SnapshotWriteError)
     if hasattr(target, "write"):
         try:
             _write_to(target, ctx, producer)
