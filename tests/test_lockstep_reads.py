@@ -63,16 +63,20 @@ def test_only_contexts_an_operation_could_change_are_read(monkeypatch):
     """Three private contexts; extending one reads that one alone. (Handles are known by their
     holders when each creation is checked on its own, as the machine and seeded runs do.) A context
     an operation named is read three times: again after its first read is scribbled over (``no aliasing``),
-    and through a window (``read(start, stop)``)."""
+    and through a window (``read(start, stop)``); and, where the checks skipped it since its last read,
+    twice more right before the operation (whole and through a window)."""
     run = _run(True)
     _three_contexts(run, check_each=True)      # as the machine does: a check after every step
     count = _counting_reads(monkeypatch)
-    run.apply(O.Extend("c2", (1, 1), seed=4))
+    run.apply(O.Extend("c3", (1, 1), seed=4))  # c3, extended last, was read by the last check
     run.check()
     assert count[0] == 3
-    run.apply(O.Fork("c3"))            # c4 is new, c3 was named: both read, c3 three times
+    run.apply(O.Extend("c2", (1, 1), seed=4))  # c2 was skipped by the last two checks
     run.check()
-    assert count[0] == 7
+    assert count[0] == 3 + 2 + 3
+    run.apply(O.Fork("c2"))            # c4 is new, c2 was named: both read, c2 three times
+    run.check()
+    assert count[0] == 8 + 4
 
 
 def test_without_the_flag_every_context_is_read(monkeypatch):
@@ -262,5 +266,5 @@ def test_a_context_skipped_since_its_last_read_is_read_before_it_closes():
     run.check()                                             # c2 not named and its pages unchanged: skipped
     with pytest.raises(InvariantViolation) as failed:
         run.apply(O.Close("c2"))
-    assert failed.value.invariant == 4 and "read as c2 was about to close" in str(failed.value)
+    assert failed.value.invariant == 4 and "read right before close(ctx='c2')" in str(failed.value)
     assert run.failure is not None and "c2" in run.live      # recorded, and nothing closed
