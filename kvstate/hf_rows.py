@@ -140,6 +140,10 @@ def _real_2d(mask: np.ndarray, batch: int, n: int, past, pads, what: str) -> np.
                 raise ShapeError(f"row {row} holds {pad} positions of left padding, which kvstate shows to attention "
                                  f"as zeros, but {what} marks some of them 1 (attended): mark a row's padding 0 in "
                                  "every forward's mask")
+            hole = np.flatnonzero(mask[row, pad:past] == 0)
+            if len(hole) and real[row].any():
+                raise ShapeError(f"{what} marks key {pad + int(hole[0])} of row {row} 0, one of the tokens it holds: "
+                                 f"{_NOT_CAUSAL}")
     return real
 
 
@@ -223,7 +227,41 @@ def _real_4d(mask, batch: int, n: int, past, pads, what: str) -> np.ndarray:
                              f"{int(hidden[h])}, a padding position (masked on its own diagonal, or held as padding): "
                              f"kvstate keeps no padding, so a padding position must be masked for every token; "
                              f"{_PASS_2D}")
+    for row in range(batch):
+        _causal_over_tokens(entries, row if rows > 1 else 0, row, np.flatnonzero(real[row]), start, keys,
+                            min(pads[row], start) if pads is not None else 0, what)
     return np.array(real)
+
+
+_NOT_CAUSAL = ("kvstate keeps K/V by the token ids before them (a prefix hit, a retained entry, a snapshot serves them "
+               "as those tokens' K/V), so each token must attend to every earlier token of its row and to nothing "
+               "after it: a mask for packed documents, a tree of drafts or a bidirectional prompt would store K/V "
+               "no ordinary request of those tokens computes. Forward such inputs with a DynamicCache")
+
+
+def _causal_over_tokens(entries, source: int, row: int, tokens: np.ndarray, start: int, keys: int, pad: int,
+                        what: str, chunk: int = 256) -> None:
+    """Each new token of ``row`` (``tokens``: its new positions) attends to every real key up to its own
+    (held ones from ``pad``, new ones that are tokens) and to no key after it, read a chunk of queries
+    at a time (a long prompt's mask is large)."""
+    if not len(tokens):
+        return
+    real_key = np.zeros(keys, bool)
+    real_key[pad:start] = True
+    real_key[start + tokens] = True
+    for at in range(0, len(tokens), chunk):
+        queries = tokens[at:at + chunk]
+        masked, attends = entries((slice(source, source + 1), slice(None), queries[:, None],
+                                   np.arange(keys)[None, :]))            # (1, heads, queries, keys)
+        own = start + queries[:, None]
+        later = np.arange(keys)[None, :] > own
+        must_attend = real_key[None, :] & ~later
+        wrong = (later[None, None] & ~masked) | (must_attend[None, None] & ~attends)
+        if wrong.any():
+            _, _, q, k = (int(x) for x in np.argwhere(wrong)[0])
+            how = "attend to" if k > own[q, 0] else "not attend to"
+            raise ShapeError(f"{what} has row {row}'s token at new position {int(queries[q])} {how} key {k}: "
+                             f"{_NOT_CAUSAL}")
 
 
 def reorder_plan(indices, batch: int) -> list[tuple[int, bool]]:

@@ -261,3 +261,60 @@ def test_check_prefix_of_reads_a_4d_mask():
         unpadded.check_prefix_of(longer, four_d(longer_mask, 8, "bool")[:, 0])
     for each in (cache, unpadded):
         each.close()
+
+
+def _not_causal(kind: str, past: int, n: int):
+    """A 4-D additive mask over ``past + n`` keys for ``n`` new positions of one row, causal but for one
+    change: packed documents (the second half sees none of the first), a tree (a token not seeing its
+    sibling before it), or a bidirectional prompt (every token sees every other)."""
+    keys, low = past + n, torch.finfo(torch.float32).min
+    mask = torch.full((1, 1, n, keys), low)
+    for i in range(n):
+        mask[0, 0, i, :past + i + 1] = 0
+    if kind == "packed":
+        mask[0, 0, n // 2:, :past + n // 2] = low
+    elif kind == "tree":
+        mask[0, 0, n - 1, past + n - 2] = low
+    else:
+        mask[0, 0] = 0
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["packed", "tree", "bidirectional"])
+@pytest.mark.parametrize("past", [0, 5])
+def test_a_mask_not_causal_over_a_rows_tokens_is_refused_and_changes_nothing(kind, past):
+    """An outside audit (s69): a 4-D mask for packed documents, a tree of drafts or a bidirectional prompt was
+    accepted and its K/V stored as the tokens' own; retained, every later request hitting that prefix got
+    other logits than transformers' (0.49 off, generated ids differing from the second token on), no error."""
+    model = model_of("llama")
+    ids = torch.from_numpy(np.random.default_rng(past).integers(1, VOCAB, (1, past + 6)))
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, match="token")
+    if past:
+        model(ids[:, :past], cache=cache)
+    before = state(cache)
+    with pytest.raises(ShapeError, match="each token must attend to every earlier token of its row"):
+        model(ids[:, past:], attention_mask=_not_causal(kind, past, 6), cache=cache)
+    assert state(cache) == before
+    causal = torch.full((1, 1, 6, past + 6), torch.finfo(torch.float32).min).triu(past + 1)
+    theirs = DynamicCache(config=model.config)
+    if past:
+        model(ids[:, :past], cache=theirs)
+    assert torch.equal(model(ids[:, past:], attention_mask=causal, cache=cache).logits,
+                       model(ids[:, past:], attention_mask=causal, cache=theirs).logits)
+    cache.close()
+
+
+def test_a_2d_mask_with_a_hole_over_a_held_token_is_refused():
+    """The same audit: a 2-D mask marking one of a row's held tokens 0 was stored (``generate`` refuses it;
+    a direct forward did not), and a later hit of that prefix was 0.006 off transformers' logits."""
+    model = model_of("llama")
+    ids = torch.from_numpy(np.random.default_rng(2).integers(1, VOCAB, (1, 9)))
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    model(ids[:, :6], cache=cache)
+    before = state(cache)
+    holed = torch.ones((1, 9), dtype=torch.long)
+    holed[0, 2] = 0
+    with pytest.raises(ShapeError, match="marks key 2 of row 0 0, one of the tokens it holds"):
+        model(ids[:, 6:], attention_mask=holed, cache=cache)
+    assert state(cache) == before
+    cache.close()
