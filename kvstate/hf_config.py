@@ -43,12 +43,49 @@ def decoder_config(model_or_config):
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{type(config).__name__} is an encoder-decoder; kvstate.hf holds decoder-only models")
+    check_text_only(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(text, "add_cross_attention", False):
         raise UnsupportedModelError(
             f"{type(text).__name__} has cross-attention (add_cross_attention=True); "
             "kvstate.hf holds decoder-only self-attention")
     return text
+
+
+# Inputs besides token ids that the K/V of a multimodal model's positions come from: kvstate keys K/V by
+# token ids, so a prefix hit through an image's placeholder ids served another image's K/V.
+_OTHER_INPUTS = ("vision_config", "audio_config", "speech_config", "image_token_index", "image_token_id",
+                 "video_token_index", "video_token_id", "audio_token_index", "audio_token_id")
+
+
+def check_text_only(config) -> None:
+    """A model whose K/V come from images or audio too is refused by name (an outside audit, s69: a
+    Llava request with another image hit the first image's K/V through its placeholder ids)."""
+    found = next((name for name in _OTHER_INPUTS if getattr(config, name, None) is not None), None)
+    if found is not None:
+        raise UnsupportedModelError(
+            f"{type(config).__name__} computes K/V from images or audio as well as token ids ({found}); kvstate "
+            "keeps K/V by token ids, so a prefix hit would serve one image's K/V for another's: kvstate.hf holds "
+            "text-only decoders")
+
+
+# transformers' rotary types whose frequencies follow the sequence's current length (``dynamic_rope_update``)
+_LENGTH_DEPENDENT_ROPE = frozenset(("dynamic", "longrope"))
+
+
+def length_dependent_rope(config) -> str | None:
+    """The rotary type of ``config`` whose K/V depend on the length of the sequence that computed them, if
+    any: a prefix hit would serve a long request's rotations to a shorter one (1e-4 to 1e-3 off
+    transformers' logits; an outside audit, s69). One conversation, continued or cut back, is exact."""
+    for name in ("rope_parameters", "rope_scaling"):
+        found = getattr(config, name, None)
+        kinds = [found] + (list(found.values()) if isinstance(found, dict) else [])    # per layer type too
+        for kind in kinds:
+            if isinstance(kind, dict):
+                rope = kind.get("rope_type", kind.get("type"))
+                if rope in _LENGTH_DEPENDENT_ROPE:
+                    return rope
+    return None
 
 
 def check_attention(config) -> None:

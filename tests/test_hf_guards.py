@@ -912,3 +912,45 @@ def test_a_layer_past_the_last_is_what_transformers_cache_says():
         assert cache.get_seq_length(layer) == reference.get_seq_length(layer)
         assert cache.get_mask_sizes(3, layer) == reference.get_mask_sizes(3, layer)
     cache.close()
+
+
+def test_a_model_whose_kv_come_from_images_too_is_refused_by_name():
+    """An outside audit (s69): Llava was held, its image positions keyed by the placeholder id alone, and a
+    request with another image hit the first image's K/V (its generation continued the first image's)."""
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=4, image_size=8, patch_size=4, projection_dim=32)
+    multimodal = transformers.LlavaConfig(vision_config=vision, text_config=config(), image_token_index=96)
+    with pytest.raises(UnsupportedModelError, match="images or audio as well as token ids"):
+        hf.layout_of(multimodal)
+    assert hf.layout_of(config()).layers == 2          # the text model alone is held
+
+
+@pytest.mark.parametrize("rope", ["dynamic", "longrope"])
+def test_prefix_reuse_of_a_length_dependent_rotary_model_is_refused_and_one_conversation_is_exact(rope):
+    """The same audit: a short request hitting a long one's prefix got K/V rotated for the long length (1e-4
+    to 1e-3 off transformers' logits). ``retain`` and ``match`` are refused by name; one conversation,
+    continued past the rotary's original length, still equals DynamicCache bit for bit."""
+    parameters = {"rope_type": rope, "rope_theta": 10000.0, "factor": 2.0}
+    if rope == "longrope":
+        parameters = {"rope_type": rope, "rope_theta": 10000.0, "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+                      "original_max_position_embeddings": 16}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=16, rope_parameters=parameters, bos_token_id=0,
+        eos_token_id=0)).eval()
+    ids = torch.from_numpy(np.random.default_rng(3).integers(1, VOCAB, (1, 24)))
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, match="token")
+    theirs = DynamicCache(config=model.config)
+    greedy = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0,
+                  return_dict_in_generate=True, output_logits=True)
+    # transformers' dynamic rotary keeps the frequencies of its last long sequence: a fresh model's first
+    # run differs from every later one, DynamicCache's too, so one run first
+    model.generate(ids, cache=DynamicCache(config=model.config), **greedy)
+    ours_out, theirs_out = model.generate(ids, cache=cache, **greedy), model.generate(ids, cache=theirs, **greedy)
+    assert all(torch.equal(a, b) for a, b in zip(ours_out.logits, theirs_out.logits))
+    for refused in (cache.retain, lambda: hf.KVStateCache.for_model(model, cache.kv).match(ids)):
+        with pytest.raises(UnsupportedModelError, match=f"rotary embedding \\('{rope}'\\)"):
+            refused()
+    assert cache.kv.stats()["entries"] == 0
+    cache.close()
