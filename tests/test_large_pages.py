@@ -181,9 +181,9 @@ def test_a_snapshot_the_engine_alone_reads_back_is_held_to_the_format(monkeypatc
         real_write(held, ctx, *producer)
         file.write(shifted(held.getvalue(), 1))
 
-    def restore_from(cache, file, size, limit, producer):
+    def restore_from(cache, file, size, limit, *rest):       # rest: producer, key
         data = shifted(file.read(), -1)
-        return real_restore(cache, io.BytesIO(data), len(data), limit, producer)
+        return real_restore(cache, io.BytesIO(data), len(data), limit, *rest)
     monkeypatch.setattr(snapshot_write, "_write_to", write_to)
     monkeypatch.setattr(snapshot_restore, "_restore_from", restore_from)
     results = conform(numpy_factory, configs=[config_named("f32-heap")], checks=["snapshot writes"])
