@@ -125,9 +125,10 @@ def local_path(target, error_class: type[SnapshotError] = SnapshotError):
 # folder and has no port, so a ``:`` there before an ``@`` is always a secret: one of every 400 or so
 # AWS secret keys begins with digits and then ``/``, and was used, named in messages and logged.
 #
-# Looked for after every ``://``, not only at the string's start: fsspec's chains
-# (``simplecache::s3://user:secret@...``) and a value pasted with a leading space or under an odd
-# scheme (``1s3://``, ``s_3://``) put the authority further in, and their secrets were quoted.
+# Looked for after the first ``://`` of each part of an fsspec chain (``simplecache::s3://user:secret@...``,
+# ``zip://a.txt::s3://user:secret@...``), wherever it stands: a value pasted with a leading space, or under
+# an odd scheme (``1s3://``, ``s_3://``), put it past the string's start, and the secret was quoted. Never
+# in a path: ``memory://kv/conv://turn@2.kvs`` is a key.
 _SCHEME_END = re.compile(r"([A-Za-z0-9+._-]*)://")
 _USERINFO = re.compile(r"[^/@]*@|[^/@:]*:[^@]*@")
 _USERINFO_BESIDE_PORT = re.compile(r"[^/@]*@|[^/@:]*:(?!\d+(?:/|$))[^@]*@")
@@ -135,17 +136,18 @@ _PORT_SCHEMES = {"http", "https", "ftp", "sftp", "ssh", "smb", "hdfs", "webhdfs"
 
 
 def _userinfo(url) -> list[tuple[int, int]]:
-    """Where ``url`` holds ``user:secret@`` after a ``://``: each (start, end), the ``@`` included."""
+    """Where ``url`` holds ``user:secret@`` right after a part's first ``://``: each (start, end), ``@`` included."""
     if not isinstance(url, str):
         return []
-    found = []
-    for scheme in _SCHEME_END.finditer(url):
-        if found and scheme.start() < found[-1][1]:
-            continue        # inside userinfo already found
-        port = scheme.group(1).lower() in _PORT_SCHEMES
-        userinfo = (_USERINFO_BESIDE_PORT if port else _USERINFO).match(url, scheme.end())
-        if userinfo is not None:
-            found.append(userinfo.span())
+    found, at = [], 0
+    for part in url.split("::"):
+        scheme = _SCHEME_END.search(part)
+        if scheme is not None:
+            port = scheme.group(1).lower() in _PORT_SCHEMES
+            userinfo = (_USERINFO_BESIDE_PORT if port else _USERINFO).match(part, scheme.end())
+            if userinfo is not None:
+                found.append((at + userinfo.start(), at + userinfo.end()))
+        at += len(part) + 2
     return found
 
 
@@ -253,7 +255,7 @@ def refuse_unsafe_options(storage_options: dict | None, error_class: type[KVStat
 
 
 _ENDPOINT_VARIABLES = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
-_ENDPOINT = re.compile(r"^https?://[^\s@/?#]+(?:/[^\s@?#]*)?$", re.IGNORECASE)
+_ENDPOINT = re.compile(r"https?://[^\s@/?#]+(?:/[^\s@?#]*)?", re.IGNORECASE)     # whole (``fullmatch``)
 
 
 def _refuse_unsafe_endpoint(endpoint, where: str, error_class: type[KVStateError]) -> None:
@@ -261,8 +263,8 @@ def _refuse_unsafe_endpoint(endpoint, where: str, error_class: type[KVStateError
     "Invalid endpoint: ..." quotes whatever it was given (a secret pasted into the wrong field), and
     an ``@`` anywhere in one is userinfo (read as a port and a path, a secret beginning with digits
     then ``/`` passed ``has_credentials``)."""
-    if endpoint is None or (isinstance(endpoint, str) and _ENDPOINT.match(endpoint)):
-        return
+    if endpoint is None or endpoint == "" or (isinstance(endpoint, str) and _ENDPOINT.fullmatch(endpoint)):
+        return      # unset (botocore takes an empty one as unset too), or a server's URL
     if isinstance(endpoint, str) and "@" in endpoint:
         raise error_class(f"{where} carries credentials (user:secret@): pass them as storage_options key and "
                           f"secret, or in the environment, never in the URL")
