@@ -178,3 +178,27 @@ def test_a_read_only_view_of_a_one_page_context_fails_no_aliasing():
     assert "what it returned changed when the context was overwritten" in planted.outcomes["no aliasing"].detail
     (control,) = conform(_stable(), profile="hunt", checks=["no aliasing"])
     assert control.outcomes["no aliasing"].status == "pass", control.outcomes["no aliasing"].detail
+
+
+def test_arena_evidence_says_what_it_could_not_compare_for_a_backend_that_renames_its_holders():
+    """The final review (s69): once a rename drops the learnt holder names, the heap configuration's comparison
+    of a page taken back after frees with a new cache's had no holder to read, and passed saying nothing."""
+    from kvstate.impl.numpy import factory as numpy_factory
+    from kvstate.stateful.configs import config_named
+
+    def renaming(config):
+        cache = numpy_factory(config)
+        real = cache.observe
+
+        def observe():          # contexts named by their rank, as a list's positions would name them
+            seen = real()
+            names = {h: f"ctx:{i}" for i, h in enumerate(sorted(h for h in seen.holders if h.startswith("ctx")))}
+            return Observation(**{**seen.__dict__, "holders": {names.get(k, k): v for k, v in seen.holders.items()},
+                                  "lengths": {names.get(k, k): v for k, v in seen.lengths.items()}})
+        cache.observe = observe
+        return cache
+    (result,) = conform(renaming, configs=[config_named("f32-heap")], checks=["arena evidence"])
+    outcome = result.outcomes["arena evidence"]
+    assert outcome.status == "pass" and "renames its contexts' holders" in outcome.note, outcome
+    (control,) = conform(numpy_factory, configs=[config_named("f32-heap")], checks=["arena evidence"])
+    assert control.outcomes["arena evidence"].note is None
