@@ -122,9 +122,11 @@ class Lockstep:
         return handle
 
     def _apply(self, op: O.Op, watched: bool) -> str | None:
-        if getattr(op, "ctx", None) in self._unread:
+        read_first = getattr(op, "ctx", None) in self._unread
+        if read_first:
             self._reported(lambda: self._read_before_use(op))
-        before = self._observation_now() if watched else None
+        # After that read, a fresh observation: a backend may count reads among its counters
+        before = (self.engine.observe() if read_first else self._observation_now()) if watched else None
         self.refused = None
         self.steps += 1
         self.history.append(str(op))
@@ -535,7 +537,9 @@ class Lockstep:
                                                           f"at once): such a match or the close of its hit left "
                                                           f"it so") from None
         self.checks += 1
-        self._observed = (self.steps, obs)
+        # Observed again after the check's own reads (the next operation's "before": a backend may count
+        # reads among its counters, and a refusal that changes nothing was blamed for the suite's reads)
+        self._observed = (self.steps, self.engine.observe() if engine_reads else obs)
         self._verified = set(self.live)
 
     def _read_before_use(self, op: O.Op) -> None:

@@ -202,3 +202,25 @@ def test_arena_evidence_says_what_it_could_not_compare_for_a_backend_that_rename
     assert outcome.status == "pass" and "renames its contexts' holders" in outcome.note, outcome
     (control,) = conform(numpy_factory, configs=[config_named("f32-heap")], checks=["arena evidence"])
     assert control.outcomes["arena evidence"].note is None
+
+
+def test_a_backend_counting_its_reads_among_its_counters_is_not_blamed_for_the_suites_reads():
+    """A false-rejection audit (s69): a backend whose ``observe().counters`` counts reads failed every run: the
+    observation before an operation was the last check's, taken before the check's own reads (and before the
+    read of a skipped context right before an operation), so a refusal or a zero-length write "changed the
+    counters". The "before" is now observed after the suite's reads."""
+    import dataclasses
+
+    def read_counted(self, start=0, stop=None):
+        self.cache.reads = getattr(self.cache, "reads", 0) + 1
+        return type(self).__mro__[1].read(self, start, stop)
+
+    def observe_with_reads(cache):
+        return dataclasses.replace(type(cache).__mro__[1].observe(cache), counters={"reads": getattr(cache, "reads", 0)})
+
+    factory = _stable({"read": read_counted}, {"observe": observe_with_reads})
+    ops = [O.Allocate(), O.Extend("c1", (1, 2, 3), seed=1), O.Fork("c1"), O.Allocate(), O.Retain("c3"),
+           O.Extend("c1", (), seed=2), O.Overwrite("c2", 0, (), seed=3)]
+    _run(factory, ops).finish()        # a refused retain and zero-length writes, each after the suite's reads
+    (result,) = conform(factory, profile="hunt", checks=["lockstep", "pinned semantics"])
+    assert result.passed, result.failure
