@@ -513,6 +513,11 @@ class Lockstep:
         self._unread = (self._unread | skip) - engine_reads.keys()
         for handle in [handle for handle in engine_reads if handle in touched]:     # the run's order, not a set's
             self._read_is_a_copy(handle, to_numpy(returned[handle]), reference_reads[handle])
+        # Every context read is also read through a window: a check reading all of them (a replay, the sweep's
+        # pinning rerun) then finds whatever one reading only what changed finds (before an operation, at
+        # finish), at that step or earlier; a window read only where a step named the context let a sweep
+        # record failures that its own replay could not reach (the s69 sweep audit).
+        for handle in engine_reads:
             self._ranged_read(handle, reference_reads[handle])
         expected = self.reference.eviction_order()
         try:
