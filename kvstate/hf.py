@@ -1023,6 +1023,7 @@ def _feed_hook(module, args, kwargs):
         ids = named.get("input_ids")
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
+        _refuse_bool_4d_under_eager(named.get("attention_mask"), module)
         try:
             cache.feed(ids, named.get("attention_mask"))
             cache._by_hand = False      # fed by this model's hook, and the model checked above
@@ -1031,6 +1032,18 @@ def _feed_hook(module, args, kwargs):
                 cache.end_forward()     # an interrupt here: no hook after it runs, and the forward it claimed is over
             raise
     return None
+
+
+def _refuse_bool_4d_under_eager(mask, model) -> None:
+    """transformers' eager attention adds the mask to the scores, so a bool 4-D mask masks nothing there
+    (True is +1): its K/V would come from every token seeing every other, read here as causal and stored
+    as the tokens' own (an outside audit, s69). Refused by name before the forward."""
+    masks = mask.values() if isinstance(mask, dict) else [mask]
+    if getattr(getattr(model, "config", None), "_attn_implementation", None) == "eager" and any(
+            isinstance(entry, torch.Tensor) and entry.ndim == 4 and entry.dtype == torch.bool for entry in masks):
+        raise ShapeError("attention_mask is a bool 4-D mask, which this model's eager attention adds to its scores "
+                         "(True as +1, False as 0), so it masks nothing: pass an additive float mask (0 attends, "
+                         "the dtype's lowest masks; transformers' eager_mask) or the 2-D one")
 
 
 def _end_hook(module, args, kwargs, output):

@@ -183,12 +183,18 @@ def _entries_4d(mask, what: str):
         def part(index):
             return mask[index] if lowest is None else mask[index].astype(np.float64)
 
-    def entries(index) -> tuple[np.ndarray, np.ndarray]:
+    def entries(index, weightless: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(masked, attended) at ``index``; ``weightless``: "masked" is any value that leaves a key no weight
+        at all (``NO_WEIGHT`` or below: the softmax's exp is exactly 0 in every float dtype), as a causal mask
+        built with -1e9, -1e4 or float16's lowest in a float32 mask masks, rather than plainly masked."""
         values = part(index)
         if lowest is None:
             return ~values, values
-        return values <= lowest, values == 0
+        return values <= (NO_WEIGHT if weightless else lowest), values == 0
     return entries
+
+
+NO_WEIGHT = -1e4        # exp(-1e4 + any score a model computes) is 0: float32 and float64 underflow far above it
 
 
 def _real_4d(mask, batch: int, n: int, past, pads, what: str) -> np.ndarray:
@@ -252,7 +258,7 @@ def _causal_over_tokens(entries, source: int, row: int, tokens: np.ndarray, star
     for at in range(0, len(tokens), chunk):
         queries = tokens[at:at + chunk]
         masked, attends = entries((slice(source, source + 1), slice(None), queries[:, None],
-                                   np.arange(keys)[None, :]))            # (1, heads, queries, keys)
+                                   np.arange(keys)[None, :]), weightless=True)     # (1, heads, queries, keys)
         own = start + queries[:, None]
         later = np.arange(keys)[None, :] > own
         must_attend = real_key[None, :] & ~later

@@ -318,3 +318,39 @@ def test_a_2d_mask_with_a_hole_over_a_held_token_is_refused():
         model(ids[:, 6:], attention_mask=holed, cache=cache)
     assert state(cache) == before
     cache.close()
+
+
+@pytest.mark.parametrize("low", [-1e9, -1e4, -65504.0])
+def test_a_causal_mask_built_with_a_large_negative_value_is_accepted_and_exact(low):
+    """The s69 mask audit: a float32 causal mask masking with -1e9, -1e4 or float16's lowest leaves those keys no
+    weight (transformers' logits equal an unmasked causal run's), yet the causality check, reading only -inf or
+    the dtype's lowest as masked, refused it."""
+    model = model_of("llama")
+    ids = torch.from_numpy(np.random.default_rng(4).integers(1, VOCAB, (1, 6)))
+    mask = torch.full((1, 1, 6, 6), low).triu(1)
+    ours, theirs = hf.KVStateCache.for_model(model, page_tokens=4), DynamicCache(config=model.config)
+    assert torch.equal(model(ids, attention_mask=mask, cache=ours).logits,
+                       model(ids, attention_mask=mask, cache=theirs).logits)
+    assert ours.get_seq_length() == 6
+    ours.close()
+
+
+def test_a_bool_4d_mask_under_eager_attention_is_refused():
+    """The same audit: eager attention adds a bool mask to its scores (True as +1), so it masks nothing, and the K/V
+    of every token seeing every other were stored as the tokens' own; kvstate read the mask as causal."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=0)
+    eager = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ids = torch.from_numpy(np.random.default_rng(5).integers(1, VOCAB, (1, 6)))
+    causal = torch.ones((1, 1, 6, 6), dtype=torch.bool).tril()
+    cache = hf.KVStateCache.for_model(eager, page_tokens=4)
+    with pytest.raises(ShapeError, match="eager attention adds to its scores"):
+        eager(ids, attention_mask=causal, cache=cache)
+    assert cache.get_seq_length() == 0
+    sdpa = model_of("llama")                        # sdpa reads a bool mask as kvstate does: accepted
+    other = hf.KVStateCache.for_model(sdpa, page_tokens=4)
+    sdpa(ids, attention_mask=causal, cache=other)
+    assert other.get_seq_length() == 6
+    cache.close()
+    other.close()
