@@ -171,9 +171,11 @@ def _entries_4d(mask, what: str):
             raise ShapeError(unread)
         lowest = torch.finfo(mask.dtype).min / 2 if mask.is_floating_point() else None
 
-        def part(index):
-            values = mask[tuple(torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in index)].cpu()
-            return values.numpy() if lowest is None else values.to(torch.float64).numpy()
+        def part(index):        # compared where the mask is, in its own dtype: a long prompt's mask is large
+            return mask[tuple(torch.as_tensor(i) if isinstance(i, np.ndarray) else i for i in index)]
+
+        def as_numpy(flags):
+            return flags.cpu().numpy()
     else:
         mask = np.asarray(mask)
         if mask.dtype != bool and mask.dtype.kind != "f":
@@ -181,7 +183,10 @@ def _entries_4d(mask, what: str):
         lowest = float(np.finfo(mask.dtype).min) / 2 if mask.dtype.kind == "f" else None
 
         def part(index):
-            return mask[index] if lowest is None else mask[index].astype(np.float64)
+            return mask[index]
+
+        def as_numpy(flags):
+            return flags
 
     def entries(index, weightless: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(masked, attended) at ``index``; ``weightless``: "masked" is any value that leaves a key no weight
@@ -189,8 +194,8 @@ def _entries_4d(mask, what: str):
         built with -1e9, -1e4 or float16's lowest in a float32 mask masks, rather than plainly masked."""
         values = part(index)
         if lowest is None:
-            return ~values, values
-        return values <= (NO_WEIGHT if weightless else lowest), values == 0
+            return as_numpy(~values), as_numpy(values)
+        return as_numpy(values <= (NO_WEIGHT if weightless else lowest)), as_numpy(values == 0)
     return entries
 
 
