@@ -581,7 +581,7 @@ class Lockstep:
                                         f"{differs.detail}") from None
 
     def _ranged_read(self, handle: str, expected) -> None:
-        """``read(start, stop)`` of a context an operation named reads what the whole read holds there.
+        """``read(start, stop)`` of a context a check reads holds what the whole read holds there.
         The window moves with the step: its stop on an inner page boundary where the context has one
         (``read(0, page)``, a prefix read, is where ``stop // page`` for ``(stop - 1) // page`` goes
         wrong), its start anywhere before it; a context within one page, a window inside it."""
