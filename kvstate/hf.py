@@ -57,7 +57,7 @@ from typing import Callable
 
 import numpy as np
 
-from .hf_config import check_layout, layout_of, length_dependent_rope, require_transformers
+from .hf_config import check_layout, decoder_config, layout_of, length_dependent_rope, require_transformers
 from .hf_rows import as_ids, new_padding, real_positions, reorder_plan
 
 transformers = require_transformers()
@@ -255,8 +255,7 @@ class KVStateCache(_HFCache):
             check_layout(layout, context.layout, "the context")
         attach(model)
         bind_model(model, kv)
-        rope = length_dependent_rope(model.config.get_text_config(decoder=True)
-                                     if hasattr(model.config, "get_text_config") else model.config)
+        rope = length_dependent_rope(decoder_config(model))
         if rope is not None:
             _NO_PREFIX_REUSE[kv] = rope
         return cls(layout, kv, context if context is not None else kv.allocate(), layer_views=layer_views)

@@ -122,11 +122,9 @@ class Lockstep:
         return handle
 
     def _apply(self, op: O.Op, watched: bool) -> str | None:
-        read_first = getattr(op, "ctx", None) in self._unread
-        if read_first:
+        if getattr(op, "ctx", None) in self._unread:
             self._reported(lambda: self._read_before_use(op))
-        # After that read, a fresh observation: a backend may count reads among its counters
-        before = (self.engine.observe() if read_first else self._observation_now()) if watched else None
+        before = self._observation_now() if watched else None
         self.refused = None
         self.steps += 1
         self.history.append(str(op))
@@ -501,7 +499,8 @@ class Lockstep:
         returned = {}       # handle -> the values array ``read()`` returned, for ``_read_is_a_copy``
         for handle, (engine, ref) in self.live.items():
             if handle in named:
-                returned[handle], *engine_reads[handle] = named[handle]
+                returned[handle], values, tokens = named[handle]
+                engine_reads[handle] = (values, tokens)
             elif handle in skip:
                 continue
             else:
@@ -564,6 +563,7 @@ class Lockstep:
                                         f"{handle} since its last read (no operation since named it or its "
                                         f"pages)") from None
         self._unread.discard(handle)
+        self._observed = (self.steps, self.engine.observe())    # after the reads: see the end of ``_check``
 
     def _read_is_a_copy(self, handle: str, values: np.ndarray, expected) -> None:
         """What ``read`` returned is the caller's: scribbling over it must leave the context as it was.
