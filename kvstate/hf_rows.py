@@ -262,8 +262,14 @@ def _causal_over_tokens(entries, source: int, row: int, tokens: np.ndarray, star
     real_key[start + tokens] = True
     for at in range(0, len(tokens), chunk):
         queries = tokens[at:at + chunk]
-        masked, attends = entries((slice(source, source + 1), slice(None), queries[:, None],
-                                   np.arange(keys)[None, :]), weightless=True)     # (1, heads, queries, keys)
+        # (1, heads, queries, keys). Where the chunk's positions are consecutive (a row's tokens after its
+        # left padding: the usual case) a slice reads them as a view; a gather of a 4,096-token prompt's
+        # mask by index arrays took most of this check's time.
+        if queries[-1] - queries[0] == len(queries) - 1:
+            asked = slice(int(queries[0]), int(queries[-1]) + 1), slice(None)
+        else:
+            asked = queries[:, None], np.arange(keys)[None, :]
+        masked, attends = entries((slice(source, source + 1), slice(None), *asked), weightless=True)
         own = start + queries[:, None]
         later = np.arange(keys)[None, :] > own
         must_attend = real_key[None, :] & ~later

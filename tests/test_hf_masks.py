@@ -354,3 +354,21 @@ def test_a_bool_4d_mask_under_eager_attention_is_refused():
     assert other.get_seq_length() == 6
     cache.close()
     other.close()
+
+
+@pytest.mark.parametrize("as_tensor", [True, False])
+def test_the_causal_check_reads_a_row_whose_tokens_are_not_consecutive(as_tensor):
+    """The causal check reads a row's consecutive tokens as a slice of the mask and gathers them otherwise
+    (a hole: new position 2 padding here, which ``real_positions`` reports and ``new_padding`` then refuses
+    by name): a mask letting a token see a later one is refused on that path too."""
+    from kvstate.hf_rows import real_positions
+
+    low, n = torch.finfo(torch.float32).min, 6
+    causal = torch.full((1, 1, n, n), low).triu(1)
+    causal[:, :, :, 2] = low        # position 2 is padding: masked for every query, itself included
+    assert real_positions(causal if as_tensor else causal.numpy(), 1, n, past=0).tolist() == [
+        [True, True, False, True, True, True]]
+    peeking = causal.clone()
+    peeking[0, 0, 3, 4] = 0         # token 3 attends to token 4, after it
+    with pytest.raises(ShapeError, match="row 0's token at new position 3 attend to key 4"):
+        real_positions(peeking if as_tensor else peeking.numpy(), 1, n, past=0)
