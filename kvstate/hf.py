@@ -1023,6 +1023,7 @@ def _feed_hook(module, args, kwargs):
         if ids is None and args and isinstance(args[0], torch.Tensor) and not args[0].is_floating_point():
             ids = args[0]
         _refuse_bool_4d_under_eager(named.get("attention_mask"), module)
+        _refuse_token_types(named.get("token_type_ids"))
         try:
             cache.feed(ids, named.get("attention_mask"))
             cache._by_hand = False      # fed by this model's hook, and the model checked above
@@ -1043,6 +1044,18 @@ def _refuse_bool_4d_under_eager(mask, model) -> None:
         raise ShapeError("attention_mask is a bool 4-D mask, which this model's eager attention adds to its scores "
                          "(True as +1, False as 0), so it masks nothing: pass an additive float mask (0 attends, "
                          "the dtype's lowest masks; transformers' eager_mask) or the 2-D one")
+
+
+def _refuse_token_types(token_type_ids) -> None:
+    """A forward's K/V are kept by its token ids alone (a hit serves them to any request of those ids), but
+    ``token_type_ids`` change them: GPT-2, GPT-J and CodeGen add their embedding (zeros included), and a
+    prefix-LM model (HrmText) lets the prompt's type-1 tokens see each other, but only when its cache says it
+    holds nothing yet. An outside audit (s69): stored, a later hit was 0.008 off transformers' logits, and an
+    HrmText prompt ran causal under kvstate, 0.0025 off. Refused by name before the forward."""
+    if token_type_ids is not None:
+        raise TokenError("token_type_ids change the K/V a forward computes (a token-type embedding, or a prompt "
+                         "whose tokens see each other), but kvstate keeps K/V by the token ids alone and serves "
+                         "them to any request of those ids: forward without token_type_ids, or with a DynamicCache")
 
 
 def _end_hook(module, args, kwargs, output):

@@ -372,3 +372,42 @@ def test_the_causal_check_reads_a_row_whose_tokens_are_not_consecutive(as_tensor
     peeking[0, 0, 3, 4] = 0         # token 3 attends to token 4, after it
     with pytest.raises(ShapeError, match="row 0's token at new position 3 attend to key 4"):
         real_positions(peeking if as_tensor else peeking.numpy(), 1, n, past=0)
+
+
+def _hrm_text():
+    if not hasattr(transformers, "HrmTextConfig"):
+        pytest.skip("this transformers has no HrmText")
+    torch.manual_seed(0)
+    config = transformers.HrmTextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_layers_per_stack=2, num_attention_heads=4, head_dim=8, H_cycles=1,
+                                        L_cycles=1, pad_token_id=0)
+    return transformers.HrmTextForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "hrm_text"])
+def test_token_type_ids_are_refused_before_the_forward(kind):
+    """Outside audits (s69): GPT-2's ``token_type_ids`` add their embedding to the K/V (zeros included), which were
+    stored as the tokens' own (a later hit 0.008 off transformers' logits); HrmText, a prefix-LM model, lets a
+    prompt's type-1 tokens see each other only while its cache holds nothing, which a kvstate cache never said, so
+    the prompt ran causal (0.0025 off). Both are refused by name, in a forward and in ``generate``, changing
+    nothing; without them each model's logits are transformers' own."""
+    model = _hrm_text() if kind == "hrm_text" else model_of("gpt2")
+    prompt = torch.from_numpy(np.random.default_rng(3).integers(1, VOCAB, (1, 7)))
+    types = torch.zeros_like(prompt) if kind == "gpt2" else torch.ones_like(prompt)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, match="token")
+    model(prompt[:, :3], cache=cache)
+    before = state(cache)
+    with pytest.raises(TokenError, match="token_type_ids change the K/V"):
+        model(prompt[:, 3:], token_type_ids=types[:, 3:], cache=cache)
+    assert state(cache) == before
+    fresh = hf.KVStateCache.for_model(model, page_tokens=4)
+    with pytest.raises(TokenError, match="token_type_ids change the K/V"):
+        model.generate(prompt, token_type_ids=types, cache=fresh, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert fresh.get_seq_length() == 0 and fresh.kv.stats()["live_pages"] == 0
+    with torch.no_grad():
+        ours = model(prompt[:, 3:], cache=cache).logits
+        theirs = DynamicCache(config=model.config)
+        model(prompt[:, :3], cache=theirs)
+        assert torch.equal(ours, model(prompt[:, 3:], cache=theirs).logits)
+    for each in (cache, fresh):
+        each.close()
