@@ -335,6 +335,9 @@ def from_json(data: dict) -> Replay:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         found = data.get("format") if isinstance(data, dict) else type(data).__name__
         raise ReplayFileError(f"not a {FORMAT} file (format {found!r})")
+    seed = data.get("seed")
+    if seed is not None and type(seed) is not int:      # a sweep's seeds are ints; the name of a pasted test holds it
+        raise ReplayFileError(f"malformed replay file: its 'seed' is {seed!r}, not an int")
     for name, kind, what in (("backend", str, "a string (a module or a .py file)"), ("ops", list, "a list of operations"),
                              ("config", dict, "an object of configuration fields"),
                              ("failure", (dict, type(None)), "an object of failure fields or null")):
@@ -348,7 +351,7 @@ def from_json(data: dict) -> Replay:
         bounds.check_memory(config, ops)
         recorded = data.get("ops_sha256")      # files from before it carry none, and read as written
         edited = recorded is not None and recorded != ops_digest(data["ops"])
-        return Replay(data["backend"], config, data.get("seed"), ops, failure,
+        return Replay(data["backend"], config, seed, ops, failure,
                       data.get("minimised", False), data.get("original_steps"), edited=edited)
     except ReplayFileError:
         raise
@@ -506,14 +509,25 @@ def _found_as(failure: "Failure | None") -> str:
     return failure.error + ("" if failure.invariant is None else f" (invariant {failure.invariant})")
 
 
+def _docstring(text: str) -> str:
+    """``text`` as a string literal to open a function. Read from a replay file or a journal, it is data:
+    an outside audit (s70) recorded an error name holding three double quotes, then a command, then three
+    more, and the pasted test, its docstring closed early, ran the command."""
+    if text.isprintable() and '"' not in text and "\\" not in text:
+        return f'"""{text}"""'
+    return repr(text)
+
+
 def as_pytest(replay: Replay) -> str:
-    """A ready-to-paste pytest test that fails while the bug is present."""
-    name = f"test_sweep_{replay.config.name}_seed_{replay.seed}".replace("-", "_")
+    """A ready-to-paste pytest test that fails while the bug is present. Everything in it that a replay
+    file says is written as a literal (the backend, the operations, the configuration, the failure) or
+    reduced to identifier characters (the test's name), so no file's text runs as code."""
+    name = re.sub(r"\W", "_", f"test_sweep_{replay.config.name}_seed_{replay.seed}", flags=re.ASCII)
     module, _, attribute = replay.backend.partition(":")
     ops = ",\n".join(f"    {json.dumps(op.to_json())}" for op in replay.ops)
-    if all(part.isidentifier() for part in module.split(".")):
+    if all(part.isidentifier() for part in module.split(".")) and (not attribute or attribute.isidentifier()):
         load, bind = f"from {module} import {attribute or 'factory'} as factory", ""
-    else:           # a file path (``--backend path/backend.py``): no import statement names it
+    else:           # a file path (``--backend path/backend.py``), or names no import statement could hold
         load, bind = "from kvstate.stateful.backends import load_factory", f"\nfactory = load_factory({replay.backend!r})\n"
     return f'''{load}
 from kvstate.stateful.replay import config_from_json, execute
@@ -525,7 +539,7 @@ OPS = [
 
 
 def {name}():
-    """Found by kvstate sweep: {_found_as(replay.failure)}."""
+    {_docstring(f"Found by kvstate sweep: {_found_as(replay.failure)}.")}
     config = config_from_json({json.dumps(config_to_json(replay.config))})
     failure, _ = execute(factory, config, [op_from_json(op) for op in OPS])
     assert failure is None, str(failure)

@@ -656,3 +656,28 @@ def test_a_pytest_tests_first_line_names_an_invariant_only_where_one_broke():
     assert 'Found by kvstate sweep: RuntimeError."""' in as_pytest(raised)
     assert 'Found by kvstate sweep: InvariantViolation (invariant 4)."""' in as_pytest(broke)
     assert 'Found by kvstate sweep: passing."""' in as_pytest(Replay("kvstate.impl.numpy", config, 0, []))
+
+
+def test_a_pasted_test_runs_nothing_a_replay_file_or_journal_says():
+    """An outside audit (s70): a journal's failure error holding three double quotes, a command and three more
+    closed the pasted test's docstring early, and the command ran with the test. Whatever a file says (the error, the invariant,
+    a backend attribute) is now a literal or an identifier, and a seed that is not an int is refused on load."""
+    from kvstate.stateful.replay import Failure, from_json, to_json
+    from kvstate.spec.errors import ReplayFileError
+
+    config = config_named("f32-heap")
+    command = '__import__("os").system("touch pwned")'
+    error = f'IndexError"""; {command}; """'
+    invariant = f'x\\"\n{command}\n'
+    for backend in ("kvstate.impl.numpy", f"kvstate.impl.numpy:factory; {command}"):
+        source = as_pytest(Replay(backend, config, 0, [O.Allocate()], Failure(3, "apply", "allocate()", error,
+                                                                              invariant, "boom")))
+        tree = ast.parse(source)
+        test = next(node for node in tree.body if isinstance(node, ast.FunctionDef))
+        assert ast.get_docstring(test, clean=False) == f"Found by kvstate sweep: {error} (invariant {invariant})."
+        assert [type(node).__name__ for node in tree.body if not isinstance(node, (ast.Import, ast.ImportFrom))] in (
+            ["Assign", "FunctionDef"], ["Assign", "Assign", "FunctionDef"])     # OPS (and factory by path), the test
+        assert command not in source.replace(repr(backend), "").replace(repr(test.body[0].value.value), "")
+    data = to_json(Replay("kvstate.impl.numpy", config, 0, [O.Allocate()]))
+    with pytest.raises(ReplayFileError, match="its 'seed' is '0; x'"):
+        from_json({**data, "seed": "0; x"})
