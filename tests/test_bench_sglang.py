@@ -151,3 +151,22 @@ def test_token_ids_rows_grow_each_conversation_from_its_last_request_only():
             held = requests[b] if b >= 0 else requests[i][:QUICK["system_tokens"]]
             assert b < i and len(held) < len(requests[i]) and (requests[i][:len(held)] == held).all()
             assert not any(extends(i, j) for j in range(b + 1, i))      # the latest it extends, none later
+
+
+@pytest.mark.skipif(installed_version() != SUPPORTED_VERSION,
+                    reason=f"sglang {SUPPORTED_VERSION} is not installed (pip install --no-deps sglang=={SUPPORTED_VERSION})")
+def test_cold_lookup_times_each_contender_on_the_same_requests():
+    """``bench/cold_lookup.py``: five replays of one workload; the untimed work between lookups changes no hit."""
+    from kvstate.bench import cold_lookup
+    from kvstate.bench.traffic_workload import QUICK, workload
+
+    requests = workload("divergent", **QUICK)
+    for page in (1, 4):
+        rows = cold_lookup.measure(requests, page, rounds=1)
+        assert list(rows) == [cold_lookup.KV_COLD, cold_lookup.KV_WARM, cold_lookup.SGL_BACK, cold_lookup.SGL_WRITE,
+                              cold_lookup.SGL_AFTER_OURS]
+        ours = {rows[name][1] for name in (cold_lookup.KV_COLD, cold_lookup.KV_WARM)}
+        theirs = {rows[name][1] for name in (cold_lookup.SGL_BACK, cold_lookup.SGL_WRITE, cold_lookup.SGL_AFTER_OURS)}
+        assert len(ours) == len(theirs) == 1 and min(ours) > 0
+        assert page > 1 or ours == theirs       # above page 1 SGLang matches whole pages only
+        assert all(us > 0 for us, _ in rows.values())
