@@ -67,7 +67,13 @@ class Deadline:
 
 
 def check_seconds(seconds, name: str, error: type[InvalidInputError] = InvalidInputError) -> None:
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < math.inf:
+    # Compared as the float ``Deadline`` keeps: an int past float's range (2**1100) passed ``< inf`` and then
+    # made every remote call raise a bare OverflowError (an outside audit, s70).
+    try:
+        finite = not isinstance(seconds, bool) and isinstance(seconds, (int, float)) and 0 < float(seconds) < math.inf
+    except OverflowError:
+        finite = False
+    if not finite:
         raise error(f"{name} must be a positive number of seconds, got {seconds!r}")
 
 

@@ -1168,7 +1168,7 @@ def test_a_huge_finite_deadline_is_no_deadline_rather_than_an_overflow(seconds):
         ctx.snapshot(url, deadline_s=seconds)
 
 
-@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True, 2**1100])
 def test_a_cache_deadline_must_be_positive_seconds(seconds):
     from kvstate.spec.errors import ConfigError
     with pytest.raises(ConfigError, match="remote_deadline_s must be a positive number of seconds"):
@@ -1186,7 +1186,7 @@ def test_longer_than_must_be_a_count(longer_than):
     assert store.lookup(cache, [1, 2, 3], longer_than=0) == 0      # a count is taken: nothing stored, a miss
 
 
-@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True])
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf"), "5", True, 2**1100])
 def test_deadlines_must_be_positive_seconds(seconds):
     from kvstate import remote
     from kvstate.spec.errors import InvalidInputError
