@@ -58,7 +58,7 @@ from typing import Callable
 import numpy as np
 
 from .hf_config import check_layout, decoder_config, layout_of, length_dependent_rope, require_transformers
-from .hf_rows import as_ids, new_padding, real_positions, reorder_plan
+from .hf_rows import as_ids, check_positions, new_padding, real_positions, reorder_plan
 
 transformers = require_transformers()
 
@@ -97,6 +97,8 @@ def _as_integer(value) -> int | None:
 # How long an operation, generate or forward waits for another thread's operation on the same cache
 # (a fork, a snapshot) before ``ContextBusyError``; another thread's generate or forward refuses at once.
 OPERATION_WAIT_S = 30.0
+
+UNCHECKED = object()    # ``feed``'s position_ids when the forward's are unknown (fed by hand): not checked
 
 
 def _owned(what: str):
@@ -298,11 +300,15 @@ class KVStateCache(_HFCache):
 
     # -- token ids ------------------------------------------------------------------
 
-    def feed(self, ids, attention_mask=None) -> "KVStateCache":
+    def feed(self, ids, attention_mask=None, *, position_ids=UNCHECKED) -> "KVStateCache":
         """The token ids of the positions the next forward pass adds (``(n,)`` or ``(batch, n)``),
         and the forward's attention mask, which says which of them are left padding: transformers'
         2-D mask (0: padding), a 4-D mask or a dict of them (a position that cannot attend to itself
         is padding); one it cannot read is refused (``ShapeError``), never read as no padding.
+
+        ``position_ids``, where given (an attached model's hook gives them where its forward takes them),
+        are the forward's, ``None`` for none: a forward that would compute a row's tokens at other positions
+        than the row's own (``hf_rows.check_positions``) is refused (``ShapeError``).
 
         ``None`` forgets them (a forward from ``inputs_embeds``: its K/V are then refused).
         A forward that stopped part-way left K/V of some layers buffered: they are dropped.
@@ -318,7 +324,7 @@ class KVStateCache(_HFCache):
         """
         self._claim_forward()
         try:
-            self._feed(ids, attention_mask)
+            self._feed(ids, attention_mask, position_ids)
         except BaseException:
             self.end_forward()      # the forward it claimed never starts
             raise
@@ -351,7 +357,7 @@ class KVStateCache(_HFCache):
             "or KVStateCache.for_model(model)): its forward then feeds the ids and is refused by name if it "
             "is not the bound model")
 
-    def _feed(self, ids, attention_mask) -> "KVStateCache":
+    def _feed(self, ids, attention_mask, position_ids=UNCHECKED) -> "KVStateCache":
         self._pending = [None] * self.layout.layers
         self._undo_grow()
         if ids is None:
@@ -367,6 +373,8 @@ class KVStateCache(_HFCache):
                              "mask hides from attention: pass the forward its attention_mask")
         held_pads = self.pads * batch if len(self.rows) == 1 else self.pads
         pads = new_padding(attention_mask, batch, n, held, held_pads, self._length())
+        if position_ids is not UNCHECKED:
+            check_positions(position_ids, held, held_pads, pads, n)
         if len(self.rows) == 1 and batch > 1:
             self._grow(batch)
         self._ids, self._new_pads = ids, pads
@@ -1025,7 +1033,10 @@ def _feed_hook(module, args, kwargs):
         _refuse_bool_4d_under_eager(named.get("attention_mask"), module)
         _refuse_token_types(named.get("token_type_ids"))
         try:
-            cache.feed(ids, named.get("attention_mask"))
+            if "position_ids" in _forward_signature(type(module)).parameters:
+                cache.feed(ids, named.get("attention_mask"), position_ids=named.get("position_ids"))
+            else:       # positions from the mask or none at all (BLOOM's ALiBi): nothing to check
+                cache.feed(ids, named.get("attention_mask"))
             cache._by_hand = False      # fed by this model's hook, and the model checked above
         except BaseException as error:
             if not isinstance(error, Exception):

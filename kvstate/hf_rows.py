@@ -66,6 +66,43 @@ def new_padding(mask, batch: int, n: int, held: list[int], pads: list[int] | Non
     return out
 
 
+def check_positions(position_ids, held: list[int], held_pads: list[int], pads: list[int], n: int) -> None:
+    """Refuse (``ShapeError``) a forward whose rows' tokens would be computed at other positions than the
+    ones kvstate keeps them at: a row's new token ``j`` (after its ``pads[row]`` new left padding) is its
+    position ``held[row] + j``, whatever padding the batch presents to attention.
+
+    ``position_ids`` are the forward's, ``None`` where it was given none: transformers then numbers the
+    positions it presents (``cache_position``), padding included, so a row holding or given left padding
+    would have its tokens computed past their own positions and kept as if they were not (an outside
+    audit, s70: a hit on such a row, or the row continued alone, 5e-4 to 5e-2 off transformers' logits).
+    Given ones must equal those positions at each row's tokens (any value at padding); a shape that does
+    not fit ``(batch or 1, n)`` is left to the model, which refuses it itself."""
+    batch = len(held)
+    if position_ids is None:
+        if any(pads) or any(held_pads):
+            raise ShapeError("this forward's rows hold or are given left padding, and it was given no position_ids: "
+                             "transformers then counts the padding into each row's positions, which kvstate keeps "
+                             "without it (a row's tokens are its positions 0, 1, ...). Pass position_ids = "
+                             "(attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does")
+        return
+    given = position_ids.detach().cpu().numpy() if hasattr(position_ids, "detach") else np.asarray(position_ids)
+    try:
+        given = np.broadcast_to(given, (batch, n))
+    except ValueError:
+        return
+    for row in range(batch):
+        own = held[row] + np.arange(n - pads[row])
+        differ = np.flatnonzero(given[row, pads[row]:] != own)
+        if len(differ):
+            j = int(differ[0])
+            raise ShapeError(f"position_ids put row {row}'s token at new position {pads[row] + j} at position "
+                             f"{int(given[row, pads[row] + j])}, but kvstate keeps it as that row's position "
+                             f"{int(own[j])} (its tokens are its positions 0, 1, ..., padding never counted): a "
+                             "prefix hit would serve its K/V to requests computing it there. Pass a row's own "
+                             "positions ((attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does), or use a "
+                             "DynamicCache")
+
+
 def real_positions(mask, batch: int, n: int, past: int | None = None, pads: list[int] | None = None,
                    what: str = "attention_mask") -> np.ndarray | None:
     """Which of each row's ``n`` new positions are tokens (True) rather than padding, as a

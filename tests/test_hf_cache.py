@@ -312,7 +312,8 @@ def test_match_prefills_only_the_unmatched_suffix(model):
     assert matched == out1.sequences.shape[1] - 1
     fed = []
     original = second.feed
-    second.feed = lambda x, *mask: (fed.append(0 if x is None else x.shape[-1]), original(x, *mask))[1]
+    second.feed = lambda x, *mask, **positions: (fed.append(0 if x is None else x.shape[-1]),
+                                                 original(x, *mask, **positions))[1]
     with torch.no_grad():
         out2 = model.generate(turn2, cache=second, **args)
     assert fed[0] == turn2.shape[1] - matched == 8             # the prefill: the unmatched suffix only
@@ -414,6 +415,12 @@ def left_padded(lengths, seed):
     return batch, mask
 
 
+def own_positions(mask):
+    """Each row's positions counting its tokens only, as ``generate`` passes them: a direct forward on padded
+    rows must pass them too (else transformers counts the padding, and kvstate refuses it)."""
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def generate_both(model, prompt, mask, seed=0, precision="f32", store="torch", layer_views=False, **args):
     """The same ``generate`` on a kvstate cache and on a DynamicCache (through the same precision
     round trip); both outputs and the kvstate cache."""
@@ -506,7 +513,7 @@ def test_reorders_are_forks_and_copy_no_bytes(llama):
     cache = hf.KVStateCache.for_model(llama, page_tokens=4)
     prompt, mask = left_padded([9, 6], 42)
     with torch.no_grad():
-        llama(prompt, attention_mask=mask, cache=cache)
+        llama(prompt, attention_mask=mask, position_ids=own_positions(mask), cache=cache)
     tokens = [ctx.tokens for ctx in cache.rows]
     before = cache.kv.stats()
     cache.batch_repeat_interleave(3)                      # rows 0 0 0 1 1 1
@@ -828,15 +835,15 @@ def test_reset_empties_a_batch_for_any_next_prompt(llama, lengths):
     cache = hf.KVStateCache.for_model(llama, page_tokens=4)
     prompt, mask = left_padded(lengths, 67)
     with torch.no_grad():
-        llama(prompt, attention_mask=mask, cache=cache)
+        llama(prompt, attention_mask=mask, position_ids=own_positions(mask), cache=cache)
     rows = list(cache.rows)
     cache.reset()
     assert cache.batch_size == 1 and cache.get_seq_length() == 0 and cache.pads == [0]
     assert all(ctx.closed for ctx in rows[1:]) and not rows[0].closed
     again, mask = left_padded([2, 5], 68)               # another batch size, other padding
     with torch.no_grad():
-        ours = llama(again, attention_mask=mask, cache=cache).logits
-        theirs = llama(again, attention_mask=mask, cache=reference(llama)).logits
+        ours = llama(again, attention_mask=mask, position_ids=own_positions(mask), cache=cache).logits
+        theirs = llama(again, attention_mask=mask, position_ids=own_positions(mask), cache=reference(llama)).logits
     assert torch.equal(ours, theirs)
 
 
@@ -946,13 +953,14 @@ def test_a_forward_without_a_mask_on_padded_rows_is_refused(llama):
     prompt, mask = left_padded([3, 6], 47)
     cache = hf.KVStateCache.for_model(model, page_tokens=4)
     with torch.no_grad():
-        model(prompt, attention_mask=mask, cache=cache)
+        model(prompt, attention_mask=mask, position_ids=own_positions(mask), cache=cache)
         held = [ctx.tokens for ctx in cache.rows]
         with pytest.raises(ShapeError, match="attention_mask"):
             model(ids(2, 48).repeat(2, 1)[:, :1], cache=cache)
         assert [ctx.tokens for ctx in cache.rows] == held and cache.pads == [3, 0]
         step = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], dim=1)
-        model(ids(1, 48).repeat(2, 1), attention_mask=step, cache=cache)     # with its mask it runs
+        model(ids(1, 48).repeat(2, 1), attention_mask=step, position_ids=own_positions(step)[:, -1:],
+              cache=cache)     # with its mask it runs
     assert [len(ctx) for ctx in cache.rows] == [4, 7]
 
 

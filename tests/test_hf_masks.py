@@ -411,3 +411,64 @@ def test_token_type_ids_are_refused_before_the_forward(kind):
         assert torch.equal(ours, model(prompt[:, 3:], cache=theirs).logits)
     for each in (cache, fresh):
         each.close()
+
+
+def _own_positions(mask):
+    return (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_padded_forward_runs_at_each_rows_own_positions_or_is_refused(kind):
+    """An outside audit (s70): a direct forward of a left-padded batch given no position_ids was stored, though
+    transformers had numbered its positions padding included (``cache_position``): a hit on the padded row, or
+    the row continued alone, was 9e-4 (Llama) to 1.4e-2 (GPT-2) off its logits. Such a forward is refused by
+    name, changing nothing; given each row's own positions, as ``generate`` gives them, the batch equals
+    DynamicCache's and a later hit on the padded row is within rounding of the row alone. Positions other than a row's own are refused
+    too (audit D, s69: ``arange + 100`` stored, a hit 0.002-0.005 off)."""
+    model = model_of(kind)
+    rng = np.random.default_rng(11)
+    prompt = torch.from_numpy(rng.integers(1, VOCAB, (2, 8)))
+    prompt[1, :2] = 0
+    mask = torch.ones_like(prompt)
+    mask[1, :2] = 0
+    cache = hf.KVStateCache.for_model(model, page_tokens=4, match="token")
+    before = state(cache)
+    with pytest.raises(ShapeError, match="given no position_ids"):
+        model(prompt, attention_mask=mask, cache=cache)
+    assert state(cache) == before
+    with pytest.raises(ShapeError, match="position_ids put row 0's token at new position 0 at position 100"):
+        model(prompt[:1], position_ids=torch.arange(8)[None] + 100, cache=cache)
+    assert state(cache) == before
+    with torch.no_grad():
+        ours = model(prompt, attention_mask=mask, position_ids=_own_positions(mask), cache=cache).logits
+        theirs = model(prompt, attention_mask=mask, position_ids=_own_positions(mask),
+                       cache=DynamicCache(config=model.config)).logits
+        assert torch.equal(ours, theirs)
+        cache.row(1).retain()                       # the padded row's 6 tokens
+        request = torch.cat([prompt[1:, 2:], torch.from_numpy(rng.integers(1, VOCAB, (1, 3)))], dim=1)
+        hit = hf.KVStateCache.for_model(model, cache.kv)
+        assert hit.match(request) == 6
+        served = model(request[:, 6:], cache=hit).logits
+        alone = DynamicCache(config=model.config)
+        model(request[:, :6], cache=alone)
+        # Not bit-equal, and no DynamicCache run is: the row's K/V were computed beside two masked padding
+        # keys, a softmax over more terms (transformers' own padded row against the row alone: ~6e-8).
+        assert (served - model(request[:, 6:], cache=alone).logits).abs().max() < 1e-6
+    for each in (cache, hit):
+        each.close()
+
+
+def test_a_model_whose_positions_come_from_the_mask_runs_padded_without_position_ids():
+    """BLOOM (ALiBi, from the mask) takes no position_ids: its padded direct forward is not refused, and exact."""
+    torch.manual_seed(0)
+    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
+                                                                   n_head=4)).eval()
+    prompt = torch.from_numpy(np.random.default_rng(12).integers(1, VOCAB, (2, 7)))
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    with torch.no_grad():
+        assert torch.equal(model(prompt, attention_mask=mask, cache=cache).logits,
+                           model(prompt, attention_mask=mask, cache=DynamicCache(config=model.config)).logits)
+    assert cache.pads == [3, 0]
+    cache.close()
