@@ -356,3 +356,21 @@ def test_prefix_edges_splices_two_keys_blocks(name):
     prefix_edges(audit_minimal.factory, config)
     with pytest.raises(AssertionError, match=ELSEWHERE.split(":")[0]):
         prefix_edges(audit_bugs.unchained_hash, config)
+
+
+@pytest.mark.parametrize("wrap", [2**8, 2**16])
+def test_a_clock_that_wraps_breaks_the_long_histories_row(wrap):
+    """An outside audit (s70): ticks kept modulo 256 passed every check, no run making 256 stamps; past the
+    wrap the newest entry looked oldest and a retain evicted it. A 16-bit clock, too; the true one passes."""
+    listcache = load_factory(str(ROOT / "examples" / "listcache.py"))
+    module = __import__(listcache.__module__)
+
+    class Wrapping(module.ListCache):
+        def __setattr__(self, name, value):     # the clock kept in ``wrap`` values, as a narrow field keeps it
+            super().__setattr__(name, value % wrap if name == "clock" else value)
+
+    row = next(row for row in ROWS if row.topic == "long histories")
+    config = listcache.configs[0]
+    row.check(listcache, config, row.text)
+    with pytest.raises(AssertionError, match="however long the history"):
+        row.check(Wrapping, config, row.text)

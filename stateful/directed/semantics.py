@@ -20,7 +20,7 @@ from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import evicts_for_room
 
 from .. import ops as O
-from .common import NotApplicable, both, filled, keeping, retain_new, start
+from .common import NotApplicable, both, filled, keeping, record, retain_new, start
 from ..lockstep import Lockstep
 
 
@@ -359,6 +359,53 @@ def _hits_stamp_their_entry(factory: Factory, config: Config, promise: str) -> N
                           key(1, 9), others(held)[held - 2])
 
 
+LONG_HISTORY = 2**16
+"""``long histories`` stamps its newest entry until the clock has moved this far past the oldest's stamp:
+a tick kept in 16 bits (or 8) has wrapped by then. About 0.3 s a configuration on kvstate's engine."""
+
+
+def _order_after_many_stamps(factory: Factory, config: Config, promise: str) -> None:
+    """The tree is filled (as ``hits stamp their entry`` fills it), its first entry the oldest and its last
+    the newest; the newest is then hit until ``LONG_HISTORY - 1`` stamps separate it from the oldest (the
+    fill's retains counted), a newcomer is retained and every key matched. A clock that wraps at 2**8 or
+    2**16 then holds the oldest entry's tick above the newest's, so the newest is evicted (an outside audit,
+    s70: a tick kept modulo 256 passed every check, the runs never making 256 stamps). The hits go to the
+    engine alone: they leave the order the reference holds as it was, and the lockstep's per-step
+    comparisons would make the row 25 times slower."""
+    if config.max_entries < 2:
+        return
+    unit = config.block_tokens or 1
+
+    def key(first: int) -> tuple[int, ...]:
+        return (first,) * unit
+
+    held = _entries_held(config, [key(1)], key(40))
+    if held < 2:
+        return
+    keys = [key(1)] + [key(40 + k) for k in range(held - 1)]
+    newcomer = key(39)
+    if config.pool_limit and sum(pages_needed(len(tokens), config.page_tokens) for tokens in keys + [newcomer]) \
+            > config.pool_limit:
+        return      # the pool, not the tree's bounds, would choose what goes (as in ``_stamp_then_evict``)
+    run = start(factory, config)
+    with keeping(promise, run):
+        for k, tokens in enumerate(keys):
+            retain_new(run, tokens, seed=80 + k)
+    hits = LONG_HISTORY - len(keys)      # with the retains after the oldest's: LONG_HISTORY - 1 stamps
+    newest = keys[-1]
+    record(run, f"{hits} x (match(tokens={newest}), then close of its hit)    # the engine's alone: the newest "
+                f"entry stays newest, the reference's order as it was")
+    with keeping(promise, run):
+        for _ in range(hits):
+            hit, _matched = run.engine.match(list(newest))
+            hit.close()
+        retain_new(run, newcomer, seed=79)
+        for tokens in keys + [newcomer]:
+            run.apply(O.Close(run.apply(O.Match(tokens))))
+        run.check()
+        run.finish()
+
+
 def _entries_held(config: Config, first: list, then: tuple) -> int:
     """How many entries the tree holds before one more evicts, its first keys ``first`` and the rest
     like ``then``: ``max_entries``, or fewer where the page budget holds fewer; 0 where that is more
@@ -501,6 +548,9 @@ ROWS: list[Row] = [
     Row("hits stamp their entry", "A hit stamps the entry it is taken from and no other: a hit shorter than "
                                   "that entry's key too, and of entries tied for a hit only the winner, so "
                                   "entries past the tree's bounds go in the order hits left.", _hits_stamp_their_entry),
+    Row("long histories", "The order holds however long the history: after 65,536 stamps (a tick kept in 8 or "
+                          "16 bits has wrapped) a `retain` past the bounds still evicts the least recently used "
+                          "entry.", _order_after_many_stamps),
     Row("block ties", "Under `block` matching, every entry reaching the hit's last whole block competes, however "
                       "many tokens past it each shares with the query: the most recently used gives the hit.",
         lambda factory, config, promise: _ties_row(factory, config, promise)),
