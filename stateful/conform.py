@@ -305,6 +305,7 @@ def _directed(check) -> Check:
         started = time.perf_counter()
         directed.current.run = None
         directed.current.notes = []
+        directed.current.settings = settings        # a check sized by the profile reads it (``long histories``)
         # Past the time limit, ``run_with_limit`` reports the failure being shrunk, and stops the shrink.
         found: list = []            # (the failure's report as found, the promise checked), once the check failed
         shrinking: list = []        # the shrinker, once its failure replayed
@@ -339,6 +340,7 @@ def _directed(check) -> Check:
         finally:
             _partial.pop(threading.get_ident(), None)
             _abandon.pop(threading.get_ident(), None)
+            directed.current.settings = None
         return Outcome("pass", time.perf_counter() - started, note="; ".join(directed.current.notes) or None)
     run.__doc__ = check.__doc__
     return run

@@ -30,6 +30,7 @@ from ..lockstep import REFUSED, Lockstep, describe_refusal, same_refusal, to_num
 Check = Callable[[Factory, Config], None]
 
 current = threading.local()   # current.run: the Lockstep of the check running in this thread
+# current.settings: the Hypothesis settings conform runs the check under (its profile), None outside conform
 
 
 def note(text: str) -> None:
