@@ -374,3 +374,32 @@ def test_a_clock_that_wraps_breaks_the_long_histories_row(wrap):
     row.check(listcache, config, row.text)
     with pytest.raises(AssertionError, match="however long the history"):
         row.check(Wrapping, config, row.text)
+
+
+def test_the_long_histories_row_is_sized_by_the_profile_conform_runs():
+    """Under ci and hunt the row stamps 4,096 times (the full 65,536 cost 26 s of CPU across the default tests),
+    under nightly and outside conform 65,536; conform's ci run of it fails a 12-bit clock."""
+    from kvstate.stateful.configs import PROFILES
+    from kvstate.stateful.directed import common, semantics
+
+    for profile, stamps in (("ci", semantics.SHORT_HISTORY), ("hunt", semantics.SHORT_HISTORY),
+                            ("nightly", semantics.LONG_HISTORY)):
+        common.current.settings = PROFILES[profile]
+        try:
+            assert semantics._history_length() == stamps
+        finally:
+            common.current.settings = None
+    assert semantics._history_length() == semantics.LONG_HISTORY
+    listcache = load_factory(str(ROOT / "examples" / "listcache.py"))
+    module = __import__(listcache.__module__)
+
+    class TwelveBits(module.ListCache):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value % 2**12 if name == "clock" else value)
+
+    def factory(config):
+        return TwelveBits(config)
+    factory.configs = listcache.configs[:1]
+    (result,) = conform(factory, checks=["pinned semantics"])
+    assert getattr(common.current, "settings", None) is None       # set for the check, then let go
+    assert not result.passed and "4094 x (match(tokens=" in str(result.outcomes["pinned semantics"].detail)
