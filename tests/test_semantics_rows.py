@@ -403,3 +403,29 @@ def test_the_long_histories_row_is_sized_by_the_profile_conform_runs():
     (result,) = conform(factory, checks=["pinned semantics"])
     assert getattr(common.current, "settings", None) is None       # set for the check, then let go
     assert not result.passed and "4094 x (match(tokens=" in str(result.outcomes["pinned semantics"].detail)
+
+
+def test_an_overwrite_need_leaving_out_the_shared_page_it_ends_inside_breaks_the_full_pool_row():
+    """An outside audit (s70): a pool counting the pages an overwrite touches with an exclusive end left out the
+    copy of a shared page the write ends inside, so a full ``refuse`` pool accepted it; only ``seeded`` caught it.
+    The full pool row now overwrites a fork in a full pool, ending inside a shared page."""
+    token_pool = load_factory(str(ROOT / "examples" / "token_pool_backend.py"))
+    module = __import__(token_pool.__module__)
+
+    class ShortNeed(module.PoolContext):
+        def overwrite(self, start, tokens, kv):
+            tokens, values = self._encode(tokens, kv, start)
+            if len(tokens):
+                size = self.cache.page_tokens
+                touched = self.pages[start // size:(start + len(tokens)) // size]      # the end left out
+                self.cache.make_room(sum(page.refcount > 1 for page in touched))
+            self._store(start, tokens, values)
+
+    class ShortNeedCache(module.TokenPoolCache):
+        context_class = ShortNeed
+
+    row = next(row for row in ROWS if row.topic == "full pool")
+    config = next(config for config in token_pool.configs if config.on_full == "refuse")
+    row.check(token_pool, config, row.text)
+    with pytest.raises(AssertionError, match="engine accepted, reference CapacityError"):
+        row.check(ShortNeedCache, config, row.text)

@@ -103,6 +103,7 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
     if config.pool_limit:
         _short_even_after_evicting(factory, config, promise)
         _full_while_a_hit_holds_a_cached_page(factory, config, promise)
+        _overwrite_copies_in_a_full_pool(factory, config, promise)
     if config.on_full == "reclaim":
         _recycled_without_pressure(factory, config, promise)
 
@@ -150,6 +151,28 @@ def _full_while_a_hit_holds_a_cached_page(factory: Factory, config: Config, prom
         filler = run.apply(O.Allocate())
         run.apply(O.Extend(filler, tuple([2] * (page * (limit - 1))), seed=48))
         run.apply(O.Extend(filler, tuple([2] * page), seed=49))
+        run.finish()
+
+
+def _overwrite_copies_in_a_full_pool(factory: Factory, config: Config, promise: str) -> None:
+    """A context of two pages and a fork sharing both, the rest of the pool taken: an overwrite of the fork
+    that ends inside its second page, then one from the first page's last position into the second, each
+    needs a copy of every shared page it touches (README: "how an operation's need is counted"), so each
+    does what the pool declares when full; the reference decides which. An audit's engine (s70) counted
+    the pages an overwrite touches with an exclusive end, leaving out a shared page it ends inside: only
+    ``seeded`` caught it. No check between the operations."""
+    page, limit = config.page_tokens, config.pool_limit
+    if page < 2 or limit < 2:
+        return      # no overwrite ends inside a page, or no room for the two shared pages
+    run = start(factory, config)
+    with keeping(promise, run):
+        shared = run.apply(O.Allocate())
+        run.apply(O.Extend(shared, tuple(60 + i % 3 for i in range(2 * page)), seed=55))
+        fork = run.apply(O.Fork(shared))
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 2))), seed=56))
+        run.apply(O.Overwrite(fork, page, (7,), seed=57))             # ends inside the shared second page
+        run.apply(O.Overwrite(fork, page - 1, (8, 9), seed=58))       # touches both shared pages
         run.finish()
 
 
