@@ -358,14 +358,21 @@ def test_prefix_edges_splices_two_keys_blocks(name):
         prefix_edges(audit_bugs.unchained_hash, config)
 
 
+@pytest.mark.parametrize("first_stamp", [1, 0])
 @pytest.mark.parametrize("wrap", [2**8, 2**16])
-def test_a_clock_that_wraps_breaks_the_long_histories_row(wrap):
+def test_a_clock_that_wraps_breaks_the_long_histories_row(wrap, first_stamp):
     """An outside audit (s70): ticks kept modulo 256 passed every check, no run making 256 stamps; past the
-    wrap the newest entry looked oldest and a retain evicted it. A 16-bit clock, too; the true one passes."""
+    wrap the newest entry looked oldest and a retain evicted it. A 16-bit clock, too, and (the review of s70)
+    one whose first stamp is 0, as a clock stamping before it counts gives: its oldest entry at tick 0 was
+    below every wrapped tick. The true one passes."""
     listcache = load_factory(str(ROOT / "examples" / "listcache.py"))
     module = __import__(listcache.__module__)
 
     class Wrapping(module.ListCache):
+        def __init__(self, config):
+            super().__init__(config)
+            self.clock = first_stamp - 1        # listcache counts, then stamps
+
         def __setattr__(self, name, value):     # the clock kept in ``wrap`` values, as a narrow field keeps it
             super().__setattr__(name, value % wrap if name == "clock" else value)
 

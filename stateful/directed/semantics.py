@@ -405,7 +405,9 @@ def _order_after_many_stamps(factory: Factory, config: Config, promise: str) -> 
     the newest; the newest is then hit until ``_history_length() - 1`` stamps separate it from the oldest
     (the fill's retains counted), a newcomer is retained and every key matched. A clock that wraps at 2**8
     or 2**16 then holds the oldest entry's tick above the newest's, so the newest is evicted (an outside audit,
-    s70: a tick kept modulo 256 passed every check, the runs never making 256 stamps). The hits go to the
+    s70: a tick kept modulo 256 passed every check, the runs never making 256 stamps), unless that tick is 0
+    modulo the wrap: an entry retained before the fill, and evicted by it, keeps the clock's first stamp
+    (0, where a clock stamps before it counts) off the oldest kept entry. The hits go to the
     engine alone: they leave the order the reference holds as it was, and the lockstep's per-step
     comparisons would make the row 25 times slower."""
     if config.max_entries < 2:
@@ -425,6 +427,9 @@ def _order_after_many_stamps(factory: Factory, config: Config, promise: str) -> 
         return      # the pool, not the tree's bounds, would choose what goes (as in ``_stamp_then_evict``)
     run = start(factory, config)
     with keeping(promise, run):
+        # First an entry the fill evicts: the oldest kept entry's stamp is then past the clock's first, which
+        # a clock stamping before it counts leaves at 0, a tick no wrapped one falls below (the review, s70).
+        retain_new(run, key(38), seed=78)
         for k, tokens in enumerate(keys):
             retain_new(run, tokens, seed=80 + k)
     hits = _history_length() - len(keys)      # with the retains after the oldest's: one stamp short of it
