@@ -88,6 +88,21 @@ def length_dependent_rope(config) -> str | None:
     return None
 
 
+# Model types that number a row's positions from its attention mask when given no position_ids, so a left-
+# padded row is computed at its own positions (an outside audit, s70, ran each against the row alone: exact).
+_POSITIONS_FROM_THE_MASK = frozenset(("opt", "bloom"))
+
+
+def positions_from_the_mask(config) -> bool:
+    """Whether ``config``'s model, given no position_ids, computes a left-padded row at the row's own positions:
+    OPT (its learned positions from the mask's cumulative sum), BLOOM and Falcon with ALiBi (biases from
+    the mask). Every other model is taken to count the padding (transformers' ``cache_position``), as the
+    rotary and GPT-2 families do, and RoFormer, which takes no position_ids at all."""
+    config = decoder_config(config)
+    kind = getattr(config, "model_type", None)
+    return kind in _POSITIONS_FROM_THE_MASK or (kind == "falcon" and bool(getattr(config, "alibi", False)))
+
+
 def check_attention(config) -> None:
     """Every layer must be full (global) attention: a sliding window drops old positions and a
     linear-attention layer keeps a recurrent state, neither of which is a per-position K/V."""

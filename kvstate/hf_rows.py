@@ -66,25 +66,33 @@ def new_padding(mask, batch: int, n: int, held: list[int], pads: list[int] | Non
     return out
 
 
-def check_positions(position_ids, held: list[int], held_pads: list[int], pads: list[int], n: int) -> None:
+def check_positions(position_ids, held: list[int], held_pads: list[int], pads: list[int], n: int,
+                    takes_them: bool = True) -> None:
     """Refuse (``ShapeError``) a forward whose rows' tokens would be computed at other positions than the
     ones kvstate keeps them at: a row's new token ``j`` (after its ``pads[row]`` new left padding) is its
     position ``held[row] + j``, whatever padding the batch presents to attention.
 
-    ``position_ids`` are the forward's, ``None`` where it was given none: transformers then numbers the
-    positions it presents (``cache_position``), padding included, so a row holding or given left padding
-    would have its tokens computed past their own positions and kept as if they were not (an outside
-    audit, s70: a hit on such a row, or the row continued alone, 5e-4 to 5e-2 off transformers' logits).
+    ``position_ids`` are the forward's, ``None`` where it was given none, for a model that then counts the
+    padding into each row's positions (transformers' ``cache_position``; see ``hf_config.
+    positions_from_the_mask`` for those that do not): a row holding or given left padding would have its
+    tokens computed past their own positions and kept as if they were not (an outside audit, s70: a hit on
+    such a row, or the row continued alone, 5e-4 to 5e-2 off transformers' logits). ``takes_them``: whether
+    the model's forward takes position_ids at all (RoFormer's does not: a padded row cannot be put right).
     Given ones must equal those positions at each row's tokens (any value at padding); a shape that does
     not fit ``(batch or 1, n)`` is left to the model, which refuses it itself."""
     batch = len(held)
     if position_ids is None:
-        if any(pads) or any(held_pads):
-            raise ShapeError("this forward's rows hold or are given left padding, and it was given no position_ids: "
-                             "transformers then counts the padding into each row's positions, which kvstate keeps "
-                             "without it (a row's tokens are its positions 0, 1, ...). Pass position_ids = "
-                             "(attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does")
-        return
+        if not (any(pads) or any(held_pads)):
+            return
+        if not takes_them:
+            raise ShapeError("this forward's rows hold or are given left padding, and this model numbers each row's "
+                             "positions from the cache's length, padding included, taking no position_ids: kvstate "
+                             "keeps a row's tokens as its positions 0, 1, ..., so a padded row's would be computed "
+                             "elsewhere. Forward rows without padding, or use a DynamicCache")
+        raise ShapeError("this forward's rows hold or are given left padding, and it was given no position_ids: "
+                         "this model then counts the padding into each row's positions, which kvstate keeps "
+                         "without it (a row's tokens are its positions 0, 1, ...). Pass position_ids = "
+                         "(attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does")
     given = position_ids.detach().cpu().numpy() if hasattr(position_ids, "detach") else np.asarray(position_ids)
     try:
         given = np.broadcast_to(given, (batch, n))
@@ -98,8 +106,9 @@ def check_positions(position_ids, held: list[int], held_pads: list[int], pads: l
             raise ShapeError(f"position_ids put row {row}'s token at new position {pads[row] + j} at position "
                              f"{int(given[row, pads[row] + j])}, but kvstate keeps it as that row's position "
                              f"{int(own[j])} (its tokens are its positions 0, 1, ..., padding never counted): a "
-                             "prefix hit would serve its K/V to requests computing it there. Pass a row's own "
-                             "positions ((attention_mask.cumsum(-1) - 1).clamp(min=0), as generate does), or use a "
+                             "prefix hit would serve its K/V to requests computing it there. Pass each row's own "
+                             "positions, (attention_mask.cumsum(-1) - 1).clamp(min=0); generate numbers a row "
+                             "whose prompt is all padding otherwise, so give every row a token; or use a "
                              "DynamicCache")
 
 

@@ -458,11 +458,26 @@ def test_a_padded_forward_runs_at_each_rows_own_positions_or_is_refused(kind):
         each.close()
 
 
-def test_a_model_whose_positions_come_from_the_mask_runs_padded_without_position_ids():
-    """BLOOM (ALiBi, from the mask) takes no position_ids: its padded direct forward is not refused, and exact."""
+def _tiny(kind: str):
     torch.manual_seed(0)
-    model = transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
-                                                                   n_head=4)).eval()
+    if kind == "bloom":
+        return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
+                                                                      n_head=4)).eval()
+    if kind == "opt":
+        return transformers.OPTForCausalLM(transformers.OPTConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
+            word_embed_proj_dim=32, max_position_embeddings=64, pad_token_id=0)).eval()
+    return transformers.RoFormerForCausalLM(transformers.RoFormerConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, is_decoder=True)).eval()
+
+
+@pytest.mark.parametrize("kind", ["bloom", "opt"])
+def test_a_model_whose_positions_come_from_the_mask_runs_padded_without_position_ids(kind):
+    """BLOOM (ALiBi, from the mask: it takes no position_ids) and OPT (its positions from the mask's cumulative
+    sum) compute a padded row at its own positions given none: not refused (the review of s70: OPT was), and
+    exact."""
+    model = _tiny(kind)
     prompt = torch.from_numpy(np.random.default_rng(12).integers(1, VOCAB, (2, 7)))
     mask = torch.ones_like(prompt)
     mask[0, :3] = 0
@@ -471,4 +486,21 @@ def test_a_model_whose_positions_come_from_the_mask_runs_padded_without_position
         assert torch.equal(model(prompt, attention_mask=mask, cache=cache).logits,
                            model(prompt, attention_mask=mask, cache=DynamicCache(config=model.config)).logits)
     assert cache.pads == [3, 0]
+    cache.close()
+
+
+def test_a_padded_forward_of_a_model_taking_no_position_ids_that_counts_the_padding_is_refused():
+    """RoFormer numbers positions from the cache's length, padding included, and takes no position_ids, so a
+    padded row cannot be computed at its own positions (the review of s70: accepted, a hit 1.6e-5 off)."""
+    model = _tiny("roformer")
+    prompt = torch.from_numpy(np.random.default_rng(13).integers(1, VOCAB, (2, 7)))
+    mask = torch.ones_like(prompt)
+    mask[0, :3] = 0
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    before = state(cache)
+    with torch.no_grad(), pytest.raises(ShapeError, match="taking no position_ids"):
+        model(prompt, attention_mask=mask, cache=cache)
+    assert state(cache) == before
+    with torch.no_grad():       # unpadded, it runs
+        assert torch.equal(model(prompt, cache=cache).logits, model(prompt, cache=DynamicCache(config=model.config)).logits)
     cache.close()
