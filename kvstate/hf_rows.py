@@ -103,6 +103,13 @@ def check_positions(position_ids, held: list[int], held_pads: list[int], pads: l
         differ = np.flatnonzero(given[row, pads[row]:] != own)
         if len(differ):
             j = int(differ[0])
+            if given[row, pads[row] + j] < held[row]:
+                raise ShapeError(f"position_ids number row {row}'s new tokens from {int(given[row, pads[row]])}, but the "
+                                 f"row holds {held[row]} positions: this forward feeds again tokens the row holds "
+                                 "(transformers' assisted and prompt-lookup generate do so on a cache that already "
+                                 "holds part of the prompt, appending them again), whose K/V kvstate would keep at "
+                                 "positions other than their own. Run those on a cache holding nothing, or on a "
+                                 "DynamicCache")
             raise ShapeError(f"position_ids put row {row}'s token at new position {pads[row] + j} at position "
                              f"{int(given[row, pads[row] + j])}, but kvstate keeps it as that row's position "
                              f"{int(own[j])} (its tokens are its positions 0, 1, ..., padding never counted): a "

@@ -504,3 +504,22 @@ def test_a_padded_forward_of_a_model_taking_no_position_ids_that_counts_the_padd
     with torch.no_grad():       # unpadded, it runs
         assert torch.equal(model(prompt, cache=cache).logits, model(prompt, cache=DynamicCache(config=model.config)).logits)
     cache.close()
+
+
+def test_a_generate_that_feeds_held_tokens_again_is_refused_and_changes_nothing():
+    """transformers' prompt-lookup (and assisted) generate, on a cache already holding part of the prompt, feeds
+    the whole prompt again from position 0 and appends it (a DynamicCache ends up holding it twice): kvstate
+    would keep those K/V at positions other than their own, so a later hit served them wrongly. Refused by name
+    (the review of s70's matrix); on a cache holding nothing it runs and equals DynamicCache."""
+    model = model_of("llama")
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    lookup = dict(max_new_tokens=6, min_new_tokens=6, pad_token_id=0, do_sample=False, prompt_lookup_num_tokens=3)
+    cache = hf.KVStateCache.for_model(model, page_tokens=4)
+    with torch.no_grad():
+        ours = model.generate(prompt, cache=cache, **lookup)
+        assert torch.equal(ours, model.generate(prompt, cache=DynamicCache(config=model.config), **lookup))
+        before = state(cache)
+        with pytest.raises(ShapeError, match="this forward feeds again tokens the row holds"):
+            model.generate(torch.cat([ours, torch.tensor([[9, 10]])], 1), cache=cache, **lookup)
+    assert state(cache) == before
+    cache.close()
