@@ -57,8 +57,8 @@ from typing import Callable
 
 import numpy as np
 
-from .hf_config import (check_layout, decoder_config, layout_of, length_dependent_rope, positions_from_the_mask,
-                        require_transformers)
+from .hf_config import (ALIBI, PADDING_COUNTED, check_layout, decoder_config, layout_of, length_dependent_rope,
+                        position_numbering, require_transformers)
 from .hf_rows import as_ids, check_positions, new_padding, real_positions, reorder_plan
 
 transformers = require_transformers()
@@ -301,17 +301,17 @@ class KVStateCache(_HFCache):
 
     # -- token ids ------------------------------------------------------------------
 
-    def feed(self, ids, attention_mask=None, *, position_ids=UNCHECKED, takes_positions: bool = True
-             ) -> "KVStateCache":
+    def feed(self, ids, attention_mask=None, *, position_ids=UNCHECKED, takes_positions: bool = True,
+             padding_counted: bool = True) -> "KVStateCache":
         """The token ids of the positions the next forward pass adds (``(n,)`` or ``(batch, n)``),
         and the forward's attention mask, which says which of them are left padding: transformers'
         2-D mask (0: padding), a 4-D mask or a dict of them (a position that cannot attend to itself
         is padding); one it cannot read is refused (``ShapeError``), never read as no padding.
 
-        ``position_ids``, where given (an attached model's hook gives them, unless the model numbers positions
-        from the mask), are the forward's, ``None`` for none; ``takes_positions``: whether the model's forward
-        takes them. A forward that would compute a row's tokens at other positions than the row's own
-        (``hf_rows.check_positions``) is refused (``ShapeError``).
+        ``position_ids``, where given (an attached model's hook gives them, unless its K/V do not depend on where
+        a row sits: ALiBi), are the forward's, ``None`` for none; ``takes_positions`` and ``padding_counted``
+        say how the model numbers positions (``hf_rows.check_positions``). A forward that would compute a
+        row's tokens at other positions than the row's own is refused (``ShapeError``).
 
         ``None`` forgets them (a forward from ``inputs_embeds``: its K/V are then refused).
         A forward that stopped part-way left K/V of some layers buffered: they are dropped.
@@ -327,7 +327,7 @@ class KVStateCache(_HFCache):
         """
         self._claim_forward()
         try:
-            self._feed(ids, attention_mask, position_ids, takes_positions)
+            self._feed(ids, attention_mask, position_ids, takes_positions, padding_counted)
         except BaseException:
             self.end_forward()      # the forward it claimed never starts
             raise
@@ -360,7 +360,8 @@ class KVStateCache(_HFCache):
             "or KVStateCache.for_model(model)): its forward then feeds the ids and is refused by name if it "
             "is not the bound model")
 
-    def _feed(self, ids, attention_mask, position_ids=UNCHECKED, takes_positions: bool = True) -> "KVStateCache":
+    def _feed(self, ids, attention_mask, position_ids=UNCHECKED, takes_positions: bool = True,
+              padding_counted: bool = True) -> "KVStateCache":
         self._pending = [None] * self.layout.layers
         self._undo_grow()
         if ids is None:
@@ -377,7 +378,7 @@ class KVStateCache(_HFCache):
         held_pads = self.pads * batch if len(self.rows) == 1 else self.pads
         pads = new_padding(attention_mask, batch, n, held, held_pads, self._length())
         if position_ids is not UNCHECKED:
-            check_positions(position_ids, held, held_pads, pads, n, takes_positions)
+            check_positions(position_ids, held, held_pads, pads, n, takes_positions, padding_counted)
         if len(self.rows) == 1 and batch > 1:
             self._grow(batch)
         self._ids, self._new_pads = ids, pads
@@ -1036,11 +1037,13 @@ def _feed_hook(module, args, kwargs):
         _refuse_bool_4d_under_eager(named.get("attention_mask"), module)
         _refuse_token_types(named.get("token_type_ids"))
         try:
-            if module._kvstate_positions_from_mask:      # a padded row at its own positions, given none
+            numbering = module._kvstate_numbering
+            if numbering == ALIBI:      # its K/V the same wherever a row sits: no position to check
                 cache.feed(ids, named.get("attention_mask"))
             else:
                 cache.feed(ids, named.get("attention_mask"), position_ids=named.get("position_ids"),
-                           takes_positions="position_ids" in _forward_signature(type(module)).parameters)
+                           takes_positions="position_ids" in _forward_signature(type(module)).parameters,
+                           padding_counted=numbering == PADDING_COUNTED)
             cache._by_hand = False      # fed by this model's hook, and the model checked above
         except BaseException as error:
             if not isinstance(error, Exception):
@@ -1093,7 +1096,7 @@ def attach(model):
 
 def _attach(model) -> None:
     model._kvstate_layout = layout_of(model)
-    model._kvstate_positions_from_mask = positions_from_the_mask(model)
+    model._kvstate_numbering = position_numbering(model)
     if getattr(model, "_kvstate_hook", None) is None:
         model._kvstate_hook = model.register_forward_pre_hook(_feed_hook, with_kwargs=True)
         model._kvstate_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)

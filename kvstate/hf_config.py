@@ -88,19 +88,23 @@ def length_dependent_rope(config) -> str | None:
     return None
 
 
-# Model types that number a row's positions from its attention mask when given no position_ids, so a left-
-# padded row is computed at its own positions (an outside audit, s70, ran each against the row alone: exact).
-_POSITIONS_FROM_THE_MASK = frozenset(("opt", "bloom"))
+# How a model places a left-padded row, given no position_ids (an outside review, s70, ran each against the
+# row alone): ALiBi models' K/V do not depend on where a row sits (a bias linear in the key index, which the
+# softmax cancels for a uniform shift); OPT numbers positions from the mask's cumulative sum; every other
+# model counts the padding (transformers' ``cache_position``), RoFormer too, which takes no position_ids.
+ALIBI, FROM_THE_MASK, PADDING_COUNTED = "alibi", "from the mask", "padding counted"
+_ALIBI = frozenset(("bloom", "mpt"))
+_FROM_THE_MASK = frozenset(("opt",))
 
 
-def positions_from_the_mask(config) -> bool:
-    """Whether ``config``'s model, given no position_ids, computes a left-padded row at the row's own positions:
-    OPT (its learned positions from the mask's cumulative sum), BLOOM and Falcon with ALiBi (biases from
-    the mask). Every other model is taken to count the padding (transformers' ``cache_position``), as the
-    rotary and GPT-2 families do, and RoFormer, which takes no position_ids at all."""
+def position_numbering(config) -> str:
+    """``ALIBI``, ``FROM_THE_MASK`` or ``PADDING_COUNTED``: how ``config``'s model places a left-padded row's
+    tokens given no position_ids (see above; Falcon is ALiBi where ``config.alibi``)."""
     config = decoder_config(config)
     kind = getattr(config, "model_type", None)
-    return kind in _POSITIONS_FROM_THE_MASK or (kind == "falcon" and bool(getattr(config, "alibi", False)))
+    if kind in _ALIBI or (kind == "falcon" and bool(getattr(config, "alibi", False))):
+        return ALIBI
+    return FROM_THE_MASK if kind in _FROM_THE_MASK else PADDING_COUNTED
 
 
 def check_attention(config) -> None:

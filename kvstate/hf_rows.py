@@ -67,22 +67,24 @@ def new_padding(mask, batch: int, n: int, held: list[int], pads: list[int] | Non
 
 
 def check_positions(position_ids, held: list[int], held_pads: list[int], pads: list[int], n: int,
-                    takes_them: bool = True) -> None:
+                    takes_them: bool = True, padding_counted: bool = True) -> None:
     """Refuse (``ShapeError``) a forward whose rows' tokens would be computed at other positions than the
     ones kvstate keeps them at: a row's new token ``j`` (after its ``pads[row]`` new left padding) is its
     position ``held[row] + j``, whatever padding the batch presents to attention.
 
-    ``position_ids`` are the forward's, ``None`` where it was given none, for a model that then counts the
-    padding into each row's positions (transformers' ``cache_position``; see ``hf_config.
-    positions_from_the_mask`` for those that do not): a row holding or given left padding would have its
-    tokens computed past their own positions and kept as if they were not (an outside audit, s70: a hit on
-    such a row, or the row continued alone, 5e-4 to 5e-2 off transformers' logits). ``takes_them``: whether
-    the model's forward takes position_ids at all (RoFormer's does not: a padded row cannot be put right).
-    Given ones must equal those positions at each row's tokens (any value at padding); a shape that does
-    not fit ``(batch or 1, n)`` is left to the model, which refuses it itself."""
+    ``position_ids`` are the forward's, ``None`` where it was given none; ``takes_them``: whether the model's
+    forward takes them (RoFormer's does not, and ignores any given); ``padding_counted``: whether, given none,
+    the model counts the padding into each row's positions (transformers' ``cache_position``; OPT numbers them
+    from the mask instead: ``hf_config.position_numbering``). Given none where the padding is counted, a row
+    holding or given left padding would have its tokens computed past their own positions and kept as if
+    they were not (an outside audit, s70: a hit on such a row, or the row continued alone, 2e-4 to 5e-2 off
+    transformers' logits). Given ones must equal those positions at each row's tokens (any value at
+    padding); a shape that does not fit ``(batch or 1, n)`` is left to the model, which refuses it itself."""
     batch = len(held)
+    if not takes_them:
+        position_ids = None         # passed, they land in the forward's **kwargs and number nothing
     if position_ids is None:
-        if not (any(pads) or any(held_pads)):
+        if not padding_counted or not (any(pads) or any(held_pads)):
             return
         if not takes_them:
             raise ShapeError("this forward's rows hold or are given left padding, and this model numbers each row's "

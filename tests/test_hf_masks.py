@@ -463,6 +463,9 @@ def _tiny(kind: str):
     if kind == "bloom":
         return transformers.BloomForCausalLM(transformers.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2,
                                                                       n_head=4)).eval()
+    if kind == "mpt":
+        return transformers.MptForCausalLM(transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2,
+                                                                  n_heads=4, max_seq_len=64)).eval()
     if kind == "opt":
         return transformers.OPTForCausalLM(transformers.OPTConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, ffn_dim=64, num_attention_heads=4,
@@ -472,11 +475,11 @@ def _tiny(kind: str):
         max_position_embeddings=64, is_decoder=True)).eval()
 
 
-@pytest.mark.parametrize("kind", ["bloom", "opt"])
-def test_a_model_whose_positions_come_from_the_mask_runs_padded_without_position_ids(kind):
-    """BLOOM (ALiBi, from the mask: it takes no position_ids) and OPT (its positions from the mask's cumulative
-    sum) compute a padded row at its own positions given none: not refused (the review of s70: OPT was), and
-    exact."""
+@pytest.mark.parametrize("kind", ["bloom", "mpt", "opt"])
+def test_a_model_placing_a_padded_row_at_its_own_positions_runs_without_position_ids(kind):
+    """ALiBi models (BLOOM, MPT: K/V that do not depend on where a row sits) and OPT (its positions from the mask's
+    cumulative sum) compute a padded row at its own positions given no position_ids: not refused (the reviews of
+    s70: OPT and MPT were), and exact. OPT's given position_ids are checked: ones past a row's own are refused."""
     model = _tiny(kind)
     prompt = torch.from_numpy(np.random.default_rng(12).integers(1, VOCAB, (2, 7)))
     mask = torch.ones_like(prompt)
@@ -486,6 +489,11 @@ def test_a_model_whose_positions_come_from_the_mask_runs_padded_without_position
         assert torch.equal(model(prompt, attention_mask=mask, cache=cache).logits,
                            model(prompt, attention_mask=mask, cache=DynamicCache(config=model.config)).logits)
     assert cache.pads == [3, 0]
+    if kind == "opt":
+        with torch.no_grad(), pytest.raises(ShapeError, match="at position 12, but kvstate keeps it as that row's "
+                                                               "position 4"):
+            model(prompt[:, :1], attention_mask=torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], 1),
+                  position_ids=torch.tensor([[12], [12]]), cache=cache)
     cache.close()
 
 
@@ -500,6 +508,8 @@ def test_a_padded_forward_of_a_model_taking_no_position_ids_that_counts_the_padd
     before = state(cache)
     with torch.no_grad(), pytest.raises(ShapeError, match="taking no position_ids"):
         model(prompt, attention_mask=mask, cache=cache)
+    with torch.no_grad(), pytest.raises(ShapeError, match="taking no position_ids"):    # ignored: its **kwargs
+        model(prompt, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache)
     assert state(cache) == before
     with torch.no_grad():       # unpadded, it runs
         assert torch.equal(model(prompt, cache=cache).logits, model(prompt, cache=DynamicCache(config=model.config)).logits)
