@@ -801,9 +801,23 @@ def stored_size(url: str, storage_options: dict | None = None,
                 deadline: Deadline | float | None = None) -> int | None:
     """The size of the object stored at ``url``, or None where there is none (a "folder", a prefix other
     keys begin with, is none): one HEAD on S3, retried on transient failures, within ``deadline``."""
+    stored = stored_version(url, storage_options, deadline)
+    return None if stored is None else stored[0]
+
+
+# What names one version of an object in ``fs.info``, first found first: S3's ETag (its content's), then the
+# times a local or in-memory filesystem keeps (a rewrite changes them).
+_VERSION_KEYS = ("ETag", "etag", "mtime", "LastModified", "created")
+
+
+def stored_version(url: str, storage_options: dict | None = None,
+                   deadline: Deadline | float | None = None) -> tuple[int, str | None] | None:
+    """``(size, version)`` of the object stored at ``url``, or None where there is none, as ``stored_size``
+    asks (one HEAD on S3); ``version`` names the object as it is now (``_VERSION_KEYS``), None where the
+    filesystem names none: then no two lookups can be told to have found the same object."""
     deadline = resolve(deadline)
 
-    def look() -> int | None:
+    def look() -> tuple[int, str | None] | None:
         fs, path = _filesystem(url, storage_options, SnapshotReadError)
         fs.invalidate_cache(path)
         try:
@@ -811,9 +825,12 @@ def stored_size(url: str, storage_options: dict | None = None,
         except FileNotFoundError as error:
             _raise_if_not_absent(error, url)
             return None
-        return None if info.get("type") == "directory" else int(info.get("size") or 0)
+        if info.get("type") == "directory":
+            return None
+        version = next((str(info[key]) for key in _VERSION_KEYS if info.get(key) is not None), None)
+        return int(info.get("size") or 0), version
 
-    def attempt() -> int | None:
+    def attempt() -> tuple[int, str | None] | None:
         worker = Worker(deadline, f"looking up {redact(url)}", server_of(url))
         try:
             return worker.call(look)

@@ -79,7 +79,7 @@ from kvstate.impl.snapshot import restore_snapshot
 from kvstate.impl.snapshot_read import checked_sections, read_snapshot, remaining
 from kvstate.spec.errors import (InvalidInputError, SecondTierWarning, SnapshotCorruptError, SnapshotDeadlineError,
                                  SnapshotError, SnapshotNotFoundError, SnapshotProducerError, SnapshotReadError,
-                                 SnapshotWriteError)
+                                 SnapshotTruncatedError, SnapshotVersionError, SnapshotWriteError)
 from kvstate.spec import snapshot_format as fmt
 from kvstate.spec.semantics import hit_length
 from kvstate.spec.layout import check_tokens
@@ -93,6 +93,10 @@ DEFAULT_PROBE_BATCH = 8
 # the others still skip it: it lifts the pause, or a failure starts another.
 OUTAGES_BEFORE_PAUSE = 3
 DEFAULT_OUTAGE_PAUSE_S = 30.0
+# Damaged objects a store remembers, by URL and version, so a match does not download one again (the oldest
+# forgotten past it); only refusals of the object's own bytes, not of what a reader asks of them.
+DAMAGED_KEPT = 1024
+_DAMAGED = (SnapshotCorruptError, SnapshotTruncatedError, SnapshotVersionError)
 
 __all__ = ["SnapshotStore", "second_tier_match", "deadline"]
 
@@ -134,6 +138,9 @@ class SnapshotStore:
         self._paused_until = 0.0            # on ``_clock``
         self._clock = time.monotonic
         self._failure_lock = threading.Lock()
+        # url -> ((size, version), what was wrong) of an object ``get`` read and found damaged: while a lookup
+        # finds it so, it is not read again (a damaged object was downloaded whole at every match; audit E, s69)
+        self._damaged: dict[str, tuple] = {}
 
     def __repr__(self) -> str:
         return f"SnapshotStore({remote_io.redact(self.url_prefix)!r}, stride={self.stride})"
@@ -149,6 +156,7 @@ class SnapshotStore:
         self._outages, self._paused_until = 0, 0.0      # another process's clock: its own view of the tier
         self.__dict__.setdefault("outage_pause_s", DEFAULT_OUTAGE_PAUSE_S)     # pickled before the pause existed
         self.__dict__.setdefault("skipped", 0)
+        self.__dict__.setdefault("_damaged", {})
         self._clock = time.monotonic
 
     # -- keys ------------------------------------------------------------------------
@@ -290,7 +298,12 @@ class SnapshotStore:
         tokens = check_tokens(tokens)
         deadline = self._deadline(deadline_s, cache)
         damaged: SnapshotError | None = None
-        for n, url in self._probe(cache, tokens, longer_than, deadline):
+        for n, url, stored in self._probe(cache, tokens, longer_than, deadline):
+            known = self._damaged.get(url) if stored[1] is not None else None
+            if known is not None and known[0] == stored:
+                damaged = damaged or SnapshotCorruptError(f"{known[1]} (read before and unchanged since, the same size "
+                                                          "and version: not read again)")
+                continue
             try:     # an object not holding its key is refused before the cache is touched (it evicted entries)
                 ctx = remote_io.read(url, lambda file: restore_snapshot(cache, file, producer=self.producer,
                                                                         key=tokens[:n]),
@@ -300,6 +313,8 @@ class SnapshotStore:
             except (SnapshotReadError, SnapshotWriteError):
                 raise        # an outage: a shorter key is no likelier to answer
             except SnapshotError as error:
+                if isinstance(error, _DAMAGED) and stored[1] is not None:
+                    self._remember_damaged(url, stored, str(error))
                 damaged = damaged or error     # one bad object: a shorter prefix may still serve
                 continue
             return ctx, n, damaged
@@ -307,37 +322,48 @@ class SnapshotStore:
             raise damaged
         return cache.allocate(), 0, None
 
+    def _remember_damaged(self, url: str, stored: tuple, what: str) -> None:
+        """``url``'s object, as ``stored`` names it, is damaged (``what``: the refusal's message); the oldest
+        memory goes past ``DAMAGED_KEPT``."""
+        damaged = self._damaged
+        damaged.pop(url, None)
+        damaged[url] = (stored, what)
+        if len(damaged) > DAMAGED_KEPT:
+            damaged.pop(next(iter(damaged)), None)
+
     def _probe(self, cache: Cache, tokens: np.ndarray, longer_than: int,
-               deadline: Deadline) -> list[tuple[int, str]]:
-        """Stored (length, url) candidates, longest first, from the first batch that holds any."""
+               deadline: Deadline) -> list[tuple[int, str, tuple]]:
+        """Stored (length, url, (size, version)) candidates, longest first, from the first batch that holds any."""
         if isinstance(longer_than, bool) or not isinstance(longer_than, int) or longer_than < 0:
             raise InvalidInputError(f"longer_than must be an int >= 0, got {longer_than!r}")
         candidates = self._candidates(cache, tokens, longer_than)
         for start in range(0, len(candidates), self.probe_batch):
             batch = candidates[start:start + self.probe_batch]
-            present = self._exist([url for _, url in batch], deadline)
-            hits = [item for item, here in zip(batch, present) if here]
+            present = self._stored([url for _, url in batch], deadline)
+            hits = [(n, url, here) for (n, url), here in zip(batch, present) if here is not None]
             if hits:
-                return hits + candidates[start + self.probe_batch:]    # shorter ones: fallbacks if one vanishes
+                # shorter ones: fallbacks if one vanishes (not looked up yet: no version to compare)
+                return hits + [(n, url, (None, None)) for n, url in candidates[start + self.probe_batch:]]
         return []
 
-    def _exist(self, urls: list[str], deadline: Deadline) -> list[bool]:
-        """Whether each of ``urls`` holds an object, asked at once on daemon threads. Not a thread pool:
+    def _stored(self, urls: list[str], deadline: Deadline) -> list[tuple | None]:
+        """``(size, version)`` of the object each of ``urls`` holds (``remote_io.stored_version``), None where
+        none, asked at once on daemon threads. Not a thread pool:
         leaving one waits for its threads, so Ctrl-C during a lookup at a hung server took effect only
         when the deadline ran out (and so did the interpreter's exit); the first failure is raised."""
         if len(urls) == 1:
-            return [remote_io.exists(urls[0], self.storage_options, deadline)]     # no thread to start
+            return [remote_io.stored_version(urls[0], self.storage_options, deadline)]     # no thread to start
         answers: queue.SimpleQueue = queue.SimpleQueue()
 
         def probe(index: int, url: str) -> None:
             try:
-                answers.put((index, remote_io.exists(url, self.storage_options, deadline), None))
+                answers.put((index, remote_io.stored_version(url, self.storage_options, deadline), None))
             except BaseException as error:     # handed to the waiting caller, whatever it is
                 answers.put((index, None, error))
 
         for index, url in enumerate(urls):
             threading.Thread(target=probe, args=(index, url), name="kvstate-probe", daemon=True).start()
-        present = [False] * len(urls)
+        present: list[tuple | None] = [None] * len(urls)
         for _ in urls:
             index, here, error = answers.get()
             if error is not None:

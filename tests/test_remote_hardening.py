@@ -1699,3 +1699,35 @@ def test_an_empty_endpoint_variable_is_unset_and_a_trailing_newline_is_refused(v
     with pytest.raises(SnapshotWriteError, match="no http\\(s\\) URL") as error:
         remote_io.refuse_unsafe_options({"endpoint_url": "http://SECRETVALUE\n"}, SnapshotWriteError)
     assert "SECRETVALUE" not in str(error.value)
+
+
+def test_a_damaged_object_is_not_downloaded_again_while_it_is_unchanged(monkeypatch):
+    """An outside audit (s69, E): a damaged second-tier object was downloaded whole at every match. The store
+    remembers it by its size and version (the lookup's HEAD): unchanged, the next match warns with what was wrong
+    and reads nothing; rewritten, it is read again, and served."""
+    import fsspec
+
+    from kvstate.spec.errors import SecondTierWarning
+    store = memory_store(stride=4)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+    query = [0, 1, 2, 3, 4]
+    with filled(Cache(SMALL, page_tokens=2), 4) as ctx:
+        store.put(ctx)
+    url = store.url(cache, query[:4])
+    fs, path = fsspec.core.url_to_fs(url)
+    good = fs.cat_file(path)
+    fs.pipe_file(path, good[:-1] + bytes([good[-1] ^ 1]))       # one flipped bit
+    reads = []
+    real = remote_io.read
+    monkeypatch.setattr(remote_io, "read", lambda *args, **kwargs: (reads.append(args[0]), real(*args, **kwargs))[1])
+    for expected_reads in (1, 1):
+        with pytest.warns(SecondTierWarning, match="SnapshotCorruptError"):
+            got, n = cache.match(query)
+        got.close()
+        assert n == 0 and len(reads) == expected_reads
+    assert "not read again" in store.last_failure
+    time.sleep(0.001)           # the rewrite's creation time differs from the damaged one's
+    fs.pipe_file(path, good)
+    got, n = cache.match(query)
+    assert n == 4 and len(reads) == 2
+    got.close()
