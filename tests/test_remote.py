@@ -940,3 +940,29 @@ def test_put_writes_again_over_a_damaged_object_of_the_right_size_and_never_over
     with got:
         assert n == 6 and bits(got) == want
     assert store.failures == 0
+
+
+def test_a_damaged_object_on_s3_is_read_once_while_its_etag_stands(s3, monkeypatch):
+    """The second tier remembers a damaged object by its size and ETag (the lookup's HEAD): on a real S3 server
+    the next match reads nothing; a rewrite (another ETag) is read again and served."""
+    from kvstate.spec.errors import SecondTierWarning
+    store = SnapshotStore(s3.url(f"damaged/{uuid.uuid4().hex}"), stride=4, storage_options=s3.options)
+    cache = Cache(SMALL, page_tokens=2, second_tier=store)
+    with filled(Cache(SMALL, page_tokens=2), 4) as ctx:
+        store.put(ctx)
+        query = ctx.tokens + [9]
+    path = store.url(cache, query[:4]).partition("://")[2]
+    good = s3.fs.cat_file(path)
+    s3.fs.pipe_file(path, good[:-1] + bytes([good[-1] ^ 1]))
+    reads = []
+    real = remote_io.read
+    monkeypatch.setattr(remote_io, "read", lambda *args, **kwargs: (reads.append(args[0]), real(*args, **kwargs))[1])
+    for _ in range(2):
+        with pytest.warns(SecondTierWarning, match="SnapshotCorruptError"):
+            got, n = cache.match(query)
+        got.close()
+        assert n == 0 and len(reads) == 1
+    s3.fs.pipe_file(path, good)
+    got, n = cache.match(query)
+    got.close()
+    assert n == 4 and len(reads) == 2
