@@ -100,25 +100,26 @@ def check_positions(position_ids, held: list[int], held_pads: list[int], pads: l
         given = np.broadcast_to(given, (batch, n))
     except ValueError:
         return
-    for row in range(batch):
-        own = held[row] + np.arange(n - pads[row])
-        differ = np.flatnonzero(given[row, pads[row]:] != own)
-        if len(differ):
-            j = int(differ[0])
-            if given[row, pads[row] + j] < held[row]:
-                raise ShapeError(f"position_ids number row {row}'s new tokens from {int(given[row, pads[row]])}, but the "
-                                 f"row holds {held[row]} positions: this forward feeds again tokens the row holds "
-                                 "(transformers' assisted and prompt-lookup generate do so on a cache that already "
-                                 "holds part of the prompt, appending them again), whose K/V kvstate would keep at "
-                                 "positions other than their own. Run those on a cache holding nothing, or on a "
-                                 "DynamicCache")
-            raise ShapeError(f"position_ids put row {row}'s token at new position {pads[row] + j} at position "
-                             f"{int(given[row, pads[row] + j])}, but kvstate keeps it as that row's position "
-                             f"{int(own[j])} (its tokens are its positions 0, 1, ..., padding never counted): a "
-                             "prefix hit would serve its K/V to requests computing it there. Pass each row's own "
-                             "positions, (attention_mask.cumsum(-1) - 1).clamp(min=0); generate numbers a row "
-                             "whose prompt is all padding otherwise, so give every row a token; or use a "
-                             "DynamicCache")
+    # Every row at once (a check each decode step): new position i of a row is its token number i - pad.
+    column, first_token = np.arange(n)[None, :], np.asarray(pads)[:, None]
+    own = np.asarray(held)[:, None] + column - first_token
+    wrong = np.argwhere((column >= first_token) & (given != own))
+    if not len(wrong):
+        return
+    row, at = (int(x) for x in wrong[0])
+    if given[row, at] < held[row]:
+        raise ShapeError(f"position_ids number row {row}'s new tokens from {int(given[row, pads[row]])}, but the "
+                         f"row holds {held[row]} positions: this forward feeds again tokens the row holds "
+                         "(transformers' assisted and prompt-lookup generate do so on a cache that already "
+                         "holds part of the prompt, appending them again), whose K/V kvstate would keep at "
+                         "positions other than their own. Run those on a cache holding nothing, or on a "
+                         "DynamicCache")
+    raise ShapeError(f"position_ids put row {row}'s token at new position {at} at position {int(given[row, at])}, "
+                     f"but kvstate keeps it as that row's position {int(own[row, at])} (its tokens are its "
+                     "positions 0, 1, ..., padding never counted): a prefix hit would serve its K/V to requests "
+                     "computing it there. Pass each row's own positions, (attention_mask.cumsum(-1) - 1).clamp(min=0); "
+                     "generate numbers a row whose prompt is all padding otherwise, so give every row a token; or "
+                     "use a DynamicCache")
 
 
 def real_positions(mask, batch: int, n: int, past: int | None = None, pads: list[int] | None = None,
