@@ -407,9 +407,9 @@ def _order_after_many_stamps(factory: Factory, config: Config, promise: str) -> 
     or 2**16 then holds the oldest entry's tick above the newest's, so the newest is evicted (an outside audit,
     s70: a tick kept modulo 256 passed every check, the runs never making 256 stamps), unless that tick is 0
     modulo the wrap: an entry retained before the fill, and evicted by it, keeps the clock's first stamp
-    (0, where a clock stamps before it counts) off the oldest kept entry. The hits go to the
-    engine alone: they leave the order the reference holds as it was, and the lockstep's per-step
-    comparisons would make the row 25 times slower."""
+    (0, where a clock stamps before it counts) off the oldest kept entry. The hits go to the engine alone:
+    they leave the order the reference holds as it was, and the lockstep's per-step comparisons would make
+    the row 25 times slower."""
     if config.max_entries < 2:
         return
     unit = config.block_tokens or 1
@@ -422,9 +422,8 @@ def _order_after_many_stamps(factory: Factory, config: Config, promise: str) -> 
         return
     keys = [key(1)] + [key(40 + k) for k in range(held - 1)]
     newcomer = key(39)
-    if config.pool_limit and sum(pages_needed(len(tokens), config.page_tokens) for tokens in keys + [newcomer]) \
-            > config.pool_limit:
-        return      # the pool, not the tree's bounds, would choose what goes (as in ``_stamp_then_evict``)
+    if _pool_chooses(config, keys + [newcomer]):
+        return
     run = start(factory, config)
     with keeping(promise, run):
         # First an entry the fill evicts: the oldest kept entry's stamp is then past the clock's first, which
@@ -459,13 +458,19 @@ def _entries_held(config: Config, first: list, then: tuple) -> int:
     return held if held <= MAX_ENTRIES_FILLED else 0
 
 
+def _pool_chooses(config: Config, keys: list) -> bool:
+    """Whether entries of ``keys`` overflow the pool (``pool_limit``): there the pool, not the tree's bounds,
+    chooses what an eviction takes, and a row checking the tree's order is skipped."""
+    return bool(config.pool_limit) and sum(pages_needed(len(tokens), config.page_tokens)
+                                           for tokens in keys) > config.pool_limit
+
+
 def _stamp_then_evict(factory: Factory, config: Config, promise: str, keys: list, query: tuple,
                       newcomer: tuple) -> None:
     """``keys`` retained oldest first (as many as the tree holds), ``query`` matched and its hit closed,
     ``newcomer`` retained (one entry too many: the least recently used goes), then every key matched.
     Skipped where the pool, not the tree's bounds, would choose what goes."""
-    held = sum(pages_needed(len(tokens), config.page_tokens) for tokens in keys)
-    if config.pool_limit and held + pages_needed(len(newcomer), config.page_tokens) > config.pool_limit:
+    if _pool_chooses(config, keys + [newcomer]):
         return
     run = start(factory, config)
     with keeping(promise, run):
