@@ -32,7 +32,9 @@ from array import array
 import numpy as np
 
 from .args import positive_int
+from .one_token_pages import serve_requests
 from .traffic_workload import FULL, QUICK, TINY, workload
+from .versus_sglang import replay_sglang as versus_sglang_replay, sglang_missing
 
 COMMAND = "python -m kvstate.bench.cold_lookup"
 KV_COLD, KV_WARM = "kvstate, after its extend", "kvstate, at once again"
@@ -40,64 +42,50 @@ SGL_BACK, SGL_WRITE, SGL_AFTER_OURS = "SGLang, back to back", "SGLang, after its
 
 
 def replay_kvstate(requests: list[np.ndarray], page: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Seconds per request of the first and of the second lookup, and the tokens matched."""
+    """Seconds per request of the first lookup (``one_token_pages.serve_requests``, as ``versus_sglang``
+    times it) and of the same lookup again at once (timed the same way, then closed), and the tokens matched."""
     from kvstate.impl import Cache
 
     cache = Cache(TINY, page_tokens=page, max_entries=len(requests) + 1, match="token")
-    zeros = np.zeros((max(map(len, requests)), *cache.layout.position_shape), np.float32)
-    first, again = np.zeros(len(requests)), np.zeros(len(requests))
-    matched_tokens, clock = 0, time.perf_counter
-    for i, tokens in enumerate(requests):
+    again, order, clock = np.zeros(len(requests)), iter(range(len(requests))), time.perf_counter
+
+    def match_again(_new_tokens) -> None:       # ``serve_requests``' untimed hook before each extend
+        i = next(order)
         t0 = clock()
-        ctx, matched = cache.match(tokens)
-        t1 = clock()
-        twin, _ = cache.match(tokens)
-        t2 = clock()
+        twin, matched = cache.match(requests[i])
+        if page > 1 and matched % page and matched < len(requests[i]):
+            cache.pool.books.counts         # noqa: B018 - the hold's flush, timed as serve_requests times it
+        again[i] = clock() - t0
         twin.close()
-        ctx.extend(tokens[matched:], zeros[:len(tokens) - matched])
-        cache.retain(ctx)
-        ctx.close()
-        first[i], again[i] = t1 - t0, t2 - t1
-        matched_tokens += matched
-    return first, again, matched_tokens
+
+    first, _retain_s, matched = serve_requests(cache, requests, before_extend=match_again)
+    return first, again, matched
 
 
 def replay_sglang(requests: list[np.ndarray], page: int, between: str | None) -> tuple[np.ndarray, int]:
-    """Seconds per request of SGLang's lookup, and the tokens matched; ``between``: the untimed work
-    between a lookup and its insert (None, ``"write"`` or ``"kvstate"``), so before the next lookup."""
+    """Seconds per request of SGLang's lookup (``versus_sglang.replay_sglang``), and the tokens matched;
+    ``between``: the untimed work between a lookup and its insert (None, ``"write"`` or ``"kvstate"``), so
+    before the next lookup."""
     import torch
 
-    from kvstate.engines.sglang_loader import load_radix_cache
     from kvstate.impl import Cache
 
-    rc = load_radix_cache()
-    tree = rc.RadixCache.create_simulated(page_size=page)
     keys = [array("q", tokens.tolist()) for tokens in requests]     # SGLang's key type, made untimed
-    total = sum(map(len, keys))
-    slots = torch.arange(total, dtype=torch.int64)
-    pool = torch.zeros((total, *TINY.position_shape))
-    side = Cache(TINY, page_tokens=page, max_entries=1, match="token") if between == "kvstate" else None
     zeros = np.zeros((max(map(len, requests)), *TINY.position_shape), np.float32)
-    lookup_s, matched_tokens, next_slot, clock = np.zeros(len(keys)), 0, 0, time.perf_counter
-    for i, key in enumerate(keys):
-        t0 = clock()
-        hit = tree.match_prefix(rc.MatchPrefixParams(key=rc.RadixKey(key)))
-        tree.inc_lock_ref(hit.last_device_node)
-        lookup_s[i] = clock() - t0
-        matched = hit.device_prefix_len
-        value = slots[next_slot:next_slot + len(key)]
-        next_slot += len(key)
-        if between == "write":
-            new = value[matched:]
-            pool[new] = torch.from_numpy(zeros[:len(new)])
-        elif between == "kvstate":
-            ctx = side.allocate()
-            ctx.extend(requests[i][matched:], zeros[:len(key) - matched])
-            ctx.close()
-        tree.insert(rc.InsertParams(key=rc.RadixKey(key), value=value))
-        tree.dec_lock_ref(hit.last_device_node)
-        matched_tokens += matched
-    return lookup_s, matched_tokens
+    pool = torch.zeros((sum(map(len, keys)), *TINY.position_shape))
+    side = Cache(TINY, page_tokens=page, max_entries=1, match="token")
+
+    def write(i: int, matched: int, value) -> None:      # its forward's K/V write, ``set_kv_buffer``'s
+        new = value[matched:]
+        pool[new] = torch.from_numpy(zeros[:len(new)])
+
+    def kvstate_extend(i: int, matched: int, value) -> None:
+        with side.allocate() as ctx:
+            ctx.extend(requests[i][matched:], zeros[:len(requests[i]) - matched])
+
+    hook = {None: None, "write": write, "kvstate": kvstate_extend}[between]
+    lookup_s, _insert_s, matched = versus_sglang_replay(keys, page, between=hook)
+    return lookup_s, matched
 
 
 def measure(requests: list[np.ndarray], page: int, rounds: int) -> dict[str, tuple[float, int]]:
@@ -119,8 +107,6 @@ def measure(requests: list[np.ndarray], page: int, rounds: int) -> dict[str, tup
 
 
 def main(argv=None) -> int:
-    from .versus_sglang import sglang_missing
-
     parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=("divergent", "shared"), default="divergent")

@@ -99,14 +99,16 @@ def sglang_missing() -> str | None:
     return None
 
 
-def replay_sglang(keys: list, page: int, lookup_key=None) -> tuple[np.ndarray, np.ndarray, int]:
+def replay_sglang(keys: list, page: int, lookup_key=None, between=None) -> tuple[np.ndarray, np.ndarray, int]:
     """Seconds per request in lookup (``match_prefix`` + lock) and ``insert``, and the tokens matched.
 
     ``keys`` as ``array('q')`` (SGLang's own type, made outside the timing), or as Python lists:
     then the lookup's time includes ``array("q", ids)``, what SGLang's tokenizer process does with a
     request's ``input_ids`` list before its scheduler gets it (``TokenizerManager.
     _create_tokenized_object``). ``lookup_key(i)``, where given, makes request ``i``'s key inside
-    the lookup's timing instead. The insert takes the key the lookup had."""
+    the lookup's timing instead. The insert takes the key the lookup had. ``between(i, matched, value)``,
+    where given, runs untimed between request ``i``'s lookup and its insert (``value``: the request's
+    slots), where a server runs the forward (``bench/cold_lookup.py``)."""
     import torch
 
     from kvstate.engines.sglang_loader import load_radix_cache
@@ -129,6 +131,8 @@ def replay_sglang(keys: list, page: int, lookup_key=None) -> tuple[np.ndarray, n
         matched = hit.device_prefix_len
         value = slots[next_slot:next_slot + len(key)]      # fresh ids: the tree keeps its own where it held the key
         next_slot += len(key)
+        if between is not None:
+            between(i, matched, value)
         t2 = clock()
         tree.insert(rc.InsertParams(key=rc.RadixKey(key), value=value))
         t3 = clock()
@@ -352,8 +356,8 @@ _RUNS = ("built: a hit at a shared prefix takes the entry's kept prefix tuple (n
          "after its page-by-page write (impl/query.py packed_ids: the cast a lookup runs right after an extend is then warm; it cost ~3x its warm "
          "time cold), and a token hit, its stamp and a retain take fewer calls (token_hit, one-call stamp, retain "
          "whole under one lock hold); what remains is mostly the caches the extend before each lookup leaves "
-         "cold (python -m kvstate.bench.cold_lookup: the same lookup again at once takes about half its time, and "
-         "SGLang's own lookup after the same extend 1.4-1.7x its back-to-back time; the lookup is as cold at "
+         "cold (python -m kvstate.bench.cold_lookup: the same lookup again at once takes half to two thirds of its time, and "
+         "SGLang's own lookup after the same extend 1.3-1.7x its back-to-back time; the lookup is as cold at "
          "page 64, where the extend makes 64 times fewer pages: python -m kvstate.bench.page_churn), so an extend "
          "that runs far less Python between two lookups (pages as slabs: one allocation and one write per "
          "extend, not a page's objects each) and fewer Python calls per lookup (match, find, stamp and fork in one "
