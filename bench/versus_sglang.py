@@ -3,7 +3,9 @@
     python -m kvstate.bench.versus_sglang [--workload shared|divergent] [--page 1|16|64] [--rounds N] [--quick]
 
 The peer is SGLang 0.5.23's own ``sglang/srt/mem_cache/radix_cache.py``, loaded unmodified by
-``kvstate.engines.sglang_loader`` (``pip install --no-deps sglang==0.5.23``). Per request, as
+``kvstate.engines.sglang_loader`` (``pip install --no-deps sglang==0.5.23``): the tree issue 26
+named. That release's scheduler builds another by default (``UnifiedRadixCache`` over a compiled
+Rust TreeCore); ``versus_sglang_default`` judges the same rows against it. Per request, as
 SGLang's scheduler does it and as kvstate's users do:
 
 - SGLang: *lookup* = ``match_prefix`` of the request's key and ``inc_lock_ref`` of the node it
@@ -177,14 +179,14 @@ def replay_token_ids(requests: list[np.ndarray], bases: list[int], turns: list[l
 
 
 def replay_sglang_session(requests: list[np.ndarray], bases: list[int], turns: list[list], system_tokens: int,
-                          page: int) -> tuple[np.ndarray, np.ndarray, int]:
+                          page: int, replay=replay_sglang) -> tuple[np.ndarray, np.ndarray, int]:
     """As ``replay_sglang``, SGLang growing each conversation's ids as its sessions do, ``TokenIds + turn``'s
     like: a lookup's time includes ``array("q", turn)`` (its tokenizer process's conversion of the
     request's new ids) and one concatenation onto the ids of request ``bases[i]`` (or the system
     prompt's, made once), standing for ``SessionController._concat_token_arrays``'s copying path
     (which copies twice; a streaming session extends in place instead)."""
     system = array("q", requests[0][:system_tokens].tolist())
-    return replay_sglang(requests, page, lookup_key=grown_keys(system, bases, turns, partial(array, "q")))
+    return replay(requests, page, lookup_key=grown_keys(system, bases, turns, partial(array, "q")))
 
 
 def grown_keys(system, bases: list[int], turns: list[list], convert=None):
@@ -241,15 +243,18 @@ def replay_turn_floor(turns: list[list]) -> np.ndarray:
     return turn_s
 
 
-def contenders(requests: list[np.ndarray], page: int, system_tokens: int):
-    """(engine, input, replay) at one page size, SGLang first; inputs converted here, untimed."""
+def contenders(requests: list[np.ndarray], page: int, system_tokens: int, trees=((SGLANG, replay_sglang),)):
+    """(engine, input, replay) at one page size, SGLang first; inputs converted here, untimed.
+    ``trees``: SGLang's trees, (engine, replay like ``replay_sglang``) each (``versus_sglang_default``
+    adds the one its scheduler builds by default)."""
     keys = [array("q", tokens.tolist()) for tokens in requests]
     lists = [tokens.tolist() for tokens in requests]
     bases = conversation_bases(requests, system_tokens)
     turns = [lists[i][len(requests[b]) if b >= 0 else system_tokens:] for i, b in enumerate(bases)]   # what each adds
-    yield SGLANG, ARRAY_Q, lambda: replay_sglang(keys, page)
-    yield SGLANG, LIST, lambda: replay_sglang(lists, page)
-    yield SGLANG, SESSION, lambda: replay_sglang_session(requests, bases, turns, system_tokens, page)
+    for engine, replay in trees:
+        yield engine, ARRAY_Q, lambda r=replay: r(keys, page)
+        yield engine, LIST, lambda r=replay: r(lists, page)
+        yield engine, SESSION, lambda r=replay: replay_sglang_session(requests, bases, turns, system_tokens, page, r)
     yield FLOOR, "-", lambda: (*replay_floors(requests, lists), 0)
     yield FLOOR_TURN, "-", lambda: (replay_turn_floor(turns), np.zeros(len(turns)), 0)
     for match in ("token", "block") if page > 1 else ("token",):
@@ -259,12 +264,15 @@ def contenders(requests: list[np.ndarray], page: int, system_tokens: int):
                                                                               m, page)
 
 
-def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bool, system_tokens: int) -> list[dict]:
-    """Every contender at every page size on ``requests``, ``rounds`` rounds interleaved."""
+def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bool, system_tokens: int,
+            trees=((SGLANG, replay_sglang),), command: str = COMMAND) -> list[dict]:
+    """Every contender at every page size on ``requests``, ``rounds`` rounds interleaved; ratios against
+    the first of SGLang's ``trees`` (``contenders``), handed pre-built keys."""
+    peer_engine = trees[0][0]
     best: dict[tuple, list] = {}
     for _ in range(rounds):
         for page in pages:
-            for engine, given, replay in contenders(requests, page, system_tokens):
+            for engine, given, replay in contenders(requests, page, system_tokens, trees):
                 match_s, insert_s, matched = replay()
                 old = best.get((page, engine, given))
                 if old is not None:
@@ -276,35 +284,38 @@ def measure(kind: str, requests: list[np.ndarray], pages, rounds: int, quick: bo
     for (page, engine, given), (match_s, insert_s, matched) in best.items():
         if engine in (FLOOR, FLOOR_TURN):
             continue
-        peer = best[(page, SGLANG, ARRAY_Q)]
+        peer = best[(page, peer_engine, ARRAY_Q)]
         extra = {}
         if engine.startswith("kvstate"):      # the floor of this input; where handed a list, SGLang handed the same
             floor_s = (best[(page, FLOOR_TURN, "-")][0] if given == TOKEN_IDS
                        else best[(page, FLOOR, "-")][0 if given == ARRAY else 1])
             extra = {"lookup_floor_us": 1e6 * floor_s.mean(), "lookup_floor_speedup": peer[0].sum() / floor_s.sum()}
             if given in HANDED_THE_SAME:
-                extra["request_path_speedup"] = best[(page, SGLANG, HANDED_THE_SAME[given])][0].sum() / match_s.sum()
+                extra["request_path_speedup"] = best[(page, peer_engine, HANDED_THE_SAME[given])][0].sum() / match_s.sum()
         rows.append({"workload": kind, "page": page, "engine": engine, "input": given,
                      "hit_rate": matched / query_tokens, "matched": matched,
                      "lookup_us": 1e6 * match_s.mean(), "insert_us": 1e6 * insert_s.mean(),
                      "lookup_speedup": peer[0].sum() / match_s.sum(), "insert_speedup": peer[1].sum() / insert_s.sum(),
                      **extra,
-                     "command": f"{COMMAND} --workload {kind} --page {page}" + rounds_option(rounds, quick)
+                     "command": f"{command} --workload {kind} --page {page}" + rounds_option(rounds, quick)
                                 + " --quick" * quick})
     return rows
 
 
-def verdict(rows: list[dict], timed: bool) -> dict:
-    """Equal hit rates where the semantics agree; the speed target where ``timed``."""
+def verdict(rows: list[dict], timed: bool, peer_engine: str = SGLANG) -> dict:
+    """Equal hit rates where the semantics agree; the speed target where ``timed`` (against
+    ``peer_engine``'s row with pre-built keys; every other SGLang tree's hits checked against it)."""
     out = {}
-    peers = {(r["workload"], r["page"]): r for r in rows if r["engine"] == SGLANG and r["input"] == ARRAY_Q}
+    peers = {(r["workload"], r["page"]): r for r in rows if r["engine"] == peer_engine and r["input"] == ARRAY_Q}
     for row in rows:
         peer = peers[row["workload"], row["page"]]
         name = f"{row['workload']} @{row['page']} {row['engine']}, {row['input']}"
         if row["engine"] == "kvstate block" or (row["engine"] == "kvstate token" and row["page"] == 1):
             out[f"{name}: hit = SGLang's"] = row["matched"] == peer["matched"]
-        if row["engine"] == SGLANG and row["input"] != ARRAY_Q:     # the same tree, whatever it was handed
+        if row["engine"] == peer_engine and row["input"] != ARRAY_Q:     # the same tree, whatever it was handed
             out[f"{name}: hit = its {ARRAY_Q} row's"] = row["matched"] == peer["matched"]
+        elif row["engine"].startswith("SGLang") and row["engine"] != peer_engine:     # another of SGLang's trees
+            out[f"{name}: hit = {peer_engine}'s"] = row["matched"] == peer["matched"]
         if timed and row["engine"].startswith("kvstate"):     # token, and block (SGLang's like)
             worst = min(row["lookup_speedup"], row["insert_speedup"])
             out[f"{name}: min(lookup, insert speedup) >= {TARGET:g}"] = f"{worst:.2f} {'met' if worst >= TARGET else 'MISSED'}"

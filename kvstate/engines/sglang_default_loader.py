@@ -1,0 +1,159 @@
+"""SGLang 0.5.23's default prefix tree: ``UnifiedRadixCache`` over its compiled Rust TreeCore.
+
+Which tree SGLang's scheduler builds is decided in ``sglang/srt/mem_cache/registry.py``
+(``default_radix_cache_factory``): for a model with full attention and no storage tier,
+``create_unified_radix_cache``, whose TreeCore is the Rust one bundled in the wheel
+(``mem_cache/rust_tree_core/mem_cache.cpython-*.so``; ``unified_cache/tree_core_registry.py``:
+``SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND`` defaults to "rust", and the Python TreeCore is used
+only off Linux, under a torch outside 2.11-2.14, for session caching or custom components). The
+legacy ``radix_cache.RadixCache`` (``sglang_loader``) still ships, but no default path builds it.
+
+The legacy tree loads from ten files; this one cannot: ``unified_radix_cache.py`` imports some 640
+SGLang modules, so it is imported the ordinary way, which takes SGLang's own dependencies
+(``DEPENDENCIES``, each ``pip install --no-deps``: SGLang's full requirement list pulls a CUDA torch).
+Importing ``sglang`` runs its ``__init__``, which patches transformers in this process: use it in
+a process of its own (the benchmark's). One module on that import chain
+(``sglang/srt/multimodal/internvl_utils.py``) imports torchvision at its top; where no torchvision
+is installed (no build loads against torch 2.13.0+cpu), an inert stand-in is served for that import
+alone: reading a name gives another stand-in (the module reads ``InterpolationMode`` for a default
+argument), calling anything raises ``StandInCalled`` and is recorded in ``STAND_IN_USES``, as every
+kvstate stand-in is. The tree calls none of it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import sys
+import types
+
+from ._loading import STAND_IN_USES, EngineVersionError, StandInCalled
+from .sglang_loader import SUPPORTED_VERSION
+
+# What ``import sglang.srt.mem_cache.unified_radix_cache`` needs past kvstate's own requirements and
+# ``sglang==0.5.23`` itself, each installed with ``--no-deps`` (the versions it was measured with).
+DEPENDENCIES = ("pybase64==1.5.1", "triton==3.9.0", "pillow==13.0.0", "starlette==1.10.0", "msgspec==0.23.0",
+                "pyzmq==27.3.0", "apache-tvm-ffi==0.1.15.post2", "dill==0.4.1", "openai==3.63.0",
+                "partial-json-parser==0.2.1.1.post7", "compressed-tensors==0.20.1", "gguf==0.19.0",
+                "loguru==0.8.0", "sentencepiece==0.2.3")
+INSTALL = f"pip install --no-deps sglang=={SUPPORTED_VERSION} " + " ".join(DEPENDENCIES)
+TREE = "sglang.srt.mem_cache.unified_radix_cache"
+
+# Every name of the torchvision stand-in read while SGLang imported (reads only: a call raises).
+TORCHVISION_READS: list[str] = []
+
+
+class _Inert:
+    """A torchvision name: reading from it gives another, calling it raises."""
+
+    def __init__(self, qualname: str):
+        self._qualname = qualname
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        TORCHVISION_READS.append(f"{self._qualname}.{name}")
+        return _Inert(f"{self._qualname}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        STAND_IN_USES.append(self._qualname)
+        raise StandInCalled(f"{self._qualname} is a stand-in (kvstate.engines.sglang_default_loader) and was called")
+
+    def __repr__(self) -> str:
+        return f"<stand-in {self._qualname}>"
+
+
+class _InertModule(types.ModuleType):
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        TORCHVISION_READS.append(f"{self.__name__}.{name}")
+        return _Inert(f"{self.__name__}.{name}")
+
+
+class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves ``torchvision`` and its submodules as inert modules, while SGLang's tree is imported."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _InertModule(spec.name, "kvstate stand-in: reading gives stand-ins, calling raises StandInCalled")
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def load_default_tree() -> types.SimpleNamespace:
+    """SGLang's default tree and what building and driving it takes, imported from the installed
+    release: ``UnifiedRadixCache``, ``CacheInitParams``, ``ComponentType``, ``MatchPrefixParams``,
+    ``InsertParams``, ``RadixKey``, ``select_tree_core_backend`` and the slot allocators
+    ``TokenToKVPoolAllocator`` (page 1) and ``PagedTokenToKVPoolAllocator``.
+
+    Raises ``EngineVersionError`` for another release, ``ImportError`` naming what is missing (and
+    ``INSTALL``) where a dependency is."""
+    try:
+        version = importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        raise ImportError(f"SGLang is not installed: {INSTALL}") from None
+    if version != SUPPORTED_VERSION:
+        raise EngineVersionError(f"SGLang {version} is installed; its default tree is loaded for {SUPPORTED_VERSION} "
+                                 f"only: {INSTALL}")
+    stand_in = None
+    if TREE not in sys.modules and importlib.util.find_spec("torchvision") is None:
+        # transformers asks whether torchvision is there (and then its version) as SGLang's configs
+        # import it: answered now, before the stand-in exists, its cached answer is the truth (absent).
+        try:
+            from transformers.utils import import_utils
+        except ModuleNotFoundError as error:
+            raise ImportError(f"SGLang's default tree needs {error.name!r}, which is not installed: {INSTALL}") from None
+        import_utils.is_torchvision_available()
+        stand_in = _TorchvisionStandIn()
+        sys.meta_path.insert(0, stand_in)
+    try:
+        importlib.import_module("torch")     # the extension links against libtorch: loaded first, as SGLang's loader does
+        modules = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}")
+                   for name in ("unified_radix_cache", "cache_init_params", "unified_cache.component_type",
+                                "unified_cache.tree_core_registry", "base_prefix_cache", "radix_cache",
+                                "allocator.token", "allocator.paged")}
+    except ModuleNotFoundError as error:
+        raise ImportError(f"SGLang's default tree needs {error.name!r}, which is not installed: {INSTALL}") from None
+    finally:
+        if stand_in is not None:
+            sys.meta_path.remove(stand_in)
+    return types.SimpleNamespace(
+        UnifiedRadixCache=modules["unified_radix_cache"].UnifiedRadixCache,
+        CacheInitParams=modules["cache_init_params"].CacheInitParams,
+        ComponentType=modules["unified_cache.component_type"].ComponentType,
+        select_tree_core_backend=modules["unified_cache.tree_core_registry"].select_tree_core_backend,
+        MatchPrefixParams=modules["base_prefix_cache"].MatchPrefixParams,
+        InsertParams=modules["base_prefix_cache"].InsertParams,
+        RadixKey=modules["radix_cache"].RadixKey,
+        TokenToKVPoolAllocator=modules["allocator.token"].TokenToKVPoolAllocator,
+        PagedTokenToKVPoolAllocator=modules["allocator.paged"].PagedTokenToKVPoolAllocator,
+    )
+
+
+def build_default_tree(sg: types.SimpleNamespace, page: int, allocator):
+    """``UnifiedRadixCache`` as ``registry.create_unified_radix_cache`` builds it for a model with full
+    attention only (no host tier, storage, events or metrics), over ``allocator``; refused
+    (``EngineVersionError``) where SGLang would run its Python TreeCore here instead of the Rust one."""
+    params = sg.CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=allocator,
+                                page_size=page)
+    params.tree_components = (sg.ComponentType.FULL,)
+    backend = sg.select_tree_core_backend(params)
+    if backend != "rust":
+        raise EngineVersionError(f"SGLang would use its {backend} TreeCore here, not its default Rust one "
+                                 f"(see sglang/srt/mem_cache/unified_cache/tree_core_registry.py)")
+    tree = sg.UnifiedRadixCache(params)
+    core = type(tree.tree_core).__name__
+    if core != "RustUnifiedTreeCore":
+        raise EngineVersionError(f"UnifiedRadixCache built a {core}, not the Rust TreeCore")
+    return tree
