@@ -85,7 +85,7 @@ class SGLangContext(EngineContext):
         super().__init__(cache, tokens)
         self.slots = slots
         self.protected = protected      # positions [0, protected) are the tree's, held by the lock on node
-        self.node = node
+        self.node = node                # what ``SGLangCache.hold`` gave for that lock (None: no lock)
 
     def _slots(self, start: int, stop: int) -> list[int]:
         return self.slots[start:stop]
@@ -136,11 +136,10 @@ class SGLangContext(EngineContext):
         cache = self.cache
         self.slots[boundary:boundary + len(fresh)] = fresh
         node = cache.node_for(self._tokens[:boundary]) if boundary else None
-        if node is not None:
-            cache.tree.inc_lock_ref(node)
+        held = cache.hold(node) if node is not None else None
         if self.node is not None:
-            cache.tree.dec_lock_ref(self.node)
-        self.node, self.protected = node, boundary
+            cache.let_go(self.node)
+        self.node, self.protected = held, boundary
 
     def fork(self) -> "SGLangContext":
         self._open()
@@ -151,9 +150,8 @@ class SGLangContext(EngineContext):
             fresh = cache.alloc_pages(-(-private // cache.page))[:private]
             cache.store(fresh, cache.values_at(self.slots[self.protected:]))
             slots += fresh
-        if self.node is not None:
-            cache.tree.inc_lock_ref(self.node)
-        return cache.register(cache.context_class(cache, list(self._tokens), slots, self.protected, self.node))
+        held = cache.hold_again(self.node) if self.node is not None else None
+        return cache.register(cache.context_class(cache, list(self._tokens), slots, self.protected, held))
 
     def _free_private_from(self, position: int) -> None:
         """Free the private pages that hold only positions >= ``position``."""
@@ -176,7 +174,7 @@ class SGLangContext(EngineContext):
         self._open()
         self._let_go_of_private()
         if self.node is not None:
-            self.cache.tree.dec_lock_ref(self.node)
+            self.cache.let_go(self.node)
         self.node, self.slots, self.closed = None, [], True
         self.cache.contexts.remove(self)
 
@@ -192,9 +190,7 @@ class SGLangCache(EngineCache):
 
     def __init__(self, config: Config):
         super().__init__(config)
-        rc = load_radix_cache()
-        token_allocator, paged_allocator = load_allocators()
-        self.rc = rc
+        self.rc, (token_allocator, paged_allocator) = self._engine()
         self.page = config.page_tokens
         pool = config.pool_limit if reclaims(config.on_full) else POOL_PAGES
         self.evicted_tokens = 0       # what tree.evict let go for room (a measure of pressure, for reports)
@@ -205,8 +201,25 @@ class SGLangCache(EngineCache):
             self.allocator = paged_allocator(pool * self.page, self.page, torch.float32, "cpu", None, False)
         self.tree = self._make_tree(self.allocator)
 
+    def _engine(self):
+        """The engine's module (its tree's parameter classes and ``RadixKey``) and its two slot allocators."""
+        return load_radix_cache(), load_allocators()
+
     def _make_tree(self, allocator):
         return self.rc.RadixCache.create_simulated(mock_allocator=allocator, page_size=self.page)
+
+    def hold(self, node):
+        """A request's lock on ``node`` (``inc_lock_ref``); what it returns is what ``let_go`` takes."""
+        self.tree.inc_lock_ref(node)
+        return node
+
+    def hold_again(self, held):
+        """A second lock where ``held`` (from ``hold``) is one (a fork's)."""
+        return self.hold(held)
+
+    def let_go(self, held) -> None:
+        """The lock ``hold`` gave let go (``dec_lock_ref``)."""
+        self.tree.dec_lock_ref(held)
 
     # -- the engine's operations ---------------------------------------------------------
 
@@ -253,17 +266,21 @@ class SGLangCache(EngineCache):
             if aligned:
                 self.node_for(ctx._tokens[:aligned])       # a hit refreshes the path, as a re-insert does
             return
+        self._insert(ctx, aligned)
+        node = self.node_for(ctx._tokens[:aligned])
+        ctx.slots[:aligned] = self.tree.path_device_indices(node).tolist()
+        held = self.hold(node)
+        if ctx.node is not None:
+            self.let_go(ctx.node)
+        ctx.node, ctx.protected = held, aligned
+
+    def _insert(self, ctx: SGLangContext, aligned: int) -> None:
+        """``ctx``'s first ``aligned`` positions into the tree, its slots as their values."""
         key = self._key(ctx._tokens[:aligned])
         value = torch.tensor(ctx.slots[:aligned], dtype=torch.int64)
         result = self.tree.insert(self.rc.InsertParams(key=key, value=value))
         # the tree kept its own slots for [protected, prefix_len): ours there are duplicates
         self.free_slots(ctx.slots[ctx.protected:result.prefix_len:self.page])
-        node = self.node_for(ctx._tokens[:aligned])
-        ctx.slots[:aligned] = self.tree.path_device_indices(node).tolist()
-        self.tree.inc_lock_ref(node)
-        if ctx.node is not None:
-            self.tree.dec_lock_ref(ctx.node)
-        ctx.node, ctx.protected = node, aligned
 
     def match(self, tokens):
         query = [int(t) for t in check_tokens(tokens, private=False)]
@@ -272,9 +289,9 @@ class SGLangCache(EngineCache):
         if hit == 0:
             return self.allocate(), 0
         node = result.last_device_node
-        self.tree.inc_lock_ref(node)
+        held = self.hold(node)
         slots = self.tree.path_device_indices(node).tolist()
-        return self.register(self.context_class(self, query[:hit], slots, hit, node)), hit
+        return self.register(self.context_class(self, query[:hit], slots, hit, held)), hit
 
     def clear(self) -> None:
         for ctx in self.contexts:

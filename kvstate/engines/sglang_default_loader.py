@@ -35,10 +35,14 @@ from .sglang_loader import SUPPORTED_VERSION
 
 # What ``import sglang.srt.mem_cache.unified_radix_cache`` needs past kvstate's own requirements and
 # ``sglang==0.5.23`` itself, each installed with ``--no-deps`` (the versions it was measured with).
-DEPENDENCIES = ("pybase64==1.5.1", "triton==3.9.0", "pillow==13.0.0", "starlette==1.10.0", "msgspec==0.23.0",
-                "pyzmq==27.3.0", "apache-tvm-ffi==0.1.15.post2", "dill==0.4.1", "openai==3.63.0",
-                "partial-json-parser==0.2.1.1.post7", "compressed-tensors==0.20.1", "gguf==0.19.0",
-                "loguru==0.8.0", "sentencepiece==0.2.3")
+# Each with the name it is imported by, so a missing one is found before any of SGLang is imported.
+REQUIRED = {"pybase64==1.5.1": "pybase64", "triton==3.9.0": "triton", "pillow==13.0.0": "PIL",
+            "starlette==1.10.0": "starlette", "msgspec==0.23.0": "msgspec", "pyzmq==27.3.0": "zmq",
+            "apache-tvm-ffi==0.1.15.post2": "tvm_ffi", "dill==0.4.1": "dill", "openai==3.63.0": "openai",
+            "partial-json-parser==0.2.1.1.post7": "partial_json_parser",
+            "compressed-tensors==0.20.1": "compressed_tensors", "gguf==0.19.0": "gguf", "loguru==0.8.0": "loguru",
+            "sentencepiece==0.2.3": "sentencepiece", "transformers": "transformers"}
+DEPENDENCIES = tuple(pin for pin in REQUIRED if "==" in pin)      # transformers comes with kvstate[hf]
 INSTALL = f"pip install --no-deps sglang=={SUPPORTED_VERSION} " + " ".join(DEPENDENCIES)
 TREE = "sglang.srt.mem_cache.unified_radix_cache"
 
@@ -91,10 +95,15 @@ class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
+def missing_dependencies() -> list[str]:
+    """The packages of ``REQUIRED`` this interpreter cannot import (none imported to find out)."""
+    return [pin for pin, name in REQUIRED.items() if importlib.util.find_spec(name) is None]
+
+
 def load_default_tree() -> types.SimpleNamespace:
     """SGLang's default tree and what building and driving it takes, imported from the installed
     release: ``UnifiedRadixCache``, ``CacheInitParams``, ``ComponentType``, ``MatchPrefixParams``,
-    ``InsertParams``, ``RadixKey``, ``select_tree_core_backend`` and the slot allocators
+    ``InsertParams``, ``EvictParams``, ``RadixKey``, ``select_tree_core_backend`` and the slot allocators
     ``TokenToKVPoolAllocator`` (page 1) and ``PagedTokenToKVPoolAllocator``.
 
     Raises ``EngineVersionError`` for another release, ``ImportError`` naming what is missing (and
@@ -106,14 +115,15 @@ def load_default_tree() -> types.SimpleNamespace:
     if version != SUPPORTED_VERSION:
         raise EngineVersionError(f"SGLang {version} is installed; its default tree is loaded for {SUPPORTED_VERSION} "
                                  f"only: {INSTALL}")
+    missing = missing_dependencies()
+    if missing:     # refused before any of SGLang is imported: a failed import would leave parts of it behind
+        raise ImportError(f"SGLang's default tree needs {', '.join(missing)}, not installed here: {INSTALL}")
     stand_in = None
     if TREE not in sys.modules and importlib.util.find_spec("torchvision") is None:
         # transformers asks whether torchvision is there (and then its version) as SGLang's configs
         # import it: answered now, before the stand-in exists, its cached answer is the truth (absent).
-        try:
-            from transformers.utils import import_utils
-        except ModuleNotFoundError as error:
-            raise ImportError(f"SGLang's default tree needs {error.name!r}, which is not installed: {INSTALL}") from None
+        from transformers.utils import import_utils
+
         import_utils.is_torchvision_available()
         stand_in = _TorchvisionStandIn()
         sys.meta_path.insert(0, stand_in)
@@ -135,6 +145,7 @@ def load_default_tree() -> types.SimpleNamespace:
         select_tree_core_backend=modules["unified_cache.tree_core_registry"].select_tree_core_backend,
         MatchPrefixParams=modules["base_prefix_cache"].MatchPrefixParams,
         InsertParams=modules["base_prefix_cache"].InsertParams,
+        EvictParams=modules["base_prefix_cache"].EvictParams,
         RadixKey=modules["radix_cache"].RadixKey,
         TokenToKVPoolAllocator=modules["allocator.token"].TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=modules["allocator.paged"].PagedTokenToKVPoolAllocator,

@@ -126,9 +126,8 @@ class ReclaimingContext(SGLangContext):
         self._open()
         cache = self.cache
         cache.held.hold(self._private_pages())
-        if self.node is not None:
-            cache.tree.inc_lock_ref(self.node)
-        return cache.register(type(self)(cache, list(self._tokens), list(self.slots), self.protected, self.node))
+        held = cache.hold_again(self.node) if self.node is not None else None
+        return cache.register(type(self)(cache, list(self._tokens), list(self.slots), self.protected, held))
 
     def truncate(self, n: int) -> None:
         self._check_truncate(n)

@@ -1,0 +1,72 @@
+"""SGLang 0.5.23's default prefix tree, ``UnifiedRadixCache`` over its Rust TreeCore, driven through
+the kvstate protocol.
+
+    pip install --no-deps sglang==0.5.23 <kvstate.engines.sglang_default_loader.DEPENDENCIES>
+    python -m kvstate conform kvstate.engines.sglang_default
+
+SGLang's scheduler builds this tree by default (``kvstate.engines.sglang_default_loader`` says where
+that is decided); ``kvstate.engines.sglang`` drives the legacy ``RadixCache`` the release still ships.
+The adapter is that one's, with the tree swapped and two differences the unified tree requires:
+
+- a lock is a receipt: ``lock(node)`` gives a ``TreeLock`` (the node and what ``inc_lock_ref``
+  returned), ``unlock`` takes it back, so each context holds its own;
+- ``retain`` inserts with ``prev_prefix_len`` = the positions the request already holds from the
+  tree, as the scheduler's ``checkpoint_into_tree`` passes ``cache_protected_len``: the tree itself
+  frees, into SGLang's allocator, the request's slots for positions past those that it already held
+  (the legacy adapter frees those duplicates after the insert).
+
+Declared semantics and observation as ``kvstate.engines.sglang``'s first five configurations. Left
+out: the reclaiming configurations (``sglang_reclaim`` counts which pages only unlocked nodes hold by
+walking the legacy tree's nodes, which the Rust TreeCore does not expose), snapshots, thread safety.
+"""
+
+from __future__ import annotations
+
+import types
+
+from kvstate.spec import Config
+from kvstate.spec.semantics import reclaims
+
+from .sglang import SGLangCache, _configs
+from .sglang_default_loader import build_default_tree, load_default_tree
+from .sglang_loader import SUPPORTED_VERSION
+
+
+class SGLangDefaultCache(SGLangCache):
+    def _engine(self):
+        sg = load_default_tree()
+        self._sglang = sg
+        module = types.SimpleNamespace(MatchPrefixParams=sg.MatchPrefixParams, InsertParams=sg.InsertParams,
+                                       EvictParams=sg.EvictParams, RadixKey=sg.RadixKey)
+        return module, (sg.TokenToKVPoolAllocator, sg.PagedTokenToKVPoolAllocator)
+
+    def _make_tree(self, allocator):
+        return build_default_tree(self._sglang, self.page, allocator)
+
+    def hold(self, node):
+        return self.tree.lock(node)
+
+    def hold_again(self, held):
+        return self.tree.lock(held.node)
+
+    def let_go(self, held) -> None:
+        self.tree.unlock(held)
+
+    def _insert(self, ctx, aligned: int) -> None:
+        import torch
+
+        key = self._key(ctx._tokens[:aligned])
+        value = torch.tensor(ctx.slots[:aligned], dtype=torch.int64)
+        # the tree frees our slots for [protected, what it already held) itself: ours there are duplicates
+        self.tree.insert(self.rc.InsertParams(key=key, value=value, prev_prefix_len=ctx.protected))
+
+
+def factory(config: Config) -> SGLangDefaultCache:
+    if reclaims(config.on_full):
+        raise NotImplementedError("kvstate.engines.sglang_default declares no reclaiming configuration")
+    return SGLangDefaultCache(config)
+
+
+factory.configs = [config for config in _configs() if not reclaims(config.on_full)]
+factory.any_page_size = False
+factory.engine_version = SUPPORTED_VERSION

@@ -1,0 +1,49 @@
+"""Bugs planted in the adapter of SGLang's default tree (``kvstate.engines.sglang_default``), one per
+factory: ``kvstate conform`` must reject each. The first three are ``planted_sglang``'s contexts on
+the default tree; the last two get wrong what this tree does differently from the legacy one (the
+tree frees a request's duplicate slots inside ``insert``)."""
+
+from __future__ import annotations
+
+from kvstate.engines import sglang_default
+
+from .planted_sglang import LeakedLockContext, LeakedPrivatePagesContext, WritesIntoTreeContext
+from .planting import planted
+
+leaked_lock = planted(sglang_default.factory, sglang_default.SGLangDefaultCache, LeakedLockContext)
+writes_into_tree = planted(sglang_default.factory, sglang_default.SGLangDefaultCache, WritesIntoTreeContext)
+leaked_private_pages = planted(sglang_default.factory, sglang_default.SGLangDefaultCache, LeakedPrivatePagesContext)
+
+
+class NoPrevPrefixCache(sglang_default.SGLangDefaultCache):
+    """``insert`` without ``prev_prefix_len``: the tree frees the slots of every position it already held,
+    the ones the request holds from the tree included (the default tree's, freed under it)."""
+
+    def _insert(self, ctx, aligned: int) -> None:
+        import torch
+
+        value = torch.tensor(ctx.slots[:aligned], dtype=torch.int64)
+        self.tree.insert(self.rc.InsertParams(key=self._key(ctx._tokens[:aligned]), value=value))
+
+
+class FreesDuplicatesTwiceCache(sglang_default.SGLangDefaultCache):
+    """The legacy adapter's own free of the duplicates after the tree freed them: each freed twice."""
+
+    def _insert(self, ctx, aligned: int) -> None:
+        before = self.allocator.available_size()
+        super()._insert(ctx, aligned)
+        if self.allocator.available_size() > before:        # the tree freed some: free what it freed again
+            self.free_slots(ctx.slots[ctx.protected:aligned:self.page])
+
+
+def _factory(cache_class):
+    def factory(config):
+        return cache_class(config)
+
+    factory.configs = sglang_default.factory.configs
+    factory.any_page_size = False
+    return factory
+
+
+no_prev_prefix = _factory(NoPrevPrefixCache)
+frees_duplicates_twice = _factory(FreesDuplicatesTwiceCache)

@@ -1,0 +1,69 @@
+"""SGLang's default tree (``UnifiedRadixCache`` over its Rust TreeCore) under ``kvstate conform``:
+skipped where SGLang's dependencies are not installed (CI installs the release alone), run in a
+process of its own elsewhere (importing SGLang patches transformers in the process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvstate.engines import sglang_default_loader, sglang_loader
+
+if sglang_loader.installed_version() != sglang_loader.SUPPORTED_VERSION or sglang_default_loader.missing_dependencies():
+    pytest.skip(f"SGLang's default tree needs {sglang_default_loader.INSTALL}", allow_module_level=True)
+
+# Each case: factory, configurations, checks; the child prints {case: [passed, failure]} as JSON.
+_CHILD = """
+import json, sys
+from hypothesis import settings
+from kvstate.engines import sglang_default
+from kvstate.engines._loading import STAND_IN_USES
+from kvstate.stateful.conform import conform
+from tests.engines import planted_sglang_default as planted
+
+SMALL = settings(max_examples=12, stateful_step_count=15, derandomize=True, deadline=None, database=None)
+cases = {name: (getattr(planted, name, None) or sglang_default.factory, configs, checks)
+         for name, configs, checks in json.loads(sys.argv[1])}
+out = {}
+for name, (factory, configs, checks) in cases.items():
+    chosen = [c for c in factory.configs if c.name in configs]
+    results = conform(factory, configs=chosen, checks=checks, settings=SMALL)
+    out[name] = [all(r.passed for r in results), " | ".join(r.failure or "" for r in results),
+                 min(r.outcomes[checks[0]].steps for r in results)]
+out["stand-ins used"] = STAND_IN_USES
+print(json.dumps(out))
+"""
+CASES = [["factory", ["token-f32-heap-prefixkv", "block16-f32-heap-prefixkv"],
+          ["lockstep", "fork isolation", "pinned semantics", "prefix edges"]],
+         ["leaked_lock", ["token-f32-heap-prefixkv"], ["lockstep"]],
+         ["writes_into_tree", ["token-f32-heap-prefixkv"], ["lockstep"]],
+         ["leaked_private_pages", ["token-f32-heap-prefixkv"], ["lockstep"]],
+         ["no_prev_prefix", ["token-f32-heap-prefixkv"], ["lockstep"]],
+         ["frees_duplicates_twice", ["token-f32-heap-prefixkv"], ["lockstep"]]]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    run = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(CASES)], capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_sglangs_default_tree_passes_and_touches_no_stand_in(verdicts):
+    passed, failure, steps = verdicts["factory"]
+    assert passed, failure
+    assert steps > 50
+    assert verdicts["stand-ins used"] == []
+
+
+@pytest.mark.parametrize("planted,why", [("leaked_lock", "invariant 6"), ("writes_into_tree", "invariant 5"),
+                                         ("leaked_private_pages", "invariant 6"), ("no_prev_prefix", "invariant 6"),
+                                         ("frees_duplicates_twice", "invariant 6")])
+def test_planted_adapter_bug_is_rejected_with_the_broken_promise_named(verdicts, planted, why):
+    passed, failure, _steps = verdicts[planted]
+    assert not passed
+    assert why in failure
