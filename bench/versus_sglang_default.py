@@ -11,11 +11,13 @@ says where that is decided). This benchmark makes that tree the peer every kvsta
 against, with the same requests, inputs, floors, rows and targets as ``versus_sglang`` (whose
 docstring says what each is), and keeps the legacy ``RadixCache`` beside it for reference.
 
-What is timed of the default tree, as the scheduler drives it: *lookup* = ``match_prefix`` and
-``lock`` of the node it ends on (``inc_lock_ref`` and its receipt); *insert* = ``insert`` of the whole
-key with one slot id a token and ``prev_prefix_len`` the hit's length (the scheduler's
-``cache_protected_len``: the part the request already holds from the tree, whose duplicate slots the
-tree would otherwise free); ``unlock`` untimed. Unlike the legacy tree, this one frees the slots of
+What is timed of the default tree, the calls its scheduler makes for a request's lookup and insert:
+*lookup* = ``match_prefix`` and ``lock`` of the node it ends on (``inc_lock_ref`` and its receipt);
+*insert* = ``insert`` of the whole key with one slot id a token and ``prev_prefix_len`` the hit's
+length (the scheduler's ``cache_protected_len``: the part the request already holds from the tree,
+whose duplicate slots the tree would otherwise free). Untimed, for both SGLang trees as for kvstate's
+``close``: ``unlock``, and what the scheduler does after an insert (reading the path's slots back,
+moving the request's lock to the new node). Unlike the legacy tree, this one frees the slots of
 what it already held inside ``insert``, into SGLang's own allocator (here ``TokenToKVPoolAllocator``
 at page 1, ``PagedTokenToKVPoolAllocator`` past it); with ``prev_prefix_len`` so set it frees none on
 these workloads, which each replay checks (a free would mean it no longer replays what the scheduler does).

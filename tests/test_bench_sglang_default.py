@@ -73,9 +73,11 @@ def test_the_benchmark_runs_against_the_default_tree_or_names_what_is_missing():
     them it prints every row, each SGLang tree and kvstate input matching what the default tree matched."""
     run = subprocess.run([sys.executable, "-m", "kvstate.bench.versus_sglang_default", "--quick", "--page", "1",
                           "--page", "16"], capture_output=True, text=True, timeout=300)
-    if run.returncode == 1:
-        assert "SGLang's default tree cannot be loaded: " in run.stdout
-        assert sglang_default_loader.INSTALL in run.stdout or "not installed" in run.stdout
+    missing = sglang_default_loader.missing_dependencies()
+    if missing:         # only then may it decline, naming each missing package and the whole install line
+        assert run.returncode == 1, run.stdout + run.stderr
+        assert run.stdout.startswith("SGLang's default tree cannot be loaded: ")
+        assert all(pin in run.stdout for pin in missing) and sglang_default_loader.INSTALL in run.stdout
         return
     assert run.returncode == 0, run.stdout + run.stderr
     peer = versus_sglang_default.SGLANG_DEFAULT
@@ -88,3 +90,29 @@ def test_the_benchmark_runs_against_the_default_tree_or_names_what_is_missing():
                 assert f"{kind} @{page} kvstate {matched}, {given}: hit = SGLang's: True" in run.stdout
             assert f"{versus_sglang_default.COMMAND} --workload {kind} --page {page} --quick" in run.stdout
     assert ": False" not in run.stdout
+
+
+def test_files_that_are_not_the_releases_own_are_refused(monkeypatch, tmp_path):
+    """What ``load_default_tree`` checks once SGLang is imported, on modules put in ``sys.modules`` by
+    hand (nothing of SGLang runs): one outside the installed package, and one whose bytes differ."""
+    if sglang_default_loader.importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed")
+    distribution = importlib.metadata.distribution("sglang")
+    folder = sglang_default_loader._package_folder(sglang_default_loader.LOADER, distribution)
+    real = sys.modules.get("sglang.srt.mem_cache.radix_cache")
+    module = type(sys)("sglang.srt.mem_cache.radix_cache")
+    module.__file__ = f"{folder}/srt/mem_cache/radix_cache.py"
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.radix_cache", module)
+    sglang_default_loader._check_release_files(distribution, folder)      # the installed file: accepted
+    monkeypatch.setattr(sglang_default_loader, "_record_sha256", lambda data: "edited")
+    with pytest.raises(EngineVersionError, match="radix_cache.py is not SGLang 0.5.23's file: its sha256 edited"):
+        sglang_default_loader._check_release_files(distribution, folder)
+    monkeypatch.undo()
+    elsewhere = tmp_path / "radix_cache.py"
+    elsewhere.write_text("")
+    module.__file__ = str(elsewhere)
+    monkeypatch.setitem(sys.modules, "sglang.srt.mem_cache.radix_cache", module)
+    with pytest.raises(EngineVersionError, match="its RECORD does not list it"):
+        sglang_default_loader._check_release_files(distribution, folder)
+    monkeypatch.undo()
+    assert sys.modules.get("sglang.srt.mem_cache.radix_cache") is real

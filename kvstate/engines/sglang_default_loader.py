@@ -17,21 +17,26 @@ a process of its own (the benchmark's). One module on that import chain
 is installed (no build loads against torch 2.13.0+cpu), an inert stand-in is served for that import
 alone: reading a name gives another stand-in (the module reads ``InterpolationMode`` for a default
 argument), calling anything raises ``StandInCalled`` and is recorded in ``STAND_IN_USES``, as every
-kvstate stand-in is. The tree calls none of it.
+kvstate stand-in is. The tree calls none of it. Once SGLang is imported the stand-in leaves
+``sys.modules`` again (SGLang's modules keep what they imported): a later ``import torchvision`` fails
+as before. The files that ran are checked against the release's RECORD (``_check_release_files``).
 """
 
 from __future__ import annotations
 
+import csv
+import glob
 import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
+import os
 import sys
 import types
 
-from ._loading import STAND_IN_USES, EngineVersionError, StandInCalled
-from .sglang_loader import SUPPORTED_VERSION
+from ._loading import STAND_IN_USES, EngineVersionError, StandInCalled, _package_folder, _record_sha256
+from .sglang_loader import LOADER, SUPPORTED_VERSION
 
 # What ``import sglang.srt.mem_cache.unified_radix_cache`` needs past kvstate's own requirements and
 # ``sglang==0.5.23`` itself, each installed with ``--no-deps`` (the versions it was measured with).
@@ -41,7 +46,8 @@ REQUIRED = {"pybase64==1.5.1": "pybase64", "triton==3.9.0": "triton", "pillow==1
             "apache-tvm-ffi==0.1.15.post2": "tvm_ffi", "dill==0.4.1": "dill", "openai==3.63.0": "openai",
             "partial-json-parser==0.2.1.1.post7": "partial_json_parser",
             "compressed-tensors==0.20.1": "compressed_tensors", "gguf==0.19.0": "gguf", "loguru==0.8.0": "loguru",
-            "sentencepiece==0.2.3": "sentencepiece", "transformers": "transformers"}
+            "sentencepiece==0.2.3": "sentencepiece", "ipython==8.12.3": "IPython", "orjson==3.8.3": "orjson",
+            "transformers": "transformers"}
 DEPENDENCIES = tuple(pin for pin in REQUIRED if "==" in pin)      # transformers comes with kvstate[hf]
 INSTALL = f"pip install --no-deps sglang=={SUPPORTED_VERSION} " + " ".join(DEPENDENCIES)
 TREE = "sglang.srt.mem_cache.unified_radix_cache"
@@ -106,8 +112,11 @@ def load_default_tree() -> types.SimpleNamespace:
     ``InsertParams``, ``EvictParams``, ``RadixKey``, ``select_tree_core_backend`` and the slot allocators
     ``TokenToKVPoolAllocator`` (page 1) and ``PagedTokenToKVPoolAllocator``.
 
-    Raises ``EngineVersionError`` for another release, ``ImportError`` naming what is missing (and
-    ``INSTALL``) where a dependency is."""
+    Raises ``EngineVersionError`` for another release, or for files other than its own: a ``sglang``
+    folder found before the installed one (checked before anything is imported), or a module or the
+    Rust extension whose sha256 differs from the distribution's RECORD (checked once imported, before
+    anything is handed out); ``ImportError`` naming what is missing (and ``INSTALL``) where a dependency
+    is. A failed import takes back the SGLang modules it left half made, so a second call fails alike."""
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
@@ -116,8 +125,11 @@ def load_default_tree() -> types.SimpleNamespace:
         raise EngineVersionError(f"SGLang {version} is installed; its default tree is loaded for {SUPPORTED_VERSION} "
                                  f"only: {INSTALL}")
     missing = missing_dependencies()
-    if missing:     # refused before any of SGLang is imported: a failed import would leave parts of it behind
+    if missing:     # refused before any of SGLang is imported
         raise ImportError(f"SGLang's default tree needs {', '.join(missing)}, not installed here: {INSTALL}")
+    distribution = importlib.metadata.distribution("sglang")
+    folder = _package_folder(LOADER, distribution)      # a source checkout first on sys.path: refused here
+    before = set(sys.modules)
     stand_in = None
     if TREE not in sys.modules and importlib.util.find_spec("torchvision") is None:
         # transformers asks whether torchvision is there (and then its version) as SGLang's configs
@@ -132,12 +144,20 @@ def load_default_tree() -> types.SimpleNamespace:
         modules = {name: importlib.import_module(f"sglang.srt.mem_cache.{name}")
                    for name in ("unified_radix_cache", "cache_init_params", "unified_cache.component_type",
                                 "unified_cache.tree_core_registry", "base_prefix_cache", "radix_cache",
-                                "allocator.token", "allocator.paged")}
-    except ModuleNotFoundError as error:
-        raise ImportError(f"SGLang's default tree needs {error.name!r}, which is not installed: {INSTALL}") from None
+                                "allocator.token", "allocator.paged", "rust_tree_core.extension")}
+        _check_release_files(distribution, folder)
+    except BaseException as error:
+        for name in set(sys.modules) - before:      # what this call imported, half made or refused
+            if name == "sglang" or name.startswith(("sglang.", "torchvision")):
+                del sys.modules[name]
+        if isinstance(error, ModuleNotFoundError):
+            raise ImportError(f"SGLang's default tree needs {error.name!r}, which is not installed: {INSTALL}") from None
+        raise
     finally:
         if stand_in is not None:
             sys.meta_path.remove(stand_in)
+            for name in [name for name in sys.modules if name.split(".")[0] == "torchvision"]:
+                del sys.modules[name]       # SGLang's modules keep theirs; a later import finds none, as before
     return types.SimpleNamespace(
         UnifiedRadixCache=modules["unified_radix_cache"].UnifiedRadixCache,
         CacheInitParams=modules["cache_init_params"].CacheInitParams,
@@ -150,6 +170,28 @@ def load_default_tree() -> types.SimpleNamespace:
         TokenToKVPoolAllocator=modules["allocator.token"].TokenToKVPoolAllocator,
         PagedTokenToKVPoolAllocator=modules["allocator.paged"].PagedTokenToKVPoolAllocator,
     )
+
+
+def _check_release_files(distribution: importlib.metadata.Distribution, folder: str) -> None:
+    """Every SGLang module imported so far, and the Rust extension, is the release's own file: each lies
+    in the installed package folder with the sha256 the distribution's RECORD lists for it."""
+    recorded = {row[0]: row[1].removeprefix("sha256=") for row in
+                csv.reader((distribution.read_text("RECORD") or "").splitlines()) if len(row) > 1}
+    root = os.path.dirname(folder)
+    files = {getattr(module, "__file__", None) for name, module in list(sys.modules.items())
+             if name == "sglang" or name.startswith("sglang.")}
+    files.update(glob.glob(os.path.join(folder, "srt", "mem_cache", "rust_tree_core", "mem_cache.*")))
+    for path in sorted(filter(None, files)):
+        relative = os.path.relpath(os.path.realpath(path), root).replace(os.sep, "/")
+        if relative not in recorded:
+            raise EngineVersionError(f"{path} ran as SGLang {SUPPORTED_VERSION}'s but its RECORD does not list it "
+                                     f"with a sha256 (outside the installed package?)")
+        with open(path, "rb") as file:
+            found = _record_sha256(file.read())
+        if found != recorded[relative]:
+            raise EngineVersionError(f"{path} is not SGLang {SUPPORTED_VERSION}'s file: its sha256 {found} differs "
+                                     f"from {recorded[relative]} in the distribution's RECORD (edited after "
+                                     f"install?); pip install --force-reinstall --no-deps sglang=={SUPPORTED_VERSION}")
 
 
 def build_default_tree(sg: types.SimpleNamespace, page: int, allocator):
