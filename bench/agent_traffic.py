@@ -6,7 +6,9 @@ last one) and ``divergent`` (only a 1,000-token system prompt is shared), 200 co
 10 turns. Each request is matched whole (a lookup), the hit extended with the tokens the cache
 did not have, and the result retained (an insert).
 
-With SGLang installed, ``versus_sglang`` runs (its docstring says what is timed on each side).
+With SGLang installed, ``versus_sglang`` runs (its docstring says what is timed on each side);
+the tree SGLang's scheduler builds by default (``UnifiedRadixCache`` over a compiled Rust TreeCore)
+is the peer of ``python -m kvstate.bench.versus_sglang_default``, in a process of its own.
 The fallback: every semantics (``entry``, ``token``, ``block`` of ``BLOCK`` tokens) at page
 sizes 1, 16 and 64 beside ``yardstick.TokenRadixTree`` (a Python tree of SGLang's shape,
 written here, not SGLang's code): ``yardstick`` compares edges token by token,

@@ -415,6 +415,8 @@ def run(quick: bool = False, rounds: int | None = None, workloads=WORKLOADS, pag
         "name": "agent_traffic",
         "params": {**size, "requests": size["conversations"] * size["turns"], "rounds": rounds,
                    "peer": f"SGLang {SUPPORTED_VERSION} RadixCache (its released code)",
+                   "its default tree": "not this RadixCache: UnifiedRadixCache over a compiled Rust TreeCore, which "
+                                       "python -m kvstate.bench.versus_sglang_default judges these rows against",
                    "speedup": "kvstate speed / SGLang's = SGLang time / kvstate time, same run"},
         "rows": rows,
         "targets": verdict(rows, timed=not quick),
