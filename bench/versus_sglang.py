@@ -89,13 +89,15 @@ HANDED_THE_SAME = {LIST: LIST, TOKEN_IDS: SESSION}
 COMMAND = "python -m kvstate.bench.versus_sglang"
 
 
-def sglang_missing() -> str | None:
-    """Why SGLang's RadixCache cannot be loaded here (not installed, another release), or None."""
-    from kvstate.engines.sglang_loader import load_radix_cache
+def sglang_missing(load=None) -> str | None:
+    """Why SGLang's RadixCache (or what ``load()`` loads) cannot be loaded here (not installed, another
+    release, a dependency missing), or None."""
     from kvstate.spec.errors import ConfigError
 
+    if load is None:
+        from kvstate.engines.sglang_loader import load_radix_cache as load
     try:
-        load_radix_cache()
+        load()
     except (ImportError, ConfigError) as error:
         return str(error)
     return None
@@ -425,17 +427,24 @@ def run(quick: bool = False, rounds: int | None = None, workloads=WORKLOADS, pag
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
+    return run_matrix(argv, COMMAND, __doc__, run)
+
+
+def run_matrix(argv, command: str, description: str, run_it, missing=sglang_missing, peer="SGLang's RadixCache") -> int:
+    """The command line of a workload x page matrix (this one, ``versus_sglang_default``'s):
+    ``run_it(quick, rounds, workloads, pages)``'s result printed with its reproducing ``command``,
+    or why ``peer`` cannot be loaded here (``missing()``, exit 1)."""
+    parser = argparse.ArgumentParser(prog=command, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
     parser.add_argument("--page", type=int, choices=PAGE_SIZES, action="append", help="default: 1, 16 and 64")
     parser.add_argument("--rounds", type=positive_int)
     parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
     args = parser.parse_args(argv)
-    command = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
+    command += "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
         f" --page {p}" for p in args.page or ()) + rounds_option(args.rounds, args.quick) + " --quick" * args.quick
-    return print_beside_sglang(lambda: {**run(args.quick, args.rounds, args.workload or WORKLOADS,
-                                              args.page or PAGE_SIZES), "command": command})
+    return print_beside_sglang(lambda: {**run_it(args.quick, args.rounds, args.workload or WORKLOADS,
+                                                 args.page or PAGE_SIZES), "command": command}, missing, peer)
 
 
 def rounds_option(rounds: int | None, quick: bool) -> str:
@@ -443,12 +452,12 @@ def rounds_option(rounds: int | None, quick: bool) -> str:
     return f" --rounds {rounds}" if rounds and rounds != (1 if quick else 2) else ""
 
 
-def print_beside_sglang(make_result) -> int:
-    """A command line's end: ``make_result()`` timed and printed (0), or why SGLang's RadixCache cannot
-    be loaded here (1)."""
-    missing = sglang_missing()
-    if missing:
-        print(f"SGLang's RadixCache cannot be loaded: {missing}")
+def print_beside_sglang(make_result, missing=sglang_missing, peer="SGLang's RadixCache") -> int:
+    """A command line's end: ``make_result()`` timed and printed (0), or why ``peer`` cannot be loaded
+    here (``missing()``: 1)."""
+    why = missing()
+    if why:
+        print(f"{peer} cannot be loaded: {why}")
         return 1
     from .run import format_result
 

@@ -29,15 +29,13 @@ exits 1. Importing SGLang patches transformers in the process: this benchmark ru
 
 from __future__ import annotations
 
-import argparse
 import time
 from array import array
 
 import numpy as np
 
-from .args import positive_int
 from .traffic_workload import FULL, PAGE_SIZES, QUICK, WORKLOADS, workload
-from .versus_sglang import SGLANG, measure, replay_sglang, rounds_option, verdict
+from .versus_sglang import SGLANG, measure, replay_sglang, run_matrix, sglang_missing, verdict
 
 SGLANG_DEFAULT = "SGLang default tree (Rust)"
 COMMAND = "python -m kvstate.bench.versus_sglang_default"
@@ -46,13 +44,8 @@ COMMAND = "python -m kvstate.bench.versus_sglang_default"
 def default_missing() -> str | None:
     """Why SGLang's default tree cannot be loaded here, or None."""
     from kvstate.engines.sglang_default_loader import load_default_tree
-    from kvstate.spec.errors import ConfigError
 
-    try:
-        load_default_tree()
-    except (ImportError, ConfigError) as error:
-        return str(error)
-    return None
+    return sglang_missing(load_default_tree)
 
 
 def replay_default(keys: list, page: int, lookup_key=None) -> tuple[np.ndarray, np.ndarray, int]:
@@ -128,26 +121,7 @@ def run(quick: bool = False, rounds: int | None = None, workloads=WORKLOADS, pag
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=COMMAND, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workload", choices=WORKLOADS, action="append", help="default: both")
-    parser.add_argument("--page", type=int, choices=PAGE_SIZES, action="append", help="default: 1, 16 and 64")
-    parser.add_argument("--rounds", type=positive_int)
-    parser.add_argument("--quick", action="store_true", help="a few small conversations (a smoke run)")
-    args = parser.parse_args(argv)
-    missing = default_missing()
-    if missing:
-        print(f"SGLang's default tree cannot be loaded: {missing}")
-        return 1
-    from .run import format_result
-
-    command = COMMAND + "".join(f" --workload {w}" for w in args.workload or ()) + "".join(
-        f" --page {p}" for p in args.page or ()) + rounds_option(args.rounds, args.quick) + " --quick" * args.quick
-    start = time.perf_counter()
-    result = {**run(args.quick, args.rounds, args.workload or WORKLOADS, args.page or PAGE_SIZES), "command": command}
-    result["wall_s"] = time.perf_counter() - start
-    print(format_result(result))
-    return 0
+    return run_matrix(argv, COMMAND, __doc__, run, default_missing, "SGLang's default tree")
 
 
 if __name__ == "__main__":
