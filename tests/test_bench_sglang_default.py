@@ -56,12 +56,17 @@ def test_the_default_tree_is_the_peer_every_kvstate_row_is_judged_against():
     peer = versus_sglang_default.SGLANG_DEFAULT
     rows = [row(peer, "array('q')", 1), row(peer, "Python list", 0.5), row("SGLang RadixCache", "array('q')", 0.6),
             row("kvstate block", "int64 array", 1.2), row("kvstate token", "int64 array", 1.6, matched=12)]
-    out = versus_sglang.verdict(rows, timed=True, peer_engine=peer)
+    out = versus_sglang.verdict(rows, timed=True, peer_engine=peer, design=versus_sglang_default.DESIGN)
     assert out[f"divergent @16 {peer}, Python list: hit = its array('q') row's"] is True
     assert out[f"divergent @16 SGLang RadixCache, array('q'): hit = {peer}'s"] is True
     assert out["divergent @16 kvstate block, int64 array: hit = SGLang's"] is True
     assert out["divergent @16 kvstate block, int64 array: min(lookup, insert speedup) >= 1.5"] == "1.20 MISSED"
     assert out["divergent @16 kvstate token, int64 array: min(lookup, insert speedup) >= 1.5"] == "1.60 met"
+    # a miss above its floor against the compiled tree names no design as measured to pass
+    assert "design that passes: none built or measured against a compiled tree" in out[
+        "divergent @16 kvstate block, int64 array: lookup 1.20 MISSED"]
+    assert "pages as slabs: one allocation" in versus_sglang.verdict(rows, timed=True, peer_engine=peer)[
+        "divergent @16 kvstate block, int64 array: lookup 1.20 MISSED"]      # versus_sglang's own designs
     rows[2]["matched"] = 9      # the legacy tree matching otherwise is caught, not averaged away
     assert versus_sglang.verdict(rows, timed=True, peer_engine=peer)[
         f"divergent @16 SGLang RadixCache, array('q'): hit = {peer}'s"] is False

@@ -25,6 +25,7 @@ from __future__ import annotations
 import types
 
 from kvstate.spec import Config
+from kvstate.spec.errors import ConfigError
 from kvstate.spec.semantics import reclaims
 
 from .sglang import SGLangCache, _configs
@@ -63,7 +64,8 @@ class SGLangDefaultCache(SGLangCache):
 
 def factory(config: Config) -> SGLangDefaultCache:
     if reclaims(config.on_full):
-        raise NotImplementedError("kvstate.engines.sglang_default declares no reclaiming configuration")
+        raise ConfigError(f"kvstate.engines.sglang_default declares no reclaiming configuration ({config.name}): "
+                          f"kvstate.engines.sglang runs those on the legacy tree")
     return SGLangDefaultCache(config)
 
 
