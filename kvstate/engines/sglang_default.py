@@ -15,9 +15,9 @@ The adapter is that one's, with the tree swapped and two differences the unified
   frees, into SGLang's allocator, the request's slots for positions past those that it already held
   (the legacy adapter frees those duplicates after the insert).
 
-Declared semantics and observation as ``kvstate.engines.sglang``'s first five configurations. Left
-out: the reclaiming configurations (``sglang_reclaim`` counts which pages only unlocked nodes hold by
-walking the legacy tree's nodes, which the Rust TreeCore does not expose), snapshots, thread safety.
+Declared semantics, configurations and observation as ``kvstate.engines.sglang``'s, the two
+reclaiming ones included (``SGLangDefaultReclaimingCache``: ``sglang_reclaim``'s pool on this tree).
+Left out: snapshots, thread safety.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from __future__ import annotations
 import types
 
 from kvstate.spec import Config
-from kvstate.spec.errors import ConfigError
 from kvstate.spec.semantics import reclaims
 
 from .sglang import SGLangCache, _configs
+from .sglang_reclaim import HeldPages, ReclaimingCache
 from .sglang_default_loader import build_default_tree, load_default_tree
 from .sglang_loader import SUPPORTED_VERSION
 
@@ -62,13 +62,26 @@ class SGLangDefaultCache(SGLangCache):
         self.tree.insert(self.rc.InsertParams(key=key, value=value, prev_prefix_len=ctx.protected))
 
 
+class SGLangDefaultReclaimingCache(ReclaimingCache, SGLangDefaultCache):
+    """``sglang_reclaim``'s pool under pressure on the default tree: ``HeldPages`` is the tree's allocator
+    here too (the unified tree frees an evicted node's slots, and a request's duplicates, through its
+    ``free_segment``), and the pages only unlocked nodes hold are read from the tree's own walk of its
+    unlocked nodes (``walk_for_kv_canary``), the Rust TreeCore exposing no nodes to walk from Python."""
+
+    def _make_tree(self, allocator):
+        self.held = HeldPages(allocator, self.page)
+        return build_default_tree(self._sglang, self.page, self.held)
+
+    def _reclaimable_pages(self) -> int:
+        walk = self.tree.tree_core.walk_for_kv_canary(unlocked_only=True, swa_resident_only=False)
+        unlocked = self.held.pages(walk.slot_indices.tolist())      # a page lies in one node: nodes split at pages
+        return sum(1 for page in unlocked if self.held.holders[page] == 1)
+
+
 def factory(config: Config) -> SGLangDefaultCache:
-    if reclaims(config.on_full):
-        raise ConfigError(f"kvstate.engines.sglang_default declares no reclaiming configuration ({config.name}): "
-                          f"kvstate.engines.sglang runs those on the legacy tree")
-    return SGLangDefaultCache(config)
+    return SGLangDefaultReclaimingCache(config) if reclaims(config.on_full) else SGLangDefaultCache(config)
 
 
-factory.configs = [config for config in _configs() if not reclaims(config.on_full)]
+factory.configs = _configs()
 factory.any_page_size = False
 factory.engine_version = SUPPORTED_VERSION

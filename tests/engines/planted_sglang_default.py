@@ -45,5 +45,14 @@ def _factory(cache_class):
     return factory
 
 
+class RefusesEarlyCache(sglang_default.SGLangDefaultReclaimingCache):
+    """Under pressure, counts no page of the tree's unlocked nodes as reclaimable: refuses where
+    SGLang's ``evict`` would have made room."""
+
+    def _reclaimable_pages(self) -> int:
+        return 0
+
+
 no_prev_prefix = _factory(NoPrevPrefixCache)
 frees_duplicates_twice = _factory(FreesDuplicatesTwiceCache)
+refuses_early = _factory(RefusesEarlyCache)
