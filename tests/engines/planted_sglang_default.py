@@ -53,6 +53,39 @@ class RefusesEarlyCache(sglang_default.SGLangDefaultReclaimingCache):
         return 0
 
 
+class MatchWithoutLockCache(sglang_default.SGLangDefaultReclaimingCache):
+    """``match`` takes the hit's slots without locking its node (audit s71): the tree may evict them
+    under the request. Seen only under pressure, where eviction runs."""
+
+    def match(self, tokens):
+        query = list(tokens)
+        result = self.tree.match_prefix(self.rc.MatchPrefixParams(key=self._key(query)))
+        hit = result.device_prefix_len
+        if hit == 0:
+            return self.allocate(), 0
+        slots = self.tree.path_device_indices(result.last_device_node).tolist()
+        return self.register(self.context_class(self, query[:hit], slots, hit, None)), hit
+
+
+class RetainKeepsOwnSlotsCache(sglang_default.SGLangDefaultReclaimingCache):
+    """``retain`` keeps the request's own slots after the insert instead of reading the tree's back (audit
+    s71): where the tree already held positions it freed the request's slots for them, which the request
+    still reads. In a pool no run fills a freed slot is never reused at page 1; under pressure it is."""
+
+    def retain(self, ctx) -> None:
+        aligned = len(ctx) - len(ctx) % self.page
+        if len(ctx) == 0 or aligned <= ctx.protected:
+            return super().retain(ctx)
+        self.own(ctx)
+        self._insert(ctx, aligned)
+        held = self.hold(self.node_for(ctx._tokens[:aligned]))
+        if ctx.node is not None:
+            self.let_go(ctx.node)
+        ctx.node, ctx.protected = held, aligned
+
+
 no_prev_prefix = _factory(NoPrevPrefixCache)
+match_without_lock = _factory(MatchWithoutLockCache)
+retain_keeps_own_slots = _factory(RetainKeepsOwnSlotsCache)
 frees_duplicates_twice = _factory(FreesDuplicatesTwiceCache)
 refuses_early = _factory(RefusesEarlyCache)

@@ -48,7 +48,9 @@ CASES = [["factory", ["token-f32-heap-prefixkv", "block16-f32-heap-prefixkv"],
          ["leaked_private_pages", ["token-f32-heap-prefixkv"], ["lockstep"]],
          ["no_prev_prefix", ["token-f32-heap-prefixkv"], ["lockstep"]],
          ["frees_duplicates_twice", ["token-f32-heap-prefixkv"], ["lockstep"]],
-         ["refuses_early", ["token-f32-pool24-reclaim-prefixkv"], ["lockstep", "seeded"]]]
+         ["refuses_early", ["token-f32-pool24-reclaim-prefixkv"], ["lockstep", "seeded"]],
+         ["match_without_lock", ["token-f32-pool24-reclaim-prefixkv"], ["pinned semantics"]],
+         ["retain_keeps_own_slots", ["token-f32-pool24-reclaim-prefixkv"], ["seeded"]]]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,9 @@ def test_under_pressure_the_default_tree_evicts_its_own_way(verdicts):
 @pytest.mark.parametrize("planted,why", [("leaked_lock", "invariant 6"), ("writes_into_tree", "invariant 5"),
                                          ("leaked_private_pages", "invariant 6"), ("no_prev_prefix", "invariant 6"),
                                          ("frees_duplicates_twice", "invariant 6"),
-                                         ("refuses_early", "had room")])
+                                         ("refuses_early", "had room"),
+                                         ("match_without_lock", "reference CapacityError"),
+                                         ("retain_keeps_own_slots", "invariant 4")])
 def test_planted_adapter_bug_is_rejected_with_the_broken_promise_named(verdicts, planted, why):
     passed, failure, _steps = verdicts[planted]
     assert not passed
