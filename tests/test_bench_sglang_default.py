@@ -72,18 +72,23 @@ def test_the_default_tree_is_the_peer_every_kvstate_row_is_judged_against():
         f"divergent @16 SGLang RadixCache, array('q'): hit = {peer}'s"] is False
 
 
-def test_the_benchmark_runs_against_the_default_tree_or_names_what_is_missing():
-    """In its own process (importing SGLang patches transformers there). Without SGLang's dependencies
-    (CI installs the release alone) it exits 1 naming the missing module and the install line; with
-    them it prints every row, each SGLang tree and kvstate input matching what the default tree matched."""
-    run = subprocess.run([sys.executable, "-m", "kvstate.bench.versus_sglang_default", "--quick", "--page", "1",
-                          "--page", "16"], capture_output=True, text=True, timeout=300)
+def test_the_benchmark_runs_against_the_default_tree_or_names_what_is_missing(capsys):
+    """Without SGLang's dependencies (CI installs the release alone) it exits 1 naming each missing
+    package and the install line, importing none of SGLang (so here, in this process); with them, in a
+    process of its own (importing SGLang patches transformers there), it prints every row, each SGLang
+    tree and kvstate input matching what the default tree matched."""
+    args = ["--quick", "--page", "1", "--page", "16"]
     missing = sglang_default_loader.missing_dependencies()
-    if missing:         # only then may it decline, naming each missing package and the whole install line
-        assert run.returncode == 1, run.stdout + run.stderr
-        assert run.stdout.startswith("SGLang's default tree cannot be loaded: ")
-        assert all(pin in run.stdout for pin in missing) and sglang_default_loader.INSTALL in run.stdout
+    if missing:         # only then may it decline
+        before = {name for name in sys.modules if name.split(".")[0] == "sglang"}
+        assert versus_sglang_default.main(args) == 1
+        out = capsys.readouterr().out
+        assert out.startswith("SGLang's default tree cannot be loaded: ")
+        assert all(pin in out for pin in missing) and sglang_default_loader.INSTALL in out
+        assert {name for name in sys.modules if name.split(".")[0] == "sglang"} == before      # none imported
         return
+    run = subprocess.run([sys.executable, "-m", "kvstate.bench.versus_sglang_default", *args],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     peer = versus_sglang_default.SGLANG_DEFAULT
     for kind in ("shared", "divergent"):
