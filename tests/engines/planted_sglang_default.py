@@ -1,7 +1,8 @@
 """Bugs planted in the adapter of SGLang's default tree (``kvstate.engines.sglang_default``), one per
 factory: ``kvstate conform`` must reject each. The first three are ``planted_sglang``'s contexts on
-the default tree; the last two get wrong what this tree does differently from the legacy one (the
-tree frees a request's duplicate slots inside ``insert``)."""
+the default tree; two get wrong what this tree does differently from the legacy one (the tree frees a
+request's duplicate slots inside ``insert``); three show only under pressure, on the reclaiming pool
+(one refuses early; two an audit found passing in pools no run fills)."""
 
 from __future__ import annotations
 
