@@ -15,6 +15,7 @@ from kvstate.engines._loading import EngineVersionError
 
 
 def test_the_loader_refuses_another_release_and_an_absent_sglang_by_name(monkeypatch):
+    sglang_default_loader.load_default_tree.cache_clear()       # a success earlier in this process is not asked again
     monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.5.22")
     with pytest.raises(EngineVersionError, match=r"SGLang 0\.5\.22 is installed; .* for 0\.5\.23 only: pip install"):
         sglang_default_loader.load_default_tree()

@@ -22,7 +22,7 @@ Left out: snapshots, thread safety.
 
 from __future__ import annotations
 
-import types
+import torch
 
 from kvstate.spec import Config
 from kvstate.spec.semantics import reclaims
@@ -36,13 +36,10 @@ from .sglang_loader import SUPPORTED_VERSION
 class SGLangDefaultCache(SGLangCache):
     def _engine(self):
         sg = load_default_tree()
-        self._sglang = sg
-        module = types.SimpleNamespace(MatchPrefixParams=sg.MatchPrefixParams, InsertParams=sg.InsertParams,
-                                       EvictParams=sg.EvictParams, RadixKey=sg.RadixKey)
-        return module, (sg.TokenToKVPoolAllocator, sg.PagedTokenToKVPoolAllocator)
+        return sg, (sg.TokenToKVPoolAllocator, sg.PagedTokenToKVPoolAllocator)     # ``rc``: its parameter classes
 
     def _make_tree(self, allocator):
-        return build_default_tree(self._sglang, self.page, allocator)
+        return build_default_tree(self.rc, self.page, allocator)
 
     def hold(self, node):
         return self.tree.lock(node)
@@ -54,8 +51,6 @@ class SGLangDefaultCache(SGLangCache):
         self.tree.unlock(held)
 
     def _insert(self, ctx, aligned: int) -> None:
-        import torch
-
         key = self._key(ctx._tokens[:aligned])
         value = torch.tensor(ctx.slots[:aligned], dtype=torch.int64)
         # the tree frees our slots for [protected, what it already held) itself: ours there are duplicates
@@ -70,7 +65,7 @@ class SGLangDefaultReclaimingCache(ReclaimingCache, SGLangDefaultCache):
 
     def _make_tree(self, allocator):
         self.held = HeldPages(allocator, self.page)
-        return build_default_tree(self._sglang, self.page, self.held)
+        return build_default_tree(self.rc, self.page, self.held)
 
     def _reclaimable_pages(self) -> int:
         walk = self.tree.tree_core.walk_for_kv_canary(unlocked_only=True, swa_resident_only=False)

@@ -24,7 +24,7 @@ as before. The files that ran are checked against the release's RECORD (``_check
 
 from __future__ import annotations
 
-import csv
+import functools
 import glob
 import importlib
 import importlib.abc
@@ -35,7 +35,8 @@ import os
 import sys
 import types
 
-from ._loading import STAND_IN_USES, EngineVersionError, StandInCalled, _package_folder, _record_sha256
+from ._loading import (STAND_IN_USES, EngineVersionError, StandInCalled, _package_folder, _record_sha256,
+                       recorded_sha256s)
 from .sglang_loader import LOADER, SUPPORTED_VERSION
 
 # What ``import sglang.srt.mem_cache.unified_radix_cache`` needs past kvstate's own requirements and
@@ -56,6 +57,14 @@ TREE = "sglang.srt.mem_cache.unified_radix_cache"
 TORCHVISION_READS: list[str] = []
 
 
+def _read(qualname: str, name: str) -> "_Inert":
+    """``qualname.name`` read from a stand-in: recorded, and another stand-in (a dunder is absent)."""
+    if name.startswith("__"):
+        raise AttributeError(name)
+    TORCHVISION_READS.append(f"{qualname}.{name}")
+    return _Inert(f"{qualname}.{name}")
+
+
 class _Inert:
     """A torchvision name: reading from it gives another, calling it raises."""
 
@@ -63,10 +72,7 @@ class _Inert:
         self._qualname = qualname
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        TORCHVISION_READS.append(f"{self._qualname}.{name}")
-        return _Inert(f"{self._qualname}.{name}")
+        return _read(self._qualname, name)
 
     def __call__(self, *args, **kwargs):
         STAND_IN_USES.append(self._qualname)
@@ -78,10 +84,7 @@ class _Inert:
 
 class _InertModule(types.ModuleType):
     def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        TORCHVISION_READS.append(f"{self.__name__}.{name}")
-        return _Inert(f"{self.__name__}.{name}")
+        return _read(self.__name__, name)
 
 
 class _TorchvisionStandIn(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -106,6 +109,7 @@ def missing_dependencies() -> list[str]:
     return [pin for pin, name in REQUIRED.items() if importlib.util.find_spec(name) is None]
 
 
+@functools.cache     # once a process, as the legacy loader: conform builds a cache per run, each asking
 def load_default_tree() -> types.SimpleNamespace:
     """SGLang's default tree and what building and driving it takes, imported from the installed
     release: ``UnifiedRadixCache``, ``CacheInitParams``, ``ComponentType``, ``MatchPrefixParams``,
@@ -116,7 +120,8 @@ def load_default_tree() -> types.SimpleNamespace:
     folder found before the installed one (checked before anything is imported), or a module or the
     Rust extension whose sha256 differs from the distribution's RECORD (checked once imported, before
     anything is handed out); ``ImportError`` naming what is missing (and ``INSTALL``) where a dependency
-    is. A failed import takes back the SGLang modules it left half made, so a second call fails alike."""
+    is. A failed import takes back the SGLang modules it left half made, so a second call fails alike
+    (a failure is not cached); a success is, so the files are checked once a process."""
     try:
         version = importlib.metadata.version("sglang")
     except importlib.metadata.PackageNotFoundError:
@@ -175,8 +180,7 @@ def load_default_tree() -> types.SimpleNamespace:
 def _check_release_files(distribution: importlib.metadata.Distribution, folder: str) -> None:
     """Every SGLang module imported so far, and the Rust extension, is the release's own file: each lies
     in the installed package folder with the sha256 the distribution's RECORD lists for it."""
-    recorded = {row[0]: row[1].removeprefix("sha256=") for row in
-                csv.reader((distribution.read_text("RECORD") or "").splitlines()) if len(row) > 1}
+    recorded = recorded_sha256s(distribution)
     root = os.path.dirname(folder)
     files = {getattr(module, "__file__", None) for name, module in list(sys.modules.items())
              if name == "sglang" or name.startswith("sglang.")}

@@ -25,7 +25,7 @@ from kvstate.stateful.conform import conform
 from tests.engines import planted_sglang_default as planted
 
 SMALL = settings(max_examples=12, stateful_step_count=15, derandomize=True, deadline=None, database=None)
-cases = {name: (getattr(planted, name, None) if hasattr(planted, name) else sglang_default.factory, configs, checks)
+cases = {name: (getattr(planted, name, sglang_default.factory), configs, checks)     # "factory", "reclaiming": the adapter
          for name, configs, checks in json.loads(sys.argv[1])}
 out = {}
 for name, (factory, configs, checks) in cases.items():
