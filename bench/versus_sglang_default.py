@@ -98,9 +98,9 @@ TREES = ((SGLANG_DEFAULT, replay_default), (SGLANG, replay_sglang))     # the pe
 # A lookup missing above its floor against a compiled tree: ``versus_sglang``'s designs were read off
 # the legacy tree's runs, so here they are named with what is known and what is not.
 _COMPILED = ("none built or measured against a compiled tree: at 1.5x its time, the Python past this floor "
-             "(walk, stamp, fork) would get about what SGLang's own Python around its extension takes (some "
-             "6 µs a lookup, bench/RESULTS.md); versus_sglang's remaining designs (pages as slabs, one call a "
-             "lookup) are what would cut kvstate's; whether they cut enough is unmeasured")
+             "(walk, stamp, fork) gets two thirds of the tree's lookup less the floor; versus_sglang's remaining "
+             "designs (pages as slabs, one call a lookup) are what would cut kvstate's; whether they cut enough "
+             "is unmeasured")
 DESIGN = {**versus_sglang.DESIGN, **{("lookup", given, False): _COMPILED
                                      for given in (versus_sglang.ARRAY, versus_sglang.LIST, versus_sglang.TOKEN_IDS)}}
 
