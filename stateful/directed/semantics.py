@@ -20,6 +20,7 @@ from kvstate.spec.protocol import Config, Factory
 from kvstate.spec.semantics import evicts_for_room
 
 from .. import ops as O
+from ..configs import PROFILES
 from .common import NotApplicable, both, current, filled, keeping, record, retain_new, start
 from ..lockstep import Lockstep
 
@@ -389,7 +390,7 @@ About 0.3-0.7 s a configuration (kvstate's engine, the suite's Python backends):
 default tests, so under conform's profiles of fewer than ``LONG_HISTORY_STEPS`` steps (ci, hunt) the row
 stamps ``SHORT_HISTORY`` (a tick of 12 bits or fewer), and under ``nightly`` the whole of it."""
 SHORT_HISTORY = 2**12
-LONG_HISTORY_STEPS = 400      # the nightly profile's steps a run (stateful/configs.py PROFILES)
+LONG_HISTORY_STEPS = PROFILES["nightly"].stateful_step_count
 
 
 def _history_length() -> int:
