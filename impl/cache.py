@@ -54,7 +54,8 @@ from __future__ import annotations
 import threading
 import warnings
 
-from kvstate.spec.errors import ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning
+from kvstate.spec.errors import (ConfigError, EmptyContextError, ForeignContextError, SecondTierWarning,
+                                 UnsupportedModelError)
 from kvstate.spec.layout import DEFAULT_PAGE_TOKENS, Layout, check_page_tokens
 from kvstate.spec.observation import EntryView, Observation
 from kvstate.spec.precision import check_precision
@@ -165,6 +166,8 @@ class Cache:
         if remote_deadline_s is not None:
             check_seconds(remote_deadline_s, "remote_deadline_s", ConfigError)
         self.remote_deadline_s = remote_deadline_s
+        # Why this cache's K/V may serve no other sequence, once ``refuse_prefix_reuse`` says so; else None.
+        self.prefix_reuse_refused: str | None = None
 
     @classmethod
     def from_config(cls, config: Config, store="numpy", device: str = "cpu") -> "Cache":
@@ -270,8 +273,23 @@ class Cache:
 
     # -- the prefix tree -------------------------------------------------------------
 
+    def refuse_prefix_reuse(self, why: str) -> None:
+        """From now on ``retain`` and ``match`` raise ``UnsupportedModelError`` naming ``why``, for
+        good: the K/V this cache holds must serve no sequence but the one that computed them.
+        ``kvstate.hf`` says so for a model whose rotary embedding follows the sequence's length,
+        here rather than in its own cache class, so that reaching this cache directly is refused too."""
+        if not isinstance(why, str) or not why:
+            raise ConfigError(f"refuse_prefix_reuse needs the reason as a non-empty str, got {why!r}")
+        with self.lock:
+            self.prefix_reuse_refused = why
+
+    def _refuse_prefix_reuse(self, what: str) -> None:
+        raise UnsupportedModelError(f"{what}: {self.prefix_reuse_refused}")
+
     def retain(self, ctx: Context) -> None:
         """Keep a fork of ``ctx`` under the key ``ctx.tokens``; evict the LRU entry past ``max_entries``."""
+        if self.prefix_reuse_refused is not None:
+            self._refuse_prefix_reuse("retain")
         if not isinstance(ctx, Context) or ctx._cache is not self:
             raise ForeignContextError(f"retain needs a context of this cache, got {ctx!r}")
         # ``fork``'s way when the context keeps its key (every write keeps it): the whole retain
@@ -337,6 +355,8 @@ class Cache:
     def match(self, tokens) -> tuple[Context, int]:
         """A context holding the hit for ``tokens`` under the declared ``match`` semantics, and
         how many positions it holds; a miss is a new empty context and 0. Stamps the hit's entry."""
+        if self.prefix_reuse_refused is not None:
+            self._refuse_prefix_reuse("match")
         query, tokens = packed_query(tokens)     # a copy, validated: nothing of the caller's is kept
         with self.lock:
             node, matched = self.find_hit(self.tree, query)

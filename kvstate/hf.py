@@ -52,7 +52,6 @@ import functools
 import inspect
 import threading
 import time
-import weakref
 from typing import Callable
 
 import numpy as np
@@ -158,11 +157,6 @@ class _Layer(CacheLayerMixin):
         pass
 
 
-# kvstate caches bound to a model whose K/V depend on the length of the sequence that computed them
-# (``hf_config.length_dependent_rope``): prefix reuse (``retain``, ``match``) is refused there, by name.
-_NO_PREFIX_REUSE: "weakref.WeakKeyDictionary[Cache, str]" = weakref.WeakKeyDictionary()
-
-
 class KVStateCache(_HFCache):
     """A transformers cache over kvstate contexts, one per batch row (see the module docstring)."""
 
@@ -259,8 +253,11 @@ class KVStateCache(_HFCache):
         attach(model)
         bind_model(model, kv)
         rope = length_dependent_rope(decoder_config(model))
-        if rope is not None:
-            _NO_PREFIX_REUSE[kv] = rope
+        if rope is not None:     # on the kvstate cache itself: its own retain and match are refused too
+            kv.refuse_prefix_reuse(
+                f"this model's rotary embedding ({rope!r}) follows the length of the sequence that computes "
+                "K/V, so a prefix hit would serve a longer request's rotations to a shorter one (its logits not "
+                "transformers'); one conversation, continued, cut back or snapshotted, is exact")
         return cls(layout, kv, context if context is not None else kv.allocate(), layer_views=layer_views)
 
     @classmethod
@@ -886,16 +883,7 @@ class KVStateCache(_HFCache):
     def retain(self) -> None:
         """Keep a fork of this context in the prefix tree under its token ids."""
         self._refuse_mid_forward("retain")
-        self._refuse_prefix_reuse("retain")
         self.kv.retain(self.context)
-
-    def _refuse_prefix_reuse(self, what: str) -> None:
-        rope = _NO_PREFIX_REUSE.get(self.kv)
-        if rope is not None:
-            raise UnsupportedModelError(
-                f"{what}: this model's rotary embedding ({rope!r}) follows the length of the sequence that "
-                "computes K/V, so a prefix hit would serve a longer request's rotations to a shorter one (its "
-                "logits not transformers'); one conversation, continued, cut back or snapshotted, is exact")
 
     @_owned("match")
     def match(self, tokens) -> int:
@@ -906,7 +894,6 @@ class KVStateCache(_HFCache):
         ``generate(tokens, cache=cache)`` then prefills only the unmatched suffix.
         """
         self._refuse_mid_forward("match")
-        self._refuse_prefix_reuse("match")
         self._one_row("match")
         current = self.rows[0]
         if current.closed:      # checked first: the hit would have no cache to go to

@@ -369,3 +369,21 @@ def test_every_count_of_a_cache_takes_ints_of_any_width_as_python_ints(name):
     for bad in (True, 4.0, np.float64(4)):
         with pytest.raises(errors.ConfigError, match=name):
             Cache(layout, **{name: bad})
+
+
+def test_a_cache_refusing_prefix_reuse_refuses_retain_and_match_by_name_and_changes_nothing(cache):
+    """``kvstate.hf`` marks the cache of a model whose rotary embedding follows the sequence's length;
+    a caller reaching the kvstate cache directly is refused as one going through ``KVStateCache``."""
+    ctx = filled(cache, 6)
+    cache.retain(ctx)
+    for why in ("", None, 3):
+        refused(cache, ctx, errors.ConfigError, lambda w=why: cache.refuse_prefix_reuse(w))
+    cache.refuse_prefix_reuse("these K/V follow their sequence's length")
+    refused(cache, ctx, errors.UnsupportedModelError, lambda: cache.retain(ctx))
+    error = refused(cache, ctx, errors.UnsupportedModelError, lambda: cache.match(ctx.tokens))
+    assert str(error) == "match: these K/V follow their sequence's length"
+    ctx.extend([7], kv(1))        # the context itself goes on: one conversation is unaffected
+    fork = ctx.fork()
+    assert len(fork) == 7
+    for c in (fork, ctx):
+        c.close()
