@@ -101,11 +101,47 @@ def is_local_url(target) -> bool:
         return False
 
 
+# ``s3:/bucket/k``, ``s3:bucket/k``: a URL whose ``//`` was lost is a local path to the filesystem, which
+# wrote a folder named ``s3:`` and quoted the whole string in every message, ``user:secret@`` included.
+_LOST_SLASHES = re.compile(r"\s*([A-Za-z][A-Za-z0-9+.-]+):(?!//)")     # two letters at least: not ``C:``
+_SCHEMES_WITHOUT_FSSPEC = frozenset(("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "http", "https",
+                                     "memory", "file", "local", "ftp", "sftp", "ssh", "hdfs", "webhdfs", "hf"))
+
+
+def scheme_missing_slashes(target) -> str | None:
+    """The scheme of a str that reads as a URL of a filesystem fsspec knows with its ``//`` lost
+    (``s3:/bucket/k``); None for anything else (a ``pathlib.Path`` is always a path)."""
+    if not isinstance(target, str) or "://" in target:
+        return None
+    found = _LOST_SLASHES.match(target)
+    if found is None:
+        return None
+    scheme = found.group(1).lower()
+    try:
+        from fsspec.registry import known_implementations, registry
+        known = scheme in known_implementations or scheme in registry
+    except ImportError:
+        known = scheme in _SCHEMES_WITHOUT_FSSPEC
+    return scheme if known else None
+
+
+def refuse_lost_slashes(target, error_class: type[KVStateError]) -> None:
+    """Refuse a str that reads as a URL with its ``//`` lost (``scheme_missing_slashes``), showing
+    only its scheme: the rest may carry ``user:secret@``."""
+    scheme = scheme_missing_slashes(target)
+    if scheme is not None:
+        raise error_class(f"a path beginning {scheme!r} + ':' without '//' reads as a {scheme}:// URL with its "
+                          f"'//' lost (the rest is not shown: it may carry credentials); write {scheme}://... for "
+                          f"the object, or pass a local file's path as pathlib.Path(...) or ./{scheme}:...")
+
+
 def local_path(target, error_class: type[SnapshotError] = SnapshotError):
     """The path of a local filesystem's URL (``is_local_url``), taken literally as fsspec takes it
     (``?``, ``#`` and ``%`` are part of the name, not a query, a fragment or an escape; a leading
     ``~`` is the home folder); any other target unchanged. ``error_class``: what a URL carrying
-    credentials raises (a write's ``SnapshotWriteError``, a read's ``SnapshotReadError``)."""
+    credentials, or a str reading as a URL with its ``//`` lost, raises (a write's
+    ``SnapshotWriteError``, a read's ``SnapshotReadError``)."""
+    refuse_lost_slashes(target, error_class)
     if is_local_url(target):
         # fsspec reads file://user:secret@/p as the relative path "user:secret@/p": the secret would
         # become a folder name and show in every message about it

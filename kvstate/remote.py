@@ -107,6 +107,7 @@ class SnapshotStore:
     def __init__(self, url_prefix: str, stride: int = DEFAULT_STRIDE, probe_batch: int = DEFAULT_PROBE_BATCH,
                  storage_options: dict | None = None, deadline_s: float | None = None,
                  producer: bytes | None = None, outage_pause_s: float = DEFAULT_OUTAGE_PAUSE_S):
+        remote_io.refuse_lost_slashes(url_prefix, InvalidInputError)      # before it is quoted below
         if not isinstance(url_prefix, str) or "://" not in url_prefix or not url_prefix.partition("://")[2].strip("/"):
             raise InvalidInputError(f"url_prefix must be a URL naming a bucket or folder, such as 's3://bucket/kv', "
                                     f"got {url_prefix!r}")

@@ -222,6 +222,41 @@ def test_a_url_with_credentials_is_refused_and_no_message_cause_or_log_carries_t
     assert cache.stats()["live_contexts"] == 0
 
 
+# from an outside audit (s72): a URL whose '//' was lost was a local path, and every message quoted it whole
+@pytest.mark.parametrize("spelling", ["s3:/", "s3:", " s3:", "S3:/", "memory:/", "gs:"])
+def test_a_url_that_lost_its_slashes_is_refused_by_scheme_and_no_message_carries_the_secret(spelling, tmp_path,
+                                                                                          monkeypatch):
+    from kvstate.remote import SnapshotStore
+    from kvstate.spec.errors import SnapshotReadError
+    monkeypatch.chdir(tmp_path)
+    secret = "wJalrXUtnFEMI/K7MDENG"
+    url = f"{spelling}AKIAEXAMPLE:{secret}@bucket/kv/ctx.kvs"
+    cache = Cache(SMALL, page_tokens=2)
+    caught = []
+    with filled(cache, 3) as ctx:
+        with pytest.raises(SnapshotWriteError, match="'//' lost") as error:
+            ctx.snapshot(url)
+        caught.append(error.value)
+        before = cache.stats()
+        with pytest.raises(SnapshotReadError, match="'//' lost") as error:
+            cache.restore(url)
+        caught.append(error.value)
+        assert cache.stats() == before
+        with pytest.raises(InvalidInputError, match="'//' lost") as error:
+            SnapshotStore(url.rpartition("/")[0])
+        caught.append(error.value)
+        for error in caught:
+            assert secret not in str(error) and "AKIAEXAMPLE" not in str(error)
+        assert list(tmp_path.iterdir()) == []       # no folder named after the URL
+        # a local file of such a name is still written, as a path object or behind "./"
+        scheme = spelling.strip().rstrip("/")
+        for local in (Path(f"{scheme}kept.kvs"), f"./{scheme}kept2.kvs"):
+            ctx.snapshot(local)
+            with cache.restore(local) as back:
+                assert len(back) == 3
+    assert cache.stats()["live_contexts"] == 0
+
+
 def _unsafe_options(secret: str) -> list[dict]:
     """A secret where botocore would quote it: in an endpoint's userinfo, or pasted as the region or
     the signature version (botocore's UnknownSignatureVersionError quoted it in every message)."""
