@@ -181,12 +181,32 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
         ("read past the end", errors.PositionError, f"c1.read(0, {n + 1})", lambda: ctx.read(0, n + 1)),
         ("truncate past the end", errors.PositionError, f"c1.truncate({n + 1})", lambda: ctx.truncate(n + 1)),
     ]
+    # The bad value in the last position of a write over every held page, and of a two-position extend: a
+    # backend checking position by position as it writes had written the ones before it (an outside audit).
+    span = O.values_for(layout, n, 6)
+    span_nan, two_nan = span.copy(), O.values_for(layout, 2, 7)
+    span_nan[-1, 0, 0, 0, 0] = np.nan
+    two_nan[-1, 0, 0, 0, 0] = np.nan
+    whole = "before anything is written"
+    cases += [
+        ("overwrite with NaN in its last position", errors.NonFiniteError,
+         f"c1.overwrite(0, [7] * {n}, a NaN in position {n - 1} only)",
+         lambda: ctx.overwrite(0, [7] * n, span_nan), whole),
+        ("extend with NaN in its last position", errors.NonFiniteError, "c1.extend([7, 7], a NaN in position 1 only)",
+         lambda: ctx.extend([7, 7], two_nan), whole),
+    ]
     cases += _bad_token_cases(run.engine, ctx, good)
     if config.precision == "f16":
-        big = good.copy()
+        big, span_big = good.copy(), span.copy()
         big[0, 0, 0, 0, 0] = 1e6
-        cases.append(("extend past f16 range", errors.PrecisionRangeError, "c1.extend([1], a value of 1e6)",
-                      lambda: ctx.extend([1], big)))
+        span_big[-1, 0, 0, 0, 0] = 1e6
+        cases += [
+            ("extend past f16 range", errors.PrecisionRangeError, "c1.extend([1], a value of 1e6)",
+             lambda: ctx.extend([1], big)),
+            ("overwrite past f16 range in its last position", errors.PrecisionRangeError,
+             f"c1.overwrite(0, [7] * {n}, a value of 1e6 in position {n - 1} only)",
+             lambda: ctx.overwrite(0, [7] * n, span_big), whole),
+        ]
     before = run.engine.observe()
     values, tokens = ctx.read()
     values = to_numpy(values).copy()
@@ -209,7 +229,7 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
             raise AssertionError(f"{what}: refused, but the cache changed (pages, holders or lengths)")
         changed = _first_change((values, tokens), ctx.read())      # after each call: the report names the culprit
         if changed:
-            raise AssertionError(f"{what}: refused, but the context's {changed} changed")
+            raise AssertionError(f"{what}: refused, but the context's {changed} changed{broken}")
     # ... nor anything a later retain keeps: the entry, and a hit of it, read what the reference reads
     run.apply(O.Retain("c1"))
     run.apply(O.Match(tuple(int(t) for t in np.asarray(tokens)) + (1,)))

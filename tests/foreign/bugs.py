@@ -11,7 +11,7 @@ import numpy as np
 
 from kvstate.spec import precision as precisions
 from kvstate.spec.errors import ConfigError, PositionError
-from kvstate.spec.layout import check_tokens
+from kvstate.spec.layout import check_tokens, check_values, require_finite
 
 from . import block_pool, dict_pages, no_arena, no_tree
 
@@ -505,6 +505,31 @@ class MatchUnchecked(no_tree.ListEngine):
         return super().match(query)
 
 
+class PageByPageOverwriteContext(dict_pages.DictContext):
+    def overwrite(self, start: int, tokens, kv) -> None:
+        tokens = check_tokens(tokens)
+        kv = np.asarray(check_values(self.cache.layout, kv, len(tokens)))
+        self._require_open()
+        if not (_is_int(start) and 0 <= start and start + len(tokens) <= self.length):
+            raise PositionError(f"overwrite of [{start}, {start + len(tokens)}) is outside context {self.context_id}")
+        size, at, end = self.cache.page_tokens, start, start + len(tokens)
+        while at < end:
+            stop = min(end, (at // size + 1) * size)
+            part = kv[at - start:stop - start]
+            require_finite(part)        # PLANTED: checked as each page is written, after the ones before it
+            self._write(at, tokens[at - start:stop - start], self.cache.encode(part))
+            at = stop
+
+
+class ChecksValuesPageByPage(dict_pages.DictCache):
+    """``overwrite`` checks its values a page at a time as it writes them, so one refused for a NaN (or a
+    value past f16's range) in a later page has written the pages before it (README: a refused operation
+    changes nothing; ARCHITECTURE.md: non-finite input is refused before anything is written). Random
+    sequences put a bad value in a one-position write, where the bug cannot show (an outside audit)."""
+
+    context_class = PageByPageOverwriteContext
+
+
 class RestoreKeepsTheFilePrecision(dict_pages.DictCache):
     """``restore`` of a snapshot written at another precision keeps the file's numbers as they are
     (q8 codes, unscaled, become values) instead of converting them (ARCHITECTURE.md: restore into
@@ -580,6 +605,9 @@ DIRECTED_CATCHES = {
                             "f32-heap", "extend with the token ids [True]: accepted, expected DTypeError"),
     "match_unchecked": (_factory_for(MatchUnchecked, no_tree.factory), no_tree.factory, "bad input", "q8-heap",
                         "match of the token ids [-1]: accepted, expected TokenError"),
+    "checks_values_page_by_page": (_factory_for(ChecksValuesPageByPage, dict_pages.factory), dict_pages.factory,
+                                   "bad input", "f16-heap", "overwrite with NaN in its last position: refused, but "
+                                   "the context's token at position 0: 0 -> 7 changed (\"before anything is written\")"),
     "restore_keeps_the_file_precision": (_factory_for(RestoreKeepsTheFilePrecision, dict_pages.factory),
                                          dict_pages.factory, "portable snapshots", "q8-heap",
                                          "restore(stream) into a new f32 cache"),
