@@ -276,6 +276,8 @@ def _sweep_command(args: argparse.Namespace) -> int:
         args.backend = args.backend or S.DEFAULT_BACKEND
         if not scheduler:       # a file backend, absolute: its commands work from any folder (a cluster's
             args.backend = canonical_backend(args.backend)      # workers resolve the name as given)
+        if args.out is not None and not args.out.strip():     # '' was the default folder: a script's unset variable
+            raise UsageError(f"--out {args.out!r} names no folder")
         args.out = args.out or out_default
         if Path(args.out).exists() and not Path(args.out).is_dir():
             raise UsageError(f"--out {args.out!r} is a file; it must name a folder")

@@ -192,6 +192,16 @@ def test_a_sweep_refuses_a_symlinked_lock_file_and_makes_nothing_where_it_leads(
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize("out", ["", "  "])
+def test_an_empty_out_is_refused_not_read_as_the_default_folder(out, tmp_path, capsys, monkeypatch):
+    """From an audit (s72): ``--out ''`` (a script's unset variable) swept into ``sweep-out`` and replaced
+    whatever an earlier sweep had left there."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", "--seeds", "1", "--steps", "5", "--out", out]) == 2
+    assert f"--out {out!r} names no folder" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def _finished_with_a_failure(out) -> None:
     """A finished sweep's journal in ``out`` whose seed 1 failed (shrunk): a resume runs nothing and
     saves that failure's replay file, ``replays/f32-heap-seed1.json``."""
