@@ -548,6 +548,27 @@ def test_a_shrunk_directed_failure_names_the_promise_as_what_was_being_checked()
     assert checking.startswith('found while checking: "match answers with the longest retained key'), checking
 
 
+def test_retain_again_under_prefix_values_quotes_no_newer_values_promise(monkeypatch):
+    """Under ``values="prefix"`` either copy of a retained key may be kept: a failure of the "retain again"
+    row there (here a leaked fork) was reported as found while checking "the newer values win" (an audit)."""
+    from kvstate.impl.cache import Cache
+    from kvstate.stateful.conform import conform
+
+    retained, retain = set(), Cache.retain
+
+    def leaky_retain(self, ctx):
+        if id(ctx) in retained:
+            ctx.fork()          # PLANTED: a second retain of one context leaks a fork
+        retained.add(id(ctx))
+        return retain(self, ctx)
+    monkeypatch.setattr(Cache, "retain", leaky_retain)
+    prefix = dataclasses.replace(config_named("f32-heap"), values="prefix")
+    (result,) = conform(numpy_factory, configs=[prefix], checks=["pinned semantics"])
+    detail = result.outcomes["pinned semantics"].detail
+    assert not result.passed and 'found while checking: "Retaining a key that is already retained' in detail, detail
+    assert "newer values win" not in detail and 'either copy\'s values may be kept' in detail, detail
+
+
 def test_a_directed_checks_setup_that_breaks_an_invariant_is_reported_at_that_step():
     """A fork that counts no holder breaks invariant 1 while "no aliasing" sets up its scenario; the
     report names the fork and invariant 1, not the read the check goes on to scribble over."""

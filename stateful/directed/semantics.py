@@ -55,6 +55,9 @@ def _miss(factory: Factory, config: Config, promise: str) -> None:
 
 
 def _replace(factory: Factory, config: Config, promise: str) -> None:
+    if config.values == "prefix":      # both copies hold the same values: what a failure here breaks is the rest
+        promise = ("Retaining a key that is already retained replaces that entry and it becomes the most "
+                   "recently used; under `values=\"prefix\"` either copy's values may be kept.")
     run, _ = filled(factory, config)
     with keeping(promise, run):
         run.apply(O.Retain("c1"))
