@@ -433,7 +433,7 @@ class RefCache:
             self.tails_left_out = tuple(out for out in self.tails_left_out if any(way[1] == out for way in agreeing))
         self.entries = kept[(agreeing or ways)[0]]
 
-    def _note_pressure(self, needs: dict[int, int]) -> None:
+    def _note_pressure(self, needs: dict[int, int]) -> bool:
         """``pressed`` from the first operation that may have found the pool short, counted every way of
         sharing still open: the pages all holders list plus its need pass the pool; under
         ``reclaim-fifo``, or the pages handed out since the start plus its need do (an engine recycling
@@ -446,6 +446,8 @@ class RefCache:
             self.retained_since_pressure.clear()
             for retained in self.retained_after.values():     # the engine may have reclaimed any of them
                 retained.clear()
+            return True
+        return False
 
     def least_hit(self, query: tuple[int, ...]) -> int:
         """Under ``reclaim``, the shortest hit an engine may return for ``query``: the hit over only the
@@ -519,8 +521,9 @@ class RefCache:
                                 for sharing in SHARINGS)
                           for kept, own in zip(labels, ctx.labels)]
         if reclaims(self.config.on_full):       # nothing below changes the reference of any other pool
-            labels = self._copied_where_cached_under_other_tokens(key, labels)
-            self.retained_since_pressure.add(key)
+            labels, short = self._copied_where_cached_under_other_tokens(key, labels)
+            if not short:       # a retain the pool may have been short for may not have made its own copies
+                self.retained_since_pressure.add(key)
         self.entries = [entry for entry in self.entries if entry[0] != key]
         if reclaims(self.config.on_full):
             for entry in self.entries + self.bounded_out:   # sharing first tokens may refresh it (a tree's nodes)
@@ -593,13 +596,14 @@ class RefCache:
                     self._may_be_one_page(fresh[sharing], name, sharing)
                 label[sharing] = fresh[sharing]
 
-    def _copied_where_cached_under_other_tokens(self, key: tuple[int, ...], labels: list) -> list:
+    def _copied_where_cached_under_other_tokens(self, key: tuple[int, ...], labels: list) -> tuple[list, bool]:
         """The new entry's labels under ``reclaim``: a page an older entry lists at the same place under
         other tokens up to the page's end (the context overwrote an earlier page since) may be copied
         into a page the cache alone keeps (vLLM hashes a block with its whole prefix, once: the adapter
         caches a copy) or shared: a fresh name, which may be one page with the context's. Such copies are
         pages handed out, for which the pool may have been short (``_note_pressure``: vLLM's
-        ``get_new_blocks`` evicts a cached block for one once the never used blocks are gone)."""
+        ``get_new_blocks`` evicts a cached block for one once the never used blocks are gone). Also
+        whether it may have been short for them."""
         size = self.config.page_tokens
         copied = {}         # page index -> the ways of sharing that list the page under other tokens
         for i, label in enumerate(labels):
@@ -609,16 +613,15 @@ class RefCache:
                                 and entry[0][:end] != key[:end] for entry in self.entries)]
             if elsewhere:
                 copied[i] = elsewhere
-        if copied:
-            self._note_pressure({sharing: sum(sharing in elsewhere for elsewhere in copied.values())
-                                 for sharing in self.viable})
+        short = bool(copied) and self._note_pressure(
+            {sharing: sum(sharing in elsewhere for elsewhere in copied.values()) for sharing in self.viable})
         named = list(labels)
         for i, elsewhere in copied.items():
             fresh, label = self.new_label(), labels[i]
             for sharing in elsewhere:
                 self._may_be_one_page(fresh[sharing], label[sharing], sharing)
             named[i] = tuple(fresh[sharing] if sharing in elsewhere else label[sharing] for sharing in SHARINGS)
-        return named
+        return named, short
 
     def _engine_may_pass_bounds(self) -> bool:
         """Under ``reclaim``, once pressed, with the new entry in: whether the entries an engine may still hold

@@ -55,7 +55,8 @@ per configuration (``Config``), and the reference and the engine implement all o
                Only once the pool may have been short (``pressed``: the pages every holder lists plus
                an operation's need pass the pool) may a hit be shorter; before, hits are exact, and
                after, a hit is at least what the entries retained since the pool last may have been
-               short give (none of their pages can have gone since). Needs
+               short give (none of their pages can have gone since; not the entry whose own retain may
+               have found it short: its copies are pages that pool may not have made). Needs
                ``values="prefix"``: a shorter hit's values are then fixed by its tokens, whichever
                entry gave it. Checks of which entries are kept and in what order (eviction order,
                eviction for room) do not apply once pressed.

@@ -328,3 +328,34 @@ def test_a_retains_copies_past_the_pool_are_pressure():
     assert not ref.pressed
     ref.retain(c2)               # position 1 is (1, 1)'s page under other tokens: a copy, the 13th page
     assert ref.pressed
+
+
+def test_a_retain_the_pool_was_short_for_gets_no_floor_of_its_own():
+    """Under ``reclaim`` a hit is at least what the entries retained since the pool last may have been
+    short give. The entry whose own retain found it short was among them, though its copies are the very
+    pages a short pool may not have made: a correct vLLM-like engine caching only the copies that fit was
+    rejected (an outside audit). Its key gets no floor; an entry retained after it does."""
+    from kvstate.reference import RefCache
+
+    ref = RefCache(CONFIG)
+    layout = ref.config.layout
+
+    def extend(ctx, tokens):
+        ctx.extend(list(tokens), O.prefix_values(layout, len(ctx), tokens))
+
+    key = (0, 2, 1, 0, 2)
+    c2 = ref.allocate()
+    extend(c2, key)
+    ref.retain(c2)
+    c3, matched = ref.match(key)
+    assert matched == 5
+    extend(ref.allocate(), (0,) * 4)
+    c3.overwrite(0, [1], O.prefix_values(layout, 0, (1,)))      # its own copy of position 0: 10 pages listed
+    assert not ref.pressed
+    ref.retain(c3)       # positions 1-4 are key's pages under other tokens: 4 copies, 14 pages past 12
+    assert ref.pressed
+    assert ref.least_hit((1, 2, 1, 0, 2)) == 0
+    c5 = ref.allocate()
+    extend(c5, (4, 4))
+    ref.retain(c5)       # no copy, no pressure: nothing of it can have gone since
+    assert ref.least_hit((4, 4, 9)) == 2
