@@ -94,3 +94,35 @@ def test_a_fork_not_excluding_the_parents_writer_is_caught_by_what_its_branch_ho
                      r".*: no state the parent had between the owner's operations around that fork|, thread \d+: "
                      r"InvariantViolation: .*branch \d+\.\d+ \(forked while the parent's owner extended and truncated it\))",
                      message), message
+
+
+def test_the_pauses_and_yields_reach_an_engine_installed_apart_from_its_adapter(tmp_path, monkeypatch):
+    """A factory in a thin adapter file that builds an engine from another package: the pauses and
+    yields counted the adapter's folder alone, so the engine's own lines were never paused in (a
+    scenario pausing "at a random line of the engine's write" found none; an outside audit). The
+    package of the caches' class counts once a cache has been made."""
+    import shutil
+
+    import numpy as np
+
+    from kvstate.stateful.races import harness
+
+    engine = tmp_path / "engine_pkg"
+    engine.mkdir()
+    (engine / "__init__.py").write_text("")
+    shutil.copy(os.path.join(os.path.dirname(__file__), "foreign", "finelock.py"), engine / "finelock.py")
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "thin.py").write_text(
+        "from engine_pkg import finelock\n\n\n"
+        "def factory(config):\n    return finelock.FineLockCache(config)\n\n\n"
+        "factory.configs = finelock.factory.configs\nfactory.any_page_size = factory.thread_safe = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    factory = load_factory(str(adapter / "thin.py"))
+    assert harness.engine_folders(factory) == (str(adapter),)
+    config = factory.configs[0]
+    cache = harness.make_cache(factory, config)
+    assert harness.engine_folders(factory) == (str(adapter), str(engine))
+    parent = cache.allocate()
+    parent.extend([1, 2, 3], np.zeros((3, *config.layout.position_shape), np.float32))
+    assert races._lines_run(factory, lambda: parent.fork().close()) > 10     # 1 (none seen) before

@@ -144,6 +144,7 @@ def make_cache(store, config: Config, trace: Trace | None = None) -> Cache:
     """``store`` names a built-in page store, or is a backend factory (``kvstate conform`` passes one);
     with a ``trace``, the cache's operations (and its contexts') are recorded in it."""
     cache = store(config) if callable(store) else Cache.from_config(config, store=store)
+    _learn_engine_code(store, type(cache))
     return cache if trace is None else TracedCache(cache, trace)
 
 
@@ -295,10 +296,47 @@ def engine_folder(store) -> str:
         return ""
 
 
+# Per store, a one-item list holding the places the engine's code lives: the factory's folder, and the
+# package its caches' class comes from, learnt as ``make_cache`` builds them. A factory in a thin adapter
+# file builds an engine installed elsewhere, whose unlocked windows the yields and pauses missed while
+# they counted the adapter's folder alone (an outside audit). The list is read at every profiled call,
+# so what a scenario's first cache teaches counts at once.
+_ENGINE_CODE: dict = {}
+
+
+def engine_code(store) -> list[tuple[str, ...]]:
+    """The box holding where ``store``'s code lives (``str.startswith`` takes the tuple in it)."""
+    key = store if isinstance(store, str) else id(store)
+    box = _ENGINE_CODE.get(key)
+    if box is None or (not isinstance(store, str) and box[1] is not store):
+        box = _ENGINE_CODE[key] = [(engine_folder(store),), store]
+    return box
+
+
+def engine_folders(store) -> tuple[str, ...]:
+    """Where ``store``'s code lives as far as learnt: its factory's folder and its caches' package."""
+    return engine_code(store)[0]
+
+
+def _learn_engine_code(store, cache_class: type) -> None:
+    """Count ``cache_class``'s top-level package (its file, for a module outside any) as ``store``'s code;
+    not kvstate's own: a built-in store's is ``kvstate.impl`` already, and an adapter's the folder it sits in."""
+    top = cache_class.__module__.partition(".")[0]
+    module = sys.modules.get(top)
+    where = getattr(module, "__file__", None)
+    if top == "kvstate" or not where:
+        return
+    place = os.path.dirname(where) if hasattr(module, "__path__") else where
+    box = engine_code(store)
+    if place and not any(place.startswith(known) and known for known in box[0]):
+        box[0] = (*box[0], place)
+
+
 @contextmanager
-def yielding_calls(folder: str, seed: int, probability: float = YIELD_PROBABILITY):
+def yielding_calls(folder, seed: int, probability: float = YIELD_PROBABILITY):
     """Threads started meanwhile give up the interpreter (``time.sleep(0)``) at a random
-    ``probability`` of their calls into code under ``folder``.
+    ``probability`` of their calls into code under ``folder`` (a path, or ``engine_code``'s box,
+    read at every call).
 
     Why: under the GIL a thread waiting for the interpreter gets it only after a timed wait,
     whose granularity is tens of microseconds however small ``sys.setswitchinterval`` is, so a
@@ -307,9 +345,10 @@ def yielding_calls(folder: str, seed: int, probability: float = YIELD_PROBABILIT
     ``_release`` calling ``pool.release``, ...) lets another thread in exactly there.
     """
     draw, sleep = random.Random(seed).random, time.sleep
+    where = folder if isinstance(folder, list) else [folder]
 
     def profile(frame, event, arg) -> None:
-        if event == "call" and frame.f_code.co_filename.startswith(folder) and draw() < probability:
+        if event == "call" and frame.f_code.co_filename.startswith(where[0]) and draw() < probability:
             sleep(0)
 
     previous = threading.getprofile()
@@ -321,7 +360,7 @@ def yielding_calls(folder: str, seed: int, probability: float = YIELD_PROBABILIT
 
 
 @contextmanager
-def pausing(folder: str, pause_at: Callable[[int], bool], pause: Callable[[], None] | None = None):
+def pausing(folder: str | tuple[str, ...], pause_at: Callable[[int], bool], pause: Callable[[], None] | None = None):
     """The calling thread, meanwhile, pauses at each line it runs in code under ``folder`` for which
     ``pause_at(n)`` is true (``n`` counts those lines from 0), as a preempted thread would: it
     calls ``pause`` there (by default a sleep of ``NAP_SECONDS``) while the other threads run on.
@@ -363,7 +402,7 @@ def racing(store, seed: int, yields: bool):
         if not yields:
             yield
             return
-        with yielding_calls(engine_folder(store), seed):
+        with yielding_calls(engine_code(store), seed):
             yield
 
 

@@ -71,7 +71,7 @@ from kvstate.spec.semantics import entry_pages, evicts_for_room, hit_length, may
 
 from .harness import (  # noqa: F401 - RACE_LAYOUT and check_pool re-exported for the tests
     NAP_SECONDS, RACE_LAYOUT, SETTLE, THREAD_TIMEOUT, RaceFailure, RaceReport, Watch, attempt,
-    available_stores, check_after, check_emptied, check_pool, engine_folder, expected_read, extend, is_closed, kv_for,
+    available_stores, check_after, check_emptied, check_pool, engine_folders, expected_read, extend, is_closed, kv_for,
     make_cache, overwrite, own_store, page_counters, pausing, pressure_configs, race_configs, read_numpy,
     reference_config, retry_busy, run_threads, seeded_rng, store_label, switch_interval, verify,
 )
@@ -1076,7 +1076,7 @@ def reads_during_copy_on_write(store: str = "numpy", seed: int = 0, iterations: 
                 try:
                     for _ in range(cycles):
                         at = {int(n) for n in rng.choice(lines, min(lines, PAUSES_PER_WRITE), replace=False)}
-                        with pausing(engine_folder(store), at.__contains__, pause):
+                        with pausing(engine_folders(store), at.__contains__, pause):
                             _copy_on_write(ctx, config, tokens, report)
                         report.add("copies_on_write")
                 finally:
@@ -1125,7 +1125,7 @@ def _lines_run(store, operation: Callable[[], object]) -> int:
         seen[0] = n + 1
         return False
 
-    with pausing(engine_folder(store), count):
+    with pausing(engine_folders(store), count):
         operation()
     return max(1, seen[0])
 
@@ -1238,7 +1238,7 @@ def _race_stamps(cache: Cache, config: Config, keys: list[list[int]], target: li
 
     def hitter() -> None:
         try:
-            with pausing(engine_folder(store), line.__eq__, pause):
+            with pausing(engine_folders(store), line.__eq__, pause):
                 ctx, matched = cache.match(target)
         finally:
             done.set()          # the retains run now if the pause never came
