@@ -31,6 +31,14 @@ def hostile_files(data: bytes, precision: str, layout: Layout, values: np.ndarra
     body = data[fmt.header_size(header.version):]
     n = header.positions
     cases: list[Case] = [("with one byte appended past its body", data + b"\x00", errors.SnapshotError)]
+    # A body checksum that does not match, the header's own right: also for an empty body, which an
+    # audit's engine skipped checking (every byte of the file is still covered by one checksum or the other).
+    wrong = (fmt.crc32(body) ^ 0x5A5A5A5A) & 0xFFFFFFFF
+    cases += [("its body checksum wrong, the header's checksum recomputed",
+               fmt.pack_header(precision, layout, n, wrong, len(body)) + body, errors.SnapshotError),
+              ("of no positions, its body checksum wrong, the header's checksum right",
+               fmt.pack_header(precision, layout, 0, (fmt.crc32(b"") ^ 0x5A5A5A5A) & 0xFFFFFFFF, 0),
+               errors.SnapshotError)]
     other = _another_layout_of_the_same_size(layout)
     if other is not None and fmt.body_size(other, precision, n) == len(body):      # q8's scales may differ
         cases.append((f"naming layout {other.layers}x{other.kv_heads}x{other.head_dim}, its body the same size",

@@ -56,8 +56,9 @@ def portable_snapshots(factory: Factory, config: Config) -> None:
 
 
 def _targets(factory: Factory, config: Config, positions: int) -> list[Config]:
-    """One configuration per other precision the backend is run at, and one of another page size
-    (1-8) where the backend may be run at any page size. Of a precision's declared configurations, one
+    """One configuration per other precision the backend is run at, and two of other page sizes where
+    the backend may be run at any page size: one of 1-8 (5 from 4), and one page smaller, so the last
+    page restored is partly filled on a smaller page too (an outside audit's engine dropped it there). Of a precision's declared configurations, one
     whose pool holds the restored context: the restore runs with no reference beside it, so a
     pool too small for it (a correct ``CapacityError``) read as a failure (s68)."""
     declared = getattr(factory, "configs", None)
@@ -69,6 +70,8 @@ def _targets(factory: Factory, config: Config, positions: int) -> list[Config]:
         others = [c for p, c in by_precision.items() if p != config.precision]
     if declared is None or getattr(factory, "any_page_size", False):
         others.append(config.with_(page_tokens=config.page_tokens % 8 + 1))
+        if config.page_tokens > 2 and config.page_tokens - 1 != config.page_tokens % 8 + 1:
+            others.append(config.with_(page_tokens=config.page_tokens - 1))
     return others
 
 

@@ -262,3 +262,27 @@ class RestoreUnlocked(AuditCache):
 fork_plain = _make(ForkPlainCache)
 restore_unlocked = _make(RestoreUnlocked)
 BUGS += ["fork_plain", "restore_unlocked"]
+
+
+# 15. (an audit of the snapshot checks, s72) The body checksum is checked only where there is a body: a
+#     file of no positions restores whatever its body_crc says.
+class EmptyBodyChecksumSkipped(AuditCache):
+    @staticmethod
+    def check_body(header, body, body_crc=None):
+        if header.positions == 0:
+            return fmt.check_body_content(header, body)
+        return fmt.check_body(header, body, body_crc)
+
+
+# 16. (the same audit) A restore into pages of fewer than 4 tokens drops the last, partly filled one.
+class SmallPageDropsPartial(AuditCache):
+    def parse(self, data):
+        tokens, encoded = super().parse(data)
+        if self.page_tokens < 4 and len(tokens) % self.page_tokens:
+            keep = len(tokens) // self.page_tokens * self.page_tokens
+            tokens, encoded = tokens[:keep], tuple(part[:keep] for part in encoded)
+        return tokens, encoded
+
+
+empty_body_checksum_skipped = _make(EmptyBodyChecksumSkipped)
+small_page_drops_partial = _make(SmallPageDropsPartial)
