@@ -367,7 +367,7 @@ ZOO = {
     "f16_overflow_accepted": Planted("no_arena", "f16-heap", "PrecisionRangeError", f16_overflow),
     "zero_length_write_allocates": Planted(
         "dict_pages", "f32-heap", "zero positions", zero_length_write),
-    "snapshot_drops_partial_page": Planted("dict_pages", "f32-heap", "restored to other values or tokens",
+    "snapshot_drops_partial_page": Planted("dict_pages", "f32-heap", "restored to other positions than c1 held",
                                            snapshot_round_trip),
     "arena_slot_kept_on_eviction": Planted(
         "dict_pages", "f32-arena6", "invariant 3", evicted_slots),
