@@ -21,6 +21,7 @@ import sys
 import threading
 
 LOAD_TIME_LIMIT = 60.0
+CONFORM_TIME_LIMIT = 300.0     # seconds per configuration and check (stateful.conform.DEFAULT_TIME_LIMIT)
 SCRATCH_USERS = ("conform", "sweep", "replay", "spec-check")     # commands whose runs write snapshot files there
 MAX_RACE_THREADS = 4096    # ``kvstate race --threads``: past what a machine starts, a failure read as the race's
 MAX_TIME_LIMIT = threading.TIMEOUT_MAX     # past it a wait overflowed, and read as the backend failing to load
@@ -116,8 +117,22 @@ def _conform(args: argparse.Namespace) -> int:
     except FactoryError as error:
         print(f"kvstate conform: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
-    print(format_table(results), flush=True)
+    print(format_table(results, rerun=lambda result, check: _conform_rerun(args, result.config.name, check)),
+          flush=True)
     return 0 if all(r.passed for r in results) else 1
+
+
+def _conform_rerun(args: argparse.Namespace, config: str, check: str) -> str:
+    """The command running one failed check of one configuration alone, as this run ran it."""
+    words = ["kvstate", "conform", args.backend, "--config", config, "--check", check]
+    if args.profile != "ci":
+        words += ["--profile", args.profile]
+    for option, value in (("--examples", args.examples), ("--steps", args.steps)):
+        if value:
+            words += [option, str(value)]
+    if args.time_limit != CONFORM_TIME_LIMIT:
+        words += ["--time-limit", f"{args.time_limit:g}"]
+    return "rerun this check alone: " + shlex.join(words)
 
 
 def _fuzz(args: argparse.Namespace) -> int:
@@ -549,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="only these configurations, comma-separated, as kvstate sweep takes them (joins --config)")
     conform.add_argument("--check", action="append", metavar="NAME",
                          help="only this check (lockstep, 'fork isolation', ...); repeatable")
-    conform.add_argument("--time-limit", type=float, default=300.0, metavar="SECONDS",
+    conform.add_argument("--time-limit", type=float, default=CONFORM_TIME_LIMIT, metavar="SECONDS",
                          help="per configuration and check (default 300); past it the check is reported as "
                               "TIMEOUT, with where it was stuck, and the configuration's later checks are skipped")
     conform.add_argument("--examples", type=int, metavar="N", help="lockstep runs per configuration (overrides the profile)")

@@ -204,16 +204,21 @@ def _check_backend(factory: Factory, configs: list[Config]) -> None:
         cache = factory(config)
     except (Exception, SystemExit) as error:       # a backend's sys.exit is its failure, not the caller's exit
         raise FactoryError(f"the factory raised {error!r} building {config.name}") from error
+    if isinstance(cache, type):     # its methods, called unbound, failed on a missing 'self'
+        raise FactoryError(f"the factory returned the class {cache.__name__}, not a cache: return {cache.__name__}(config)")
     _require(cache, CacheProtocol, "the factory's cache")
+    step = "cache.allocate()"
     try:
         ctx = cache.allocate()
         _require(ctx, ContextProtocol, "cache.allocate()'s context")
+        step = "cache.observe()"
         observation = cache.observe()
+        step = "close() of an empty context"
         ctx.close()
     except FactoryError:
         raise
     except (Exception, SystemExit) as error:
-        raise FactoryError(f"the backend raised {error!r} on allocate/observe/close") from error
+        raise FactoryError(f"the backend raised {error!r} in {step}, its first call of the kind") from error
     if not isinstance(observation, Observation):
         raise FactoryError(f"cache.observe() returned {type(observation).__name__}, not kvstate.spec.Observation")
 

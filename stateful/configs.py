@@ -70,13 +70,13 @@ def configs_for(factory) -> list[Config]:
     """What a factory is checked under: its ``configs`` if it lists them; else the six, plus each
     semantics configuration whose ``tags`` are all in the factory's ``semantics`` declaration."""
     check_declarations(factory)
+    tags = frozenset(getattr(factory, "semantics", ()))
+    unknown = tags - SEMANTICS_TAGS
+    if unknown:     # beside ``configs`` too: a misspelled tag there passed unread, and silently
+        raise ConfigError(f"the factory declares unknown semantics {sorted(unknown)}; known: {sorted(SEMANTICS_TAGS)}")
     declared = getattr(factory, "configs", None)
     if declared is not None:
         return list(declared)
-    tags = frozenset(getattr(factory, "semantics", ()))
-    unknown = tags - SEMANTICS_TAGS
-    if unknown:
-        raise ConfigError(f"the factory declares unknown semantics {sorted(unknown)}; known: {sorted(SEMANTICS_TAGS)}")
     return machine_configs() + [config for config in semantics_configs() if config.tags <= tags]
 
 

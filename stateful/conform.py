@@ -511,7 +511,8 @@ def run_with_limit(check: Check, factory: Factory, config: Config, settings: Set
                            f"a failure was found, but shrinking it ran out of the {time_limit:g} s limit: "
                            f"the sequence below is not minimal\n{partial}")
         return Outcome("TIMEOUT", time.perf_counter() - started,
-                       f"no result after {time_limit:g} s: the backend hangs or is far too slow{stuck}")
+                       f"no result after {time_limit:g} s: the backend hangs or is far too slow for --time-limit "
+                       f"(seconds a configuration's check may take){stuck}")
 
 
 # -- the suite --------------------------------------------------------------------------
@@ -544,11 +545,15 @@ class ConfigResult:
         return sum(o.checks for o in self.outcomes.values())
 
 
+class UnknownCheckError(FactoryError):
+    """A check named that does not exist (a ``FactoryError`` for callers catching those: the plugin, the CLI)."""
+
+
 def conform_checks_known(names: list[str]) -> None:
-    """``FactoryError`` naming every check in ``names`` that does not exist, and the known ones."""
+    """``UnknownCheckError`` naming every check in ``names`` that does not exist, and the known ones."""
     unknown = [n for n in names if n not in CHECKS]
     if unknown:
-        raise FactoryError(f"no conformance checks {unknown}; known: {list(CHECKS)}")
+        raise UnknownCheckError(f"no conformance checks {unknown}; known: {list(CHECKS)}")
 
 
 def conform(factory: Factory, profile: str = "ci", configs: list[Config] | None = None,
@@ -590,8 +595,9 @@ def progress_line(config: Config, name: str, outcome: Outcome) -> str:
             f"{outcome.cpu_seconds:6.1f} cpu s")
 
 
-def format_table(results: list[ConfigResult]) -> str:
-    """Configuration x check, pass/FAIL/TIMEOUT/n/a/skipped; then every failure with its sequence.
+def format_table(results: list[ConfigResult], rerun: Callable[[ConfigResult, str], str] | None = None) -> str:
+    """Configuration x check, pass/FAIL/TIMEOUT/n/a/skipped; then every failure with its sequence, and
+    ``rerun(result, check)``'s line after it where given (the command running that check alone).
 
     The columns are every check any configuration has, in the order first met: results may hold
     different checks (``conform(first_failure=True)`` stops within a configuration; a configuration
@@ -622,6 +628,8 @@ def format_table(results: list[ConfigResult]) -> str:
         for name, outcome in r.outcomes.items():
             if not outcome.passed:
                 lines.append(f"\n{label[id(r)]} / {name}: {outcome.status}\n{outcome.detail}")
+                if rerun is not None:
+                    lines.append(rerun(r, name))
                 skipped = [n for n, o in r.outcomes.items() if o.status == "skipped"]
                 if outcome.status == "TIMEOUT" and skipped:
                     lines.append(f"(not run after it, each of which would likely have waited out its limit too: "

@@ -49,7 +49,7 @@ def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):
     # a write through one holder that shows in another (invariant 4), or in an entry, which the run's
     # end matches and compares (invariant 5, the shortest: 4 operations)
     assert ("invariant 4" in lockstep or "invariant 5" in lockstep) and "minimised failing sequence" in lockstep
-    sequence = lockstep.split("minimised failing sequence", 1)[1].split("\n\n", 1)[0]
+    sequence = lockstep.split("minimised failing sequence", 1)[1].split("\nrerun this check alone", 1)[0]
     operations = [line.strip() for line in sequence.splitlines()[1:]]
     # shrunk to a handful of steps, and the leak needs a second holder of a page (a fork, a hit of a
     # retained entry, or the entry itself) and a write through one side
@@ -83,13 +83,36 @@ def test_bad_factory_paths_exit_2_with_a_named_error(path, message, capsys):
     assert "FactoryError" in err and message in err
 
 
-@pytest.mark.parametrize("option,message", [(["--check", "nope"], "no conformance checks ['nope']"),
+@pytest.mark.parametrize("option,message", [(["--check", "nope"], "UnknownCheckError: no conformance checks ['nope']"),
                                             (["--workers", "0"], "--workers must be")])
 def test_a_bad_option_is_refused_before_the_backend_is_loaded(option, message, capsys):
     """Refused by name before the import: the backend named here would be the import's error."""
     assert main(["conform", "no_such_backend_module", *option]) == 2
     err = capsys.readouterr().err
     assert message in err and "cannot import" not in err
+
+
+# From an audit of a backend author's first run (s72): a factory returning its class was refused for a missing
+# 'self' "on allocate/observe/close"; a context whose close raised named no call; a misspelled semantics tag
+# beside ``configs`` passed unread (exit 0).
+@pytest.mark.parametrize("body, message", [
+    ("def factory(config):\n    return ListCache\n",
+     "the factory returned the class ListCache, not a cache: return ListCache(config)"),
+    ("class Closing(ListContext):\n    def close(self):\n        raise RuntimeError('teardown failed')\n\n\n"
+     "class Cache(ListCache):\n    context_class = Closing\n\n\ndef factory(config):\n    return Cache(config)\n",
+     "raised RuntimeError('teardown failed') in close() of an empty context"),
+    ("def factory(config):\n    return ListCache(config)\n\n\nfactory.configs = [machine_configs()[0]]\n"
+     "factory.semantics = ['radix-lru']\n",
+     "unknown semantics ['radix-lru']"),
+])
+def test_a_first_run_mistake_is_one_line_that_says_what_to_change(body, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    path = tmp_path / "first_try.py"
+    path.write_text("from listcache import ListCache, ListContext\n"
+                    "from kvstate.stateful.configs import machine_configs\n\n\n" + body)
+    assert main(["conform", str(path), "--check", "fork isolation", "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_a_module_name_that_is_a_file_here_gets_a_hint(tmp_path, monkeypatch, capsys):
@@ -604,3 +627,23 @@ def test_a_skipped_item_is_named_in_the_skip_summary(tmp_path):
                        "-k", "f32-heap and arena")
     assert done.returncode == 0 and "1 skipped" in done.stdout, done.stdout + done.stderr
     assert re.search(r"SKIPPED \[1\] .*: kvstate\[listcache\.py\]\[f32-heap\]\[arena evidence\]: n/a: ", done.stdout), done.stdout
+
+
+def test_every_failure_prints_the_command_rerunning_its_check_alone_and_that_command_reproduces_it(capsys):
+    """From an audit of a backend author's first run (s72): of 27 failures only the seeded ones said how
+    to run them again; each now ends with its command, which gives the same failure."""
+    broken = str(EXAMPLES / "broken_sharing.py")
+    assert main(["conform", broken, "--config", "f32-heap", "--check", "fork isolation", "--check", "no aliasing",
+                 "--workers", "1", "--examples", "7"]) == 1
+    out = capsys.readouterr().out
+    reruns = [line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("rerun this check alone: ")]
+    assert len(reruns) == out.count(": FAIL\n") == 2, out
+    for rerun in reruns:
+        argv = shlex.split(rerun)
+        assert argv[:3] == ["kvstate", "conform", broken] and argv[-2:] == ["--examples", "7"], argv
+        check = argv[argv.index("--check") + 1]
+        assert main(argv[1:]) == 1
+        again = capsys.readouterr().out
+        block = out[out.index(f"f32-heap / {check}: FAIL"):]
+        block = block[:block.index(rerun) + len(rerun)]
+        assert block in again, again
