@@ -13,6 +13,8 @@ from kvstate.stateful.conform import conform, load_factory
 from kvstate.stateful.configs import config_named
 from kvstate.stateful.directed.semantics import ROWS, pinned_semantics, readme_table
 
+from foreign import dict_pages
+
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = settings(max_examples=25, stateful_step_count=15, derandomize=True, deadline=None, database=None)
 
@@ -443,3 +445,40 @@ def test_an_overwrite_need_leaving_out_the_shared_page_it_ends_inside_breaks_the
     row.check(token_pool, config, row.text)
     with pytest.raises(AssertionError, match="engine accepted, reference CapacityError"):
         row.check(ShortNeedCache, config, row.text)
+
+
+class _StampsTheNodeAbove(dict_pages.DictCache):
+    """A hit's stamp goes to the node above its entry: lost where that is a split node holding no entry."""
+
+    def match(self, tokens):
+        entry = self.tree.longest(tuple(int(t) for t in tokens))
+        if entry is None:
+            return self.allocate(), 0
+        above = entry.node.parent
+        stamped = above.entry if above is not None and above is not self.tree.root else entry
+        tick = self._tick()
+        if stamped is not None:
+            stamped.tick = tick
+        return self.adopt(list(entry.pages), len(entry.key)), len(entry.key)
+
+
+class _StampsAChild(dict_pages.DictCache):
+    """A hit of an entry whose node has children stamps the first child's entry instead."""
+
+    def match(self, tokens):
+        entry = self.tree.longest(tuple(int(t) for t in tokens))
+        if entry is None:
+            return self.allocate(), 0
+        children = [entry.node.children[k] for k in sorted(entry.node.children)]
+        (children[0].entry if children and children[0].entry is not None else entry).tick = self._tick()
+        return self.adopt(list(entry.pages), len(entry.key)), len(entry.key)
+
+
+@pytest.mark.parametrize("plant", [_StampsTheNodeAbove, _StampsAChild])
+def test_hits_stamp_their_entry_under_a_split_node_and_above_a_child(plant):
+    """From an audit of the tree's eviction (s72): both trees passed the row, which had no two keys sharing a
+    block but its tie's (README: the row "catches such a step"); the correct tree passes the new cases."""
+    row = _row("hits stamp their entry")
+    row.check(dict_pages.factory, config_named("f32-heap"), row.text)
+    with pytest.raises(AssertionError, match="A hit stamps the entry it is taken from"):
+        row.check(plant, config_named("f32-heap"), row.text)

@@ -384,6 +384,13 @@ def _hits_stamp_their_entry(factory: Factory, config: Config, promise: str) -> N
     if config.match != "entry" and held >= 3:      # a tie: the newer of two keys sharing the hit's block wins
         _stamp_then_evict(factory, config, promise, [key(1, 2), key(40), key(1, 3)] + others(held)[1:held - 2],
                           key(1, 9), others(held)[held - 2])
+    # The entry under a split node no entry holds (two keys sharing a block), and an entry whose node has a
+    # child: each hit stamps that entry, not the node above it nor the child below (an audit's trees did
+    # both, and passed this row, which had no two keys sharing a block but the tie's).
+    for first, query in (([key(1, 2), key(1, 3)], key(1, 2, 9)), ([key(1, 2), key(1)], key(1, 9))):
+        held = _entries_held(config, first, key(40))
+        if held >= 2:
+            _stamp_then_evict(factory, config, promise, first + others(held)[:held - 2], query, others(held)[held - 2])
 
 
 LONG_HISTORY = 2**16
