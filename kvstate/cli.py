@@ -503,6 +503,9 @@ def _replay(args: argparse.Namespace) -> int:
         failure = replay_process.replay(recorded, factory, show, time_limit=args.time_limit,
                                         every_step=args.every_step,
                                         spawn_backend=backend if args.spawn else None)
+        if failure is not None and failure.error == "BackendHasNoSnapshots":     # not a finding of this backend
+            raise UsageError(f"{args.file}'s step {failure.step} snapshots or restores, and backend {backend!r} has "
+                             f"no snapshot()/restore(): replay it against a backend that has them")
     except (ReplayFileError, FactoryError, UsageError, RunTimeout) as error:
         print(printable(f"kvstate replay: {error}"), file=sys.stderr)
         return 2

@@ -221,8 +221,15 @@ def _speaks_urls(engine) -> bool:
     return type(engine).__module__.startswith("kvstate.impl")
 
 
+class BackendHasNoSnapshots(Exception):
+    """A snapshot or restore replayed on a backend without them: random runs never draw one there, so
+    only a replay file written against another backend meets it (``kvstate replay`` exits 2 on it)."""
+
+
 def _snapshot(lockstep: Lockstep, op: Snapshot, side: int, cache, ctx):
     if side == 0:
+        if not (supports_snapshots(cache) and hasattr(ctx, "snapshot")):
+            raise BackendHasNoSnapshots(f"{op}: the backend has no snapshot()/restore()")
         target = _target(lockstep, op.name)
         if isinstance(target, io.BytesIO):
             target.truncate()       # a name a refused snapshot left unused is written afresh
@@ -233,6 +240,8 @@ def _snapshot(lockstep: Lockstep, op: Snapshot, side: int, cache, ctx):
 
 def _restore(lockstep: Lockstep, op: Restore, side: int, cache, ctx):
     if side == 0:
+        if not supports_snapshots(cache):
+            raise BackendHasNoSnapshots(f"{op}: the backend has no snapshot()/restore()")
         return cache.restore(_target(lockstep, op.name))
     return cache.restore(lockstep.__dict__.get("_reference_snapshots", {})[op.name])
 

@@ -296,3 +296,20 @@ def test_a_replay_file_names_a_file_backend_by_its_absolute_path_also_as_a_clust
     save_replay("be/mine.py:factory", config_named("f32-heap"), result, tmp_path / "replays")
     saved = json.loads(Path(result.replay_file).read_text())
     assert saved["backend"] == f"{tmp_path / 'be' / 'mine.py'}:factory"
+
+
+def test_replaying_a_snapshot_on_a_backend_without_snapshots_is_a_usage_error_not_a_finding(tmp_path, capsys):
+    """From an audit of replay fidelity (s72): a file found on a backend that snapshots, replayed against one
+    that has no snapshot(), read as that backend failing ("NOT as recorded", an AttributeError, exit 3)."""
+    from kvstate.stateful import ops as O
+    from kvstate.stateful import replay as R
+    from kvstate.stateful.configs import config_named
+    from kvstate.stateful.snapshots import Restore, Snapshot
+
+    ops = [O.Allocate(), O.Extend("c1", (1, 2, 3), seed=1), Snapshot("c1", "a"), Restore("a")]
+    path = R.save(R.Replay("kvstate.impl.numpy", config_named("f32-heap"), 1, ops), tmp_path / "found.json")
+    assert main(["replay", str(path)]) == 0           # the backend it was found on: every invariant holds
+    capsys.readouterr()
+    assert main(["replay", str(path), "--backend", str(EXAMPLES / "listcache.py")]) == 2
+    err = capsys.readouterr().err
+    assert "step 3 snapshots or restores" in err and "has no snapshot()/restore()" in err, err
