@@ -58,9 +58,10 @@ def portable_snapshots(factory: Factory, config: Config) -> None:
 def _targets(factory: Factory, config: Config, positions: int) -> list[Config]:
     """One configuration per other precision the backend is run at, and two of other page sizes where
     the backend may be run at any page size: one of 1-8 (5 from 4), and one page smaller, so the last
-    page restored is partly filled on a smaller page too (an outside audit's engine dropped it there). Of a precision's declared configurations, one
-    whose pool holds the restored context: the restore runs with no reference beside it, so a
-    pool too small for it (a correct ``CapacityError``) read as a failure (s68)."""
+    page restored is partly filled on a smaller page too (an outside audit's engine dropped it there).
+    Of a precision's declared configurations, one whose pool holds the restored context: the restore
+    runs with no reference beside it, so a pool too small for it (a correct ``CapacityError``) read
+    as a failure (s68)."""
     declared = getattr(factory, "configs", None)
     if declared is None:
         others = [config.with_(precision=p) for p in PRECISIONS if p != config.precision]

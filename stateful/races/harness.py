@@ -296,8 +296,8 @@ def engine_folder(store) -> str:
         return ""
 
 
-# Per store, a one-item list holding the places the engine's code lives: the factory's folder, and the
-# package its caches' class comes from, learnt as ``make_cache`` builds them. A factory in a thin adapter
+# Per store, a box ``[places, store]``: the places the engine's code lives (the factory's folder, and the
+# package its caches' class comes from, learnt as ``make_cache`` builds them) and the store it is for. A factory in a thin adapter
 # file builds an engine installed elsewhere, whose unlocked windows the yields and pauses missed while
 # they counted the adapter's folder alone (an outside audit). The list is read at every profiled call,
 # so what a scenario's first cache teaches counts at once.
