@@ -83,6 +83,28 @@ def test_tokens_are_copied_before_they_are_checked():
     assert cache.restore(buffer).tokens == list(range(6))
 
 
+@pytest.mark.parametrize("store, door", [("numpy", "_private_copy"), ("torch", "_as_tensor")])
+def test_values_are_copied_before_they_are_checked(store, door, monkeypatch):
+    """README: "Token ids and K/V values are copied once, before they are checked". Right after the store's
+    copy, another thread sets the caller's array to NaN: what was checked and stored is the copy. An audit's
+    torch store that skipped the copy (``.to(device, non_blocking=True)``, a no-op on the CPU) stored the NaN
+    and passed every test and conform check."""
+    if store == "torch":
+        pytest.importorskip("torch")
+    cache = make_cache(page_tokens=4, store=store)
+    values, held = kv(6), kv(6).copy()
+    original = getattr(cache.store, door)
+
+    def then_rewritten(*args, **kwargs):
+        made = original(*args, **kwargs)
+        values[:] = np.nan              # the caller's array, after the copy was taken
+        return made
+    monkeypatch.setattr(cache.store, door, then_rewritten)
+    with cache.allocate() as ctx:
+        ctx.extend(range(6), values)
+        assert np.array_equal(np.asarray(ctx.read()[0]), held)
+
+
 # -- 6. masked arrays ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("store", ["numpy", "torch"])
