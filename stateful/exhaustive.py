@@ -166,7 +166,8 @@ class Result:
         return self.violation is None
 
     def summary(self) -> str:
-        how = "complete" if self.complete else "cut at depth/time bound"
+        how = ("stopped at the violation below" if self.violation is not None
+               else "complete" if self.complete else "cut at depth/time bound")
         text = (f"{self.states} states, {self.transitions} transitions, depth {self.depth} "
                 f"({how}), {self.seconds:.1f} s")
         if self.violation is not None:
