@@ -123,8 +123,15 @@ def _conform(args: argparse.Namespace) -> int:
 
 
 def _conform_rerun(args: argparse.Namespace, config: str, check: str) -> str:
-    """The command running one failed check of one configuration alone, as this run ran it."""
-    words = ["kvstate", "conform", args.backend, "--config", config, "--check", check]
+    """The command running one failed check of one configuration alone, as this run ran it; the whole
+    configuration where what failed is no check (``worker``: the process running it died)."""
+    from kvstate.stateful.conform import CHECKS
+
+    words = ["kvstate", "conform", args.backend, "--config", config]
+    if check not in CHECKS:
+        words += [word for name in (args.check or []) for word in ("--check", name)]
+    else:
+        words += ["--check", check]
     if args.profile != "ci":
         words += ["--profile", args.profile]
     for option, value in (("--examples", args.examples), ("--steps", args.steps)):
@@ -132,7 +139,7 @@ def _conform_rerun(args: argparse.Namespace, config: str, check: str) -> str:
             words += [option, str(value)]
     if args.time_limit != CONFORM_TIME_LIMIT:
         words += ["--time-limit", f"{args.time_limit:g}"]
-    return "rerun this check alone: " + shlex.join(words)
+    return ("rerun this check alone: " if check in CHECKS else "rerun this configuration alone: ") + shlex.join(words)
 
 
 def _fuzz(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import threading
 import pytest
 
 MIN_TIME_LIMIT = 0.001      # as ``kvstate conform --time-limit``: 0 or less failed a correct backend as hanging
+TIME_LIMIT = 300.0          # seconds per configuration and check, as ``kvstate conform``'s default
 
 
 def pytest_addoption(parser) -> None:
@@ -26,7 +27,7 @@ def pytest_addoption(parser) -> None:
                          "argument and takes its rootdir and ini file from the backend's folder")
     group.addoption("--kvstate-profile", default="ci", choices=["ci", "nightly", "hunt"],
                     help="Hypothesis settings profile for the lockstep machine (default: ci)")
-    group.addoption("--kvstate-time-limit", type=float, default=300.0, metavar="SECONDS",
+    group.addoption("--kvstate-time-limit", type=float, default=TIME_LIMIT, metavar="SECONDS",
                     help="per configuration and check (default: 300)")
 
 
@@ -71,9 +72,12 @@ class ConformanceItem(pytest.Item):
         belong to no file), but ``-k`` matches the name, its words joined by ``and`` (an expression
         ends a word at a space: ``[fork isolation]``)."""
         words = " and ".join(self.name.split())
+        limit = self.config.getoption("kvstate_time_limit")
         return (f"pytest --kvstate-backend={shlex.quote(self.backend)} -k {shlex.quote(words)}"
                 + ("" if self.config.getoption("kvstate_profile") == "ci"
-                   else f" --kvstate-profile={self.config.getoption('kvstate_profile')}"))
+                   else f" --kvstate-profile={self.config.getoption('kvstate_profile')}")
+                # a TIMEOUT rerun without it waited the default 300 s (an audit: 301 s for a 5 s failure)
+                + ("" if limit == TIME_LIMIT else f" --kvstate-time-limit={limit:g}"))
 
     def repr_failure(self, excinfo, style=None):
         if isinstance(excinfo.value, ConformanceFailure):

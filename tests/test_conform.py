@@ -442,6 +442,8 @@ def test_the_plugin_skips_a_hung_configurations_later_checks_and_names_files_of_
                        "--kvstate-time-limit=1", "-k", "lockstep or seeded or isolation", "-rs")
     assert re.search(r"1 failed.* 2 skipped", done.stdout), done.stdout
     assert "f32-heap / lockstep: TIMEOUT" in done.stdout and "not run: 'lockstep' hung" in done.stdout
+    # its rerun waits as long as this run did (an audit, s72: without the limit it waited 300 s, not 1)
+    assert re.search(r"rerun this item: pytest .* --kvstate-time-limit=1\b", done.stdout), done.stdout
     ids = _plugin_run(tmp_path, "--co", f"--kvstate-backend={tmp_path / 'one' / 'engine.py'}",
                       f"--kvstate-backend={tmp_path / 'two' / 'engine.py'}").stdout.splitlines()
     items = [line for line in ids if "kvstate[" in line]
@@ -647,3 +649,22 @@ def test_every_failure_prints_the_command_rerunning_its_check_alone_and_that_com
         block = out[out.index(f"f32-heap / {check}: FAIL"):]
         block = block[:block.index(rerun) + len(rerun)]
         assert block in again, again
+
+
+def test_a_dead_workers_rerun_runs_its_configuration_not_a_check_named_worker():
+    """From an audit of verdict parity (s72): a configuration whose worker process died is reported under
+    ``worker``, and its rerun line said ``--check worker``, which conform refuses (UnknownCheckError)."""
+    import argparse
+
+    from kvstate.cli import CONFORM_TIME_LIMIT, _conform_rerun
+
+    args = argparse.Namespace(backend="my.py", profile="ci", examples=None, steps=None,
+                              time_limit=CONFORM_TIME_LIMIT, check=["lockstep", "fork isolation"])
+    assert _conform_rerun(args, "q8-heap", "worker") == (
+        "rerun this configuration alone: kvstate conform my.py --config q8-heap --check lockstep "
+        "--check 'fork isolation'")
+    assert _conform_rerun(args, "q8-heap", "seeded") == (
+        "rerun this check alone: kvstate conform my.py --config q8-heap --check seeded")
+    args.check = None
+    argv = shlex.split(_conform_rerun(args, "q8-heap", "worker").split(": ", 1)[1])
+    assert argv == ["kvstate", "conform", "my.py", "--config", "q8-heap"]
