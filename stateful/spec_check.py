@@ -187,11 +187,12 @@ def run_spec_check(args: argparse.Namespace) -> int:
                 return status or 1
             print(f"exhaustive: shortest trace written to {args.replay_out}")
             return status or 1
-        if not result.complete:
-            cut.append(config.name)
+        if not result.complete:     # which bound, and how deep: the last line named neither (an audit)
+            at_depth = scope.max_depth is not None and result.depth >= scope.max_depth
+            cut.append(f"{config.name} at depth {result.depth}, {'--depth' if at_depth else 'the time limit'}")
     if cut:
-        print(f"exhaustive: no violation, but {len(cut)} of {len(scopes)} searches stopped at the depth or time "
-              f"bound before the space was covered ({', '.join(cut)}): a bound, not a proof past it")
+        print(f"exhaustive: no violation, but {len(cut)} of {len(scopes)} searches stopped at a bound before "
+              f"the space was covered ({'; '.join(cut)}): a bound, not a proof past it")
     return status
 
 

@@ -568,4 +568,15 @@ def test_a_time_limit_is_shared_by_every_semantics_searched(capsys, monkeypatch)
     out = capsys.readouterr().out
     assert len(given) == len(SEMANTICS) and all(0.2 < limit <= 0.41 for limit in given), given
     assert "states, 0 transitions" not in out
-    assert f"{len(SEMANTICS)} of {len(SEMANTICS)} searches stopped at the depth or time bound" in out
+    assert f"{len(SEMANTICS)} of {len(SEMANTICS)} searches stopped at a bound" in out
+    # which bound, and where (an audit, s72): --depth 0 is no bound, so here each is the time limit
+    assert out.count(", the time limit") == len(SEMANTICS) and "--depth" not in out.splitlines()[-1], out
+
+
+def test_a_search_cut_by_its_depth_says_so_in_the_last_line(capsys):
+    """From an audit of spec-check (s72): the last line said "the depth or time bound", naming neither."""
+    from kvstate.cli import main
+
+    assert main(["spec-check", "--no-crosshair", "--semantics", "entry", "--depth", "2"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "1 of 1 searches stopped at a bound" in last and "f32-arena3 at depth 2, --depth)" in last, last
