@@ -1,7 +1,8 @@
 """Shrink a failing operation sequence to a handful of steps that still fail the same way.
 
-Delta debugging over operations, then argument simplification, against the
-same ``execute`` that replay uses, so what is saved is exactly what replays.
+Delta debugging over operations, forks replaced by their parents, then argument
+simplification, against the same ``execute`` that replay uses, so what is saved is
+exactly what replays.
 Why not Hypothesis's shrinker: it shrinks choice sequences Hypothesis itself
 drew, and a sweep's runs are drawn from ``random.Random(seed)`` (see
 generate.py for why). Seeding its engine with an outside sequence takes its
@@ -157,6 +158,7 @@ class Shrinker:
             before = list(ops)
             ops = self.restores_as_forks(ops)
             ops = self.remove_chunks(ops)
+            ops = self.forks_as_parents(ops)
             ops = self.simplify_arguments(ops)
             if ops == before:
                 break
@@ -179,6 +181,33 @@ class Shrinker:
             candidate = renumber(ops[:index] + forks + [ops[i] for i in kept if i > index],
                                  handles[:index] + [handles[i] for i in restores]
                                  + [handles[i] for i in kept if i > index])
+            if self.fails(candidate):
+                ops = candidate
+            else:
+                index += 1
+        return ops
+
+    def forks_as_parents(self, ops: list[O.Op]) -> list[O.Op]:
+        """Drop a fork and do what was done to it to the context it was forked from (its closes
+        dropped), keeping each change that still fails. Delta debugging cannot: dropping a fork drops
+        every operation on it, so a chain of forks, each retained or extended once, stayed whole."""
+        index = 0
+        while index < len(ops) and not self.out_of_time:
+            op = ops[index]
+            if op.kind != "fork":
+                index += 1
+                continue
+            handles = created_handles(ops)
+            kept, kept_handles = [], []
+            for i, other in enumerate(ops):
+                if getattr(other, "ctx", None) == handles[index]:
+                    if other.kind == "close":
+                        continue
+                    other = replace(other, ctx=op.ctx)
+                if i != index:
+                    kept.append(other)
+                    kept_handles.append(handles[i])
+            candidate = renumber(kept, kept_handles)
             if self.fails(candidate):
                 ops = candidate
             else:

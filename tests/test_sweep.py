@@ -17,13 +17,14 @@ from kvstate.cli import main
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import ReplayFileError
 from kvstate.spec.layout import Layout
+from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful import ops as O
 from kvstate.stateful import replay as R
 from kvstate.stateful.sweeps import sweep as S
 from kvstate.stateful.configs import config_named
 from kvstate.stateful.generate import generate
 from kvstate.stateful.planted import PLANTED
-from kvstate.stateful.shrink import created_handles, renumber
+from kvstate.stateful.shrink import created_handles, renumber, shrink
 
 BUG = "missing_copy_on_write"
 
@@ -89,6 +90,21 @@ def test_removing_a_creator_removes_its_context_and_renumbers_the_rest():
     assert handles == ["c1", None, "c2", "c3", None, None]
     kept = renumber(ops[2:], handles[2:])     # drop c1's allocate: its extend and close go too
     assert kept == [O.Allocate(), O.Fork("c1"), O.Truncate("c2", 0)]
+
+
+def test_a_chain_of_forks_shrinks_to_the_one_fork_the_bug_needs():
+    # A write through the third context of a fork chain shows the missing copy. Delta debugging alone
+    # cannot drop the middle fork (dropping a fork drops the write done through it) and stopped at 5
+    # operations; doing a fork's operations to its parent instead (``forks_as_parents``) gives 4.
+    config = config_named("f32-heap")
+    ops = [O.Allocate(), O.Extend("c1", (1,), 1), O.Fork("c1"), O.Fork("c2"), O.Overwrite("c3", 0, (2,), 2)]
+    with PLANTED[BUG]():
+        found, _ = R.execute(numpy_factory, config, ops)
+        assert found is not None and found.invariant == 4, found
+        shrunk, failure = shrink(numpy_factory, config, ops, found, 20.0)
+    assert failure.signature == found.signature, failure.headline
+    assert [op.kind for op in shrunk] == ["allocate", "extend", "fork", "overwrite"], shrunk
+    assert shrunk[3].ctx == "c2", shrunk
 
 
 # -- the round trip: plant, sweep, shrink, save, replay, fix ---------------------------
