@@ -192,23 +192,25 @@ def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool
 
 
 def _reshrink(factory: Factory, config: Config, ops: list, stop: Callable[[], bool] = lambda: False,
-              shrinking: Callable[[Shrinker], None] | None = None) -> tuple["Failure | None", list[str], str | None]:
+              shrinking: Callable[[Shrinker], None] | None = None,
+              run: Callable = execute) -> tuple["Failure | None", list[str], str | None]:
     """Delta debugging of a counterexample: the failure, the shrunk run's history, and why shrinking stopped
     short of a minimal sequence (``Shrinker.stopped``: None, ``TRIES`` or ``CLOCK``); ``(None, [], None)`` when
     it does not replay outside Hypothesis. ``stop()`` True ends the shrink between tries;
-    ``shrinking(shrinker)`` is told of the shrink before it starts (``shrinker.best`` is the shortest so far)."""
+    ``shrinking(shrinker)`` is told of the shrink before it starts (``shrinker.best`` is the shortest so far).
+    ``run``: how a sequence is run, ``execute`` unless the check that found the failure has its own."""
     if stop():
         return None, [], None
-    failure, _ = execute(factory, config, ops)
+    failure, _ = run(factory, config, ops)
     if failure is None:
         return None, [], None
-    shrinker = Shrinker(factory, config, failure, SHRINK_BUDGET_S, stop)
+    shrinker = Shrinker(factory, config, failure, SHRINK_BUDGET_S, stop, run=run)
     if shrinking is not None:
         shrinking(shrinker)
     shrinker.shrink(list(ops))
     best = shrinker.best
     if best.history is None and not stop():     # no try failed: run the sequence once more for its history
-        _, lockstep = execute(factory, config, best.ops)
+        _, lockstep = run(factory, config, best.ops)
         return best.failure, lockstep.history[:lockstep.failed_at], shrinker.stopped
     return best.failure, best.history or [], shrinker.stopped
 
@@ -370,14 +372,17 @@ def _shrunk_directed(factory: Factory, run, error: BaseException, stop: Callable
     ``stop`` and ``shrinking`` as ``_reshrink``'s."""
     if not isinstance(error, Exception) or not run.ops or len(run.ops) != len(run.history):
         return None
-    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking)
+    # A check that compares runs (``arena evidence``'s twins) replays a sequence its own way (``error.replay``).
+    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking,
+                                         getattr(error, "replay", execute))
     if replayed is None:
         return None
     # Replayed, the failure is whatever the checks after every step meet first, which may break another
     # promise than the one this check tests: what broke leads, and that promise follows as what was
     # being checked (quoted first, it read as the rule the backend broke).
     promise = getattr(error, "promise", None)
-    head = replayed.headline + (f'\nfound while checking: "{promise}"' if promise else "")
+    quoted = promise is not None and f'"{promise}"' in replayed.headline
+    head = replayed.headline + (f'\nfound while checking: "{promise}"' if promise and not quoted else "")
     return _report(head, run.config, lines, _minimised(stopped), replayed.found_by)
 
 

@@ -166,11 +166,11 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             if watched:
                 lockstep.check()
         except FINDINGS as error:       # a broken backend may raise anything; that is a finding
-            return _failure(step, phase, op, error), lockstep
+            return failure_of(step, phase, op, error), lockstep
     try:
         lockstep.finish()
     except FINDINGS as error:
-        return _failure(step + 1, "finish", None, error), lockstep
+        return failure_of(step + 1, "finish", None, error), lockstep
     return None, lockstep
 
 
@@ -240,7 +240,8 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
     return failure, lockstep
 
 
-def _failure(step: int, phase: str, op: O.Op | None, error: Exception) -> Failure:
+def failure_of(step: int, phase: str, op: O.Op | None, error: BaseException) -> Failure:
+    """How ``error``, met at ``step`` in ``phase`` (running ``op``), broke a run."""
     invariant = error.invariant if isinstance(error, InvariantViolation) else None
     return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error),
                    raised_at(error), getattr(error, "found_by", ""))
@@ -415,7 +416,7 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
         except RunTimeout:
             failure = None
         except _BuildFailed as failed:      # the factory failed to build the cache: a finding, as in a sweep
-            failure = _failure(0, "build", None, failed.__cause__)
+            failure = failure_of(0, "build", None, failed.__cause__)
     if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):
         raise RunTimeout(f"the replay did not finish within {time_limit:g} s (--time-limit)")
     if failure is None:

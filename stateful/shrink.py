@@ -100,8 +100,10 @@ class Shrinker:
     ``shrink``), replaced whole, so another thread may read it while the shrink runs."""
 
     def __init__(self, factory: Factory, config: Config, failure: Failure, budget_s: float = 60.0,
-                 stop: Callable[[], bool] = lambda: False, max_tries: int = DEFAULT_TRIES):
+                 stop: Callable[[], bool] = lambda: False, max_tries: int = DEFAULT_TRIES,
+                 run: Callable[..., tuple[Failure | None, Lockstep]] = execute):
         self.factory = factory
+        self.run = run            # ``execute``, or a check's own way of running a sequence (``Failure`` alike)
         self.config = config
         self.signature = failure.signature
         self.failure = failure
@@ -119,7 +121,7 @@ class Shrinker:
         try:        # a candidate can hang a backend (a loop at truncate 0): each try ends with the budget
             with Deadline(max(self.deadline - time.monotonic(), 0.01)) as deadline:
                 lockstep = Lockstep(self.factory, self.config)
-                failure, _ = execute(self.factory, self.config, ops, lockstep=lockstep)
+                failure, _ = self.run(self.factory, self.config, ops, lockstep=lockstep)
         except ReplayFileError:
             return False
         except RunTimeout:

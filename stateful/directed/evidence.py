@@ -35,10 +35,14 @@ import numpy as np
 from kvstate.spec.invariants import NO_ARENA, tiers
 from kvstate.spec.protocol import Config, Factory
 
+from kvstate.spec.errors import ReplayFileError
+
 from .. import ops as O
 from .common import BrokenPromise, NotApplicable, as_array, as_list, keeping, note, require_tier, start
 from ..generate import Generator
 from ..lockstep import Lockstep
+from ..replay import FINDINGS, Failure, failure_of
+from ..snapshots import remove_files
 
 SIZE = "observe() reports arena_size equal to the configuration's arena_pages"
 ISSUED = "while the arena has a free slot, a new page takes one"
@@ -64,22 +68,68 @@ def arena_evidence(factory: Factory, config: Config) -> None:
     if not config.arena_pages and not _reads_pages_raw(arena):
         # Books of 0 slots: the program below would compare no byte, only repeat the lockstep check.
         raise NotApplicable(f"no arena in this configuration (arena_pages 0); {COMPARED_WHERE}")
-    # The twin keeps the pool's limit (as pool_pages) so its declared semantics stay the same.
-    heap = (Lockstep(factory, config.with_(arena_pages=0, pool_pages=config.pool_limit))
-            if config.arena_pages else None)
+    heap = Lockstep(factory, _heap_twin(config)) if config.arena_pages else None
     twins = _Twins(arena, heap, factory)
-    generator = Generator(PROGRAM_SEED)
-    for _ in range(PROGRAM_STEPS):
-        twins.step(generator.next_op(arena))
-    twins.snapshots()
-    for handle in list(arena.live):
-        twins.step(O.Close(handle))
-    twins.step(O.Clear())                    # an empty cache again: every slot free
-    _slot_reuse(twins, config)
-    twins.snapshots()
+    try:
+        generator = Generator(PROGRAM_SEED)
+        for _ in range(PROGRAM_STEPS):
+            twins.step(generator.next_op(arena))
+        twins.snapshots()
+        for handle in list(arena.live):
+            twins.step(O.Close(handle))
+        twins.step(O.Clear())                    # an empty cache again: every slot free
+        _slot_reuse(twins, config)
+        twins.snapshots()
+    except BrokenPromise as broken:
+        broken.replay = replay_evidence     # what only a comparison shows is shrunk by comparing again
+        raise
     arena.finish()
     if heap is not None:
         heap.finish()
+
+
+def _heap_twin(config: Config) -> Config:
+    """The arena configuration without its arena. The twin keeps the pool's limit (as pool_pages) so its
+    declared semantics stay the same."""
+    return config.with_(arena_pages=0, pool_pages=config.pool_limit)
+
+
+def replay_evidence(factory: Factory, config: Config, ops: list[O.Op], lockstep: Lockstep | None = None
+                    ) -> tuple[Failure | None, Lockstep]:
+    """``replay.execute`` for this check, which the shrinker runs its candidates with: a dirty page
+    that the backend reports clean breaks no invariant of one run, so each candidate is compared as the
+    check compared. With an arena, ``ops`` run in ``config`` and in its heap twin side by side, compared
+    after every step, then their snapshots; without one, each ``extend`` into an empty context is
+    compared with the same ``extend`` in a new cache. Returns the first failure and the run; "the same
+    way" (``Failure.signature``) is the same promise or invariant broken."""
+    run = lockstep or Lockstep(factory, config)
+    run.check_each_apply = True
+    heap = Lockstep(factory, _heap_twin(config)) if config.arena_pages else None
+    twins = _Twins(run, heap, factory, sized=config.arena_pages > 0 or "arena" in tiers(run.engine.observe()))
+    step, phase, op = 0, "apply", None
+    try:
+        for step, op in enumerate(ops, start=1):
+            fault = run.sequence_fault(op)
+            if fault is not None:
+                raise ReplayFileError(f"step {step} {op} {fault}")
+            into_empty = op.kind == "extend" and not run.live[op.ctx][1]
+            twins.step(op)
+            if into_empty:
+                twins.like_fresh(op.ctx, op)
+        step, phase, op = step + 1, "finish", None
+        twins.snapshots()
+        run.finish()
+        if heap is not None:
+            heap.finish()
+    except BrokenPromise as broken:
+        return Failure(step, phase, None if op is None else str(op), type(broken).__name__,
+                       broken.invariant or broken.promise, str(broken)), run
+    except FINDINGS as error:
+        return failure_of(step, phase, op, error), run
+    finally:
+        if heap is not None:
+            remove_files(heap)
+    return None, run
 
 
 def _heap_pages_like_fresh(run: Lockstep, factory: Factory, config: Config) -> None:
@@ -88,7 +138,11 @@ def _heap_pages_like_fresh(run: Lockstep, factory: Factory, config: Config) -> N
     if not _reads_pages_raw(run):
         raise NotApplicable(f"the observation has no 'arena' tier (observe().arena_size is None); {COMPARED_WHERE}")
     twins = _Twins(run, None, factory, sized=False)
-    _slot_reuse(twins, config)
+    try:
+        _slot_reuse(twins, config)
+    except BrokenPromise as broken:
+        broken.replay = replay_evidence
+        raise
     run.finish()
 
 
