@@ -11,7 +11,7 @@ import io
 import os
 import stat
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -48,19 +48,37 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
     limit = cost_limit(cache, max_bytes)       # a bad max_bytes is refused before any file or server is opened
     if producer is not None:
         fmt.check_producer(producer)        # refused by name before any file or server is touched
+    if key is not None:
+        limit = _of_length(len(key), limit)
+    # Every context a try made, handed to no caller until this returns: an error or interrupt after
+    # one was made (closing its file, a remote read's retry) closes it, where it had stayed out for good.
+    made: list["Context"] = []
+    try:
+        restored = _restore(cache, source, limit, producer, key, deadline, made.append)
+        for ctx in made:
+            if ctx is not restored:     # an earlier try's, made before its read failed in closing
+                ctx.close()
+        return restored
+    except BaseException:
+        for ctx in made:
+            if not ctx.closed:
+                ctx.close()
+        raise
+
+
+def _restore(cache: "Cache", source, limit, producer: bytes | None, key: np.ndarray | None, deadline,
+             keep: "Callable[[Context], None]") -> "Context":
+    """``restore_snapshot``'s work; ``keep(ctx)`` is told of each context made."""
     if remote_io.is_remote(source):     # an fsspec URL: streamed into this same reader, with retries
-        return remote_io.read(source, lambda file: restore_snapshot(cache, file, max_bytes, producer=producer,
-                                                                    key=key),
+        return remote_io.read(source, lambda file: _restore(cache, file, limit, producer, key, None, keep),
                               deadline=deadline)
     source = remote_io.local_path(source, SnapshotReadError)
     try:
-        if key is not None:
-            limit = _of_length(len(key), limit)
         if hasattr(source, "read"):
-            return _restore_from(cache, source, remaining(source), limit, producer, key)
+            return _restore_from(cache, source, remaining(source), limit, producer, key, keep)
         file, size = open_regular(source)
         with file:
-            return _restore_from(cache, file, size, limit, producer, key)
+            return _restore_from(cache, file, size, limit, producer, key, keep)
     except (OSError, ValueError, TypeError) as error:
         if isinstance(error, KVStateError):     # a named refusal (a snapshot's, or a precision's range)
             raise
@@ -69,15 +87,15 @@ def restore_snapshot(cache: "Cache", source, max_bytes: int | None = None, deadl
 
 
 def _restore_from(cache: "Cache", file, size: int | None, limit, producer: bytes | None,
-                  key: np.ndarray | None) -> "Context":
+                  key: np.ndarray | None, keep: "Callable[[Context], None]") -> "Context":
     if size is not None and _local_file(file) and hasattr(cache.store, "prepare"):
         header = read_header(file, cache.layout, size, limit, producer)
         if header.precision == cache.precision:
-            return _stream_restore(cache, header, file, partial(_check_key, key))
+            return _stream_restore(cache, header, file, keep, partial(_check_key, key))
         header, body, crc = read_body(file, header, size)
     else:
         header, body, crc = read_snapshot(file, cache.layout, size, limit, producer)
-    return _adopt_body(cache, header, body, crc, key)
+    return _adopt_body(cache, header, body, crc, keep, key)
 
 
 def _of_length(n: int, limit):
@@ -109,7 +127,7 @@ def _local_file(file) -> bool:
 
 
 def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum",
-                key: np.ndarray | None = None) -> "Context":
+                keep: "Callable[[Context], None]", key: np.ndarray | None = None) -> "Context":
     """A body read whole (streams of unknown size, other stores, other precisions): checked, then adopted."""
     arrays = checked_sections(header, body, crc)      # nothing is allocated until it passes
     _check_key(key, arrays["tokens"])
@@ -123,14 +141,15 @@ def _adopt_body(cache: "Cache", header: fmt.Header, body, crc: "BodyChecksum",
         except PrecisionRangeError as error:
             raise SnapshotPrecisionError(f"the snapshot's {header.precision} values do not fit this "
                                          f"{cache.precision} cache: {error}") from None
-    return _adopt(cache, arrays["tokens"], encoded, header.positions)
+    return _adopt(cache, arrays["tokens"], encoded, header.positions, keep)
 
 
-def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
-    """Pages for ``n`` validated positions, written, as a new context. Nothing can be refused here
-    (running out of memory while allocating leaves no page behind: ``PagePool.new_pages``); an
-    interrupt while the values are copied closes the context, which no caller holds yet, as does
-    one landing as the context is made (the ``try`` holds the making too)."""
+def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int, keep: "Callable[[Context], None]") -> "Context":
+    """Pages for ``n`` validated positions, written, as a new context, handed to ``keep`` once whole.
+    Nothing can be refused here (running out of memory while allocating leaves no page behind:
+    ``PagePool.new_pages``); an interrupt while the values are copied closes the context, which no
+    caller holds yet, as does one landing as the context is made (the ``try`` holds the making too)
+    or before ``keep`` has it (the ``try`` holds the return too)."""
     ctx = None
     try:
         with cache.lock:
@@ -139,8 +158,9 @@ def _adopt(cache: "Cache", tokens: np.ndarray, encoded, n: int) -> "Context":
             ctx._write(0, n, tokens, encoded)
         with cache.lock:
             ctx._holding = ctx._holding.with_length(n)
+        keep(ctx)
+        return ctx
     except BaseException:
-        if ctx is not None:
+        if ctx is not None and not ctx.closed:
             ctx.close()
         raise
-    return ctx

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from .context import Context
 
 
-def _stream_restore(cache: "Cache", header: fmt.Header, file, check_tokens=None) -> "Context":
+def _stream_restore(cache: "Cache", header: fmt.Header, file, keep: "Callable[[Context], None]",
+                    check_tokens=None) -> "Context":
     """Restore a file of the cache's own precision at about the speed of reading it.
 
     Pipelined (``pipelined``: a large body, or ``IO_THREADS = 2``), a reader thread reads the
@@ -64,10 +65,11 @@ def _stream_restore(cache: "Cache", header: fmt.Header, file, check_tokens=None)
         raise content_error
     if check_tokens is not None:
         check_tokens(tokens)
-    return _adopt_prepared(cache, tokens, prepared, n)
+    return _adopt_prepared(cache, tokens, prepared, n, keep)
 
 
-def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) -> "Context":
+def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int,
+                    keep: "Callable[[Context], None]") -> "Context":
     """Pages made of ``prepared``'s filled arrays (``store.adopting``) for ``n`` validated positions,
     as a new context, in one critical section: the full-pool policy is consulted first, as for any
     allocation, and nothing else can be refused. The context holds the pages from the moment they
@@ -84,11 +86,12 @@ def _adopt_prepared(cache: "Cache", tokens: np.ndarray, prepared: list, n: int) 
                 page.tokens[lo:hi] = tokens[index * page_tokens:index * page_tokens + hi - lo]
                 page.filled = hi
             ctx._holding = ctx._holding.with_length(n)
+            keep(ctx)           # whole: from here the caller's ``restore_snapshot`` closes it on an error
+            return ctx
         except BaseException:
-            if ctx is not None:
+            if ctx is not None and not ctx.closed:
                 ctx.close()
             raise
-    return ctx
 
 
 class _PieceReader:

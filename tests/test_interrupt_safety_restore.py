@@ -1,8 +1,10 @@
-"""A restore interrupted as its context is made leaves no page behind.
+"""A restore interrupted as its context is made, or at any line after, leaves no page behind.
 
 Both restore paths made the new context, holding every page, one statement before the ``try``
 that closes it on error: an interrupt there (Ctrl-C, a run's deadline, which CPython delivers at a
-line of Python code) left a context no caller holds, and its pages, live for good (a review).
+line of Python code) left a context no caller holds, and its pages, live for good (a review). So
+did one landing later, as a path's file closed, and a remote read retried after its context was
+made (an audit, s73): every context a restore makes is now closed unless it is the one returned.
 """
 
 from __future__ import annotations
@@ -57,3 +59,85 @@ def test_a_restore_interrupted_as_its_context_is_made_leaves_no_page(tmp_path, a
     assert seen.holders == {} and not seen.pages and seen.pages_allocated == seen.pages_freed == 3
     with cache.restore(tmp_path / "s.kvs") as back:        # and the cache restores as before
         assert back.tokens == list(range(11))
+
+
+def _interrupt_at_line(number: int, impl_files: tuple[str, ...], seen: list):
+    """A trace that counts the lines kvstate's restore runs once its context is made (in ``seen``), and
+    raises KeyboardInterrupt at line ``number`` of them (never, for -1)."""
+    made = []
+
+    def trace(frame, event, arg):
+        if frame.f_code is Cache._new_pages_context.__code__:
+            return lambda frame, event, arg: made.append(True) if event == "return" else None
+        if not frame.f_code.co_filename.startswith(impl_files):
+            return None
+
+        def line(frame, event, arg):
+            if event == "line" and made:
+                seen.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                if len(seen) - 1 == number:
+                    sys.settrace(None)
+                    raise KeyboardInterrupt
+            return line
+        return line
+    return trace
+
+
+@pytest.mark.parametrize("source", ["stream", "path"])
+def test_a_restore_interrupted_at_any_line_after_its_context_is_made_leaves_no_page(tmp_path, source):
+    # An audit (s73) interrupted a path's restore as ``with file:`` closed the file, after the context
+    # had joined the cache: the caller got KeyboardInterrupt and no handle, and the pages stayed out.
+    import kvstate.impl
+
+    impl_files = (kvstate.impl.__path__[0],)
+    written = Cache(LAYOUT, page_tokens=4)
+    with written.allocate() as ctx:
+        ctx.extend(np.arange(11), np.ones((11, *LAYOUT.position_shape), np.float32))
+        ctx.snapshot(tmp_path / "s.kvs")
+
+    def where():
+        return tmp_path / "s.kvs" if source == "path" else io.BytesIO((tmp_path / "s.kvs").read_bytes())
+    def restore(cache: Cache, trace):
+        sys.settrace(trace)
+        try:
+            return cache.restore(where())
+        finally:
+            sys.settrace(None)
+    lines: list = []
+    restore(Cache(LAYOUT, page_tokens=4), _interrupt_at_line(-1, impl_files, lines)).close()
+    assert len(lines) >= 3, lines
+    for number, at in enumerate(lines):
+        cache = Cache(LAYOUT, page_tokens=4)
+        with pytest.raises(KeyboardInterrupt):
+            restore(cache, _interrupt_at_line(number, impl_files, []))
+        seen = cache.observe()
+        assert seen.holders == {} and not seen.pages, f"interrupted at {at}: {seen.holders}"
+
+
+def test_a_remote_restore_whose_first_read_fails_in_closing_leaves_only_the_second_context(monkeypatch):
+    # A read retried after its parse had made a context (the failure came as the stream closed) made
+    # a second one: the first, which no caller held, kept its pages for good (an audit, s73).
+    from contextlib import contextmanager
+
+    from kvstate.impl import remote_io
+
+    written = Cache(LAYOUT, page_tokens=4)
+    with written.allocate() as ctx:
+        ctx.extend(np.arange(11), np.ones((11, *LAYOUT.position_shape), np.float32))
+        ctx.snapshot("memory://kvstate-s73/closing.kvs")
+    opened, failed = remote_io.open_read, []
+
+    @contextmanager
+    def failing_once_at_close(*args, **kwargs):
+        with opened(*args, **kwargs) as file:
+            yield file
+        if not failed:
+            failed.append(True)
+            raise ConnectionResetError("the connection closed as the stream did")
+    monkeypatch.setattr(remote_io, "open_read", failing_once_at_close)
+    cache = Cache(LAYOUT, page_tokens=4)
+    with cache.restore("memory://kvstate-s73/closing.kvs") as back:
+        assert failed and back.tokens == list(range(11))
+        assert list(cache.observe().holders) == [f"ctx:{back.context_id}"]
+    seen = cache.observe()
+    assert seen.holders == {} and not seen.pages
