@@ -37,10 +37,11 @@ def _field_names(cls: type) -> tuple[str, ...]:
 
 
 def _shown(value) -> str:
-    """An argument as a counterexample prints it: a long token run as its first ids and its length
-    (the replay file keeps every id)."""
+    """An argument as a counterexample prints it: a long token run as its first and last ids and its
+    length (the replay file keeps every id). The last too: a query one token apart from a key at its
+    end read the same as the key's (an audit, s73)."""
     if isinstance(value, tuple) and len(value) > 24:
-        return f"({', '.join(map(str, value[:8]))}, ... {len(value)} tokens)"
+        return f"({', '.join(map(str, value[:8]))}, ... {', '.join(map(str, value[-5:]))}; {len(value)} tokens)"
     return repr(value)
 
 

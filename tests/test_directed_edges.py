@@ -709,3 +709,30 @@ def test_prefix_edges_catch_a_block_moved_to_the_chain_of_a_later_key(monkeypatc
     monkeypatch.setattr(block_pool.BlockPoolCache, "retain", retain)
     failure = fails("prefix edges", block_pool.factory, block_pool.CONFIGS[0])
     assert "copied, not moved" in failure.promise and "engine matched 4 tokens, reference 8" in failure.saw, failure
+
+
+def _block_pool_hashing_without_the_last_token(monkeypatch):
+    from foreign import block_pool
+
+    monkeypatch.setattr(block_pool, "block_hash", lambda parent, block: hash((parent, block[:-1])))
+    return block_pool.factory
+
+
+def _engine_rounding_a_block_up(monkeypatch):
+    from kvstate.impl import matching
+
+    rule = matching.hit_length
+    monkeypatch.setattr(matching, "hit_length",
+                        lambda match, block, common: rule(match, block, common + 1 if match == "block" else common))
+    return numpy_factory
+
+
+@pytest.mark.parametrize("plant", [_block_pool_hashing_without_the_last_token, _engine_rounding_a_block_up])
+def test_prefix_edges_catch_a_query_one_token_apart_at_a_blocks_end(monkeypatch, plant):
+    # Two audits (s73) planted these in vLLM's hash and SGLang's page alignment: random runs at block
+    # size 16 never drew a query that agrees with a key up to a block's last token, and conform passed.
+    factory = plant(monkeypatch)
+    config = config_named("f32-heap").with_(page_tokens=16, match="block", block_tokens=16, max_entries=8)
+    with pytest.raises(BrokenPromise, match="one token apart") as caught:
+        DIRECTED["prefix edges"](factory, config)
+    assert caught.value.invariant == 5, caught.value
