@@ -148,6 +148,27 @@ def test_evicting_only_entries_that_free_a_page_alone_breaks_the_row(monkeypatch
         row.check(numpy_factory, config_named("token-f32-arena6-evict"), row.text)
 
 
+def test_a_wrong_newest_entry_after_eviction_for_room_breaks_the_row(monkeypatch):
+    """An audit's mutant (s73) passed the whole suite: after an eviction for room took the newest
+    entry below a node (the older ones held), the node re-elected the oldest as its newest, so a hit
+    there came from the oldest entry sharing it. The row's keys that differ only in their last token
+    reject it."""
+    from kvstate.impl import radix
+
+    def re_elect_the_oldest(tree, node, victim):
+        while node is not None and node.newest is victim:
+            best = node if node.value is not None else None
+            for child in node.children.values():
+                if child.newest is not None and (best is None or child.newest.tick < best.tick):
+                    best = child.newest
+            node.newest = best
+            node = node.parent
+    monkeypatch.setattr(radix.RadixTree, "_forget_newest", re_elect_the_oldest)
+    row = _row("eviction for room")
+    with pytest.raises(AssertionError, match="invariant 5"):
+        row.check(numpy_factory, config_named("token-f32-arena6-evict"), row.text)
+
+
 def test_len_of_a_closed_context_is_a_freedom():
     """A backend whose len() of a closed context raises passes the closed-contexts row and lockstep."""
     listcache = load_factory(str(ROOT / "examples" / "listcache.py"))

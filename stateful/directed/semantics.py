@@ -531,7 +531,46 @@ def _evicts_for_the_copy_of_a_shared_page(factory: Factory, config: Config, prom
 def _room_by_eviction(factory: Factory, config: Config, promise: str) -> None:
     _rescan(factory, config, promise)
     _evicts_the_oldest_that_frees(factory, config, promise)
+    _newest_left_after_room_is_made(factory, config, promise)
     _evicts_for_the_copy_of_a_shared_page(factory, config, promise)
+
+
+def _newest_left_after_room_is_made(factory: Factory, config: Config, promise: str) -> None:
+    """Entries A, B, C whose keys differ only in their last token, under ``token`` matching, A's and B's
+    contexts open: an extend short of one entry's pages evicts C, the newest, and a query sharing all
+    but the last token then takes its hit from B, the newest entry left, not from A. Eviction by the
+    tree's bounds takes the oldest entry, never newer than another; only a pool passing over held
+    entries evicts one that is, and an engine re-electing the newest entry below a node wrongly after
+    that (an audit's mutant, s73: ``<`` for ``>`` in ``RadixTree._forget_newest``) gave A's values and
+    passed every check."""
+    if config.match != "token" or not evicts_for_room(config.on_full) or config.max_entries < 3:
+        return
+    page = config.page_tokens
+    length = max(page, 2)
+    pages = -(-length // page)
+    if config.pool_limit < 3 * pages + 1:
+        return
+    shared = tuple(70 + i % 3 for i in range(length - 1))
+    run = start(factory, config)
+    with keeping(promise, run):
+        held = []
+        for k in range(3):
+            handle = run.apply(O.Allocate())
+            run.apply(O.Extend(handle, shared + (80 + k,), seed=46 + k))
+            run.apply(O.Retain(handle))
+            if k < 2:
+                held.append(handle)                 # A's and B's pages stay held: the pool passes them over
+            else:
+                run.apply(O.Close(handle))
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple(90 + i % 3 for i in range((config.pool_limit - 3 * pages + 1) * page)),
+                           seed=49))
+        run.check()
+        run.apply(O.Close(run.apply(O.Match(shared + (99,)))))
+        run.check()
+        for handle in held:
+            run.apply(O.Close(handle))
+        run.finish()
 
 
 def _prefix_values(factory: Factory, config: Config, promise: str) -> None:
