@@ -106,6 +106,7 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
         run.finish()
     if config.pool_limit:
         _short_even_after_evicting(factory, config, promise)
+        _held_entry_kept_when_full(factory, config, promise)
         _full_while_a_hit_holds_a_cached_page(factory, config, promise)
         _overwrite_copies_in_a_full_pool(factory, config, promise)
     if config.on_full == "reclaim":
@@ -135,6 +136,32 @@ def _short_even_after_evicting(factory: Factory, config: Config, promise: str) -
         filler = _after_an_entry_of_one_page(run, page, limit, seed=41)     # the pool, to the last page
         run.apply(O.Extend(filler, tuple([2] * (2 * page)), seed=43))
         run.apply(O.Match(tuple([1] * page)))      # the entry, if the pool's rule kept it
+        run.finish()
+
+
+def _held_entry_kept_when_full(factory: Factory, config: Config, promise: str) -> None:
+    """Entry A, whose context stays open, then entry B, a page each; a context takes the rest of the
+    pool and asks for one page more. Whatever the pool declares, A's page is no entry's to give up:
+    an engine may take B's (the newer), never A's, though A is the least recently used. SGLang's tree
+    with its lock test left out of choosing leaves (an audit's plant in its own code, s73) evicted the
+    older, locked leaf and wrote the new page over A's values; only a rare lockstep run caught it."""
+    page, limit = config.page_tokens, config.pool_limit
+    if limit < 3:
+        return
+    run = start(factory, config)
+    with keeping(promise, run):
+        held = run.apply(O.Allocate())
+        run.apply(O.Extend(held, tuple([4] * page), seed=50))
+        run.apply(O.Retain(held))
+        newer = run.apply(O.Allocate())
+        run.apply(O.Extend(newer, tuple([5] * page), seed=51))
+        run.apply(O.Retain(newer))
+        run.apply(O.Close(newer))
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple([6] * (page * (limit - 2))), seed=52))
+        run.apply(O.Extend(filler, tuple([6] * page), seed=53))     # one page past the pool
+        run.check()
+        run.apply(O.Close(held))
         run.finish()
 
 

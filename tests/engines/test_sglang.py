@@ -207,3 +207,20 @@ def test_a_retain_after_pressure_may_take_another_entrys_page_of_the_same_prefix
                                 [op_from_json({"seed": 0, **op} if op["op"] in ("extend", "overwrite") else op) for op in ops])
     assert failure is None, str(failure)        # was: "the reference had room: 22 pages ... of the pool's 24"
     assert "refused" in next(h for h in reversed(lockstep.history) if h.startswith("extend(ctx='c8'"))  # both sides
+
+
+def test_sglang_choosing_locked_leaves_to_evict_is_rejected_by_the_full_pool_row(monkeypatch):
+    # An audit (s73) left ``lock_ref`` out of SGLang's own ``_update_leaf_status``: an older leaf a request
+    # holds was evicted for room and the new page written over its values. ``ci`` passed it at block
+    # size 16 (at page 1 only ``seeded`` caught it); the "full pool" row's held entry rejects it.
+    tree = sglang_loader.load_radix_cache().RadixCache
+    keep_status = tree._update_leaf_status
+
+    def any_leaf_evictable(self, node):
+        if node.evicted or node is self.root_node or any(not c.evicted for c in node.children.values()):
+            return keep_status(self, node)
+        self.evictable_leaves.add(node)
+    monkeypatch.setattr(tree, "_update_leaf_status", any_leaf_evictable)
+    [result] = conform(sglang.factory, configs=[_config("block16-f32-pool12-reclaim-prefixkv")],
+                       checks=["pinned semantics"])
+    assert not result.passed and "invariant 4" in result.failure and "runs out" in result.failure, result.failure
