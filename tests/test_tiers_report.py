@@ -47,6 +47,33 @@ def test_a_tier_some_configurations_lack_says_in_how_many(capsys):
     assert _printed_tiers(capsys, ["kvstate.impl.numpy", "--config", "q8-arena6"]) == ["pages", "arena", "tree", "shape"]
 
 
+def test_a_black_box_that_counts_its_pages_is_said_to(capsys):
+    """Two audits (s73) read "observation tiers: none" above a failure of invariant 6's counts, which
+    a black box reporting ``pages_allocated`` and ``pages_freed`` is held to."""
+    import dataclasses
+
+    from kvstate.spec.observation import black_box
+
+    class Counting:
+        def __init__(self, config):
+            self.cache = numpy_factory(config)
+
+        def __getattr__(self, name):
+            return getattr(self.cache, name)
+
+        def observe(self):
+            obs = self.cache.observe()
+            return dataclasses.replace(black_box(), pages_allocated=obs.pages_allocated, pages_freed=obs.pages_freed)
+
+    class Silent(Counting):
+        def observe(self):
+            return black_box()
+
+    configs = [config_named("f32-heap")]
+    assert observed_tiers(Counting, configs) == ["page counts (invariant 6)"]
+    assert observed_tiers(Silent, configs) == []
+
+
 def test_a_configuration_whose_cache_cannot_be_built_is_left_out_of_the_list():
     """The checks report that configuration's failure; the header must not crash before them."""
     def factory(config):
