@@ -686,9 +686,15 @@ class Lockstep:
             try:
                 engine_hit, engine_matched = self.engine.match(list(key))
             except Exception as error:      # the suite's call, not the step's: said so beside "failing call"
+                # A hit takes no page (it shares its entry's), so no full pool refuses one: where one does,
+                # the engine copies on a hit, which a refusing pool cannot afford (README: "cached pages").
+                room = (": a hit shares its entry's pages and allocates none, so no full pool refuses it"
+                        if isinstance(error, CapacityError) else "")
                 with suppress(AttributeError):      # an exception type without a __dict__ goes unannotated
                     error.suite_probe = (f"raised by the suite's own match of entry {list(key)}, probing the "
-                                         f"entries after the failing call")
+                                         f"entries after the failing call{room}")
+                    # what a replayed (shrunk) report names beside its failing call (``replay.failure_of``)
+                    error.raised_by_probe = f"the suite's match of entry {_shown(key)} after it, which raised it{room}"
                 raise
             ref_hit, ref_matched = self.reference.match(list(key))
             where = f"probing entry {list(key)} through match (an entry, its recency or its content differ)"

@@ -241,10 +241,12 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
 
 
 def failure_of(step: int, phase: str, op: O.Op | None, error: BaseException) -> Failure:
-    """How ``error``, met at ``step`` in ``phase`` (running ``op``), broke a run."""
+    """How ``error``, met at ``step`` in ``phase`` (running ``op``), broke a run. Where the suite's own
+    probe after the step raised it, that is said (``found_by``): a shrunk report kept only the failing call."""
     invariant = error.invariant if isinstance(error, InvariantViolation) else None
+    found_by = getattr(error, "found_by", "") or getattr(error, "raised_by_probe", "")
     return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error),
-                   raised_at(error), getattr(error, "found_by", ""))
+                   raised_at(error), found_by)
 
 
 # -- the file format ---------------------------------------------------------------------
