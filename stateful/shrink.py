@@ -1,8 +1,8 @@
 """Shrink a failing operation sequence to a handful of steps that still fail the same way.
 
-Delta debugging over operations, forks replaced by their parents, then argument
-simplification, against the same ``execute`` that replay uses, so what is saved is
-exactly what replays.
+Delta debugging over operations, contexts merged into earlier ones and extends
+joined, then argument simplification, against the same ``execute`` that replay uses,
+so what is saved is exactly what replays.
 Why not Hypothesis's shrinker: it shrinks choice sequences Hypothesis itself
 drew, and a sweep's runs are drawn from ``random.Random(seed)`` (see
 generate.py for why). Seeding its engine with an outside sequence takes its
@@ -160,7 +160,8 @@ class Shrinker:
             before = list(ops)
             ops = self.restores_as_forks(ops)
             ops = self.remove_chunks(ops)
-            ops = self.forks_as_parents(ops)
+            ops = self.contexts_merged(ops)
+            ops = self.extends_joined(ops)
             ops = self.simplify_arguments(ops)
             if ops == before:
                 break
@@ -189,27 +190,48 @@ class Shrinker:
                 index += 1
         return ops
 
-    def forks_as_parents(self, ops: list[O.Op]) -> list[O.Op]:
-        """Drop a fork and do what was done to it to the context it was forked from (its closes
-        dropped), keeping each change that still fails. Delta debugging cannot: dropping a fork drops
-        every operation on it, so a chain of forks, each retained or extended once, stayed whole."""
+    def contexts_merged(self, ops: list[O.Op]) -> list[O.Op]:
+        """Drop a context made by ``allocate``, ``fork`` or ``match`` and do what was done to it to one
+        made before it (its closes dropped), keeping each change that still fails: a fork's parent
+        first, then the others, nearest first; where a new context stood in, it is cut to 0 before its
+        first operation, as the context it replaces was empty. Delta debugging cannot: dropping a context drops every
+        operation on it, so a chain of forks, each retained or extended once, stayed whole, as did
+        three contexts where one, cut and refilled, shows the bug (audits, s72 and s73)."""
         index = 0
         while index < len(ops) and not self.out_of_time:
             op = ops[index]
-            if op.kind != "fork":
+            if op.kind not in ("allocate", "fork", "match"):
                 index += 1
                 continue
             handles = created_handles(ops)
-            kept, kept_handles = [], []
-            for i, other in enumerate(ops):
-                if getattr(other, "ctx", None) == handles[index]:
-                    if other.kind == "close":
-                        continue
-                    other = replace(other, ctx=op.ctx)
-                if i != index:
-                    kept.append(other)
-                    kept_handles.append(handles[i])
-            candidate = renumber(kept, kept_handles)
+            earlier = [h for h in reversed(handles[:index]) if h is not None]
+            if op.kind == "fork":
+                earlier.remove(op.ctx)
+                earlier.insert(0, op.ctx)
+            for into in earlier:
+                if self.out_of_time:
+                    return ops
+                candidate = _merged(ops, handles, index, into, empty=op.kind == "allocate")
+                if self.fails(candidate):
+                    ops = candidate
+                    break
+            else:
+                index += 1
+        return ops
+
+    def extends_joined(self, ops: list[O.Op]) -> list[O.Op]:
+        """Join an ``extend`` with the next operation on its context where that is an ``extend`` too
+        (one write of both runs of tokens, the first's seed), keeping each change that still fails."""
+        index = 0
+        while index < len(ops) and not self.out_of_time:
+            op = ops[index]
+            after = next((j for j in range(index + 1, len(ops)) if getattr(ops[j], "ctx", None) == op.ctx), None) \
+                if op.kind == "extend" else None
+            if after is None or ops[after].kind != "extend":
+                index += 1
+                continue
+            joined = replace(op, tokens=op.tokens + ops[after].tokens)
+            candidate = ops[:index] + [joined] + ops[index + 1:after] + ops[after + 1:]
             if self.fails(candidate):
                 ops = candidate
             else:
@@ -250,6 +272,29 @@ class Shrinker:
             else:
                 index += 1
         return ops
+
+
+def _merged(ops: list[O.Op], handles: list[str | None], index: int, into: str, empty: bool) -> list[O.Op]:
+    """``ops`` without the context ``ops[index]`` makes: every later operation on it done to ``into``
+    instead, its closes dropped; where ``empty``, ``into`` cut to 0 right before the first of them (the
+    dropped context was empty until then, and ``into`` kept its own positions for what came between)."""
+    gone = handles[index]
+    kept: list[O.Op] = []
+    kept_handles: list[str | None] = []
+    for i, other in enumerate(ops):
+        if i == index:
+            continue
+        if getattr(other, "ctx", None) == gone:
+            if other.kind == "close":
+                continue
+            if empty:
+                kept.append(O.Truncate(into, 0))
+                kept_handles.append(None)
+                empty = False
+            other = replace(other, ctx=into)
+        kept.append(other)
+        kept_handles.append(handles[i])
+    return renumber(kept, kept_handles)
 
 
 def _simpler(op: O.Op) -> Iterator[O.Op]:

@@ -107,6 +107,22 @@ def test_a_chain_of_forks_shrinks_to_the_one_fork_the_bug_needs():
     assert shrunk[3].ctx == "c2", shrunk
 
 
+def test_a_hit_written_and_cut_shrinks_to_one_context_written_once():
+    # An audit (s73): the lockstep printed 6 operations (a retain, its hit extended, then cut) for a
+    # truncate that keeps one page too few; one context, one extend and the cut show it.
+    from foreign.bugs import BUGS
+
+    config = config_named("f32-heap").with_(page_tokens=7)
+    ops = [O.Allocate(), O.Extend("c1", (1, 1, 2), 0), O.Retain("c1"), O.Match((1, 1, 2)),
+           O.Extend("c2", (0,) * 5, 0), O.Truncate("c2", 8)]
+    factory = BUGS["truncate_off_by_one"]
+    found, _ = R.execute(factory, config, ops)
+    assert found is not None and found.invariant == 2, found
+    shrunk, failure = shrink(factory, config, ops, found, 20.0)
+    assert failure.signature == found.signature, failure.headline
+    assert [op.kind for op in shrunk] == ["allocate", "extend", "truncate"], shrunk
+
+
 # -- the round trip: plant, sweep, shrink, save, replay, fix ---------------------------
 
 @pytest.fixture(scope="module")
