@@ -188,7 +188,7 @@ def _frozen(part: Any) -> np.ndarray:
 def boundaries(factory: Factory, config: Config) -> None:
     """Zero-length writes change nothing; bounds at each edge agree with the reference; wide token ids
     read back exactly."""
-    _wide_token_ids(Lockstep(factory, config))      # first, on runs of their own: a failure's sequence is short
+    _wide_token_ids(start(factory, config))         # first, on runs of their own: a failure's sequence is short
     _tokens_follow_writes(start(factory, config))
     run, n = filled(factory, config)
     page = config.page_tokens
