@@ -152,7 +152,8 @@ class Lockstep:
             raise self._violation(5, f"{op}: engine matched {engine_result[1]} tokens, reference {ref_result[1]} "
                                      f"({self._hit_rule(engine_result[1], tuple(op.tokens))})"
                                      f"{_not_the_querys(engine_result[0], tuple(op.tokens))}{budget}"
-                                     f"{self._reclaimed_note(engine_result[1], ref_result[1], tuple(op.tokens))}")
+                                     f"{self._reclaimed_note(engine_result[1], ref_result[1], tuple(op.tokens))}"
+                                     f"{self._prefix_eviction_note()}")
         if op.kind == "close":
             del self.live[op.ctx]
             self._holder_of.pop(op.ctx, None)
@@ -214,12 +215,13 @@ class Lockstep:
     def _refusal_hint(self, engine_error, ref_error) -> str:
         """What a difference on room may come from, whichever side refused: "" for other differences."""
         if isinstance(engine_error, CapacityError) and ref_error is None:
-            return self._room_hint()
+            return self._room_hint() + self._prefix_eviction_note()
         if engine_error is None and isinstance(ref_error, CapacityError):
             return ("; the engine had room the reference did not. An engine accepting here counts fewer pages "
                     "live than it holds: a page freed while a holder still lists it (a fork or hit that took no "
                     "reference on its pages, a close or truncate that let a shared page go), or an operation's "
-                    "need counted lower than spec/semantics.py does (a copy of a shared page it writes forgotten)")
+                    "need counted lower than spec/semantics.py does (a copy of a shared page it writes forgotten)"
+                    + self._prefix_eviction_note())
         return ""
 
     def _room_hint(self) -> str:
@@ -663,7 +665,7 @@ class Lockstep:
         that says so: an evicting pool under ``values="prefix"`` or ``match="block"``, whose evictions the
         reference follows only through the tree tier (``_kept_by_the_engine``; README, Full pools under
         values="prefix")."""
-        if not self._evictions_may_differ():
+        if not self._evictions_may_differ() or self._engine_shows_entries():
             return ""
         who = " or".join(([" a backend whose retain shares the tree's pages (values='prefix')"]
                           if self.config.values == "prefix" else []) +
@@ -672,6 +674,14 @@ class Lockstep:
         return (f". Here{who} may evict less than the reference counts, or other entries; the "
                 "reference follows its evictions only through the tree tier (observe().entries): "
                 "without it this can be a false rejection (README: Full pools under values='prefix')")
+
+    def _engine_shows_entries(self) -> bool:
+        """Whether the engine has the tree tier (``observe().entries``), through which the reference follows
+        its evictions; False where observing fails (the failure being reported is the finding)."""
+        try:
+            return self.engine.observe().entries is not None
+        except Exception:       # noqa: BLE001 - a note's condition, not a check
+            return False
 
     def _probe_entries(self, order: list | None = None) -> None:
         """Without the tree tier, entries are seen through ``match``: the key of each entry the

@@ -169,6 +169,24 @@ def test_a_wrong_newest_entry_after_eviction_for_room_breaks_the_row(monkeypatch
         row.check(numpy_factory, config_named("token-f32-arena6-evict"), row.text)
 
 
+def test_an_overwrite_refused_after_writing_its_first_positions_breaks_the_full_pool_row(monkeypatch):
+    """An audit's engine (s73) took its pages one at a time and, refused, rolled back its pages and tokens
+    but not the values already written into a page of its own: ``ci`` passed it. Here the engine writes
+    an overwrite position by position, so a refusal at the second leaves the first written."""
+    from kvstate.impl import context as context_module
+
+    whole = context_module.Context.overwrite
+
+    def position_by_position(ctx, start, tokens, kv):
+        tokens, kv = list(tokens), np.asarray(kv)
+        for i, token in enumerate(tokens):
+            whole(ctx, start + i, [token], kv[i:i + 1])
+    monkeypatch.setattr(context_module.Context, "overwrite", position_by_position)
+    row = _row("full pool")
+    with pytest.raises(AssertionError, match="invariant 4"):
+        row.check(numpy_factory, config_named("block4-f32-pool12-refuse"), row.text)
+
+
 def test_len_of_a_closed_context_is_a_freedom():
     """A backend whose len() of a closed context raises passes the closed-contexts row and lockstep."""
     listcache = load_factory(str(ROOT / "examples" / "listcache.py"))

@@ -109,6 +109,7 @@ def _full_pool(factory: Factory, config: Config, promise: str) -> None:
         _held_entry_kept_when_full(factory, config, promise)
         _full_while_a_hit_holds_a_cached_page(factory, config, promise)
         _overwrite_copies_in_a_full_pool(factory, config, promise)
+        _refused_overwrite_writes_nothing(factory, config, promise)
     if config.on_full == "reclaim":
         _recycled_without_pressure(factory, config, promise)
 
@@ -204,6 +205,28 @@ def _overwrite_copies_in_a_full_pool(factory: Factory, config: Config, promise: 
         run.apply(O.Extend(filler, tuple([2] * (page * (limit - 2))), seed=56))
         run.apply(O.Overwrite(fork, page, (7,), seed=57))             # ends inside the shared second page
         run.apply(O.Overwrite(fork, page - 1, (8, 9), seed=58))       # touches both shared pages
+        run.finish()
+
+
+def _refused_overwrite_writes_nothing(factory: Factory, config: Config, promise: str) -> None:
+    """A fork whose first page is its own and whose second it still shares, the rest of the pool taken:
+    an overwrite across the two needs a copy of the second, so a pool that cannot make room refuses it,
+    and the position it would have written in the first page reads as before. An audit's engine (s73)
+    taking pages one at a time, rolling back on refusal the pages and tokens but not the values it had
+    written into a page of its own, passed ``ci``; a sweep and ``nightly`` caught it."""
+    page, limit = config.page_tokens, config.pool_limit
+    if limit < 4:
+        return      # no room for three pages and a filler
+    run = start(factory, config)
+    with keeping(promise, run):
+        shared = run.apply(O.Allocate())
+        run.apply(O.Extend(shared, tuple(60 + i % 3 for i in range(2 * page)), seed=59))
+        fork = run.apply(O.Fork(shared))
+        run.apply(O.Overwrite(fork, 0, (5,), seed=60))               # the fork's first page is now its own
+        filler = run.apply(O.Allocate())
+        run.apply(O.Extend(filler, tuple([2] * (page * (limit - 3))), seed=61))
+        run.apply(O.Overwrite(fork, page - 1, (8, 9), seed=62))       # its own page, then the shared one
+        run.check()
         run.finish()
 
 
