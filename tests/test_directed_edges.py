@@ -773,3 +773,18 @@ def test_a_directed_checks_failure_at_teardown_is_shrunk(check):
     assert detail.startswith("InvariantViolation: invariant 6") and "minimised failing sequence" in detail, detail
     operations = detail.split("minimised failing sequence", 1)[1].splitlines()[1:]
     assert 0 < len(operations) <= 5, operations
+
+
+@pytest.mark.parametrize("name", ["checks_values_page_by_page", "match_unchecked", "token_limit_accepted"])
+def test_a_bad_input_failure_is_reported_after_its_setup_alone(name):
+    # An audit (s73): the report listed every refused call before the failing one (10 and 14 operations);
+    # the failing call alone on a new context shows it after two (allocate, extend).
+    from kvstate.stateful.conform import conform
+
+    factory, _, check, config_name, said = DIRECTED_CATCHES[name]
+    (result,) = conform(factory, configs=[config_named(config_name)], checks=[check])
+    detail = result.outcomes[check].detail
+    assert said in detail, detail
+    operations = detail.split("operations; the failure shows right after the last):", 1)[1].splitlines()[1:]
+    assert [line.strip().split("(")[0].split(" = ")[-1] for line in operations][:2] == ["allocate", "extend"], detail
+    assert len(operations) == 3, detail
