@@ -151,3 +151,22 @@ def test_rows_sharing_a_last_page_ask_the_pool_for_the_copies_extends_one_by_one
     assert batched.stats() == one_by_one.stats()
     assert [ctx.read()[0].tobytes() for ctx in batch] == [ctx.read()[0].tobytes() for ctx in sequential]
     check_structure(batched.observe())
+
+
+@pytest.mark.parametrize("others", [0, 1])
+def test_rows_sharing_a_last_page_are_refused_where_the_copies_do_not_fit(others):
+    """The other side of the test above: a pool one page short of the copies the extends one by one make
+    refuses the batch, changing nothing. An audit's mutant (s73) counting one copy fewer per shared page
+    whatever its other holders passed the suite: a fork's batch of one row went past a refusing pool."""
+    from kvstate.spec.errors import CapacityError
+
+    cache = Cache(LAYOUT, page_tokens=4, pool_pages=1 + others, on_full="refuse")     # the page, not its copies
+    a = cache.allocate()
+    a.extend([1, 2, 3], values(1, 3, 1)[0])
+    kept = [a.fork() for _ in range(others)]
+    batch = [a.fork(), a.fork()][:1 + others]      # every row, and one holder past them, share the page
+    before = cache.stats()
+    with pytest.raises(CapacityError):
+        extend_rows(batch, [[9]] * len(batch), np.stack([values(1, 1, 5 + i)[0] for i in range(len(batch))]))
+    assert cache.stats() == before and [len(ctx) for ctx in batch + kept] == [3] * (len(batch) + len(kept))
+    check_structure(cache.observe())

@@ -788,3 +788,16 @@ def test_a_bad_input_failure_is_reported_after_its_setup_alone(name):
     operations = detail.split("operations; the failure shows right after the last):", 1)[1].splitlines()[1:]
     assert [line.strip().split("(")[0].split(" = ")[-1] for line in operations][:2] == ["allocate", "extend"], detail
     assert len(operations) == 3, detail
+
+
+@pytest.mark.parametrize("name", ["token-f32-heap", "block2-q8-heap", "token-f32-arena6-evict"])
+def test_prefix_edges_catch_a_rewritten_hit_keeping_the_pages_it_was_taken_with(monkeypatch, name):
+    # An audit's mutant (s73): a holding kept its base (the pages its hit was taken with) after a write
+    # copied its first page, so a hit of the retained rewrite read the old pages; ci passed it.
+    from kvstate.impl import holding
+
+    replaced = holding.Holding.replaced
+    monkeypatch.setattr(holding.Holding, "replaced",
+                        lambda self, pages, slots, keep_base: replaced(self, pages, slots, True))
+    with pytest.raises(BrokenPromise, match="overwritten at its start and retained"):
+        DIRECTED["prefix edges"](numpy_factory, config_named(name))

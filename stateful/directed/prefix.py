@@ -38,6 +38,8 @@ ELSEWHERE = ("a hit is a prefix of a retained key, taken from its start: tokens 
 ONE_APART = ("a query one token apart from a retained key (at a block's last token or the next block's first) "
              "or one token short of it hits what the declared matching gives: the positions before the "
              "difference, in whole blocks where it matches by block")
+REWRITTEN = ("a hit extended, overwritten at its start and retained is an entry of what it then holds: a query "
+             "of its rewritten first pages hits those, not the pages it was taken with")
 BUDGET = ("the tree's bounds: past max_entries entries or max_pages pages (each entry's own pages, as if "
           "nothing were shared), retain evicts the least recently used entries, never the one just retained")
 REHASHED = ("retaining a context again after an overwrite of an earlier block keeps the first entry whole: "
@@ -54,9 +56,9 @@ def prefix_edges(factory: Factory, config: Config) -> None:
     run = start(factory, config)
     untested = None
     # retained after an overwrite early: before a scenario presses the pool, a shorter hit is no reclaim's
-    for scenario in (ties, _blocks_elsewhere, _one_token_apart, _retained_after_overwrite, _page_budget, _shared_page_budget,
-                     _hits_write, _hit_snapshot, _nested_keys, _beyond_max_entries, _retained_twice,
-                     _eviction_collapses, _truncation_around_pages):
+    for scenario in (ties, _blocks_elsewhere, _one_token_apart, _retained_after_overwrite, _page_budget,
+                     _shared_page_budget, _hits_write, _hit_snapshot, _hit_rewritten_and_retained, _nested_keys,
+                     _beyond_max_entries, _retained_twice, _eviction_collapses, _truncation_around_pages):
         try:
             scenario(run)
         except NotApplicable as reason:     # said once the others have run: a failure among them comes first
@@ -238,6 +240,23 @@ def _one_token_apart(run: Lockstep) -> None:
             retain_new(run, key, seed=136)
             _match(run, query)
             run.apply(O.Clear())
+
+
+def _hit_rewritten_and_retained(run: Lockstep) -> None:
+    """A hit of two of an entry's three pages, extended, overwritten at its first position and retained;
+    then a query of its first two pages as rewritten. An audit's mutant of kvstate's engine (s73: a
+    holding that kept listing the pages its hit was taken with after a write copied the first) hit
+    the old pages, and passed every check of ``ci`` in four configurations."""
+    page = run.config.page_tokens
+    key = tuple(300 + i for i in range(3 * page))
+    with keeping(REWRITTEN, run):
+        retain_new(run, key, seed=137)
+        hit = run.apply(O.Match(key[:2 * page]))
+        run.apply(O.Extend(hit, (350, 351), seed=138))
+        run.apply(O.Overwrite(hit, 0, (299,), seed=139))
+        run.apply(O.Retain(hit))
+        run.apply(O.Close(hit))
+        _match(run, (299,) + key[1:2 * page])
 
 
 def _page_budget(run: Lockstep) -> None:
