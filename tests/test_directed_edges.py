@@ -801,3 +801,21 @@ def test_prefix_edges_catch_a_rewritten_hit_keeping_the_pages_it_was_taken_with(
                         lambda self, pages, slots, keep_base: replaced(self, pages, slots, True))
     with pytest.raises(BrokenPromise, match="overwritten at its start and retained"):
         DIRECTED["prefix edges"](numpy_factory, config_named(name))
+
+
+@pytest.mark.parametrize("name", ["token-f32-heap", "block2-q8-heap", "token-f32-arena6-evict"])
+def test_prefix_edges_catch_a_lazy_count_that_only_observing_settles(monkeypatch, name):
+    # An audit's mutant (s73): a second hit of the same pages counted as none in the pending counts.
+    # Every check observed before each operation, which settled the counts first; only races caught it.
+    from kvstate.impl import refcounts
+
+    def share_once(counts, ids):
+        entry = counts.pending.get(id(ids))
+        if entry is not None and entry[0] is ids:
+            return
+        if len(counts.pending) >= counts.FLUSH_AT:
+            counts.flush()
+        counts.pending[id(ids)] = [ids, 1]
+    monkeypatch.setattr(refcounts.Refcounts, "share", share_once)
+    with pytest.raises(BrokenPromise, match="nothing observed in between"):
+        DIRECTED["prefix edges"](numpy_factory, config_named(name))
