@@ -166,7 +166,9 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             if watched:
                 lockstep.check()
         except FINDINGS as error:       # a broken backend may raise anything; that is a finding
-            return failure_of(step, phase, op, error), lockstep
+            # a check after a step both sides refused says so: the broken promise is "refused, nothing changed"
+            refused = lockstep.refused if phase == "check" else None
+            return failure_of(step, phase, op, error, refused), lockstep
     try:
         lockstep.finish()
     except FINDINGS as error:
@@ -240,13 +242,14 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
     return failure, lockstep
 
 
-def failure_of(step: int, phase: str, op: O.Op | None, error: BaseException) -> Failure:
-    """How ``error``, met at ``step`` in ``phase`` (running ``op``), broke a run. Where the suite's own
-    probe after the step raised it, that is said (``found_by``): a shrunk report kept only the failing call."""
+def failure_of(step: int, phase: str, op: O.Op | None, error: BaseException, refused: str | None = None) -> Failure:
+    """How ``error``, met at ``step`` in ``phase`` (running ``op``, which both sides refused with the error
+    class ``refused`` where given), broke a run. Where the suite's own probe after the step raised it,
+    that is said (``found_by``): a shrunk report kept only the failing call."""
     invariant = error.invariant if isinstance(error, InvariantViolation) else None
     found_by = getattr(error, "found_by", "") or getattr(error, "raised_by_probe", "")
-    return Failure(step, phase, None if op is None else str(op), type(error).__name__, invariant, str(error),
-                   raised_at(error), found_by)
+    shown = None if op is None else f"{op}{REFUSED}{refused}" if refused else str(op)
+    return Failure(step, phase, shown, type(error).__name__, invariant, str(error), raised_at(error), found_by)
 
 
 # -- the file format ---------------------------------------------------------------------

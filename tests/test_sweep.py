@@ -11,13 +11,13 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import _ExecutorManagerThread
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvstate.cli import main
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.spec.errors import ReplayFileError
 from kvstate.spec.layout import Layout
-from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful import ops as O
 from kvstate.stateful import replay as R
 from kvstate.stateful.sweeps import sweep as S
@@ -121,6 +121,25 @@ def test_a_hit_written_and_cut_shrinks_to_one_context_written_once():
     shrunk, failure = shrink(factory, config, ops, found, 20.0)
     assert failure.signature == found.signature, failure.headline
     assert [op.kind for op in shrunk] == ["allocate", "extend", "truncate"], shrunk
+
+
+def test_a_failure_seen_after_a_refused_step_says_it_was_refused(monkeypatch):
+    # An audit (s73): a sweep's line read "invariant 4 ... != reference" after an overwrite both sides
+    # refused, without saying so, though "refused, nothing changed" is the promise it broke.
+    from kvstate.impl import context as context_module
+
+    whole = context_module.Context.overwrite
+
+    def position_by_position(ctx, start, tokens, kv):
+        for i, token in enumerate(list(tokens)):
+            whole(ctx, start + i, [token], np.asarray(kv)[i:i + 1])
+    monkeypatch.setattr(context_module.Context, "overwrite", position_by_position)
+    config = config_named("f32-heap").with_(page_tokens=4, pool_pages=12, on_full="refuse")
+    ops = [O.Allocate(), O.Extend("c1", tuple(range(8)), 1), O.Fork("c1"), O.Overwrite("c2", 0, (5,), 2),
+           O.Allocate(), O.Extend("c3", (2,) * 36, 3), O.Overwrite("c2", 3, (8, 9), 4)]
+    found, _ = R.execute(numpy_factory, config, ops)
+    assert found.phase == "check" and found.invariant == 4, found
+    assert "refused: CapacityError" in str(found) and found.signature == ("InvariantViolation", 4), found
 
 
 # -- the round trip: plant, sweep, shrink, save, replay, fix ---------------------------
