@@ -399,9 +399,13 @@ class RefCache:
             pages, need = _distinct(fewest, self._namer(sharing, merged=True)), least[sharing]
             most = (_pages(counted, self._namer(sharing)), needs[sharing])
             return "" if (pages, need) == most else f" (at least {pages} + {need})"
-        counts = ", ".join(f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed{at_least(sharing)}"
-                           + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
-                           for sharing in self.viable)
+        said = {sharing: f"{_pages(counted, self._namer(sharing))} {what} + {needs[sharing]} needed{at_least(sharing)}"
+                for sharing in self.viable}
+        if len(set(said.values())) == 1 and len(said) > 1:      # every way counts alike: said once (an audit, s73)
+            counts = f"{next(iter(said.values()))} every way of sharing pages counted"
+        else:
+            counts = ", ".join(said[sharing] + (f" {_COUNTED[sharing]}" if self.config.values == "prefix" else "")
+                               for sharing in self.viable)
         raise CapacityError(f"{counts} > pool of {limit}")
 
     def make_room(self, needed: int | dict[int, int], least: dict[int, int] | None = None) -> None:

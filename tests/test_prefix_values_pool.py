@@ -276,3 +276,15 @@ def test_an_engine_sharing_one_way_then_another_is_caught():
     run.engine.make_room = full
     with pytest.raises(AssertionError, match="errors"):
         run.apply(O.Extend(second, (9,), seed=4))                # 5 + 1 fit the pool of 6 as it shares
+
+
+def test_a_refusal_every_way_of_sharing_counts_alike_says_its_count_once():
+    # An audit (s73): a refusal's message repeated "16 pages held by contexts ... + 9 needed" for each of
+    # five ways of sharing pages, 1,063 characters, where every way counted the same.
+    config = _sharing_pool().configs[0]
+    reference = RefCache(config)
+    ctx = reference.allocate()
+    with pytest.raises(CapacityError) as refused:
+        ctx.extend(list(range(4 * config.pool_pages + 1)), np.zeros((4 * config.pool_pages + 1, 1, 2, 1, 2), np.float32))
+    said = str(refused.value)
+    assert said.count("needed") == 1 and "every way of sharing pages counted" in said, said
