@@ -219,3 +219,36 @@ def test_the_tiers_header_has_one_time_budget_for_every_configuration():
     finally:
         release.set()
     assert asked == ["f32-heap"] and unobserved == ["f32-heap", "f16-heap", "q8-heap"]
+
+
+def test_a_page_count_probe_that_hangs_costs_the_header_its_own_small_budget(monkeypatch):
+    """A review (s73): the one position the header writes ran inside the observation's thread, so a
+    backend whose extend hung there ate the header's whole limit and its configurations read "not
+    observed". The probe has its own budget now; every cache still counts as observed."""
+    import threading
+    import time
+
+    from kvstate.stateful import conform as conform_module
+
+    class HangsInTheProbe:
+        def __init__(self, config):
+            self.cache = numpy_factory(config)
+
+        def __getattr__(self, name):
+            return getattr(self.cache, name)
+
+        def observe(self):
+            from kvstate.spec.observation import black_box
+            return black_box()
+
+        def allocate(self):
+            if threading.current_thread().name.startswith("kvstate-count"):
+                time.sleep(30)
+            return self.cache.allocate()
+
+    monkeypatch.setattr(conform_module, "COUNT_PROBE_S", 0.5)
+    unobserved: list = []
+    started = time.monotonic()
+    assert observed_tiers(HangsInTheProbe, [config_named("f32-heap"), config_named("q8-heap")], time_limit=20,
+                          unobserved=unobserved) == []
+    assert unobserved == [] and time.monotonic() - started < 5
