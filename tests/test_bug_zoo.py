@@ -574,3 +574,13 @@ def test_a_dirty_page_only_a_comparison_shows_is_shrunk_by_comparing_again(name,
     assert promise in report and "minimised failing sequence" in report, report
     length = int(re.search(r"\((\d+) operations", report).group(1))
     assert length <= 6, report
+
+
+def test_an_invariant_the_arena_twins_break_is_named_as_the_invariant_once_shrunk():
+    # A review (s73): shrunk by the twins' replay, a broken invariant 3 (the arena's books) read as the
+    # byte-identity promise it was found under, with no "found while checking" line.
+    factory = BUGS["arena_slot_kept_on_eviction"]
+    [result] = conform(factory, configs=[_config("q8-arena6", factory)], checks=["arena evidence"])
+    report = result.failure
+    assert report.startswith("arena evidence: InvariantViolation: invariant 3"), report
+    assert 'found while checking: "one program run with an arena and without one' in report, report

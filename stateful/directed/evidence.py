@@ -35,7 +35,7 @@ import numpy as np
 from kvstate.spec.invariants import NO_ARENA, tiers
 from kvstate.spec.protocol import Config, Factory
 
-from kvstate.spec.errors import ReplayFileError
+from kvstate.spec.errors import InvariantViolation, ReplayFileError
 
 from .. import ops as O
 from .common import BrokenPromise, NotApplicable, as_array, as_list, keeping, note, require_tier, start
@@ -121,7 +121,9 @@ def replay_evidence(factory: Factory, config: Config, ops: list[O.Op], lockstep:
         run.finish()
         if heap is not None:
             heap.finish()
-    except BrokenPromise as broken:
+    except BrokenPromise as broken:         # "the same way": the same invariant, else the same promise, broken
+        if isinstance(broken.__cause__, InvariantViolation):    # a run's invariant, named as ``execute`` names it
+            return failure_of(step, phase, op, broken.__cause__), run
         return Failure(step, phase, None if op is None else str(op), type(broken).__name__,
                        broken.invariant or broken.promise, str(broken)), run
     except FINDINGS as error:
