@@ -196,11 +196,17 @@ class Cache:
         """``count`` new pages (``PagePool.new_pages``) held by a new empty context, or neither: an
         interrupt between the two lets the pages go, which no holder would ever release. The caller
         holds the cache lock (a restore, before it writes the pages)."""
-        pages = self.pool.new_pages(count)
+        pages = ctx = None
         try:
-            return self._new_context(pages, 0)
+            pages = self.pool.new_pages(count)
+            ctx = self._new_context(pages, 0, register=False)
+            self._contexts[ctx.context_id] = ctx        # listed last, its return inside the ``try`` too
+            return ctx
         except BaseException:
-            self.pool.release_slots(pages, ref_slots(pages))
+            if ctx is not None:     # an interrupt after it was listed: unlisted, or it names freed pages
+                self._contexts.pop(ctx.context_id, None)
+            if pages is not None:
+                self.pool.release_slots(pages, ref_slots(pages))
             raise
 
     def allocate(self) -> Context:

@@ -141,3 +141,47 @@ def test_a_remote_restore_whose_first_read_fails_in_closing_leaves_only_the_seco
         assert list(cache.observe().holders) == [f"ctx:{back.context_id}"]
     seen = cache.observe()
     assert seen.holders == {} and not seen.pages
+
+
+@pytest.mark.parametrize("source", ["stream", "path"])
+def test_a_restore_interrupted_while_its_context_is_made_leaves_no_context(tmp_path, source):
+    # A review (s73): an interrupt at ``_new_context``'s return, the context already listed, released its
+    # pages and left it listed, holding freed pages, in no caller's hands.
+    written = Cache(LAYOUT, page_tokens=4)
+    with written.allocate() as ctx:
+        ctx.extend(np.arange(11), np.ones((11, *LAYOUT.position_shape), np.float32))
+        ctx.snapshot(tmp_path / "s.kvs")
+
+    def interrupt_at(number: int, seen: list):
+        def trace(frame, event, arg):
+            if frame.f_code not in (Cache._new_context.__code__, Cache._new_pages_context.__code__):
+                return None
+
+            def line(frame, event, arg):
+                if event == "line":
+                    seen.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
+                    if len(seen) - 1 == number:
+                        sys.settrace(None)
+                        raise KeyboardInterrupt
+                return line
+            return line
+        return trace
+    lines: list = []
+    sys.settrace(interrupt_at(-1, lines))
+    try:
+        Cache(LAYOUT, page_tokens=4).restore(tmp_path / "s.kvs").close()
+    finally:
+        sys.settrace(None)
+    assert len(lines) >= 4, lines
+    for number, at in enumerate(lines):
+        cache = Cache(LAYOUT, page_tokens=4)
+        where = tmp_path / "s.kvs" if source == "path" else io.BytesIO((tmp_path / "s.kvs").read_bytes())
+        sys.settrace(interrupt_at(number, []))
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                cache.restore(where)
+        finally:
+            sys.settrace(None)
+        seen = cache.observe()
+        assert seen.holders == {} and not seen.pages and cache.stats()["live_contexts"] == 0, \
+            f"interrupted at {at}: {seen.holders}"
