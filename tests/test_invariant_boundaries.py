@@ -34,3 +34,16 @@ def test_pages_allocated_less_freed_must_equal_the_live_pages_exactly(allocated,
     with pytest.raises(InvariantViolation, match="pages allocated") as broken:
         check_liveness(_observation(live, holders, allocated, freed))
     assert broken.value.invariant == 2
+
+
+def test_a_refusal_may_move_only_the_counters_that_count_refusals():
+    # An audit (s73): dropping the counters from what a refusal must leave unchanged passed the suite.
+    import dataclasses
+
+    from kvstate.stateful.lockstep import observable_change
+
+    before = dataclasses.replace(_observation({}, {}, 0, 0), counters={"refusals": 0, "pressure_evictions": 0})
+    assert observable_change(before, dataclasses.replace(before, counters={"refusals": 1,
+                                                                           "pressure_evictions": 0})) is None
+    changed = observable_change(before, dataclasses.replace(before, counters={"refusals": 0, "pressure_evictions": 1}))
+    assert changed is not None and changed.startswith("counters"), changed
