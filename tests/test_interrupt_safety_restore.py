@@ -61,19 +61,29 @@ def test_a_restore_interrupted_as_its_context_is_made_leaves_no_page(tmp_path, a
         assert back.tokens == list(range(11))
 
 
-def _interrupt_at_line(number: int, impl_files: tuple[str, ...], seen: list):
-    """A trace that counts the lines kvstate's restore runs once its context is made (in ``seen``), and
-    raises KeyboardInterrupt at line ``number`` of them (never, for -1)."""
-    made = []
+def _snapshot_of_eleven(tmp_path):
+    """A snapshot of 11 positions (3 pages of 4) at ``tmp_path / "s.kvs"``; its path."""
+    written = Cache(LAYOUT, page_tokens=4)
+    with written.allocate() as ctx:
+        ctx.extend(np.arange(11), np.ones((11, *LAYOUT.position_shape), np.float32))
+        ctx.snapshot(tmp_path / "s.kvs")
+    return tmp_path / "s.kvs"
+
+
+def _line_trace(number: int, picker, seen: list):
+    """A trace that counts, in ``seen``, the line events the picker counts and raises KeyboardInterrupt at
+    line ``number`` of them (never, for -1). ``picker`` is ``(traced, counting)``: ``traced(frame)`` is
+    True for a frame whose lines may count, None for one not traced, or a local trace function of its
+    own; ``counting()`` says, at each line, whether lines count yet."""
+    traced, counting = picker
 
     def trace(frame, event, arg):
-        if frame.f_code is Cache._new_pages_context.__code__:
-            return lambda frame, event, arg: made.append(True) if event == "return" else None
-        if not frame.f_code.co_filename.startswith(impl_files):
-            return None
+        picked = traced(frame)
+        if picked is not True:
+            return picked
 
         def line(frame, event, arg):
-            if event == "line" and made:
+            if event == "line" and counting():
                 seen.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
                 if len(seen) - 1 == number:
                     sys.settrace(None)
@@ -83,35 +93,59 @@ def _interrupt_at_line(number: int, impl_files: tuple[str, ...], seen: list):
     return trace
 
 
-@pytest.mark.parametrize("source", ["stream", "path"])
-def test_a_restore_interrupted_at_any_line_after_its_context_is_made_leaves_no_page(tmp_path, source):
-    # An audit (s73) interrupted a path's restore as ``with file:`` closed the file, after the context
-    # had joined the cache: the caller got KeyboardInterrupt and no handle, and the pages stayed out.
-    import kvstate.impl
-
-    impl_files = (kvstate.impl.__path__[0],)
-    written = Cache(LAYOUT, page_tokens=4)
-    with written.allocate() as ctx:
-        ctx.extend(np.arange(11), np.ones((11, *LAYOUT.position_shape), np.float32))
-        ctx.snapshot(tmp_path / "s.kvs")
-
-    def where():
-        return tmp_path / "s.kvs" if source == "path" else io.BytesIO((tmp_path / "s.kvs").read_bytes())
+def _every_line_interrupted(path, source: str, picker) -> None:
+    """A restore of ``path`` (from the path, or a stream of its bytes) interrupted at each line in turn
+    that ``picker()`` counts (a new picker each restore): each time KeyboardInterrupt, and no context,
+    holder or page left."""
     def restore(cache: Cache, trace):
         sys.settrace(trace)
         try:
-            return cache.restore(where())
+            return cache.restore(path if source == "path" else io.BytesIO(path.read_bytes()))
         finally:
             sys.settrace(None)
     lines: list = []
-    restore(Cache(LAYOUT, page_tokens=4), _interrupt_at_line(-1, impl_files, lines)).close()
+    restore(Cache(LAYOUT, page_tokens=4), _line_trace(-1, picker(), lines)).close()
     assert len(lines) >= 3, lines
     for number, at in enumerate(lines):
         cache = Cache(LAYOUT, page_tokens=4)
         with pytest.raises(KeyboardInterrupt):
-            restore(cache, _interrupt_at_line(number, impl_files, []))
+            restore(cache, _line_trace(number, picker(), []))
         seen = cache.observe()
-        assert seen.holders == {} and not seen.pages, f"interrupted at {at}: {seen.holders}"
+        assert seen.holders == {} and not seen.pages and cache.stats()["live_contexts"] == 0, \
+            f"interrupted at {at}: {seen.holders}"
+
+
+def _kvstate_lines_after_the_context_is_made():
+    """Lines of ``kvstate.impl`` once ``Cache._new_pages_context`` has returned."""
+    import kvstate.impl
+
+    impl, made = kvstate.impl.__path__[0], []
+
+    def traced(frame):
+        if frame.f_code is Cache._new_pages_context.__code__:
+            return lambda frame, event, arg: made.append(True) if event == "return" else None
+        return True if frame.f_code.co_filename.startswith(impl) else None
+    return traced, lambda: bool(made)
+
+
+def _lines_making_the_context():
+    """Lines of ``Cache._new_pages_context`` and ``Cache._new_context``."""
+    making = (Cache._new_context.__code__, Cache._new_pages_context.__code__)
+    return (lambda frame: True if frame.f_code in making else None), lambda: True
+
+
+@pytest.mark.parametrize("source", ["stream", "path"])
+def test_a_restore_interrupted_at_any_line_after_its_context_is_made_leaves_no_page(tmp_path, source):
+    # An audit (s73) interrupted a path's restore as ``with file:`` closed the file, after the context
+    # had joined the cache: the caller got KeyboardInterrupt and no handle, and the pages stayed out.
+    _every_line_interrupted(_snapshot_of_eleven(tmp_path), source, _kvstate_lines_after_the_context_is_made)
+
+
+@pytest.mark.parametrize("source", ["stream", "path"])
+def test_a_restore_interrupted_while_its_context_is_made_leaves_no_context(tmp_path, source):
+    # A review (s73): an interrupt at ``_new_context``'s return, the context already listed, released its
+    # pages and left it listed, holding freed pages, in no caller's hands.
+    _every_line_interrupted(_snapshot_of_eleven(tmp_path), source, _lines_making_the_context)
 
 
 def test_a_remote_restore_whose_first_read_fails_in_closing_leaves_only_the_second_context(monkeypatch):
@@ -141,47 +175,3 @@ def test_a_remote_restore_whose_first_read_fails_in_closing_leaves_only_the_seco
         assert list(cache.observe().holders) == [f"ctx:{back.context_id}"]
     seen = cache.observe()
     assert seen.holders == {} and not seen.pages
-
-
-@pytest.mark.parametrize("source", ["stream", "path"])
-def test_a_restore_interrupted_while_its_context_is_made_leaves_no_context(tmp_path, source):
-    # A review (s73): an interrupt at ``_new_context``'s return, the context already listed, released its
-    # pages and left it listed, holding freed pages, in no caller's hands.
-    written = Cache(LAYOUT, page_tokens=4)
-    with written.allocate() as ctx:
-        ctx.extend(np.arange(11), np.ones((11, *LAYOUT.position_shape), np.float32))
-        ctx.snapshot(tmp_path / "s.kvs")
-
-    def interrupt_at(number: int, seen: list):
-        def trace(frame, event, arg):
-            if frame.f_code not in (Cache._new_context.__code__, Cache._new_pages_context.__code__):
-                return None
-
-            def line(frame, event, arg):
-                if event == "line":
-                    seen.append(f"{frame.f_code.co_name}:{frame.f_lineno}")
-                    if len(seen) - 1 == number:
-                        sys.settrace(None)
-                        raise KeyboardInterrupt
-                return line
-            return line
-        return trace
-    lines: list = []
-    sys.settrace(interrupt_at(-1, lines))
-    try:
-        Cache(LAYOUT, page_tokens=4).restore(tmp_path / "s.kvs").close()
-    finally:
-        sys.settrace(None)
-    assert len(lines) >= 4, lines
-    for number, at in enumerate(lines):
-        cache = Cache(LAYOUT, page_tokens=4)
-        where = tmp_path / "s.kvs" if source == "path" else io.BytesIO((tmp_path / "s.kvs").read_bytes())
-        sys.settrace(interrupt_at(number, []))
-        try:
-            with pytest.raises(KeyboardInterrupt):
-                cache.restore(where)
-        finally:
-            sys.settrace(None)
-        seen = cache.observe()
-        assert seen.holders == {} and not seen.pages and cache.stats()["live_contexts"] == 0, \
-            f"interrupted at {at}: {seen.holders}"
