@@ -17,6 +17,31 @@ from kvstate.stateful.ops import values_for
 LAYOUT = Layout(layers=2, kv_heads=2, head_dim=4)
 
 
+class ObservedAs:
+    """kvstate's NumPy engine, observed otherwise: ``observe()`` returns ``seen(its own observation)``,
+    so a test makes a backend that exposes fewer tiers (a black box, one without the tree tier) or
+    reports its books otherwise. ``observed_as(seen)`` makes such a factory; subclass it for more."""
+
+    def __init__(self, config: Config):
+        from kvstate.impl.numpy import factory
+
+        self.cache = factory(config)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+    def seen(self, obs):
+        return obs
+
+    def observe(self):
+        return self.seen(self.cache.observe())
+
+
+def observed_as(seen) -> type:
+    """A factory (a class taking a ``Config``) of ``ObservedAs`` whose observation is ``seen(obs)``."""
+    return type("ObservedAs", (ObservedAs,), {"seen": lambda self, obs: seen(obs)})
+
+
 class StoreWithout:
     """A page store written to the protocol before some of it existed: ``inner`` with the methods
     named in ``missing`` hidden, so the engine's fallback for them is what runs."""

@@ -33,6 +33,7 @@ from kvstate.stateful.directed.common import BrokenPromise, NotApplicable
 from kvstate.stateful.planted import dirty_recycled_slot
 
 from foreign.bugs import DIRECTED_CATCHES
+from helpers import ObservedAs
 
 NEW_CHECKS = ["no aliasing", "boundaries", "precision edges", "prefix edges", "snapshot writes", "arena evidence"]
 
@@ -738,27 +739,21 @@ def test_prefix_edges_catch_a_query_one_token_apart_at_a_blocks_end(monkeypatch,
     assert caught.value.invariant == 5, caught.value
 
 
-class _LeakingClearBlackBox:
+class _LeakingClearBlackBox(ObservedAs):
     """kvstate's engine seen as a black box that counts its pages, whose ``clear()`` loses count of one
     page for each clear that dropped an entry: only the teardown's invariant 6 sees it."""
 
-    def __init__(self, config):
-        self.cache = numpy_factory(config)
-        self.lost = 0
-
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
+    lost = 0
 
     def clear(self):
         self.lost += bool(self.cache.observe().entries)
         return self.cache.clear()
 
-    def observe(self):
+    def seen(self, obs):
         from kvstate.spec.observation import black_box
 
-        seen = self.cache.observe()
-        return dataclasses.replace(black_box(), pages_allocated=seen.pages_allocated,
-                                   pages_freed=seen.pages_freed - self.lost)
+        return dataclasses.replace(black_box(), pages_allocated=obs.pages_allocated,
+                                   pages_freed=obs.pages_freed - self.lost)
 
 
 @pytest.mark.parametrize("check", ["prefix edges", "boundaries"])

@@ -139,16 +139,10 @@ def test_an_evicting_pool_under_prefix_values_names_the_known_false_rejection():
     evicts less than the reference counts: an entries report there says it may be that."""
     import dataclasses
 
-    class WithoutTheTreeTier:       # entries are probed through match only where the tree tier is missing
-        def __init__(self, config):
-            self.cache = numpy_factory(config)
+    from helpers import observed_as
 
-        def __getattr__(self, name):
-            return getattr(self.cache, name)
-
-        def observe(self):
-            return dataclasses.replace(self.cache.observe(), entries=None, tree=None)
-
+    # entries are probed through match only where the tree tier is missing
+    WithoutTheTreeTier = observed_as(lambda obs: dataclasses.replace(obs, entries=None, tree=None))
     config = config_named("f32-arena6").with_(on_full="evict", values="prefix")
     run = Lockstep(WithoutTheTreeTier, config)
     handle = run.apply(O.Allocate())

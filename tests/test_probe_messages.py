@@ -200,24 +200,14 @@ def test_a_room_or_hit_difference_of_a_sharing_black_box_under_an_evicting_pool_
     # An audit (s73): a correct black box sharing the tree's pages under evict-then-refuse was rejected
     # (README documents why: without the tree tier the reference cannot follow its evictions), but the
     # refusal's and the hit's messages left out the note the entries' probe gives.
-    import dataclasses
-
+    from helpers import observed_as
     from kvstate.impl.numpy import factory
     from kvstate.spec.errors import CapacityError
     from kvstate.spec.observation import black_box
     from kvstate.stateful.configs import config_named
     from kvstate.stateful.lockstep import Lockstep
 
-    class BlackBox:
-        def __init__(self, config):
-            self.cache = factory(config)
-
-        def __getattr__(self, name):
-            return getattr(self.cache, name)
-
-        def observe(self):
-            return dataclasses.replace(black_box())
-
+    BlackBox = observed_as(lambda obs: black_box())
     config = config_named("block2-f16-pool10-evict-then-refuse").with_(values="prefix")
     note = "without it this can be a false rejection"
     assert note in Lockstep(BlackBox, config)._refusal_hint(CapacityError("full"), None)

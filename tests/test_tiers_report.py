@@ -52,23 +52,12 @@ def test_a_black_box_that_counts_its_pages_is_said_to(capsys):
     a black box reporting ``pages_allocated`` and ``pages_freed`` is held to."""
     import dataclasses
 
+    from helpers import observed_as
     from kvstate.spec.observation import black_box
 
-    class Counting:
-        def __init__(self, config):
-            self.cache = numpy_factory(config)
-
-        def __getattr__(self, name):
-            return getattr(self.cache, name)
-
-        def observe(self):
-            obs = self.cache.observe()
-            return dataclasses.replace(black_box(), pages_allocated=obs.pages_allocated, pages_freed=obs.pages_freed)
-
-    class Silent(Counting):
-        def observe(self):
-            return black_box()
-
+    Counting = observed_as(lambda obs: dataclasses.replace(black_box(), pages_allocated=obs.pages_allocated,
+                                                           pages_freed=obs.pages_freed))
+    Silent = observed_as(lambda obs: black_box())
     configs = [config_named("f32-heap")]
     assert observed_tiers(Counting, configs) == ["page counts (invariant 6)"]
     assert observed_tiers(Silent, configs) == []
@@ -228,19 +217,11 @@ def test_a_page_count_probe_that_hangs_costs_the_header_its_own_small_budget(mon
     import threading
     import time
 
+    from helpers import observed_as
+    from kvstate.spec.observation import black_box
     from kvstate.stateful import conform as conform_module
 
-    class HangsInTheProbe:
-        def __init__(self, config):
-            self.cache = numpy_factory(config)
-
-        def __getattr__(self, name):
-            return getattr(self.cache, name)
-
-        def observe(self):
-            from kvstate.spec.observation import black_box
-            return black_box()
-
+    class HangsInTheProbe(observed_as(lambda obs: black_box())):
         def allocate(self):
             if threading.current_thread() is not threading.main_thread():     # the header's threads
                 time.sleep(30)
