@@ -194,3 +194,13 @@ def test_q8_code_clips_ratios_beyond_the_range():
     ratios = np.array([-300.0, -127.5, -127.0, -126.5, 0.5, 1.5, 126.5, 127.0, 127.5, 300.0], np.float32)
     vector = np.clip(np.rint(ratios), -precision.Q8_MAX, precision.Q8_MAX).astype(int)
     assert vector.tolist() == [A.q8_code(round(float(r))) for r in ratios]
+
+
+def test_q8_codes_round_exact_ties_half_to_even():
+    # An audit's mutant (s73): rounding half up (floor(ratio + 0.5)) passed the property above, which
+    # never drew an exact tie, and every numpy check (the reference shares this function); only the
+    # torch engine's own q8 code disagreed. With 127 the largest value, the scale is 1: codes are the values.
+    codes, scales = precision.q8_encode(np.array([[127, 2.5, -1.5, 0.5, -0.5, 3.5]], np.float32))
+    assert scales.tolist() == [1.0]
+    assert codes.tolist() == [[127, 2, -2, 0, 0, 4]]
+    assert precision.q8_decode(codes, scales).tolist() == [[127, 2, -2, 0, 0, 4]]
