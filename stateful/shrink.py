@@ -1,8 +1,8 @@
 """Shrink a failing operation sequence to a handful of steps that still fail the same way.
 
-Delta debugging over operations, contexts merged into earlier ones and extends
-joined, then argument simplification, against the same ``execute`` that replay uses,
-so what is saved is exactly what replays.
+Delta debugging over operations, contexts merged into earlier ones, matches
+made forks and extends joined, then argument simplification, against the same
+``execute`` that replay uses, so what is saved is exactly what replays.
 Why not Hypothesis's shrinker: it shrinks choice sequences Hypothesis itself
 drew, and a sweep's runs are drawn from ``random.Random(seed)`` (see
 generate.py for why). Seeding its engine with an outside sequence takes its
@@ -161,6 +161,7 @@ class Shrinker:
             ops = self.restores_as_forks(ops)
             ops = self.remove_chunks(ops)
             ops = self.contexts_merged(ops)
+            ops = self.matches_as_forks(ops)
             ops = self.extends_joined(ops)
             ops = self.simplify_arguments(ops)
             if ops == before:
@@ -217,6 +218,25 @@ class Shrinker:
                     break
             else:
                 index += 1
+        return ops
+
+    def matches_as_forks(self, ops: list[O.Op]) -> list[O.Op]:
+        """Replace a ``match`` by a ``fork`` of a context made before it, nearest first, keeping each change
+        that still fails: a hit is how a random run comes to share pages, and a retain, a match and
+        their keys then stay where a fork shows the same bug (an audit, s73: 6 operations where 4 do)."""
+        index = 0
+        while index < len(ops) and not self.out_of_time:
+            if ops[index].kind != "match":
+                index += 1
+                continue
+            for parent in reversed([h for h in created_handles(ops)[:index] if h is not None]):
+                if self.out_of_time:
+                    return ops
+                candidate = ops[:index] + [O.Fork(parent)] + ops[index + 1:]
+                if self.fails(candidate):
+                    ops = candidate
+                    break
+            index += 1
         return ops
 
     def extends_joined(self, ops: list[O.Op]) -> list[O.Op]:

@@ -123,6 +123,21 @@ def test_a_hit_written_and_cut_shrinks_to_one_context_written_once():
     assert [op.kind for op in shrunk] == ["allocate", "extend", "truncate"], shrunk
 
 
+def test_a_hit_taken_only_to_share_pages_shrinks_to_a_fork():
+    # An audit (s73): a sweep saved "retain, match, truncate, extend" for a missing copy-on-write; a fork
+    # shares the pages as the hit did, and the retain then goes too.
+    from foreign.bugs import BUGS
+
+    config = config_named("f32-heap").with_(page_tokens=4)
+    ops = [O.Allocate(), O.Extend("c1", (1, 0), 0), O.Retain("c1"), O.Match((1, 0)), O.Truncate("c2", 1),
+           O.Extend("c2", (0,), 0)]
+    factory = BUGS["missing_copy_on_write"]
+    found, _ = R.execute(factory, config, ops)
+    shrunk, failure = shrink(factory, config, ops, found, 20.0)
+    assert failure.signature == found.signature, failure.headline
+    assert [op.kind for op in shrunk] == ["allocate", "extend", "fork", "truncate", "extend"], shrunk
+
+
 def test_a_failure_seen_after_a_refused_step_says_it_was_refused(monkeypatch):
     # An audit (s73): a sweep's line read "invariant 4 ... != reference" after an overwrite both sides
     # refused, without saying so, though "refused, nothing changed" is the promise it broke.
