@@ -814,3 +814,44 @@ def test_prefix_edges_catch_a_lazy_count_that_only_observing_settles(monkeypatch
     monkeypatch.setattr(refcounts.Refcounts, "share", share_once)
     with pytest.raises(BrokenPromise, match="nothing observed in between"):
         DIRECTED["prefix edges"](numpy_factory, config_named(name))
+
+
+def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):
+    # An audit's mutant of the checker (s73): ``_same_values`` comparing shapes and dtypes only passed the
+    # whole suite; nothing ran ``boundaries`` against a wrong ``read_layer``. Here every layer reads layer 0.
+    read_layer = context_module.Context._read_layer
+    monkeypatch.setattr(context_module.Context, "_read_layer",
+                        lambda ctx, layer, start, stop: read_layer(ctx, 0 if isinstance(layer, int) else layer,
+                                                                   start, stop))
+    with pytest.raises(BrokenPromise, match=r"read_layer\(1"):
+        DIRECTED["boundaries"](numpy_factory, config_named("f32-heap"))
+
+
+def test_a_refused_extend_that_keeps_a_position_is_named_a_refusal_that_changed_the_cache():
+    # An audit's mutant of the checker (s73): ignoring a length difference after a refusal passed the whole
+    # suite; the failure then read as invariant 4 ("c1 has 20 positions, reference has 19").
+    from foreign import block_pool
+    from foreign.bugs import _factory_for
+    from kvstate.spec.errors import CapacityError, InvariantViolation
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.lockstep import Lockstep
+
+    class KeepsOne(block_pool.BlockContext):
+        def extend(self, tokens, kv):
+            try:
+                return super().extend(tokens, kv)
+            except CapacityError:
+                self.length += 1        # planted: the refused extend keeps one position
+                raise
+
+    class RefusedExtendGrows(block_pool.BlockPoolCache):
+        context_class = KeepsOne
+    from kvstate.stateful.configs import configs_named
+
+    [config] = configs_named(["block4-f32-pool10-evict-then-refuse"], block_pool.factory.configs)
+    run = Lockstep(_factory_for(RefusedExtendGrows, block_pool.factory), config)
+    handle = run.apply(O.Allocate())
+    run.apply(O.Extend(handle, (1, 2, 3, 4, 5), seed=1))
+    with pytest.raises(InvariantViolation, match="was refused .CapacityError. but changed the cache") as broken:
+        run.apply(O.Extend(handle, tuple(range(40)), seed=2))       # 10 pages more: past the pool of 10
+    assert broken.value.invariant == "refusal" and "positions" in str(broken.value), broken.value
