@@ -32,10 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from kvstate.spec.errors import InvariantViolation, ReplayFileError
 from kvstate.spec.invariants import NO_ARENA, tiers
 from kvstate.spec.protocol import Config, Factory
-
-from kvstate.spec.errors import InvariantViolation, ReplayFileError
 
 from .. import ops as O
 from .common import BrokenPromise, NotApplicable, as_array, as_list, keeping, note, require_tier, start
@@ -60,6 +59,14 @@ PROGRAM_STEPS = 120
 
 def arena_evidence(factory: Factory, config: Config) -> None:
     """arena_size is the configuration's, slots are issued, and an arena changes no byte anywhere."""
+    try:
+        _arena_evidence(factory, config)
+    except BrokenPromise as broken:
+        broken.replay = replay_evidence     # what only a comparison shows is shrunk by comparing again
+        raise
+
+
+def _arena_evidence(factory: Factory, config: Config) -> None:
     arena = start(factory, config)
     if "arena" not in tiers(arena.engine.observe()) and not config.arena_pages:
         return _heap_pages_like_fresh(arena, factory, config)
@@ -70,19 +77,15 @@ def arena_evidence(factory: Factory, config: Config) -> None:
         raise NotApplicable(f"no arena in this configuration (arena_pages 0); {COMPARED_WHERE}")
     heap = Lockstep(factory, _heap_twin(config)) if config.arena_pages else None
     twins = _Twins(arena, heap, factory)
-    try:
-        generator = Generator(PROGRAM_SEED)
-        for _ in range(PROGRAM_STEPS):
-            twins.step(generator.next_op(arena))
-        twins.snapshots()
-        for handle in list(arena.live):
-            twins.step(O.Close(handle))
-        twins.step(O.Clear())                    # an empty cache again: every slot free
-        _slot_reuse(twins, config)
-        twins.snapshots()
-    except BrokenPromise as broken:
-        broken.replay = replay_evidence     # what only a comparison shows is shrunk by comparing again
-        raise
+    generator = Generator(PROGRAM_SEED)
+    for _ in range(PROGRAM_STEPS):
+        twins.step(generator.next_op(arena))
+    twins.snapshots()
+    for handle in list(arena.live):
+        twins.step(O.Close(handle))
+    twins.step(O.Clear())                    # an empty cache again: every slot free
+    _slot_reuse(twins, config)
+    twins.snapshots()
     arena.finish()
     if heap is not None:
         heap.finish()
@@ -140,11 +143,7 @@ def _heap_pages_like_fresh(run: Lockstep, factory: Factory, config: Config) -> N
     if not _reads_pages_raw(run):
         raise NotApplicable(f"the observation has no 'arena' tier (observe().arena_size is None); {COMPARED_WHERE}")
     twins = _Twins(run, None, factory, sized=False)
-    try:
-        _slot_reuse(twins, config)
-    except BrokenPromise as broken:
-        broken.replay = replay_evidence
-        raise
+    _slot_reuse(twins, config)
     run.finish()
 
 
