@@ -200,6 +200,24 @@ def test_backend_raising_inside_an_operation_is_reported_by_name(tmp_path, capsy
         assert report.split("\n")[1].endswith(where), report
 
 
+def test_a_read_that_moves_the_pages_it_reads_to_other_ids_passes_bad_input(tmp_path, capsys):
+    # An audit (s69): a compacting engine whose read gives the context's private pages new ids (nothing
+    # allocated or freed) passed lockstep, yet failed ``bad input`` as "refused, but the cache changed":
+    # the check observed before its own read of the context and compared every refusal with that.
+    path, _ = _listcache_with(tmp_path, "relabels_on_read", context="""
+        def read(self, start=0, stop=None):
+            out = super().read(start, stop)
+            for page in self.pages:
+                if page.refcount == 1:
+                    del self.cache.live[page.page_id]
+                    self.cache.labels += 1
+                    page.page_id = self.cache.labels
+                    self.cache.live[page.page_id] = page
+            return out""", cache="labels = 1_000_000")
+    assert main(["conform", path, "--check", "bad input", "--check", "lockstep", "--examples", "10"]) == 0, \
+        capsys.readouterr().out
+
+
 def test_a_backends_own_assert_is_reported_as_the_backend_raising_and_where(tmp_path, capsys):
     """Real engines assert a lot: an ``AssertionError`` raised in the backend's code is not one of the
     suite's checks failing, in the random engines' reports and the directed checks' alike."""

@@ -210,9 +210,14 @@ def _bad_input_cases(run, n: int, config: Config) -> list[tuple]:
     return cases
 
 
-def _refused_alike(run, case: tuple, before: Observation, values: np.ndarray, tokens) -> None:
+def _refused_alike(run, case: tuple, before: Observation, values: np.ndarray, tokens) -> Observation:
     """One of ``_bad_input_cases``, recorded in ``run``'s history: refused with its error, the cache and
-    the context unchanged since ``before`` (``values``, ``tokens``); an ``AssertionError`` if not."""
+    the context unchanged since ``before`` (``values``, ``tokens``); an ``AssertionError`` if not.
+
+    Returns the cache observed after this check's own read of the context: the next case's ``before``.
+    A read may move the pages it reads to other ids (a compacting engine does; the lockstep machine
+    allows it), so an observation taken before a read is no baseline for the call after it: compared
+    with one, an engine that changed nothing was reported as changing its pages (an audit, s69)."""
     what, error, said, call, *promise = case
     ctx = run.live["c1"][0]
     record(run, said)       # a failure's report then ends with this call
@@ -234,6 +239,7 @@ def _refused_alike(run, case: tuple, before: Observation, values: np.ndarray, to
     changed = _first_change((values, tokens), ctx.read())      # after each call: the report names the culprit
     if changed:
         raise AssertionError(f"{what}: refused, but the context's {changed} changed{broken}")
+    return run.engine.observe()
 
 
 def _fails_alone(factory: Factory, config: Config, index: int, run) -> None:
@@ -244,7 +250,7 @@ def _fails_alone(factory: Factory, config: Config, index: int, run) -> None:
     try:
         alone, n = _filled(factory, config)
         case = _bad_input_cases(alone, n, config)[index]
-        values, tokens = alone.live["c1"][0].read()
+        values, tokens = alone.live["c1"][0].read()     # read first: see ``_refused_alike``
         _refused_alike(alone, case, alone.engine.observe(), to_numpy(values).copy(), tokens)
     except AssertionError:
         raise
@@ -257,12 +263,12 @@ def bad_input_changes_nothing(factory: Factory, config: Config) -> None:
     """NaN, wrong shapes, bad tokens and out-of-range positions raise the named error and change nothing."""
     run, n = _filled(factory, config)
     cases = _bad_input_cases(run, n, config)
-    before = run.engine.observe()
     values, tokens = run.live["c1"][0].read()
     values = to_numpy(values).copy()
+    before = run.engine.observe()       # after the read: see ``_refused_alike``
     for index, case in enumerate(cases):
         try:
-            _refused_alike(run, case, before, values, tokens)
+            before = _refused_alike(run, case, before, values, tokens)
         except AssertionError:
             _fails_alone(factory, config, index, run)
             raise
