@@ -43,6 +43,9 @@ def check_arena_size(obs: Observation, arena_pages: int) -> None:
                                 f"(arena_pages){hint}")
 
 
+NAMED = 12      # holders a violation names before "and N more": a page a hundred contexts hold is one line
+
+
 def check_refcounts(obs: Observation) -> None:
     """1. A page's refcount equals the number of holders that point at it (0 for a cached page)."""
     if obs.pages is None or obs.holders is None:
@@ -53,8 +56,9 @@ def check_refcounts(obs: Observation) -> None:
             # A holder listing the page twice is named so: "2 holders ['ctx:2']" hid the fault.
             holders = sorted(h if pages.count(pid) == 1 else f"{h}, {pages.count(pid)} times"
                              for h, pages in obs.holders.items() if pid in pages)
+            shown = holders if len(holders) <= NAMED else [*holders[:NAMED], f"and {len(holders) - NAMED} more"]
             raise InvariantViolation(
-                1, f"page {pid} has refcount {page.refcount} but {held.get(pid, 0)} holders {holders}")
+                1, f"page {pid} has refcount {page.refcount} but {held.get(pid, 0)} holders {shown}")
 
 
 def check_liveness(obs: Observation) -> None:

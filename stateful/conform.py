@@ -38,6 +38,7 @@ from .directed.checks import DIRECTED
 from .directed.common import BrokenPromise
 from .machine import machine_for, run_machine
 from .frames import suite_assertion
+from .lockstep import UNOBSERVED
 from .replay import Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
 from .shrink import CLOCK, TRIES, Shrinker, created_handles
@@ -540,6 +541,9 @@ def _report(head: str, config: Config | None, history: list[str], what: str, fou
         lines.append(f"failing call: {failing}" + (f", found by {found_by}" if found_by else ""))
     lines.append(f"{what} ({len(history)} operations; the failure shows right after the last):")
     lines.extend(f"  {line}" for line in history)
+    if any(UNOBSERVED in line for line in history):
+        lines.append(f"  ({UNOBSERVED.strip()[2:]}: the step ran with no observe() before it and no check after; "
+                     f"observing may settle what a backend keeps lazily, so the failure may not show without that)")
     return "\n".join(lines)
 
 

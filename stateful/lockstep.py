@@ -31,6 +31,7 @@ WHOLE_POOL_FITS = ("At the end of a sequence, every context closed and the tree 
                    "whole pool fit it: nothing the engine still counts (a page kept by a refused operation, a "
                    "truncate, a close or a clear, or a pool limit off by one) takes room.")
 REFUSED = "    # refused: "      # what a history line ends with when both sides refused it, then the error class
+UNOBSERVED = "    # unobserved"   # a history line's step applied with no observation before it and no check after
 
 
 def _length(ctx: Any) -> int:
@@ -90,6 +91,10 @@ class Lockstep:
         # reported at the operation that broke them; set for the directed checks, whose full checks
         # come only where their scenario needs one (the machine and replays check every step in full).
         self.check_each_apply = False
+        # Operations applied unwatched (``apply(op, False)``) with no check right after, by ``id``: the
+        # ops themselves are kept, so no id is reused. A replay of the run observes as it did
+        # (``replay.execute_as_watched``): observing settles what a backend keeps lazily.
+        self.unwatched: dict[int, O.Op] = {}
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
         self._unread: set[str] = set()           # handles a check skipped (``_unchanged_since``) and none read since
@@ -116,6 +121,8 @@ class Lockstep:
         A refusal must change nothing: ``watched`` compares whole observations before and after
         (a cost that grows with the cache); unwatched, only the live contexts' lengths.
         """
+        if not watched:
+            self.unwatched[id(op)] = op
         handle = self._apply(op, watched)
         if self.check_each_apply:
             self.check_books()
@@ -127,7 +134,7 @@ class Lockstep:
         before = self._observation_now() if watched else None
         self.refused = None
         self.steps += 1
-        self.history.append(str(op))
+        self.history.append(str(op) + ("" if watched else UNOBSERVED))
         self.ops.append(op)
         self._created_last = None
         # One draw of the op's values, a copy for each side: a backend that wrote into its argument
@@ -402,6 +409,8 @@ class Lockstep:
 
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
+        if self.ops and self.unwatched.pop(id(self.ops[-1]), None) is not None:   # checked right after: watched
+            self.history[-1] = self.history[-1].replace(UNOBSERVED, "", 1)
         self._reported(self._check)
 
     def check_books(self) -> None:

@@ -176,6 +176,15 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
     return None, lockstep
 
 
+def execute_as_watched(unwatched: dict[int, O.Op], factory: Factory, config: Config, ops: list[O.Op],
+                       lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
+    """``execute``, leaving unwatched the operations a run applied so (``Lockstep.unwatched``, by
+    identity: a shrinker's candidates hold the same objects), every other one watched and checked.
+    A failure that only a run observing less often shows (a backend settling counts lazily, where an
+    observation settles them) replays, and shrinks, instead of vanishing under every-step checks."""
+    return execute(factory, config, ops, lockstep=lockstep, watch=lambda step, op, _: id(op) not in unwatched)
+
+
 CHECK_BUDGET = 16
 """``spaced_checks``: checking may cost up to this many positions per operation (and per token written)."""
 

@@ -816,6 +816,56 @@ def test_prefix_edges_catch_a_lazy_count_that_only_observing_settles(monkeypatch
         DIRECTED["prefix edges"](numpy_factory, config_named(name))
 
 
+def _dropping(batch: str):
+    """``Refcounts.share`` (``batch`` "pending": a hit's count on its run) or ``share_holding`` ("forked": a
+    fork's on its holding) that, once ``FLUSH_AT`` are waiting, drops them instead of adding them."""
+    from kvstate.impl import refcounts
+
+    method = {"pending": "share", "forked": "share_holding"}[batch]
+    honest = getattr(refcounts.Refcounts, method)
+
+    def dropping(counts, shared):
+        waiting = getattr(counts, batch)
+        if len(waiting) >= counts.FLUSH_AT:
+            if batch == "forked":
+                for holding in waiting.values():
+                    holding.forks = 0
+            waiting.clear()
+        honest(counts, shared)
+    return refcounts.Refcounts, method, dropping
+
+
+@pytest.mark.parametrize("batch, name", [("pending", "token-f32-heap"), ("pending", "block4-f32-pool12-refuse"),
+                                         ("forked", "f32-heap"), ("forked", "block2-f16-pool10-evict-then-refuse")])
+def test_prefix_edges_catch_counts_dropped_once_a_batch_of_them_is_waiting(monkeypatch, batch, name):
+    # A mutant of kvstate's engine (s74): the deferred counts dropped, not added, once 64 were waiting.
+    # It passed the whole default suite and conform: every lockstep run observes (and so settles the
+    # counts) before each step and holds at most 8 contexts.
+    monkeypatch.setattr(*_dropping(batch))
+    with pytest.raises(BrokenPromise, match="a hundred hits of one entry"):
+        DIRECTED["prefix edges"](numpy_factory, config_named(name))
+
+
+def test_a_failure_only_an_unobserved_run_shows_is_shrunk_observing_as_that_run_did(monkeypatch):
+    # Replayed with every step checked, the observations settled the counts and the failure vanished:
+    # the report printed all 377 operations of the check unshrunk. Replayed observing as the check did,
+    # it shrinks to the hits that fill the batch and one more, each but the last marked as run unobserved
+    # (at 64, the engine's own batch: 68 operations).
+    from kvstate.impl.refcounts import Refcounts
+    from kvstate.stateful.conform import conform
+
+    monkeypatch.setattr(*_dropping("pending"))
+    monkeypatch.setattr(Refcounts, "FLUSH_AT", 4)      # a batch of 4: the shrink has 5 hits to keep, not 65
+    (result,) = conform(numpy_factory, configs=[config_named("token-f32-heap")], checks=["prefix edges"])
+    detail = result.outcomes["prefix edges"].detail
+    assert detail.startswith("InvariantViolation: invariant 1") and "minimised failing sequence" in detail, detail
+    operations = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:]
+    steps = [line for line in operations if not line.startswith("  (")]
+    assert len(steps) <= 3 + 5 + 2, operations
+    assert sum(line.endswith("# unobserved") for line in steps) >= 4, operations
+    assert "(unobserved: the step ran with no observe() before it and no check after" in detail, detail
+
+
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):
     # An audit's mutant of the checker (s73): ``_same_values`` comparing shapes and dtypes only passed the
     # whole suite; nothing ran ``boundaries`` against a wrong ``read_layer``. Here every layer reads layer 0.

@@ -26,6 +26,13 @@ def test_a_cached_page_a_holder_lists_breaks_invariant_1():
     assert broken.value.invariant == 1
 
 
+def test_a_page_held_by_many_names_the_first_holders_and_counts_the_rest():
+    # A page a hundred hits held printed a 740-character first line (s74): the rest are counted.
+    holders = {f"ctx:{i}": (1,) for i in range(100, 130)}
+    with pytest.raises(InvariantViolation, match=r"30 holders \['ctx:100', .*'ctx:111', 'and 18 more'\]$"):
+        check_refcounts(_observation({1: PageView(1, 1, None)}, holders, 1, 0))
+
+
 @pytest.mark.parametrize("allocated, freed", [(3, 0), (1, 0), (4, 1), (2, 1)])
 def test_pages_allocated_less_freed_must_equal_the_live_pages_exactly(allocated, freed):
     live = {1: PageView(1, 1, None), 2: PageView(2, 1, None)}
