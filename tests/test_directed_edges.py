@@ -866,6 +866,24 @@ def test_a_failure_only_an_unobserved_run_shows_is_shrunk_observing_as_that_run_
     assert "(unobserved: the step ran with no observe() before it and no check after" in detail, detail
 
 
+def test_the_shared_page_budget_scenario_catches_shared_pages_counted_once(monkeypatch):
+    # An audit's mutant of the checker (s73): this scenario returning at once passed every test, since the
+    # engine bug it was written for (a page budget counting a page shared by entries once) is now caught
+    # by another scenario too. Run alone, it must catch that bug itself.
+    from kvstate.impl import tree_bounds
+    from kvstate.stateful.directed import prefix
+    from kvstate.stateful.directed.common import start
+
+    def exceeded_sharing_once(bounds, tree):
+        held = {id(page) for node in tree.entries() for page in node.value._holding.pages}
+        return len(tree) > bounds.max_entries or (bool(bounds.max_pages) and len(held) > bounds.max_pages)
+    config = config_named("token-f16-heap-pages5")
+    prefix._shared_page_budget(start(numpy_factory, config))
+    monkeypatch.setattr(tree_bounds.TreeBounds, "exceeded", exceeded_sharing_once)
+    with pytest.raises(BrokenPromise, match="as if nothing were shared"):
+        prefix._shared_page_budget(start(numpy_factory, config))
+
+
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):
     # An audit's mutant of the checker (s73): ``_same_values`` comparing shapes and dtypes only passed the
     # whole suite; nothing ran ``boundaries`` against a wrong ``read_layer``. Here every layer reads layer 0.
