@@ -20,6 +20,7 @@ import shlex
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -38,8 +39,8 @@ from .directed.checks import DIRECTED
 from .directed.common import BrokenPromise
 from .machine import machine_for, run_machine
 from .frames import suite_assertion
-from .lockstep import UNOBSERVED
-from .replay import Failure, execute, raised_at
+from .lockstep import CHECKED, UNOBSERVED
+from .replay import Failure, execute, execute_as_watched, raised_at
 from .seeded import first_seed, run_seeds
 from .shrink import CLOCK, TRIES, Shrinker, created_handles
 from .stuck import stuck_at
@@ -425,9 +426,11 @@ def _shrunk_directed(factory: Factory, run, error: BaseException, stop: Callable
     steps = [line for line in run.history if "# teardown" not in line]
     if not isinstance(error, Exception) or not run.ops or len(run.ops) != len(steps):
         return None
-    # A check that compares runs (``arena evidence``'s twins) replays a sequence its own way (``error.replay``).
-    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking,
-                                         getattr(error, "replay", execute))
+    # A check that compares runs (``arena evidence``'s twins) replays a sequence its own way (``error.replay``);
+    # one that left steps unobserved, observing as it did.
+    replay = getattr(error, "replay", None) or (
+        partial(execute_as_watched, dict(run.unwatched), set(run.checked_after)) if run.unwatched else execute)
+    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking, replay)
     if replayed is None:
         return None
     # Replayed, the failure is whatever the checks after every step meet first, which may break another
@@ -542,8 +545,9 @@ def _report(head: str, config: Config | None, history: list[str], what: str, fou
     lines.append(f"{what} ({len(history)} operations; the failure shows right after the last):")
     lines.extend(f"  {line}" for line in history)
     if any(UNOBSERVED in line for line in history):
-        lines.append(f"  ({UNOBSERVED.strip()[2:]}: the step ran with no observe() before it and no check after; "
-                     f"observing may settle what a backend keeps lazily, so the failure may not show without that)")
+        lines.append(f"  ({UNOBSERVED.strip()[2:]}: the step ran with no observe() before it, and no check after "
+                     f"unless \"{CHECKED[2:]}\"; observing may settle what a backend keeps lazily, so the failure "
+                     f"may not show without that)")
     return "\n".join(lines)
 
 

@@ -32,6 +32,7 @@ WHOLE_POOL_FITS = ("At the end of a sequence, every context closed and the tree 
                    "truncate, a close or a clear, or a pool limit off by one) takes room.")
 REFUSED = "    # refused: "      # what a history line ends with when both sides refused it, then the error class
 UNOBSERVED = "    # unobserved"   # a history line's step applied with no observation before it and no check after
+CHECKED = ", then checked"       # added to ``UNOBSERVED`` where a check followed the step
 
 
 def _length(ctx: Any) -> int:
@@ -91,10 +92,12 @@ class Lockstep:
         # reported at the operation that broke them; set for the directed checks, whose full checks
         # come only where their scenario needs one (the machine and replays check every step in full).
         self.check_each_apply = False
-        # Operations applied unwatched (``apply(op, False)``) with no check right after, by ``id``: the
-        # ops themselves are kept, so no id is reused. A replay of the run observes as it did
-        # (``replay.execute_as_watched``): observing settles what a backend keeps lazily.
+        # Operations applied unwatched (``apply(op, False)``: no observation before them), by ``id`` (the
+        # ops themselves are kept, so no id is reused), and of those the ones a check followed. A replay
+        # of the run observes as it did (``replay.execute_as_watched``): observing settles what a
+        # backend keeps lazily, so a replay observing more may not fail where the run did.
         self.unwatched: dict[int, O.Op] = {}
+        self.checked_after: set[int] = set()
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
         self._unread: set[str] = set()           # handles a check skipped (``_unchanged_since``) and none read since
@@ -409,8 +412,9 @@ class Lockstep:
 
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
-        if self.ops and self.unwatched.pop(id(self.ops[-1]), None) is not None:   # checked right after: watched
-            self.history[-1] = self.history[-1].replace(UNOBSERVED, "", 1)
+        if self.ops and id(self.ops[-1]) in self.unwatched and id(self.ops[-1]) not in self.checked_after:
+            self.checked_after.add(id(self.ops[-1]))
+            self.history[-1] = self.history[-1].replace(UNOBSERVED, UNOBSERVED + CHECKED, 1)
         self._reported(self._check)
 
     def check_books(self) -> None:

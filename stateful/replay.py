@@ -140,15 +140,17 @@ FINDINGS = (Exception, SystemExit)
 
 def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             on_step: StepHook | None = None, lockstep: Lockstep | None = None,
-            watch: Watch | None = None) -> tuple[Failure | None, Lockstep]:
+            watch: Watch | None = None, checked: Callable[[O.Op], bool] | None = None
+            ) -> tuple[Failure | None, Lockstep]:
     """Apply ``ops`` in lockstep, checking invariants 1-5 after every step and 6 at the end.
 
     Returns the first failure (None when every check holds) and the lockstep, left as it was
     when the run stopped. An operation naming a context that is not live, or a snapshot the run
     has not taken, is the sequence's fault, not the backend's: ``ReplayFileError``. ``ops`` may be
     a generator that reads ``lockstep`` (passed in, already built) to choose each next operation.
-    ``watch(step, op, lockstep)``, when given, decides which steps are checked
-    (``spaced_checks``); every step's errors are still compared.
+    ``watch(step, op, lockstep)``, when given, decides which steps are observed before and checked
+    after (``spaced_checks``); every step's errors are still compared. ``checked(op)``, when given, has an
+    unwatched step checked after all (``execute_as_watched``).
     """
     lockstep = lockstep or Lockstep(factory, config)
     step = 0
@@ -163,7 +165,7 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
             if on_step is not None:
                 on_step(step, op, handle, lockstep)
             phase = "check"
-            if watched:
+            if watched or (checked is not None and checked(op)):
                 lockstep.check()
         except FINDINGS as error:       # a broken backend may raise anything; that is a finding
             # a check after a step both sides refused says so: the broken promise is "refused, nothing changed"
@@ -176,13 +178,15 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
     return None, lockstep
 
 
-def execute_as_watched(unwatched: dict[int, O.Op], factory: Factory, config: Config, ops: list[O.Op],
-                       lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
-    """``execute``, leaving unwatched the operations a run applied so (``Lockstep.unwatched``, by
-    identity: a shrinker's candidates hold the same objects), every other one watched and checked.
-    A failure that only a run observing less often shows (a backend settling counts lazily, where an
-    observation settles them) replays, and shrinks, instead of vanishing under every-step checks."""
-    return execute(factory, config, ops, lockstep=lockstep, watch=lambda step, op, _: id(op) not in unwatched)
+def execute_as_watched(unwatched: dict[int, O.Op], checked_after: set[int], factory: Factory, config: Config,
+                       ops: list[O.Op], lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
+    """``execute`` observing as a run did (``Lockstep.unwatched`` and ``checked_after``, by identity: a
+    shrinker's candidates hold the same objects): a step that run applied unobserved is so again, and
+    checked after only where the run checked it; every other step is observed and checked. A failure
+    that only a run observing less often shows (a backend settling counts lazily, where an observation
+    settles them) replays, and shrinks, instead of vanishing under every-step checks."""
+    return execute(factory, config, ops, lockstep=lockstep, watch=lambda step, op, _: id(op) not in unwatched,
+                   checked=lambda op: id(op) in checked_after)
 
 
 CHECK_BUDGET = 16

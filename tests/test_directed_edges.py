@@ -863,7 +863,10 @@ def test_a_failure_only_an_unobserved_run_shows_is_shrunk_observing_as_that_run_
     steps = [line for line in operations if not line.startswith("  (")]
     assert len(steps) <= 3 + 5 + 2, operations
     assert sum(line.endswith("# unobserved") for line in steps) >= 4, operations
-    assert "(unobserved: the step ran with no observe() before it and no check after" in detail, detail
+    # The last hit was checked, not observed before: marked so (an audit, s74: marked as observed, it replayed
+    # observed, which settled the counts, and the printed sequence passed).
+    assert steps[-1].endswith("match(tokens=(330, 331, 332, 333, 334, 335))    # unobserved, then checked"), steps
+    assert "(unobserved: the step ran with no observe() before it, and no check after unless" in detail, detail
 
 
 def test_the_shared_page_budget_scenario_catches_shared_pages_counted_once(monkeypatch):
@@ -882,6 +885,31 @@ def test_the_shared_page_budget_scenario_catches_shared_pages_counted_once(monke
     monkeypatch.setattr(tree_bounds.TreeBounds, "exceeded", exceeded_sharing_once)
     with pytest.raises(BrokenPromise, match="as if nothing were shared"):
         prefix._shared_page_budget(start(numpy_factory, config))
+
+
+def test_a_backend_keeping_its_counts_lazily_passes_what_runs_unobserved():
+    from foreign import lazy_counts
+    from kvstate.stateful.conform import conform
+
+    (result,) = conform(lazy_counts.factory, configs=[config_named("f32-heap")],
+                        checks=["fork isolation", "prefix edges", "1 write copies 1", "bad input"])
+    assert all(outcome.status == "pass" for outcome in result.outcomes.values()), result.outcomes
+
+
+def test_fork_isolation_catches_a_copy_on_write_that_reads_only_settled_counts():
+    # An audit's backend (s74): copy-on-write ignored the counts it had queued, so a write right after a
+    # fork landed in the shared page. Every check observed before each write, which settled the fork's
+    # count, and it passed everything. Unobserved, the check shrinks it to the fork and the write.
+    from foreign import lazy_counts
+    from kvstate.stateful.conform import conform
+
+    (result,) = conform(lazy_counts.settled_cow_factory, configs=[config_named("f32-heap")], checks=["fork isolation"])
+    detail = result.outcomes["fork isolation"].detail
+    assert detail.startswith("InvariantViolation: invariant 4: c1 position 0"), detail
+    steps = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:-1]
+    assert len(steps) <= 5, steps
+    assert [step.split("(")[0].split(" = ")[-1].strip() for step in steps if step.endswith("# unobserved")] == \
+        ["fork", "overwrite"], steps
 
 
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -27,7 +26,6 @@ from kvstate.spec.protocol import Config, Factory
 from .. import ops as O
 from ..frames import suite_assertion
 from ..lockstep import REFUSED, Lockstep, describe_refusal, same_refusal, to_numpy
-from ..replay import execute_as_watched
 
 Check = Callable[[Factory, Config], None]
 
@@ -109,8 +107,6 @@ def keeping(promise: str, run: Lockstep, call: str | None = None) -> Iterator[No
         # a failure of the run's own teardown (``Lockstep.finish``) names the promise it broke, not this one
         broken = BrokenPromise(getattr(error, "promise", None) or promise, where, str(error))
         broken.invariant = getattr(error, "invariant", None)    # the invariant number, where one broke
-        if run.unwatched:       # replayed (and shrunk) observing as the run did, where it left steps unwatched
-            broken.replay = partial(execute_as_watched, dict(run.unwatched))
         raise broken from error
 
 

@@ -1,0 +1,102 @@
+"""A backend that keeps its refcounts lazily, as engines batching their bookkeeping do (an audit's, s74).
+
+``examples/listcache.py`` with every refcount change queued, and applied only when ``observe()`` looks
+or ``BATCH`` changes wait; a page whose count reaches 0 is freed then. Its copy-on-write reads a page's
+count with the queued changes added, so it is correct, and conform must pass it.
+
+``settled_cow_factory`` plants the bug the whole suite missed: copy-on-write reading the applied count
+alone, so a write right after a fork, with nothing observed between them, lands in a page the fork
+shares. Every lockstep and seeded step observes first, which applies the fork's count.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from listcache import ListCache, ListContext, factory as _listcache  # noqa: E402
+
+BATCH = 32
+
+
+class LazyContext(ListContext):
+    def writable(self, index: int):
+        page = self.pages[index]
+        if self.cache.count(page) > 1:
+            private = self.cache.new_page()
+            private.values[:] = page.values
+            private.tokens[:] = page.tokens
+            self.cache.release(page)
+            self.pages[index] = private
+        return self.pages[index]
+
+
+class LazyCache(ListCache):
+    context_class = LazyContext
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.queued: list = []          # (page, +1 or -1), oldest first
+
+    def count(self, page) -> int:
+        """``page``'s count with the queued changes added: what copy-on-write must read."""
+        return page.refcount + sum(delta for queued, delta in self.queued if queued is page)
+
+    def _queue(self, page, delta: int) -> None:
+        self.queued.append((page, delta))
+        if len(self.queued) >= BATCH:
+            self.settle()
+
+    def settle(self) -> None:
+        queued, self.queued = self.queued, []
+        for page, delta in queued:
+            page.refcount += delta
+        for page, _ in queued:
+            if page.refcount == 0 and page.page_id in self.live:
+                del self.live[page.page_id]
+                self.freed += 1
+
+    def release(self, page) -> None:
+        self._queue(page, -1)
+
+    def adopt(self, pages, length, register=True):
+        ctx = self.context_class(self, pages, length)
+        for page in pages:
+            self._queue(page, +1)
+        if register:
+            self.contexts.append(ctx)
+        return ctx
+
+    def observe(self):
+        self.settle()
+        return super().observe()
+
+
+class SettledCowContext(LazyContext):
+    def writable(self, index: int):
+        page = self.pages[index]
+        if page.refcount > 1:          # the bug: the fork's queued count is not read
+            private = self.cache.new_page()
+            private.values[:] = page.values
+            private.tokens[:] = page.tokens
+            self.cache.release(page)
+            self.pages[index] = private
+        return self.pages[index]
+
+
+class SettledCowCache(LazyCache):
+    context_class = SettledCowContext
+
+
+def factory(config):
+    return LazyCache(config)
+
+
+def settled_cow_factory(config):
+    return SettledCowCache(config)
+
+
+for _made in (factory, settled_cow_factory):
+    _made.configs = _listcache.configs
+    _made.any_page_size = True
