@@ -40,7 +40,7 @@ from .directed.common import BrokenPromise
 from .machine import machine_for, run_machine
 from .frames import suite_assertion
 from .lockstep import CHECKED, UNOBSERVED
-from .replay import Failure, execute, execute_as_watched, raised_at
+from .replay import AsWatched, Failure, execute, raised_at
 from .seeded import first_seed, run_seeds
 from .shrink import CLOCK, TRIES, Shrinker, created_handles
 from .stuck import stuck_at
@@ -237,10 +237,15 @@ def _lockstep_failure(factory: Factory, error: BaseException, last, shrunk: bool
         return describe(error, None)
     history = last.history[:last.failed_at] if last.failed_at is not None else last.history
     if shrunk:
-        replayed, lines, stopped = _reshrink(factory, last.config, last.ops[:len(history)], stop)
+        replayed, lines, stopped = _reshrink(factory, last.config, last.ops[:len(history)], stop, run=_as_run(last))
         if replayed is not None:
             return _report(replayed.headline, last.config, lines, _minimised(stopped), replayed.found_by)
     return describe(error, history, minimised=False, config=last.config)
+
+
+def _as_run(run) -> Callable:
+    """How a run's sequence replays: observing as it did, where it left steps unobserved; else ``execute``."""
+    return AsWatched(run.unwatched, run.checked_after) if run.unwatched else execute
 
 
 def _reshrink(factory: Factory, config: Config, ops: list, stop: Callable[[], bool] = lambda: False,
@@ -428,9 +433,8 @@ def _shrunk_directed(factory: Factory, run, error: BaseException, stop: Callable
         return None
     # A check that compares runs (``arena evidence``'s twins) replays a sequence its own way (``error.replay``);
     # one that left steps unobserved, observing as it did.
-    replay = getattr(error, "replay", None) or (
-        partial(execute_as_watched, dict(run.unwatched), set(run.checked_after)) if run.unwatched else execute)
-    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking, replay)
+    replayed, lines, stopped = _reshrink(factory, run.config, list(run.ops), stop, shrinking,
+                                         getattr(error, "replay", None) or _as_run(run))
     if replayed is None:
         return None
     # Replayed, the failure is whatever the checks after every step meet first, which may break another

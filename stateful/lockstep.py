@@ -94,10 +94,10 @@ class Lockstep:
         self.check_each_apply = False
         # Operations applied unwatched (``apply(op, False)``: no observation before them), by ``id`` (the
         # ops themselves are kept, so no id is reused), and of those the ones a check followed. A replay
-        # of the run observes as it did (``replay.execute_as_watched``): observing settles what a
-        # backend keeps lazily, so a replay observing more may not fail where the run did.
+        # of the run observes as it did (``replay.AsWatched``): observing settles what a backend keeps
+        # lazily, so a replay observing more may not fail where the run did.
         self.unwatched: dict[int, O.Op] = {}
-        self.checked_after: set[int] = set()
+        self.checked_after: dict[int, O.Op] = {}
         self._touched: set[str] = set()          # handles the operations since the last check named
         self._verified: set[str] = set()         # handles whose values the last check vouched for
         self._unread: set[str] = set()           # handles a check skipped (``_unchanged_since``) and none read since
@@ -413,7 +413,7 @@ class Lockstep:
     def check(self) -> None:
         """Invariants 1-5 against the current state."""
         if self.ops and id(self.ops[-1]) in self.unwatched and id(self.ops[-1]) not in self.checked_after:
-            self.checked_after.add(id(self.ops[-1]))
+            self.checked_after[id(self.ops[-1])] = self.ops[-1]
             self.history[-1] = self.history[-1].replace(UNOBSERVED, UNOBSERVED + CHECKED, 1)
         self._reported(self._check)
 

@@ -150,7 +150,7 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
     a generator that reads ``lockstep`` (passed in, already built) to choose each next operation.
     ``watch(step, op, lockstep)``, when given, decides which steps are observed before and checked
     after (``spaced_checks``); every step's errors are still compared. ``checked(op)``, when given, has an
-    unwatched step checked after all (``execute_as_watched``).
+    unwatched step checked after all (``AsWatched``).
     """
     lockstep = lockstep or Lockstep(factory, config)
     step = 0
@@ -178,15 +178,31 @@ def execute(factory: Factory, config: Config, ops: Iterable[O.Op],
     return None, lockstep
 
 
-def execute_as_watched(unwatched: dict[int, O.Op], checked_after: set[int], factory: Factory, config: Config,
-                       ops: list[O.Op], lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
-    """``execute`` observing as a run did (``Lockstep.unwatched`` and ``checked_after``, by identity: a
-    shrinker's candidates hold the same objects): a step that run applied unobserved is so again, and
-    checked after only where the run checked it; every other step is observed and checked. A failure
-    that only a run observing less often shows (a backend settling counts lazily, where an observation
-    settles them) replays, and shrinks, instead of vanishing under every-step checks."""
-    return execute(factory, config, ops, lockstep=lockstep, watch=lambda step, op, _: id(op) not in unwatched,
-                   checked=lambda op: id(op) in checked_after)
+class AsWatched:
+    """How a run observed its steps (``Lockstep.unwatched`` and ``checked_after``, by identity), as a way
+    to run a sequence of its operations (``execute``'s signature): a step the run applied unobserved is so
+    again, and checked after only where the run checked it; every other step is observed and checked. A
+    failure that only a run observing less often shows (a backend settling counts lazily, where an
+    observation settles them) so replays, and shrinks, instead of vanishing under every-step checks.
+    ``like(new, old)``: ``new``, an operation made from ``old`` (renamed, simplified, joined, or standing
+    in for it), observed as ``old`` was; the shrinker calls it for each such operation it makes."""
+
+    def __init__(self, unwatched: dict[int, O.Op], checked_after: dict[int, O.Op]):
+        # the operations themselves are kept: no id is reused while this lives
+        self.unwatched, self.checked_after = dict(unwatched), dict(checked_after)
+
+    def __call__(self, factory: Factory, config: Config, ops: list[O.Op],
+                 lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
+        return execute(factory, config, ops, lockstep=lockstep, watch=lambda step, op, _: id(op) not in self.unwatched,
+                       checked=lambda op: id(op) in self.checked_after)
+
+    def like(self, new: O.Op, old: O.Op, checked: bool = True) -> O.Op:
+        """``new`` observed as ``old`` was; checked after as ``old`` was only where ``checked``."""
+        if id(old) in self.unwatched:
+            self.unwatched[id(new)] = new
+            if checked and id(old) in self.checked_after:
+                self.checked_after[id(new)] = new
+        return new
 
 
 CHECK_BUDGET = 16

@@ -44,10 +44,15 @@ shrink makes 20 to 240 tries, 30 ms of CPU each)."""
 TRIES, CLOCK = "tries", "clock"     # why a shrink stopped before no smaller sequence could be found
 
 
-def renumber(ops: Sequence[O.Op], handles: Sequence[str | None]) -> list[O.Op]:
+def _same(new: O.Op, old: O.Op, checked: bool = True) -> O.Op:
+    return new
+
+
+def renumber(ops: Sequence[O.Op], handles: Sequence[str | None], like=_same) -> list[O.Op]:
     """Keep ``ops`` whose contexts still exist, renaming handles in creation order.
 
-    ``handles[i]`` is the handle ``ops[i]`` created in the sequence they came from (None if none).
+    ``handles[i]`` is the handle ``ops[i]`` created in the sequence they came from (None if none);
+    ``like(new, old)``, the runner's (``replay.AsWatched.like``), is told of each renamed operation.
     """
     names: dict[str, str] = {}
     snapshots: set[str] = set()
@@ -57,7 +62,8 @@ def renumber(ops: Sequence[O.Op], handles: Sequence[str | None]) -> list[O.Op]:
         if ctx is not None:
             if ctx not in names:
                 continue            # its context's creator was removed
-            op = replace(op, ctx=names[ctx])
+            if names[ctx] != ctx:
+                op = like(replace(op, ctx=names[ctx]), op)
         if op.kind == "snapshot":
             snapshots.add(op.name)
         elif op.kind == "restore" and op.name not in snapshots:
@@ -104,6 +110,9 @@ class Shrinker:
                  run: Callable[..., tuple[Failure | None, Lockstep]] = execute):
         self.factory = factory
         self.run = run            # ``execute``, or a check's own way of running a sequence (``Failure`` alike)
+        # Each operation a pass makes from another is observed as that one was, where the run says how
+        # (``replay.AsWatched``: a run that left steps unobserved); else this does nothing.
+        self.like = getattr(run, "like", _same)
         self.config = config
         self.signature = failure.signature
         self.failure = failure
@@ -180,11 +189,11 @@ class Shrinker:
                 continue
             handles = created_handles(ops)
             restores = [i for i, other in enumerate(ops) if other.kind == "restore" and other.name == op.name]
-            forks = [O.Fork(op.ctx)] * len(restores)
+            forks = [self.like(O.Fork(op.ctx), ops[i]) for i in restores]
             kept = [i for i in range(len(ops)) if i != index and i not in restores]
             candidate = renumber(ops[:index] + forks + [ops[i] for i in kept if i > index],
                                  handles[:index] + [handles[i] for i in restores]
-                                 + [handles[i] for i in kept if i > index])
+                                 + [handles[i] for i in kept if i > index], self.like)
             if self.fails(candidate):
                 ops = candidate
             else:
@@ -212,7 +221,7 @@ class Shrinker:
             for into in earlier:
                 if self.out_of_time:
                     return ops
-                candidate = _merged(ops, handles, index, into, empty=op.kind == "allocate")
+                candidate = _merged(ops, handles, index, into, empty=op.kind == "allocate", like=self.like)
                 if self.fails(candidate):
                     ops = candidate
                     break
@@ -232,7 +241,7 @@ class Shrinker:
             for parent in reversed([h for h in created_handles(ops)[:index] if h is not None]):
                 if self.out_of_time:
                     return ops
-                candidate = ops[:index] + [O.Fork(parent)] + ops[index + 1:]
+                candidate = ops[:index] + [self.like(O.Fork(parent), ops[index])] + ops[index + 1:]
                 if self.fails(candidate):
                     ops = candidate
                     break
@@ -250,7 +259,7 @@ class Shrinker:
             if after is None or ops[after].kind != "extend":
                 index += 1
                 continue
-            joined = replace(op, tokens=op.tokens + ops[after].tokens)
+            joined = self.like(replace(op, tokens=op.tokens + ops[after].tokens), ops[after])
             candidate = ops[:index] + [joined] + ops[index + 1:after] + ops[after + 1:]
             if self.fails(candidate):
                 ops = candidate
@@ -267,7 +276,8 @@ class Shrinker:
                 if self.out_of_time:
                     return ops
                 handles = created_handles(ops)
-                candidate = renumber(ops[:start] + ops[start + size:], handles[:start] + handles[start + size:])
+                candidate = renumber(ops[:start] + ops[start + size:], handles[:start] + handles[start + size:],
+                                     self.like)
                 if candidate != ops and self.fails(candidate):
                     ops = candidate
                     chunks = max(chunks - 1, 2)
@@ -285,7 +295,7 @@ class Shrinker:
             for simpler in _simpler(ops[index]):
                 if self.out_of_time:
                     return ops
-                candidate = ops[:index] + [simpler] + ops[index + 1:]
+                candidate = ops[:index] + [self.like(simpler, ops[index])] + ops[index + 1:]
                 if self.fails(candidate):
                     ops = candidate
                     break           # simplify the simpler op further
@@ -294,10 +304,12 @@ class Shrinker:
         return ops
 
 
-def _merged(ops: list[O.Op], handles: list[str | None], index: int, into: str, empty: bool) -> list[O.Op]:
+def _merged(ops: list[O.Op], handles: list[str | None], index: int, into: str, empty: bool,
+            like=_same) -> list[O.Op]:
     """``ops`` without the context ``ops[index]`` makes: every later operation on it done to ``into``
     instead, its closes dropped; where ``empty``, ``into`` cut to 0 right before the first of them (the
-    dropped context was empty until then, and ``into`` kept its own positions for what came between)."""
+    dropped context was empty until then, and ``into`` kept its own positions for what came between).
+    ``like`` as ``renumber``'s."""
     gone = handles[index]
     kept: list[O.Op] = []
     kept_handles: list[str | None] = []
@@ -308,13 +320,13 @@ def _merged(ops: list[O.Op], handles: list[str | None], index: int, into: str, e
             if other.kind == "close":
                 continue
             if empty:
-                kept.append(O.Truncate(into, 0))
+                kept.append(like(O.Truncate(into, 0), other, checked=False))
                 kept_handles.append(None)
                 empty = False
-            other = replace(other, ctx=into)
+            other = like(replace(other, ctx=into), other)
         kept.append(other)
         kept_handles.append(handles[i])
-    return renumber(kept, kept_handles)
+    return renumber(kept, kept_handles, like)
 
 
 def _simpler(op: O.Op) -> Iterator[O.Op]:
