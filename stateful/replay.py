@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -195,6 +195,11 @@ class AsWatched:
                  lockstep: Lockstep | None = None) -> tuple[Failure | None, Lockstep]:
         return execute(factory, config, ops, lockstep=lockstep, watch=lambda step, op, _: id(op) not in self.unwatched,
                        checked=lambda op: id(op) in self.checked_after)
+
+    def observed(self, op: O.Op) -> O.Op | None:
+        """A copy of unobserved ``op`` run observed, or None where it is observed already: the shrinker
+        tries it, and keeps it where the failure still shows (a mark that nothing needs is noise)."""
+        return replace(op) if id(op) in self.unwatched else None
 
     def like(self, new: O.Op, old: O.Op, checked: bool = True) -> O.Op:
         """``new`` observed as ``old`` was; checked after as ``old`` was only where ``checked``."""

@@ -113,6 +113,7 @@ class Shrinker:
         # Each operation a pass makes from another is observed as that one was, where the run says how
         # (``replay.AsWatched``: a run that left steps unobserved); else this does nothing.
         self.like = getattr(run, "like", _same)
+        self.observed = getattr(run, "observed", lambda op: None)
         self.config = config
         self.signature = failure.signature
         self.failure = failure
@@ -292,10 +293,13 @@ class Shrinker:
         """Try smaller arguments for each operation, keeping each change that still fails."""
         index = 0
         while index < len(ops):
-            for simpler in _simpler(ops[index]):
+            observed = self.observed(ops[index])
+            for simpler in ([observed] if observed is not None else []) + list(_simpler(ops[index])):
                 if self.out_of_time:
                     return ops
-                candidate = ops[:index] + [self.like(simpler, ops[index])] + ops[index + 1:]
+                if simpler is not observed:
+                    simpler = self.like(simpler, ops[index])
+                candidate = ops[:index] + [simpler] + ops[index + 1:]
                 if self.fails(candidate):
                     ops = candidate
                     break           # simplify the simpler op further

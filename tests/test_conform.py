@@ -34,8 +34,8 @@ def test_example_backend_passes_every_check(config_name):
     (result,) = conform(factory, settings=SMALL, configs=[config])
     assert result.passed, result.failure
     assert result.outcomes["lockstep"].steps > 100
-    # after every step but those of the machine's short stretches run unobserved, plus each run's end
-    assert result.checks > 0.9 * result.steps
+    # after every step but the machine's stretches run unobserved (4 of every 16), plus each run's end
+    assert result.checks > 0.7 * result.steps
 
 
 def test_broken_example_is_rejected_with_a_minimised_counterexample(capsys):

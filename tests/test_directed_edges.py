@@ -912,21 +912,23 @@ def test_fork_isolation_catches_a_copy_on_write_that_reads_only_settled_counts()
         ["fork", "overwrite"], steps
 
 
-def test_the_lockstep_machine_runs_stretches_unobserved_and_shrinks_through_renamed_handles():
-    # The same backend: every lockstep step observed first, so it passed. The machine now runs short
-    # stretches with nothing observed, and its shrink keeps each operation observed as the run did, also
-    # where a dropped context renames the later ones (a renamed step had been taken as observed, and the
-    # failure stayed 14 operations long, 7 of them another context's).
+def test_the_lockstep_machine_runs_stretches_unobserved_and_shrinks_them_observed_as_they_ran():
+    # A lazy backend freeing a page that a retain and a clear, queued together, leave held: every lockstep
+    # step observed first, which applied each change alone, and it passed. The machine now leaves the
+    # last steps of every 16 unobserved; its shrink keeps each operation it renames, simplifies or joins
+    # observed as the one it came from (else a renamed step counted as observed, and a failure kept
+    # another context's operations: 14 where 4 show it).
     from foreign import lazy_counts
     from kvstate.stateful.conform import conform
 
-    (result,) = conform(lazy_counts.settled_cow_factory, configs=[config_named("f32-heap")], checks=["lockstep"])
+    (result,) = conform(lazy_counts.decrements_first_factory, configs=[config_named("f32-heap")], checks=["lockstep"])
     detail = result.outcomes["lockstep"].detail
-    assert detail.startswith("InvariantViolation: invariant 4"), detail
+    assert detail.startswith("InvariantViolation: invariant 2"), detail
     steps = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:-1]
-    assert [step.split("(")[0].split(" = ")[-1].strip() for step in steps] == \
-        ["allocate", "extend", "fork", "overwrite"], steps
+    assert len(steps) <= 5, steps
     assert steps[-1].endswith("# unobserved, then checked"), steps
+    (fine,) = conform(lazy_counts.factory, configs=[config_named("f32-heap")], checks=["lockstep"])
+    assert fine.passed, fine.failure
 
 
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):

@@ -27,7 +27,7 @@ from kvstate.spec.protocol import Config, Factory
 from .. import ops as O
 # ``current`` and ``NotApplicable`` are re-exported: conform reads ``directed.current.run`` for a
 # failure's history and reports ``directed.NotApplicable`` as n/a.
-from .common import Check, NotApplicable, current, filled as _filled, record, require_tier  # noqa: F401
+from .common import Check, NotApplicable, current, filled as _filled, record, require_tier, start  # noqa: F401
 from .edges import boundaries, no_aliasing
 from .evidence import arena_evidence
 from .hostile_snapshots import hostile_files
@@ -65,6 +65,25 @@ def fork_isolation(factory: Factory, config: Config) -> None:
         run.apply(O.Extend("c2", (2, 2, 2), seed=11), watched)                 # regrow over a page c3 shares
         run.check()
         run.finish()
+    _parent_closed_sharing_some(factory, config)
+
+
+def _parent_closed_sharing_some(factory: Factory, config: Config) -> None:
+    """A parent closed while its fork shares every other one of its pages: its own go, the shared stay
+    (a mutant of kvstate's engine freeing the right pages at the wrong slots, where the parent's pages
+    did not start at its first slot, passed every check: s74). A one-page context comes first."""
+    page = config.page_tokens
+    run = start(factory, config)
+    first = run.apply(O.Allocate())
+    run.apply(O.Extend(first, (2,) * page, seed=12))
+    parent = run.apply(O.Allocate())
+    run.apply(O.Extend(parent, tuple(i % 3 for i in range(4 * page)), seed=13))
+    child = run.apply(O.Fork(parent))
+    run.apply(O.Overwrite(child, page, (1,), seed=14))
+    run.apply(O.Overwrite(child, 3 * page, (1,), seed=15))
+    run.apply(O.Close(parent))
+    run.check()
+    run.finish()
 
 
 def fork_allocates_nothing(factory: Factory, config: Config) -> None:

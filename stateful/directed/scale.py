@@ -52,6 +52,7 @@ def scale(factory: Factory, config: Config) -> None:
     sizes = page_sizes(factory, config)
     small = config.with_(page_tokens=min(sizes))
     _many_pages(_run(factory, _scaled_pool(small, PEAK_PAGES + 64), fallback=small))
+    _full_at_each_doubling(_run(factory, _scaled_pool(small, PEAK_PAGES + 64), fallback=small))
     # Every other check stores at the toy 2x2x4 layout, where a bug in how a backend lays out heads or
     # dimensions (two heads swapped past the third, a row offset past 128 bytes) does not show.
     model = _run(factory, small.with_(layout=MODEL_LAYOUT), fallback=None)
@@ -120,9 +121,18 @@ def _many_pages(run: Lockstep) -> None:
     third = PEAK_PAGES // 3 * page
     with keeping(MANY, run):
         a = _step(run, O.Allocate())
+        between = _step(run, O.Allocate())
         for part in range(2):
             _step(run, O.Extend(a, _tokens(third // 2 + part, part), seed=301 + part))
-        b = _step(run, O.Fork(a))
+            if not part:        # a page of another context between a's two halves: a's pages are no one run
+                _step(run, O.Extend(between, _tokens(page, 9), seed=311))
+        # Two forks counted with nothing observed between them: kvstate's engine adds a holding's pending
+        # forks to a long scattered run in one step, where a mutant counted one holder for two (s74).
+        books, run.check_each_apply = run.check_each_apply, False
+        run.apply(O.Fork(a), watched=False)
+        b = run.apply(O.Fork(a), watched=False)
+        run.check_each_apply = books
+        run.check()
         for position in range(1, len(run.live[a][1]), 97 * page + 1):    # a copy here and there
             _step(run, O.Overwrite(b, position, (6,), seed=303))
         _step(run, O.Retain(a))
@@ -147,6 +157,22 @@ def _many_pages(run: Lockstep) -> None:
         _step(run, O.Overwrite(f, 0, (3,), seed=309))
         _step(run, O.Extend(c, _tokens(third, 7), seed=310))
         _step(run, O.Retain(f))
+        run.finish()
+
+
+def _full_at_each_doubling(run: Lockstep) -> None:
+    """One context holding exactly 256, 512, 1,024 and 2,048 pages, the only pages live, then one more
+    each time: a table that doubles when full grows while its last slot is in use (a mutant of kvstate's
+    engine that left that slot's count behind passed every check, s74: pages were never exactly that many)."""
+    page = run.config.page_tokens
+    with keeping(MANY, run):
+        a = _step(run, O.Allocate())
+        held = 0
+        run.check_each_apply = False
+        for pages in (256, 512, 1024, 2048):        # checked once a size: after the growth
+            run.apply(O.Extend(a, _tokens((pages - held) * page, pages), seed=340 + pages % 97), watched=False)
+            _step(run, O.Extend(a, _tokens(page, 1), seed=341))
+            held = pages + 1
         run.finish()
 
 

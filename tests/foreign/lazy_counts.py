@@ -4,9 +4,11 @@
 or ``BATCH`` changes wait; a page whose count reaches 0 is freed then. Its copy-on-write reads a page's
 count with the queued changes added, so it is correct, and conform must pass it.
 
-``settled_cow_factory`` plants the bug the whole suite missed: copy-on-write reading the applied count
-alone, so a write right after a fork, with nothing observed between them, lands in a page the fork
-shares. Every lockstep and seeded step observes first, which applies the fork's count.
+Two plants the whole suite missed, since every lockstep and seeded step observed first, which applies
+what is queued: ``settled_cow_factory``'s copy-on-write reads the applied count alone, so a write right
+after a fork, with nothing observed between them, lands in a page the fork shares;
+``decrements_first_factory`` applies the queued decrements before the increments, so a page retained
+and let go by its context in one batch is freed while the entry holds it.
 """
 
 from __future__ import annotations
@@ -89,6 +91,16 @@ class SettledCowCache(LazyCache):
     context_class = SettledCowContext
 
 
+class DecrementsFirstCache(LazyCache):
+    def settle(self) -> None:
+        queued, self.queued = sorted(self.queued, key=lambda change: change[1]), []   # the bug: every -1 first
+        for page, delta in queued:
+            page.refcount += delta
+            if page.refcount == 0 and page.page_id in self.live:       # freed as it reaches 0
+                del self.live[page.page_id]
+                self.freed += 1
+
+
 def factory(config):
     return LazyCache(config)
 
@@ -97,6 +109,10 @@ def settled_cow_factory(config):
     return SettledCowCache(config)
 
 
-for _made in (factory, settled_cow_factory):
+def decrements_first_factory(config):
+    return DecrementsFirstCache(config)
+
+
+for _made in (factory, settled_cow_factory, decrements_first_factory):
     _made.configs = _listcache.configs
     _made.any_page_size = True
