@@ -26,6 +26,7 @@ from kvstate.impl.arena import SlotArena
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.impl.pages import ref_slots
 from kvstate.spec import precision as precisions
+from kvstate.spec.errors import InvariantViolation
 from kvstate.stateful.directed import precision as directed_precision
 from kvstate.stateful.configs import config_named, machine_configs
 from kvstate.stateful.directed.checks import DIRECTED
@@ -929,6 +930,32 @@ def test_the_lockstep_machine_runs_stretches_unobserved_and_shrinks_them_observe
     assert steps[-1].endswith("# unobserved, then checked"), steps
     (fine,) = conform(lazy_counts.factory, configs=[config_named("f32-heap")], checks=["lockstep"])
     assert fine.passed, fine.failure
+
+
+def test_a_runs_teardown_observes_before_its_closes_as_a_replay_of_it_does():
+    # An audit (s74): the teardown probed the entries through the engine, then closed each context taking the
+    # last check's observation as what came before: a lazy backend's queued changes met a close no printed
+    # step marked unobserved, and the printed sequence, replayed, passed. The run and its replay now agree.
+    from foreign import lazy_counts
+    from kvstate.stateful import ops as O
+    from kvstate.stateful.lockstep import Lockstep
+    from kvstate.stateful.replay import execute
+
+    config = config_named("f32-heap").with_(page_tokens=4)
+    ops = [O.Allocate(), O.Extend("c1", (0, 1, 2, 0, 1, 2), seed=1), O.Retain("c1"), O.Fork("c1"),
+           O.Extend("c2", (1,), seed=2), O.Retain("c2"), O.Match((7, 7))]
+    run = Lockstep(lazy_counts.decrements_first_factory, config)
+    run.check_each_apply = True         # as a directed check runs: the books after every operation
+    for op in ops:
+        run.apply(op)
+        run.check()
+    try:
+        run.finish()
+        in_the_run = None
+    except InvariantViolation as broken:
+        in_the_run = broken.invariant
+    replayed, _ = execute(lazy_counts.decrements_first_factory, config, ops)
+    assert in_the_run == (None if replayed is None else replayed.invariant), (in_the_run, replayed)
 
 
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):
