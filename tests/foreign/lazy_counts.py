@@ -23,9 +23,13 @@ BATCH = 32
 
 
 class LazyContext(ListContext):
+    def holders(self, page) -> int:
+        """What copy-on-write reads: the count with the queued changes added."""
+        return self.cache.count(page)
+
     def writable(self, index: int):
         page = self.pages[index]
-        if self.cache.count(page) > 1:
+        if self.holders(page) > 1:
             private = self.cache.new_page()
             private.values[:] = page.values
             private.tokens[:] = page.tokens
@@ -76,15 +80,8 @@ class LazyCache(ListCache):
 
 
 class SettledCowContext(LazyContext):
-    def writable(self, index: int):
-        page = self.pages[index]
-        if page.refcount > 1:          # the bug: the fork's queued count is not read
-            private = self.cache.new_page()
-            private.values[:] = page.values
-            private.tokens[:] = page.tokens
-            self.cache.release(page)
-            self.pages[index] = private
-        return self.pages[index]
+    def holders(self, page) -> int:
+        return page.refcount           # the bug: the fork's queued count is not read
 
 
 class SettledCowCache(LazyCache):
