@@ -958,6 +958,56 @@ def test_a_runs_teardown_observes_before_its_closes_as_a_replay_of_it_does():
     assert in_the_run == (None if replayed is None else replayed.invariant), (in_the_run, replayed)
 
 
+def test_scale_catches_two_pending_forks_of_a_long_scattered_run_counted_as_one(monkeypatch):
+    # A mutant of the engine (s74): ``add_holders`` past 96 slots added one holder for any number.
+    from kvstate.impl import refcounts
+
+    honest = refcounts.add_holders
+
+    def one_holder_past_96(counts, ids, holders):
+        honest(counts, ids, 1 if type(ids) is not range and len(ids) > 96 else holders)
+    monkeypatch.setattr(refcounts, "add_holders", one_holder_past_96)
+    with pytest.raises(BrokenPromise, match="thousands of live pages"):
+        DIRECTED["scale"](numpy_factory, config_named("f32-heap"))
+
+
+def test_scale_catches_books_that_grow_losing_the_last_slot(monkeypatch):
+    # A mutant of the engine (s74): the books' arrays doubled without their last item, which only shows
+    # where every slot is live when they grow. The scenario written for it catches it alone too.
+    from kvstate.impl import pages
+    from kvstate.stateful.directed import scale
+    from kvstate.stateful.directed.common import start
+
+    def at_least_but_the_last(array, length):
+        if length <= len(array):
+            return array
+        grown = np.zeros(pages._doubled(len(array), length), array.dtype)
+        grown[:len(array) - 1] = array[:-1]
+        return grown
+    monkeypatch.setattr(pages, "_at_least", at_least_but_the_last)
+    with pytest.raises(BrokenPromise, match="thousands of live pages"):
+        DIRECTED["scale"](numpy_factory, config_named("token-f32-heap"))
+    with pytest.raises(BrokenPromise, match="thousands of live pages"):
+        scale._full_at_each_doubling(start(numpy_factory, config_named("token-f32-heap").with_(page_tokens=1)))
+
+
+def test_fork_isolation_catches_a_parents_own_pages_freed_at_the_wrong_slots(monkeypatch):
+    # A mutant of the engine (s74): a release freeing some pages of one run of slots took their places in
+    # the run as slots, right only for a run starting at slot 0.
+    from kvstate.impl import pages
+    from kvstate.impl.pages import PageAccountingError
+
+    free = pages.PagePool._free
+
+    def free_at_run_offsets(pool, freed_pages, slots, ids, *rest):
+        if type(ids) is range and isinstance(slots, np.ndarray):
+            slots = slots - ids.start
+        return free(pool, freed_pages, slots, ids, *rest)
+    monkeypatch.setattr(pages.PagePool, "_free", free_at_run_offsets)
+    with pytest.raises(PageAccountingError, match="freed but not live"):
+        DIRECTED["fork isolation"](numpy_factory, config_named("f32-heap"))
+
+
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):
     # An audit's mutant of the checker (s73): ``_same_values`` comparing shapes and dtypes only passed the
     # whole suite; nothing ran ``boundaries`` against a wrong ``read_layer``. Here every layer reads layer 0.
