@@ -906,6 +906,7 @@ def test_fork_isolation_catches_a_copy_on_write_that_reads_only_settled_counts()
 
     (result,) = conform(lazy_counts.settled_cow_factory, configs=[config_named("f32-heap")], checks=["fork isolation"])
     detail = result.outcomes["fork isolation"].detail
+    assert detail is not None, "the plant passed"
     assert detail.startswith("InvariantViolation: invariant 4: c1 position 0"), detail
     steps = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:-1]
     assert len(steps) <= 5, steps
@@ -924,6 +925,7 @@ def test_the_lockstep_machine_runs_stretches_unobserved_and_shrinks_them_observe
 
     (result,) = conform(lazy_counts.decrements_first_factory, configs=[config_named("f32-heap")], checks=["lockstep"])
     detail = result.outcomes["lockstep"].detail
+    assert detail is not None, "the plant passed"
     assert detail.startswith("InvariantViolation: invariant 2"), detail
     steps = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:-1]
     assert len(steps) <= 5, steps
