@@ -297,10 +297,9 @@ engine adds deferred counts once 64 are pending, ``impl/refcounts.py``)."""
 def _many_holders_unobserved(run: Lockstep) -> None:
     """``HOLDERS`` hits of an entry's first page and a half (its whole key under ``entry``), each truncated
     by one position, and a fork of each, all open at once, then all closed, observed only before and after
-    each half. A mutant of
-    kvstate's engine that dropped its pending counts once 64 were pending passed the whole default suite
-    and ``conform``: the lockstep runs observe (and so settle the counts) before every step and hold at
-    most 8 contexts, and no scenario held more than a few hits unobserved."""
+    each half. A mutant of kvstate's engine that dropped its pending counts once 64 were pending passed the
+    whole default suite and ``conform``: the lockstep runs observed (and so settled the counts) before every
+    step and held at most 8 contexts, and no scenario held more than a few hits unobserved."""
     page = run.config.page_tokens
     key = tuple(330 + i % 7 for i in range(3 * page))
     query = key if run.config.match == "entry" else key[:page + -(-page // 2)]

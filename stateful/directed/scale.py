@@ -168,8 +168,8 @@ def _full_at_each_doubling(run: Lockstep) -> None:
     with keeping(MANY, run):
         a = _step(run, O.Allocate())
         held = 0
-        run.check_each_apply = False
-        for pages in (256, 512, 1024, 2048):        # checked once a size: after the growth
+        run.check_each_apply = False                # checked once a size: after the growth
+        for pages in (256, 512, 1024, 2048):
             run.apply(O.Extend(a, _tokens((pages - held) * page, pages), seed=340 + pages % 97), watched=False)
             _step(run, O.Extend(a, _tokens(page, 1), seed=341))
             held = pages + 1
