@@ -27,6 +27,7 @@ from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.impl.pages import ref_slots
 from kvstate.spec import precision as precisions
 from kvstate.spec.errors import InvariantViolation
+from kvstate.stateful.directed import checks as checks_module
 from kvstate.stateful.directed import precision as directed_precision
 from kvstate.stateful.configs import config_named, machine_configs
 from kvstate.stateful.directed.checks import DIRECTED
@@ -1008,6 +1009,14 @@ def test_fork_isolation_catches_a_parents_own_pages_freed_at_the_wrong_slots(mon
     monkeypatch.setattr(pages.PagePool, "_free", free_at_run_offsets)
     with pytest.raises(PageAccountingError, match="freed but not live"):
         DIRECTED["fork isolation"](numpy_factory, config_named("f32-heap"))
+    # and the scenario written for it, alone (the passes before it happen to catch it too), which the check runs
+    with pytest.raises(PageAccountingError, match="freed but not live"):
+        checks_module._parent_closed_sharing_some(numpy_factory, config_named("f32-heap").with_(page_tokens=4))
+    ran = []
+    monkeypatch.setattr(checks_module, "_parent_closed_sharing_some", lambda factory, config: ran.append(config))
+    monkeypatch.setattr(pages.PagePool, "_free", free)
+    DIRECTED["fork isolation"](numpy_factory, config_named("f32-heap"))
+    assert ran == [config_named("f32-heap")]
 
 
 def test_boundaries_catch_a_read_layer_returning_another_layers_values(monkeypatch):

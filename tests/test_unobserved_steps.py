@@ -6,14 +6,10 @@ passed every other test (an audit, s74)."""
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 from foreign import lazy_counts
 from kvstate.impl.numpy import factory as numpy_factory
 from kvstate.stateful import ops as O
 from kvstate.stateful.configs import config_named
-from kvstate.stateful.directed import checks
 from kvstate.stateful.lockstep import CHECKED, UNOBSERVED, Lockstep
 from kvstate.stateful.replay import AsWatched
 from kvstate.stateful.shrink import created_handles, renumber
@@ -52,28 +48,3 @@ def test_renumbering_keeps_a_renamed_operation_observed_as_it_ran():
     kept = renumber(ops[1:], created_handles(ops)[1:], replay.like)
     assert kept[1] == O.Extend("c1", (1,), seed=0)
     assert id(kept[1]) in replay.unwatched and id(kept[1]) in replay.checked_after
-
-
-def test_a_parent_closed_while_its_fork_shares_some_of_its_pages_frees_only_its_own(monkeypatch):
-    # ``fork isolation``'s last scenario, alone: a mutant of the engine freeing a run's pages at their places in
-    # the run, right only for a run starting at slot 0, passed every check before it.
-    from kvstate.impl import pages
-    from kvstate.impl.pages import PageAccountingError
-
-    checks._parent_closed_sharing_some(numpy_factory, CONFIG)
-    free = pages.PagePool._free
-
-    def free_at_run_offsets(pool, freed_pages, slots, ids, *rest):
-        if type(ids) is range and isinstance(slots, np.ndarray):
-            slots = slots - ids.start
-        return free(pool, freed_pages, slots, ids, *rest)
-    monkeypatch.setattr(pages.PagePool, "_free", free_at_run_offsets)
-    with pytest.raises(PageAccountingError, match="freed but not live"):
-        checks._parent_closed_sharing_some(numpy_factory, CONFIG)
-
-
-def test_fork_isolation_runs_that_scenario(monkeypatch):
-    ran = []
-    monkeypatch.setattr(checks, "_parent_closed_sharing_some", lambda factory, config: ran.append(config))
-    checks.fork_isolation(numpy_factory, CONFIG)
-    assert ran == [CONFIG]
