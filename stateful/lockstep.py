@@ -122,12 +122,14 @@ class Lockstep:
 
         Both sides must agree on whether the operation is refused, and with which error class.
         A refusal must change nothing: ``watched`` compares whole observations before and after
-        (a cost that grows with the cache); unwatched, only the live contexts' lengths.
+        (a cost that grows with the cache); unwatched, only the live contexts' lengths. An unwatched
+        step is observed neither before nor after (``check_each_apply``'s books are not checked): what
+        a backend keeps lazily stays unsettled until the caller checks.
         """
         if not watched:
             self.unwatched[id(op)] = op
         handle = self._apply(op, watched)
-        if self.check_each_apply:
+        if self.check_each_apply and watched:
             self.check_books()
         return handle
 

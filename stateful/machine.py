@@ -35,6 +35,11 @@ SEEDS = st.integers(0, 2**16)
 QUIET_EVERY, QUIET_STEPS = 16, 4
 
 
+def unobserved(step: int) -> bool:
+    """Whether the machine's operation ``step`` (from 0) runs unobserved (``QUIET_EVERY``)."""
+    return step % QUIET_EVERY >= QUIET_EVERY - QUIET_STEPS
+
+
 # The strategies a rule builds from the state (a bound that is a context's length), one object
 # per bound: Hypothesis works out a new strategy's properties (emptiness, labels) when it is
 # first drawn from, which cost more than the draw itself when rebuilt at every step. The same
@@ -83,7 +88,6 @@ class LockstepMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.lockstep: Lockstep | None = None
-        self.quiet = False      # inside a stretch run unobserved (``QUIET_EVERY``): no check yet
         self.snapshots_taken = 0
         self.hits: list[str] = []       # handles a match made with positions in them (``_or_a_hit``)
 
@@ -105,10 +109,7 @@ class LockstepMachine(RuleBasedStateMachine):
     def _do(self, op: O.Op):
         if type(self).stats.abandoned:
             raise CheckAbandoned("the check's time limit passed; conform reported it already")
-        place = self.lockstep.steps % QUIET_EVERY
-        watched = place < QUIET_EVERY - QUIET_STEPS
-        self.quiet = not watched and place < QUIET_EVERY - 1      # within a stretch, before its last step
-        handle = self.lockstep.apply(op, watched)
+        handle = self.lockstep.apply(op, not unobserved(self.lockstep.steps))
         if op.creates and handle is None:
             return multiple()     # refused by both sides (a full pool): nothing joins the bundle
         return handle
@@ -240,7 +241,9 @@ class LockstepMachine(RuleBasedStateMachine):
     def every_invariant_holds(self):
         if self.lockstep is not None:
             type(self).stats.steps += 1
-            if not self.quiet:          # a stretch run unobserved is checked after its last operation
+            last = self.lockstep.steps - 1
+            # a stretch run unobserved is checked after its last operation only
+            if not unobserved(last) or last % QUIET_EVERY == QUIET_EVERY - 1:
                 self.lockstep.check()
                 type(self).stats.checks += 1
 

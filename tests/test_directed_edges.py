@@ -47,6 +47,12 @@ def torch_factory():
     return cpu_factory
 
 
+def _printed_steps(detail: str) -> list[str]:
+    """The operations a report prints after its header, its footnote on unobserved steps left out."""
+    lines = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:]
+    return [line for line in lines if not line.startswith("  (")]
+
+
 def fails(check: str, factory, config) -> BrokenPromise:
     """Run ``check`` in ``config`` (a Config, or a standard one's name); it must fail with a broken promise,
     which is returned."""
@@ -782,7 +788,7 @@ def test_a_bad_input_failure_is_reported_after_its_setup_alone(name):
     (result,) = conform(factory, configs=[config_named(config_name)], checks=[check])
     detail = result.outcomes[check].detail
     assert said in detail, detail
-    operations = detail.split("operations; the failure shows right after the last):", 1)[1].splitlines()[1:]
+    operations = _printed_steps(detail)
     assert [line.strip().split("(")[0].split(" = ")[-1] for line in operations][:2] == ["allocate", "extend"], detail
     assert len(operations) == 3, detail
 
@@ -861,10 +867,9 @@ def test_a_failure_only_an_unobserved_run_shows_is_shrunk_observing_as_that_run_
     (result,) = conform(numpy_factory, configs=[config_named("token-f32-heap")], checks=["prefix edges"])
     detail = result.outcomes["prefix edges"].detail
     assert detail.startswith("InvariantViolation: invariant 1") and "minimised failing sequence" in detail, detail
-    operations = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:]
-    steps = [line for line in operations if not line.startswith("  (")]
-    assert len(steps) <= 3 + 5 + 2, operations
-    assert sum(line.endswith("# unobserved") for line in steps) >= 4, operations
+    steps = _printed_steps(detail)
+    assert len(steps) <= 3 + 5 + 2, steps
+    assert sum(line.endswith("# unobserved") for line in steps) >= 4, steps
     # The last hit was checked, not observed before: marked so (an audit, s74: marked as observed, it replayed
     # observed, which settled the counts, and the printed sequence passed).
     assert " = match(tokens=" in steps[-1] and steps[-1].endswith("# unobserved, then checked"), steps
@@ -909,7 +914,7 @@ def test_fork_isolation_catches_a_copy_on_write_that_reads_only_settled_counts()
     detail = result.outcomes["fork isolation"].detail
     assert detail is not None, "the plant passed"
     assert detail.startswith("InvariantViolation: invariant 4: c1 position 0"), detail
-    steps = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:-1]
+    steps = _printed_steps(detail)
     assert len(steps) <= 5, steps
     assert [step.split("(")[0].split(" = ")[-1].strip() for step in steps if "# unobserved" in step] == \
         ["fork", "overwrite"], steps
@@ -928,7 +933,7 @@ def test_the_lockstep_machine_runs_stretches_unobserved_and_shrinks_them_observe
     detail = result.outcomes["lockstep"].detail
     assert detail is not None, "the plant passed"
     assert detail.startswith("InvariantViolation: invariant 2"), detail
-    steps = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:-1]
+    steps = _printed_steps(detail)
     assert len(steps) <= 5, steps
     assert steps[-1].endswith("# unobserved, then checked"), steps
     (fine,) = conform(lazy_counts.factory, configs=[config_named("f32-heap")], checks=["lockstep"])

@@ -53,7 +53,6 @@ def fork_isolation(factory: Factory, config: Config) -> None:
     an audit's backend, s74, copied only on counts already settled and passed every check)."""
     for watched in (True, False):
         run, n = _filled(factory, config)
-        run.check_each_apply = watched
         run.apply(O.Fork("c1"), watched)
         run.apply(O.Overwrite("c2", 0, (2,), seed=7), watched)                 # first page
         run.apply(O.Overwrite("c1", n - 1, (1,), seed=8), watched)             # last, partly filled page

@@ -276,17 +276,13 @@ def _hits_unobserved(run: Lockstep) -> None:
     query = key if run.config.match == "entry" else key[:page + -(-page // 2)]      # an entry hits whole
     retain_new(run, key, seed=140)
     run.check()
-    books, run.check_each_apply = run.check_each_apply, False
-    try:
-        with keeping(UNOBSERVED, run):
-            first = run.apply(O.Match(query), watched=False)
-            second = run.apply(O.Match(query), watched=False)
-            run.apply(O.Clear(), watched=False)
-            run.apply(O.Close(first), watched=False)
-            run.check()
-            run.apply(O.Close(second))
-    finally:
-        run.check_each_apply = books
+    with keeping(UNOBSERVED, run):
+        first = run.apply(O.Match(query), watched=False)
+        second = run.apply(O.Match(query), watched=False)
+        run.apply(O.Clear(), watched=False)
+        run.apply(O.Close(first), watched=False)
+        run.check()
+        run.apply(O.Close(second))
 
 
 HOLDERS = 100
@@ -305,19 +301,15 @@ def _many_holders_unobserved(run: Lockstep) -> None:
     query = key if run.config.match == "entry" else key[:page + -(-page // 2)]
     retain_new(run, key, seed=141)
     run.check()
-    books, run.check_each_apply = run.check_each_apply, False
-    try:
-        with keeping(MANY_HOLDERS, run):
-            hits = [run.apply(O.Match(query), watched=False) for _ in range(HOLDERS)]
-            for hit in hits:      # each its own length: a fork of it then shares no other hit's holding
-                run.apply(O.Truncate(hit, len(run.live[hit][1]) - 1), watched=False)
-            forks = [run.apply(O.Fork(hit), watched=False) for hit in hits]
-            run.check()
-            for handle in hits + forks:
-                run.apply(O.Close(handle), watched=False)
-            run.check()
-    finally:
-        run.check_each_apply = books
+    with keeping(MANY_HOLDERS, run):
+        hits = [run.apply(O.Match(query), watched=False) for _ in range(HOLDERS)]
+        for hit in hits:      # each its own length: a fork of it then shares no other hit's holding
+            run.apply(O.Truncate(hit, len(run.live[hit][1]) - 1), watched=False)
+        forks = [run.apply(O.Fork(hit), watched=False) for hit in hits]
+        run.check()
+        for handle in hits + forks:
+            run.apply(O.Close(handle), watched=False)
+        run.check()
 
 
 def _page_budget(run: Lockstep) -> None:

@@ -128,10 +128,8 @@ def _many_pages(run: Lockstep) -> None:
                 _step(run, O.Extend(between, _tokens(page, 9), seed=311))
         # Two forks counted with nothing observed between them: kvstate's engine adds a holding's pending
         # forks to a long scattered run in one step, where a mutant counted one holder for two (s74).
-        books, run.check_each_apply = run.check_each_apply, False
         run.apply(O.Fork(a), watched=False)
         b = run.apply(O.Fork(a), watched=False)
-        run.check_each_apply = books
         run.check()
         for position in range(1, len(run.live[a][1]), 97 * page + 1):    # a copy here and there
             _step(run, O.Overwrite(b, position, (6,), seed=303))
@@ -168,8 +166,7 @@ def _full_at_each_doubling(run: Lockstep) -> None:
     with keeping(MANY, run):
         a = _step(run, O.Allocate())
         held = 0
-        run.check_each_apply = False                # checked once a size: after the growth
-        for pages in (256, 512, 1024, 2048):
+        for pages in (256, 512, 1024, 2048):        # checked once a size: after the growth
             run.apply(O.Extend(a, _tokens((pages - held) * page, pages), seed=340 + pages % 97), watched=False)
             _step(run, O.Extend(a, _tokens(page, 1), seed=341))
             held = pages + 1

@@ -1,8 +1,8 @@
 """A backend that keeps its refcounts lazily, as engines batching their bookkeeping do (an audit's, s74).
 
 ``examples/listcache.py`` with every refcount change queued, and applied only when ``observe()`` looks
-or ``BATCH`` changes wait; a page whose count reaches 0 is freed then. Its copy-on-write reads a page's
-count with the queued changes added, so it is correct, and conform must pass it.
+or ``BATCH`` changes wait, or a write needs a page's count; a page whose count reaches 0 is freed then.
+Its copy-on-write reads exact counts, so it is correct, and conform must pass it.
 
 Two plants the whole suite missed, since every lockstep and seeded step observed first, which applies
 what is queued: ``settled_cow_factory``'s copy-on-write reads the applied count alone, so a write right
@@ -23,19 +23,9 @@ BATCH = 32
 
 
 class LazyContext(ListContext):
-    def holders(self, page) -> int:
-        """What copy-on-write reads: the count with the queued changes added."""
-        return self.cache.count(page)
-
     def writable(self, index: int):
-        page = self.pages[index]
-        if self.holders(page) > 1:
-            private = self.cache.new_page()
-            private.values[:] = page.values
-            private.tokens[:] = page.tokens
-            self.cache.release(page)
-            self.pages[index] = private
-        return self.pages[index]
+        self.cache.settle()         # copy-on-write reads exact counts: the queue applied first
+        return super().writable(index)
 
 
 class LazyCache(ListCache):
@@ -44,10 +34,6 @@ class LazyCache(ListCache):
     def __init__(self, config):
         super().__init__(config)
         self.queued: list = []          # (page, +1 or -1), oldest first
-
-    def count(self, page) -> int:
-        """``page``'s count with the queued changes added: what copy-on-write must read."""
-        return page.refcount + sum(delta for queued, delta in self.queued if queued is page)
 
     def _queue(self, page, delta: int) -> None:
         self.queued.append((page, delta))
@@ -80,8 +66,7 @@ class LazyCache(ListCache):
 
 
 class SettledCowContext(LazyContext):
-    def holders(self, page) -> int:
-        return page.refcount           # the bug: the fork's queued count is not read
+    writable = ListContext.writable     # the bug: the queued counts (a fork's) are not applied first
 
 
 class SettledCowCache(LazyCache):
