@@ -506,7 +506,8 @@ def _valid_replay() -> dict:
     from kvstate.stateful import replay as R
     replay = R.Replay("kvstate.impl.numpy", Config(LAYOUT, PAGE_TOKENS, "f32", 2, 3), 0,
                       [O.Allocate(), O.Extend("c1", (1, 2, 3), 1), O.Fork("c1"), O.Overwrite("c2", 1, (7,), 2),
-                       O.Retain("c2"), O.Match((1, 7)), O.Truncate("c1", 1), O.Close("c2")])
+                       O.Retain("c2"), O.Match((1, 7)), O.Truncate("c1", 1), O.Close("c2")],
+                      unobserved=(3, 4, 5), checked_after=(5,))
     return R.to_json(replay)
 
 

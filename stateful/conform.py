@@ -307,12 +307,14 @@ def _still_shrinking(shrinker: Shrinker | None, found: tuple[Failure, Config, li
     return _report(head, config, lines, what, failure.found_by)
 
 
-def _as_drawn(ops: list, failure: Failure) -> list[str]:
+def _as_drawn(ops: list, failure: Failure, quiet: AsWatched) -> list[str]:
     """A sequence not yet run in lockstep, as its history would read (handles named in creation order, as
-    ``Lockstep`` names them), up to the failing operation."""
+    ``Lockstep`` names them, and the steps ``quiet`` says ran unobserved marked so), up to the failing operation."""
     if failure.phase != "finish":
         ops = ops[:failure.step]
-    return [f"{made} = {op}" if made else str(op) for op, made in zip(ops, created_handles(ops))]
+    return [(f"{made} = {op}" if made else str(op))
+            + (UNOBSERVED + (CHECKED if id(op) in quiet.checked_after else "") if id(op) in quiet.unwatched else "")
+            for op, made in zip(ops, created_handles(ops))]
 
 
 def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcome:
@@ -332,7 +334,7 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
         if not shrinking:
             return None
         seed, ops, shrinker, failure = shrinking[0]
-        found = (failure, shrinker.config, _as_drawn(ops, failure))
+        found = (failure, shrinker.config, _as_drawn(ops, failure, shrinker.run))
         return _still_shrinking(shrinker, found, f"failing sequence found so far, not minimal (seed {seed} of "
                                                  f"{steps} steps; {replay(seed)})")
 

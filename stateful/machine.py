@@ -22,22 +22,12 @@ from .configs import PAGE_TOKENS_RANGE, page_sizes, scaled_cut, scaled_run
 from .fixed_constants import without_local_constants
 from .lockstep import Lockstep
 from .snapshots import Restore, Snapshot, supports_snapshots
+from .stretches import ends_stretch, unobserved
 
 ALPHABET = 3
 TOKENS = st.integers(0, ALPHABET - 1)                        # a tiny alphabet: prefixes repeat
 TOKEN_RUNS = st.lists(TOKENS, min_size=1, max_size=9)        # up to a page or two at page size 1-8
 SEEDS = st.integers(0, 2**16)
-# The last ``QUIET_STEPS`` operations of every ``QUIET_EVERY`` run with nothing observed before them, checked
-# after the last: observing may settle what a backend keeps lazily (an audit's backend, s74, freeing a
-# page that a retain and a clear queued together left held, passed every run observed before each step).
-# Set by the step count, not drawn: a rule or a draw for it changed every sequence the machine makes, and
-# a planted bug the old ones found went unfound.
-QUIET_EVERY, QUIET_STEPS = 16, 4
-
-
-def unobserved(step: int) -> bool:
-    """Whether the machine's operation ``step`` (from 0) runs unobserved (``QUIET_EVERY``)."""
-    return step % QUIET_EVERY >= QUIET_EVERY - QUIET_STEPS
 
 
 # The strategies a rule builds from the state (a bound that is a context's length), one object
@@ -243,7 +233,7 @@ class LockstepMachine(RuleBasedStateMachine):
             type(self).stats.steps += 1
             last = self.lockstep.steps - 1
             # a stretch run unobserved is checked after its last operation only
-            if not unobserved(last) or last % QUIET_EVERY == QUIET_EVERY - 1:
+            if not unobserved(last) or ends_stretch(last):
                 self.lockstep.check()
                 type(self).stats.checks += 1
 

@@ -33,7 +33,7 @@ from . import ops as O
 from . import replay_bounds as bounds
 from .data_files import read_regular, replace_own_file
 from .deadline import Deadline
-from .lockstep import REFUSED, Lockstep, to_numpy
+from .lockstep import CHECKED, REFUSED, UNOBSERVED, Lockstep, to_numpy
 from .frames import raised_at  # noqa: F401  (conform and the checks import it from here too)
 from .printable import one_line
 
@@ -123,6 +123,15 @@ class Replay:
     # Read from a file whose operations are not the ones it was written with (``ops_sha256``): a
     # sweep writes valid sequences only, so a hand edit can turn a failing file into a passing one.
     edited: bool = False
+    # The steps (numbered from 1) the run that found the failure applied with nothing observed before
+    # them, and those of them it checked after (``stretches``): replayed observing each step, a failure
+    # that only unsettled lazy books show would vanish. Empty: every step observed and checked.
+    unobserved: tuple[int, ...] = ()
+    checked_after: tuple[int, ...] = ()
+
+    def runner(self) -> Callable[..., "tuple[Failure | None, Lockstep]"]:
+        """How the sequence runs (``execute``'s signature): observed as the run that found it observed it."""
+        return AsWatched.from_steps(self.ops, self.unobserved, self.checked_after) if self.unobserved else execute
 
 
 # -- running a sequence ------------------------------------------------------------------
@@ -209,6 +218,23 @@ class AsWatched:
                 self.checked_after[id(new)] = new
         return new
 
+    def leave(self, op: O.Op, checked: bool) -> None:
+        """Have ``op`` run unobserved, and checked after where ``checked`` (a run choosing as it goes)."""
+        self.unwatched[id(op)] = op
+        if checked:
+            self.checked_after[id(op)] = op
+
+    @classmethod
+    def from_steps(cls, ops: list[O.Op], unobserved: Iterable[int], checked: Iterable[int]) -> "AsWatched":
+        """How a file says its sequence ran: ``unobserved`` and ``checked`` are step numbers (from 1) in ``ops``."""
+        return cls({id(ops[step - 1]): ops[step - 1] for step in unobserved},
+                   {id(ops[step - 1]): ops[step - 1] for step in checked})
+
+    def steps(self, ops: list[O.Op]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The step numbers (from 1) of ``ops`` run unobserved, and of those checked after: for a file."""
+        return (tuple(step for step, op in enumerate(ops, 1) if id(op) in self.unwatched),
+                tuple(step for step, op in enumerate(ops, 1) if id(op) in self.checked_after))
+
 
 CHECK_BUDGET = 16
 """``spaced_checks``: checking may cost up to this many positions per operation (and per token written)."""
@@ -245,22 +271,29 @@ class SpacedChecks:
 
 def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: StepHook | None = None,
                   schedule: SpacedChecks | None = None,
-                  on_start: Callable[[int, O.Op], None] | None = None) -> tuple[Failure | None, Lockstep]:
+                  on_start: Callable[[int, O.Op], None] | None = None,
+                  quiet: AsWatched | None = None) -> tuple[Failure | None, Lockstep]:
     """``execute`` with ``SpacedChecks``; a failure seen at a check is then pinned to its first
     step by running the sequence again, checking every step since the check before it.
-    ``on_start(step, op)`` is told of each step before it is applied."""
+    ``on_start(step, op)`` is told of each step before it is applied. ``quiet``: the steps the run
+    that found the failure left unobserved (``Replay.runner``), left so in both runs, whatever the
+    schedule, and checked after where it checked them."""
     schedule = schedule or SpacedChecks()
     watched: list[int] = []
+    unwatched = {} if quiet is None else quiet.unwatched
+    checked = None if quiet is None else (lambda op: id(op) in quiet.checked_after)
 
     def watch(step, op, lockstep):
         if on_start is not None:
             on_start(step, op)
+        if id(op) in unwatched:
+            return False
         if schedule(step, op, lockstep):
             watched.append(step)
             return True
         return False
 
-    failure, lockstep = execute(factory, config, ops, on_step, watch=watch)
+    failure, lockstep = execute(factory, config, ops, on_step, watch=watch, checked=checked)
     if failure is None or failure.phase == "finish":
         return failure, lockstep
     since = max((step for step in watched if step < failure.step), default=0)
@@ -269,8 +302,8 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
     def again_watch(step, op, lockstep):
         if on_start is not None:
             on_start(step, op)
-        return step > since
-    again, again_lockstep = execute(factory, config, ops[:failure.step], watch=again_watch)
+        return step > since and id(op) not in unwatched
+    again, again_lockstep = execute(factory, config, ops[:failure.step], watch=again_watch, checked=checked)
     if again is not None and again.phase != "finish":
         return again, again_lockstep
     return failure, lockstep
@@ -351,7 +384,9 @@ def to_json(replay: Replay) -> dict:
         "original_steps": replay.original_steps,
         "failure": None if replay.failure is None else failure_to_json(replay.failure),
         **replay.extra,
-        "ops_sha256": ops_digest([op.to_json() for op in replay.ops]),
+        **({"unobserved": list(replay.unobserved), "checked_after": list(replay.checked_after)}
+           if replay.unobserved else {}),
+        "ops_sha256": ops_digest([op.to_json() for op in replay.ops], replay.unobserved, replay.checked_after),
         "ops": [op.to_json() for op in replay.ops],
     }
 
@@ -365,10 +400,34 @@ def failure_to_json(failure: Failure) -> dict:
     return data
 
 
-def ops_digest(ops: list) -> str:
+def ops_digest(ops: list, unobserved: Iterable[int] = (), checked: Iterable[int] = ()) -> str:
     """The operations' fingerprint a file carries: a replay of an edited file is told apart from the run
-    that wrote it (``Replay.edited``). Not a signature: it guards against accidents, not an adversary."""
-    return hashlib.sha256(json.dumps(ops, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+    that wrote it (``Replay.edited``). Not a signature: it guards against accidents, not an adversary.
+    The steps run unobserved count as part of the operations (the same ones observed may pass); a file
+    with none has the fingerprint of its operations alone, as files from before the field."""
+    unobserved, checked = list(unobserved), list(checked)
+    data = {"ops": ops, "unobserved": unobserved, "checked_after": checked} if unobserved else ops
+    return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def unobserved_steps(data: dict, count: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A record's ``unobserved`` and ``checked_after`` step numbers (a replay file's, a journal's run; absent:
+    none): each a list of increasing numbers of its ``count`` operations, the second within the first; else
+    ``ReplayFileError`` naming which."""
+    lists = []
+    for name in ("unobserved", "checked_after"):
+        steps = data.get(name, [])
+        if (not isinstance(steps, list) or any(type(step) is not int for step in steps)
+                or any(a >= b for a, b in zip(steps, steps[1:]))
+                or (steps and not 1 <= steps[0] <= steps[-1] <= count)):
+            raise ReplayFileError(f"malformed replay file: its {name!r} must be a list of increasing step numbers "
+                                  f"from 1 to {count} (its operations), not {one_line(repr(steps))[:120]}")
+        lists.append(tuple(steps))
+    unobserved, checked = lists
+    if not set(checked) <= set(unobserved):
+        raise ReplayFileError(f"malformed replay file: its 'checked_after' names step "
+                              f"{min(set(checked) - set(unobserved))}, which its 'unobserved' does not")
+    return unobserved, checked
 
 
 def from_json(data: dict) -> Replay:
@@ -389,10 +448,12 @@ def from_json(data: dict) -> Replay:
         failure = checked_failure(Failure(**data["failure"])) if data.get("failure") else None
         config = config_from_json(data["config"])
         bounds.check_memory(config, ops)
+        unobserved, checked = unobserved_steps(data, len(ops))
         recorded = data.get("ops_sha256")      # files from before it carry none, and read as written
-        edited = recorded is not None and recorded != ops_digest(data["ops"])
+        edited = recorded is not None and recorded != ops_digest(data["ops"], unobserved, checked)
         return Replay(data["backend"], config, seed, ops, failure,
-                      data.get("minimised", False), data.get("original_steps"), edited=edited)
+                      data.get("minimised", False), data.get("original_steps"), edited=edited,
+                      unobserved=unobserved, checked_after=checked)
     except ReplayFileError:
         raise
     except KeyError as error:
@@ -405,11 +466,13 @@ def save(replay: Replay, path: Path) -> Path:
     """One operation per line, so a diff of two replay files reads like a diff of two scripts."""
     data = to_json(replay)
     ops = data.pop("ops")
+    steps = "".join(f',\n  "{name}": {json.dumps(data.pop(name))}' for name in ("unobserved", "checked_after")
+                    if name in data)        # a line each, however many steps
     head = json.dumps(data, indent=2)[:-2]
     body = ",\n".join("    " + json.dumps(op) for op in ops)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    replace_own_file(path, f'{head},\n  "ops": [\n{body}\n  ]\n}}\n')
+    replace_own_file(path, f'{head}{steps},\n  "ops": [\n{body}\n  ]\n}}\n')
     return path
 
 
@@ -438,12 +501,20 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     or after every step with ``every_step``. Past ``time_limit`` seconds the run stops with
     ``RunTimeout`` (a backend stuck inside C is not interrupted: ``replay_process`` runs a replay
     in a process of its own, watched from outside). ``on_start(step, op)`` is told of each step
-    before it is applied."""
+    before it is applied. The steps the file records as run unobserved are so here too, whatever the
+    schedule, and marked as a counterexample marks them."""
+    quiet = replay.runner() if replay.unobserved else None
+
     def show(step, op, handle, lockstep):
         made = f"  -> {handle}" if handle else ""
         _, marked, refused = lockstep.history[-1].partition(REFUSED)     # as a counterexample marks it
-        out(f"  {step:>4}  {op}{made}" + (f"{REFUSED}{refused}" if marked else ""))
+        unseen = "" if quiet is None or id(op) not in quiet.unwatched else (
+            UNOBSERVED + (CHECKED if id(op) in quiet.checked_after else ""))
+        out(f"  {step:>4}  {op}{made}" + (f"{REFUSED}{refused}" if marked else "") + unseen)
     out(f"replaying {len(replay.ops)} operations, {replay.config.name}, page_tokens {replay.config.page_tokens}")
+    if quiet is not None:
+        out(f"{len(replay.unobserved)} of them with nothing observed before them, as the run that found the failure "
+            f"ran them (marked \"{UNOBSERVED.strip()}\"; observing may settle what a backend keeps lazily)")
     recorded = getattr(replay.failure, "step", None)
     always = (recorded,) if type(recorded) is int else ()
     schedule = SpacedChecks(math.inf if every_step else CHECK_BUDGET, always)
@@ -451,7 +522,7 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     with Deadline(time_limit) as deadline:
         try:
             failure, lockstep = spaced_checks(_building(factory), replay.config, replay.ops, show, schedule,
-                                               on_start)
+                                               on_start, quiet)
         except RunTimeout:
             failure = None
         except _BuildFailed as failed:      # the factory failed to build the cache: a finding, as in a sweep
@@ -459,8 +530,13 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     if deadline.fired or (failure is not None and failure.error == RunTimeout.__name__):
         raise RunTimeout(f"the replay did not finish within {time_limit:g} s (--time-limit)")
     if failure is None:
-        out(f"every invariant holds (checked after {schedule.checked} of {len(replay.ops)} steps; "
-            f"--every-step checks them all)" if schedule.checked < len(replay.ops) else "every invariant holds")
+        if quiet is not None:
+            checked = schedule.checked + len(replay.checked_after)
+            out(f"every invariant holds (checked after {checked} of {len(replay.ops)} steps; --every-step checks "
+                f"every step but the {len(replay.unobserved)} the file runs unobserved)")
+        else:
+            out(f"every invariant holds (checked after {schedule.checked} of {len(replay.ops)} steps; "
+                f"--every-step checks them all)" if schedule.checked < len(replay.ops) else "every invariant holds")
         return None
     out("")
     out(f"FAILED {failure}")
@@ -569,18 +645,25 @@ def as_pytest(replay: Replay) -> str:
         load, bind = f"from {module} import {attribute or 'factory'} as factory", ""
     else:           # a file path (``--backend path/backend.py``), or names no import statement could hold
         load, bind = "from kvstate.stateful.backends import load_factory", f"\nfactory = load_factory({replay.backend!r})\n"
+    run, imported, steps = "execute(factory, config, ops)", "config_from_json, execute", ""
+    if replay.unobserved:       # run as the sweep's run observed them: observed, a lazy backend's failure may vanish
+        run, imported = "AsWatched.from_steps(ops, UNOBSERVED, CHECKED_AFTER)(factory, config, ops)", \
+            "AsWatched, config_from_json"
+        steps = (f"\n# Steps run with nothing observed before them (checked after: CHECKED_AFTER), as the sweep "
+                 f"ran them.\nUNOBSERVED = {list(replay.unobserved)}\nCHECKED_AFTER = {list(replay.checked_after)}\n")
     return f'''{load}
-from kvstate.stateful.replay import config_from_json, execute
+from kvstate.stateful.replay import {imported}
 from kvstate.stateful.ops import op_from_json
 {bind}
 OPS = [
 {ops},
 ]
-
+{steps}
 
 def {name}():
     {_docstring(f"Found by kvstate sweep: {_found_as(replay.failure)}.")}
     config = config_from_json({json.dumps(config_to_json(replay.config))})
-    failure, _ = execute(factory, config, [op_from_json(op) for op in OPS])
+    ops = [op_from_json(op) for op in OPS]
+    failure, _ = {run}
     assert failure is None, str(failure)
 '''

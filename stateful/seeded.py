@@ -16,7 +16,7 @@ from typing import Callable
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .replay import Failure
+from .replay import AsWatched, Failure
 from .sweeps.runs import run_seed
 from .shrink import Shrinker
 
@@ -65,7 +65,8 @@ def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s
         if run.failure is not None:
             failure, seeded_config = run.failure, config.with_(page_tokens=run.page_tokens)
             ran = [O.op_from_json(op) for op in run.ops]
-            shrinker = Shrinker(factory, seeded_config, failure, shrink_budget_s, stop)
+            quiet = AsWatched.from_steps(ran, run.unobserved, run.checked_after)    # as the run observed them
+            shrinker = Shrinker(factory, seeded_config, failure, shrink_budget_s, stop, run=quiet)
             if shrinking is not None:
                 shrinking(seed, ran, shrinker)
             shrunk = shrinker.shrink(ran)

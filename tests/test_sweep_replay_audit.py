@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvstate.cli import main
+from kvstate.stateful.stretches import numbered
 from kvstate.stateful.sweeps import fingerprint as F
 from kvstate.stateful.sweeps import watchdog
 
@@ -140,6 +141,8 @@ def test_a_crash_is_saved_with_the_sequence_that_ran_and_the_step_it_died_at(exi
     page_tokens, ran = _drawn_with(backend, 5, 48)
     assert saved["config"]["page_tokens"] == page_tokens and saved["ops"] == ran
     assert saved["failure"]["op"] == "truncate(ctx='c6', n=3)"
+    # the steps the run left unobserved, as any seeded run leaves them (``stretches``), replayed so
+    assert (tuple(saved["unobserved"]), tuple(saved["checked_after"])) == numbered(48)
 
 
 def test_replaying_a_crash_is_the_failure_reproducing(exit3, capsys):

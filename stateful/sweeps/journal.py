@@ -135,7 +135,8 @@ _NUMBER = (int, float)
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]*")      # what ``Config.name`` and ``sweep.config_labels`` make
 _RUN_FIELDS = {"config": str, "seed": int, "page_tokens": int, "steps": int, "seconds": _NUMBER,
                "cpu_seconds": _NUMBER, "failure": (dict, type(None)), "ops": (list, type(None)),
-               "replay_file": (str, type(None)), "minimised": bool, "clock": list}
+               "replay_file": (str, type(None)), "minimised": bool, "clock": list, "unobserved": list,
+               "checked_after": list}
 _FAILURE_FIELDS = {"step": int, "phase": str, "op": (str, type(None)), "error": str,
                    "invariant": (int, str, type(None)), "message": str, "where": str, "found_by": str}
 _PLAN_FIELDS = {"backend": str, "steps": int, "seeds": list, "configs": list, "shard": (str, type(None)),
@@ -227,6 +228,8 @@ def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded
             raise ResumeError(f"{path}: line {number}: an entry of unknown kind {kind!r}")
         if isinstance(entry, dict):
             entry.setdefault("clock", [])       # journals from before cut stages were recorded
+            entry.setdefault("unobserved", [])  # ... and before seeded runs left steps unobserved
+            entry.setdefault("checked_after", [])
         _check_fields(entry, _RUN_FIELDS, path, number, kind)
         if not all(isinstance(stage, str) for stage in entry["clock"]):
             raise ResumeError(f"{path}: line {number}: the {kind}'s clock holds something other than stage names")
@@ -237,6 +240,7 @@ def read(out_dir: Path, configs: Mapping[str, Config] | None = None) -> Recorded
             _check_fields(entry["failure"], _FAILURE_FIELDS, path, number, f"{kind}'s failure")
             _check_failure(entry["failure"], path, number, kind)
             _check_ops(entry["ops"], path, number, kind)     # a resume saves it as a replay file
+            _check_unobserved(entry, path, number, kind)
         if entry["page_tokens"] < 1:
             raise ResumeError(f"{path}: line {number}: the {kind}'s page_tokens is {entry['page_tokens']}, not >= 1")
         if not 0 <= entry["steps"] <= plan.steps:      # a run draws the plan's steps, and stops at one of them
@@ -313,6 +317,17 @@ def _check_ops(ops, path: Path, number: int, kind: str) -> None:
         except (KeyError, TypeError, ValueError) as error:     # ReplayFileError is a ValueError
             raise ResumeError(f"{path}: line {number}: the {kind}'s operation {index} is malformed: "
                               f"{str(error)[:80]}") from None
+
+
+def _check_unobserved(entry: dict, path: Path, number: int, kind: str) -> None:
+    """A failed run's unobserved steps, as a replay file must hold them; else ``ResumeError`` naming the line."""
+    from ..replay import unobserved_steps     # the rule replay files are held to
+
+    try:
+        unobserved_steps(entry, len(entry["ops"]))
+    except ValueError as error:         # ReplayFileError is a ValueError
+        raise ResumeError(f"{path}: line {number}: the {kind}'s steps run unobserved are malformed: "
+                          f"{str(error).removeprefix('malformed replay file: ')[:120]}") from None
 
 
 def _is_int(value) -> bool:

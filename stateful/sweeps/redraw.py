@@ -29,6 +29,7 @@ from ..exits import ended_how
 from ..generate import Generator
 from ..ops import op_from_json
 from ..replay import Failure
+from ..stretches import numbered
 from . import watchdog
 from .runs import RUN, RunResult, factory_for, run_seed
 
@@ -142,5 +143,7 @@ def crashed(backend: str, config: Config, seed: int, steps: int, error: BaseExce
     name = RunTimeout.__name__ if isinstance(error, RunTimeout) else type(error).__name__    # a watchdog's Stuck too
     failure = Failure(step, phase, op, name, None, message)
     page_tokens = found.page_tokens if found.page_tokens is not None else config.page_tokens
+    unobserved, checked = numbered(len(found.ops[:step]))      # as the run left them (``run_seed``)
     return RunResult(config.name, seed, page_tokens, step, 0.0, 0.0, failure, found.ops[:step],
-                     clock=[RUN] if isinstance(error, RunTimeout) else [])
+                     clock=[RUN] if isinstance(error, RunTimeout) else [], unobserved=list(unobserved),
+                     checked_after=list(checked))

@@ -28,8 +28,9 @@ from ..configs import page_sizes
 from ..deadline import Deadline
 from ..generate import Generator
 from ..lockstep import Lockstep
-from ..replay import Failure, Replay, execute, failure_to_json, save
+from ..replay import AsWatched, Failure, Replay, execute, failure_to_json, save
 from ..shrink import CLOCK, DEFAULT_TRIES, Shrinker
+from ..stretches import ends_stretch, unobserved
 from . import watchdog
 
 
@@ -46,6 +47,10 @@ class RunResult:
     replay_file: str | None = None
     minimised: bool = False
     clock: list = field(default_factory=list)   # the stages a wall-clock limit cut short (RUN, PIN, SHRINK)
+    # With ``ops``: the steps (from 1) run with nothing observed before them (``stretches``), and those
+    # of them checked after; a replay runs them so (``Replay.unobserved``).
+    unobserved: list = field(default_factory=list)
+    checked_after: list = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -71,7 +76,8 @@ def factory_for(backend: str):
 def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
              timeout_s: float | None = None, on_op: Callable[[int, O.Op], None] | None = None) -> RunResult:
     """Seed ``seed``'s ``steps`` operations against ``backend`` (a factory, or its name) in
-    ``config``, every invariant after every step, and invariant 6 at the end. Past ``timeout_s``
+    ``config``, every invariant after every step but in the stretches run unobserved (``stretches``:
+    checked after the last of each), and invariant 6 at the end. Past ``timeout_s``
     seconds the run stops and is a ``RunTimeout`` failure at the step it had reached. In a pool
     process the sweep's ``watchdog`` sees each step begin (and ends the process where C code holds
     it past ``timeout_s``); ``on_op(step, op)`` sees each operation drawn, before it is applied."""
@@ -79,6 +85,7 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
     generator = Generator(seed, page_sizes(factory, config))
     config = config.with_(page_tokens=generator.page_tokens)
     ran: list[O.Op] = []
+    quiet = AsWatched({}, {})       # the steps left unobserved, as they are drawn
     failure = None
     clock: list[str] = []
     started, cpu_started = time.perf_counter(), time.process_time()
@@ -93,12 +100,14 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
                 for step in range(1, steps + 1):
                     op = generator.next_op(lockstep)
                     ran.append(op)
+                    if unobserved(step - 1):
+                        quiet.leave(op, checked=ends_stretch(step - 1))
                     if on_op is not None:
                         on_op(step, op)
                     watchdog.step(step)
                     yield op
 
-            failure, _ = execute(factory, config, generated(), lockstep=lockstep)
+            failure, _ = quiet(factory, config, generated(), lockstep=lockstep)
     except RunTimeout:
         pass                    # raised outside execute's own catch; deadline.fired says it all
     if deadline.fired:
@@ -106,15 +115,18 @@ def run_seed(backend: "str | Factory", config: Config, seed: int, steps: int,
                           f"the run took longer than --run-timeout {timeout_s:g} s")
         clock.append(RUN)
     elif failure is not None:      # "finish" too: its read of every context finds a stray write late
-        failure, ran, cut = _pinned(factory, config, failure, ran, timeout_s)
+        failure, ran, cut = _pinned(factory, config, failure, ran, timeout_s, quiet)
         clock += [PIN] if cut else []
     seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
-    return RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure,
-                     [op.to_json() for op in ran] if failure else None, clock=clock)
+    result = RunResult(config.name, seed, generator.page_tokens, len(ran), seconds, cpu_seconds, failure, clock=clock)
+    if failure is not None:
+        result.ops = [op.to_json() for op in ran]
+        result.unobserved, result.checked_after = map(list, quiet.steps(ran))
+    return result
 
 
 def _pinned(factory, config: Config, failure: Failure, ran: list,
-            timeout_s: float | None) -> tuple[Failure, list, bool]:
+            timeout_s: float | None, quiet: AsWatched | None = None) -> tuple[Failure, list, bool]:
     """The failure where it first shows with every live context read at every step (a replay's reading):
     a run reads only the contexts an operation could have changed (``Lockstep.reads_changed_only``), so
     a backend that damages another one is seen a step or more late, or only at ``finish`` (which reads
@@ -124,15 +136,18 @@ def _pinned(factory, config: Config, failure: Failure, ran: list,
     pins are dropped. A re-run that times out (it reads more) keeps the run's own failure, and says so
     (the third value: True where the clock, not the backend, decided what is kept). The re-run
     reports each step it begins to the watchdog, as the run did: a crash or a hang in C during it is
-    saved at the step it happened in (it was saved at step 0, with no operations)."""
+    saved at the step it happened in (it was saved at step 0, with no operations). The steps the run left
+    unobserved (``quiet``, None: none) are left so again."""
+    quiet = quiet or AsWatched({}, {})
     watchdog.begin(timeout_s)       # a phase of its own, under the same limit
 
     def reported(step, op, lockstep) -> bool:
         watchdog.step(step)         # a crash or a hang in C here is saved at the step it was in
-        return True                 # every step checked, as without a watch
+        return id(op) not in quiet.unwatched     # every other step checked, as without a watch
     try:
         with Deadline(timeout_s) as deadline:
-            again, _ = execute(factory, config, list(ran), watch=reported)
+            again, _ = execute(factory, config, list(ran), watch=reported,
+                               checked=lambda op: id(op) in quiet.checked_after)
     except RunTimeout:
         return failure, ran, True
     if deadline.fired or (again is not None and again.error == RunTimeout.__name__):
@@ -170,12 +185,16 @@ def shrink_result(backend: str, config: Config, result: RunResult, budget_s: flo
     watchdog.begin(budget_s)
     factory = factory_for(backend)
     config = config.with_(page_tokens=result.page_tokens)
-    shrinker = Shrinker(factory, config, result.failure, budget_s, max_tries=max_tries)
-    shrunk = shrinker.shrink([O.op_from_json(op) for op in result.ops])
+    ops = [O.op_from_json(op) for op in result.ops]
+    quiet = AsWatched.from_steps(ops, result.unobserved, result.checked_after)    # as the run observed them
+    shrinker = Shrinker(factory, config, result.failure, budget_s, max_tries=max_tries, run=quiet)
+    shrunk = shrinker.shrink(ops)
+    unobserved, checked = quiet.steps(shrunk)
     return RunResult(result.config, result.seed, result.page_tokens, result.steps, result.seconds,
                      result.cpu_seconds, shrinker.failure, [op.to_json() for op in shrunk],
                      minimised=shrinker.stopped is None,
-                     clock=result.clock + ([SHRINK] if shrinker.stopped == CLOCK else []))
+                     clock=result.clock + ([SHRINK] if shrinker.stopped == CLOCK else []),
+                     unobserved=list(unobserved), checked_after=list(checked))
 
 
 def shrink_cut(result: RunResult, error: BaseException) -> RunResult:
@@ -195,7 +214,8 @@ def save_replay(backend: str, config: Config, result: RunResult, replays: Path) 
     config = config.with_(page_tokens=result.page_tokens)
     ops = [O.op_from_json(op) for op in result.ops]
     replay = Replay(canonical_backend(backend), config, result.seed, ops, result.failure, minimised=result.minimised,
-                    original_steps=result.steps)
+                    original_steps=result.steps, unobserved=tuple(result.unobserved),
+                    checked_after=tuple(result.checked_after))
     result.replay_file = os.path.abspath(save(replay, replays / f"{result.config}-seed{result.seed}.json"))
     return result
 
