@@ -494,8 +494,8 @@ def _order_after_many_stamps(factory: Factory, config: Config, promise: str) -> 
             retain_new(run, tokens, seed=80 + k)
     hits = _history_length() - len(keys)      # with the retains after the oldest's: one stamp short of it
     newest = keys[-1]
-    record(run, f"{hits} x (match(tokens={newest}), then close of its hit)    # the engine's alone: the newest "
-                f"entry stays newest, the reference's order as it was")
+    record(run, f"{hits} x (match(tokens={newest}), then close of its hit)    # the engine's alone, unobserved: the "
+                f"newest entry stays newest, the reference's order as it was")
     with keeping(promise, run):
         for _ in range(hits):
             hit, _matched = run.engine.match(list(newest))
