@@ -348,7 +348,7 @@ def seeded_check(factory: Factory, config: Config, settings: Settings) -> Outcom
         if runs.failure is not None and not stopped.is_set():   # stopped: no one waits for the report
             found = runs.failure
             if found.history is None:       # no shrink try showed it: run it once more for its history
-                _, lockstep = execute(factory, found.config, found.ops)
+                _, lockstep = found.run(factory, found.config, found.ops)
                 found.history = lockstep.history[:lockstep.failed_at]
             what = (f"minimised failing sequence (seed {found.seed} of {steps} steps; "
                     f"{_STOPPED.get(found.shrink_stopped, '')}{replay(found.seed)})")

@@ -274,10 +274,12 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
                   on_start: Callable[[int, O.Op], None] | None = None,
                   quiet: AsWatched | None = None) -> tuple[Failure | None, Lockstep]:
     """``execute`` with ``SpacedChecks``; a failure seen at a check is then pinned to its first
-    step by running the sequence again, checking every step since the check before it.
-    ``on_start(step, op)`` is told of each step before it is applied. ``quiet``: the steps the run
-    that found the failure left unobserved (``Replay.runner``), left so in both runs, whatever the
-    schedule, and checked after where it checked them."""
+    step by running the sequence again, checking every step since the check before it (and up to
+    that check, observing exactly as the first run did: observing settles what a backend keeps
+    lazily, so observing less would change what the re-run meets). ``on_start(step, op)`` is told of
+    each step before it is applied. ``quiet``: the steps the run that found the failure left
+    unobserved (``Replay.runner``), left so in both runs, whatever the schedule, and checked after
+    where it checked them; none of them is a step to pin the failure to."""
     schedule = schedule or SpacedChecks()
     watched: list[int] = []
     unwatched = {} if quiet is None else quiet.unwatched
@@ -297,12 +299,14 @@ def spaced_checks(factory: Factory, config: Config, ops: list[O.Op], on_step: St
     if failure is None or failure.phase == "finish":
         return failure, lockstep
     since = max((step for step in watched if step < failure.step), default=0)
-    if failure.step - since <= 1:
-        return failure, lockstep
+    if all(id(op) in unwatched for op in ops[since:failure.step - 1]):
+        return failure, lockstep        # no step the schedule left unchecked lies between
+    before = set(watched)
+
     def again_watch(step, op, lockstep):
         if on_start is not None:
             on_start(step, op)
-        return step > since and id(op) not in unwatched
+        return (step in before or step > since) and id(op) not in unwatched
     again, again_lockstep = execute(factory, config, ops[:failure.step], watch=again_watch, checked=checked)
     if again is not None and again.phase != "finish":
         return again, again_lockstep
@@ -498,7 +502,9 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     with the live contexts' engine and reference contents side by side.
 
     Invariants are checked on ``SpacedChecks``' schedule (the recorded failure's step always),
-    or after every step with ``every_step``. Past ``time_limit`` seconds the run stops with
+    or after every step with ``every_step``; a file that records steps run unobserved (a seeded run's)
+    is replayed observing every other step, as the run that recorded its failure observed them
+    (``runs._pinned``: spaced, fewer observations would change what a lazy backend has settled). Past ``time_limit`` seconds the run stops with
     ``RunTimeout`` (a backend stuck inside C is not interrupted: ``replay_process`` runs a replay
     in a process of its own, watched from outside). ``on_start(step, op)`` is told of each step
     before it is applied. The steps the file records as run unobserved are so here too, whatever the
@@ -517,7 +523,7 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
             f"ran them (marked \"{UNOBSERVED.strip()}\"; observing may settle what a backend keeps lazily)")
     recorded = getattr(replay.failure, "step", None)
     always = (recorded,) if type(recorded) is int else ()
-    schedule = SpacedChecks(math.inf if every_step else CHECK_BUDGET, always)
+    schedule = SpacedChecks(math.inf if every_step or quiet is not None else CHECK_BUDGET, always)
     lockstep = None
     with Deadline(time_limit) as deadline:
         try:
@@ -532,8 +538,8 @@ def replay(replay: Replay, factory: Factory, out: Callable[[str], None] = print,
     if failure is None:
         if quiet is not None:
             checked = schedule.checked + len(replay.checked_after)
-            out(f"every invariant holds (checked after {checked} of {len(replay.ops)} steps; --every-step checks "
-                f"every step but the {len(replay.unobserved)} the file runs unobserved)")
+            out(f"every invariant holds (checked after {checked} of {len(replay.ops)} steps: every step but the "
+                f"file's unobserved ones, and those of them its run checked after)")
         else:
             out(f"every invariant holds (checked after {schedule.checked} of {len(replay.ops)} steps; "
                 f"--every-step checks them all)" if schedule.checked < len(replay.ops) else "every invariant holds")

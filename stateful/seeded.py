@@ -16,7 +16,7 @@ from typing import Callable
 from kvstate.spec.protocol import Config, Factory
 
 from . import ops as O
-from .replay import AsWatched, Failure
+from .replay import AsWatched, Failure, execute
 from .sweeps.runs import run_seed
 from .shrink import Shrinker
 
@@ -30,6 +30,7 @@ class SeededFailure:
     original_steps: int
     shrink_stopped: str | None     # why shrinking stopped short of a minimal sequence (shrink.TRIES, CLOCK), or None
     history: list[str] | None = None    # the readable history of the run that showed ``failure`` (``Shrunk``)
+    run: Callable = execute     # how ``ops`` run, observed as the seeded run observed them (``AsWatched``)
 
 
 @dataclass
@@ -71,6 +72,6 @@ def run_seeds(factory: Factory, config: Config, seeds: int, steps: int, budget_s
                 shrinking(seed, ran, shrinker)
             shrunk = shrinker.shrink(ran)
             result.failure = SeededFailure(seed, seeded_config, shrunk, shrinker.failure, len(ran), shrinker.stopped,
-                                           shrinker.best.history)
+                                           shrinker.best.history, quiet)
             break
     return result
