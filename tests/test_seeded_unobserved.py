@@ -87,7 +87,8 @@ def test_conforms_seeded_check_shrinks_the_failure_with_its_marks():
     detail = result.outcomes["seeded"].detail
     assert detail is not None, "the plant passed"
     assert detail.startswith("InvariantViolation: invariant 2"), detail
-    assert "# unobserved, then checked" in detail, detail
+    assert _printed_last(detail).endswith("# unobserved, then checked"), detail
+    assert len(_printed_steps(detail)) <= 6, detail       # shrunk observing as the run did: else not at all
     runs = run_seeds(lazy_counts.factory, CONFIG, seeds=10, steps=200, budget_s=60, shrink_budget_s=10)
     assert runs.failure is None and runs.runs == 10, runs.failure
 
@@ -242,6 +243,10 @@ def test_a_seeded_failure_no_shrink_try_showed_is_run_for_its_history_as_its_run
     assert _printed_last(detail).endswith("# unobserved, then checked"), detail
 
 
+def _printed_steps(detail: str) -> list[str]:
+    """The steps a report prints (indented two spaces; its footnote in brackets)."""
+    return [line for line in detail.splitlines() if line.startswith("  ") and not line.startswith("  (")]
+
+
 def _printed_last(detail: str) -> str:
-    """The last step a report prints (its steps are indented two spaces, its footnote in brackets)."""
-    return [line for line in detail.splitlines() if line.startswith("  ") and not line.startswith("  (")][-1]
+    return _printed_steps(detail)[-1]
