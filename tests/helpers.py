@@ -105,3 +105,17 @@ def assert_the_catch_is_the_bugs(results, clean_factory, profile: str) -> None:
     assert caught.outcomes[check].status == "FAIL", caught.failure
     (clean,) = conform(clean_factory, profile=profile, configs=[caught.config], checks=[check])
     assert clean.passed, clean.failure
+
+
+def conform_report(factory, config: Config, check: str) -> str:
+    """conform's report of ``check`` failing ``factory`` in ``config``; the check must fail."""
+    (result,) = conform(factory, configs=[config], checks=[check])
+    detail = result.outcomes[check].detail
+    assert detail is not None, f"{check} passed the plant"
+    return detail
+
+
+def printed_steps(detail: str) -> list[str]:
+    """The operations a report prints after its header, its footnote on unobserved steps left out."""
+    lines = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:]
+    return [line for line in lines if not line.startswith("  (")]

@@ -35,7 +35,7 @@ from kvstate.stateful.directed.common import BrokenPromise, NotApplicable
 from kvstate.stateful.planted import dirty_recycled_slot
 
 from foreign.bugs import DIRECTED_CATCHES
-from helpers import ObservedAs
+from helpers import ObservedAs, conform_report, printed_steps
 
 NEW_CHECKS = ["no aliasing", "boundaries", "precision edges", "prefix edges", "snapshot writes", "arena evidence"]
 
@@ -45,12 +45,6 @@ def torch_factory():
     from kvstate.impl.torch import cpu_factory
 
     return cpu_factory
-
-
-def _printed_steps(detail: str) -> list[str]:
-    """The operations a report prints after its header, its footnote on unobserved steps left out."""
-    lines = detail.split("the failure shows right after the last):", 1)[1].splitlines()[1:]
-    return [line for line in lines if not line.startswith("  (")]
 
 
 def fails(check: str, factory, config) -> BrokenPromise:
@@ -782,13 +776,10 @@ def test_a_directed_checks_failure_at_teardown_is_shrunk(check):
 def test_a_bad_input_failure_is_reported_after_its_setup_alone(name):
     # An audit (s73): the report listed every refused call before the failing one (10 and 14 operations);
     # the failing call alone on a new context shows it after two (allocate, extend).
-    from kvstate.stateful.conform import conform
-
     factory, _, check, config_name, said = DIRECTED_CATCHES[name]
-    (result,) = conform(factory, configs=[config_named(config_name)], checks=[check])
-    detail = result.outcomes[check].detail
+    detail = conform_report(factory, config_named(config_name), check)
     assert said in detail, detail
-    operations = _printed_steps(detail)
+    operations = printed_steps(detail)
     assert [line.strip().split("(")[0].split(" = ")[-1] for line in operations][:2] == ["allocate", "extend"], detail
     assert len(operations) == 3, detail
 
@@ -860,14 +851,12 @@ def test_a_failure_only_an_unobserved_run_shows_is_shrunk_observing_as_that_run_
     # it shrinks to the hits that fill the batch and one more, each but the last marked as run unobserved
     # (at 64, the engine's own batch: 68 operations).
     from kvstate.impl.refcounts import Refcounts
-    from kvstate.stateful.conform import conform
 
     monkeypatch.setattr(*_dropping("pending"))
     monkeypatch.setattr(Refcounts, "FLUSH_AT", 4)      # a batch of 4: the shrink has 5 hits to keep, not 65
-    (result,) = conform(numpy_factory, configs=[config_named("token-f32-heap")], checks=["prefix edges"])
-    detail = result.outcomes["prefix edges"].detail
+    detail = conform_report(numpy_factory, config_named("token-f32-heap"), "prefix edges")
     assert detail.startswith("InvariantViolation: invariant 1") and "minimised failing sequence" in detail, detail
-    steps = _printed_steps(detail)
+    steps = printed_steps(detail)
     assert len(steps) <= 3 + 5 + 2, steps
     assert sum(line.endswith("# unobserved") for line in steps) >= 4, steps
     # The last hit was checked, not observed before: marked so (an audit, s74: marked as observed, it replayed
@@ -908,13 +897,10 @@ def test_fork_isolation_catches_a_copy_on_write_that_reads_only_settled_counts()
     # fork landed in the shared page. Every check observed before each write, which settled the fork's
     # count, and it passed everything. Unobserved, the check shrinks it to the fork and the write.
     from foreign import lazy_counts
-    from kvstate.stateful.conform import conform
 
-    (result,) = conform(lazy_counts.settled_cow_factory, configs=[config_named("f32-heap")], checks=["fork isolation"])
-    detail = result.outcomes["fork isolation"].detail
-    assert detail is not None, "the plant passed"
+    detail = conform_report(lazy_counts.settled_cow_factory, config_named("f32-heap"), "fork isolation")
     assert detail.startswith("InvariantViolation: invariant 4: c1 position 0"), detail
-    steps = _printed_steps(detail)
+    steps = printed_steps(detail)
     assert len(steps) <= 5, steps
     assert [step.split("(")[0].split(" = ")[-1].strip() for step in steps if "# unobserved" in step] == \
         ["fork", "overwrite"], steps
@@ -929,11 +915,9 @@ def test_the_lockstep_machine_runs_stretches_unobserved_and_shrinks_them_observe
     from foreign import lazy_counts
     from kvstate.stateful.conform import conform
 
-    (result,) = conform(lazy_counts.decrements_first_factory, configs=[config_named("f32-heap")], checks=["lockstep"])
-    detail = result.outcomes["lockstep"].detail
-    assert detail is not None, "the plant passed"
+    detail = conform_report(lazy_counts.decrements_first_factory, config_named("f32-heap"), "lockstep")
     assert detail.startswith("InvariantViolation: invariant 2"), detail
-    steps = _printed_steps(detail)
+    steps = printed_steps(detail)
     assert len(steps) <= 5, steps
     assert steps[-1].endswith("# unobserved, then checked"), steps
     (fine,) = conform(lazy_counts.factory, configs=[config_named("f32-heap")], checks=["lockstep"])

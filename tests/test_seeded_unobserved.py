@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from foreign import lazy_counts
+from helpers import conform_report, printed_steps
 from kvstate.cli import main
 from kvstate.spec.errors import ReplayFileError
 from kvstate.stateful import ops as O
@@ -81,14 +82,10 @@ def test_a_pasted_test_of_the_file_runs_its_steps_unobserved_and_fails(tmp_path)
 
 
 def test_conforms_seeded_check_shrinks_the_failure_with_its_marks():
-    from kvstate.stateful.conform import conform
-
-    (result,) = conform(lazy_counts.decrements_first_factory, configs=[CONFIG], checks=["seeded"])
-    detail = result.outcomes["seeded"].detail
-    assert detail is not None, "the plant passed"
+    detail = conform_report(lazy_counts.decrements_first_factory, CONFIG, "seeded")
     assert detail.startswith("InvariantViolation: invariant 2"), detail
-    assert _printed_last(detail).endswith("# unobserved, then checked"), detail
-    assert len(_printed_steps(detail)) <= 6, detail       # shrunk observing as the run did: else not at all
+    assert printed_steps(detail)[-1].endswith("# unobserved, then checked"), detail
+    assert len(printed_steps(detail)) <= 6, detail       # shrunk observing as the run did: else not at all
     runs = run_seeds(lazy_counts.factory, CONFIG, seeds=10, steps=200, budget_s=60, shrink_budget_s=10)
     assert runs.failure is None and runs.runs == 10, runs.failure
 
@@ -231,22 +228,11 @@ def test_a_seeded_failure_no_shrink_try_showed_is_run_for_its_history_as_its_run
     # for its history: observing every step there, a lazy backend's run passed, and the report printed a
     # whole passing history (a review, s75).
     from kvstate.stateful import shrink
-    from kvstate.stateful.conform import conform
 
     def no_tries(self, ops):
         self.best = shrink.Shrunk(list(ops), self.failure, None)
         return list(ops)
     monkeypatch.setattr(shrink.Shrinker, "shrink", no_tries)
-    (result,) = conform(lazy_counts.decrements_first_factory, configs=[CONFIG], checks=["seeded"])
-    detail = result.outcomes["seeded"].detail
-    assert detail is not None and detail.startswith("InvariantViolation: invariant 2"), detail
-    assert _printed_last(detail).endswith("# unobserved, then checked"), detail
-
-
-def _printed_steps(detail: str) -> list[str]:
-    """The steps a report prints (indented two spaces; its footnote in brackets)."""
-    return [line for line in detail.splitlines() if line.startswith("  ") and not line.startswith("  (")]
-
-
-def _printed_last(detail: str) -> str:
-    return _printed_steps(detail)[-1]
+    detail = conform_report(lazy_counts.decrements_first_factory, CONFIG, "seeded")
+    assert detail.startswith("InvariantViolation: invariant 2"), detail
+    assert printed_steps(detail)[-1].endswith("# unobserved, then checked"), detail
